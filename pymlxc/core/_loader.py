@@ -1,0 +1,124 @@
+"""The one door to C: opens libmlx and libmlxc, declares the generated cdef, installs the error handler.
+
+Every other module imports `ffi`, `lib`, `check` and `MLXError` from here.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata
+import importlib.util
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import cffi
+
+REBUILD_HINT = "python build_mlxc.py --force   (or reinstall: pip install --no-build-isolation -e .)"
+
+
+class MLXError(RuntimeError):
+    """An error raised by MLX (through mlx-c), carrying MLX's own message."""
+
+
+class LibraryNotBuiltError(ImportError):
+    """libmlxc is missing or was built for another MLX."""
+
+
+def _lib_dir() -> Path:
+    override = os.environ.get("PYMLXC_LIB_DIR")
+    return Path(override) if override else Path(__file__).resolve().parent.parent / "_lib"
+
+
+def _read_stamp(lib_dir: Path) -> dict[str, Any]:
+    stamp_path = lib_dir / "stamp.json"
+    if not stamp_path.is_file():
+        raise LibraryNotBuiltError(
+            f"libmlxc has not been built ({stamp_path} is missing). Build it with: {REBUILD_HINT}"
+        )
+    stamp = json.loads(stamp_path.read_text())
+    try:
+        installed = importlib.metadata.version("mlx")
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise LibraryNotBuiltError(
+            "MLX is not installed; install it (pip install 'mlx[cpu]>=0.32,<0.33' on Linux) "
+            f"and rebuild: {REBUILD_HINT}"
+        ) from exc
+    if installed != stamp["mlx_version"]:
+        raise LibraryNotBuiltError(
+            f"libmlxc in {lib_dir} was built for MLX {stamp['mlx_version']} but MLX {installed} "
+            f"is installed. Rebuild with: {REBUILD_HINT}"
+        )
+    return stamp
+
+
+def _preload_libmlx(stamp: dict[str, Any]) -> None:
+    """Load the wheel's libmlx globally first so libmlxc resolves against that exact copy."""
+    spec = importlib.util.find_spec("mlx")
+    prefixes = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+    prefixes.append(Path(stamp["mlx_prefix"]))
+    name = "libmlx.dylib" if sys.platform == "darwin" else "libmlx.so"
+    for prefix in prefixes:
+        candidate = prefix / "lib" / name
+        if candidate.is_file():
+            ctypes.CDLL(str(candidate), mode=ctypes.RTLD_GLOBAL)
+            return
+    raise LibraryNotBuiltError(f"{name} not found under {', '.join(map(str, prefixes))}")
+
+
+def _open() -> tuple[cffi.FFI, Any, dict[str, Any], dict[str, Any]]:
+    lib_dir = _lib_dir()
+    stamp = _read_stamp(lib_dir)
+    _preload_libmlx(stamp)
+    ffi = cffi.FFI()
+    ffi.cdef((lib_dir / "cdef.h").read_text())
+    lib_path = lib_dir / stamp["library"]
+    try:
+        lib = ffi.dlopen(str(lib_path))
+    except OSError as exc:
+        raise LibraryNotBuiltError(f"cannot open {lib_path}: {exc}. Rebuild with: {REBUILD_HINT}") from exc
+    signatures = json.loads((lib_dir / "signatures.json").read_text())
+    return ffi, lib, stamp, signatures
+
+
+ffi, lib, STAMP, SIGNATURES = _open()
+
+# ---------------------------------------------------------------------------- errors
+# mlx-c's default handler calls exit(); ours keeps the message for the calling thread, and the
+# caller turns the non-zero status into MLXError. It must never raise into C.
+_errors = threading.local()
+
+
+@ffi.callback("void(const char *, void *)")
+def _error_handler(msg: Any, _data: Any) -> None:
+    try:
+        _errors.message = ffi.string(msg).decode("utf-8", "replace") if msg != ffi.NULL else "unknown MLX error"
+    except BaseException:  # pragma: no cover - never let anything cross into C
+        pass
+
+
+lib.mlx_set_error_handler(_error_handler, ffi.NULL, ffi.NULL)
+
+
+def last_error() -> str:
+    """Return and clear this thread's last MLX error message."""
+    message = getattr(_errors, "message", None) or "MLX call failed"
+    _errors.message = None
+    return message
+
+
+def check(status: int) -> None:
+    """Raise MLXError with MLX's message when an mlx-c call returned non-zero."""
+    if status:
+        raise MLXError(last_error())
+
+
+def mlx_c_version() -> str:
+    s = ffi.new("mlx_string *")
+    check(lib.mlx_version(s))
+    try:
+        return ffi.string(lib.mlx_string_data(s[0])).decode()
+    finally:
+        lib.mlx_string_free(s[0])

@@ -1,0 +1,81 @@
+"""Plain data types of the public API (mirroring go-inference)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Token:
+    """One generated token: its id and its text piece (pieces concatenate to the full decode)."""
+
+    id: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Message:
+    """One chat turn."""
+
+    role: str
+    content: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"role": self.role, "content": self.content}
+
+
+@dataclass(frozen=True)
+class ClassifyResult:
+    """The next token sampled after a prompt, and its logits when `return_logits` was asked."""
+
+    token: Token
+    logits: list[float] | None = None
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """The tokens generated for one prompt of a batch, or the error that stopped it."""
+
+    tokens: list[Token] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(t.text for t in self.tokens)
+
+
+@dataclass
+class GenerateMetrics:
+    """Counts, durations (seconds) and memory (bytes) of the last call on a model."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_duration: float = 0.0
+    decode_duration: float = 0.0
+    total_duration: float = 0.0
+    prefill_tokens_per_sec: float = 0.0
+    decode_tokens_per_sec: float = 0.0
+    peak_memory_bytes: int = 0
+    active_memory_bytes: int = 0
+    prompt_cache_hits: int = 0
+    prompt_cache_misses: int = 0
+    prompt_cache_hit_tokens: int = 0
+    prompt_cache_restore_duration: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a loaded model is."""
+
+    architecture: str
+    vocab_size: int
+    num_layers: int
+    hidden_size: int
+    quant_bits: int = 0
+    quant_group: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)

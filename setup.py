@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -26,4 +26,18 @@ class BuildPyWithMlxc(build_py):
         super().run()
 
 
-setup(cmdclass={"build_py": BuildPyWithMlxc})
+def _packages() -> tuple[list[str], dict[str, str]]:
+    """`pymlxc` plus the repo's backends/ and bridge/ folders, installed as pymlxc.backends/.bridge."""
+    packages = ["pymlxc"] + [f"pymlxc.{p}" for p in find_packages("pymlxc")]
+    package_dir = {"pymlxc": "pymlxc"}
+    for folder in ("backends", "bridge"):
+        packages.append(f"pymlxc.{folder}")
+        package_dir[f"pymlxc.{folder}"] = folder
+        for sub in find_packages(folder):
+            packages.append(f"pymlxc.{folder}.{sub}")
+            package_dir[f"pymlxc.{folder}.{sub}"] = f"{folder}/{sub.replace('.', '/')}"
+    return packages, package_dir
+
+
+PACKAGES, PACKAGE_DIR = _packages()
+setup(cmdclass={"build_py": BuildPyWithMlxc}, packages=PACKAGES, package_dir=PACKAGE_DIR)

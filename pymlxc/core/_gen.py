@@ -54,15 +54,15 @@ def int64_list(values: Sequence[int]) -> tuple[Any, int]:
 
 
 def opt_int(v: int | None) -> Any:
-    return (True, int(v)) if v is not None else (False, 0)
+    return (int(v), True) if v is not None else (0, False)
 
 
 def opt_float(v: float | None) -> Any:
-    return (True, float(v)) if v is not None else (False, 0.0)
+    return (float(v), True) if v is not None else (0.0, False)
 
 
 def opt_dtype(v: Any) -> Any:
-    return (True, _dt.as_dtype(v).value) if v is not None else (False, 0)
+    return (_dt.as_dtype(v).value, True) if v is not None else (0, False)
 
 
 def dtype_value(v: Any) -> int:

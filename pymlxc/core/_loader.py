@@ -9,6 +9,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import sys
 import threading
 from pathlib import Path
@@ -106,7 +107,11 @@ def last_error() -> str:
     """Return and clear this thread's last MLX error message."""
     message = getattr(_errors, "message", None) or "MLX call failed"
     _errors.message = None
-    return message
+    # mlx-c appends " at <its source file>:<line>": keep MLX's own words only.
+    return _LOCATION.sub("", message)
+
+
+_LOCATION = re.compile(r" at \S+/mlx/c/\w+\.cpp:\d+$")
 
 
 def check(status: int) -> None:

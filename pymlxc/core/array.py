@@ -319,13 +319,23 @@ def to_numpy(a: Array) -> np.ndarray:
     size = a.size
     if size == 0:
         return np.zeros(shape, dtype=dtype.numpy)
-    ptr = getattr(lib, _DATA_FN[dtype.name])(src.handle)
+    if dtype is _dt.float16 or dtype is _dt.bfloat16:
+        # Half types have no data accessor on every platform: read their bits as uint16.
+        from .ops import view
+
+        src = view(src, _dt.uint16)
+        check(lib.mlx_array_eval(src.handle))
+        ptr = lib.mlx_array_data_uint16(src.handle)
+    else:
+        ptr = getattr(lib, _DATA_FN[dtype.name])(src.handle)
     if ptr == _NULL:
         raise MLXError("array data is not available on the host")
     raw = ffi.buffer(ptr, size * dtype.size)
     if dtype is _dt.bfloat16:
         bits = np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16
         out = bits.view(np.float32).reshape(shape)
+    elif dtype is _dt.float16:
+        out = np.frombuffer(raw, dtype=np.uint16).view(np.float16).reshape(shape).copy()
     else:
         out = np.frombuffer(raw, dtype=np.dtype(dtype.name)).reshape(shape).copy()
     return out

@@ -1,0 +1,161 @@
+"""Training configuration (frozen dataclasses) and the protocols a backend implements to be trainable.
+
+`TrainableModel` mirrors go-inference: a `TextModel` that can `apply_lora`, `encode`, `decode` and
+says its `num_layers`. `pymlxc.train` also needs a way to run the model on token arrays and to
+render chat records: `SupportsTraining` (the metal backend's models have both).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from pymlxc.core import Array
+from pymlxc.model import TextModel
+
+from .trees import Tree
+
+LORA_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Which linears get a low-rank update W x + (alpha / rank) * B A x, and how.
+
+    `target_keys` name linear layers inside each transformer block, by their last name (`q_proj`)
+    or by their path in the block (`self_attn.q_proj`). `num_layers` adapts the last N blocks; None
+    adapts all. `dtype` is the adapter weights' dtype ("float32" or "bfloat16").
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    target_keys: tuple[str, ...] = ("q_proj", "v_proj")
+    num_layers: int | None = None
+    dropout: float = 0.0
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target_keys, str):
+            object.__setattr__(self, "target_keys", (self.target_keys,))
+        object.__setattr__(self, "target_keys", tuple(self.target_keys))
+        if int(self.rank) != self.rank or self.rank < 1:
+            raise ValueError(f"rank must be a positive integer, not {self.rank}")
+        if self.alpha <= 0:
+            raise ValueError(f"alpha must be > 0, not {self.alpha}")
+        if not self.target_keys or not all(isinstance(k, str) and k for k in self.target_keys):
+            raise ValueError(f"target_keys must be non-empty layer names, not {self.target_keys!r}")
+        if self.num_layers is not None and self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1 or None (all blocks), not {self.num_layers}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), not {self.dropout}")
+        if self.dtype not in LORA_DTYPES:
+            raise ValueError(f"dtype must be one of {LORA_DTYPES}, not {self.dtype!r}")
+
+    @property
+    def scale(self) -> float:
+        """The factor on B A x: alpha / rank (mlx-lm's `scale`)."""
+        return float(self.alpha) / float(self.rank)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How `pymlxc.train` runs. Defaults follow mlx-lm's `lora` command where it has one, except
+    `mask_prompt` (on: prompt tokens of completion and chat records do not count in the loss) and the
+    optimizer (AdamW, lr 1e-5 with weight decay 0.01)."""
+
+    iters: int = 1000
+    batch_size: int = 4
+    learning_rate: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    max_grad_norm: float | None = None
+    lr_schedule: str = "constant"  # or "cosine" (with warmup_steps)
+    warmup_steps: int = 0
+    max_seq_length: int = 2048
+    mask_prompt: bool = True
+    grad_checkpoint: bool = False
+    valid_split: float | None = None  # fraction of train.jsonl held out when valid.jsonl is absent
+    steps_per_report: int = 10
+    steps_per_eval: int = 200
+    val_batches: int = 25  # batches per validation (-1: the whole set)
+    save_every: int = 100
+    seed: int = 0
+    resume: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        positive = ("iters", "batch_size", "max_seq_length", "steps_per_report", "steps_per_eval", "save_every")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
+        if self.learning_rate < 0:
+            raise ValueError(f"learning_rate must be >= 0, not {self.learning_rate}")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"lr_schedule must be 'constant' or 'cosine', not {self.lr_schedule!r}")
+        if self.valid_split is not None and not 0.0 < self.valid_split < 1.0:
+            raise ValueError(f"valid_split must be in (0, 1), not {self.valid_split}")
+        if self.val_batches == 0 or self.val_batches < -1:
+            raise ValueError(f"val_batches must be >= 1 or -1 (all), not {self.val_batches}")
+        object.__setattr__(self, "betas", tuple(self.betas))
+
+
+@runtime_checkable
+class LoRAAdapter(Protocol):
+    """LoRA layers in a model (go-inference's Adapter, with what training needs)."""
+
+    config: LoRAConfig
+
+    def total_params(self) -> int: ...
+
+    def save(self, path: str | Path) -> None: ...
+
+    def trainable_parameters(self) -> Tree: ...
+
+    def update(self, params: Tree) -> None: ...
+
+    def set_training(self, training: bool) -> None: ...
+
+
+@runtime_checkable
+class TrainableModel(TextModel, Protocol):
+    """A `TextModel` that LoRA can be applied to (go-inference's TrainableModel)."""
+
+    def apply_lora(self, config: LoRAConfig | None = None) -> LoRAAdapter: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Encoder:
+    """Turns dataset records into tokens: `encode` adds the tokenizer's own specials (BOS),
+    `encode_plain` adds none (for rendered chat text, whose template writes them), `render_chat`
+    is None when the model has no chat template."""
+
+    encode: Callable[[str], list[int]]
+    encode_plain: Callable[[str], list[int]]
+    eos_token_id: int | None
+    render_chat: Callable[[Sequence[Any], bool], str] | None = None
+    model_type: str = field(default="")
+
+
+@runtime_checkable
+class SupportsTraining(Protocol):
+    """What `pymlxc.train` needs beyond `TrainableModel`: logits for a [B, L] token array (through
+    the current adapter weights), the encoder for records, gradient checkpointing of the blocks, and
+    the adapter currently applied."""
+
+    def logits(self, inputs: Array) -> Array: ...
+
+    def training_encoder(self) -> Encoder: ...
+
+    def set_grad_checkpoint(self, enabled: bool) -> None: ...
+
+    @property
+    def adapter(self) -> LoRAAdapter | None: ...

@@ -1,0 +1,241 @@
+"""Training data: JSON Lines in mlx-lm's formats, tokenized, and batched with padding.
+
+Each line is one record: `{"text": ...}`, `{"prompt": ..., "completion": ...}` or `{"messages": [...]}`
+(chat turns rendered with the model's chat template). A data directory holds `train.jsonl` and
+optionally `valid.jsonl`; without `valid.jsonl` a fraction of the training records can be held out.
+Errors name the file and the line.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import pymlxc.core as mx
+from pymlxc.core import Array
+
+from .config import Encoder
+
+FORMATS = ("text", "completion", "chat")
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be used: missing, empty, malformed JSON, or a record of no known format.
+    The message names the file and the line."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """One parsed JSON line and where it came from."""
+
+    data: dict[str, Any]
+    source: str
+    line: int
+
+    @property
+    def where(self) -> str:
+        return f"{self.source}:{self.line}"
+
+
+@dataclass(frozen=True)
+class Example:
+    """Tokens of one record; loss counts the tokens at positions >= `offset` (prompt masking)."""
+
+    tokens: tuple[int, ...]
+    offset: int
+    where: str
+
+
+def record_format(data: dict[str, Any]) -> str:
+    if "prompt" in data and "completion" in data:
+        return "completion"
+    if "messages" in data:
+        return "chat"
+    if "text" in data:
+        return "text"
+    raise KeyError(f"no known format: keys {sorted(data)}; expected 'text', 'prompt'+'completion' or 'messages'")
+
+
+def read_jsonl(path: str | Path) -> list[Record]:
+    """Every non-blank line of `path` as a JSON object, in order; all records share one format."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"no such dataset file: {path}")
+    records: list[Record] = []
+    first_format: str | None = None
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DatasetError(f"{path}:{lineno}: malformed JSON: {exc.msg} (column {exc.colno})") from None
+            if not isinstance(data, dict):
+                raise DatasetError(f"{path}:{lineno}: a record must be a JSON object, not {type(data).__name__}")
+            try:
+                fmt = record_format(data)
+            except KeyError as exc:
+                raise DatasetError(f"{path}:{lineno}: {exc.args[0]}") from None
+            if first_format is None:
+                first_format = fmt
+            elif fmt != first_format:
+                raise DatasetError(f"{path}:{lineno}: a {fmt!r} record in a {first_format!r} dataset "
+                                   "(all records of a file must have one format)")
+            records.append(Record(data, str(path), lineno))
+    if not records:
+        raise DatasetError(f"{path}: the dataset is empty")
+    return records
+
+
+def load_records(data: str | Path, valid_split: float | None = None,
+                 seed: int = 0) -> tuple[list[Record], list[Record]]:
+    """(train, valid) records of a data directory (`train.jsonl`, optional `valid.jsonl`) or of one
+    .jsonl file. `valid_split` holds out that fraction of the training records (seeded shuffle) when
+    there is no `valid.jsonl`; with neither, the validation set is empty."""
+    data = Path(data)
+    if data.is_dir():
+        train_file, valid_file = data / "train.jsonl", data / "valid.jsonl"
+        if not train_file.is_file():
+            raise DatasetError(f"{data} has no train.jsonl")
+        train = read_jsonl(train_file)
+        if valid_file.is_file():
+            return train, read_jsonl(valid_file)
+    elif data.is_file():
+        train = read_jsonl(data)
+    else:
+        raise DatasetError(f"no such data directory or file: {data}")
+    if not valid_split:
+        return train, []
+    n_valid = max(1, int(round(len(train) * valid_split)))
+    if n_valid >= len(train):
+        raise DatasetError(f"{data}: {len(train)} record(s) are too few to hold out {valid_split:.0%} for validation")
+    order = np.random.default_rng(seed).permutation(len(train))
+    held = set(order[:n_valid].tolist())
+    return [r for i, r in enumerate(train) if i not in held], [r for i, r in enumerate(train) if i in held]
+
+
+def _messages(record: Record) -> list[dict[str, Any]]:
+    messages = record.data["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise DatasetError(f"{record.where}: 'messages' must be a non-empty list of chat turns")
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m:
+            raise DatasetError(f"{record.where}: each message needs a 'role' (and 'content'): {m!r}")
+    return messages
+
+
+def _string(record: Record, key: str) -> str:
+    value = record.data[key]
+    if not isinstance(value, str):
+        raise DatasetError(f"{record.where}: {key!r} must be a string, not {type(value).__name__}")
+    return value
+
+
+def tokenize(record: Record, encoder: Encoder, mask_prompt: bool = True) -> Example:
+    """Tokens of one record, and the offset of the first token that counts in the loss.
+
+    text: the tokenizer's encoding plus EOS (offset 0). prompt/completion: a user and an assistant
+    turn through the chat template (plain concatenation plus EOS when the model has none). messages:
+    the whole chat through the template; with `mask_prompt` only the last turn counts.
+    """
+    fmt = record_format(record.data)
+    try:
+        if fmt == "text":
+            tokens = list(encoder.encode(_string(record, "text")))
+            if encoder.eos_token_id is not None and (not tokens or tokens[-1] != encoder.eos_token_id):
+                tokens.append(encoder.eos_token_id)
+            offset = 0
+        elif fmt == "completion":
+            prompt, completion = _string(record, "prompt"), _string(record, "completion")
+            if encoder.render_chat is not None:
+                turns = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+                tokens = encoder.encode_plain(encoder.render_chat(turns, False))
+                offset = len(encoder.encode_plain(encoder.render_chat(turns[:1], True)))
+            else:
+                head = list(encoder.encode(prompt))
+                tokens = head + list(encoder.encode_plain(completion))
+                if encoder.eos_token_id is not None:
+                    tokens.append(encoder.eos_token_id)
+                offset = len(head)
+        else:
+            if encoder.render_chat is None:
+                raise DatasetError(f"{record.where}: chat records need a chat template, and the model has none")
+            messages = _messages(record)
+            tokens = encoder.encode_plain(encoder.render_chat(messages, False))
+            offset = 0
+            if len(messages) > 1:
+                last_is_assistant = messages[-1].get("role") == "assistant"
+                offset = len(encoder.encode_plain(encoder.render_chat(messages[:-1], last_is_assistant)))
+    except DatasetError:
+        raise
+    except Exception as exc:  # a template or tokenizer error: say which record caused it
+        raise DatasetError(f"{record.where}: cannot tokenize the record: {exc}") from exc
+    if len(tokens) < 2:
+        raise DatasetError(f"{record.where}: the record has {len(tokens)} token(s); training needs at least 2")
+    return Example(tuple(int(t) for t in tokens), offset if mask_prompt else 0, record.where)
+
+
+def tokenize_all(records: Sequence[Record], encoder: Encoder, mask_prompt: bool = True) -> list[Example]:
+    return [tokenize(r, encoder, mask_prompt) for r in records]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Padded inputs [B, T], next-token targets [B, T], the loss mask [B, T] and its token count."""
+
+    inputs: Array
+    targets: Array
+    mask: Array
+    ntokens: int
+
+
+def make_batch(examples: Sequence[Example], max_seq_length: int, pad_id: int = 0) -> Batch:
+    """Right-pad the examples (cut to `max_seq_length` + 1 tokens) into one batch. Position t of the
+    targets is token t + 1; it counts when offset <= t + 1 < length (padding and prompt do not)."""
+    lengths = [min(len(e.tokens), max_seq_length + 1) for e in examples]
+    width = max(lengths)
+    tokens = np.full((len(examples), width), pad_id, dtype=np.int32)
+    mask = np.zeros((len(examples), width - 1), dtype=bool)
+    for i, (e, n) in enumerate(zip(examples, lengths)):
+        tokens[i, :n] = e.tokens[:n]
+        mask[i, max(e.offset, 1) - 1:n - 1] = True
+    return Batch(mx.array(tokens[:, :-1]), mx.array(tokens[:, 1:]), mx.array(mask), int(mask.sum()))
+
+
+def iterate_batches(examples: Sequence[Example], batch_size: int, max_seq_length: int, *, seed: int = 0,
+                    shuffle: bool = True, loop: bool = True, drop_last: bool = True,
+                    start_epoch: int = 0) -> Iterator[tuple[int, Batch]]:
+    """(epoch, batch) pairs. Examples of similar length are batched together (less padding); the
+    order of batches is shuffled each epoch with a generator seeded by (seed, epoch), so a resumed
+    run sees the same batches as an uninterrupted one. With `loop`, epochs repeat forever;
+    `drop_last` leaves out the short remainder batch (always kept when it is the only one)."""
+    if not examples:
+        raise DatasetError("no examples to batch")
+    batch_size = min(batch_size, len(examples))
+    by_length = sorted(range(len(examples)), key=lambda i: len(examples[i].tokens))
+    groups = [by_length[i:i + batch_size] for i in range(0, len(by_length), batch_size)]
+    if drop_last and len(groups) > 1 and len(groups[-1]) < batch_size:
+        groups.pop()
+    epoch = start_epoch
+    while True:
+        order = np.random.default_rng([seed, epoch]).permutation(len(groups)) if shuffle else range(len(groups))
+        for g in order:
+            yield epoch, make_batch([examples[i] for i in groups[g]], max_seq_length)
+        epoch += 1
+        if not loop:
+            return
+
+
+def batches_per_epoch(n_examples: int, batch_size: int) -> int:
+    return max(1, n_examples // min(batch_size, n_examples)) if n_examples else 0
+
+
+def count_truncated(examples: Sequence[Example], max_seq_length: int) -> int:
+    return sum(1 for e in examples if len(e.tokens) > max_seq_length + 1)
+
+

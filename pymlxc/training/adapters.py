@@ -1,0 +1,312 @@
+"""LoRA adapter files: mlx-lm's format (read and written) and PEFT's (read and written).
+
+Inside pymlxc an adapter is a map `<module>.lora_a` (in, r) / `<module>.lora_b` (r, out) plus a
+scale per module, where `<module>` is the flat name of the adapted linear (`model.layers.3.self_attn.q_proj`);
+the update is `scale * x A B`.
+
+mlx-lm (`mlx_lm.tuner`): `adapters.safetensors` holds exactly those names; `adapter_config.json` has
+`fine_tune_type` ("lora"), `num_layers` (the last N blocks) and `lora_parameters` {rank, scale,
+dropout, keys}; `scale` is the multiplier itself (mlx-lm's default is 20), not alpha.
+
+PEFT: `adapter_model.safetensors` holds `base_model.model.<module>.lora_A.weight` (r, in) and
+`...lora_B.weight` (out, r); `adapter_config.json` has `r`, `lora_alpha`, `target_modules`; the
+scale is lora_alpha / r (lora_alpha / sqrt(r) with `use_rslora`), per module when `rank_pattern` /
+`alpha_pattern` say so.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pymlxc.core as mx
+from pymlxc.core import Array
+
+MLX_WEIGHTS = "adapters.safetensors"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+CONFIG = "adapter_config.json"
+PEFT_PREFIX = "base_model.model."
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be read or does not fit the model; the message names the file."""
+
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    """An adapter read from disk, in pymlxc's layout whatever its format."""
+
+    format: str  # "mlx" or "peft"
+    path: Path
+    tensors: dict[str, Array]  # "<module>.lora_a" (in, r), "<module>.lora_b" (r, out)
+    scales: dict[str, float]  # per module
+    dropout: float = 0.0
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def modules(self) -> list[str]:
+        return list(self.scales)
+
+    def rank(self, module: str) -> int:
+        return int(self.tensors[f"{module}.lora_a"].shape[1])
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    file = path / CONFIG
+    if not file.is_file():
+        raise AdapterError(f"{path}: no {CONFIG}")
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise AdapterError(f"{file}: malformed JSON: {exc.msg} (line {exc.lineno})") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"{file}: the config must be a JSON object")
+    return config
+
+
+def _require(config: Mapping[str, Any], key: str, file: Path, kind: type | tuple[type, ...]) -> Any:
+    if key not in config:
+        raise AdapterError(f"{file}: missing required key {key!r}")
+    value = config[key]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise AdapterError(f"{file}: {key!r} must be {names}, not {value!r}")
+    return value
+
+
+def _load_tensors(file: Path) -> dict[str, Array]:
+    try:
+        tensors, _ = mx.load_safetensors(file)
+    except Exception as exc:  # MLXError with MLX's own message
+        raise AdapterError(f"{file}: cannot read the adapter weights: {exc}") from exc
+    if not tensors:
+        raise AdapterError(f"{file}: holds no tensors")
+    return tensors
+
+
+def adapter_format(path: str | Path) -> str:
+    """"mlx" or "peft", from the files in the adapter directory."""
+    path = Path(path)
+    if not path.is_dir():
+        raise AdapterError(f"no such adapter directory: {path}")
+    if (path / MLX_WEIGHTS).is_file():
+        return "mlx"
+    if (path / PEFT_WEIGHTS).is_file():
+        return "peft"
+    raise AdapterError(f"{path}: neither {MLX_WEIGHTS} (mlx-lm) nor {PEFT_WEIGHTS} (PEFT) is there")
+
+
+def read_adapter(path: str | Path) -> AdapterWeights:
+    """Read an mlx-lm or PEFT adapter directory (the format is recognised by its weight file)."""
+    return read_mlx_adapter(path) if adapter_format(path) == "mlx" else read_peft_adapter(path)
+
+
+# ---------------------------------------------------------------------- mlx-lm
+
+def _pairs(tensors: Mapping[str, Array], file: Path, a_name: str, b_name: str) -> dict[str, tuple[Array, Array]]:
+    """Group `<module>.<a_name>` / `<module>.<b_name>` tensors by module; other names are errors."""
+    found: dict[str, dict[str, Array]] = {}
+    for name, value in tensors.items():
+        for kind in (a_name, b_name):
+            if name.endswith("." + kind):
+                found.setdefault(name[: -len(kind) - 1], {})[kind] = value
+                break
+        else:
+            raise AdapterError(f"{file}: tensor {name!r} is not a LoRA weight (expected *.{a_name} / *.{b_name})")
+    out = {}
+    for module, pair in found.items():
+        if a_name not in pair or b_name not in pair:
+            missing = a_name if a_name not in pair else b_name
+            raise AdapterError(f"{file}: {module!r} has no {missing}")
+        out[module] = (pair[a_name], pair[b_name])
+    return out
+
+
+def read_mlx_adapter(path: str | Path) -> AdapterWeights:
+    path = Path(path)
+    cfg_file = path / CONFIG
+    config = _read_config(path)
+    kind = config.get("fine_tune_type", "lora")
+    if kind != "lora":
+        raise AdapterError(f"{cfg_file}: fine_tune_type {kind!r} is not supported (only 'lora')")
+    _require(config, "num_layers", cfg_file, int)
+    params = _require(config, "lora_parameters", cfg_file, dict)
+    rank = _require(params, "rank", cfg_file, int)
+    scale = float(_require(params, "scale", cfg_file, (int, float)))
+    dropout = float(params.get("dropout", 0.0) or 0.0)
+    tensors = _load_tensors(path / MLX_WEIGHTS)
+    pairs = _pairs(tensors, path / MLX_WEIGHTS, "lora_a", "lora_b")
+    scales = {}
+    for module, (a, b) in pairs.items():
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+            raise AdapterError(f"{path / MLX_WEIGHTS}: {module!r} has lora_a {tuple(a.shape)} and lora_b "
+                               f"{tuple(b.shape)}; expected (in, r) and (r, out)")
+        if a.shape[1] != rank:
+            raise AdapterError(f"{path / MLX_WEIGHTS}: {module!r} has rank {a.shape[1]}, the config says {rank}")
+        scales[module] = scale
+    return AdapterWeights("mlx", path, tensors, scales, dropout, config)
+
+
+def _block_relative(module: str) -> str:
+    """`model.layers.3.self_attn.q_proj` -> `self_attn.q_proj` (the key mlx-lm matches in a block)."""
+    m = re.match(r"^(?:.*\.)?layers\.\d+\.(.+)$", module)
+    return m.group(1) if m else module
+
+
+def _layer_index(module: str) -> int | None:
+    m = re.match(r"^(?:.*\.)?layers\.(\d+)\.", module)
+    return int(m.group(1)) if m else None
+
+
+def write_mlx_adapter(path: str | Path, tensors: Mapping[str, Array], scales: Mapping[str, float], *,
+                      num_blocks: int, dropout: float = 0.0, extra: Mapping[str, Any] | None = None) -> Path:
+    """Write `adapters.safetensors` and `adapter_config.json` that `mlx_lm.load(..., adapter_path=)`
+    reads. mlx-lm has one rank and one scale per adapter: differing ones are an error. `num_layers`
+    counts the blocks from the first adapted one to the last, as mlx-lm counts them."""
+    path = Path(path)
+    modules = list(scales)
+    if not modules:
+        raise AdapterError("no LoRA layers to save")
+    ranks = {int(tensors[f"{m}.lora_a"].shape[1]) for m in modules}
+    values = {round(float(s), 12) for s in scales.values()}
+    if len(ranks) != 1 or len(values) != 1:
+        raise AdapterError(f"mlx-lm's format has one rank and one scale; this adapter has ranks {sorted(ranks)} "
+                           f"and scales {sorted(values)} (save it in PEFT's format instead)")
+    indices = [i for i in (_layer_index(m) for m in modules) if i is not None]
+    num_layers = num_blocks - min(indices) if indices else num_blocks
+    keys = sorted({_block_relative(m) for m in modules})
+    config: dict[str, Any] = {
+        "fine_tune_type": "lora",
+        "num_layers": num_layers,
+        "lora_parameters": {"rank": ranks.pop(), "scale": float(next(iter(scales.values()))),
+                            "dropout": float(dropout), "keys": keys},
+        **(extra or {}),
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(path / MLX_WEIGHTS, dict(tensors), {"format": "mlx"})
+    (path / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+# ---------------------------------------------------------------------- PEFT
+
+def _pattern_value(module: str, patterns: Mapping[str, Any], default: Any) -> Any:
+    # PEFT matches a pattern key against the end of the module name, at a dot boundary.
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def read_peft_adapter(path: str | Path) -> AdapterWeights:
+    path = Path(path)
+    cfg_file = path / CONFIG
+    config = _read_config(path)
+    peft_type = config.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise AdapterError(f"{cfg_file}: peft_type {peft_type!r} is not supported (only LORA)")
+    r = _require(config, "r", cfg_file, int)
+    alpha = float(_require(config, "lora_alpha", cfg_file, (int, float)))
+    _require(config, "target_modules", cfg_file, (list, str))
+    for flag in ("use_dora", "fan_in_fan_out"):
+        if config.get(flag):
+            raise AdapterError(f"{cfg_file}: {flag}=true is not supported")
+    if config.get("modules_to_save"):
+        raise AdapterError(f"{cfg_file}: modules_to_save (fully trained layers) is not supported")
+    rslora = bool(config.get("use_rslora", False))
+    rank_pattern = config.get("rank_pattern") or {}
+    alpha_pattern = config.get("alpha_pattern") or {}
+    file = path / PEFT_WEIGHTS
+    raw = _load_tensors(file)
+    renamed: dict[str, Array] = {}
+    for name, value in raw.items():
+        if not name.startswith(PEFT_PREFIX):
+            raise AdapterError(f"{file}: tensor {name!r} does not start with {PEFT_PREFIX!r}")
+        short = name[len(PEFT_PREFIX):]
+        short = re.sub(r"\.lora_([AB])(\.[^.]+)?\.weight$", r".lora_\1", short)  # drop an adapter name
+        renamed[short] = value
+    pairs = _pairs(renamed, file, "lora_A", "lora_B")
+    tensors: dict[str, Array] = {}
+    scales: dict[str, float] = {}
+    for module, (a, b) in pairs.items():
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+            raise AdapterError(f"{file}: {module!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
+                               "expected (r, in) and (out, r)")
+        rank = int(a.shape[0])
+        want = int(_pattern_value(module, rank_pattern, r))
+        if rank != want:
+            raise AdapterError(f"{file}: {module!r} has rank {rank}, the config says {want}")
+        mod_alpha = float(_pattern_value(module, alpha_pattern, alpha))
+        scales[module] = mod_alpha / (math.sqrt(rank) if rslora else rank)
+        tensors[f"{module}.lora_a"] = mx.transpose(a)
+        tensors[f"{module}.lora_b"] = mx.transpose(b)
+    return AdapterWeights("peft", path, tensors, scales, float(config.get("lora_dropout", 0.0) or 0.0), config)
+
+
+def write_peft_adapter(path: str | Path, tensors: Mapping[str, Array], scales: Mapping[str, float], *,
+                       dropout: float = 0.0, base_model: str | None = None,
+                       extra: Mapping[str, Any] | None = None) -> Path:
+    """Write `adapter_model.safetensors` and `adapter_config.json` that PEFT's `PeftModel.from_pretrained`
+    reads (module names are the model's own, which are the Hugging Face ones). One lora_alpha is
+    written (scale * r of the first module); modules with another rank or scale go in
+    `rank_pattern` / `alpha_pattern`."""
+    path = Path(path)
+    modules = list(scales)
+    if not modules:
+        raise AdapterError("no LoRA layers to save")
+    out: dict[str, Array] = {}
+    ranks = {m: int(tensors[f"{m}.lora_a"].shape[1]) for m in modules}
+    alphas = {m: float(scales[m]) * ranks[m] for m in modules}
+    r0, a0 = ranks[modules[0]], alphas[modules[0]]
+    for m in modules:
+        out[f"{PEFT_PREFIX}{m}.lora_A.weight"] = mx.contiguous(mx.transpose(tensors[f"{m}.lora_a"]))
+        out[f"{PEFT_PREFIX}{m}.lora_B.weight"] = mx.contiguous(mx.transpose(tensors[f"{m}.lora_b"]))
+    layers = sorted({i for i in (_layer_index(m) for m in modules) if i is not None})
+    config: dict[str, Any] = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": r0,
+        "lora_alpha": a0,
+        "lora_dropout": float(dropout),
+        "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules}),
+        "layers_to_transform": layers or None,
+        "rank_pattern": {m: ranks[m] for m in modules if ranks[m] != r0},
+        "alpha_pattern": {m: alphas[m] for m in modules if not math.isclose(alphas[m], a0)},
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "inference_mode": True,
+        **(extra or {}),
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(path / PEFT_WEIGHTS, out, {"format": "pt"})
+    (path / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def check_shapes(adapter: AdapterWeights, expected: Mapping[str, tuple[int, int]], model_name: str = "the model") -> None:
+    """Every adapted module must exist in the model with (in, out) dims matching lora_a / lora_b."""
+    errors = []
+    for module in adapter.modules:
+        a = adapter.tensors[f"{module}.lora_a"]
+        b = adapter.tensors[f"{module}.lora_b"]
+        dims = expected.get(module)
+        if dims is None:
+            errors.append(f"  {module}: no such linear layer in {model_name}")
+        elif (a.shape[0], b.shape[1]) != tuple(dims):
+            errors.append(f"  {module}: adapter maps {a.shape[0]} -> {b.shape[1]}, the layer {dims[0]} -> {dims[1]}")
+    if errors:
+        shown = errors[:10] + ([f"  ... and {len(errors) - 10} more"] if len(errors) > 10 else [])
+        raise AdapterError(f"{adapter.path}: the adapter does not fit {model_name} (another architecture or size?):\n"
+                           + "\n".join(shown))
+
+
+def module_names(names: Sequence[str]) -> list[str]:
+    return sorted({n.rsplit(".", 1)[0] for n in names})

@@ -1,0 +1,107 @@
+"""The native backend: models run in this process on MLX through `pymlxc.core`.
+
+Importing this package is cheap (`pymlxc` imports it to register the backend); the loader, the
+architectures and the generation loops are imported by `MetalBackend.load`.
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from pymlxc.options import LoadConfig
+
+if TYPE_CHECKING:
+    from pymlxc.types import ModelInfo
+
+    from .textmodel import MetalTextModel
+
+Progress = Callable[[int, int], None]  # (done, total), e.g. bytes or tensors loaded
+
+
+class MetalBackend:
+    """`load(path, LoadConfig)` gives a `MetalTextModel`. `available()` when the binding imports."""
+
+    name = "metal"
+
+    def unavailable_reason(self) -> str | None:
+        try:
+            import pymlxc.core  # noqa: F401
+        except Exception as exc:  # noqa: BLE001 - any failure to load the library is the reason
+            return f"pymlxc.core cannot be imported: {type(exc).__name__}: {exc}"
+        return None
+
+    def available(self) -> bool:
+        return self.unavailable_reason() is None
+
+    def load(self, path: str, config: LoadConfig | None = None, *, progress: Progress | None = None) -> "MetalTextModel":
+        """Load the model directory at `path`. `progress(done, total)` is called while weights load."""
+        config = config or LoadConfig()
+        if config.gpu_layers not in (-1, 0):
+            warnings.warn(f"gpu_layers={config.gpu_layers} is ignored by the metal backend: MLX runs every layer "
+                          "on one device (gpu_layers=0 selects the CPU)", UserWarning, stacklevel=2)
+        if config.adapter_path is not None:
+            raise NotImplementedError("adapter_path is not supported by the metal backend's load yet; "
+                                      "attach adapters with the training API after loading")
+        if config.gpu_layers == 0:
+            import pymlxc.core as mx
+
+            with mx.stream_scope(mx.cpu):
+                return _load(path, config, progress)
+        return _load(path, config, progress)
+
+
+def _load(path: str, config: LoadConfig, progress: Progress | None) -> "MetalTextModel":
+    from .loader import load_weights_and_config
+    from .textmodel import MetalTextModel
+    from .tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(path)  # first: a missing tokenizer fails before gigabytes are read
+    loaded = load_weights_and_config(path, context_len=config.context_len, progress=progress)
+    try:
+        info = _model_info(loaded)
+        return MetalTextModel(loaded.model, tokenizer, model_type=loaded.model_type, info=info,
+                              release=loaded.free, config=config, stop_ids=_config_eos_ids(loaded.config))
+    except BaseException:
+        loaded.free()
+        raise
+
+
+def _model_info(loaded: Any) -> "ModelInfo":
+    from pymlxc.types import ModelInfo
+
+    args = loaded.model.args
+    return ModelInfo(
+        architecture=loaded.model_type,
+        vocab_size=int(args.vocab_size),
+        num_layers=len(loaded.model.layers),
+        hidden_size=int(args.hidden_size),
+        quant_bits=int(loaded.quant_bits or 0),
+        quant_group=int(loaded.quant_group or 0),
+    )
+
+
+def _config_eos_ids(config: Any) -> frozenset[int]:
+    """eos_token_id of config.json (an id or a list), in case the tokenizer files lack it."""
+    if not isinstance(config, dict):
+        return frozenset()
+    sources = [config, config.get("text_config") if isinstance(config.get("text_config"), dict) else {}]
+    ids: set[int] = set()
+    for source in sources:
+        value = source.get("eos_token_id")
+        values = value if isinstance(value, list) else [value]
+        ids.update(v for v in values if isinstance(v, int) and not isinstance(v, bool))
+    return frozenset(ids)
+
+
+BACKEND = MetalBackend()
+
+
+def register_backend() -> None:
+    """Add the metal backend to pymlxc's registry."""
+    from pymlxc.registry import register
+
+    register(BACKEND)
+
+
+__all__ = ["MetalBackend", "BACKEND", "register_backend"]

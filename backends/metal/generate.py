@@ -1,0 +1,343 @@
+"""The generation loops of the native backend: prefill, pipelined decode, batches and classify.
+
+Everything here works on token ids and MLX arrays; text (tokenizer, detokenizer, chat templates)
+and locking live in `textmodel.py`. The loops read back one thing per step, the sampled token, and
+build step n+1 before reading step n's token so that the device never waits on Python.
+
+Masks are boolean, shaped [B, 1, L, S] (True = may attend), as the models pass them on to
+`scaled_dot_product_attention`. A padded query attends to itself as well, so that no row of the
+softmax is empty (an empty row would give NaN, and NaN in a padded position's hidden state would
+leak into later layers' keys and values).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import pymlxc.core as mx
+from pymlxc.model import GenerationCancelled, ModelClosedError
+from pymlxc.types import GenerateMetrics
+
+from .sample import DEFAULT_PENALTY_CONTEXT, LogitsProcessor, Sampler, apply_processors
+
+PREFILL_STEP = 512  # prompt tokens per forward pass: bounds the attention scores' memory
+
+
+class Cache(Protocol):
+    """The part of a layer's KV cache the loops need: the arrays to evaluate between chunks."""
+
+    offset: int
+
+    @property
+    def state(self) -> Any: ...
+
+
+class LanguageModel(Protocol):
+    """inputs [B, L] int32 -> logits [B, L, V]; `make_cache` gives one cache per layer."""
+
+    def __call__(self, inputs: mx.Array, cache: Sequence[Any] | None = None, mask: mx.Array | None = None) -> mx.Array: ...
+
+    def make_cache(self, context_len: int) -> list[Any]: ...
+
+
+# ---------------------------------------------------------------------- stopping and timing
+
+@dataclass(frozen=True)
+class Guard:
+    """Stops a loop between tokens: the cancel event, the deadline, or a closed model."""
+
+    cancel: threading.Event | None = None
+    deadline: float | None = None  # time.perf_counter() value
+    timeout: float | None = None  # for the message
+    closed: Callable[[], bool] | None = None
+
+    @classmethod
+    def make(cls, cancel: threading.Event | None, timeout: float | None,
+             closed: Callable[[], bool] | None = None) -> "Guard":
+        deadline = time.perf_counter() + timeout if timeout is not None else None
+        return cls(cancel, deadline, timeout, closed)
+
+    def check(self) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise GenerationCancelled("generation cancelled")
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise GenerationCancelled(f"generation timed out after {self.timeout:g} s")
+        if self.closed is not None and self.closed():
+            raise ModelClosedError("the model was closed during generation")
+
+
+NO_GUARD = Guard()
+
+
+@dataclass
+class Timings:
+    """Filled in as a call goes; `metrics()` turns it into the public record."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    start: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None  # when the first sampled token was read back
+    end: float | None = None
+
+    def mark_first_token(self) -> None:
+        if self.first_token is None:
+            self.first_token = time.perf_counter()
+
+    def finish(self) -> None:
+        if self.end is None:
+            self.end = time.perf_counter()
+
+    def metrics(self) -> GenerateMetrics:
+        end = self.end if self.end is not None else time.perf_counter()
+        first = self.first_token if self.first_token is not None else end
+        # Prefill runs until the first token is known (time to first token), as mlx-lm counts it;
+        # the first token then belongs to prefill, so decode speed counts the tokens after it.
+        prefill, decode = first - self.start, end - first
+        decoded = max(self.generated_tokens - 1, 0)
+        return GenerateMetrics(
+            prompt_tokens=self.prompt_tokens,
+            generated_tokens=self.generated_tokens,
+            prefill_duration=prefill,
+            decode_duration=decode,
+            total_duration=end - self.start,
+            prefill_tokens_per_sec=self.prompt_tokens / prefill if prefill > 0 else 0.0,
+            decode_tokens_per_sec=decoded / decode if decode > 0 and decoded else 0.0,
+            peak_memory_bytes=mx.get_peak_memory(),
+            active_memory_bytes=mx.get_active_memory(),
+        )
+
+
+# ---------------------------------------------------------------------- masks
+
+def _positions(start: int, stop: int) -> mx.Array:
+    return mx.arange(start, stop, dtype=mx.int32)
+
+
+def left_padded_mask(pads: mx.Array, offset: int, length: int) -> mx.Array:
+    """Mask for `length` queries at positions offset.. of left-padded rows (`pads` [B] int32):
+    causal, and no key inside a row's padding except the query itself."""
+    queries = _positions(offset, offset + length)[:, None]  # [L, 1]
+    keys = _positions(0, offset + length)[None, :]  # [1, S]
+    causal = keys <= queries
+    real = keys[None] >= pads[:, None, None]  # [B, 1, S]
+    mask = causal[None] & (real | (keys == queries)[None])  # [B, L, S]
+    return mx.expand_dims(mask, 1)
+
+
+def right_padded_mask(lengths: mx.Array, length: int) -> mx.Array:
+    """Causal mask for right-padded rows of real `lengths` [B]: keys beyond a row's end are
+    hidden from every query but their own (only the real queries' outputs are read)."""
+    queries = _positions(0, length)[:, None]
+    keys = _positions(0, length)[None, :]
+    causal = keys <= queries
+    real = keys[None] < lengths[:, None, None]
+    mask = causal[None] & (real | (keys == queries)[None])
+    return mx.expand_dims(mask, 1)
+
+
+# ---------------------------------------------------------------------- prefill and decode
+
+def _cache_state(cache: Sequence[Any]) -> list[Any]:
+    return [c.state for c in cache]
+
+
+def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, step: int = PREFILL_STEP,
+            mask: Callable[[int, int], mx.Array | None] | None = None, guard: Guard = NO_GUARD) -> None:
+    """Run `tokens` [B, L] through the model into `cache`, `step` positions at a time.
+
+    Only the caches are evaluated (the chunks' logits are never needed), one chunk at a time, so
+    peak memory stays at one chunk's activations. `mask(offset, length)` gives each chunk's mask.
+    """
+    length = tokens.shape[1]
+    for start in range(0, length, step):
+        guard.check()
+        stop = min(start + step, length)
+        model(tokens[:, start:stop], cache=cache, mask=mask(start, stop - start) if mask else None)
+        mx.eval(_cache_state(cache))
+
+
+StepFn = Callable[[mx.Array], mx.Array]
+
+
+def make_step(model: LanguageModel, cache: Sequence[Any], sampler: Sampler,
+              processors: Sequence[LogitsProcessor] = (), history: mx.Array | None = None,
+              mask: Callable[[int], mx.Array | None] | None = None, offset: int = 0) -> StepFn:
+    """One decode step: inputs [B, 1] -> sampled ids [B], lazily.
+
+    `history` [B, T] holds the recent ids the logits processors look at; each step appends its
+    inputs. `mask(offset)` gives the mask for the query at `offset` (for padded batches).
+    """
+    state = {"history": history, "offset": offset}
+
+    def step(inputs: mx.Array) -> mx.Array:
+        step_mask = mask(state["offset"]) if mask is not None else None
+        state["offset"] += inputs.shape[1]
+        logits = model(inputs, cache=cache, mask=step_mask)[:, -1, :]
+        if processors:
+            seen = state["history"]
+            seen = inputs if seen is None else mx.concatenate([seen, inputs], axis=1)
+            if seen.shape[1] > DEFAULT_PENALTY_CONTEXT:
+                seen = seen[:, -DEFAULT_PENALTY_CONTEXT:]
+            state["history"] = seen
+            logits = apply_processors(processors, seen, logits)
+        return sampler(logits)
+
+    return step
+
+
+def decode(step: StepFn, first_inputs: mx.Array, max_tokens: int) -> Iterator[mx.Array]:
+    """Yield up to `max_tokens` sampled id arrays [B], each scheduled before the previous is read.
+
+    The consumer reads each yielded array (one host sync per token) while the next step is
+    already queued on the device; stopping early wastes at most that one queued step.
+    """
+    if max_tokens <= 0:
+        return
+    tokens = step(first_inputs)
+    mx.async_eval(tokens)
+    for n in range(1, max_tokens + 1):
+        following = None
+        if n < max_tokens:
+            following = step(mx.expand_dims(tokens, 1))
+            mx.async_eval(following)
+        yield tokens
+        if following is None:
+            return
+        tokens = following
+
+
+def _history(rows: Sequence[Sequence[int]]) -> mx.Array:
+    """The last prompt ids of each row for the logits processors, rectangular.
+
+    Short rows are filled by repeating their own first id: a repeated id changes nothing for the
+    penalty, which only asks whether an id was seen.
+    """
+    recent = [list(r[-DEFAULT_PENALTY_CONTEXT:]) for r in rows]
+    width = max(len(r) for r in recent)
+    return mx.array([[r[0]] * (width - len(r)) + r for r in recent], dtype=mx.int32)
+
+
+def generate_ids(model: LanguageModel, prompt: Sequence[int], *, cache: Sequence[Any], sampler: Sampler,
+                 processors: Sequence[LogitsProcessor] = (), max_tokens: int = 256,
+                 stop_ids: frozenset[int] = frozenset(), guard: Guard = NO_GUARD,
+                 timings: Timings | None = None, prefill_step: int = PREFILL_STEP) -> Iterator[int]:
+    """Generate ids after `prompt` (stop ids are not yielded). Raises GenerationCancelled from
+    `guard` between tokens."""
+    if not prompt:
+        raise ValueError("the prompt has no tokens")
+    timings = timings if timings is not None else Timings()
+    timings.prompt_tokens = len(prompt)
+    tokens = mx.array([list(prompt)], dtype=mx.int32)
+    # All but the last prompt token go through prefill; the last one is the first decode step's
+    # input, so logits are only ever computed for one position.
+    if len(prompt) > 1:
+        prefill(model, tokens[:, :-1], cache, step=prefill_step, guard=guard)
+    history = _history([prompt[:-1]]) if processors and len(prompt) > 1 else None
+    step = make_step(model, cache, sampler, processors, history)
+    try:
+        for sampled in decode(step, tokens[:, -1:], max_tokens):
+            token = sampled.item()
+            timings.mark_first_token()
+            if token in stop_ids:
+                return
+            timings.generated_tokens += 1
+            yield token
+            guard.check()
+    finally:
+        timings.finish()
+
+
+# ---------------------------------------------------------------------- batches
+
+@dataclass
+class BatchRow:
+    """What one row of a batch produced: its ids, and whether it has stopped."""
+
+    ids: list[int] = field(default_factory=list)
+    done: bool = False
+
+
+def batch_generate_ids(model: LanguageModel, prompts: Sequence[Sequence[int]], *, cache: Sequence[Any],
+                       sampler: Sampler, processors: Sequence[LogitsProcessor] = (), max_tokens: int = 256,
+                       stop_ids: frozenset[int] = frozenset(), guard: Guard = NO_GUARD,
+                       timings: Timings | None = None, prefill_step: int = PREFILL_STEP,
+                       on_step: Callable[[list[int | None]], None] | None = None,
+                       out: list[BatchRow] | None = None) -> list[BatchRow]:
+    """Greedy-equivalent batched generation: left-padded prompts, one decode step for all rows.
+
+    Left padding puts every row's last prompt token in the same column, so each step feeds one
+    column. A row's positions are shifted by its padding; rotary attention depends only on
+    relative positions, so its tokens are those of generating it alone (up to float rounding).
+    `on_step` receives each step's new id per row (None for rows already stopped). Raises
+    GenerationCancelled from `guard`; the rows of `out` (when given) then hold what they had.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    timings = timings if timings is not None else Timings()
+    timings.prompt_tokens = sum(len(p) for p in prompts)
+    width = max(len(p) for p in prompts)
+    pad_counts = [width - len(p) for p in prompts]
+    # Padding repeats the row's first id: any id would do, since padded keys are masked out.
+    padded = mx.array([[p[0]] * pad + list(p) for p, pad in zip(prompts, pad_counts)], dtype=mx.int32)
+    pads = mx.array(pad_counts, dtype=mx.int32)
+    if width > 1:
+        prefill(model, padded[:, :-1], cache, step=prefill_step, guard=guard,
+                mask=lambda offset, length: left_padded_mask(pads, offset, length))
+    history = _history([p[:-1] or p for p in prompts]) if processors else None
+    step = make_step(model, cache, sampler, processors, history,
+                     mask=lambda offset: left_padded_mask(pads, offset, 1), offset=width - 1)
+    rows = out if out is not None else [BatchRow() for _ in prompts]
+    if len(rows) != len(prompts):
+        raise ValueError(f"{len(rows)} output rows for {len(prompts)} prompts")
+    try:
+        for sampled in decode(step, padded[:, -1:], max_tokens):
+            ids = sampled.tolist()
+            timings.mark_first_token()
+            news: list[int | None] = []
+            for row, token in zip(rows, ids):
+                if row.done or token in stop_ids:
+                    row.done = True
+                    news.append(None)
+                    continue
+                row.ids.append(token)
+                timings.generated_tokens += 1
+                news.append(token)
+            if on_step is not None:
+                on_step(news)
+            if all(row.done for row in rows):
+                break
+            guard.check()
+    finally:
+        timings.finish()
+    return rows
+
+
+def classify_ids(model: LanguageModel, prompts: Sequence[Sequence[int]], *, sampler: Sampler,
+                 processors: Sequence[LogitsProcessor] = (), return_logits: bool = False,
+                 timings: Timings | None = None) -> tuple[list[int], list[list[float]] | None]:
+    """One batched forward pass of right-padded prompts; the next id after each prompt (sampled at
+    its last real position), and those positions' logits when asked."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    timings = timings if timings is not None else Timings()
+    timings.prompt_tokens = sum(len(p) for p in prompts)
+    width = max(len(p) for p in prompts)
+    lengths = [len(p) for p in prompts]
+    # Right padding keeps each prompt at the positions it has alone: its logits are the same.
+    padded = mx.array([list(p) + [p[-1]] * (width - len(p)) for p in prompts], dtype=mx.int32)
+    lengths_arr = mx.array(lengths, dtype=mx.int32)
+    logits = model(padded, mask=right_padded_mask(lengths_arr, width))
+    last = mx.reshape(lengths_arr - 1, (-1, 1, 1))
+    logits = mx.squeeze(mx.take_along_axis(logits, last, axis=1), 1)  # [B, V]
+    if processors:
+        logits = apply_processors(processors, _history(prompts), logits)
+    ids = sampler(logits)
+    outputs = [ids, logits.astype(mx.float32)] if return_logits else [ids]
+    mx.eval(outputs)
+    timings.mark_first_token()
+    timings.generated_tokens = len(prompts)
+    timings.finish()
+    return ids.tolist(), (outputs[1].tolist() if return_logits else None)

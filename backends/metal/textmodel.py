@@ -1,0 +1,341 @@
+"""`MetalTextModel`: the `TextModel` of the native backend (text in, tokens out, lifetime, slots).
+
+The loops are in `generate.py`; this class turns text into ids and ids into `Token`s, applies the
+error convention (bad arguments raise at once; a failure inside a stream ends it and is kept for
+`err()`), caps concurrent generations with `parallel_slots`, and frees the weights on `close()`.
+
+`max_tokens=0` is valid and means "generate nothing": the stream is empty, `batch_generate` gives
+empty results, and `classify` is unaffected (it always produces one token).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+import pymlxc.core as mx
+from pymlxc.model import ModelClosedError
+from pymlxc.options import GenerateConfig, LoadConfig, make_config
+from pymlxc.types import BatchResult, ClassifyResult, GenerateMetrics, Message, ModelInfo, Token
+
+from . import generate as loops
+from .sample import Sampler, make_logits_processors, make_sampler
+
+
+class Detokenizer(Protocol):
+    def add(self, token_id: int) -> str: ...
+
+    def finish(self) -> str: ...
+
+
+class TokenizerLike(Protocol):
+    """What the model needs from `tokenizer.Tokenizer`."""
+
+    eos_token_ids: frozenset[int]
+    chat_template: str | None
+    model_type: str | None
+    special_tokens: dict[str, str]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+    def detokenizer(self, skip_special_tokens: bool = False) -> Detokenizer: ...
+
+
+def _tokens(ids: Iterator[int], detokenizer: Detokenizer) -> Iterator[Token]:
+    """Ids to Tokens whose texts concatenate to the decoded ids.
+
+    An id whose text is not complete yet (part of a multi-byte character) is held back until a
+    later id completes it, so that the text `finish()` may still release at the end can go to the
+    last held token instead of being lost. Errors from `ids` are re-raised after the flush.
+    """
+    held: list[int] = []
+    error: Exception | None = None
+    try:
+        for token_id in ids:
+            piece = detokenizer.add(token_id)
+            if not piece:
+                held.append(token_id)
+                continue
+            for h in held:
+                yield Token(h, "")
+            held.clear()
+            yield Token(token_id, piece)
+    except Exception as exc:  # noqa: BLE001 - handed on after the flush
+        error = exc
+    tail = detokenizer.finish()
+    for i, h in enumerate(held):
+        yield Token(h, tail if i == len(held) - 1 else "")
+    if error is not None:
+        raise error
+
+
+class MetalTextModel:
+    """A loaded model of the native backend. Thread-safe; see the module doc for `max_tokens=0`.
+
+    `err()` answers for the calling thread: the error that ended its last stream (or batch), reset
+    at each of its calls, so concurrent callers do not see one another's errors.
+    """
+
+    def __init__(self, model: Any, tokenizer: TokenizerLike, *, model_type: str, info: ModelInfo,
+                 release: Callable[[], None] | None = None, config: LoadConfig | None = None,
+                 stop_ids: frozenset[int] = frozenset()) -> None:
+        config = config or LoadConfig()
+        self._model = model
+        self._tokenizer = tokenizer
+        self._model_type = model_type
+        self._info = info
+        self._context_len = config.context_len
+        self._device = mx.cpu if config.gpu_layers == 0 else None
+        self._stop_ids = frozenset(tokenizer.eos_token_ids) | frozenset(stop_ids)
+        self._slots = threading.BoundedSemaphore(config.parallel_slots)
+        self._state_lock = threading.Lock()
+        self._active = 0
+        self._closed = False
+        self._errors: dict[int, BaseException | None] = {}
+        self._metrics = GenerateMetrics()
+        # Whatever owns memory registers its release here; close() runs them in reverse order.
+        self._resources = contextlib.ExitStack()
+        if release is not None:
+            self._resources.callback(release)
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def model_type(self) -> str:
+        return self._model_type
+
+    def info(self) -> ModelInfo:
+        return self._info
+
+    def metrics(self) -> GenerateMetrics:
+        """The metrics of the last call that finished (on any thread)."""
+        return self._metrics
+
+    def err(self) -> BaseException | None:
+        return self._errors.get(threading.get_ident())
+
+    @property
+    def model(self) -> Any:
+        """The underlying architecture object (`Model.__call__(inputs, cache, mask)`)."""
+        self._check_open()
+        return self._model
+
+    @property
+    def tokenizer(self) -> TokenizerLike:
+        return self._tokenizer
+
+    @property
+    def num_layers(self) -> int:
+        return self._info.num_layers
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(ids))
+
+    # ------------------------------------------------------------------ public calls
+    def generate(self, prompt: str, **config: Any) -> Iterator[Token]:
+        """Stream the tokens that follow `prompt` (encoded with the tokenizer's own specials)."""
+        options = self._begin(config)
+        ids = self._encode_prompt(prompt)
+        return self._stream(ids, options)
+
+    def chat(self, messages: Sequence[Message | dict[str, str]], **config: Any) -> Iterator[Token]:
+        """Stream the assistant's answer to `messages`, rendered with the model's chat template."""
+        from .chat_template import render_chat
+
+        options = self._begin(config)
+        if not messages:
+            raise ValueError("chat needs at least one message")
+        text = render_chat(messages, self._tokenizer, add_generation_prompt=True)
+        # The template writes the special tokens itself (BOS included).
+        ids = self._tokenizer.encode(text, add_special_tokens=False)
+        self._check_ids(ids)
+        return self._stream(ids, options)
+
+    def classify(self, prompts: Sequence[str], **config: Any) -> list[ClassifyResult]:
+        """The next token after each prompt, from one batched forward pass."""
+        options = self._begin(config)
+        rows = self._encode_prompts(prompts)
+        timings = loops.Timings()
+        try:
+            with self._slot(loops.Guard.make(options.cancel, options.timeout, self._is_closed)), self._on_device():
+                ids, logits = loops.classify_ids(
+                    self._model, rows, sampler=self._sampler(options), return_logits=options.return_logits,
+                    processors=make_logits_processors(options.repeat_penalty), timings=timings)
+        finally:
+            self._finish(timings)
+        return [ClassifyResult(Token(i, self._tokenizer.decode([i])), logits[n] if logits is not None else None)
+                for n, i in enumerate(ids)]
+
+    def batch_generate(self, prompts: Sequence[str], **config: Any) -> list[BatchResult]:
+        """Generate for every prompt at once (one decode step for the whole batch)."""
+        options = self._begin(config)
+        rows_in = self._encode_prompts(prompts)
+        if options.max_tokens == 0:
+            return [BatchResult() for _ in rows_in]
+        guard = loops.Guard.make(options.cancel, options.timeout, self._is_closed)
+        timings = loops.Timings()
+        rows = [loops.BatchRow() for _ in rows_in]
+        error: Exception | None = None
+        try:
+            with self._slot(guard), self._on_device():
+                longest = max(len(r) for r in rows_in)
+                rows = loops.batch_generate_ids(
+                    self._model, rows_in, cache=self._model.make_cache(self._context_len),
+                    sampler=self._sampler(options), processors=make_logits_processors(options.repeat_penalty),
+                    max_tokens=min(options.max_tokens, self._context_len - longest),
+                    stop_ids=self._stop_ids | frozenset(options.stop_tokens), guard=guard, timings=timings,
+                    out=rows)
+        except Exception as exc:  # noqa: BLE001 - reported per row and in err()
+            error = exc
+            self._errors[threading.get_ident()] = exc
+        finally:
+            self._finish(timings)
+        results = []
+        for row in rows:
+            tokens = list(_tokens(iter(row.ids), self._tokenizer.detokenizer()))
+            results.append(BatchResult(tokens, None if error is None else f"{type(error).__name__}: {error}"))
+        return results
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Free every weight now. Idempotent; later calls raise ModelClosedError. A generation
+        running on another thread stops at its next token with ModelClosedError in its err()."""
+        with self._state_lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._resources.close()
+        finally:
+            self._model = None
+            mx.clear_cache()
+
+    def __enter__(self) -> "MetalTextModel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # A backstop only: close() is the way to free a model at a known time.
+        with contextlib.suppress(Exception):
+            if not getattr(self, "_closed", True):
+                self.close()
+
+    # ------------------------------------------------------------------ internals
+    def _is_closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ModelClosedError("the model is closed")
+
+    def _begin(self, config: dict[str, Any]) -> GenerateConfig:
+        """Start a call: check the model and options (raising at once) and reset err()."""
+        self._check_open()
+        options = make_config(GenerateConfig, **config)
+        self._errors[threading.get_ident()] = None
+        return options
+
+    def _check_ids(self, ids: Sequence[int]) -> None:
+        if not ids:
+            raise ValueError("the prompt encodes to no tokens")
+        if len(ids) >= self._context_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {self._context_len} "
+                             f"(raise context_len when loading)")
+
+    def _encode_prompt(self, prompt: str) -> list[int]:
+        if not isinstance(prompt, str):
+            raise TypeError(f"the prompt must be a str, not {type(prompt).__name__}")
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        ids = self._tokenizer.encode(prompt)
+        self._check_ids(ids)
+        return ids
+
+    def _encode_prompts(self, prompts: Sequence[str]) -> list[list[int]]:
+        if isinstance(prompts, str):
+            raise TypeError("prompts must be a sequence of str, not one str")
+        if not prompts:
+            raise ValueError("no prompts given")
+        return [self._encode_prompt(p) for p in prompts]
+
+    @staticmethod
+    def _sampler(options: GenerateConfig) -> Sampler:
+        return make_sampler(options.temperature, options.top_k, options.top_p, options.min_p, key=options.seed)
+
+    @contextlib.contextmanager
+    def _slot(self, guard: loops.Guard) -> Iterator[None]:
+        """Hold one of the `parallel_slots` (waiting while all are taken, cancellable)."""
+        while not self._slots.acquire(timeout=0.05):
+            guard.check()
+        try:
+            guard.check()
+            with self._state_lock:
+                self._active += 1
+                if self._active == 1:
+                    # Peak memory is process-wide: only reset it when no other call is measuring.
+                    mx.reset_peak_memory()
+            yield
+        finally:
+            with self._state_lock:
+                self._active -= 1
+            self._slots.release()
+
+    @contextlib.contextmanager
+    def _on_device(self) -> Iterator[None]:
+        if self._device is None:
+            yield
+        else:
+            with mx.stream_scope(self._device):
+                yield
+
+    def _finish(self, timings: loops.Timings) -> None:
+        timings.finish()
+        self._metrics = timings.metrics()
+
+    def _stream(self, ids: list[int], options: GenerateConfig) -> Iterator[Token]:
+        if options.max_tokens == 0:
+            return iter(())
+        owner = threading.get_ident()
+        return self._reporting(self._token_stream(ids, options), owner)
+
+    def _token_stream(self, ids: list[int], options: GenerateConfig) -> Iterator[Token]:
+        guard = loops.Guard.make(options.cancel, options.timeout, self._is_closed)
+        timings = loops.Timings()
+        try:
+            with self._slot(guard):
+                id_stream = loops.generate_ids(
+                    self._model, ids, cache=self._model.make_cache(self._context_len),
+                    sampler=self._sampler(options), processors=make_logits_processors(options.repeat_penalty),
+                    max_tokens=min(options.max_tokens, self._context_len - len(ids)),
+                    stop_ids=self._stop_ids | frozenset(options.stop_tokens), guard=guard, timings=timings)
+                yield from _tokens(id_stream, self._tokenizer.detokenizer())
+        finally:
+            self._finish(timings)
+
+    def _reporting(self, tokens: Iterator[Token], owner: int) -> Iterator[Token]:
+        """Run each step of `tokens` on the model's device; keep an error for err() instead of
+        raising it (for the thread that made the call)."""
+        try:
+            while True:
+                try:
+                    with self._on_device():
+                        token = next(tokens)
+                except StopIteration:
+                    return
+                except Exception as exc:  # noqa: BLE001 - the documented convention: kept for err()
+                    self._errors[owner] = exc
+                    return
+                yield token
+        finally:
+            tokens.close()

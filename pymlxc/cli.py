@@ -1,0 +1,331 @@
+"""The `pymlxc` command line: generate, chat, info and discover, plus the commands that modules add.
+
+Commands live in a registry (`Command`, `register_command`); besides the built-in ones here, every
+module of `pymlxc.commands` and every `pymlxc.commands` entry point may add its own (see that
+package's doc). Tokens go to stdout as they come; progress, metrics and errors go to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import pkgutil
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from typing import IO, Any
+
+PROG = "pymlxc"
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: `configure` adds its arguments, `run` does it and returns the exit status."""
+
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+_commands: dict[str, Command] = {}
+
+
+def register_command(command: Command) -> None:
+    """Add (or replace) a subcommand."""
+    _commands[command.name] = command
+
+
+def commands() -> dict[str, Command]:
+    return dict(_commands)
+
+
+# ---------------------------------------------------------------------- output helpers
+
+class ProgressBar:
+    """`(done, total)` callback drawing one line on a terminal stream (a final line elsewhere)."""
+
+    def __init__(self, label: str = "loading", stream: IO[str] | None = None, width: int = 30) -> None:
+        self.label, self.stream, self.width = label, stream or sys.stderr, width
+        self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._last = -1
+        self._start = time.perf_counter()
+        self._lock = threading.Lock()
+
+    def __call__(self, done: int, total: int) -> None:
+        percent = 100 if total <= 0 else min(100, int(100 * done / total))
+        with self._lock:
+            if percent == self._last or (not self._tty and percent < 100):
+                return
+            self._last = percent
+            filled = self.width * percent // 100
+            end = "\n" if percent == 100 else ""
+            prefix = "\r" if self._tty else ""
+            self.stream.write(f"{prefix}{self.label} [{'#' * filled}{'.' * (self.width - filled)}] {percent:3d}% "
+                              f"{time.perf_counter() - self._start:.1f}s{end}")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self._tty and 0 <= self._last < 100:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MB"
+
+
+def format_metrics(m: Any) -> str:
+    return (f"prompt {m.prompt_tokens} tokens in {m.prefill_duration:.2f}s ({m.prefill_tokens_per_sec:.1f} tok/s), "
+            f"generated {m.generated_tokens} tokens in {m.decode_duration:.2f}s ({m.decode_tokens_per_sec:.1f} tok/s), "
+            f"peak memory {_mb(m.peak_memory_bytes)}, active {_mb(m.active_memory_bytes)}")
+
+
+def _error(message: str) -> None:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------- loading
+
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="model directory")
+    parser.add_argument("--backend", default=None, help="backend name (default: the best available)")
+    parser.add_argument("--context-len", type=int, default=None, help="context length in tokens")
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU (gpu_layers=0)")
+    parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar or metrics")
+
+
+def load(args: argparse.Namespace) -> Any:
+    """Load `args.model` as `add_load_arguments` describes, with a progress bar on stderr when the
+    backend reports progress."""
+    from pymlxc import registry
+    from pymlxc.options import LoadConfig, make_config
+
+    options: dict[str, Any] = {}
+    if args.context_len is not None:
+        options["context_len"] = args.context_len
+    if args.cpu:
+        options["gpu_layers"] = 0
+    config = make_config(LoadConfig, backend=args.backend, **options)
+    backend = registry.default_backend() if config.backend is None else registry.get(config.backend)
+    if not backend.available():
+        raise registry.BackendUnavailableError(f"backend {backend.name!r} is unavailable: {backend.unavailable_reason()}")
+    if args.quiet or "progress" not in inspect.signature(backend.load).parameters:
+        return backend.load(str(args.model), config)
+    bar = ProgressBar(f"loading {args.model}")
+    try:
+        return backend.load(str(args.model), config, progress=bar)  # type: ignore[call-arg]
+    finally:
+        bar.close()
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=0.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repeat-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+
+
+def sampling_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
+            "top_p": args.top_p, "min_p": args.min_p, "repeat_penalty": args.repeat_penalty, "seed": args.seed}
+
+
+def _print_stream(tokens: Iterable[Any], out: IO[str]) -> str:
+    pieces = []
+    for token in tokens:
+        pieces.append(token.text)
+        out.write(token.text)
+        out.flush()
+    return "".join(pieces)
+
+
+# ---------------------------------------------------------------------- built-in commands
+
+def _configure_generate(p: argparse.ArgumentParser) -> None:
+    add_load_arguments(p)
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    add_sampling_arguments(p)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    options = sampling_options(args)
+    with load(args) as model:
+        if args.chat:
+            stream = model.chat([{"role": "user", "content": args.prompt}], **options)
+        else:
+            stream = model.generate(args.prompt, **options)
+        _print_stream(stream, sys.stdout)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        if model.err() is not None:
+            _error(str(model.err()))
+            return 1
+        if not args.quiet:
+            print(format_metrics(model.metrics()), file=sys.stderr)
+    return 0
+
+
+def _configure_chat(p: argparse.ArgumentParser) -> None:
+    add_load_arguments(p)
+    p.add_argument("--system", default=None, help="a system message to start the conversation with")
+    add_sampling_arguments(p)
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    options = sampling_options(args)
+    interactive = sys.stdin.isatty()
+    with load(args) as model:
+        history: list[dict[str, str]] = []
+        if args.system:
+            history.append({"role": "system", "content": args.system})
+        if interactive:
+            print("type a message; /exit or end of input (Ctrl-D) quits", file=sys.stderr)
+        while True:
+            if interactive:
+                sys.stderr.write("> ")
+                sys.stderr.flush()
+            line = sys.stdin.readline()
+            if not line:
+                break
+            text = line.rstrip("\n")
+            if text.strip() == "/exit":
+                break
+            if not text.strip():
+                continue
+            history.append({"role": "user", "content": text})
+            answer = _print_stream(model.chat(history, **options), sys.stdout)
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            if model.err() is not None:
+                _error(str(model.err()))
+                return 1
+            history.append({"role": "assistant", "content": answer})
+            if not args.quiet:
+                print(format_metrics(model.metrics()), file=sys.stderr)
+    return 0
+
+
+def _configure_info(p: argparse.ArgumentParser) -> None:
+    add_load_arguments(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _run_info(args: argparse.Namespace) -> int:
+    with load(args) as model:
+        info = model.info().to_dict()
+    if args.json:
+        print(json.dumps(info))
+    else:
+        for key, value in info.items():
+            print(f"{key}: {value}")
+    return 0
+
+
+def _configure_discover(p: argparse.ArgumentParser) -> None:
+    p.add_argument("root", help="folder to search")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+
+
+def _run_discover(args: argparse.Namespace) -> int:
+    from pymlxc.discover import discover
+
+    found = 0
+    for model in discover(args.root):
+        found += 1
+        record = {"path": str(model.path), "model_type": model.model_type, "format": model.format,
+                  "quant_bits": model.quant_bits, "quant_group": model.quant_group, "files": model.num_files}
+        if args.json:
+            print(json.dumps(record))
+        else:
+            quant = f"{model.quant_bits}-bit/{model.quant_group}" if model.quant_bits else "unquantized"
+            print(f"{model.path}\t{model.model_type or '?'}\t{model.format}\t{quant}\t{model.num_files} file(s)")
+    if not found and not args.json:
+        print(f"no models under {args.root}", file=sys.stderr)
+    return 0
+
+
+for _command in (
+    Command("generate", "generate text after a prompt", _configure_generate, _run_generate),
+    Command("chat", "chat interactively (reads messages from stdin)", _configure_chat, _run_chat),
+    Command("info", "describe a model", _configure_info, _run_info),
+    Command("discover", "list the model directories under a folder", _configure_discover, _run_discover),
+):
+    register_command(_command)
+
+
+# ---------------------------------------------------------------------- extensions and entry point
+
+_extensions_loaded = False
+
+
+def load_extensions() -> list[str]:
+    """Import the command modules of `pymlxc.commands` and the entry points; returns failures."""
+    global _extensions_loaded
+    if _extensions_loaded:
+        return []
+    _extensions_loaded = True
+    failures = []
+    try:
+        package = importlib.import_module("pymlxc.commands")
+        for info in pkgutil.iter_modules(package.__path__):
+            try:
+                module = importlib.import_module(f"pymlxc.commands.{info.name}")
+                getattr(module, "register_commands")(register_command)
+            except Exception as exc:  # noqa: BLE001 - one broken extension must not break the CLI
+                failures.append(f"pymlxc.commands.{info.name}: {type(exc).__name__}: {exc}")
+    except ImportError:
+        pass
+    for entry in metadata.entry_points(group="pymlxc.commands"):
+        try:
+            entry.load()(register_command)
+        except Exception as exc:  # noqa: BLE001
+            failures.append(f"{entry.name}: {type(exc).__name__}: {exc}")
+    return failures
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Run language models on MLX through mlx-c.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in sorted(_commands):
+        command = _commands[name]
+        p = sub.add_parser(name, help=command.help, description=command.help)
+        command.configure(p)
+        p.set_defaults(_run=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    for failure in load_extensions():
+        print(f"{PROG}: warning: command extension failed to load: {failure}", file=sys.stderr)
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader went away (`| head`): not an error; keep the interpreter from flushing again.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as exc:
+        _error(str(exc) if not isinstance(exc, KeyError) else str(exc.args[0]))
+        return 1
+
+
+if __name__ == "__main__":
+    # Run the canonical module's main, so that extensions importing `pymlxc.cli` share its registry.
+    from pymlxc.cli import main as _main
+
+    sys.exit(_main())

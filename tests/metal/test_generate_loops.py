@@ -1,0 +1,126 @@
+"""The generation loops on a one-layer fake model: chunked prefill, pipelining, padded batches and
+classify must give the tokens of a plain full-sequence greedy decode."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pymlxc.core as mx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pymlxc.backends.metal import generate as loops
+from pymlxc.backends.metal.sample import make_logits_processors, make_sampler
+from pymlxc.model import GenerationCancelled
+
+from .fakes import FakeModel
+
+MODEL = FakeModel(vocab=64, seed=3)
+prompts = st.lists(st.integers(0, 63), min_size=1, max_size=24)
+
+
+def reference(prompt: list[int], n: int) -> list[int]:
+    """Greedy without a cache: the whole sequence through the model at every step."""
+    ids = list(prompt)
+    for _ in range(n):
+        logits = MODEL(mx.array([ids], dtype=mx.int32))
+        ids.append(int(np.argmax(np.asarray(logits)[0, -1])))
+    return ids[len(prompt):]
+
+
+def run(prompt: list[int], n: int, **kw) -> list[int]:
+    return list(loops.generate_ids(MODEL, prompt, cache=MODEL.make_cache(), sampler=make_sampler(0.0),
+                                   max_tokens=n, **kw))
+
+
+@settings(max_examples=15, deadline=None)
+@given(prompts, st.integers(1, 9))
+def test_chunked_prefill_and_cache_equal_full_recompute(prompt: list[int], step: int) -> None:
+    assert run(prompt, 6, prefill_step=step) == reference(prompt, 6)
+
+
+def test_prefill_feeds_chunks_of_step_and_logits_for_one_position() -> None:
+    MODEL.calls.clear()
+    run(list(range(20)), 3, prefill_step=8)
+    # 19 prompt tokens in chunks of 8, then one token per step (3 steps, none beyond max_tokens).
+    assert MODEL.calls == [(1, 8), (1, 8), (1, 3), (1, 1), (1, 1), (1, 1)]
+
+
+def test_stop_ids_end_the_stream_and_are_not_yielded() -> None:
+    tokens = reference([5, 6, 7], 8)
+    stop = tokens[3]
+    first = tokens.index(stop)
+    assert run([5, 6, 7], 8, stop_ids=frozenset({stop})) == tokens[:first]
+
+
+def test_max_tokens_zero_yields_nothing() -> None:
+    assert run([1, 2], 0) == []
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.lists(prompts, min_size=1, max_size=4), st.integers(1, 7))
+def test_batch_equals_single_prompts(batch: list[list[int]], step: int) -> None:
+    rows = loops.batch_generate_ids(MODEL, batch, cache=MODEL.make_cache(), sampler=make_sampler(0.0),
+                                    max_tokens=5, prefill_step=step)
+    assert [r.ids for r in rows] == [run(p, 5) for p in batch]
+
+
+def test_batch_with_repeat_penalty_equals_single_prompts() -> None:
+    batch = [[1, 2, 3, 4, 5, 6, 7], [9, 9], [3]]
+    kw = dict(processors=make_logits_processors(1.7), max_tokens=12)
+    rows = loops.batch_generate_ids(MODEL, batch, cache=MODEL.make_cache(), sampler=make_sampler(0.0), **kw)
+    alone = [list(loops.generate_ids(MODEL, p, cache=MODEL.make_cache(), sampler=make_sampler(0.0), **kw))
+             for p in batch]
+    assert [r.ids for r in rows] == alone
+
+
+def test_batch_rows_stop_on_their_own() -> None:
+    batch = [[1, 2, 3], [40, 41]]
+    alone = [run(p, 10) for p in batch]
+    stop = alone[0][2]
+    rows = loops.batch_generate_ids(MODEL, batch, cache=MODEL.make_cache(), sampler=make_sampler(0.0),
+                                    max_tokens=10, stop_ids=frozenset({stop}))
+    for row, ids in zip(rows, alone):
+        expected = ids[: ids.index(stop)] if stop in ids else ids
+        assert row.ids == expected
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.lists(prompts, min_size=1, max_size=5))
+def test_classify_equals_first_generated_token(batch: list[list[int]]) -> None:
+    ids, logits = loops.classify_ids(MODEL, batch, sampler=make_sampler(0.0), return_logits=True)
+    assert ids == [reference(p, 1)[0] for p in batch]
+    assert logits is not None and len(logits) == len(batch) and all(len(row) == 64 for row in logits)
+    for p, row in zip(batch, logits):
+        full = np.asarray(MODEL(mx.array([p], dtype=mx.int32)))[0, -1]
+        np.testing.assert_allclose(row, full, rtol=1e-4, atol=1e-4)
+
+
+def test_padding_masks_never_leave_a_query_without_keys() -> None:
+    pads = mx.array([0, 3, 5], dtype=mx.int32)
+    mask = np.asarray(loops.left_padded_mask(pads, 0, 6))
+    assert mask.shape == (3, 1, 6, 6) and mask.any(axis=-1).all()
+    assert not mask[1, 0, 4, :3].any() and mask[1, 0, 4, 3:5].all()  # padding hidden, causal
+    right = np.asarray(loops.right_padded_mask(mx.array([6, 2], dtype=mx.int32), 6))
+    assert right.any(axis=-1).all() and not right[1, 0, 1, 2:].any() and not right[0, 0, 2, 3:].any()
+
+
+def test_guard_cancels_between_tokens() -> None:
+    event = threading.Event()
+    got = []
+    with pytest.raises(GenerationCancelled, match="cancelled"):
+        for token in loops.generate_ids(MODEL, [1, 2], cache=MODEL.make_cache(), sampler=make_sampler(0.0),
+                                        max_tokens=50, guard=loops.Guard.make(event, None)):
+            got.append(token)
+            if len(got) == 2:
+                event.set()
+    assert len(got) == 2
+
+
+def test_timings_count_tokens() -> None:
+    timings = loops.Timings()
+    assert len(run([1, 2, 3], 4, timings=timings)) == 4
+    m = timings.metrics()
+    assert (m.prompt_tokens, m.generated_tokens) == (3, 4)
+    assert m.total_duration >= m.prefill_duration > 0 and m.decode_tokens_per_sec > 0

@@ -67,7 +67,12 @@ class MetalLoRAAdapter:
         for layer in self._layers().values():
             layer._training = training
 
+    def reseed_dropout(self, seed: int) -> None:
+        """Restart the dropout keys from `seed` (the trainer does it each step, for reproducible runs)."""
+        self.dropout_keys.reseed(seed)
+
     def tensors(self) -> dict[str, Array]:
+        """`<module>.lora_a` / `<module>.lora_b` by flat name, as mlx-lm saves them."""
         out: dict[str, Array] = {}
         for path, layer in self._layers().items():
             out[f"{path}.lora_a"], out[f"{path}.lora_b"] = layer.lora_a, layer.lora_b

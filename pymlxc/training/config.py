@@ -117,6 +117,10 @@ class LoRAAdapter(Protocol):
 
     def set_training(self, training: bool) -> None: ...
 
+    def reseed_dropout(self, seed: int) -> None: ...
+
+    def tensors(self) -> dict[str, Array]: ...
+
 
 @runtime_checkable
 class TrainableModel(TextModel, Protocol):

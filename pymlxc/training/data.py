@@ -207,28 +207,38 @@ def make_batch(examples: Sequence[Example], max_seq_length: int, pad_id: int = 0
     return Batch(mx.array(tokens[:, :-1]), mx.array(tokens[:, 1:]), mx.array(mask), int(mask.sum()))
 
 
-def iterate_batches(examples: Sequence[Example], batch_size: int, max_seq_length: int, *, seed: int = 0,
-                    shuffle: bool = True, loop: bool = True, drop_last: bool = True,
-                    start_epoch: int = 0) -> Iterator[tuple[int, Batch]]:
-    """(epoch, batch) pairs. Examples of similar length are batched together (less padding); the
-    order of batches is shuffled each epoch with a generator seeded by (seed, epoch), so a resumed
-    run sees the same batches as an uninterrupted one. With `loop`, epochs repeat forever;
-    `drop_last` leaves out the short remainder batch (always kept when it is the only one)."""
+def batch_order(examples: Sequence[Example], batch_size: int, *, seed: int = 0, shuffle: bool = True,
+                loop: bool = True, drop_last: bool = True) -> Iterator[tuple[int, list[int]]]:
+    """(epoch, example indices) of each batch. Examples of similar length are batched together (less
+    padding); the order of batches is shuffled each epoch with a generator seeded by (seed, epoch), so
+    the sequence depends only on the seed: a resumed run skips what it has done and sees the same
+    batches as an uninterrupted one. With `loop`, epochs repeat forever; `drop_last` leaves out the
+    short remainder batch (kept when it is the only one)."""
     if not examples:
         raise DatasetError("no examples to batch")
     batch_size = min(batch_size, len(examples))
-    by_length = sorted(range(len(examples)), key=lambda i: len(examples[i].tokens))
+    by_length = sorted(range(len(examples)), key=lambda i: (len(examples[i].tokens), i))
     groups = [by_length[i:i + batch_size] for i in range(0, len(by_length), batch_size)]
     if drop_last and len(groups) > 1 and len(groups[-1]) < batch_size:
         groups.pop()
-    epoch = start_epoch
+    epoch = 0
     while True:
         order = np.random.default_rng([seed, epoch]).permutation(len(groups)) if shuffle else range(len(groups))
         for g in order:
-            yield epoch, make_batch([examples[i] for i in groups[g]], max_seq_length)
+            yield epoch, groups[int(g)]
         epoch += 1
         if not loop:
             return
+
+
+def iterate_batches(examples: Sequence[Example], batch_size: int, max_seq_length: int, *, seed: int = 0,
+                    shuffle: bool = True, loop: bool = True, drop_last: bool = True,
+                    skip: int = 0) -> Iterator[tuple[int, Batch]]:
+    """(epoch, Batch) pairs in `batch_order`, after skipping the first `skip` batches."""
+    for n, (epoch, indices) in enumerate(batch_order(examples, batch_size, seed=seed, shuffle=shuffle, loop=loop,
+                                                     drop_last=drop_last)):
+        if n >= skip:
+            yield epoch, make_batch([examples[i] for i in indices], max_seq_length)
 
 
 def batches_per_epoch(n_examples: int, batch_size: int) -> int:

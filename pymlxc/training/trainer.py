@@ -1,0 +1,298 @@
+"""`pymlxc.train`: LoRA fine-tuning of a model on JSON Lines data, with validation, a progress line,
+periodic adapter checkpoints, and resuming from the last one.
+
+One step: a padded batch goes through the model (adapter weights as the inputs of
+`value_and_grad`), the masked cross-entropy of the next tokens is the loss, AdamW updates the adapter.
+Everything random (LoRA init, batch order, dropout) comes from `TrainConfig.seed`, so two runs with
+the same seed give the same losses, and a resumed run continues the same sequence.
+
+The adapter directory holds what mlx-lm writes (`adapters.safetensors`, `adapter_config.json`,
+`0000100_adapters.safetensors` snapshots) plus `optimizer.safetensors` and `training_state.json`
+for resuming.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import pymlxc.core as mx
+from pymlxc.core import Array
+
+from .adapters import MLX_WEIGHTS
+from .config import LoRAConfig, SupportsTraining, TrainableModel, TrainConfig
+from .data import Batch, Example, count_truncated, iterate_batches, load_records, tokenize_all
+from .losses import masked_cross_entropy
+from .optim import AdamW, cosine_schedule
+
+STATE_FILE = "training_state.json"
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+@dataclass
+class TrainReport:
+    """One line of progress: passed to the `callback` of `train` and kept in `TrainResult`."""
+
+    step: int
+    train_loss: float | None = None
+    val_loss: float | None = None
+    learning_rate: float = 0.0
+    tokens_per_sec: float = 0.0
+    trained_tokens: int = 0
+    peak_memory: int = 0
+
+
+@dataclass
+class TrainResult:
+    adapter_path: Path
+    steps: int
+    train_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) per report
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    step_losses: list[float] = field(default_factory=list)  # every step of this run
+    trained_tokens: int = 0
+    tokens_per_sec: float = 0.0
+    seconds: float = 0.0
+    peak_memory: int = 0
+
+
+class Progress:
+    """A one-line progress bar on a terminal (a line per report otherwise)."""
+
+    def __init__(self, total: int, stream: TextIO | None = None, enabled: bool = True) -> None:
+        self.total = total
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+
+    def show(self, r: TrainReport) -> None:
+        if not self.enabled:
+            return
+        parts = [f"{r.step}/{self.total}"]
+        if r.train_loss is not None:
+            parts.append(f"loss {r.train_loss:.4f}")
+        if r.val_loss is not None:
+            parts.append(f"val {r.val_loss:.4f}")
+        parts.append(f"{r.tokens_per_sec:,.0f} tok/s")
+        parts.append(f"lr {r.learning_rate:.2e}")
+        width = 24
+        done = int(width * r.step / max(1, self.total))
+        text = f"[{'#' * done}{'.' * (width - done)}] " + "  ".join(parts)
+        if self.tty:
+            self.stream.write("\r" + text + " " * 4)
+            if r.step >= self.total:
+                self.stream.write("\n")
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+
+def _schedule(config: TrainConfig) -> Any:
+    if config.lr_schedule == "cosine":
+        return cosine_schedule(config.learning_rate, config.iters, config.warmup_steps)
+    if config.warmup_steps:
+        peak, warm = config.learning_rate, config.warmup_steps
+        return lambda step: peak * min(1.0, step / warm)
+    return config.learning_rate
+
+
+def make_optimizer(config: TrainConfig) -> AdamW:
+    return AdamW(learning_rate=_schedule(config), betas=config.betas, eps=config.eps,
+                 weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm)
+
+
+def _dropout_seed(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + step) & 0x7FFFFFFF
+
+
+class Trainer:
+    """The pieces of `train`, usable one at a time (the benchmark and tests drive `step` directly)."""
+
+    def __init__(self, model: Any, config: TrainConfig, adapter: Any) -> None:
+        self.model = model
+        self.config = config
+        self.adapter = adapter
+        self.optimizer = make_optimizer(config)
+        self.params: dict[str, Array] = adapter.trainable_parameters()
+
+        def loss_fn(params: dict[str, Array], inputs: Array, targets: Array, mask: Array) -> tuple[Array, Array]:
+            adapter.update(params)
+            return masked_cross_entropy(model.logits(inputs), targets, mask)
+
+        self._loss_fn = loss_fn
+        self._value_and_grad = mx.value_and_grad(loss_fn)
+
+    def step(self, batch: Batch) -> float:
+        """One optimizer step on `batch`; returns its loss."""
+        self.adapter.reseed_dropout(_dropout_seed(self.config.seed, self.optimizer.step + 1))
+        (loss, _), grads = self._value_and_grad(self.params, batch.inputs, batch.targets, batch.mask)
+        self.params = self.optimizer.update(self.params, grads)
+        self.adapter.update(self.params)
+        mx.eval([loss, *self.params.values(), *self.optimizer.state_arrays()])
+        return float(loss.item())
+
+    def evaluate(self, examples: Sequence[Example], num_batches: int = -1) -> float:
+        """Mean loss per trained token over `num_batches` batches (-1: all) of `examples`."""
+        total, count = 0.0, 0
+        for n, (_, batch) in enumerate(iterate_batches(examples, self.config.batch_size, self.config.max_seq_length,
+                                                       shuffle=False, loop=False, drop_last=False)):
+            if 0 <= num_batches <= n:
+                break
+            loss, ntok = masked_cross_entropy(self.model.logits(batch.inputs), batch.targets, batch.mask)
+            mx.eval(loss, ntok)
+            total += float(loss.item()) * float(ntok.item())
+            count += int(ntok.item())
+        return total / count if count else float("nan")
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path: Path, step: int, lora: LoRAConfig, history: dict[str, Any]) -> None:
+        """Adapter (mlx-lm's format) + optimizer state + step, written so that a crash leaves the
+        previous checkpoint readable (the state file is replaced last)."""
+        self.adapter.save(path)
+        mx.save_safetensors(path / OPTIMIZER_FILE, self.optimizer.state_dict() or {"_empty": mx.zeros((1,))})
+        state = {"step": step, "optimizer_step": self.optimizer.step, "lora": dataclasses.asdict(lora),
+                 "train_config": {k: v for k, v in dataclasses.asdict(self.config).items()},
+                 "optimizer": self.optimizer.hyperparameters(), **history}
+        tmp = path / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+        tmp.replace(path / STATE_FILE)
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+        tensors, _ = mx.load_safetensors(path / MLX_WEIGHTS)
+        current = self.adapter.trainable_parameters()
+        mismatch = sorted(set(current) ^ set(tensors))
+        if mismatch:
+            raise ValueError(f"{path}: the checkpoint's adapter does not match the model's: {', '.join(mismatch[:5])}")
+        self.params = {k: tensors[k].astype(current[k].dtype) for k in current}
+        self.adapter.update(self.params)
+        opt, _ = mx.load_safetensors(path / OPTIMIZER_FILE)
+        opt.pop("_empty", None)
+        self.optimizer.load_state_dict(opt, state["optimizer_step"])
+        mx.eval([*self.params.values(), *self.optimizer.state_arrays()])
+        return state
+
+
+def _check_model(model: Any) -> None:
+    missing = [name for name, proto in (("TrainableModel", TrainableModel), ("SupportsTraining", SupportsTraining))
+               if not isinstance(model, proto)]
+    if missing:
+        raise TypeError(f"{type(model).__name__} cannot be trained here (it is not {' / '.join(missing)}); "
+                        "load the model with the metal backend")
+
+
+def train(model: Any, data: str | Path, adapter_path: str | Path = "adapters", *, lora: LoRAConfig | None = None,
+          config: TrainConfig | None = None, callback: Callable[[TrainReport], None] | None = None,
+          **options: Any) -> TrainResult:
+    """Fine-tune a LoRA adapter of `model` (a loaded metal model, or a model path) on `data` (a
+    directory with train.jsonl [+ valid.jsonl], or one .jsonl file), writing checkpoints to
+    `adapter_path`. `options` override fields of `config` (e.g. iters=100, batch_size=2).
+
+    The model's current adapter is trained if it has one; otherwise `lora` (default LoRAConfig())
+    is applied. With `resume`, training continues from the checkpoint in `adapter_path`.
+    """
+    config = dataclasses.replace(config or TrainConfig(), **options) if options else (config or TrainConfig())
+    if isinstance(model, (str, Path)):
+        from pymlxc.registry import load_model
+
+        model = load_model(str(model), backend="metal")
+    _check_model(model)
+    adapter_dir = Path(adapter_path)
+    resume_state = None
+    if config.resume:
+        if not (adapter_dir / STATE_FILE).is_file():
+            raise FileNotFoundError(f"cannot resume: {adapter_dir / STATE_FILE} does not exist")
+        resume_state = json.loads((adapter_dir / STATE_FILE).read_text(encoding="utf-8"))
+
+    train_records, valid_records = load_records(data, config.valid_split, config.seed)
+    encoder = model.training_encoder()
+    train_set = tokenize_all(train_records, encoder, config.mask_prompt)
+    valid_set = tokenize_all(valid_records, encoder, config.mask_prompt)
+    if all(e.offset >= len(e.tokens) for e in train_set):
+        raise ValueError(f"{data}: every training token is masked out (mask_prompt with empty completions?)")
+
+    adapter = model.adapter
+    if adapter is None:
+        if resume_state is not None:
+            lora = LoRAConfig(**{**resume_state["lora"], "target_keys": tuple(resume_state["lora"]["target_keys"])})
+        adapter = model.apply_lora(lora or LoRAConfig(), seed=config.seed)
+    lora_config: LoRAConfig = adapter.config
+
+    trainer = Trainer(model, config, adapter)
+    start = 0
+    history: dict[str, Any] = {"train_losses": [], "val_losses": []}
+    if resume_state is not None:
+        state = trainer.load_checkpoint(adapter_dir)
+        start = int(state["step"])
+        history = {"train_losses": state.get("train_losses", []), "val_losses": state.get("val_losses", [])}
+        if start >= config.iters:
+            raise ValueError(f"cannot resume: the checkpoint is at step {start} and iters={config.iters}")
+
+    progress = Progress(config.iters, enabled=config.progress)
+    truncated = count_truncated(train_set, config.max_seq_length)
+    if truncated and config.progress:
+        sys.stderr.write(f"{truncated} training example(s) are longer than max_seq_length={config.max_seq_length} "
+                         "and will be cut\n")
+    result = TrainResult(adapter_dir, start, [tuple(x) for x in history["train_losses"]],
+                         [tuple(x) for x in history["val_losses"]])
+
+    def report(r: TrainReport) -> None:
+        progress.show(r)
+        if callback is not None:
+            callback(r)
+
+    mx.reset_peak_memory()
+    model.set_grad_checkpoint(config.grad_checkpoint)
+    batches = iterate_batches(train_set, config.batch_size, config.max_seq_length, seed=config.seed, skip=start)
+    window_loss, window_tokens, window_steps = 0.0, 0, 0
+    window_start = run_start = time.perf_counter()
+    adapter.set_training(True)
+    try:
+        for step in range(start + 1, config.iters + 1):
+            _, batch = next(batches)
+            loss = trainer.step(batch)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"the loss is {loss} at step {step}; lower the learning rate "
+                                         "or set max_grad_norm")
+            result.step_losses.append(loss)
+            window_loss += loss
+            window_tokens += batch.ntokens
+            window_steps += 1
+            result.trained_tokens += batch.ntokens
+            result.steps = step
+            r: TrainReport | None = None
+            if step % config.steps_per_report == 0 or step == config.iters:
+                now = time.perf_counter()
+                r = TrainReport(step, train_loss=window_loss / window_steps,
+                                learning_rate=trainer.optimizer.lr_at(step),
+                                tokens_per_sec=window_tokens / max(now - window_start, 1e-9),
+                                trained_tokens=result.trained_tokens, peak_memory=mx.get_peak_memory())
+                result.train_losses.append((step, r.train_loss))
+                window_loss, window_tokens, window_steps = 0.0, 0, 0
+            if valid_set and (step % config.steps_per_eval == 0 or step == config.iters):
+                adapter.set_training(False)
+                val = trainer.evaluate(valid_set, config.val_batches)
+                adapter.set_training(True)
+                result.val_losses.append((step, val))
+                r = r or TrainReport(step, learning_rate=trainer.optimizer.lr_at(step), peak_memory=mx.get_peak_memory())
+                r.val_loss = val
+            if r is not None:
+                report(r)
+                window_start = time.perf_counter()  # evaluation time does not count against tokens/s
+            if step % config.save_every == 0 or step == config.iters:
+                history = {"train_losses": result.train_losses, "val_losses": result.val_losses}
+                trainer.save_checkpoint(adapter_dir, step, lora_config, history)
+                if step % config.save_every == 0:
+                    mx.save_safetensors(adapter_dir / f"{step:07d}_adapters.safetensors", adapter.tensors())
+    finally:
+        adapter.set_training(False)
+        model.set_grad_checkpoint(False)
+    result.seconds = time.perf_counter() - run_start
+    result.tokens_per_sec = result.trained_tokens / max(result.seconds, 1e-9)
+    result.peak_memory = mx.get_peak_memory()
+    return result

@@ -1,0 +1,103 @@
+"""`pymlxc lora` (fine-tune a LoRA adapter) and `pymlxc fuse` (fold an adapter into the weights).
+
+    pymlxc lora MODEL --data DIR --adapter-path adapters --iters 600 --rank 8 --alpha 16
+    pymlxc lora MODEL --data DIR --adapter-path adapters --iters 1200 --resume
+    pymlxc fuse MODEL --adapter-path adapters --save-path fused [--dequantize]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
+
+
+def _configure_lora(p: argparse.ArgumentParser) -> None:
+    from pymlxc.cli import add_load_arguments
+
+    add_load_arguments(p)
+    p.set_defaults(backend="metal")
+    p.add_argument("--data", required=True, help="directory with train.jsonl (and valid.jsonl), or one .jsonl file")
+    p.add_argument("--adapter-path", default="adapters", help="where adapters and checkpoints go (default: adapters)")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --adapter-path")
+    g = p.add_argument_group("LoRA")
+    g.add_argument("--rank", type=int, default=8)
+    g.add_argument("--alpha", type=float, default=16.0, help="the update is scaled by alpha / rank")
+    g.add_argument("--keys", nargs="+", default=["q_proj", "v_proj"], help="linear layers to adapt, by name")
+    g.add_argument("--num-layers", type=int, default=None, help="adapt the last N blocks (default: all)")
+    g.add_argument("--dropout", type=float, default=0.0)
+    g.add_argument("--lora-dtype", choices=("float32", "bfloat16"), default="float32")
+    t = p.add_argument_group("training")
+    t.add_argument("--iters", type=int, default=1000)
+    t.add_argument("--batch-size", type=int, default=4)
+    t.add_argument("--learning-rate", type=float, default=1e-5)
+    t.add_argument("--weight-decay", type=float, default=0.01)
+    t.add_argument("--max-grad-norm", type=float, default=None, help="clip gradients to this global norm")
+    t.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant")
+    t.add_argument("--warmup-steps", type=int, default=0)
+    t.add_argument("--max-seq-length", type=int, default=2048)
+    t.add_argument("--no-mask-prompt", action="store_true", help="let prompt tokens count in the loss too")
+    t.add_argument("--grad-checkpoint", action="store_true", help="recompute block activations in backward")
+    t.add_argument("--valid-split", type=float, default=None, help="hold out this fraction when there is no valid.jsonl")
+    t.add_argument("--steps-per-report", type=int, default=10)
+    t.add_argument("--steps-per-eval", type=int, default=200)
+    t.add_argument("--val-batches", type=int, default=25)
+    t.add_argument("--save-every", type=int, default=100)
+    t.add_argument("--seed", type=int, default=0)
+    p.add_argument("--export-peft", default=None, metavar="DIR", help="also write the final adapter in PEFT's format")
+
+
+def _run_lora(args: argparse.Namespace) -> int:
+    from pymlxc.cli import load
+    from pymlxc.training import LoRAConfig, TrainConfig, train
+
+    lora = LoRAConfig(rank=args.rank, alpha=args.alpha, target_keys=tuple(args.keys), num_layers=args.num_layers,
+                      dropout=args.dropout, dtype=args.lora_dtype)
+    config = TrainConfig(
+        iters=args.iters, batch_size=args.batch_size, learning_rate=args.learning_rate,
+        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, lr_schedule=args.lr_schedule,
+        warmup_steps=args.warmup_steps, max_seq_length=args.max_seq_length, mask_prompt=not args.no_mask_prompt,
+        grad_checkpoint=args.grad_checkpoint, valid_split=args.valid_split, steps_per_report=args.steps_per_report,
+        steps_per_eval=args.steps_per_eval, val_batches=args.val_batches, save_every=args.save_every,
+        seed=args.seed, resume=args.resume, progress=not args.quiet)
+    with load(args) as model:
+        if not args.quiet:
+            print(f"training a LoRA adapter (rank {lora.rank}, alpha {lora.alpha:g}, keys {' '.join(lora.target_keys)}) "
+                  f"for {config.iters} steps", file=sys.stderr)
+        result = train(model, args.data, args.adapter_path, lora=lora, config=config)
+        if args.export_peft:
+            model.adapter.save(args.export_peft, format="peft")
+    if not args.quiet:
+        last = result.train_losses[-1][1] if result.train_losses else float("nan")
+        print(f"done: {result.steps} steps, final loss {last:.4f}, {result.tokens_per_sec:,.0f} trained tok/s, "
+              f"peak memory {result.peak_memory / 2**20:.1f} MB; adapter in {result.adapter_path}", file=sys.stderr)
+    return 0
+
+
+def _configure_fuse(p: argparse.ArgumentParser) -> None:
+    from pymlxc.cli import add_load_arguments
+
+    add_load_arguments(p)
+    p.set_defaults(backend="metal")
+    p.add_argument("--adapter-path", required=True, help="adapter directory (mlx-lm or PEFT format)")
+    p.add_argument("--save-path", required=True, help="directory for the fused model")
+    p.add_argument("--dequantize", action="store_true",
+                   help="save a quantized base dense (default: requantize with its own bits and group size)")
+
+
+def _run_fuse(args: argparse.Namespace) -> int:
+    from pymlxc.cli import load
+
+    with load(args) as model:
+        model.load_adapter(args.adapter_path)
+        out = model.save_fused(args.save_path, args.model, dequantize=args.dequantize)
+    if not args.quiet:
+        print(f"fused model written to {out}", file=sys.stderr)
+    return 0
+
+
+def register_commands(register: Callable[[Any], None]) -> None:
+    from pymlxc.cli import Command
+
+    register(Command("lora", "fine-tune a LoRA adapter on JSON Lines data", _configure_lora, _run_lora))
+    register(Command("fuse", "fold a LoRA adapter into a model's weights and save it", _configure_fuse, _run_fuse))

@@ -40,9 +40,6 @@ class MetalBackend:
         if config.gpu_layers not in (-1, 0):
             warnings.warn(f"gpu_layers={config.gpu_layers} is ignored by the metal backend: MLX runs every layer "
                           "on one device (gpu_layers=0 selects the CPU)", UserWarning, stacklevel=2)
-        if config.adapter_path is not None:
-            raise NotImplementedError("adapter_path is not supported by the metal backend's load yet; "
-                                      "attach adapters with the training API after loading")
         if config.gpu_layers == 0:
             import pymlxc.core as mx
 
@@ -59,12 +56,18 @@ def _load(path: str, config: LoadConfig, progress: Progress | None) -> "MetalTex
     tokenizer = Tokenizer(path)  # first: a missing tokenizer fails before gigabytes are read
     loaded = load_weights_and_config(path, context_len=config.context_len, progress=progress)
     try:
-        info = _model_info(loaded)
-        return MetalTextModel(loaded.model, tokenizer, model_type=loaded.model_type, info=info,
-                              release=loaded.free, config=config, stop_ids=_config_eos_ids(loaded.config))
+        model = MetalTextModel(loaded.model, tokenizer, model_type=loaded.model_type, info=_model_info(loaded),
+                               release=loaded.free, config=config, stop_ids=_config_eos_ids(loaded.config))
     except BaseException:
         loaded.free()
         raise
+    if config.adapter_path is not None:
+        try:
+            model.load_adapter(config.adapter_path)
+        except BaseException:
+            model.close()
+            raise
+    return model
 
 
 def _model_info(loaded: Any) -> "ModelInfo":

@@ -21,6 +21,7 @@ from pymlxc.types import BatchResult, ClassifyResult, GenerateMetrics, Message, 
 
 from . import generate as loops
 from .sample import Sampler, make_logits_processors, make_sampler
+from .training import TrainableMixin
 
 
 class Detokenizer(Protocol):
@@ -72,8 +73,9 @@ def _tokens(ids: Iterator[int], detokenizer: Detokenizer) -> Iterator[Token]:
         raise error
 
 
-class MetalTextModel:
+class MetalTextModel(TrainableMixin):
     """A loaded model of the native backend. Thread-safe; see the module doc for `max_tokens=0`.
+    The training side (apply_lora, adapters, logits) comes from `training.TrainableMixin`.
 
     `err()` answers for the calling thread: the error that ended its last stream (or batch), reset
     at each of its calls, so concurrent callers do not see one another's errors.
@@ -187,11 +189,10 @@ class MetalTextModel:
         error: Exception | None = None
         try:
             with self._slot(guard), self._on_device():
-                longest = max(len(r) for r in rows_in)
                 rows = loops.batch_generate_ids(
                     self._model, rows_in, cache=self._model.make_cache(self._context_len),
                     sampler=self._sampler(options), processors=make_logits_processors(options.repeat_penalty),
-                    max_tokens=min(options.max_tokens, self._context_len - longest),
+                    max_tokens=options.max_tokens,
                     stop_ids=self._stop_ids | frozenset(options.stop_tokens), guard=guard, timings=timings,
                     out=rows)
         except Exception as exc:  # noqa: BLE001 - reported per row and in err()
@@ -247,11 +248,10 @@ class MetalTextModel:
         return options
 
     def _check_ids(self, ids: Sequence[int]) -> None:
+        # A prompt or generation longer than context_len is not an error: the caches keep the
+        # most recent context_len tokens (and the first few), as the models' make_cache decides.
         if not ids:
             raise ValueError("the prompt encodes to no tokens")
-        if len(ids) >= self._context_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {self._context_len} "
-                             f"(raise context_len when loading)")
 
     def _encode_prompt(self, prompt: str) -> list[int]:
         if not isinstance(prompt, str):
@@ -317,7 +317,7 @@ class MetalTextModel:
                 id_stream = loops.generate_ids(
                     self._model, ids, cache=self._model.make_cache(self._context_len),
                     sampler=self._sampler(options), processors=make_logits_processors(options.repeat_penalty),
-                    max_tokens=min(options.max_tokens, self._context_len - len(ids)),
+                    max_tokens=options.max_tokens,
                     stop_ids=self._stop_ids | frozenset(options.stop_tokens), guard=guard, timings=timings)
                 yield from _tokens(id_stream, self._tokenizer.detokenizer())
         finally:

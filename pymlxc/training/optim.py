@@ -14,7 +14,7 @@ from typing import Any
 import pymlxc.core as mx
 from pymlxc.core import Array
 
-from .trees import Tree, tree_flatten, tree_leaves, tree_map, tree_unflatten
+from .trees import Tree, tree_flatten, tree_leaves, tree_map
 
 
 def global_norm(grads: Tree) -> Array:
@@ -89,24 +89,24 @@ class AdamW:
         b1, b2 = self.betas
         c1 = 1.0 - b1 ** self.step if self.bias_correction else 1.0
         c2 = 1.0 - b2 ** self.step if self.bias_correction else 1.0
-        flat_grads = dict(tree_flatten(grads))
-        new_items = []
-        for path, p in tree_flatten(params):
-            g = flat_grads.get(path)
-            if g is None:
-                raise KeyError(f"no gradient for parameter {path!r}")
+        paths = iter([path for path, _ in tree_flatten(params)])
+
+        def one(p: Array, g: Array) -> Array:
+            path = next(paths)
             st = self.state[path]
             wide = st.get("master", p)
-            g = g.astype(mx.float32 if wide.dtype == mx.float32 else wide.dtype)
+            g = g.astype(wide.dtype)
             m = b1 * st["m"] + (1.0 - b1) * g
             v = b2 * st["v"] + (1.0 - b2) * mx.square(g)
-            step = (m / c1) / (mx.sqrt(v / c2) + self.eps)
-            new = wide * (1.0 - lr * self.weight_decay) - lr * step
+            new = wide * (1.0 - lr * self.weight_decay) - lr * ((m / c1) / (mx.sqrt(v / c2) + self.eps))
             st["m"], st["v"] = m, v
             if "master" in st:
                 st["master"] = new
-            new_items.append((path, new.astype(p.dtype)))
-        return tree_unflatten(new_items) if new_items else params
+            return new.astype(p.dtype)
+
+        # tree_map keeps the structure (flat dicts with dotted names stay flat); it visits leaves
+        # in tree_flatten's order, which pairs each leaf with its path.
+        return tree_map(one, params, grads)
 
     def state_arrays(self) -> list[Array]:
         """Every array the optimizer holds (to `mx.eval` them with the parameters each step)."""

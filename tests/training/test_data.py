@@ -1,0 +1,139 @@
+"""JSON Lines datasets: formats, errors naming file and line, splits, batching and masks."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pymlxc.training import DatasetError, Encoder, load_records, make_batch, read_jsonl, tokenize
+from pymlxc.training.data import Example, batch_order, iterate_batches
+
+EOS = 0
+
+
+def _encoder(chat: bool = True) -> Encoder:
+    # characters as tokens (ord % 200 + 1); a "BOS" 255 from encode, none from encode_plain
+    def plain(text: str) -> list[int]:
+        return [ord(c) % 200 + 1 for c in text]
+
+    def render(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        text = "".join(f"<{m['role']}>{m['content']}|" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+    return Encoder(encode=lambda t: [255] + plain(t), encode_plain=plain, eos_token_id=EOS,
+                   render_chat=render if chat else None)
+
+
+def _write(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_text_records_get_bos_and_eos(tmp_path: Path) -> None:
+    [rec] = read_jsonl(_write(tmp_path / "d.jsonl", ['{"text": "abc"}']))
+    ex = tokenize(rec, _encoder())
+    assert ex.tokens == (255, 98, 99, 100, EOS) and ex.offset == 0
+
+
+def test_completion_records_mask_the_prompt(tmp_path: Path) -> None:
+    [rec] = read_jsonl(_write(tmp_path / "d.jsonl", ['{"prompt": "hi", "completion": "yo"}']))
+    enc = _encoder()
+    ex = tokenize(rec, enc)
+    full = enc.encode_plain("<user>hi|<assistant>yo|")
+    assert list(ex.tokens) == full
+    assert ex.offset == len(enc.encode_plain("<user>hi|<assistant>"))
+    assert tokenize(rec, enc, mask_prompt=False).offset == 0
+    # without a chat template: prompt (with BOS) + completion + EOS
+    plain = tokenize(rec, _encoder(chat=False))
+    assert plain.tokens == (255, *enc.encode_plain("hiyo"), EOS) and plain.offset == 3
+
+
+def test_chat_records_mask_all_but_the_last_turn(tmp_path: Path) -> None:
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    [rec] = read_jsonl(_write(tmp_path / "d.jsonl", [json.dumps({"messages": msgs})]))
+    enc = _encoder()
+    ex = tokenize(rec, enc)
+    assert ex.offset == len(enc.encode_plain("<system>s|<user>q|<assistant>"))
+    with pytest.raises(DatasetError, match=r"d\.jsonl:1: chat records need a chat template"):
+        tokenize(rec, _encoder(chat=False))
+
+
+def test_malformed_json_names_file_and_line(tmp_path: Path) -> None:
+    path = _write(tmp_path / "train.jsonl", ['{"text": "a"}', "", '{"text": "b"', '{"text": "c"}'])
+    with pytest.raises(DatasetError, match=r"train\.jsonl:3: malformed JSON"):
+        read_jsonl(path)
+
+
+@pytest.mark.parametrize("lines, message", [
+    ([], "the dataset is empty"),
+    (["", "   "], "the dataset is empty"),
+    (['["text"]'], r":1: a record must be a JSON object"),
+    (['{"txt": "a"}'], r":1: no known format"),
+    (['{"text": "a"}', '{"prompt": "p", "completion": "c"}'], r":2: a 'completion' record in a 'text' dataset"),
+])
+def test_bad_datasets(tmp_path: Path, lines: list[str], message: str) -> None:
+    with pytest.raises(DatasetError, match=message):
+        read_jsonl(_write(tmp_path / "d.jsonl", lines))
+
+
+def test_wrong_value_types_name_the_line(tmp_path: Path) -> None:
+    recs = read_jsonl(_write(tmp_path / "d.jsonl", ['{"text": "ok"}', '{"text": 5}']))
+    with pytest.raises(DatasetError, match=r"d\.jsonl:2: 'text' must be a string"):
+        tokenize(recs[1], _encoder())
+
+
+def test_data_directory_and_split(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match="has no train.jsonl"):
+        load_records(tmp_path)
+    with pytest.raises(DatasetError, match="no such data directory"):
+        load_records(tmp_path / "nope")
+    _write(tmp_path / "train.jsonl", [json.dumps({"text": f"t{i}"}) for i in range(10)])
+    train, valid = load_records(tmp_path)
+    assert len(train) == 10 and valid == []
+    train, valid = load_records(tmp_path, valid_split=0.2, seed=1)
+    assert len(train) == 8 and len(valid) == 2
+    assert {r.line for r in train} | {r.line for r in valid} == set(range(1, 11))
+    assert load_records(tmp_path, valid_split=0.2, seed=1)[1] == valid  # seeded
+    _write(tmp_path / "valid.jsonl", ['{"text": "v"}'])
+    train, valid = load_records(tmp_path, valid_split=0.2)
+    assert len(train) == 10 and [r.data["text"] for r in valid] == ["v"]
+
+
+def test_batch_padding_and_mask() -> None:
+    a = Example((1, 2, 3, 4), offset=2, where="x:1")
+    b = Example((5, 6), offset=0, where="x:2")
+    batch = make_batch([a, b], max_seq_length=16)
+    np.testing.assert_array_equal(np.array(batch.inputs), [[1, 2, 3], [5, 6, 0]])
+    np.testing.assert_array_equal(np.array(batch.targets), [[2, 3, 4], [6, 0, 0]])
+    # a: targets 3 and 4 are at token positions >= offset 2; b: its one real target
+    np.testing.assert_array_equal(np.array(batch.mask), [[False, True, True], [True, False, False]])
+    assert batch.ntokens == 3
+    cut = make_batch([a], max_seq_length=2)
+    assert cut.inputs.shape == (1, 2) and cut.ntokens == 1
+
+
+def test_batch_order_is_seeded_and_resumable() -> None:
+    examples = [Example(tuple(range(2 + i % 5)), 0, f"x:{i}") for i in range(10)]
+    first = [ix for _, (_, ix) in zip(range(12), batch_order(examples, 3, seed=4))]
+    again = [ix for _, (_, ix) in zip(range(12), batch_order(examples, 3, seed=4))]
+    assert first == again
+    assert all(len(ix) == 3 for ix in first)  # the short remainder is dropped
+    resumed = [np.array(b.inputs).tolist() for _, (_, b) in zip(range(3), iterate_batches(examples, 3, 64, seed=4, skip=5))]
+    full = [np.array(b.inputs).tolist() for _, (_, b) in zip(range(8), iterate_batches(examples, 3, 64, seed=4))]
+    assert resumed == full[5:8]
+    once = list(iterate_batches(examples, 3, 64, shuffle=False, loop=False, drop_last=False))
+    assert sum(b.inputs.shape[0] for _, b in once) == 10
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.text(min_size=0, max_size=20), min_size=1, max_size=8))
+def test_jsonl_round_trip(tmp_path_factory: pytest.TempPathFactory, texts: list[str]) -> None:
+    path = tmp_path_factory.mktemp("rt") / "d.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    records = read_jsonl(path)
+    assert [r.data["text"] for r in records] == texts
+    assert [r.line for r in records] == list(range(1, len(texts) + 1))

@@ -1,0 +1,411 @@
+"""Key/value caches for incremental decoding, and the causal (+ sliding window) masks that go with them.
+
+Every cache follows `Cache`: `offset` (tokens seen), `update_and_fetch(keys, values)` (append a chunk
+of shape [B, kv_heads, S, head_dim], return the keys and values to attend to), `make_mask(n, window)`
+(the mask for the next chunk of `n` queries, matching what `update_and_fetch` will return), `state`
+(the arrays, for `mx.eval`), `trim(n)`, `is_trimmable()`, `nbytes`.
+
+`KVCache` grows its buffers in steps of 256 tokens and writes chunks with slice updates (no
+reallocation per token). `RotatingKVCache` keeps at most `max_size` tokens (plus the incoming chunk),
+for sliding-window layers and for a `context_len` bound; its results and masks are those of mlx-lm's
+RotatingKVCache, including multi-token chunks that overflow the window, so outputs match mlx-lm.
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+import pymlxc.core as mx
+from pymlxc.core import Array
+
+_slice = mx.slice
+_slice_update = mx.slice_update
+_concat = mx.concatenate
+
+Mask = Array | str | None
+STEP = 256
+# Tokens at the start of the context that a context-bounded cache never evicts (attention sinks).
+CONTEXT_KEEP = 4
+
+
+@runtime_checkable
+class Cache(Protocol):
+    offset: int
+
+    def update_and_fetch(self, keys: Array, values: Array) -> tuple[Array, Array]: ...
+
+    def make_mask(self, n: int, window_size: int | None = None) -> Mask: ...
+
+    @property
+    def state(self) -> tuple[Array, ...]: ...
+
+    def is_trimmable(self) -> bool: ...
+
+    def trim(self, n: int) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+# ---------------------------------------------------------------------- masks
+
+def create_causal_mask(n: int, offset: int = 0, window_size: int | None = None) -> Array:
+    """Boolean [n, offset + n]: query i (at position offset + i) sees key j when j <= offset + i and,
+    with a window, offset + i - j < window_size."""
+    rinds = mx.arange(offset + n)
+    linds = mx.arange(offset, offset + n) if offset else rinds
+    linds = mx.expand_dims(linds, 1)
+    rinds = mx.expand_dims(rinds, 0)
+    mask = linds >= rinds
+    if window_size is not None:
+        mask = mask & (linds < rinds + window_size)
+    return mask
+
+
+def make_prompt_mask(n: int, cache: "Cache | None" = None, window_size: int | None = None) -> Mask:
+    """The attention mask for a chunk of `n` tokens: None (one token, nothing to hide), "causal"
+    (the fused kernel's own causal mask), or a boolean array when a sliding window cuts in."""
+    if cache is not None:
+        return cache.make_mask(n, window_size)
+    if n == 1:
+        return None
+    if window_size is not None and n > window_size:
+        return create_causal_mask(n, 0, window_size)
+    return "causal"
+
+
+# ---------------------------------------------------------------------- caches
+
+class KVCache:
+    """An unbounded cache: buffers grow by `step` tokens, chunks are written in place."""
+
+    step = STEP
+
+    def __init__(self) -> None:
+        self.keys: Array | None = None
+        self.values: Array | None = None
+        self.offset = 0
+        self._capacity = 0
+
+    def update_and_fetch(self, keys: Array, values: Array) -> tuple[Array, Array]:
+        prev = self.offset
+        b, h, s, dk = keys.shape
+        end = prev + s
+        if end > self._capacity:
+            dv = values.shape[3]
+            n_steps = (self.step + s - 1) // self.step
+            new_k = mx.zeros((b, h, n_steps * self.step, dk), keys.dtype)
+            new_v = mx.zeros((b, h, n_steps * self.step, dv), values.dtype)
+            if self.keys is not None:
+                if prev < self._capacity:  # drop the unused tail before growing
+                    self.keys = _slice(self.keys, [0, 0, 0, 0], [b, h, prev, dk], [1, 1, 1, 1])
+                    self.values = _slice(self.values, [0, 0, 0, 0], [b, h, prev, dv], [1, 1, 1, 1])
+                self.keys = _concat([self.keys, new_k], axis=2)
+                self.values = _concat([self.values, new_v], axis=2)
+            else:
+                self.keys, self.values = new_k, new_v
+            self._capacity = prev + n_steps * self.step
+            self._dims = (b, h, dk, dv)
+        _, _, dk, dv = self._dims
+        self.keys = _slice_update(self.keys, keys, [0, 0, prev, 0], [b, h, end, dk], [1, 1, 1, 1])
+        self.values = _slice_update(self.values, values, [0, 0, prev, 0], [b, h, end, dv], [1, 1, 1, 1])
+        self.offset = end
+        if end < self._capacity:
+            return (_slice(self.keys, [0, 0, 0, 0], [b, h, end, dk], [1, 1, 1, 1]),
+                    _slice(self.values, [0, 0, 0, 0], [b, h, end, dv], [1, 1, 1, 1]))
+        return self.keys, self.values
+
+    def make_mask(self, n: int, window_size: int | None = None) -> Mask:
+        if window_size is not None:
+            return create_causal_mask(n, self.offset, window_size)
+        return None if n == 1 else "causal"
+
+    def key_positions(self, n: int) -> np.ndarray:
+        """Positions of the keys the next `update_and_fetch` of `n` tokens returns, in order."""
+        return np.arange(self.offset + n)
+
+    @property
+    def state(self) -> tuple[Array, ...]:
+        return () if self.keys is None else (self.keys, self.values)
+
+    @property
+    def meta_state(self) -> tuple[int, ...]:
+        return (self.offset,)
+
+    @classmethod
+    def from_state(cls, state: tuple[Array, ...], meta_state: tuple[int, ...]) -> "KVCache":
+        c = cls()
+        (c.offset,) = meta_state
+        if state:
+            c.keys, c.values = state
+            b, h, cap, dk = c.keys.shape
+            c._capacity = cap
+            c._dims = (b, h, dk, c.values.shape[3])
+        return c
+
+    def copy(self) -> "KVCache":
+        """An independent cache with the same contents (arrays are immutable: no data is copied)."""
+        c = KVCache()
+        c.__dict__.update(self.__dict__)
+        return c
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    def free(self) -> None:
+        """Release the buffers now; the cache is empty afterwards."""
+        for a in (self.keys, self.values):
+            if a is not None:
+                a.free()
+        self.keys = self.values = None
+        self.offset = self._capacity = 0
+
+
+class RotatingKVCache:
+    """At most `max_size` tokens: once full, new tokens overwrite the oldest, except the first `keep`.
+
+    One-token updates write in place into a ring buffer. A multi-token chunk that still fits (nothing
+    evicted yet) is written in place too; otherwise the cache is put in temporal order, cut to its
+    last `max_size - 1` tokens (plus `keep`) and the chunk appended, so every query of the chunk sees
+    at least `max_size` tokens. This is mlx-lm's algorithm: results and masks agree with it.
+    """
+
+    step = STEP
+
+    def __init__(self, max_size: int, keep: int = 0) -> None:
+        if max_size < 1 or not 0 <= keep < max_size:
+            raise ValueError(f"RotatingKVCache needs max_size >= 1 and 0 <= keep < max_size, got {max_size}, {keep}")
+        self.max_size = max_size
+        self.keep = keep
+        self.keys: Array | None = None
+        self.values: Array | None = None
+        self.offset = 0
+        self._idx = 0  # write position in the buffer / count of valid entries before it
+        self._len = 0  # buffer length
+
+    # ------------------------------------------------------------------ helpers
+    def _cut(self, v: Array, start: int, stop: int) -> Array:
+        s = v.shape
+        return _slice(v, [0, 0, start, 0], [s[0], s[1], stop, s[3]], [1, 1, 1, 1])
+
+    def _trim_front(self, trim_size: int, v: Array, append: Array | None = None) -> Array:
+        parts = [self._cut(v, 0, self.keep), self._cut(v, trim_size + self.keep, self._len)] if trim_size > 0 else [v]
+        if append is not None:
+            parts.append(append)
+        return _concat(parts, axis=2) if len(parts) > 1 else parts[0]
+
+    def _temporal_order(self, v: Array) -> Array:
+        if self._idx == self._len:
+            return v
+        if self._idx < self.offset:  # wrapped: [keep][oldest ... end][keep ... newest]
+            return _concat([self._cut(v, 0, self.keep), self._cut(v, self._idx, self._len),
+                            self._cut(v, self.keep, self._idx)], axis=2)
+        return self._cut(v, 0, self._idx)
+
+    # ------------------------------------------------------------------ updates
+    def update_and_fetch(self, keys: Array, values: Array) -> tuple[Array, Array]:
+        s = keys.shape[2]
+        if s == 1:
+            return self._update_in_place(keys, values)
+        if self._idx == self.offset and self.offset + s <= self.max_size:
+            return self._append_in_place(keys, values, s)
+        return self._update_concat(keys, values, s)
+
+    def _grow(self, keys: Array, values: Array, new_len: int) -> None:
+        b, h, _, dk = keys.shape
+        extra = new_len - self._len
+        new_k = mx.zeros((b, h, extra, dk), keys.dtype)
+        new_v = mx.zeros((b, h, extra, values.shape[3]), values.dtype)
+        if self.keys is None:
+            self.keys, self.values = new_k, new_v
+        else:
+            if self._idx < self._len:  # unwrapped buffer with an unused tail: keep the valid part
+                self.keys = self._cut(self.keys, 0, self._idx)
+                self.values = self._cut(self.values, 0, self._idx)
+                extra += self._len - self._idx
+                new_k = mx.zeros((b, h, extra, dk), keys.dtype)
+                new_v = mx.zeros((b, h, extra, values.shape[3]), values.dtype)
+            self.keys = _concat([self.keys, new_k], axis=2)
+            self.values = _concat([self.values, new_v], axis=2)
+        self._len = new_len
+
+    def _write(self, keys: Array, values: Array, at: int, s: int) -> None:
+        b, h, _, dk = keys.shape
+        self.keys = _slice_update(self.keys, keys, [0, 0, at, 0], [b, h, at + s, dk], [1, 1, 1, 1])
+        self.values = _slice_update(self.values, values, [0, 0, at, 0], [b, h, at + s, values.shape[3]], [1, 1, 1, 1])
+
+    def _valid(self) -> tuple[Array, Array]:
+        if self.offset < self._len:
+            return self._cut(self.keys, 0, self.offset), self._cut(self.values, 0, self.offset)
+        return self.keys, self.values
+
+    def _append_in_place(self, keys: Array, values: Array, s: int) -> tuple[Array, Array]:
+        # Nothing evicted yet and the chunk fits: same contents as mlx-lm's concatenation, no copy.
+        end = self.offset + s
+        if end > self._len:
+            self._grow(keys, values, min(self.max_size, (end + self.step - 1) // self.step * self.step))
+        self._write(keys, values, self.offset, s)
+        self.offset = self._idx = end
+        return self._valid()
+
+    def _update_concat(self, keys: Array, values: Array, s: int) -> tuple[Array, Array]:
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = self._temporal_order(self.keys)
+            self.values = self._temporal_order(self.values)
+            self._idx = self._len = self.keys.shape[2]
+            # Keep max_size - 1 old tokens so that every query of the chunk sees max_size tokens.
+            trim_size = self._idx - self.max_size + 1
+            self.keys = self._trim_front(trim_size, self.keys, keys)
+            self.values = self._trim_front(trim_size, self.values, values)
+        self.offset += s
+        self._idx = self._len = self.keys.shape[2]
+        return self.keys, self.values
+
+    def _update_in_place(self, keys: Array, values: Array) -> tuple[Array, Array]:
+        prev = self.offset
+        if self.keys is None or (prev >= self._len and self._len < self.max_size):
+            self._grow(keys, values, self._len + min(self.step, self.max_size - prev))
+            self._idx = prev
+        trim_size = self._len - self.max_size
+        if trim_size > 0:  # after an overflowing chunk: drop the oldest, back to max_size
+            self.keys = self._trim_front(trim_size, self.keys)
+            self.values = self._trim_front(trim_size, self.values)
+            self._len = self.max_size
+            self._idx = self.max_size
+        if self._idx == self.max_size:
+            self._idx = self.keep
+        self._write(keys, values, self._idx, 1)
+        self.offset += 1
+        self._idx += 1
+        return self._valid()
+
+    # ------------------------------------------------------------------ masks
+    def make_mask(self, n: int, window_size: int | None = None) -> Mask:
+        if n > 1:
+            window_size = window_size or self.max_size
+            offset = min(self.max_size - 1, self.offset)
+            if offset + n > window_size:
+                return create_causal_mask(n, offset, window_size)
+            return "causal"
+        if window_size is None:
+            return None
+        # A one-token step sees the whole buffer; hide what is older than the window when the
+        # buffer is longer than the window.
+        if self.offset >= window_size and self.max_size > window_size:
+            idx = self._idx
+            if idx >= self.max_size:
+                idx = 0
+            mask_size = self.offset + 1 if self.offset < self.max_size else self.max_size
+            mask = mx.arange(mask_size) >= (mask_size - window_size)
+            return mx.roll(mask, idx + 1)
+        return None
+
+    def _slot_positions(self) -> np.ndarray:
+        """The position held by each buffer slot now (-1: unused)."""
+        out = np.full(self._len, -1, dtype=np.int64)
+        off, idx, keep = self.offset, self._idx, self.keep
+        if idx == off:  # nothing evicted: slots 0..off-1 in order
+            out[:off] = np.arange(off)
+            return out
+        # Evicted: [keep head][newest up to idx][oldest from idx to the end]
+        newest = off - (idx - keep)
+        out[:keep] = np.arange(keep)
+        out[keep:idx] = np.arange(newest, off)
+        out[idx:] = np.arange(newest - (self._len - idx), newest)
+        return out
+
+    def key_positions(self, n: int) -> np.ndarray:
+        """Positions of the keys that the next `update_and_fetch` of `n` tokens returns, in order
+        (the same steps as the update, on positions instead of arrays). For explicit masks."""
+        off, keep = self.offset, self.keep
+        if self.keys is None or (n > 1 and self._idx == off and off + n <= self.max_size):
+            return np.arange(off + n)
+        slots, idx = self._slot_positions(), self._idx
+        if n > 1:
+            if idx != len(slots):
+                slots = (np.concatenate([slots[:keep], slots[idx:], slots[keep:idx]]) if idx < off
+                         else slots[:idx])
+            trim_size = len(slots) - self.max_size + 1
+            if trim_size > 0:
+                slots = np.concatenate([slots[:keep], slots[trim_size + keep:]])
+            return np.concatenate([slots, np.arange(off, off + n)])
+        if off >= len(slots) and len(slots) < self.max_size:
+            slots = np.concatenate([slots, np.full(min(self.step, self.max_size - off), -1)])
+            idx = off
+        if len(slots) > self.max_size:
+            trim_size = len(slots) - self.max_size
+            slots = np.concatenate([slots[:keep], slots[trim_size + keep:]])
+            idx = self.max_size
+        if idx == self.max_size:
+            idx = keep
+        slots = slots.copy()
+        slots[idx] = off
+        return slots[: off + 1] if off + 1 < len(slots) else slots
+
+    # ------------------------------------------------------------------ protocol rest
+    @property
+    def state(self) -> tuple[Array, ...]:
+        return () if self.keys is None else (self.keys, self.values)
+
+    @property
+    def meta_state(self) -> tuple[int, ...]:
+        return (self.keep, self.max_size, self.offset, self._idx)
+
+    @classmethod
+    def from_state(cls, state: tuple[Array, ...], meta_state: tuple[int, ...]) -> "RotatingKVCache":
+        keep, max_size, offset, idx = meta_state
+        c = cls(max_size, keep)
+        c.offset, c._idx = offset, idx
+        if state:
+            c.keys, c.values = state
+            c._len = c.keys.shape[2]
+        return c
+
+    def copy(self) -> "RotatingKVCache":
+        c = RotatingKVCache(self.max_size, self.keep)
+        c.__dict__.update(self.__dict__)
+        return c
+
+    def is_trimmable(self) -> bool:
+        return self.offset < self.max_size
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        self._idx -= n
+        return n
+
+    def size(self) -> int:
+        return min(self.offset, self.max_size)
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    def free(self) -> None:
+        for a in (self.keys, self.values):
+            if a is not None:
+                a.free()
+        self.keys = self.values = None
+        self.offset = self._idx = self._len = 0

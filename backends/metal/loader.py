@@ -1,0 +1,299 @@
+"""Load a Hugging Face / mlx-lm model directory into a native model: config, shards, quantization.
+
+`load_weights_and_config(path)` reads `config.json`, picks the architecture, builds the model with
+placeholder parameters, swaps in quantized layers where the checkpoint is quantized (mlx-lm's
+layout: packed `weight`, `scales`, `biases`; config `quantization` with per-module overrides),
+matches checkpoint names to parameters (with or without `language_model.` / `model.` prefixes),
+checks every tensor's presence and shape, and evaluates the weights so that loading is paid for at
+load. Dtypes are kept as stored (bfloat16 stays bfloat16). `LoadedModel.free()` releases every
+weight at once.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pymlxc.core as mx
+from pymlxc.core import Array, MLXError
+
+from . import nn
+from .models import UnsupportedModelError, get_model_module, infer_model_type
+from .models.base import ConfigError
+
+Progress = Callable[[int, int], None]
+
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+_EVAL_CHUNK_BYTES = 256 << 20  # weights evaluated per batch: enough to keep the reader busy
+_ADAPTER_FILES = ("adapters.safetensors", "adapter_model.safetensors")
+
+
+class WeightsFileError(ValueError):
+    """A safetensors file is missing, truncated or corrupt; the message names the file."""
+
+
+@dataclass
+class LoadedModel:
+    """A model with its weights in memory, and what the loader learnt about it."""
+
+    model: Any
+    config: dict[str, Any]
+    model_type: str
+    path: Path
+    quantization: dict[str, Any] | None  # the default {"group_size", "bits"}, None when dense
+    num_tensors: int
+    nbytes: int
+    quantized_modules: int = 0
+    context_len: int = 131072
+    _freed: bool = field(default=False, repr=False)
+
+    @property
+    def quant_bits(self) -> int:
+        return int(self.quantization["bits"]) if self.quantization else 0
+
+    @property
+    def quant_group(self) -> int:
+        return int(self.quantization["group_size"]) if self.quantization else 0
+
+    def free(self) -> None:
+        """Release every weight Array now (idempotent). The model cannot run afterwards."""
+        if not self._freed:
+            self._freed = True
+            self.model.free()
+
+    close = free
+
+    def __enter__(self) -> "LoadedModel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.free()
+
+
+# ---------------------------------------------------------------------- config
+
+def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """config.json of a model directory as a dict; errors name the file and what is wrong."""
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"model directory not found: {root}")
+    file = root / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"config.json not found in {root} (expected {file})")
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{file}: not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ConfigError(f"{file}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
+def _quantization_of(config: Mapping[str, Any], file: Path) -> dict[str, Any] | None:
+    """mlx-lm's `quantization` entry (or the same under `quantization_config`); other methods
+    (GPTQ, AWQ, bitsandbytes, fp8, ...) are not supported here."""
+    q = config.get("quantization")
+    if q is None:
+        q = config.get("quantization_config")
+        if q is None and isinstance(config.get("text_config"), Mapping):
+            q = config["text_config"].get("quantization")
+        if q is not None and ("quant_method" in q and "bits" not in q):
+            raise ConfigError(f"{file}: quantization method {q.get('quant_method')!r} is not supported "
+                              "(only MLX affine quantization: 'bits' and 'group_size')")
+    if q is None:
+        return None
+    if not isinstance(q, Mapping):
+        raise ConfigError(f"{file}: 'quantization' must be an object, got {type(q).__name__}")
+    mode = q.get("mode", "affine")
+    if mode != "affine":
+        raise ConfigError(f"{file}: quantization mode {mode!r} is not supported (only 'affine')")
+    return dict(q)
+
+
+# ---------------------------------------------------------------------- weights
+
+def weight_files(root: Path) -> list[Path]:
+    """The checkpoint's safetensors shards (LoRA adapter files excluded)."""
+    files = sorted(p for p in root.glob("*.safetensors") if p.name not in _ADAPTER_FILES)
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weight files in {root}")
+    return files
+
+
+def _read_shards(files: list[Path]) -> tuple[dict[str, Array], dict[str, Path]]:
+    weights: dict[str, Array] = {}
+    origin: dict[str, Path] = {}
+    for f in files:
+        try:
+            arrays, _ = mx.load_safetensors(f)
+        except MLXError as exc:
+            raise WeightsFileError(f"cannot read weights file {f}: {exc}") from exc
+        for k, v in arrays.items():
+            weights[k] = v
+            origin[k] = f
+    return weights, origin
+
+
+def canonical_name(name: str) -> str:
+    """Drop the multimodal wrappers: `language_model.model.x` and `model.language_model.x` -> `model.x`,
+    `language_model.lm_head.x` -> `lm_head.x`."""
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model."):]
+    if name.startswith("language_model."):
+        return name[len("language_model."):]
+    return name
+
+
+def _resolve_names(weights: dict[str, Array], module_paths: set[str]) -> dict[str, Array]:
+    """Checkpoint names -> parameter names; a name without the `model.` prefix gets it when that
+    makes it a module of the model."""
+    out: dict[str, Array] = {}
+    for name, value in weights.items():
+        c = canonical_name(name)
+        module = c.rpartition(".")[0]
+        if module not in module_paths and f"model.{module}" in module_paths:
+            c = "model." + c
+        out[c] = value
+    return out
+
+
+def _quant_params(path: str, module: nn.Module, weights: Mapping[str, Array], defaults: Mapping[str, Any],
+                  overrides: Mapping[str, Any]) -> dict[str, int] | bool:
+    """How the layer at `path` is quantized in the checkpoint: a config override, else read from
+    the shapes of its packed weight and scales (as mlx-lm does for unnamed layers), else dense."""
+    if path in overrides:
+        choice = overrides[path]
+        if choice is False or choice is None:
+            return False
+        if isinstance(choice, Mapping):
+            return {"group_size": int(choice.get("group_size", defaults.get("group_size", 64))),
+                    "bits": int(choice.get("bits", defaults.get("bits", 4)))}
+        return {"group_size": int(defaults.get("group_size", 64)), "bits": int(defaults.get("bits", 4))}
+    scales = weights.get(f"{path}.scales")
+    packed = weights.get(f"{path}.weight")
+    if scales is None or packed is None:
+        return False
+    in_dims = module.weight.shape[1]
+    bits = packed.shape[-1] * 32 // in_dims
+    group_size = in_dims // scales.shape[-1] if scales.shape[-1] else 0
+    if bits not in SUPPORTED_BITS or not group_size or in_dims % group_size:
+        raise nn.WeightsError(f"tensor {path}.weight: cannot read its quantization (packed shape {packed.shape}, "
+                              f"scales shape {scales.shape}, {in_dims} inputs)")
+    return {"group_size": group_size, "bits": bits}
+
+
+def _evaluate(params: dict[str, Array], origin: Mapping[str, Path], progress: Progress | None) -> int:
+    """Read every weight now, in batches; returns the bytes read. Errors name file and tensor."""
+    items = list(params.items())
+    sizes = [a.nbytes for _, a in items]
+    total = sum(sizes)
+    done = 0
+    if progress is not None:
+        progress(0, total)
+    batch: list[tuple[str, Array]] = []
+    batch_bytes = 0
+
+    def flush() -> None:
+        nonlocal done, batch_bytes
+        try:
+            mx.eval([a for _, a in batch])
+        except MLXError:
+            for name, a in batch:  # find the tensor that failed
+                try:
+                    mx.eval(a)
+                except MLXError as exc:
+                    src = origin.get(name)
+                    raise WeightsFileError(f"cannot read tensor {name!r}" + (f" from {src}" if src else "")
+                                           + f": {exc}") from exc
+            raise
+        done += batch_bytes
+        batch.clear()
+        batch_bytes = 0
+        if progress is not None:
+            progress(done, total)
+
+    for (name, a), size in zip(items, sizes):
+        batch.append((name, a))
+        batch_bytes += size
+        if batch_bytes >= _EVAL_CHUNK_BYTES:
+            flush()
+    if batch:
+        flush()
+    return total
+
+
+# ---------------------------------------------------------------------- entry point
+
+def load_weights_and_config(path: str | os.PathLike[str], context_len: int = 131072, device: Any = None, *,
+                            progress: Progress | None = None) -> LoadedModel:
+    """Load the model directory at `path`. `progress(done_bytes, total_bytes)` is called while the
+    weights are read. `device` (a `pymlxc.core.Device`/`Stream`) runs the loading there.
+    `context_len` is kept for the caller's `model.make_cache(context_len)`."""
+    if device is not None:
+        with mx.stream_scope(device):
+            return _load(Path(path), context_len, progress)
+    return _load(Path(path), context_len, progress)
+
+
+def _load(root: Path, context_len: int, progress: Progress | None) -> LoadedModel:
+    config = read_config(root)
+    file = root / "config.json"
+    files = weight_files(root)
+    raw, origin = _read_shards(files)
+
+    model_type = config.get("model_type") or infer_model_type(config, (canonical_name(k) for k in raw))
+    if model_type is not None and not isinstance(model_type, str):
+        raise ConfigError(f"{file}: model_type must be a string, got {model_type!r}")
+    module = get_model_module(model_type, (canonical_name(k) for k in raw))
+    try:
+        args = module.ModelArgs.from_dict(config)
+    except ConfigError as exc:
+        raise ConfigError(f"{file}: {exc}") from exc
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{file}: cannot read the {model_type} config: {exc}") from exc
+    try:
+        model = module.Model(args)
+    except (TypeError, ValueError, ZeroDivisionError) as exc:
+        raise ConfigError(f"{file}: cannot build a {model_type} model from this config: {exc}") from exc
+
+    module_paths = {p for p, _ in model.named_modules()}
+    weights = model.sanitize(_resolve_names(raw, module_paths))
+    del raw
+    origin = {canonical_name(k): v for k, v in origin.items()}
+
+    # An output head the checkpoint does not store is the embedding matrix (tied).
+    if getattr(model, "lm_head", None) is not None and "lm_head.weight" not in weights:
+        model.tie_embeddings()
+
+    quant = _quantization_of(config, file)
+    quantized = 0
+    if quant is not None or any(k.endswith(".scales") for k in weights):
+        defaults = {k: quant[k] for k in ("group_size", "bits") if quant and k in quant}
+        overrides = {canonical_name(k): v for k, v in (quant or {}).items()
+                     if k not in ("group_size", "bits", "mode") and (isinstance(v, Mapping) or v is False)}
+        overrides = {("model." + k if k not in module_paths and f"model.{k}" in module_paths else k): v
+                     for k, v in overrides.items()}
+        quantized = nn.quantize(model, lambda p, m: _quant_params(p, m, weights, defaults, overrides),
+                                group_size=int(defaults.get("group_size", 64)), bits=int(defaults.get("bits", 4)))
+        if quant is None and quantized:
+            first = next(m for _, m in model.named_modules()
+                         if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)))
+            quant = {"group_size": first.group_size, "bits": first.bits}
+
+    model.load_weights(weights, strict=True)
+    del weights
+    params = model.parameters()
+    nbytes = _evaluate(params, origin, progress)
+    # Constants derived from weights at load (e.g. Gemma's 1 + w) are evaluated now as well.
+    mx.eval(list(model.arrays()))
+    return LoadedModel(model=model, config=config, model_type=str(model_type), path=root,
+                       quantization={"group_size": int(quant.get("group_size", 64)), "bits": int(quant.get("bits", 4))}
+                       if quant else None,
+                       num_tensors=len(params), nbytes=nbytes, quantized_modules=quantized, context_len=context_len)
+
+
+__all__ = ["LoadedModel", "WeightsFileError", "ConfigError", "UnsupportedModelError", "load_weights_and_config",
+           "read_config", "weight_files", "canonical_name"]

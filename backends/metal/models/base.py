@@ -1,0 +1,223 @@
+"""Numerics shared by the architectures: config parsing, RoPE (with its scalings), attention with
+grouped-query heads through the fused kernel, logit soft-capping, per-layer masks, output heads."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+import pymlxc.core as mx
+from pymlxc.core import Array
+
+from .. import nn
+from ..cache import Cache, KVCache, Mask, RotatingKVCache, create_causal_mask, make_prompt_mask, CONTEXT_KEEP
+
+_sdpa = mx.fast.scaled_dot_product_attention
+_rope = mx.fast.rope
+_matmul = mx.matmul
+_tanh = mx.tanh
+
+A = TypeVar("A", bound="BaseModelArgs")
+
+
+class ConfigError(ValueError):
+    """config.json lacks a field the architecture needs, or holds an unusable value."""
+
+
+@dataclasses.dataclass
+class BaseModelArgs:
+    @classmethod
+    def from_dict(cls: type[A], params: Mapping[str, Any]) -> A:
+        """Build from a HF config dict; unknown keys are ignored, missing required ones named."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        missing = [n for n, f in fields.items()
+                   if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and n not in params]
+        if missing:
+            raise ConfigError(f"config is missing required field{'s' if len(missing) > 1 else ''}: {', '.join(missing)}")
+        return cls(**{k: v for k, v in params.items() if k in fields})
+
+
+# ---------------------------------------------------------------------- RoPE
+
+class RoPE(nn.Module):
+    """Rotary embedding of the first `dims` features. With `freqs` (Llama 3 scaling) the kernel takes
+    the per-pair frequencies instead of a base. No parameters: the frequencies are a constant."""
+
+    def __init__(self, dims: int, *, base: float, traditional: bool = False, scale: float = 1.0,
+                 freqs: Array | None = None) -> None:
+        super().__init__()
+        self.dims = dims
+        self.traditional = traditional
+        self.base = None if freqs is not None else float(base)
+        self.scale = float(scale)
+        self._freqs = freqs
+
+    def __call__(self, x: Array, offset: int | Array = 0) -> Array:
+        return _rope(x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale,
+                     offset=offset, freqs=self._freqs)
+
+
+def llama3_freqs(dims: int, base: float, scaling: Mapping[str, Any]) -> Array:
+    """Llama 3.x frequency scaling: long wavelengths slowed by `factor`, short ones kept, a smooth
+    blend in between (computed with the same float32 ops as mlx-lm, so results agree)."""
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    freqs = base ** (mx.arange(0, dims, 2) / dims)
+    wavelens = (2 * math.pi) * freqs
+    freqs = mx.where(wavelens > low_wavelen, freqs * factor, freqs)
+    is_medium = (wavelens > high_wavelen) & (wavelens < low_wavelen)
+    smooth = (old_ctx / wavelens - low) / (high - low)
+    smooth_freqs = freqs / ((1 - smooth) / factor + smooth)
+    out = mx.where(is_medium, smooth_freqs, freqs)
+    mx.eval(out)
+    return out
+
+
+def rope_scaling_type(scaling: Mapping[str, Any] | None) -> str:
+    if not scaling:
+        return "default"
+    return str(scaling.get("type") or scaling.get("rope_type") or "default")
+
+
+def initialize_rope(dims: int, base: float, traditional: bool = False,
+                    scaling: Mapping[str, Any] | None = None) -> RoPE:
+    """RoPE for a HF `rope_scaling` entry: none/default, `linear` (positions divided by `factor`) or
+    `llama3` (per-frequency scaling)."""
+    kind = rope_scaling_type(scaling)
+    if kind == "default":
+        return RoPE(dims, base=base, traditional=traditional)
+    if kind == "linear":
+        return RoPE(dims, base=base, traditional=traditional, scale=1.0 / float(scaling["factor"]))  # type: ignore[index]
+    if kind == "llama3":
+        return RoPE(dims, base=base, traditional=traditional, freqs=llama3_freqs(dims, base, scaling))  # type: ignore[arg-type]
+    raise ConfigError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+# ---------------------------------------------------------------------- attention
+
+def attention(q: Array, k: Array, v: Array, *, scale: float, mask: Mask) -> Array:
+    """softmax(q k^T * scale + mask) v over [B, heads, L, head_dim]; kv heads may be fewer (GQA)."""
+    return _sdpa(q, k, v, scale=scale, mask=mask)
+
+
+_MIN = {mx.float32: -3.4028234663852886e38, mx.float16: -65504.0, mx.bfloat16: -3.3895313892515355e38}
+
+
+def softcapped_attention(q: Array, k: Array, v: Array, *, scale: float, cap: float, mask: Mask,
+                         n_kv_heads: int) -> Array:
+    """Attention with tanh soft-capping of the scores (Gemma 2): the fused kernel cannot cap, so the
+    scores are formed explicitly, in the dtype of q, with a float32-precise softmax."""
+    b, n_heads, L, d = q.shape
+    repeats = n_heads // n_kv_heads
+    q = q * scale
+    if repeats > 1:
+        q = mx.reshape(q, (b, n_kv_heads, repeats, L, d))
+        k = mx.expand_dims(k, 2)
+        v = mx.expand_dims(v, 2)
+    scores = _matmul(q, mx.swapaxes(k, -1, -2))
+    scores = _tanh(scores / cap) * cap
+    if isinstance(mask, str):
+        kl = k.shape[-2]
+        mask = create_causal_mask(L, kl - L)
+    if mask is not None:
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(_MIN[scores.dtype], scores.dtype))
+        else:
+            scores = scores + mask
+    scores = mx.softmax(scores, axis=-1, precise=True)
+    out = _matmul(scores, v)
+    if repeats > 1:
+        out = mx.reshape(out, (b, n_heads, L, d))
+    return out
+
+
+def softcap(x: Array, cap: float) -> Array:
+    return _tanh(x / cap) * cap
+
+
+# ---------------------------------------------------------------------- masks per layer
+
+def _explicit_for(mask: Array, n: int, cache: Cache | None, window: int | None) -> Array:
+    """Fit a caller's mask [.., n, offset + n] to the keys that `cache` returns, and add the sliding
+    window. Key columns are picked by position when a rotating cache has evicted or reordered keys."""
+    offset = 0 if cache is None else cache.offset
+    positions: np.ndarray | None = None
+    if isinstance(cache, RotatingKVCache):
+        positions = cache.key_positions(n)
+        if np.array_equal(positions, np.arange(offset + n)):
+            positions = None
+    if positions is not None:
+        mask = mx.take(mask, mx.array(positions.astype(np.int32)), axis=-1)
+    if window is None or (positions is None and offset + n <= window):
+        return mask
+    kpos = positions if positions is not None else np.arange(offset + n)
+    qpos = np.arange(offset, offset + n)[:, None]
+    keep = mx.array((qpos - kpos[None, :]) < window)
+    if mask.dtype == mx.bool_:
+        return mask & keep
+    return mx.where(keep, mask, mx.array(-math.inf, mask.dtype))
+
+
+class LayerMasks:
+    """The masks of a forward pass: one per distinct sliding window (None = full attention), built
+    from the first cache of a layer with that window."""
+
+    def __init__(self, windows: Sequence[int | None]) -> None:
+        self.windows = list(windows)
+        self.first: dict[int | None, int] = {}
+        for i, w in enumerate(self.windows):
+            self.first.setdefault(w, i)
+        self.single = len(self.first) == 1
+
+    def __call__(self, n: int, cache: Sequence[Cache] | None, mask: Array | None) -> list[Mask]:
+        by_window: dict[int | None, Mask] = {}
+        for w, i in self.first.items():
+            c = cache[i] if cache is not None else None
+            if mask is None:
+                by_window[w] = make_prompt_mask(n, c, w)
+            else:
+                by_window[w] = _explicit_for(mask, n, c, w)
+        if self.single:
+            return [by_window[self.windows[0]]] * len(self.windows)
+        return [by_window[w] for w in self.windows]
+
+
+def make_layer_caches(windows: Sequence[int | None], context_len: int | None,
+                      keep: int = CONTEXT_KEEP) -> list[Cache]:
+    """Caches for layers with the given sliding windows: rotating, bounded by the window for local
+    layers and by `context_len` for all (keeping the first `keep` tokens of a long context)."""
+    out: list[Cache] = []
+    for w in windows:
+        if w is not None:
+            out.append(RotatingKVCache(w if context_len is None else min(w, context_len)))
+        elif context_len is None:
+            out.append(KVCache())
+        else:
+            out.append(RotatingKVCache(context_len, keep=min(keep, context_len - 1)))
+    return out
+
+
+# ---------------------------------------------------------------------- heads and weights
+
+class TiedHead:
+    """Mixin for models whose output head may be the embedding matrix (`lm_head` absent)."""
+
+    lm_head: nn.Linear | nn.QuantizedLinear | None
+
+    def tie_embeddings(self) -> None:
+        """Use the input embedding as the output head (drops `lm_head`)."""
+        self.lm_head = None
+
+
+def drop_keys(weights: dict[str, Array], *substrings: str) -> dict[str, Array]:
+    return {k: v for k, v in weights.items() if not any(s in k for s in substrings)}
+
+
+def head_dim_of(config: Any) -> int:
+    return config.head_dim if config.head_dim else config.hidden_size // config.num_attention_heads

@@ -1,0 +1,171 @@
+"""Llama 2/3.x (and Mistral, which has the same checkpoint layout): pre-norm blocks, GQA attention
+with RoPE (optionally Llama 3 scaled), SwiGLU MLP, RMSNorm."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pymlxc.core as mx
+from pymlxc.core import Array
+
+from .. import nn
+from ..cache import Cache, Mask
+from .base import BaseModelArgs, LayerMasks, TiedHead, attention, drop_keys, initialize_rope, make_layer_caches
+
+_reshape = mx.reshape
+_transpose = mx.transpose
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    model_type: str = "llama"
+    rms_norm_eps: float = 1e-6
+    head_dim: int | None = None
+    num_key_value_heads: int | None = None
+    max_position_embeddings: int | None = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    rope_theta: float = 10000.0
+    rope_traditional: bool = False
+    rope_scaling: dict[str, Any] | None = None
+    rope_parameters: dict[str, Any] | None = None
+    tie_word_embeddings: bool | None = None  # None: tied when the checkpoint has no lm_head
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        resolve_rope_parameters(self)
+
+    def layer_windows(self) -> list[int | None]:
+        """The sliding window of each layer (None: full attention). Mistral's `sliding_window`
+        applies to every layer; `layer_types` picks layers explicitly."""
+        n = self.num_hidden_layers
+        if self.layer_types is not None:
+            return [self.sliding_window if t == "sliding_attention" else None for t in self.layer_types]
+        if self.model_type == "mistral" and self.sliding_window:
+            return [self.sliding_window] * n
+        return [None] * n
+
+
+def resolve_rope_parameters(args: Any) -> None:
+    """transformers >= 5 nests rope_theta and the scaling under `rope_parameters`."""
+    params = args.rope_parameters
+    if params:
+        if "rope_theta" in params:
+            args.rope_theta = params["rope_theta"]
+        if args.rope_scaling is None and (params.get("rope_type") or params.get("type", "default")) != "default":
+            args.rope_scaling = params
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        dim = args.hidden_size
+        self.n_heads = n_heads = args.num_attention_heads
+        self.n_kv_heads = n_kv_heads = args.num_key_value_heads
+        self.head_dim = head_dim = args.head_dim
+        self.scale = head_dim**-0.5
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(dim, n_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=bias)
+        self.rope = initialize_rope(head_dim, args.rope_theta, args.rope_traditional, args.rope_scaling)
+
+    def __call__(self, x: Array, mask: Mask, cache: Cache | None) -> Array:
+        b, L, _ = x.shape
+        q = _transpose(_reshape(self.q_proj(x), (b, L, self.n_heads, self.head_dim)), (0, 2, 1, 3))
+        k = _transpose(_reshape(self.k_proj(x), (b, L, self.n_kv_heads, self.head_dim)), (0, 2, 1, 3))
+        v = _transpose(_reshape(self.v_proj(x), (b, L, self.n_kv_heads, self.head_dim)), (0, 2, 1, 3))
+        if cache is not None:
+            offset = cache.offset
+            q, k = self.rope(q, offset), self.rope(k, offset)
+            k, v = cache.update_and_fetch(k, v)
+        else:
+            q, k = self.rope(q), self.rope(k)
+        out = attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(_reshape(_transpose(out, (0, 2, 1, 3)), (b, L, -1)))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=bias)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=bias)
+
+    def __call__(self, x: Array) -> Array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, attention_cls: type[nn.Module] = Attention) -> None:
+        super().__init__()
+        self.self_attn = attention_cls(args)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size, args.mlp_bias)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: Array, mask: Mask, cache: Cache | None) -> Array:
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs, attention_cls: type[nn.Module] = Attention) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [TransformerBlock(args, attention_cls) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+
+class Model(TiedHead, nn.Module):
+    """Token ids [B, L] -> logits [B, L, vocab]. Also the base of Qwen 2/3 (same skeleton)."""
+
+    def __init__(self, args: ModelArgs, attention_cls: type[nn.Module] = Attention) -> None:
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = LlamaModel(args, attention_cls)
+        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size)
+        self._windows = self.layer_windows()
+        self._masks = LayerMasks(self._windows)
+
+    def layer_windows(self) -> list[int | None]:
+        return self.args.layer_windows()
+
+    @property
+    def layers(self) -> list[TransformerBlock]:
+        return self.model.layers
+
+    def __call__(self, inputs: Array, cache: list[Cache] | None = None, mask: Array | None = None) -> Array:
+        inner = self.model
+        h = inner.embed_tokens(inputs)
+        masks = self._masks(inputs.shape[1], cache, mask)
+        if cache is None:
+            for layer, m in zip(inner.layers, masks):
+                h = layer(h, m, None)
+        else:
+            for layer, m, c in zip(inner.layers, masks, cache):
+                h = layer(h, m, c)
+        h = inner.norm(h)
+        head = self.lm_head
+        return inner.embed_tokens.as_linear(h) if head is None else head(h)
+
+    def make_cache(self, context_len: int | None = None) -> list[Cache]:
+        return make_layer_caches(self._windows, context_len)
+
+    def sanitize(self, weights: dict[str, Array]) -> dict[str, Array]:
+        weights = drop_keys(weights, "self_attn.rotary_emb.inv_freq")
+        if self.args.tie_word_embeddings:
+            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
+        return weights

@@ -1,0 +1,361 @@
+"""A minimal module system on `pymlxc.core`: parameters as attributes, flat names, freezing, loading.
+
+A `Module` holds child modules, lists of modules and `Array` parameters as plain attributes; names
+starting with `_` are private (precomputed constants, caches) and are not parameters. The flat name of
+a parameter is its attribute path, `model.layers.0.self_attn.q_proj.weight`, which is also its key in
+the checkpoint: loading a model is a name match.
+
+Parameters are created as lazy `zeros` placeholders: they cost no memory until evaluated, and the
+loader replaces every one of them, so building a 70B model skeleton is free.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import pymlxc.core as mx
+from pymlxc.core import Array
+
+_matmul = mx.matmul
+_addmm = mx.addmm
+_take = mx.take
+_T = mx.transpose
+_qmm = mx.quantized_matmul
+_dequantize = mx.dequantize
+_rms_norm = mx.fast.rms_norm
+
+
+class WeightsError(ValueError):
+    """Checkpoint tensors do not fit the model: the message names the tensor(s)."""
+
+
+class Module:
+    """Base class: attributes that are Arrays are parameters, Modules (or lists of them) are children."""
+
+    def __init__(self) -> None:
+        # Local names of parameters excluded from `trainable_parameters()`.
+        self._frozen: set[str] = set()
+
+    # ------------------------------------------------------------------ traversal
+    def children(self) -> Iterator[tuple[str, "Module"]]:
+        """Direct child modules as (name, module); list items are named `name.i`."""
+        for name, value in vars(self).items():
+            if name.startswith("_"):
+                continue
+            if isinstance(value, Module):
+                yield name, value
+            elif isinstance(value, (list, tuple)):
+                for i, item in enumerate(value):
+                    if isinstance(item, Module):
+                        yield f"{name}.{i}", item
+
+    def named_modules(self, prefix: str = "") -> Iterator[tuple[str, "Module"]]:
+        """This module (named `prefix`) and every descendant, depth first, with flat names."""
+        yield prefix, self
+        for name, child in self.children():
+            yield from child.named_modules(f"{prefix}.{name}" if prefix else name)
+
+    def local_parameters(self) -> Iterator[tuple[str, Array]]:
+        for name, value in vars(self).items():
+            if not name.startswith("_") and isinstance(value, Array):
+                yield name, value
+
+    def parameters(self) -> dict[str, Array]:
+        """Every parameter by flat name ("a.b.0.c")."""
+        out: dict[str, Array] = {}
+        for path, module in self.named_modules():
+            for name, value in module.local_parameters():
+                out[f"{path}.{name}" if path else name] = value
+        return out
+
+    def trainable_parameters(self) -> dict[str, Array]:
+        out: dict[str, Array] = {}
+        for path, module in self.named_modules():
+            for name, value in module.local_parameters():
+                if name not in module._frozen:
+                    out[f"{path}.{name}" if path else name] = value
+        return out
+
+    # ------------------------------------------------------------------ freezing
+    def _set_frozen(self, keys: str | Iterable[str] | None, recurse: bool, frozen: bool) -> None:
+        wanted = None if keys is None else {keys} if isinstance(keys, str) else set(keys)
+        modules = self.named_modules() if recurse else iter([("", self)])
+        for path, module in modules:
+            for name, _ in module.local_parameters():
+                full = f"{path}.{name}" if path else name
+                if wanted is None or name in wanted or full in wanted:
+                    if frozen:
+                        module._frozen.add(name)
+                    else:
+                        module._frozen.discard(name)
+
+    def freeze(self, keys: str | Iterable[str] | None = None, *, recurse: bool = True) -> "Module":
+        """Exclude parameters from training: all, or those whose local name (e.g. "bias") or flat
+        name (e.g. "layers.0.mlp.up_proj.weight") is in `keys`."""
+        self._set_frozen(keys, recurse, True)
+        return self
+
+    def unfreeze(self, keys: str | Iterable[str] | None = None, *, recurse: bool = True) -> "Module":
+        self._set_frozen(keys, recurse, False)
+        return self
+
+    # ------------------------------------------------------------------ updating
+    def _resolve(self, path: str) -> tuple["Module", str]:
+        """(owning module, local name) of a flat parameter name; KeyError when no such module."""
+        *parts, leaf = path.split(".")
+        node: Any = self
+        for part in parts:
+            if isinstance(node, (list, tuple)):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise KeyError(path)
+                node = node[int(part)]
+            else:
+                node = getattr(node, part, None) if not part.startswith("_") else None
+            if node is None:
+                raise KeyError(path)
+        if not isinstance(node, Module):
+            raise KeyError(path)
+        return node, leaf
+
+    def update(self, weights: Mapping[str, Array], *, strict: bool = False) -> "Module":
+        """Set parameters by flat name. With `strict`, unknown names raise WeightsError."""
+        for path, value in weights.items():
+            try:
+                module, leaf = self._resolve(path)
+            except KeyError:
+                if strict:
+                    raise WeightsError(f"unexpected parameter {path!r}: the model has no such tensor") from None
+                continue
+            if strict and not isinstance(getattr(module, leaf, None), Array):
+                raise WeightsError(f"unexpected parameter {path!r}: the model has no such tensor")
+            setattr(module, leaf, value)
+        return self
+
+    def load_weights(self, weights: Mapping[str, Array], *, strict: bool = True) -> "Module":
+        """Replace parameters from a flat dict. With `strict` (the default) every parameter must be
+        given with its shape, and no other tensor may be: errors name the tensor(s)."""
+        if strict:
+            params = self.parameters()
+            missing = sorted(set(params) - set(weights))
+            unexpected = sorted(set(weights) - set(params))
+            if missing:
+                raise WeightsError(f"missing tensor{'s' if len(missing) > 1 else ''} in checkpoint: "
+                                   + ", ".join(missing[:10]) + (f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""))
+            if unexpected:
+                raise WeightsError(f"unexpected tensor{'s' if len(unexpected) > 1 else ''} in checkpoint: "
+                                   + ", ".join(unexpected[:10]) + (f" (and {len(unexpected) - 10} more)" if len(unexpected) > 10 else ""))
+            for name, value in weights.items():
+                want, got = params[name].shape, value.shape
+                if want != got:
+                    raise WeightsError(f"tensor {name!r} has shape {got} in the checkpoint, the model expects {want}")
+        return self.update(weights, strict=strict)
+
+    # ------------------------------------------------------------------ lifetime
+    def arrays(self) -> Iterator[Array]:
+        """Every Array this module tree holds, private constants included (for `free`)."""
+        for _, module in self.named_modules():
+            for value in vars(module).values():
+                if isinstance(value, Array):
+                    yield value
+                elif isinstance(value, (list, tuple)):
+                    yield from (v for v in value if isinstance(v, Array))
+
+    def free(self) -> None:
+        """Release every Array of the tree now (idempotent); the module is unusable afterwards."""
+        for a in self.arrays():
+            a.free()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self.parameters())} parameters)"
+
+
+# ---------------------------------------------------------------------- layers
+
+class Linear(Module):
+    """y = x W^T (+ b), W of shape (out, in) as in HF checkpoints."""
+
+    def __init__(self, input_dims: int, output_dims: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = mx.zeros((output_dims, input_dims))
+        if bias:
+            self.bias = mx.zeros((output_dims,))
+
+    def __call__(self, x: Array) -> Array:
+        b = self.__dict__.get("bias")
+        if b is None:
+            return _matmul(x, _T(self.weight))
+        return _addmm(b, x, _T(self.weight), 1.0, 1.0)
+
+
+def _packed_dims(dims: int, bits: int) -> int:
+    return dims * bits // 32
+
+
+class QuantizedLinear(Module):
+    """A Linear with an affine-quantized weight: packed uint32 `weight`, per-group `scales`, `biases`."""
+
+    def __init__(self, input_dims: int, output_dims: int, bias: bool = False, *, group_size: int = 64,
+                 bits: int = 4, dtype: mx.Dtype = mx.float32) -> None:
+        super().__init__()
+        if input_dims % group_size:
+            raise ValueError(f"input size {input_dims} is not a multiple of the group size {group_size}")
+        self.group_size = group_size
+        self.bits = bits
+        self.weight = mx.zeros((output_dims, _packed_dims(input_dims, bits)), mx.uint32)
+        self.scales = mx.zeros((output_dims, input_dims // group_size), dtype)
+        self.biases = mx.zeros((output_dims, input_dims // group_size), dtype)
+        if bias:
+            self.bias = mx.zeros((output_dims,), dtype)
+        self.freeze(["weight", "scales", "biases"], recurse=False)
+
+    @property
+    def input_dims(self) -> int:
+        return self.weight.shape[1] * 32 // self.bits
+
+    @property
+    def output_dims(self) -> int:
+        return self.weight.shape[0]
+
+    @classmethod
+    def from_linear(cls, linear: Linear, group_size: int = 64, bits: int = 4) -> "QuantizedLinear":
+        out_dims, in_dims = linear.weight.shape
+        b = linear.__dict__.get("bias")
+        q = cls(in_dims, out_dims, b is not None, group_size=group_size, bits=bits, dtype=linear.weight.dtype)
+        q.weight, q.scales, q.biases = mx.quantize(linear.weight, group_size, bits)
+        if b is not None:
+            q.bias = b
+        return q
+
+    def __call__(self, x: Array) -> Array:
+        y = _qmm(x, self.weight, self.scales, self.biases, True, self.group_size, self.bits)
+        b = self.__dict__.get("bias")
+        return y if b is None else y + b
+
+
+class Embedding(Module):
+    """Token id -> row of `weight` (vocab, dims)."""
+
+    def __init__(self, num_embeddings: int, dims: int) -> None:
+        super().__init__()
+        self.weight = mx.zeros((num_embeddings, dims))
+
+    def __call__(self, x: Array) -> Array:
+        return _take(self.weight, x, axis=0)
+
+    def as_linear(self, x: Array) -> Array:
+        """The tied output head: x @ weight^T."""
+        return _matmul(x, _T(self.weight))
+
+
+class QuantizedEmbedding(Module):
+    """An Embedding with an affine-quantized table; rows are dequantized after the gather."""
+
+    def __init__(self, num_embeddings: int, dims: int, *, group_size: int = 64, bits: int = 4,
+                 dtype: mx.Dtype = mx.float32) -> None:
+        super().__init__()
+        if dims % group_size:
+            raise ValueError(f"embedding size {dims} is not a multiple of the group size {group_size}")
+        self.group_size = group_size
+        self.bits = bits
+        self.weight = mx.zeros((num_embeddings, _packed_dims(dims, bits)), mx.uint32)
+        self.scales = mx.zeros((num_embeddings, dims // group_size), dtype)
+        self.biases = mx.zeros((num_embeddings, dims // group_size), dtype)
+        self.freeze(recurse=False)
+
+    @classmethod
+    def from_embedding(cls, emb: Embedding, group_size: int = 64, bits: int = 4) -> "QuantizedEmbedding":
+        n, dims = emb.weight.shape
+        q = cls(n, dims, group_size=group_size, bits=bits, dtype=emb.weight.dtype)
+        q.weight, q.scales, q.biases = mx.quantize(emb.weight, group_size, bits)
+        return q
+
+    def __call__(self, x: Array) -> Array:
+        return _dequantize(_take(self.weight, x, axis=0), _take(self.scales, x, axis=0),
+                           _take(self.biases, x, axis=0), self.group_size, self.bits)
+
+    def as_linear(self, x: Array) -> Array:
+        return _qmm(x, self.weight, self.scales, self.biases, True, self.group_size, self.bits)
+
+
+class RMSNorm(Module):
+    """x / rms(x) * weight, through the fused kernel."""
+
+    def __init__(self, dims: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x: Array) -> Array:
+        return _rms_norm(x, self.weight, self.eps)
+
+
+class OffsetRMSNorm(Module):
+    """Gemma's RMSNorm: the checkpoint stores w and the scale is (1 + w). The sum is formed when the
+    weight is set (loading), not in every call, and so never inside a traced function."""
+
+    def __init__(self, dims: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = mx.zeros((dims,))
+        self.eps = eps
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "weight":
+            super().__setattr__("_scale", value + 1.0)
+
+    def __call__(self, x: Array) -> Array:
+        return _rms_norm(x, self._scale, self.eps)
+
+
+# ---------------------------------------------------------------------- quantizing a module tree
+
+QuantPredicate = Callable[[str, Module], "dict[str, int] | bool"]
+
+
+def quantize(model: Module, predicate: QuantPredicate, *, group_size: int = 64, bits: int = 4) -> int:
+    """Swap Linear/Embedding children for their quantized versions where `predicate(path, module)`
+    says so (True: the given group_size/bits; a dict: its own). The new modules hold placeholders
+    (no values are quantized): the loader fills them from the checkpoint. Returns how many changed."""
+    changed = 0
+    for path, module in list(model.named_modules()):
+        for name, child in list(module.children()):
+            if not isinstance(child, (Linear, Embedding)):
+                continue
+            full = f"{path}.{name}" if path else name
+            choice = predicate(full, child)
+            if not choice:
+                continue
+            params = {"group_size": group_size, "bits": bits}
+            if isinstance(choice, dict):
+                params.update({k: int(v) for k, v in choice.items() if k in params})
+            dtype = child.weight.dtype
+            if isinstance(child, Linear):
+                out_dims, in_dims = child.weight.shape
+                new: Module = QuantizedLinear(in_dims, out_dims, "bias" in vars(child), dtype=dtype, **params)
+            else:
+                n, dims = child.weight.shape
+                new = QuantizedEmbedding(n, dims, dtype=dtype, **params)
+            _replace(module, name, new)
+            changed += 1
+    return changed
+
+
+def _replace(parent: Module, name: str, new: Module) -> None:
+    if "." in name:
+        attr, index = name.split(".")
+        getattr(parent, attr)[int(index)] = new
+    else:
+        setattr(parent, name, new)
+
+
+def silu(x: Array) -> Array:
+    return x * mx.sigmoid(x)
+
+
+_SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
+
+
+def gelu_approx(x: Array) -> Array:
+    """The tanh approximation of GELU (HF's gelu_pytorch_tanh)."""
+    return 0.5 * x * (1 + mx.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x**3)))

@@ -1,0 +1,258 @@
+"""The native backend's tokenizer: a `tokenizers` pipeline plus the model directory's settings.
+
+A Hugging Face model directory spreads what a tokenizer is over several files: `tokenizer.json`
+(the pipeline), `tokenizer_config.json` (special tokens, the BOS/EOS flags, the chat template),
+`special_tokens_map.json` (older special tokens), `chat_template.jinja` / `chat_template.json`
+(newer checkpoints' template), `config.json` and `generation_config.json` (the ids that end
+generation). `Tokenizer` reads them all once and answers with plain Python values.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from tokenizers import processors
+
+# The named special tokens, in the order transformers passes them to chat templates.
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_REPLACEMENT = "\ufffd"
+
+
+class TokenizerLoadError(ValueError):
+    """A tokenizer file exists but cannot be used; the message names the file."""
+
+
+def _read_json(path: Path, *, required: bool) -> dict[str, Any] | None:
+    if not path.is_file():
+        if required:
+            raise FileNotFoundError(f"tokenizer file not found: {path}")
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise TokenizerLoadError(f"{path}: not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise TokenizerLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config.json stores a special token as a string or as a serialized AddedToken.
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _ids(value: Any) -> list[int]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+class Tokenizer:
+    """Encode, decode and stream-decode text for the model in `model_dir`."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        root = Path(model_dir)
+        tokenizer_file = root / "tokenizer.json"
+        try:
+            self._backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # tokenizers raises a bare Exception; say what is wrong, naming the file
+            _read_json(tokenizer_file, required=True)  # raises for a missing file or bad JSON
+            raise TokenizerLoadError(f"{tokenizer_file}: not a valid tokenizers file: {exc}") from exc
+
+        tok_config = _read_json(root / "tokenizer_config.json", required=False) or {}
+        special_map = _read_json(root / "special_tokens_map.json", required=False) or {}
+        config = _read_json(root / "config.json", required=False) or {}
+        gen_config = _read_json(root / "generation_config.json", required=False) or {}
+        text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+
+        self.model_type: str | None = config.get("model_type")
+        self.chat_template: str | None = self._template(root, tok_config)
+
+        # tokenizer_config.json wins; special_tokens_map.json only fills gaps.
+        self.special_tokens: dict[str, str] = {}
+        for name in SPECIAL_TOKEN_NAMES:
+            text = _token_text(tok_config.get(name))
+            if text is None:
+                text = _token_text(special_map.get(name))
+            if text is not None:
+                self.special_tokens[name] = text
+
+        bos_id = self.token_to_id(self.bos_token) if self.bos_token is not None else None
+        if bos_id is None:
+            bos_id = next(iter(_ids(config.get("bos_token_id")) + _ids(text_config.get("bos_token_id"))
+                               + _ids(gen_config.get("bos_token_id"))), None)
+        self.bos_token_id: int | None = bos_id
+
+        eos_ids: set[int] = set()
+        for source in (config, text_config, gen_config):
+            eos_ids.update(_ids(source.get("eos_token_id")))
+        if self.eos_token is not None and (eos_id := self.token_to_id(self.eos_token)) is not None:
+            eos_ids.add(eos_id)
+        self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
+
+        self._apply_bos_eos_flags(tok_config)
+
+        # SentencePiece-style byte fallback decodes a run of <0xNN> tokens all at once (as U+FFFD
+        # per byte when the run is not valid UTF-8), so streaming must not cut inside a run.
+        self.byte_fallback_ids: frozenset[int] = frozenset(
+            i for b in range(256) if (i := self.token_to_id(f"<0x{b:02X}>")) is not None)
+        self.special_ids: frozenset[int] = frozenset(
+            i for i, added in self._backend.get_added_tokens_decoder().items() if added.special)
+
+    @staticmethod
+    def _template(root: Path, tok_config: Mapping[str, Any]) -> str | None:
+        # Newer checkpoints keep the template in its own file, which then wins (as in transformers).
+        jinja_file = root / "chat_template.jinja"
+        if jinja_file.is_file():
+            return jinja_file.read_text(encoding="utf-8") or None
+        template_json = _read_json(root / "chat_template.json", required=False)
+        template = (template_json or tok_config).get("chat_template")
+        if isinstance(template, list):
+            # Some checkpoints store named templates; "default" is the one for plain chat.
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+            template = named.get("default")
+        return template if isinstance(template, str) and template else None
+
+    def _apply_bos_eos_flags(self, tok_config: Mapping[str, Any]) -> None:
+        # The post-processor of tokenizer.json decides, as in transformers 5 (and so mlx-lm),
+        # which ignores add_bos_token/add_eos_token whenever tokenizer.json exists. A tokenizer.json
+        # without a post-processor gets one from those flags, as transformers 4 did: such files
+        # come from converted SentencePiece models that rely on the flags for their BOS.
+        if self._backend.post_processor is not None:
+            return
+        if not tok_config.get("add_bos_token") and not tok_config.get("add_eos_token"):
+            return
+        add_bos = bool(tok_config.get("add_bos_token", False)) and self.bos_token_id is not None
+        eos = self.eos_token
+        eos_id = self.token_to_id(eos) if eos is not None else None
+        add_eos = bool(tok_config.get("add_eos_token", False)) and eos_id is not None
+        bos = self.bos_token
+        single = " ".join(([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else []))
+        pair = single + " " + " ".join(([f"{bos}:1"] if add_bos else []) + ["$B:1"] + ([f"{eos}:1"] if add_eos else []))
+        special: list[tuple[str, int]] = []
+        if add_bos:
+            special.append((bos, self.bos_token_id))  # type: ignore[arg-type]
+        if add_eos:
+            special.append((eos, eos_id))  # type: ignore[arg-type]
+        self._backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+
+    # -- special tokens ------------------------------------------------------------------------
+    @property
+    def bos_token(self) -> str | None:
+        return self.special_tokens.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.special_tokens.get("eos_token")
+
+    @property
+    def pad_token(self) -> str | None:
+        return self.special_tokens.get("pad_token")
+
+    @property
+    def unk_token(self) -> str | None:
+        return self.special_tokens.get("unk_token")
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer knows, added tokens included."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The underlying `tokenizers.Tokenizer` (for offsets, batch encoding and the like)."""
+        return self._backend
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(token_id)
+
+    # -- encode / decode -----------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def detokenizer(self, skip_special_tokens: bool = False) -> StreamingDetokenizer:
+        return StreamingDetokenizer(self, skip_special_tokens=skip_special_tokens)
+
+
+class StreamingDetokenizer:
+    """Turns token ids, one at a time, into text pieces that concatenate to `decode(all ids)`.
+
+    Each step decodes only a window: the ids from the start of the last emitted piece to the end.
+    The text the window had before the new ids (`_prefix_text`) is cut off the front, so decoders
+    that depend on context (a leading space dropped at the start, a character split over several
+    byte tokens) see enough of it. While the window's text ends in U+FFFD a character is still
+    incomplete (and while a byte-fallback run may continue), so nothing is emitted until it
+    completes or `finish()` is called. Cuts fall only on character boundaries, where UTF-8
+    decoding starts afresh, so the pieces add up to the full decode.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
+        self._decode = tokenizer.backend.decode
+        self._skip = skip_special_tokens
+        self._byte_ids = tokenizer.byte_fallback_ids
+        self._skipped = tokenizer.special_ids if skip_special_tokens else frozenset()
+        self._last_kept: int | None = None  # the last id that decode does not skip
+        self._ids: list[int] = []
+        self._start = 0  # window start: the first id of the last emitted piece
+        self._read = 0  # ids before this index are covered by what was emitted
+        self._prefix_text = ""  # decode of ids[_start:_read]
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return tuple(self._ids)
+
+    def add(self, token_id: int) -> str:
+        """Take one more id; return the text it completes (often "", never a broken character)."""
+        token_id = int(token_id)
+        self._ids.append(token_id)
+        if token_id not in self._skipped:
+            self._last_kept = token_id
+        return self._emit(final=False)
+
+    def finish(self) -> str:
+        """Return whatever is held back (an incomplete character decodes to U+FFFD here)."""
+        return self._emit(final=True)
+
+    def reset(self) -> None:
+        self._ids.clear()
+        self._start = self._read = 0
+        self._prefix_text = ""
+        self._last_kept = None
+
+    def _emit(self, *, final: bool) -> str:
+        if not final and self._last_kept in self._byte_ids:
+            # A byte-fallback run may go on (skipped special tokens do not end it), and its
+            # text depends on the whole run.
+            return ""
+        text = self._decode(self._ids[self._start:], skip_special_tokens=self._skip)
+        if len(text) <= len(self._prefix_text) or not text.startswith(self._prefix_text):
+            return ""
+        if text.endswith(_REPLACEMENT) and not final:
+            return ""
+        piece = text[len(self._prefix_text):]
+        # The next window starts at this piece's first id. A piece whose ids decode to nothing on
+        # their own (skipped special tokens) cannot anchor the next cut: keep the old start then.
+        tail = self._decode(self._ids[self._read:], skip_special_tokens=self._skip)
+        if tail and text.endswith(tail):
+            self._start, self._prefix_text = self._read, tail
+        else:
+            self._prefix_text = text
+        self._read = len(self._ids)
+        return piece

@@ -74,6 +74,21 @@ class Tokenizer:
         special_map = _read_json(root / "special_tokens_map.json", required=False) or {}
         config = _read_json(root / "config.json", required=False) or {}
         gen_config = _read_json(root / "generation_config.json", required=False) or {}
+        self._configure(root, tok_config, special_map, config, gen_config)
+
+    @classmethod
+    def from_parts(cls, backend: tokenizers.Tokenizer, *, tok_config: Mapping[str, Any] | None = None,
+                   special_map: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None,
+                   gen_config: Mapping[str, Any] | None = None) -> "Tokenizer":
+        """A tokenizer from a ready pipeline and the contents of the HF files as dicts, for models
+        that are not a directory of those files (GGUF: see `gguf_tokenizer.py`)."""
+        self = cls.__new__(cls)
+        self._backend = backend
+        self._configure(None, tok_config or {}, special_map or {}, config or {}, gen_config or {})
+        return self
+
+    def _configure(self, root: Path | None, tok_config: Mapping[str, Any], special_map: Mapping[str, Any],
+                   config: Mapping[str, Any], gen_config: Mapping[str, Any]) -> None:
         text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
 
         self.model_type: str | None = config.get("model_type")
@@ -111,12 +126,12 @@ class Tokenizer:
             i for i, added in self._backend.get_added_tokens_decoder().items() if added.special)
 
     @staticmethod
-    def _template(root: Path, tok_config: Mapping[str, Any]) -> str | None:
+    def _template(root: Path | None, tok_config: Mapping[str, Any]) -> str | None:
         # Newer checkpoints keep the template in its own file, which then wins (as in transformers).
-        jinja_file = root / "chat_template.jinja"
-        if jinja_file.is_file():
+        jinja_file = root / "chat_template.jinja" if root is not None else None
+        if jinja_file is not None and jinja_file.is_file():
             return jinja_file.read_text(encoding="utf-8") or None
-        template_json = _read_json(root / "chat_template.json", required=False)
+        template_json = _read_json(root / "chat_template.json", required=False) if root is not None else None
         template = (template_json or tok_config).get("chat_template")
         if isinstance(template, list):
             # Some checkpoints store named templates; "default" is the one for plain chat.

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pymlxc.core as mx
 from pymlxc.model import GenerationCancelled, ModelClosedError
@@ -23,16 +23,10 @@ from pymlxc.types import GenerateMetrics
 
 from .sample import DEFAULT_PENALTY_CONTEXT, LogitsProcessor, Sampler, apply_processors
 
+if TYPE_CHECKING:
+    from .cache import Cache
+
 PREFILL_STEP = 512  # prompt tokens per forward pass: bounds the attention scores' memory
-
-
-class Cache(Protocol):
-    """The part of a layer's KV cache the loops need: the arrays to evaluate between chunks."""
-
-    offset: int
-
-    @property
-    def state(self) -> Any: ...
 
 
 class LanguageModel(Protocol):
@@ -140,7 +134,7 @@ def right_padded_mask(lengths: mx.Array, length: int) -> mx.Array:
 
 # ---------------------------------------------------------------------- prefill and decode
 
-def _cache_state(cache: Sequence[Any]) -> list[Any]:
+def _cache_state(cache: Sequence[Cache]) -> list[Any]:
     return [c.state for c in cache]
 
 
@@ -264,14 +258,12 @@ def batch_generate_ids(model: LanguageModel, prompts: Sequence[Sequence[int]], *
                        sampler: Sampler, processors: Sequence[LogitsProcessor] = (), max_tokens: int = 256,
                        stop_ids: frozenset[int] = frozenset(), guard: Guard = NO_GUARD,
                        timings: Timings | None = None, prefill_step: int = PREFILL_STEP,
-                       on_step: Callable[[list[int | None]], None] | None = None,
                        out: list[BatchRow] | None = None) -> list[BatchRow]:
     """Greedy-equivalent batched generation: left-padded prompts, one decode step for all rows.
 
     Left padding puts every row's last prompt token in the same column, so each step feeds one
     column. A row's positions are shifted by its padding; rotary attention depends only on
-    relative positions, so its tokens are those of generating it alone (up to float rounding).
-    `on_step` receives each step's new id per row (None for rows already stopped). Raises
+    relative positions, so its tokens are those of generating it alone (up to float rounding). Raises
     GenerationCancelled from `guard`; the rows of `out` (when given) then hold what they had.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -296,17 +288,12 @@ def batch_generate_ids(model: LanguageModel, prompts: Sequence[Sequence[int]], *
         for sampled in decode(step, padded[:, -1:], max_tokens):
             ids = sampled.tolist()
             timings.mark_first_token()
-            news: list[int | None] = []
             for row, token in zip(rows, ids):
                 if row.done or token in stop_ids:
                     row.done = True
-                    news.append(None)
                     continue
                 row.ids.append(token)
                 timings.generated_tokens += 1
-                news.append(token)
-            if on_step is not None:
-                on_step(news)
             if all(row.done for row in rows):
                 break
             guard.check()

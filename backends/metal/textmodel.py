@@ -147,7 +147,7 @@ class MetalTextModel(TrainableMixin):
         """Stream the tokens that follow `prompt` (encoded with the tokenizer's own specials)."""
         options = self._begin(config)
         ids = self._encode_prompt(prompt)
-        return self._stream(ids, options)
+        return self._stream(self._model, ids, options)
 
     def chat(self, messages: Sequence[Message | dict[str, str]], **config: Any) -> Iterator[Token]:
         """Stream the assistant's answer to `messages`, rendered with the model's chat template."""
@@ -160,17 +160,19 @@ class MetalTextModel(TrainableMixin):
         # The template writes the special tokens itself (BOS included).
         ids = self._tokenizer.encode(text, add_special_tokens=False)
         self._check_ids(ids)
-        return self._stream(ids, options)
+        return self._stream(self._model, ids, options)
 
     def classify(self, prompts: Sequence[str], **config: Any) -> list[ClassifyResult]:
-        """The next token after each prompt, from one batched forward pass."""
+        """The next token after each prompt, from one batched forward pass. Not a stream: errors,
+        cancellation and timeout included, are raised."""
         options = self._begin(config)
+        model = self._model
         rows = self._encode_prompts(prompts)
         timings = loops.Timings()
         try:
             with self._slot(loops.Guard.make(options.cancel, options.timeout, self._is_closed)), self._on_device():
                 ids, logits = loops.classify_ids(
-                    self._model, rows, sampler=self._sampler(options), return_logits=options.return_logits,
+                    model, rows, sampler=self._sampler(options), return_logits=options.return_logits,
                     processors=make_logits_processors(options.repeat_penalty), timings=timings)
         finally:
             self._finish(timings)
@@ -180,6 +182,7 @@ class MetalTextModel(TrainableMixin):
     def batch_generate(self, prompts: Sequence[str], **config: Any) -> list[BatchResult]:
         """Generate for every prompt at once (one decode step for the whole batch)."""
         options = self._begin(config)
+        model = self._model
         rows_in = self._encode_prompts(prompts)
         if options.max_tokens == 0:
             return [BatchResult() for _ in rows_in]
@@ -190,7 +193,7 @@ class MetalTextModel(TrainableMixin):
         try:
             with self._slot(guard), self._on_device():
                 rows = loops.batch_generate_ids(
-                    self._model, rows_in, cache=self._model.make_cache(self._context_len),
+                    model, rows_in, cache=model.make_cache(self._context_len),
                     sampler=self._sampler(options), processors=make_logits_processors(options.repeat_penalty),
                     max_tokens=options.max_tokens,
                     stop_ids=self._stop_ids | frozenset(options.stop_tokens), guard=guard, timings=timings,
@@ -303,19 +306,21 @@ class MetalTextModel(TrainableMixin):
         timings.finish()
         self._metrics = timings.metrics()
 
-    def _stream(self, ids: list[int], options: GenerateConfig) -> Iterator[Token]:
+    def _stream(self, model: Any, ids: list[int], options: GenerateConfig) -> Iterator[Token]:
+        # `model` is taken when the call is made: a close() racing with the stream's start then
+        # fails inside the stream (into err()), never on a model that is already None.
         if options.max_tokens == 0:
             return iter(())
         owner = threading.get_ident()
-        return self._reporting(self._token_stream(ids, options), owner)
+        return self._reporting(self._token_stream(model, ids, options), owner)
 
-    def _token_stream(self, ids: list[int], options: GenerateConfig) -> Iterator[Token]:
+    def _token_stream(self, model: Any, ids: list[int], options: GenerateConfig) -> Iterator[Token]:
         guard = loops.Guard.make(options.cancel, options.timeout, self._is_closed)
         timings = loops.Timings()
         try:
             with self._slot(guard):
                 id_stream = loops.generate_ids(
-                    self._model, ids, cache=self._model.make_cache(self._context_len),
+                    model, ids, cache=model.make_cache(self._context_len),
                     sampler=self._sampler(options), processors=make_logits_processors(options.repeat_penalty),
                     max_tokens=options.max_tokens,
                     stop_ids=self._stop_ids | frozenset(options.stop_tokens), guard=guard, timings=timings)

@@ -35,7 +35,7 @@ class MetalBackend:
         return self.unavailable_reason() is None
 
     def load(self, path: str, config: LoadConfig | None = None, *, progress: Progress | None = None) -> "MetalTextModel":
-        """Load the model directory at `path`. `progress(done, total)` is called while weights load."""
+        """Load the model directory (or GGUF file) at `path`. `progress(done, total)` is called while weights load."""
         config = config or LoadConfig()
         if config.gpu_layers not in (-1, 0):
             warnings.warn(f"gpu_layers={config.gpu_layers} is ignored by the metal backend: MLX runs every layer "
@@ -49,12 +49,18 @@ class MetalBackend:
 
 
 def _load(path: str, config: LoadConfig, progress: Progress | None) -> "MetalTextModel":
-    from .loader import load_weights_and_config
+    from .loader import gguf_file_of, load_weights_and_config
     from .textmodel import MetalTextModel
     from .tokenizer import Tokenizer
 
-    tokenizer = Tokenizer(path)  # first: a missing tokenizer fails before gigabytes are read
-    loaded = load_weights_and_config(path, context_len=config.context_len, progress=progress)
+    gguf_file = gguf_file_of(path)
+    if gguf_file is not None:  # tokenizer and weights from one GGUF file (see gguf.py)
+        from .gguf import load_gguf_model
+
+        tokenizer, loaded = load_gguf_model(gguf_file, context_len=config.context_len, progress=progress)
+    else:
+        tokenizer = Tokenizer(path)  # first: a missing tokenizer fails before gigabytes are read
+        loaded = load_weights_and_config(path, context_len=config.context_len, progress=progress)
     try:
         model = MetalTextModel(loaded.model, tokenizer, model_type=loaded.model_type, info=_model_info(loaded),
                                release=loaded.free, config=config, stop_ids=_config_eos_ids(loaded.config))

@@ -229,7 +229,7 @@ def _evaluate(params: dict[str, Array], origin: Mapping[str, Path], progress: Pr
 
 def load_weights_and_config(path: str | os.PathLike[str], context_len: int = 131072, device: Any = None, *,
                             progress: Progress | None = None) -> LoadedModel:
-    """Load the model directory at `path`. `progress(done_bytes, total_bytes)` is called while the
+    """Load the model directory (or GGUF file) at `path`. `progress(done_bytes, total_bytes)` is called while the
     weights are read. `device` (a `pymlxc.core.Device`/`Stream`) runs the loading there.
     `context_len` is kept for the caller's `model.make_cache(context_len)`."""
     if device is not None:
@@ -238,12 +238,35 @@ def load_weights_and_config(path: str | os.PathLike[str], context_len: int = 131
     return _load(Path(path), context_len, progress)
 
 
+def gguf_file_of(path: str | os.PathLike[str]) -> Path | None:
+    """The GGUF file that `path` names (a `.gguf` file, or a directory with one and no safetensors
+    checkpoint), else None. Cheap unless GGUF files are there (see `gguf.find_gguf`)."""
+    p = Path(path)
+    if p.suffix.lower() != ".gguf" and not (p.is_dir() and any(p.glob("*.gguf"))):
+        return None
+    from .gguf import find_gguf
+
+    return find_gguf(p)
+
+
 def _load(root: Path, context_len: int, progress: Progress | None) -> LoadedModel:
+    gguf_file = gguf_file_of(root)
+    if gguf_file is not None:
+        from .gguf import load_gguf_weights
+
+        return load_gguf_weights(gguf_file, context_len=context_len, progress=progress)
     config = read_config(root)
-    file = root / "config.json"
     files = weight_files(root)
     raw, origin = _read_shards(files)
+    return build_model(config, raw, origin, source=root / "config.json", root=root, context_len=context_len,
+                       progress=progress)
 
+
+def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[str, Path], *, source: Path,
+                root: Path, context_len: int, progress: Progress | None) -> LoadedModel:
+    """The model of `config` with the checkpoint tensors `raw` (HF names) in it; `source` names the
+    file that errors about the config refer to, `origin` the file of each tensor."""
+    file = source
     model_type = config.get("model_type") or infer_model_type(config, (canonical_name(k) for k in raw))
     if model_type is not None and not isinstance(model_type, str):
         raise ConfigError(f"{file}: model_type must be a string, got {model_type!r}")
@@ -296,4 +319,5 @@ def _load(root: Path, context_len: int, progress: Progress | None) -> LoadedMode
 
 
 __all__ = ["LoadedModel", "WeightsFileError", "ConfigError", "UnsupportedModelError", "load_weights_and_config",
+           "build_model", "gguf_file_of",
            "read_config", "weight_files", "canonical_name"]

@@ -1,0 +1,618 @@
+"""GGUF models for the native backend: check the file, read its config, map its tensors to HF names.
+
+A GGUF file (llama.cpp's format) holds what a Hugging Face directory spreads over several files:
+the architecture's hyperparameters (`<arch>.*` keys), the tokenizer (`tokenizer.*` keys, see
+`gguf_tokenizer.py`) and the tensors, under llama.cpp's names (`blk.0.attn_q.weight`). This module
+turns it into what `loader.py` builds models from: an HF-style config dict and a weight dict under
+HF names, so every architecture file works unchanged.
+
+Reading is done in two passes, the first in Python, the second by MLX:
+1. `read_gguf` checks the whole structure with the `gguf` package's reader, with bounds checks of
+   its own (a string or array longer than the file, a tensor count the file cannot hold, tensor data
+   past the end), and the tensor types against those MLX can load. MLX's C++ reader trusts the file,
+   so it never sees one that fails here.
+2. `mx.load_gguf` reads the tensors. It hands Q4_0, Q4_1 and Q8_0 back already repacked in MLX's
+   affine format (packed uint32 `weight`, float16 `scales` and `biases`, 32 values per group), so
+   they stay quantized (`QuantizedLinear`, 4 or 8 bits, group 32). F32 and F16 come as they are;
+   BF16 (which MLX widens to float16) is taken bit-exact from the file instead.
+
+Conventions of llama.cpp's converter that are undone here: Llama's q/k projection rows are permuted
+for interleaved RoPE (Qwen and Gemma use the rotate-half RoPE and are not permuted); Gemma's norm
+weights are stored as 1 + w; Llama 3's RoPE scaling is stored as a `rope_freqs` tensor of per-pair
+factors rather than as config values.
+"""
+from __future__ import annotations
+
+import math
+import os
+import struct
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+try:
+    from gguf import GGMLQuantizationType as QType
+    from gguf import GGUFReader, GGUFValueType
+    from gguf.constants import GGML_QUANT_SIZES
+except ImportError as exc:  # an optional dependency: pip install 'pymlxc[gguf]'
+    raise ImportError("GGUF models need the `gguf` package: pip install 'pymlxc[gguf]' (or pip install gguf)") from exc
+
+import pymlxc.core as mx
+from pymlxc.core import Array, MLXError
+
+GGUF_MAGIC = b"GGUF"
+GGUF_VERSIONS = (2, 3)
+MAX_DIMS = 4  # llama.cpp's GGML_MAX_DIMS
+MAX_ARRAY_LEN = 1 << 24  # metadata arrays: real vocabularies have a few hundred thousand entries
+MAX_STRING_LEN = 1 << 28  # an embedded tokenizer.json is tens of MiB at most
+_MAX_DIM = (1 << 31) - 1  # MLX shapes are int32
+
+# Tensor types MLX loads without going through float16 conversion code that we would not check.
+DENSE_TYPES = (QType.F32, QType.F16, QType.BF16)
+QUANT_BITS = {QType.Q4_0: 4, QType.Q4_1: 4, QType.Q8_0: 8}
+SUPPORTED_TYPES = DENSE_TYPES + tuple(QUANT_BITS)
+QUANT_GROUP = 32  # every legacy llama.cpp quantization works in blocks of 32
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3_text"}
+
+# llama.cpp's tensor names -> HF module paths. `ffn_norm` is the pre-MLP norm everywhere, which
+# Llama and Qwen call post_attention_layernorm and Gemma pre_feedforward_layernorm.
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GEMMA_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_SUFFIXES = ("weight", "bias", "scales", "biases")
+_IGNORED = ("rope_freqs.weight",)  # folded into the config (Llama 3 RoPE scaling)
+
+
+class GGUFError(ValueError):
+    """A GGUF file is malformed, or holds something pymlxc cannot load; the message names the file."""
+
+
+class _Corrupt(ValueError):
+    """Raised inside the reader; `read_gguf` adds the file name."""
+
+
+# ---------------------------------------------------------------------- finding the file
+
+def find_gguf(path: str | os.PathLike[str]) -> Path | None:
+    """The GGUF file a model path means: the path itself when it is a `.gguf` file, the single
+    `.gguf` file of a directory that has no safetensors checkpoint, else None. A directory with
+    several model files is an error that lists them (`mmproj*` vision projectors are not models)."""
+    p = Path(path)
+    if p.is_file():
+        return p if p.suffix.lower() == ".gguf" else None
+    if not p.is_dir():
+        return None
+    if (p / "config.json").is_file() and any(p.glob("*.safetensors")):
+        return None
+    found = sorted(f for f in p.iterdir()
+                   if f.suffix.lower() == ".gguf" and f.is_file() and not f.name.lower().startswith("mmproj"))
+    if len(found) > 1:
+        raise GGUFError(f"{p} holds {len(found)} GGUF files; pass the one to load: "
+                        + ", ".join(f.name for f in found))
+    return found[0] if found else None
+
+
+# ---------------------------------------------------------------------- checked reading
+
+class _CheckedReader(GGUFReader):
+    """The `gguf` package's reader with every read bounds-checked against the file, and arrays read
+    in one piece. Numeric arrays become one part each: read them with `contents()` (a slice), not by
+    element index. String arrays keep one part per string, without the length parts."""
+
+    def _plain(self) -> np.ndarray:
+        # Slicing a plain view is several times cheaper than slicing the np.memmap subclass.
+        plain = self.__dict__.get("_plain_data")
+        if plain is None:
+            plain = self.__dict__["_plain_data"] = self.data.view(np.ndarray)
+        return plain
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        plain = self._plain()
+        dt = np.dtype(dtype)
+        offset, count = int(offset), int(count)
+        end = offset + dt.itemsize * count
+        if count < 0 or end > plain.shape[0]:
+            raise _Corrupt(f"truncated or corrupt: {dt.itemsize * count} bytes at offset {offset} go past the end "
+                           f"of the file ({plain.shape[0]} bytes)")
+        arr = plain[offset:end].view(dt)
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    def _get_str(self, offset: int) -> tuple[np.ndarray, np.ndarray]:
+        slen = self._get(offset, np.uint64)
+        n = int(slen[0])
+        room = self._plain().shape[0] - offset - 8
+        if n > min(room, MAX_STRING_LEN):
+            raise _Corrupt(f"a string at offset {offset} claims {n} bytes, but "
+                           + (f"only {max(room, 0)} remain in the file" if n > room else f"the limit is {MAX_STRING_LEN}"))
+        return slen, self._get(offset + 8, np.uint8, n)
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[np.ndarray], list[int], list[GGUFValueType]]:
+        if raw_type != GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        itype, n, start = int(raw_itype[0]), int(alen[0]), orig_offs + 12
+        if n > MAX_ARRAY_LEN:
+            raise _Corrupt(f"an array at offset {orig_offs} claims {n} elements (the limit is {MAX_ARRAY_LEN})")
+        scalar = self.gguf_scalar_to_np.get(itype)  # type: ignore[call-overload]
+        if scalar is not None:
+            values = self._get(start, scalar, n)
+            return 12 + int(values.nbytes), [raw_itype, alen, values], [2], [GGUFValueType.ARRAY, GGUFValueType(itype)]
+        if itype == GGUFValueType.STRING:
+            parts = [raw_itype, alen]
+            off = start
+            plain = self._plain()
+            size = plain.shape[0]
+            unpack = struct.Struct("<Q" if self.byte_order == "I" else ">Q").unpack_from
+            for _ in range(n):
+                if off + 8 > size:
+                    raise _Corrupt(f"truncated or corrupt: a string array at offset {orig_offs} runs past the end of the file")
+                (length,) = unpack(plain, off)
+                off += 8
+                if length > size - off:
+                    raise _Corrupt(f"a string at offset {off - 8} claims {length} bytes, but only {size - off} remain in the file")
+                parts.append(plain[off:off + length])
+                off += length
+            return off - orig_offs, parts, list(range(2, 2 + n)), [GGUFValueType.ARRAY, GGUFValueType.STRING]
+        if itype == GGUFValueType.ARRAY:
+            raise _Corrupt(f"nested arrays (at offset {orig_offs}) are not supported")
+        raise _Corrupt(f"unknown value type {itype} in an array at offset {orig_offs}")
+
+
+def _check_header(path: Path) -> None:
+    """The fixed 24-byte header: magic, version, and counts the file size can hold (each tensor info
+    takes at least 24 bytes, each key/value 13), before any loop runs over them."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(24)
+    if len(head) < 4 or head[:4] != GGUF_MAGIC:
+        raise GGUFError(f"{path}: not a GGUF file (magic {head[:4]!r}, expected {GGUF_MAGIC!r})")
+    if len(head) < 24:
+        raise GGUFError(f"{path}: truncated GGUF file ({size} bytes, the header alone takes 24)")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", head, 4)
+    if version & 0xFFFF == 0 and version:
+        raise GGUFError(f"{path}: big-endian GGUF files are not supported")
+    if version not in GGUF_VERSIONS:
+        raise GGUFError(f"{path}: GGUF version {version} is not supported (supported: {GGUF_VERSIONS})")
+    room = size - 24
+    if n_tensors > room // 24 or n_kv > room // 13 or n_tensors * 24 + n_kv * 13 > room:
+        raise GGUFError(f"{path}: corrupt GGUF header: {n_tensors} tensors and {n_kv} metadata entries "
+                        f"cannot fit in a {size}-byte file")
+
+
+def _type_name(raw: int) -> str:
+    try:
+        return QType(raw).name
+    except ValueError:
+        return f"unknown type {raw}"
+
+
+def _check_tensors(path: Path, reader: GGUFReader, size: int, *, types: bool) -> None:
+    """Shapes and data ranges within bounds; with `types`, only tensor types that MLX loads."""
+    unsupported: list[str] = []
+    for t in reader.tensors:
+        dims = [int(d) for d in t.shape]
+        if not 1 <= len(dims) <= MAX_DIMS or any(d < 0 or d > _MAX_DIM for d in dims):
+            raise GGUFError(f"{path}: tensor {t.name!r} has an invalid shape {dims}")
+        block, type_size = GGML_QUANT_SIZES.get(t.tensor_type, (1, 1))
+        if dims[0] % block:
+            raise GGUFError(f"{path}: tensor {t.name!r} ({t.tensor_type.name}) has {dims[0]} columns, "
+                            f"not a multiple of its block size {block}")
+        nbytes = math.prod(dims) // block * type_size
+        if t.data_offset + nbytes > size:
+            raise GGUFError(f"{path}: truncated or corrupt: tensor {t.name!r} needs bytes {t.data_offset} to "
+                            f"{t.data_offset + nbytes}, the file has {size}")
+        if types and t.tensor_type not in SUPPORTED_TYPES:
+            unsupported.append(f"{t.name} ({t.tensor_type.name})")
+    if unsupported:
+        raise GGUFError(
+            f"{path}: {len(unsupported)} tensor{'s have types' if len(unsupported) > 1 else ' has a type'} pymlxc "
+            f"cannot load: {', '.join(unsupported[:8])}{' ...' if len(unsupported) > 8 else ''}; supported: "
+            f"{', '.join(t.name for t in SUPPORTED_TYPES)} (re-quantize with llama-quantize --pure to Q8_0 or Q4_0, "
+            "or load the original safetensors)")
+
+
+def read_gguf(path: str | os.PathLike[str], *, check_types: bool = True) -> GGUFReader:
+    """A validated reader of the GGUF file at `path` (metadata and tensor infos; tensor data stays
+    memory-mapped). Raises GGUFError naming the file for anything malformed or, with `check_types`,
+    for tensor types MLX cannot load."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {p}")
+    _check_header(p)
+    try:
+        reader = _CheckedReader(p)
+    except _Corrupt as exc:
+        raise GGUFError(f"{p}: {exc}") from None
+    except (ValueError, KeyError, IndexError, OverflowError, TypeError, UnicodeDecodeError) as exc:
+        # The reader's own complaints: an unknown value or tensor type, duplicate names, bad alignment.
+        raise GGUFError(f"{p}: malformed GGUF file: {exc}") from exc
+    if reader.byte_order != "I":
+        raise GGUFError(f"{p}: GGUF files of the other byte order are not supported")
+    _check_tensors(p, reader, p.stat().st_size, types=check_types)
+    split = _scalar(reader, "split.count")
+    if isinstance(split, int) and split > 1:
+        raise GGUFError(f"{p}: part of a {split}-file split GGUF; merge it first (llama-gguf-split --merge)")
+    return reader
+
+
+# ---------------------------------------------------------------------- metadata
+
+def metadata(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    """A metadata value as Python: str, int, float, bool, or a list of them."""
+    field = reader.fields.get(key)
+    if field is None or not field.types:
+        return default
+    if field.types[0] == GGUFValueType.ARRAY:
+        return field.contents(slice(None))
+    value = field.contents()
+    if field.types[0] == GGUFValueType.FLOAT32:
+        value = float(str(np.float32(value)))  # 1e-05, not 9.999999747378752e-06
+    return value
+
+
+def _scalar(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    value = metadata(reader, key, default)
+    return default if isinstance(value, list) else value
+
+
+def _int(reader: GGUFReader, key: str, default: int | None = None, *, required: bool = False) -> int | None:
+    """An integer key; a per-layer list is accepted when all its entries agree."""
+    value = metadata(reader, key)
+    if isinstance(value, list):
+        distinct = set(value)
+        if len(distinct) != 1:
+            raise GGUFError(f"{key} varies by layer ({sorted(distinct)}), which pymlxc's models do not support")
+        value = distinct.pop()
+    if value is None:
+        if required:
+            raise GGUFError(f"the metadata key {key} is missing")
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 0:
+        raise GGUFError(f"{key} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def _float(reader: GGUFReader, key: str, default: float | None = None) -> float | None:
+    value = _scalar(reader, key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise GGUFError(f"{key} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def architecture(reader: GGUFReader) -> str:
+    arch = _scalar(reader, "general.architecture")
+    if not isinstance(arch, str):
+        raise GGUFError("the metadata key general.architecture is missing")
+    return arch
+
+
+def model_type_of(arch: str) -> str:
+    if arch not in _MODEL_TYPE:
+        raise GGUFError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    return _MODEL_TYPE[arch]
+
+
+def _tensor_shapes(reader: GGUFReader) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes in MLX order (GGUF lists the fastest-varying dimension first)."""
+    return {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+
+
+def gguf_config(reader: GGUFReader) -> dict[str, Any]:
+    """The HF-style config.json of the model in `reader`, from its `<arch>.*` keys and tensor shapes."""
+    arch = architecture(reader)
+    model_type = model_type_of(arch)
+    shapes = _tensor_shapes(reader)
+    key = f"{arch}.".__add__
+
+    hidden = _int(reader, key("embedding_length"), required=True)
+    heads = _int(reader, key("attention.head_count"), required=True)
+    if not hidden or not heads:
+        raise GGUFError(f"{key('embedding_length')} and {key('attention.head_count')} must be positive")
+    kv_heads = _int(reader, key("attention.head_count_kv"), heads) or heads
+    head_dim = _int(reader, key("attention.key_length"), hidden // heads) or hidden // heads
+    value_dim = _int(reader, key("attention.value_length"), head_dim)
+    if value_dim != head_dim:
+        raise GGUFError(f"key_length {head_dim} != value_length {value_dim}: not supported")
+    rope_dims = _int(reader, key("rope.dimension_count"), head_dim)
+    if rope_dims != head_dim:
+        raise GGUFError(f"partial rotary embeddings ({rope_dims} of {head_dim} dimensions) are not supported")
+    embed = shapes.get("token_embd.weight")
+    if embed is None or len(embed) != 2:
+        raise GGUFError("the token embedding tensor token_embd.weight is missing")
+    vocab = embed[0]
+    context = _int(reader, key("context_length"), 4096)
+    config: dict[str, Any] = {
+        "model_type": model_type,
+        "architectures": [_ARCH_CLASS[arch]],
+        "hidden_size": hidden,
+        "num_hidden_layers": _int(reader, key("block_count"), required=True),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": _int(reader, key("feed_forward_length"), required=True),
+        "vocab_size": vocab,
+        "max_position_embeddings": context,
+        "rms_norm_eps": _float(reader, key("attention.layer_norm_rms_epsilon"), 1e-5 if arch == "llama" else 1e-6),
+        "rope_theta": _float(reader, key("rope.freq_base"), 10000.0),
+        "tie_word_embeddings": "output.weight" not in shapes,
+    }
+    rope_scaling = _rope_scaling(reader, arch, head_dim, config["rope_theta"])
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+    if arch in ("llama", "qwen2"):
+        config["attention_bias"] = "blk.0.attn_q.bias" in shapes
+    if arch in ("gemma2", "gemma3"):
+        config.update(_gemma_config(reader, arch, config))
+    for name, value in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+        token = _scalar(reader, value)
+        if isinstance(token, int) and not isinstance(token, bool):
+            config[name] = token
+    return config
+
+
+_ARCH_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+# llama.cpp scales Gemma's queries by 1/sqrt(hidden / heads) in the 27B models and by
+# 1/sqrt(head_dim) in the others; the GGUF has no key for it. The 27B models are told by depth.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma_config(reader: GGUFReader, arch: str, base: Mapping[str, Any]) -> dict[str, Any]:
+    key = f"{arch}.".__add__
+    layers, hidden, heads = base["num_hidden_layers"], base["hidden_size"], base["num_attention_heads"]
+    wide = layers == _GEMMA_27B_LAYERS[arch]
+    out: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": hidden // heads if wide else base["head_dim"],
+        "sliding_window": _int(reader, key("attention.sliding_window"), 4096),
+        "attn_logit_softcapping": _float(reader, key("attn_logit_softcapping")),
+        "final_logit_softcapping": _float(reader, key("final_logit_softcapping")),
+    }
+    if arch == "gemma2":
+        if out["attn_logit_softcapping"] is None:
+            out["attn_logit_softcapping"] = 50.0
+        if out["final_logit_softcapping"] is None:
+            out["final_logit_softcapping"] = 30.0
+        return out
+    # Gemma 3: every sixth layer is global unless the file says otherwise (a period, or a per-layer
+    # list of booleans, true for sliding-window layers).
+    pattern = metadata(reader, key("attention.sliding_window_pattern"))
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise GGUFError(f"{key('attention.sliding_window_pattern')} has {len(pattern)} entries for {layers} layers")
+        sliding = [bool(v) for v in pattern]
+    else:
+        period = int(pattern) if isinstance(pattern, int) and pattern > 0 else 6
+        sliding = [(i + 1) % period != 0 for i in range(layers)]
+        out["sliding_window_pattern"] = period
+    out["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    out["rope_local_base_freq"] = _float(reader, key("rope.freq_base_swa"), 10000.0)
+    return out
+
+
+def _rope_scaling(reader: GGUFReader, arch: str, head_dim: int, base: float) -> dict[str, Any] | None:
+    key = f"{arch}.".__add__
+    kind = _scalar(reader, key("rope.scaling.type"))
+    factor = _float(reader, key("rope.scaling.factor"))
+    if kind in ("linear", "yarn") and factor and factor != 1.0:
+        out: dict[str, Any] = {"rope_type": kind, "factor": factor}
+        original = _int(reader, key("rope.scaling.original_context_length"))
+        if original:
+            out["original_max_position_embeddings"] = original
+        return out
+    if kind not in (None, "none", "linear", "yarn"):
+        raise GGUFError(f"RoPE scaling type {kind!r} is not supported")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if arch == "llama" and freqs is not None:
+        if freqs.tensor_type not in (QType.F32, QType.F16):
+            raise GGUFError(f"rope_freqs.weight has type {freqs.tensor_type.name} (expected F32)")
+        return llama3_rope_scaling(np.asarray(freqs.data, dtype=np.float64), head_dim, base)
+    return None
+
+
+def llama3_rope_scaling(factors: np.ndarray, head_dim: int, base: float) -> dict[str, Any] | None:
+    """The HF `rope_scaling` of Llama 3 whose per-pair factors llama.cpp stored as `rope_freqs`.
+
+    Pair i of frequency base^(-2i/d) has wavelength w = 2 pi base^(2i/d). Llama 3 keeps short
+    wavelengths (factor 1), slows long ones by `factor`, and in between divides by
+    (1 - s) / factor + s with s = (L / w - low) / (high - low), L the original context. Those three
+    numbers are only fixed up to a common scale, so low is taken as 1 (Llama 3's value) and s is
+    fitted against 1 / w. The fit is checked by recomputing every factor."""
+    f = np.asarray(factors, dtype=np.float64).reshape(-1)
+    if f.size != head_dim // 2 or not np.all(np.isfinite(f)) or np.any(f <= 0):
+        raise GGUFError(f"rope_freqs has {f.size} entries (expected {head_dim // 2} positive ones)")
+    if np.allclose(f, 1.0):
+        return None
+    factor = float(f.max())
+    wavelen = 2 * math.pi * base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    medium = (f > 1 + 1e-6) & (f < factor * (1 - 1e-6))
+    if medium.sum() >= 2:
+        s = (1 / f[medium] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(1 / wavelen[medium], s, 1)
+        if intercept >= 0 or slope <= 0:
+            raise GGUFError("rope_freqs do not follow Llama 3's RoPE scaling")
+        high = 1 - 1 / intercept
+        original = -slope / intercept
+    else:  # no blend region: any boundaries between the kept and the slowed wavelengths fit
+        kept, slowed = wavelen[f <= 1 + 1e-6], wavelen[f > 1 + 1e-6]
+        if not kept.size or not slowed.size:
+            raise GGUFError("rope_freqs do not follow Llama 3's RoPE scaling")
+        original, high = float(np.sqrt(kept.max() * slowed.min())), 1.0 + 1e-3
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": float(high),
+               "original_max_position_embeddings": float(original)}
+    if not np.allclose(_llama3_factors(scaling, wavelen), f, rtol=1e-4, atol=1e-6):
+        raise GGUFError("rope_freqs do not follow Llama 3's RoPE scaling")
+    return scaling
+
+
+def _llama3_factors(scaling: Mapping[str, float], wavelen: np.ndarray) -> np.ndarray:
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    smooth = (original / wavelen - low) / (high - low)
+    blend = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, blend))
+
+
+# ---------------------------------------------------------------------- tensors
+
+def hf_name(name: str, arch: str) -> str:
+    """llama.cpp's tensor name -> ours (HF's), with MLX's `.scales`/`.biases` kept as suffixes."""
+    stem, _, suffix = name.rpartition(".")
+    if suffix not in _SUFFIXES or not stem:
+        raise GGUFError(f"tensor {name!r} has no counterpart in the {arch} model")
+    if stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+    parts = stem.split(".")
+    table = _GEMMA_BLOCK_NAMES if arch.startswith("gemma") else _BLOCK_NAMES
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in table:
+        return f"model.layers.{int(parts[1])}.{table[parts[2]]}.{suffix}"
+    raise GGUFError(f"tensor {name!r} has no counterpart in the {arch} model")
+
+
+def _unpermute_rows(w: Array, n_heads: int) -> Array:
+    """Undo llama.cpp's q/k permutation: within each head its rows were reordered from the halves
+    layout [x0..x(d/2-1), y0..] to pairs (x0, y0, x1, y1, ...) for interleaved RoPE."""
+    rows = w.shape[0]
+    if rows % (2 * n_heads):
+        raise GGUFError(f"a q/k projection with {rows} rows cannot be split into {n_heads} heads")
+    half = rows // n_heads // 2
+    order = np.arange(rows).reshape(n_heads, half, 2).transpose(0, 2, 1).reshape(-1)
+    return mx.take(w, mx.array(order.astype(np.int32)), axis=0)
+
+
+def _bf16(reader_tensor: Any) -> Array:
+    """A BF16 tensor bit-exact from the memory-mapped file (MLX's reader widens BF16 to float16)."""
+    raw = np.ascontiguousarray(reader_tensor.data).view(np.uint16)
+    shape = tuple(int(d) for d in reversed(reader_tensor.shape.tolist()))
+    return mx.view(mx.array(raw.reshape(shape)), mx.bfloat16)
+
+
+def read_gguf_weights(path: Path, reader: GGUFReader, config: Mapping[str, Any]) -> dict[str, Array]:
+    """The tensors of the validated file under HF names, with llama.cpp's conventions undone.
+    Quantized tensors come as `<module>.weight` (packed), `.scales` and `.biases`."""
+    arch = architecture(reader)
+    by_name = {t.name: t for t in reader.tensors}
+    try:
+        with mx.load_gguf(path) as g:
+            raw = {k: g.tensor(k) for k in g.keys()}
+    except MLXError as exc:
+        raise GGUFError(f"{path}: MLX cannot read this GGUF file: {exc}") from exc
+    heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
+    gemma = arch.startswith("gemma")
+    out: dict[str, Array] = {}
+    for name, value in raw.items():
+        if name in _IGNORED:
+            continue
+        tensor = by_name.get(name)
+        if tensor is not None and tensor.tensor_type == QType.BF16:
+            value = _bf16(tensor)
+        target = hf_name(name, arch)
+        if arch == "llama" and (".self_attn.q_proj." in target or ".self_attn.k_proj." in target):
+            value = _unpermute_rows(value, heads if ".q_proj." in target else kv_heads)
+        if gemma and target.endswith("norm.weight"):
+            value = (value.astype(mx.float32) - 1.0).astype(value.dtype)
+        out[target] = value
+    return out
+
+
+# ---------------------------------------------------------------------- loading
+
+def _model_config(reader: GGUFReader) -> dict[str, Any]:
+    config = gguf_config(reader)
+    bits = {QUANT_BITS[t.tensor_type] for t in reader.tensors if t.tensor_type in QUANT_BITS}
+    if bits:
+        dominant, _ = quantization_of(reader)
+        config["quantization"] = {"group_size": QUANT_GROUP, "bits": dominant or max(bits), "mode": "affine"}
+    return config
+
+
+def load_gguf_weights(path: str | os.PathLike[str], *, context_len: int = 131072,
+                      progress: Callable[[int, int], None] | None = None, reader: GGUFReader | None = None) -> Any:
+    """The `loader.LoadedModel` of the GGUF file at `path` (layers with Q4_0/Q4_1/Q8_0 weights quantized,
+    the others dense, dtypes as stored)."""
+    from .loader import build_model
+
+    file = Path(path)
+    reader = reader if reader is not None else read_gguf(file)
+    config = _model_config(reader)
+    weights = read_gguf_weights(file, reader, config)
+    return build_model(config, weights, dict.fromkeys(weights, file), source=file, root=file,
+                       context_len=context_len, progress=progress)
+
+
+def load_gguf_model(path: str | os.PathLike[str], *, context_len: int = 131072,
+                    progress: Callable[[int, int], None] | None = None) -> tuple[Any, Any]:
+    """(tokenizer, LoadedModel) of the GGUF file at `path`, reading its metadata once. The tokenizer
+    comes first, so that a file without one fails before the weights are read."""
+    from .gguf_tokenizer import load_gguf_tokenizer
+
+    file = Path(path)
+    reader = read_gguf(file)
+    tokenizer = load_gguf_tokenizer(file, reader, model_type_of(architecture(reader)))
+    return tokenizer, load_gguf_weights(file, context_len=context_len, progress=progress, reader=reader)
+
+
+# ---------------------------------------------------------------------- description
+
+def quantization_of(reader: GGUFReader) -> tuple[int, int]:
+    """(bits, group size) of the dominant quantized type, by number of weights; (0, 0) when the
+    weights are mostly float. K-quants report their nominal bits and block size."""
+    counts: dict[QType, int] = {}
+    for t in reader.tensors:
+        if len(t.shape) >= 2:
+            counts[t.tensor_type] = counts.get(t.tensor_type, 0) + int(t.n_elements)
+    if not counts:
+        return 0, 0
+    dominant = max(counts, key=lambda k: counts[k])
+    if dominant in DENSE_TYPES or dominant not in GGML_QUANT_SIZES:
+        return 0, 0
+    return _nominal_bits(dominant), GGML_QUANT_SIZES[dominant][0]
+
+
+def _nominal_bits(t: QType) -> int:
+    if t in QUANT_BITS:
+        return QUANT_BITS[t]
+    digits = [c for c in t.name.split("_")[0] if c.isdigit()]
+    return int(digits[0]) if digits else 0
+
+
+def describe_gguf(path: str | os.PathLike[str]) -> tuple[str | None, int, int]:
+    """(model_type, quant_bits, quant_group) for `discover`. Structure is checked, tensor types are
+    not (an unsupported type is reported, not refused). A directory means its single GGUF file."""
+    p = Path(path)
+    file = find_gguf(p) if p.is_dir() else p
+    if file is None:
+        raise GGUFError(f"no GGUF model in {p}")
+    reader = read_gguf(file, check_types=False)
+    arch = architecture(reader)
+    bits, group = quantization_of(reader)
+    return _MODEL_TYPE.get(arch, arch), bits, group
+
+
+__all__ = ["GGUFError", "ARCHITECTURES", "SUPPORTED_TYPES", "find_gguf", "read_gguf", "metadata", "gguf_config",
+           "read_gguf_weights", "load_gguf_weights", "load_gguf_model", "hf_name", "llama3_rope_scaling", "quantization_of", "describe_gguf"]

@@ -12,6 +12,8 @@ from .memory import clear_cache, get_active_memory, get_cache_memory, get_peak_m
 from .model import Backend, GenerationCancelled, ModelClosedError, TextModel
 from .options import GenerateConfig, LoadConfig
 from .registry import BackendUnavailableError, default_backend, get, list_backends, load_model, register
+from . import training
+from .training import LoRAAdapter, LoRAConfig, TrainableModel, TrainConfig, train
 from .types import BatchResult, ClassifyResult, GenerateMetrics, Message, ModelInfo, Token
 
 __version__ = "0.1.0"
@@ -38,4 +40,5 @@ __all__ = [
     "list_backends", "load_model", "register", "BatchResult", "ClassifyResult", "GenerateMetrics", "Message",
     "ModelInfo", "Token", "clear_cache", "get_active_memory", "get_cache_memory", "get_peak_memory",
     "reset_peak_memory", "set_cache_limit", "set_memory_limit", "set_wired_limit",
+    "training", "train", "LoRAConfig", "LoRAAdapter", "TrainConfig", "TrainableModel",
 ]

@@ -300,7 +300,8 @@ class RotatingKVCache:
     # ------------------------------------------------------------------ masks
     def make_mask(self, n: int, window_size: int | None = None) -> Mask:
         if n > 1:
-            window_size = window_size or self.max_size
+            # The cache bounds attention as a window does: a chunk never sees more than max_size.
+            window_size = min(window_size, self.max_size) if window_size else self.max_size
             offset = min(self.max_size - 1, self.offset)
             if offset + n > window_size:
                 return create_causal_mask(n, offset, window_size)
@@ -317,6 +318,11 @@ class RotatingKVCache:
             mask = mx.arange(mask_size) >= (mask_size - window_size)
             return mx.roll(mask, idx + 1)
         return None
+
+    def in_order(self) -> bool:
+        """Whether the next update returns the keys of positions 0, 1, ... in order (nothing evicted,
+        nothing rotated): then a caller's mask over all positions applies as it is."""
+        return self.keys is None or (self._idx == self.offset and self.offset < self.max_size)
 
     def _slot_positions(self) -> np.ndarray:
         """The position held by each buffer slot now (-1: unused)."""
@@ -336,7 +342,7 @@ class RotatingKVCache:
         """Positions of the keys that the next `update_and_fetch` of `n` tokens returns, in order
         (the same steps as the update, on positions instead of arrays). For explicit masks."""
         off, keep = self.offset, self.keep
-        if self.keys is None or (n > 1 and self._idx == off and off + n <= self.max_size):
+        if self.in_order():
             return np.arange(off + n)
         slots, idx = self._slot_positions(), self._idx
         if n > 1:

@@ -144,24 +144,26 @@ def softcap(x: Array, cap: float) -> Array:
 # ---------------------------------------------------------------------- masks per layer
 
 def _explicit_for(mask: Array, n: int, cache: Cache | None, window: int | None) -> Array:
-    """Fit a caller's mask [.., n, offset + n] to the keys that `cache` returns, and add the sliding
-    window. Key columns are picked by position when a rotating cache has evicted or reordered keys."""
+    """Fit a caller's mask [.., n, offset + n] (over all positions so far) to the keys that `cache`
+    will return, and add the sliding window (or the rotating cache's bound; its `keep` first tokens
+    stay visible). Columns are picked by position once a rotating cache has evicted or reordered."""
     offset = 0 if cache is None else cache.offset
+    keep = 0
     positions: np.ndarray | None = None
     if isinstance(cache, RotatingKVCache):
-        positions = cache.key_positions(n)
-        if np.array_equal(positions, np.arange(offset + n)):
-            positions = None
-    if positions is not None:
-        mask = mx.take(mask, mx.array(positions.astype(np.int32)), axis=-1)
+        window = min(window, cache.max_size) if window else cache.max_size
+        keep = cache.keep
+        if not cache.in_order():
+            positions = cache.key_positions(n)
+            mask = mx.take(mask, mx.array(positions.astype(np.int32)), axis=-1)
     if window is None or (positions is None and offset + n <= window):
         return mask
     kpos = positions if positions is not None else np.arange(offset + n)
     qpos = np.arange(offset, offset + n)[:, None]
-    keep = mx.array((qpos - kpos[None, :]) < window)
+    visible = mx.array(((qpos - kpos[None, :]) < window) | (kpos[None, :] < keep))
     if mask.dtype == mx.bool_:
-        return mask & keep
-    return mx.where(keep, mask, mx.array(-math.inf, mask.dtype))
+        return mask & visible
+    return mx.where(visible, mask, mx.array(-math.inf, mask.dtype))
 
 
 class LayerMasks:
@@ -190,12 +192,13 @@ class LayerMasks:
 
 def make_layer_caches(windows: Sequence[int | None], context_len: int | None,
                       keep: int = CONTEXT_KEEP) -> list[Cache]:
-    """Caches for layers with the given sliding windows: rotating, bounded by the window for local
-    layers and by `context_len` for all (keeping the first `keep` tokens of a long context)."""
+    """Caches for layers with the given sliding windows (None: full attention). A window layer gets a
+    rotating cache of its window; a layer bounded by `context_len` instead (full attention, or a
+    window longer than the context) gets one of `context_len` that keeps the first `keep` tokens."""
     out: list[Cache] = []
     for w in windows:
-        if w is not None:
-            out.append(RotatingKVCache(w if context_len is None else min(w, context_len)))
+        if w is not None and (context_len is None or w <= context_len):
+            out.append(RotatingKVCache(w))
         elif context_len is None:
             out.append(KVCache())
         else:

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from pymlxc.backends.metal.sample import (
-    apply_min_p, apply_processors, apply_top_k, apply_top_p, greedy, make_logits_processors, make_sampler,
+    apply_min_p, apply_processors, apply_top_k, apply_top_p, greedy, make_logits_processors, make_repeat_penalty,
+    make_sampler,
 )
 
 # Rounded to a coarse grid so that ties (the interesting case for every filter) actually occur.
@@ -131,7 +132,7 @@ def test_bad_settings_raise(bad: dict) -> None:
 def test_repeat_penalty_matches_llama_cpp(logits: np.ndarray, penalty: float, context: int, data) -> None:
     batch, vocab = logits.shape
     history = data.draw(hnp.arrays(np.int32, (batch, data.draw(st.integers(1, 12))), elements=st.integers(0, vocab - 1)))
-    (process,) = make_logits_processors(penalty, context)
+    process = make_repeat_penalty(penalty, context)  # (penalty 1 included: then nothing changes)
     out = np.asarray(apply_processors([process], mx.array(history), mx.array(logits)))
     want = logits.copy()
     for b in range(batch):
@@ -143,5 +144,6 @@ def test_repeat_penalty_matches_llama_cpp(logits: np.ndarray, penalty: float, co
 
 def test_penalty_one_is_no_processor() -> None:
     assert make_logits_processors(1.0) == []
+    assert len(make_logits_processors(1.3, 8)) == 1
     with pytest.raises(ValueError):
         make_logits_processors(0.0)

@@ -58,7 +58,8 @@ def apply_top_p(logits: mx.Array, top_p: float) -> mx.Array:
     probs = mx.softmax(ascending, axis=-1)
     # Mass of the strictly more likely tokens: 0 for the most likely one, so it is always kept.
     mass_above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
-    kept = mx.sum(mass_above < top_p, axis=-1, keepdims=True)
+    # At least one: a top_p below float32's smallest value rounds to 0 and would keep nothing.
+    kept = mx.maximum(mx.sum(mass_above < top_p, axis=-1, keepdims=True), 1)
     vocab = logits.shape[-1]
     threshold = mx.take_along_axis(ascending, vocab - kept, axis=-1)
     return mx.where(logits >= threshold, logits, _NEG_INF)

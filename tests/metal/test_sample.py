@@ -147,3 +147,10 @@ def test_penalty_one_is_no_processor() -> None:
     assert len(make_logits_processors(1.3, 8)) == 1
     with pytest.raises(ValueError):
         make_logits_processors(0.0)
+
+
+def test_top_p_below_float32_resolution_keeps_the_argmax() -> None:
+    # 1e-300 rounds to 0 in float32: the cut must still keep the most likely token (only it).
+    logits = mx.array([[0.0, 2.0, 1.0], [0.0, 0.0, 0.0]])
+    keep = kept(apply_top_p(logits, 1e-300))
+    assert keep[0].tolist() == [False, True, False] and keep[1].all()

@@ -118,12 +118,25 @@ def _pairs(tensors: Mapping[str, Array], file: Path, a_name: str, b_name: str) -
         else:
             raise AdapterError(f"{file}: tensor {name!r} is not a LoRA weight (expected *.{a_name} / *.{b_name})")
     out = {}
-    for module, pair in found.items():
+    for module in sorted(found, key=natural_key):
+        pair = found[module]
         if a_name not in pair or b_name not in pair:
             missing = a_name if a_name not in pair else b_name
             raise AdapterError(f"{file}: {module!r} has no {missing}")
         out[module] = (pair[a_name], pair[b_name])
     return out
+
+
+def natural_key(name: str) -> list[Any]:
+    """Sort key that puts `layers.2` before `layers.10`."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]
+
+
+def _most_common(values: Sequence[Any]) -> Any:
+    counts: dict[Any, int] = {}
+    for v in values:
+        counts[v] = counts.get(v, 0) + 1
+    return max(counts, key=lambda v: counts[v])  # ties: the first seen
 
 
 def read_mlx_adapter(path: str | Path) -> AdapterWeights:
@@ -261,7 +274,8 @@ def write_peft_adapter(path: str | Path, tensors: Mapping[str, Array], scales: M
     out: dict[str, Array] = {}
     ranks = {m: int(tensors[f"{m}.lora_a"].shape[1]) for m in modules}
     alphas = {m: float(scales[m]) * ranks[m] for m in modules}
-    r0, a0 = ranks[modules[0]], alphas[modules[0]]
+    r0 = _most_common([ranks[m] for m in modules])
+    a0 = _most_common([alphas[m] for m in modules])
     for m in modules:
         out[f"{PEFT_PREFIX}{m}.lora_A.weight"] = mx.contiguous(mx.transpose(tensors[f"{m}.lora_a"]))
         out[f"{PEFT_PREFIX}{m}.lora_B.weight"] = mx.contiguous(mx.transpose(tensors[f"{m}.lora_b"]))

@@ -1,0 +1,171 @@
+"""The loader's errors name what is wrong (file, tensor, shapes, supported types), and `free()`
+gives every byte of the weights back."""
+from __future__ import annotations
+
+import gc
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import pymlxc.core as mx
+from pymlxc.backends.metal import nn
+from pymlxc.backends.metal.loader import ConfigError, WeightsFileError, load_weights_and_config
+from pymlxc.backends.metal.models import UnsupportedModelError, get_model_module, infer_model_type, qwen2, qwen3
+from pymlxc.testing import write_tiny_model
+
+
+@pytest.fixture()
+def tiny(tmp_path: Path) -> Path:
+    return write_tiny_model(tmp_path / "m", "llama")
+
+
+def _edit_config(path: Path, **changes: object) -> None:
+    config = json.loads((path / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            config.pop(k, None)
+        else:
+            config[k] = v
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def _edit_weights(path: Path, fn) -> None:  # noqa: ANN001
+    file = path / "model.safetensors"
+    weights = load_file(str(file))
+    fn(weights)
+    save_file(weights, str(file))
+
+
+def test_missing_directory_and_config(tmp_path: Path, tiny: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="model directory"):
+        load_weights_and_config(tmp_path / "nowhere")
+    (tiny / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_weights_and_config(tiny)
+
+
+def test_malformed_config(tiny: Path) -> None:
+    (tiny / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"config\.json: not valid JSON"):
+        load_weights_and_config(tiny)
+    (tiny / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="expected a JSON object"):
+        load_weights_and_config(tiny)
+
+
+def test_config_missing_required_field(tiny: Path) -> None:
+    _edit_config(tiny, hidden_size=None)
+    with pytest.raises(ConfigError, match=r"config\.json.*hidden_size"):
+        load_weights_and_config(tiny)
+
+
+def test_unknown_model_type_lists_supported(tiny: Path) -> None:
+    _edit_config(tiny, model_type="falcon_mamba")
+    with pytest.raises(UnsupportedModelError, match="falcon_mamba") as info:
+        load_weights_and_config(tiny)
+    for name in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text"):
+        assert name in str(info.value)
+
+
+def test_missing_tensor_is_named(tiny: Path) -> None:
+    _edit_weights(tiny, lambda w: w.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(nn.WeightsError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_weights_and_config(tiny)
+
+
+def test_unexpected_tensor_is_named(tiny: Path) -> None:
+    _edit_weights(tiny, lambda w: w.__setitem__("model.layers.0.mlp.extra.weight", np.zeros(3, np.float32)))
+    with pytest.raises(nn.WeightsError, match=r"model\.layers\.0\.mlp\.extra\.weight"):
+        load_weights_and_config(tiny)
+
+
+def test_wrong_shape_names_tensor_and_both_shapes(tiny: Path) -> None:
+    _edit_weights(tiny, lambda w: w.__setitem__("model.layers.0.self_attn.k_proj.weight", np.zeros((8, 64), np.float32)))
+    with pytest.raises(nn.WeightsError, match=r"self_attn\.k_proj\.weight.*\(8, 64\).*\(32, 64\)"):
+        load_weights_and_config(tiny)
+
+
+@pytest.mark.parametrize("cut", [10, 200, 5000])
+def test_truncated_safetensors_names_file(tiny: Path, cut: int) -> None:
+    file = tiny / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) - cut] if cut > 100 else data[:cut])
+    with pytest.raises(WeightsFileError, match=r"model\.safetensors"):
+        load_weights_and_config(tiny)
+
+
+def test_no_weight_files(tiny: Path) -> None:
+    (tiny / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"\*\.safetensors"):
+        load_weights_and_config(tiny)
+
+
+def test_unsupported_quantization_method(tiny: Path) -> None:
+    _edit_config(tiny, quantization_config={"quant_method": "gptq", "desc_act": False})
+    with pytest.raises(ConfigError, match="gptq"):
+        load_weights_and_config(tiny)
+
+
+def test_qwen2_and_qwen3_told_apart_without_model_type(tmp_path: Path) -> None:
+    for arch, module in (("qwen2", qwen2), ("qwen3", qwen3)):
+        path = write_tiny_model(tmp_path / arch, arch)
+        _edit_config(path, model_type=None, architectures=None)
+        with load_weights_and_config(path) as loaded:
+            assert loaded.model_type == arch
+            assert isinstance(loaded.model, module.Model)
+    assert infer_model_type({}, ["model.layers.0.self_attn.q_norm.weight"]) == "qwen3"
+    assert get_model_module(None, ["model.layers.0.self_attn.q_proj.bias"]) is qwen2
+    with pytest.raises(UnsupportedModelError, match="supported model types"):
+        get_model_module(None, ["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_prefixed_names_resolve(tiny: Path) -> None:
+    """Checkpoints that wrap the text model (`language_model.`) or drop `model.` still load."""
+    def rename(w: dict) -> None:
+        for k in list(w):
+            if k.startswith("model.layers.0."):
+                w["language_model." + k] = w.pop(k)
+            elif k == "model.norm.weight":
+                w["norm.weight"] = w.pop(k)
+    _edit_weights(tiny, rename)
+    with load_weights_and_config(tiny) as loaded:
+        assert loaded.num_tensors == 21
+
+
+def test_progress_reports_bytes(tiny: Path) -> None:
+    calls: list[tuple[int, int]] = []
+    with load_weights_and_config(tiny, progress=lambda d, t: calls.append((d, t))) as loaded:
+        assert calls[0] == (0, loaded.nbytes) and calls[-1] == (loaded.nbytes, loaded.nbytes)
+        assert all(a[0] <= b[0] for a, b in zip(calls, calls[1:]))
+
+
+def test_tied_head_when_lm_head_absent(tiny: Path) -> None:
+    _edit_weights(tiny, lambda w: w.pop("lm_head.weight"))
+    with load_weights_and_config(tiny) as loaded:
+        assert loaded.model.lm_head is None
+        assert "lm_head.weight" not in loaded.model.parameters()
+        out = loaded.model(mx.array([[20, 21, 22]], mx.int32))
+        assert out.shape == (1, 3, 512)
+
+
+@pytest.mark.parametrize("arch,bits", [("llama", None), ("gemma3", 4)])
+def test_free_returns_memory(tmp_path: Path, arch: str, bits: int | None) -> None:
+    path = write_tiny_model(tmp_path / "m", arch, quantize_bits=bits)
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    loaded = load_weights_and_config(path)
+    cache = loaded.model.make_cache(64)
+    mx.eval(loaded.model(mx.array([[20, 21, 22, 23]], mx.int32), cache))
+    assert mx.get_active_memory() > before + loaded.nbytes // 2
+    for c in cache:
+        c.free()
+    loaded.free()
+    loaded.free()  # idempotent
+    mx.clear_cache()
+    assert mx.get_active_memory() == before
+    with pytest.raises(mx.FreedArrayError):
+        loaded.model(mx.array([[20]], mx.int32))

@@ -16,7 +16,7 @@ from typing import Any
 import pymlxc.core as mx
 from pymlxc.core import Array
 
-from .nn import Linear, Module, QuantizedLinear
+from .nn import Embedding, Linear, Module, QuantizedEmbedding, QuantizedLinear
 
 _DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 
@@ -248,6 +248,28 @@ def fuse(model: Module, dequantize: bool = False) -> int:
     for path, layer in layers.items():
         set_module(model, path, layer.fused(dequantize=dequantize))
     return len(layers)
+
+
+def dequantize_model(model: Module) -> int:
+    """Replace every quantized linear and embedding by its dense equivalent (in the scales' dtype);
+    returns how many changed."""
+    changed = 0
+    for path, module in list(model.named_modules()):
+        if isinstance(module, QuantizedLinear):
+            out_dims, in_dims = module.output_dims, module.input_dims
+            dense: Module = Linear(in_dims, out_dims, bias="bias" in vars(module))
+            dense.weight = mx.dequantize(module.weight, module.scales, module.biases, module.group_size, module.bits)
+            if "bias" in vars(module):
+                dense.bias = module.bias
+        elif isinstance(module, QuantizedEmbedding):
+            n = module.weight.shape[0]
+            dense = Embedding(n, module.scales.shape[1] * module.group_size)
+            dense.weight = mx.dequantize(module.weight, module.scales, module.biases, module.group_size, module.bits)
+        else:
+            continue
+        set_module(model, path, dense)
+        changed += 1
+    return changed
 
 
 def set_training(model: Module, training: bool) -> None:

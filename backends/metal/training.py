@@ -195,12 +195,13 @@ class TrainableMixin:
     def save_fused(self, path: str | Path, source: str | Path, *, dequantize: bool = False) -> Path:
         """Fuse the adapter (if one is attached) and write a model directory at `path`: the weights
         under their checkpoint names, config.json and the tokenizer files copied from `source` (the
-        directory the base model was loaded from). A quantized base stays quantized (same bits and
-        group size) unless `dequantize`; then it is saved dense and the quantization config dropped."""
+        directory the base model was loaded from). A quantized base stays quantized (fused layers are
+        requantized with their own bits and group size) unless `dequantize`: then every layer is saved
+        dense and the quantization config is dropped."""
         if self._adapter is not None:
             self.fuse_adapter(dequantize=dequantize)
-        elif dequantize:
-            raise ValueError("dequantize=True needs an adapter to fuse")
+        if dequantize:
+            lora.dequantize_model(self._net())
         return save_model_dir(self._net(), path, source, dequantized=dequantize)
 
     # ------------------------------------------------------------------ what pymlxc.train uses

@@ -1,0 +1,104 @@
+"""Fusing: the fused model's logits equal base + adapter (dense exactly, requantized closely)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pymlxc.core as mx
+from pymlxc.backends.metal.nn import Linear, QuantizedLinear
+from pymlxc.cli import main
+from pymlxc.training import LoRAConfig
+
+from .conftest import load
+from .test_interop import PROMPT, _ours, _trained_like
+
+LORA = LoRAConfig(rank=4, alpha=8, target_keys=("q_proj", "v_proj", "down_proj"))
+
+
+def _adapted(path: Path, tmp_path: Path) -> tuple[np.ndarray, list[int], Path]:
+    with load(path) as model:
+        model.apply_lora(LORA)
+        _trained_like(model, seed=2)
+        model.adapter.save(tmp_path / "ad")
+        ids = model.encode(PROMPT)
+        return _ours(model, ids), ids, tmp_path / "ad"
+
+
+def test_fused_dense_model_equals_base_plus_adapter(llama_dir: Path, tmp_path: Path) -> None:
+    import mlx.core as M
+    import mlx_lm
+
+    adapted, ids, adapter = _adapted(llama_dir, tmp_path)
+    with load(llama_dir) as model:
+        model.load_adapter(adapter)
+        assert model.fuse_adapter() == 2 * 3
+        assert model.adapter is None
+        in_memory = _ours(model, ids)
+        assert not any("lora" in k for k in model.model.parameters())
+        assert model.model.trainable_parameters()  # nothing stays frozen in a dense fused model
+    np.testing.assert_allclose(in_memory, adapted, rtol=1e-4, atol=1e-4)
+    with load(llama_dir) as model:
+        model.load_adapter(adapter)
+        out = model.save_fused(tmp_path / "fused", llama_dir)
+    with load(out) as fused:
+        np.testing.assert_allclose(_ours(fused, ids), adapted, rtol=1e-4, atol=1e-4)
+    ref, _ = mlx_lm.load(str(out))  # the fused directory is an ordinary model for mlx-lm too
+    np.testing.assert_allclose(np.array(ref(M.array([ids]))), adapted, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_quantized_model_requantizes_or_saves_dense(qllama_dir: Path, tmp_path: Path) -> None:
+    adapted, ids, adapter = _adapted(qllama_dir, tmp_path)
+    with load(qllama_dir) as model:
+        model.load_adapter(adapter)
+        out = model.save_fused(tmp_path / "requantized", qllama_dir)
+        layer = model.model.layers[0].self_attn.q_proj
+        assert isinstance(layer, QuantizedLinear) and layer.bits == 4 and layer.group_size == 32
+    assert "quantization" in json.loads((out / "config.json").read_text())
+    with load(out) as fused:
+        requantized = _ours(fused, ids)
+    with load(qllama_dir) as base:
+        base_logits = _ours(base, ids)
+    # requantizing rounds the fused weights to 4 bits again: nearer the adapted model than the base
+    # is, and what mlx-lm's fuse (dequantize=False) makes of the same adapter
+    assert np.abs(requantized - adapted).mean() < 0.5 * np.abs(base_logits - adapted).mean()
+    import mlx.core as M
+    import mlx_lm
+    from mlx.utils import tree_unflatten
+
+    ref, _ = mlx_lm.load(str(qllama_dir), adapter_path=str(adapter))
+    ref.update_modules(tree_unflatten([(n, m.fuse(dequantize=False)) for n, m in ref.named_modules()
+                                       if hasattr(m, "fuse")]))
+    np.testing.assert_allclose(requantized, np.array(ref(M.array([ids]))), rtol=1e-4, atol=1e-4)
+    with load(qllama_dir) as model:
+        model.load_adapter(adapter)
+        out = model.save_fused(tmp_path / "dense", qllama_dir, dequantize=True)
+        assert isinstance(model.model.layers[0].self_attn.q_proj, Linear)
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization" not in config and "quantization_config" not in config
+    with load(out) as fused:
+        assert not any(isinstance(m, QuantizedLinear) for _, m in fused.model.named_modules())
+        np.testing.assert_allclose(_ours(fused, ids), adapted, rtol=1e-4, atol=1e-4)
+    dense, _ = mlx_lm.load(str(out))
+    np.testing.assert_allclose(np.array(dense(M.array([ids]))), adapted, rtol=1e-4, atol=1e-4)
+
+
+def test_cli_lora_then_fuse(llama_dir: Path, repeat_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["lora", str(llama_dir), "--data", str(repeat_data), "--adapter-path", str(tmp_path / "ad"),
+               "--iters", "4", "--batch-size", "2", "--learning-rate", "1e-3", "--rank", "4", "--steps-per-report", "2",
+               "--export-peft", str(tmp_path / "peft")])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "4/4" in err and "tok/s" in err and "done: 4 steps" in err
+    assert (tmp_path / "ad" / "adapters.safetensors").is_file() and (tmp_path / "peft" / "adapter_model.safetensors").is_file()
+    rc = main(["fuse", str(llama_dir), "--adapter-path", str(tmp_path / "ad"), "--save-path", str(tmp_path / "fused"),
+               "--quiet"])
+    assert rc == 0 and (tmp_path / "fused" / "model.safetensors").is_file()
+    assert (tmp_path / "fused" / "tokenizer.json").is_file()
+    with load(tmp_path / "fused") as fused, load(llama_dir) as model:
+        model.load_adapter(tmp_path / "ad")
+        ids = model.encode(PROMPT)
+        np.testing.assert_allclose(_ours(fused, ids), _ours(model, ids), rtol=1e-4, atol=1e-4)
+    assert mx  # keep the import for type checkers

@@ -126,6 +126,8 @@ def softcapped_attention(q: Array, k: Array, v: Array, *, scale: float, cap: flo
         kl = k.shape[-2]
         mask = create_causal_mask(L, kl - L)
     if mask is not None:
+        if repeats > 1 and mask.ndim == 4:
+            mask = mx.expand_dims(mask, 2)  # [B, 1, L, S] -> [B, 1, 1, L, S] for the grouped heads
         if mask.dtype == mx.bool_:
             scores = mx.where(mask, scores, mx.array(_MIN[scores.dtype], scores.dtype))
         else:

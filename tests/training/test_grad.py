@@ -13,6 +13,10 @@ from pymlxc.training.data import Example, make_batch
 
 from .conftest import load
 
+def f64(x: np.ndarray) -> mx.Array:
+    return mx.array(x, mx.float64)
+
+
 BATCH = make_batch([Example(tuple(range(3, 15)), 4, "a"), Example(tuple(range(40, 49)), 0, "b")], 64)
 
 
@@ -45,11 +49,11 @@ def test_lora_layer_gradients_match_central_differences_exactly() -> None:
 
     rng = np.random.default_rng(0)
     dense = nn.Linear(64, 32)
-    dense.weight = mx.array(rng.standard_normal((32, 64)) * 0.1)
-    x = mx.array(rng.standard_normal((3, 64)))
-    target = mx.array(rng.standard_normal((3, 32)))
+    dense.weight = f64(rng.standard_normal((32, 64)) * 0.1)
+    x = f64(rng.standard_normal((3, 64)))
+    target = f64(rng.standard_normal((3, 32)))
     layer = LoRALinear(dense, rank=4, scale=2.0)
-    params = {"lora_a": mx.array(rng.standard_normal((64, 4)) * 0.1), "lora_b": mx.array(rng.standard_normal((4, 32)) * 0.1)}
+    params = {"lora_a": f64(rng.standard_normal((64, 4)) * 0.1), "lora_b": f64(rng.standard_normal((4, 32)) * 0.1)}
 
     def loss(p: dict) -> mx.Array:
         layer.update(p)
@@ -64,8 +68,8 @@ def test_lora_layer_gradients_match_central_differences_exactly() -> None:
             plus, minus = base.copy(), base.copy()
             plus[idx] += eps
             minus[idx] -= eps
-            numeric[idx] = (loss({**params, name: mx.array(plus)}).item()
-                            - loss({**params, name: mx.array(minus)}).item()) / (2 * eps)
+            numeric[idx] = (loss({**params, name: f64(plus)}).item()
+                            - loss({**params, name: f64(minus)}).item()) / (2 * eps)
         np.testing.assert_allclose(np.array(grads[name]), numeric, rtol=1e-6, atol=1e-7)
 
 
@@ -76,7 +80,7 @@ def _five_point(loss, params: dict, name: str, idx: tuple, h: float) -> float:  
     for k in (2, 1, -1, -2):
         moved = base.copy()
         moved[idx] += k * h
-        values.append(loss({**params, name: mx.array(moved)}).item())
+        values.append(loss({**params, name: f64(moved)}).item())
     return (-values[0] + 8 * values[1] - 8 * values[2] + values[3]) / (12 * h)
 
 
@@ -118,7 +122,7 @@ def test_value_and_grad_agrees_with_vjp_and_jvp(llama_dir: Path) -> None:
     for n, v in zip(names, vjps):
         np.testing.assert_allclose(np.array(v), np.array(grads[n]), rtol=1e-10, atol=1e-14)
     rng = np.random.default_rng(3)
-    tangents = [mx.array(rng.standard_normal(params[n].shape)) for n in names]
+    tangents = [f64(rng.standard_normal(params[n].shape)) for n in names]
     _, jvps = mx.jvp(flat, [params[n] for n in names], tangents)
     directional = sum(float((np.array(grads[n]) * np.array(t)).sum()) for n, t in zip(names, tangents))
     assert jvps[0].item() == pytest.approx(directional, rel=1e-6)

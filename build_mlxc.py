@@ -314,7 +314,6 @@ def _preprocess(include_dir: Path, workdir: Path) -> str:
 def generate_cdef(include_dir: Path, workdir: Path) -> tuple[str, dict]:
     """cdef text for cffi plus {function: {"ret": type, "params": [[type, name], ...]}}."""
     text = _preprocess(include_dir, workdir)
-    text = text.replace("float _Complex", "float _Complex")
     # cffi cannot declare a static variable; variadic _mlx_error is not ours to call.
     text = re.sub(r"static\s+mlx_array\s+mlx_array_empty\s*;", "", text)
     text = re.sub(r"void\s+_mlx_error\s*\([^;]*\);", "", text)

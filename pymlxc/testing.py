@@ -24,7 +24,8 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "qwen2_moe", "qwen3_moe",
+                 "gemma4_text", "gemma4")
 QUANTIZE_BITS = (2, 3, 4, 6, 8)
 DTYPES = ("float32", "float16")
 LLAMA3_ROPE_SCALING: dict[str, Any] = {
@@ -155,6 +156,7 @@ _GEMMA = _TokenFamily(
 _FAMILIES: dict[str, _TokenFamily] = {
     "llama": _LLAMA3, "mistral": _MISTRAL, "qwen2": _QWEN, "qwen3": _QWEN3,
     "gemma2": _GEMMA, "gemma3_text": _GEMMA, "gemma3": _GEMMA,
+    "qwen2_moe": _QWEN, "qwen3_moe": _QWEN3, "gemma4_text": _GEMMA, "gemma4": _GEMMA,
 }
 
 
@@ -238,7 +240,7 @@ def _text_config(arch: str, *, vocab_size: int, hidden_size: int, num_layers: in
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")
     head_dim = hidden_size // num_heads
-    model_type = "gemma3_text" if arch == "gemma3" else arch
+    model_type = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}.get(arch, arch)
     config: dict[str, Any] = {
         "model_type": model_type,
         "hidden_size": hidden_size,
@@ -250,7 +252,7 @@ def _text_config(arch: str, *, vocab_size: int, hidden_size: int, num_layers: in
         "vocab_size": vocab_size,
         "max_position_embeddings": 4096,
         "tie_word_embeddings": tie,
-        "attention_bias": arch == "qwen2",
+        "attention_bias": arch in ("qwen2", "qwen2_moe"),
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
         **ids,
@@ -265,6 +267,10 @@ def _text_config(arch: str, *, vocab_size: int, hidden_size: int, num_layers: in
         config.update(rms_norm_eps=1e-6, rope_theta=1000000.0, hidden_act="silu", rope_scaling=rope_scaling,
                       use_sliding_window=False, sliding_window=None, max_window_layers=num_layers)
         config["architectures"] = ["Qwen2ForCausalLM" if arch == "qwen2" else "Qwen3ForCausalLM"]
+    elif arch in _MOE_ARCHS:
+        config.update(_moe_config(arch, num_layers=num_layers))
+    elif arch in ("gemma4_text", "gemma4"):
+        config.update(_gemma4_config(arch, num_layers=num_layers, head_dim=head_dim, vocab_size=vocab_size))
     elif arch == "gemma2":
         config.update(rms_norm_eps=1e-6, rope_theta=10000.0, hidden_act="gelu_pytorch_tanh",
                       hidden_activation="gelu_pytorch_tanh", attn_logit_softcapping=50.0,
@@ -298,6 +304,8 @@ def _weights(config: Mapping[str, Any], arch: str, rng: np.random.Generator, dty
         return rng.normal(0.0 if gemma else 1.0, 0.05, size=(dim,))
 
     w: dict[str, np.ndarray] = {"model.embed_tokens.weight": rng.normal(0.0, hidden**-0.5, size=(vocab, hidden))}
+    if arch in ("gemma4_text", "gemma4"):
+        return _gemma4_weights(config, arch, w, linear, rng, dtype)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         w[p + "self_attn.q_proj.weight"] = linear(q_out, hidden)
@@ -307,12 +315,18 @@ def _weights(config: Mapping[str, Any], arch: str, rng: np.random.Generator, dty
         if arch == "qwen2":
             for name, dim in (("q", q_out), ("k", kv_out), ("v", kv_out)):
                 w[p + f"self_attn.{name}_proj.bias"] = rng.normal(0.0, 0.02, size=(dim,))
-        if arch in ("qwen3", "gemma3_text", "gemma3"):
+        if arch == "qwen2_moe":
+            for name, dim in (("q", q_out), ("k", kv_out), ("v", kv_out)):
+                w[p + f"self_attn.{name}_proj.bias"] = rng.normal(0.0, 0.02, size=(dim,))
+        if arch in ("qwen3", "gemma3_text", "gemma3", "qwen3_moe"):
             w[p + "self_attn.q_norm.weight"] = norm(head_dim)
             w[p + "self_attn.k_norm.weight"] = norm(head_dim)
-        w[p + "mlp.gate_proj.weight"] = linear(inter, hidden)
-        w[p + "mlp.up_proj.weight"] = linear(inter, hidden)
-        w[p + "mlp.down_proj.weight"] = linear(hidden, inter)
+        if arch in _MOE_ARCHS and _is_moe_layer(config, i):
+            w.update(_moe_weights(config, p, linear))
+        else:
+            w[p + "mlp.gate_proj.weight"] = linear(inter, hidden)
+            w[p + "mlp.up_proj.weight"] = linear(inter, hidden)
+            w[p + "mlp.down_proj.weight"] = linear(hidden, inter)
         w[p + "input_layernorm.weight"] = norm(hidden)
         w[p + "post_attention_layernorm.weight"] = norm(hidden)
         if gemma:
@@ -321,9 +335,7 @@ def _weights(config: Mapping[str, Any], arch: str, rng: np.random.Generator, dty
     w["model.norm.weight"] = norm(hidden)
     if not config["tie_word_embeddings"]:
         w["lm_head.weight"] = linear(vocab, hidden)
-    if arch == "gemma3":  # Gemma3ForConditionalGeneration nests the text model
-        w = {"language_model." + k: v for k, v in w.items()}
-    return {k: v.astype(dtype) for k, v in w.items()}
+    return {_hf_name(arch, k): v.astype(dtype) for k, v in w.items()}
 
 
 def _quantize_weights(weights: dict[str, np.ndarray], group_size: int, bits: int) -> dict[str, np.ndarray]:
@@ -336,6 +348,184 @@ def _quantize_weights(weights: dict[str, np.ndarray], group_size: int, bits: int
         else:
             out[name] = value
     return out
+
+
+# -- mixture of experts and Gemma 4 -----------------------------------------------------------------
+_MOE_ARCHS = ("qwen2_moe", "qwen3_moe")
+_SWITCH_ARCHS = ("qwen2_moe", "qwen3_moe", "gemma4_text", "gemma4")  # quantized: mlx-lm's stacked experts
+_UNTIED = ("llama", "mistral", "qwen2_moe", "qwen3_moe")  # mlx-lm's qwen2_moe always has an lm_head
+_ROUTER_QUANT = {"group_size": 64, "bits": 8}  # mlx-lm's quant_predicate for the routers
+
+
+def _moe_config(arch: str, *, num_layers: int) -> dict[str, Any]:
+    """4 experts, top 2. Qwen 3 MoE renormalises the top-k and (with 2+ layers) keeps its last
+    layer dense through `mlp_only_layers`; Qwen 2 MoE adds the gated shared expert."""
+    config: dict[str, Any] = {
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "hidden_act": "silu", "rope_scaling": None,
+        "use_sliding_window": False, "sliding_window": None, "max_window_layers": num_layers,
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1,
+        "norm_topk_prob": arch == "qwen3_moe", "output_router_logits": False, "router_aux_loss_coef": 0.001,
+        "mlp_only_layers": [num_layers - 1] if arch == "qwen3_moe" and num_layers > 1 else [],
+        "architectures": ["Qwen3MoeForCausalLM" if arch == "qwen3_moe" else "Qwen2MoeForCausalLM"],
+    }
+    if arch == "qwen2_moe":
+        config["shared_expert_intermediate_size"] = 64
+    return config
+
+
+def _is_moe_layer(config: Mapping[str, Any], i: int) -> bool:
+    return i not in config["mlp_only_layers"] and (i + 1) % config["decoder_sparse_step"] == 0
+
+
+def _gemma4_config(arch: str, *, num_layers: int, head_dim: int, vocab_size: int) -> dict[str, Any]:
+    """Sliding and full layers alternate (full ones with twice the head size and partial
+    "proportional" RoPE). gemma4_text is shaped like the small Gemma 4 (per-layer inputs, the last
+    half of the layers sharing earlier k/v with double-wide MLPs), gemma4 like the 26B MoE
+    (experts beside the MLP, K = V on full layers). `extra_config` switches features on or off."""
+    small = arch == "gemma4_text"
+    return {
+        "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh", "global_head_dim": 2 * head_dim,
+        "sliding_window": 16, "final_logit_softcapping": 30.0,
+        "layer_types": ["full_attention" if i % 2 else "sliding_attention" for i in range(num_layers)],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        "hidden_size_per_layer_input": 16 if small else 0, "vocab_size_per_layer_input": vocab_size,
+        "num_kv_shared_layers": num_layers // 2 if small and num_layers >= 4 else 0, "use_double_wide_mlp": True,
+        "attention_k_eq_v": not small, "num_global_key_value_heads": None if small else 1,
+        "enable_moe_block": not small, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32,
+        "architectures": ["Gemma4ForCausalLM"],
+    }
+
+
+def _moe_weights(config: Mapping[str, Any], p: str, linear: Any) -> dict[str, np.ndarray]:
+    """HF's layout: a router `mlp.gate` and each expert apart (`mlp.experts.E.up_proj`)."""
+    hidden, inter, n = config["hidden_size"], config["moe_intermediate_size"], config["num_experts"]
+    w = {p + "mlp.gate.weight": linear(n, hidden)}
+    for e in range(n):
+        w[p + f"mlp.experts.{e}.gate_proj.weight"] = linear(inter, hidden)
+        w[p + f"mlp.experts.{e}.up_proj.weight"] = linear(inter, hidden)
+        w[p + f"mlp.experts.{e}.down_proj.weight"] = linear(hidden, inter)
+    if "shared_expert_intermediate_size" in config:
+        shared = config["shared_expert_intermediate_size"]
+        w[p + "mlp.shared_expert.gate_proj.weight"] = linear(shared, hidden)
+        w[p + "mlp.shared_expert.up_proj.weight"] = linear(shared, hidden)
+        w[p + "mlp.shared_expert.down_proj.weight"] = linear(hidden, shared)
+        w[p + "mlp.shared_expert_gate.weight"] = linear(1, hidden)
+    return w
+
+
+def _gemma4_weights(config: Mapping[str, Any], arch: str, w: dict[str, np.ndarray], linear: Any,
+                    rng: np.random.Generator, dtype: np.dtype) -> dict[str, np.ndarray]:
+    """HF's Gemma 4 tensors (`experts.gate_up_proj` [E, 2 * moe_inter, hidden] fused); the
+    multimodal checkpoint gets two vision tensors that loading must drop."""
+    hidden, inter, n_layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    ple, first_shared = config["hidden_size_per_layer_input"], n_layers - config["num_kv_shared_layers"]
+
+    def norm(dim: int) -> np.ndarray:  # Gemma 4's RMSNorms scale by w itself
+        return rng.normal(1.0, 0.05, size=(dim,))
+
+    for i, kind in enumerate(config["layer_types"]):
+        p = f"model.layers.{i}."
+        full = kind == "full_attention"
+        hd = config["global_head_dim"] if full else config["head_dim"]
+        k_eq_v = config["attention_k_eq_v"] and full
+        kvh = config["num_global_key_value_heads"] or kv_heads if k_eq_v else kv_heads
+        w[p + "self_attn.q_proj.weight"] = linear(heads * hd, hidden)
+        w[p + "self_attn.o_proj.weight"] = linear(hidden, heads * hd)
+        w[p + "self_attn.q_norm.weight"] = norm(hd)
+        if i < first_shared:
+            w[p + "self_attn.k_proj.weight"] = linear(kvh * hd, hidden)
+            if not k_eq_v:
+                w[p + "self_attn.v_proj.weight"] = linear(kvh * hd, hidden)
+            w[p + "self_attn.k_norm.weight"] = norm(hd)
+        width = inter * (2 if config["use_double_wide_mlp"] and i >= first_shared > 0 else 1)
+        w[p + "mlp.gate_proj.weight"] = linear(width, hidden)
+        w[p + "mlp.up_proj.weight"] = linear(width, hidden)
+        w[p + "mlp.down_proj.weight"] = linear(hidden, width)
+        for name in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
+            w[p + f"{name}_layernorm.weight"] = norm(hidden)
+        w[p + "layer_scalar"] = rng.uniform(0.7, 1.3, size=(1,))
+        if config["enable_moe_block"]:
+            n, moe_inter = config["num_experts"], config["moe_intermediate_size"]
+            w[p + "router.proj.weight"] = linear(n, hidden)
+            w[p + "router.scale"] = norm(hidden)
+            w[p + "router.per_expert_scale"] = rng.uniform(0.5, 1.5, size=(n,))
+            w[p + "experts.gate_up_proj"] = np.stack([linear(2 * moe_inter, hidden) for _ in range(n)])
+            w[p + "experts.down_proj"] = np.stack([linear(hidden, moe_inter) for _ in range(n)])
+            for name in ("post_feedforward_layernorm_1", "post_feedforward_layernorm_2", "pre_feedforward_layernorm_2"):
+                w[p + f"{name}.weight"] = norm(hidden)
+        if ple:
+            w[p + "per_layer_input_gate.weight"] = linear(ple, hidden)
+            w[p + "per_layer_projection.weight"] = linear(hidden, ple)
+            w[p + "post_per_layer_input_norm.weight"] = norm(hidden)
+    if ple:
+        w["model.embed_tokens_per_layer.weight"] = rng.normal(
+            0.0, ple**-0.5, size=(config["vocab_size_per_layer_input"], n_layers * ple))
+        w["model.per_layer_model_projection.weight"] = linear(n_layers * ple, hidden)
+        w["model.per_layer_projection_norm.weight"] = norm(ple)
+    w["model.norm.weight"] = norm(hidden)
+    if not config["tie_word_embeddings"]:
+        w["lm_head.weight"] = linear(config["vocab_size"], hidden)
+    if arch == "gemma4":
+        w["model.vision_tower.patch_embedder.input_proj.weight"] = linear(16, 48)
+        w["model.embed_vision.embedding_projection.weight"] = linear(hidden, 16)
+    return {_hf_name(arch, k): v.astype(dtype) for k, v in w.items()}
+
+
+def _hf_name(arch: str, name: str) -> str:
+    """Where a text-model tensor sits in the multimodal checkpoints."""
+    if arch == "gemma3":
+        return "language_model." + name
+    if arch == "gemma4" and name.startswith("model.") and not name.startswith(("model.vision", "model.embed_vision")):
+        return "model.language_model." + name[len("model."):]
+    return name
+
+
+def _to_switch_layout(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """HF expert tensors -> mlx-lm's stacked ones (what mlx-lm writes when it quantizes)."""
+    out: dict[str, np.ndarray] = {}
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for name, value in weights.items():
+        if ".mlp.experts." in name:  # Qwen: mlp.experts.E.P.weight -> mlp.switch_mlp.P.weight
+            head, rest = name.split(".mlp.experts.")
+            e, proj = rest.split(".", 1)
+            experts.setdefault(f"{head}.mlp.switch_mlp.{proj}", {})[int(e)] = value
+        elif name.endswith(".experts.gate_up_proj"):  # Gemma 4: split the fused gate/up
+            base = name[: -len(".gate_up_proj")] + ".switch_glu"
+            out[base + ".gate_proj.weight"], out[base + ".up_proj.weight"] = np.split(value, 2, axis=-2)
+        elif name.endswith(".experts.down_proj"):
+            out[name[: -len(".down_proj")] + ".switch_glu.down_proj.weight"] = value
+        else:
+            out[name] = value
+    for name, by_expert in experts.items():
+        out[name] = np.stack([by_expert[e] for e in sorted(by_expert)])
+    return out
+
+
+def _quantize_switch_weights(weights: dict[str, np.ndarray], arch: str, group_size: int,
+                             bits: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Quantize as mlx-lm does for these families: every Linear, Embedding and expert stack whose
+    input size fits the group, the routers at 8 bits (recorded as per-layer overrides)."""
+    out: dict[str, np.ndarray] = {}
+    overrides: dict[str, Any] = {}
+    for name, value in _to_switch_layout(weights).items():
+        stem = name[: -len(".weight")]
+        router = name.endswith((".mlp.gate.weight", ".router.proj.weight"))
+        params = _ROUTER_QUANT if router else {"group_size": group_size, "bits": bits}
+        tower = "vision" in name
+        if (name.endswith(".weight") and value.ndim >= 2 and not tower
+                and value.shape[-1] % params["group_size"] == 0):
+            out[name], out[stem + ".scales"], out[stem + ".biases"] = quantize_affine(value, **params)
+            if router:  # keyed by mlx-lm's module path (gemma4: language_model.model.layers...)
+                key = ("language_model.model." + stem[len("model.language_model."):]
+                       if stem.startswith("model.language_model.") else stem)
+                overrides[key] = dict(params)
+        else:
+            out[name] = value
+    return out, overrides
 
 
 # -- writing --------------------------------------------------------------------------------------
@@ -353,7 +543,7 @@ def write_tiny_model(
     group_size: int = 32,
     vocab_size: int = 512,
     hidden_size: int = 64,
-    num_layers: int = 2,
+    num_layers: int | None = None,
     num_heads: int = 4,
     num_kv_heads: int = 2,
     intermediate_size: int = 128,
@@ -378,7 +568,8 @@ def write_tiny_model(
         raise ValueError(f"dtype must be one of {DTYPES} (bfloat16 needs a conversion step), got {dtype!r}")
     if quantize_bits is not None and quantize_bits not in QUANTIZE_BITS:
         raise ValueError(f"quantize_bits must be one of {QUANTIZE_BITS}, got {quantize_bits}")
-    tie = arch not in ("llama", "mistral") if tie_word_embeddings is None else tie_word_embeddings
+    tie = arch not in _UNTIED if tie_word_embeddings is None else tie_word_embeddings
+    num_layers = num_layers or (4 if arch == "gemma4_text" else 2)
     if arch == "gemma2" and not tie:
         raise ValueError("gemma2 always ties its output projection to the embeddings")
     root = Path(path)
@@ -403,22 +594,27 @@ def write_tiny_model(
     text["torch_dtype"] = dtype
     weights = _weights(text, arch, np.random.default_rng(seed), np.dtype(dtype))
     if mute_special_tokens:
-        prefix = "language_model." if arch == "gemma3" else ""
-        out_name = prefix + ("model.embed_tokens.weight" if tie else "lm_head.weight")
+        out_name = _hf_name(arch, "model.embed_tokens.weight" if tie else "lm_head.weight")
         special_ids = [i for i, added in tok.get_added_tokens_decoder().items() if added.special]
         weights[out_name][special_ids] = 0
-    if arch == "gemma3":
+    if arch in ("gemma3", "gemma4"):
         text_only = {k: v for k, v in text.items() if k != "architectures"}
         config: dict[str, Any] = {
-            "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+            "architectures": [f"{arch.capitalize()}ForConditionalGeneration"], "model_type": arch,
             "text_config": text_only, "vocab_size": vocab_size, "tie_word_embeddings": tie,
             "torch_dtype": dtype, **ids,
         }
+        if arch == "gemma4":
+            config["vision_config"] = {"model_type": "gemma4_vision", "hidden_size": 16, "num_hidden_layers": 1}
     else:
         config = text
     if quantize_bits is not None:
-        weights = _quantize_weights(weights, group_size, quantize_bits)
-        quant = {"group_size": group_size, "bits": quantize_bits, "mode": "affine"}
+        quant: dict[str, Any] = {"group_size": group_size, "bits": quantize_bits, "mode": "affine"}
+        if arch in _SWITCH_ARCHS:
+            weights, overrides = _quantize_switch_weights(weights, arch, group_size, quantize_bits)
+            quant.update(overrides)
+        else:
+            weights = _quantize_weights(weights, group_size, quantize_bits)
         config["quantization"] = quant
         config["quantization_config"] = dict(quant)
     save_file(weights, str(root / "model.safetensors"), metadata={"format": "pt"})

@@ -23,6 +23,7 @@ from pymlxc.core import Array, MLXError
 from . import nn
 from .models import UnsupportedModelError, get_model_module, infer_model_type
 from .models.base import ConfigError
+from .switch import QuantizedSwitchLinear
 
 Progress = Callable[[int, int], None]
 
@@ -176,7 +177,7 @@ def _quant_params(path: str, module: nn.Module, weights: Mapping[str, Array], de
     packed = weights.get(f"{path}.weight")
     if scales is None or packed is None:
         return False
-    in_dims = module.weight.shape[1]
+    in_dims = module.weight.shape[-1]  # (out, in), or (experts, out, in) for a SwitchLinear
     bits = packed.shape[-1] * 32 // in_dims
     group_size = in_dims // scales.shape[-1] if scales.shape[-1] else 0
     if bits not in SUPPORTED_BITS or not group_size or in_dims % group_size:
@@ -303,7 +304,7 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
                                 group_size=int(defaults.get("group_size", 64)), bits=int(defaults.get("bits", 4)))
         if quant is None and quantized:
             first = next(m for _, m in model.named_modules()
-                         if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)))
+                         if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)))
             quant = {"group_size": first.group_size, "bits": first.bits}
 
     model.load_weights(weights, strict=True)

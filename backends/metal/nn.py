@@ -312,6 +312,11 @@ class OffsetRMSNorm(Module):
 
 QuantPredicate = Callable[[str, Module], "dict[str, int] | bool"]
 
+# Other layer types with a quantized form (e.g. the experts' SwitchLinear in switch.py): type ->
+# factory(layer, group_size=, bits=) giving the placeholder quantized module. Registered by the
+# module that defines the layer.
+QUANTIZED_FORMS: dict[type, Callable[..., Module]] = {}
+
 
 def quantize(model: Module, predicate: QuantPredicate, *, group_size: int = 64, bits: int = 4) -> int:
     """Swap Linear/Embedding children for their quantized versions where `predicate(path, module)`
@@ -320,19 +325,23 @@ def quantize(model: Module, predicate: QuantPredicate, *, group_size: int = 64, 
     changed = 0
     for path, module in list(model.named_modules()):
         for name, child in list(module.children()):
-            if not isinstance(child, (Linear, Embedding)):
+            form = QUANTIZED_FORMS.get(type(child))
+            if form is None and not isinstance(child, (Linear, Embedding)):
                 continue
             full = f"{path}.{name}" if path else name
             choice = predicate(full, child)
             if not choice:
                 continue
             params = {"group_size": group_size, "bits": bits}
+            new: Module
             if isinstance(choice, dict):
                 params.update({k: int(v) for k, v in choice.items() if k in params})
             dtype = child.weight.dtype
-            if isinstance(child, Linear):
+            if form is not None:
+                new = form(child, **params)
+            elif isinstance(child, Linear):
                 out_dims, in_dims = child.weight.shape
-                new: Module = QuantizedLinear(in_dims, out_dims, "bias" in vars(child), dtype=dtype, **params)
+                new = QuantizedLinear(in_dims, out_dims, "bias" in vars(child), dtype=dtype, **params)
             else:
                 n, dims = child.weight.shape
                 new = QuantizedEmbedding(n, dims, dtype=dtype, **params)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from types import ModuleType
 
-from . import gemma2, gemma3, llama, qwen2, qwen3
+from . import gemma2, gemma3, gemma4, llama, qwen2, qwen2_moe, qwen3, qwen3_moe
 
 MODEL_TYPES: dict[str, ModuleType] = {
     "llama": llama,
@@ -19,6 +19,10 @@ MODEL_TYPES: dict[str, ModuleType] = {
     "gemma2": gemma2,
     "gemma3_text": gemma3,
     "gemma3": gemma3,
+    "qwen2_moe": qwen2_moe,
+    "qwen3_moe": qwen3_moe,
+    "gemma4_text": gemma4,
+    "gemma4": gemma4,
 }
 
 
@@ -38,6 +42,10 @@ ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
     "Gemma3ForConditionalGeneration": "gemma3",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma4ForCausalLM": "gemma4_text",
+    "Gemma4ForConditionalGeneration": "gemma4",
 }
 
 

@@ -7,9 +7,10 @@ and `_model_type`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,7 @@ class TrainableMixin:
     _model: Any
     _tokenizer: Any
     _model_type: str
+    _device: Any = None  # mx.cpu when the model was loaded with gpu_layers=0
     _adapter: MetalLoRAAdapter | None = None
 
     # ------------------------------------------------------------------ TrainableModel
@@ -231,6 +233,15 @@ class TrainableMixin:
 
     def set_grad_checkpoint(self, enabled: bool) -> None:
         lora.set_grad_checkpoint(self._net(), enabled)
+
+    @contextlib.contextmanager
+    def training_scope(self) -> Iterator[None]:
+        """Run on the model's device (the CPU when it was loaded with gpu_layers=0)."""
+        if self._device is None:
+            yield
+        else:
+            with mx.stream_scope(self._device):
+                yield
 
     # ------------------------------------------------------------------ helpers
     def _net(self) -> Module:

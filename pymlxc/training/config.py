@@ -7,6 +7,7 @@ render chat records: `SupportsTraining` (the metal backend's models have both).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -152,14 +153,16 @@ class Encoder:
 @runtime_checkable
 class SupportsTraining(Protocol):
     """What `pymlxc.train` needs beyond `TrainableModel`: logits for a [B, L] token array (through
-    the current adapter weights), the encoder for records, gradient checkpointing of the blocks, and
-    the adapter currently applied."""
+    the current adapter weights), the encoder for records, gradient checkpointing of the blocks, the
+    device scope to train in, and the adapter currently applied."""
 
     def logits(self, inputs: Array) -> Array: ...
 
     def training_encoder(self) -> Encoder: ...
 
     def set_grad_checkpoint(self, enabled: bool) -> None: ...
+
+    def training_scope(self) -> AbstractContextManager[None]: ...
 
     @property
     def adapter(self) -> LoRAAdapter | None: ...

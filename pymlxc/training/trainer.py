@@ -189,7 +189,8 @@ def _check_model(model: Any) -> None:
 def train(model: Any, data: str | Path, adapter_path: str | Path = "adapters", *, lora: LoRAConfig | None = None,
           config: TrainConfig | None = None, callback: Callable[[TrainReport], None] | None = None,
           **options: Any) -> TrainResult:
-    """Fine-tune a LoRA adapter of `model` (a loaded metal model, or a model path) on `data` (a
+    """Fine-tune a LoRA adapter of `model` (a loaded metal model, or a model path, then loaded and
+    closed here) on `data` (a
     directory with train.jsonl [+ valid.jsonl], or one .jsonl file), writing checkpoints to
     `adapter_path`. `options` override fields of `config` (e.g. iters=100, batch_size=2).
 
@@ -200,8 +201,15 @@ def train(model: Any, data: str | Path, adapter_path: str | Path = "adapters", *
     if isinstance(model, (str, Path)):
         from pymlxc.registry import load_model
 
-        model = load_model(str(model), backend="metal")
+        with load_model(str(model), backend="metal") as loaded:
+            return train(loaded, data, adapter_path, lora=lora, config=config, callback=callback)
     _check_model(model)
+    with model.training_scope():
+        return _train(model, data, adapter_path, lora, config, callback)
+
+
+def _train(model: Any, data: str | Path, adapter_path: str | Path, lora: LoRAConfig | None, config: TrainConfig,
+           callback: Callable[[TrainReport], None] | None) -> TrainResult:
     adapter_dir = Path(adapter_path)
     resume_state = None
     if config.resume:

@@ -17,9 +17,21 @@ LORA = LoRAConfig(rank=8, alpha=16, target_keys=("q_proj", "v_proj", "o_proj", "
 FAST = dict(batch_size=4, learning_rate=1e-2, steps_per_report=10, steps_per_eval=10, progress=False)
 
 
-def test_train_is_exported_from_the_package() -> None:
+def test_train_is_exported_from_the_package(llama_dir: Path) -> None:
     assert pymlxc.train is pymlxc.training.train
     assert pymlxc.LoRAConfig is LoRAConfig
+    with load(llama_dir) as model:
+        assert isinstance(model, pymlxc.TrainableModel) and isinstance(model, pymlxc.training.SupportsTraining)
+        assert model.num_layers == 2 and model.decode(model.encode("the cat")).endswith("the cat")  # after BOS
+        adapter = model.apply_lora()
+        assert isinstance(adapter, pymlxc.LoRAAdapter)
+        # default config: q_proj and v_proj of every block, rank 8
+        assert adapter.total_params() == 2 * (8 * (64 + 64) + 8 * (64 + 32))
+
+
+def test_train_from_a_model_path(llama_dir: Path, repeat_data: Path, tmp_path: Path) -> None:
+    result = pymlxc.train(llama_dir, repeat_data, tmp_path / "ad", iters=2, **FAST)
+    assert result.steps == 2 and (tmp_path / "ad" / "adapters.safetensors").is_file()
 
 
 def test_thirty_steps_halve_the_loss_reproducibly(llama_dir: Path, repeat_data: Path, tmp_path: Path) -> None:

@@ -52,12 +52,19 @@ class LoadConfig:
     parallel_slots: int = 1
     adapter_path: str | None = None
     gpu_layers: int = -1
+    # The metal backend's prompt cache (KV caches of earlier calls reused for a shared prompt
+    # prefix): at most this many entries and bytes, least recently used dropped first; 0 turns it off.
+    prompt_cache_entries: int = 8
+    prompt_cache_bytes: int = 2 << 30
 
     def __post_init__(self) -> None:
         if self.context_len <= 0:
             raise ValueError(f"context_len must be > 0, not {self.context_len}")
         if self.parallel_slots < 1:
             raise ValueError(f"parallel_slots must be >= 1, not {self.parallel_slots}")
+        if self.prompt_cache_entries < 0 or self.prompt_cache_bytes < 0:
+            raise ValueError(f"prompt_cache_entries and prompt_cache_bytes must be >= 0, not "
+                             f"{self.prompt_cache_entries} and {self.prompt_cache_bytes}")
 
 
 def make_config(cls: type[T], base: T | None = None, **options: Any) -> T:

@@ -67,6 +67,26 @@ class GenerateMetrics:
 
 
 @dataclass(frozen=True)
+class AttentionSnapshot:
+    """What a model's attention saw for one prompt, by `inspect_attention`.
+
+    `keys[layer][kv_head]` is a float32 numpy array (seq_len, head_dim) of that head's keys after
+    RoPE (and after any per-head norm), exactly what the KV cache holds; `queries[layer][head]` the
+    same for each query head (after RoPE, before the attention scale), when they were asked for.
+    """
+
+    architecture: str
+    num_layers: int
+    num_kv_heads: int
+    num_query_heads: int
+    seq_len: int
+    head_dim: int
+    keys: list[list[Any]]
+    queries: list[list[Any]] | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What a loaded model is."""
 

@@ -150,6 +150,15 @@ class KVCache:
         c.__dict__.update(self.__dict__)
         return c
 
+    def prefix(self, n: int) -> "KVCache | None":
+        """A copy holding only the first `n` tokens (for the prompt cache), or None when this cache
+        holds fewer. Arrays are shared: updates of the copy write new arrays, never this cache's."""
+        if self.keys is None or not 0 < n <= self.offset:
+            return None
+        c = self.copy()
+        c.offset = n
+        return c
+
     def is_trimmable(self) -> bool:
         return True
 
@@ -389,6 +398,35 @@ class RotatingKVCache:
         c = RotatingKVCache(self.max_size, self.keep)
         c.__dict__.update(self.__dict__)
         return c
+
+    def prefix(self, n: int) -> "RotatingKVCache | None":
+        """A cache in the state this one had after its first `n` tokens, as far as any later update
+        can tell, or None when that state is gone (for the prompt cache; arrays are shared).
+
+        Without sinks (`keep == 0`) what a query attends to never depends on how the tokens were
+        chunked, so the last `max_size` keys before `n` are all the state there is. With sinks, an
+        evicting chunk sees the sinks while a fresh one does not, so only a state that never evicted
+        (n <= max_size, every key since the start) is the same whatever came before.
+        """
+        if self.keys is None or not 0 < n <= self.offset or (self.keep and n > self.max_size):
+            return None
+        lo = max(0, n - self.max_size)
+        if self._idx == self.offset:  # nothing evicted: slot i holds position i
+            slots = np.arange(lo, n)
+        else:
+            held = self._slot_positions()
+            found = np.nonzero((held >= lo) & (held < n))[0]
+            if len(found) != n - lo:
+                return None
+            slots = found[np.argsort(held[found])]
+        if len(slots) > 1 and not np.all(np.diff(slots) == 1):
+            index = mx.array(slots.astype(np.int32))
+            keys, values = mx.take(self.keys, index, axis=2), mx.take(self.values, index, axis=2)
+        else:
+            start, stop = int(slots[0]), int(slots[-1]) + 1
+            keys, values = (_slice(v, [0, 0, start, 0], [v.shape[0], v.shape[1], stop, v.shape[3]], [1, 1, 1, 1])
+                            for v in (self.keys, self.values))
+        return RotatingKVCache.from_state((keys, values), (self.keep, self.max_size, n, n - lo))
 
     def is_trimmable(self) -> bool:
         return self.offset < self.max_size

@@ -25,6 +25,7 @@ from .sample import DEFAULT_PENALTY_CONTEXT, LogitsProcessor, Sampler, apply_pro
 
 if TYPE_CHECKING:
     from .cache import Cache
+    from .compiled import CompiledDecoder
 
 PREFILL_STEP = 512  # prompt tokens per forward pass: bounds the attention scores' memory
 
@@ -139,18 +140,22 @@ def _cache_state(cache: Sequence[Cache]) -> list[Any]:
 
 
 def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, step: int = PREFILL_STEP,
-            mask: Callable[[int, int], mx.Array | None] | None = None, guard: Guard = NO_GUARD) -> None:
+            mask: Callable[[int, int], mx.Array | None] | None = None, guard: Guard = NO_GUARD,
+            start: int = 0) -> None:
     """Run `tokens` [B, L] through the model into `cache`, `step` positions at a time.
 
     Only the caches are evaluated (the chunks' logits are never needed), one chunk at a time, so
     peak memory stays at one chunk's activations. `mask(offset, length)` gives each chunk's mask.
+    `start`: the first `start` tokens are in `cache` already (a prompt-cache hit); the chunks keep
+    the boundaries of a prefill from 0, because a context-bounded cache's results depend on them.
     """
     length = tokens.shape[1]
-    for start in range(0, length, step):
+    while start < length:
         guard.check()
-        stop = min(start + step, length)
+        stop = min((start // step + 1) * step, length)
         model(tokens[:, start:stop], cache=cache, mask=mask(start, stop - start) if mask else None)
         mx.eval(_cache_state(cache))
+        start = stop
 
 
 StepFn = Callable[[mx.Array], mx.Array]
@@ -217,24 +222,44 @@ def _history(rows: Sequence[Sequence[int]]) -> mx.Array:
 def generate_ids(model: LanguageModel, prompt: Sequence[int], *, cache: Sequence[Any], sampler: Sampler,
                  processors: Sequence[LogitsProcessor] = (), max_tokens: int = 256,
                  stop_ids: frozenset[int] = frozenset(), guard: Guard = NO_GUARD,
-                 timings: Timings | None = None, prefill_step: int = PREFILL_STEP) -> Iterator[int]:
+                 timings: Timings | None = None, prefill_step: int = PREFILL_STEP, cached: int = 0,
+                 sampled_ids: list[int] | None = None, decoder: CompiledDecoder | None = None) -> Iterator[int]:
     """Generate ids after `prompt` (stop ids are not yielded). Raises GenerationCancelled from
-    `guard` between tokens."""
+    `guard` between tokens.
+
+    `cached`: how many prompt tokens `cache` holds already (at most all but the last). `sampled_ids`
+    receives every sampled id, stop ids included, as it is read: with the prompt, the tokens the
+    cache has seen (the cache's offset says how many of them went in). `decoder`: decode on its
+    compiled step where it applies (see `compiled.py`; the same tokens as without it)."""
     if not prompt:
         raise ValueError("the prompt has no tokens")
+    if not 0 <= cached < len(prompt):
+        raise ValueError(f"cached must be in [0, {len(prompt) - 1}], not {cached}")
     timings = timings if timings is not None else Timings()
     timings.prompt_tokens = len(prompt)
     tokens = mx.array([list(prompt)], dtype=mx.int32)
     # All but the last prompt token go through prefill; the last one is the first decode step's
     # input, so logits are only ever computed for one position.
-    if len(prompt) > 1:
-        prefill(model, tokens[:, :-1], cache, step=prefill_step, guard=guard)
+    if decoder is not None:
+        decoder.reserve(cache, len(prompt), max_tokens)
+    if len(prompt) - 1 > cached:
+        prefill(model, tokens[:, :-1], cache, step=prefill_step, guard=guard, start=cached)
     history = _history([prompt[:-1]]) if processors and len(prompt) > 1 else None
-    step = make_step(model, cache, sampler, processors, history)
+
+    def uncompiled() -> Iterator[mx.Array]:
+        return decode(make_step(model, cache, sampler, processors, history), tokens[:, -1:], max_tokens)
+
+    if decoder is not None:
+        stream = decoder.decode(cache, tokens[:, -1:], max_tokens, sampler=sampler, processors=processors,
+                                history=history, fallback=uncompiled)
+    else:
+        stream = uncompiled()
     try:
-        for sampled in decode(step, tokens[:, -1:], max_tokens):
+        for sampled in stream:
             token = sampled.item()
             timings.mark_first_token()
+            if sampled_ids is not None:
+                sampled_ids.append(token)
             if token in stop_ids:
                 return
             timings.generated_tokens += 1

@@ -10,6 +10,7 @@ empty results, and `classify` is unaffected (it always produces one token).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
@@ -17,9 +18,10 @@ from typing import Any, Protocol
 import pymlxc.core as mx
 from pymlxc.model import ModelClosedError
 from pymlxc.options import GenerateConfig, LoadConfig, make_config
-from pymlxc.types import BatchResult, ClassifyResult, GenerateMetrics, Message, ModelInfo, Token
+from pymlxc.types import AttentionSnapshot, BatchResult, ClassifyResult, GenerateMetrics, Message, ModelInfo, Token
 
 from . import generate as loops
+from . import prompt_cache as pcache
 from .sample import Sampler, make_logits_processors, make_sampler
 from .training import TrainableMixin
 
@@ -98,10 +100,12 @@ class MetalTextModel(TrainableMixin):
         self._closed = False
         self._errors: dict[int, BaseException | None] = {}
         self._metrics = GenerateMetrics()
+        self._prompt_cache = pcache.PromptCache(config.prompt_cache_entries, config.prompt_cache_bytes)
         # Whatever owns memory registers its release here; close() runs them in reverse order.
         self._resources = contextlib.ExitStack()
         if release is not None:
             self._resources.callback(release)
+        self._resources.callback(self._prompt_cache.clear)
 
     # ------------------------------------------------------------------ facts
     @property
@@ -135,6 +139,11 @@ class MetalTextModel(TrainableMixin):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def prompt_cache(self) -> pcache.PromptCache:
+        """The KV caches kept from earlier calls (`resize(entries, bytes)`, `clear()`, `entries()`)."""
+        return self._prompt_cache
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text)
@@ -208,6 +217,96 @@ class MetalTextModel(TrainableMixin):
             tokens = list(_tokens(iter(row.ids), self._tokenizer.detokenizer()))
             results.append(BatchResult(tokens, None if error is None else f"{type(error).__name__}: {error}"))
         return results
+
+    # ------------------------------------------------------------------ prompt cache and inspection
+    def warm_prompt_cache(self, prefix: str | Sequence[int] | Sequence[Message | dict[str, str]]) -> int:
+        """Prefill `prefix` into the prompt cache ahead of time, so that prompts starting with its
+        tokens skip it (a system prompt, a tool schema). `prefix` is text (encoded as `generate`
+        encodes a prompt), token ids, or chat messages (rendered without the generation prompt).
+        Reuse is by exact tokens: text must end where the later prompts' tokens split. Returns the
+        number of tokens cached (0 when the prompt cache is off)."""
+        self._begin({})
+        model = self._model
+        ids = self._prefix_ids(prefix)
+        if not self._prompt_cache.enabled:
+            return 0
+        timings = loops.Timings(prompt_tokens=len(ids))
+        use = pcache.CacheUse()
+        try:
+            with self._slot(loops.Guard.make(None, None, self._is_closed)), self._on_device():
+                cache, cached, use = self._restore_prompt_cache(model, ids, limit=len(ids))
+                if cached < len(ids):
+                    loops.prefill(model, mx.array([ids], dtype=mx.int32), cache, start=cached)
+                    self._keep_prompt_cache(ids, cache)
+        finally:
+            self._finish(timings, use)
+        return len(ids)
+
+    def save_prompt_cache(self, path: str | os.PathLike[str]) -> int:
+        """Write the prompt cache's entries to a safetensors file at `path`, with the model's identity
+        and each entry's token ids in its metadata; returns how many entries were written."""
+        self._check_open()
+        with self._on_device():
+            return pcache.save_entries(path, self._prompt_cache.snapshot(),
+                                       pcache.model_identity(self._model, self._model_type))
+
+    def load_prompt_cache(self, path: str | os.PathLike[str]) -> int:
+        """Add the entries of a file written by `save_prompt_cache` (most recent last); returns how
+        many were kept. A file made by another model, or with another `context_len`, raises
+        `PromptCacheError` and changes nothing."""
+        self._check_open()
+        model = self._model
+        with self._on_device():
+            entries = pcache.load_entries(path, pcache.model_identity(model, self._model_type),
+                                          model.make_cache(self._context_len), self._info.vocab_size)
+            self._prompt_cache.check_weights(model.parameters().values())
+            return sum(self._prompt_cache.store(tokens.tolist(), caches) for tokens, caches in entries)
+
+    def inspect_attention(self, prompt: str | Sequence[int], include_queries: bool = False) -> AttentionSnapshot:
+        """The keys (after RoPE) of every layer and KV head for `prompt` (text, encoded as `generate`
+        encodes it, or token ids), and the queries of every head when asked: one forward pass."""
+        from .inspection import inspect_attention
+
+        self._begin({})
+        model = self._model
+        ids = self._prefix_ids(prompt)
+        with self._slot(loops.Guard.make(None, None, self._is_closed)), self._on_device():
+            return inspect_attention(model, ids, architecture=self._model_type, include_queries=include_queries)
+
+    def _prefix_ids(self, prefix: str | Sequence[Any]) -> list[int]:
+        if isinstance(prefix, str):
+            return self._encode_prompt(prefix)
+        items = list(prefix)
+        if items and all(isinstance(m, (Message, dict)) for m in items):
+            from .chat_template import render_chat
+
+            text = render_chat(items, self._tokenizer, add_generation_prompt=False)
+            ids = self._tokenizer.encode(text, add_special_tokens=False)
+        elif all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            ids = [int(t) for t in items]
+            bad = [t for t in ids if not 0 <= t < self._info.vocab_size]
+            if bad:
+                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary of {self._info.vocab_size}")
+        else:
+            raise TypeError("expected text, token ids, or chat messages")
+        self._check_ids(ids)
+        return ids
+
+    def _restore_prompt_cache(self, model: Any, ids: list[int], limit: int) -> tuple[list[Any], int, pcache.CacheUse]:
+        """Fresh caches, or the prompt cache's longest prefix of `ids` (at most `limit` tokens)."""
+        if not self._prompt_cache.enabled:
+            return model.make_cache(self._context_len), 0, pcache.CacheUse()
+        self._prompt_cache.check_weights(model.parameters().values())
+        restored, cached, use = pcache.timed_lookup(self._prompt_cache, ids, limit)
+        return (restored if restored is not None else model.make_cache(self._context_len)), cached, use
+
+    def _keep_prompt_cache(self, tokens: list[int], cache: list[Any]) -> None:
+        """Keep `cache` in the prompt cache; `tokens` are those fed to it (more is fine: its offset
+        says how many went in)."""
+        n = pcache.consistent_offset(cache)
+        if self._closed or n is None or not 0 < n <= len(tokens):
+            return
+        self._prompt_cache.store(tokens[:n], cache)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -302,9 +401,17 @@ class MetalTextModel(TrainableMixin):
             with mx.stream_scope(self._device):
                 yield
 
-    def _finish(self, timings: loops.Timings) -> None:
+    def _finish(self, timings: loops.Timings, use: pcache.CacheUse | None = None) -> None:
         timings.finish()
-        self._metrics = timings.metrics()
+        metrics = timings.metrics()
+        if use is not None:
+            metrics.prompt_cache_hits, metrics.prompt_cache_misses = use.hits, use.misses
+            metrics.prompt_cache_hit_tokens = use.hit_tokens
+            metrics.prompt_cache_restore_duration = use.restore_duration
+            # Prefill speed counts the tokens that went through the model, not those restored.
+            prefilled = metrics.prompt_tokens - use.hit_tokens
+            metrics.prefill_tokens_per_sec = prefilled / metrics.prefill_duration if metrics.prefill_duration > 0 else 0.0
+        self._metrics = metrics
 
     def _stream(self, model: Any, ids: list[int], options: GenerateConfig) -> Iterator[Token]:
         # `model` is taken when the call is made: a close() racing with the stream's start then
@@ -317,16 +424,24 @@ class MetalTextModel(TrainableMixin):
     def _token_stream(self, model: Any, ids: list[int], options: GenerateConfig) -> Iterator[Token]:
         guard = loops.Guard.make(options.cancel, options.timeout, self._is_closed)
         timings = loops.Timings()
+        use = pcache.CacheUse()
         try:
             with self._slot(guard):
+                # The last prompt token is the first decode step's input: at most the rest is restored.
+                cache, cached, use = self._restore_prompt_cache(model, ids, limit=len(ids) - 1)
+                sampled: list[int] = []
                 id_stream = loops.generate_ids(
-                    model, ids, cache=model.make_cache(self._context_len),
+                    model, ids, cache=cache, cached=cached, sampled_ids=sampled,
                     sampler=self._sampler(options), processors=make_logits_processors(options.repeat_penalty),
                     max_tokens=options.max_tokens,
                     stop_ids=self._stop_ids | frozenset(options.stop_tokens), guard=guard, timings=timings)
-                yield from _tokens(id_stream, self._tokenizer.detokenizer())
+                try:
+                    yield from _tokens(id_stream, self._tokenizer.detokenizer())
+                finally:
+                    id_stream.close()
+                    self._keep_prompt_cache(ids + sampled, cache)
         finally:
-            self._finish(timings)
+            self._finish(timings, use)
 
     def _reporting(self, tokens: Iterator[Token], owner: int) -> Iterator[Token]:
         """Run each step of `tokens` on the model's device; keep an error for err() instead of

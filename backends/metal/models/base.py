@@ -2,9 +2,11 @@
 grouped-query heads through the fused kernel, logit soft-capping, per-layer masks, output heads."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -101,8 +103,34 @@ def initialize_rope(dims: int, base: float, traditional: bool = False,
 
 # ---------------------------------------------------------------------- attention
 
+# Thread ident -> the list that `attention` appends its queries to (see `recording_queries`).
+_QUERY_SINKS: dict[int, list[Array]] = {}
+
+
+@contextlib.contextmanager
+def recording_queries() -> Iterator[list[Array]]:
+    """Within the block, each attention call on this thread appends its queries [B, heads, L,
+    head_dim] (after RoPE and norms, before the scale) to the list yielded, layer after layer. For
+    `inspect_attention`; outside such a block the cost is one check of an empty dict per call."""
+    sink: list[Array] = []
+    ident = threading.get_ident()
+    _QUERY_SINKS[ident] = sink
+    try:
+        yield sink
+    finally:
+        del _QUERY_SINKS[ident]
+
+
+def _record_queries(q: Array) -> None:
+    sink = _QUERY_SINKS.get(threading.get_ident())
+    if sink is not None:
+        sink.append(q)
+
+
 def attention(q: Array, k: Array, v: Array, *, scale: float, mask: Mask) -> Array:
     """softmax(q k^T * scale + mask) v over [B, heads, L, head_dim]; kv heads may be fewer (GQA)."""
+    if _QUERY_SINKS:
+        _record_queries(q)
     return _sdpa(q, k, v, scale=scale, mask=mask)
 
 
@@ -113,6 +141,8 @@ def softcapped_attention(q: Array, k: Array, v: Array, *, scale: float, cap: flo
                          n_kv_heads: int) -> Array:
     """Attention with tanh soft-capping of the scores (Gemma 2): the fused kernel cannot cap, so the
     scores are formed explicitly, in the dtype of q, with a float32-precise softmax."""
+    if _QUERY_SINKS:
+        _record_queries(q)
     b, n_heads, L, d = q.shape
     repeats = n_heads // n_kv_heads
     q = q * scale

@@ -1,0 +1,313 @@
+"""The mlx-lm side of the worker: one loaded model and what the protocol's commands ask of it.
+
+Only this module imports mlx and mlx-lm, so the worker answers its handshake (and refuses bad lines)
+without paying for that import. Arguments arrive already validated by `protocol.parse_request`.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from .protocol import CommandError
+
+Event = dict[str, Any]
+
+
+class _Stopped(Exception):
+    """Raised from mlx-lm's prefill progress callback to abandon a cancelled prompt."""
+
+
+@dataclass
+class Hooks:
+    """How a generation talks back to the worker while it runs."""
+
+    cancelled: Callable[[], bool]
+    progress: Callable[[int, int], None]
+
+
+def _config_value(config: dict[str, Any], key: str) -> Any:
+    # Multimodal and some newer configs keep the language model's sizes under text_config.
+    if key in config:
+        return config[key]
+    return (config.get("text_config") or {}).get(key)
+
+
+class Engine:
+    """A model and tokenizer loaded by mlx-lm, with the worker's commands as methods."""
+
+    def __init__(self, path: str, adapter_path: str | None, context_len: int | None, device: str | None) -> None:
+        # The worker has checked that the paths are directories (mlx_lm.load would try the network).
+        if device == "cpu":
+            mx.set_default_device(mx.cpu)
+        try:
+            self.model, self.tokenizer, self.config = mlx_lm.load(path, adapter_path=adapter_path, return_config=True)
+        except Exception as e:  # mlx-lm raises several kinds (ValueError, KeyError, FileNotFoundError...)
+            raise CommandError("load_failed", f"mlx-lm could not load {path!r}: {type(e).__name__}: {e}") from e
+        self.path, self.adapter_path, self.context_len = path, adapter_path, context_len
+        self.vocab_size = self.info()["vocab_size"]
+
+    # ---- facts ----------------------------------------------------------------------------------
+
+    @property
+    def model_type(self) -> str:
+        return str(self.config.get("model_type", "unknown"))
+
+    def info(self) -> dict[str, Any]:
+        layers = getattr(self.model, "layers", None)
+        quant = self.config.get("quantization") or {}
+        return {
+            "architecture": self.model_type,
+            "vocab_size": int(_config_value(self.config, "vocab_size") or len(self.tokenizer.get_vocab())),
+            "num_layers": len(layers) if layers is not None else int(_config_value(self.config, "num_hidden_layers") or 0),
+            "hidden_size": int(_config_value(self.config, "hidden_size") or 0),
+            "quant_bits": int(quant.get("bits", 0)),
+            "quant_group": int(quant.get("group_size", 0)),
+        }
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "model_type": self.model_type,
+            "info": self.info(),
+            "path": self.path,
+            "adapter_path": self.adapter_path,
+            "context_len": self.context_len,
+            "eos_token_ids": sorted(self.tokenizer.eos_token_ids),
+            "mlx_lm_version": mlx_lm.__version__,
+        }
+
+    def recover(self) -> None:
+        """Undo what a failed command may leave behind. An exception inside one of mlx-lm's compiled
+        samplers leaves mlx's global random state a placeholder that makes every later sample fail;
+        reseeding replaces it."""
+        mx.random.seed(int.from_bytes(os.urandom(8), "little"))
+
+    # ---- tokens ---------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, tokens: list[int]) -> str:
+        bad = [t for t in tokens if t >= self.vocab_size]
+        if bad:
+            raise CommandError("bad_field", f"decode: token id(s) {bad[:5]} outside the vocabulary of {self.vocab_size}")
+        return str(self.tokenizer.decode(tokens))
+
+    def prompt_tokens(self, prompt: str) -> list[int]:
+        # As mlx-lm's stream_generate: add special tokens unless the prompt already starts with BOS.
+        bos = self.tokenizer.bos_token
+        tokens = self.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+        if not tokens:
+            raise CommandError("bad_field", "prompt encodes to no tokens")
+        return tokens
+
+    def chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
+        if not self.tokenizer.has_chat_template:
+            raise CommandError("no_chat_template", "the model's tokenizer has no chat template")
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+    # ---- sampling -------------------------------------------------------------------------------
+
+    def _sampling(self, opts: dict[str, Any]) -> tuple[Any, list[Any]]:
+        if opts["seed"] is not None:
+            mx.random.seed(opts["seed"] % (1 << 64))  # mlx takes a uint64; any JSON integer is accepted
+        # top_k beyond the vocabulary keeps every token, i.e. is off; mlx-lm would raise instead.
+        top_k = opts["top_k"] if opts["top_k"] < self.vocab_size else 0
+        sampler = make_sampler(opts["temperature"], top_p=opts["top_p"], min_p=opts["min_p"], top_k=top_k)
+        penalty = opts["repeat_penalty"]
+        processors = make_logits_processors(repetition_penalty=penalty if penalty != 1.0 else None)
+        return sampler, processors
+
+    def _memory(self) -> dict[str, int]:
+        return {"peak_memory_bytes": int(mx.get_peak_memory()), "active_memory_bytes": int(mx.get_active_memory())}
+
+    # ---- generate -------------------------------------------------------------------------------
+
+    def generate(self, tokens: list[int], opts: dict[str, Any], hooks: Hooks) -> Iterator[Event]:
+        """Yield {"token_id", "token"} events, then one {"finish_reason", metrics...} event.
+
+        Each token is held back until the next one arrives, so that text the detokenizer releases
+        only at the end still lands on the last token: the pieces always join into the full text.
+        """
+        mx.reset_peak_memory()
+        stop_ids = set(self.tokenizer.eos_token_ids) | set(opts["stop_tokens"])
+        sampler, processors = self._sampling(opts)
+        detokenizer = self.tokenizer.detokenizer
+        held: Event | None = None
+        finish, count = "length", 0
+        start = time.perf_counter()
+        prompt_time = 0.0
+
+        def on_progress(processed: int, total: int) -> None:
+            if hooks.cancelled():
+                raise _Stopped
+            if 0 < processed < total:  # one heartbeat per prefill chunk, for long prompts
+                hooks.progress(processed, total)
+
+        if opts["max_tokens"] == 0 or hooks.cancelled():
+            finish = "length" if opts["max_tokens"] == 0 else "cancelled"
+            steps: Iterator[Any] = iter(())
+        else:
+            steps = generate_step(
+                mx.array(tokens),
+                self.model,
+                max_tokens=opts["max_tokens"],
+                sampler=sampler,
+                logits_processors=processors,
+                max_kv_size=self.context_len,
+                prompt_progress_callback=on_progress,
+            )
+        try:
+            for token, _ in steps:
+                if count == 0:
+                    prompt_time = time.perf_counter() - start
+                if token in stop_ids:
+                    finish = "stop"
+                    break
+                if hooks.cancelled():
+                    finish = "cancelled"
+                    break
+                detokenizer.add_token(token)
+                if held is not None:
+                    yield held
+                held = {"token_id": int(token), "token": detokenizer.last_segment}
+                count += 1
+        except _Stopped:
+            finish = "cancelled"
+        detokenizer.finalize()
+        if held is not None:
+            held["token"] += detokenizer.last_segment
+            yield held
+        total = time.perf_counter() - start
+        decode_time = total - prompt_time if count else 0.0
+        yield {
+            "finish_reason": finish,
+            "prompt_tokens": len(tokens),
+            "generation_tokens": count,
+            "prompt_time": prompt_time,
+            "generation_time": decode_time,
+            "total_time": total,
+            "prompt_tps": len(tokens) / prompt_time if prompt_time > 0 else 0.0,
+            "generation_tps": count / decode_time if decode_time > 0 else 0.0,
+            **self._memory(),
+        }
+
+    # ---- batches --------------------------------------------------------------------------------
+
+    def _run_batch(
+        self, prompts: list[list[int]], opts: dict[str, Any], max_tokens: int, stops: list[list[int]], cancelled: Callable[[], bool]
+    ) -> tuple[dict[int, list[tuple[int, Any]]], dict[int, str], dict[str, Any]]:
+        """Run mlx-lm's BatchGenerator; per prompt index: (token, logprobs) pairs and a finish reason."""
+        sampler, processors = self._sampling(opts)
+        gen = BatchGenerator(
+            self.model,
+            max_tokens=max_tokens,
+            stop_tokens=stops or None,
+            sampler=sampler,
+            logits_processors=processors,
+            max_kv_size=self.context_len,
+        )
+        steps: dict[int, list[tuple[int, Any]]] = {}
+        finish: dict[int, str] = {}
+        try:
+            uids = gen.insert(prompts)
+            index = {uid: i for i, uid in enumerate(uids)}
+            steps = {i: [] for i in range(len(prompts))}
+            with gen.stats() as stats:
+                while len(finish) < len(prompts):
+                    if cancelled():
+                        break
+                    responses = gen.next_generated()
+                    if not responses:
+                        break
+                    for r in responses:
+                        i = index[r.uid]
+                        steps[i].append((int(r.token), r.logprobs))
+                        if r.finish_reason is not None:
+                            finish[i] = r.finish_reason
+        finally:
+            gen.close()
+        for i in range(len(prompts)):
+            finish.setdefault(i, "cancelled")
+        metrics = {
+            "prompt_tokens": stats.prompt_tokens,
+            "generation_tokens": stats.generation_tokens,
+            "prompt_time": stats.prompt_time,
+            "generation_time": stats.generation_time,
+            "total_time": stats.wall_time,
+            "prompt_tps": stats.prompt_tps,
+            "generation_tps": stats.generation_tps,
+            **self._memory(),
+        }
+        return steps, finish, metrics
+
+    def classify(self, prompts: list[str], opts: dict[str, Any], cancelled: Callable[[], bool]) -> tuple[list[Event], dict[str, Any]]:
+        """One prefill per prompt, batched, and the token sampled after it (with log-probs if asked)."""
+        mx.reset_peak_memory()
+        if not prompts:
+            return [], {"prompt_tokens": 0, "generation_tokens": 0, **self._memory()}
+        encoded = []
+        for i, prompt in enumerate(prompts):
+            try:
+                encoded.append(self.prompt_tokens(prompt))
+            except CommandError as e:
+                raise CommandError(e.code, f"classify: prompts item {i}: {e}") from None
+        steps, finish, metrics = self._run_batch(encoded, opts, 1, [], cancelled)
+        if any(reason == "cancelled" for reason in finish.values()):
+            raise CommandError("cancelled", "classify was cancelled")
+        results = []
+        for i in range(len(prompts)):
+            token, logprobs = steps[i][0]
+            item: Event = {"token_id": token, "token": self.tokenizer.decode([token])}
+            if opts["return_logits"]:
+                item["logits"] = logprobs.astype(mx.float32).tolist()
+            results.append(item)
+        return results, metrics
+
+    def batch_generate(self, prompts: list[str], opts: dict[str, Any], cancelled: Callable[[], bool]) -> tuple[list[Event], dict[str, Any]]:
+        """Generate for every prompt at once; each result has tokens, a finish reason and maybe an error."""
+        mx.reset_peak_memory()
+        results: list[Event] = [{"tokens": [], "finish_reason": "length", "error": None} for _ in prompts]
+        runnable: list[int] = []
+        encoded: list[list[int]] = []
+        for i, prompt in enumerate(prompts):
+            try:
+                encoded.append(self.prompt_tokens(prompt))
+                runnable.append(i)
+            except CommandError as e:
+                results[i].update(finish_reason="error", error=str(e))
+        if not runnable or opts["max_tokens"] == 0:
+            return results, {"prompt_tokens": 0, "generation_tokens": 0, **self._memory()}
+        stops = [[t] for t in sorted(set(self.tokenizer.eos_token_ids) | set(opts["stop_tokens"]))]
+        steps, finish, metrics = self._run_batch(encoded, opts, opts["max_tokens"], stops, cancelled)
+        for j, i in enumerate(runnable):
+            reason = finish[j]
+            ids = [t for t, _ in steps[j]]
+            if reason == "stop":  # the stop token itself is not part of the answer
+                ids = ids[:-1]
+            results[i].update(tokens=self._pieces(ids), finish_reason=reason)
+        return results, metrics
+
+    def _pieces(self, ids: list[int]) -> list[Event]:
+        """Per-token text whose pieces join into the full decode, as mlx-lm's batch_generate returns it."""
+        detokenizer = self.tokenizer.detokenizer
+        pieces: list[Event] = []
+        for t in ids:
+            detokenizer.add_token(t)
+            pieces.append({"token_id": t, "token": detokenizer.last_segment})
+        detokenizer.finalize()
+        if not pieces:
+            return pieces
+        pieces[-1]["token"] += detokenizer.last_segment
+        # The streaming detokenizer drops a leading space that a full decode keeps: give it back.
+        joined, full = "".join(p["token"] for p in pieces), str(self.tokenizer.decode(ids))
+        if joined != full and full.endswith(joined):
+            pieces[0]["token"] = full[: len(full) - len(joined)] + pieces[0]["token"]
+        return pieces

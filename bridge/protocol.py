@@ -1,0 +1,305 @@
+"""The JSON Lines protocol of the worker: line encoding, request schemas and validation, reply shapes.
+
+Standard library only: the worker may run in a Python that has mlx-lm but not pymlxc, and the client
+imports this same module, so both sides agree on one definition. PROTOCOL.md is the prose version.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+PROTOCOL_VERSION = 1
+MAX_LINE_BYTES = 16 * 1024 * 1024  # a line longer than this is refused unread (prompts are text, not tensors)
+
+REPLY_TYPES = ("hello", "progress", "token", "done", "result", "error")
+TERMINAL_TYPES = ("done", "result", "error")  # each request gets exactly one of these
+FINISH_REASONS = ("stop", "length", "cancelled")
+
+
+class CommandError(Exception):
+    """A command that cannot be done; the worker answers it with an `error` reply carrying `code`."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ProtocolError(CommandError, ValueError):
+    """A line or request the protocol does not allow."""
+
+
+# ---- lines ---------------------------------------------------------------------------------------
+
+
+def encode(message: Mapping[str, Any]) -> bytes:
+    """One message as one line: compact JSON, ASCII-only (so no byte can be a newline), then b"\\n"."""
+    return json.dumps(message, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii") + b"\n"
+
+
+def _no_constants(name: str) -> Any:
+    raise ProtocolError("bad_json", f"{name} is not valid JSON")
+
+
+def decode(line: bytes | str) -> dict[str, Any]:
+    """Parse one line into a JSON object, or raise ProtocolError naming what is wrong with it."""
+    if isinstance(line, bytes):
+        try:
+            line = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ProtocolError("bad_json", f"line is not UTF-8 ({e.reason} at byte {e.start})") from None
+    if not line.strip():
+        raise ProtocolError("bad_json", "empty line")
+    try:
+        value = json.loads(line, parse_constant=_no_constants)
+    except ProtocolError:
+        raise
+    except json.JSONDecodeError as e:
+        raise ProtocolError("bad_json", f"not JSON: {e.msg} at column {e.colno}") from None
+    except RecursionError:
+        raise ProtocolError("bad_json", "JSON nested too deeply") from None
+    except ValueError as e:  # e.g. an integer with more digits than Python converts
+        raise ProtocolError("bad_json", f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ProtocolError("bad_request", f"a line must be a JSON object, not {_kind(value)}")
+    return value
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+# ---- field checks --------------------------------------------------------------------------------
+# Each check returns the value as the worker uses it, or raises ValueError with what was expected.
+
+
+def _int(value: Any) -> int:
+    # bool is an int in Python but not in JSON; a float like 3.0 is refused too, to keep types honest.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"must be an integer, not {_kind(value)}")
+    return value
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"must be a number, not {_kind(value)}")
+    if not math.isfinite(value):
+        raise ValueError("must be finite")
+    return float(value)
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"must be a string, not {_kind(value)}")
+    return value
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"must be a boolean, not {_kind(value)}")
+    return value
+
+
+def _list_of(item: Callable[[Any], Any], what: str) -> Callable[[Any], list[Any]]:
+    def check(value: Any) -> list[Any]:
+        if not isinstance(value, list):
+            raise ValueError(f"must be an array of {what}, not {_kind(value)}")
+        out = []
+        for i, v in enumerate(value):
+            try:
+                out.append(item(v))
+            except ValueError as e:
+                raise ValueError(f"item {i} {e}") from None
+        return out
+
+    return check
+
+
+def _at_least(check: Callable[[Any], Any], low: float, *, strict: bool = False) -> Callable[[Any], Any]:
+    def bounded(value: Any) -> Any:
+        v = check(value)
+        if v < low or (strict and v == low):
+            raise ValueError(f"must be {'>' if strict else '>='} {low}, not {v}")
+        return v
+
+    return bounded
+
+
+def _unit(value: Any) -> float:
+    v = _number(value)
+    if not 0.0 <= v <= 1.0:
+        raise ValueError(f"must be in [0, 1], not {v}")
+    return v
+
+
+def _optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    return lambda value: None if value is None else check(value)
+
+
+def _message(value: Any) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise ValueError(f"must be an object with role and content, not {_kind(value)}")
+    extra = sorted(set(value) - {"role", "content"})
+    if extra:
+        raise ValueError(f"has unknown key(s) {', '.join(extra)}")
+    for key in ("role", "content"):
+        if key not in value:
+            raise ValueError(f"lacks {key!r}")
+        if not isinstance(value[key], str):
+            raise ValueError(f"{key} must be a string, not {_kind(value[key])}")
+    return {"role": value["role"], "content": value["content"]}
+
+
+def _nonempty(check: Callable[[Any], list[Any]]) -> Callable[[Any], list[Any]]:
+    def nonempty(value: Any) -> list[Any]:
+        v = check(value)
+        if not v:
+            raise ValueError("must not be empty")
+        return v
+
+    return nonempty
+
+
+@dataclass(frozen=True)
+class Field:
+    check: Callable[[Any], Any]
+    required: bool = False
+    default: Any = None
+
+
+# The sampling options, named and defaulted as pymlxc's GenerateConfig (temperature 0 = greedy; 0 = off).
+SAMPLING: dict[str, Field] = {
+    "max_tokens": Field(_at_least(_int, 0), default=256),
+    "temperature": Field(_at_least(_number, 0.0), default=0.0),
+    "top_k": Field(_at_least(_int, 0), default=0),
+    "top_p": Field(_unit, default=0.0),
+    "min_p": Field(_unit, default=0.0),
+    "repeat_penalty": Field(_at_least(_number, 0.0, strict=True), default=1.0),
+    "stop_tokens": Field(_list_of(_at_least(_int, 0), "non-negative integers"), default=[]),
+    "seed": Field(_optional(_int), default=None),
+    "return_logits": Field(_bool, default=False),
+}
+
+COMMANDS: dict[str, dict[str, Field]] = {
+    "load": {
+        "path": Field(_str, required=True),
+        "adapter_path": Field(_optional(_str)),
+        "context_len": Field(_optional(_at_least(_int, 1))),
+        "device": Field(_optional(_str)),
+    },
+    "generate": {"prompt": Field(_str, required=True), **SAMPLING},
+    "chat": {"messages": Field(_nonempty(_list_of(_message, "messages")), required=True), **SAMPLING},
+    "classify": {"prompts": Field(_list_of(_str, "strings"), required=True), **SAMPLING},
+    "batch_generate": {"prompts": Field(_list_of(_str, "strings"), required=True), **SAMPLING},
+    "info": {},
+    "encode": {"text": Field(_str, required=True), "add_special_tokens": Field(_bool, default=True)},
+    "decode": {"tokens": Field(_list_of(_at_least(_int, 0), "non-negative integers"), required=True)},
+    "cancel": {},
+    "quit": {},
+}
+STREAMING = ("generate", "chat")  # these answer with token lines and a done line; the others with one result
+ENVELOPE = ("id", "cmd")
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated request: the command, its arguments with defaults filled in, and the caller's id."""
+
+    cmd: str
+    args: dict[str, Any] = field(default_factory=dict)
+    id: str | int | None = None
+
+    def to_message(self) -> dict[str, Any]:
+        msg: dict[str, Any] = {"cmd": self.cmd, **self.args}
+        if self.id is not None:
+            msg["id"] = self.id
+        return msg
+
+
+def request_id(message: Mapping[str, Any]) -> str | int | None:
+    """The id to echo in a reply: the request's own when it is a string or integer, else null."""
+    rid = message.get("id")
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+        return None
+    return rid
+
+
+def parse_request(message: Mapping[str, Any]) -> Request:
+    """Check a decoded line against its command's schema; raise ProtocolError naming the problem."""
+    rid = message.get("id")
+    if rid is not None and request_id(message) is None:
+        raise ProtocolError("bad_field", f"id must be a string or an integer, not {_kind(rid)}")
+    if "cmd" not in message:
+        raise ProtocolError("missing_field", "missing field 'cmd'")
+    cmd = message["cmd"]
+    if not isinstance(cmd, str):
+        raise ProtocolError("bad_field", f"cmd must be a string, not {_kind(cmd)}")
+    schema = COMMANDS.get(cmd)
+    if schema is None:
+        raise ProtocolError("unknown_command", f"unknown command {cmd[:80]!r}; commands: {', '.join(COMMANDS)}")
+    unknown = sorted(k for k in message if k not in schema and k not in ENVELOPE)
+    if unknown:
+        raise ProtocolError("unknown_field", f"{cmd}: unknown field(s) {', '.join(repr(k[:80]) for k in unknown)}")
+    args: dict[str, Any] = {}
+    for name, spec in schema.items():
+        if name not in message:
+            if spec.required:
+                raise ProtocolError("missing_field", f"{cmd}: missing field {name!r}")
+            args[name] = list(spec.default) if isinstance(spec.default, list) else spec.default
+            continue
+        try:
+            args[name] = spec.check(message[name])
+        except ValueError as e:
+            raise ProtocolError("bad_field", f"{cmd}: {name} {e}") from None
+    return Request(cmd, args, request_id(message))
+
+
+# ---- replies -------------------------------------------------------------------------------------
+
+
+def _reply(kind: str, rid: str | int | None, **fields: Any) -> dict[str, Any]:
+    return {"type": kind, "id": rid, **fields}
+
+
+def hello(**fields: Any) -> dict[str, Any]:
+    return {"type": "hello", "protocol": PROTOCOL_VERSION, **fields}
+
+
+def error(code: str, message: str, rid: str | int | None = None, cmd: str | None = None) -> dict[str, Any]:
+    return _reply("error", rid, cmd=cmd, error=code, message=message)
+
+
+def result(cmd: str, rid: str | int | None, **fields: Any) -> dict[str, Any]:
+    return _reply("result", rid, cmd=cmd, **fields)
+
+
+def token(rid: str | int | None, token_id: int, text: str) -> dict[str, Any]:
+    return _reply("token", rid, token_id=token_id, token=text)
+
+
+def progress(rid: str | int | None, processed: int, total: int) -> dict[str, Any]:
+    return _reply("progress", rid, processed=processed, total=total)
+
+
+def done(rid: str | int | None, finish_reason: str, **metrics: Any) -> dict[str, Any]:
+    return _reply("done", rid, finish_reason=finish_reason, **metrics)
+
+
+def check_reply(message: Mapping[str, Any]) -> str:
+    """The reply's type, after checking that it is one the protocol defines (the client's guard)."""
+    kind = message.get("type")
+    if kind not in REPLY_TYPES:
+        raise ProtocolError("bad_reply", f"reply has unknown type {kind!r}")
+    return str(kind)

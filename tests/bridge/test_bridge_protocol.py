@@ -1,0 +1,138 @@
+"""The protocol module alone: lines round-trip, requests validate, and every refusal names its cause."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pymlxc.bridge import protocol as P
+
+json_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text()
+json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4), max_leaves=20)
+json_objects = st.dictionaries(st.text(), json_values, max_size=6)
+
+
+@given(json_objects)
+def test_any_object_round_trips_as_one_ascii_line(message: dict[str, Any]) -> None:
+    line = P.encode(message)
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert line.isascii()
+    assert P.decode(line) == message
+    assert P.decode(line.decode()) == message  # str lines too
+
+
+ids = st.none() | st.integers() | st.text(max_size=10)
+sampling = st.fixed_dictionaries(
+    {},
+    optional={
+        "max_tokens": st.integers(0, 10_000),
+        "temperature": st.floats(0, 5),
+        "top_k": st.integers(0, 100),
+        "top_p": st.floats(0, 1),
+        "min_p": st.floats(0, 1),
+        "repeat_penalty": st.floats(0.01, 5),
+        "stop_tokens": st.lists(st.integers(0, 100_000), max_size=4),
+        "seed": st.none() | st.integers(0, 2**31),
+        "return_logits": st.booleans(),
+    },
+)
+messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": st.text()}), min_size=1, max_size=3)
+requests = st.one_of(
+    st.builds(lambda p, s: {"cmd": "generate", "prompt": p, **s}, st.text(), sampling),
+    st.builds(lambda m, s: {"cmd": "chat", "messages": m, **s}, messages, sampling),
+    st.builds(lambda ps, s: {"cmd": "classify", "prompts": ps, **s}, st.lists(st.text(), max_size=3), sampling),
+    st.builds(lambda ps, s: {"cmd": "batch_generate", "prompts": ps, **s}, st.lists(st.text(), max_size=3), sampling),
+    st.builds(lambda p, a, c: {"cmd": "load", "path": p, "adapter_path": a, "context_len": c}, st.text(), st.none() | st.text(), st.none() | st.integers(1, 10**6)),
+    st.builds(lambda t, a: {"cmd": "encode", "text": t, "add_special_tokens": a}, st.text(), st.booleans()),
+    st.builds(lambda t: {"cmd": "decode", "tokens": t}, st.lists(st.integers(0, 10**6), max_size=5)),
+    st.sampled_from([{"cmd": "info"}, {"cmd": "cancel"}, {"cmd": "quit"}]),
+)
+
+
+@given(requests, ids)
+def test_valid_requests_round_trip_through_encode_decode_and_parse(message: dict[str, Any], rid: Any) -> None:
+    if rid is not None:
+        message = {**message, "id": rid}
+    request = P.parse_request(P.decode(P.encode(message)))
+    assert request.cmd == message["cmd"] and request.id == rid
+    for key, value in message.items():
+        if key not in P.ENVELOPE:
+            assert request.args[key] == value
+    assert set(request.args) == set(P.COMMANDS[request.cmd])  # defaults filled in
+    assert P.parse_request(P.decode(P.encode(request.to_message()))) == request
+
+
+@pytest.mark.parametrize(
+    "message, code, mentions",
+    [
+        ({"prompt": "x"}, "missing_field", "cmd"),
+        ({"cmd": 3}, "bad_field", "cmd"),
+        ({"cmd": "dance"}, "unknown_command", "dance"),
+        ({"cmd": "generate"}, "missing_field", "prompt"),
+        ({"cmd": "generate", "prompt": 5}, "bad_field", "prompt"),
+        ({"cmd": "generate", "prompt": "x", "max_tokens": True}, "bad_field", "max_tokens"),
+        ({"cmd": "generate", "prompt": "x", "max_tokens": 2.0}, "bad_field", "max_tokens"),
+        ({"cmd": "generate", "prompt": "x", "max_tokens": -1}, "bad_field", "max_tokens"),
+        ({"cmd": "generate", "prompt": "x", "temperature": "hot"}, "bad_field", "temperature"),
+        ({"cmd": "generate", "prompt": "x", "top_p": 1.5}, "bad_field", "top_p"),
+        ({"cmd": "generate", "prompt": "x", "repeat_penalty": 0}, "bad_field", "repeat_penalty"),
+        ({"cmd": "generate", "prompt": "x", "stop_tokens": [1, "2"]}, "bad_field", "item 1"),
+        ({"cmd": "generate", "prompt": "x", "seed": 1.5}, "bad_field", "seed"),
+        ({"cmd": "generate", "prompt": "x", "temprature": 1}, "unknown_field", "temprature"),
+        ({"cmd": "chat", "messages": []}, "bad_field", "empty"),
+        ({"cmd": "chat", "messages": [{"role": "user"}]}, "bad_field", "content"),
+        ({"cmd": "chat", "messages": [{"role": "user", "content": "x", "name": "y"}]}, "bad_field", "name"),
+        ({"cmd": "classify", "prompts": "abc"}, "bad_field", "prompts"),
+        ({"cmd": "decode", "tokens": [-1]}, "bad_field", "tokens"),
+        ({"cmd": "info", "id": [1]}, "bad_field", "id"),
+        ({"cmd": "info", "id": True}, "bad_field", "id"),
+    ],
+)
+def test_bad_requests_are_refused_naming_the_problem(message: dict[str, Any], code: str, mentions: str) -> None:
+    with pytest.raises(P.ProtocolError) as caught:
+        P.parse_request(message)
+    assert caught.value.code == code
+    assert mentions in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "line, code",
+    [
+        (b"", "bad_json"),
+        (b"   \r\n", "bad_json"),
+        (b"{", "bad_json"),
+        (b"\xff\xfe{}", "bad_json"),
+        (b'{"cmd": NaN}', "bad_json"),
+        (b'{"x": -Infinity}', "bad_json"),
+        (b"[1, 2]", "bad_request"),
+        (b'"cmd"', "bad_request"),
+        (b"1" * 5000, "bad_json"),  # more digits than Python converts to an int
+        (b"[" * 100_000, "bad_json"),  # deeper than the parser recurses
+    ],
+)
+def test_undecodable_lines_raise_protocol_errors(line: bytes, code: str) -> None:
+    with pytest.raises(P.ProtocolError) as caught:
+        P.decode(line)
+    assert caught.value.code == code
+
+
+@settings(max_examples=200)
+@given(st.binary(max_size=200))
+def test_decode_of_arbitrary_bytes_gives_an_object_or_a_protocol_error(line: bytes) -> None:
+    try:
+        value = P.decode(line)
+    except P.ProtocolError as e:
+        assert e.code in ("bad_json", "bad_request")
+    else:
+        assert isinstance(value, dict)
+
+
+def test_replies_refuse_non_finite_numbers_and_check_their_type() -> None:
+    with pytest.raises(ValueError):
+        P.encode(P.done(1, "length", prompt_tps=float("nan")))
+    assert P.check_reply(json.loads(P.encode(P.token(1, 5, "a")))) == "token"
+    with pytest.raises(P.ProtocolError):
+        P.check_reply({"type": "gossip"})

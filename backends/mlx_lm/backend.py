@@ -1,6 +1,7 @@
 """The `mlx_lm` Backend: whether a worker can run here (a cached probe of its Python), and `load`."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import subprocess
@@ -98,13 +99,7 @@ class MlxLmBackend:
             if not adapter_dir.is_dir():
                 raise FileNotFoundError(f"adapter path {config.adapter_path!r} is not a directory")
             adapter = str(adapter_dir)
-        config = LoadConfig(
-            backend=config.backend,
-            context_len=config.context_len,
-            parallel_slots=config.parallel_slots,
-            adapter_path=adapter,
-            gpu_layers=config.gpu_layers,
-        )
+        config = dataclasses.replace(config, adapter_path=adapter)
         return MlxLmModel(
             str(model_dir),
             config,

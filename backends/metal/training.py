@@ -28,8 +28,23 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
                     "tokenizer.model", "chat_template.jinja", "chat_template.json", "added_tokens.json")
 
 
+# Multimodal configs whose checkpoints wrap the text model: there mlx-lm names parameters
+# `language_model.<our name>` and transformers (so PEFT) `model.language_model.<our name minus model.>`.
+# We load only the text model, under the plain names; files for other tools get their names.
+_WRAPPED_TYPES = ("gemma3", "gemma4")
+
+
 def _family(model_type: str) -> str:
     return model_type[: -len("_text")] if model_type.endswith("_text") else model_type
+
+
+def external_name(name: str, model_type: str, tool: str) -> str:
+    """The name `tool` ("mlx" for mlx-lm, "hf" for transformers/PEFT) gives our parameter or module `name`."""
+    if model_type not in _WRAPPED_TYPES:
+        return name
+    if tool == "mlx":
+        return "language_model." + name
+    return "model.language_model." + name[len("model."):] if name.startswith("model.") else name
 
 
 class MetalLoRAAdapter:
@@ -85,16 +100,23 @@ class MetalLoRAAdapter:
     def save(self, path: str | Path, format: str = "mlx") -> Path:  # noqa: A002
         """Write the adapter to the directory `path`: format "mlx" (mlx-lm's `adapters.safetensors`
         + `adapter_config.json`, loadable by `mlx_lm.load(..., adapter_path=)`) or "peft"."""
+        if format not in ("mlx", "peft"):
+            raise ValueError(f"adapter format must be 'mlx' or 'peft', not {format!r}")
+        tool = "mlx" if format == "mlx" else "hf"
+
+        def rename(name: str) -> str:
+            return external_name(name, self.model_type, tool)
+
         tensors = self.tensors()
         mx.eval(list(tensors.values()))
-        extra = {"model_type": self.model_type, "alpha": self.config.alpha, "lora_dtype": self.config.dtype}
+        tensors = {f"{rename(n.rpartition('.')[0])}.{n.rpartition('.')[2]}": v for n, v in tensors.items()}
+        scales = {rename(m): s for m, s in self.scales().items()}
         if format == "mlx":
+            extra = {"model_type": self.model_type, "alpha": self.config.alpha, "lora_dtype": self.config.dtype}
             _, blocks = lora.blocks_of(self._model)
-            return write_mlx_adapter(path, tensors, self.scales(), num_blocks=len(blocks),
-                                     dropout=self.config.dropout, extra=extra)
-        if format == "peft":
-            return write_peft_adapter(path, tensors, self.scales(), dropout=self.config.dropout)
-        raise ValueError(f"adapter format must be 'mlx' or 'peft', not {format!r}")
+            return write_mlx_adapter(path, tensors, scales, num_blocks=len(blocks), dropout=self.config.dropout,
+                                     extra=extra)
+        return write_peft_adapter(path, tensors, scales, dropout=self.config.dropout)
 
     def _detached(self) -> None:
         self._attached = False
@@ -204,7 +226,8 @@ class TrainableMixin:
             self.fuse_adapter(dequantize=dequantize)
         if dequantize:
             lora.dequantize_model(self._net())
-        return save_model_dir(self._net(), path, source, dequantized=dequantize)
+        return save_model_dir(self._net(), path, source, dequantized=dequantize,
+                              rename=lambda name: external_name(name, self._model_type, "mlx"))
 
     # ------------------------------------------------------------------ what pymlxc.train uses
     def logits(self, inputs: Array) -> Array:
@@ -304,8 +327,10 @@ def _rename_modules(weights: AdapterWeights, model: Module) -> AdapterWeights:
     return AdapterWeights(weights.format, weights.path, tensors, scales, weights.dropout, weights.config)
 
 
-def save_model_dir(model: Module, path: str | Path, source: str | Path, *, dequantized: bool = False) -> Path:
-    """Write `model`'s parameters as `model.safetensors` with config.json and tokenizer files from `source`."""
+def save_model_dir(model: Module, path: str | Path, source: str | Path, *, dequantized: bool = False,
+                   rename: Any = None) -> Path:
+    """Write `model`'s parameters as `model.safetensors` (named by `rename`, if given) with config.json
+    and tokenizer files from `source`."""
     path, source = Path(path), Path(source)
     if not (source / "config.json").is_file():
         raise FileNotFoundError(f"{source} has no config.json to copy")
@@ -314,6 +339,8 @@ def save_model_dir(model: Module, path: str | Path, source: str | Path, *, dequa
     path.mkdir(parents=True, exist_ok=True)
     weights = model.parameters()
     mx.eval(list(weights.values()))
+    if rename is not None:
+        weights = {rename(k): v for k, v in weights.items()}
     mx.save_safetensors(path / "model.safetensors", weights, {"format": "mlx"})
     config = json.loads((source / "config.json").read_text(encoding="utf-8"))
     if dequantized:

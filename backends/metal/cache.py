@@ -209,26 +209,33 @@ class RotatingKVCache:
         self._len = 0  # buffer length
 
     # ------------------------------------------------------------------ helpers
-    def _cut(self, v: Array, start: int, stop: int) -> Array:
-        s = v.shape
-        return _slice(v, [0, 0, start, 0], [s[0], s[1], stop, s[3]], [1, 1, 1, 1])
+    # Shapes are kept as ints (batch, heads, key dim, value dim), so that no step asks an Array.
+    def _cut(self, v: Array, start: int, stop: int, d: int) -> Array:
+        return _slice(v, [0, 0, start, 0], [self._b, self._h, stop, d], [1, 1, 1, 1])
 
-    def _trim_front(self, trim_size: int, v: Array, append: Array | None = None) -> Array:
-        parts = [self._cut(v, 0, self.keep), self._cut(v, trim_size + self.keep, self._len)] if trim_size > 0 else [v]
+    def _trim_front(self, trim_size: int, v: Array, d: int, append: Array | None = None) -> Array:
+        keep = self.keep
+        parts = [self._cut(v, 0, keep, d), self._cut(v, trim_size + keep, self._len, d)] if trim_size > 0 else [v]
         if append is not None:
             parts.append(append)
         return _concat(parts, axis=2) if len(parts) > 1 else parts[0]
 
-    def _temporal_order(self, v: Array) -> Array:
+    def _temporal_order(self, v: Array, d: int) -> Array:
         if self._idx == self._len:
             return v
         if self._idx < self.offset:  # wrapped: [keep][oldest ... end][keep ... newest]
-            return _concat([self._cut(v, 0, self.keep), self._cut(v, self._idx, self._len),
-                            self._cut(v, self.keep, self._idx)], axis=2)
-        return self._cut(v, 0, self._idx)
+            return _concat([self._cut(v, 0, self.keep, d), self._cut(v, self._idx, self._len, d),
+                            self._cut(v, self.keep, self._idx, d)], axis=2)
+        return self._cut(v, 0, self._idx, d)
+
+    def _set_dims(self, keys: Array, values: Array) -> None:
+        self._b, self._h, _, self._dk = keys.shape
+        self._dv = values.shape[3]
 
     # ------------------------------------------------------------------ updates
     def update_and_fetch(self, keys: Array, values: Array) -> tuple[Array, Array]:
+        if self.keys is None:
+            self._set_dims(keys, values)
         s = keys.shape[2]
         if s == 1:
             return self._update_in_place(keys, values)
@@ -237,31 +244,30 @@ class RotatingKVCache:
         return self._update_concat(keys, values, s)
 
     def _grow(self, keys: Array, values: Array, new_len: int) -> None:
-        b, h, _, dk = keys.shape
+        b, h, dk, dv = self._b, self._h, self._dk, self._dv
+        if self.keys is not None and self._idx < self._len:
+            # Unwrapped buffer with an unused tail: keep the valid part only.
+            self.keys = self._cut(self.keys, 0, self._idx, dk)
+            self.values = self._cut(self.values, 0, self._idx, dv)
+            self._len = self._idx
         extra = new_len - self._len
         new_k = mx.zeros((b, h, extra, dk), keys.dtype)
-        new_v = mx.zeros((b, h, extra, values.shape[3]), values.dtype)
+        new_v = mx.zeros((b, h, extra, dv), values.dtype)
         if self.keys is None:
             self.keys, self.values = new_k, new_v
         else:
-            if self._idx < self._len:  # unwrapped buffer with an unused tail: keep the valid part
-                self.keys = self._cut(self.keys, 0, self._idx)
-                self.values = self._cut(self.values, 0, self._idx)
-                extra += self._len - self._idx
-                new_k = mx.zeros((b, h, extra, dk), keys.dtype)
-                new_v = mx.zeros((b, h, extra, values.shape[3]), values.dtype)
             self.keys = _concat([self.keys, new_k], axis=2)
             self.values = _concat([self.values, new_v], axis=2)
         self._len = new_len
 
     def _write(self, keys: Array, values: Array, at: int, s: int) -> None:
-        b, h, _, dk = keys.shape
-        self.keys = _slice_update(self.keys, keys, [0, 0, at, 0], [b, h, at + s, dk], [1, 1, 1, 1])
-        self.values = _slice_update(self.values, values, [0, 0, at, 0], [b, h, at + s, values.shape[3]], [1, 1, 1, 1])
+        b, h = self._b, self._h
+        self.keys = _slice_update(self.keys, keys, [0, 0, at, 0], [b, h, at + s, self._dk], [1, 1, 1, 1])
+        self.values = _slice_update(self.values, values, [0, 0, at, 0], [b, h, at + s, self._dv], [1, 1, 1, 1])
 
     def _valid(self) -> tuple[Array, Array]:
         if self.offset < self._len:
-            return self._cut(self.keys, 0, self.offset), self._cut(self.values, 0, self.offset)
+            return self._cut(self.keys, 0, self.offset, self._dk), self._cut(self.values, 0, self.offset, self._dv)
         return self.keys, self.values
 
     def _append_in_place(self, keys: Array, values: Array, s: int) -> tuple[Array, Array]:
@@ -276,16 +282,20 @@ class RotatingKVCache:
     def _update_concat(self, keys: Array, values: Array, s: int) -> tuple[Array, Array]:
         if self.keys is None:
             self.keys, self.values = keys, values
+            self._len = s
         else:
-            self.keys = self._temporal_order(self.keys)
-            self.values = self._temporal_order(self.values)
-            self._idx = self._len = self.keys.shape[2]
+            self.keys = self._temporal_order(self.keys, self._dk)
+            self.values = self._temporal_order(self.values, self._dv)
+            if self._idx != self._len and self._idx >= self.offset:
+                self._len = self._idx  # the unused tail was cut off
+            self._idx = self._len
             # Keep max_size - 1 old tokens so that every query of the chunk sees max_size tokens.
             trim_size = self._idx - self.max_size + 1
-            self.keys = self._trim_front(trim_size, self.keys, keys)
-            self.values = self._trim_front(trim_size, self.values, values)
+            self.keys = self._trim_front(trim_size, self.keys, self._dk, keys)
+            self.values = self._trim_front(trim_size, self.values, self._dv, values)
+            self._len += s - max(trim_size, 0)
         self.offset += s
-        self._idx = self._len = self.keys.shape[2]
+        self._idx = self._len
         return self.keys, self.values
 
     def _update_in_place(self, keys: Array, values: Array) -> tuple[Array, Array]:
@@ -295,8 +305,8 @@ class RotatingKVCache:
             self._idx = prev
         trim_size = self._len - self.max_size
         if trim_size > 0:  # after an overflowing chunk: drop the oldest, back to max_size
-            self.keys = self._trim_front(trim_size, self.keys)
-            self.values = self._trim_front(trim_size, self.values)
+            self.keys = self._trim_front(trim_size, self.keys, self._dk)
+            self.values = self._trim_front(trim_size, self.values, self._dv)
             self._len = self.max_size
             self._idx = self.max_size
         if self._idx == self.max_size:
@@ -392,6 +402,7 @@ class RotatingKVCache:
         if state:
             c.keys, c.values = state
             c._len = c.keys.shape[2]
+            c._set_dims(c.keys, c.values)
         return c
 
     def copy(self) -> "RotatingKVCache":

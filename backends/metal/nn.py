@@ -181,11 +181,17 @@ class Linear(Module):
         if bias:
             self.bias = mx.zeros((output_dims,))
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "weight":
+            # W^T is a view of W (no copy once evaluated): made once here, not one op per call.
+            super().__setattr__("_wT", _T(value))
+
     def __call__(self, x: Array) -> Array:
         b = self.__dict__.get("bias")
         if b is None:
-            return _matmul(x, _T(self.weight))
-        return _addmm(b, x, _T(self.weight), 1.0, 1.0)
+            return _matmul(x, self._wT)
+        return _addmm(b, x, self._wT, 1.0, 1.0)
 
 
 def _packed_dims(dims: int, bits: int) -> int:
@@ -240,12 +246,17 @@ class Embedding(Module):
         super().__init__()
         self.weight = mx.zeros((num_embeddings, dims))
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "weight":
+            super().__setattr__("_wT", _T(value))  # for as_linear; a view, see Linear
+
     def __call__(self, x: Array) -> Array:
         return _take(self.weight, x, axis=0)
 
     def as_linear(self, x: Array) -> Array:
         """The tied output head: x @ weight^T."""
-        return _matmul(x, _T(self.weight))
+        return _matmul(x, self._wT)
 
 
 class QuantizedEmbedding(Module):

@@ -244,12 +244,13 @@ def _alone(model: Any, ids: np.ndarray, steps: np.ndarray, context_len: int | No
 
 
 @pytest.mark.parametrize("context_len", [None, 24])
-def test_explicit_mask_left_padded_batch(models, context_len: int | None) -> None:
+@pytest.mark.parametrize("arch,extra", [("gemma3_text", {}), ("gemma2", {"sliding_window": 8}), ("llama", {})])
+def test_explicit_mask_left_padded_batch(models, arch: str, extra: dict[str, Any], context_len: int | None) -> None:
     """A left-padded batch with explicit boolean masks (prefill, then decoding through the caches)
     gives each row the logits it has alone: RoPE only sees relative positions and the pads are
-    masked. gemma3's sliding window (16) is crossed and, with context_len 24, the rotating caches
-    wrap, so the mask columns are picked by position."""
-    ours, _ = models("gemma3_text")
+    masked. The sliding windows (gemma3: 16, gemma2 here: 8, through the soft-capped path) are
+    crossed and, with context_len 24, the rotating caches wrap: mask columns are picked by position."""
+    ours, _ = models(arch, extra_config=extra) if extra else models(arch)
     model = ours.model
     long, short = prompt_ids(20, seed=5)[0], prompt_ids(12, seed=6)[0]
     pad = 20 - len(short)

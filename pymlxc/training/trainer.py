@@ -7,14 +7,15 @@ Everything random (LoRA init, batch order, dropout) comes from `TrainConfig.seed
 the same seed give the same losses, and a resumed run continues the same sequence.
 
 The adapter directory holds what mlx-lm writes (`adapters.safetensors`, `adapter_config.json`,
-`0000100_adapters.safetensors` snapshots) plus `optimizer.safetensors` and `training_state.json`
-for resuming.
+`0000100_adapters.safetensors` snapshots) plus `training_state.safetensors` (adapter weights and
+AdamW moments) and `training_state.json` (step, configs, loss history) for resuming.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -32,7 +33,7 @@ from .losses import masked_cross_entropy
 from .optim import AdamW, cosine_schedule
 
 STATE_FILE = "training_state.json"
-OPTIMIZER_FILE = "optimizer.safetensors"
+STATE_ARRAYS = "training_state.safetensors"  # the adapter under its own names, and the optimizer's moments
 
 
 @dataclass
@@ -56,8 +57,8 @@ class TrainResult:
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     step_losses: list[float] = field(default_factory=list)  # every step of this run
     trained_tokens: int = 0
-    tokens_per_sec: float = 0.0
-    seconds: float = 0.0
+    tokens_per_sec: float = 0.0  # over the training steps (validation and checkpoints not counted)
+    seconds: float = 0.0  # wall time of the run
     peak_memory: int = 0
 
 
@@ -151,29 +152,33 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: Path, step: int, lora: LoRAConfig, history: dict[str, Any]) -> None:
-        """Adapter (mlx-lm's format) + optimizer state + step, written so that a crash leaves the
-        previous checkpoint readable (the state file is replaced last)."""
+        """Adapter (mlx-lm's format) + weights and optimizer state + step, written so that a crash
+        leaves the previous checkpoint readable (the state file is replaced last)."""
         self.adapter.save(path)
-        mx.save_safetensors(path / OPTIMIZER_FILE, self.optimizer.state_dict() or {"_empty": mx.zeros((1,))})
+        arrays = {f"params.{k}": v for k, v in self.params.items()}
+        arrays.update({f"opt.{k}": v for k, v in self.optimizer.state_dict().items()})
+        tmp_arrays = path / (STATE_ARRAYS + ".tmp.safetensors")
+        mx.save_safetensors(tmp_arrays, arrays)
+        tmp_arrays.replace(path / STATE_ARRAYS)
         state = {"step": step, "optimizer_step": self.optimizer.step, "lora": dataclasses.asdict(lora),
-                 "train_config": {k: v for k, v in dataclasses.asdict(self.config).items()},
-                 "optimizer": self.optimizer.hyperparameters(), **history}
+                 "train_config": dataclasses.asdict(self.config), "optimizer": self.optimizer.hyperparameters(),
+                 **history}
         tmp = path / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
         tmp.replace(path / STATE_FILE)
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
         state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
-        tensors, _ = mx.load_safetensors(path / MLX_WEIGHTS)
+        arrays, _ = mx.load_safetensors(path / STATE_ARRAYS)
+        params = {k[len("params."):]: v for k, v in arrays.items() if k.startswith("params.")}
         current = self.adapter.trainable_parameters()
-        mismatch = sorted(set(current) ^ set(tensors))
+        mismatch = sorted(set(current) ^ set(params))
         if mismatch:
             raise ValueError(f"{path}: the checkpoint's adapter does not match the model's: {', '.join(mismatch[:5])}")
-        self.params = {k: tensors[k].astype(current[k].dtype) for k in current}
+        self.params = {k: params[k].astype(current[k].dtype) for k in current}
         self.adapter.update(self.params)
-        opt, _ = mx.load_safetensors(path / OPTIMIZER_FILE)
-        opt.pop("_empty", None)
-        self.optimizer.load_state_dict(opt, state["optimizer_step"])
+        self.optimizer.load_state_dict({k[len("opt."):]: v for k, v in arrays.items() if k.startswith("opt.")},
+                                       state["optimizer_step"])
         mx.eval([*self.params.values(), *self.optimizer.state_arrays()])
         return state
 
@@ -257,13 +262,17 @@ def _train(model: Any, data: str | Path, adapter_path: str | Path, lora: LoRACon
     mx.reset_peak_memory()
     model.set_grad_checkpoint(config.grad_checkpoint)
     batches = iterate_batches(train_set, config.batch_size, config.max_seq_length, seed=config.seed, skip=start)
-    window_loss, window_tokens, window_steps = 0.0, 0, 0
-    window_start = run_start = time.perf_counter()
+    window_loss, window_tokens, window_steps, window_seconds = 0.0, 0, 0, 0.0
+    run_start, train_seconds = time.perf_counter(), 0.0
     adapter.set_training(True)
     try:
         for step in range(start + 1, config.iters + 1):
             _, batch = next(batches)
+            t0 = time.perf_counter()
             loss = trainer.step(batch)
+            step_seconds = time.perf_counter() - t0  # tokens/s counts training steps only
+            window_seconds += step_seconds
+            train_seconds += step_seconds
             if not math.isfinite(loss):
                 raise FloatingPointError(f"the loss is {loss} at step {step}; lower the learning rate "
                                          "or set max_grad_norm")
@@ -275,13 +284,12 @@ def _train(model: Any, data: str | Path, adapter_path: str | Path, lora: LoRACon
             result.steps = step
             r: TrainReport | None = None
             if step % config.steps_per_report == 0 or step == config.iters:
-                now = time.perf_counter()
                 r = TrainReport(step, train_loss=window_loss / window_steps,
                                 learning_rate=trainer.optimizer.lr_at(step),
-                                tokens_per_sec=window_tokens / max(now - window_start, 1e-9),
+                                tokens_per_sec=window_tokens / max(window_seconds, 1e-9),
                                 trained_tokens=result.trained_tokens, peak_memory=mx.get_peak_memory())
                 result.train_losses.append((step, r.train_loss))
-                window_loss, window_tokens, window_steps = 0.0, 0, 0
+                window_loss, window_tokens, window_steps, window_seconds = 0.0, 0, 0, 0.0
             if valid_set and (step % config.steps_per_eval == 0 or step == config.iters):
                 adapter.set_training(False)
                 val = trainer.evaluate(valid_set, config.val_batches)
@@ -291,16 +299,15 @@ def _train(model: Any, data: str | Path, adapter_path: str | Path, lora: LoRACon
                 r.val_loss = val
             if r is not None:
                 report(r)
-                window_start = time.perf_counter()  # evaluation time does not count against tokens/s
             if step % config.save_every == 0 or step == config.iters:
                 history = {"train_losses": result.train_losses, "val_losses": result.val_losses}
                 trainer.save_checkpoint(adapter_dir, step, lora_config, history)
-                if step % config.save_every == 0:
-                    mx.save_safetensors(adapter_dir / f"{step:07d}_adapters.safetensors", adapter.tensors())
+                if step % config.save_every == 0:  # a snapshot, as mlx-lm keeps them
+                    shutil.copyfile(adapter_dir / MLX_WEIGHTS, adapter_dir / f"{step:07d}_adapters.safetensors")
     finally:
         adapter.set_training(False)
         model.set_grad_checkpoint(False)
     result.seconds = time.perf_counter() - run_start
-    result.tokens_per_sec = result.trained_tokens / max(result.seconds, 1e-9)
+    result.tokens_per_sec = result.trained_tokens / max(train_seconds, 1e-9)
     result.peak_memory = mx.get_peak_memory()
     return result

@@ -61,3 +61,21 @@ def test_fused_multimodal_wrapper_loads_in_mlx_lm(tmp_path: Path) -> None:
     np.testing.assert_allclose(np.array(ref(M.array([ids]))), adapted, rtol=1e-4, atol=1e-4)
     with load(out) as fused:
         np.testing.assert_allclose(_ours(fused, ids), adapted, rtol=1e-4, atol=1e-4)
+
+
+def test_resume_on_a_multimodal_wrapper(tmp_path: Path) -> None:
+    # its adapters.safetensors carries mlx-lm's `language_model.` names; resuming must not care
+    import json
+
+    path = write_tiny_model(tmp_path / "m", "gemma3", seed=0)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": "the cat sat on the mat"}) + "\n" for _ in range(4)))
+    options = dict(batch_size=2, learning_rate=1e-3, progress=False, save_every=2)
+    with load(path) as model:
+        straight = pymlxc.train(model, data, tmp_path / "a", iters=4, **options).step_losses
+    with load(path) as model:
+        pymlxc.train(model, data, tmp_path / "b", iters=2, **options)
+    with load(path) as model:
+        tail = pymlxc.train(model, data, tmp_path / "b", iters=4, resume=True, **options).step_losses
+    assert tail == straight[2:]
+    assert (tmp_path / "b" / "0000002_adapters.safetensors").is_file()

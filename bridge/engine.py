@@ -5,7 +5,9 @@ without paying for that import. Arguments arrive already validated by `protocol.
 """
 from __future__ import annotations
 
+import base64
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -13,7 +15,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx_lm
+import numpy as np
 from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from .protocol import CommandError
@@ -38,6 +42,42 @@ def _config_value(config: dict[str, Any], key: str) -> Any:
     if key in config:
         return config[key]
     return (config.get("text_config") or {}).get(key)
+
+
+def _b64(a: Any) -> str:
+    """[1, heads, L, D] -> base64 of its float32 little-endian bytes, C order [heads, L, D]."""
+    return base64.b64encode(np.asarray(a[0].astype(mx.float32), dtype="<f4").tobytes()).decode("ascii")
+
+
+class _recording_queries:
+    """Within the block, mlx-lm's attention calls append their queries (after RoPE, before the scale)
+    to `sink`: each loaded mlx-lm model module's `scaled_dot_product_attention` is wrapped, and put
+    back afterwards. `sink=None` records nothing."""
+
+    def __init__(self, sink: list[Any] | None) -> None:
+        self.sink = sink
+        self.patched: list[tuple[Any, Any]] = []
+
+    def __enter__(self) -> None:
+        if self.sink is None:
+            return
+        sink = self.sink
+        for name, module in list(sys.modules.items()):
+            original = getattr(module, "scaled_dot_product_attention", None) if name.startswith("mlx_lm.models.") else None
+            if original is None:
+                continue
+
+            def recording(queries: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+                sink.append(queries)
+                return _original(queries, *args, **kwargs)
+
+            self.patched.append((module, original))
+            module.scaled_dot_product_attention = recording
+
+    def __exit__(self, *exc: object) -> None:
+        for module, original in self.patched:
+            module.scaled_dot_product_attention = original
+        self.patched.clear()
 
 
 class Engine:
@@ -95,10 +135,13 @@ class Engine:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, tokens: list[int]) -> str:
+        return str(self.tokenizer.decode(self.check_tokens(tokens, "decode")))
+
+    def check_tokens(self, tokens: list[int], cmd: str = "inspect_attention") -> list[int]:
         bad = [t for t in tokens if t >= self.vocab_size]
         if bad:
-            raise CommandError("bad_field", f"decode: token id(s) {bad[:5]} outside the vocabulary of {self.vocab_size}")
-        return str(self.tokenizer.decode(tokens))
+            raise CommandError("bad_field", f"{cmd}: token id(s) {bad[:5]} outside the vocabulary of {self.vocab_size}")
+        return tokens
 
     def prompt_tokens(self, prompt: str) -> list[int]:
         # As mlx-lm's stream_generate: add special tokens unless the prompt already starts with BOS.
@@ -197,6 +240,46 @@ class Engine:
             "prompt_tps": len(tokens) / prompt_time if prompt_time > 0 else 0.0,
             "generation_tps": count / decode_time if decode_time > 0 else 0.0,
             **self._memory(),
+        }
+
+    # ---- attention ------------------------------------------------------------------------------
+
+    def inspect_attention(self, tokens: list[int], include_queries: bool) -> dict[str, Any]:
+        """Keys (after RoPE) of every layer from fresh caches after one forward pass of `tokens`, and
+        the queries recorded at each attention call when asked; arrays as base64 float32 LE."""
+        cache = make_prompt_cache(self.model)
+        queries: list[Any] = []
+        with _recording_queries(queries if include_queries else None):
+            self.model(mx.array(tokens)[None], cache=cache)
+        keys = []
+        for i, c in enumerate(cache):
+            # One chunk into empty KVCache / RotatingKVCache buffers: positions 0..offset-1 in order.
+            k = getattr(c, "keys", None)
+            if getattr(c, "offset", None) != len(tokens) or not isinstance(k, mx.array) or k.ndim != 4 or k.shape[2] < len(tokens):
+                raise CommandError("failed", f"inspect_attention: layer {i}'s cache ({type(c).__name__}) does not hold "
+                                   f"one key per token; this architecture is not supported")
+            keys.append(k[..., : len(tokens), :])
+        if include_queries and len(queries) != len(keys):
+            raise CommandError("failed", f"inspect_attention: {len(queries)} attention calls seen for {len(keys)} layers; "
+                               "this architecture's attention is not supported")
+        mx.eval(keys, queries)
+        layers = []
+        for i, k in enumerate(keys):
+            layer: dict[str, Any] = {"kv_heads": k.shape[1], "head_dim": k.shape[3], "keys": _b64(k), "query_heads": None, "queries": None}
+            if include_queries:
+                layer.update(query_heads=queries[i].shape[1], queries=_b64(queries[i]))
+            layers.append(layer)
+        return {
+            "architecture": self.model_type,
+            "num_layers": len(layers),
+            "num_kv_heads": layers[0]["kv_heads"],
+            "num_query_heads": int(_config_value(self.config, "num_attention_heads") or 0) if not include_queries
+            else layers[0]["query_heads"],
+            "head_dim": layers[0]["head_dim"],
+            "seq_len": len(tokens),
+            "token_ids": tokens,
+            "encoding": "base64-float32-le",
+            "layers": layers,
         }
 
     # ---- batches --------------------------------------------------------------------------------

@@ -11,7 +11,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+# Versions a client of this module can talk to: 2 added `inspect_attention` and changed nothing else,
+# so a version 1 worker serves every other command.
+COMPATIBLE_VERSIONS = (1, 2)
 MAX_LINE_BYTES = 16 * 1024 * 1024  # a line longer than this is refused unread (prompts are text, not tensors)
 
 REPLY_TYPES = ("hello", "progress", "token", "done", "result", "error")
@@ -206,6 +209,12 @@ COMMANDS: dict[str, dict[str, Field]] = {
     "info": {},
     "encode": {"text": Field(_str, required=True), "add_special_tokens": Field(_bool, default=True)},
     "decode": {"tokens": Field(_list_of(_at_least(_int, 0), "non-negative integers"), required=True)},
+    # Exactly one of prompt and tokens (checked by the worker).
+    "inspect_attention": {
+        "prompt": Field(_optional(_str)),
+        "tokens": Field(_optional(_nonempty(_list_of(_at_least(_int, 0), "non-negative integers")))),
+        "include_queries": Field(_bool, default=False),
+    },
     "cancel": {},
     "quit": {},
 }

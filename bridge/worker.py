@@ -60,6 +60,7 @@ class Worker:
             "chat": self.generate,
             "classify": self.classify,
             "batch_generate": self.batch_generate,
+            "inspect_attention": self.inspect_attention,
             "cancel": self.cancel,
         }
 
@@ -183,6 +184,15 @@ class Worker:
     def batch_generate(self, request: P.Request, seq: int) -> dict[str, Any]:
         results, metrics = self._engine().batch_generate(request.args["prompts"], request.args, lambda: self.control.stopped(seq))
         return P.result("batch_generate", request.id, results=results, **metrics)
+
+
+    def inspect_attention(self, request: P.Request, seq: int) -> dict[str, Any]:
+        engine = self._engine()
+        a = request.args
+        if (a["prompt"] is None) == (a["tokens"] is None):
+            raise P.CommandError("bad_field", "inspect_attention: give exactly one of prompt and tokens")
+        tokens = engine.prompt_tokens(a["prompt"]) if a["prompt"] is not None else engine.check_tokens(a["tokens"])
+        return P.result("inspect_attention", request.id, **engine.inspect_attention(tokens, a["include_queries"]))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,11 +55,12 @@ class WorkerProcess:
             t.start()
         try:
             hello = self.receive(startup_timeout, doing="starting")
-            if hello.get("type") != "hello" or hello.get("protocol") != P.PROTOCOL_VERSION:
+            if hello.get("type") != "hello" or hello.get("protocol") not in P.COMPATIBLE_VERSIONS:
                 raise WorkerError(
-                    f"the worker speaks protocol {hello.get('protocol')!r}, this client speaks {P.PROTOCOL_VERSION} "
-                    f"(first line: {str(hello)[:200]})"
+                    f"the worker speaks protocol {hello.get('protocol')!r}, this client speaks "
+                    f"{' or '.join(map(str, P.COMPATIBLE_VERSIONS))} (first line: {str(hello)[:200]})"
                 )
+            self.protocol: int = hello["protocol"]
         except BaseException:
             self.kill()
             raise

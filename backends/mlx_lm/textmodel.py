@@ -11,6 +11,7 @@ which each new call resets. Check `err()` after a stream ends to tell a finish f
 """
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import itertools
 import queue
@@ -19,10 +20,12 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from pymlxc.bridge import protocol as P
 from pymlxc.model import GenerationCancelled, ModelClosedError
 from pymlxc.options import GenerateConfig, LoadConfig, make_config
-from pymlxc.types import BatchResult, ClassifyResult, GenerateMetrics, Message, ModelInfo, Token
+from pymlxc.types import AttentionSnapshot, BatchResult, ClassifyResult, GenerateMetrics, Message, ModelInfo, Token
 
 from .errors import WorkerError, WorkerReplyError
 from .process import WorkerProcess
@@ -82,6 +85,35 @@ def _messages(messages: Sequence[Message | Mapping[str, str]]) -> list[dict[str,
             raise TypeError(f"message {i}: role and content must be strings")
         out.append({"role": d["role"], "content": d["content"]})
     return out
+
+
+def _heads(encoded: str, heads: int, seq_len: int, head_dim: int) -> list[np.ndarray]:
+    values = np.frombuffer(base64.b64decode(encoded), dtype="<f4").astype(np.float32)
+    if values.size != heads * seq_len * head_dim:
+        raise WorkerError(f"inspect_attention: {values.size} values for {heads} x {seq_len} x {head_dim}")
+    return list(values.reshape(heads, seq_len, head_dim))
+
+
+def _snapshot(reply: Mapping[str, Any]) -> AttentionSnapshot:
+    """The worker's inspect_attention reply (base64 float32 arrays per layer) as numpy arrays."""
+    if reply.get("encoding") != "base64-float32-le":
+        raise WorkerError(f"inspect_attention: unknown array encoding {reply.get('encoding')!r}")
+    seq_len, layers = int(reply["seq_len"]), reply["layers"]
+    keys = [_heads(layer["keys"], layer["kv_heads"], seq_len, layer["head_dim"]) for layer in layers]
+    queries = None
+    if layers and layers[0].get("queries") is not None:
+        queries = [_heads(layer["queries"], layer["query_heads"], seq_len, layer["head_dim"]) for layer in layers]
+    return AttentionSnapshot(
+        architecture=str(reply["architecture"]),
+        num_layers=int(reply["num_layers"]),
+        num_kv_heads=int(reply["num_kv_heads"]),
+        num_query_heads=int(reply["num_query_heads"]),
+        seq_len=seq_len,
+        head_dim=int(reply["head_dim"]),
+        keys=keys,
+        queries=queries,
+        token_ids=tuple(int(t) for t in reply["token_ids"]),
+    )
 
 
 class _Slot:
@@ -169,6 +201,8 @@ class MlxLmModel:
         self._model_type = str(first.get("model_type", "unknown"))
         self._info = ModelInfo(**first["info"])
         self.eos_token_ids: tuple[int, ...] = tuple(first.get("eos_token_ids", ()))
+        # The protocol version the workers announced (all run the same bridge): commands newer than it are refused here.
+        self.protocol = min(slot.worker.protocol for slot in self._slots if slot.worker is not None)
         for slot in self._slots:
             self._free.put(slot)
 
@@ -373,6 +407,22 @@ class MlxLmModel:
         ]
 
     # ---- extras -------------------------------------------------------------------------------------
+
+    def inspect_attention(self, prompt: str | Sequence[int], include_queries: bool = False) -> AttentionSnapshot:
+        """Keys (after RoPE) of every layer and KV head for `prompt` (text, encoded as `generate`
+        encodes it, or token ids), and every head's queries when asked, computed by mlx-lm."""
+        if isinstance(prompt, str):
+            args: dict[str, Any] = {"prompt": prompt}
+        else:
+            tokens = list(prompt)
+            if not tokens or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+                raise TypeError("prompt must be a string or a non-empty sequence of non-negative token ids")
+            args = {"tokens": tokens}
+        self._begin()
+        if self.protocol < 2:
+            raise WorkerError(f"the worker speaks protocol {self.protocol}; inspect_attention needs protocol 2")
+        reply, _ = self._call("inspect_attention", {**args, "include_queries": include_queries}, GenerateConfig())
+        return _snapshot(reply)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, by the model's tokenizer in the worker."""

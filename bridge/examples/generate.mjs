@@ -7,7 +7,7 @@ import { createInterface } from "node:readline";
 import { dirname, join } from "node:path";
 import { fileURLToPath } from "node:url";
 
-const PROTOCOL = 1;
+const PROTOCOLS = [1, 2]; // what this script uses (generate) is the same in both
 const [model, prompt = "Hello", maxTokens = "16"] = process.argv.slice(2);
 if (!model) {
   console.error("usage: node generate.mjs MODEL_DIR [PROMPT] [MAX_TOKENS]");
@@ -28,7 +28,7 @@ worker.on("exit", (code) => code !== 0 && fail(`worker exited with code ${code}`
 for await (const line of createInterface({ input: worker.stdout })) {
   const msg = JSON.parse(line);
   if (msg.type === "hello") {
-    if (msg.protocol !== PROTOCOL) fail(`worker speaks protocol ${msg.protocol}, this script ${PROTOCOL}`);
+    if (!PROTOCOLS.includes(msg.protocol)) fail(`worker speaks protocol ${msg.protocol}, this script ${PROTOCOLS.join(' or ')}`);
     send({ cmd: "load", id: "load", path: model });
   } else if (msg.type === "error") {
     fail(`${msg.cmd ?? "request"} failed: ${msg.message} [${msg.error}]`);

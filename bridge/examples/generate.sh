@@ -18,7 +18,8 @@ requests | "${PYTHON:-python3}" "$bridge_dir" | while IFS= read -r line; do
   case "$(jq -r .type <<<"$line")" in
     hello)
       protocol=$(jq .protocol <<<"$line")
-      [ "$protocol" = 1 ] || { echo "worker speaks protocol $protocol, this script 1" >&2; exit 1; } ;;
+      # generate is the same in versions 1 and 2
+      [ "$protocol" = 1 ] || [ "$protocol" = 2 ] || { echo "worker speaks protocol $protocol, this script 1 or 2" >&2; exit 1; } ;;
     error)
       jq -r '"\(.cmd // "request") failed: \(.message) [\(.error)]"' <<<"$line" >&2
       exit 1 ;;

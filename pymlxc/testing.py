@@ -435,12 +435,13 @@ def _gemma4_weights(config: Mapping[str, Any], arch: str, w: dict[str, np.ndarra
         kvh = config["num_global_key_value_heads"] or kv_heads if k_eq_v else kv_heads
         w[p + "self_attn.q_proj.weight"] = linear(heads * hd, hidden)
         w[p + "self_attn.o_proj.weight"] = linear(hidden, heads * hd)
-        w[p + "self_attn.q_norm.weight"] = norm(hd)
+        # The attention scale is 1: q/k norm weights near hd^-1/4 keep the scores O(1), as trained ones do.
+        w[p + "self_attn.q_norm.weight"] = norm(hd) * hd**-0.25
         if i < first_shared:
             w[p + "self_attn.k_proj.weight"] = linear(kvh * hd, hidden)
             if not k_eq_v:
                 w[p + "self_attn.v_proj.weight"] = linear(kvh * hd, hidden)
-            w[p + "self_attn.k_norm.weight"] = norm(hd)
+            w[p + "self_attn.k_norm.weight"] = norm(hd) * hd**-0.25
         width = inter * (2 if config["use_double_wide_mlp"] and i >= first_shared > 0 else 1)
         w[p + "mlp.gate_proj.weight"] = linear(width, hidden)
         w[p + "mlp.up_proj.weight"] = linear(width, hidden)

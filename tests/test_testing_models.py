@@ -62,7 +62,7 @@ def test_autotokenizer_loads_and_matches_config(model_dirs: dict, arch: str) -> 
     assert tok.chat_template is not None
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if not a.endswith("moe") and not a.startswith("gemma4")])
 def test_weights_have_the_checkpoint_names_and_shapes(model_dirs: dict, arch: str) -> None:
     weights = load_file(str(model_dirs[(arch, None)] / "model.safetensors"))
     prefix = "language_model." if arch == "gemma3" else ""

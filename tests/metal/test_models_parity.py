@@ -161,17 +161,25 @@ def test_rope_scaling_matches_mlx_lm(models, arch: str, scaling: dict[str, Any])
     np.testing.assert_allclose(np.stack(la), np.stack(lb), atol=1e-4, rtol=0)
 
 
-def test_gemma2_sliding_window_layers(models) -> None:
-    """mlx-lm's Gemma 2 attends globally in every layer; HF's even layers look back only
-    `sliding_window` tokens. The reference runs mlx-lm's own blocks with HF's per-layer masks."""
-    ours, ref = models("gemma2", extra_config={"sliding_window": 8})
+@pytest.mark.parametrize("arch", ["gemma2", "mistral"])
+def test_sliding_window_layers_beyond_the_window(models, arch: str) -> None:
+    """mlx-lm's Gemma 2 and Mistral attend globally in every layer; HF's Gemma 2 looks back only
+    `sliding_window` tokens in even layers, Mistral in all. The reference runs mlx-lm's own blocks
+    with HF's per-layer masks."""
+    ours, ref = models(arch, extra_config={"sliding_window": 8})
     ids = prompt_ids(20, seed=4)
     inner = ref.model
-    h = inner.embed_tokens(mlx.array(ids)) * (ref.args.hidden_size**0.5)
+    h = inner.embed_tokens(mlx.array(ids))
+    if arch == "gemma2":
+        h = h * (ref.args.hidden_size**0.5)
     for i, layer in enumerate(inner.layers):
-        h = layer(h, mlx_cache.create_causal_mask(20, 0, window_size=8 if i % 2 == 0 else None), None)
-    expected = inner.embed_tokens.as_linear(inner.norm(h))
-    expected = np.array(mlx.tanh(expected / 30.0) * 30.0)
+        window = 8 if arch == "mistral" or i % 2 == 0 else None
+        h = layer(h, mlx_cache.create_causal_mask(20, 0, window_size=window), None)
+    h = inner.norm(h)
+    if arch == "gemma2":
+        expected = np.array(mlx.tanh(inner.embed_tokens.as_linear(h) / 30.0) * 30.0)
+    else:
+        expected = np.array(ref.lm_head(h))
     np.testing.assert_allclose(np.asarray(ours.model(mx.array(ids))), expected, atol=1e-4, rtol=0)
     # Decoding through the window-sized rotating caches gives the same logits as the full forward.
     la, _, toks, _ = run_both(ours, _NoRef(), ids[:, :6], context_len=None, chunk=None, steps=14)

@@ -172,9 +172,10 @@ class PromptCache:
             return None
         wanted = np.asarray(prompt[:limit], dtype=np.int64)
         with self._lock:
-            candidates = sorted(((_common_prefix(e.tokens, wanted), key) for key, e in self._entries.items()),
-                                reverse=True)
-            for n, key in candidates:
+            # Longest first; among equals the most recently used (later in the order).
+            candidates = sorted(((_common_prefix(e.tokens, wanted), rank, key)
+                                 for rank, (key, e) in enumerate(self._entries.items())), reverse=True)
+            for n, _, key in candidates:
                 if n == 0:
                     break
                 restored = restore(self._entries[key].caches, n)

@@ -1,0 +1,341 @@
+"""The prompt cache of the metal backend: generation with a restored cache gives exactly the tokens of a
+full prefill (plain caches, sliding-window layers, a context bound), hits skip the prefix's prefill,
+the LRU bounds, files round-trip and files of other models are refused.
+
+The rotating-cache property test states what `RotatingKVCache.prefix` promises: without sinks, a
+restored state followed by any chunks shows every query exactly its window; with sinks, the same as
+a cache that saw the prefix in one chunk; and the source cache is never changed.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pymlxc
+import pymlxc.core as mx
+from pymlxc.backends.metal import generate as loops
+from pymlxc.backends.metal.cache import RotatingKVCache
+from pymlxc.backends.metal.prompt_cache import PromptCache, PromptCacheError
+from pymlxc.backends.metal.sample import make_sampler
+from pymlxc.testing import write_tiny_model
+
+CTX = 24  # the context bound of the "llama_ctx" case: shorter than the prompts
+WINDOW = 8  # gemma3's sliding window in these tests
+PREFIX = ("Once upon a time there was a small town by the river, and in that town lived a baker who woke "
+          "before the sun every morning")
+REST = " and baked bread, cakes and little pastries for the whole street"
+OTHER = " and counted the coins in her drawer before she locked the door"
+GREEDY = make_sampler(0.0, 0, 0.0, 0.0)
+
+
+# ---------------------------------------------------------------------- RotatingKVCache.prefix
+
+def _feed(cache: RotatingKVCache, start: int, n: int, window: int | None) -> list[set[int]]:
+    """Feed positions start..start+n-1 (keys hold their position); what each query may attend to."""
+    pos = np.arange(start, start + n, dtype=np.float32)[None, None, :, None]
+    mask = cache.make_mask(n, window)
+    keys, _ = cache.update_and_fetch(mx.array(pos), mx.array(-pos))
+    held = np.rint(np.asarray(keys)[0, 0, :, 0]).astype(int)
+    s = len(held)
+    if mask is None:
+        allowed = np.ones((n, s), bool)
+    elif isinstance(mask, str):
+        allowed = np.arange(s)[None, :] <= np.arange(s - n, s)[:, None]
+    else:
+        allowed = np.broadcast_to(np.asarray(mask).reshape(-1, s), (n, s))
+    return [set(held[allowed[i]].tolist()) for i in range(n)]
+
+
+def _run(cache: RotatingKVCache, start: int, chunks: list[int], window: int | None) -> list[set[int]]:
+    seen = []
+    for n in chunks:
+        seen += _feed(cache, start, n, window)
+        start += n
+    return seen
+
+
+chunk_lists = st.lists(st.integers(1, 12), min_size=1, max_size=5)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(max_size=st.integers(2, 10), keep=st.sampled_from([0, 2]), first=chunk_lists, then=chunk_lists, data=st.data())
+def test_rotating_prefix_restores_a_state_later_chunks_cannot_tell_apart(max_size: int, keep: int, first: list[int],
+                                                                        then: list[int], data: Any) -> None:
+    keep = min(keep, max_size - 1)
+    window = max_size if keep == 0 else None  # a sliding layer (no sinks), or a context-bounded one
+    source = RotatingKVCache(max_size, keep)
+    _run(source, 0, first, window)
+    p = source.offset
+    before = [np.asarray(a).copy() for a in source.state]
+    assert keep or source.prefix(p) is not None  # without sinks the current state can always be taken
+    n = data.draw(st.integers(1, p))
+    restored = source.prefix(n)
+    if source._idx == p and n <= max_size:  # nothing evicted yet: every prefix is there
+        assert restored is not None
+    if restored is None:
+        return
+    assert restored.offset == n
+    got = _run(restored, n, then, window)
+    if keep == 0:  # exactly the window, however the tokens were chunked
+        q = np.arange(n, n + sum(then))
+        assert got == [set(range(max(0, x - max_size + 1), x + 1)) for x in q]
+    else:  # as after the prefix in one chunk
+        reference = RotatingKVCache(max_size, keep)
+        _run(reference, 0, [n], window)
+        assert got == _run(reference, n, then, window)
+    assert all(np.array_equal(a, b) for a, b in zip(before, (np.asarray(x) for x in source.state)))
+
+
+# ---------------------------------------------------------------------- models
+
+CASES: dict[str, tuple[str, dict[str, Any], int]] = {
+    # name: (architecture, extra config, context_len)
+    "llama": ("llama", {}, 131072),
+    "gemma3": ("gemma3_text", {"sliding_window": WINDOW}, 131072),
+    "llama_ctx": ("llama", {}, CTX),
+}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("prompt-cache")
+    return {
+        "llama": write_tiny_model(root / "llama", "llama", seed=3),
+        "gemma3": write_tiny_model(root / "gemma3", "gemma3_text", seed=3, extra_config={"sliding_window": WINDOW}),
+        "llama_other": write_tiny_model(root / "llama-other", "llama", seed=4),
+        "qwen3": write_tiny_model(root / "qwen3", "qwen3", seed=3),
+    }
+
+
+@pytest.fixture(scope="module")
+def models(dirs: dict[str, Path]):
+    """Per case: (a model with the prompt cache, the same model without it)."""
+    opened: dict[str, Any] = {}
+
+    def get(case: str) -> tuple[Any, Any]:
+        if case not in opened:
+            path = str(dirs["gemma3" if case == "gemma3" else "llama"])
+            ctx = CASES[case][2]
+            opened[case] = (pymlxc.load_model(path, backend="metal", context_len=ctx),
+                            pymlxc.load_model(path, backend="metal", context_len=ctx, prompt_cache_entries=0))
+        cached, plain = opened[case]
+        cached.prompt_cache.clear()
+        return cached, plain
+
+    yield get
+    for pair in opened.values():
+        for m in pair:
+            m.close()
+
+
+def ids(stream) -> list[int]:
+    return [t.id for t in stream]
+
+
+def test_the_prompts_cross_the_window_and_the_context_bound(models) -> None:
+    m, _ = models("llama")
+    prefix = m.encode(PREFIX)
+    assert WINDOW < len(prefix) and CTX < len(prefix)
+    assert m.encode(PREFIX + REST)[: len(prefix)] == prefix  # REST starts a new word: the tokens add up
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_restoring_a_generation_state_gives_the_tokens_of_a_full_prefill(models, case: str) -> None:
+    """The state a generation leaves (prompt + generated tokens, decode steps included) restored
+    for a prompt that continues it; a rotating cache that cannot go back is a miss."""
+    m, _ = models(case)
+    net, ctx = m.model, CASES[case][2]
+    prompt = m.encode(PREFIX)
+    cache, sampled = net.make_cache(ctx), []
+    list(loops.generate_ids(net, prompt, cache=cache, sampler=GREEDY, max_tokens=12, sampled_ids=sampled))
+    seen = (prompt + sampled)[: cache[0].offset]
+    store = PromptCache()
+    assert store.store(seen, cache)
+    for full in (seen + m.encode(REST), prompt[:20] + m.encode(OTHER)):
+        reference = list(loops.generate_ids(net, full, cache=net.make_cache(ctx), sampler=GREEDY, max_tokens=12))
+        found = store.lookup(full, len(full) - 1)
+        common = 20 if full[20] != seen[20] else len(seen)
+        if case == "llama":  # plain caches trim to any prefix
+            assert found is not None and found[1] == common
+        elif case == "gemma3":  # the sliding layers hold the last window only: only the end comes back
+            assert (found is not None) == (common == len(seen))
+        else:  # the context bound evicted with sinks: never restored past the bound
+            assert found is None
+        restored, cached = found if found is not None else (net.make_cache(ctx), 0)
+        got = list(loops.generate_ids(net, full, cache=restored, cached=cached, sampler=GREEDY, max_tokens=12))
+        assert got == reference
+    assert store.entries()[0][0] == len(seen)  # restoring never changed the entry
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_warm_prefix_gives_the_tokens_of_generation_without_the_cache(models, case: str) -> None:
+    m, plain = models(case)
+    short = PREFIX.split(" by the river")[0]  # fewer tokens than the context bound
+    assert len(m.encode(short)) < CTX
+    for prefix in (PREFIX, short):
+        m.prompt_cache.clear()
+        n = m.warm_prompt_cache(prefix)
+        assert n == len(m.encode(prefix))
+        for rest in (REST, OTHER):
+            got = ids(m.generate(prefix + rest, max_tokens=16))
+            assert m.err() is None
+            assert got == ids(plain.generate(prefix + rest, max_tokens=16))
+            metrics = m.metrics()
+            restorable = case != "llama_ctx" or n <= CTX
+            assert metrics.prompt_cache_hits == (1 if restorable else 0)
+            assert metrics.prompt_cache_misses == (0 if restorable else 1)
+            assert metrics.prompt_cache_hit_tokens >= (n if restorable else 0)
+
+
+def test_chat_reuses_the_conversation_so_far(models) -> None:
+    m, plain = models("llama")
+    history = [{"role": "system", "content": PREFIX}, {"role": "user", "content": "What is two plus two?"}]
+    assert m.warm_prompt_cache(history[:1]) > 0
+    first = list(m.chat(history, max_tokens=10))
+    assert m.metrics().prompt_cache_hits == 1
+    assert [t.id for t in first] == ids(plain.chat(history, max_tokens=10))
+    follow = history + [{"role": "assistant", "content": "".join(t.text for t in first)},
+                        {"role": "user", "content": "And three plus three?"}]
+    assert ids(m.chat(follow, max_tokens=10)) == ids(plain.chat(follow, max_tokens=10))
+    assert m.metrics().prompt_cache_hit_tokens > len(m.encode(PREFIX))
+
+
+class CountingModel:
+    """The model, counting the tokens of multi-token forward passes (prefill chunks)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.prefilled = inner, 0
+
+    def __call__(self, inputs: Any, cache: Any = None, mask: Any = None) -> Any:
+        if inputs.shape[1] > 1:
+            self.prefilled += inputs.shape[1]
+        return self.inner(inputs, cache=cache, mask=mask)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_hit_skips_the_prefill_of_the_prefix(models) -> None:
+    m, _ = models("llama")
+    counting = CountingModel(m.model)
+    m._model = counting
+    try:
+        prefix, prompt = m.encode(PREFIX), m.encode(PREFIX + REST)
+        list(m.generate(PREFIX + REST, max_tokens=4))
+        miss = m.metrics()
+        assert (miss.prompt_cache_misses, miss.prompt_cache_hit_tokens) == (1, 0)
+        assert counting.prefilled == len(prompt) - 1  # the last token is the first decode step's input
+        m.prompt_cache.clear()
+        counting.prefilled = 0
+        m.warm_prompt_cache(PREFIX)
+        assert counting.prefilled == len(prefix)
+        counting.prefilled = 0
+        list(m.generate(PREFIX + REST, max_tokens=4))
+        hit = m.metrics()
+        assert (hit.prompt_cache_hits, hit.prompt_cache_hit_tokens) == (1, len(prefix))
+        assert counting.prefilled == len(prompt) - 1 - len(prefix)
+        assert hit.prompt_tokens == len(prompt) and hit.prompt_cache_restore_duration > 0
+    finally:
+        m._model = counting.inner
+
+
+def test_lru_eviction_by_entries_and_bytes(models) -> None:
+    m, _ = models("llama")
+    cache = m.prompt_cache
+    prompts = {name: f"{name} {PREFIX}" for name in ("Alpha", "Bravo", "Charlie")}
+
+    def hit_tokens(name: str) -> int:
+        list(m.generate(prompts[name], max_tokens=4))
+        return m.metrics().prompt_cache_hit_tokens
+
+    full = {name: len(m.encode(p)) - 1 for name, p in prompts.items()}
+    try:
+        cache.resize(2, 1 << 30)
+        for name in ("Alpha", "Bravo", "Alpha", "Charlie"):  # Alpha used again: Bravo is the least recent
+            hit_tokens(name)
+        assert len(cache) == 2
+        assert hit_tokens("Alpha") == full["Alpha"]
+        assert hit_tokens("Charlie") == full["Charlie"]
+        assert hit_tokens("Bravo") < full["Bravo"]  # evicted: at most the shared first token
+        one = max(b for _, b in cache.entries())
+        cache.resize(8, one + one // 2)  # bytes for one entry: the older ones go now
+        assert len(cache) == 1 and cache.nbytes <= one + one // 2
+        assert hit_tokens("Bravo") == full["Bravo"]
+        cache.resize(8, one - 1)  # nothing fits: nothing is kept
+        hit_tokens("Alpha")
+        assert len(cache) == 0
+    finally:
+        cache.resize(8, 2 << 30)
+
+
+@pytest.mark.parametrize("case", ["llama", "gemma3"])
+def test_abandoned_and_stopped_streams_leave_usable_entries(models, case: str) -> None:
+    m, plain = models(case)
+    expected = ids(plain.generate(PREFIX, max_tokens=20))
+    stream = m.generate(PREFIX, max_tokens=20)
+    assert [next(stream).id for _ in range(3)] == expected[:3]
+    stream.close()
+    assert ids(m.generate(PREFIX, max_tokens=20)) == expected
+    # The entry went past the prompt; sliding-window layers cannot go back to its end.
+    assert m.metrics().prompt_cache_hits == (case == "llama")
+    stop = expected[6]
+    cut = expected[: expected.index(stop)]
+    assert ids(m.generate(PREFIX, max_tokens=20, stop_tokens=[stop])) == cut
+    assert ids(m.generate(PREFIX + REST, max_tokens=20)) == ids(plain.generate(PREFIX + REST, max_tokens=20))
+
+
+def test_off_and_changed_weights(models, dirs) -> None:
+    _, plain = models("llama")
+    assert plain.warm_prompt_cache(PREFIX) == 0
+    list(plain.generate(PREFIX, max_tokens=2))
+    metrics = plain.metrics()
+    assert (metrics.prompt_cache_hits, metrics.prompt_cache_misses, len(plain.prompt_cache)) == (0, 0, 0)
+    with pymlxc.load_model(str(dirs["llama"]), backend="metal") as m:
+        m.warm_prompt_cache(PREFIX)
+        m.apply_lora()  # other weights (even with B = 0): the entries are dropped
+        list(m.generate(PREFIX + REST, max_tokens=2))
+        assert m.metrics().prompt_cache_misses == 1
+
+
+def test_save_and_load_round_trip(models, dirs, tmp_path: Path) -> None:
+    m, plain = models("gemma3")
+    m.warm_prompt_cache(PREFIX)
+    list(m.generate(PREFIX + OTHER, max_tokens=8))
+    file = tmp_path / "cache.safetensors"
+    assert m.save_prompt_cache(file) == len(m.prompt_cache) == 2
+    _, metadata = mx.load_safetensors(str(file))
+    assert metadata["model_type"] == "gemma3_text" and len(metadata["fingerprint"]) == 64
+    saved = json.loads(metadata["entries"])
+    assert [len(e["tokens"]) for e in saved] == [n for n, _ in m.prompt_cache.entries()]
+    assert saved[0]["tokens"] == m.encode(PREFIX)
+    with pymlxc.load_model(str(dirs["gemma3"]), backend="metal") as fresh:
+        assert fresh.load_prompt_cache(file) == 2
+        assert fresh.prompt_cache.entries() == m.prompt_cache.entries()
+        assert ids(fresh.generate(PREFIX + REST, max_tokens=12)) == ids(plain.generate(PREFIX + REST, max_tokens=12))
+        assert fresh.metrics().prompt_cache_hit_tokens == len(m.encode(PREFIX))
+
+
+def test_a_file_of_another_model_is_refused(models, dirs, tmp_path: Path) -> None:
+    m, _ = models("llama")
+    m.warm_prompt_cache(PREFIX)
+    file = tmp_path / "llama.safetensors"
+    m.save_prompt_cache(file)
+    refusals = [("qwen3", {}, "made by a 'llama' model; this model is 'qwen3'"),
+                ("llama_other", {}, "another llama model"),
+                ("llama", {"context_len": CTX}, "context_len")]
+    for name, options, message in refusals:
+        with pymlxc.load_model(str(dirs[name]), backend="metal", **options) as other:
+            other.warm_prompt_cache("hello")
+            before = other.prompt_cache.entries()
+            with pytest.raises(PromptCacheError, match=message):
+                other.load_prompt_cache(file)
+            assert other.prompt_cache.entries() == before
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(PromptCacheError, match="cannot read"):
+        m.load_prompt_cache(tmp_path / "junk.safetensors")

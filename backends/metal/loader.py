@@ -117,8 +117,24 @@ def _quantization_of(config: Mapping[str, Any], file: Path) -> dict[str, Any] | 
 # ---------------------------------------------------------------------- weights
 
 def weight_files(root: Path) -> list[Path]:
-    """The checkpoint's safetensors shards (LoRA adapter files excluded)."""
-    files = sorted(p for p in root.glob("*.safetensors") if p.name not in _ADAPTER_FILES)
+    """The checkpoint's safetensors shards: those that `model.safetensors.index.json` lists, else
+    `model*.safetensors`, else every `*.safetensors` but LoRA adapter files. (Repositories such as
+    Mistral's also hold the same weights in another layout, `consolidated.safetensors`.)"""
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise WeightsFileError(f"{index}: not a safetensors index (no 'weight_map' of tensor -> file): {exc}") from exc
+        files = [root / n for n in names]
+        for f in files:
+            if not f.is_file():
+                raise WeightsFileError(f"weights file {f} listed in {index} is missing")
+        return files
+    files = sorted(root.glob("model*.safetensors"))
+    if not files:
+        files = sorted(p for p in root.glob("*.safetensors") if p.name not in _ADAPTER_FILES)
     if not files:
         raise FileNotFoundError(f"no *.safetensors weight files in {root}")
     return files

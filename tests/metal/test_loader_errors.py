@@ -103,6 +103,26 @@ def test_no_weight_files(tiny: Path) -> None:
         load_weights_and_config(tiny)
 
 
+def test_shards_from_index_and_other_layouts_ignored(tiny: Path) -> None:
+    """Sharded checkpoints load through their index; a second copy of the weights in another
+    layout (Mistral's consolidated.safetensors) is not read; a listed shard that is gone is named."""
+    weights = load_file(str(tiny / "model.safetensors"))
+    (tiny / "model.safetensors").unlink()
+    names = sorted(weights)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    for file, keys in shards.items():
+        save_file({k: weights[k] for k in keys}, str(tiny / file))
+    index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
+    (tiny / "model.safetensors.index.json").write_text(json.dumps(index))
+    save_file({"tok_embeddings.weight": np.zeros((2, 2), np.float32)}, str(tiny / "consolidated.safetensors"))
+    with load_weights_and_config(tiny) as loaded:
+        assert loaded.num_tensors == len(names)
+    (tiny / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(WeightsFileError, match=r"model-00002-of-00002\.safetensors"):
+        load_weights_and_config(tiny)
+
+
 def test_unsupported_quantization_method(tiny: Path) -> None:
     _edit_config(tiny, quantization_config={"quant_method": "gptq", "desc_act": False})
     with pytest.raises(ConfigError, match="gptq"):

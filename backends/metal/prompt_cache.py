@@ -185,11 +185,13 @@ class PromptCache:
         return None
 
     def store(self, tokens: Sequence[int], caches: Sequence[Any]) -> bool:
-        """Keep `caches`, which have seen exactly `tokens` (the caller gives up the caches). An entry
-        that the new one can stand in for (its tokens are a prefix of the new ones and the new caches
-        restore to its length) is dropped; a new entry that an old one can stand in for is not kept.
-        False when nothing was kept."""
+        """Keep `caches`, which have seen exactly `tokens` (the caller gives up the caches), if they
+        can be restored at their full length. An entry that the new one can stand in for (its tokens
+        are a prefix of the new ones and the new caches restore to its length) is dropped; a new entry
+        that an old one can stand in for is not kept. False when nothing was kept."""
         if not self.enabled or not tokens or consistent_offset(caches) != len(tokens):
+            return False
+        if restore(caches, len(tokens)) is None:  # e.g. past a context bound with sinks: no use later
             return False
         entry = Entry(np.asarray(tokens, dtype=np.int32), list(caches), _nbytes(caches))
         if entry.nbytes > self.max_bytes:

@@ -156,7 +156,8 @@ def test_restoring_a_generation_state_gives_the_tokens_of_a_full_prefill(models,
     list(loops.generate_ids(net, prompt, cache=cache, sampler=GREEDY, max_tokens=12, sampled_ids=sampled))
     seen = (prompt + sampled)[: cache[0].offset]
     store = PromptCache()
-    assert store.store(seen, cache)
+    # Past the context bound with sinks nothing can come back: such a state is not even kept.
+    assert store.store(seen, cache) == (case != "llama_ctx")
     for full in (seen + m.encode(REST), prompt[:20] + m.encode(OTHER)):
         reference = list(loops.generate_ids(net, full, cache=net.make_cache(ctx), sampler=GREEDY, max_tokens=12))
         found = store.lookup(full, len(full) - 1)
@@ -165,12 +166,12 @@ def test_restoring_a_generation_state_gives_the_tokens_of_a_full_prefill(models,
             assert found is not None and found[1] == common
         elif case == "gemma3":  # the sliding layers hold the last window only: only the end comes back
             assert (found is not None) == (common == len(seen))
-        else:  # the context bound evicted with sinks: never restored past the bound
+        else:
             assert found is None
         restored, cached = found if found is not None else (net.make_cache(ctx), 0)
         got = list(loops.generate_ids(net, full, cache=restored, cached=cached, sampler=GREEDY, max_tokens=12))
         assert got == reference
-    assert store.entries()[0][0] == len(seen)  # restoring never changed the entry
+    assert [n for n, _ in store.entries()] == ([len(seen)] if case != "llama_ctx" else [])  # entries unchanged
 
 
 @pytest.mark.parametrize("case", list(CASES))

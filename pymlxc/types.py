@@ -73,6 +73,8 @@ class AttentionSnapshot:
     `keys[layer][kv_head]` is a float32 numpy array (seq_len, head_dim) of that head's keys after
     RoPE (and after any per-head norm), exactly what the KV cache holds; `queries[layer][head]` the
     same for each query head (after RoPE, before the attention scale), when they were asked for.
+    The head counts and `head_dim` are layer 0's; an architecture that varies them by layer shows
+    it in the arrays' shapes.
     """
 
     architecture: str

@@ -22,6 +22,7 @@ from pymlxc.types import AttentionSnapshot, BatchResult, ClassifyResult, Generat
 
 from . import generate as loops
 from . import prompt_cache as pcache
+from .compiled import CompiledDecoder, compile_enabled
 from .sample import Sampler, make_logits_processors, make_sampler
 from .training import TrainableMixin
 
@@ -106,6 +107,10 @@ class MetalTextModel(TrainableMixin):
         if release is not None:
             self._resources.callback(release)
         self._resources.callback(self._prompt_cache.clear)
+        # The compiled decode step (see compiled.py), used where it applies unless PYMLXC_COMPILE=0.
+        self._decoder = CompiledDecoder(model)
+        self._resources.callback(self._decoder.close)
+        self.compiled_decode = True
 
     # ------------------------------------------------------------------ facts
     @property
@@ -434,7 +439,8 @@ class MetalTextModel(TrainableMixin):
                     model, ids, cache=cache, cached=cached, sampled_ids=sampled,
                     sampler=self._sampler(options), processors=make_logits_processors(options.repeat_penalty),
                     max_tokens=options.max_tokens,
-                    stop_ids=self._stop_ids | frozenset(options.stop_tokens), guard=guard, timings=timings)
+                    stop_ids=self._stop_ids | frozenset(options.stop_tokens), guard=guard, timings=timings,
+                    decoder=self._decoder if self.compiled_decode and compile_enabled() else None)
                 try:
                     yield from _tokens(id_stream, self._tokenizer.detokenizer())
                 finally:

@@ -37,7 +37,12 @@ def tree_flatten(tree: Any) -> tuple[list[Array], TreeDef]:
             return None
         raise TypeError(f"transforms take arrays and (nested) dicts, lists or tuples of arrays, not {type(node).__name__}")
 
-    return leaves, walk(tree)
+    try:
+        return leaves, walk(tree)
+    finally:
+        # `walk` reaches itself through its closure: without this the cycle would keep `leaves`
+        # (the caller's arrays) alive until a garbage collection.
+        del walk
 
 
 def tree_unflatten(leaves: Sequence[Array], treedef: TreeDef) -> Any:
@@ -52,7 +57,10 @@ def tree_unflatten(leaves: Sequence[Array], treedef: TreeDef) -> Any:
         seq = [build(v) for v in items]
         return seq if kind == "list" else tuple(seq)
 
-    return build(treedef)
+    try:
+        return build(treedef)
+    finally:
+        del build  # a self-referencing closure, as in tree_flatten
 
 
 # ---------------------------------------------------------------------- closures
@@ -147,6 +155,7 @@ class Compiled:
         self.fn = fn
         self.shapeless = shapeless
         self._by_structure: dict[Any, tuple[_Closure, list[TreeDef], int]] = {}
+        self._flat: dict[int, _Closure] = {}
 
     def _compiled_for(self, in_def: TreeDef) -> tuple[_Closure, list[TreeDef], int]:
         key = repr(in_def)
@@ -168,11 +177,21 @@ class Compiled:
         out = closure.apply(leaves)
         return tree_unflatten(out, out_defs[0])
 
+    def call_flat(self, inputs: Sequence[Array]) -> list[Array]:
+        """Call with one flat list of arrays (the function takes and returns a list of arrays):
+        no tree handling, for callers that replay a compiled step many times."""
+        n = len(inputs)
+        entry = self._flat.get(n)
+        if entry is None:
+            entry = self._flat[n] = self._compiled_for(("tuple", (("list", (None,) * n),)))[0]
+        return entry.apply(inputs)
+
     def clear(self) -> None:
         """Drop the compiled graphs (MLX's cache entries included)."""
         for _, _, fun_id in self._by_structure.values():
             lib.mlx_detail_compile_erase(fun_id)
         self._by_structure.clear()
+        self._flat.clear()
 
     def __del__(self) -> None:
         try:

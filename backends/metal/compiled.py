@@ -1,0 +1,515 @@
+"""The compiled decode path: one traced graph per model serves every token of a generation.
+
+The uncompiled loop (`generate.make_step`) rebuilds the whole forward pass in Python for each
+token: a few hundred binding calls per token, which on a fast device costs more than the device
+work of a small model. Here the per-token forward, the KV-cache writes and greedy sampling are
+traced once with `mx.compile` and replayed by MLX in C++; Python only hands the previous step's
+outputs to the next step.
+
+Shapes must not change from token to token for one trace to serve, so decoding runs on
+fixed-size buffers instead of growing caches:
+
+* every layer's keys and values live in a ring of `R` slots, position `p` in slot `p % R`; a
+  full-attention layer has `R >= prompt + max_tokens` (it never wraps: slot = position), a
+  sliding-window layer keeps `R = window` slots (mlx-lm's rotating cache holds the same tokens);
+* the position is an input array (`pos`), used for RoPE (`fast.rope` with an array offset), for
+  the slot written (`slice_update_dynamic`) and for an additive mask over the slots (a slot is
+  visible when it holds a position <= pos inside the layer's window);
+* the weights are inputs as well, not constants captured by the trace: the compiled graph then
+  holds no weight, a LoRA adapter or an update is picked up without a retrace, and closing a
+  model frees its memory whatever MLX's (per-thread) compile cache still holds.
+
+Prefill stays uncompiled (a few large chunks: the binding's overhead is amortized there) and
+writes into a `KVCache` whose first allocation is already the decode size (`reserve`), so the
+buffer passes to the decode without a copy. When decoding ends, the caches get the rings back
+in their own layout, so a caller that keeps the caches (a prompt cache) sees every token.
+
+`CompiledDecoder.start` says None where this path does not apply (batches, explicit masks,
+unknown cache types, a context-bounded cache that would evict, a model whose forward cannot be
+traced); the caller then uses the uncompiled loop, which gives the same tokens.
+`PYMLXC_COMPILE=0` turns the compiled path off.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import pymlxc.core as mx
+from pymlxc.core import Array
+
+from .cache import KVCache, RotatingKVCache
+from .nn import Module
+from .sample import DEFAULT_PENALTY_CONTEXT, LogitsProcessor, Sampler, apply_processors, greedy
+
+log = logging.getLogger(__name__)
+
+ENV_VAR = "PYMLXC_COMPILE"
+BUFFER_STEP = 256  # decode buffers are sized in steps of this many tokens (mlx-lm's cache step)
+
+
+def compile_enabled() -> bool:
+    """False when the environment says PYMLXC_COMPILE=0 (or false/no/off)."""
+    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def decode_capacity(prompt_len: int, max_tokens: int) -> int:
+    """Slots a full-attention layer needs for a generation, rounded up to BUFFER_STEP."""
+    need = max(prompt_len + max_tokens, 1)
+    return -(-need // BUFFER_STEP) * BUFFER_STEP
+
+
+def reserve(cache: Sequence[Any], capacity: int) -> None:
+    """Make each empty `KVCache` allocate `capacity` slots at its first update, so that prefill
+    writes straight into the buffer that decoding will use (no copy, no regrowth)."""
+    for c in cache:
+        if type(c) is KVCache and c.keys is None:
+            c.step = max(capacity, KVCache.step)
+
+
+# ---------------------------------------------------------------------- the module tree as inputs
+
+def _arrays_of(model: Module) -> list[Array]:
+    """Every Array the module tree holds (parameters and private constants), each once, in a fixed
+    order for a given tree structure. (Iterative: recursive closures would make reference cycles
+    that keep the weights alive until a garbage collection.)"""
+    out: list[Array] = []
+    seen: set[int] = set()
+    stack: list[Any] = [model]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, Array):
+            if id(value) not in seen:
+                seen.add(id(value))
+                out.append(value)
+        elif isinstance(value, Module):
+            if id(value) not in seen:
+                seen.add(id(value))
+                stack.extend(reversed(list(vars(value).values())))
+        elif isinstance(value, (list, tuple)):
+            stack.extend(reversed(value))
+        elif isinstance(value, dict):
+            stack.extend(reversed(list(value.values())))
+    return out
+
+
+def _structure(model: Module, arrays: Sequence[Array]) -> tuple[Any, ...]:
+    """What a trace depends on besides shapes: the module classes, in tree order (an attached or
+    fused LoRA adapter changes it), and how many arrays there are."""
+    classes = tuple(type(m).__qualname__ for _, m in model.named_modules())
+    return classes, len(arrays)
+
+
+class _Cloner:
+    """Copies a module tree with its Arrays replaced by `substitute[id(array)]`; the model itself
+    is untouched (another thread may be running it). Shared modules stay shared."""
+
+    def __init__(self, substitute: dict[int, Array]) -> None:
+        self.substitute = substitute
+        self.memo: dict[int, Module] = {}
+
+    def swap(self, value: Any) -> Any:
+        if isinstance(value, Array):
+            return self.substitute.get(id(value), value)
+        if isinstance(value, Module):
+            return self.clone(value)
+        if isinstance(value, list):
+            return [self.swap(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(self.swap(v) for v in value)
+        if isinstance(value, dict) and any(isinstance(v, (Array, Module)) for v in value.values()):
+            return {k: self.swap(v) for k, v in value.items()}
+        return value
+
+    def clone(self, module: Module) -> Module:
+        done = self.memo.get(id(module))
+        if done is not None:
+            return done
+        new = copy.copy(module)
+        self.memo[id(module)] = new
+        # Set through __dict__: a module's __setattr__ may derive constants from what is set.
+        new.__dict__.update({k: self.swap(v) for k, v in vars(module).items()})
+        return new
+
+
+def _clone(model: Module, substitute: dict[int, Array]) -> Module:
+    return _Cloner(substitute).clone(model)
+
+
+# ---------------------------------------------------------------------- caches seen by the traced forward
+
+class _StepState:
+    """Per-step values shared by the layers of one traced forward: the position, the slot each
+    ring size writes to, and one mask per (ring size, window)."""
+
+    def __init__(self, pos: Array, dtype: Any) -> None:
+        self.pos = pos
+        self.dtype = dtype
+        self._slots: dict[int, Array] = {}
+        self._masks: dict[tuple[int, int | None], Array] = {}
+
+    def slot(self, ring: int) -> Array:
+        s = self._slots.get(ring)
+        if s is None:
+            s = mx.reshape(mx.remainder(self.pos, ring), (1,))
+            self._slots[ring] = s
+        return s
+
+    def mask(self, ring: int, window: int | None) -> Array:
+        """Additive mask [ring]: 0 where the slot holds a position <= pos inside the window, -inf
+        elsewhere (an empty slot, or one too old for the window)."""
+        key = (ring, window)
+        m = self._masks.get(key)
+        if m is None:
+            slots = mx.arange(ring, dtype=mx.int32)
+            age = mx.remainder(self.pos - slots + ring, ring)  # pos - (position held by the slot)
+            visible = age <= self.pos
+            if window is not None and window < ring:
+                visible = visible & (age < window)
+            m = mx.where(visible, mx.array(0.0, self.dtype), mx.array(float("-inf"), self.dtype))
+            self._masks[key] = m
+        return m
+
+
+class _RingCache:
+    """The `Cache` protocol over one layer's fixed ring, inside the traced forward (one token)."""
+
+    def __init__(self, keys: Array, values: Array, ring: int, window: int | None, state: _StepState) -> None:
+        self.keys, self.values = keys, values
+        self.ring, self.window = ring, window
+        self._state = state
+        self.offset = state.pos  # an Array: RoPE takes it as the position
+
+    def update_and_fetch(self, keys: Array, values: Array) -> tuple[Array, Array]:
+        slot = self._state.slot(self.ring)
+        self.keys = mx.slice_update_dynamic(self.keys, keys, slot, [2])
+        self.values = mx.slice_update_dynamic(self.values, values, slot, [2])
+        return self.keys, self.values
+
+    def make_mask(self, n: int, window_size: int | None = None) -> Array:
+        window = self.window
+        if window_size is not None:
+            window = window_size if window is None else min(window, window_size)
+        return self._state.mask(self.ring, window)
+
+    @property
+    def state(self) -> tuple[Array, Array]:
+        return self.keys, self.values
+
+
+# ---------------------------------------------------------------------- rings from and back to caches
+
+@dataclass
+class _Layer:
+    """How one layer's cache maps to its ring."""
+
+    cache: Any
+    ring: int
+    window: int | None
+
+
+def _plan(cache: Sequence[Any], capacity: int, last_position: int) -> list[_Layer] | None:
+    """The ring of each layer, or None when a cache is of a kind this path does not handle (or
+    would have to evict tokens it must keep)."""
+    layers = []
+    for c in cache:
+        if type(c) is KVCache:
+            layers.append(_Layer(c, capacity, None))
+        elif type(c) is RotatingKVCache:
+            if c.keep and last_position >= c.max_size:
+                return None  # a context-bounded cache would evict with sinks kept: not a ring
+            ring = min(c.max_size, capacity)
+            layers.append(_Layer(c, ring, c.max_size if ring == c.max_size else None))
+        else:
+            return None
+    return layers
+
+
+def _ring_of(layer: _Layer) -> tuple[Array, Array]:
+    """The layer's keys and values laid out as its ring (slot = position % ring)."""
+    c, ring = layer.cache, layer.ring
+    offset = c.offset
+    if type(c) is KVCache:
+        k, v = c.keys, c.values
+        length = k.shape[2]
+        if length == ring:
+            return k, v
+        if length > ring:  # a restored cache with room to spare: keep the filled part
+            return _cut(k, ring), _cut(v, ring)
+        pad_k = mx.zeros((k.shape[0], k.shape[1], ring - length, k.shape[3]), k.dtype)
+        pad_v = mx.zeros((v.shape[0], v.shape[1], ring - length, v.shape[3]), v.dtype)
+        return mx.concatenate([k, pad_k], axis=2), mx.concatenate([v, pad_v], axis=2)
+    # RotatingKVCache: pick, for every slot, the buffer entry holding its latest position.
+    held = c._slot_positions()  # noqa: SLF001 - the cache's own layout, read-only
+    where = {int(p): i for i, p in enumerate(held) if p >= 0}
+    index = np.zeros(ring, dtype=np.int32)
+    for s in range(ring):
+        if s < offset:
+            p = s + ring * ((offset - 1 - s) // ring)
+            index[s] = where[p]
+    k, v = c.keys, c.values
+    idx = mx.array(index)
+    return mx.take(k, idx, axis=2), mx.take(v, idx, axis=2)
+
+
+def _cut(a: Array, length: int) -> Array:
+    b, h, _, d = a.shape
+    return mx.slice(a, [0, 0, 0, 0], [b, h, length, d], [1, 1, 1, 1])
+
+
+def _give_back(layer: _Layer, keys: Array, values: Array, offset: int) -> None:
+    """Put the ring back into the layer's cache, in that cache's own layout, at `offset` tokens."""
+    c, ring = layer.cache, layer.ring
+    if type(c) is KVCache:
+        c.keys, c.values, c.offset = keys, values, offset
+        c._capacity = ring  # noqa: SLF001 - the buffer is a KVCache buffer of `ring` slots
+        b, h, _, dk = keys.shape
+        c._dims = (b, h, dk, values.shape[3])  # noqa: SLF001
+        c.__dict__.pop("step", None)  # back to the class's growth step (see `reserve`)
+        return
+    # RotatingKVCache(keep=0 or never evicted): slot p % ring holds position p, which is its own
+    # in-place layout with the write index at offset % ring (or in temporal order until full).
+    c.keys, c.values, c.offset = keys, values, offset
+    c._len = ring  # noqa: SLF001
+    c._idx = offset if offset < ring else offset % ring  # noqa: SLF001
+    if hasattr(c, "_set_dims"):
+        c._set_dims(keys, values)  # noqa: SLF001
+
+
+# ---------------------------------------------------------------------- the decoder
+
+class CompiledDecoder:
+    """The compiled one-token forward of one model, traced per structure and buffer shapes.
+
+    `start(...)` turns prefilled caches into a `DecodeSession` (or None where this path does not
+    apply). Thread-safe; `close()` drops the traces.
+    """
+
+    def __init__(self, model: Module) -> None:
+        self._model: Module | None = model
+        self._lock = threading.Lock()
+        self._compiled: dict[tuple[Any, ...], Any] = {}
+        self._failed: set[tuple[Any, ...]] = set()
+        # How generations went: decoded on the compiled step, or handed to the uncompiled loop.
+        self.stats = {"compiled": 0, "fallback": 0, "traces": 0}
+
+    def close(self) -> None:
+        with self._lock:
+            for fn in self._compiled.values():
+                fn.clear()
+            self._compiled.clear()
+            self._model = None
+
+    # ------------------------------------------------------------------ tracing
+    def _function(self, key: tuple[Any, ...]) -> Any:
+        with self._lock:
+            fn = self._compiled.get(key)
+            if fn is None:
+                fn = mx.compile(_trace_step)
+                self._compiled[key] = fn
+            return fn
+
+    # ------------------------------------------------------------------ sessions
+    def start(self, cache: Sequence[Any], first_position: int, max_tokens: int, *, sampler: Sampler,
+              processors: Sequence[LogitsProcessor] = (), history: Array | None = None,
+              batch: int = 1) -> "DecodeSession | None":
+        """A session decoding from `first_position` (the position of the first input token) into
+        rings made from `cache`, or None where the compiled path does not apply."""
+        model = self._model
+        if model is None or batch != 1 or max_tokens <= 0 or not cache:
+            return None
+        last_position = first_position + max_tokens - 1
+        capacity = decode_capacity(first_position + 1, max_tokens)
+        if any(type(c) is KVCache and c.keys is not None and c.keys.shape[2] > capacity for c in cache):
+            capacity = max(c.keys.shape[2] for c in cache if type(c) is KVCache and c.keys is not None)
+        layers = _plan(cache, capacity, last_position)
+        if layers is None or any(c.offset != first_position for c in cache) or any(c.keys is None for c in cache):
+            return None
+        weights = _arrays_of(model)
+        fuse_greedy = sampler is greedy and not processors
+        key = (_structure(model, weights), fuse_greedy, tuple((layer.ring, layer.window) for layer in layers))
+        if key in self._failed:
+            return None
+        spec = _Spec(model, weights, layers, fuse_greedy, self.stats)
+        return DecodeSession(self, key, spec, sampler, processors, history)
+
+    def reserve(self, cache: Sequence[Any], prompt_len: int, max_tokens: int) -> None:
+        """Call before prefill: size the empty caches' first allocation for the whole generation."""
+        if self._model is not None:
+            reserve(cache, decode_capacity(prompt_len, max_tokens))
+
+    def decode(self, cache: Sequence[Any], first_inputs: Array, max_tokens: int, *, sampler: Sampler,
+               processors: Sequence[LogitsProcessor] = (), history: Array | None = None,
+               fallback: Callable[[], Iterator[Array]]) -> Iterator[Array]:
+        """Yield the sampled ids [B] of up to `max_tokens` steps after the prefilled `cache`, on the
+        compiled step where it applies, else from `fallback()` (the uncompiled loop)."""
+        try:
+            session = None
+            if max_tokens > 0:
+                first_position = cache[0].offset if cache else 0
+                session = self.start(cache, first_position, max_tokens, sampler=sampler, processors=processors,
+                                     history=history, batch=first_inputs.shape[0])
+            if session is not None:
+                stream = session.decode(first_inputs, max_tokens)
+                try:
+                    first = next(stream, None)
+                except CompileUnavailable:
+                    first, stream = None, None
+                if stream is not None:
+                    self.stats["compiled"] += 1
+                    if first is None:
+                        return
+                    yield first
+                    yield from stream
+                    return
+            self.stats["fallback"] += 1
+            yield from fallback()
+        finally:
+            for c in cache:
+                if type(c) is KVCache:
+                    c.__dict__.pop("step", None)
+
+    def _mark_failed(self, key: tuple[Any, ...], exc: BaseException) -> None:
+        log.warning("compiled decode is not available for this model (%s: %s); using the uncompiled path",
+                    type(exc).__name__, exc)
+        with self._lock:
+            self._failed.add(key)
+            fn = self._compiled.pop(key, None)
+        if fn is not None:
+            fn.clear()
+
+
+@dataclass
+class _Spec:
+    """What a trace of the step needs; handed to `_trace_step` through `_tracing` by the caller."""
+
+    model: Module
+    weights: list[Array]
+    layers: list[_Layer]
+    fuse_greedy: bool
+    stats: dict[str, int]
+
+
+_tracing = threading.local()
+
+
+def _trace_step(inputs: list[Array]) -> list[Array]:
+    """The function MLX traces: [tokens [B], pos [], k0, v0, k1, v1, ..., *weights] ->
+    [next tokens [B] (or logits [B, V]), pos + 1, k0', v0', ...]. It runs on a copy of the model
+    whose arrays are the traced inputs. (A module-level function: a closure over the decoder would
+    make a reference cycle through the compiled function.)"""
+    spec: _Spec = _tracing.spec
+    spec.stats["traces"] += 1
+    n = len(spec.layers)
+    tokens, pos = inputs[0], inputs[1]
+    buffers = inputs[2:2 + 2 * n]
+    weights = inputs[2 + 2 * n:]
+    model = _clone(spec.model, {id(a): t for a, t in zip(spec.weights, weights)})
+    state = _StepState(pos, buffers[0].dtype)
+    caches = [_RingCache(buffers[2 * i], buffers[2 * i + 1], layer.ring, layer.window, state)
+              for i, layer in enumerate(spec.layers)]
+    b = tokens.shape[0]
+    logits = model(mx.reshape(tokens, (b, 1)), cache=caches)
+    logits = mx.reshape(logits, (b, logits.shape[-1]))
+    out = greedy(logits) if spec.fuse_greedy else logits
+    result = [out, pos + 1]
+    for c in caches:
+        result += [c.keys, c.values]
+    return result
+
+
+class DecodeSession:
+    """One generation's decode on the compiled step. `decode(first_inputs, max_tokens)` yields
+    the sampled ids [B] like `generate.decode`; the caches get the rings back when it ends."""
+
+    def __init__(self, decoder: CompiledDecoder, key: tuple[Any, ...], spec: _Spec, sampler: Sampler,
+                 processors: Sequence[LogitsProcessor], history: Array | None) -> None:
+        self._decoder = decoder
+        self._key = key
+        self._spec = spec
+        self._sampler = sampler
+        self._processors = list(processors)
+        self._history = history
+        self._buffers: list[Array] = []
+        self._steps = 0
+        self._first_position = spec.layers[0].cache.offset
+        self._fn = decoder._function(key)  # noqa: SLF001
+
+    def _call(self, tokens: Array, pos: Array) -> tuple[Array, Array]:
+        spec = self._spec
+        _tracing.spec = spec  # read by _trace_step, if MLX traces now
+        try:
+            out = self._fn.call_flat([tokens, pos, *self._buffers, *spec.weights])
+        finally:
+            _tracing.spec = None
+        self._buffers = out[2:]
+        self._steps += 1
+        return out[0], out[1]
+
+    def _sample(self, inputs: Array, out: Array) -> Array:
+        if self._spec.fuse_greedy:
+            return out
+        logits = out
+        if self._processors:
+            seen = self._history
+            seen = inputs if seen is None else mx.concatenate([seen, inputs], axis=1)
+            if seen.shape[1] > DEFAULT_PENALTY_CONTEXT:
+                seen = seen[:, -DEFAULT_PENALTY_CONTEXT:]
+            self._history = seen
+            logits = apply_processors(self._processors, seen, logits)
+        return self._sampler(logits)
+
+    def decode(self, first_inputs: Array, max_tokens: int) -> Iterator[Array]:
+        """Yield up to `max_tokens` sampled id arrays [B], each step queued before the previous
+        token is read. The first step traces (once per model, structure and ring sizes); if the
+        trace fails, the decoder remembers it and raises, before anything was yielded."""
+        spec = self._spec
+        rings = [_ring_of(layer) for layer in spec.layers]
+        self._buffers = [a for pair in rings for a in pair]
+        del rings
+        b = first_inputs.shape[0]
+        tokens_in = mx.reshape(first_inputs, (b,))
+        pos = mx.array(self._first_position, dtype=mx.int32)
+        try:
+            out, pos = self._call(tokens_in, pos)
+        except Exception as exc:
+            self._decoder._mark_failed(self._key, exc)  # noqa: SLF001
+            raise CompileUnavailable(str(exc)) from exc
+        try:
+            tokens = self._sample(mx.reshape(tokens_in, (b, 1)), out)
+            mx.async_eval(tokens)
+            for n in range(1, max_tokens + 1):
+                following = None
+                if n < max_tokens:
+                    out, pos = self._call(tokens, pos)
+                    following = self._sample(mx.reshape(tokens, (b, 1)), out) if not spec.fuse_greedy else out
+                    mx.async_eval(following)
+                yield tokens
+                if following is None:
+                    return
+                tokens = following
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        """Hand the rings back to the caches (their offsets count every token fed)."""
+        if not self._buffers:
+            return
+        offset = self._first_position + self._steps
+        for i, layer in enumerate(self._spec.layers):
+            _give_back(layer, self._buffers[2 * i], self._buffers[2 * i + 1], offset)
+        self._buffers = []
+
+
+class CompileUnavailable(RuntimeError):
+    """The model's forward could not be traced; the caller falls back to the uncompiled path."""
+
+
+__all__ = ["CompiledDecoder", "DecodeSession", "CompileUnavailable", "compile_enabled", "decode_capacity", "reserve",
+           "ENV_VAR", "BUFFER_STEP"]

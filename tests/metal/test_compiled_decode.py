@@ -1,0 +1,206 @@
+"""The compiled decode step (backends/metal/compiled.py) gives the tokens of the uncompiled loop.
+
+Every architecture decodes greedily with and without the compiled step from the same prompt; the
+prompt and the generation cross the tiny models' sliding windows (16 tokens), so the ring buffers
+of window layers wrap. The decoder's counters prove which path ran. Then: samplers and processors
+outside the graph, caches handed back (a later call continues from them), fallbacks (batches,
+context-bounded caches that evict, PYMLXC_COMPILE=0), LoRA adapters, retracing only per ring size.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import pymlxc.core as mx
+from pymlxc.backends.metal import generate as loops
+from pymlxc.backends.metal.compiled import CompiledDecoder, decode_capacity
+from pymlxc.backends.metal.loader import LoadedModel, load_weights_and_config
+from pymlxc.backends.metal.sample import greedy, make_logits_processors, make_sampler
+from pymlxc.testing import ARCHITECTURES, write_tiny_model
+
+PROMPT_LEN, STEPS = 21, 24
+
+_loaded: dict[Any, LoadedModel] = {}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("compiled")
+
+    def get(arch: str, bits: int | None = None) -> LoadedModel:
+        key = (arch, bits)
+        if key not in _loaded:
+            path = write_tiny_model(root / f"{arch}-{bits}", arch, quantize_bits=bits, num_layers=3)
+            _loaded[key] = load_weights_and_config(path)
+        return _loaded[key]
+
+    yield get
+    for m in _loaded.values():
+        m.free()
+    _loaded.clear()
+
+
+def prompt(n: int = PROMPT_LEN, seed: int = 1) -> list[int]:
+    return [int(i) for i in np.random.default_rng(seed).integers(16, 500, size=n)]
+
+
+def run(model: Any, ids: list[int], decoder: CompiledDecoder | None, *, steps: int = STEPS,
+        context_len: int | None = None, cache: list[Any] | None = None, cached: int = 0, **kw: Any) -> list[int]:
+    cache = model.make_cache(context_len) if cache is None else cache
+    kw.setdefault("sampler", greedy)
+    return list(loops.generate_ids(model, ids, cache=cache, max_tokens=steps, decoder=decoder, cached=cached, **kw))
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_tokens_match_uncompiled(models, arch: str) -> None:
+    model = models(arch).model
+    decoder = CompiledDecoder(model)
+    ids = prompt()
+    expected = run(model, ids, None)
+    assert run(model, ids, decoder) == expected
+    assert decoder.stats["compiled"] == 1 and decoder.stats["fallback"] == 0
+    # A second generation of another length reuses the trace when the rings keep their sizes.
+    assert run(model, ids[:15], decoder, steps=8) == run(model, ids[:15], None, steps=8)
+    assert decoder.stats["traces"] == 1
+    decoder.close()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_models(models, bits: int) -> None:
+    model = models("llama", bits).model
+    decoder = CompiledDecoder(model)
+    ids = prompt()
+    assert run(model, ids, decoder) == run(model, ids, None)
+    assert decoder.stats["compiled"] == 1
+
+
+def test_one_trace_per_ring_size(models) -> None:
+    model = models("llama").model
+    decoder = CompiledDecoder(model)
+    ids = prompt()
+    run(model, ids, decoder, steps=4)
+    run(model, ids, decoder, steps=200)  # 221 slots still fit the first 256-slot buffers
+    assert decoder.stats["traces"] == 1
+    assert decode_capacity(len(ids), 300) == 512
+    assert run(model, ids, decoder, steps=300) == run(model, ids, None, steps=300)
+    assert decoder.stats["traces"] == 2
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_samplers_and_processors(models, arch: str) -> None:
+    """Non-greedy sampling and the repeat penalty run on the step's logits, outside the graph."""
+    model = models(arch).model
+    decoder = CompiledDecoder(model)
+    ids = prompt()
+    for options in ({"temperature": 0.8, "top_k": 20}, {"temperature": 1.0, "top_p": 0.9, "min_p": 0.05}):
+        got = run(model, ids, decoder, sampler=make_sampler(**options, key=7))
+        want = run(model, ids, None, sampler=make_sampler(**options, key=7))
+        assert got == want
+    penalty = make_logits_processors(1.3)
+    assert run(model, ids, decoder, processors=penalty) == run(model, ids, None, processors=penalty)
+    assert decoder.stats["fallback"] == 0
+
+
+def test_stop_ids_and_early_stop(models) -> None:
+    model = models("llama").model
+    decoder = CompiledDecoder(model)
+    ids = prompt()
+    full = run(model, ids, None)
+    stop = full[5]
+    got = run(model, ids, decoder, stop_ids=frozenset({stop}))
+    assert got == full[:full.index(stop)]
+    # Reading only part of the stream and closing it hands the rings back without error.
+    cache = model.make_cache(None)
+    stream = loops.generate_ids(model, ids, cache=cache, sampler=greedy, max_tokens=STEPS, decoder=decoder)
+    assert [next(stream) for _ in range(3)] == full[:3]
+    stream.close()
+    assert all(c.offset >= len(ids) + 2 for c in cache)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3_moe"])
+def test_caches_continue_after_compiled_decode(models, arch: str) -> None:
+    """The caches get the rings back in their own layout: a later call that reuses them (as the
+    prompt cache does) continues exactly as after an uncompiled decode."""
+    model = models(arch).model
+    decoder = CompiledDecoder(model)
+    ids = prompt()
+    results = []
+    for dec in (decoder, None):
+        cache = model.make_cache(None)
+        first = run(model, ids, dec, cache=cache)
+        seen = ids + first  # the cache holds every fed token: the prompt and all but the last sampled
+        assert all(c.offset == len(seen) - 1 for c in cache)
+        follow = seen + prompt(5, seed=2)
+        second = run(model, follow, dec, cache=cache, cached=len(seen) - 1)
+        results.append((first, second))
+    assert results[0] == results[1]
+    assert decoder.stats["compiled"] == 2
+
+
+def test_fallbacks(models, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = models("llama").model
+    decoder = CompiledDecoder(model)
+    ids = prompt()
+    # A context bound the generation runs past: the rotating cache would evict (keeping sinks).
+    assert run(model, ids, decoder, context_len=32) == run(model, ids, None, context_len=32)
+    assert decoder.stats == {"compiled": 0, "fallback": 1, "traces": 0}
+    # A context bound that is never reached decodes compiled.
+    assert run(model, ids, decoder, context_len=64) == run(model, ids, None, context_len=64)
+    assert decoder.stats["compiled"] == 1
+    # One-token prompts have no prefilled cache to start from.
+    assert run(model, ids[:1], decoder) == run(model, ids[:1], None)
+    assert decoder.stats["fallback"] == 2
+
+
+def test_batches_use_the_uncompiled_loop(models) -> None:
+    model = models("llama").model
+    decoder = CompiledDecoder(model)
+    cache = model.make_cache(None)
+    start = decoder.start(cache, 0, 4, sampler=greedy, batch=2)
+    assert start is None
+
+
+def test_lora_adapter_retraces(models) -> None:
+    from pymlxc.backends.metal import lora
+
+    model = models("qwen3").model
+    decoder = CompiledDecoder(model)
+    ids = prompt()
+    before = run(model, ids, decoder)
+    paths = lora.select_modules(model, ["q_proj", "v_proj"], None)
+    lora.attach(model, [lora.LoRASpec(p, 4, 2.0) for p in paths], seed=3)
+    try:
+        for layer in lora.lora_layers(model).values():
+            layer.lora_b = mx.random.normal(layer.lora_b.shape, key=mx.random.key(5)) * 0.5
+        with_adapter = run(model, ids, decoder)
+        assert with_adapter == run(model, ids, None)
+        assert with_adapter != before
+        assert decoder.stats["traces"] == 2
+    finally:
+        lora.detach(model)
+    assert run(model, ids, decoder) == before
+
+
+def test_textmodel_default_and_env_switch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pymlxc.backends.metal import BACKEND
+
+    path = write_tiny_model(tmp_path / "m", "llama", num_layers=2)
+    with BACKEND.load(str(path)) as tm:
+        on = [t.id for t in tm.generate("The baker", max_tokens=12)]
+        assert tm._decoder.stats["compiled"] == 1  # noqa: SLF001
+        monkeypatch.setenv("PYMLXC_COMPILE", "0")
+        off = [t.id for t in tm.generate("The baker", max_tokens=12)]
+        assert tm._decoder.stats["compiled"] == 1 and tm._decoder.stats["fallback"] == 0  # noqa: SLF001
+        assert on == off
+        monkeypatch.delenv("PYMLXC_COMPILE")
+        tm.compiled_decode = False
+        assert [t.id for t in tm.generate("The baker", max_tokens=12)] == on
+        assert tm._decoder.stats["compiled"] == 1  # noqa: SLF001
+        # batch_generate and classify are not compiled and agree with generate.
+        tm.compiled_decode = True
+        batch = tm.batch_generate(["The baker"], max_tokens=12)
+        assert [t.id for t in batch[0].tokens] == on
+    assert tm._decoder._model is None  # noqa: SLF001 - close() dropped the traces

@@ -23,4 +23,4 @@ from .memory import (
 from .transforms import checkpoint, compile, grad, jvp, value_and_grad, vjp  # noqa: A004
 from .io import load, load_gguf, load_safetensors, save_safetensors
 
-bool = bool_  # noqa: A001  (mlx.core spells it `bool`)
+bool = bool_  # noqa: A001  (an alias; mlx.core spells it `bool_`, which is here too)

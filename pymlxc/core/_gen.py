@@ -11,9 +11,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import dtypes as _dt
-from ._loader import SIGNATURES, MLXError, check, ffi, lib
-from .array import Array, FreedArrayError, asarray, new_handle, release_failed, wrap
-from .device import resolve_stream
+from . import device as _device
+from ._loader import SIGNATURES, MLXError, check, ffi, gc_cdata, last_error, lib, new_cdata
+from .array import (
+    _ARRAY_P, Array, FreedArrayError, asarray, freed, new_handle, release_failed, weak_handle, wrap,
+)
+from .device import current_stream, resolve_stream
 
 # Defaults for parameters that MLX's Python API also defaults.
 DEFAULTS: dict[str, str] = {"keepdims": "False", "stream": "None"}
@@ -24,33 +27,66 @@ def arr(x: Any) -> Array:
 
 
 def handle_of(a: Array) -> Any:
-    p = a._p
-    if p is None:
+    h = a._h
+    if h is None:
         raise FreedArrayError("array used after free()")
-    return p[0]
+    return h
 
 
 _NULL_ARRAY = ffi.new("mlx_array *")
 
 
-def opt_handle(x: Any) -> tuple[Any, Any]:
+def opt_handle(x: Any, *others: Any) -> tuple[Any, Any]:
     """(keepalive, struct) for a nullable array argument: None gives mlx-c's null array."""
     if x is None:
         return None, _NULL_ARRAY[0]
-    a = arr(x)
-    return a, handle_of(a)
+    h = x._h if type(x) is Array else weak(x, *others)
+    if h is None:
+        freed()
+    return h, h
+
+
+# Array parameters that are weakly typed against others of the same call, as in mlx.core: a Python
+# scalar next to an array takes its dtype where it can (mx.maximum(x_bf16, 0.0) stays bfloat16).
+WEAK_FROM: dict[str, tuple[str, ...]] = {
+    "a": ("b", "c"), "b": ("a", "c"), "c": ("a", "b"), "x": ("y",), "y": ("x",), "update": ("src",),
+    "updates": ("a",), "values": ("a",), "vals": ("a",), "src": ("a",), "pad_value": ("a",),
+    "a_min": ("a",), "a_max": ("a",), "low": ("high",), "high": ("low",), "lower": ("upper",),
+    "upper": ("lower",),
+}
+
+
+def weak(value: Any, *others: Any) -> Any:
+    """The handle of a non-Array operand, weakly typed against the first Array among `others`."""
+    for other in others:
+        if isinstance(other, Array):
+            h = weak_handle(value, other.dtype)
+            if h is NotImplemented:
+                raise TypeError(f"cannot use a {type(value).__name__} as an array")
+            return h
+    return asarray(value)._h
+
+
+_INT_ARRAY = ffi.typeof("int[]")
+_INT64_ARRAY = ffi.typeof("int64_t[]")
 
 
 def int_list(values: Any) -> tuple[Any, int]:
-    if isinstance(values, int):
+    t = type(values)
+    if t is list or t is tuple:
+        try:  # plain ints: cffi converts (and range-checks) them itself
+            return new_cdata(_INT_ARRAY, values), len(values)
+        except TypeError:
+            pass
+    elif isinstance(values, int):
         values = (values,)
     values = [int(v) for v in values]
-    return ffi.new("int[]", values), len(values)
+    return new_cdata(_INT_ARRAY, values), len(values)
 
 
 def int64_list(values: Sequence[int]) -> tuple[Any, int]:
     values = [int(v) for v in values]
-    return ffi.new("int64_t[]", values), len(values)
+    return new_cdata(_INT64_ARRAY, values), len(values)
 
 
 def opt_int(v: int | None) -> Any:
@@ -66,29 +102,38 @@ def opt_dtype(v: Any) -> Any:
 
 
 def dtype_value(v: Any) -> int:
-    return _dt.as_dtype(v).value
+    return v.value if type(v) is _dt.Dtype else _dt.as_dtype(v).value
+
+
+_ARRAY_ARRAY = ffi.typeof("mlx_array[]")
+_VECTOR_P = ffi.typeof("mlx_vector_array *")
+_vector_new_data = lib.mlx_vector_array_new_data
+_vector_new = lib.mlx_vector_array_new
+_vector_free = lib.mlx_vector_array_free
+_vector_size = lib.mlx_vector_array_size
+_vector_get = lib.mlx_vector_array_get
 
 
 def vector_of(arrays: Sequence[Any]) -> tuple[list[Array], Any]:
     items = [arr(a) for a in arrays]
-    handles = ffi.new("mlx_array[]", [handle_of(a) for a in items])
-    vec = lib.mlx_vector_array_new_data(handles, len(items))
-    return items, ffi.gc(ffi.new("mlx_vector_array *", vec), _free_vector)
+    handles = new_cdata(_ARRAY_ARRAY, [handle_of(a) for a in items])
+    vec = _vector_new_data(handles, len(items))
+    return items, gc_cdata(new_cdata(_VECTOR_P, vec), _free_vector)
 
 
 def _free_vector(p: Any) -> None:
-    lib.mlx_vector_array_free(p[0])
+    _vector_free(p[0])
 
 
 def new_vector() -> Any:
-    return ffi.gc(ffi.new("mlx_vector_array *", lib.mlx_vector_array_new()), _free_vector)
+    return gc_cdata(new_cdata(_VECTOR_P, _vector_new()), _free_vector)
 
 
 def unpack_vector(vec: Any) -> list[Array]:
     out = []
-    for i in range(lib.mlx_vector_array_size(vec)):
+    for i in range(_vector_size(vec)):
         p = new_handle()
-        check(lib.mlx_vector_array_get(p, vec, i))
+        check(_vector_get(p, vec, i))
         out.append(wrap(p))
     return out
 
@@ -107,13 +152,15 @@ def cstr(v: str) -> bytes:
     return v.encode()
 
 
-def fail(p: Any) -> None:
-    release_failed(p)
-    from ._loader import last_error
-
+def fail(*slots: Any) -> None:
+    """After a non-zero status: free the half-made results and raise MLX's message."""
+    for p in slots:
+        release_failed(p)
     raise MLXError(last_error())
 
 
+# The globals of every generated wrapper (one dict, shared: `_tls` is rebound in place when the
+# default device changes, see device._drop_cache).
 _ENV: dict[str, Any] = {
     "lib": lib, "ffi": ffi, "new_handle": new_handle, "wrap": wrap, "fail": fail, "arr": arr,
     "handle_of": handle_of, "opt_handle": opt_handle, "int_list": int_list, "int64_list": int64_list,
@@ -121,7 +168,38 @@ _ENV: dict[str, Any] = {
     "vector_of": vector_of, "new_vector": new_vector, "unpack_vector": unpack_vector,
     "resolve_stream": resolve_stream, "cstr": cstr, "fft_norm": fft_norm, "Array": Array,
     "FreedArrayError": FreedArrayError, "release_failed": release_failed, "MLXError": MLXError,
+    "_freed": freed, "_current": current_stream, "_tls": _device._cache, "_new": new_cdata, "_AP": _ARRAY_P,
+    "_gc": gc_cdata, "_free": lib.mlx_array_free, "_anew": object.__new__, "_arr": arr,
+    "_weak": weak,
 }
+_device._cache_listeners.append(lambda cache: _ENV.__setitem__("_tls", cache))
+
+# How a wrapper finds its stream: the thread's cached current stream unless one is given.
+_STREAM_LINES = [
+    "if stream is None:",
+    "    try:",
+    "        _s = _tls.c",
+    "    except AttributeError:",
+    "        _s = _current()",
+    "else:",
+    "    _s = resolve_stream(stream)",
+]
+
+
+def array_arg(name: str, weak_from: Sequence[str] = ()) -> list[str]:
+    """Lines that turn parameter `name` into its handle `_h_<name>` (converting non-Arrays, weakly
+    typed against the parameters `weak_from`)."""
+    convert = f"_weak({name}, {', '.join(weak_from)})" if weak_from else f"_arr({name})._h"
+    return [
+        f"_h_{name} = {name}._h if type({name}) is Array else {convert}",
+        f"if _h_{name} is None:",
+        "    _freed()",
+    ]
+
+
+def result_lines(slot: str, out: str) -> list[str]:
+    """Lines that adopt the filled result slot `slot` as the Array `out`."""
+    return [f"{out} = _anew(Array)", f"{out}._h = _gc({slot}[0], _free)"]
 
 
 def _build(cname: str, sig: dict[str, Any]) -> Callable[..., Any] | None:
@@ -140,21 +218,22 @@ def _build(cname: str, sig: dict[str, Any]) -> Callable[..., Any] | None:
     pre: list[str] = []
     call: list[str] = []
     body_params = params[i:-1]
+    array_names = {n for t, n in body_params if t == "const mlx_array"}
     j = 0
     while j < len(body_params):
         ctype, name = body_params[j]
         nxt = body_params[j + 1] if j + 1 < len(body_params) else None
-        if name in ("lambda", "from", "def", "class", "global"):
+        if name in ("lambda", "from", "def", "class", "global") or name in _ENV:
             name = name + "_"
         if ctype == "const mlx_array":
+            weak_from = [n for n in WEAK_FROM.get(name, ()) if n in array_names]
             if name in nullable:
                 py_params.append(f"{name}=None")
-                pre.append(f"_k_{name}, _h_{name} = opt_handle({name})")
-                call.append(f"_h_{name}")
+                pre.append(f"_k_{name}, _h_{name} = opt_handle({', '.join([name] + weak_from)})")
             else:
                 py_params.append(name)
-                pre.append(f"{name} = {name} if type({name}) is Array else arr({name})")
-                call.append(f"handle_of({name})")
+                pre += array_arg(name, weak_from)
+            call.append(f"_h_{name}")
         elif ctype in ("const int *", "const int64_t *") and nxt and nxt[0] == "size_t":
             py_params.append(name)
             fn = "int_list" if ctype == "const int *" else "int64_list"
@@ -192,41 +271,39 @@ def _build(cname: str, sig: dict[str, Any]) -> Callable[..., Any] | None:
     # Parameters with defaults must come after those without: keep mlx-c's order otherwise.
     required = [p for p in py_params if "=" not in p]
     optional = [p for p in py_params if "=" in p]
-    if py_params != required + optional:
-        optional = [p + "" for p in optional]
-        py_params = required + [f"{p}" for p in optional]
+    py_params = required + optional
     py_params.append("stream=None")
     res_decl: list[str] = []
     res_args: list[str] = []
     res_out: list[str] = []
+    adopt: list[str] = []
     for k, (rtype, _) in enumerate(results):
         if rtype == "mlx_array *":
-            res_decl.append(f"_r{k} = new_handle()")
-            res_args.append(f"_r{k}")
-            res_out.append(f"wrap(_r{k})")
+            res_decl.append(f"_r{k} = _new(_AP)")
+            adopt += result_lines(f"_r{k}", f"_o{k}")
+            res_out.append(f"_o{k}")
         else:
             res_decl.append(f"_r{k} = new_vector()")
-            res_args.append(f"_r{k}")
             res_out.append(f"unpack_vector(_r{k}[0])")
-    failure = "; ".join(f"release_failed(_r{k})" for k, (t, _) in enumerate(results) if t == "mlx_array *")
+        res_args.append(f"_r{k}")
+    slots = ", ".join(f"_r{k}" for k, (t, _) in enumerate(results) if t == "mlx_array *")
+    fn_global = "_c_" + cname
     lines = [f"def {cname}({', '.join(py_params)}):"]
-    lines += ["    " + line for line in pre + res_decl]
-    lines.append(f"    if lib.{cname}({', '.join(res_args + call + ['resolve_stream(stream)'])}):")
-    lines.append(f"        {failure or 'pass'}")
-    lines.append("        raise MLXError(_last_error())")
-    out = res_out[0] if len(res_out) == 1 else "(" + ", ".join(res_out) + ",)"
-    lines.append(f"    return {out}")
+    body = pre + _STREAM_LINES + res_decl
+    body.append(f"if {fn_global}({', '.join(res_args + call + ['_s'])}):")
+    body.append(f"    fail({slots})")
+    body += adopt
+    body.append("return " + (res_out[0] if len(res_out) == 1 else "(" + ", ".join(res_out) + ",)"))
+    lines += ["    " + line for line in body]
     src = "\n".join(lines)
-    env = dict(_ENV)
-    from ._loader import last_error
-
-    env["_last_error"] = last_error
+    _ENV[fn_global] = getattr(lib, cname)
     try:
-        exec(compile(src, f"<pymlxc generated {cname}>", "exec"), env)
+        exec(compile(src, f"<pymlxc generated {cname}>", "exec"), _ENV)
     except SyntaxError as exc:  # pragma: no cover - a signature we cannot express
         raise RuntimeError(f"cannot generate wrapper for {cname}: {exc}\n{src}") from exc
-    fn = env[cname]
+    fn = _ENV.pop(cname)
     fn.__doc__ = f"mlx-c `{cname}` ({', '.join(n for _, n in sig['params'])})."
+    fn.__source__ = src  # type: ignore[attr-defined]  # for debugging: the generated code
     return fn
 
 

@@ -86,6 +86,19 @@ def _open() -> tuple[cffi.FFI, Any, dict[str, Any], dict[str, Any]]:
 
 ffi, lib, STAMP, SIGNATURES = _open()
 
+# In ABI mode cffi resolves `lib.<name>` lazily, under its own non-reentrant lock. A destructor run by
+# the garbage collector while that lock is held (say, during `ffi.new` parsing a new type) and touching
+# an unresolved name would deadlock; resolving every name once here (~40 ms) rules that out.
+for _name in dir(lib):
+    getattr(lib, _name)
+del _name
+
+# `ffi.new(ctype, init)` and `ffi.gc(cdata, destructor)` are Python methods around these two builtins
+# of cffi's backend; the per-op paths call the builtins directly (a Python frame less each, about a
+# fifth of an op's cost). They take a ctype object (`ffi.typeof(...)`), never a string.
+new_cdata: Any = getattr(ffi._backend, "newp", ffi.new)
+gc_cdata: Any = getattr(ffi._backend, "gcp", ffi.gc)
+
 # ---------------------------------------------------------------------------- errors
 # mlx-c's default handler calls exit(); ours keeps the message for the calling thread, and the
 # caller turns the non-zero status into MLXError. It must never raise into C.

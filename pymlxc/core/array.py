@@ -1,80 +1,104 @@
 """`Array`: one Python object owning one mlx_array handle."""
 from __future__ import annotations
 
+import math
 import numbers
+import struct
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from . import dtypes as _dt
-from ._loader import MLXError, check, ffi, lib
-from .device import _state, default_stream
+from ._loader import MLXError, check, ffi, gc_cdata, last_error, lib, new_cdata
+from .device import _state, current_stream
 
 _NULL = ffi.NULL
+# Bound once: these run for every op (and `lib.<name>` lookups cost a dict lookup each).
+_ARRAY_P = ffi.typeof("mlx_array *")
+_new = new_cdata
+_gc = gc_cdata
+_array_free = lib.mlx_array_free
+_object_new = object.__new__
 
 
 def _free_handle(p: Any) -> None:
+    """Free the array in an `mlx_array *` slot (a half-made result) and clear the slot."""
     if p[0].ctx != _NULL:
-        lib.mlx_array_free(p[0])
+        _array_free(p[0])
         p[0].ctx = _NULL
+
+
+def adopt(h: Any) -> "Array":
+    """An Array owning `h`, an `mlx_array` struct taken at +1 (from an `mlx_array_new_*` call or a
+    filled result slot). The struct gets `mlx_array_free` as its collector destructor: a plain C call,
+    so collecting an array runs no Python code."""
+    a = _object_new(Array)
+    a._h = _gc(h, _array_free)
+    return a
 
 
 def wrap(p: Any) -> "Array":
     """Adopt a freshly filled `mlx_array *` (taken at +1) as an Array. Call only after check()."""
-    a = Array.__new__(Array)
-    a._p = ffi.gc(p, _free_handle)
+    a = _object_new(Array)
+    a._h = _gc(p[0], _array_free)
     return a
 
 
 def new_handle() -> Any:
     """A zeroed result slot for an mlx-c call (mlx-c fills a null ctx with a new array)."""
-    return ffi.new("mlx_array *")
+    return _new(_ARRAY_P)
 
 
 def release_failed(p: Any) -> None:
     """Free a half-made result after a failed call (mlx-c may have set it)."""
-    if p[0].ctx != _NULL:
-        lib.mlx_array_free(p[0])
-        p[0].ctx = _NULL
+    _free_handle(p)
 
 
 class FreedArrayError(MLXError):
     """An Array was used after `free()`."""
 
 
+def freed() -> Any:
+    raise FreedArrayError("array used after free()")
+
+
 class Array:
     """An MLX array. Owns its handle: freed when collected, or at once with `free()`/`with`."""
 
-    __slots__ = ("_p", "__weakref__")
+    # `_h`: the owned `mlx_array` struct (None once freed). `_shape`/`_dtype`: filled on first use;
+    # an MLX array never changes either (in-place assignment keeps both).
+    __slots__ = ("_h", "_shape", "_dtype", "__weakref__")
     __array_priority__ = 100
 
     def __init__(self, value: Any, dtype: _dt.Dtype | str | None = None) -> None:
         made = asarray(value, dtype)
+        if made is value:  # already an Array of that dtype: share MLX's data through a new handle
+            made = _copy_handle(made)
         # Take over the handle of the freshly made array.
-        self._p = made._p
-        made._p = None
+        self._h = made._h
+        made._h = None
 
     # ------------------------------------------------------------------ lifetime
     @property
     def handle(self) -> Any:
         """The `mlx_array` struct to pass to mlx-c; raises on a freed array."""
-        p = self._p
-        if p is None:
+        h = self._h
+        if h is None:
             raise FreedArrayError("array used after free()")
-        return p[0]
+        return h
 
     def free(self) -> None:
         """Release the MLX array now. Idempotent; any later use raises FreedArrayError."""
-        p = self._p
-        if p is not None:
-            self._p = None
-            ffi.gc(p, None)
-            _free_handle(p)
+        h = self._h
+        if h is not None:
+            self._h = None
+            _gc(h, None)  # detach the collector's destructor: freed exactly once, here
+            _array_free(h)
 
     @property
     def is_freed(self) -> bool:
-        return self._p is None
+        return self._h is None
 
     def __enter__(self) -> "Array":
         return self
@@ -82,34 +106,55 @@ class Array:
     def __exit__(self, *exc: object) -> None:
         self.free()
 
+    def _take(self, other: "Array") -> None:
+        """Become `other` (in-place update): take over its handle; `other` is left empty."""
+        h = other._h
+        if h is None:
+            freed()
+        other._h = None
+        self._h = h
+
     # ------------------------------------------------------------------ metadata
     @property
     def shape(self) -> tuple[int, ...]:
-        h = self.handle
+        try:
+            return self._shape
+        except AttributeError:
+            pass
+        h = self._h
+        if h is None:
+            freed()
         n = lib.mlx_array_ndim(h)
-        if n == 0:
-            return ()
-        return tuple(ffi.unpack(lib.mlx_array_shape(h), n))
+        shape = self._shape = tuple(ffi.unpack(lib.mlx_array_shape(h), n)) if n else ()
+        return shape
 
     @property
     def ndim(self) -> int:
-        return lib.mlx_array_ndim(self.handle)
+        return len(self.shape)
 
     @property
     def size(self) -> int:
-        return lib.mlx_array_size(self.handle)
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
-        return lib.mlx_array_nbytes(self.handle)
+        return self.size * self.dtype.size
 
     @property
     def itemsize(self) -> int:
-        return lib.mlx_array_itemsize(self.handle)
+        return self.dtype.size
 
     @property
     def dtype(self) -> _dt.Dtype:
-        return _dt.BY_VALUE[lib.mlx_array_dtype(self.handle)]
+        try:
+            return self._dtype
+        except AttributeError:
+            pass
+        h = self._h
+        if h is None:
+            freed()
+        dtype = self._dtype = _dt.BY_VALUE[lib.mlx_array_dtype(h)]
+        return dtype
 
     def __len__(self) -> int:
         shape = self.shape
@@ -118,10 +163,11 @@ class Array:
         return shape[0]
 
     def __repr__(self) -> str:
-        if self._p is None:
+        h = self._h
+        if h is None:
             return "array(<freed>)"
         s = ffi.new("mlx_string *")
-        check(lib.mlx_array_tostring(s, self._p[0]))
+        check(lib.mlx_array_tostring(s, h))
         try:
             return ffi.string(lib.mlx_string_data(s[0])).decode()
         finally:
@@ -170,69 +216,213 @@ class Array:
         raise TypeError("Array cannot be pickled; convert with numpy.asarray first")
 
 
+def _copy_handle(a: Array) -> Array:
+    """A second handle on the same MLX array (MLX arrays share their data)."""
+    p = _new(_ARRAY_P)
+    check(lib.mlx_array_set(p, a.handle))
+    return wrap(p)
+
+
 # ---------------------------------------------------------------------- creation
 
-_SCALAR_DTYPE = {bool: _dt.bool_, int: _dt.int32, float: _dt.float32, complex: _dt.complex64}
+_INT_RANGE: dict[_dt.Dtype, tuple[int, int]] = {
+    d: (int(np.iinfo(d.name).min), int(np.iinfo(d.name).max)) for d in _dt.ALL if d.is_integer
+}
+_INT_CTYPE = {d: ffi.typeof(("u" if d.kind == "u" else "") + f"int{8 * d.size}_t[1]") for d in _INT_RANGE}
+_U16 = ffi.typeof("uint16_t[1]")
+_new_float32 = lib.mlx_array_new_float32
+_new_int = lib.mlx_array_new_int
+_new_bool = lib.mlx_array_new_bool
+_new_data = lib.mlx_array_new_data
+_F16_PACK = struct.Struct("<e")
+_F32_PACK = struct.Struct("<f")
+_U32_UNPACK = struct.Struct("<I")
 
 
-def _from_numpy(arr: np.ndarray, dtype: _dt.Dtype | None) -> Array:
-    src = _dt.from_numpy(arr.dtype)
-    target = dtype or src
-    if src is _dt.bfloat16:
-        data = np.ascontiguousarray(arr).view(np.uint16)
-    elif arr.dtype == np.complex128:
-        data = np.ascontiguousarray(arr, dtype=np.complex64)
-    else:
-        data = np.ascontiguousarray(arr)
-    shape = ffi.new("int[]", list(data.shape)) if data.ndim else ffi.NULL
-    for dim in data.shape:
-        if dim > 2**31 - 1:
-            raise ValueError(f"dimension {dim} is larger than MLX supports")
-    h = lib.mlx_array_new_data(ffi.from_buffer(data), shape, data.ndim, src.value)
-    p = new_handle()
-    p[0] = h
-    out = wrap(p)
-    if target is not src:
-        from .ops import astype
+def _overflow(value: Any, dtype: _dt.Dtype) -> ValueError:
+    return ValueError(f"Converting {value} to {dtype.name} would result in overflow.")
 
-        out = astype(out, target)
-    return out
+
+def _half_bits(value: float, dtype: _dt.Dtype) -> int:
+    """float16/bfloat16 bits of a Python float, rounded through float32 as MLX does."""
+    try:
+        f32 = _F32_PACK.pack(value)
+    except OverflowError:
+        f32 = _F32_PACK.pack(math.copysign(math.inf, value))
+    if dtype is _dt.float16:
+        x = _F32_PACK.unpack(f32)[0]
+        try:
+            return int.from_bytes(_F16_PACK.pack(x), "little")
+        except OverflowError:
+            return 0xFC00 if x < 0 else 0x7C00
+    bits = _U32_UNPACK.unpack(f32)[0]
+    if (bits & 0x7F800000) == 0x7F800000 and bits & 0x007FFFFF:
+        return ((bits >> 16) & 0x8000) | 0x7FC0  # NaN stays a quiet NaN
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # round to nearest even
+
+
+def scalar_handle(value: Any, dtype: _dt.Dtype) -> Any:
+    """A collected `mlx_array` holding the Python scalar `value` as a 0-d array of `dtype`
+    (MLX's rules: floats truncate to ints, ints that do not fit raise ValueError)."""
+    if dtype is _dt.float32:
+        if type(value) is complex:
+            raise TypeError("cannot convert a complex scalar to float32")
+        return _gc(_new_float32(value), _array_free)
+    if dtype.kind in "iu":
+        if type(value) is complex:
+            raise TypeError(f"cannot convert a complex scalar to {dtype.name}")
+        v = int(value)
+        lo, hi = _INT_RANGE[dtype]
+        if not lo <= v <= hi:
+            raise _overflow(value, dtype)
+        if dtype is _dt.int32:
+            return _gc(_new_int(v), _array_free)
+        h = _new_data(_new(_INT_CTYPE[dtype], [v]), _NULL, 0, dtype.value)
+    elif dtype is _dt.bool_:
+        return _gc(_new_bool(bool(value)), _array_free)
+    elif dtype is _dt.float64:
+        return _gc(lib.mlx_array_new_float64(float(value)), _array_free)
+    elif dtype is _dt.complex64:
+        c = complex(value)
+        return _gc(lib.mlx_array_new_complex(c.real, c.imag), _array_free)
+    else:  # float16, bfloat16
+        if type(value) is complex:
+            raise TypeError(f"cannot convert a complex scalar to {dtype.name}")
+        h = _new_data(_new(_U16, [_half_bits(float(value), dtype)]), _NULL, 0, dtype.value)
+    if h.ctx == _NULL:
+        raise MLXError(last_error())
+    return _gc(h, _array_free)
+
+
+_INEXACT = frozenset(d for d in _dt.ALL if d.kind in "fc")
+
+
+def weak_dtype(dtype: _dt.Dtype, t: type) -> _dt.Dtype:
+    """MLX's weak typing of a Python scalar of type `t` next to an array of `dtype`: the scalar takes
+    the array's dtype when that holds its kind (float32 array + 1.5 stays float32, int8 + 3 stays
+    int8, bool + 3 is int32, int + 1.5 is float32)."""
+    if t is float:
+        return dtype if dtype in _INEXACT else _dt.float32
+    if t is int:
+        return _dt.int32 if dtype is _dt.bool_ else dtype
+    if t is bool:
+        return dtype
+    return _dt.complex64
+
+
+def weak_handle(value: Any, dtype: _dt.Dtype) -> Any:
+    """The handle of `value` as the operand of an op with an array of `dtype`, converted as mlx.core
+    does: Python scalars are weakly typed, numpy scalars and arrays take `dtype`, lists are converted
+    as they are. NotImplemented for a type that is no array."""
+    t = type(value)
+    if t is float or t is int or t is bool or t is complex:
+        return scalar_handle(value, weak_dtype(dtype, t))
+    if isinstance(value, Array):
+        return value._h
+    if isinstance(value, (bool, int, float, complex)):  # np.float64 is a float, numpy bools are not
+        base = bool if isinstance(value, bool) else int if isinstance(value, int) else \
+            float if isinstance(value, float) else complex
+        return scalar_handle(base(value), weak_dtype(dtype, base))
+    if isinstance(value, np.generic) and value.dtype.kind in "biufc":
+        item = value.item()
+        return scalar_handle(item, dtype if not isinstance(item, complex) else _dt.complex64)
+    if isinstance(value, np.ndarray):
+        return asarray(value, dtype)._h
+    if isinstance(value, (list, tuple)) or hasattr(value, "__array__"):
+        return asarray(value)._h
+    return NotImplemented
+
+
+def _default_int_dtype(value: int) -> _dt.Dtype:
+    """MLX's Python ints: int32 when they fit, else int64."""
+    if -(2**31) <= value < 2**31:
+        return _dt.int32
+    if -(2**63) <= value < 2**63:
+        return _dt.int64
+    raise ValueError(f"Python integer {value} is out of the range of int64")
 
 
 def scalar(value: Any, dtype: _dt.Dtype | None = None) -> Array:
-    """A 0-d array from a Python scalar (int defaults to int32, float to float32)."""
-    p = new_handle()
+    """A 0-d array from a Python scalar (bool, int32 or int64 by size, float32, complex64 by default)."""
     if dtype is None:
-        dtype = _SCALAR_DTYPE.get(type(value))
-        if dtype is None:
-            if isinstance(value, np.generic):
-                return _from_numpy(np.asarray(value), None)
-            if isinstance(value, numbers.Integral):
-                dtype = _dt.int32
-            elif isinstance(value, numbers.Real):
-                dtype = _dt.float32
-            else:
-                raise TypeError(f"cannot make an MLX array from {type(value).__name__}")
-    if dtype is _dt.float32:
-        p[0] = lib.mlx_array_new_float32(value)
-    elif dtype is _dt.bool_:
-        p[0] = lib.mlx_array_new_bool(bool(value))
-    elif dtype is _dt.int32 and -(2**31) <= value < 2**31:
-        p[0] = lib.mlx_array_new_int(int(value))
-    elif dtype is _dt.float64:
-        p[0] = lib.mlx_array_new_float64(value)
-    elif dtype is _dt.complex64:
-        c = complex(value)
-        p[0] = lib.mlx_array_new_complex(c.real, c.imag)
+        t = type(value)
+        if t is float:
+            dtype = _dt.float32
+        elif t is int:
+            dtype = _default_int_dtype(value)
+        elif t is bool:
+            dtype = _dt.bool_
+        elif t is complex:
+            dtype = _dt.complex64
+        elif isinstance(value, np.generic):
+            return _from_numpy(np.asarray(value), None)
+        elif isinstance(value, bool):
+            dtype = _dt.bool_
+        elif isinstance(value, numbers.Integral):
+            value = int(value)
+            dtype = _default_int_dtype(value)
+        elif isinstance(value, numbers.Real):
+            value = float(value)
+            dtype = _dt.float32
+        elif isinstance(value, numbers.Complex):
+            value = complex(value)
+            dtype = _dt.complex64
+        else:
+            raise TypeError(f"cannot make an MLX array from {type(value).__name__}")
+    elif isinstance(value, np.generic):
+        value = value.item()
+    a = _object_new(Array)
+    a._h = scalar_handle(value, dtype)
+    return a
+
+
+def _native(arr: np.ndarray) -> np.ndarray:
+    return arr if arr.dtype.isnative else arr.astype(arr.dtype.newbyteorder("="))
+
+
+# numpy's dtypes that MLX narrows by default (as mlx.core.array does): no float64 on GPUs.
+_NUMPY_DEFAULT = {np.dtype(np.float64): _dt.float32, np.dtype(np.complex128): _dt.complex64}
+
+
+def _from_numpy(arr: np.ndarray, dtype: _dt.Dtype | None) -> Array:
+    arr = _native(arr)
+    src = _dt.from_numpy(arr.dtype)
+    if dtype is None:
+        dtype = _NUMPY_DEFAULT.get(arr.dtype, src)
+    # (np.asarray with order="C", not np.ascontiguousarray: that one turns 0-d arrays into 1-d.)
+    if src is _dt.bfloat16:  # ml_dtypes' bfloat16: hand MLX the bits
+        data = np.asarray(arr, order="C").view(np.uint16)
+    elif dtype is not src:  # convert on the numpy side (to float32 first for bfloat16)
+        data = np.asarray(arr, dtype=dtype.numpy, order="C")
+        src = _dt.from_numpy(data.dtype)
+    elif src is _dt.complex64 and arr.dtype != np.complex64:
+        data = np.asarray(arr, dtype=np.complex64, order="C")
     else:
-        return _from_numpy(np.asarray(value, dtype=dtype.numpy), dtype)
-    return wrap(p)
+        data = np.asarray(arr, order="C")
+    for dim in data.shape:
+        if dim > 2**31 - 1:
+            raise ValueError(f"dimension {dim} is larger than MLX supports")
+    shape = ffi.new("int[]", list(data.shape)) if data.ndim else _NULL
+    h = _new_data(ffi.from_buffer(data), shape, data.ndim, src.value)  # MLX copies the data
+    if h.ctx == _NULL:
+        raise MLXError(last_error())
+    out = adopt(h)
+    if dtype is not src:
+        from .ops import astype
+
+        out = astype(out, dtype)
+    return out
 
 
 def asarray(value: Any, dtype: _dt.Dtype | str | None = None) -> Array:
     """Make an Array from an Array, a Python scalar, a nested list, or a numpy array."""
+    t = type(value)
+    if t is Array and dtype is None:
+        return value
     if dtype is not None:
         dtype = _dt.as_dtype(dtype)
+    if t is float or t is int or t is bool or t is complex:
+        return scalar(value, dtype)
     if isinstance(value, Array):
         if dtype is None or value.dtype is dtype:
             return value
@@ -241,48 +431,26 @@ def asarray(value: Any, dtype: _dt.Dtype | str | None = None) -> Array:
         return astype(value, dtype)
     if isinstance(value, np.ndarray):
         return _from_numpy(value, dtype)
-    if isinstance(value, (bool, int, float, complex, np.generic)):
+    if isinstance(value, (numbers.Number, np.generic)):
         return scalar(value, dtype)
     if isinstance(value, (list, tuple)):
-        np_dtype = None
-        if dtype is None:
-            flat = _flatten_kinds(value)
-            np_dtype = (
-                np.complex64 if complex in flat else np.float32 if float in flat
-                else np.int32 if int in flat else np.bool_ if bool in flat else np.float32
-            )
-        elif dtype is not _dt.bfloat16:
-            np_dtype = dtype.numpy
-        try:
-            arr = np.asarray(value, dtype=np_dtype)
-        except (ValueError, OverflowError) as exc:
-            raise ValueError(f"cannot make an array from this list: {exc}") from exc
-        if arr.dtype == object:
-            raise ValueError("nested lists must be rectangular and hold numbers only")
-        return _from_numpy(arr, dtype)
+        return _from_list(value, dtype)
     if hasattr(value, "__array__"):
         return _from_numpy(np.asarray(value), dtype)
     raise TypeError(f"cannot make an MLX array from {type(value).__name__}")
 
 
-def _flatten_kinds(value: Sequence[Any]) -> set[type]:
-    kinds: set[type] = set()
-    stack: list[Any] = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, (list, tuple)):
-            stack.extend(v)
-        elif isinstance(v, Array):
-            kinds.add(float if v.dtype.is_floating else int)
-        elif isinstance(v, bool):
-            kinds.add(bool)
-        elif isinstance(v, numbers.Integral):
-            kinds.add(int)
-        elif isinstance(v, numbers.Real):
-            kinds.add(float)
-        elif isinstance(v, numbers.Complex):
-            kinds.add(complex)
-    return kinds
+def _from_list(value: Sequence[Any], dtype: _dt.Dtype | None) -> Array:
+    try:
+        arr = np.asarray(value)
+    except (ValueError, OverflowError, TypeError) as exc:
+        raise ValueError(f"cannot make an array from this list: {exc}") from exc
+    if arr.dtype.kind in "USOV":
+        raise ValueError("nested lists must be rectangular and hold numbers only")
+    if dtype is None and arr.dtype == np.int64:  # MLX: int32 unless a value needs int64
+        fits = arr.size == 0 or (-(2**31) <= int(arr.min()) and int(arr.max()) < 2**31)
+        dtype = _dt.int32 if fits else _dt.int64
+    return _from_numpy(arr, dtype)
 
 
 # ---------------------------------------------------------------------- export
@@ -341,8 +509,7 @@ def to_numpy(a: Array) -> np.ndarray:
     return out
 
 
-def _current_stream_c() -> Any:
-    return default_stream()._c
-
-
-__all__ = ["Array", "asarray", "scalar", "to_numpy", "wrap", "new_handle", "FreedArrayError", "_state"]
+__all__ = [
+    "Array", "asarray", "scalar", "scalar_handle", "weak_dtype", "weak_handle", "to_numpy", "wrap", "adopt", "new_handle", "release_failed",
+    "freed", "FreedArrayError", "_state", "current_stream",
+]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._loader import check, ffi, lib
@@ -89,6 +89,29 @@ _state = threading.local()
 _default_lock = threading.Lock()
 _default_device: list[Device] = []  # set lazily from MLX's own default
 
+# The hot path of every op: this thread's current C stream, cached as `_cache.c`. A thread fills its
+# own entry on first use and on leaving a `stream_scope`; `set_default_device` replaces the whole
+# object (dropping every thread's entry at once) and tells the listeners (the generated wrappers keep
+# it in their globals to read it without a call).
+_cache = threading.local()
+_cache_listeners: list[Callable[[threading.local], None]] = []
+
+
+def current_stream() -> Any:
+    """The C handle of this thread's current stream (what an op with `stream=None` runs on)."""
+    try:
+        return _cache.c
+    except AttributeError:
+        c = _cache.c = default_stream()._c
+        return c
+
+
+def _drop_cache() -> None:
+    global _cache
+    _cache = threading.local()
+    for listener in _cache_listeners:
+        listener(_cache)
+
 
 def default_device() -> Device:
     override = getattr(_state, "device", None)
@@ -116,6 +139,7 @@ def set_default_device(device: Device) -> None:
         lib.mlx_device_free(dev)
     with _default_lock:
         _default_device[:] = [device]
+    _drop_cache()
 
 
 def new_stream(device: Device | None = None) -> Stream:
@@ -155,7 +179,9 @@ def default_stream(device: Device | None = None) -> Stream:
 def resolve_stream(stream: "Stream | Device | str | None") -> Any:
     """The C handle for a `stream=` argument: None, a Stream, a Device, or "cpu"/"gpu"."""
     if stream is None:
-        return default_stream()._c
+        return current_stream()
+    if type(stream) is Stream:
+        return stream._c
     if isinstance(stream, Stream):
         return stream._c
     if isinstance(stream, str):
@@ -172,11 +198,16 @@ def stream_scope(target: "Stream | Device | str") -> Iterator[Stream]:
     previous_stream = getattr(_state, "stream", None)
     previous_device = getattr(_state, "device", None)
     _state.stream, _state.device = stream, stream.device
+    _cache.c = stream._c
     try:
         yield stream
     finally:
         _state.stream, _state.device = previous_stream, previous_device
+        try:
+            del _cache.c  # recomputed on the next op, from the restored scope
+        except AttributeError:
+            pass
 
 
 def synchronize(stream: Stream | None = None) -> None:
-    check(lib.mlx_synchronize((stream or default_stream())._c))
+    check(lib.mlx_synchronize(stream._c if stream is not None else current_stream()))

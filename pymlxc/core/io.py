@@ -91,6 +91,9 @@ def save_safetensors(path: str | os.PathLike[str], arrays: Mapping[str, Any], me
         lib.mlx_map_string_to_string_free(smap)
 
 
+_NOT_FOUND = 2  # mlx-c's GGUF accessors return 2 (without an error message) for a missing key
+
+
 class GGUFFile:
     """A GGUF file read by MLX: tensors (quantized Q4_0/Q4_1/Q8_0 come as packed weight/scales/biases
     triples) and metadata (strings, string lists, numeric arrays). Owns its handle."""
@@ -126,12 +129,20 @@ class GGUFFile:
 
     def tensor(self, key: str) -> Array:
         p = new_handle()
-        check(lib.mlx_io_gguf_get_array(p, self._handle(), key.encode()))
+        status = lib.mlx_io_gguf_get_array(p, self._handle(), key.encode())
+        if status == _NOT_FOUND:
+            raise KeyError(f"no tensor {key!r} in {self.path}")
+        check(status)
         return wrap(p)
 
     def metadata(self, key: str) -> str | list[str] | Array | None:
+        """The value of metadata `key` (a string, a list of strings, or an Array for numbers and
+        numeric lists), or None when the file has no such key."""
         h, k, flag = self._handle(), key.encode(), ffi.new("bool *")
-        check(lib.mlx_io_gguf_has_metadata_string(flag, h, k))
+        status = lib.mlx_io_gguf_has_metadata_string(flag, h, k)
+        if status == _NOT_FOUND:
+            return None
+        check(status)
         if flag[0]:
             s = ffi.new("mlx_string *")
             check(lib.mlx_io_gguf_get_metadata_string(s, h, k))

@@ -1,62 +1,90 @@
 """Python operators, indexing and slice assignment for `Array` (attached at import)."""
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from . import dtypes as _dt
-from ._gen import RAW, handle_of
-from ._loader import check, lib
-from .array import Array, asarray
 from . import ops
+from ._gen import _ENV, _STREAM_LINES, RAW, result_lines
+from ._loader import lib
+from .array import Array, _copy_handle, asarray, scalar, weak_dtype, weak_handle
 
-_add, _sub, _mul, _div = RAW["add"], RAW["subtract"], RAW["multiply"], RAW["divide"]
+# ---------------------------------------------------------------------- arithmetic operators
 
-
-def _pair(a: Array, b: Any) -> tuple[Array, Array]:
-    """Bring a Python scalar or list to an Array with MLX's weak scalar typing."""
-    if type(b) is Array:
-        return a, b
-    if isinstance(b, (bool, int, float, complex)):
-        return a, asarray(b, _dt.promote_scalar(a.dtype, b))
-    return a, asarray(b)
+def other_handle(self: Array, other: Any) -> Any:
+    """The handle of the right-hand operand (weakly typed against `self`), or NotImplemented."""
+    return weak_handle(other, self.dtype)
 
 
-def _binary(op: Callable[..., Array]) -> tuple[Callable[..., Array], Callable[..., Array]]:
-    def forward(self: Array, other: Any) -> Array:
-        a, b = _pair(self, other)
-        return op(a, b)
+def _binary_method(cname: str, reverse: bool) -> Callable[[Array, Any], Array]:
+    """`Array.__<op>__` for mlx-c's binary `cname`, generated like the wrappers in `_gen` (one
+    function, no intermediate calls: this is the path of `a + b`)."""
+    x, y = ("_h_b", "_h_a") if reverse else ("_h_a", "_h_b")
+    lines = [
+        "def method(self, other):",
+        "    _h_a = self._h",
+        "    if type(other) is Array:",
+        "        _h_b = other._h",
+        "    else:",
+        "        _h_b = _other_handle(self, other)",
+        "        if _h_b is NotImplemented:",
+        "            return NotImplemented",
+        "    if _h_a is None or _h_b is None:",
+        "        _freed()",
+        "    stream = None",
+    ]
+    lines += ["    " + line for line in _STREAM_LINES]
+    lines += [
+        "    _r0 = _new(_AP)",
+        f"    if _c_{cname}(_r0, {x}, {y}, _s):",
+        "        fail(_r0)",
+    ]
+    lines += ["    " + line for line in result_lines("_r0", "_o0")]
+    lines.append("    return _o0")
+    _ENV["_c_" + cname] = getattr(lib, cname)
+    _ENV["_other_handle"] = other_handle
+    exec(compile("\n".join(lines), f"<pymlxc operator {cname}{' reversed' if reverse else ''}>", "exec"), _ENV)
+    return _ENV.pop("method")
 
-    def reverse(self: Array, other: Any) -> Array:
-        a, b = _pair(self, other)
-        return op(b, a)
 
-    return forward, reverse
-
-
-for _dunder, _name in [
-    ("add", "add"), ("sub", "subtract"), ("mul", "multiply"), ("truediv", "divide"),
-    ("floordiv", "floor_divide"), ("mod", "remainder"), ("pow", "power"), ("matmul", "matmul"),
-    ("and", "logical_and"), ("or", "logical_or"), ("xor", "bitwise_xor"),
-    ("lshift", "left_shift"), ("rshift", "right_shift"),
+for _dunder, _cname in [
+    ("add", "mlx_add"), ("sub", "mlx_subtract"), ("mul", "mlx_multiply"), ("truediv", "mlx_divide"),
+    ("floordiv", "mlx_floor_divide"), ("mod", "mlx_remainder"), ("pow", "mlx_power"), ("matmul", "mlx_matmul"),
+    ("xor", "mlx_bitwise_xor"), ("lshift", "mlx_left_shift"), ("rshift", "mlx_right_shift"),
 ]:
-    _fwd, _rev = _binary(RAW[_name])
-    setattr(Array, f"__{_dunder}__", _fwd)
-    setattr(Array, f"__r{_dunder}__", _rev)
+    setattr(Array, f"__{_dunder}__", _binary_method(_cname, False))
+    setattr(Array, f"__r{_dunder}__", _binary_method(_cname, True))
 
-for _dunder, _name in [("eq", "equal"), ("ne", "not_equal"), ("lt", "less"), ("le", "less_equal"),
-                       ("gt", "greater"), ("ge", "greater_equal")]:
-    setattr(Array, f"__{_dunder}__", _binary(RAW[_name])[0])
+for _dunder, _cname in [("eq", "mlx_equal"), ("ne", "mlx_not_equal"), ("lt", "mlx_less"), ("le", "mlx_less_equal"),
+                        ("gt", "mlx_greater"), ("ge", "mlx_greater_equal")]:
+    setattr(Array, f"__{_dunder}__", _binary_method(_cname, False))
+
+
+def _operand(self: Array, other: Any) -> Array:
+    if isinstance(other, Array):
+        return other
+    t = type(other)
+    if t is float or t is int or t is bool or t is complex:
+        return scalar(other, weak_dtype(self.dtype, t))
+    return asarray(other)
 
 
 def _and(self: Array, other: Any) -> Array:
-    a, b = _pair(self, other)
-    return RAW["logical_and"](a, b) if a.dtype is _dt.bool_ and b.dtype is _dt.bool_ else RAW["bitwise_and"](a, b)
+    b = _operand(self, other)
+    if self.dtype is _dt.bool_ and b.dtype is _dt.bool_:
+        return RAW["logical_and"](self, b)
+    return RAW["bitwise_and"](self, b)
 
 
 def _or(self: Array, other: Any) -> Array:
-    a, b = _pair(self, other)
-    return RAW["logical_or"](a, b) if a.dtype is _dt.bool_ and b.dtype is _dt.bool_ else RAW["bitwise_or"](a, b)
+    b = _operand(self, other)
+    if self.dtype is _dt.bool_ and b.dtype is _dt.bool_:
+        return RAW["logical_or"](self, b)
+    return RAW["bitwise_or"](self, b)
 
 
 Array.__and__ = _and  # type: ignore[method-assign]
@@ -64,7 +92,7 @@ Array.__rand__ = _and  # type: ignore[method-assign]
 Array.__or__ = _or  # type: ignore[method-assign]
 Array.__ror__ = _or  # type: ignore[method-assign]
 Array.__neg__ = lambda self: RAW["negative"](self)  # type: ignore[method-assign]
-Array.__pos__ = lambda self: self  # type: ignore[method-assign]
+Array.__pos__ = lambda self: _copy_handle(self)  # type: ignore[method-assign]
 Array.__abs__ = lambda self: RAW["abs"](self)  # type: ignore[method-assign]
 Array.__invert__ = lambda self: (  # type: ignore[method-assign]
     RAW["logical_not"](self) if self.dtype is _dt.bool_ else RAW["bitwise_invert"](self)
@@ -102,16 +130,36 @@ Array.T = property(lambda self: RAW["transpose"](self))  # type: ignore[attr-def
 
 # ---------------------------------------------------------------------- indexing
 
+_slice = RAW["slice"]
+_reshape = RAW["reshape"]
+
+#
+# An index is first normalised to one entry per axis (Ellipsis expanded) plus None entries. Ints and
+# slices make one `slice` call and one `reshape` (which drops int axes and adds None axes). Integer
+# arrays follow numpy's rules: ints next to them count as 0-d index arrays, all of them broadcast
+# together, and the broadcast index dimensions replace the indexed axes in place when those are next
+# to each other in the index, or come first otherwise.
+
 def _normalize(index: Any, ndim: int) -> list[Any]:
     """Expand Ellipsis; return a list of int / slice / None / Array entries covering every axis."""
     if not isinstance(index, tuple):
         index = (index,)
-    items = [asarray(i) if isinstance(i, list) else i for i in index]
-    for i in items:
-        if not (i is None or i is Ellipsis or isinstance(i, (int, slice, Array)) or hasattr(i, "__index__")):
+    items: list[Any] = []
+    for i in index:
+        if i is None or i is Ellipsis or type(i) is int or type(i) is slice:
+            items.append(i)
+        elif isinstance(i, Array):
+            items.append(i if i.ndim else _int_of(i))
+        elif isinstance(i, (list, np.ndarray)):
+            a = asarray(i)
+            items.append(a if a.ndim else _int_of(a))
+        elif hasattr(i, "__index__"):
+            items.append(int(i.__index__()))
+        else:
             raise IndexError(f"unsupported index {i!r}: use ints, slices, None, Ellipsis or integer arrays")
     consumed = sum(1 for i in items if i is not None and i is not Ellipsis)
-    if sum(1 for i in items if i is Ellipsis) > 1:
+    ellipses = sum(1 for i in items if i is Ellipsis)
+    if ellipses > 1:
         raise IndexError("an index can only have a single ellipsis")
     if consumed > ndim:
         raise IndexError(f"too many indices for array: array is {ndim}-dimensional, but {consumed} were indexed")
@@ -126,154 +174,229 @@ def _normalize(index: Any, ndim: int) -> list[Any]:
     return out
 
 
-def _basic(a: Array, entries: list[Any]) -> tuple[Array, list[Any]]:
-    """Apply ints, slices and None; return the view and the array indices left with their axes."""
+def _int_of(a: Array) -> int:
+    """A 0-d array index is an int index (it must be an integer)."""
+    if not a.dtype.is_integer:
+        raise IndexError(f"arrays used as indices must be integers, not {a.dtype.name}")
+    return int(a.item())
+
+
+def _check_index_array(idx: Array) -> None:
+    if idx.dtype is _dt.bool_:
+        raise IndexError("boolean mask indexing has a data-dependent shape, which MLX does not support")
+    if not idx.dtype.is_integer:
+        raise IndexError(f"arrays used as indices must be integers, not {idx.dtype.name}")
+
+
+def _slice_bounds(e: slice, n: int) -> tuple[int, int, int, int]:
+    """(start, stop, step, length) of a Python slice on an axis of size n, in MLX's slice convention."""
+    start, stop, step = e.indices(n)
+    length = len(range(start, stop, step))
+    if length == 0:  # Python's start/stop of an empty slice can mean other things to MLX
+        return 0, 0, 1, 0
+    if step < 0 and stop == -1:
+        stop = -n - 1  # MLX reads a negative stop relative to the end
+    return start, stop, step, length
+
+
+def _int_bound(i: int, n: int, axis: int) -> int:
+    if not -n <= i < n:
+        raise IndexError(f"index {i} is out of bounds for axis {axis} with size {n}")
+    return i % n
+
+
+def _basic(a: Array, entries: list[Any]) -> tuple[Array, list[int]]:
+    """Apply the slices and ints of `entries` (arrays keep their whole axis) in one `slice` call.
+    Returns the sliced view (every axis kept, ints as length 1) and its shape."""
     shape = a.shape
-    starts, stops, steps = [], [], []
-    squeeze_axes: list[int] = []
-    advanced: list[tuple[int, Array]] = []
-    out_axis = 0
-    new_axes: list[int] = []
+    starts, stops, steps, sizes = [], [], [], []
     axis = 0
     for e in entries:
         if e is None:
-            new_axes.append(out_axis)
-            out_axis += 1
             continue
         n = shape[axis]
-        if isinstance(e, slice):
-            start, stop, step = e.indices(n)
-            if step < 0 and stop == -1:
-                stop = -n - 1  # MLX reads a negative stop relative to the end
-            starts.append(start)
-            stops.append(stop)
-            steps.append(step)
-            out_axis += 1
-        elif isinstance(e, Array):
-            starts.append(0)
-            stops.append(n)
-            steps.append(1)
-            advanced.append((axis, e))
-            out_axis += 1
+        if type(e) is slice:
+            start, stop, step, length = _slice_bounds(e, n)
+        elif type(e) is int:
+            start = _int_bound(e, n, axis)
+            stop, step, length = start + 1, 1, 1
         else:
-            i = int(e)
-            if not -n <= i < n:
-                raise IndexError(f"index {i} is out of bounds for axis {axis} with size {n}")
-            i %= n
-            starts.append(i)
-            stops.append(i + 1)
-            steps.append(1)
-            squeeze_axes.append(axis)
+            start, stop, step, length = 0, n, 1, n
+        starts.append(start)
+        stops.append(stop)
+        steps.append(step)
+        sizes.append(length)
         axis += 1
-    view = a
-    if any(s != 0 for s in starts) or list(stops) != list(shape) or any(s != 1 for s in steps):
-        view = RAW["slice"](a, starts, stops, steps)
-    # Bring advanced indices first (for the gather below), squeeze ints, then add Nones.
-    return view, [squeeze_axes, advanced, new_axes]
+    if sizes == list(shape) and not any(starts) and all(step == 1 for step in steps):
+        return a, sizes
+    return RAW["slice"](a, starts, stops, steps), sizes
 
 
 def getitem(self: Array, index: Any) -> Array:
+    t = type(index)
+    if t is int or t is slice:  # the common a[i] and a[i:j:k]: no normalisation needed
+        shape = self.shape
+        if not shape:
+            raise IndexError("too many indices for array: array is 0-dimensional, but 1 were indexed")
+        if t is int:
+            start = _int_bound(index, shape[0], 0)
+            stop, step = start + 1, 1
+        else:
+            start, stop, step, _ = _slice_bounds(index, shape[0])
+        rest = shape[1:]
+        view = _slice(self, (start,) + (0,) * len(rest), (stop,) + rest, (step,) + (1,) * len(rest))
+        return _reshape(view, rest) if t is int else view
     entries = _normalize(index, self.ndim)
-    view, (squeeze_axes, advanced, new_axes) = _basic(self, entries)
-    if advanced:
-        view = _gather_advanced(view, advanced, squeeze_axes)
-        squeeze_axes = []
-    if squeeze_axes:
-        view = RAW["squeeze_axes"](view, squeeze_axes)
-    if new_axes:
-        view = RAW["expand_dims_axes"](view, new_axes) if not advanced else view
+    for e in entries:
+        if isinstance(e, Array):
+            return _advanced(self, entries)
+    view, sizes = _basic(self, entries)
+    out_shape: list[int] = []
+    axis = 0
+    for e in entries:
+        if e is None:
+            out_shape.append(1)
+            continue
+        if type(e) is slice:
+            out_shape.append(sizes[axis])
+        axis += 1
+    if out_shape != sizes:
+        view = _reshape(view, out_shape)
+    elif view is self:  # a[...] or a[:]: a new Array (assigning into it must not change `self`)
+        view = _copy_handle(self)
     return view
 
 
-def _gather_advanced(view: Array, advanced: list[tuple[int, Array]], squeeze_axes: list[int]) -> Array:
-    """Integer-array indexing: one array takes along its axis; several broadcast together (numpy rules
-    for adjacent array indices: the broadcast index shape replaces those axes in place)."""
-    # Drop int-indexed axes first, renumbering the array axes.
-    if squeeze_axes:
-        view = RAW["squeeze_axes"](view, squeeze_axes)
-        advanced = [(ax - sum(1 for s in squeeze_axes if s < ax), idx) for ax, idx in advanced]
-    shape = view.shape
-    for ax, idx in advanced:
-        if idx.dtype is _dt.bool_:
-            raise IndexError("boolean mask indexing has a data-dependent shape, which MLX does not support")
-        if not idx.dtype.is_integer:
-            raise IndexError(f"arrays used as indices must be integers, not {idx.dtype.name}")
-    if len(advanced) == 1:
-        ax, idx = advanced[0]
-        idx = RAW["remainder"](idx, asarray(shape[ax], idx.dtype)) if idx.dtype.kind == "i" else idx
-        return RAW["take_axis"](view, idx, ax)
-    axes = [ax for ax, _ in advanced]
-    if axes != list(range(axes[0], axes[0] + len(axes))):
-        raise IndexError("non-adjacent integer array indices are not supported")
-    idxs = RAW["broadcast_arrays"]([i for _, i in advanced])
+def _advanced(a: Array, entries: list[Any]) -> Array:
+    """Integer-array indexing (numpy semantics), after the slices are applied."""
+    view, sizes = _basic(a, [e if type(e) is not int else slice(None) for e in entries])
+    adv_pos = [k for k, e in enumerate(entries) if isinstance(e, (Array, int))]
+    adjacent = adv_pos == list(range(adv_pos[0], adv_pos[-1] + 1))
+    adv_axes: list[int] = []
+    indices: list[Array] = []
+    rest_axes: list[int] = []
+    axis = 0
+    for e in entries:
+        if e is None:
+            continue
+        if isinstance(e, Array):
+            _check_index_array(e)
+            adv_axes.append(axis)
+            indices.append(e)
+        elif type(e) is int:
+            adv_axes.append(axis)
+            indices.append(asarray(_int_bound(e, sizes[axis], axis), _dt.int32))
+        else:
+            rest_axes.append(axis)
+        axis += 1
+    perm = adv_axes + rest_axes
+    if perm != list(range(len(perm))):
+        view = RAW["transpose_axes"](view, perm)
+    if len(indices) > 1:
+        indices = RAW["broadcast_arrays"](indices)
+    adv_sizes = [sizes[ax] for ax in adv_axes]
+    wide = math.prod(adv_sizes) >= 2**31
     flat = None
-    for (ax, _), idx in zip(advanced, idxs):
-        idx = ops.astype(RAW["remainder"](idx, asarray(shape[ax], idx.dtype)), _dt.int32)
-        flat = idx if flat is None else RAW["add"](RAW["multiply"](flat, asarray(shape[ax], _dt.int32)), idx)
-    merged = list(shape[: axes[0]]) + [-1] + list(shape[axes[-1] + 1:])
-    return RAW["take_axis"](ops.reshape(view, merged), flat, axes[0])
+    for n, idx in zip(adv_sizes, indices):
+        if idx.dtype.kind == "i" or wide:  # negative indices count from the end
+            idx = RAW["remainder"](idx, asarray(n, idx.dtype if not wide else _dt.int64))
+        if len(indices) == 1:
+            flat = idx
+        else:
+            idx = ops.astype(idx, _dt.int64 if wide else _dt.int32)
+            flat = idx if flat is None else RAW["add"](RAW["multiply"](flat, asarray(n, idx.dtype)), idx)
+    rest_sizes = [sizes[ax] for ax in rest_axes]
+    if len(indices) > 1:  # the index axes lead: merge them, `flat` indexes the merged axis
+        view = RAW["reshape"](view, [math.prod(adv_sizes)] + rest_sizes)
+    out = RAW["take_axis"](view, flat, 0)
+    # `out` is (broadcast index dims..., rest dims...): move the index block in place and add Nones.
+    b_ndim = out.ndim - len(rest_sizes)
+    order: list[int] = []  # output axes, as positions in `out`; -1 for a None
+    rest = iter(range(b_ndim, out.ndim))
+    placed = not adjacent
+    if not adjacent:
+        order += list(range(b_ndim))
+    for e in entries:
+        if e is None:
+            order.append(-1)
+        elif isinstance(e, (Array, int)):
+            if not placed:
+                order += list(range(b_ndim))
+                placed = True
+        else:
+            order.append(next(rest))
+    axes = [k for k in order if k >= 0]
+    if axes != list(range(out.ndim)):
+        out = RAW["transpose_axes"](out, axes)
+    if -1 in order:
+        shape = out.shape
+        it = iter(shape)
+        out = RAW["reshape"](out, [1 if k < 0 else next(it) for k in order])
+    return out
 
 
 def setitem(self: Array, index: Any, value: Any) -> None:
-    """In-place update: the handle is replaced by the updated array (MLX arrays are immutable)."""
-    value = asarray(value, self.dtype) if not isinstance(value, Array) else ops.astype(value, self.dtype)
+    """In-place update: the Array takes the handle of the updated array (MLX arrays are immutable)."""
+    dtype = self.dtype
+    if isinstance(value, Array):
+        value = ops.astype(value, dtype) if value.dtype is not dtype else value
+    else:
+        value = asarray(value, dtype)
     entries = _normalize(index, self.ndim)
     if any(isinstance(e, Array) for e in entries):
-        updated = _scatter_update(self, entries, value)
+        updated = _scatter_update(self, index, value)
     else:
         shape = self.shape
-        starts, stops, steps, target_shape = [], [], [], []
+        starts, stops, steps, slice_shape, indexed_shape = [], [], [], [], []
         axis = 0
         for e in entries:
             if e is None:
+                indexed_shape.append(1)
                 continue
             n = shape[axis]
-            if isinstance(e, slice):
-                start, stop, step = e.indices(n)
-                if step < 0 and stop == -1:
-                    stop = -n - 1
-                starts.append(start)
-                stops.append(stop)
-                steps.append(step)
-                target_shape.append(len(range(start, stop if stop >= -n else -1, step)))
+            if type(e) is slice:
+                start, stop, step, length = _slice_bounds(e, n)
+                indexed_shape.append(length)
             else:
-                i = int(e)
-                if not -n <= i < n:
-                    raise IndexError(f"index {i} is out of bounds for axis {axis} with size {n}")
-                i %= n
-                starts.append(i)
-                stops.append(i + 1)
-                steps.append(1)
-                target_shape.append(1)
+                start = _int_bound(e, n, axis)
+                stop, step, length = start + 1, 1, 1
+            starts.append(start)
+            stops.append(stop)
+            steps.append(step)
+            slice_shape.append(length)
             axis += 1
-        update = ops.broadcast_to(_drop_leading_ones(value, len(target_shape)), target_shape)
+        # numpy semantics: the value broadcasts against what the index selects.
+        update = _broadcast_value(value, indexed_shape)
+        if slice_shape != indexed_shape:
+            update = RAW["reshape"](update, slice_shape)
         updated = RAW["slice_update"](self, update, starts, stops, steps)
-    check(lib.mlx_array_set(self._p, handle_of(updated)))
+    self._take(updated)
 
 
-def _drop_leading_ones(value: Array, ndim: int) -> Array:
-    shape = value.shape
-    while len(shape) > ndim and shape[0] == 1:
-        shape = shape[1:]
-    return ops.reshape(value, shape) if shape != value.shape else value
+def _broadcast_value(value: Array, shape: list[int]) -> Array:
+    vshape = value.shape
+    while len(vshape) > len(shape) and vshape[0] == 1:  # numpy drops leading 1s of the value
+        vshape = vshape[1:]
+    if vshape != value.shape:
+        value = RAW["reshape"](value, list(vshape))
+    if list(vshape) != shape:
+        value = RAW["broadcast_to"](value, shape)
+    return value
 
 
-def _scatter_update(self: Array, entries: list[Any], value: Array) -> Array:
-    if len([e for e in entries if e is not None]) != self.ndim or sum(isinstance(e, Array) for e in entries) != 1:
-        raise IndexError("assignment with an integer array supports one array index plus full slices")
-    axis = next(i for i, e in enumerate(e for e in entries if e is not None) if isinstance(e, Array))
-    others = [e for i, e in enumerate(e for e in entries if e is not None) if i != axis]
-    if any(not (isinstance(e, slice) and e == slice(None)) for e in others):
-        raise IndexError("assignment with an integer array supports one array index plus full slices")
-    idx = next(e for e in entries if isinstance(e, Array))
-    idx = ops.reshape(idx, [-1])
+def _scatter_update(self: Array, index: Any, value: Array) -> Array:
+    """Assignment through integer arrays: index an array of element positions the same way, then
+    scatter the values into those positions (any index getitem supports works here)."""
     shape = list(self.shape)
-    upd_shape = [idx.size] + shape[:axis] + shape[axis + 1:]
-    slice_shape = [1 if i == axis else s for i, s in enumerate(shape)]
-    moved = ops.moveaxis(ops.broadcast_to(value, shape[:axis] + [idx.size] + shape[axis + 1:]), axis, 0)
-    updates = ops.reshape(moved, [idx.size] + slice_shape)
-    del upd_shape
-    return RAW["scatter_single"](self, idx, updates, axis)
+    size = math.prod(shape)
+    pos_dtype = _dt.int32 if size < 2**31 else _dt.int64
+    positions = RAW["reshape"](ops.arange(0, size, 1, pos_dtype), shape)
+    picked = getitem(positions, index)
+    count = picked.size
+    flat_idx = RAW["reshape"](picked, [count])
+    updates = RAW["reshape"](_broadcast_value(value, list(picked.shape)), [count, 1])
+    flat = RAW["reshape"](self, [size])
+    return RAW["reshape"](RAW["scatter_single"](flat, flat_idx, updates, 0), shape)
 
 
 Array.__getitem__ = getitem  # type: ignore[method-assign]

@@ -11,7 +11,7 @@ from typing import Any
 
 from . import dtypes as _dt
 from ._gen import RAW, arr
-from .array import Array, asarray
+from .array import Array, _copy_handle, asarray
 
 # Every plain generated op, re-exported under its MLX name.
 _SKIP_PREFIXES = ("fast_", "fft_", "linalg_", "random_", "distributed_")
@@ -137,7 +137,9 @@ def logcumsumexp(a: Any, axis: int | None = None, *, reverse: bool = False, incl
 # ---------------------------------------------------------------------- creation
 
 def array(value: Any, dtype: Any = None) -> Array:
-    return asarray(value, dtype)
+    """A new Array (also from an Array: a new handle on the same data, as `mlx.core.array`)."""
+    out = asarray(value, dtype)
+    return _copy_handle(out) if out is value else out
 
 
 def _shape(shape: int | Sequence[int]) -> list[int]:
@@ -303,17 +305,8 @@ def clip(a: Any, a_min: Any = None, a_max: Any = None, *, stream: Any = None) ->
 
 
 def where(condition: Any, x: Any, y: Any, *, stream: Any = None) -> Array:
-    x_arr = x if isinstance(x, Array) else None
-    y_arr = y if isinstance(y, Array) else None
-    if x_arr is None and y_arr is not None:
-        x = asarray(x, _dt.promote_scalar(y_arr.dtype, x)) if _is_scalar(x) else x
-    if y_arr is None and x_arr is not None:
-        y = asarray(y, _dt.promote_scalar(x_arr.dtype, y)) if _is_scalar(y) else y
+    """x where condition, else y (a Python scalar takes the other operand's dtype, as in MLX)."""
     return RAW["where"](condition, x, y, stream=stream)
-
-
-def _is_scalar(x: Any) -> bool:
-    return isinstance(x, (bool, int, float, complex))
 
 
 def diagonal(a: Any, offset: int = 0, axis1: int = 0, axis2: int = 1, *, stream: Any = None) -> Array:

@@ -66,8 +66,9 @@ def tree_unflatten(leaves: Sequence[Array], treedef: TreeDef) -> Any:
 # ---------------------------------------------------------------------- closures
 
 _pending = threading.local()
+# Payloads MLX may still call, by address. No lock: `_release` can run inside a garbage collection
+# triggered anywhere (a lock held there would deadlock), and one dict store or pop is atomic.
 _alive: dict[int, Any] = {}
-_alive_lock = threading.Lock()
 
 
 @ffi.callback("int(mlx_vector_array *, const mlx_vector_array, void *)")
@@ -86,8 +87,7 @@ def _trampoline(res: Any, inputs: Any, payload: Any) -> int:
 
 @ffi.callback("void(void *)")
 def _release(payload: Any) -> None:
-    with _alive_lock:
-        _alive.pop(int(ffi.cast("uintptr_t", payload)), None)
+    _alive.pop(int(ffi.cast("uintptr_t", payload)), None)
 
 
 def _raise_failure() -> None:
@@ -110,8 +110,7 @@ class _Closure:
     def __init__(self, fn: Callable[[list[Array]], list[Array]] | None = None, handle: Any = None) -> None:
         if handle is None:
             payload = ffi.new_handle(fn)
-            with _alive_lock:
-                _alive[int(ffi.cast("uintptr_t", payload))] = payload
+            _alive[int(ffi.cast("uintptr_t", payload))] = payload
             handle = lib.mlx_closure_new_func_payload(_trampoline, payload, _release)
         self._h = ffi.new("mlx_closure *", handle)
 

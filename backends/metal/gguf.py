@@ -213,6 +213,8 @@ def _check_tensors(path: Path, reader: GGUFReader, size: int, *, types: bool) ->
     """Shapes and data ranges within bounds; with `types`, only tensor types that MLX loads."""
     unsupported: list[str] = []
     for t in reader.tensors:
+        if not t.name or not t.name.isprintable():
+            raise GGUFError(f"{path}: a tensor has an invalid name {t.name!r}")
         dims = [int(d) for d in t.shape]
         if not 1 <= len(dims) <= MAX_DIMS or any(d < 0 or d > _MAX_DIM for d in dims):
             raise GGUFError(f"{path}: tensor {t.name!r} has an invalid shape {dims}")
@@ -361,6 +363,7 @@ def gguf_config(reader: GGUFReader) -> dict[str, Any]:
         "rope_theta": _float(reader, key("rope.freq_base"), 10000.0),
         "tie_word_embeddings": "output.weight" not in shapes,
     }
+    _check_against_tensors(config, shapes)
     rope_scaling = _rope_scaling(reader, arch, head_dim, config["rope_theta"])
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
@@ -373,6 +376,25 @@ def gguf_config(reader: GGUFReader) -> dict[str, Any]:
         if isinstance(token, int) and not isinstance(token, bool):
             config[name] = token
     return config
+
+
+def _check_against_tensors(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """The hyperparameters must describe the tensors the file holds (a corrupt block count would
+    otherwise build a model of millions of layers before any weight is matched)."""
+    layers = config["num_hidden_layers"]
+    blocks = {int(n.split(".")[1]) for n in shapes if n.startswith("blk.") and n.split(".")[1].isdigit()}
+    if len(blocks) != layers or (blocks and (min(blocks) != 0 or max(blocks) != layers - 1)):
+        raise GGUFError(f"block_count is {layers} but the file has tensors for {len(blocks)} blocks")
+    hidden, head_dim = config["hidden_size"], config["head_dim"]
+    expected = {
+        "token_embd.weight": (config["vocab_size"], hidden),
+        "blk.0.attn_q.weight": (config["num_attention_heads"] * head_dim, hidden),
+        "blk.0.attn_k.weight": (config["num_key_value_heads"] * head_dim, hidden),
+        "blk.0.ffn_up.weight": (config["intermediate_size"], hidden),
+    }
+    for name, shape in expected.items():
+        if shapes.get(name) != shape:
+            raise GGUFError(f"tensor {name} has shape {shapes.get(name)}, but the metadata implies {shape}")
 
 
 _ARCH_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -451,13 +473,27 @@ def llama3_rope_scaling(factors: np.ndarray, head_dim: int, base: float) -> dict
     factor = float(f.max())
     wavelen = 2 * math.pi * base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     medium = (f > 1 + 1e-6) & (f < factor * (1 - 1e-6))
+    s = (1 / f[medium] - 1 / factor) / (1 - 1 / factor)  # the blend weight of each medium pair
     if medium.sum() >= 2:
-        s = (1 / f[medium] - 1 / factor) / (1 - 1 / factor)
         slope, intercept = np.polyfit(1 / wavelen[medium], s, 1)
         if intercept >= 0 or slope <= 0:
             raise GGUFError("rope_freqs do not follow Llama 3's RoPE scaling")
         high = 1 - 1 / intercept
         original = -slope / intercept
+    elif medium.sum() == 1:
+        # One equation, s = (L / w - 1) / (high - 1): any L between this wavelength and the first
+        # slowed one whose high keeps the shorter wavelengths unscaled reproduces every factor.
+        w, slowed = float(wavelen[medium][0]), wavelen[f >= factor * (1 - 1e-6)]
+        top = float(slowed.min()) if slowed.size else w * 1e3
+        llama3 = w * (1 + 3 * float(s[0]))  # the L of Llama 3's high / low = 4, tried first
+        for original in [llama3, *np.geomspace(w, top, 66)[1:-1]]:
+            high = 1 + (original / w - 1) / float(s[0])
+            trial = {"factor": factor, "low_freq_factor": 1.0, "high_freq_factor": high,
+                     "original_max_position_embeddings": original}
+            if np.allclose(_llama3_factors(trial, wavelen), f, rtol=1e-4, atol=1e-6):
+                break
+        else:
+            raise GGUFError("rope_freqs do not follow Llama 3's RoPE scaling")
     else:  # no blend region: any boundaries between the kept and the slowed wavelengths fit
         kept, slowed = wavelen[f <= 1 + 1e-6], wavelen[f > 1 + 1e-6]
         if not kept.size or not slowed.size:

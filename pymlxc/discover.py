@@ -38,7 +38,7 @@ def _safetensors_model(path: Path, files: list[str]) -> DiscoveredModel | None:
 
 
 def _gguf_model(path: Path, files: list[str]) -> DiscoveredModel | None:
-    ggufs = sorted(f for f in files if f.endswith(".gguf"))
+    ggufs = sorted(f for f in files if f.endswith(".gguf") and not f.lower().startswith("mmproj"))  # not projectors
     if not ggufs:
         return None
     try:

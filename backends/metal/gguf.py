@@ -144,11 +144,12 @@ class _CheckedReader(GGUFReader):
         n = int(slen[0])
         room = self._plain().shape[0] - offset - 8
         if n > min(room, MAX_STRING_LEN):
-            raise _Corrupt(f"a string at offset {offset} claims {n} bytes, but "
-                           + (f"only {max(room, 0)} remain in the file" if n > room else f"the limit is {MAX_STRING_LEN}"))
+            limit = f"only {max(room, 0)} remain in the file" if n > room else f"the limit is {MAX_STRING_LEN}"
+            raise _Corrupt(f"a string at offset {offset} claims {n} bytes, but {limit}")
         return slen, self._get(offset + 8, np.uint8, n)
 
-    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[np.ndarray], list[int], list[GGUFValueType]]:
+    def _get_field_parts(self, orig_offs: int,
+                         raw_type: int) -> tuple[int, list[np.ndarray], list[int], list[GGUFValueType]]:
         if raw_type != GGUFValueType.ARRAY:
             return super()._get_field_parts(orig_offs, raw_type)
         raw_itype = self._get(orig_offs, np.uint32)
@@ -165,14 +166,16 @@ class _CheckedReader(GGUFReader):
             off = start
             plain = self._plain()
             size = plain.shape[0]
-            unpack = struct.Struct("<Q" if self.byte_order == "I" else ">Q").unpack_from
+            unpack = struct.Struct("<Q").unpack_from  # big-endian files are refused before reading
             for _ in range(n):
                 if off + 8 > size:
-                    raise _Corrupt(f"truncated or corrupt: a string array at offset {orig_offs} runs past the end of the file")
+                    raise _Corrupt(f"truncated or corrupt: a string array at offset {orig_offs} runs past the end "
+                                   "of the file")
                 (length,) = unpack(plain, off)
                 off += 8
                 if length > size - off:
-                    raise _Corrupt(f"a string at offset {off - 8} claims {length} bytes, but only {size - off} remain in the file")
+                    raise _Corrupt(f"a string at offset {off - 8} claims {length} bytes, but only {size - off} remain "
+                                   "in the file")
                 parts.append(plain[off:off + length])
                 off += length
             return off - orig_offs, parts, list(range(2, 2 + n)), [GGUFValueType.ARRAY, GGUFValueType.STRING]
@@ -329,7 +332,9 @@ def gguf_config(reader: GGUFReader) -> dict[str, Any]:
     arch = architecture(reader)
     model_type = model_type_of(arch)
     shapes = _tensor_shapes(reader)
-    key = f"{arch}.".__add__
+    def key(name: str) -> str:
+        return f"{arch}.{name}"
+
 
     hidden = _int(reader, key("embedding_length"), required=True)
     heads = _int(reader, key("attention.head_count"), required=True)
@@ -371,8 +376,8 @@ def gguf_config(reader: GGUFReader) -> dict[str, Any]:
         config["attention_bias"] = "blk.0.attn_q.bias" in shapes
     if arch in ("gemma2", "gemma3"):
         config.update(_gemma_config(reader, arch, config))
-    for name, value in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
-        token = _scalar(reader, value)
+    for name in ("bos_token_id", "eos_token_id"):
+        token = _scalar(reader, f"tokenizer.ggml.{name}")
         if isinstance(token, int) and not isinstance(token, bool):
             config[name] = token
     return config
@@ -405,7 +410,9 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 def _gemma_config(reader: GGUFReader, arch: str, base: Mapping[str, Any]) -> dict[str, Any]:
-    key = f"{arch}.".__add__
+    def key(name: str) -> str:
+        return f"{arch}.{name}"
+
     layers, hidden, heads = base["num_hidden_layers"], base["hidden_size"], base["num_attention_heads"]
     wide = layers == _GEMMA_27B_LAYERS[arch]
     out: dict[str, Any] = {
@@ -438,7 +445,9 @@ def _gemma_config(reader: GGUFReader, arch: str, base: Mapping[str, Any]) -> dic
 
 
 def _rope_scaling(reader: GGUFReader, arch: str, head_dim: int, base: float) -> dict[str, Any] | None:
-    key = f"{arch}.".__add__
+    def key(name: str) -> str:
+        return f"{arch}.{name}"
+
     kind = _scalar(reader, key("rope.scaling.type"))
     factor = _float(reader, key("rope.scaling.factor"))
     if kind in ("linear", "yarn") and factor and factor != 1.0:
@@ -625,7 +634,7 @@ def quantization_of(reader: GGUFReader) -> tuple[int, int]:
     if not counts:
         return 0, 0
     dominant = max(counts, key=lambda k: counts[k])
-    if dominant in DENSE_TYPES or dominant not in GGML_QUANT_SIZES:
+    if dominant not in GGML_QUANT_SIZES or GGML_QUANT_SIZES[dominant][0] == 1:  # F32, F16, BF16, F64, I8...
         return 0, 0
     return _nominal_bits(dominant), GGML_QUANT_SIZES[dominant][0]
 
@@ -651,4 +660,5 @@ def describe_gguf(path: str | os.PathLike[str]) -> tuple[str | None, int, int]:
 
 
 __all__ = ["GGUFError", "ARCHITECTURES", "SUPPORTED_TYPES", "find_gguf", "read_gguf", "metadata", "gguf_config",
-           "read_gguf_weights", "load_gguf_weights", "load_gguf_model", "hf_name", "llama3_rope_scaling", "quantization_of", "describe_gguf"]
+           "read_gguf_weights", "load_gguf_weights", "load_gguf_model", "hf_name", "llama3_rope_scaling",
+           "quantization_of", "describe_gguf"]

@@ -417,9 +417,14 @@ def _from_numpy(arr: np.ndarray, dtype: _dt.Dtype | None) -> Array:
 def asarray(value: Any, dtype: _dt.Dtype | str | None = None) -> Array:
     """Make an Array from an Array, a Python scalar, a nested list, or a numpy array."""
     t = type(value)
-    if t is Array and dtype is None:
-        return value
-    if dtype is not None:
+    if dtype is None:
+        if t is Array:
+            return value
+        if t is float:  # the common mx.array(0.5): one C call
+            a = _object_new(Array)
+            a._h = _gc(_new_float32(value), _array_free)
+            return a
+    else:
         dtype = _dt.as_dtype(dtype)
     if t is float or t is int or t is bool or t is complex:
         return scalar(value, dtype)

@@ -9,14 +9,34 @@ import numpy as np
 
 from . import dtypes as _dt
 from . import ops
-from ._gen import _ENV, _STREAM_LINES, RAW, result_lines
-from ._loader import lib
-from .array import Array, _copy_handle, asarray, scalar, weak_dtype, weak_handle
+from ._gen import _ENV, _STREAM_LINES, RAW, fail, result_lines
+from ._loader import ffi, gc_cdata, lib, new_cdata
+from .array import (
+    _ARRAY_P, _INEXACT, Array, _copy_handle, asarray, freed, scalar, scalar_handle, weak_dtype, weak_handle, wrap,
+)
+from .device import current_stream
 
 # ---------------------------------------------------------------------- arithmetic operators
 
+_float32, _int32 = _dt.float32, _dt.int32
+_new_float32, _new_int, _free = lib.mlx_array_new_float32, lib.mlx_array_new_int, lib.mlx_array_free
+
+
 def other_handle(self: Array, other: Any) -> Any:
-    """The handle of the right-hand operand (weakly typed against `self`), or NotImplemented."""
+    """The handle of the right-hand operand (weakly typed against `self`), or NotImplemented.
+    The common `x * 0.5` on float32 and `i + 1` on int32 are done here without further calls."""
+    t = type(other)
+    if t is float or t is int:
+        try:
+            dtype = self._dtype
+        except AttributeError:
+            dtype = self.dtype
+        if t is float:
+            if dtype is _float32 or dtype not in _INEXACT:
+                return gc_cdata(_new_float32(other), _free)
+        elif dtype is _int32 and -2147483648 <= other <= 2147483647:
+            return gc_cdata(_new_int(other), _free)
+        return scalar_handle(other, weak_dtype(dtype, t))
     return weak_handle(other, self.dtype)
 
 
@@ -102,26 +122,20 @@ Array.__hash__ = lambda self: id(self)  # type: ignore[method-assign]
 
 # ---------------------------------------------------------------------- methods mirroring mlx.core.array
 
-def _method(fn: Callable[..., Any]) -> Callable[..., Any]:
-    def method(self: Array, *args: Any, **kwargs: Any) -> Any:
-        return fn(self, *args, **kwargs)
-
-    method.__name__ = fn.__name__
-    method.__doc__ = fn.__doc__
-    return method
-
-
+# The functions themselves are the methods (each takes the array first): no wrapper layer.
 for _name in ["sum", "mean", "max", "min", "prod", "all", "any", "var", "std", "argmax", "argmin", "logsumexp",
               "transpose", "squeeze", "flatten", "swapaxes", "moveaxis", "cumsum", "cumprod", "round",
               "diagonal", "split", "astype", "abs", "exp", "log", "sqrt", "square", "sin", "cos", "reciprocal",
               "rsqrt", "conjugate", "sort", "argsort", "softmax"]:
-    setattr(Array, _name, _method(getattr(ops, _name)))
+    setattr(Array, _name, getattr(ops, _name))
+
+_raw_reshape = RAW["reshape"]
 
 
 def _reshape(self: Array, *shape: Any, stream: Any = None) -> Array:
-    if len(shape) == 1 and not isinstance(shape[0], int):
-        shape = tuple(shape[0])
-    return ops.reshape(self, shape, stream=stream)
+    if len(shape) == 1 and type(shape[0]) is not int:
+        shape = shape[0]
+    return _raw_reshape(self, shape, stream)
 
 
 Array.reshape = _reshape  # type: ignore[attr-defined]
@@ -232,6 +246,25 @@ def _basic(a: Array, entries: list[Any]) -> tuple[Array, list[int]]:
     return RAW["slice"](a, starts, stops, steps), sizes
 
 
+_c_slice = lib.mlx_slice
+_INT_ARRAY = ffi.typeof("int[]")
+_squeeze0 = RAW["squeeze_axis"]
+
+
+def _slice_first_axis(a: Array, start: int, stop: int, step: int, rest: tuple[int, ...]) -> Array:
+    """`slice` of the first axis, with its three int lists in one buffer (one allocation)."""
+    n = len(rest) + 1
+    zeros = (0,) * (n - 1)
+    buf = new_cdata(_INT_ARRAY, (start, *zeros, stop, *rest, step, *(1,) * (n - 1)))
+    h = a._h
+    if h is None:
+        freed()
+    r = new_cdata(_ARRAY_P)
+    if _c_slice(r, h, buf, n, buf + n, n, buf + 2 * n, n, current_stream()):
+        fail(r)
+    return wrap(r)
+
+
 def getitem(self: Array, index: Any) -> Array:
     t = type(index)
     if t is int or t is slice:  # the common a[i] and a[i:j:k]: no normalisation needed
@@ -240,12 +273,9 @@ def getitem(self: Array, index: Any) -> Array:
             raise IndexError("too many indices for array: array is 0-dimensional, but 1 were indexed")
         if t is int:
             start = _int_bound(index, shape[0], 0)
-            stop, step = start + 1, 1
-        else:
-            start, stop, step, _ = _slice_bounds(index, shape[0])
-        rest = shape[1:]
-        view = _slice(self, (start,) + (0,) * len(rest), (stop,) + rest, (step,) + (1,) * len(rest))
-        return _reshape(view, rest) if t is int else view
+            return _squeeze0(_slice_first_axis(self, start, start + 1, 1, shape[1:]), 0)
+        start, stop, step, _ = _slice_bounds(index, shape[0])
+        return _slice_first_axis(self, start, stop, step, shape[1:])
     entries = _normalize(index, self.ndim)
     for e in entries:
         if isinstance(e, Array):

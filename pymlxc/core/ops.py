@@ -36,8 +36,14 @@ def _axis_family(base: str, a: Any, axis: Axis, *args: Any, stream: Any = None, 
 
 
 def _reduction(base: str):  # noqa: ANN202 - returns a function
+    whole, single, several = RAW[base], RAW[base + "_axis"], RAW[base + "_axes"]
+
     def reduce(a: Any, axis: Axis = None, keepdims: bool = False, *, stream: Any = None) -> Array:
-        return _axis_family(base, a, axis, keepdims=keepdims, stream=stream)
+        if axis is None:
+            return whole(a, keepdims, stream)
+        if type(axis) is int:
+            return single(a, axis, keepdims, stream)
+        return several(a, axis, keepdims, stream)
 
     reduce.__name__ = base
     reduce.__doc__ = f"`{base}` over `axis` (all axes when None)."
@@ -202,8 +208,11 @@ def triu(x: Any, k: int = 0, *, stream: Any = None) -> Array:
 
 # ---------------------------------------------------------------------- shapes
 
+_reshape = RAW["reshape"]
+
+
 def reshape(a: Any, shape: int | Sequence[int], *, stream: Any = None) -> Array:
-    return RAW["reshape"](a, _shape(shape), stream=stream)
+    return _reshape(a, (shape,) if type(shape) is int else shape, stream)
 
 
 def transpose(a: Any, axes: Sequence[int] | None = None, *, stream: Any = None) -> Array:

@@ -562,6 +562,11 @@ def read_gguf_weights(path: Path, reader: GGUFReader, config: Mapping[str, Any])
     Quantized tensors come as `<module>.weight` (packed), `.scales` and `.biases`."""
     arch = architecture(reader)
     by_name = {t.name: t for t in reader.tensors}
+    if not os.access(path, os.W_OK):
+        # gguflib (inside MLX) opens the file O_RDWR and maps it shared read-write, though it never
+        # writes: a read-only file fails there with only "gguf_init failed".
+        raise GGUFError(f"{path}: MLX's GGUF reader needs write permission on the file (it maps it read-write, "
+                        "without writing); make it writable (chmod u+w) or load a writable copy")
     try:
         with mx.load_gguf(path) as g:
             raw = {k: g.tensor(k) for k in g.keys()}

@@ -408,3 +408,12 @@ def test_mutated_files_fail_cleanly(data: st.DataObject, small: Path, tmp_path_f
     with mx.load_gguf(path) as g:
         for key in g.keys():
             g.tensor(key)
+
+
+def test_read_only_file_gets_a_clear_error(export: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    # MLX's reader opens files read-write; as root every file is writable, so the check is faked.
+    from pymlxc.backends.metal import gguf as module
+
+    monkeypatch.setattr(module.os, "access", lambda path, mode: mode != module.os.W_OK)
+    with pytest.raises(GGUFError, match=r"write permission.*chmod u\+w"):
+        pymlxc.load_model(str(export("qwen3")), backend="metal")

@@ -23,10 +23,11 @@ factors rather than as config values.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -270,9 +271,12 @@ def metadata(reader: GGUFReader, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     if field is None or not field.types:
         return default
-    if field.types[0] == GGUFValueType.ARRAY:
-        return field.contents(slice(None))
-    value = field.contents()
+    try:
+        if field.types[0] == GGUFValueType.ARRAY:
+            return field.contents(slice(None))
+        value = field.contents()
+    except UnicodeDecodeError as exc:
+        raise GGUFError(f"metadata {key} is not valid UTF-8: {exc}") from None
     if field.types[0] == GGUFValueType.FLOAT32:
         value = float(str(np.float32(value)))  # 1e-05, not 9.999999747378752e-06
     return value
@@ -592,6 +596,17 @@ def read_gguf_weights(path: Path, reader: GGUFReader, config: Mapping[str, Any])
 
 # ---------------------------------------------------------------------- loading
 
+@contextlib.contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """Prefix the file name to GGUFErrors raised inside that do not name it yet."""
+    try:
+        yield
+    except GGUFError as exc:
+        if str(exc).startswith(str(path)):
+            raise
+        raise GGUFError(f"{path}: {exc}") from exc.__cause__
+
+
 def _model_config(reader: GGUFReader) -> dict[str, Any]:
     config = gguf_config(reader)
     bits = {QUANT_BITS[t.tensor_type] for t in reader.tensors if t.tensor_type in QUANT_BITS}
@@ -609,8 +624,9 @@ def load_gguf_weights(path: str | os.PathLike[str], *, context_len: int = 131072
 
     file = Path(path)
     reader = reader if reader is not None else read_gguf(file)
-    config = _model_config(reader)
-    weights = read_gguf_weights(file, reader, config)
+    with _naming(file):
+        config = _model_config(reader)
+        weights = read_gguf_weights(file, reader, config)
     return build_model(config, weights, dict.fromkeys(weights, file), source=file, root=file,
                        context_len=context_len, progress=progress)
 
@@ -623,7 +639,8 @@ def load_gguf_model(path: str | os.PathLike[str], *, context_len: int = 131072,
 
     file = Path(path)
     reader = read_gguf(file)
-    tokenizer = load_gguf_tokenizer(file, reader, model_type_of(architecture(reader)))
+    with _naming(file):
+        tokenizer = load_gguf_tokenizer(file, reader, model_type_of(architecture(reader)))
     return tokenizer, load_gguf_weights(file, context_len=context_len, progress=progress, reader=reader)
 
 
@@ -659,7 +676,8 @@ def describe_gguf(path: str | os.PathLike[str]) -> tuple[str | None, int, int]:
     if file is None:
         raise GGUFError(f"no GGUF model in {p}")
     reader = read_gguf(file, check_types=False)
-    arch = architecture(reader)
+    with _naming(file):
+        arch = architecture(reader)
     bits, group = quantization_of(reader)
     return _MODEL_TYPE.get(arch, arch), bits, group
 

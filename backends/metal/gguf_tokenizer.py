@@ -23,13 +23,15 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tokenizers
-from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from .gguf import GGUFError, metadata
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -50,13 +52,6 @@ PRE_TOKENIZERS: dict[str | None, tuple[str | None, bool]] = {
 END_OF_TURN = ("<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "<|end|>",
                "<end_of_turn>", "<eos>", "</s>")
 _SPM_SPACE = "\u2581"
-
-
-def _meta(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    try:
-        return metadata(reader, key, default)
-    except UnicodeDecodeError as exc:
-        raise GGUFError(f"metadata {key} is not valid UTF-8: {exc}") from exc
 
 
 def _token_id(value: Any, n: int) -> int | None:
@@ -140,33 +135,33 @@ def _sentencepiece_bpe(tokens: Sequence[str], scores: Sequence[float], types: Se
 
 def pipeline_from_metadata(reader: GGUFReader) -> tokenizers.Tokenizer:
     """A `tokenizers.Tokenizer` from the `tokenizer.ggml.*` keys (or an embedded tokenizer.json)."""
-    embedded = _meta(reader, "tokenizer.huggingface.json")
+    embedded = metadata(reader, "tokenizer.huggingface.json")
     if isinstance(embedded, str) and embedded:
         try:
             return tokenizers.Tokenizer.from_str(embedded)
         except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exception
             raise GGUFError(f"the embedded tokenizer.huggingface.json is not a valid tokenizer: {exc}") from exc
-    kind = _meta(reader, "tokenizer.ggml.model")
-    tokens = _meta(reader, "tokenizer.ggml.tokens")
+    kind = metadata(reader, "tokenizer.ggml.model")
+    tokens = metadata(reader, "tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens:
         raise GGUFError("the GGUF file has no tokenizer (tokenizer.ggml.tokens); put the model's tokenizer.json "
                         "beside it")
     n = len(tokens)
-    types = _meta(reader, "tokenizer.ggml.token_type") or [NORMAL] * n
+    types = metadata(reader, "tokenizer.ggml.token_type") or [NORMAL] * n
     if not isinstance(types, list) or len(types) != n:
         raise GGUFError(f"tokenizer.ggml.token_type has {len(types) if isinstance(types, list) else 'no'} entries "
                         f"for {n} tokens")
     if kind == "gpt2":
-        merges = _meta(reader, "tokenizer.ggml.merges") or []
-        tok = _byte_level_bpe(tokens, merges, _meta(reader, "tokenizer.ggml.pre"))
+        merges = metadata(reader, "tokenizer.ggml.merges") or []
+        tok = _byte_level_bpe(tokens, merges, metadata(reader, "tokenizer.ggml.pre"))
     elif kind == "llama":
-        scores = _meta(reader, "tokenizer.ggml.scores")
+        scores = metadata(reader, "tokenizer.ggml.scores")
         if not isinstance(scores, list) or len(scores) != n:
             raise GGUFError("a SentencePiece (llama) tokenizer needs tokenizer.ggml.scores, one per token")
-        unk_id = _token_id(_meta(reader, "tokenizer.ggml.unknown_token_id"), n)
+        unk_id = _token_id(metadata(reader, "tokenizer.ggml.unknown_token_id"), n)
         if unk_id is None:
             unk_id = next((i for i, k in enumerate(types) if k == UNKNOWN), None)
-        add_prefix = _meta(reader, "tokenizer.ggml.add_space_prefix", True)
+        add_prefix = metadata(reader, "tokenizer.ggml.add_space_prefix", True)
         tok = _sentencepiece_bpe(tokens, scores, types, unk=tokens[unk_id] if unk_id is not None else None,
                                  add_space_prefix=bool(add_prefix))
     else:
@@ -185,26 +180,26 @@ def pipeline_from_metadata(reader: GGUFReader) -> tokenizers.Tokenizer:
 
 def settings_from_metadata(reader: GGUFReader, model_type: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(tokenizer_config, config) dicts shaped like the Hugging Face files, from the GGUF keys."""
-    tokens = _meta(reader, "tokenizer.ggml.tokens") or []
-    types = _meta(reader, "tokenizer.ggml.token_type") or []
+    tokens = metadata(reader, "tokenizer.ggml.tokens") or []
+    types = metadata(reader, "tokenizer.ggml.token_type") or []
     n = len(tokens)
 
     def token(key: str) -> tuple[int | None, str | None]:
-        i = _token_id(_meta(reader, key), n)
+        i = _token_id(metadata(reader, key), n)
         return (i, tokens[i]) if i is not None else (None, None)
 
     bos_id, bos = token("tokenizer.ggml.bos_token_id")
     eos_id, eos = token("tokenizer.ggml.eos_token_id")
     _, unk = token("tokenizer.ggml.unknown_token_id")
     _, pad = token("tokenizer.ggml.padding_token_id")
-    spm = _meta(reader, "tokenizer.ggml.model") == "llama"
-    add_bos = _meta(reader, "tokenizer.ggml.add_bos_token", spm)
-    add_eos = _meta(reader, "tokenizer.ggml.add_eos_token", False)
+    spm = metadata(reader, "tokenizer.ggml.model") == "llama"
+    add_bos = metadata(reader, "tokenizer.ggml.add_bos_token", spm)
+    add_eos = metadata(reader, "tokenizer.ggml.add_eos_token", False)
     tok_config: dict[str, Any] = {"add_bos_token": bool(add_bos) and bos is not None, "add_eos_token": bool(add_eos)}
     for name, text in (("bos_token", bos), ("eos_token", eos), ("unk_token", unk), ("pad_token", pad)):
         if text is not None:
             tok_config[name] = text
-    template = _meta(reader, "tokenizer.chat_template")
+    template = metadata(reader, "tokenizer.chat_template")
     if isinstance(template, str) and template:
         tok_config["chat_template"] = template
 

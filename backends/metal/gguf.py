@@ -51,7 +51,8 @@ MAX_ARRAY_LEN = 1 << 24  # metadata arrays: real vocabularies have a few hundred
 MAX_STRING_LEN = 1 << 28  # an embedded tokenizer.json is tens of MiB at most
 _MAX_DIM = (1 << 31) - 1  # MLX shapes are int32
 
-# Tensor types MLX loads without going through float16 conversion code that we would not check.
+# Tensor types pymlxc loads: MLX copies F32 and F16, widens BF16 (whose exact values are then taken
+# from the file) and repacks the three legacy quantizations; any other type is refused before MLX.
 DENSE_TYPES = (QType.F32, QType.F16, QType.BF16)
 QUANT_BITS = {QType.Q4_0: 4, QType.Q4_1: 4, QType.Q8_0: 8}
 SUPPORTED_TYPES = DENSE_TYPES + tuple(QUANT_BITS)

@@ -579,6 +579,11 @@ def read_gguf_weights(path: Path, reader: GGUFReader, config: Mapping[str, Any])
         raise GGUFError(f"{path}: MLX cannot read this GGUF file: {exc}") from exc
     heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
     gemma = arch.startswith("gemma")
+    # llama.cpp keeps 1-D tensors (norms, biases) in F32 whatever the model's precision. In an
+    # all-F16 or all-BF16 file they go back to that dtype, as in the HF checkpoint: F32 norms would
+    # make every activation float32 and every matmul widen its half-precision weight per call.
+    matrices = {t.tensor_type for t in reader.tensors if len(t.shape) >= 2}
+    half = {frozenset({QType.F16}): mx.float16, frozenset({QType.BF16}): mx.bfloat16}.get(frozenset(matrices))
     out: dict[str, Array] = {}
     for name, value in raw.items():
         if name in _IGNORED:
@@ -591,6 +596,8 @@ def read_gguf_weights(path: Path, reader: GGUFReader, config: Mapping[str, Any])
             value = _unpermute_rows(value, heads if ".q_proj." in target else kv_heads)
         if gemma and target.endswith("norm.weight"):
             value = (value.astype(mx.float32) - 1.0).astype(value.dtype)
+        if half is not None and value.ndim == 1 and value.dtype == mx.float32:
+            value = value.astype(half)
         out[target] = value
     return out
 

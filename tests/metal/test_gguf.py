@@ -105,6 +105,16 @@ def test_f16_and_bf16_exports(arch: str, tiny: dict[str, Path], export: Callable
             assert np.array_equal(np.array(w.astype(mx.float32)), np.array(want.astype(mx.float32)))
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_f16_export_of_a_float16_checkpoint_is_exact(arch: str, tmp_path: Path) -> None:
+    # Norms come back from llama.cpp's F32 to float16, so activations stay float16 as in the original.
+    src = write_tiny_model(tmp_path / arch, arch, dtype="float16", seed=3)
+    path = export_gguf(src, tmp_path / f"{arch}.gguf", Q.F16)
+    with load_weights_and_config(path) as loaded:
+        assert loaded.model(mx.array(IDS)).dtype == mx.float16
+    np.testing.assert_array_equal(logits(path), logits(src))
+
+
 def _dequantized_reference(qtype: Q) -> Callable[[object], None]:
     """Replace every 2-D weight by gguf's own quantize -> dequantize round trip of it."""
     def patch(model: object) -> None:

@@ -12,9 +12,10 @@ from typing import Any
 
 from . import dtypes as _dt
 from . import device as _device
-from ._loader import SIGNATURES, MLXError, check, ffi, gc_cdata, last_error, lib, new_cdata
+from ._loader import SIGNATURES, MLXError, check, fast, ffi, gc_cdata, last_error, lib, new_cdata
 from .array import (
-    _ARRAY_P, Array, FreedArrayError, asarray, freed, new_handle, release_failed, weak_handle, wrap,
+    _RESULT, Array, FreedArrayError, asarray, freed, new_handle, release_failed, release_failed_result, weak_handle,
+    wrap,
 )
 from .device import current_stream, resolve_stream
 
@@ -33,13 +34,10 @@ def handle_of(a: Array) -> Any:
     return h
 
 
-_NULL_ARRAY = ffi.new("mlx_array *")
-
-
 def opt_handle(x: Any, *others: Any) -> tuple[Any, Any]:
-    """(keepalive, struct) for a nullable array argument: None gives mlx-c's null array."""
+    """(keepalive, handle) for a nullable array argument: None gives mlx-c's null array."""
     if x is None:
-        return None, _NULL_ARRAY[0]
+        return None, ffi.NULL
     h = x._h if type(x) is Array else weak(x, *others)
     if h is None:
         freed()
@@ -71,13 +69,29 @@ _INT_ARRAY = ffi.typeof("int[]")
 _INT64_ARRAY = ffi.typeof("int64_t[]")
 
 
+# Shapes, axes and slice bounds repeat (the same reshape in every layer, every step): their C
+# buffers are kept by value and reused. mlx-c only reads them (`const int *`).
+_INT_LISTS: dict[tuple[int, ...], tuple[Any, int]] = {}
+_INT_LISTS_MAX = 4096
+
+
 def int_list(values: Any) -> tuple[Any, int]:
+    """(`int[]` buffer, length) for a shape or axis list (or one int)."""
     t = type(values)
-    if t is list or t is tuple:
+    key = values if t is tuple else tuple(values) if t is list else None
+    if key is not None:
+        hit = _INT_LISTS.get(key)
+        if hit is not None:
+            return hit
         try:  # plain ints: cffi converts (and range-checks) them itself
-            return new_cdata(_INT_ARRAY, values), len(values)
+            made = new_cdata(_INT_ARRAY, key), len(key)
         except TypeError:
-            pass
+            made = None
+        if made is not None:
+            if len(_INT_LISTS) >= _INT_LISTS_MAX:
+                _INT_LISTS.clear()
+            _INT_LISTS[key] = made
+            return made
     elif isinstance(values, int):
         values = (values,)
     values = [int(v) for v in values]
@@ -116,7 +130,7 @@ _vector_get = lib.mlx_vector_array_get
 
 def vector_of(arrays: Sequence[Any]) -> tuple[list[Array], Any]:
     items = [arr(a) for a in arrays]
-    handles = new_cdata(_ARRAY_ARRAY, [handle_of(a) for a in items])
+    handles = new_cdata(_ARRAY_ARRAY, [[handle_of(a)] for a in items])
     vec = _vector_new_data(handles, len(items))
     return items, gc_cdata(new_cdata(_VECTOR_P, vec), _free_vector)
 
@@ -153,10 +167,19 @@ def cstr(v: str) -> bytes:
 
 
 def fail(*slots: Any) -> None:
-    """After a non-zero status: free the half-made results and raise MLX's message."""
-    for p in slots:
-        release_failed(p)
+    """After a non-zero status of a `fast` call: free the half-made results (`void **` slots) and
+    raise MLX's message."""
+    for r in slots:
+        release_failed_result(r)
     raise MLXError(last_error())
+
+
+_VOID_PP = ffi.typeof("void **")
+
+
+def vector_slot(vec: Any) -> Any:
+    """A gc'd `mlx_vector_array *` seen as the `void **` that `fast` functions take."""
+    return ffi.cast(_VOID_PP, vec)
 
 
 # The globals of every generated wrapper (one dict, shared: `_tls` is rebound in place when the
@@ -168,8 +191,8 @@ _ENV: dict[str, Any] = {
     "vector_of": vector_of, "new_vector": new_vector, "unpack_vector": unpack_vector,
     "resolve_stream": resolve_stream, "cstr": cstr, "fft_norm": fft_norm, "Array": Array,
     "FreedArrayError": FreedArrayError, "release_failed": release_failed, "MLXError": MLXError,
-    "_freed": freed, "_current": current_stream, "_tls": _device._cache, "_new": new_cdata, "_AP": _ARRAY_P,
-    "_gc": gc_cdata, "_free": lib.mlx_array_free, "_anew": object.__new__, "_arr": arr,
+    "_freed": freed, "_current": current_stream, "_tls": _device._cache, "_new": new_cdata, "_AP": _RESULT,
+    "_gc": gc_cdata, "_free": fast.mlx_array_free, "_vslot": vector_slot, "_anew": object.__new__, "_arr": arr,
     "_weak": weak,
 }
 _device._cache_listeners.append(lambda cache: _ENV.__setitem__("_tls", cache))
@@ -243,7 +266,7 @@ def _build(cname: str, sig: dict[str, Any]) -> Callable[..., Any] | None:
         elif ctype == "const mlx_vector_array":
             py_params.append(name)
             pre.append(f"_k_{name}, _v_{name} = vector_of({name})")
-            call.append(f"_v_{name}[0]")
+            call.append(f"_v_{name}[0].ctx")
         elif ctype in ("int", "bool", "float", "double", "uint64_t", "size_t"):
             py_params.append(name + (f"={DEFAULTS[name]}" if name in DEFAULTS else ""))
             call.append(name)
@@ -285,6 +308,8 @@ def _build(cname: str, sig: dict[str, Any]) -> Callable[..., Any] | None:
         else:
             res_decl.append(f"_r{k} = new_vector()")
             res_out.append(f"unpack_vector(_r{k}[0])")
+            res_args.append(f"_vslot(_r{k})")
+            continue
         res_args.append(f"_r{k}")
     slots = ", ".join(f"_r{k}" for k, (t, _) in enumerate(results) if t == "mlx_array *")
     fn_global = "_c_" + cname
@@ -296,7 +321,7 @@ def _build(cname: str, sig: dict[str, Any]) -> Callable[..., Any] | None:
     body.append("return " + (res_out[0] if len(res_out) == 1 else "(" + ", ".join(res_out) + ",)"))
     lines += ["    " + line for line in body]
     src = "\n".join(lines)
-    _ENV[fn_global] = getattr(lib, cname)
+    _ENV[fn_global] = getattr(fast, cname)
     try:
         exec(compile(src, f"<pymlxc generated {cname}>", "exec"), _ENV)
     except SyntaxError as exc:  # pragma: no cover - a signature we cannot express

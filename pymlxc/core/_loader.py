@@ -69,7 +69,7 @@ def _preload_libmlx(stamp: dict[str, Any]) -> None:
     raise LibraryNotBuiltError(f"{name} not found under {', '.join(map(str, prefixes))}")
 
 
-def _open() -> tuple[cffi.FFI, Any, dict[str, Any], dict[str, Any]]:
+def _open() -> tuple[cffi.FFI, Any, dict[str, Any], dict[str, Any], Path]:
     lib_dir = _lib_dir()
     stamp = _read_stamp(lib_dir)
     _preload_libmlx(stamp)
@@ -81,17 +81,62 @@ def _open() -> tuple[cffi.FFI, Any, dict[str, Any], dict[str, Any]]:
     except OSError as exc:
         raise LibraryNotBuiltError(f"cannot open {lib_path}: {exc}. Rebuild with: {REBUILD_HINT}") from exc
     signatures = json.loads((lib_dir / "signatures.json").read_text())
-    return ffi, lib, stamp, signatures
+    return ffi, lib, stamp, signatures, lib_path
 
 
-ffi, lib, STAMP, SIGNATURES = _open()
+ffi, lib, STAMP, SIGNATURES, _LIB_PATH = _open()
+
+# ---------------------------------------------------------------------------- the fast view
+# Every mlx-c handle is `struct { void *ctx; }`, and the C ABIs MLX runs on (x86-64 System V,
+# AArch64/Apple arm64, Windows x64) pass and return such a struct exactly as they do a `void *`.
+# cffi, though, marshals a struct argument through a slower path than a pointer (about 60 ns each
+# here, a tenth of an op's cost). So the functions of the per-op paths are declared a second time,
+# from the same build-time signatures, with their array and stream handles as `void *` (and array
+# results as `void **`): `fast` calls the very same functions of the very same library. An Array
+# keeps its handle as that `void *` (`mlx_array.ctx`); `Array.handle` gives the struct for `lib`.
+_FAST_PARAM = {
+    "mlx_array *": "void **", "const mlx_array": "void *", "mlx_array": "void *", "const mlx_stream": "void *",
+    "mlx_vector_array *": "void **", "const mlx_vector_array": "void *", "mlx_dtype": "int", "mlx_fft_norm": "int",
+}
+_FAST_SAME = {
+    "int", "bool", "float", "double", "size_t", "uint64_t", "const int *", "const int64_t *", "const char *",
+    "const void *", "mlx_optional_int", "mlx_optional_float", "mlx_optional_dtype",
+}
+_FAST_RETURN = {"int": "int", "size_t": "size_t", "mlx_array": "void *", "mlx_dtype": "int", "const int *": "const int *"}
+_FAST_TYPEDEFS = """
+typedef struct { int value; bool has_value; } mlx_optional_int;
+typedef struct { float value; bool has_value; } mlx_optional_float;
+typedef struct { int value; bool has_value; } mlx_optional_dtype;
+"""
+
+
+def _fast_cdef(signatures: dict[str, Any]) -> str:
+    lines = [_FAST_TYPEDEFS]
+    for name, sig in signatures.items():
+        ret = _FAST_RETURN.get(sig["ret"])
+        params = []
+        for ctype, pname in sig["params"]:
+            ctype = _FAST_PARAM.get(ctype, ctype if ctype in _FAST_SAME else "")
+            if not ctype:
+                break
+            params.append(f"{ctype} {pname}")
+        else:
+            if ret is not None:
+                lines.append(f"{ret} {name}({', '.join(params) or 'void'});")
+    return "\n".join(lines)
+
+
+fast_ffi = cffi.FFI()
+fast_ffi.cdef(_fast_cdef(SIGNATURES))
+fast = fast_ffi.dlopen(str(_LIB_PATH))
 
 # In ABI mode cffi resolves `lib.<name>` lazily, under its own non-reentrant lock. A destructor run by
 # the garbage collector while that lock is held (say, during `ffi.new` parsing a new type) and touching
 # an unresolved name would deadlock; resolving every name once here (~40 ms) rules that out.
-for _name in dir(lib):
-    getattr(lib, _name)
-del _name
+for _library in (lib, fast):
+    for _name in dir(_library):
+        getattr(_library, _name)
+del _name, _library
 
 # `ffi.new(ctype, init)` and `ffi.gc(cdata, destructor)` are Python methods around these two builtins
 # of cffi's backend; the per-op paths call the builtins directly (a Python frame less each, about a

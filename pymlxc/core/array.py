@@ -10,49 +10,57 @@ from typing import Any
 import numpy as np
 
 from . import dtypes as _dt
-from ._loader import MLXError, check, ffi, gc_cdata, last_error, lib, new_cdata
+from ._loader import MLXError, check, fast, ffi, gc_cdata, last_error, lib, new_cdata
 from .device import _state, current_stream
 
 _NULL = ffi.NULL
 # Bound once: these run for every op (and `lib.<name>` lookups cost a dict lookup each).
-_ARRAY_P = ffi.typeof("mlx_array *")
+_ARRAY_P = ffi.typeof("mlx_array *")  # a result slot for `lib` calls
+_RESULT = ffi.typeof("void **")  # a result slot for `fast` calls (the same `ctx`, see _loader)
 _new = new_cdata
 _gc = gc_cdata
-_array_free = lib.mlx_array_free
+_array_free = fast.mlx_array_free
 _object_new = object.__new__
 
 
-def _free_handle(p: Any) -> None:
-    """Free the array in an `mlx_array *` slot (a half-made result) and clear the slot."""
-    if p[0].ctx != _NULL:
-        _array_free(p[0])
-        p[0].ctx = _NULL
-
-
 def adopt(h: Any) -> "Array":
-    """An Array owning `h`, an `mlx_array` struct taken at +1 (from an `mlx_array_new_*` call or a
-    filled result slot). The struct gets `mlx_array_free` as its collector destructor: a plain C call,
-    so collecting an array runs no Python code."""
+    """An Array owning `h`, an array handle (`void *`, an `mlx_array`'s ctx) taken at +1. It gets
+    `mlx_array_free` as its collector destructor: a plain C call, so collecting an array runs no
+    Python code."""
     a = _object_new(Array)
     a._h = _gc(h, _array_free)
     return a
 
 
 def wrap(p: Any) -> "Array":
-    """Adopt a freshly filled `mlx_array *` (taken at +1) as an Array. Call only after check()."""
+    """Adopt a freshly filled `mlx_array *` slot of a `lib` call (taken at +1). Call after check()."""
     a = _object_new(Array)
-    a._h = _gc(p[0], _array_free)
+    a._h = _gc(p[0].ctx, _array_free)
     return a
 
 
 def new_handle() -> Any:
-    """A zeroed result slot for an mlx-c call (mlx-c fills a null ctx with a new array)."""
+    """A zeroed `mlx_array *` result slot for a `lib` call (mlx-c fills a null ctx with a new array)."""
     return _new(_ARRAY_P)
 
 
 def release_failed(p: Any) -> None:
-    """Free a half-made result after a failed call (mlx-c may have set it)."""
-    _free_handle(p)
+    """Free a half-made result in an `mlx_array *` slot after a failed call (mlx-c may have set it)."""
+    if p[0].ctx != _NULL:
+        _array_free(p[0].ctx)
+        p[0].ctx = _NULL
+
+
+def release_failed_result(r: Any) -> None:
+    """The same for a `void **` result slot of a `fast` call."""
+    if r[0] != _NULL:
+        _array_free(r[0])
+        r[0] = _NULL
+
+
+def as_struct(h: Any) -> Any:
+    """The `mlx_array` struct for a handle, to pass to `lib` (the Array must outlive its use)."""
+    return _new(_ARRAY_P, [h])[0]
 
 
 class FreedArrayError(MLXError):
@@ -66,8 +74,8 @@ def freed() -> Any:
 class Array:
     """An MLX array. Owns its handle: freed when collected, or at once with `free()`/`with`."""
 
-    # `_h`: the owned `mlx_array` struct (None once freed). `_shape`/`_dtype`: filled on first use;
-    # an MLX array never changes either (in-place assignment keeps both).
+    # `_h`: the owned handle, `void *` (None once freed). `_shape`/`_dtype`: filled on first use; an
+    # MLX array never changes either (in-place assignment keeps both).
     __slots__ = ("_h", "_shape", "_dtype", "__weakref__")
     __array_priority__ = 100
 
@@ -82,11 +90,12 @@ class Array:
     # ------------------------------------------------------------------ lifetime
     @property
     def handle(self) -> Any:
-        """The `mlx_array` struct to pass to mlx-c; raises on a freed array."""
+        """The `mlx_array` struct to pass to mlx-c through `lib`; raises on a freed array. (The
+        Array keeps owning it: use it while the Array lives.)"""
         h = self._h
         if h is None:
             raise FreedArrayError("array used after free()")
-        return h
+        return as_struct(h)
 
     def free(self) -> None:
         """Release the MLX array now. Idempotent; any later use raises FreedArrayError."""
@@ -124,8 +133,8 @@ class Array:
         h = self._h
         if h is None:
             freed()
-        n = lib.mlx_array_ndim(h)
-        shape = self._shape = tuple(ffi.unpack(lib.mlx_array_shape(h), n)) if n else ()
+        n = fast.mlx_array_ndim(h)
+        shape = self._shape = tuple(ffi.unpack(fast.mlx_array_shape(h), n)) if n else ()
         return shape
 
     @property
@@ -153,7 +162,7 @@ class Array:
         h = self._h
         if h is None:
             freed()
-        dtype = self._dtype = _dt.BY_VALUE[lib.mlx_array_dtype(h)]
+        dtype = self._dtype = _dt.BY_VALUE[fast.mlx_array_dtype(h)]
         return dtype
 
     def __len__(self) -> int:
@@ -167,7 +176,7 @@ class Array:
         if h is None:
             return "array(<freed>)"
         s = ffi.new("mlx_string *")
-        check(lib.mlx_array_tostring(s, h))
+        check(lib.mlx_array_tostring(s, as_struct(h)))
         try:
             return ffi.string(lib.mlx_string_data(s[0])).decode()
         finally:
@@ -175,7 +184,10 @@ class Array:
 
     # ------------------------------------------------------------------ evaluation and export
     def eval(self) -> "Array":
-        check(lib.mlx_array_eval(self.handle))
+        h = self._h
+        if h is None:
+            freed()
+        check(fast.mlx_array_eval(h))
         return self
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
@@ -230,10 +242,10 @@ _INT_RANGE: dict[_dt.Dtype, tuple[int, int]] = {
 }
 _INT_CTYPE = {d: ffi.typeof(("u" if d.kind == "u" else "") + f"int{8 * d.size}_t[1]") for d in _INT_RANGE}
 _U16 = ffi.typeof("uint16_t[1]")
-_new_float32 = lib.mlx_array_new_float32
-_new_int = lib.mlx_array_new_int
-_new_bool = lib.mlx_array_new_bool
-_new_data = lib.mlx_array_new_data
+_new_float32 = fast.mlx_array_new_float32
+_new_int = fast.mlx_array_new_int
+_new_bool = fast.mlx_array_new_bool
+_new_data = fast.mlx_array_new_data
 _F16_PACK = struct.Struct("<e")
 _F32_PACK = struct.Struct("<f")
 _U32_UNPACK = struct.Struct("<I")
@@ -281,15 +293,15 @@ def scalar_handle(value: Any, dtype: _dt.Dtype) -> Any:
     elif dtype is _dt.bool_:
         return _gc(_new_bool(bool(value)), _array_free)
     elif dtype is _dt.float64:
-        return _gc(lib.mlx_array_new_float64(float(value)), _array_free)
+        return _gc(fast.mlx_array_new_float64(float(value)), _array_free)
     elif dtype is _dt.complex64:
         c = complex(value)
-        return _gc(lib.mlx_array_new_complex(c.real, c.imag), _array_free)
+        return _gc(fast.mlx_array_new_complex(c.real, c.imag), _array_free)
     else:  # float16, bfloat16
         if type(value) is complex:
             raise TypeError(f"cannot convert a complex scalar to {dtype.name}")
         h = _new_data(_new(_U16, [_half_bits(float(value), dtype)]), _NULL, 0, dtype.value)
-    if h.ctx == _NULL:
+    if h == _NULL:
         raise MLXError(last_error())
     return _gc(h, _array_free)
 
@@ -404,7 +416,7 @@ def _from_numpy(arr: np.ndarray, dtype: _dt.Dtype | None) -> Array:
             raise ValueError(f"dimension {dim} is larger than MLX supports")
     shape = ffi.new("int[]", list(data.shape)) if data.ndim else _NULL
     h = _new_data(ffi.from_buffer(data), shape, data.ndim, src.value)  # MLX copies the data
-    if h.ctx == _NULL:
+    if h == _NULL:
         raise MLXError(last_error())
     out = adopt(h)
     if dtype is not src:
@@ -515,6 +527,7 @@ def to_numpy(a: Array) -> np.ndarray:
 
 
 __all__ = [
-    "Array", "asarray", "scalar", "scalar_handle", "weak_dtype", "weak_handle", "to_numpy", "wrap", "adopt", "new_handle", "release_failed",
+    "Array", "asarray", "scalar", "scalar_handle", "weak_dtype", "weak_handle", "to_numpy", "wrap", "adopt",
+    "new_handle", "release_failed", "release_failed_result", "as_struct",
     "freed", "FreedArrayError", "_state", "current_stream",
 ]

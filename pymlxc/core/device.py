@@ -98,11 +98,12 @@ _cache_listeners: list[Callable[[threading.local], None]] = []
 
 
 def current_stream() -> Any:
-    """The C handle of this thread's current stream (what an op with `stream=None` runs on)."""
+    """The handle (`void *`, for `fast` calls) of this thread's current stream: what an op with
+    `stream=None` runs on."""
     try:
         return _cache.c
     except AttributeError:
-        c = _cache.c = default_stream()._c
+        c = _cache.c = default_stream()._c.ctx
         return c
 
 
@@ -177,16 +178,17 @@ def default_stream(device: Device | None = None) -> Stream:
 
 
 def resolve_stream(stream: "Stream | Device | str | None") -> Any:
-    """The C handle for a `stream=` argument: None, a Stream, a Device, or "cpu"/"gpu"."""
+    """The handle (`void *`, for `fast` calls) for a `stream=` argument: None, a Stream, a Device, or
+    "cpu"/"gpu"."""
     if stream is None:
         return current_stream()
-    if type(stream) is Stream:
-        return stream._c
     if isinstance(stream, Stream):
-        return stream._c
+        return stream._c.ctx
     if isinstance(stream, str):
         stream = Device(stream)
-    return default_stream(stream)._c
+    if not isinstance(stream, Device):
+        raise TypeError(f"stream= takes a Stream, a Device, 'cpu' or 'gpu', not {type(stream).__name__}")
+    return default_stream(stream)._c.ctx
 
 
 @contextlib.contextmanager
@@ -198,7 +200,7 @@ def stream_scope(target: "Stream | Device | str") -> Iterator[Stream]:
     previous_stream = getattr(_state, "stream", None)
     previous_device = getattr(_state, "device", None)
     _state.stream, _state.device = stream, stream.device
-    _cache.c = stream._c
+    _cache.c = stream._c.ctx
     try:
         yield stream
     finally:
@@ -210,4 +212,4 @@ def stream_scope(target: "Stream | Device | str") -> Iterator[Stream]:
 
 
 def synchronize(stream: Stream | None = None) -> None:
-    check(lib.mlx_synchronize(stream._c if stream is not None else current_stream()))
+    check(lib.mlx_synchronize((stream or default_stream())._c))

@@ -6,7 +6,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ._gen import handle_of
 from ._loader import MLXError, check, ffi, lib
 from .array import Array, asarray, new_handle, wrap
 from .device import cpu, default_stream
@@ -82,7 +81,7 @@ def save_safetensors(path: str | os.PathLike[str], arrays: Mapping[str, Any], me
         for k, v in arrays.items():
             a = asarray(v)
             keep.append(a)
-            check(lib.mlx_map_string_to_array_insert(amap, k.encode(), handle_of(a)))
+            check(lib.mlx_map_string_to_array_insert(amap, k.encode(), a.handle))
         for k, v in (metadata or {}).items():
             check(lib.mlx_map_string_to_string_insert(smap, k.encode(), str(v).encode()))
         check(lib.mlx_save_safetensors(os.fspath(path).encode(), amap, smap))

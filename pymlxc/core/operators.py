@@ -9,17 +9,18 @@ import numpy as np
 
 from . import dtypes as _dt
 from . import ops
-from ._gen import _ENV, _STREAM_LINES, RAW, fail, result_lines
-from ._loader import ffi, gc_cdata, lib, new_cdata
+from ._gen import _ENV, RAW, fail, result_lines
+from ._loader import fast, ffi, gc_cdata, new_cdata
 from .array import (
-    _ARRAY_P, _INEXACT, Array, _copy_handle, asarray, freed, scalar, scalar_handle, weak_dtype, weak_handle, wrap,
+    _INEXACT, _RESULT, Array, _copy_handle, adopt, asarray, freed, scalar, scalar_handle, weak_dtype, weak_handle,
 )
+from . import device as _device
 from .device import current_stream
 
 # ---------------------------------------------------------------------- arithmetic operators
 
 _float32, _int32 = _dt.float32, _dt.int32
-_new_float32, _new_int, _free = lib.mlx_array_new_float32, lib.mlx_array_new_int, lib.mlx_array_free
+_new_float32, _new_int, _free = fast.mlx_array_new_float32, fast.mlx_array_new_int, fast.mlx_array_free
 
 
 def other_handle(self: Array, other: Any) -> Any:
@@ -55,9 +56,11 @@ def _binary_method(cname: str, reverse: bool) -> Callable[[Array, Any], Array]:
         "            return NotImplemented",
         "    if _h_a is None or _h_b is None:",
         "        _freed()",
-        "    stream = None",
+        "    try:",
+        "        _s = _tls.c",
+        "    except AttributeError:",
+        "        _s = _current()",
     ]
-    lines += ["    " + line for line in _STREAM_LINES]
     lines += [
         "    _r0 = _new(_AP)",
         f"    if _c_{cname}(_r0, {x}, {y}, _s):",
@@ -65,7 +68,7 @@ def _binary_method(cname: str, reverse: bool) -> Callable[[Array, Any], Array]:
     ]
     lines += ["    " + line for line in result_lines("_r0", "_o0")]
     lines.append("    return _o0")
-    _ENV["_c_" + cname] = getattr(lib, cname)
+    _ENV["_c_" + cname] = getattr(fast, cname)
     _ENV["_other_handle"] = other_handle
     exec(compile("\n".join(lines), f"<pymlxc operator {cname}{' reversed' if reverse else ''}>", "exec"), _ENV)
     return _ENV.pop("method")
@@ -205,6 +208,8 @@ def _check_index_array(idx: Array) -> None:
 def _slice_bounds(e: slice, n: int) -> tuple[int, int, int, int]:
     """(start, stop, step, length) of a Python slice on an axis of size n, in MLX's slice convention."""
     start, stop, step = e.indices(n)
+    if step == 1:
+        return (start, stop, 1, stop - start) if stop > start else (0, 0, 1, 0)
     length = len(range(start, stop, step))
     if length == 0:  # Python's start/stop of an empty slice can mean other things to MLX
         return 0, 0, 1, 0
@@ -246,23 +251,40 @@ def _basic(a: Array, entries: list[Any]) -> tuple[Array, list[int]]:
     return RAW["slice"](a, starts, stops, steps), sizes
 
 
-_c_slice = lib.mlx_slice
+_c_slice = fast.mlx_slice
 _INT_ARRAY = ffi.typeof("int[]")
 _squeeze0 = RAW["squeeze_axis"]
 
 
+_object_new = object.__new__
+_SLICES: dict[tuple[int, ...], tuple[Any, Any, Any]] = {}  # bounds -> (starts, stops, strides) buffers
+
+
 def _slice_first_axis(a: Array, start: int, stop: int, step: int, rest: tuple[int, ...]) -> Array:
-    """`slice` of the first axis, with its three int lists in one buffer (one allocation)."""
-    n = len(rest) + 1
-    zeros = (0,) * (n - 1)
-    buf = new_cdata(_INT_ARRAY, (start, *zeros, stop, *rest, step, *(1,) * (n - 1)))
+    """`slice` of the first axis. Its three int lists live in one buffer, kept by value for reuse
+    (the same slices recur in every layer and step; mlx-c only reads them)."""
+    key = (start, stop, step) + rest
+    bufs = _SLICES.get(key)
+    if bufs is None:
+        n = len(rest) + 1
+        buf = new_cdata(_INT_ARRAY, (start, *(0,) * (n - 1), stop, *rest, step, *(1,) * (n - 1)))
+        if len(_SLICES) >= 4096:
+            _SLICES.clear()
+        bufs = _SLICES[key] = (buf, buf + n, buf + 2 * n)
     h = a._h
     if h is None:
         freed()
-    r = new_cdata(_ARRAY_P)
-    if _c_slice(r, h, buf, n, buf + n, n, buf + 2 * n, n, current_stream()):
+    try:
+        s = _device._cache.c
+    except AttributeError:
+        s = current_stream()
+    n = len(rest) + 1
+    r = new_cdata(_RESULT)
+    if _c_slice(r, h, bufs[0], n, bufs[1], n, bufs[2], n, s):
         fail(r)
-    return wrap(r)
+    out = _object_new(Array)
+    out._h = gc_cdata(r[0], _free)
+    return out
 
 
 def getitem(self: Array, index: Any) -> Array:

@@ -133,3 +133,32 @@ def test_random_with_keys() -> None:
     mx.random.seed(3)
     assert mx.random.uniform(shape=(3,)).tolist() == a
     assert mx.random.bernoulli(1.0, (3,), key=key).tolist() == [True] * 3
+
+
+def test_shape_arguments_and_reused_buffers() -> None:
+    a = mx.arange(24)
+    for shape in [(2, 12), [2, 12], (np.int64(2), 12), (mx.array(2), 12), (2, -1)]:
+        assert mx.reshape(a, shape).shape == (2, 12)  # the same buffer serves equal shapes
+    assert a.reshape(4, 6).shape == (4, 6) and a.reshape((3, 8)).shape == (3, 8)
+    assert mx.sum(mx.ones((2, 3, 4)), axis=(0, 2)).tolist() == [8.0, 8.0, 8.0]
+    assert mx.sum(mx.ones((2, 3, 4)), axis=[0, 2]).shape == (3,)
+    for start in range(6):  # many distinct slices, each its own buffer
+        assert a[start:start + 3].tolist() == list(range(start, start + 3))
+        assert a[start].item() == start
+
+
+def test_default_device_change_keeps_every_thread_on_a_valid_stream() -> None:
+    before = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        assert (mx.ones((2,)) + 1).tolist() == [2.0, 2.0]
+        seen: list[float] = []
+        import threading
+
+        t = threading.Thread(target=lambda: seen.append(mx.sum(mx.ones((3,))).item()))
+        t.start()
+        t.join()
+        assert seen == [3.0]
+    finally:
+        mx.set_default_device(before)
+    assert (mx.ones((2,)) * 2).tolist() == [2.0, 2.0]

@@ -272,11 +272,6 @@ def dequantize_model(model: Module) -> int:
     return changed
 
 
-def set_training(model: Module, training: bool) -> None:
-    for layer in lora_layers(model).values():
-        layer._training = training
-
-
 # ---------------------------------------------------------------------- gradient checkpointing
 
 _checkpointed_classes: dict[type, type] = {}
@@ -322,10 +317,6 @@ def set_grad_checkpoint(model: Module, enabled: bool) -> None:
             block.__class__ = _checkpointed(type(block))
         elif not enabled and base is not None:
             block.__class__ = base
-
-
-def trainable(model: Module) -> dict[str, Array]:
-    return model.trainable_parameters()
 
 
 def adapter_tensors(model: Module) -> dict[str, Array]:

@@ -321,6 +321,3 @@ def check_shapes(adapter: AdapterWeights, expected: Mapping[str, tuple[int, int]
         raise AdapterError(f"{adapter.path}: the adapter does not fit {model_name} (another architecture or size?):\n"
                            + "\n".join(shown))
 
-
-def module_names(names: Sequence[str]) -> list[str]:
-    return sorted({n.rsplit(".", 1)[0] for n in names})

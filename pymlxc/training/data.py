@@ -241,10 +241,6 @@ def iterate_batches(examples: Sequence[Example], batch_size: int, max_seq_length
             yield epoch, make_batch([examples[i] for i in indices], max_seq_length)
 
 
-def batches_per_epoch(n_examples: int, batch_size: int) -> int:
-    return max(1, n_examples // min(batch_size, n_examples)) if n_examples else 0
-
-
 def count_truncated(examples: Sequence[Example], max_seq_length: int) -> int:
     return sum(1 for e in examples if len(e.tokens) > max_seq_length + 1)
 

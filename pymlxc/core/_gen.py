@@ -4,6 +4,11 @@ A regular function fills one or more results (`mlx_array *` / `mlx_vector_array 
 ints, int lists, optionals, strings and dtypes, and ends with a stream. Each wrapper converts its
 arguments, checks the status and returns Arrays; its parameters carry mlx-c's names (which are
 MLX's Python names) and the stream is the keyword `stream`.
+
+These wrappers are the per-op hot path, so each is generated as one flat function (its source is
+kept as `__source__`): it calls mlx-c through the `fast` view (handles as `void *`, see _loader),
+reads the thread's stream from a cache, and adopts the result without further calls. A Python or
+numpy scalar next to an array operand is weakly typed against it, as in mlx.core (`WEAK_FROM`).
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ def arr(x: Any) -> Array:
 
 
 def handle_of(a: Array) -> Any:
+    """The array's handle (`void *`, for `fast` calls); raises on a freed array."""
     h = a._h
     if h is None:
         raise FreedArrayError("array used after free()")

@@ -66,11 +66,18 @@ def decode_capacity(prompt_len: int, max_tokens: int) -> int:
 
 
 def reserve(cache: Sequence[Any], capacity: int) -> None:
-    """Make each empty `KVCache` allocate `capacity` slots at its first update, so that prefill
-    writes straight into the buffer that decoding will use (no copy, no regrowth)."""
+    """Make each empty cache allocate `capacity` slots at its first update (a rotating cache: at
+    most its size), so that prefill writes straight into the buffer that decoding will use (no
+    copy, no regrowth). `_give_back` (or the caller, when decoding is not compiled) undoes it."""
     for c in cache:
-        if type(c) is KVCache and c.keys is None:
-            c.step = max(capacity, KVCache.step)
+        if type(c) in (KVCache, RotatingKVCache) and c.keys is None:
+            c.step = max(capacity, type(c).step)
+
+
+def _unreserve(cache: Sequence[Any]) -> None:
+    for c in cache:
+        if type(c) in (KVCache, RotatingKVCache):
+            c.__dict__.pop("step", None)
 
 
 # ---------------------------------------------------------------------- the module tree as inputs
@@ -245,7 +252,10 @@ def _ring_of(layer: _Layer) -> tuple[Array, Array]:
         pad_k = mx.zeros((k.shape[0], k.shape[1], ring - length, k.shape[3]), k.dtype)
         pad_v = mx.zeros((v.shape[0], v.shape[1], ring - length, v.shape[3]), v.dtype)
         return mx.concatenate([k, pad_k], axis=2), mx.concatenate([v, pad_v], axis=2)
-    # RotatingKVCache: pick, for every slot, the buffer entry holding its latest position.
+    # RotatingKVCache in temporal order, nothing evicted, already `ring` long: that is the ring.
+    if c._idx == offset and c._len == ring and offset <= ring:  # noqa: SLF001
+        return c.keys, c.values
+    # Otherwise pick, for every slot, the buffer entry holding its latest position.
     held = c._slot_positions()  # noqa: SLF001 - the cache's own layout, read-only
     where = {int(p): i for i, p in enumerate(held) if p >= 0}
     index = np.zeros(ring, dtype=np.int32)
@@ -271,7 +281,6 @@ def _give_back(layer: _Layer, keys: Array, values: Array, offset: int) -> None:
         c._capacity = ring  # noqa: SLF001 - the buffer is a KVCache buffer of `ring` slots
         b, h, _, dk = keys.shape
         c._dims = (b, h, dk, values.shape[3])  # noqa: SLF001
-        c.__dict__.pop("step", None)  # back to the class's growth step (see `reserve`)
         return
     # RotatingKVCache(keep=0 or never evicted): slot p % ring holds position p, which is its own
     # in-place layout with the write index at offset % ring (or in temporal order until full).
@@ -371,9 +380,7 @@ class CompiledDecoder:
             self.stats["fallback"] += 1
             yield from fallback()
         finally:
-            for c in cache:
-                if type(c) is KVCache:
-                    c.__dict__.pop("step", None)
+            _unreserve(cache)  # back to the classes' growth steps (see `reserve`)
 
     def _mark_failed(self, key: tuple[Any, ...], exc: BaseException) -> None:
         log.warning("compiled decode is not available for this model (%s: %s); using the uncompiled path",
@@ -473,12 +480,19 @@ class DecodeSession:
         rings = [_ring_of(layer) for layer in spec.layers]
         self._buffers = [a for pair in rings for a in pair]
         del rings
+        # The session owns the buffers until it gives them back: a cache still holding them would
+        # make every buffer's first write a copy (MLX writes in place only into an array nothing
+        # else holds), a second KV cache at the peak.
+        for layer in spec.layers:
+            layer.cache.keys = layer.cache.values = None
         b = first_inputs.shape[0]
         tokens_in = mx.reshape(first_inputs, (b,))
         pos = mx.array(self._first_position, dtype=mx.int32)
         try:
             out, pos = self._call(tokens_in, pos)
         except Exception as exc:
+            self._steps = 0
+            self._finish()  # the caches get their tokens back as they were, for the fallback
             self._decoder._mark_failed(self._key, exc)  # noqa: SLF001
             raise CompileUnavailable(str(exc)) from exc
         try:

@@ -144,17 +144,24 @@ def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, ste
             start: int = 0) -> None:
     """Run `tokens` [B, L] through the model into `cache`, `step` positions at a time.
 
-    Only the caches are evaluated (the chunks' logits are never needed), one chunk at a time, so
-    peak memory stays at one chunk's activations. `mask(offset, length)` gives each chunk's mask.
+    Only the caches are evaluated (the chunks' logits are never needed). Chunks are pipelined: a
+    chunk is queued, then the previous one is waited for, so the host builds chunk n+1 while the
+    device runs chunk n and at most two chunks' activations exist at a time; the last chunk is left
+    running (what comes next builds on it). `mask(offset, length)` gives each chunk's mask.
     `start`: the first `start` tokens are in `cache` already (a prompt-cache hit); the chunks keep
     the boundaries of a prefill from 0, because a context-bounded cache's results depend on them.
     """
     length = tokens.shape[1]
+    running: list[Any] = []
     while start < length:
         guard.check()
         stop = min((start // step + 1) * step, length)
         model(tokens[:, start:stop], cache=cache, mask=mask(start, stop - start) if mask else None)
-        mx.eval(_cache_state(cache))
+        state = _cache_state(cache)
+        mx.async_eval(state)
+        if running:
+            mx.eval(running)
+        running = state
         start = stop
 
 

@@ -8,6 +8,7 @@ context-bounded caches that evict, PYMLXC_COMPILE=0), LoRA adapters, retracing o
 """
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -204,3 +205,46 @@ def test_textmodel_default_and_env_switch(tmp_path: Path, monkeypatch: pytest.Mo
         batch = tm.batch_generate(["The baker"], max_tokens=12)
         assert [t.id for t in batch[0].tokens] == on
     assert tm._decoder._model is None  # noqa: SLF001 - close() dropped the traces
+
+
+def test_untraceable_forward_falls_back(models, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward that needs the position as a Python int cannot be traced: the decoder falls back
+    (once, remembering it), the caches keep their tokens, and the tokens are the uncompiled ones."""
+    model = models("mistral").model
+    ids = prompt()
+    want = run(model, ids, None)
+    forward = type(model).__call__
+
+    def needs_int_offset(self: Any, inputs: Any, cache: Any = None, mask: Any = None) -> Any:
+        if cache is not None:
+            int(cache[0].offset)  # fails on the traced position (an Array)
+        return forward(self, inputs, cache=cache, mask=mask)
+
+    monkeypatch.setattr(type(model), "__call__", needs_int_offset)
+    decoder = CompiledDecoder(model)
+    assert run(model, ids, decoder) == want
+    assert decoder.stats["fallback"] == 1 and decoder.stats["compiled"] == 0
+    assert run(model, ids, decoder) == want  # remembered: no second trace
+    assert decoder.stats["traces"] == 1
+
+
+def test_decode_peak_memory_has_one_kv_cache(models) -> None:
+    """The rings are written in place: decoding holds one KV cache, not two (as the uncompiled
+    loop); the caches hand their buffers to the session instead of keeping them."""
+    model = models("llama").model
+    ids = prompt()
+    peaks = []
+    decoder = CompiledDecoder(model)
+    run(model, ids, decoder, steps=200)  # traced and compiled before measuring
+    kv = 0
+    for dec in (decoder, None, decoder):
+        gc.collect()
+        mx.clear_cache()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        cache = model.make_cache(None)
+        run(model, ids, dec, steps=200, cache=cache)
+        peaks.append(mx.get_peak_memory() - base)
+        kv = sum(c.nbytes for c in cache)
+        del cache  # before the next baseline
+    assert max(peaks[0], peaks[2]) <= peaks[1] + kv // 4, (peaks, kv)

@@ -1,0 +1,594 @@
+"""pymlxc's native backend against mlx-lm on the same device, the same weights and the same tokens.
+
+For every case (a real model shape, bfloat16 or 4-bit, with random weights written on the fly by
+`random_models.py`) and every prompt length, both sides generate greedily from the same prompt
+token ids with EOS ignored, alternately (ABBA ordering over the runs, so that drift on a busy
+machine hits both alike), after one warm-up each. Reported per side: prefill tok/s (prompt tokens
+over the time to the first token, as mlx-lm counts it), decode tok/s (tokens after the first over
+the time after it), time to first token, peak memory (the side's weights plus the run's transient
+peak: both models are resident, so the other side's weights are taken out), load time (alternate
+loads) and the fraction of the memory-bandwidth limit that decode reaches (weight bytes read per
+token times tok/s over the bandwidth measured here with a large reduction in MLX). Medians, min
+and max over the runs; ratios are pymlxc / mlx-lm (memory: pymlxc / mlx-lm as well).
+
+    python benchmarks/compare_mlx_lm.py                       # the full set (a GPU)
+    python benchmarks/compare_mlx_lm.py --cpu --quick         # 1B shapes, short runs, on the CPU
+    python benchmarks/compare_mlx_lm.py --shapes llama-3.2-1b --quant 4bit --prompt-lengths 128 \\
+        --max-tokens 64 --runs 3 --out results/
+
+Writes `compare_mlx_lm.json` (schema in BENCH_SCHEMA.md) and `compare_mlx_lm.png` (matplotlib)
+into --out. `--uncompiled` adds pymlxc without the compiled decode step as a third side.
+"""
+from __future__ import annotations
+
+import _path  # noqa: F401 - the checkout as installed (backends as pymlxc.backends)
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import mlx.core as mlx
+
+import pymlxc.core as pmx
+from pymlxc.backends.metal import generate as loops
+from pymlxc.backends.metal.compiled import CompiledDecoder
+from pymlxc.backends.metal.loader import load_weights_and_config
+from pymlxc.backends.metal.sample import greedy
+from pymlxc.options import LoadConfig
+from random_models import SHAPES, shape_config, weight_bytes, write_random_model
+
+SCHEMA_VERSION = 1
+QUANTS = {"bf16": None, "4bit": 4, "f32": None, "4bit-f32": 4}  # name -> bits; "-f32"/"f32": float32 weights/scales
+DTYPE_OF = {"bf16": "bfloat16", "4bit": "bfloat16", "f32": "float32", "4bit-f32": "float32"}
+DEFAULT_SHAPES = ("llama-3.2-1b", "qwen3-0.6b", "gemma-3-1b", "llama-3.1-8b")
+# Cases that only run where their memory fits; the 1B-class shapes run everywhere.
+BIG = {("llama-3.1-8b", "bf16")}
+
+
+# ---------------------------------------------------------------------- device facts
+
+def device_facts(cpu: bool) -> dict[str, Any]:
+    facts: dict[str, Any] = {"device": str(mlx.default_device()), "platform": platform.platform(),
+                             "processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()}
+    try:
+        facts["mlx_device_info"] = {k: v for k, v in mlx.device_info().items()}
+    except Exception:  # noqa: BLE001 - older or partial builds
+        pass
+    if not cpu:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20)
+            if out.returncode == 0:
+                facts["gpu"] = out.stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return facts
+
+
+def versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for dist in ("mlx", "mlx-lm", "mlx-cuda-13", "mlx-cuda", "numpy"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_path.ROOT, capture_output=True, text=True,
+                             timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=_path.ROOT,
+                               capture_output=True, text=True, timeout=10)
+        out["pymlxc_git"] = rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return out
+
+
+def memory_capacity(cpu: bool) -> int | None:
+    """Bytes the device can hold: the GPU's memory from MLX, else the machine's RAM (None: unknown)."""
+    if not cpu:
+        try:
+            info = mlx.device_info()
+            for key in ("memory_size", "total_memory", "memory"):
+                if key in info and int(info[key]) > 0:
+                    return int(info[key])
+        except Exception:  # noqa: BLE001 - older or partial builds
+            pass
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError):
+        return None
+
+
+def measure_bandwidth(nbytes: int, repeats: int = 8) -> dict[str, float]:
+    """Device memory bandwidth in bytes/s from MLX itself: a sum over `nbytes` of float32 (reads
+    only, like decode's weight reads) and a copy (reads and writes). Best of `repeats`."""
+    n = nbytes // 4
+    a = mlx.random.uniform(shape=(n,))
+    mlx.eval(a)
+    batch = 4
+
+    def best(fn: Callable[[], Any]) -> float:
+        mlx.eval(fn())
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            mlx.eval(fn())
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    t_sum = best(lambda: [mlx.sum(a) for _ in range(batch)])
+    t_copy = best(lambda: [a * 1.5 for _ in range(batch)])
+    del a
+    mlx.clear_cache()
+    return {"read_bytes_per_s": batch * nbytes / t_sum, "copy_bytes_per_s": batch * 2 * nbytes / t_copy,
+            "buffer_bytes": nbytes}
+
+
+# ---------------------------------------------------------------------- the two sides
+
+class Side:
+    """One implementation: load, generate (timed) and free."""
+
+    name = ""
+
+    def load(self, path: Path) -> None: ...
+
+    def free(self) -> None: ...
+
+    def stream(self, prompt: list[int], max_tokens: int) -> Iterator[int]: ...
+
+    weights = 0
+
+
+class Pymlxc(Side):
+    def __init__(self, compiled: bool = True) -> None:
+        self.name = "pymlxc" if compiled else "pymlxc_uncompiled"
+        self.compiled = compiled
+        self.loaded: Any = None
+        self.decoder: CompiledDecoder | None = None
+        self.context_len = LoadConfig().context_len  # what MetalTextModel uses by default
+
+    def load(self, path: Path) -> None:
+        self.loaded = load_weights_and_config(path)
+        self.decoder = CompiledDecoder(self.loaded.model) if self.compiled else None
+        self.weights = self.loaded.nbytes
+
+    def free(self) -> None:
+        if self.decoder is not None:
+            self.decoder.close()
+            self.decoder = None
+        if self.loaded is not None:
+            self.loaded.free()
+            self.loaded = None
+
+    def stream(self, prompt: list[int], max_tokens: int) -> Iterator[int]:
+        model = self.loaded.model
+        return loops.generate_ids(model, prompt, cache=model.make_cache(self.context_len), sampler=greedy,
+                                  max_tokens=max_tokens, decoder=self.decoder)
+
+
+class MlxLm(Side):
+    name = "mlx_lm"
+
+    def __init__(self) -> None:
+        self.model: Any = None
+
+    def load(self, path: Path) -> None:
+        from mlx.utils import tree_flatten
+        from mlx_lm.utils import load_model
+
+        self.model, _ = load_model(Path(path))
+        self.weights = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+
+    def free(self) -> None:
+        self.model = None
+        gc.collect()
+        mlx.clear_cache()
+
+    def stream(self, prompt: list[int], max_tokens: int) -> Iterator[int]:
+        from mlx_lm.generate import generate_step
+
+        for token, _ in generate_step(mlx.array(prompt), self.model, max_tokens=max_tokens):
+            yield int(token)
+
+
+def timed_run(side: Side, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """One generation: times, tokens, memory."""
+    gc.collect()
+    mlx.clear_cache()
+    active = mlx.get_active_memory()
+    mlx.reset_peak_memory()
+    tokens: list[int] = []
+    start = time.perf_counter()
+    first = None
+    stream = side.stream(prompt, max_tokens)
+    for token in stream:
+        if first is None:
+            first = time.perf_counter()
+        tokens.append(token)
+    end = time.perf_counter()
+    peak = mlx.get_peak_memory()
+    first = first if first is not None else end
+    decode_s = end - first
+    return {
+        "ttft_s": first - start,
+        "prefill_tps": len(prompt) / (first - start),
+        "decode_tps": (len(tokens) - 1) / decode_s if decode_s > 0 and len(tokens) > 1 else 0.0,
+        "generated": len(tokens),
+        # The run's transient peak above what was resident (both models), plus this side's weights.
+        "peak_memory_bytes": max(peak - active, 0) + side.weights,
+        "tokens": tokens,
+    }
+
+
+def warm_up(side: Side, prompt: list[int], max_tokens: int, steps: int = 4) -> None:
+    """Run the first tokens of a generation of this size: traces, kernels and caches get made."""
+    stream = side.stream(prompt, max_tokens)
+    for i, _ in enumerate(stream):
+        if i + 1 >= steps:
+            break
+    close = getattr(stream, "close", None)
+    if close is not None:
+        close()
+
+
+def summary(values: list[float]) -> dict[str, Any]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+
+
+def agreement(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# ---------------------------------------------------------------------- one case
+
+def model_dir(root: Path, shape: str, quant: str, layers: int | None) -> Path:
+    path = root / (f"{shape}-{quant}" + ("" if layers is None else f"-{layers}l"))
+    if not (path / "model.safetensors.index.json").is_file():
+        t = time.perf_counter()
+        write_random_model(path, shape, bits=QUANTS[quant], layers=layers, dtype=DTYPE_OF[quant])
+        print(f"  wrote {path.name} ({weight_bytes(path) / 2**30:.2f} GiB) in {time.perf_counter() - t:.1f}s",
+              flush=True)
+    return path
+
+
+def bytes_per_token(path: Path, config: dict[str, Any]) -> int:
+    """Weight bytes decode reads per token: everything but an untied embedding table (one row of it)."""
+    total = weight_bytes(path)
+    if config.get("tie_word_embeddings"):
+        return total
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    names = [n for n in index["weight_map"] if n.startswith("model.embed_tokens.")]
+    from safetensors import safe_open
+
+    embed = 0
+    for name in names:
+        with safe_open(str(path / index["weight_map"][name]), framework="numpy") as f:
+            info = f.get_slice(name)
+            shape = info.get_shape()
+            dtype = info.get_dtype()
+            itemsize = {"BF16": 2, "F16": 2, "F32": 4, "U32": 4}.get(dtype, 2)
+            embed += int(np.prod(shape)) * itemsize
+    return total - embed
+
+
+def run_case(shape: str, quant: str, args: argparse.Namespace, sides: list[Side], bandwidth: float,
+             models_root: Path) -> list[dict[str, Any]]:
+    config = shape_config(shape, args.layers)
+    path = model_dir(models_root, shape, quant, args.layers)
+    per_token = bytes_per_token(path, config)
+    # Alternate loads; each side is freed right before it loads again, so all stay loaded at the end.
+    load_times: dict[str, list[float]] = {s.name: [] for s in sides}
+    for r in range(max(args.load_runs, 1)):
+        for side in sides if r % 2 == 0 else sides[::-1]:
+            side.free()
+            gc.collect()
+            mlx.clear_cache()
+            t = time.perf_counter()
+            side.load(path)
+            load_times[side.name].append(time.perf_counter() - t)
+    results = []
+    rng = np.random.default_rng(args.seed)
+    vocab = config["vocab_size"]
+    for prompt_len in args.prompt_lengths:
+        prompt = [int(i) for i in rng.integers(1000, vocab - 1000, size=prompt_len)]
+        print(f"  {shape} {quant} prompt {prompt_len}, {args.max_tokens} tokens", flush=True)
+        for side in sides:
+            warm_up(side, prompt, args.max_tokens)
+        runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in sides}
+        for r in range(args.runs):
+            order = sides if r % 2 == 0 else sides[::-1]
+            for side in order:
+                runs[side.name].append(timed_run(side, prompt, args.max_tokens))
+        case: dict[str, Any] = {
+            "shape": shape, "quant": quant, "layers": config["num_hidden_layers"], "model_type": config["model_type"],
+            "weight_bytes": weight_bytes(path), "bytes_per_token": per_token, "prompt_tokens": prompt_len,
+            "max_tokens": args.max_tokens, "sides": {},
+        }
+        for side in sides:
+            rs = runs[side.name]
+            decode = summary([x["decode_tps"] for x in rs])
+            case["sides"][side.name] = {
+                "load_s": summary(load_times[side.name]),
+                "prefill_tps": summary([x["prefill_tps"] for x in rs]),
+                "decode_tps": decode,
+                "ttft_s": summary([x["ttft_s"] for x in rs]),
+                "peak_memory_bytes": summary([float(x["peak_memory_bytes"]) for x in rs]),
+                "generated": rs[0]["generated"],
+                "bandwidth_fraction": decode["median"] * per_token / bandwidth if bandwidth else None,
+                "reproducible": all(x["tokens"] == rs[0]["tokens"] for x in rs),
+            }
+        ours, theirs = case["sides"]["pymlxc"], case["sides"]["mlx_lm"]
+        case["ratio"] = {
+            "decode": ours["decode_tps"]["median"] / theirs["decode_tps"]["median"],
+            "prefill": ours["prefill_tps"]["median"] / theirs["prefill_tps"]["median"],
+            "peak_memory": ours["peak_memory_bytes"]["median"] / theirs["peak_memory_bytes"]["median"],
+            "load": ours["load_s"]["median"] / theirs["load_s"]["median"],
+        }
+        case["tokens_agree"] = agreement(runs["pymlxc"][0]["tokens"], runs["mlx_lm"][0]["tokens"])
+        if "pymlxc_uncompiled" in runs:
+            case["compiled_matches_uncompiled"] = runs["pymlxc"][0]["tokens"] == runs["pymlxc_uncompiled"][0]["tokens"]
+        results.append(case)
+        print_case(case, [s.name for s in sides])
+    for side in sides:
+        side.free()
+    return results
+
+
+# ---------------------------------------------------------------------- output
+
+def _gb(n: float) -> str:
+    return f"{n / 2**30:.2f}G"
+
+
+def print_case(case: dict[str, Any], names: list[str]) -> None:
+    print(f"    {'side':<18} {'prefill tok/s':>13} {'decode tok/s':>12} {'ttft ms':>8} {'peak':>7} {'load s':>7} {'bw frac':>7}")
+    for name in names:
+        s = case["sides"][name]
+        bw = s["bandwidth_fraction"]
+        print(f"    {name:<18} {s['prefill_tps']['median']:>13.1f} {s['decode_tps']['median']:>12.1f} "
+              f"{1e3 * s['ttft_s']['median']:>8.1f} {_gb(s['peak_memory_bytes']['median']):>7} "
+              f"{s['load_s']['median']:>7.2f} {bw if bw is None else f'{bw:.3f}':>7}")
+    r = case["ratio"]
+    print(f"    ratio pymlxc/mlx-lm: decode {r['decode']:.2f}x, prefill {r['prefill']:.2f}x, "
+          f"peak memory {r['peak_memory']:.3f}, load {r['load']:.2f}; tokens agree for {case['tokens_agree']}"
+          f"/{case['sides']['pymlxc']['generated']}", flush=True)
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    lines = ["| shape | quant | prompt | side | prefill tok/s | decode tok/s | TTFT ms | peak mem | load s | BW frac |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for case in report["cases"]:
+        for name, s in case["sides"].items():
+            bw = s["bandwidth_fraction"]
+            lines.append(f"| {case['shape']} | {case['quant']} | {case['prompt_tokens']} | {name} | "
+                         f"{s['prefill_tps']['median']:.1f} | {s['decode_tps']['median']:.1f} | "
+                         f"{1e3 * s['ttft_s']['median']:.0f} | {_gb(s['peak_memory_bytes']['median'])} | "
+                         f"{s['load_s']['median']:.2f} | {'' if bw is None else f'{bw:.3f}'} |")
+    lines += ["", "| shape | quant | prompt | decode ratio | prefill ratio | peak memory ratio | load ratio | tokens agree |",
+              "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for case in report["cases"]:
+        r = case["ratio"]
+        lines.append(f"| {case['shape']} | {case['quant']} | {case['prompt_tokens']} | {r['decode']:.2f}x | "
+                     f"{r['prefill']:.2f}x | {r['peak_memory']:.3f} | {r['load']:.2f} | "
+                     f"{case['tokens_agree']}/{case['sides']['pymlxc']['generated']} |")
+    return "\n".join(lines)
+
+
+def chart(report: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no chart (pip install matplotlib)", file=sys.stderr)
+        return False
+    cases = report["cases"]
+    if not cases:
+        return False
+    names = list(cases[0]["sides"])
+    labels = [f"{c['shape']}\n{c['quant']} p{c['prompt_tokens']}" for c in cases]
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.6 * len(cases)), 8))
+    width = 0.8 / len(names)
+    for ax, metric, title in ((axes[0], "decode_tps", "decode tok/s"), (axes[1], "prefill_tps", "prefill tok/s")):
+        for k, name in enumerate(names):
+            values = [c["sides"][name][metric]["median"] for c in cases]
+            lows = [c["sides"][name][metric]["median"] - c["sides"][name][metric]["min"] for c in cases]
+            highs = [c["sides"][name][metric]["max"] - c["sides"][name][metric]["median"] for c in cases]
+            xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(cases))]
+            ax.bar(xs, values, width, label=name, yerr=[lows, highs], capsize=2)
+        for i, c in enumerate(cases):
+            key = "decode" if metric == "decode_tps" else "prefill"
+            top = max(c["sides"][n][metric]["max"] for n in names)
+            ax.annotate(f"{c['ratio'][key]:.2f}x", (i, top), ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(cases)))
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_ylabel(title)
+        ax.legend(fontsize=8)
+    device = report["device"].get("gpu") or report["device"].get("processor") or report["device"]["device"]
+    fig.suptitle(f"pymlxc vs mlx-lm ({device}; medians of {report['settings']['runs']} runs, bars min-max)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------------- main
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), choices=sorted(SHAPES))
+    p.add_argument("--quant", nargs="+", default=["bf16", "4bit"], choices=sorted(QUANTS))
+    p.add_argument("--prompt-lengths", nargs="+", type=int, default=[128, 2048])
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--runs", type=int, default=3, help="timed runs per side and case (medians; at least 3)")
+    p.add_argument("--load-runs", type=int, default=2, help="alternate loads per side (load time median)")
+    p.add_argument("--layers", type=int, default=None, help="fewer layers than the real shapes (quick CPU runs)")
+    p.add_argument("--cpu", action="store_true", help="run on the CPU")
+    p.add_argument("--quick", action="store_true",
+                   help="CPU-sized: the 1B-class shapes, prompt 32, 16 tokens, 3 runs, 1 load run")
+    p.add_argument("--uncompiled", action="store_true", help="add pymlxc without the compiled decode step")
+    p.add_argument("--models-dir", type=Path, default=None,
+                   help="where the random models are written and reused (default: a temporary folder)")
+    p.add_argument("--out", type=Path, default=Path("."), help="folder for compare_mlx_lm.json and .png")
+    p.add_argument("--bandwidth-mb", type=int, default=None, help="buffer for the bandwidth measurement")
+    p.add_argument("--memory-headroom", type=float, default=2.6,
+                   help="run a case only if the device holds this many times its weights (both sides + work)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--merge", nargs="*", type=Path, default=None, metavar="JSON",
+                   help="merge earlier result files (e.g. the parts of a GPU session) into --out; runs nothing")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.shapes = [s for s in args.shapes if s != "llama-3.1-8b"] if "--shapes" not in (argv or sys.argv) else args.shapes
+        if "--prompt-lengths" not in (argv or sys.argv):
+            args.prompt_lengths = [32]
+        if "--max-tokens" not in (argv or sys.argv):
+            args.max_tokens = 16
+        if "--load-runs" not in (argv or sys.argv):
+            args.load_runs = 1
+    if args.runs < 1:
+        p.error("--runs must be >= 1")
+    return args
+
+
+def estimated_bytes(shape: str, quant: str, layers: int | None) -> int:
+    config = shape_config(shape, layers)
+    from random_models import tensor_shapes
+
+    total = 0
+    for _, shp, kind in tensor_shapes(config):
+        n = int(np.prod(shp))
+        size = 4 if DTYPE_OF[quant] == "float32" else 2
+        if QUANTS[quant] and kind != "norm":
+            total += n // 2 + 2 * size * (n // 64)  # 4-bit codes + scales and biases per 64
+        else:
+            total += size * n
+    return total
+
+
+def header(report: dict[str, Any]) -> str:
+    device = report["device"]
+    name = device.get("gpu") or device.get("mlx_device_info", {}).get("device_name") or device.get("processor")
+    v = report["versions"]
+    s = report["settings"]
+    bw = report["bandwidth"]["read_bytes_per_s"] / 1e9
+    return (f"Device: {name} ({device['device']}); measured read bandwidth {bw:.0f} GB/s. "
+            f"Versions: MLX {v.get('mlx', '?')}, mlx-lm {v.get('mlx-lm', '?')}, pymlxc {v.get('pymlxc_git', '?')}, "
+            f"Python {v.get('python', '?')}. Date: {report['date']}. Greedy, EOS ignored, {s['max_tokens']} tokens, "
+            f"medians of {s['runs']} runs" + (f", {s['layers']} layers" if s.get("layers") else "") + ".")
+
+
+def merge(files: list[Path], out: Path) -> int:
+    reports = [json.loads(f.read_text()) for f in files]
+    if not reports:
+        print("--merge: no files given", file=sys.stderr)
+        return 2
+    merged = dict(reports[0])
+    merged["cases"] = [c for r in reports for c in r["cases"]]
+    merged["skipped"] = [c for r in reports for c in r.get("skipped", [])]
+    merged["merged_from"] = [str(f) for f in files]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare_mlx_lm.json").write_text(json.dumps(merged, indent=1) + "\n")
+    print(header(merged))
+    print()
+    print(markdown_table(merged))
+    for skip in merged["skipped"]:
+        print(f"\nskipped {skip['shape']} {skip['quant']}: {skip['reason']}")
+    chart(merged, out / "compare_mlx_lm.png")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.merge is not None:
+        return merge(args.merge, args.out)
+    if args.cpu:
+        mlx.set_default_device(mlx.cpu)
+        pmx.set_default_device(pmx.cpu)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tmp = None
+    if args.models_dir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="pymlxc-bench-")
+        models_root = Path(tmp.name)
+    else:
+        models_root = args.models_dir
+        models_root.mkdir(parents=True, exist_ok=True)
+    capacity = memory_capacity(args.cpu)
+    bw_bytes = (args.bandwidth_mb << 20) if args.bandwidth_mb else ((256 << 20) if args.cpu else (1 << 30))
+    bandwidth = measure_bandwidth(bw_bytes)
+    print(f"device {mlx.default_device()}; memory {capacity and _gb(capacity)}; bandwidth "
+          f"{bandwidth['read_bytes_per_s'] / 1e9:.1f} GB/s read, {bandwidth['copy_bytes_per_s'] / 1e9:.1f} GB/s copy",
+          flush=True)
+    sides: list[Side] = [Pymlxc(True), MlxLm()]
+    if args.uncompiled:
+        sides.append(Pymlxc(False))
+    report: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION, "kind": "compare_mlx_lm",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device_facts(args.cpu), "versions": versions(), "bandwidth": bandwidth,
+        "settings": {"shapes": args.shapes, "quant": args.quant, "prompt_lengths": args.prompt_lengths,
+                     "max_tokens": args.max_tokens, "runs": args.runs, "load_runs": args.load_runs,
+                     "layers": args.layers, "cpu": args.cpu, "greedy": True, "eos_ignored": True,
+                     "sides": [s.name for s in sides]},
+        "cases": [], "skipped": [],
+    }
+    out_json = args.out / "compare_mlx_lm.json"
+    try:
+        for shape in args.shapes:
+            for quant in args.quant:
+                need = estimated_bytes(shape, quant, args.layers) * args.memory_headroom
+                if (shape, quant) in BIG and capacity is not None and need > capacity:
+                    reason = f"needs about {_gb(need)}, the device has {_gb(capacity)}"
+                    print(f"skip {shape} {quant}: {reason}", flush=True)
+                    report["skipped"].append({"shape": shape, "quant": quant, "reason": reason})
+                    continue
+                if capacity is not None and need > capacity:
+                    reason = f"needs about {_gb(need)}, the device has {_gb(capacity)}"
+                    print(f"skip {shape} {quant}: {reason}", flush=True)
+                    report["skipped"].append({"shape": shape, "quant": quant, "reason": reason})
+                    continue
+                print(f"case {shape} {quant}", flush=True)
+                report["cases"] += run_case(shape, quant, args, sides, bandwidth["read_bytes_per_s"], models_root)
+                out_json.write_text(json.dumps(report, indent=1) + "\n")  # partial results survive a timeout
+    finally:
+        for side in sides:
+            side.free()
+        out_json.write_text(json.dumps(report, indent=1) + "\n")
+        if tmp is not None:
+            tmp.cleanup()
+    print()
+    print(header(report))
+    print()
+    print(markdown_table(report))
+    if chart(report, args.out / "compare_mlx_lm.png"):
+        print(f"\nwrote {out_json} and {args.out / 'compare_mlx_lm.png'}")
+    else:
+        print(f"\nwrote {out_json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# The GPU session of issue 7: build libmlxc for MLX's CUDA wheel, smoke-test the binding, run the
+# binding and model parity tests on the GPU, then benchmarks/compare_mlx_lm.py at full size.
+#
+# Run on the GPU machine from the repo root, after the CUDA wheel is installed (see
+# ../shared/tools/device-mlx-cuda/README.md):
+#
+#   device call 1:  bash .device-stage/a/stash.sh                          carry [".device-stage/a"]
+#   device call 2:  source .device-stage/b/install.sh && bash benchmarks/gpu_session.sh setup tests
+#                                                                          carry [".device-stage/b"]
+#   device call 3:  source .device-stage/b/install.sh --no-install && bash benchmarks/gpu_session.sh bench-1b
+#   device call 4:  source .device-stage/b/install.sh --no-install && bash benchmarks/gpu_session.sh bench-gemma bench-8b report
+#
+# Every stage fits one device call of 10 minutes (each bench stage takes about 2 to 5). A stage
+# that needs libmlxc builds it first when the machine went cold (about a minute); the random models
+# stay in /tmp/pymlxc-bench-models while the machine is warm. Results go to $OUT (the device tool
+# brings them back; it starts empty in every call): $OUT/<stage>/compare_mlx_lm.{json,png} and
+# log.txt, $OUT/tests/pytest.txt. `report` merges the bench results present in this call's $OUT;
+# to merge the parts of several calls, run here afterwards:
+#   python benchmarks/compare_mlx_lm.py --merge <part>/compare_mlx_lm.json ... --out benchmarks/results/gpu
+#
+# Stages: setup smoke tests bench-1b bench-gemma bench-8b report all
+# Options: --dry-run (print the commands only), --cpu-check (run every stage on this machine's CPU
+# with tiny shapes: checks the plumbing, not the numbers).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+OUT=${OUT:-/tmp/pymlxc-gpu-out}
+LIB_DIR=${PYMLXC_LIB_DIR:-/tmp/pymlxc_lib}
+MODELS=${PYMLXC_BENCH_MODELS:-/tmp/pymlxc-bench-models}
+PY=${PYTHON:-python3}
+DRY=0
+CPU=0
+stages=()
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) DRY=1 ;;
+    --cpu-check) CPU=1 ;;
+    setup|smoke|tests|bench-1b|bench-gemma|bench-8b|report) stages+=("$arg") ;;
+    all) stages+=(setup smoke tests bench-1b bench-gemma bench-8b report) ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    *) echo "gpu_session.sh: unknown stage or option: $arg" >&2; exit 2 ;;
+  esac
+done
+[ ${#stages[@]} -gt 0 ] || { echo "gpu_session.sh: name at least one stage (or all); --help lists them" >&2; exit 2; }
+
+if [ "$CPU" = 1 ]; then
+  # Plumbing check on a CPU: the venv's MLX and libmlxc, tiny shapes, a scratch output folder.
+  LIB_DIR=${PYMLXC_LIB_DIR:-$ROOT/pymlxc/_lib}
+  OUT=${OUT_CPU_CHECK:-/tmp/pymlxc-gpu-session-check}
+  MODELS=/tmp/pymlxc-gpu-session-check-models
+fi
+export PYMLXC_LIB_DIR="$LIB_DIR"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+
+run() {  # echo, then run unless --dry-run; the log of the stage keeps both
+  echo "+ $*"
+  if [ "$DRY" = 0 ]; then "$@"; fi
+}
+
+stamp() { echo "=== $1 $(date -u +%H:%M:%S) (${SECONDS}s into this call)"; }
+
+ensure_lib() {
+  if [ -f "$LIB_DIR/stamp.json" ] && [ -f "$LIB_DIR/cdef.h" ]; then
+    return 0
+  fi
+  run "$PY" build_mlxc.py --output "$LIB_DIR"
+}
+
+bench_args=()
+if [ "$CPU" = 1 ]; then
+  # Tiny stand-ins: the same code paths on the CPU in a couple of minutes.
+  bench_args=(--cpu --layers 2 --prompt-lengths 16 --max-tokens 8 --runs 3 --load-runs 1 --quant f32)
+fi
+
+bench() {  # bench <stage name> <compare_mlx_lm arguments...>
+  local name=$1; shift
+  ensure_lib
+  mkdir -p "$OUT/$name"
+  # A failed part does not stop the later ones (their device minutes are not wasted); its log says why.
+  run "$PY" benchmarks/compare_mlx_lm.py --models-dir "$MODELS" --out "$OUT/$name" "$@" "${bench_args[@]}" \
+    2>&1 | tee "$OUT/$name/log.txt" || echo "!!! $name failed (see $OUT/$name/log.txt)"
+}
+
+for stage in "${stages[@]}"; do
+  stamp "$stage"
+  case "$stage" in
+    setup)
+      run "$PY" -c "import mlx.core as mx, sys; print('mlx', mx.__version__, mx.default_device(), sys.version.split()[0])"
+      if [ "$DRY" = 0 ] && [ "$CPU" = 0 ]; then nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true; fi
+      ensure_lib
+      if [ "$DRY" = 0 ] && [ -f "$LIB_DIR/stamp.json" ]; then cat "$LIB_DIR/stamp.json" > "$OUT/libmlxc_stamp.json"; fi
+      ;;
+    smoke)
+      ensure_lib
+      run "$PY" - <<'PY'
+import benchmarks._path  # noqa: F401 - backends as pymlxc.backends
+import pymlxc.core as mx
+import mlx.core as mlx
+print("pymlxc default device:", mx.default_device(), "| mlx:", mlx.default_device())
+a = mx.random.normal((256, 256), key=mx.random.key(0))
+b = (a @ a.T).sum()
+ref = mlx.array(a.tolist())
+want = float((ref @ ref.T).sum())
+print("matmul sum", b.item(), "mlx", want)
+assert abs(b.item() - want) <= 1e-3 * max(1.0, abs(want)), "binding and mlx disagree"
+f = mx.compile(lambda x: [mx.exp(x[0]) * 2.0 + 1.0])
+print("compiled", f([mx.ones((4,))])[0].tolist())
+from pymlxc.backends.metal import compiled
+print("compiled decode enabled:", compiled.compile_enabled())
+PY
+      ;;
+    tests)
+      ensure_lib
+      tests=(tests/metal/test_models_parity.py tests/metal/test_compiled_decode.py)
+      if [ -d tests/binding ]; then tests=(tests/binding "${tests[@]}"); fi
+      mkdir -p "$OUT/tests"
+      # -p no:cacheprovider: the checkout may be read-only for .pytest_cache; a failure stops the stage
+      # but its log comes back.
+      run "$PY" -m pytest "${tests[@]}" -x -q -p no:cacheprovider 2>&1 | tee "$OUT/tests/pytest.txt" \
+        || echo "!!! tests failed (see $OUT/tests/pytest.txt)"
+      ;;
+    bench-1b)
+      # Llama-3.2-1B and Qwen3-0.6B, bfloat16 and 4-bit, prompts of 128 and 2048, 256 tokens.
+      if [ "$CPU" = 1 ]; then bench bench-1b --shapes llama-3.2-1b-narrow qwen3-0.6b-narrow --uncompiled
+      else bench bench-1b --shapes llama-3.2-1b qwen3-0.6b --quant bf16 4bit --uncompiled; fi
+      ;;
+    bench-gemma)
+      if [ "$CPU" = 1 ]; then bench bench-gemma --shapes gemma-3-1b-narrow
+      else bench bench-gemma --shapes gemma-3-1b --quant bf16 4bit --uncompiled; fi
+      ;;
+    bench-8b)
+      if [ "$CPU" = 1 ]; then bench bench-8b --shapes llama-3.2-1b-narrow --layers 4
+      else bench bench-8b --shapes llama-3.1-8b --quant 4bit; fi
+      ;;
+    report)
+      mkdir -p "$OUT/report"
+      parts=()
+      for part in bench-1b bench-gemma bench-8b; do
+        if [ -f "$OUT/$part/compare_mlx_lm.json" ]; then parts+=("$OUT/$part/compare_mlx_lm.json"); fi
+      done
+      if [ ${#parts[@]} -eq 0 ] && [ "$DRY" = 0 ]; then echo "no bench results in $OUT yet" >&2; exit 1; fi
+      run "$PY" benchmarks/compare_mlx_lm.py --merge "${parts[@]}" --out "$OUT/report" 2>&1 | tee "$OUT/report/results.md"
+      ;;
+  esac
+done
+stamp done

@@ -339,6 +339,9 @@ def run_case(shape: str, quant: str, args: argparse.Namespace, sides: list[Side]
                 "bandwidth_fraction": decode["median"] * per_token / bandwidth if bandwidth else None,
                 "reproducible": all(x["tokens"] == rs[0]["tokens"] for x in rs),
             }
+            decoder = getattr(side, "decoder", None)
+            if decoder is not None:  # did pymlxc decode on the compiled step (or fall back)?
+                case["sides"][side.name]["decoder_stats"] = dict(decoder.stats)
         ours, theirs = case["sides"]["pymlxc"], case["sides"]["mlx_lm"]
         case["ratio"] = {
             "decode": ours["decode_tps"]["median"] / theirs["decode_tps"]["median"],

@@ -43,6 +43,7 @@ import numpy as np
 
 import pymlxc.core as mx
 from pymlxc.core import Array
+from pymlxc.core.transforms import FixedArrays
 
 from .cache import KVCache, RotatingKVCache
 from .nn import Module
@@ -447,12 +448,13 @@ class DecodeSession:
         self._steps = 0
         self._first_position = spec.layers[0].cache.offset
         self._fn = decoder._function(key)  # noqa: SLF001
+        self._weights = FixedArrays(spec.weights)  # handed to every step without converting them again
 
     def _call(self, tokens: Array, pos: Array) -> tuple[Array, Array]:
         spec = self._spec
         _tracing.spec = spec  # read by _trace_step, if MLX traces now
         try:
-            out = self._fn.call_flat([tokens, pos, *self._buffers, *spec.weights])
+            out = self._fn.call_flat([tokens, pos, *self._buffers], self._weights)
         finally:
             _tracing.spec = None
         self._buffers = out[2:]

@@ -11,9 +11,9 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._gen import new_vector, unpack_vector, vector_of
-from ._loader import MLXError, ffi, last_error, lib
-from .array import Array, asarray
+from ._gen import _ARRAY_ARRAY, new_vector, unpack_vector, vector_of
+from ._loader import MLXError, ffi, last_error, lib, new_cdata
+from .array import Array, FreedArrayError, asarray
 
 # ---------------------------------------------------------------------- trees of arrays
 
@@ -176,14 +176,22 @@ class Compiled:
         out = closure.apply(leaves)
         return tree_unflatten(out, out_defs[0])
 
-    def call_flat(self, inputs: Sequence[Array]) -> list[Array]:
+    def call_flat(self, inputs: Sequence[Array], tail: "FixedArrays | None" = None) -> list[Array]:
         """Call with one flat list of arrays (the function takes and returns a list of arrays):
-        no tree handling, for callers that replay a compiled step many times."""
-        n = len(inputs)
+        no tree handling, for callers that replay a compiled step many times. `tail`: arrays
+        passed after `inputs` in every call (weights, say), converted once instead of per call."""
+        n = len(inputs) + (tail.size if tail is not None else 0)
         entry = self._flat.get(n)
         if entry is None:
             entry = self._flat[n] = self._compiled_for(("tuple", (("list", (None,) * n),)))[0]
-        return entry.apply(inputs)
+        if tail is None:
+            return entry.apply(inputs)
+        tail.check()
+        _keep, vec = vector_of(inputs)
+        _call(lib.mlx_vector_array_append_data(vec[0], tail.handles, tail.size))
+        out = new_vector()
+        _call(lib.mlx_closure_apply(out, entry.c, vec[0]))
+        return unpack_vector(out[0])
 
     def clear(self) -> None:
         """Drop the compiled graphs (MLX's cache entries included)."""
@@ -198,6 +206,25 @@ class Compiled:
                 self.clear()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+class FixedArrays:
+    """Arrays handed to every call of `Compiled.call_flat` after its per-call inputs, as one C array
+    of handles made once. It holds the Arrays; a call raises FreedArrayError if one of them was
+    freed (or given a new handle) since."""
+
+    def __init__(self, arrays: Sequence[Array]) -> None:
+        self.arrays = [a if isinstance(a, Array) else asarray(a) for a in arrays]
+        self._owned = [a._h for a in self.arrays]
+        if any(h is None for h in self._owned):
+            raise FreedArrayError("array used after free()")
+        self.handles = new_cdata(_ARRAY_ARRAY, [[h] for h in self._owned])
+        self.size = len(self.arrays)
+
+    def check(self) -> None:
+        for a, h in zip(self.arrays, self._owned):
+            if a._h is not h:
+                raise FreedArrayError("an array of a FixedArrays was freed or replaced since it was made")
 
 
 def compile(fn: Callable[..., Any], shapeless: bool = False) -> Compiled:  # noqa: A001

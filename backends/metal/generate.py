@@ -27,7 +27,10 @@ if TYPE_CHECKING:
     from .cache import Cache
     from .compiled import CompiledDecoder
 
-PREFILL_STEP = 512  # prompt tokens per forward pass: bounds the attention scores' memory
+# Prompt tokens per forward pass. 2048 as mlx-lm: on a GPU, 512-token chunks measured 0.4-0.6x of
+# mlx-lm's prefill for 2048-token prompts (H100, MLX 0.32.4) from smaller matmuls and more launches;
+# the chunk still bounds the attention scores' memory where the fused kernel is not used.
+PREFILL_STEP = 2048
 
 
 class LanguageModel(Protocol):

@@ -20,9 +20,11 @@ fixed-size buffers instead of growing caches:
   model frees its memory whatever MLX's (per-thread) compile cache still holds.
 
 Prefill stays uncompiled (a few large chunks: the binding's overhead is amortized there) and
-writes into a `KVCache` whose first allocation is already the decode size (`reserve`), so the
-buffer passes to the decode without a copy. When decoding ends, the caches get the rings back
-in their own layout, so a caller that keeps the caches (a prompt cache) sees every token.
+writes into caches whose first allocation is already the decode size (`reserve`), so the buffers
+pass to the decode without a copy. During decoding the session owns the buffers (so that MLX
+writes them in place: an array something else still holds is copied on write); when it ends,
+the caches get the rings back in their own layout, so a caller that keeps the caches (a prompt
+cache) sees every token.
 
 `CompiledDecoder.start` says None where this path does not apply (batches, explicit masks,
 unknown cache types, a context-bounded cache that would evict, a model whose forward cannot be
@@ -69,7 +71,7 @@ def decode_capacity(prompt_len: int, max_tokens: int) -> int:
 def reserve(cache: Sequence[Any], capacity: int) -> None:
     """Make each empty cache allocate `capacity` slots at its first update (a rotating cache: at
     most its size), so that prefill writes straight into the buffer that decoding will use (no
-    copy, no regrowth). `_give_back` (or the caller, when decoding is not compiled) undoes it."""
+    copy, no regrowth). `CompiledDecoder.decode` undoes it when the generation ends."""
     for c in cache:
         if type(c) in (KVCache, RotatingKVCache) and c.keys is None:
             c.step = max(capacity, type(c).step)

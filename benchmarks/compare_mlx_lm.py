@@ -411,7 +411,8 @@ def chart(report: dict[str, Any], path: Path) -> bool:
     cases = report["cases"]
     if not cases:
         return False
-    names = list(cases[0]["sides"])
+    # Sides measured in every case (a merged report may mix runs with and without --uncompiled).
+    names = [n for n in cases[0]["sides"] if all(n in c["sides"] for c in cases)]
     labels = [f"{c['shape']}\n{c['quant']} p{c['prompt_tokens']}" for c in cases]
     fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.6 * len(cases)), 8))
     width = 0.8 / len(names)

@@ -156,16 +156,17 @@ class Side:
 
 
 class Pymlxc(Side):
-    def __init__(self, compiled: bool = True) -> None:
-        self.name = "pymlxc" if compiled else "pymlxc_uncompiled"
+    def __init__(self, compiled: bool = True, mode: str | None = None) -> None:
+        self.name = ("pymlxc" if compiled else "pymlxc_uncompiled") + (f"_{mode}" if mode else "")
         self.compiled = compiled
+        self.mode = mode
         self.loaded: Any = None
         self.decoder: CompiledDecoder | None = None
         self.context_len = LoadConfig().context_len  # what MetalTextModel uses by default
 
     def load(self, path: Path) -> None:
         self.loaded = load_weights_and_config(path)
-        self.decoder = CompiledDecoder(self.loaded.model) if self.compiled else None
+        self.decoder = CompiledDecoder(self.loaded.model, self.mode) if self.compiled else None
         self.weights = self.loaded.nbytes
 
     def free(self) -> None:
@@ -349,6 +350,14 @@ def run_case(shape: str, quant: str, args: argparse.Namespace, sides: list[Side]
             "peak_memory": ours["peak_memory_bytes"]["median"] / theirs["peak_memory_bytes"]["median"],
             "load": ours["load_s"]["median"] / theirs["load_s"]["median"],
         }
+        for name in case["sides"]:
+            if name.startswith("pymlxc_") and name != "pymlxc_uncompiled":  # a variant: its own ratios
+                var = case["sides"][name]
+                case[f"ratio_{name[len('pymlxc_'):]}"] = {
+                    "decode": var["decode_tps"]["median"] / theirs["decode_tps"]["median"],
+                    "prefill": var["prefill_tps"]["median"] / theirs["prefill_tps"]["median"],
+                    "peak_memory": var["peak_memory_bytes"]["median"] / theirs["peak_memory_bytes"]["median"],
+                }
         case["tokens_agree"] = agreement(runs["pymlxc"][0]["tokens"], runs["mlx_lm"][0]["tokens"])
         if "pymlxc_uncompiled" in runs:
             case["compiled_matches_uncompiled"] = runs["pymlxc"][0]["tokens"] == runs["pymlxc_uncompiled"][0]["tokens"]
@@ -377,6 +386,10 @@ def print_case(case: dict[str, Any], names: list[str]) -> None:
     print(f"    ratio pymlxc/mlx-lm: decode {r['decode']:.2f}x, prefill {r['prefill']:.2f}x, "
           f"peak memory {r['peak_memory']:.3f}, load {r['load']:.2f}; tokens agree for {case['tokens_agree']}"
           f"/{case['sides']['pymlxc']['generated']}", flush=True)
+    for key, r in case.items():
+        if key.startswith("ratio_"):
+            print(f"    ratio {key[len('ratio_'):]}/mlx-lm: decode {r['decode']:.2f}x, prefill {r['prefill']:.2f}x, "
+                  f"peak memory {r['peak_memory']:.3f}", flush=True)
 
 
 def markdown_table(report: dict[str, Any]) -> str:
@@ -455,6 +468,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="CPU-sized: the 1B-class shapes, prompt 32, 16 tokens, 3 runs, 1 load run")
     p.add_argument("--uncompiled", action="store_true", help="add pymlxc without the compiled decode step")
+    p.add_argument("--segmented", action="store_true",
+                   help="add pymlxc with the segmented decode step (PYMLXC_DECODE=segmented; Llama family)")
     p.add_argument("--models-dir", type=Path, default=None,
                    help="where the random models are written and reused (default: a temporary folder)")
     p.add_argument("--out", type=Path, default=Path("."), help="folder for compare_mlx_lm.json and .png")
@@ -549,6 +564,8 @@ def main(argv: list[str] | None = None) -> int:
     sides: list[Side] = [Pymlxc(True), MlxLm()]
     if args.uncompiled:
         sides.append(Pymlxc(False))
+    if args.segmented:
+        sides.append(Pymlxc(True, "segmented"))
     report: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION, "kind": "compare_mlx_lm",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

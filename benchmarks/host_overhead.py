@@ -77,7 +77,11 @@ def time_mlx_lm(config: dict[str, Any], bits: int | None, context: int, steps: i
     return times
 
 
-def time_pymlxc(config: dict[str, Any], bits: int | None, context: int, steps: int, compiled: bool) -> list[float]:
+def time_pymlxc(config: dict[str, Any], bits: int | None, context: int, steps: int, compiled: bool,
+                mode: str = "graph") -> list[float]:
+    import os
+
+    os.environ["PYMLXC_DECODE"] = mode
     model = _pymlxc_model(config, bits)
     cache = model.make_cache(LoadConfig().context_len)
     decoder = CompiledDecoder(model) if compiled else None
@@ -97,6 +101,21 @@ def time_pymlxc(config: dict[str, Any], bits: int | None, context: int, steps: i
     session = decoder.start(cache, context - 1, steps + 2, sampler=greedy)
     assert session is not None, "the compiled path does not apply"
     from pymlxc.backends.metal import compiled as cmod
+    from pymlxc.backends.metal import segments
+
+    if isinstance(session, segments.SegmentedSession):
+        session._buffers = [a for layer in session._layers for a in cmod._ring_of(layer)]  # noqa: SLF001
+        tokens = pmx.reshape(first, (1,))
+        pos = pmx.array(context - 1, dtype=pmx.int32)
+        t = time.perf_counter()
+        tokens, pos = session._step(tokens, pos)  # noqa: SLF001 - the first step traces
+        trace = time.perf_counter() - t
+        for _ in range(steps):
+            t = time.perf_counter()
+            tokens, pos = session._step(tokens, pos)  # noqa: SLF001
+            times.append(time.perf_counter() - t)
+        decoder.close()
+        return [trace, *times]
 
     session._buffers = [a for layer in session._spec.layers for a in cmod._ring_of(layer)]  # noqa: SLF001
     tokens = pmx.reshape(first, (1,))
@@ -124,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     rows = []
     print(f"host ms per decode token (median of {args.steps} steps at context {args.context}; no kernels run)")
-    print(f"{'shape':<16} {'quant':<5} {'mlx-lm':>8} {'pymlxc':>8} {'compiled':>9} {'trace ms':>9} {'mlx-lm/compiled':>16}")
+    print(f"{'shape':<16} {'quant':<5} {'mlx-lm':>8} {'pymlxc':>8} {'compiled':>9} {'segmented':>10} {'trace ms':>9} "
+          f"{'mlx-lm/compiled':>16}")
     for shape in args.shapes:
         config = shape_config(shape)
         for quant in args.quant:
@@ -135,12 +155,18 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
             comp = time_pymlxc(config, bits, args.context, args.steps, compiled=True)
             gc.collect()
+            seg = None
+            if config["model_type"] in ("llama", "mistral", "qwen2", "qwen3"):
+                seg = time_pymlxc(config, bits, args.context, args.steps, compiled=True, mode="segmented")
+                gc.collect()
             row = {"shape": shape, "quant": quant, "layers": config["num_hidden_layers"],
                    "mlx_lm_ms": 1e3 * statistics.median(theirs), "pymlxc_uncompiled_ms": 1e3 * statistics.median(plain),
-                   "pymlxc_compiled_ms": 1e3 * statistics.median(comp[1:]), "trace_ms": 1e3 * comp[0]}
+                   "pymlxc_compiled_ms": 1e3 * statistics.median(comp[1:]), "trace_ms": 1e3 * comp[0],
+                   "pymlxc_segmented_ms": 1e3 * statistics.median(seg[1:]) if seg else None}
             rows.append(row)
+            segmented = f"{row['pymlxc_segmented_ms']:>10.2f}" if seg else f"{'-':>10}"
             print(f"{shape:<16} {quant:<5} {row['mlx_lm_ms']:>8.2f} {row['pymlxc_uncompiled_ms']:>8.2f} "
-                  f"{row['pymlxc_compiled_ms']:>9.2f} {row['trace_ms']:>9.0f} "
+                  f"{row['pymlxc_compiled_ms']:>9.2f} {segmented} {row['trace_ms']:>9.0f} "
                   f"{row['mlx_lm_ms'] / row['pymlxc_compiled_ms']:>15.2f}x", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"schema_version": 1, "kind": "host_overhead", "context": args.context,

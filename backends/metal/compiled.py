@@ -57,6 +57,17 @@ ENV_VAR = "PYMLXC_COMPILE"
 BUFFER_STEP = 256  # decode buffers are sized in steps of this many tokens (mlx-lm's cache step)
 
 
+DECODE_ENV_VAR = "PYMLXC_DECODE"
+
+
+def decode_mode() -> str:
+    """"graph" (the default: the whole step as one compiled graph over masked rings) or "segmented"
+    (Llama-family models: compiled segments around MLX's fused attention on exact-length keys,
+    see segments.py), from PYMLXC_DECODE."""
+    mode = os.environ.get(DECODE_ENV_VAR, "graph").strip().lower()
+    return mode if mode in ("graph", "segmented") else "graph"
+
+
 def compile_enabled() -> bool:
     """False when the environment says PYMLXC_COMPILE=0 (or false/no/off)."""
     return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
@@ -303,8 +314,11 @@ class CompiledDecoder:
     apply). Thread-safe; `close()` drops the traces.
     """
 
-    def __init__(self, model: Module) -> None:
+    def __init__(self, model: Module, mode: str | None = None) -> None:
+        if mode not in (None, "graph", "segmented"):
+            raise ValueError(f"decode mode must be 'graph' or 'segmented', not {mode!r}")
         self._model: Module | None = model
+        self.mode = mode  # None: PYMLXC_DECODE decides at each generation
         self._lock = threading.Lock()
         self._compiled: dict[tuple[Any, ...], Any] = {}
         self._failed: set[tuple[Any, ...]] = set()
@@ -319,11 +333,11 @@ class CompiledDecoder:
             self._model = None
 
     # ------------------------------------------------------------------ tracing
-    def _function(self, key: tuple[Any, ...]) -> Any:
+    def _function(self, key: tuple[Any, ...], make: Callable[[], Any] | None = None) -> Any:
         with self._lock:
             fn = self._compiled.get(key)
             if fn is None:
-                fn = mx.compile(_trace_step)
+                fn = make() if make is not None else mx.compile(_trace_step)
                 self._compiled[key] = fn
             return fn
 
@@ -345,7 +359,18 @@ class CompiledDecoder:
             return None
         weights = _arrays_of(model)
         fuse_greedy = sampler is greedy and not processors
-        key = (_structure(model, weights), fuse_greedy, tuple((layer.ring, layer.window) for layer in layers))
+        structure = _structure(model, weights)
+        if (self.mode or decode_mode()) == "segmented" and not processors:
+            from . import segments
+
+            blocks = segments.plan(model)
+            seg_key = ("segmented", structure, fuse_greedy)
+            if blocks is not None and seg_key not in self._failed:
+                fns = self._function(seg_key, segments.SegmentFunctions)
+                return segments.SegmentedSession(model, blocks, layers, fns, fuse_greedy, sampler, first_position,
+                                                 on_fail=lambda exc: self._mark_failed(seg_key, exc),
+                                                 stats=self.stats)
+        key = (structure, fuse_greedy, tuple((layer.ring, layer.window) for layer in layers))
         if key in self._failed:
             return None
         spec = _Spec(model, weights, layers, fuse_greedy, self.stats)

@@ -248,3 +248,59 @@ def test_decode_peak_memory_has_one_kv_cache(models) -> None:
         kv = sum(c.nbytes for c in cache)
         del cache  # before the next baseline
     assert max(peaks[0], peaks[2]) <= peaks[1] + kv // 4, (peaks, kv)
+
+
+# ---------------------------------------------------------------------- PYMLXC_DECODE=segmented
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@pytest.fixture
+def segmented(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYMLXC_DECODE", "segmented")
+
+
+@pytest.mark.parametrize("arch", LLAMA_FAMILY)
+def test_segmented_tokens_match_uncompiled(models, segmented: None, arch: str) -> None:
+    from pymlxc.backends.metal import segments
+
+    model = models(arch).model
+    assert segments.plan(model) is not None
+    decoder = CompiledDecoder(model)
+    ids = prompt()
+    assert run(model, ids, decoder) == run(model, ids, None)
+    assert run(model, ids[:15], decoder, steps=300) == run(model, ids[:15], None, steps=300)
+    assert decoder.stats == {"compiled": 2, "fallback": 0, "traces": 1}  # one trace for every buffer size
+    sampler = make_sampler(temperature=0.9, top_k=30, key=3)
+    assert run(model, ids, decoder, sampler=sampler) == run(model, ids, None, sampler=make_sampler(
+        temperature=0.9, top_k=30, key=3))
+
+
+def test_segmented_quantized_and_continuing_caches(models, segmented: None) -> None:
+    model = models("llama", 4).model
+    decoder = CompiledDecoder(model)
+    ids = prompt()
+    results = []
+    for dec in (decoder, None):
+        cache = model.make_cache(None)
+        first = run(model, ids, dec, cache=cache)
+        follow = ids + first + prompt(5, seed=2)
+        results.append((first, run(model, follow, dec, cache=cache, cached=len(ids) + len(first) - 1)))
+    assert results[0] == results[1]
+    assert decoder.stats["compiled"] == 2
+
+
+def test_segmented_falls_back_to_the_graph_where_it_does_not_apply(models, segmented: None) -> None:
+    """Sliding windows (Gemma) and processors are decoded by the whole-step graph instead."""
+    from pymlxc.backends.metal import segments
+
+    model = models("gemma3_text").model
+    assert segments.plan(model) is None
+    decoder = CompiledDecoder(model)
+    ids = prompt()
+    assert run(model, ids, decoder) == run(model, ids, None)
+    llama_model = models("llama").model
+    llama_decoder = CompiledDecoder(llama_model)
+    penalty = make_logits_processors(1.3)
+    assert run(llama_model, ids, llama_decoder, processors=penalty) == run(llama_model, ids, None, processors=penalty)
+    assert decoder.stats["compiled"] == 1 and llama_decoder.stats["compiled"] == 1

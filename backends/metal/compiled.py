@@ -319,6 +319,9 @@ class CompiledDecoder:
             raise ValueError(f"decode mode must be 'graph' or 'segmented', not {mode!r}")
         self._model: Module | None = model
         self.mode = mode  # None: PYMLXC_DECODE decides at each generation
+        # Segmented mode: run q/k/v and gate/up as one matmul each (weights fused, see segments.py).
+        self.fuse_projections = os.environ.get("PYMLXC_FUSE_PROJECTIONS", "1") != "0"
+        self._fusions: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._compiled: dict[tuple[Any, ...], Any] = {}
         self._failed: set[tuple[Any, ...]] = set()
@@ -330,6 +333,7 @@ class CompiledDecoder:
             for fn in self._compiled.values():
                 fn.clear()
             self._compiled.clear()
+            self._fusions.clear()
             self._model = None
 
     # ------------------------------------------------------------------ tracing
@@ -364,12 +368,17 @@ class CompiledDecoder:
             from . import segments
 
             blocks = segments.plan(model)
-            seg_key = ("segmented", structure, fuse_greedy)
-            if blocks is not None and seg_key not in self._failed:
-                fns = self._function(seg_key, segments.SegmentFunctions)
-                return segments.SegmentedSession(model, blocks, layers, fns, fuse_greedy, sampler, first_position,
-                                                 on_fail=lambda exc: self._mark_failed(seg_key, exc),
-                                                 stats=self.stats)
+            if blocks is not None:
+                with self._lock:  # fusing swaps weights for views: once per model (and after updates)
+                    fusions = segments.fusions_for(blocks, self._fusions) if self.fuse_projections else None
+                if fusions is not None and any(q is None or g is None for q, g in fusions):
+                    fusions = None  # all blocks alike (one trace of the middle segment serves them all)
+                seg_key = ("segmented", structure, fuse_greedy, fusions is not None)
+                if seg_key not in self._failed:
+                    fns = self._function(seg_key, segments.SegmentFunctions)
+                    return segments.SegmentedSession(model, blocks, layers, fns, fuse_greedy, sampler, first_position,
+                                                     on_fail=lambda exc: self._mark_failed(seg_key, exc),
+                                                     stats=self.stats, fusions=fusions)
         key = (structure, fuse_greedy, tuple((layer.ring, layer.window) for layer in layers))
         if key in self._failed:
             return None

@@ -13,6 +13,11 @@ attends over the exact keys. This step keeps the fused kernel: per token it call
     last: the last layer's o_proj, residual, MLP, residual, final norm, head, greedy pick  (compiled)
 
 One trace of `mid` serves every layer (the weights are inputs), so a model is traced three times.
+The q/k/v projections of a block, and its gate/up projections, run as one matmul each: at the first
+segmented generation their weights are concatenated into one array and the projections keep views
+of it (no extra memory; `fuse()`), two and one kernels fewer per layer. A projection given a new
+weight since (an update, an adapter) is seen at the next generation and fused again (or, wrapped in
+LoRA, run on its own).
 The segments mirror `llama.Attention` / `qwen3.Attention` (Qwen 2's is Llama's with biases) and
 `llama.TransformerBlock`; `plan()` accepts exactly those classes (LoRA-wrapped projections are
 fine: they are called as modules) and full attention only, and the tests compare its tokens with
@@ -31,6 +36,7 @@ from pymlxc.core.transforms import FixedArrays
 
 from .models import llama, qwen3
 from .nn import Module
+from .nn import silu as nn_silu
 from .sample import greedy
 
 _ATTENTION = (llama.Attention, qwen3.Attention)
@@ -51,14 +57,115 @@ def plan(model: Any) -> list[llama.TransformerBlock] | None:
     return blocks or None
 
 
+# ---------------------------------------------------------------------- fused projections
+
+class FusedProjection(Module):
+    """Linears of one input as one matmul: the concatenated weight (dense: its transpose) and,
+    quantized, the concatenated scales and biases; `__call__` gives each linear's output."""
+
+    def __init__(self, sizes: Sequence[int], *, weight_t: Array | None = None, weight: Array | None = None,
+                 scales: Array | None = None, biases: Array | None = None, bias: Array | None = None,
+                 group_size: int = 0, bits: int = 0) -> None:
+        super().__init__()
+        self._sizes = tuple(sizes)
+        self._wT, self._weight, self._scales, self._biases, self._bias = weight_t, weight, scales, biases, bias
+        self._group_size, self._bits = group_size, bits
+
+    def __call__(self, x: Array) -> list[Array]:
+        if self._wT is not None:
+            y = mx.matmul(x, self._wT) if self._bias is None else mx.addmm(self._bias, x, self._wT, 1.0, 1.0)
+        else:
+            y = mx.quantized_matmul(x, self._weight, self._scales, self._biases, True, self._group_size, self._bits)
+            if self._bias is not None:
+                y = y + self._bias
+        outs, start = [], 0
+        lead = list(y.shape[:-1])
+        for n in self._sizes:
+            outs.append(mx.slice(y, [0] * len(lead) + [start], lead + [start + n], [1] * (len(lead) + 1)))
+            start += n
+        return outs
+
+
+@dataclass
+class Fusion:
+    """A FusedProjection and the arrays it gave its linears (to see whether they still hold them)."""
+
+    fused: FusedProjection
+    linears: tuple[Module, ...]
+    given: tuple[tuple[Array | None, ...], ...]
+
+    def valid(self) -> bool:
+        return all(_held(m) == g for m, g in zip(self.linears, self.given))
+
+
+def _held(m: Module) -> tuple[Any, ...]:
+    d = m.__dict__
+    return tuple(id(d.get(k)) for k in ("weight", "scales", "biases", "bias"))
+
+
+def fuse(linears: Sequence[Module]) -> Fusion | None:
+    """Concatenate the weights of `linears` (all nn.Linear, or all nn.QuantizedLinear of one
+    format; biases on all or none) into one array and give each linear a view of its rows."""
+    from . import nn  # noqa: PLC0415
+
+    kinds = {type(m) for m in linears}
+    if len(linears) < 2 or len(kinds) != 1 or kinds.pop() not in (nn.Linear, nn.QuantizedLinear):
+        return None
+    with_bias = [m.__dict__.get("bias") is not None for m in linears]
+    if any(with_bias) and not all(with_bias):
+        return None
+    sizes = [m.weight.shape[0] for m in linears]
+    bias = mx.concatenate([m.bias for m in linears], axis=0) if with_bias[0] else None
+    if type(linears[0]) is nn.Linear:
+        weight = mx.concatenate([m.weight for m in linears], axis=0)
+        parts = {"weight": weight}
+        fused = FusedProjection(sizes, weight_t=mx.transpose(weight), bias=bias)
+    else:
+        if len({(m.group_size, m.bits, m.scales.dtype) for m in linears}) != 1:
+            return None
+        parts = {k: mx.concatenate([getattr(m, k) for m in linears], axis=0) for k in ("weight", "scales", "biases")}
+        fused = FusedProjection(sizes, weight=parts["weight"], scales=parts["scales"], biases=parts["biases"],
+                                bias=bias, group_size=linears[0].group_size, bits=linears[0].bits)
+    if bias is not None:
+        parts["bias"] = bias
+    mx.eval(list(parts.values()))
+    start = 0
+    for m, n in zip(linears, sizes):
+        for name, whole in parts.items():
+            setattr(m, name, whole[start:start + n])  # a view of the rows: no copy
+        start += n
+    mx.eval([a for m in linears for a in m.arrays()] + list(fused.arrays()))
+    return Fusion(fused, tuple(linears), tuple(_held(m) for m in linears))
+
+
+def fusions_for(blocks: Sequence[Any], known: dict[int, tuple[Any, Fusion | None, Fusion | None]]
+                ) -> list[tuple[Fusion | None, Fusion | None]]:
+    """Each block's (q/k/v, gate/up) fusion, made or remade where the linears changed since."""
+    out = []
+    for block in blocks:
+        attn, mlp = block.self_attn, block.mlp
+        groups = ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj))
+        entry = known.get(id(block))
+        if entry is not None and entry[0] is block and all(
+                f is not None and f.linears == g and f.valid() for f, g in zip(entry[1:], groups)):
+            out.append((entry[1], entry[2]))
+            continue
+        qkv = fuse(groups[0])
+        gate_up = fuse(groups[1])
+        known[id(block)] = (block, qkv, gate_up)
+        out.append((qkv, gate_up))
+    return out
+
+
 # ---------------------------------------------------------------------- the segments (traced)
 
-def _project(attn: Any, x: Array, pos: Array) -> tuple[Array, Array, Array]:
+def _project(attn: Any, x: Array, pos: Array, qkv: FusedProjection | None) -> tuple[Array, Array, Array]:
     """q, k, v [B, heads, 1, D] of one token, as `llama/qwen3.Attention` make them, RoPE'd at `pos`."""
     b = x.shape[0]
-    q = mx.reshape(attn.q_proj(x), (b, 1, attn.n_heads, attn.head_dim))
-    k = mx.reshape(attn.k_proj(x), (b, 1, attn.n_kv_heads, attn.head_dim))
-    v = mx.reshape(attn.v_proj(x), (b, 1, attn.n_kv_heads, attn.head_dim))
+    q, k, v = qkv(x) if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
+    q = mx.reshape(q, (b, 1, attn.n_heads, attn.head_dim))
+    k = mx.reshape(k, (b, 1, attn.n_kv_heads, attn.head_dim))
+    v = mx.reshape(v, (b, 1, attn.n_kv_heads, attn.head_dim))
     if isinstance(attn, qwen3.Attention):
         q, k = attn.q_norm(q), attn.k_norm(k)
     q = mx.transpose(q, (0, 2, 1, 3))
@@ -67,11 +174,15 @@ def _project(attn: Any, x: Array, pos: Array) -> tuple[Array, Array, Array]:
     return attn.rope(q, pos), attn.rope(k, pos), v
 
 
-def _finish_block(block: Any, attn_out: Array, h: Array) -> Array:
+def _finish_block(block: Any, attn_out: Array, h: Array, gate_up: FusedProjection | None) -> Array:
     b = h.shape[0]
     o = block.self_attn.o_proj(mx.reshape(mx.transpose(attn_out, (0, 2, 1, 3)), (b, 1, -1)))
     h = h + o
-    return h + block.mlp(block.post_attention_layernorm(h))
+    x = block.post_attention_layernorm(h)
+    if gate_up is None:
+        return h + block.mlp(x)
+    g, u = gate_up(x)  # as llama.MLP: down(silu(gate) * up)
+    return h + block.mlp.down_proj(nn_silu(g) * u)
 
 
 def _clone(modules: Sequence[Module | None], arrays: Sequence[Array], tracers: Sequence[Array]) -> list[Any]:
@@ -85,26 +196,26 @@ def _trace_first(inputs: list[Array]) -> list[Array]:
     group: _Group = _tracing.group
     group.stats["traces"] += 1
     tokens, pos = inputs[0], inputs[1]
-    embed, norm, attn = _clone(group.modules, group.arrays, inputs[2:])
+    embed, norm, attn, qkv = _clone(group.modules, group.arrays, inputs[2:])
     h = embed(mx.reshape(tokens, (tokens.shape[0], 1)))
-    q, k, v = _project(attn, norm(h), pos)
+    q, k, v = _project(attn, norm(h), pos, qkv)
     return [q, k, v, h]
 
 
 def _trace_mid(inputs: list[Array]) -> list[Array]:
     group: _Group = _tracing.group
     attn_out, h, pos = inputs[0], inputs[1], inputs[2]
-    block, norm, attn = _clone(group.modules, group.arrays, inputs[3:])
-    h = _finish_block(block, attn_out, h)
-    q, k, v = _project(attn, norm(h), pos)
+    block, gate_up, norm, attn, qkv = _clone(group.modules, group.arrays, inputs[3:])
+    h = _finish_block(block, attn_out, h, gate_up)
+    q, k, v = _project(attn, norm(h), pos, qkv)
     return [q, k, v, h]
 
 
 def _trace_last(inputs: list[Array]) -> list[Array]:
     group: _Group = _tracing.group
     attn_out, h, pos = inputs[0], inputs[1], inputs[2]
-    block, norm, embed, head = _clone(group.modules, group.arrays, inputs[3:])
-    h = norm(_finish_block(block, attn_out, h))
+    block, gate_up, norm, embed, head = _clone(group.modules, group.arrays, inputs[3:])
+    h = norm(_finish_block(block, attn_out, h, gate_up))
     logits = embed.as_linear(h) if group.tied else head(h)
     logits = mx.reshape(logits, (logits.shape[0], logits.shape[-1]))
     return [greedy(logits) if group.fuse_greedy else logits, pos + 1]
@@ -157,18 +268,23 @@ class SegmentedSession:
 
     def __init__(self, model: Any, blocks: list[Any], layers: list[Any], fns: SegmentFunctions,
                  fuse_greedy: bool, sampler: Any, first_position: int,
-                 on_fail: Callable[[BaseException], None], stats: dict[str, int]) -> None:
+                 on_fail: Callable[[BaseException], None], stats: dict[str, int],
+                 fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None = None) -> None:
         inner = model.model
         tied = model.lm_head is None
+        fusions = fusions or [(None, None)] * len(blocks)
+        qkv = [f[0].fused if f[0] is not None else None for f in fusions]
+        gate_up = [f[1].fused if f[1] is not None else None for f in fusions]
         self._layers = layers  # compiled._Layer: cache and ring size (= buffer length)
         self._fns = fns
         self._fuse_greedy = fuse_greedy
         self._sampler = sampler
-        self._first = _group([inner.embed_tokens, blocks[0].input_layernorm, blocks[0].self_attn], stats)
-        self._mids = [_group([blocks[i], blocks[i + 1].input_layernorm, blocks[i + 1].self_attn], stats)
+        self._first = _group([inner.embed_tokens, blocks[0].input_layernorm, blocks[0].self_attn, qkv[0]], stats)
+        self._mids = [_group([blocks[i], gate_up[i], blocks[i + 1].input_layernorm, blocks[i + 1].self_attn,
+                              qkv[i + 1]], stats)
                       for i in range(len(blocks) - 1)]
-        self._last = _group([blocks[-1], inner.norm, inner.embed_tokens, model.lm_head], stats, tied=tied,
-                            fuse_greedy=fuse_greedy)
+        self._last = _group([blocks[-1], gate_up[-1], inner.norm, inner.embed_tokens, model.lm_head], stats,
+                            tied=tied, fuse_greedy=fuse_greedy)
         self._scales = [float(b.self_attn.scale) for b in blocks]
         self._buffers: list[Array] = []
         self._position = first_position
@@ -241,4 +357,4 @@ class SegmentedSession:
                 self._buffers = []
 
 
-__all__ = ["plan", "SegmentFunctions", "SegmentedSession"]
+__all__ = ["plan", "fuse", "fusions_for", "FusedProjection", "Fusion", "SegmentFunctions", "SegmentedSession"]

@@ -304,3 +304,53 @@ def test_segmented_falls_back_to_the_graph_where_it_does_not_apply(models, segme
     penalty = make_logits_processors(1.3)
     assert run(llama_model, ids, llama_decoder, processors=penalty) == run(llama_model, ids, None, processors=penalty)
     assert decoder.stats["compiled"] == 1 and llama_decoder.stats["compiled"] == 1
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_segmented_fuses_projections_into_views(tmp_path: Path, segmented: None, bits: int | None) -> None:
+    """q/k/v and gate/up become one matmul each over a concatenated weight that the projections
+    view (no extra memory); every path keeps its tokens; a replaced weight is fused again."""
+    path = write_tiny_model(tmp_path / "m", "qwen2", quantize_bits=bits, num_layers=3)  # q/k/v biases too
+    loaded = load_weights_and_config(path)
+    model = loaded.model
+    ids = prompt()
+    want = run(model, ids, None)
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    decoder = CompiledDecoder(model)
+    assert run(model, ids, decoder) == want
+    fusions = [entry[1:] for entry in decoder._fusions.values()]  # noqa: SLF001
+    assert len(fusions) == 3 and all(q is not None and g is not None for q, g in fusions)
+    gc.collect()
+    mx.clear_cache()
+    assert mx.get_active_memory() <= before + 64 * 1024  # views, not copies (the rings are freed)
+    assert run(model, ids, None) == want  # the uncompiled path on the views
+    attn = model.layers[1].self_attn
+    attn.k_proj.weight = attn.k_proj.weight + 0  # a new array: the block's fusion is stale
+    mx.eval(attn.k_proj.weight)
+    old = decoder._fusions[id(model.layers[1])][1]  # noqa: SLF001
+    assert not old.valid()
+    assert run(model, ids, decoder) == want
+    assert decoder._fusions[id(model.layers[1])][1] is not old  # noqa: SLF001
+    decoder.close()
+    loaded.free()
+
+
+def test_segmented_with_lora_runs_unfused(models, segmented: None) -> None:
+    from pymlxc.backends.metal import lora
+
+    model = models("llama").model
+    decoder = CompiledDecoder(model)
+    ids = prompt()
+    assert run(model, ids, decoder) == run(model, ids, None)  # fused first
+    paths = lora.select_modules(model, ["q_proj"], 1)  # the last block only
+    lora.attach(model, [lora.LoRASpec(p, 4, 2.0) for p in paths], seed=3)
+    try:
+        for layer in lora.lora_layers(model).values():
+            layer.lora_b = mx.random.normal(layer.lora_b.shape, key=mx.random.key(5)) * 0.5
+        assert run(model, ids, decoder) == run(model, ids, None)  # the adapter is seen: unfused
+        assert decoder.stats["compiled"] == 2
+    finally:
+        lora.detach(model)
+    assert run(model, ids, decoder) == run(model, ids, None)

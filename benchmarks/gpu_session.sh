@@ -19,7 +19,14 @@
 # to merge the parts of several calls, run here afterwards:
 #   python benchmarks/compare_mlx_lm.py --merge <part>/compare_mlx_lm.json ... --out benchmarks/results/gpu
 #
-# Stages: setup smoke tests bench-1b bench-gemma bench-8b report all
+# A follow-up session for the Llama-family levers (segmented decode with fused projections, see
+# backends/metal/segments.py), on a warm machine or after calls 1 and 2:
+#   device call:    source .device-stage/b/install.sh --no-install && bash benchmarks/gpu_session.sh variants profile
+# `variants` runs Llama-3.2-1B and Qwen3-0.6B (bf16, 4-bit; prompts 128 and 2048) with four sides:
+# mlx-lm, pymlxc (whole-step graph), pymlxc_segmented, pymlxc_uncompiled; `profile` splits one
+# Llama-3.2-1B bf16 generation of each into device wait, MLX dispatch and other host time.
+#
+# Stages: setup smoke tests bench-1b bench-gemma bench-8b variants profile report all
 # Options: --dry-run (print the commands only), --cpu-check (run every stage on this machine's CPU
 # with tiny shapes: checks the plumbing, not the numbers).
 set -euo pipefail
@@ -37,7 +44,7 @@ for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
     --cpu-check) CPU=1 ;;
-    setup|smoke|tests|bench-1b|bench-gemma|bench-8b|report) stages+=("$arg") ;;
+    setup|smoke|tests|bench-1b|bench-gemma|bench-8b|variants|profile|report) stages+=("$arg") ;;
     all) stages+=(setup smoke tests bench-1b bench-gemma bench-8b report) ;;
     -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "gpu_session.sh: unknown stage or option: $arg" >&2; exit 2 ;;
@@ -134,12 +141,24 @@ PY
       ;;
     bench-8b)
       if [ "$CPU" = 1 ]; then bench bench-8b --shapes llama-3.2-1b-narrow --layers 4
-      else bench bench-8b --shapes llama-3.1-8b --quant 4bit; fi
+      else bench bench-8b --shapes llama-3.1-8b --quant 4bit --segmented; fi
+      ;;
+    variants)
+      if [ "$CPU" = 1 ]; then bench variants --shapes llama-3.2-1b-narrow qwen3-0.6b-narrow --uncompiled --segmented
+      else bench variants --shapes llama-3.2-1b qwen3-0.6b --quant bf16 4bit --uncompiled --segmented; fi
+      ;;
+    profile)
+      ensure_lib
+      mkdir -p "$OUT/profile"
+      if [ "$CPU" = 1 ]; then prof_args=(--cpu --shape llama-3.2-1b-narrow --quant f32 --layers 2 --prompt 16 --max-tokens 8)
+      else prof_args=(--shape llama-3.2-1b --quant bf16 --prompt 128 --max-tokens 128); fi
+      run "$PY" benchmarks/profile_generation.py --models-dir "$MODELS" --out "$OUT/profile" "${prof_args[@]}" \
+        2>&1 | tee "$OUT/profile/log.txt" || echo "!!! profile failed (see $OUT/profile/log.txt)"
       ;;
     report)
       mkdir -p "$OUT/report"
       parts=()
-      for part in bench-1b bench-gemma bench-8b; do
+      for part in bench-1b bench-gemma bench-8b variants; do
         if [ -f "$OUT/$part/compare_mlx_lm.json" ]; then parts+=("$OUT/$part/compare_mlx_lm.json"); fi
       done
       if [ ${#parts[@]} -eq 0 ] && [ "$DRY" = 0 ]; then echo "no bench results in $OUT yet" >&2; exit 1; fi

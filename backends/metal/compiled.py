@@ -96,11 +96,14 @@ def _unreserve(cache: Sequence[Any]) -> None:
 
 # ---------------------------------------------------------------------- the module tree as inputs
 
-def _arrays_of(model: Module) -> list[Array]:
+def _arrays_of(model: Module, with_classes: bool = False) -> Any:
     """Every Array the module tree holds (parameters and private constants), each once, in a fixed
-    order for a given tree structure. (Iterative: recursive closures would make reference cycles
-    that keep the weights alive until a garbage collection.)"""
+    order for a given tree structure; with `with_classes`, also the module classes in walk order
+    (what a trace depends on besides shapes: an attached or fused LoRA adapter changes them).
+    (Iterative: recursive closures would make reference cycles that keep the weights alive until a
+    garbage collection.)"""
     out: list[Array] = []
+    classes: list[str] = []
     seen: set[int] = set()
     stack: list[Any] = [model]
     while stack:
@@ -112,19 +115,13 @@ def _arrays_of(model: Module) -> list[Array]:
         elif isinstance(value, Module):
             if id(value) not in seen:
                 seen.add(id(value))
+                classes.append(type(value).__qualname__)
                 stack.extend(reversed(list(vars(value).values())))
         elif isinstance(value, (list, tuple)):
             stack.extend(reversed(value))
         elif isinstance(value, dict):
             stack.extend(reversed(list(value.values())))
-    return out
-
-
-def _structure(model: Module, arrays: Sequence[Array]) -> tuple[Any, ...]:
-    """What a trace depends on besides shapes: the module classes, in tree order (an attached or
-    fused LoRA adapter changes it), and how many arrays there are."""
-    classes = tuple(type(m).__qualname__ for _, m in model.named_modules())
-    return classes, len(arrays)
+    return (out, tuple(classes)) if with_classes else out
 
 
 class _Cloner:
@@ -361,9 +358,9 @@ class CompiledDecoder:
         layers = _plan(cache, capacity, last_position)
         if layers is None or any(c.offset != first_position for c in cache) or any(c.keys is None for c in cache):
             return None
-        weights = _arrays_of(model)
+        weights, classes = _arrays_of(model, with_classes=True)
+        structure = (classes, len(weights))
         fuse_greedy = sampler is greedy and not processors
-        structure = _structure(model, weights)
         if (self.mode or decode_mode()) == "segmented" and not processors:
             from . import segments
 

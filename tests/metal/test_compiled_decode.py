@@ -80,7 +80,7 @@ def test_quantized_models(models, bits: int) -> None:
 
 def test_one_trace_per_ring_size(models) -> None:
     model = models("llama").model
-    decoder = CompiledDecoder(model)
+    decoder = CompiledDecoder(model, mode="graph")
     ids = prompt()
     run(model, ids, decoder, steps=4)
     run(model, ids, decoder, steps=200)  # 221 slots still fit the first 256-slot buffers
@@ -221,7 +221,7 @@ def test_untraceable_forward_falls_back(models, monkeypatch: pytest.MonkeyPatch)
         return forward(self, inputs, cache=cache, mask=mask)
 
     monkeypatch.setattr(type(model), "__call__", needs_int_offset)
-    decoder = CompiledDecoder(model)
+    decoder = CompiledDecoder(model, mode="graph")  # the segmented step does not call the model's forward
     assert run(model, ids, decoder) == want
     assert decoder.stats["fallback"] == 1 and decoder.stats["compiled"] == 0
     assert run(model, ids, decoder) == want  # remembered: no second trace

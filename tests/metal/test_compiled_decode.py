@@ -354,3 +354,16 @@ def test_segmented_with_lora_runs_unfused(models, segmented: None) -> None:
     finally:
         lora.detach(model)
     assert run(model, ids, decoder) == run(model, ids, None)
+
+
+def test_decode_mode_follows_the_environment_then_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pymlxc.core as mx
+    from pymlxc.backends.metal.compiled import decode_mode
+
+    monkeypatch.setenv("PYMLXC_DECODE", "segmented")
+    assert decode_mode() == "segmented"
+    monkeypatch.setenv("PYMLXC_DECODE", "graph")
+    assert decode_mode() == "graph"
+    monkeypatch.delenv("PYMLXC_DECODE")
+    with mx.stream_scope("cpu"):
+        assert decode_mode() == "graph"  # the graph's lower host cost wins on a CPU

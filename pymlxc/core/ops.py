@@ -6,6 +6,7 @@ names are MLX's). The families that MLX's Python API folds into one function (`s
 """
 from __future__ import annotations
 
+import builtins as _builtins
 from collections.abc import Sequence
 from typing import Any
 
@@ -171,15 +172,9 @@ def arange(start: float, stop: float | None = None, step: float | None = None, d
     if step is None:
         step = 1
     if dtype is None:
-        dtype = _dt.int32 if builtins_all(isinstance(v, int) for v in (start, stop, step)) else _dt.float32
+        dtype = _dt.int32 if _builtins.all(isinstance(v, int) for v in (start, stop, step)) else _dt.float32
     return RAW["arange"](float(start), float(stop), float(step), dtype, stream=stream)
 
-
-def builtins_all(values: Any) -> bool:
-    for v in values:
-        if not v:
-            return False
-    return True
 
 
 def linspace(start: float, stop: float, num: int = 50, dtype: Any = _dt.float32, *, stream: Any = None) -> Array:

@@ -10,6 +10,8 @@ bfloat16 carries 8 bits of mantissa: 5e-2 there.
 """
 from __future__ import annotations
 
+import importlib
+
 import json
 from pathlib import Path
 from typing import Any
@@ -22,9 +24,9 @@ from pymlxc.backends.metal.cache import KVCache, RotatingKVCache
 from pymlxc.backends.metal.loader import LoadedModel, load_weights_and_config
 from pymlxc.testing import LLAMA3_ROPE_SCALING, write_tiny_model
 
-mlx = pytest.importorskip("mlx.core")
-mlx_utils = pytest.importorskip("mlx_lm.utils")
-mlx_cache = pytest.importorskip("mlx_lm.models.cache")
+mlx = importlib.import_module("mlx.core")
+mlx_utils = importlib.import_module("mlx_lm.utils")
+mlx_cache = importlib.import_module("mlx_lm.models.cache")
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3")
 ATOL = {None: 1e-4, 4: 1e-3}

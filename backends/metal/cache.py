@@ -77,7 +77,27 @@ def make_prompt_mask(n: int, cache: "Cache | None" = None, window_size: int | No
 
 # ---------------------------------------------------------------------- caches
 
-class KVCache:
+class _KeyValueBuffers:
+    """The key/value buffers both caches hold, and their release."""
+
+    keys: Array | None
+    values: Array | None
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    def _free_buffers(self) -> None:
+        for a in (self.keys, self.values):
+            if a is not None:
+                a.free()
+        self.keys = self.values = None
+
+
+class KVCache(_KeyValueBuffers):
     """An unbounded cache: buffers grow by `step` tokens, chunks are written in place."""
 
     step = STEP
@@ -170,23 +190,13 @@ class KVCache:
     def size(self) -> int:
         return self.offset
 
-    def empty(self) -> bool:
-        return self.keys is None
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
-
     def free(self) -> None:
         """Release the buffers now; the cache is empty afterwards."""
-        for a in (self.keys, self.values):
-            if a is not None:
-                a.free()
-        self.keys = self.values = None
+        self._free_buffers()
         self.offset = self._capacity = 0
 
 
-class RotatingKVCache:
+class RotatingKVCache(_KeyValueBuffers):
     """At most `max_size` tokens: once full, new tokens overwrite the oldest, except the first `keep`.
 
     One-token updates write in place into a ring buffer. A multi-token chunk that still fits (nothing
@@ -451,16 +461,7 @@ class RotatingKVCache:
     def size(self) -> int:
         return min(self.offset, self.max_size)
 
-    def empty(self) -> bool:
-        return self.keys is None
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
-
     def free(self) -> None:
-        for a in (self.keys, self.values):
-            if a is not None:
-                a.free()
-        self.keys = self.values = None
+        """Release the buffers now; the cache is empty afterwards."""
+        self._free_buffers()
         self.offset = self._idx = self._len = 0

@@ -50,11 +50,17 @@ from pymlxc.core.transforms import FixedArrays
 from .cache import KVCache, RotatingKVCache
 from .nn import Module
 from .sample import DEFAULT_PENALTY_CONTEXT, LogitsProcessor, Sampler, apply_processors, greedy
+from .step_queue import StepQueue
 
 log = logging.getLogger(__name__)
 
 ENV_VAR = "PYMLXC_COMPILE"
 BUFFER_STEP = 256  # decode buffers are sized in steps of this many tokens (mlx-lm's cache step)
+# ...plus a few slots, so that a buffer's length is never a multiple of 256. MLX's CUDA backend
+# sends one-token attention over a prefix of a buffer whose length is such a multiple to cuDNN
+# (`use_cudnn_for_decoding`), which measured 20.8 against 6.7 us per call for its own kernel at 300
+# keys, and 36.7 against 23.3 at 2048 (H100, benchmarks/h100/probe).
+BUFFER_PAD = 8
 
 
 DECODE_ENV_VAR = "PYMLXC_DECODE"
@@ -79,9 +85,9 @@ def compile_enabled() -> bool:
 
 
 def decode_capacity(prompt_len: int, max_tokens: int) -> int:
-    """Slots a full-attention layer needs for a generation, rounded up to BUFFER_STEP."""
+    """Slots a full-attention layer needs for a generation: rounded up to BUFFER_STEP, plus BUFFER_PAD."""
     need = max(prompt_len + max_tokens, 1)
-    return -(-need // BUFFER_STEP) * BUFFER_STEP
+    return -(-need // BUFFER_STEP) * BUFFER_STEP + BUFFER_PAD
 
 
 def reserve(cache: Sequence[Any], capacity: int) -> None:
@@ -324,6 +330,7 @@ class CompiledDecoder:
         # Segmented mode: run q/k/v and gate/up as one matmul each (weights fused, see segments.py).
         self.fuse_projections = os.environ.get("PYMLXC_FUSE_PROJECTIONS", "1") != "0"
         self._fusions: dict[int, Any] = {}
+        self._plans: dict[tuple[Any, ...], Any] = {}  # segments.SegmentPlan per segmented key
         self._lock = threading.Lock()
         self._compiled: dict[tuple[Any, ...], Any] = {}
         self._failed: set[tuple[Any, ...]] = set()
@@ -336,6 +343,7 @@ class CompiledDecoder:
                 fn.clear()
             self._compiled.clear()
             self._fusions.clear()
+            self._plans.clear()
             self._model = None
 
     # ------------------------------------------------------------------ tracing
@@ -350,9 +358,10 @@ class CompiledDecoder:
     # ------------------------------------------------------------------ sessions
     def start(self, cache: Sequence[Any], first_position: int, max_tokens: int, *, sampler: Sampler,
               processors: Sequence[LogitsProcessor] = (), history: Array | None = None,
-              batch: int = 1) -> "DecodeSession | None":
+              batch: int = 1, stream_key: Any = None) -> "DecodeSession | None":
         """A session decoding from `first_position` (the position of the first input token) into
-        rings made from `cache`, or None where the compiled path does not apply."""
+        rings made from `cache`, or None where the compiled path does not apply. `stream_key`: the
+        StepQueue's key (a trace records the stream its operations run on)."""
         model = self._model
         if model is None or batch != 1 or max_tokens <= 0 or not cache:
             return None
@@ -375,17 +384,37 @@ class CompiledDecoder:
                     fusions = segments.fusions_for(blocks, self._fusions) if self.fuse_projections else None
                 if fusions is not None and any(q is None or g is None for q, g in fusions):
                     fusions = None  # all blocks alike (one trace of the middle segment serves them all)
-                seg_key = ("segmented", structure, fuse_greedy, fusions is not None)
+                seg_key = ("segmented", structure, fuse_greedy, fusions is not None, stream_key)
                 if seg_key not in self._failed:
                     fns = self._function(seg_key, segments.SegmentFunctions)
-                    return segments.SegmentedSession(model, blocks, layers, fns, fuse_greedy, sampler, first_position,
-                                                     on_fail=lambda exc: self._mark_failed(seg_key, exc),
-                                                     stats=self.stats, fusions=fusions)
-        key = (structure, fuse_greedy, tuple((layer.ring, layer.window) for layer in layers))
+                    signature = tuple(map(id, weights))
+                    with self._lock:
+                        seg_plan = self._plans.get(seg_key)
+                        if seg_plan is None or seg_plan.signature != signature:
+                            self._plans.pop(seg_key, None)  # an old plan's arrays go first
+                            seg_plan = segments.SegmentPlan(model, blocks, fuse_greedy, self.stats, fusions, signature)
+                            self._plans[seg_key] = seg_plan
+                    return segments.SegmentedSession(seg_plan, layers, fns, sampler, first_position,
+                                                     on_fail=lambda exc: self._mark_failed(seg_key, exc))
+        key = (structure, fuse_greedy, tuple((layer.ring, layer.window) for layer in layers), stream_key)
         if key in self._failed:
             return None
         spec = _Spec(model, weights, layers, fuse_greedy, self.stats)
         return DecodeSession(self, key, spec, sampler, processors, history)
+
+    def prepare_weights(self) -> None:
+        """Fuse the projections now where the segmented decode will (it swaps the linears' weights
+        for views of the fused arrays): a caller that compares weight identities across generations
+        (the prompt cache) then sees the final arrays from the first generation on."""
+        model = self._model
+        if model is None or not self.fuse_projections or (self.mode or decode_mode()) != "segmented":
+            return
+        from . import segments
+
+        blocks = segments.plan(model)
+        if blocks is not None:
+            with self._lock:
+                segments.fusions_for(blocks, self._fusions)
 
     def reserve(self, cache: Sequence[Any], prompt_len: int, max_tokens: int) -> None:
         """Call before prefill: size the empty caches' first allocation for the whole generation."""
@@ -394,17 +423,19 @@ class CompiledDecoder:
 
     def decode(self, cache: Sequence[Any], first_inputs: Array, max_tokens: int, *, sampler: Sampler,
                processors: Sequence[LogitsProcessor] = (), history: Array | None = None,
-               fallback: Callable[[], Iterator[Array]]) -> Iterator[Array]:
+               fallback: Callable[[], Iterator[Array]], queue: StepQueue | None = None) -> Iterator[Array]:
         """Yield the sampled ids [B] of up to `max_tokens` steps after the prefilled `cache`, on the
-        compiled step where it applies, else from `fallback()` (the uncompiled loop)."""
+        compiled step where it applies, else from `fallback()` (the uncompiled loop). `queue`: where
+        the steps are built and encoded (see step_queue.py)."""
+        queue = queue if queue is not None else StepQueue()
         try:
             session = None
             if max_tokens > 0:
                 first_position = cache[0].offset if cache else 0
                 session = self.start(cache, first_position, max_tokens, sampler=sampler, processors=processors,
-                                     history=history, batch=first_inputs.shape[0])
+                                     history=history, batch=first_inputs.shape[0], stream_key=queue.key)
             if session is not None:
-                stream = session.decode(first_inputs, max_tokens)
+                stream = session.decode(first_inputs, max_tokens, queue)
                 try:
                     first = next(stream, None)
                 except CompileUnavailable:
@@ -426,6 +457,7 @@ class CompiledDecoder:
                     type(exc).__name__, exc)
         with self._lock:
             self._failed.add(key)
+            self._plans.pop(key, None)
             fn = self._compiled.pop(key, None)
         if fn is not None:
             fn.clear()
@@ -512,7 +544,7 @@ class DecodeSession:
             logits = apply_processors(self._processors, seen, logits)
         return self._sampler(logits)
 
-    def decode(self, first_inputs: Array, max_tokens: int) -> Iterator[Array]:
+    def decode(self, first_inputs: Array, max_tokens: int, queue: StepQueue) -> Iterator[Array]:
         """Yield up to `max_tokens` sampled id arrays [B], each step queued before the previous
         token is read. The first step traces (once per model, structure and ring sizes); if the
         trace fails, the decoder remembers it and raises, before anything was yielded."""
@@ -526,29 +558,36 @@ class DecodeSession:
         for layer in spec.layers:
             layer.cache.keys = layer.cache.values = None
         b = first_inputs.shape[0]
-        tokens_in = mx.reshape(first_inputs, (b,))
-        pos = mx.array(self._first_position, dtype=mx.int32)
+        queue.hand_over([first_inputs, self._buffers, self._history, spec.weights])  # weights: an update may be lazy
         try:
-            out, pos = self._call(tokens_in, pos)
-        except Exception as exc:
-            self._steps = 0
-            self._finish()  # the caches get their tokens back as they were, for the fallback
-            self._decoder._mark_failed(self._key, exc)  # noqa: SLF001
-            raise CompileUnavailable(str(exc)) from exc
-        try:
-            tokens = self._sample(mx.reshape(tokens_in, (b, 1)), out)
-            mx.async_eval(tokens)
+            with queue.building():
+                tokens_in = mx.reshape(first_inputs, (b,))
+                pos = mx.array(self._first_position, dtype=mx.int32)
+                try:
+                    out, pos = self._call(tokens_in, pos)
+                except Exception as exc:
+                    self._steps = 0
+                    self._finish()  # the caches get their tokens back as they were, for the fallback
+                    self._decoder._mark_failed(self._key, exc)  # noqa: SLF001
+                    raise CompileUnavailable(str(exc)) from exc
+                tokens = self._sample(mx.reshape(tokens_in, (b, 1)), out)
+                shown = queue.readable(tokens)
+            handle = queue.submit([tokens, shown])
             for n in range(1, max_tokens + 1):
                 following = None
                 if n < max_tokens:
-                    out, pos = self._call(tokens, pos)
-                    following = self._sample(mx.reshape(tokens, (b, 1)), out) if not spec.fuse_greedy else out
-                    mx.async_eval(following)
-                yield tokens
+                    with queue.building():
+                        out, pos = self._call(tokens, pos)
+                        following = self._sample(mx.reshape(tokens, (b, 1)), out) if not spec.fuse_greedy else out
+                        following_shown = queue.readable(following)
+                    following_handle = queue.submit([following, following_shown])
+                queue.ready(handle)
+                yield shown
                 if following is None:
                     return
-                tokens = following
+                tokens, shown, handle = following, following_shown, following_handle
         finally:
+            queue.drain(raise_errors=False)  # the rings go back to the caches: every step scheduled
             self._finish()
 
     def _finish(self) -> None:

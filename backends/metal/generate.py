@@ -22,6 +22,7 @@ from pymlxc.model import GenerationCancelled, ModelClosedError
 from pymlxc.types import GenerateMetrics
 
 from .sample import DEFAULT_PENALTY_CONTEXT, LogitsProcessor, Sampler, apply_processors
+from .step_queue import StepQueue
 
 if TYPE_CHECKING:
     from .cache import Cache
@@ -197,25 +198,52 @@ def make_step(model: LanguageModel, cache: Sequence[Any], sampler: Sampler,
     return step
 
 
-def decode(step: StepFn, first_inputs: mx.Array, max_tokens: int) -> Iterator[mx.Array]:
+def _queue_for(model: Any) -> StepQueue:
+    """Threaded (where the device suits) only for the backend's own modules, whose every array
+    `_hand_over_weights` finds; another model may hold lazy arrays the thread could not evaluate."""
+    from .nn import Module  # noqa: PLC0415
+
+    return StepQueue(None if isinstance(model, Module) else False)
+
+
+def _hand_over_weights(queue: StepQueue, model: Any) -> None:
+    """The model's arrays to a threaded queue (an update or an adapter may have left them lazy)."""
+    if queue.threaded:
+        from .compiled import _arrays_of  # noqa: PLC0415
+
+        queue.hand_over(_arrays_of(model))
+
+
+def decode(step: StepFn, first_inputs: mx.Array, max_tokens: int, queue: StepQueue | None = None) -> Iterator[mx.Array]:
     """Yield up to `max_tokens` sampled id arrays [B], each scheduled before the previous is read.
 
     The consumer reads each yielded array (one host sync per token) while the next step is
-    already queued on the device; stopping early wastes at most that one queued step.
+    already queued on the device; stopping early wastes at most that one queued step. `queue`
+    says where steps are built and encoded (see step_queue.py; by default as the device suits).
     """
     if max_tokens <= 0:
         return
-    tokens = step(first_inputs)
-    mx.async_eval(tokens)
-    for n in range(1, max_tokens + 1):
-        following = None
-        if n < max_tokens:
-            following = step(mx.expand_dims(tokens, 1))
-            mx.async_eval(following)
-        yield tokens
-        if following is None:
-            return
-        tokens = following
+    queue = queue if queue is not None else StepQueue()
+    queue.hand_over([first_inputs])
+    try:
+        with queue.building():
+            tokens = step(first_inputs)
+            shown = queue.readable(tokens)
+        handle = queue.submit([tokens, shown])
+        for n in range(1, max_tokens + 1):
+            following = None
+            if n < max_tokens:
+                with queue.building():
+                    following = step(mx.expand_dims(tokens, 1))
+                    following_shown = queue.readable(following)
+                following_handle = queue.submit([following, following_shown])
+            queue.ready(handle)
+            yield shown
+            if following is None:
+                return
+            tokens, shown, handle = following, following_shown, following_handle
+    finally:
+        queue.drain(raise_errors=False)
 
 
 def _history(rows: Sequence[Sequence[int]]) -> mx.Array:
@@ -255,13 +283,16 @@ def generate_ids(model: LanguageModel, prompt: Sequence[int], *, cache: Sequence
     if len(prompt) - 1 > cached:
         prefill(model, tokens[:, :-1], cache, step=prefill_step, guard=guard, start=cached)
     history = _history([prompt[:-1]]) if processors and len(prompt) > 1 else None
+    queue = _queue_for(model)
+    queue.hand_over(_cache_state(cache))
 
     def uncompiled() -> Iterator[mx.Array]:
-        return decode(make_step(model, cache, sampler, processors, history), tokens[:, -1:], max_tokens)
+        _hand_over_weights(queue, model)
+        return decode(make_step(model, cache, sampler, processors, history), tokens[:, -1:], max_tokens, queue)
 
     if decoder is not None:
         stream = decoder.decode(cache, tokens[:, -1:], max_tokens, sampler=sampler, processors=processors,
-                                history=history, fallback=uncompiled)
+                                history=history, fallback=uncompiled, queue=queue)
     else:
         stream = uncompiled()
     try:
@@ -319,8 +350,11 @@ def batch_generate_ids(model: LanguageModel, prompts: Sequence[Sequence[int]], *
     rows = out if out is not None else [BatchRow() for _ in prompts]
     if len(rows) != len(prompts):
         raise ValueError(f"{len(rows)} output rows for {len(prompts)} prompts")
+    queue = _queue_for(model)
+    queue.hand_over(_cache_state(cache))
+    _hand_over_weights(queue, model)
     try:
-        for sampled in decode(step, padded[:, -1:], max_tokens):
+        for sampled in decode(step, padded[:, -1:], max_tokens, queue):
             ids = sampled.tolist()
             timings.mark_first_token()
             for row, token in zip(rows, ids):

@@ -38,6 +38,7 @@ from .models import llama, qwen3
 from .nn import Module
 from .nn import silu as nn_silu
 from .sample import greedy
+from .step_queue import StepQueue
 
 _ATTENTION = (llama.Attention, qwen3.Attention)
 _sdpa = mx.fast.scaled_dot_product_attention
@@ -262,30 +263,46 @@ class SegmentFunctions:
 
 # ---------------------------------------------------------------------- a generation
 
-class SegmentedSession:
-    """One generation's decode on the segments; `decode(first_inputs, max_tokens)` yields the
-    sampled ids [B] like `generate.decode`, the caches get the buffers back when it ends."""
+class SegmentPlan:
+    """What every segmented generation of one model (in its current state) reuses: the segment
+    groups with their arrays converted once. Made again when the model's arrays change
+    (`signature`: the ids of every array of the model; the plan holds those arrays, so an id
+    cannot be reused by another array while the plan lives)."""
 
-    def __init__(self, model: Any, blocks: list[Any], layers: list[Any], fns: SegmentFunctions,
-                 fuse_greedy: bool, sampler: Any, first_position: int,
-                 on_fail: Callable[[BaseException], None], stats: dict[str, int],
-                 fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None = None) -> None:
+    def __init__(self, model: Any, blocks: list[Any], fuse_greedy: bool, stats: dict[str, int],
+                 fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None, signature: tuple[int, ...]) -> None:
         inner = model.model
         tied = model.lm_head is None
         fusions = fusions or [(None, None)] * len(blocks)
         qkv = [f[0].fused if f[0] is not None else None for f in fusions]
         gate_up = [f[1].fused if f[1] is not None else None for f in fusions]
+        self.signature = signature
+        self.fuse_greedy = fuse_greedy
+        self.first = _group([inner.embed_tokens, blocks[0].input_layernorm, blocks[0].self_attn, qkv[0]], stats)
+        self.mids = [_group([blocks[i], gate_up[i], blocks[i + 1].input_layernorm, blocks[i + 1].self_attn,
+                             qkv[i + 1]], stats)
+                     for i in range(len(blocks) - 1)]
+        self.last = _group([blocks[-1], gate_up[-1], inner.norm, inner.embed_tokens, model.lm_head], stats,
+                           tied=tied, fuse_greedy=fuse_greedy)
+        self.scales = [float(b.self_attn.scale) for b in blocks]
+
+    def arrays(self) -> list[list[Array]]:
+        return [g.arrays for g in (self.first, *self.mids, self.last)]
+
+
+class SegmentedSession:
+    """One generation's decode on the segments; `decode(first_inputs, max_tokens, queue)` yields the
+    sampled ids [B] like `generate.decode`, the caches get the buffers back when it ends."""
+
+    def __init__(self, plan: SegmentPlan, layers: list[Any], fns: SegmentFunctions, sampler: Any,
+                 first_position: int, on_fail: Callable[[BaseException], None]) -> None:
         self._layers = layers  # compiled._Layer: cache and ring size (= buffer length)
         self._fns = fns
-        self._fuse_greedy = fuse_greedy
+        self._fuse_greedy = plan.fuse_greedy
         self._sampler = sampler
-        self._first = _group([inner.embed_tokens, blocks[0].input_layernorm, blocks[0].self_attn, qkv[0]], stats)
-        self._mids = [_group([blocks[i], gate_up[i], blocks[i + 1].input_layernorm, blocks[i + 1].self_attn,
-                              qkv[i + 1]], stats)
-                      for i in range(len(blocks) - 1)]
-        self._last = _group([blocks[-1], gate_up[-1], inner.norm, inner.embed_tokens, model.lm_head], stats,
-                            tied=tied, fuse_greedy=fuse_greedy)
-        self._scales = [float(b.self_attn.scale) for b in blocks]
+        self._plan = plan
+        self._first, self._mids, self._last = plan.first, plan.mids, plan.last
+        self._scales = plan.scales
         self._buffers: list[Array] = []
         self._position = first_position
         self._on_fail = on_fail
@@ -319,7 +336,7 @@ class SegmentedSession:
         self._position += 1
         return out, pos
 
-    def decode(self, first_inputs: Array, max_tokens: int) -> Iterator[Array]:
+    def decode(self, first_inputs: Array, max_tokens: int, queue: StepQueue) -> Iterator[Array]:
         from .compiled import _give_back, _ring_of  # noqa: PLC0415
 
         rings = [_ring_of(layer) for layer in self._layers]
@@ -327,34 +344,42 @@ class SegmentedSession:
         del rings
         for layer in self._layers:  # the session owns the buffers (see compiled.py)
             layer.cache.keys = layer.cache.values = None
+        queue.hand_over([first_inputs, self._buffers, self._plan.arrays()])
         try:
             b = first_inputs.shape[0]
-            tokens = mx.reshape(first_inputs, (b,))
-            pos = mx.array(self._position, dtype=mx.int32)
-            try:
-                out, pos = self._step(tokens, pos)  # the first call of each segment traces it
-            except Exception as exc:
-                from .compiled import CompileUnavailable  # noqa: PLC0415
+            with queue.building():
+                tokens = mx.reshape(first_inputs, (b,))
+                pos = mx.array(self._position, dtype=mx.int32)
+                try:
+                    out, pos = self._step(tokens, pos)  # the first call of each segment traces it
+                except Exception as exc:
+                    from .compiled import CompileUnavailable  # noqa: PLC0415
 
-                self._on_fail(exc)
-                raise CompileUnavailable(str(exc)) from exc
-            tokens = out if self._fuse_greedy else self._sampler(out)
-            mx.async_eval(tokens)
+                    self._on_fail(exc)
+                    raise CompileUnavailable(str(exc)) from exc
+                tokens = out if self._fuse_greedy else self._sampler(out)
+                shown = queue.readable(tokens)
+            handle = queue.submit([tokens, shown])
             for n in range(1, max_tokens + 1):
                 following = None
                 if n < max_tokens:
-                    out, pos = self._step(tokens, pos)
-                    following = out if self._fuse_greedy else self._sampler(out)
-                    mx.async_eval(following)
-                yield tokens
+                    with queue.building():
+                        out, pos = self._step(tokens, pos)
+                        following = out if self._fuse_greedy else self._sampler(out)
+                        following_shown = queue.readable(following)
+                    following_handle = queue.submit([following, following_shown])
+                queue.ready(handle)
+                yield shown
                 if following is None:
                     return
-                tokens = following
+                tokens, shown, handle = following, following_shown, following_handle
         finally:
+            queue.drain(raise_errors=False)  # the buffers go back to the caches: every step scheduled
             if self._buffers:
                 for i, layer in enumerate(self._layers):
                     _give_back(layer, self._buffers[2 * i], self._buffers[2 * i + 1], self._position)
                 self._buffers = []
 
 
-__all__ = ["plan", "fuse", "fusions_for", "FusedProjection", "Fusion", "SegmentFunctions", "SegmentedSession"]
+__all__ = ["plan", "fuse", "fusions_for", "FusedProjection", "Fusion", "SegmentFunctions", "SegmentPlan",
+           "SegmentedSession"]

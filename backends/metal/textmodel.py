@@ -264,6 +264,8 @@ class MetalTextModel(TrainableMixin):
         with self._on_device():
             entries = pcache.load_entries(path, pcache.model_identity(model, self._model_type),
                                           model.make_cache(self._context_len), self._info.vocab_size)
+            if self.compiled_decode and compile_enabled():
+                self._decoder.prepare_weights()
             self._prompt_cache.check_weights(model.parameters().values())
             return sum(self._prompt_cache.store(tokens.tolist(), caches) for tokens, caches in entries)
 
@@ -301,6 +303,8 @@ class MetalTextModel(TrainableMixin):
         """Fresh caches, or the prompt cache's longest prefix of `ids` (at most `limit` tokens)."""
         if not self._prompt_cache.enabled:
             return model.make_cache(self._context_len), 0, pcache.CacheUse()
+        if self.compiled_decode and compile_enabled():
+            self._decoder.prepare_weights()  # a first fusion must not look like new weights later
         self._prompt_cache.check_weights(model.parameters().values())
         restored, cached, use = pcache.timed_lookup(self._prompt_cache, ids, limit)
         return (restored if restored is not None else model.make_cache(self._context_len)), cached, use

@@ -1,0 +1,89 @@
+"""How the decode loops queue their steps: on the process's evaluation thread, or here.
+
+With the thread (`pymlxc.core.eval_thread`, on by default on a GPU), a loop builds step n+1 on the
+thread's stream while the thread has MLX encode step n: the host's two halves of a step overlap.
+Without it, `submit` is a plain `async_eval`. Either way a loop reads a step's result only after
+`ready(handle)`, and only through `readable(...)`.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pymlxc.core as mx
+from pymlxc.core import eval_thread
+
+
+class StepQueue:
+    """One generation's view of where its steps are built and encoded."""
+
+    def __init__(self, threaded: bool | None = None) -> None:
+        device = mx.default_device()
+        use = eval_thread.enabled(device) if threaded is None else threaded
+        self._thread = eval_thread.shared(device) if use else None
+        self._pending: list[Any] = []
+
+    @property
+    def threaded(self) -> bool:
+        return self._thread is not None
+
+    @property
+    def key(self) -> Any:
+        """What compiled traces depend on: the stream their operations are recorded for."""
+        return None if self._thread is None else id(self._thread)
+
+    @contextlib.contextmanager
+    def building(self) -> Iterator[None]:
+        """Build a step inside this block (on the thread's stream when threaded). Never hold it
+        across a `yield`: the consumer's own operations would land on the thread's stream."""
+        if self._thread is None:
+            yield
+            return
+        with self._thread.building():
+            yield
+
+    def readable(self, tokens: Any) -> Any:
+        """What the loop yields for the consumer to read, built with the step: threaded, a copy of
+        `tokens`. Reading an array waits on its event and clears it, and the evaluation thread
+        touches the events of the next step's inputs (`tokens` is one) as it encodes that step; the
+        copy is read by the consumer alone."""
+        return mx.copy(tokens) if self._thread is not None else tokens
+
+    def hand_over(self, arrays: Sequence[Any]) -> None:
+        """Schedule, from this thread, what the first step reads and this thread built (prefilled
+        caches, the prompt's last token): the evaluation thread may only encode its own stream."""
+        if self._thread is not None:
+            mx.async_eval(list(arrays))
+
+    def submit(self, arrays: Sequence[Any]) -> Any:
+        """Queue the evaluation of a built step; pass the result to `ready` before reading it."""
+        if self._thread is None:
+            mx.async_eval(list(arrays))
+            return None
+        ticket = self._thread.submit(arrays)
+        self._pending.append(ticket)
+        return ticket
+
+    def ready(self, handle: Any) -> None:
+        """Wait until `handle`'s step is scheduled (its values can then be read)."""
+        if handle is not None:
+            handle.wait()
+            self._pending = [t for t in self._pending if not t.done]
+
+    def drain(self, raise_errors: bool = True) -> None:
+        """Wait for every submitted step to be scheduled (before the caller uses their outputs on
+        its own stream, or lets anything else read them). `raise_errors=False` when already
+        unwinding from another error."""
+        pending, self._pending = self._pending, []
+        error: BaseException | None = None
+        for ticket in pending:
+            try:
+                ticket.wait()
+            except BaseException as exc:  # noqa: BLE001 - the first one is re-raised below
+                error = error or exc
+        if error is not None and raise_errors:
+            raise error
+
+
+__all__ = ["StepQueue"]

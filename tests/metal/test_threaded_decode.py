@@ -1,0 +1,133 @@
+"""Decoding with the evaluation thread (PYMLXC_EVAL_THREAD=1; the default on GPUs) gives the tokens
+of decoding without it: every decode path (whole-step graph, segments, uncompiled), sampling with
+processors, batches, early stops, and a prompt-cache hit after a threaded generation."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import pymlxc
+import pymlxc.core
+from pymlxc.backends.metal import generate as loops
+from pymlxc.backends.metal.compiled import CompiledDecoder
+from pymlxc.backends.metal.loader import LoadedModel, load_weights_and_config
+from pymlxc.backends.metal.sample import greedy, make_logits_processors, make_sampler
+from pymlxc.core import eval_thread
+from pymlxc.testing import write_tiny_model
+
+_loaded: dict[str, LoadedModel] = {}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("threaded")
+
+    def get(arch: str) -> LoadedModel:
+        if arch not in _loaded:
+            _loaded[arch] = load_weights_and_config(write_tiny_model(root / arch, arch, num_layers=3))
+        return _loaded[arch]
+
+    yield get
+    for m in _loaded.values():
+        m.free()
+    _loaded.clear()
+
+
+def ids(n: int = 19, seed: int = 2) -> list[int]:
+    return [int(i) for i in np.random.default_rng(seed).integers(16, 500, size=n)]
+
+
+def generate(model: Any, prompt: list[int], mode: str | None, threaded: bool, monkeypatch: pytest.MonkeyPatch,
+             steps: int = 20, **kw: Any) -> list[int]:
+    monkeypatch.setenv(eval_thread.ENV_VAR, "1" if threaded else "0")
+    decoder = CompiledDecoder(model, mode) if mode else None
+    kw.setdefault("sampler", greedy)
+    try:
+        return list(loops.generate_ids(model, prompt, cache=model.make_cache(None), max_tokens=steps,
+                                       decoder=decoder, **kw))
+    finally:
+        if decoder is not None:
+            decoder.close()
+
+
+@pytest.mark.parametrize("mode", ["graph", "segmented", None])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text"])
+def test_threaded_tokens_equal_unthreaded(models, monkeypatch: pytest.MonkeyPatch, arch: str, mode: str | None) -> None:
+    model = models(arch).model
+    prompt = ids()
+    worker = eval_thread.shared(pymlxc.core.default_device())
+    submitted = []
+    submit = worker.submit
+    monkeypatch.setattr(worker, "submit", lambda arrays: submitted.append(len(arrays)) or submit(arrays))
+    want = generate(model, prompt, mode, False, monkeypatch)
+    assert submitted == []
+    assert generate(model, prompt, mode, True, monkeypatch) == want
+    assert len(submitted) == 20  # one submission per step: the thread did the scheduling
+    assert generate(model, prompt, mode, True, monkeypatch) == want  # a second threaded run reuses the traces
+
+
+@pytest.mark.parametrize("mode", ["graph", None])
+def test_sampling_with_processors_threaded(models, monkeypatch: pytest.MonkeyPatch, mode: str | None) -> None:
+    model = models("llama").model
+    prompt = ids(seed=5)
+
+    def run(threaded: bool) -> list[int]:
+        return generate(model, prompt, mode, threaded, monkeypatch, sampler=make_sampler(0.9, top_k=30, key=11),
+                        processors=make_logits_processors(repeat_penalty=1.3))
+
+    assert run(True) == run(False)
+
+
+def test_batches_threaded(models, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = models("qwen3").model
+    prompts = [ids(7, 1), ids(12, 2), ids(3, 3)]
+
+    def run(threaded: bool) -> list[list[int]]:
+        monkeypatch.setenv(eval_thread.ENV_VAR, "1" if threaded else "0")
+        rows = loops.batch_generate_ids(model, prompts, cache=model.make_cache(None), sampler=greedy, max_tokens=9)
+        return [r.ids for r in rows]
+
+    assert run(True) == run(False)
+
+
+@pytest.mark.parametrize("mode", ["graph", "segmented"])
+def test_an_early_stop_leaves_caches_that_continue(models, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """Breaking out after 5 tokens: the caches hold every step fed (one queued step included) and
+    a generation continuing from them gives the tokens of a fresh one."""
+    model = models("llama").model
+    prompt = ids()
+    monkeypatch.setenv(eval_thread.ENV_VAR, "1")
+    decoder = CompiledDecoder(model, mode)
+    try:
+        cache, sampled = model.make_cache(None), []
+        stream = loops.generate_ids(model, prompt, cache=cache, sampler=greedy, max_tokens=20, decoder=decoder,
+                                    sampled_ids=sampled)
+        for i, _ in enumerate(stream):
+            if i == 4:
+                break
+        stream.close()
+        seen = (prompt + sampled)[: cache[0].offset]
+        rest = ids(6, 9)
+        fresh = list(loops.generate_ids(model, seen + rest, cache=model.make_cache(None), sampler=greedy,
+                                        max_tokens=8, decoder=decoder))
+        continued = list(loops.generate_ids(model, seen + rest, cache=cache, cached=len(seen), sampler=greedy,
+                                            max_tokens=8, decoder=decoder))
+        assert continued == fresh
+    finally:
+        decoder.close()
+
+
+def test_textmodel_with_the_thread_and_the_prompt_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(eval_thread.ENV_VAR, "1")
+    monkeypatch.setenv("PYMLXC_DECODE", "segmented")
+    path = write_tiny_model(tmp_path / "m", "llama", num_layers=2)
+    with pymlxc.load_model(str(path), backend="metal") as m, \
+            pymlxc.load_model(str(path), backend="metal", prompt_cache_entries=0) as plain:
+        for text in ("The baker walked", "The baker walked to the river"):
+            got = [t.id for t in m.generate(text, max_tokens=10)]
+            assert m.err() is None
+            assert got == [t.id for t in plain.generate(text, max_tokens=10)]
+        assert m.metrics().prompt_cache_hits == 1  # the second prompt continues the first's state

@@ -21,6 +21,7 @@ import pymlxc.core as mx
 from pymlxc.model import GenerationCancelled, ModelClosedError
 from pymlxc.types import GenerateMetrics
 
+from .models.base import layer_listener
 from .sample import DEFAULT_PENALTY_CONTEXT, LogitsProcessor, Sampler, apply_processors
 from .step_queue import StepQueue
 
@@ -145,7 +146,7 @@ def _cache_state(cache: Sequence[Cache]) -> list[Any]:
 
 def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, step: int = PREFILL_STEP,
             mask: Callable[[int, int], mx.Array | None] | None = None, guard: Guard = NO_GUARD,
-            start: int = 0) -> None:
+            start: int = 0, queue: StepQueue | None = None) -> None:
     """Run `tokens` [B, L] through the model into `cache`, `step` positions at a time.
 
     Only the caches are evaluated (the chunks' logits are never needed). Chunks are pipelined: a
@@ -154,7 +155,12 @@ def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, ste
     running (what comes next builds on it). `mask(offset, length)` gives each chunk's mask.
     `start`: the first `start` tokens are in `cache` already (a prompt-cache hit); the chunks keep
     the boundaries of a prefill from 0, because a context-bounded cache's results depend on them.
+    With a threaded `queue` (see step_queue.py) each layer is handed to the evaluation thread as
+    soon as it is built, so MLX encodes layer i while Python builds layer i+1.
     """
+    if queue is not None and queue.threaded:
+        _prefill_threaded(model, tokens, cache, step=step, mask=mask, guard=guard, start=start, queue=queue)
+        return
     length = tokens.shape[1]
     running: list[Any] = []
     while start < length:
@@ -166,6 +172,33 @@ def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, ste
         if running:
             mx.eval(running)
         running = state
+        start = stop
+
+
+def _prefill_threaded(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, step: int,
+                      mask: Callable[[int, int], mx.Array | None] | None, guard: Guard, start: int,
+                      queue: StepQueue) -> None:
+    """`prefill` with the evaluation thread: the same chunks, each layer submitted when built. The
+    wait for the previous chunk reads a copy of its state (see `StepQueue.readable`)."""
+    queue.hand_over([tokens, _cache_state(cache)])  # built here (a slice; a prompt-cache hit's caches)
+
+    def submit_layer(h: mx.Array, layer_cache: Any) -> None:
+        queue.submit([h, layer_cache.state] if layer_cache is not None else [h])
+
+    length = tokens.shape[1]
+    previous: tuple[Any, list[Any]] | None = None
+    while start < length:
+        guard.check()
+        stop = min((start // step + 1) * step, length)
+        with queue.building(), layer_listener(submit_layer):
+            model(tokens[:, start:stop], cache=cache, mask=mask(start, stop - start) if mask else None)
+            state = _cache_state(cache)
+            marker = [queue.readable(c[0]) for c in state[-1:] if c]  # one array: waits for the whole submission
+        handle = queue.submit([state, marker])
+        if previous is not None:
+            queue.ready(previous[0])
+            mx.eval(previous[1])
+        previous = (handle, marker)
         start = stop
 
 
@@ -280,10 +313,12 @@ def generate_ids(model: LanguageModel, prompt: Sequence[int], *, cache: Sequence
     # input, so logits are only ever computed for one position.
     if decoder is not None:
         decoder.reserve(cache, len(prompt), max_tokens)
-    if len(prompt) - 1 > cached:
-        prefill(model, tokens[:, :-1], cache, step=prefill_step, guard=guard, start=cached)
-    history = _history([prompt[:-1]]) if processors and len(prompt) > 1 else None
     queue = _queue_for(model)
+    if len(prompt) - 1 > cached:
+        if queue.threaded:
+            _hand_over_weights(queue, model)
+        prefill(model, tokens[:, :-1], cache, step=prefill_step, guard=guard, start=cached, queue=queue)
+    history = _history([prompt[:-1]]) if processors and len(prompt) > 1 else None
     queue.hand_over(_cache_state(cache))
 
     def uncompiled() -> Iterator[mx.Array]:

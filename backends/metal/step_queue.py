@@ -52,8 +52,10 @@ class StepQueue:
 
     def hand_over(self, arrays: Sequence[Any]) -> None:
         """Schedule, from this thread, what the first step reads and this thread built (prefilled
-        caches, the prompt's last token): the evaluation thread may only encode its own stream."""
+        caches, the prompt's last token): the evaluation thread may only encode its own stream.
+        Waits for the submissions so far first: two threads must never evaluate one graph."""
         if self._thread is not None:
+            self.drain()
             mx.async_eval(list(arrays))
 
     def submit(self, arrays: Sequence[Any]) -> Any:

@@ -25,6 +25,31 @@ _tanh = mx.tanh
 A = TypeVar("A", bound="BaseModelArgs")
 
 
+# ---------------------------------------------------------------------- per-layer listener
+
+_layer_listener = threading.local()
+
+
+def after_layer(h: Array, cache: Any) -> None:
+    """Every architecture calls this after each block of its forward pass: a listener (see
+    `layer_listener`) may schedule the block's work at once, so the device (or the evaluation
+    thread) starts on it while Python builds the next block."""
+    fn = getattr(_layer_listener, "fn", None)
+    if fn is not None:
+        fn(h, cache)
+
+
+@contextlib.contextmanager
+def layer_listener(fn: Any) -> Iterator[None]:
+    """Call `fn(h, cache)` after each block of the forward passes run on this thread in the block."""
+    previous = getattr(_layer_listener, "fn", None)
+    _layer_listener.fn = fn
+    try:
+        yield
+    finally:
+        _layer_listener.fn = previous
+
+
 class ConfigError(ValueError):
     """config.json lacks a field the architecture needs, or holds an unusable value."""
 

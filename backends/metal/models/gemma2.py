@@ -11,6 +11,7 @@ from pymlxc.core import Array
 from .. import nn
 from ..cache import Cache, Mask
 from .base import (
+    after_layer,
     BaseModelArgs, LayerMasks, RoPE, TiedHead, attention, drop_keys, make_layer_caches, softcap, softcapped_attention,
 )
 
@@ -143,6 +144,7 @@ class Model(TiedHead, nn.Module):
         caches = cache if cache is not None else [None] * len(masks)
         for layer, m, c in zip(inner.layers, masks, caches):
             h = layer(h, m, c)
+            after_layer(h, c)
         out = inner.embed_tokens.as_linear(inner.norm(h))
         return softcap(out, self._final_cap) if self._final_cap else out
 

@@ -13,6 +13,7 @@ from pymlxc.core import Array
 from .. import nn
 from ..cache import Cache, Mask
 from .base import (
+    after_layer,
     BaseModelArgs, LayerMasks, TiedHead, attention, drop_keys, initialize_rope, make_layer_caches, softcap,
     softcapped_attention,
 )
@@ -182,6 +183,7 @@ class Model(TiedHead, nn.Module):
         caches = cache if cache is not None else [None] * len(masks)
         for layer, m, c in zip(inner.layers, masks, caches):
             h = layer(h, m, c)
+            after_layer(h, c)
         h = inner.norm(h)
         head = self.lm_head
         out = inner.embed_tokens.as_linear(h) if head is None else head(h)

@@ -30,6 +30,7 @@ from .. import nn
 from ..cache import Cache, Mask
 from ..switch import SwitchGLU, geglu
 from .base import (
+    after_layer,
     BaseModelArgs, ConfigError, LayerMasks, RoPE, TiedHead, attention, initialize_rope, make_layer_caches,
     rope_scaling_type, softcap,
 )
@@ -348,6 +349,7 @@ class Model(TiedHead, nn.Module):
             shared, offset = kvs[src] if src != i else (None, 0)
             h, kv, offset = layer(h, m, c, pli, shared, offset)
             kvs[i] = (kv, offset)
+            after_layer(h, c)
         h = inner.norm(h)
         head = self.lm_head
         out = inner.embed_tokens.as_linear(h) if head is None else head(h)

@@ -10,7 +10,7 @@ from pymlxc.core import Array
 
 from .. import nn
 from ..cache import Cache, Mask
-from .base import BaseModelArgs, LayerMasks, TiedHead, attention, drop_keys, initialize_rope, make_layer_caches
+from .base import BaseModelArgs, after_layer, LayerMasks, TiedHead, attention, drop_keys, initialize_rope, make_layer_caches
 
 _reshape = mx.reshape
 _transpose = mx.transpose
@@ -157,6 +157,7 @@ class Model(TiedHead, nn.Module):
         else:
             for layer, m, c in zip(inner.layers, masks, cache):
                 h = layer(h, m, c)
+                after_layer(h, c)
         h = inner.norm(h)
         head = self.lm_head
         return inner.embed_tokens.as_linear(h) if head is None else head(h)

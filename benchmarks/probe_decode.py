@@ -1,6 +1,6 @@
 """Where a token's time goes on this device, measured piece by piece (for the GPU session).
 
-Four probes, each printed and written to `probe_decode.json`:
+Five probes, each printed and written to `probe_decode.json`:
 
 * `primitives`: MLX's host cost per operation. A chain of N small operations is built, handed to
   `async_eval` (MLX encodes the kernels) and waited for, through mlx.core and through pymlxc. If
@@ -12,6 +12,8 @@ Four probes, each printed and written to `probe_decode.json`:
   waiting for the token (device), for mlx-lm's loop and pymlxc's decode modes, each with and
   without the evaluation thread (`pymlxc.core.eval_thread`).
 * `ttft`: time to first token split into prefill, decode setup and the first step.
+* `memory`: peak memory above the weights after prefill alone and after prefill and decode, for
+  mlx-lm and pymlxc's paths (with and without the thread).
 
     python benchmarks/probe_decode.py --out DIR [--shape llama-3.2-1b --quant bf16]
 """
@@ -339,6 +341,86 @@ def ttft(path: Path, plen: int, max_tokens: int, runs: int) -> list[dict[str, An
     return rows
 
 
+# ---------------------------------------------------------------------- memory
+
+def memory(path: Path, plen: int, tokens: int) -> list[dict[str, Any]]:
+    """Peak memory above the resident weights, after prefill and after `tokens` decode steps, per
+    side: where a side's extra memory comes from."""
+    import gc
+
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    loaded = load_weights_and_config(path)
+    lm_model, _ = load_model(path)
+    vocab = loaded.config["vocab_size"]
+    prompt = [(i * 7919 + 13) % (vocab - 1) + 1 for i in range(plen)]
+    rows = []
+
+    def measure(name: str, prefill: Callable[[], Any], decode: Callable[[Any], Any]) -> None:
+        for _ in range(2):  # the second run is reported (the first makes kernels and traces)
+            gc.collect()
+            mlx.clear_cache()
+            base = mlx.get_active_memory()
+            mlx.reset_peak_memory()
+            state = prefill()
+            after_prefill = mlx.get_peak_memory() - base
+            decode(state)
+            total = mlx.get_peak_memory() - base
+            del state
+        row = {"side": name, "prompt": plen, "prefill_peak_mb": round(after_prefill / 2**20, 1),
+               "total_peak_mb": round(total / 2**20, 1)}
+        rows.append(row)
+        print(f"  memory p{plen} {name:28s} prefill peak {row['prefill_peak_mb']:8.1f} MB, with decode "
+              f"{row['total_peak_mb']:8.1f} MB", flush=True)
+
+    def lm_prefill() -> Any:
+        cache = make_prompt_cache(lm_model)
+        p = mlx.array(prompt)
+        lm_model(p[None, :-1], cache=cache)
+        mlx.eval([c.state for c in cache])
+        return cache
+
+    def lm_decode(cache: Any) -> None:
+        y = mlx.array(prompt[-1:])
+        for _ in range(tokens):
+            logits = lm_model(y.reshape(1, 1), cache=cache)[:, -1, :]
+            nxt = mlx.argmax(logits - mlx.logsumexp(logits, keepdims=True), axis=-1)
+            mlx.async_eval(nxt)
+            y.item()  # as generate_step: read token n while step n+1 runs
+            y = nxt
+        mlx.eval(y)
+
+    measure("mlx_lm", lm_prefill, lm_decode)
+    for mode, flag in (("segmented", "1"), ("segmented", "0"), (None, "0")):
+        decoder = CompiledDecoder(loaded.model, mode) if mode else None
+        name = f"pymlxc_{mode or 'uncompiled'}" + ("" if flag == "1" else "_nothread")
+        os.environ[eval_thread.ENV_VAR] = flag
+
+        def run_all(_: Any = None, decoder: CompiledDecoder | None = decoder) -> Any:
+            model = loaded.model
+            cache = model.make_cache(None)
+            return list(loops.generate_ids(model, prompt, cache=cache, sampler=greedy, max_tokens=tokens,
+                                           decoder=decoder))
+
+        def pm_prefill(decoder: CompiledDecoder | None = decoder) -> Any:
+            model = loaded.model
+            cache = model.make_cache(None)
+            if decoder is not None:
+                decoder.reserve(cache, len(prompt), tokens)
+            loops.prefill(model, pmx.array([prompt[:-1]], dtype=pmx.int32), cache)
+            pmx.eval([c.state for c in cache])
+            return cache
+
+        measure(name + "_prefill_only", pm_prefill, lambda state: None)
+        measure(name, lambda: 0, run_all)  # prefill and decode: "with decode" is the figure
+        if decoder is not None:
+            decoder.close()
+    os.environ.pop(eval_thread.ENV_VAR, None)
+    loaded.free()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3.2-1b")
@@ -347,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, nargs="+", default=[128, 2048])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--probes", nargs="+", default=["primitives", "attention", "ttft", "timeline"])
+    ap.add_argument("--probes", nargs="+", default=["primitives", "attention", "ttft", "timeline", "memory"])
     ap.add_argument("--models-dir", type=Path, default=Path("/tmp/pymlxc-bench-models"))
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--out", type=Path, required=True)
@@ -369,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
             report[probe] = attention([300, 2048], [0, 16], repeats=3 if args.cpu else 20)
         elif probe == "ttft":
             report[probe] = ttft(path, args.prompts[0], args.max_tokens, args.runs)
+        elif probe == "memory":
+            report[probe] = memory(path, args.prompts[-1], 64)
         elif probe == "timeline":
             report[probe] = timelines(path, args.prompts, args.max_tokens, args.runs)
         (args.out / "probe_decode.json").write_text(json.dumps(report, indent=1))

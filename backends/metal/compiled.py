@@ -358,7 +358,8 @@ class CompiledDecoder:
     # ------------------------------------------------------------------ sessions
     def start(self, cache: Sequence[Any], first_position: int, max_tokens: int, *, sampler: Sampler,
               processors: Sequence[LogitsProcessor] = (), history: Array | None = None,
-              batch: int = 1, stream_key: Any = None) -> "DecodeSession | None":
+              batch: int = 1, stream_key: Any = None,
+              walk: tuple[list[Array], tuple[str, ...]] | None = None) -> "DecodeSession | None":
         """A session decoding from `first_position` (the position of the first input token) into
         rings made from `cache`, or None where the compiled path does not apply. `stream_key`: the
         StepQueue's key (a trace records the stream its operations run on)."""
@@ -372,7 +373,7 @@ class CompiledDecoder:
         layers = _plan(cache, capacity, last_position)
         if layers is None or any(c.offset != first_position for c in cache) or any(c.keys is None for c in cache):
             return None
-        weights, classes = _arrays_of(model, with_classes=True)
+        weights, classes = walk if walk is not None else _arrays_of(model, with_classes=True)
         structure = (classes, len(weights))
         fuse_greedy = sampler is greedy and not processors
         if (self.mode or decode_mode()) == "segmented" and not processors:
@@ -423,17 +424,20 @@ class CompiledDecoder:
 
     def decode(self, cache: Sequence[Any], first_inputs: Array, max_tokens: int, *, sampler: Sampler,
                processors: Sequence[LogitsProcessor] = (), history: Array | None = None,
-               fallback: Callable[[], Iterator[Array]], queue: StepQueue | None = None) -> Iterator[Array]:
+               fallback: Callable[[], Iterator[Array]], queue: StepQueue | None = None,
+               walk: tuple[list[Array], tuple[str, ...]] | None = None) -> Iterator[Array]:
         """Yield the sampled ids [B] of up to `max_tokens` steps after the prefilled `cache`, on the
         compiled step where it applies, else from `fallback()` (the uncompiled loop). `queue`: where
-        the steps are built and encoded (see step_queue.py)."""
+        the steps are built and encoded (see step_queue.py). `walk`: `_arrays_of(model,
+        with_classes=True)` when the caller has it already."""
         queue = queue if queue is not None else StepQueue()
         try:
             session = None
             if max_tokens > 0:
                 first_position = cache[0].offset if cache else 0
                 session = self.start(cache, first_position, max_tokens, sampler=sampler, processors=processors,
-                                     history=history, batch=first_inputs.shape[0], stream_key=queue.key)
+                                     history=history, batch=first_inputs.shape[0], stream_key=queue.key,
+                                     walk=walk)
             if session is not None:
                 stream = session.decode(first_inputs, max_tokens, queue)
                 try:

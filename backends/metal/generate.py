@@ -239,12 +239,13 @@ def _queue_for(model: Any) -> StepQueue:
     return StepQueue(None if isinstance(model, Module) else False)
 
 
-def _hand_over_weights(queue: StepQueue, model: Any) -> None:
-    """The model's arrays to a threaded queue (an update or an adapter may have left them lazy)."""
+def _hand_over_weights(queue: StepQueue, model: Any, weights: list[mx.Array] | None = None) -> None:
+    """The model's arrays (`weights`, else found by walking the model) to a threaded queue (an
+    update or an adapter may have left them lazy)."""
     if queue.threaded:
         from .compiled import _arrays_of  # noqa: PLC0415
 
-        queue.hand_over(_arrays_of(model))
+        queue.hand_over(weights if weights is not None else _arrays_of(model))
 
 
 def decode(step: StepFn, first_inputs: mx.Array, max_tokens: int, queue: StepQueue | None = None) -> Iterator[mx.Array]:
@@ -313,21 +314,25 @@ def generate_ids(model: LanguageModel, prompt: Sequence[int], *, cache: Sequence
     # input, so logits are only ever computed for one position.
     if decoder is not None:
         decoder.reserve(cache, len(prompt), max_tokens)
+        decoder.prepare_weights()  # any fusion first: the walk below then sees the final arrays
     queue = _queue_for(model)
+    walk = None  # the model's arrays and module classes, walked once for this generation
+    if queue.threaded or decoder is not None:
+        from .compiled import _arrays_of  # noqa: PLC0415
+
+        walk = _arrays_of(model, with_classes=True)
+        _hand_over_weights(queue, model, walk[0])
     if len(prompt) - 1 > cached:
-        if queue.threaded:
-            _hand_over_weights(queue, model)
         prefill(model, tokens[:, :-1], cache, step=prefill_step, guard=guard, start=cached, queue=queue)
     history = _history([prompt[:-1]]) if processors and len(prompt) > 1 else None
     queue.hand_over(_cache_state(cache))
 
     def uncompiled() -> Iterator[mx.Array]:
-        _hand_over_weights(queue, model)
         return decode(make_step(model, cache, sampler, processors, history), tokens[:, -1:], max_tokens, queue)
 
     if decoder is not None:
         stream = decoder.decode(cache, tokens[:, -1:], max_tokens, sampler=sampler, processors=processors,
-                                history=history, fallback=uncompiled, queue=queue)
+                                history=history, fallback=uncompiled, queue=queue, walk=walk)
     else:
         stream = uncompiled()
     try:

@@ -156,10 +156,12 @@ class Side:
 
 
 class Pymlxc(Side):
-    def __init__(self, compiled: bool = True, mode: str | None = None) -> None:
-        self.name = ("pymlxc" if compiled else "pymlxc_uncompiled") + (f"_{mode}" if mode else "")
+    def __init__(self, compiled: bool = True, mode: str | None = None, threaded: bool | None = None) -> None:
+        self.name = (("pymlxc" if compiled else "pymlxc_uncompiled") + (f"_{mode}" if mode else "")
+                     + ("" if threaded is None else "_thread" if threaded else "_nothread"))
         self.compiled = compiled
         self.mode = mode
+        self.threaded = threaded  # None: the default for the device (PYMLXC_EVAL_THREAD)
         self.loaded: Any = None
         self.decoder: CompiledDecoder | None = None
         self.context_len = LoadConfig().context_len  # what MetalTextModel uses by default
@@ -179,8 +181,21 @@ class Pymlxc(Side):
 
     def stream(self, prompt: list[int], max_tokens: int) -> Iterator[int]:
         model = self.loaded.model
-        return loops.generate_ids(model, prompt, cache=model.make_cache(self.context_len), sampler=greedy,
-                                  max_tokens=max_tokens, decoder=self.decoder)
+        tokens = loops.generate_ids(model, prompt, cache=model.make_cache(self.context_len), sampler=greedy,
+                                    max_tokens=max_tokens, decoder=self.decoder)
+        return tokens if self.threaded is None else self._with_thread_setting(tokens)
+
+    def _with_thread_setting(self, tokens: Iterator[int]) -> Iterator[int]:
+        """Run the generation with PYMLXC_EVAL_THREAD set to this side's choice (read as it starts)."""
+        old = os.environ.get("PYMLXC_EVAL_THREAD")
+        os.environ["PYMLXC_EVAL_THREAD"] = "1" if self.threaded else "0"
+        try:
+            yield from tokens
+        finally:
+            if old is None:
+                os.environ.pop("PYMLXC_EVAL_THREAD", None)
+            else:
+                os.environ["PYMLXC_EVAL_THREAD"] = old
 
 
 class MlxLm(Side):
@@ -468,6 +483,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="CPU-sized: the 1B-class shapes, prompt 32, 16 tokens, 3 runs, 1 load run")
     p.add_argument("--uncompiled", action="store_true", help="add pymlxc without the compiled decode step")
+    p.add_argument("--nothread", action="store_true",
+                   help="add pymlxc without the evaluation thread (PYMLXC_EVAL_THREAD=0)")
     p.add_argument("--segmented", action="store_true",
                    help="add pymlxc with the segmented decode step (PYMLXC_DECODE=segmented; Llama family)")
     p.add_argument("--models-dir", type=Path, default=None,
@@ -566,6 +583,8 @@ def main(argv: list[str] | None = None) -> int:
         sides.append(Pymlxc(False))
     if args.segmented:
         sides.append(Pymlxc(True, "segmented"))
+    if args.nothread:
+        sides.append(Pymlxc(True, threaded=False))
     report: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION, "kind": "compare_mlx_lm",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -133,15 +133,15 @@ PY
     bench-1b)
       # Llama-3.2-1B and Qwen3-0.6B, bfloat16 and 4-bit, prompts of 128 and 2048, 256 tokens.
       if [ "$CPU" = 1 ]; then bench bench-1b --shapes llama-3.2-1b-narrow qwen3-0.6b-narrow --uncompiled
-      else bench bench-1b --shapes llama-3.2-1b qwen3-0.6b --quant bf16 4bit --uncompiled; fi
+      else bench bench-1b --shapes llama-3.2-1b qwen3-0.6b --quant bf16 4bit --uncompiled --nothread; fi
       ;;
     bench-gemma)
       if [ "$CPU" = 1 ]; then bench bench-gemma --shapes gemma-3-1b-narrow
-      else bench bench-gemma --shapes gemma-3-1b --quant bf16 4bit --uncompiled; fi
+      else bench bench-gemma --shapes gemma-3-1b --quant bf16 4bit --nothread; fi
       ;;
     bench-8b)
       if [ "$CPU" = 1 ]; then bench bench-8b --shapes llama-3.2-1b-narrow --layers 4
-      else bench bench-8b --shapes llama-3.1-8b --quant 4bit --segmented; fi
+      else bench bench-8b --shapes llama-3.1-8b --quant 4bit --nothread; fi
       ;;
     variants)
       if [ "$CPU" = 1 ]; then bench variants --shapes llama-3.2-1b-narrow qwen3-0.6b-narrow --uncompiled --segmented

@@ -186,7 +186,8 @@ class Compiled:
             entry = self._flat[n] = self._compiled_for(("tuple", (("list", (None,) * n),)))[0]
         if tail is None:
             return entry.apply(inputs)
-        tail.check()
+        if tail.handles is None:
+            raise FreedArrayError("the FixedArrays was released")
         _keep, vec = vector_of(inputs)
         _call(lib.mlx_vector_array_append_data(vec[0], tail.handles, tail.size))
         out = new_vector()
@@ -210,21 +211,39 @@ class Compiled:
 
 class FixedArrays:
     """Arrays handed to every call of `Compiled.call_flat` after its per-call inputs, as one C array
-    of handles made once. It holds the Arrays; a call raises FreedArrayError if one of them was
-    freed (or given a new handle) since."""
+    of handles made once. It holds references of its own (new handles to the same arrays), so the
+    call needs no per-call check: freeing a given Array afterwards frees only that Array's handle,
+    and the arrays live until this object goes (or `release()`). A freed Array raises
+    FreedArrayError when the FixedArrays is made."""
 
     def __init__(self, arrays: Sequence[Array]) -> None:
-        self.arrays = [a if isinstance(a, Array) else asarray(a) for a in arrays]
-        self._owned = [a._h for a in self.arrays]
-        if any(h is None for h in self._owned):
+        items = [a if isinstance(a, Array) else asarray(a) for a in arrays]
+        if any(a._h is None for a in items):
             raise FreedArrayError("array used after free()")
-        self.handles = new_cdata(_ARRAY_ARRAY, [[h] for h in self._owned])
-        self.size = len(self.arrays)
+        given = new_cdata(_ARRAY_ARRAY, [[a._h] for a in items])
+        self.size = len(items)
+        self.handles = new_cdata(_ARRAY_ARRAY, self.size)
+        for i in range(self.size):
+            self.handles[i] = lib.mlx_array_new()
+            _call(lib.mlx_array_set(self.handles + i, given[i]))
+        del items
 
     def check(self) -> None:
-        for a, h in zip(self.arrays, self._owned):
-            if a._h is not h:
-                raise FreedArrayError("an array of a FixedArrays was freed or replaced since it was made")
+        """Kept for callers; there is nothing to check (the handles are owned)."""
+        if self.handles is None:
+            raise FreedArrayError("the FixedArrays was released")
+
+    def release(self) -> None:
+        handles, self.handles = self.handles, None
+        if handles is not None and lib is not None:
+            for i in range(self.size):
+                lib.mlx_array_free(handles[i])
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
 
 def compile(fn: Callable[..., Any], shapeless: bool = False) -> Compiled:  # noqa: A001

@@ -32,15 +32,36 @@ def test_call_flat_with_and_without_tail() -> None:
     np.testing.assert_allclose(np.array(again[1]), np.array(state + 6.0), rtol=1e-6)
 
 
-def test_freed_tail_array_raises() -> None:
-    w1, w2 = mx.ones((4, 4)), mx.ones((3,))
+def test_tail_holds_its_own_references() -> None:
+    """Freeing a given Array afterwards changes nothing for the FixedArrays (it owns handles to the
+    same arrays); a freed Array cannot be given; a released FixedArrays cannot be called."""
+    w1, w2 = mx.ones((4, 4)), mx.ones((3,)) * 2.0
     f = mx.compile(step)
     tail = FixedArrays([w1, w2])
+    inputs = [mx.ones((2, 4)), mx.zeros((2, 4))]
+    want = [np.array(a) for a in f.call_flat(inputs, tail)]
     w2.free()
-    with pytest.raises(FreedArrayError):
-        f.call_flat([mx.ones((2, 4)), mx.zeros((2, 4))], tail)
+    got = [np.array(a) for a in f.call_flat(inputs, tail)]
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
     with pytest.raises(FreedArrayError):
         FixedArrays([w1, w2])
+    tail.release()
+    with pytest.raises(FreedArrayError, match="released"):
+        f.call_flat(inputs, tail)
+
+
+def test_releasing_the_tail_frees_its_arrays() -> None:
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    w = mx.ones((256, 1024))
+    mx.eval(w)
+    tail = FixedArrays([w])
+    w.free()
+    assert mx.get_active_memory() >= before + 256 * 1024 * 4  # still held by the tail
+    tail.release()
+    assert mx.get_active_memory() <= before
 
 
 def test_tree_helpers_leave_no_cycles() -> None:

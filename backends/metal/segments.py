@@ -164,20 +164,19 @@ def _project(attn: Any, x: Array, pos: Array, qkv: FusedProjection | None) -> tu
     """q, k, v [B, heads, 1, D] of one token, as `llama/qwen3.Attention` make them, RoPE'd at `pos`."""
     b = x.shape[0]
     q, k, v = qkv(x) if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
-    q = mx.reshape(q, (b, 1, attn.n_heads, attn.head_dim))
-    k = mx.reshape(k, (b, 1, attn.n_kv_heads, attn.head_dim))
-    v = mx.reshape(v, (b, 1, attn.n_kv_heads, attn.head_dim))
+    # One token: [B, 1, heads * D] is [B, heads, 1, D] already (the layers' reshape-then-transpose
+    # moves an axis of length 1), so no transpose operations go into the graph.
+    q = mx.reshape(q, (b, attn.n_heads, 1, attn.head_dim))
+    k = mx.reshape(k, (b, attn.n_kv_heads, 1, attn.head_dim))
+    v = mx.reshape(v, (b, attn.n_kv_heads, 1, attn.head_dim))
     if isinstance(attn, qwen3.Attention):
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q = mx.transpose(q, (0, 2, 1, 3))
-    k = mx.transpose(k, (0, 2, 1, 3))
-    v = mx.transpose(v, (0, 2, 1, 3))
+        q, k = attn.q_norm(q), attn.k_norm(k)  # over head_dim: the same on either layout
     return attn.rope(q, pos), attn.rope(k, pos), v
 
 
 def _finish_block(block: Any, attn_out: Array, h: Array, gate_up: FusedProjection | None) -> Array:
     b = h.shape[0]
-    o = block.self_attn.o_proj(mx.reshape(mx.transpose(attn_out, (0, 2, 1, 3)), (b, 1, -1)))
+    o = block.self_attn.o_proj(mx.reshape(attn_out, (b, 1, -1)))  # [B, heads, 1, D]: one token, no transpose
     h = h + o
     x = block.post_attention_layernorm(h)
     if gate_up is None:

@@ -26,7 +26,7 @@
 # mlx-lm, pymlxc (whole-step graph), pymlxc_segmented, pymlxc_uncompiled; `profile` splits one
 # Llama-3.2-1B bf16 generation of each into device wait, MLX dispatch and other host time.
 #
-# Stages: setup smoke tests bench-1b bench-gemma bench-8b variants profile report all
+# Stages: setup smoke tests bench-1b bench-gemma bench-8b variants profile probe report all
 # Options: --dry-run (print the commands only), --cpu-check (run every stage on this machine's CPU
 # with tiny shapes: checks the plumbing, not the numbers).
 set -euo pipefail
@@ -44,7 +44,7 @@ for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
     --cpu-check) CPU=1 ;;
-    setup|smoke|tests|bench-1b|bench-gemma|bench-8b|variants|profile|report) stages+=("$arg") ;;
+    setup|smoke|tests|bench-1b|bench-gemma|bench-8b|variants|profile|probe|report) stages+=("$arg") ;;
     all) stages+=(setup smoke tests bench-1b bench-gemma bench-8b report) ;;
     -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "gpu_session.sh: unknown stage or option: $arg" >&2; exit 2 ;;
@@ -154,6 +154,16 @@ PY
       else prof_args=(--shape llama-3.2-1b --quant bf16 --prompt 128 --max-tokens 128); fi
       run "$PY" benchmarks/profile_generation.py --models-dir "$MODELS" --out "$OUT/profile" "${prof_args[@]}" \
         2>&1 | tee "$OUT/profile/log.txt" || echo "!!! profile failed (see $OUT/profile/log.txt)"
+      ;;
+    probe)
+      # Where a token's time goes (host build, MLX encode, device), per decode path, with and
+      # without the evaluation thread; MLX's per-op cost; cuDNN vs sdpa_vector; peak memory.
+      ensure_lib
+      mkdir -p "$OUT/probe"
+      if [ "$CPU" = 1 ]; then probe_args=(--cpu --shape llama-3.2-1b-narrow --quant f32 --layers 2 --prompts 16 --max-tokens 8 --runs 2)
+      else probe_args=(--shape llama-3.2-1b --quant bf16 --prompts 128 2048 --max-tokens 128 --runs 3); fi
+      run "$PY" benchmarks/probe_decode.py --models-dir "$MODELS" --out "$OUT/probe" "${probe_args[@]}" \
+        2>&1 | tee "$OUT/probe/log.txt" || echo "!!! probe failed (see $OUT/probe/log.txt)"
       ;;
     report)
       mkdir -p "$OUT/report"

@@ -563,33 +563,26 @@ class DecodeSession:
             layer.cache.keys = layer.cache.values = None
         b = first_inputs.shape[0]
         queue.hand_over([first_inputs, self._buffers, self._history, spec.weights])  # weights: an update may be lazy
+        position: list[Array] = []  # the step's position input, carried from step to step
+
+        def first() -> Array:
+            tokens_in = mx.reshape(first_inputs, (b,))
+            try:
+                out, pos = self._call(tokens_in, mx.array(self._first_position, dtype=mx.int32))
+            except Exception as exc:
+                self._steps = 0
+                self._finish()  # the caches get their tokens back as they were, for the fallback
+                self._decoder._mark_failed(self._key, exc)  # noqa: SLF001
+                raise CompileUnavailable(str(exc)) from exc
+            position.append(pos)
+            return self._sample(mx.reshape(tokens_in, (b, 1)), out)
+
+        def following(tokens: Array) -> Array:
+            out, position[0] = self._call(tokens, position[0])
+            return self._sample(mx.reshape(tokens, (b, 1)), out)
+
         try:
-            with queue.building():
-                tokens_in = mx.reshape(first_inputs, (b,))
-                pos = mx.array(self._first_position, dtype=mx.int32)
-                try:
-                    out, pos = self._call(tokens_in, pos)
-                except Exception as exc:
-                    self._steps = 0
-                    self._finish()  # the caches get their tokens back as they were, for the fallback
-                    self._decoder._mark_failed(self._key, exc)  # noqa: SLF001
-                    raise CompileUnavailable(str(exc)) from exc
-                tokens = self._sample(mx.reshape(tokens_in, (b, 1)), out)
-                shown = queue.readable(tokens)
-            handle = queue.submit([tokens, shown])
-            for n in range(1, max_tokens + 1):
-                following = None
-                if n < max_tokens:
-                    with queue.building():
-                        out, pos = self._call(tokens, pos)
-                        following = self._sample(mx.reshape(tokens, (b, 1)), out) if not spec.fuse_greedy else out
-                        following_shown = queue.readable(following)
-                    following_handle = queue.submit([following, following_shown])
-                queue.ready(handle)
-                yield shown
-                if following is None:
-                    return
-                tokens, shown, handle = following, following_shown, following_handle
+            yield from queue.pipeline(first, following, max_tokens)
         finally:
             queue.drain(raise_errors=False)  # the rings go back to the caches: every step scheduled
             self._finish()

@@ -260,22 +260,8 @@ def decode(step: StepFn, first_inputs: mx.Array, max_tokens: int, queue: StepQue
     queue = queue if queue is not None else StepQueue()
     queue.hand_over([first_inputs])
     try:
-        with queue.building():
-            tokens = step(first_inputs)
-            shown = queue.readable(tokens)
-        handle = queue.submit([tokens, shown])
-        for n in range(1, max_tokens + 1):
-            following = None
-            if n < max_tokens:
-                with queue.building():
-                    following = step(mx.expand_dims(tokens, 1))
-                    following_shown = queue.readable(following)
-                following_handle = queue.submit([following, following_shown])
-            queue.ready(handle)
-            yield shown
-            if following is None:
-                return
-            tokens, shown, handle = following, following_shown, following_handle
+        yield from queue.pipeline(lambda: step(first_inputs), lambda tokens: step(mx.expand_dims(tokens, 1)),
+                                  max_tokens)
     finally:
         queue.drain(raise_errors=False)
 

@@ -344,34 +344,26 @@ class SegmentedSession:
         for layer in self._layers:  # the session owns the buffers (see compiled.py)
             layer.cache.keys = layer.cache.values = None
         queue.hand_over([first_inputs, self._buffers, self._plan.arrays()])
-        try:
-            b = first_inputs.shape[0]
-            with queue.building():
-                tokens = mx.reshape(first_inputs, (b,))
-                pos = mx.array(self._position, dtype=mx.int32)
-                try:
-                    out, pos = self._step(tokens, pos)  # the first call of each segment traces it
-                except Exception as exc:
-                    from .compiled import CompileUnavailable  # noqa: PLC0415
+        b = first_inputs.shape[0]
+        position: list[Array] = []  # the step's position input, carried from step to step
 
-                    self._on_fail(exc)
-                    raise CompileUnavailable(str(exc)) from exc
-                tokens = out if self._fuse_greedy else self._sampler(out)
-                shown = queue.readable(tokens)
-            handle = queue.submit([tokens, shown])
-            for n in range(1, max_tokens + 1):
-                following = None
-                if n < max_tokens:
-                    with queue.building():
-                        out, pos = self._step(tokens, pos)
-                        following = out if self._fuse_greedy else self._sampler(out)
-                        following_shown = queue.readable(following)
-                    following_handle = queue.submit([following, following_shown])
-                queue.ready(handle)
-                yield shown
-                if following is None:
-                    return
-                tokens, shown, handle = following, following_shown, following_handle
+        def first() -> Array:
+            try:  # the first call of each segment traces it
+                out, pos = self._step(mx.reshape(first_inputs, (b,)), mx.array(self._position, dtype=mx.int32))
+            except Exception as exc:
+                from .compiled import CompileUnavailable  # noqa: PLC0415
+
+                self._on_fail(exc)
+                raise CompileUnavailable(str(exc)) from exc
+            position.append(pos)
+            return out if self._fuse_greedy else self._sampler(out)
+
+        def following(tokens: Array) -> Array:
+            out, position[0] = self._step(tokens, position[0])
+            return out if self._fuse_greedy else self._sampler(out)
+
+        try:
+            yield from queue.pipeline(first, following, max_tokens)
         finally:
             queue.drain(raise_errors=False)  # the buffers go back to the caches: every step scheduled
             if self._buffers:

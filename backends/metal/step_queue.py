@@ -8,7 +8,7 @@ Without it, `submit` is a plain `async_eval`. Either way a loop reads a step's r
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pymlxc.core as mx
@@ -72,6 +72,28 @@ class StepQueue:
         if handle is not None:
             handle.wait()
             self._pending = [t for t in self._pending if not t.done]
+
+    def pipeline(self, first: Callable[[], Any], following: Callable[[Any], Any], steps: int) -> Iterator[Any]:
+        """The decode loops' shape: yield up to `steps` readable results, each step queued before the
+        previous one is read (the device, or the thread, works on step n while step n+1 is built).
+        `first()` builds step 1; `following(tokens)` builds step n+1 from step n's (lazy) tokens.
+        Stopping early wastes at most the one step already queued."""
+        with self.building():
+            tokens = first()
+            shown = self.readable(tokens)
+        handle = self.submit([tokens, shown])
+        for n in range(1, steps + 1):
+            nxt = None
+            if n < steps:
+                with self.building():
+                    nxt = following(tokens)
+                    nxt_shown = self.readable(nxt)
+                nxt_handle = self.submit([nxt, nxt_shown])
+            self.ready(handle)
+            yield shown
+            if nxt is None:
+                return
+            tokens, shown, handle = nxt, nxt_shown, nxt_handle
 
     def drain(self, raise_errors: bool = True) -> None:
         """Wait for every submitted step to be scheduled (before the caller uses their outputs on

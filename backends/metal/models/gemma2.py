@@ -11,8 +11,8 @@ from pymlxc.core import Array
 from .. import nn
 from ..cache import Cache, Mask
 from .base import (
-    after_layer,
-    BaseModelArgs, LayerMasks, RoPE, TiedHead, attention, drop_keys, make_layer_caches, softcap, softcapped_attention,
+    BaseModelArgs, LayerMasks, RoPE, TiedHead, attention, drop_keys, make_layer_caches, softcap,
+    softcapped_attention, after_layer,
 )
 
 _reshape = mx.reshape

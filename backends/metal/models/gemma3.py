@@ -13,9 +13,8 @@ from pymlxc.core import Array
 from .. import nn
 from ..cache import Cache, Mask
 from .base import (
-    after_layer,
     BaseModelArgs, LayerMasks, TiedHead, attention, drop_keys, initialize_rope, make_layer_caches, softcap,
-    softcapped_attention,
+    softcapped_attention, after_layer,
 )
 
 _reshape = mx.reshape

@@ -30,9 +30,8 @@ from .. import nn
 from ..cache import Cache, Mask
 from ..switch import SwitchGLU, geglu
 from .base import (
-    after_layer,
     BaseModelArgs, ConfigError, LayerMasks, RoPE, TiedHead, attention, initialize_rope, make_layer_caches,
-    rope_scaling_type, softcap,
+    rope_scaling_type, softcap, after_layer,
 )
 
 _reshape = mx.reshape

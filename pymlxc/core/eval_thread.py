@@ -14,6 +14,11 @@ Rules, both from MLX's threading model:
 * Read a submitted array (`item()`, `tolist()`, numpy) only after its `Ticket.wait()`. Once MLX has
   scheduled an array, reading it only waits for the device; reading it before would make MLX
   evaluate it on the caller's thread.
+* Never read an array that a later submission takes as an input: reading clears the array's
+  event while this thread may be reading it to encode that submission (a data race that crashed).
+  Read a copy made with the step instead (`mx.copy`: it shares the data, not the event).
+* Never evaluate, here and there at once, arrays of one graph: before the caller evaluates
+  anything that may reach a submitted graph, it waits for every submission so far.
 
 One thread per device serves the whole process (`shared(device)`); submissions run in order.
 """

@@ -39,7 +39,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -51,6 +51,9 @@ from .cache import KVCache, RotatingKVCache
 from .nn import Module
 from .sample import DEFAULT_PENALTY_CONTEXT, LogitsProcessor, Sampler, apply_processors, greedy
 from .step_queue import StepQueue
+
+if TYPE_CHECKING:
+    from .segments import SegmentedSession
 
 log = logging.getLogger(__name__)
 
@@ -331,6 +334,7 @@ class CompiledDecoder:
         self.fuse_projections = os.environ.get("PYMLXC_FUSE_PROJECTIONS", "1") != "0"
         self._fusions: dict[int, Any] = {}
         self._plans: dict[tuple[Any, ...], Any] = {}  # segments.SegmentPlan per segmented key
+        self._recent_plan: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None  # (signature and flags, key)
         self._lock = threading.Lock()
         self._compiled: dict[tuple[Any, ...], Any] = {}
         self._failed: set[tuple[Any, ...]] = set()
@@ -344,6 +348,7 @@ class CompiledDecoder:
             self._compiled.clear()
             self._fusions.clear()
             self._plans.clear()
+            self._recent_plan = None
             self._model = None
 
     # ------------------------------------------------------------------ tracing
@@ -358,11 +363,12 @@ class CompiledDecoder:
     # ------------------------------------------------------------------ sessions
     def start(self, cache: Sequence[Any], first_position: int, max_tokens: int, *, sampler: Sampler,
               processors: Sequence[LogitsProcessor] = (), history: Array | None = None,
-              batch: int = 1, stream_key: Any = None,
-              walk: tuple[list[Array], tuple[str, ...]] | None = None) -> "DecodeSession | None":
+              batch: int = 1, walk: tuple[list[Array], tuple[str, ...]] | None = None
+              ) -> "DecodeSession | SegmentedSession | None":
         """A session decoding from `first_position` (the position of the first input token) into
-        rings made from `cache`, or None where the compiled path does not apply. `stream_key`: the
-        StepQueue's key (a trace records the stream its operations run on)."""
+        rings made from `cache`, or None where the compiled path does not apply. (A trace records
+        the stream its operations run on; MLX keeps one per default stream, so the evaluation
+        thread's stream and a caller's own get their traces apart.)"""
         model = self._model
         if model is None or batch != 1 or max_tokens <= 0 or not cache:
             return None
@@ -377,27 +383,10 @@ class CompiledDecoder:
         structure = (classes, len(weights))
         fuse_greedy = sampler is greedy and not processors
         if (self.mode or decode_mode()) == "segmented" and not processors:
-            from . import segments
-
-            blocks = segments.plan(model)
-            if blocks is not None:
-                with self._lock:  # fusing swaps weights for views: once per model (and after updates)
-                    fusions = segments.fusions_for(blocks, self._fusions) if self.fuse_projections else None
-                if fusions is not None and any(q is None or g is None for q, g in fusions):
-                    fusions = None  # all blocks alike (one trace of the middle segment serves them all)
-                seg_key = ("segmented", structure, fuse_greedy, fusions is not None, stream_key)
-                if seg_key not in self._failed:
-                    fns = self._function(seg_key, segments.SegmentFunctions)
-                    signature = tuple(map(id, weights))
-                    with self._lock:
-                        seg_plan = self._plans.get(seg_key)
-                        if seg_plan is None or seg_plan.signature != signature:
-                            self._plans.pop(seg_key, None)  # an old plan's arrays go first
-                            seg_plan = segments.SegmentPlan(model, blocks, fuse_greedy, self.stats, fusions, signature)
-                            self._plans[seg_key] = seg_plan
-                    return segments.SegmentedSession(seg_plan, layers, fns, sampler, first_position,
-                                                     on_fail=lambda exc: self._mark_failed(seg_key, exc))
-        key = (structure, fuse_greedy, tuple((layer.ring, layer.window) for layer in layers), stream_key)
+            session = self._segmented(model, structure, weights, fuse_greedy, layers, sampler, first_position)
+            if session is not None:
+                return session
+        key = (structure, fuse_greedy, tuple((layer.ring, layer.window) for layer in layers))
         if key in self._failed:
             return None
         spec = _Spec(model, weights, layers, fuse_greedy, self.stats)
@@ -416,6 +405,44 @@ class CompiledDecoder:
         if blocks is not None:
             with self._lock:
                 segments.fusions_for(blocks, self._fusions)
+
+    def _segmented(self, model: Module, structure: tuple[Any, ...], weights: list[Array], fuse_greedy: bool,
+                   layers: list[_Layer], sampler: Sampler, first_position: int) -> "SegmentedSession | None":
+        """A segmented session, or None where the model is not of the Llama family or its segments
+        failed to trace. A model whose arrays are those of the last segmented generation (the same
+        signature) reuses that generation's plan without checking its fusions again."""
+        from . import segments
+
+        signature = tuple(map(id, weights))
+        with self._lock:
+            recent = self._recent_plan
+            if recent is not None and recent[0] == (signature, fuse_greedy, self.fuse_projections):
+                seg_key, seg_plan = recent[1], self._plans.get(recent[1])
+            else:
+                seg_key = seg_plan = None
+        if seg_plan is None:
+            blocks = segments.plan(model)
+            if blocks is None:
+                return None
+            with self._lock:  # fusing swaps weights for views: once per model (and after updates)
+                fusions = segments.fusions_for(blocks, self._fusions) if self.fuse_projections else None
+            if fusions is not None and any(q is None or g is None for q, g in fusions):
+                fusions = None  # all blocks alike (one trace of the middle segment serves them all)
+            seg_key = ("segmented", structure, fuse_greedy, fusions is not None)
+            if seg_key in self._failed:
+                return None
+            with self._lock:
+                seg_plan = self._plans.get(seg_key)
+                if seg_plan is None or seg_plan.signature != signature:
+                    self._plans.pop(seg_key, None)  # an old plan's arrays go first
+                    seg_plan = segments.SegmentPlan(model, blocks, fuse_greedy, self.stats, fusions, signature)
+                    self._plans[seg_key] = seg_plan
+                self._recent_plan = ((signature, fuse_greedy, self.fuse_projections), seg_key)
+        if seg_key in self._failed:
+            return None
+        fns = self._function(seg_key, segments.SegmentFunctions)
+        return segments.SegmentedSession(seg_plan, layers, fns, sampler, first_position,
+                                         on_fail=lambda exc: self._mark_failed(seg_key, exc))
 
     def reserve(self, cache: Sequence[Any], prompt_len: int, max_tokens: int) -> None:
         """Call before prefill: size the empty caches' first allocation for the whole generation."""
@@ -436,8 +463,7 @@ class CompiledDecoder:
             if max_tokens > 0:
                 first_position = cache[0].offset if cache else 0
                 session = self.start(cache, first_position, max_tokens, sampler=sampler, processors=processors,
-                                     history=history, batch=first_inputs.shape[0], stream_key=queue.key,
-                                     walk=walk)
+                                     history=history, batch=first_inputs.shape[0], walk=walk)
             if session is not None:
                 stream = session.decode(first_inputs, max_tokens, queue)
                 try:

@@ -28,11 +28,6 @@ class StepQueue:
     def threaded(self) -> bool:
         return self._thread is not None
 
-    @property
-    def key(self) -> Any:
-        """What compiled traces depend on: the stream their operations are recorded for."""
-        return None if self._thread is None else id(self._thread)
-
     @contextlib.contextmanager
     def building(self) -> Iterator[None]:
         """Build a step inside this block (on the thread's stream when threaded). Never hold it

@@ -228,11 +228,6 @@ class FixedArrays:
             _call(lib.mlx_array_set(self.handles + i, given[i]))
         del items
 
-    def check(self) -> None:
-        """Kept for callers; there is nothing to check (the handles are owned)."""
-        if self.handles is None:
-            raise FreedArrayError("the FixedArrays was released")
-
     def release(self) -> None:
         handles, self.handles = self.handles, None
         if handles is not None and lib is not None:

@@ -41,15 +41,16 @@ def ids(n: int = 19, seed: int = 2) -> list[int]:
 
 
 def generate(model: Any, prompt: list[int], mode: str | None, threaded: bool, monkeypatch: pytest.MonkeyPatch,
-             steps: int = 20, **kw: Any) -> list[int]:
+             steps: int = 20, decoder: CompiledDecoder | None = None, **kw: Any) -> list[int]:
     monkeypatch.setenv(eval_thread.ENV_VAR, "1" if threaded else "0")
-    decoder = CompiledDecoder(model, mode) if mode else None
+    own = decoder is None and mode is not None
+    decoder = CompiledDecoder(model, mode) if own else decoder
     kw.setdefault("sampler", greedy)
     try:
         return list(loops.generate_ids(model, prompt, cache=model.make_cache(None), max_tokens=steps,
                                        decoder=decoder, **kw))
     finally:
-        if decoder is not None:
+        if own:
             decoder.close()
 
 
@@ -68,6 +69,25 @@ def test_threaded_tokens_equal_unthreaded(models, monkeypatch: pytest.MonkeyPatc
     # The thread did the scheduling: each of the 3 prefill layers and the chunk's end, then every step.
     assert len(submitted) == 3 + 1 + 20
     assert generate(model, prompt, mode, True, monkeypatch) == want  # a second threaded run reuses the traces
+
+
+@pytest.mark.parametrize("mode", ["graph", "segmented"])
+def test_one_decoder_on_and_off_the_thread(models, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """A decoder alternating between the thread's stream and the caller's: MLX keeps a trace per
+    stream, so each gets its own: the step is traced twice, then never again."""
+    model = models("llama").model
+    prompt = ids(seed=7)
+    decoder = CompiledDecoder(model, mode)
+    try:
+        runs = [generate(model, prompt, mode, threaded, monkeypatch, decoder=decoder)
+                for threaded in (False, True, False, True)]
+        traces = decoder.stats["traces"]
+        assert runs[1:] == runs[:1] * 3
+        assert generate(model, prompt, mode, True, monkeypatch, decoder=decoder) == runs[0]
+        assert decoder.stats["traces"] == traces
+        assert traces == 2
+    finally:
+        decoder.close()
 
 
 @pytest.mark.parametrize("mode", ["graph", None])

@@ -87,6 +87,9 @@ def versions() -> dict[str, str]:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             pass
+    if os.environ.get("PYMLXC_GIT_REV"):  # a copy whose git metadata is not the checkout's (a lent machine)
+        out["pymlxc_git"] = os.environ["PYMLXC_GIT_REV"]
+        return out
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_path.ROOT, capture_output=True, text=True,
                              timeout=10)

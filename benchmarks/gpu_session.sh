@@ -26,6 +26,9 @@
 # mlx-lm, pymlxc (whole-step graph), pymlxc_segmented, pymlxc_uncompiled; `profile` splits one
 # Llama-3.2-1B bf16 generation of each into device wait, MLX dispatch and other host time.
 #
+# The lent machine's copy of the checkout may carry stale git metadata: prefix the command with
+# PYMLXC_GIT_REV=<this checkout's commit> so that the JSON names the code that ran.
+#
 # Stages: setup smoke tests bench-1b bench-gemma bench-8b variants profile probe report all
 # Options: --dry-run (print the commands only), --cpu-check (run every stage on this machine's CPU
 # with tiny shapes: checks the plumbing, not the numbers).

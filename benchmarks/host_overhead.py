@@ -103,33 +103,23 @@ def time_pymlxc(config: dict[str, Any], bits: int | None, context: int, steps: i
     from pymlxc.backends.metal import compiled as cmod
     from pymlxc.backends.metal import segments
 
+    # Each session kind's one-step function (the first call traces); build only, nothing evaluated.
     if isinstance(session, segments.SegmentedSession):
-        session._buffers = [a for layer in session._layers for a in cmod._ring_of(layer)]  # noqa: SLF001
-        tokens = pmx.reshape(first, (1,))
-        pos = pmx.array(context - 1, dtype=pmx.int32)
-        t = time.perf_counter()
-        tokens, pos = session._step(tokens, pos)  # noqa: SLF001 - the first step traces
-        trace = time.perf_counter() - t
-        for _ in range(steps):
-            t = time.perf_counter()
-            tokens, pos = session._step(tokens, pos)  # noqa: SLF001
-            times.append(time.perf_counter() - t)
-        decoder.close()
-        return [trace, *times]
-
-    session._buffers = [a for layer in session._spec.layers for a in cmod._ring_of(layer)]  # noqa: SLF001
+        layers, step_fn = session._layers, session._step  # noqa: SLF001
+    else:
+        layers, step_fn = session._spec.layers, session._call  # noqa: SLF001
+    session._buffers = [a for layer in layers for a in cmod._ring_of(layer)]  # noqa: SLF001
     tokens = pmx.reshape(first, (1,))
     pos = pmx.array(context - 1, dtype=pmx.int32)
     t = time.perf_counter()
-    tokens, pos = session._call(tokens, pos)  # noqa: SLF001 - the first call traces
+    tokens, pos = step_fn(tokens, pos)
     trace = time.perf_counter() - t
     for _ in range(steps):
         t = time.perf_counter()
-        tokens, pos = session._call(tokens, pos)  # noqa: SLF001
+        tokens, pos = step_fn(tokens, pos)
         times.append(time.perf_counter() - t)
     decoder.close()
-    times.insert(0, trace)
-    return times
+    return [trace, *times]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -127,18 +127,18 @@ def test_caches_continue_after_compiled_decode(models, arch: str) -> None:
     prompt cache does) continues exactly as after an uncompiled decode."""
     model = models(arch).model
     decoder = CompiledDecoder(model)
-    ids = prompt()
-    results = []
-    for dec in (decoder, None):
-        cache = model.make_cache(None)
-        first = run(model, ids, dec, cache=cache)
-        seen = ids + first  # the cache holds every fed token: the prompt and all but the last sampled
-        assert all(c.offset == len(seen) - 1 for c in cache)
-        follow = seen + prompt(5, seed=2)
-        second = run(model, follow, dec, cache=cache, cached=len(seen) - 1)
-        results.append((first, second))
-    assert results[0] == results[1]
+    assert generate_then_continue(model, decoder) == generate_then_continue(model, None)
     assert decoder.stats["compiled"] == 2
+
+
+def generate_then_continue(model: Any, decoder: CompiledDecoder | None) -> tuple[list[int], list[int]]:
+    """Tokens of a generation, then of one continuing its caches after five more prompt tokens."""
+    ids = prompt()
+    cache = model.make_cache(None)
+    first = run(model, ids, decoder, cache=cache)
+    seen = ids + first  # the cache holds every fed token: the prompt and all but the last sampled
+    assert all(c.offset == len(seen) - 1 for c in cache)
+    return first, run(model, seen + prompt(5, seed=2), decoder, cache=cache, cached=len(seen) - 1)
 
 
 def test_fallbacks(models, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -283,14 +283,7 @@ def test_segmented_tokens_match_uncompiled(models, segmented: None, arch: str) -
 def test_segmented_quantized_and_continuing_caches(models, segmented: None) -> None:
     model = models("llama", 4).model
     decoder = CompiledDecoder(model)
-    ids = prompt()
-    results = []
-    for dec in (decoder, None):
-        cache = model.make_cache(None)
-        first = run(model, ids, dec, cache=cache)
-        follow = ids + first + prompt(5, seed=2)
-        results.append((first, run(model, follow, dec, cache=cache, cached=len(ids) + len(first) - 1)))
-    assert results[0] == results[1]
+    assert generate_then_continue(model, decoder) == generate_then_continue(model, None)
     assert decoder.stats["compiled"] == 2
 
 

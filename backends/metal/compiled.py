@@ -395,7 +395,8 @@ class CompiledDecoder:
     def prepare_weights(self) -> None:
         """Fuse the projections now where the segmented decode will (it swaps the linears' weights
         for views of the fused arrays): a caller that compares weight identities across generations
-        (the prompt cache) then sees the final arrays from the first generation on."""
+        (the prompt cache) then sees the final arrays from the first generation on. Without this
+        call the first segmented generation fuses them (and the next one rebuilds its plan once)."""
         model = self._model
         if model is None or not self.fuse_projections or (self.mode or decode_mode()) != "segmented":
             return

@@ -300,7 +300,6 @@ def generate_ids(model: LanguageModel, prompt: Sequence[int], *, cache: Sequence
     # input, so logits are only ever computed for one position.
     if decoder is not None:
         decoder.reserve(cache, len(prompt), max_tokens)
-        decoder.prepare_weights()  # any fusion first: the walk below then sees the final arrays
     queue = _queue_for(model)
     walk = None  # the model's arrays and module classes, walked once for this generation
     if queue.threaded or decoder is not None:

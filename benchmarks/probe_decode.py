@@ -110,6 +110,44 @@ def attention(keys: list[int], extras: list[int], layers: int = 16, repeats: int
     return rows
 
 
+def kernel_attention(keys: list[int], layers: int = 16, repeats: int = 20) -> list[dict[str, Any]]:
+    """`decode_attention.attend` over a whole buffer (its CUDA kernel where there is one) against
+    MLX's fused attention on the exact keys, through the binding, for two model shapes."""
+    from pymlxc.backends.metal import decode_attention
+
+    rows = []
+    for hq, hkv, d in ((32, 8, 64), (16, 8, 128)):
+        for k in keys:
+            length = -(-k // 256) * 256 + 8
+            kb = pmx.random.normal((1, hkv, length, d), key=pmx.random.key(1)).astype(pmx.bfloat16)
+            vb = pmx.random.normal((1, hkv, length, d), key=pmx.random.key(2)).astype(pmx.bfloat16)
+            q = pmx.random.normal((1, hq, 1, d), key=pmx.random.key(3)).astype(pmx.bfloat16)
+            pos = pmx.array(k - 1, dtype=pmx.int32)
+            pmx.eval([kb, vb, q, pos])
+            ks = pmx.slice(kb, [0, 0, 0, 0], [1, hkv, k, d], [1, 1, 1, 1])
+            vs = pmx.slice(vb, [0, 0, 0, 0], [1, hkv, k, d], [1, 1, 1, 1])
+            want = pmx.fast.scaled_dot_product_attention(q, ks, vs, scale=d ** -0.5)
+            got = decode_attention.attend(q, kb, vb, pos, d ** -0.5)
+            err = float(pmx.max(pmx.abs(got.astype(pmx.float32) - want.astype(pmx.float32))).item())
+            row: dict[str, Any] = {"heads": hq, "kv_heads": hkv, "head_dim": d, "keys": k, "buffer": length,
+                                   "max_abs_diff": err, "kernel": decode_attention.kernel_available()}
+            for name, fn in (("attend_us", lambda: decode_attention.attend(q, kb, vb, pos, d ** -0.5)),
+                             ("sdpa_exact_us", lambda: pmx.fast.scaled_dot_product_attention(
+                                 q, ks, vs, scale=d ** -0.5))):
+                pmx.eval([fn() for _ in range(layers)])
+                times = []
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    pmx.eval([fn() for _ in range(layers)])
+                    times.append(time.perf_counter() - t)
+                row[name] = _ms(times) * 1e3 / layers
+            rows.append(row)
+            print(f"  heads {hq}/{hkv} dim {d} keys {k:5d} buffer {length:5d}: attend {row['attend_us']:7.1f} us, "
+                  f"sdpa on exact keys {row['sdpa_exact_us']:7.1f} us; max diff {err:.2e} "
+                  f"(kernel: {row['kernel']})", flush=True)
+    return rows
+
+
 # ---------------------------------------------------------------------- timelines
 
 class _Clock:
@@ -218,7 +256,8 @@ def mlx_lm_timeline(model: Any, prompt: list[int], max_tokens: int) -> dict[str,
     return _consume(stream(), lambda a: a.item(), _C())  # type: ignore[arg-type]
 
 
-def timelines(path: Path, prompts: list[int], max_tokens: int, runs: int) -> list[dict[str, Any]]:
+def timelines(path: Path, prompts: list[int], max_tokens: int, runs: int,
+              only: list[str] | None = None) -> list[dict[str, Any]]:
     from mlx_lm.utils import load_model
 
     loaded = load_weights_and_config(path)
@@ -226,7 +265,7 @@ def timelines(path: Path, prompts: list[int], max_tokens: int, runs: int) -> lis
     vocab = loaded.config["vocab_size"]
     rows = []
     variants: list[tuple[str, Callable[[list[int]], dict[str, Any]]]] = []
-    decoders = {m: CompiledDecoder(loaded.model, m) for m in ("segmented", "graph")}
+    decoders = {m: CompiledDecoder(loaded.model, m) for m in ("fused", "segmented", "graph")}
 
     def threaded(flag: str, fn: Callable[[list[int]], dict[str, Any]]) -> Callable[[list[int]], dict[str, Any]]:
         def run(p: list[int]) -> dict[str, Any]:
@@ -242,10 +281,12 @@ def timelines(path: Path, prompts: list[int], max_tokens: int, runs: int) -> lis
         return run
 
     variants.append(("mlx_lm", lambda p: mlx_lm_timeline(lm_model, p, max_tokens)))
-    for name, dec in (("segmented", decoders["segmented"]), ("graph", decoders["graph"]), ("uncompiled", None)):
+    for name, dec in (*decoders.items(), ("uncompiled", None)):
         for flag, suffix in (("1", ""), ("0", "_nothread")):
             variants.append((f"pymlxc_{name}{suffix}",
                              threaded(flag, lambda p, dec=dec: pymlxc_timeline(loaded, dec, p, max_tokens))))
+    if only:
+        variants = [v for v in variants if v[0] in only]
     for plen in prompts:
         prompt = [(i * 7919 + 13) % (vocab - 1) + 1 for i in range(plen)]
         for name, fn in variants:
@@ -433,7 +474,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, nargs="+", default=[128, 2048])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--probes", nargs="+", default=["primitives", "attention", "ttft", "timeline", "memory"])
+    ap.add_argument("--probes", nargs="+", default=["primitives", "attention", "kernel", "ttft", "timeline", "memory"])
+    ap.add_argument("--variants", nargs="+", default=None,
+                    help="timeline variants to run (default all: mlx_lm, pymlxc_<fused|segmented|graph|uncompiled>"
+                         "[_nothread])")
     ap.add_argument("--models-dir", type=Path, default=Path("/tmp/pymlxc-bench-models"))
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--out", type=Path, required=True)
@@ -458,7 +502,9 @@ def main(argv: list[str] | None = None) -> int:
         elif probe == "memory":
             report[probe] = memory(path, args.prompts[-1], 64)
         elif probe == "timeline":
-            report[probe] = timelines(path, args.prompts, args.max_tokens, args.runs)
+            report[probe] = timelines(path, args.prompts, args.max_tokens, args.runs, args.variants)
+        elif probe == "kernel":
+            report[probe] = kernel_attention([300, 2048], repeats=3 if args.cpu else 20)
         (args.out / "probe_decode.json").write_text(json.dumps(report, indent=1))
     return 0
 

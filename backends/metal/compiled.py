@@ -69,17 +69,26 @@ BUFFER_PAD = 8
 DECODE_ENV_VAR = "PYMLXC_DECODE"
 
 
+DECODE_MODES = ("graph", "segmented", "fused")
+
+
 def decode_mode() -> str:
-    """"graph" (the whole step as one compiled graph over masked rings) or "segmented" (Llama-family
-    models: compiled segments around MLX's fused attention on exact-length keys, see segments.py).
-    PYMLXC_DECODE decides when set. Otherwise: "segmented" on a GPU, where it beat the graph in every
-    Llama/Qwen case measured on an H100 (MLX's CUDA decode attention takes no mask, so the graph's
-    masked attention runs unfused); "graph" on a CPU, where its lower host cost per token wins.
+    """How a compiled step is built. "graph": the whole step as one compiled graph over masked
+    rings. "segmented" (Llama-family models): compiled segments around MLX's fused attention on
+    exact-length keys, see segments.py. "fused" (Llama family): those segments, the cache writes and
+    `decode_attention.attend` over the whole buffers traced as one graph.
+    PYMLXC_DECODE decides when set. Otherwise: "fused" where `attend` has its CUDA kernel,
+    "segmented" on other GPUs (MLX's decode attention takes no mask there, so the graph's masked
+    attention runs unfused), "graph" on a CPU, where its lower host cost per token wins.
     Models that segments.plan() does not cover (Gemma, MoE) use the graph either way."""
     mode = os.environ.get(DECODE_ENV_VAR, "").strip().lower()
-    if mode in ("graph", "segmented"):
+    if mode in DECODE_MODES:
         return mode
-    return "segmented" if mx.default_device().type == "gpu" else "graph"
+    if mx.default_device().type != "gpu":
+        return "graph"
+    from . import decode_attention  # noqa: PLC0415
+
+    return "fused" if decode_attention.kernel_available() else "segmented"
 
 
 def compile_enabled() -> bool:
@@ -326,8 +335,8 @@ class CompiledDecoder:
     """
 
     def __init__(self, model: Module, mode: str | None = None) -> None:
-        if mode not in (None, "graph", "segmented"):
-            raise ValueError(f"decode mode must be 'graph' or 'segmented', not {mode!r}")
+        if mode is not None and mode not in DECODE_MODES:
+            raise ValueError(f"decode mode must be one of {', '.join(DECODE_MODES)}, not {mode!r}")
         self._model: Module | None = model
         self.mode = mode  # None: PYMLXC_DECODE decides at each generation
         # Segmented mode: run q/k/v and gate/up as one matmul each (weights fused, see segments.py).
@@ -382,8 +391,10 @@ class CompiledDecoder:
         weights, classes = walk if walk is not None else _arrays_of(model, with_classes=True)
         structure = (classes, len(weights))
         fuse_greedy = sampler is greedy and not processors
-        if (self.mode or decode_mode()) == "segmented" and not processors:
-            session = self._segmented(model, structure, weights, fuse_greedy, layers, sampler, first_position)
+        mode = self.mode or decode_mode()
+        if mode in ("segmented", "fused") and not processors:
+            session = self._segmented(model, structure, weights, fuse_greedy, layers, sampler, first_position,
+                                      fused=mode == "fused")
             if session is not None:
                 return session
         key = (structure, fuse_greedy, tuple((layer.ring, layer.window) for layer in layers))
@@ -398,7 +409,7 @@ class CompiledDecoder:
         (the prompt cache) then sees the final arrays from the first generation on. Without this
         call the first segmented generation fuses them (and the next one rebuilds its plan once)."""
         model = self._model
-        if model is None or not self.fuse_projections or (self.mode or decode_mode()) != "segmented":
+        if model is None or not self.fuse_projections or (self.mode or decode_mode()) not in ("segmented", "fused"):
             return
         from . import segments
 
@@ -408,7 +419,8 @@ class CompiledDecoder:
                 segments.fusions_for(blocks, self._fusions)
 
     def _segmented(self, model: Module, structure: tuple[Any, ...], weights: list[Array], fuse_greedy: bool,
-                   layers: list[_Layer], sampler: Sampler, first_position: int) -> "SegmentedSession | None":
+                   layers: list[_Layer], sampler: Sampler, first_position: int, fused: bool = False
+                   ) -> "SegmentedSession | None":
         """A segmented session, or None where the model is not of the Llama family or its segments
         failed to trace. A model whose arrays are those of the last segmented generation (the same
         signature) reuses that generation's plan without checking its fusions again."""
@@ -417,7 +429,7 @@ class CompiledDecoder:
         signature = tuple(map(id, weights))
         with self._lock:
             recent = self._recent_plan
-            if recent is not None and recent[0] == (signature, fuse_greedy, self.fuse_projections):
+            if recent is not None and recent[0] == (signature, fuse_greedy, self.fuse_projections, fused):
                 seg_key, seg_plan = recent[1], self._plans.get(recent[1])
             else:
                 seg_key = seg_plan = None
@@ -429,16 +441,16 @@ class CompiledDecoder:
                 fusions = segments.fusions_for(blocks, self._fusions) if self.fuse_projections else None
             if fusions is not None and any(q is None or g is None for q, g in fusions):
                 fusions = None  # all blocks alike (one trace of the middle segment serves them all)
-            seg_key = ("segmented", structure, fuse_greedy, fusions is not None)
+            seg_key = ("segmented", structure, fuse_greedy, fusions is not None, fused)
             if seg_key in self._failed:
                 return None
             with self._lock:
                 seg_plan = self._plans.get(seg_key)
                 if seg_plan is None or seg_plan.signature != signature:
                     self._plans.pop(seg_key, None)  # an old plan's arrays go first
-                    seg_plan = segments.SegmentPlan(model, blocks, fuse_greedy, self.stats, fusions, signature)
+                    seg_plan = segments.SegmentPlan(model, blocks, fuse_greedy, self.stats, fusions, signature, fused)
                     self._plans[seg_key] = seg_plan
-                self._recent_plan = ((signature, fuse_greedy, self.fuse_projections), seg_key)
+                self._recent_plan = ((signature, fuse_greedy, self.fuse_projections, fused), seg_key)
         if seg_key in self._failed:
             return None
         fns = self._function(seg_key, segments.SegmentFunctions)

@@ -1,0 +1,217 @@
+"""One-token attention over a fixed-size key/value buffer whose first `pos + 1` slots are filled.
+
+This is what lets a whole decode step be one compiled graph with a fused attention: the buffer's
+shape never changes, and the number of keys to read is an input array (`pos`), not a shape.
+MLX's own fused attention needs exact-length keys (a slice whose length changes every token, so
+it cannot sit inside one trace); MLX's CUDA decode kernels take no mask either, so a masked
+attention over the buffer runs unfused (scale, matmul, mask, softmax, matmul per layer).
+
+On MLX's CUDA build `attend` runs a custom kernel pair (split-K "flash decoding"):
+
+* `partial`: one block per (batch row and query head, chunk of CHUNK slots). The block scores its
+  chunk's filled slots, one slot per thread, takes their softmax over the chunk, and sums the
+  values weighted by it (each warp takes a share of the slots, each lane D/32 features). It
+  writes the chunk's output, its score maximum and its exponent sum. Chunks past the filled
+  slots write an empty marker.
+* `combine`: per (row, head), rescales the chunks to their common maximum and adds them up.
+
+Grouped-query heads read their kv head (`REP` query heads per kv head). Everywhere else (a CPU,
+Metal, a head size or dtype the kernel does not take, `PYMLXC_DECODE_KERNEL=0`) `attend` is the
+same attention through `mx.fast.scaled_dot_product_attention` with an additive mask over the
+buffer; the tests compare the two on a GPU.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from typing import Any
+
+import pymlxc.core as mx
+from pymlxc.core import Array
+
+ENV_VAR = "PYMLXC_DECODE_KERNEL"
+CHUNK = 128  # buffer slots per block of the partial kernel (one per thread)
+THREADS = 128
+_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+
+_PARTIAL = """
+    constexpr int NW = THREADS_ / 32;
+    constexpr int VEC = 16 / sizeof(T);  // elements of one 16-byte load
+    constexpr int VPL = D / 32;          // value features per lane
+    const float NEG_INF = __int_as_float(0xff800000);
+    __shared__ float qs[D];
+    __shared__ float ps[CHUNK_];
+    __shared__ float red[NW];
+    __shared__ float accs[NW * D];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int split = blockIdx.x, bh = blockIdx.y;
+    const int b = bh / HQ, h = bh - b * HQ, kvh = h / REP;
+    int n = pos[0] + 1;
+    if (n > keys_shape[2]) n = keys_shape[2];
+    const int start = split * CHUNK_;
+    const int end = min(start + CHUNK_, n);
+    float* po = part_o + ((size_t)bh * NS + split) * D;
+    float* pml = part_ml + ((size_t)bh * NS + split) * 2;
+    if (start >= end) {
+        for (int d = tid; d < D; d += THREADS_) po[d] = 0.0f;
+        if (tid == 0) { pml[0] = NEG_INF; pml[1] = 0.0f; }
+        return;
+    }
+    const T* qp = q + (size_t)b * q_strides[0] + (size_t)h * q_strides[1];
+    for (int d = tid; d < D; d += THREADS_) qs[d] = static_cast<float>(qp[d * q_strides[3]]) * SCALE;
+    __syncthreads();
+    const T* kb = keys + (size_t)b * keys_strides[0] + (size_t)kvh * keys_strides[1];
+    float m_loc = NEG_INF;
+    for (int k = start + tid; k < end; k += THREADS_) {
+        const uint4* kr = reinterpret_cast<const uint4*>(kb + (size_t)k * keys_strides[2]);
+        float s = 0.0f;
+        #pragma unroll
+        for (int c = 0; c < D / VEC; ++c) {
+            uint4 raw = kr[c];
+            const T* e = reinterpret_cast<const T*>(&raw);
+            #pragma unroll
+            for (int j = 0; j < VEC; ++j) s += qs[c * VEC + j] * static_cast<float>(e[j]);
+        }
+        ps[k - start] = s;
+        m_loc = fmaxf(m_loc, s);
+    }
+    for (int o = 16; o > 0; o >>= 1) m_loc = fmaxf(m_loc, __shfl_xor_sync(0xffffffffu, m_loc, o));
+    if (lane == 0) red[warp] = m_loc;
+    __syncthreads();
+    float m = red[0];
+    #pragma unroll
+    for (int w = 1; w < NW; ++w) m = fmaxf(m, red[w]);
+    __syncthreads();
+    float l_loc = 0.0f;
+    for (int k = start + tid; k < end; k += THREADS_) {
+        const float p = __expf(ps[k - start] - m);
+        ps[k - start] = p;
+        l_loc += p;
+    }
+    for (int o = 16; o > 0; o >>= 1) l_loc += __shfl_xor_sync(0xffffffffu, l_loc, o);
+    if (lane == 0) red[warp] = l_loc;
+    __syncthreads();
+    float l = 0.0f;
+    #pragma unroll
+    for (int w = 0; w < NW; ++w) l += red[w];
+    const T* vb = values + (size_t)b * values_strides[0] + (size_t)kvh * values_strides[1] + lane * VPL;
+    float acc[VPL];
+    #pragma unroll
+    for (int j = 0; j < VPL; ++j) acc[j] = 0.0f;
+    for (int k = start + warp; k < end; k += NW) {
+        const float p = ps[k - start];
+        const T* vr = vb + (size_t)k * values_strides[2];
+        #pragma unroll
+        for (int j = 0; j < VPL; ++j) acc[j] += p * static_cast<float>(vr[j]);
+    }
+    #pragma unroll
+    for (int j = 0; j < VPL; ++j) accs[warp * D + lane * VPL + j] = acc[j];
+    __syncthreads();
+    for (int d = tid; d < D; d += THREADS_) {
+        float s = 0.0f;
+        #pragma unroll
+        for (int w = 0; w < NW; ++w) s += accs[w * D + d];
+        po[d] = s;
+    }
+    if (tid == 0) { pml[0] = m; pml[1] = l; }
+"""
+
+_COMBINE = """
+    const float NEG_INF = __int_as_float(0xff800000);
+    const int bh = blockIdx.y;
+    const int d = blockIdx.x * blockDim.x + threadIdx.x;
+    if (d >= D) return;
+    const float* ml = part_ml + (size_t)bh * NS * 2;
+    float m = NEG_INF;
+    for (int s = 0; s < NS; ++s) m = fmaxf(m, ml[2 * s]);
+    const float* po = part_o + (size_t)bh * NS * D + d;
+    float l = 0.0f, o = 0.0f;
+    for (int s = 0; s < NS; ++s) {
+        const float ms = ml[2 * s];
+        if (ms == NEG_INF) continue;
+        const float w = __expf(ms - m);
+        l += w * ml[2 * s + 1];
+        o += w * po[(size_t)s * D];
+    }
+    out[(size_t)bh * D + d] = static_cast<T>(o / l);
+"""
+
+
+def _float_literal(x: float) -> str:
+    """A CUDA expression for `x` rounded to float32, exactly (no decimal round trip)."""
+    bits = struct.unpack("<I", struct.pack("<f", x))[0]
+    return f"__int_as_float(0x{bits:08x})"
+
+
+class _Kernels:
+    """The compiled-on-first-use kernel pair for one softmax scale (baked into the source)."""
+
+    def __init__(self, scale: float) -> None:
+        head = f"constexpr int THREADS_ = {THREADS};\nconstexpr int CHUNK_ = {CHUNK};\n" \
+               f"const float SCALE = {_float_literal(scale)};\n"
+        self.partial = mx.fast.cuda_kernel("pymlxc_decode_attn_partial", ["q", "keys", "values", "pos"],
+                                           ["part_o", "part_ml"], head + _PARTIAL, ensure_row_contiguous=False)
+        self.combine = mx.fast.cuda_kernel("pymlxc_decode_attn_combine", ["part_o", "part_ml"], ["out"], _COMBINE)
+
+
+_kernels: dict[float, _Kernels] = {}
+_lock = threading.Lock()
+_cuda: bool | None = None
+
+
+def kernel_available() -> bool:
+    """Whether `attend` can run its CUDA kernel here: MLX's CUDA build with a GPU as the default
+    device, and not turned off with PYMLXC_DECODE_KERNEL=0."""
+    global _cuda
+    if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    if mx.default_device().type != "gpu":
+        return False
+    if _cuda is None:
+        _cuda = mx.cuda_available()
+    return _cuda
+
+
+def supports(dtype: Any, head_dim: int) -> bool:
+    """Whether the kernel takes queries and keys of `dtype` with `head_dim` features."""
+    return dtype in _DTYPES and head_dim % 32 == 0 and 32 <= head_dim <= 256
+
+
+def _by_kernel(q: Array, keys: Array, values: Array, pos: Array, scale: float) -> Array:
+    b, hq, _, d = q.shape
+    hkv = keys.shape[1]
+    ns = -(-keys.shape[2] // CHUNK)
+    with _lock:
+        k = _kernels.get(scale)
+        if k is None:
+            k = _kernels[scale] = _Kernels(scale)
+    rows = b * hq
+    part_o, part_ml = k.partial(
+        [q, keys, values, pos], output_shapes=[(rows, ns, d), (rows, ns, 2)],
+        output_dtypes=[mx.float32, mx.float32], grid=(THREADS * ns, rows, 1), threadgroup=(THREADS, 1, 1),
+        template=[("T", q.dtype), ("D", d), ("REP", hq // hkv), ("HQ", hq), ("NS", ns)])
+    (out,) = k.combine([part_o, part_ml], output_shapes=[(b, hq, 1, d)], output_dtypes=[q.dtype],
+                       grid=(d, rows, 1), threadgroup=(d, 1, 1), template=[("T", q.dtype), ("D", d), ("NS", ns)])
+    return out
+
+
+def by_mask(q: Array, keys: Array, values: Array, pos: Array, scale: float) -> Array:
+    """The same attention through MLX's attention with an additive mask (slot <= pos visible)."""
+    slots = keys.shape[2]
+    visible = mx.arange(slots, dtype=mx.int32) <= pos
+    mask = mx.where(visible, mx.array(0.0, q.dtype), mx.array(float("-inf"), q.dtype))
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+
+
+def attend(q: Array, keys: Array, values: Array, pos: Array, scale: float) -> Array:
+    """softmax(q k^T * scale) v over slots 0..min(pos, S - 1) of `keys`/`values` [B, Hkv, S, D],
+    for one query token `q` [B, Hq, 1, D] (Hq a multiple of Hkv); `pos` an int32 scalar array."""
+    b, hq, length, d = q.shape
+    if (length == 1 and kernel_available() and supports(q.dtype, d) and keys.dtype == q.dtype
+            and values.dtype == q.dtype and values.shape[3] == d and hq % keys.shape[1] == 0):
+        return _by_kernel(q, keys, values, pos, float(scale))
+    return by_mask(q, keys, values, pos, scale)
+
+
+__all__ = ["attend", "by_mask", "kernel_available", "supports", "CHUNK", "ENV_VAR"]

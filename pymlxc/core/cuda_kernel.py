@@ -1,0 +1,113 @@
+"""`mx.fast.cuda_kernel`: a custom CUDA kernel as an MLX operation (MLX's CUDA build only).
+
+MLX compiles the source with NVRTC the first time the kernel runs with a given set of template
+arguments, then keeps it. The source is the kernel's body: MLX writes the signature, one `const T*`
+per input (plus `<name>_shape` / `<name>_strides` / `<name>_ndim` when the body uses them) and one
+`T*` per output, and declares each template argument as a `constexpr` (ints, bools) or a type
+alias (dtypes). `grid` counts threads, as in `mx.fast.metal_kernel`: the launch has
+ceil(grid / threadgroup) blocks per axis.
+
+The operation takes part in `mx.compile` traces like any other. Applying it on a machine without
+CUDA raises an MLXError (MLX's own message), never crashes.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from . import dtypes as _dt
+from ._gen import new_vector, unpack_vector, vector_of
+from ._loader import MLXError, check, ffi, last_error, lib
+from .array import Array
+from .device import default_stream, resolve_stream
+from .memory import cuda_available
+
+TemplateValue = int | bool | _dt.Dtype
+
+
+def _strings(values: Sequence[str]) -> Any:
+    keep = [ffi.new("char[]", v.encode()) for v in values]
+    vec = lib.mlx_vector_string_new_data(ffi.new("const char *[]", keep), len(keep))
+    return vec
+
+
+class CudaKernel:
+    """A named kernel body with its input and output names; call it to apply it to arrays."""
+
+    def __init__(self, name: str, input_names: Sequence[str], output_names: Sequence[str], source: str,
+                 header: str = "", ensure_row_contiguous: bool = True, shared_memory: int = 0) -> None:
+        self._h: Any = None
+        if not output_names:
+            raise ValueError("a CUDA kernel needs at least one output")
+        for n in (*input_names, *output_names):
+            if not n.isidentifier():
+                raise ValueError(f"kernel argument name {n!r} is not an identifier")
+        self.name = name
+        self.input_names = tuple(input_names)
+        self.output_names = tuple(output_names)
+        ins, outs = _strings(self.input_names), _strings(self.output_names)
+        try:
+            self._h = lib.mlx_fast_cuda_kernel_new(name.encode(), ins, outs, source.encode(), header.encode(),
+                                                   bool(ensure_row_contiguous), int(shared_memory))
+        finally:
+            lib.mlx_vector_string_free(ins)
+            lib.mlx_vector_string_free(outs)
+        if self._h.ctx == ffi.NULL:
+            self._h = None
+            raise MLXError(f"could not create CUDA kernel {name!r}: {last_error()}")
+
+    def __call__(self, inputs: Sequence[Array], *, output_shapes: Sequence[Sequence[int]],
+                 output_dtypes: Sequence[Any], grid: tuple[int, int, int], threadgroup: tuple[int, int, int],
+                 template: Sequence[tuple[str, TemplateValue]] = (), init_value: float | None = None,
+                 stream: Any = None) -> list[Array]:
+        if self._h is None:
+            raise MLXError(f"CUDA kernel {self.name!r} was closed")
+        if len(inputs) != len(self.input_names):
+            raise ValueError(f"kernel {self.name!r} takes {len(self.input_names)} inputs "
+                             f"({', '.join(self.input_names)}), got {len(inputs)}")
+        if len(output_shapes) != len(self.output_names) or len(output_dtypes) != len(self.output_names):
+            raise ValueError(f"kernel {self.name!r} has {len(self.output_names)} outputs; give as many "
+                             "output_shapes and output_dtypes")
+        config = lib.mlx_fast_cuda_kernel_config_new()
+        try:
+            for shape, dtype in zip(output_shapes, output_dtypes):
+                dims = [int(d) for d in shape]
+                check(lib.mlx_fast_cuda_kernel_config_add_output_arg(
+                    config, ffi.new("int[]", dims), len(dims), _dt.as_dtype(dtype).value))
+            check(lib.mlx_fast_cuda_kernel_config_set_grid(config, *(int(g) for g in grid)))
+            check(lib.mlx_fast_cuda_kernel_config_set_thread_group(config, *(int(t) for t in threadgroup)))
+            for key, value in template:
+                name = key.encode()
+                if isinstance(value, bool):
+                    check(lib.mlx_fast_cuda_kernel_config_add_template_arg_bool(config, name, value))
+                elif isinstance(value, int):
+                    check(lib.mlx_fast_cuda_kernel_config_add_template_arg_int(config, name, value))
+                else:
+                    check(lib.mlx_fast_cuda_kernel_config_add_template_arg_dtype(
+                        config, name, _dt.as_dtype(value).value))
+            if init_value is not None:
+                check(lib.mlx_fast_cuda_kernel_config_set_init_value(config, float(init_value)))
+            _keep, vec = vector_of(inputs)
+            out = new_vector()
+            s = default_stream()._c if stream is None else ffi.new("mlx_stream *", [resolve_stream(stream)])[0]
+            check(lib.mlx_fast_cuda_kernel_apply(out, self._h, vec[0], config, s))
+            return unpack_vector(out[0])
+        finally:
+            lib.mlx_fast_cuda_kernel_config_free(config)
+
+    def close(self) -> None:
+        h, self._h = self._h, None
+        if h is not None and lib is not None:
+            lib.mlx_fast_cuda_kernel_free(h)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def cuda_kernel(name: str, input_names: Sequence[str], output_names: Sequence[str], source: str,
+                header: str = "", ensure_row_contiguous: bool = True, shared_memory: int = 0) -> CudaKernel:
+    """A custom CUDA kernel (see the module docstring); `cuda_available()` says whether it can run."""
+    return CudaKernel(name, input_names, output_names, source, header, ensure_row_contiguous, shared_memory)
+
+
+__all__ = ["CudaKernel", "cuda_kernel", "cuda_available"]

@@ -110,6 +110,12 @@ def attention(keys: list[int], extras: list[int], layers: int = 16, repeats: int
     return rows
 
 
+def _chain(fn: Callable[[Any], Any], x: Any, n: int) -> Any:
+    for _ in range(n):
+        x = fn(x)
+    return x
+
+
 def kernel_attention(keys: list[int], layers: int = 16, repeats: int = 20) -> list[dict[str, Any]]:
     """`decode_attention.attend` over a whole buffer (its CUDA kernel where there is one) against
     MLX's fused attention on the exact keys, through the binding, for two model shapes."""
@@ -131,20 +137,30 @@ def kernel_attention(keys: list[int], layers: int = 16, repeats: int = 20) -> li
             err = float(pmx.max(pmx.abs(got.astype(pmx.float32) - want.astype(pmx.float32))).item())
             row: dict[str, Any] = {"heads": hq, "kv_heads": hkv, "head_dim": d, "keys": k, "buffer": length,
                                    "max_abs_diff": err, "kernel": decode_attention.kernel_available()}
-            for name, fn in (("attend_us", lambda: decode_attention.attend(q, kb, vb, pos, d ** -0.5)),
-                             ("sdpa_exact_us", lambda: pmx.fast.scaled_dot_product_attention(
-                                 q, ks, vs, scale=d ** -0.5))):
-                pmx.eval([fn() for _ in range(layers)])
-                times = []
-                for _ in range(repeats):
-                    t = time.perf_counter()
-                    pmx.eval([fn() for _ in range(layers)])
-                    times.append(time.perf_counter() - t)
-                row[name] = _ms(times) * 1e3 / layers
+            def attend(x: Any) -> Any:
+                return decode_attention.attend(x, kb, vb, pos, d ** -0.5)
+
+            def exact(x: Any) -> Any:
+                return pmx.fast.scaled_dot_product_attention(x, ks, vs, scale=d ** -0.5)
+
+            for name, fn in (("attend", attend), ("sdpa_exact", exact)):
+                # Per call as built op by op, then as a compiled chain of 64 (each call's query is the
+                # previous output): host work small beside the device's 64 calls in a row.
+                chain = pmx.compile(lambda xs, fn=fn: [_chain(fn, xs[0], 64)])
+                for key, run in ((f"{name}_us", lambda fn=fn: pmx.eval([fn(q) for _ in range(layers)])),
+                                 (f"{name}_chained_us", lambda chain=chain: pmx.eval(chain([q])))):
+                    run()
+                    times = []
+                    for _ in range(repeats):
+                        t = time.perf_counter()
+                        run()
+                        times.append(time.perf_counter() - t)
+                    row[key] = _ms(times) * 1e3 / (layers if key.endswith("_us") and "chained" not in key else 64)
             rows.append(row)
-            print(f"  heads {hq}/{hkv} dim {d} keys {k:5d} buffer {length:5d}: attend {row['attend_us']:7.1f} us, "
-                  f"sdpa on exact keys {row['sdpa_exact_us']:7.1f} us; max diff {err:.2e} "
-                  f"(kernel: {row['kernel']})", flush=True)
+            print(f"  heads {hq}/{hkv} dim {d} keys {k:5d} buffer {length:5d}: attend {row['attend_us']:7.1f} us "
+                  f"(chained {row['attend_chained_us']:6.1f}), sdpa on exact keys {row['sdpa_exact_us']:7.1f} us "
+                  f"(chained {row['sdpa_exact_chained_us']:6.1f}); max diff {err:.2e} (kernel: {row['kernel']})",
+                  flush=True)
     return rows
 
 

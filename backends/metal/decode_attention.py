@@ -9,10 +9,11 @@ attention over the buffer runs unfused (scale, matmul, mask, softmax, matmul per
 On MLX's CUDA build `attend` runs a custom kernel pair (split-K "flash decoding"):
 
 * `partial`: one block per (batch row and query head, chunk of CHUNK slots). The block scores its
-  chunk's filled slots, one slot per thread, takes their softmax over the chunk, and sums the
-  values weighted by it (each warp takes a share of the slots, each lane D/32 features). It
-  writes the chunk's output, its score maximum and its exponent sum. Chunks past the filled
-  slots write an empty marker.
+  chunk's filled slots, takes their softmax over the chunk and sums the values weighted by it;
+  both passes read whole key/value rows with 16-byte loads (D / 8 threads per bfloat16 row), so
+  every load is coalesced and a chunk's loads are all in flight at once. It writes the chunk's
+  output, its score maximum and its exponent sum. Chunks past the filled slots write an empty
+  marker.
 * `combine`: per (row, head), rescales the chunks to their common maximum and adds them up.
 
 Grouped-query heads read their kv head (`REP` query heads per kv head). Everywhere else (a CPU,
@@ -35,16 +36,45 @@ CHUNK = 128  # buffer slots per block of the partial kernel (one per thread)
 THREADS = 128
 _DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
+# Loads of 16 bytes (8 half-precision or 4 float32 features) widened to float32 in registers.
+_HEADER = """
+__device__ __forceinline__ void pymlxc_load16(const __nv_bfloat16* p, float* o) {
+    const uint4 r = *reinterpret_cast<const uint4*>(p);
+    const unsigned w[4] = {r.x, r.y, r.z, r.w};
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        o[2 * i] = __uint_as_float(w[i] << 16);
+        o[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+__device__ __forceinline__ void pymlxc_load16(const __half* p, float* o) {
+    const uint4 r = *reinterpret_cast<const uint4*>(p);
+    const unsigned w[4] = {r.x, r.y, r.z, r.w};
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        o[2 * i] = __half2float(__ushort_as_half((unsigned short)(w[i] & 0xffffu)));
+        o[2 * i + 1] = __half2float(__ushort_as_half((unsigned short)(w[i] >> 16)));
+    }
+}
+__device__ __forceinline__ void pymlxc_load16(const float* p, float* o) {
+    const float4 r = *reinterpret_cast<const float4*>(p);
+    o[0] = r.x; o[1] = r.y; o[2] = r.z; o[3] = r.w;
+}
+"""
+
+# Both passes over the chunk read whole rows with all threads: TPR threads per row (16 bytes each),
+# KPI rows at a time, every load coalesced and the chunk's loads unrolled.
 _PARTIAL = """
+    constexpr int VEC = 16 / sizeof(T);   // features per 16-byte load
+    constexpr int TPR = D / VEC;          // threads per key row
+    constexpr int KPI = THREADS_ / TPR;   // rows per pass of the block
     constexpr int NW = THREADS_ / 32;
-    constexpr int VEC = 16 / sizeof(T);  // elements of one 16-byte load
-    constexpr int VPL = D / 32;          // value features per lane
     const float NEG_INF = __int_as_float(0xff800000);
-    __shared__ float qs[D];
     __shared__ float ps[CHUNK_];
     __shared__ float red[NW];
-    __shared__ float accs[NW * D];
+    __shared__ float accs[KPI * D];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int row = tid / TPR, sub = tid - row * TPR;
     const int split = blockIdx.x, bh = blockIdx.y;
     const int b = bh / HQ, h = bh - b * HQ, kvh = h / REP;
     int n = pos[0] + 1;
@@ -58,24 +88,29 @@ _PARTIAL = """
         if (tid == 0) { pml[0] = NEG_INF; pml[1] = 0.0f; }
         return;
     }
+    // This thread's VEC features of q, scaled.
     const T* qp = q + (size_t)b * q_strides[0] + (size_t)h * q_strides[1];
-    for (int d = tid; d < D; d += THREADS_) qs[d] = static_cast<float>(qp[d * q_strides[3]]) * SCALE;
-    __syncthreads();
-    const T* kb = keys + (size_t)b * keys_strides[0] + (size_t)kvh * keys_strides[1];
-    float m_loc = NEG_INF;
-    for (int k = start + tid; k < end; k += THREADS_) {
-        const uint4* kr = reinterpret_cast<const uint4*>(kb + (size_t)k * keys_strides[2]);
+    float qv[VEC];
+    #pragma unroll
+    for (int j = 0; j < VEC; ++j) qv[j] = static_cast<float>(qp[(sub * VEC + j) * q_strides[3]]) * SCALE;
+    const T* kb = keys + (size_t)b * keys_strides[0] + (size_t)kvh * keys_strides[1] + sub * VEC;
+    #pragma unroll
+    for (int i = 0; i < CHUNK_ / KPI; ++i) {
+        const int k = start + i * KPI + row;
         float s = 0.0f;
-        #pragma unroll
-        for (int c = 0; c < D / VEC; ++c) {
-            uint4 raw = kr[c];
-            const T* e = reinterpret_cast<const T*>(&raw);
+        if (k < end) {
+            float kv[VEC];
+            pymlxc_load16(kb + (size_t)k * keys_strides[2], kv);
             #pragma unroll
-            for (int j = 0; j < VEC; ++j) s += qs[c * VEC + j] * static_cast<float>(e[j]);
+            for (int j = 0; j < VEC; ++j) s += qv[j] * kv[j];
         }
-        ps[k - start] = s;
-        m_loc = fmaxf(m_loc, s);
+        #pragma unroll
+        for (int o = TPR / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (sub == 0 && i * KPI + row < CHUNK_) ps[i * KPI + row] = s;
     }
+    __syncthreads();
+    float m_loc = NEG_INF;
+    for (int k = start + tid; k < end; k += THREADS_) m_loc = fmaxf(m_loc, ps[k - start]);
     for (int o = 16; o > 0; o >>= 1) m_loc = fmaxf(m_loc, __shfl_xor_sync(0xffffffffu, m_loc, o));
     if (lane == 0) red[warp] = m_loc;
     __syncthreads();
@@ -85,9 +120,9 @@ _PARTIAL = """
     __syncthreads();
     float l_loc = 0.0f;
     for (int k = start + tid; k < end; k += THREADS_) {
-        const float p = __expf(ps[k - start] - m);
-        ps[k - start] = p;
-        l_loc += p;
+        const float e = __expf(ps[k - start] - m);
+        ps[k - start] = e;
+        l_loc += e;
     }
     for (int o = 16; o > 0; o >>= 1) l_loc += __shfl_xor_sync(0xffffffffu, l_loc, o);
     if (lane == 0) red[warp] = l_loc;
@@ -95,23 +130,28 @@ _PARTIAL = """
     float l = 0.0f;
     #pragma unroll
     for (int w = 0; w < NW; ++w) l += red[w];
-    const T* vb = values + (size_t)b * values_strides[0] + (size_t)kvh * values_strides[1] + lane * VPL;
-    float acc[VPL];
+    const T* vb = values + (size_t)b * values_strides[0] + (size_t)kvh * values_strides[1] + sub * VEC;
+    float acc[VEC];
     #pragma unroll
-    for (int j = 0; j < VPL; ++j) acc[j] = 0.0f;
-    for (int k = start + warp; k < end; k += NW) {
-        const float p = ps[k - start];
-        const T* vr = vb + (size_t)k * values_strides[2];
-        #pragma unroll
-        for (int j = 0; j < VPL; ++j) acc[j] += p * static_cast<float>(vr[j]);
+    for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < CHUNK_ / KPI; ++i) {
+        const int k = start + i * KPI + row;
+        if (k < end) {
+            const float e = ps[k - start];
+            float vv[VEC];
+            pymlxc_load16(vb + (size_t)k * values_strides[2], vv);
+            #pragma unroll
+            for (int j = 0; j < VEC; ++j) acc[j] += e * vv[j];
+        }
     }
     #pragma unroll
-    for (int j = 0; j < VPL; ++j) accs[warp * D + lane * VPL + j] = acc[j];
+    for (int j = 0; j < VEC; ++j) accs[row * D + sub * VEC + j] = acc[j];
     __syncthreads();
     for (int d = tid; d < D; d += THREADS_) {
         float s = 0.0f;
         #pragma unroll
-        for (int w = 0; w < NW; ++w) s += accs[w * D + d];
+        for (int r = 0; r < KPI; ++r) s += accs[r * D + d];
         po[d] = s;
     }
     if (tid == 0) { pml[0] = m; pml[1] = l; }
@@ -151,7 +191,8 @@ class _Kernels:
         head = f"constexpr int THREADS_ = {THREADS};\nconstexpr int CHUNK_ = {CHUNK};\n" \
                f"const float SCALE = {_float_literal(scale)};\n"
         self.partial = mx.fast.cuda_kernel("pymlxc_decode_attn_partial", ["q", "keys", "values", "pos"],
-                                           ["part_o", "part_ml"], head + _PARTIAL, ensure_row_contiguous=False)
+                                           ["part_o", "part_ml"], head + _PARTIAL, header=_HEADER,
+                                           ensure_row_contiguous=False)
         self.combine = mx.fast.cuda_kernel("pymlxc_decode_attn_combine", ["part_o", "part_ml"], ["out"], _COMBINE)
 
 
@@ -174,8 +215,11 @@ def kernel_available() -> bool:
 
 
 def supports(dtype: Any, head_dim: int) -> bool:
-    """Whether the kernel takes queries and keys of `dtype` with `head_dim` features."""
-    return dtype in _DTYPES and head_dim % 32 == 0 and 32 <= head_dim <= 256
+    """Whether the kernel takes queries and keys of `dtype` with `head_dim` features (rows of whole
+    16-byte loads, at most one warp per row)."""
+    if dtype not in _DTYPES or head_dim not in (32, 64, 128, 256):
+        return False
+    return dtype != mx.float32 or head_dim <= 128  # threads per row: a power of two, at most a warp
 
 
 def _by_kernel(q: Array, keys: Array, values: Array, pos: Array, scale: float) -> Array:

@@ -73,13 +73,15 @@ class FusedProjection(Module):
         self._wT, self._weight, self._scales, self._biases, self._bias = weight_t, weight, scales, biases, bias
         self._group_size, self._bits = group_size, bits
 
-    def __call__(self, x: Array) -> list[Array]:
+    def joint(self, x: Array) -> Array:
+        """The linears' outputs side by side on the last axis (one matmul)."""
         if self._wT is not None:
-            y = mx.matmul(x, self._wT) if self._bias is None else mx.addmm(self._bias, x, self._wT, 1.0, 1.0)
-        else:
-            y = mx.quantized_matmul(x, self._weight, self._scales, self._biases, True, self._group_size, self._bits)
-            if self._bias is not None:
-                y = y + self._bias
+            return mx.matmul(x, self._wT) if self._bias is None else mx.addmm(self._bias, x, self._wT, 1.0, 1.0)
+        y = mx.quantized_matmul(x, self._weight, self._scales, self._biases, True, self._group_size, self._bits)
+        return y if self._bias is None else y + self._bias
+
+    def __call__(self, x: Array) -> list[Array]:
+        y = self.joint(x)
         outs, start = [], 0
         lead = list(y.shape[:-1])
         for n in self._sizes:
@@ -164,6 +166,14 @@ def fusions_for(blocks: Sequence[Any], known: dict[int, tuple[Any, Fusion | None
 def _project(attn: Any, x: Array, pos: Array, qkv: FusedProjection | None) -> tuple[Array, Array, Array]:
     """q, k, v [B, heads, 1, D] of one token, as `llama/qwen3.Attention` make them, RoPE'd at `pos`."""
     b = x.shape[0]
+    if qkv is not None and not isinstance(attn, qwen3.Attention):
+        # One RoPE call for q and k: their heads are adjacent in the joint output [B, 1, heads * D].
+        hq, hkv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        heads = mx.reshape(qkv.joint(x), (b, hq + 2 * hkv, 1, d))
+        qk = attn.rope(mx.slice(heads, [0, 0, 0, 0], [b, hq + hkv, 1, d], [1, 1, 1, 1]), pos)
+        return (mx.slice(qk, [0, 0, 0, 0], [b, hq, 1, d], [1, 1, 1, 1]),
+                mx.slice(qk, [0, hq, 0, 0], [b, hq + hkv, 1, d], [1, 1, 1, 1]),
+                mx.slice(heads, [0, hq + hkv, 0, 0], [b, hq + 2 * hkv, 1, d], [1, 1, 1, 1]))
     q, k, v = qkv(x) if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
     # One token: [B, 1, heads * D] is [B, heads, 1, D] already (the layers' reshape-then-transpose
     # moves an axis of length 1), so no transpose operations go into the graph.

@@ -77,8 +77,9 @@ def test_kernel_availability_follows_the_device_and_the_switch(monkeypatch: pyte
     assert decode_attention.kernel_available() == cuda
     monkeypatch.setenv(decode_attention.ENV_VAR, "0")
     assert not decode_attention.kernel_available()
-    assert decode_attention.supports(mx.bfloat16, 64) and decode_attention.supports(mx.float32, 256)
-    assert not decode_attention.supports(mx.bfloat16, 80) and not decode_attention.supports(mx.int32, 64)
+    assert decode_attention.supports(mx.bfloat16, 64) and decode_attention.supports(mx.bfloat16, 256)
+    assert decode_attention.supports(mx.float32, 128) and not decode_attention.supports(mx.float32, 256)
+    assert not decode_attention.supports(mx.bfloat16, 96) and not decode_attention.supports(mx.int32, 64)
 
 
 @pytest.mark.skipif(not (mx.cuda_available() and mx.default_device().type == "gpu"), reason="needs MLX's CUDA build")

@@ -558,7 +558,8 @@ class DecodeSession:
         self._processors = list(processors)
         self._history = history
         self._buffers: list[Array] = []
-        self._steps = 0
+        self._steps = 0  # built
+        self._read = 0  # handed out
         self._first_position = spec.layers[0].cache.offset
         self._fn = decoder._function(key)  # noqa: SLF001
         self._weights = FixedArrays(spec.weights)  # handed to every step without converting them again
@@ -621,16 +622,19 @@ class DecodeSession:
             return self._sample(mx.reshape(tokens, (b, 1)), out)
 
         try:
-            yield from queue.pipeline(first, following, max_tokens)
+            for out in queue.pipeline(first, following, max_tokens, queue.lookahead):
+                self._read += 1
+                yield out
         finally:
             queue.drain(raise_errors=False)  # the rings go back to the caches: every step scheduled
             self._finish()
 
     def _finish(self) -> None:
-        """Hand the rings back to the caches (their offsets count every token fed)."""
+        """Hand the rings back to the caches: their offsets count the tokens read and the one step
+        that fed the last of them (steps queued beyond it, after an early stop, are left out)."""
         if not self._buffers:
             return
-        offset = self._first_position + self._steps
+        offset = self._first_position + min(self._steps, self._read + 1)
         for i, layer in enumerate(self._spec.layers):
             _give_back(layer, self._buffers[2 * i], self._buffers[2 * i + 1], offset)
         self._buffers = []

@@ -36,8 +36,10 @@ CHUNK = 128  # buffer slots per block of the partial kernel (one per thread)
 THREADS = 128
 _DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
-# Loads of 16 bytes (8 half-precision or 4 float32 features) widened to float32 in registers.
-_HEADER = """
+# Loads of 16 bytes (8 half-precision or 4 float32 features) widened to float32 in registers, one
+# per dtype (a kernel's header carries only its own).
+_LOADS = {
+    mx.bfloat16: """
 __device__ __forceinline__ void pymlxc_load16(const __nv_bfloat16* p, float* o) {
     const uint4 r = *reinterpret_cast<const uint4*>(p);
     const unsigned w[4] = {r.x, r.y, r.z, r.w};
@@ -46,7 +48,8 @@ __device__ __forceinline__ void pymlxc_load16(const __nv_bfloat16* p, float* o) 
         o[2 * i] = __uint_as_float(w[i] << 16);
         o[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
     }
-}
+}""",
+    mx.float16: """
 __device__ __forceinline__ void pymlxc_load16(const __half* p, float* o) {
     const uint4 r = *reinterpret_cast<const uint4*>(p);
     const unsigned w[4] = {r.x, r.y, r.z, r.w};
@@ -55,12 +58,13 @@ __device__ __forceinline__ void pymlxc_load16(const __half* p, float* o) {
         o[2 * i] = __half2float(__ushort_as_half((unsigned short)(w[i] & 0xffffu)));
         o[2 * i + 1] = __half2float(__ushort_as_half((unsigned short)(w[i] >> 16)));
     }
-}
+}""",
+    mx.float32: """
 __device__ __forceinline__ void pymlxc_load16(const float* p, float* o) {
     const float4 r = *reinterpret_cast<const float4*>(p);
     o[0] = r.x; o[1] = r.y; o[2] = r.z; o[3] = r.w;
+}""",
 }
-"""
 
 # Both passes over the chunk read whole rows with all threads: TPR threads per row (16 bytes each),
 # KPI rows at a time, every load coalesced and the chunk's loads unrolled.
@@ -184,19 +188,27 @@ def _float_literal(x: float) -> str:
     return f"__int_as_float(0x{bits:08x})"
 
 
-class _Kernels:
-    """The compiled-on-first-use kernel pair for one softmax scale (baked into the source)."""
+def _compact(source: str) -> str:
+    """The source without indentation, blank lines and comment lines: MLX hashes a custom kernel's
+    whole source each time it encodes one, so a shorter source is a cheaper node."""
+    lines = (line.split("//")[0].strip() for line in source.splitlines())  # the kernels hold no "//" in code
+    return "\n".join(line for line in lines if line)
 
-    def __init__(self, scale: float) -> None:
+
+class _Kernels:
+    """The kernel pair for one softmax scale and dtype (both baked into the source); MLX compiles
+    them on first use."""
+
+    def __init__(self, scale: float, dtype: Any) -> None:
         head = f"constexpr int THREADS_ = {THREADS};\nconstexpr int CHUNK_ = {CHUNK};\n" \
                f"const float SCALE = {_float_literal(scale)};\n"
-        self.partial = mx.fast.cuda_kernel("pymlxc_decode_attn_partial", ["q", "keys", "values", "pos"],
-                                           ["part_o", "part_ml"], head + _PARTIAL, header=_HEADER,
+        self.partial = mx.fast.cuda_kernel("pymlxc_attn_part", ["q", "keys", "values", "pos"], ["part_o", "part_ml"],
+                                           _compact(head + _PARTIAL), header=_compact(_LOADS[dtype]),
                                            ensure_row_contiguous=False)
-        self.combine = mx.fast.cuda_kernel("pymlxc_decode_attn_combine", ["part_o", "part_ml"], ["out"], _COMBINE)
+        self.combine = mx.fast.cuda_kernel("pymlxc_attn_sum", ["part_o", "part_ml"], ["out"], _compact(_COMBINE))
 
 
-_kernels: dict[float, _Kernels] = {}
+_kernels: dict[tuple[float, Any], _Kernels] = {}
 _lock = threading.Lock()
 _cuda: bool | None = None
 
@@ -227,9 +239,9 @@ def _by_kernel(q: Array, keys: Array, values: Array, pos: Array, scale: float) -
     hkv = keys.shape[1]
     ns = -(-keys.shape[2] // CHUNK)
     with _lock:
-        k = _kernels.get(scale)
+        k = _kernels.get((scale, q.dtype))
         if k is None:
-            k = _kernels[scale] = _Kernels(scale)
+            k = _kernels[(scale, q.dtype)] = _Kernels(scale, q.dtype)
     rows = b * hq
     part_o, part_ml = k.partial(
         [q, keys, values, pos], output_shapes=[(rows, ns, d), (rows, ns, 2)],

@@ -353,7 +353,9 @@ class SegmentedSession:
         self._first, self._mids, self._last = plan.first, plan.mids, plan.last
         self._scales = plan.scales
         self._buffers: list[Array] = []
-        self._position = first_position
+        self._first_position = first_position
+        self._position = first_position  # of the next step built
+        self._read = 0  # steps whose tokens were handed out
         self._on_fail = on_fail
 
     def _call(self, fn: Any, group: _Group, inputs: list[Array]) -> list[Array]:
@@ -417,12 +419,17 @@ class SegmentedSession:
             return out if self._fuse_greedy else self._sampler(out)
 
         try:
-            yield from queue.pipeline(first, following, max_tokens)
+            for out in queue.pipeline(first, following, max_tokens, queue.lookahead):
+                self._read += 1
+                yield out
         finally:
             queue.drain(raise_errors=False)  # the buffers go back to the caches: every step scheduled
             if self._buffers:
+                # The caches hold the tokens read and the step fed the last one; steps queued beyond
+                # it (an early stop with lookahead) are left out, as if never run.
+                offset = min(self._position, self._first_position + self._read + 1)
                 for i, layer in enumerate(self._layers):
-                    _give_back(layer, self._buffers[2 * i], self._buffers[2 * i + 1], self._position)
+                    _give_back(layer, self._buffers[2 * i], self._buffers[2 * i + 1], offset)
                 self._buffers = []
 
 

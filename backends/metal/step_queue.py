@@ -7,6 +7,7 @@ Without it, `submit` is a plain `async_eval`. Either way a loop reads a step's r
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -68,27 +69,38 @@ class StepQueue:
             handle.wait()
             self._pending = [t for t in self._pending if not t.done]
 
-    def pipeline(self, first: Callable[[], Any], following: Callable[[Any], Any], steps: int) -> Iterator[Any]:
-        """The decode loops' shape: yield up to `steps` readable results, each step queued before the
-        previous one is read (the device, or the thread, works on step n while step n+1 is built).
-        `first()` builds step 1; `following(tokens)` builds step n+1 from step n's (lazy) tokens.
-        Stopping early wastes at most the one step already queued."""
-        with self.building():
-            tokens = first()
-            shown = self.readable(tokens)
-        handle = self.submit([tokens, shown])
-        for n in range(1, steps + 1):
-            nxt = None
-            if n < steps:
-                with self.building():
-                    nxt = following(tokens)
-                    nxt_shown = self.readable(nxt)
-                nxt_handle = self.submit([nxt, nxt_shown])
+    @property
+    def lookahead(self) -> int:
+        """Steps a loop should keep queued beyond the one being read: with the thread, two (the
+        caller builds step n+2 while the thread encodes step n+1 and the device runs step n: the
+        three no longer wait on each other); without it one (the host builds and encodes in turn).
+        A loop that queues more must be able to rewind its caches to what was read."""
+        return 2 if self._thread is not None else 1
+
+    def pipeline(self, first: Callable[[], Any], following: Callable[[Any], Any], steps: int,
+                 lookahead: int = 1) -> Iterator[Any]:
+        """The decode loops' shape: yield up to `steps` readable results, with up to `lookahead` later
+        steps queued before one is read (the device, or the thread, works on those while the next
+        is built). `first()` builds step 1; `following(tokens)` builds step n+1 from step n's (lazy)
+        tokens. Stopping early wastes the steps already queued."""
+        queued: collections.deque[tuple[Any, Any]] = collections.deque()
+        built = 0
+        tokens: Any = None
+
+        def build() -> None:
+            nonlocal built, tokens
+            with self.building():
+                tokens = first() if built == 0 else following(tokens)
+                shown = self.readable(tokens)
+            queued.append((shown, self.submit([tokens, shown])))
+            built += 1
+
+        for n in range(steps):
+            while built < steps and built <= n + lookahead:
+                build()
+            shown, handle = queued.popleft()
             self.ready(handle)
             yield shown
-            if nxt is None:
-                return
-            tokens, shown, handle = nxt, nxt_shown, nxt_handle
 
     def drain(self, raise_errors: bool = True) -> None:
         """Wait for every submitted step to be scheduled (before the caller uses their outputs on

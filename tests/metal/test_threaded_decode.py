@@ -15,6 +15,7 @@ from pymlxc.backends.metal import generate as loops
 from pymlxc.backends.metal.compiled import CompiledDecoder
 from pymlxc.backends.metal.loader import LoadedModel, load_weights_and_config
 from pymlxc.backends.metal.sample import greedy, make_logits_processors, make_sampler
+from pymlxc.backends.metal.step_queue import StepQueue
 from pymlxc.core import eval_thread
 from pymlxc.testing import write_tiny_model
 
@@ -152,3 +153,31 @@ def test_textmodel_with_the_thread_and_the_prompt_cache(tmp_path: Path, monkeypa
             assert m.err() is None
             assert got == [t.id for t in plain.generate(text, max_tokens=10)]
         assert m.metrics().prompt_cache_hits == 1  # the second prompt continues the first's state
+
+
+@pytest.mark.parametrize("lookahead", [1, 2, 3])
+def test_pipeline_queues_lookahead_steps_ahead_of_the_reader(lookahead: int) -> None:
+    """Step n is read only once steps up to n + lookahead are built (fewer at the end), each built
+    from the previous step's lazy tokens; stopping early builds nothing more."""
+    queue = StepQueue(threaded=True)
+    built: list[int] = []
+
+    def first() -> Any:
+        built.append(0)
+        return pymlxc.core.array([1], dtype=pymlxc.core.int32)
+
+    def following(tokens: Any) -> Any:
+        built.append(len(built))
+        return tokens * 2
+
+    stream = queue.pipeline(first, following, 6, lookahead)
+    seen = []
+    for n, shown in enumerate(stream):
+        assert len(built) == min(n + lookahead + 1, 6)
+        seen.append(shown.item())
+        if n == 3:
+            break
+    stream.close()
+    queue.drain()
+    assert seen == [1, 2, 4, 8]
+    assert len(built) == min(3 + lookahead + 1, 6)

@@ -77,18 +77,16 @@ def decode_mode() -> str:
     rings. "segmented" (Llama-family models): compiled segments around MLX's fused attention on
     exact-length keys, see segments.py. "fused" (Llama family): those segments, the cache writes and
     `decode_attention.attend` over the whole buffers traced as one graph.
-    PYMLXC_DECODE decides when set. Otherwise: "fused" where `attend` has its CUDA kernel,
-    "segmented" on other GPUs (MLX's decode attention takes no mask there, so the graph's masked
-    attention runs unfused), "graph" on a CPU, where its lower host cost per token wins.
-    Models that segments.plan() does not cover (Gemma, MoE) use the graph either way."""
+    PYMLXC_DECODE decides when set. Otherwise: "segmented" on a GPU, "graph" on a CPU, where its
+    lower host cost per token wins. On an H100 the segments beat the graph in every Llama/Qwen case
+    (MLX's CUDA decode attention takes no mask, so the graph's masked attention runs unfused), and
+    beat "fused" too: MLX encodes a custom kernel node at about four times the host cost of its
+    own (benchmarks/h100/session5). Models that segments.plan() does not cover (Gemma, MoE) use the
+    graph either way."""
     mode = os.environ.get(DECODE_ENV_VAR, "").strip().lower()
     if mode in DECODE_MODES:
         return mode
-    if mx.default_device().type != "gpu":
-        return "graph"
-    from . import decode_attention  # noqa: PLC0415
-
-    return "fused" if decode_attention.kernel_available() else "segmented"
+    return "segmented" if mx.default_device().type == "gpu" else "graph"
 
 
 def compile_enabled() -> bool:

@@ -82,7 +82,8 @@ class StepQueue:
         """The decode loops' shape: yield up to `steps` readable results, with up to `lookahead` later
         steps queued before one is read (the device, or the thread, works on those while the next
         is built). `first()` builds step 1; `following(tokens)` builds step n+1 from step n's (lazy)
-        tokens. Stopping early wastes the steps already queued."""
+        tokens. Stopping early wastes the steps already queued. The first token is read with one
+        step queued (whatever `lookahead`), so that it is not delayed by more builds."""
         queued: collections.deque[tuple[Any, Any]] = collections.deque()
         built = 0
         tokens: Any = None
@@ -96,7 +97,8 @@ class StepQueue:
             built += 1
 
         for n in range(steps):
-            while built < steps and built <= n + lookahead:
+            # One step ahead of the first token only: the first token waits for no extra build.
+            while built < steps and built <= n + (lookahead if n else 1):
                 build()
             shown, handle = queued.popleft()
             self.ready(handle)

@@ -73,6 +73,17 @@ def primitives(n: int = 400, repeats: int = 5) -> dict[str, Any]:
                 "encode_us_per_op": _ms(encode) * 1e3 / count, "wait_us_per_op": _ms(wait) * 1e3 / count}
 
     out["mlx_add"] = chain(mlx, lambda: mlx.zeros((1, 2048), dtype=mlx.bfloat16), lambda y: y + 1.0, n)
+    # A compiled silu(y) * y * 1.5: one fused node (a JIT kernel MLX names per call), or three plain
+    # ones when traced in MLX's "no_fuse" compile mode.
+    for mode in ("enabled", "no_fuse"):
+        fn = pmx.compile(lambda xs: [pmx.sigmoid(xs[0]) * xs[0] * 1.5])
+        pmx.set_compile_mode(mode)
+        try:
+            fn([pmx.zeros((1, 2048), dtype=pmx.bfloat16)])  # traced now, in this mode
+        finally:
+            pmx.set_compile_mode("enabled")
+        out[f"pymlxc_compiled_{mode}"] = chain(pmx, lambda: pmx.zeros((1, 2048), dtype=pmx.bfloat16),
+                                               lambda y, fn=fn: fn.call_flat([y])[0], n)
     out["pymlxc_add"] = chain(pmx, lambda: pmx.zeros((1, 2048), dtype=pmx.bfloat16), lambda y: y + 1.0, n)
     w = mlx.random.normal((2048, 2048)).astype(mlx.bfloat16) * 0.01
     mlx.eval(w)

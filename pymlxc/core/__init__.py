@@ -20,7 +20,7 @@ from .memory import (
     clear_cache, cuda_available, device_info, get_active_memory, get_cache_memory, get_memory_limit,
     get_peak_memory, metal_available, reset_peak_memory, set_cache_limit, set_memory_limit, set_wired_limit,
 )
-from .transforms import checkpoint, compile, grad, jvp, value_and_grad, vjp  # noqa: A004
+from .transforms import checkpoint, compile, grad, jvp, set_compile_mode, value_and_grad, vjp  # noqa: A004
 from .io import load, load_gguf, load_safetensors, save_safetensors
 
 bool = bool_  # noqa: A001  (an alias; mlx.core spells it `bool_`, which is here too)

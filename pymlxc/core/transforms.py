@@ -247,6 +247,21 @@ def compile(fn: Callable[..., Any], shapeless: bool = False) -> Compiled:  # noq
     return Compiled(fn, shapeless)
 
 
+COMPILE_MODES = {"disabled": "MLX_COMPILE_MODE_DISABLED", "no_simplify": "MLX_COMPILE_MODE_NO_SIMPLIFY",
+                 "no_fuse": "MLX_COMPILE_MODE_NO_FUSE", "enabled": "MLX_COMPILE_MODE_ENABLED"}
+
+
+def set_compile_mode(mode: str) -> None:
+    """MLX's process-wide compile mode, read when a function is traced: "enabled" (the default),
+    "no_fuse" (traced and simplified, elementwise operations left unfused), "no_simplify", or
+    "disabled" (functions run uncompiled)."""
+    try:
+        value = getattr(lib, COMPILE_MODES[mode])
+    except KeyError:
+        raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, not {mode!r}") from None
+    _call(lib.mlx_set_compile_mode(value))
+
+
 def disable_compile() -> None:
     _call(lib.mlx_disable_compile())
 

@@ -416,12 +416,12 @@ class CompiledDecoder:
             with self._lock:
                 segments.fusions_for(blocks, self._fusions)
 
-    def _segmented(self, model: Module, structure: tuple[Any, ...], weights: list[Array], fuse_greedy: bool,
-                   layers: list[_Layer], sampler: Sampler, first_position: int, fused: bool = False
-                   ) -> "SegmentedSession | None":
-        """A segmented session, or None where the model is not of the Llama family or its segments
-        failed to trace. A model whose arrays are those of the last segmented generation (the same
-        signature) reuses that generation's plan without checking its fusions again."""
+    def _segment_plan(self, model: Module, structure: tuple[Any, ...], weights: list[Array], fuse_greedy: bool,
+                      fused: bool) -> "tuple[tuple[Any, ...], Any] | None":
+        """(key, segments.SegmentPlan) for the model as it is now, made or reused; None where the
+        model is not of the Llama family or its segments failed before. A model whose arrays are
+        those of the last segmented generation (the same signature) reuses that generation's plan
+        without checking its fusions again."""
         from . import segments
 
         signature = tuple(map(id, weights))
@@ -451,9 +451,44 @@ class CompiledDecoder:
                 self._recent_plan = ((signature, fuse_greedy, self.fuse_projections, fused), seg_key)
         if seg_key in self._failed:
             return None
+        return seg_key, seg_plan
+
+    def _segmented(self, model: Module, structure: tuple[Any, ...], weights: list[Array], fuse_greedy: bool,
+                   layers: list[_Layer], sampler: Sampler, first_position: int, fused: bool = False
+                   ) -> "SegmentedSession | None":
+        """A segmented session, or None where the model is not of the Llama family or its segments
+        failed to trace."""
+        from . import segments
+
+        found = self._segment_plan(model, structure, weights, fuse_greedy, fused)
+        if found is None:
+            return None
+        seg_key, seg_plan = found
         fns = self._function(seg_key, segments.SegmentFunctions)
         return segments.SegmentedSession(seg_plan, layers, fns, sampler, first_position,
                                          on_fail=lambda exc: self._mark_failed(seg_key, exc))
+
+    def prefill_runner(self, fuse_greedy: bool, walk: tuple[list[Array], tuple[str, ...]] | None = None
+                       ) -> "Callable[..., None] | None":
+        """`run(tokens, cache, on_layer)`: a prefill chunk through shapeless compiled segments (see
+        prefill_segments.py), on the plan the segmented decode that follows will use; None where the
+        decode is not segmented (or the model not of the Llama family)."""
+        model = self._model
+        if model is None or (self.mode or decode_mode()) != "segmented":
+            return None
+        from . import prefill_segments
+
+        weights, classes = walk if walk is not None else _arrays_of(model, with_classes=True)
+        found = self._segment_plan(model, (classes, len(weights)), weights, fuse_greedy, False)
+        if found is None:
+            return None
+        seg_key, seg_plan = found
+        key = ("prefill", *seg_key)
+        if key in self._failed:
+            return None
+        fns = self._function(key, prefill_segments.PrefillFunctions)
+        return prefill_segments.PrefillRunner(seg_plan, list(model.layers), fns,
+                                              on_fail=lambda exc: self._mark_failed(key, exc))
 
     def reserve(self, cache: Sequence[Any], prompt_len: int, max_tokens: int) -> None:
         """Call before prefill: size the empty caches' first allocation for the whole generation."""

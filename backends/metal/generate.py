@@ -11,6 +11,7 @@ leak into later layers' keys and values).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -22,7 +23,7 @@ from pymlxc.model import GenerationCancelled, ModelClosedError
 from pymlxc.types import GenerateMetrics
 
 from .models.base import layer_listener
-from .sample import DEFAULT_PENALTY_CONTEXT, LogitsProcessor, Sampler, apply_processors
+from .sample import DEFAULT_PENALTY_CONTEXT, LogitsProcessor, Sampler, apply_processors, greedy
 from .step_queue import StepQueue
 
 if TYPE_CHECKING:
@@ -146,7 +147,7 @@ def _cache_state(cache: Sequence[Cache]) -> list[Any]:
 
 def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, step: int = PREFILL_STEP,
             mask: Callable[[int, int], mx.Array | None] | None = None, guard: Guard = NO_GUARD,
-            start: int = 0, queue: StepQueue | None = None) -> None:
+            start: int = 0, queue: StepQueue | None = None, runner: Callable[..., None] | None = None) -> None:
     """Run `tokens` [B, L] through the model into `cache`, `step` positions at a time.
 
     Only the caches are evaluated (the chunks' logits are never needed). Chunks are pipelined: a
@@ -156,17 +157,20 @@ def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, ste
     `start`: the first `start` tokens are in `cache` already (a prompt-cache hit); the chunks keep
     the boundaries of a prefill from 0, because a context-bounded cache's results depend on them.
     With a threaded `queue` (see step_queue.py) each layer is handed to the evaluation thread as
-    soon as it is built, so MLX encodes layer i while Python builds layer i+1.
+    soon as it is built, so MLX encodes layer i while Python builds layer i+1. `runner`
+    (`CompiledDecoder.prefill_runner`) runs the chunks instead of the model's forward where no mask
+    is given.
     """
+    forward = _chunk_forward(model, mask, runner)
     if queue is not None and queue.threaded:
-        _prefill_threaded(model, tokens, cache, step=step, mask=mask, guard=guard, start=start, queue=queue)
+        _prefill_threaded(forward, tokens, cache, step=step, guard=guard, start=start, queue=queue)
         return
     length = tokens.shape[1]
     running: list[Any] = []
     while start < length:
         guard.check()
         stop = min((start // step + 1) * step, length)
-        model(tokens[:, start:stop], cache=cache, mask=mask(start, stop - start) if mask else None)
+        forward(tokens[:, start:stop], cache, start, None)
         state = _cache_state(cache)
         mx.async_eval(state)
         if running:
@@ -175,9 +179,32 @@ def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, ste
         start = stop
 
 
-def _prefill_threaded(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, step: int,
-                      mask: Callable[[int, int], mx.Array | None] | None, guard: Guard, start: int,
-                      queue: StepQueue) -> None:
+def _chunk_forward(model: LanguageModel, mask: Callable[[int, int], mx.Array | None] | None,
+                   runner: Callable[..., None] | None) -> Callable[..., None]:
+    """`forward(chunk, cache, offset, on_layer)`: the runner where it applies (it is dropped for the
+    rest of the prompt if it cannot trace), else the model's forward (which reports its layers to
+    the `layer_listener`)."""
+    from .compiled import CompileUnavailable  # noqa: PLC0415
+
+    use = [runner if mask is None else None]
+
+    def forward(chunk: mx.Array, cache: Sequence[Any], offset: int, on_layer: Callable[..., None] | None) -> None:
+        if use[0] is not None:
+            try:
+                use[0](chunk, cache, on_layer)
+                return
+            except CompileUnavailable:
+                use[0] = None
+        with contextlib.ExitStack() as stack:
+            if on_layer is not None:
+                stack.enter_context(layer_listener(on_layer))
+            model(chunk, cache=cache, mask=mask(offset, chunk.shape[1]) if mask else None)
+
+    return forward
+
+
+def _prefill_threaded(forward: Callable[..., None], tokens: mx.Array, cache: Sequence[Any], *, step: int,
+                      guard: Guard, start: int, queue: StepQueue) -> None:
     """`prefill` with the evaluation thread: the same chunks, each layer submitted when built. The
     wait for the previous chunk reads a copy of its state (see `StepQueue.readable`)."""
     queue.hand_over([tokens, _cache_state(cache)])  # built here (a slice; a prompt-cache hit's caches)
@@ -190,8 +217,8 @@ def _prefill_threaded(model: LanguageModel, tokens: mx.Array, cache: Sequence[An
     while start < length:
         guard.check()
         stop = min((start // step + 1) * step, length)
-        with queue.building(), layer_listener(submit_layer):
-            model(tokens[:, start:stop], cache=cache, mask=mask(start, stop - start) if mask else None)
+        with queue.building():
+            forward(tokens[:, start:stop], cache, start, submit_layer)
             state = _cache_state(cache)
             marker = [queue.readable(c[0]) for c in state[-1:] if c]  # one array: waits for the whole submission
         handle = queue.submit([state, marker])
@@ -308,7 +335,11 @@ def generate_ids(model: LanguageModel, prompt: Sequence[int], *, cache: Sequence
         walk = _arrays_of(model, with_classes=True)
         _hand_over_weights(queue, model, walk[0])
     if len(prompt) - 1 > cached:
-        prefill(model, tokens[:, :-1], cache, step=prefill_step, guard=guard, start=cached, queue=queue)
+        runner = None
+        if decoder is not None:
+            runner = decoder.prefill_runner(sampler is greedy and not processors, walk)
+        prefill(model, tokens[:, :-1], cache, step=prefill_step, guard=guard, start=cached, queue=queue,
+                runner=runner)
     history = _history([prompt[:-1]]) if processors and len(prompt) > 1 else None
     queue.hand_over(_cache_state(cache))
 

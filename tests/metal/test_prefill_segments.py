@@ -1,0 +1,107 @@
+"""Prefill through shapeless compiled segments (backends/metal/prefill_segments.py).
+
+The caches it fills equal the model forward's, bit for bit, over chunks of changing lengths (one
+trace serves them all), for every Llama-family architecture, dense and quantized, with biases;
+generations that use it give the uncompiled loop's tokens; a segment that cannot trace leaves the
+caches as they were and the prefill goes on with the model's forward.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import pymlxc.core as mx
+from pymlxc.backends.metal import generate as loops
+from pymlxc.backends.metal import prefill_segments
+from pymlxc.backends.metal.compiled import CompiledDecoder
+from pymlxc.backends.metal.loader import LoadedModel, load_weights_and_config
+from pymlxc.backends.metal.sample import greedy
+from pymlxc.testing import write_tiny_model
+
+_loaded: dict[Any, LoadedModel] = {}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("prefill")
+
+    def get(arch: str, bits: int | None = None) -> LoadedModel:
+        if (arch, bits) not in _loaded:
+            path = write_tiny_model(root / f"{arch}-{bits}", arch, quantize_bits=bits, num_layers=3)
+            _loaded[(arch, bits)] = load_weights_and_config(path)
+        return _loaded[(arch, bits)]
+
+    yield get
+    for m in _loaded.values():
+        m.free()
+    _loaded.clear()
+
+
+def ids(n: int, seed: int = 1) -> list[int]:
+    return [int(i) for i in np.random.default_rng(seed).integers(16, 500, size=n)]
+
+
+def filled(cache: list[Any]) -> list[np.ndarray]:
+    return [np.asarray(a[:, :, :c.offset].astype(mx.float32)) for c in cache for a in (c.keys, c.values)]
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_caches_equal_the_model_forward(models, arch: str, bits: int | None) -> None:
+    model = models(arch, bits).model
+    decoder = CompiledDecoder(model, "segmented")
+    runner = decoder.prefill_runner(True)
+    assert runner is not None
+    tokens = mx.array([ids(61)], dtype=mx.int32)
+    ours, theirs = model.make_cache(None), model.make_cache(None)
+    layers_seen = []
+    for start, stop in ((0, 25), (25, 40), (40, 41), (41, 61)):  # lengths 25, 15, 1, 20: one trace
+        runner(tokens[:, start:stop], ours, lambda h, c: layers_seen.append(c))
+        model(tokens[:, start:stop], cache=theirs)
+    assert [c.offset for c in ours] == [c.offset for c in theirs] == [61] * 3
+    for a, b in zip(filled(ours), filled(theirs)):
+        np.testing.assert_array_equal(a, b)
+    assert layers_seen == list(ours) * 4
+    decoder.close()
+
+
+def test_generations_use_it_and_keep_their_tokens(models, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYMLXC_DECODE", "segmented")
+    model = models("llama").model
+    decoder = CompiledDecoder(model)
+    calls = []
+    real = prefill_segments.PrefillRunner.__call__
+    monkeypatch.setattr(prefill_segments.PrefillRunner, "__call__",
+                        lambda self, *a, **k: calls.append(a[0].shape) or real(self, *a, **k))
+    for n in (30, 9, 300):
+        prompt = ids(n, seed=n)
+        want = list(loops.generate_ids(model, prompt, cache=model.make_cache(None), max_tokens=12, sampler=greedy))
+        got = list(loops.generate_ids(model, prompt, cache=model.make_cache(None), max_tokens=12, sampler=greedy,
+                                      decoder=decoder, prefill_step=128))
+        assert got == want
+    assert calls == [(1, 29), (1, 8), (1, 128), (1, 128), (1, 43)]  # chunks of prefill_step
+
+
+def test_a_segment_that_cannot_trace_hands_back_to_the_model(models, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = models("qwen3").model
+    decoder = CompiledDecoder(model, "segmented")
+    prompt = ids(20)
+    want = list(loops.generate_ids(model, prompt, cache=model.make_cache(None), max_tokens=8, sampler=greedy))
+
+    def broken(inputs: list[Any]) -> list[Any]:
+        raise ValueError("cannot trace this")
+
+    monkeypatch.setattr(prefill_segments, "_trace_mid", broken)
+    got = list(loops.generate_ids(model, prompt, cache=model.make_cache(None), max_tokens=8, sampler=greedy,
+                                  decoder=decoder))
+    assert got == want  # the first layer's cache update was undone, then the model's forward ran
+    assert decoder.prefill_runner(True) is None  # remembered: not tried again
+    assert decoder.stats["compiled"] == 1  # the decode itself stayed compiled
+
+
+def test_only_for_the_segmented_decode(models) -> None:
+    assert CompiledDecoder(models("llama").model, "graph").prefill_runner(True) is None
+    assert CompiledDecoder(models("gemma3_text").model, "segmented").prefill_runner(True) is None

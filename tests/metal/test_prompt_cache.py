@@ -222,10 +222,20 @@ class CountingModel:
         return getattr(self.inner, name)
 
 
-def test_a_hit_skips_the_prefill_of_the_prefix(models) -> None:
+def test_a_hit_skips_the_prefill_of_the_prefix(models, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pymlxc.backends.metal import prefill_segments
+
     m, _ = models("llama")
     counting = CountingModel(m.model)
     m._model = counting
+    # The segmented decode's prefill (a GPU's default) runs the chunks without the model's forward.
+    run = prefill_segments.PrefillRunner.__call__
+
+    def counted(self: Any, tokens: Any, *args: Any) -> None:
+        counting.prefilled += tokens.shape[1]
+        run(self, tokens, *args)
+
+    monkeypatch.setattr(prefill_segments.PrefillRunner, "__call__", counted)
     try:
         prefix, prompt = m.encode(PREFIX), m.encode(PREFIX + REST)
         list(m.generate(PREFIX + REST, max_tokens=4))

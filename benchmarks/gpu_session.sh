@@ -29,7 +29,7 @@
 # The lent machine's copy of the checkout may carry stale git metadata: prefix the command with
 # PYMLXC_GIT_REV=<this checkout's commit> so that the JSON names the code that ran.
 #
-# Stages: setup smoke tests bench-1b bench-gemma bench-8b variants profile probe kernel report all
+# Stages: setup smoke tests bench-1b bench-gemma bench-8b variants profile probe report all
 # Options: --dry-run (print the commands only), --cpu-check (run every stage on this machine's CPU
 # with tiny shapes: checks the plumbing, not the numbers).
 set -euo pipefail
@@ -47,7 +47,7 @@ for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
     --cpu-check) CPU=1 ;;
-    setup|smoke|tests|bench-1b|bench-gemma|bench-8b|variants|profile|probe|kernel|report) stages+=("$arg") ;;
+    setup|smoke|tests|bench-1b|bench-gemma|bench-8b|variants|profile|probe|report) stages+=("$arg") ;;
     all) stages+=(setup smoke tests bench-1b bench-gemma bench-8b report) ;;
     -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "gpu_session.sh: unknown stage or option: $arg" >&2; exit 2 ;;
@@ -167,19 +167,6 @@ PY
       else probe_args=(--shape llama-3.2-1b --quant bf16 --prompts 128 2048 --max-tokens 128 --runs 3); fi
       run "$PY" benchmarks/probe_decode.py --models-dir "$MODELS" --out "$OUT/probe" "${probe_args[@]}" \
         2>&1 | tee "$OUT/probe/log.txt" || echo "!!! probe failed (see $OUT/probe/log.txt)"
-      ;;
-    kernel)
-      # The fused decode step's CUDA attention kernel (backends/metal/decode_attention.py): its tests
-      # and the fused step's tokens on the GPU, then its speed per call and per decoded token.
-      ensure_lib
-      mkdir -p "$OUT/kernel"
-      run "$PY" -m pytest tests/metal/test_decode_attention.py tests/metal/test_compiled_decode.py -k "attend or kernel or segmented" \
-        -q -p no:cacheprovider 2>&1 | tee "$OUT/kernel/pytest.txt" || echo "!!! kernel tests failed (see $OUT/kernel/pytest.txt)"
-      if [ "$CPU" = 1 ]; then kernel_args=(--cpu --shape llama-3.2-1b-narrow --quant f32 --layers 2 --prompts 16 --max-tokens 8 --runs 2)
-      else kernel_args=(--shape llama-3.2-1b --quant bf16 --prompts 128 2048 --max-tokens 128 --runs 3); fi
-      run "$PY" benchmarks/probe_decode.py --models-dir "$MODELS" --out "$OUT/kernel" "${kernel_args[@]}" --probes kernel timeline \
-        --variants mlx_lm pymlxc_fused pymlxc_fused_nothread pymlxc_segmented 2>&1 | tee "$OUT/kernel/log.txt" \
-        || echo "!!! kernel probe failed (see $OUT/kernel/log.txt)"
       ;;
     report)
       mkdir -p "$OUT/report"

@@ -1,5 +1,5 @@
 """Host time per decode token: building one step's graph in Python (mlx-lm, pymlxc uncompiled)
-against replaying the compiled step (pymlxc: whole-step graph, segments, fused segments), for the real model shapes, without running them.
+against replaying the compiled step (pymlxc: whole-step graph, segments), for the real model shapes, without running them.
 
 On a fast GPU a small model's decode is bound by this host work (plus MLX's per-node dispatch,
 which is not measured here), not by the device; this script measures it on any machine, in
@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     rows = []
     print(f"host ms per decode token (median of {args.steps} steps at context {args.context}; no kernels run)")
-    print(f"{'shape':<16} {'quant':<5} {'mlx-lm':>8} {'pymlxc':>8} {'compiled':>9} {'segmented':>10} {'fused':>7} "
-          f"{'trace ms':>9} {'mlx-lm/compiled':>16}")
+    print(f"{'shape':<16} {'quant':<5} {'mlx-lm':>8} {'pymlxc':>8} {'compiled':>9} {'segmented':>10} {'trace ms':>9} "
+          f"{'mlx-lm/compiled':>16}")
     for shape in args.shapes:
         config = shape_config(shape)
         for quant in args.quant:
@@ -145,22 +145,18 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
             comp = time_pymlxc(config, bits, args.context, args.steps, compiled=True)
             gc.collect()
-            seg = fused = None
+            seg = None
             if config["model_type"] in ("llama", "mistral", "qwen2", "qwen3"):
                 seg = time_pymlxc(config, bits, args.context, args.steps, compiled=True, mode="segmented")
-                gc.collect()
-                fused = time_pymlxc(config, bits, args.context, args.steps, compiled=True, mode="fused")
                 gc.collect()
             row = {"shape": shape, "quant": quant, "layers": config["num_hidden_layers"],
                    "mlx_lm_ms": 1e3 * statistics.median(theirs), "pymlxc_uncompiled_ms": 1e3 * statistics.median(plain),
                    "pymlxc_compiled_ms": 1e3 * statistics.median(comp[1:]), "trace_ms": 1e3 * comp[0],
-                   "pymlxc_segmented_ms": 1e3 * statistics.median(seg[1:]) if seg else None,
-                   "pymlxc_fused_ms": 1e3 * statistics.median(fused[1:]) if fused else None}
+                   "pymlxc_segmented_ms": 1e3 * statistics.median(seg[1:]) if seg else None}
             rows.append(row)
             segmented = f"{row['pymlxc_segmented_ms']:>10.2f}" if seg else f"{'-':>10}"
-            fused_ms = f"{row['pymlxc_fused_ms']:>7.2f}" if fused else f"{'-':>7}"
             print(f"{shape:<16} {quant:<5} {row['mlx_lm_ms']:>8.2f} {row['pymlxc_uncompiled_ms']:>8.2f} "
-                  f"{row['pymlxc_compiled_ms']:>9.2f} {segmented} {fused_ms} {row['trace_ms']:>9.0f} "
+                  f"{row['pymlxc_compiled_ms']:>9.2f} {segmented} {row['trace_ms']:>9.0f} "
                   f"{row['mlx_lm_ms'] / row['pymlxc_compiled_ms']:>15.2f}x", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"schema_version": 1, "kind": "host_overhead", "context": args.context,

@@ -121,60 +121,6 @@ def attention(keys: list[int], extras: list[int], layers: int = 16, repeats: int
     return rows
 
 
-def _chain(fn: Callable[[Any], Any], x: Any, n: int) -> Any:
-    for _ in range(n):
-        x = fn(x)
-    return x
-
-
-def kernel_attention(keys: list[int], layers: int = 16, repeats: int = 20) -> list[dict[str, Any]]:
-    """`decode_attention.attend` over a whole buffer (its CUDA kernel where there is one) against
-    MLX's fused attention on the exact keys, through the binding, for two model shapes."""
-    from pymlxc.backends.metal import decode_attention
-
-    rows = []
-    for hq, hkv, d in ((32, 8, 64), (16, 8, 128)):
-        for k in keys:
-            length = -(-k // 256) * 256 + 8
-            kb = pmx.random.normal((1, hkv, length, d), key=pmx.random.key(1)).astype(pmx.bfloat16)
-            vb = pmx.random.normal((1, hkv, length, d), key=pmx.random.key(2)).astype(pmx.bfloat16)
-            q = pmx.random.normal((1, hq, 1, d), key=pmx.random.key(3)).astype(pmx.bfloat16)
-            pos = pmx.array(k - 1, dtype=pmx.int32)
-            pmx.eval([kb, vb, q, pos])
-            ks = pmx.slice(kb, [0, 0, 0, 0], [1, hkv, k, d], [1, 1, 1, 1])
-            vs = pmx.slice(vb, [0, 0, 0, 0], [1, hkv, k, d], [1, 1, 1, 1])
-            want = pmx.fast.scaled_dot_product_attention(q, ks, vs, scale=d ** -0.5)
-            got = decode_attention.attend(q, kb, vb, pos, d ** -0.5)
-            err = float(pmx.max(pmx.abs(got.astype(pmx.float32) - want.astype(pmx.float32))).item())
-            row: dict[str, Any] = {"heads": hq, "kv_heads": hkv, "head_dim": d, "keys": k, "buffer": length,
-                                   "max_abs_diff": err, "kernel": decode_attention.kernel_available()}
-            def attend(x: Any) -> Any:
-                return decode_attention.attend(x, kb, vb, pos, d ** -0.5)
-
-            def exact(x: Any) -> Any:
-                return pmx.fast.scaled_dot_product_attention(x, ks, vs, scale=d ** -0.5)
-
-            for name, fn in (("attend", attend), ("sdpa_exact", exact)):
-                # Per call as built op by op, then as a compiled chain of 64 (each call's query is the
-                # previous output): host work small beside the device's 64 calls in a row.
-                chain = pmx.compile(lambda xs, fn=fn: [_chain(fn, xs[0], 64)])
-                for key, run in ((f"{name}_us", lambda fn=fn: pmx.eval([fn(q) for _ in range(layers)])),
-                                 (f"{name}_chained_us", lambda chain=chain: pmx.eval(chain([q])))):
-                    run()
-                    times = []
-                    for _ in range(repeats):
-                        t = time.perf_counter()
-                        run()
-                        times.append(time.perf_counter() - t)
-                    row[key] = _ms(times) * 1e3 / (layers if key.endswith("_us") and "chained" not in key else 64)
-            rows.append(row)
-            print(f"  heads {hq}/{hkv} dim {d} keys {k:5d} buffer {length:5d}: attend {row['attend_us']:7.1f} us "
-                  f"(chained {row['attend_chained_us']:6.1f}), sdpa on exact keys {row['sdpa_exact_us']:7.1f} us "
-                  f"(chained {row['sdpa_exact_chained_us']:6.1f}); max diff {err:.2e} (kernel: {row['kernel']})",
-                  flush=True)
-    return rows
-
-
 # ---------------------------------------------------------------------- timelines
 
 class _Clock:
@@ -292,7 +238,7 @@ def timelines(path: Path, prompts: list[int], max_tokens: int, runs: int,
     vocab = loaded.config["vocab_size"]
     rows = []
     variants: list[tuple[str, Callable[[list[int]], dict[str, Any]]]] = []
-    decoders = {m: CompiledDecoder(loaded.model, m) for m in ("fused", "segmented", "graph")}
+    decoders = {m: CompiledDecoder(loaded.model, m) for m in ("segmented", "graph")}
 
     def threaded(flag: str, fn: Callable[[list[int]], dict[str, Any]]) -> Callable[[list[int]], dict[str, Any]]:
         def run(p: list[int]) -> dict[str, Any]:
@@ -501,9 +447,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, nargs="+", default=[128, 2048])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--probes", nargs="+", default=["primitives", "attention", "kernel", "ttft", "timeline", "memory"])
+    ap.add_argument("--probes", nargs="+", default=["primitives", "attention", "ttft", "timeline", "memory"])
     ap.add_argument("--variants", nargs="+", default=None,
-                    help="timeline variants to run (default all: mlx_lm, pymlxc_<fused|segmented|graph|uncompiled>"
+                    help="timeline variants to run (default all: mlx_lm, pymlxc_<segmented|graph|uncompiled>"
                          "[_nothread])")
     ap.add_argument("--models-dir", type=Path, default=Path("/tmp/pymlxc-bench-models"))
     ap.add_argument("--cpu", action="store_true")
@@ -530,8 +476,6 @@ def main(argv: list[str] | None = None) -> int:
             report[probe] = memory(path, args.prompts[-1], 64)
         elif probe == "timeline":
             report[probe] = timelines(path, args.prompts, args.max_tokens, args.runs, args.variants)
-        elif probe == "kernel":
-            report[probe] = kernel_attention([300, 2048], repeats=3 if args.cpu else 20)
         (args.out / "probe_decode.json").write_text(json.dumps(report, indent=1))
     return 0
 

@@ -69,20 +69,17 @@ BUFFER_PAD = 8
 DECODE_ENV_VAR = "PYMLXC_DECODE"
 
 
-DECODE_MODES = ("graph", "segmented", "fused")
+DECODE_MODES = ("graph", "segmented")
 
 
 def decode_mode() -> str:
     """How a compiled step is built. "graph": the whole step as one compiled graph over masked
     rings. "segmented" (Llama-family models): compiled segments around MLX's fused attention on
-    exact-length keys, see segments.py. "fused" (Llama family): those segments, the cache writes and
-    `decode_attention.attend` over the whole buffers traced as one graph.
+    exact-length keys, see segments.py.
     PYMLXC_DECODE decides when set. Otherwise: "segmented" on a GPU, "graph" on a CPU, where its
     lower host cost per token wins. On an H100 the segments beat the graph in every Llama/Qwen case
-    (MLX's CUDA decode attention takes no mask, so the graph's masked attention runs unfused), and
-    beat "fused" too: MLX encodes a custom kernel node at about four times the host cost of its
-    own (benchmarks/h100/session5). Models that segments.plan() does not cover (Gemma, MoE) use the
-    graph either way."""
+    (MLX's CUDA decode attention takes no mask, so the graph's masked attention runs unfused).
+    Models that segments.plan() does not cover (Gemma, MoE) use the graph either way."""
     mode = os.environ.get(DECODE_ENV_VAR, "").strip().lower()
     if mode in DECODE_MODES:
         return mode
@@ -389,10 +386,8 @@ class CompiledDecoder:
         weights, classes = walk if walk is not None else _arrays_of(model, with_classes=True)
         structure = (classes, len(weights))
         fuse_greedy = sampler is greedy and not processors
-        mode = self.mode or decode_mode()
-        if mode in ("segmented", "fused") and not processors:
-            session = self._segmented(model, structure, weights, fuse_greedy, layers, sampler, first_position,
-                                      fused=mode == "fused")
+        if (self.mode or decode_mode()) == "segmented" and not processors:
+            session = self._segmented(model, structure, weights, fuse_greedy, layers, sampler, first_position)
             if session is not None:
                 return session
         key = (structure, fuse_greedy, tuple((layer.ring, layer.window) for layer in layers))
@@ -407,7 +402,7 @@ class CompiledDecoder:
         (the prompt cache) then sees the final arrays from the first generation on. Without this
         call the first segmented generation fuses them (and the next one rebuilds its plan once)."""
         model = self._model
-        if model is None or not self.fuse_projections or (self.mode or decode_mode()) not in ("segmented", "fused"):
+        if model is None or not self.fuse_projections or (self.mode or decode_mode()) != "segmented":
             return
         from . import segments
 
@@ -416,8 +411,8 @@ class CompiledDecoder:
             with self._lock:
                 segments.fusions_for(blocks, self._fusions)
 
-    def _segment_plan(self, model: Module, structure: tuple[Any, ...], weights: list[Array], fuse_greedy: bool,
-                      fused: bool) -> "tuple[tuple[Any, ...], Any] | None":
+    def _segment_plan(self, model: Module, structure: tuple[Any, ...], weights: list[Array], fuse_greedy: bool
+                      ) -> "tuple[tuple[Any, ...], Any] | None":
         """(key, segments.SegmentPlan) for the model as it is now, made or reused; None where the
         model is not of the Llama family or its segments failed before. A model whose arrays are
         those of the last segmented generation (the same signature) reuses that generation's plan
@@ -427,7 +422,7 @@ class CompiledDecoder:
         signature = tuple(map(id, weights))
         with self._lock:
             recent = self._recent_plan
-            if recent is not None and recent[0] == (signature, fuse_greedy, self.fuse_projections, fused):
+            if recent is not None and recent[0] == (signature, fuse_greedy, self.fuse_projections):
                 seg_key, seg_plan = recent[1], self._plans.get(recent[1])
             else:
                 seg_key = seg_plan = None
@@ -439,28 +434,27 @@ class CompiledDecoder:
                 fusions = segments.fusions_for(blocks, self._fusions) if self.fuse_projections else None
             if fusions is not None and any(q is None or g is None for q, g in fusions):
                 fusions = None  # all blocks alike (one trace of the middle segment serves them all)
-            seg_key = ("segmented", structure, fuse_greedy, fusions is not None, fused)
+            seg_key = ("segmented", structure, fuse_greedy, fusions is not None)
             if seg_key in self._failed:
                 return None
             with self._lock:
                 seg_plan = self._plans.get(seg_key)
                 if seg_plan is None or seg_plan.signature != signature:
                     self._plans.pop(seg_key, None)  # an old plan's arrays go first
-                    seg_plan = segments.SegmentPlan(model, blocks, fuse_greedy, self.stats, fusions, signature, fused)
+                    seg_plan = segments.SegmentPlan(model, blocks, fuse_greedy, self.stats, fusions, signature)
                     self._plans[seg_key] = seg_plan
-                self._recent_plan = ((signature, fuse_greedy, self.fuse_projections, fused), seg_key)
+                self._recent_plan = ((signature, fuse_greedy, self.fuse_projections), seg_key)
         if seg_key in self._failed:
             return None
         return seg_key, seg_plan
 
     def _segmented(self, model: Module, structure: tuple[Any, ...], weights: list[Array], fuse_greedy: bool,
-                   layers: list[_Layer], sampler: Sampler, first_position: int, fused: bool = False
-                   ) -> "SegmentedSession | None":
+                   layers: list[_Layer], sampler: Sampler, first_position: int) -> "SegmentedSession | None":
         """A segmented session, or None where the model is not of the Llama family or its segments
         failed to trace."""
         from . import segments
 
-        found = self._segment_plan(model, structure, weights, fuse_greedy, fused)
+        found = self._segment_plan(model, structure, weights, fuse_greedy)
         if found is None:
             return None
         seg_key, seg_plan = found
@@ -479,7 +473,7 @@ class CompiledDecoder:
         from . import prefill_segments
 
         weights, classes = walk if walk is not None else _arrays_of(model, with_classes=True)
-        found = self._segment_plan(model, (classes, len(weights)), weights, fuse_greedy, False)
+        found = self._segment_plan(model, (classes, len(weights)), weights, fuse_greedy)
         if found is None:
             return None
         seg_key, seg_plan = found

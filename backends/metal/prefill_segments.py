@@ -123,7 +123,6 @@ class PrefillRunner:
                  ) -> None:
         from .compiled import CompileUnavailable  # noqa: PLC0415
 
-        plan, blocks = self._plan, self._blocks
         first, mid, last = self._fns.for_batch(tokens.shape[0])
         saved = [dict(vars(c)) for c in cache]  # the caches as they were, should a segment fail to trace
         try:

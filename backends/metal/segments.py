@@ -34,7 +34,6 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 from pymlxc.core.transforms import FixedArrays
 
-from . import decode_attention
 from .models import llama, qwen3
 from .nn import Module
 from .nn import silu as nn_silu
@@ -232,31 +231,6 @@ def _trace_last(inputs: list[Array]) -> list[Array]:
     return [greedy(logits) if group.fuse_greedy else logits, pos + 1]
 
 
-def _trace_fused(inputs: list[Array]) -> list[Array]:
-    """The whole step as one graph: every layer's segments, its cache writes at `pos` and its
-    attention over the whole buffer (`decode_attention.attend`: the filled slots only)."""
-    group: _Group = _tracing.group
-    group.stats["traces"] += 1
-    tokens, pos = inputs[0], inputs[1]
-    n = len(group.scales)
-    buffers = inputs[2:2 + 2 * n]
-    embed, norm, head, *per_layer = _clone(group.modules, group.arrays, inputs[2 + 2 * n:])
-    h = embed(mx.reshape(tokens, (tokens.shape[0], 1)))
-    slot = mx.reshape(pos, (1,))
-    written: list[Array] = []
-    for i, scale in enumerate(group.scales):
-        block, qkv, gate_up = per_layer[3 * i:3 * i + 3]
-        q, k, v = _project(block.self_attn, block.input_layernorm(h), pos, qkv)
-        keys = mx.slice_update_dynamic(buffers[2 * i], k, slot, [2])
-        values = mx.slice_update_dynamic(buffers[2 * i + 1], v, slot, [2])
-        written += [keys, values]
-        h = _finish_block(block, decode_attention.attend(q, keys, values, pos, scale), h, gate_up)
-    h = norm(h)
-    logits = embed.as_linear(h) if group.tied else head(h)
-    logits = mx.reshape(logits, (logits.shape[0], logits.shape[-1]))
-    return [greedy(logits) if group.fuse_greedy else logits, pos + 1, *written]
-
-
 @dataclass
 class _Group:
     """The modules one segment call runs, their arrays (the call's fixed inputs) and flags."""
@@ -267,7 +241,6 @@ class _Group:
     stats: dict[str, int]
     tied: bool = False
     fuse_greedy: bool = False
-    scales: tuple[float, ...] = ()  # the fused step: each layer's attention scale
 
 
 def _group(modules: Sequence[Module | None], stats: dict[str, int], **flags: Any) -> _Group:
@@ -285,17 +258,15 @@ def _group(modules: Sequence[Module | None], stats: dict[str, int], **flags: Any
 
 
 class SegmentFunctions:
-    """The three compiled segments of one model structure, and the fused step made of them (kept by
-    the decoder per structure)."""
+    """The three compiled segments of one model structure (kept by the decoder per structure)."""
 
     def __init__(self) -> None:
         self.first = mx.compile(_trace_first)
         self.mid = mx.compile(_trace_mid)
         self.last = mx.compile(_trace_last)
-        self.fused = mx.compile(_trace_fused)
 
     def clear(self) -> None:
-        for fn in (self.first, self.mid, self.last, self.fused):
+        for fn in (self.first, self.mid, self.last):
             fn.clear()
 
 
@@ -303,13 +274,12 @@ class SegmentFunctions:
 
 class SegmentPlan:
     """What every segmented generation of one model (in its current state) reuses: the segment
-    groups with their arrays converted once (`fused`: one group for the whole step instead). Made
-    again when the model's arrays change (`signature`: the ids of every array of the model; the
-    plan holds those arrays, so an id cannot be reused by another array while the plan lives)."""
+    groups with their arrays converted once. Made again when the model's arrays change
+    (`signature`: the ids of every array of the model; the plan holds those arrays, so an id
+    cannot be reused by another array while the plan lives)."""
 
     def __init__(self, model: Any, blocks: list[Any], fuse_greedy: bool, stats: dict[str, int],
-                 fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None, signature: tuple[int, ...],
-                 fused: bool = False) -> None:
+                 fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None, signature: tuple[int, ...]) -> None:
         inner = model.model
         tied = model.lm_head is None
         fusions = fusions or [(None, None)] * len(blocks)
@@ -318,15 +288,6 @@ class SegmentPlan:
         self.signature = signature
         self.fuse_greedy = fuse_greedy
         self.scales = [float(b.self_attn.scale) for b in blocks]
-        self.first: _Group | None = None
-        self.mids: list[_Group] = []
-        self.last: _Group | None = None
-        self.whole: _Group | None = None
-        if fused:
-            per_layer = [m for i, b in enumerate(blocks) for m in (b, qkv[i], gate_up[i])]
-            self.whole = _group([inner.embed_tokens, inner.norm, model.lm_head, *per_layer], stats, tied=tied,
-                                fuse_greedy=fuse_greedy, scales=tuple(self.scales))
-            return
         self.first = _group([inner.embed_tokens, blocks[0].input_layernorm, blocks[0].self_attn, qkv[0]], stats)
         self.mids = [_group([blocks[i], gate_up[i], blocks[i + 1].input_layernorm, blocks[i + 1].self_attn,
                              qkv[i + 1]], stats)
@@ -335,8 +296,7 @@ class SegmentPlan:
                            tied=tied, fuse_greedy=fuse_greedy)
 
     def arrays(self) -> list[list[Array]]:
-        groups = (self.whole,) if self.whole is not None else (self.first, *self.mids, self.last)
-        return [g.arrays for g in groups if g is not None]
+        return [g.arrays for g in (self.first, *self.mids, self.last)]
 
 
 class SegmentedSession:
@@ -367,10 +327,6 @@ class SegmentedSession:
 
     def _step(self, tokens: Array, pos: Array) -> tuple[Array, Array]:
         """One token through every layer; returns (sampled ids or logits, pos + 1)."""
-        if self._plan.whole is not None:
-            out, pos, *self._buffers = self._call(self._fns.fused, self._plan.whole, [tokens, pos, *self._buffers])
-            self._position += 1
-            return out, pos
         fns, p = self._fns, self._position
         q, k, v, h = self._call(fns.first, self._first, [tokens, pos])
         buffers = self._buffers

@@ -254,21 +254,18 @@ def test_decode_peak_memory_has_one_kv_cache(models) -> None:
     assert max(peaks[0], peaks[2]) <= peaks[1] + slack, (peaks, kv)
 
 
-# ---------------------------------------------------------------------- PYMLXC_DECODE=segmented / fused
+# ---------------------------------------------------------------------- PYMLXC_DECODE=segmented
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
 
-@pytest.fixture(params=["segmented", "fused"])
-def segmented(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both forms of the Llama family's step: segments around MLX's attention, and the segments
-    fused into one graph with `decode_attention.attend` (its masked form on a CPU)."""
-    monkeypatch.setenv("PYMLXC_DECODE", request.param)
-    return request.param
+@pytest.fixture
+def segmented(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYMLXC_DECODE", "segmented")
 
 
 @pytest.mark.parametrize("arch", LLAMA_FAMILY)
-def test_segmented_tokens_match_uncompiled(models, segmented: str, arch: str) -> None:
+def test_segmented_tokens_match_uncompiled(models, segmented: None, arch: str) -> None:
     from pymlxc.backends.metal import segments
 
     model = models(arch).model
@@ -277,21 +274,20 @@ def test_segmented_tokens_match_uncompiled(models, segmented: str, arch: str) ->
     ids = prompt()
     assert run(model, ids, decoder) == run(model, ids, None)
     assert run(model, ids[:15], decoder, steps=300) == run(model, ids[:15], None, steps=300)
-    # Segments: one trace for every buffer size. Fused: one per buffer size (two here).
-    assert decoder.stats == {"compiled": 2, "fallback": 0, "traces": 1 if segmented == "segmented" else 2}
+    assert decoder.stats == {"compiled": 2, "fallback": 0, "traces": 1}  # one trace for every buffer size
     sampler = make_sampler(temperature=0.9, top_k=30, key=3)
     assert run(model, ids, decoder, sampler=sampler) == run(model, ids, None, sampler=make_sampler(
         temperature=0.9, top_k=30, key=3))
 
 
-def test_segmented_quantized_and_continuing_caches(models, segmented: str) -> None:
+def test_segmented_quantized_and_continuing_caches(models, segmented: None) -> None:
     model = models("llama", 4).model
     decoder = CompiledDecoder(model)
     assert generate_then_continue(model, decoder) == generate_then_continue(model, None)
     assert decoder.stats["compiled"] == 2
 
 
-def test_segmented_falls_back_to_the_graph_where_it_does_not_apply(models, segmented: str) -> None:
+def test_segmented_falls_back_to_the_graph_where_it_does_not_apply(models, segmented: None) -> None:
     """Sliding windows (Gemma) and processors are decoded by the whole-step graph instead."""
     from pymlxc.backends.metal import segments
 
@@ -308,7 +304,7 @@ def test_segmented_falls_back_to_the_graph_where_it_does_not_apply(models, segme
 
 
 @pytest.mark.parametrize("bits", [None, 4])
-def test_segmented_fuses_projections_into_views(tmp_path: Path, segmented: str, bits: int | None) -> None:
+def test_segmented_fuses_projections_into_views(tmp_path: Path, segmented: None, bits: int | None) -> None:
     """q/k/v and gate/up become one matmul each over a concatenated weight that the projections
     view (no extra memory); every path keeps its tokens; a replaced weight is fused again."""
     path = write_tiny_model(tmp_path / "m", "qwen2", quantize_bits=bits, num_layers=3)  # q/k/v biases too
@@ -338,7 +334,7 @@ def test_segmented_fuses_projections_into_views(tmp_path: Path, segmented: str, 
     loaded.free()
 
 
-def test_segmented_with_lora_runs_unfused(models, segmented: str) -> None:
+def test_segmented_with_lora_runs_unfused(models, segmented: None) -> None:
     from pymlxc.backends.metal import lora
 
     model = models("llama").model
@@ -361,7 +357,7 @@ def test_decode_mode_follows_the_environment_then_the_device(monkeypatch: pytest
     import pymlxc.core as mx
     from pymlxc.backends.metal.compiled import decode_mode
 
-    for mode in ("segmented", "fused", "graph"):
+    for mode in ("segmented", "graph"):
         monkeypatch.setenv("PYMLXC_DECODE", mode)
         assert decode_mode() == mode
     monkeypatch.delenv("PYMLXC_DECODE")

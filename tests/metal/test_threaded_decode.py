@@ -55,7 +55,7 @@ def generate(model: Any, prompt: list[int], mode: str | None, threaded: bool, mo
             decoder.close()
 
 
-@pytest.mark.parametrize("mode", ["graph", "segmented", "fused", None])
+@pytest.mark.parametrize("mode", ["graph", "segmented", None])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text"])
 def test_threaded_tokens_equal_unthreaded(models, monkeypatch: pytest.MonkeyPatch, arch: str, mode: str | None) -> None:
     model = models(arch).model
@@ -72,7 +72,7 @@ def test_threaded_tokens_equal_unthreaded(models, monkeypatch: pytest.MonkeyPatc
     assert generate(model, prompt, mode, True, monkeypatch) == want  # a second threaded run reuses the traces
 
 
-@pytest.mark.parametrize("mode", ["graph", "segmented", "fused"])
+@pytest.mark.parametrize("mode", ["graph", "segmented"])
 def test_one_decoder_on_and_off_the_thread(models, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     """A decoder alternating between the thread's stream and the caller's: MLX keeps a trace per
     stream, so each gets its own: the step is traced twice, then never again."""
@@ -115,7 +115,7 @@ def test_batches_threaded(models, monkeypatch: pytest.MonkeyPatch) -> None:
     assert run(True) == run(False)
 
 
-@pytest.mark.parametrize("mode", ["graph", "segmented", "fused"])
+@pytest.mark.parametrize("mode", ["graph", "segmented"])
 def test_an_early_stop_leaves_caches_that_continue(models, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     """Breaking out after 5 tokens: the caches hold every step fed (one queued step included) and
     a generation continuing from them gives the tokens of a fresh one."""

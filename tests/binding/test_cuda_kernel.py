@@ -1,0 +1,33 @@
+"""`mx.fast.cuda_kernel`: custom CUDA kernels through the binding. Without MLX's CUDA build,
+creating one raises a named MLXError; with it, a kernel runs, bad calls raise Python errors, a
+kernel that does not compile raises at evaluation, and a closed kernel refuses calls."""
+from __future__ import annotations
+
+import pytest
+
+import pymlxc.core as mx
+
+
+def test_cuda_kernel_errors_are_python_exceptions() -> None:
+    with pytest.raises(ValueError, match="at least one output"):
+        mx.fast.cuda_kernel("k", ["a"], [], "")
+    with pytest.raises(ValueError, match="not an identifier"):
+        mx.fast.cuda_kernel("k", ["a b"], ["out"], "")
+    if not mx.cuda_available():
+        with pytest.raises(mx.MLXError, match="CUDA"):
+            mx.fast.cuda_kernel("k", ["a"], ["out"], "out[0] = a[0];")
+        return
+    kernel = mx.fast.cuda_kernel("k", ["a"], ["out"], "out[threadIdx.x] = a[threadIdx.x] * 2;")
+    with pytest.raises(ValueError, match="takes 1 inputs"):
+        kernel([], output_shapes=[(4,)], output_dtypes=[mx.float32], grid=(4, 1, 1), threadgroup=(4, 1, 1))
+    out = kernel([mx.arange(4, dtype=mx.float32)], output_shapes=[(4,)], output_dtypes=[mx.float32],
+                 grid=(4, 1, 1), threadgroup=(4, 1, 1), stream="gpu")
+    assert out[0].tolist() == [0.0, 2.0, 4.0, 6.0]
+    broken = mx.fast.cuda_kernel("broken", ["a"], ["out"], "this is not CUDA;")
+    with pytest.raises(mx.MLXError):
+        mx.eval(broken([mx.ones((4,))], output_shapes=[(4,)], output_dtypes=[mx.float32], grid=(4, 1, 1),
+                       threadgroup=(4, 1, 1)))
+    kernel.close()
+    with pytest.raises(mx.MLXError, match="closed"):
+        kernel([mx.ones((4,))], output_shapes=[(4,)], output_dtypes=[mx.float32], grid=(4, 1, 1),
+               threadgroup=(4, 1, 1))

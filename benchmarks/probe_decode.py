@@ -298,9 +298,11 @@ def ttft(path: Path, plen: int, max_tokens: int, runs: int) -> list[dict[str, An
         t0 = time.perf_counter()
         cache = model.make_cache(None)
         tokens = pmx.array([prompt], dtype=pmx.int32)
+        runner = None
         if decoder is not None:
             decoder.reserve(cache, len(prompt), max_tokens)
-        loops.prefill(model, tokens[:, :-1], cache)
+            runner = decoder.prefill_runner(True)  # the segmented decode's compiled prefill (None for the graph)
+        loops.prefill(model, tokens[:, :-1], cache, runner=runner)
         t1 = time.perf_counter()
         pmx.eval([c.state for c in cache])
         t2 = time.perf_counter()

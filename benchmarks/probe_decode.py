@@ -93,16 +93,18 @@ def primitives(n: int = 400, repeats: int = 5) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- attention
 
-def attention(keys: list[int], extras: list[int], layers: int = 16, repeats: int = 20) -> list[dict[str, Any]]:
-    """Decode attention (32 query heads, 8 kv heads, head dim 64, bf16) over `k` keys held in a
+def attention(keys: list[int], extras: list[int], layers: int = 16, repeats: int = 20,
+              heads: tuple[int, int, int] = (32, 8, 64)) -> list[dict[str, Any]]:
+    """Decode attention (`heads`: query heads, kv heads, head dim; bf16) over `k` keys held in a
     buffer of length round_up(k, 256) + extra, `layers` calls per eval."""
+    hq, hkv, d = heads
     rows = []
     for k in keys:
         for extra in extras:
             length = -(-k // 256) * 256 + extra
-            kb = mlx.random.normal((1, 8, length, 64)).astype(mlx.bfloat16)
-            vb = mlx.random.normal((1, 8, length, 64)).astype(mlx.bfloat16)
-            q = mlx.random.normal((1, 32, 1, 64)).astype(mlx.bfloat16)
+            kb = mlx.random.normal((1, hkv, length, d)).astype(mlx.bfloat16)
+            vb = mlx.random.normal((1, hkv, length, d)).astype(mlx.bfloat16)
+            q = mlx.random.normal((1, hq, 1, d)).astype(mlx.bfloat16)
             mlx.eval(kb, vb, q)
             ks, vs = kb[:, :, :k, :], vb[:, :, :k, :]
 
@@ -116,8 +118,10 @@ def attention(keys: list[int], extras: list[int], layers: int = 16, repeats: int
                 t = time.perf_counter()
                 run()
                 times.append(time.perf_counter() - t)
-            rows.append({"keys": k, "buffer": length, "us_per_call": _ms(times) * 1e3 / layers})
-            print(f"  attention keys {k:5d} buffer {length:5d}: {rows[-1]['us_per_call']:8.1f} us/call", flush=True)
+            rows.append({"heads": hq, "kv_heads": hkv, "head_dim": d, "keys": k, "buffer": length,
+                         "us_per_call": _ms(times) * 1e3 / layers})
+            print(f"  attention heads {hq}/{hkv} dim {d:3d} keys {k:5d} buffer {length:5d}: "
+                  f"{rows[-1]['us_per_call']:8.1f} us/call", flush=True)
     return rows
 
 
@@ -471,7 +475,8 @@ def main(argv: list[str] | None = None) -> int:
             for k, v in report[probe].items():
                 print(f"  {k:12s} " + "  ".join(f"{kk} {vv:.2f}" for kk, vv in v.items()), flush=True)
         elif probe == "attention":
-            report[probe] = attention([300, 2048], [0, 16], repeats=3 if args.cpu else 20)
+            report[probe] = [row for heads in ((32, 8, 64), (32, 8, 128))  # Llama-3.2-1B's and Llama-3.1-8B's
+                             for row in attention([300, 2048], [0, 8], repeats=3 if args.cpu else 20, heads=heads)]
         elif probe == "ttft":
             report[probe] = ttft(path, args.prompts[0], args.max_tokens, args.runs)
         elif probe == "memory":

@@ -287,13 +287,13 @@ class SegmentPlan:
         gate_up = [f[1].fused if f[1] is not None else None for f in fusions]
         self.signature = signature
         self.fuse_greedy = fuse_greedy
-        self.scales = [float(b.self_attn.scale) for b in blocks]
         self.first = _group([inner.embed_tokens, blocks[0].input_layernorm, blocks[0].self_attn, qkv[0]], stats)
         self.mids = [_group([blocks[i], gate_up[i], blocks[i + 1].input_layernorm, blocks[i + 1].self_attn,
                              qkv[i + 1]], stats)
                      for i in range(len(blocks) - 1)]
         self.last = _group([blocks[-1], gate_up[-1], inner.norm, inner.embed_tokens, model.lm_head], stats,
                            tied=tied, fuse_greedy=fuse_greedy)
+        self.scales = [float(b.self_attn.scale) for b in blocks]
 
     def arrays(self) -> list[list[Array]]:
         return [g.arrays for g in (self.first, *self.mids, self.last)]

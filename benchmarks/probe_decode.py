@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -459,8 +460,12 @@ def main(argv: list[str] | None = None) -> int:
                          "[_nothread])")
     ap.add_argument("--models-dir", type=Path, default=Path("/tmp/pymlxc-bench-models"))
     ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for the run (seconds): how soon a thread waiting for the GIL gets it")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     if args.cpu:
         mlx.set_default_device(mlx.cpu)
         pmx.set_default_device(pmx.cpu)

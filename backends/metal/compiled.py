@@ -586,7 +586,6 @@ class DecodeSession:
         self._history = history
         self._buffers: list[Array] = []
         self._steps = 0  # built
-        self._read = 0  # handed out
         self._first_position = spec.layers[0].cache.offset
         self._fn = decoder._function(key)  # noqa: SLF001
         self._weights = FixedArrays(spec.weights)  # handed to every step without converting them again
@@ -637,8 +636,7 @@ class DecodeSession:
             try:
                 out, pos = self._call(tokens_in, mx.array(self._first_position, dtype=mx.int32))
             except Exception as exc:
-                self._steps = 0
-                self._finish()  # the caches get their tokens back as they were, for the fallback
+                self._finish(0)  # the caches get their tokens back as they were, for the fallback
                 self._decoder._mark_failed(self._key, exc)  # noqa: SLF001
                 raise CompileUnavailable(str(exc)) from exc
             position.append(pos)
@@ -649,19 +647,16 @@ class DecodeSession:
             return self._sample(mx.reshape(tokens, (b, 1)), out)
 
         try:
-            for out in queue.pipeline(first, following, max_tokens, queue.lookahead):
-                self._read += 1
-                yield out
+            yield from queue.pipeline(first, following, max_tokens, queue.lookahead)
         finally:
             queue.drain(raise_errors=False)  # the rings go back to the caches: every step scheduled
-            self._finish()
+            self._finish(queue.steps_kept(self._steps))
 
-    def _finish(self) -> None:
-        """Hand the rings back to the caches: their offsets count the tokens read and the one step
-        that fed the last of them (steps queued beyond it, after an early stop, are left out)."""
+    def _finish(self, steps: int) -> None:
+        """Hand the rings back to the caches, holding the first `steps` steps' inputs."""
         if not self._buffers:
             return
-        offset = self._first_position + min(self._steps, self._read + 1)
+        offset = self._first_position + steps
         for i, layer in enumerate(self._spec.layers):
             _give_back(layer, self._buffers[2 * i], self._buffers[2 * i + 1], offset)
         self._buffers = []

@@ -257,6 +257,16 @@ def _group(modules: Sequence[Module | None], stats: dict[str, int], **flags: Any
     return _Group(list(modules), arrays, FixedArrays(arrays), stats, **flags)
 
 
+def call_segment(fn: Any, group: _Group, inputs: list[Array]) -> list[Array]:
+    """Call a compiled segment with `inputs` and the group's arrays; a trace (the first call) reads
+    the group's modules through `_tracing`."""
+    _tracing.group = group
+    try:
+        return fn.call_flat(inputs, group.fixed)
+    finally:
+        _tracing.group = None
+
+
 class SegmentFunctions:
     """The three compiled segments of one model structure (kept by the decoder per structure)."""
 
@@ -315,15 +325,10 @@ class SegmentedSession:
         self._buffers: list[Array] = []
         self._first_position = first_position
         self._position = first_position  # of the next step built
-        self._read = 0  # steps whose tokens were handed out
         self._on_fail = on_fail
 
     def _call(self, fn: Any, group: _Group, inputs: list[Array]) -> list[Array]:
-        _tracing.group = group
-        try:
-            return fn.call_flat(inputs, group.fixed)
-        finally:
-            _tracing.group = None
+        return call_segment(fn, group, inputs)
 
     def _step(self, tokens: Array, pos: Array) -> tuple[Array, Array]:
         """One token through every layer; returns (sampled ids or logits, pos + 1)."""
@@ -375,15 +380,11 @@ class SegmentedSession:
             return out if self._fuse_greedy else self._sampler(out)
 
         try:
-            for out in queue.pipeline(first, following, max_tokens, queue.lookahead):
-                self._read += 1
-                yield out
+            yield from queue.pipeline(first, following, max_tokens, queue.lookahead)
         finally:
             queue.drain(raise_errors=False)  # the buffers go back to the caches: every step scheduled
             if self._buffers:
-                # The caches hold the tokens read and the step fed the last one; steps queued beyond
-                # it (an early stop with lookahead) are left out, as if never run.
-                offset = min(self._position, self._first_position + self._read + 1)
+                offset = self._first_position + queue.steps_kept(self._position - self._first_position)
                 for i, layer in enumerate(self._layers):
                     _give_back(layer, self._buffers[2 * i], self._buffers[2 * i + 1], offset)
                 self._buffers = []

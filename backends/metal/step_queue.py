@@ -24,6 +24,7 @@ class StepQueue:
         use = eval_thread.enabled(device) if threaded is None else threaded
         self._thread = eval_thread.shared(device) if use else None
         self._pending: list[Any] = []
+        self.read = 0  # results the last `pipeline` handed out
 
     @property
     def threaded(self) -> bool:
@@ -87,6 +88,7 @@ class StepQueue:
         queued: collections.deque[tuple[Any, Any]] = collections.deque()
         built = 0
         tokens: Any = None
+        self.read = 0
 
         def build() -> None:
             nonlocal built, tokens
@@ -102,7 +104,14 @@ class StepQueue:
                 build()
             shown, handle = queued.popleft()
             self.ready(handle)
+            self.read += 1
             yield shown
+
+    def steps_kept(self, built: int) -> int:
+        """Of the `built` steps of the last `pipeline`, those a loop's caches keep when it ends:
+        every step up to the one fed the last result read. Steps queued beyond it (an early stop
+        with lookahead) are left out, as if never run."""
+        return min(built, self.read + 1)
 
     def drain(self, raise_errors: bool = True) -> None:
         """Wait for every submitted step to be scheduled (before the caller uses their outputs on

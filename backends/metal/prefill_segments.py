@@ -30,7 +30,7 @@ from . import nn
 from .cache import make_prompt_mask
 from .models import qwen3
 from .models.base import attention
-from .segments import SegmentPlan, _clone, _Group, _tracing
+from .segments import SegmentPlan, _clone, _Group, _tracing, call_segment
 
 
 def _linear(m: Any, x: Array) -> Array:
@@ -111,14 +111,6 @@ class PrefillRunner:
         self._fns = fns
         self._on_fail = on_fail
 
-    @staticmethod
-    def _call(fn: Any, group: _Group, inputs: list[Array]) -> list[Array]:
-        _tracing.group = group
-        try:
-            return fn.call_flat(inputs, group.fixed)
-        finally:
-            _tracing.group = None
-
     def __call__(self, tokens: Array, cache: Sequence[Any], on_layer: Callable[[Array, Any], None] | None = None
                  ) -> None:
         from .compiled import CompileUnavailable  # noqa: PLC0415
@@ -138,7 +130,7 @@ class PrefillRunner:
              first: Any, mid: Any, last: Any) -> None:
         plan, blocks = self._plan, self._blocks
         h = plan.first.modules[0](tokens)  # the embedding (a quantized table's gather fixes its shape)
-        q, k, v = self._call(first, plan.first, [h])
+        q, k, v = call_segment(first, plan.first, [h])
         length = tokens.shape[1]
         for i, block in enumerate(blocks):
             attn, c = block.self_attn, cache[i]
@@ -147,9 +139,9 @@ class PrefillRunner:
             keys, values = c.update_and_fetch(k, v)
             out = attention(q, keys, values, scale=attn.scale, mask=make_prompt_mask(length, c, None))
             if i + 1 < len(blocks):
-                q, k, v, h = self._call(mid, plan.mids[i], [out, h])
+                q, k, v, h = call_segment(mid, plan.mids[i], [out, h])
             else:
-                (h,) = self._call(last, plan.last, [out, h])
+                (h,) = call_segment(last, plan.last, [out, h])
             if on_layer is not None:
                 on_layer(h, c)
 

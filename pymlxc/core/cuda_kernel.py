@@ -20,7 +20,6 @@ from ._gen import new_vector, unpack_vector, vector_of
 from ._loader import MLXError, check, ffi, last_error, lib
 from .array import Array
 from .device import default_stream, resolve_stream
-from .memory import cuda_available
 
 TemplateValue = int | bool | _dt.Dtype
 
@@ -106,8 +105,8 @@ class CudaKernel:
 
 def cuda_kernel(name: str, input_names: Sequence[str], output_names: Sequence[str], source: str,
                 header: str = "", ensure_row_contiguous: bool = True, shared_memory: int = 0) -> CudaKernel:
-    """A custom CUDA kernel (see the module docstring); `cuda_available()` says whether it can run."""
+    """A custom CUDA kernel (see the module docstring); `mx.cuda_available()` says whether it can run."""
     return CudaKernel(name, input_names, output_names, source, header, ensure_row_contiguous, shared_memory)
 
 
-__all__ = ["CudaKernel", "cuda_kernel", "cuda_available"]
+__all__ = ["CudaKernel", "cuda_kernel"]

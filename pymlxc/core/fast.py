@@ -5,6 +5,7 @@ from typing import Any
 
 from ._gen import RAW
 from .array import Array
+from .cuda_kernel import CudaKernel, cuda_kernel  # noqa: F401 - mx.fast.cuda_kernel
 
 
 def rms_norm(x: Any, weight: Any, eps: float, *, stream: Any = None) -> Array:
@@ -32,11 +33,3 @@ def scaled_dot_product_attention(q: Any, k: Any, v: Any, *, scale: float, mask: 
         return RAW["fast_scaled_dot_product_attention"](q, k, v, scale, mask, sinks=sinks, stream=stream)
     return RAW["fast_scaled_dot_product_attention"](q, k, v, scale, "array", mask_arr=mask, sinks=sinks, stream=stream)
 
-
-def __getattr__(name: str) -> Any:
-    # Custom kernels live in their own module (imported on first use: fast.py stays import-light).
-    if name in ("cuda_kernel", "CudaKernel"):
-        from . import cuda_kernel as _ck
-
-        return getattr(_ck, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

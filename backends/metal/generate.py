@@ -195,9 +195,7 @@ def _chunk_forward(model: LanguageModel, mask: Callable[[int, int], mx.Array | N
                 return
             except CompileUnavailable:
                 use[0] = None
-        with contextlib.ExitStack() as stack:
-            if on_layer is not None:
-                stack.enter_context(layer_listener(on_layer))
+        with layer_listener(on_layer) if on_layer is not None else contextlib.nullcontext():
             model(chunk, cache=cache, mask=mask(offset, chunk.shape[1]) if mask else None)
 
     return forward

@@ -79,3 +79,36 @@ def test_tree_helpers_leave_no_cycles() -> None:
         assert not [o for o in gc.get_objects() if type(o) is list and any(x is a for x in o)]
     finally:
         gc.enable()
+
+
+def test_compile_modes_trace_the_same_values() -> None:
+    """A function traced with elementwise fusion off ("no_fuse") or with compile off ("disabled")
+    gives the fused trace's values; "disabled" runs the Python function at every call (the mode is
+    really set); an unknown mode is refused by name."""
+    x = mx.array([[-2.0, -0.5, 0.0, 0.5, 3.0]])
+    calls = []
+
+    def silu_scaled(xs: list[mx.Array]) -> list[mx.Array]:
+        calls.append(1)
+        return [mx.sigmoid(xs[0]) * xs[0] * 1.5]
+
+    def later_call(mode: str) -> list[float]:
+        """The values of a third call, with `calls` counting only that call."""
+        mx.set_compile_mode(mode)
+        fn = mx.compile(silu_scaled)
+        fn([x]), fn([x])  # the traces (MLX may trace on each of the first two calls)
+        calls.clear()
+        return fn([x])[0].tolist()
+
+    try:
+        want = later_call("enabled")
+        assert calls == []  # replayed
+        for mode in ("no_fuse", "no_simplify"):
+            assert later_call(mode) == want, mode
+            assert calls == [], mode
+        assert later_call("disabled") == want
+        assert calls == [1]  # not compiled: the function ran
+    finally:
+        mx.set_compile_mode("enabled")
+    with pytest.raises(ValueError, match="no_fuse"):
+        mx.set_compile_mode("fast")

@@ -159,18 +159,32 @@ class Side:
 
 
 class Pymlxc(Side):
-    def __init__(self, compiled: bool = True, mode: str | None = None, threaded: bool | None = None) -> None:
+    def __init__(self, compiled: bool = True, mode: str | None = None, threaded: bool | None = None,
+                 cuda_qmv: str | None = None) -> None:
         self.name = (("pymlxc" if compiled else "pymlxc_uncompiled") + (f"_{mode}" if mode else "")
-                     + ("" if threaded is None else "_thread" if threaded else "_nothread"))
+                     + ("" if threaded is None else "_thread" if threaded else "_nothread")
+                     + ("" if cuda_qmv is None else f"_qmv{cuda_qmv}"))
         self.compiled = compiled
         self.mode = mode
         self.threaded = threaded  # None: the default for the device (PYMLXC_EVAL_THREAD)
+        self.cuda_qmv = cuda_qmv  # None: the default (PYMLXC_CUDA_QMV), read at load
+        self.cuda_matvec = False  # whether the loaded model uses pymlxc's CUDA matvec kernel
         self.loaded: Any = None
         self.decoder: CompiledDecoder | None = None
         self.context_len = LoadConfig().context_len  # what MetalTextModel uses by default
 
     def load(self, path: Path) -> None:
-        self.loaded = load_weights_and_config(path)
+        old = os.environ.get("PYMLXC_CUDA_QMV")
+        if self.cuda_qmv is not None:
+            os.environ["PYMLXC_CUDA_QMV"] = self.cuda_qmv
+        try:
+            self.loaded = load_weights_and_config(path)
+        finally:
+            if old is None:
+                os.environ.pop("PYMLXC_CUDA_QMV", None)
+            else:
+                os.environ["PYMLXC_CUDA_QMV"] = old
+        self.cuda_matvec = self.loaded.cuda_matvec
         self.decoder = CompiledDecoder(self.loaded.model, self.mode) if self.compiled else None
         self.weights = self.loaded.nbytes
 
@@ -358,6 +372,8 @@ def run_case(shape: str, quant: str, args: argparse.Namespace, sides: list[Side]
                 "bandwidth_fraction": decode["median"] * per_token / bandwidth if bandwidth else None,
                 "reproducible": all(x["tokens"] == rs[0]["tokens"] for x in rs),
             }
+            if isinstance(side, Pymlxc):
+                case["sides"][side.name]["cuda_matvec"] = side.cuda_matvec
             decoder = getattr(side, "decoder", None)
             if decoder is not None:  # did pymlxc decode on the compiled step (or fall back)?
                 case["sides"][side.name]["decoder_stats"] = dict(decoder.stats)
@@ -490,6 +506,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="add pymlxc without the evaluation thread (PYMLXC_EVAL_THREAD=0)")
     p.add_argument("--segmented", action="store_true",
                    help="add pymlxc with the segmented decode step (PYMLXC_DECODE=segmented; Llama family)")
+    p.add_argument("--cuda-qmv", choices=["0", "1"], default=None,
+                   help="add pymlxc with PYMLXC_CUDA_QMV set (0: MLX's 4-bit matvec; 1: pymlxc's at any size)")
     p.add_argument("--models-dir", type=Path, default=None,
                    help="where the random models are written and reused (default: a temporary folder)")
     p.add_argument("--out", type=Path, default=Path("."), help="folder for compare_mlx_lm.json and .png")
@@ -586,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
         sides.append(Pymlxc(False))
     if args.segmented:
         sides.append(Pymlxc(True, "segmented"))
+    if args.cuda_qmv is not None:
+        sides.append(Pymlxc(True, cuda_qmv=args.cuda_qmv))
     if args.nothread:
         sides.append(Pymlxc(True, threaded=False))
     report: dict[str, Any] = {

@@ -17,6 +17,7 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 
 from .nn import Embedding, Linear, Module, QuantizedEmbedding, QuantizedLinear
+from .qmatmul import mlx_kernels_only
 
 _DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 
@@ -294,7 +295,8 @@ def _checkpointed(cls: type) -> type:
             full = list(args)
             for i, a in zip(array_pos, pos):
                 full[i] = a
-            return cls.__call__(self, *full, **{**kwargs, **kw})
+            with mlx_kernels_only():  # traced again in the backward pass, where gradients are taken
+                return cls.__call__(self, *full, **{**kwargs, **kw})
 
         try:
             return mx.checkpoint(inner)(params, [args[i] for i in array_pos], {k: kwargs[k] for k in array_kw})

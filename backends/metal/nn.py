@@ -17,11 +17,13 @@ from typing import Any
 import pymlxc.core as mx
 from pymlxc.core import Array
 
+from . import qmatmul
+
 _matmul = mx.matmul
 _addmm = mx.addmm
 _take = mx.take
 _T = mx.transpose
-_qmm = mx.quantized_matmul
+_qmm = qmatmul.quantized_matmul
 _dequantize = mx.dequantize
 _rms_norm = mx.fast.rms_norm
 
@@ -214,6 +216,7 @@ class QuantizedLinear(Module):
         if bias:
             self.bias = mx.zeros((output_dims,), dtype)
         self.freeze(["weight", "scales", "biases"], recurse=False)
+        self._cuda_matvec = False  # set by qmatmul.configure
 
     @property
     def input_dims(self) -> int:
@@ -234,7 +237,7 @@ class QuantizedLinear(Module):
         return q
 
     def __call__(self, x: Array) -> Array:
-        y = _qmm(x, self.weight, self.scales, self.biases, True, self.group_size, self.bits)
+        y = _qmm(x, self.weight, self.scales, self.biases, self.group_size, self.bits, self._cuda_matvec)
         b = self.__dict__.get("bias")
         return y if b is None else y + b
 
@@ -273,6 +276,7 @@ class QuantizedEmbedding(Module):
         self.scales = mx.zeros((num_embeddings, dims // group_size), dtype)
         self.biases = mx.zeros((num_embeddings, dims // group_size), dtype)
         self.freeze(recurse=False)
+        self._cuda_matvec = False  # set by qmatmul.configure
 
     @classmethod
     def from_embedding(cls, emb: Embedding, group_size: int = 64, bits: int = 4) -> "QuantizedEmbedding":
@@ -286,7 +290,7 @@ class QuantizedEmbedding(Module):
                            _take(self.biases, x, axis=0), self.group_size, self.bits)
 
     def as_linear(self, x: Array) -> Array:
-        return _qmm(x, self.weight, self.scales, self.biases, True, self.group_size, self.bits)
+        return _qmm(x, self.weight, self.scales, self.biases, self.group_size, self.bits, self._cuda_matvec)
 
 
 class RMSNorm(Module):

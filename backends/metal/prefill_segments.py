@@ -30,6 +30,7 @@ from . import nn
 from .cache import make_prompt_mask
 from .models import qwen3
 from .models.base import attention
+from .qmatmul import mlx_kernels_only
 from .segments import SegmentPlan, _clone, _Group, _tracing, call_segment
 
 
@@ -118,7 +119,8 @@ class PrefillRunner:
         first, mid, last = self._fns.for_batch(tokens.shape[0])
         saved = [dict(vars(c)) for c in cache]  # the caches as they were, should a segment fail to trace
         try:
-            self._run(tokens, cache, on_layer, first, mid, last)
+            with mlx_kernels_only():  # a trace here serves every chunk length
+                self._run(tokens, cache, on_layer, first, mid, last)
         except Exception as exc:
             for c, state in zip(cache, saved):
                 vars(c).clear()

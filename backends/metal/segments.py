@@ -36,6 +36,7 @@ from pymlxc.core.transforms import FixedArrays
 
 from .models import llama, qwen3
 from .nn import Module
+from .qmatmul import quantized_matmul
 from .nn import silu as nn_silu
 from .sample import greedy
 from .step_queue import StepQueue
@@ -66,17 +67,18 @@ class FusedProjection(Module):
 
     def __init__(self, sizes: Sequence[int], *, weight_t: Array | None = None, weight: Array | None = None,
                  scales: Array | None = None, biases: Array | None = None, bias: Array | None = None,
-                 group_size: int = 0, bits: int = 0) -> None:
+                 group_size: int = 0, bits: int = 0, cuda_matvec: bool = False) -> None:
         super().__init__()
         self._sizes = tuple(sizes)
         self._wT, self._weight, self._scales, self._biases, self._bias = weight_t, weight, scales, biases, bias
-        self._group_size, self._bits = group_size, bits
+        self._group_size, self._bits, self._cuda_matvec = group_size, bits, cuda_matvec
 
     def joint(self, x: Array) -> Array:
         """The linears' outputs side by side on the last axis (one matmul)."""
         if self._wT is not None:
             return mx.matmul(x, self._wT) if self._bias is None else mx.addmm(self._bias, x, self._wT, 1.0, 1.0)
-        y = mx.quantized_matmul(x, self._weight, self._scales, self._biases, True, self._group_size, self._bits)
+        y = quantized_matmul(x, self._weight, self._scales, self._biases, self._group_size, self._bits,
+                             self._cuda_matvec)
         return y if self._bias is None else y + self._bias
 
     def __call__(self, x: Array) -> list[Array]:
@@ -128,7 +130,8 @@ def fuse(linears: Sequence[Module]) -> Fusion | None:
             return None
         parts = {k: mx.concatenate([getattr(m, k) for m in linears], axis=0) for k in ("weight", "scales", "biases")}
         fused = FusedProjection(sizes, weight=parts["weight"], scales=parts["scales"], biases=parts["biases"],
-                                bias=bias, group_size=linears[0].group_size, bits=linears[0].bits)
+                                bias=bias, group_size=linears[0].group_size, bits=linears[0].bits,
+                                cuda_matvec=all(m._cuda_matvec for m in linears))  # noqa: SLF001
     if bias is not None:
         parts["bias"] = bias
     mx.eval(list(parts.values()))

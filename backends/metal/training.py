@@ -23,6 +23,7 @@ from pymlxc.training.config import Encoder, LoRAConfig
 
 from . import lora
 from .nn import Module
+from .qmatmul import mlx_kernels_only
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                     "tokenizer.model", "chat_template.jinja", "chat_template.json", "added_tokens.json")
@@ -231,8 +232,10 @@ class TrainableMixin:
 
     # ------------------------------------------------------------------ what pymlxc.train uses
     def logits(self, inputs: Array) -> Array:
-        """Logits [B, L, V] of a [B, L] token array, without a cache (causal attention)."""
-        return self._net()(inputs)
+        """Logits [B, L, V] of a [B, L] token array, without a cache (causal attention), through
+        MLX's kernels only: their gradients are defined."""
+        with mlx_kernels_only():
+            return self._net()(inputs)
 
     def training_encoder(self) -> Encoder:
         from .chat_template import builtin_template, render_chat

@@ -1,0 +1,150 @@
+"""A 4-bit quantized matrix-vector product for CUDA: `x @ dequantize(w).T` for a few rows of x.
+
+MLX's CUDA `quantized_matmul` for one token gives each output row one warp, which reads 8 bytes of
+packed weights per lane per step and accumulates in bfloat16. On an H100 the 8B shape's decode step
+reads its weights at about a quarter of the memory bandwidth with it. This kernel reads 16 bytes
+per lane per step (32 weights), keeps `ROWS` output rows per warp so each load of x serves several
+rows, accumulates in float32, and turns nibbles into floats without the slow integer conversion:
+a nibble q placed in the mantissa of 1.0 is the float 1 + q/16, so
+
+    sum_i x_i * q_i = 16 * (sum_i x_i * (1 + q_i / 16) - sum_i x_i).
+
+The layout is MLX's affine quantization (`mx.quantize(w, group_size, 4)`): `w` is uint32
+(rows, K / 8) with element j of a row in bits 4 * (j % 8) of word j / 8, and `scales` / `biases`
+(rows, K / group_size), so a weight is scale * q + bias.
+
+This module holds only the source and the launch geometry, so that the probe can run the same
+kernel through MLX's own Python API. `CudaMatvec` applies it through `pymlxc.core`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+KERNEL_NAME = "pymlxc_qmv4"
+INPUT_NAMES = ("x", "w", "scales", "biases")
+OUTPUT_NAMES = ("out",)
+THREADS_PER_BLOCK = 128
+ROWS_PER_WARP = 2
+MAX_X_ROWS = 8  # more rows of x than this go to MLX's tensor-core kernels
+GROUP_SIZES = (32, 64, 128)
+
+HEADER = r"""
+namespace pymlxc_qmv {
+
+// sum_i x[i] * (1 + q_i / 16) over the 8 nibbles of a word (nibble i in bits 4i..4i+3).
+__device__ __forceinline__ float biased_dot8(uint32_t word, const float* x) {
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    uint32_t placed = (i <= 4) ? (word << (19 - 4 * i)) : (word >> (4 * i - 19));
+    s = fmaf(x[i], __uint_as_float((placed & 0x00780000u) | 0x3F800000u), s);
+  }
+  return s;
+}
+
+// Eight 2-byte floats (bfloat16 or float16) from one 16-byte load.
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float* f) {
+  uint4 u = *reinterpret_cast<const uint4*>(p);
+  const T* h = reinterpret_cast<const T*>(&u);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    f[i] = static_cast<float>(h[i]);
+  }
+}
+
+}  // namespace pymlxc_qmv
+"""
+
+# Template arguments: T (x, scales, biases and out dtype), M (rows of x), K (input size),
+# N (output rows), G (group size), R (output rows per warp).
+SOURCE = r"""
+  constexpr int CHUNKS = K / 32;  // 16-byte chunks of packed weights per row
+  constexpr int GROUPS = K / G;
+  constexpr int ITERS = (CHUNKS + 31) / 32;
+  const int lane = threadIdx.x & 31;
+  const int row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
+  if (row0 >= N) {
+    return;
+  }
+  float acc[M][R];
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      acc[m][r] = 0.f;
+    }
+  }
+  const uint4* wq = reinterpret_cast<const uint4*>(w);
+#pragma unroll 2
+  for (int it = 0; it < ITERS; ++it) {
+    const int c = it * 32 + lane;
+    if ((CHUNKS % 32) != 0 && c >= CHUNKS) {
+      break;
+    }
+    const int g = (c * 32) / G;
+    uint4 q[R];
+    float sc[R];
+    float bi[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      // Rows past N (the last warp) read row N - 1 again; their sums are never written.
+      const size_t row = static_cast<size_t>(min(row0 + r, N - 1));
+      q[r] = wq[row * CHUNKS + c];
+      sc[r] = static_cast<float>(scales[row * GROUPS + g]);
+      bi[r] = static_cast<float>(biases[row * GROUPS + g]);
+    }
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float xf[32];
+      const T* xp = x + static_cast<size_t>(m) * K + c * 32;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        pymlxc_qmv::load8(xp + 8 * j, xf + 8 * j);
+      }
+      float xs = 0.f;
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        xs += xf[i];
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float d = pymlxc_qmv::biased_dot8(q[r].x, xf) + pymlxc_qmv::biased_dot8(q[r].y, xf + 8) +
+                  pymlxc_qmv::biased_dot8(q[r].z, xf + 16) + pymlxc_qmv::biased_dot8(q[r].w, xf + 24);
+        acc[m][r] += 16.f * sc[r] * d + (bi[r] - 16.f * sc[r]) * xs;
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float v = acc[m][r];
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, off);
+      }
+      if (lane == 0 && row0 + r < N) {
+        out[static_cast<size_t>(m) * N + row0 + r] = static_cast<T>(v);
+      }
+    }
+  }
+"""
+
+
+def applies(x_rows: int, k: int, bits: int, group_size: int, dtype_size: int) -> bool:
+    """Whether this kernel computes the product: 4-bit weights, 2-byte floats, a few rows of x."""
+    return (bits == 4 and group_size in GROUP_SIZES and dtype_size == 2 and 1 <= x_rows <= MAX_X_ROWS
+            and k % 32 == 0 and k % group_size == 0)
+
+
+def launch(x_rows: int, k: int, n: int, group_size: int, dtype: Any,
+           rows_per_warp: int = ROWS_PER_WARP) -> dict[str, Any]:
+    """Keyword arguments of a kernel call for x (x_rows, k) and weights of n rows: grid, threads, template."""
+    warps = -(-n // rows_per_warp)
+    return {
+        "grid": (warps * 32, 1, 1),
+        "threadgroup": (THREADS_PER_BLOCK, 1, 1),
+        "template": [("T", dtype), ("M", x_rows), ("K", k), ("N", n), ("G", group_size),
+                     ("R", rows_per_warp)],
+    }

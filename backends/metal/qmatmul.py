@@ -1,0 +1,91 @@
+"""Which kernel multiplies by an affine-quantized weight: MLX's `quantized_matmul`, or, on CUDA for a
+few rows of x, pymlxc's 4-bit matrix-vector kernel (`cuda_qmv`).
+
+The kernel reads the weights at about 1.8x the bandwidth of MLX's (H100, `benchmarks/probe_qmv.py`),
+but MLX takes longer to encode a custom-kernel node than its own. So it pays where the device bounds
+a decode step: many weight bytes per layer, whose encoding costs the same whatever their size.
+Measured on an H100 (decode tok/s, MLX's kernel -> this one): Llama-3.1-8B 4-bit 171 -> 262,
+Llama-3.2-1B 4-bit 677 -> 789, Qwen3-0.6B 4-bit 411 -> 398. `configure(model)` decides once, at
+load, for the device in use then, and marks the model's quantized layers (`_cuda_matvec`);
+`PYMLXC_CUDA_QMV` overrides: `auto` (the default: at least `AUTO_MIN_BYTES_PER_LAYER` of 4-bit
+weights per transformer block, the output head and embedding included), `1` (any size) or `0` (never).
+
+Inside `mlx_kernels_only()` every product goes to MLX: a shapeless trace (the compiled prefill)
+must not bake in a row count, and gradients (training) need MLX's own transposes.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pymlxc.core as mx
+from pymlxc.core import Array
+
+from . import cuda_qmv
+
+# 4-bit bytes per block: Llama-3.1-8B 140 MB, Llama-3.2-1B 43 MB, Gemma-3-1B 22 MB, Qwen3-0.6B 12 MB.
+AUTO_MIN_BYTES_PER_LAYER = 30_000_000
+_state = threading.local()
+_kernel_lock = threading.Lock()
+_kernel: Any = None
+
+
+def _the_kernel() -> Any:
+    global _kernel
+    with _kernel_lock:
+        if _kernel is None:
+            _kernel = mx.fast.cuda_kernel(cuda_qmv.KERNEL_NAME, cuda_qmv.INPUT_NAMES, cuda_qmv.OUTPUT_NAMES,
+                                          cuda_qmv.SOURCE, header=cuda_qmv.HEADER)
+        return _kernel
+
+
+@contextmanager
+def mlx_kernels_only() -> Iterator[None]:
+    """Within (on this thread): MLX's `quantized_matmul` for every product."""
+    before = getattr(_state, "mlx_only", False)
+    _state.mlx_only = True
+    try:
+        yield
+    finally:
+        _state.mlx_only = before
+
+
+def quantized_matmul(x: Array, weight: Array, scales: Array, biases: Array, group_size: int, bits: int,
+                     cuda_matvec: bool = False) -> Array:
+    """`x @ dequantize(weight).T`; through the CUDA kernel when `cuda_matvec` and it applies."""
+    if cuda_matvec and not getattr(_state, "mlx_only", False):
+        k = x.shape[-1]
+        rows = x.size // k if k else 0
+        if x.dtype == scales.dtype and cuda_qmv.applies(rows, k, bits, group_size, x.dtype.size):
+            n = weight.shape[0]
+            launch = cuda_qmv.launch(rows, k, n, group_size, x.dtype)
+            return _the_kernel()([x, weight, scales, biases], output_shapes=[(*x.shape[:-1], n)],
+                                 output_dtypes=[x.dtype], **launch)[0]
+    return mx.quantized_matmul(x, weight, scales, biases, True, group_size, bits)
+
+
+def _choice() -> str:
+    value = os.environ.get("PYMLXC_CUDA_QMV", "auto").strip().lower()
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"PYMLXC_CUDA_QMV must be auto, 0 or 1, not {value!r}")
+    return value
+
+
+def configure(model: Any) -> bool:
+    """Mark `model`'s 4-bit layers to use the CUDA kernel when this process runs on CUDA and the
+    setting (see the module docstring) says so; returns whether it did. Elsewhere, a no-op."""
+    from .nn import QuantizedEmbedding, QuantizedLinear  # noqa: PLC0415 - nn imports this module
+
+    choice = _choice()
+    layers = [m for _, m in model.named_modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))]
+    four_bit = [m for m in layers if m.bits == 4]
+    blocks = max(1, len(getattr(model, "layers", None) or ()))
+    per_block = sum(m.weight.nbytes + m.scales.nbytes + m.biases.nbytes for m in four_bit) / blocks
+    use = (choice != "0" and bool(four_bit) and mx.cuda_available() and mx.default_device().type == "gpu"
+           and (choice == "1" or per_block >= AUTO_MIN_BYTES_PER_LAYER))
+    for m in layers:
+        m._cuda_matvec = use and m.bits == 4  # noqa: SLF001 - the layers' own switch
+    return use

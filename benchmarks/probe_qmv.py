@@ -1,0 +1,125 @@
+"""The 4-bit matrix-vector product on this GPU: MLX's `quantized_matmul` against pymlxc's CUDA kernel.
+
+Run through MLX's own Python API, so it needs no pymlxc build. For each weight shape of the
+Llama-3.2-1B and Llama-3.1-8B decode steps (fused q/k/v, o, fused gate/up, down, output head):
+
+* `error`: the largest difference of each kernel from a float32 reference (dequantized weights),
+  over the largest reference value;
+* `us_per_call`: wall time per product when distinct weights totalling at least `--bytes` are
+  applied in one evaluation, so the weights come from memory, not the L2 cache;
+* `stacked`: the same weights as one product with that many more rows, which measures the device
+  alone (one host encode for many bytes), as GB/s.
+
+    python benchmarks/probe_qmv.py --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+# Loaded by path: importing the package would load pymlxc's own library, which this probe does not need.
+_spec = importlib.util.spec_from_file_location(
+    "cuda_qmv", Path(__file__).resolve().parents[1] / "backends" / "metal" / "cuda_qmv.py")
+cuda_qmv = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cuda_qmv)
+
+SHAPES = {  # name: (K, N)
+    "1b.qkv": (2048, 3072), "1b.o": (2048, 2048), "1b.gate_up": (2048, 16384), "1b.down": (8192, 2048),
+    "8b.qkv": (4096, 6144), "8b.o": (4096, 4096), "8b.gate_up": (4096, 28672), "8b.down": (14336, 4096),
+    "8b.head": (4096, 128256),
+}
+
+
+def _kernel() -> Any:
+    return mx.fast.cuda_kernel(cuda_qmv.KERNEL_NAME, list(cuda_qmv.INPUT_NAMES), list(cuda_qmv.OUTPUT_NAMES),
+                               cuda_qmv.SOURCE, header=cuda_qmv.HEADER)
+
+
+def _ours(kernel: Any, x: Any, q: Any, rows_per_warp: int) -> Any:
+    w, s, b = q
+    n, k = w.shape[0], x.shape[-1]
+    geo = cuda_qmv.launch(x.shape[0], k, n, 64, x.dtype, rows_per_warp)
+    return kernel(inputs=[x, w, s, b], output_shapes=[(x.shape[0], n)], output_dtypes=[x.dtype], **geo)[0]
+
+
+def _mlx(x: Any, q: Any) -> Any:
+    return mx.quantized_matmul(x, *q, transpose=True, group_size=64, bits=4)
+
+
+def _time(make_outputs: Any, repeats: int) -> float:
+    mx.eval(make_outputs())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mx.eval(make_outputs())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def probe(shape: str, kernel: Any, min_bytes: int, x_rows: int, repeats: int) -> dict[str, Any]:
+    k, n = SHAPES[shape]
+    mx.random.seed(0)
+    x = (mx.random.normal((x_rows, k)) * 0.5).astype(mx.bfloat16)
+    dense = (mx.random.normal((n, k)) * 0.02).astype(mx.bfloat16)
+    q = mx.quantize(dense, 64, 4)
+    mx.eval(x, *q)
+    ref = np.array(x.astype(mx.float32) @ mx.dequantize(*q, group_size=64, bits=4).astype(mx.float32).T)
+    scale = float(np.abs(ref).max())
+    out: dict[str, Any] = {"K": k, "N": n, "x_rows": x_rows, "error": {}}
+    variants = {"mlx": lambda xx, qq: _mlx(xx, qq)}
+    for r in (1, 2, 4):
+        variants[f"ours_r{r}"] = lambda xx, qq, r=r: _ours(kernel, xx, qq, r)
+    for name, fn in variants.items():
+        got = np.array(fn(x, q).astype(mx.float32))
+        out["error"][name] = float(np.abs(got - ref).max() / scale)
+    del dense
+    weight_bytes = sum(a.nbytes for a in q)
+    copies = max(1, -(-min_bytes // weight_bytes))
+    many = [tuple(a + 0 for a in q) for _ in range(copies)]  # distinct buffers
+    mx.eval(many)
+    stacked = tuple(mx.concatenate([c[i] for c in many], axis=0) for i in range(3))
+    mx.eval(stacked)
+    out["copies"] = copies
+    out["weight_mb"] = round(weight_bytes / 1e6, 2)
+    out["us_per_call"], out["stacked_gbps"] = {}, {}
+    for name, fn in variants.items():
+        per = _time(lambda: [fn(x, c) for c in many], repeats) / copies
+        out["us_per_call"][name] = round(per * 1e6, 2)
+        whole = _time(lambda: fn(x, stacked), repeats)
+        out["stacked_gbps"][name] = round(weight_bytes * copies / whole / 1e9, 1)
+    mx.clear_cache()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--bytes", type=int, default=400_000_000)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--x-rows", type=int, nargs="+", default=[1])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    args = parser.parse_args()
+    kernel = _kernel()
+    results = {"device": str(mx.default_device()), "mlx": mx.__version__, "probes": {}}
+    for rows in args.x_rows:
+        for shape in args.shapes:
+            key = f"{shape}.m{rows}"
+            results["probes"][key] = r = probe(shape, kernel, args.bytes, rows, args.repeats)
+            errs = " ".join(f"{k}={v:.1e}" for k, v in r["error"].items())
+            us = " ".join(f"{k}={v}" for k, v in r["us_per_call"].items())
+            gb = " ".join(f"{k}={v}" for k, v in r["stacked_gbps"].items())
+            print(f"{key:16s} err {errs}\n{'':16s} us {us}\n{'':16s} GB/s {gb}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "probe_qmv.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""pymlxc's 4-bit CUDA matrix-vector kernel (backends/metal/cuda_qmv.py) and the choice of kernel
+(backends/metal/qmatmul.py).
+
+Everywhere: the kernel's arithmetic, replayed in numpy on MLX's own quantized layout, gives the
+product with the dequantized weights; the launch covers every output row and no more warps than
+needed; `configure` marks layers only on CUDA, and refuses a bad setting by name; inside
+`mlx_kernels_only()` a marked product runs MLX's kernel (on a machine without CUDA the kernel
+itself raises MLXError, so the scope is seen to work).
+
+On CUDA (MLX's CUDA build): the kernel matches a float64 reference as closely as MLX's own
+`quantized_matmul` for varied shapes, group sizes and dtypes; models marked to use it give the same
+tokens in every decode mode, logits close to MLX's, a compiled prefill that serves short and long
+chunks, and LoRA gradients.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pymlxc.core as mx
+from pymlxc.backends.metal import cuda_qmv, qmatmul
+from pymlxc.backends.metal import generate as loops
+from pymlxc.backends.metal.compiled import CompiledDecoder
+from pymlxc.backends.metal.loader import load_weights_and_config
+from pymlxc.backends.metal.sample import greedy
+from pymlxc.testing import write_tiny_model
+
+ON_CUDA = mx.cuda_available()
+cuda_only = pytest.mark.skipif(not ON_CUDA, reason="the kernel needs MLX's CUDA build (run on the GPU machine)")
+
+
+def _quantized(rng: np.random.Generator, n: int, k: int, group: int, dtype: Any) -> tuple[Any, Any, Any, np.ndarray]:
+    dense = mx.array((rng.standard_normal((n, k)) * 0.05).astype(np.float32)).astype(dtype)
+    w, s, b = mx.quantize(dense, group, 4)
+    deq = np.asarray(mx.dequantize(w, s, b, group, 4).astype(mx.float32), dtype=np.float64)
+    return w, s, b, deq
+
+
+def _replay(x: np.ndarray, w: np.ndarray, s: np.ndarray, b: np.ndarray, group: int) -> np.ndarray:
+    """The kernel's float32 arithmetic in numpy: per 32-weight chunk, sum x * (1 + q/16) from the
+    mantissa trick, then 16 * scale * that + (bias - 16 * scale) * sum x."""
+    m, k = x.shape
+    n = w.shape[0]
+    words = w.reshape(n, k // 32, 4)
+    floats = np.empty((n, k // 32, 32), np.float32)
+    for j in range(4):
+        for i in range(8):
+            word = words[:, :, j].astype(np.uint64)
+            placed = (word << (19 - 4 * i)) if i <= 4 else (word >> (4 * i - 19))
+            bits = ((placed & 0x00780000) | 0x3F800000).astype(np.uint32)
+            floats[:, :, 8 * j + i] = bits.view(np.float32)
+    chunk_group = (np.arange(k // 32) * 32) // group
+    sc, bi = s[:, chunk_group].astype(np.float32), b[:, chunk_group].astype(np.float32)
+    xc = x.astype(np.float32).reshape(m, k // 32, 32)
+    d = np.einsum("mcj,ncj->mnc", xc, floats)
+    xs = xc.sum(-1)[:, None, :]
+    return (16 * sc[None] * d + (bi[None] - 16 * sc[None]) * xs).sum(-1)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(m=st.integers(1, 8), chunks=st.integers(1, 40), n=st.integers(1, 70), group=st.sampled_from([32, 64, 128]),
+       seed=st.integers(0, 2**16))
+def test_the_kernel_arithmetic_gives_the_dequantized_product(m: int, chunks: int, n: int, group: int, seed: int) -> None:
+    k = ((chunks * 32 + group - 1) // group) * group
+    rng = np.random.default_rng(seed)
+    w, s, b, deq = _quantized(rng, n, k, group, mx.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    got = _replay(x, np.asarray(w), np.asarray(s), np.asarray(b), group)
+    want = x.astype(np.float64) @ deq.T
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
+@given(n=st.integers(1, 200_000), rows_per_warp=st.integers(1, 8), m=st.integers(1, 8))
+def test_the_launch_covers_every_row_once(n: int, rows_per_warp: int, m: int) -> None:
+    geo = cuda_qmv.launch(m, 4096, n, 64, mx.bfloat16, rows_per_warp)
+    warps = geo["grid"][0] // 32
+    assert geo["grid"][0] % 32 == 0 and geo["grid"][1:] == (1, 1)
+    assert warps * rows_per_warp >= n > (warps - 1) * rows_per_warp
+    assert dict(geo["template"]) == {"T": mx.bfloat16, "M": m, "K": 4096, "N": n, "G": 64, "R": rows_per_warp}
+    assert geo["threadgroup"][0] % 32 == 0
+
+
+def test_what_the_kernel_applies_to() -> None:
+    assert cuda_qmv.applies(1, 4096, 4, 64, 2) and cuda_qmv.applies(8, 64, 4, 32, 2)
+    assert not cuda_qmv.applies(9, 4096, 4, 64, 2)  # prefill rows: MLX's tensor-core kernels
+    assert not cuda_qmv.applies(0, 4096, 4, 64, 2)
+    assert not cuda_qmv.applies(1, 4096, 8, 64, 2)  # 8-bit
+    assert not cuda_qmv.applies(1, 4096, 4, 16, 2)  # a group size MLX does not make
+    assert not cuda_qmv.applies(1, 4096, 4, 64, 4)  # float32 x
+    assert not cuda_qmv.applies(1, 48, 4, 16, 2)  # K not a multiple of 32
+
+
+@pytest.fixture
+def tiny(tmp_path: Path):
+    opened = []
+
+    def load(arch: str = "llama", bits: int | None = 4):
+        path = write_tiny_model(tmp_path / f"{arch}-{bits}", arch, quantize_bits=bits, num_layers=2, dtype="float16")
+        loaded = load_weights_and_config(path)
+        opened.append(loaded)
+        return loaded
+
+    yield load
+    for m in opened:
+        m.free()
+
+
+def _quantized_layers(model: Any) -> list[Any]:
+    return [m for _, m in model.named_modules() if hasattr(m, "_cuda_matvec")]
+
+
+def test_configure_marks_layers_only_on_cuda(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    loaded = tiny()
+    layers = _quantized_layers(loaded.model)
+    assert layers
+    monkeypatch.setenv("PYMLXC_CUDA_QMV", "1")
+    assert qmatmul.configure(loaded.model) is ON_CUDA
+    assert [m._cuda_matvec for m in layers] == [ON_CUDA] * len(layers)
+    monkeypatch.setenv("PYMLXC_CUDA_QMV", "auto")  # a tiny model is far below the size where it pays
+    assert qmatmul.configure(loaded.model) is False
+    assert not any(m._cuda_matvec for m in layers)
+    monkeypatch.setenv("PYMLXC_CUDA_QMV", "fast")
+    with pytest.raises(ValueError, match="PYMLXC_CUDA_QMV"):
+        qmatmul.configure(loaded.model)
+
+
+def test_mlx_kernels_only_holds_on_its_thread() -> None:
+    rng = np.random.default_rng(0)
+    w, s, b, deq = _quantized(rng, 40, 128, 64, mx.bfloat16)
+    x = mx.array(rng.standard_normal((1, 128)).astype(np.float32)).astype(mx.bfloat16)
+    want = np.asarray(x.astype(mx.float32), np.float64) @ deq.T
+
+    def product() -> np.ndarray:
+        return np.asarray(qmatmul.quantized_matmul(x, w, s, b, 64, 4, cuda_matvec=True).astype(mx.float32))
+
+    seen: list[Any] = []
+    with qmatmul.mlx_kernels_only():
+        np.testing.assert_allclose(product(), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+        other = threading.Thread(target=lambda: seen.append(_outcome(product)))
+        other.start()
+        other.join()
+    # Outside the scope (and on the other thread) the CUDA kernel runs: without CUDA it cannot.
+    for outcome in (seen[0], _outcome(product)):
+        if ON_CUDA:
+            np.testing.assert_allclose(outcome, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+        else:
+            assert isinstance(outcome, mx.MLXError) and "CUDA" in str(outcome)
+
+
+def _outcome(fn: Any) -> Any:
+    try:
+        return fn()
+    except mx.MLXError as exc:
+        return exc
+
+
+# ---------------------------------------------------------------------- on CUDA
+
+@cuda_only
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(m=st.integers(1, 8), chunks=st.integers(1, 300), n=st.integers(1, 700), group=st.sampled_from([32, 64, 128]),
+       dtype=st.sampled_from(["bfloat16", "float16"]), seed=st.integers(0, 2**16))
+def test_the_kernel_is_as_close_to_float64_as_mlx(m: int, chunks: int, n: int, group: int, dtype: str,
+                                                   seed: int) -> None:
+    k = ((chunks * 32 + group - 1) // group) * group
+    rng = np.random.default_rng(seed)
+    w, s, b, deq = _quantized(rng, n, k, group, getattr(mx, dtype))
+    x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(getattr(mx, dtype))
+    want = np.asarray(x.astype(mx.float32), np.float64) @ deq.T
+    scale = float(np.abs(want).max()) or 1.0
+    ours = np.asarray(qmatmul.quantized_matmul(x, w, s, b, group, 4, cuda_matvec=True).astype(mx.float32))
+    theirs = np.asarray(mx.quantized_matmul(x, w, s, b, True, group, 4).astype(mx.float32))
+    err_ours = float(np.abs(ours - want).max()) / scale
+    err_theirs = float(np.abs(theirs - want).max()) / scale
+    assert ours.shape == (m, n)
+    assert err_ours <= max(err_theirs * 1.5, 8e-3), (err_ours, err_theirs)
+
+
+def _greedy_run(model: Any, prompt: list[int], decoder: CompiledDecoder | None) -> list[int]:
+    return list(loops.generate_ids(model, prompt, cache=model.make_cache(None), max_tokens=16, sampler=greedy,
+                                   decoder=decoder))
+
+
+@cuda_only
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_marked_models_keep_their_tokens_in_every_decode_mode(tiny, monkeypatch: pytest.MonkeyPatch,
+                                                              arch: str) -> None:
+    monkeypatch.setenv("PYMLXC_CUDA_QMV", "1")
+    loaded = tiny(arch)
+    assert loaded.cuda_matvec
+    model = loaded.model
+    prompt = [int(i) for i in np.random.default_rng(3).integers(16, 500, size=37)]
+    want = _greedy_run(model, prompt, None)
+    for mode in ("graph", "segmented"):
+        decoder = CompiledDecoder(model, mode)
+        assert _greedy_run(model, prompt, decoder) == want, mode
+        assert decoder.stats["compiled"] >= 1
+        decoder.close()
+    # Against MLX's kernel: the same model's logits for one decode step, to bfloat16 rounding.
+    tokens = mx.array([prompt], dtype=mx.int32)
+    cache = model.make_cache(None)
+    model(tokens[:, :-1], cache=cache)
+    ours = np.asarray(model(tokens[:, -1:], cache=cache).astype(mx.float32))
+    with qmatmul.mlx_kernels_only():
+        cache = model.make_cache(None)
+        model(tokens[:, :-1], cache=cache)
+        theirs = np.asarray(model(tokens[:, -1:], cache=cache).astype(mx.float32))
+    np.testing.assert_allclose(ours, theirs, atol=0.05 * float(np.abs(theirs).max()))
+
+
+@cuda_only
+def test_the_compiled_prefill_serves_short_and_long_chunks(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYMLXC_CUDA_QMV", "1")
+    model = tiny().model
+    decoder = CompiledDecoder(model, "segmented")
+    runner = decoder.prefill_runner(True)
+    assert runner is not None
+    tokens = mx.array([[int(i) for i in np.random.default_rng(4).integers(16, 500, size=45)]], dtype=mx.int32)
+    ours, theirs = model.make_cache(None), model.make_cache(None)
+    with qmatmul.mlx_kernels_only():
+        for start, stop in ((0, 3), (3, 45)):  # traced on 3 rows (the kernel's range), replayed on 42
+            runner(tokens[:, start:stop], ours)
+            model(tokens[:, start:stop], cache=theirs)
+    for c, d in zip(ours, theirs):
+        assert c.offset == d.offset == 45
+        np.testing.assert_array_equal(np.asarray(c.keys[:, :, :45].astype(mx.float32)),
+                                      np.asarray(d.keys[:, :, :45].astype(mx.float32)))
+    decoder.close()
+
+
+@cuda_only
+def test_lora_gradients_through_a_marked_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pymlxc
+    from pymlxc.training import LoRAConfig, TrainConfig, Trainer
+    from pymlxc.training.data import Example, make_batch
+
+    monkeypatch.setenv("PYMLXC_CUDA_QMV", "1")
+    path = write_tiny_model(tmp_path / "m", "llama", quantize_bits=4, num_layers=2, dtype="float16")
+    with pymlxc.load_model(str(path), backend="metal") as model:
+        adapter = model.apply_lora(LoRAConfig(rank=4, alpha=8, target_keys=("q_proj", "v_proj")))
+        before = {k: np.asarray(v.astype(mx.float32)) for k, v in adapter.trainable_parameters().items()}
+        trainer = Trainer(model, TrainConfig(learning_rate=1e-2), adapter)
+        batch = make_batch([Example((5, 9, 14, 20, 31, 7), 0, "x")], 64)  # 6 rows: the kernel's range
+        model.set_grad_checkpoint(True)  # the recomputed forward is traced outside `logits`
+        losses = [trainer.step(batch) for _ in range(3)]
+        after = {k: np.asarray(v.astype(mx.float32)) for k, v in adapter.trainable_parameters().items()}
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+    assert any(not np.array_equal(before[k], after[k]) for k in before)

@@ -160,30 +160,30 @@ class Side:
 
 class Pymlxc(Side):
     def __init__(self, compiled: bool = True, mode: str | None = None, threaded: bool | None = None,
-                 cuda_qmv: str | None = None) -> None:
+                 cuda_matvec: str | None = None) -> None:
         self.name = (("pymlxc" if compiled else "pymlxc_uncompiled") + (f"_{mode}" if mode else "")
                      + ("" if threaded is None else "_thread" if threaded else "_nothread")
-                     + ("" if cuda_qmv is None else f"_qmv{cuda_qmv}"))
+                     + ("" if cuda_matvec is None else f"_matvec{cuda_matvec}"))
         self.compiled = compiled
         self.mode = mode
         self.threaded = threaded  # None: the default for the device (PYMLXC_EVAL_THREAD)
-        self.cuda_qmv = cuda_qmv  # None: the default (PYMLXC_CUDA_QMV), read at load
-        self.cuda_matvec = False  # whether the loaded model uses pymlxc's CUDA matvec kernel
+        self.matvec_setting = cuda_matvec  # None: the default (PYMLXC_CUDA_MATVEC), read at load
+        self.cuda_matvec = False  # whether the loaded model uses pymlxc's CUDA matvec kernels
         self.loaded: Any = None
         self.decoder: CompiledDecoder | None = None
         self.context_len = LoadConfig().context_len  # what MetalTextModel uses by default
 
     def load(self, path: Path) -> None:
-        old = os.environ.get("PYMLXC_CUDA_QMV")
-        if self.cuda_qmv is not None:
-            os.environ["PYMLXC_CUDA_QMV"] = self.cuda_qmv
+        old = os.environ.get("PYMLXC_CUDA_MATVEC")
+        if self.matvec_setting is not None:
+            os.environ["PYMLXC_CUDA_MATVEC"] = self.matvec_setting
         try:
             self.loaded = load_weights_and_config(path)
         finally:
             if old is None:
-                os.environ.pop("PYMLXC_CUDA_QMV", None)
+                os.environ.pop("PYMLXC_CUDA_MATVEC", None)
             else:
-                os.environ["PYMLXC_CUDA_QMV"] = old
+                os.environ["PYMLXC_CUDA_MATVEC"] = old
         self.cuda_matvec = self.loaded.cuda_matvec
         self.decoder = CompiledDecoder(self.loaded.model, self.mode) if self.compiled else None
         self.weights = self.loaded.nbytes
@@ -506,8 +506,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="add pymlxc without the evaluation thread (PYMLXC_EVAL_THREAD=0)")
     p.add_argument("--segmented", action="store_true",
                    help="add pymlxc with the segmented decode step (PYMLXC_DECODE=segmented; Llama family)")
-    p.add_argument("--cuda-qmv", choices=["0", "1"], default=None,
-                   help="add pymlxc with PYMLXC_CUDA_QMV set (0: MLX's 4-bit matvec; 1: pymlxc's at any size)")
+    p.add_argument("--cuda-matvec", choices=["0", "1"], default=None,
+                   help="add pymlxc with PYMLXC_CUDA_MATVEC set (0: MLX's matvec kernels only; 1: pymlxc's, "
+                        "4-bit and dense, at any size)")
     p.add_argument("--models-dir", type=Path, default=None,
                    help="where the random models are written and reused (default: a temporary folder)")
     p.add_argument("--out", type=Path, default=Path("."), help="folder for compare_mlx_lm.json and .png")
@@ -604,8 +605,8 @@ def main(argv: list[str] | None = None) -> int:
         sides.append(Pymlxc(False))
     if args.segmented:
         sides.append(Pymlxc(True, "segmented"))
-    if args.cuda_qmv is not None:
-        sides.append(Pymlxc(True, cuda_qmv=args.cuda_qmv))
+    if args.cuda_matvec is not None:
+        sides.append(Pymlxc(True, cuda_matvec=args.cuda_matvec))
     if args.nothread:
         sides.append(Pymlxc(True, threaded=False))
     report: dict[str, Any] = {

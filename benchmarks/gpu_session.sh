@@ -29,11 +29,11 @@
 # The lent machine's copy of the checkout may carry stale git metadata: prefix the command with
 # PYMLXC_GIT_REV=<this checkout's commit> so that the JSON names the code that ran.
 #
-# `qmv` checks pymlxc's 4-bit CUDA matvec kernel (backends/metal/cuda_qmv.py; its probe against
-# MLX's quantized_matmul is benchmarks/probe_qmv.py, which needs no libmlxc): its GPU tests, the 8B shape with and without it (--cuda-qmv 0) and the
+# `qmv` checks pymlxc's 4-bit CUDA matvec kernel (backends/metal/cuda_matvec.py; its probe against
+# MLX's quantized_matmul is benchmarks/probe_matvec.py, which needs no libmlxc): its GPU tests, the 8B shape with and without it (--cuda-qmv 0) and the
 # 1B-class 4-bit shapes forced onto it (--cuda-qmv 1).
 #
-# Stages: setup smoke tests bench-1b bench-gemma bench-8b variants profile probe qmv report all
+# Stages: setup smoke tests bench-1b bench-gemma bench-8b variants profile probe matvec matvec-bench report all
 # Options: --dry-run (print the commands only), --cpu-check (run every stage on this machine's CPU
 # with tiny shapes: checks the plumbing, not the numbers).
 set -euo pipefail
@@ -51,7 +51,7 @@ for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
     --cpu-check) CPU=1 ;;
-    setup|smoke|tests|bench-1b|bench-gemma|bench-8b|variants|profile|probe|qmv|report) stages+=("$arg") ;;
+    setup|smoke|tests|bench-1b|bench-gemma|bench-8b|variants|profile|probe|matvec|matvec-bench|report) stages+=("$arg") ;;
     all) stages+=(setup smoke tests bench-1b bench-gemma bench-8b report) ;;
     -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "gpu_session.sh: unknown stage or option: $arg" >&2; exit 2 ;;
@@ -172,15 +172,23 @@ PY
       run "$PY" benchmarks/probe_decode.py --models-dir "$MODELS" --out "$OUT/probe" "${probe_args[@]}" \
         2>&1 | tee "$OUT/probe/log.txt" || echo "!!! probe failed (see $OUT/probe/log.txt)"
       ;;
-    qmv)
+    matvec)
       ensure_lib
-      mkdir -p "$OUT/qmv-tests"
+      mkdir -p "$OUT/matvec-tests"
       run "$PY" -m pytest tests/metal/test_cuda_matvec.py tests/metal/test_prefill_segments.py -q -p no:cacheprovider \
-        2>&1 | tee "$OUT/qmv-tests/pytest.txt" || echo "!!! qmv tests failed (see $OUT/qmv-tests/pytest.txt)"
-      if [ "$CPU" = 1 ]; then bench qmv-8b --shapes llama-3.2-1b-narrow --layers 4 --cuda-qmv 0
+        2>&1 | tee "$OUT/matvec-tests/pytest.txt" || echo "!!! matvec tests failed (see $OUT/matvec-tests/pytest.txt)"
+      if [ "$CPU" = 1 ]; then bench matvec-8b --shapes llama-3.2-1b-narrow --layers 4 --cuda-matvec 0
       else
-        bench qmv-8b --shapes llama-3.1-8b --quant 4bit --cuda-qmv 0
-        bench qmv-1b --shapes llama-3.2-1b qwen3-0.6b --quant 4bit --cuda-qmv 1
+        run "$PY" benchmarks/probe_matvec.py --kind dense --out "$OUT/matvec-probe" 2>&1 | tail -30 \
+          || echo "!!! probe_matvec failed"
+        bench matvec-8b --shapes llama-3.1-8b --quant 4bit --cuda-matvec 0
+      fi
+      ;;
+    matvec-bench)
+      if [ "$CPU" = 1 ]; then bench matvec-1b --shapes llama-3.2-1b-narrow qwen3-0.6b-narrow --cuda-matvec 1
+      else
+        bench matvec-1b --shapes llama-3.2-1b qwen3-0.6b --quant bf16 4bit --cuda-matvec 1
+        bench matvec-gemma --shapes gemma-3-1b --quant bf16 4bit --cuda-matvec 1
       fi
       ;;
     report)

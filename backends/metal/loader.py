@@ -20,7 +20,7 @@ from typing import Any
 import pymlxc.core as mx
 from pymlxc.core import Array, MLXError
 
-from . import nn, qmatmul
+from . import nn, matvec
 from .models import UnsupportedModelError, get_model_module, infer_model_type
 from .models.base import ConfigError
 from .switch import QuantizedSwitchLinear
@@ -49,7 +49,7 @@ class LoadedModel:
     nbytes: int
     quantized_modules: int = 0
     context_len: int = 131072
-    cuda_matvec: bool = False  # 4-bit products of few rows through pymlxc's CUDA kernel (qmatmul.py)
+    cuda_matvec: bool = False  # 4-bit products of few rows through pymlxc's CUDA kernel (matvec.py)
     _freed: bool = field(default=False, repr=False)
 
     @property
@@ -330,7 +330,7 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
     nbytes = _evaluate(params, origin, progress)
     # Constants derived from weights at load (e.g. Gemma's 1 + w) are evaluated now as well.
     mx.eval(list(model.arrays()))
-    cuda_matvec = qmatmul.configure(model)
+    cuda_matvec = matvec.configure(model)
     return LoadedModel(model=model, config=config, model_type=str(model_type), path=root,
                        quantization={"group_size": int(quant.get("group_size", 64)), "bits": int(quant.get("bits", 4))}
                        if quant else None,

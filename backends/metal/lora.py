@@ -17,7 +17,7 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 
 from .nn import Embedding, Linear, Module, QuantizedEmbedding, QuantizedLinear
-from .qmatmul import mlx_kernels_only
+from .matvec import mlx_kernels_only
 
 _DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 

@@ -17,13 +17,13 @@ from typing import Any
 import pymlxc.core as mx
 from pymlxc.core import Array
 
-from . import qmatmul
+from .matvec import dense_matmul, quantized_matmul
 
 _matmul = mx.matmul
 _addmm = mx.addmm
 _take = mx.take
 _T = mx.transpose
-_qmm = qmatmul.quantized_matmul
+_qmm = mx.quantized_matmul
 _dequantize = mx.dequantize
 _rms_norm = mx.fast.rms_norm
 
@@ -182,6 +182,7 @@ class Linear(Module):
         self.weight = mx.zeros((output_dims, input_dims))
         if bias:
             self.bias = mx.zeros((output_dims,))
+        self._cuda_matvec = False  # set by matvec.configure
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
@@ -191,6 +192,9 @@ class Linear(Module):
 
     def __call__(self, x: Array) -> Array:
         b = self.__dict__.get("bias")
+        if self._cuda_matvec:
+            y = dense_matmul(x, self.weight, self._wT, True)
+            return y if b is None else y + b
         if b is None:
             return _matmul(x, self._wT)
         return _addmm(b, x, self._wT, 1.0, 1.0)
@@ -216,7 +220,7 @@ class QuantizedLinear(Module):
         if bias:
             self.bias = mx.zeros((output_dims,), dtype)
         self.freeze(["weight", "scales", "biases"], recurse=False)
-        self._cuda_matvec = False  # set by qmatmul.configure
+        self._cuda_matvec = False  # set by matvec.configure
 
     @property
     def input_dims(self) -> int:
@@ -237,7 +241,10 @@ class QuantizedLinear(Module):
         return q
 
     def __call__(self, x: Array) -> Array:
-        y = _qmm(x, self.weight, self.scales, self.biases, self.group_size, self.bits, self._cuda_matvec)
+        if self._cuda_matvec:
+            y = quantized_matmul(x, self.weight, self.scales, self.biases, self.group_size, self.bits, True)
+        else:
+            y = _qmm(x, self.weight, self.scales, self.biases, True, self.group_size, self.bits)
         b = self.__dict__.get("bias")
         return y if b is None else y + b
 
@@ -248,6 +255,7 @@ class Embedding(Module):
     def __init__(self, num_embeddings: int, dims: int) -> None:
         super().__init__()
         self.weight = mx.zeros((num_embeddings, dims))
+        self._cuda_matvec = False  # set by matvec.configure
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
@@ -259,6 +267,8 @@ class Embedding(Module):
 
     def as_linear(self, x: Array) -> Array:
         """The tied output head: x @ weight^T."""
+        if self._cuda_matvec:
+            return dense_matmul(x, self.weight, self._wT, True)
         return _matmul(x, self._wT)
 
 
@@ -276,7 +286,7 @@ class QuantizedEmbedding(Module):
         self.scales = mx.zeros((num_embeddings, dims // group_size), dtype)
         self.biases = mx.zeros((num_embeddings, dims // group_size), dtype)
         self.freeze(recurse=False)
-        self._cuda_matvec = False  # set by qmatmul.configure
+        self._cuda_matvec = False  # set by matvec.configure
 
     @classmethod
     def from_embedding(cls, emb: Embedding, group_size: int = 64, bits: int = 4) -> "QuantizedEmbedding":
@@ -290,7 +300,9 @@ class QuantizedEmbedding(Module):
                            _take(self.biases, x, axis=0), self.group_size, self.bits)
 
     def as_linear(self, x: Array) -> Array:
-        return _qmm(x, self.weight, self.scales, self.biases, self.group_size, self.bits, self._cuda_matvec)
+        if self._cuda_matvec:
+            return quantized_matmul(x, self.weight, self.scales, self.biases, self.group_size, self.bits, True)
+        return _qmm(x, self.weight, self.scales, self.biases, True, self.group_size, self.bits)
 
 
 class RMSNorm(Module):

@@ -30,7 +30,7 @@ from . import nn
 from .cache import make_prompt_mask
 from .models import qwen3
 from .models.base import attention
-from .qmatmul import mlx_kernels_only
+from .matvec import mlx_kernels_only
 from .segments import SegmentPlan, _clone, _Group, _tracing, call_segment
 
 

@@ -23,7 +23,7 @@ from pymlxc.training.config import Encoder, LoRAConfig
 
 from . import lora
 from .nn import Module
-from .qmatmul import mlx_kernels_only
+from .matvec import mlx_kernels_only
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                     "tokenizer.model", "chat_template.jinja", "chat_template.json", "added_tokens.json")

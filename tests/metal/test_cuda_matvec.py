@@ -1,5 +1,5 @@
-"""pymlxc's 4-bit CUDA matrix-vector kernel (backends/metal/cuda_qmv.py) and the choice of kernel
-(backends/metal/qmatmul.py).
+"""pymlxc's CUDA matrix-vector kernels, 4-bit and dense (backends/metal/cuda_matvec.py), and the
+choice of kernel (backends/metal/matvec.py).
 
 Everywhere: the kernel's arithmetic, replayed in numpy on MLX's own quantized layout, gives the
 product with the dequantized weights; the launch covers every output row and no more warps than
@@ -7,8 +7,8 @@ needed; `configure` marks layers only on CUDA, and refuses a bad setting by name
 `mlx_kernels_only()` a marked product runs MLX's kernel (on a machine without CUDA the kernel
 itself raises MLXError, so the scope is seen to work).
 
-On CUDA (MLX's CUDA build): the kernel matches a float64 reference as closely as MLX's own
-`quantized_matmul` for varied shapes, group sizes and dtypes; models marked to use it give the same
+On CUDA (MLX's CUDA build): each kernel matches a float64 reference as closely as MLX's own
+`quantized_matmul` / `matmul` for varied shapes, group sizes and dtypes; models marked to use it give the same
 tokens in every decode mode, logits close to MLX's, a compiled prefill that serves short and long
 chunks, and LoRA gradients.
 """
@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pymlxc.core as mx
-from pymlxc.backends.metal import cuda_qmv, qmatmul
+from pymlxc.backends.metal import cuda_matvec, matvec
 from pymlxc.backends.metal import generate as loops
 from pymlxc.backends.metal.compiled import CompiledDecoder
 from pymlxc.backends.metal.loader import load_weights_and_config
@@ -78,29 +78,35 @@ def test_the_kernel_arithmetic_gives_the_dequantized_product(m: int, chunks: int
 
 @given(n=st.integers(1, 200_000), rows_per_warp=st.integers(1, 8), m=st.integers(1, 8))
 def test_the_launch_covers_every_row_once(n: int, rows_per_warp: int, m: int) -> None:
-    geo = cuda_qmv.launch(m, 4096, n, 64, mx.bfloat16, rows_per_warp)
+    geo = cuda_matvec.launch(m, 4096, n, mx.bfloat16, 64, rows_per_warp)
     warps = geo["grid"][0] // 32
     assert geo["grid"][0] % 32 == 0 and geo["grid"][1:] == (1, 1)
     assert warps * rows_per_warp >= n > (warps - 1) * rows_per_warp
     assert dict(geo["template"]) == {"T": mx.bfloat16, "M": m, "K": 4096, "N": n, "G": 64, "R": rows_per_warp}
     assert geo["threadgroup"][0] % 32 == 0
+    dense = cuda_matvec.launch(m, 4096, n, mx.bfloat16, None, rows_per_warp)
+    assert dense["grid"] == geo["grid"] and "G" not in dict(dense["template"])
 
 
-def test_what_the_kernel_applies_to() -> None:
-    assert cuda_qmv.applies(1, 4096, 4, 64, 2) and cuda_qmv.applies(8, 64, 4, 32, 2)
-    assert not cuda_qmv.applies(9, 4096, 4, 64, 2)  # prefill rows: MLX's tensor-core kernels
-    assert not cuda_qmv.applies(0, 4096, 4, 64, 2)
-    assert not cuda_qmv.applies(1, 4096, 8, 64, 2)  # 8-bit
-    assert not cuda_qmv.applies(1, 4096, 4, 16, 2)  # a group size MLX does not make
-    assert not cuda_qmv.applies(1, 4096, 4, 64, 4)  # float32 x
-    assert not cuda_qmv.applies(1, 48, 4, 16, 2)  # K not a multiple of 32
+def test_what_the_kernels_apply_to() -> None:
+    q = cuda_matvec.quantized_applies
+    assert q(1, 4096, 4, 64, 2) and q(8, 64, 4, 32, 2)
+    assert not q(9, 4096, 4, 64, 2)  # prefill rows: MLX's tensor-core kernels
+    assert not q(0, 4096, 4, 64, 2)
+    assert not q(1, 4096, 8, 64, 2)  # 8-bit
+    assert not q(1, 4096, 4, 16, 2)  # a group size MLX does not make
+    assert not q(1, 4096, 4, 64, 4)  # float32 x
+    assert not q(1, 48, 4, 16, 2)  # K not a multiple of 32
+    d = cuda_matvec.dense_applies
+    assert d(1, 8, 2) and d(8, 4096, 2)
+    assert not d(9, 4096, 2) and not d(1, 4096, 4) and not d(1, 12, 2)
 
 
 @pytest.fixture
 def tiny(tmp_path: Path):
     opened = []
 
-    def load(arch: str = "llama", bits: int | None = 4):
+    def load(arch: str = "qwen3", bits: int | None = 4):
         path = write_tiny_model(tmp_path / f"{arch}-{bits}", arch, quantize_bits=bits, num_layers=2, dtype="float16")
         loaded = load_weights_and_config(path)
         opened.append(loaded)
@@ -115,19 +121,20 @@ def _quantized_layers(model: Any) -> list[Any]:
     return [m for _, m in model.named_modules() if hasattr(m, "_cuda_matvec")]
 
 
-def test_configure_marks_layers_only_on_cuda(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
-    loaded = tiny()
+@pytest.mark.parametrize("bits", [4, None])
+def test_configure_marks_layers_only_on_cuda(tiny, monkeypatch: pytest.MonkeyPatch, bits: int | None) -> None:
+    loaded = tiny(bits=bits)
     layers = _quantized_layers(loaded.model)
-    assert layers
-    monkeypatch.setenv("PYMLXC_CUDA_QMV", "1")
-    assert qmatmul.configure(loaded.model) is ON_CUDA
+    assert len(layers) == 2 * 7 + 1  # seven linears per block, the tied embedding
+    monkeypatch.setenv("PYMLXC_CUDA_MATVEC", "1")
+    assert matvec.configure(loaded.model) is ON_CUDA
     assert [m._cuda_matvec for m in layers] == [ON_CUDA] * len(layers)
-    monkeypatch.setenv("PYMLXC_CUDA_QMV", "auto")  # a tiny model is far below the size where it pays
-    assert qmatmul.configure(loaded.model) is False
+    monkeypatch.setenv("PYMLXC_CUDA_MATVEC", "auto")  # a tiny model is far below the size where it pays
+    assert matvec.configure(loaded.model) is False
     assert not any(m._cuda_matvec for m in layers)
-    monkeypatch.setenv("PYMLXC_CUDA_QMV", "fast")
-    with pytest.raises(ValueError, match="PYMLXC_CUDA_QMV"):
-        qmatmul.configure(loaded.model)
+    monkeypatch.setenv("PYMLXC_CUDA_MATVEC", "fast")
+    with pytest.raises(ValueError, match="PYMLXC_CUDA_MATVEC"):
+        matvec.configure(loaded.model)
 
 
 def test_mlx_kernels_only_holds_on_its_thread() -> None:
@@ -137,10 +144,10 @@ def test_mlx_kernels_only_holds_on_its_thread() -> None:
     want = np.asarray(x.astype(mx.float32), np.float64) @ deq.T
 
     def product() -> np.ndarray:
-        return np.asarray(qmatmul.quantized_matmul(x, w, s, b, 64, 4, cuda_matvec=True).astype(mx.float32))
+        return np.asarray(matvec.quantized_matmul(x, w, s, b, 64, 4, cuda_matvec=True).astype(mx.float32))
 
     seen: list[Any] = []
-    with qmatmul.mlx_kernels_only():
+    with matvec.mlx_kernels_only():
         np.testing.assert_allclose(product(), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
         other = threading.Thread(target=lambda: seen.append(_outcome(product)))
         other.start()
@@ -174,8 +181,27 @@ def test_the_kernel_is_as_close_to_float64_as_mlx(m: int, chunks: int, n: int, g
     x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(getattr(mx, dtype))
     want = np.asarray(x.astype(mx.float32), np.float64) @ deq.T
     scale = float(np.abs(want).max()) or 1.0
-    ours = np.asarray(qmatmul.quantized_matmul(x, w, s, b, group, 4, cuda_matvec=True).astype(mx.float32))
+    ours = np.asarray(matvec.quantized_matmul(x, w, s, b, group, 4, cuda_matvec=True).astype(mx.float32))
     theirs = np.asarray(mx.quantized_matmul(x, w, s, b, True, group, 4).astype(mx.float32))
+    err_ours = float(np.abs(ours - want).max()) / scale
+    err_theirs = float(np.abs(theirs - want).max()) / scale
+    assert ours.shape == (m, n)
+    assert err_ours <= max(err_theirs * 1.5, 8e-3), (err_ours, err_theirs)
+
+
+@cuda_only
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(m=st.integers(1, 8), chunks=st.integers(1, 1200), n=st.integers(1, 700),
+       dtype=st.sampled_from(["bfloat16", "float16"]), seed=st.integers(0, 2**16))
+def test_the_dense_kernel_is_as_close_to_float64_as_mlx(m: int, chunks: int, n: int, dtype: str, seed: int) -> None:
+    k = chunks * 8
+    rng = np.random.default_rng(seed)
+    w = mx.array((rng.standard_normal((n, k)) * 0.05).astype(np.float32)).astype(getattr(mx, dtype))
+    x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(getattr(mx, dtype))
+    want = np.asarray(x.astype(mx.float32), np.float64) @ np.asarray(w.astype(mx.float32), np.float64).T
+    scale = float(np.abs(want).max()) or 1.0
+    ours = np.asarray(matvec.dense_matmul(x, w, mx.transpose(w), cuda_matvec=True).astype(mx.float32))
+    theirs = np.asarray(mx.matmul(x, mx.transpose(w)).astype(mx.float32))
     err_ours = float(np.abs(ours - want).max()) / scale
     err_theirs = float(np.abs(theirs - want).max()) / scale
     assert ours.shape == (m, n)
@@ -188,11 +214,12 @@ def _greedy_run(model: Any, prompt: list[int], decoder: CompiledDecoder | None) 
 
 
 @cuda_only
+@pytest.mark.parametrize("bits", [4, None])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_marked_models_keep_their_tokens_in_every_decode_mode(tiny, monkeypatch: pytest.MonkeyPatch,
-                                                              arch: str) -> None:
-    monkeypatch.setenv("PYMLXC_CUDA_QMV", "1")
-    loaded = tiny(arch)
+                                                              arch: str, bits: int | None) -> None:
+    monkeypatch.setenv("PYMLXC_CUDA_MATVEC", "1")
+    loaded = tiny(arch, bits)
     assert loaded.cuda_matvec
     model = loaded.model
     prompt = [int(i) for i in np.random.default_rng(3).integers(16, 500, size=37)]
@@ -207,7 +234,7 @@ def test_marked_models_keep_their_tokens_in_every_decode_mode(tiny, monkeypatch:
     cache = model.make_cache(None)
     model(tokens[:, :-1], cache=cache)
     ours = np.asarray(model(tokens[:, -1:], cache=cache).astype(mx.float32))
-    with qmatmul.mlx_kernels_only():
+    with matvec.mlx_kernels_only():
         cache = model.make_cache(None)
         model(tokens[:, :-1], cache=cache)
         theirs = np.asarray(model(tokens[:, -1:], cache=cache).astype(mx.float32))
@@ -216,14 +243,14 @@ def test_marked_models_keep_their_tokens_in_every_decode_mode(tiny, monkeypatch:
 
 @cuda_only
 def test_the_compiled_prefill_serves_short_and_long_chunks(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PYMLXC_CUDA_QMV", "1")
+    monkeypatch.setenv("PYMLXC_CUDA_MATVEC", "1")
     model = tiny().model
     decoder = CompiledDecoder(model, "segmented")
     runner = decoder.prefill_runner(True)
     assert runner is not None
     tokens = mx.array([[int(i) for i in np.random.default_rng(4).integers(16, 500, size=45)]], dtype=mx.int32)
     ours, theirs = model.make_cache(None), model.make_cache(None)
-    with qmatmul.mlx_kernels_only():
+    with matvec.mlx_kernels_only():
         for start, stop in ((0, 3), (3, 45)):  # traced on 3 rows (the kernel's range), replayed on 42
             runner(tokens[:, start:stop], ours)
             model(tokens[:, start:stop], cache=theirs)
@@ -240,7 +267,7 @@ def test_lora_gradients_through_a_marked_model(tmp_path: Path, monkeypatch: pyte
     from pymlxc.training import LoRAConfig, TrainConfig, Trainer
     from pymlxc.training.data import Example, make_batch
 
-    monkeypatch.setenv("PYMLXC_CUDA_QMV", "1")
+    monkeypatch.setenv("PYMLXC_CUDA_MATVEC", "1")
     path = write_tiny_model(tmp_path / "m", "llama", quantize_bits=4, num_layers=2, dtype="float16")
     with pymlxc.load_model(str(path), backend="metal") as model:
         adapter = model.apply_lora(LoRAConfig(rank=4, alpha=8, target_keys=("q_proj", "v_proj")))

@@ -1,4 +1,5 @@
-"""The 4-bit matrix-vector product on this GPU: MLX's `quantized_matmul` against pymlxc's CUDA kernel.
+"""Matrix-vector products on this GPU: MLX's `quantized_matmul` (4-bit) and `matmul` (bfloat16)
+against pymlxc's CUDA kernels (`--kind quantized|dense`).
 
 Run through MLX's own Python API, so it needs no pymlxc build. For each weight shape of the
 Llama-3.2-1B and Llama-3.1-8B decode steps (fused q/k/v, o, fused gate/up, down, output head):
@@ -10,7 +11,7 @@ Llama-3.2-1B and Llama-3.1-8B decode steps (fused q/k/v, o, fused gate/up, down,
 * `stacked`: the same weights as one product with that many more rows, which measures the device
   alone (one host encode for many bytes), as GB/s.
 
-    python benchmarks/probe_qmv.py --out DIR
+    python benchmarks/probe_matvec.py --out DIR
 """
 from __future__ import annotations
 
@@ -27,9 +28,9 @@ import numpy as np
 
 # Loaded by path: importing the package would load pymlxc's own library, which this probe does not need.
 _spec = importlib.util.spec_from_file_location(
-    "cuda_qmv", Path(__file__).resolve().parents[1] / "backends" / "metal" / "cuda_qmv.py")
-cuda_qmv = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cuda_qmv)
+    "cuda_matvec", Path(__file__).resolve().parents[1] / "backends" / "metal" / "cuda_matvec.py")
+kernels = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(kernels)
 
 SHAPES = {  # name: (K, N)
     "1b.qkv": (2048, 3072), "1b.o": (2048, 2048), "1b.gate_up": (2048, 16384), "1b.down": (8192, 2048),
@@ -38,19 +39,24 @@ SHAPES = {  # name: (K, N)
 }
 
 
-def _kernel() -> Any:
-    return mx.fast.cuda_kernel(cuda_qmv.KERNEL_NAME, list(cuda_qmv.INPUT_NAMES), list(cuda_qmv.OUTPUT_NAMES),
-                               cuda_qmv.SOURCE, header=cuda_qmv.HEADER)
+def _kernel(kind: str) -> Any:
+    if kind == "dense":
+        return mx.fast.cuda_kernel(kernels.DENSE_NAME, list(kernels.DENSE_INPUTS), list(kernels.OUTPUT_NAMES),
+                                   kernels.DENSE_SOURCE, header=kernels.HEADER)
+    return mx.fast.cuda_kernel(kernels.QUANTIZED_NAME, list(kernels.QUANTIZED_INPUTS), list(kernels.OUTPUT_NAMES),
+                               kernels.QUANTIZED_SOURCE, header=kernels.HEADER)
 
 
 def _ours(kernel: Any, x: Any, q: Any, rows_per_warp: int) -> Any:
-    w, s, b = q
-    n, k = w.shape[0], x.shape[-1]
-    geo = cuda_qmv.launch(x.shape[0], k, n, 64, x.dtype, rows_per_warp)
-    return kernel(inputs=[x, w, s, b], output_shapes=[(x.shape[0], n)], output_dtypes=[x.dtype], **geo)[0]
+    """q: (w, scales, biases) for the quantized kernel, (w,) for the dense one."""
+    n, k = q[0].shape[0], x.shape[-1]
+    geo = kernels.launch(x.shape[0], k, n, x.dtype, 64 if len(q) == 3 else None, rows_per_warp)
+    return kernel(inputs=[x, *q], output_shapes=[(x.shape[0], n)], output_dtypes=[x.dtype], **geo)[0]
 
 
 def _mlx(x: Any, q: Any) -> Any:
+    if len(q) == 1:
+        return x @ q[0].T
     return mx.quantized_matmul(x, *q, transpose=True, group_size=64, bits=4)
 
 
@@ -64,14 +70,15 @@ def _time(make_outputs: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
-def probe(shape: str, kernel: Any, min_bytes: int, x_rows: int, repeats: int) -> dict[str, Any]:
+def probe(shape: str, kind: str, kernel: Any, min_bytes: int, x_rows: int, repeats: int) -> dict[str, Any]:
     k, n = SHAPES[shape]
     mx.random.seed(0)
     x = (mx.random.normal((x_rows, k)) * 0.5).astype(mx.bfloat16)
     dense = (mx.random.normal((n, k)) * 0.02).astype(mx.bfloat16)
-    q = mx.quantize(dense, 64, 4)
+    q = (dense,) if kind == "dense" else mx.quantize(dense, 64, 4)
     mx.eval(x, *q)
-    ref = np.array(x.astype(mx.float32) @ mx.dequantize(*q, group_size=64, bits=4).astype(mx.float32).T)
+    full = dense if kind == "dense" else mx.dequantize(*q, group_size=64, bits=4)
+    ref = np.array(x.astype(mx.float32) @ full.astype(mx.float32).T)
     scale = float(np.abs(ref).max())
     out: dict[str, Any] = {"K": k, "N": n, "x_rows": x_rows, "error": {}}
     variants = {"mlx": lambda xx, qq: _mlx(xx, qq)}
@@ -85,7 +92,7 @@ def probe(shape: str, kernel: Any, min_bytes: int, x_rows: int, repeats: int) ->
     copies = max(1, -(-min_bytes // weight_bytes))
     many = [tuple(a + 0 for a in q) for _ in range(copies)]  # distinct buffers
     mx.eval(many)
-    stacked = tuple(mx.concatenate([c[i] for c in many], axis=0) for i in range(3))
+    stacked = tuple(mx.concatenate([c[i] for c in many], axis=0) for i in range(len(q)))
     mx.eval(stacked)
     out["copies"] = copies
     out["weight_mb"] = round(weight_bytes / 1e6, 2)
@@ -106,19 +113,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--x-rows", type=int, nargs="+", default=[1])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    parser.add_argument("--kind", choices=["quantized", "dense"], default="quantized")
     args = parser.parse_args()
-    kernel = _kernel()
-    results = {"device": str(mx.default_device()), "mlx": mx.__version__, "probes": {}}
+    kernel = _kernel(args.kind)
+    results = {"device": str(mx.default_device()), "mlx": mx.__version__, "kind": args.kind, "probes": {}}
     for rows in args.x_rows:
         for shape in args.shapes:
             key = f"{shape}.m{rows}"
-            results["probes"][key] = r = probe(shape, kernel, args.bytes, rows, args.repeats)
+            results["probes"][key] = r = probe(shape, args.kind, kernel, args.bytes, rows, args.repeats)
             errs = " ".join(f"{k}={v:.1e}" for k, v in r["error"].items())
             us = " ".join(f"{k}={v}" for k, v in r["us_per_call"].items())
             gb = " ".join(f"{k}={v}" for k, v in r["stacked_gbps"].items())
             print(f"{key:16s} err {errs}\n{'':16s} us {us}\n{'':16s} GB/s {gb}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "probe_qmv.json").write_text(json.dumps(results, indent=1))
+    (args.out / f"probe_{args.kind}.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,118 @@
+"""Which kernel multiplies a few rows of x by a layer's weight on CUDA: MLX's (`matmul`,
+`quantized_matmul`) or pymlxc's matrix-vector kernels (`cuda_matvec`: 4-bit and dense).
+
+pymlxc's 4-bit kernel reads the weights at about 1.8x the bandwidth of MLX's (H100,
+`benchmarks/probe_matvec.py`), but MLX takes longer to encode a custom-kernel node than its own. So it
+pays where the device bounds a decode step: many weight bytes per layer, whose encoding costs the
+same whatever their size. Measured on an H100 (decode tok/s, MLX's kernel -> pymlxc's):
+Llama-3.1-8B 4-bit 171 -> 262, Llama-3.2-1B 4-bit 677 -> 789, Qwen3-0.6B 4-bit 411 -> 398.
+
+`configure(model)` decides once, at load, for the device in use then, and marks the model's layers
+(`_cuda_matvec`). `PYMLXC_CUDA_MATVEC` sets it: `auto` (the default: 4-bit layers, when the model
+has at least `AUTO_MIN_BYTES_PER_LAYER` of 4-bit weights per transformer block, its head and
+embedding included), `1` (4-bit and bfloat16/float16 layers, any size) or `0` (never).
+
+Inside `mlx_kernels_only()` every product goes to MLX: a shapeless trace (the compiled prefill)
+must not bake in a row count, and gradients (training) need MLX's own transposes.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pymlxc.core as mx
+from pymlxc.core import Array
+
+from . import cuda_matvec as kernels
+
+# 4-bit bytes per block: Llama-3.1-8B 140 MB, Llama-3.2-1B 43 MB, Gemma-3-1B 22 MB, Qwen3-0.6B 12 MB.
+AUTO_MIN_BYTES_PER_LAYER = 30_000_000
+_state = threading.local()
+_kernels_lock = threading.Lock()
+_kernels: dict[str, Any] = {}
+
+
+def _kernel(name: str, inputs: tuple[str, ...], source: str) -> Any:
+    """The process's one instance of a kernel (MLX compiles it once per template)."""
+    with _kernels_lock:
+        k = _kernels.get(name)
+        if k is None:
+            k = _kernels[name] = mx.fast.cuda_kernel(name, inputs, kernels.OUTPUT_NAMES, source,
+                                                     header=kernels.HEADER)
+        return k
+
+
+def _use(cuda_matvec: bool) -> bool:
+    return cuda_matvec and not getattr(_state, "mlx_only", False)
+
+
+@contextmanager
+def mlx_kernels_only() -> Iterator[None]:
+    """Within (on this thread): MLX's `quantized_matmul` for every product."""
+    before = getattr(_state, "mlx_only", False)
+    _state.mlx_only = True
+    try:
+        yield
+    finally:
+        _state.mlx_only = before
+
+
+def quantized_matmul(x: Array, weight: Array, scales: Array, biases: Array, group_size: int, bits: int,
+                     cuda_matvec: bool = False) -> Array:
+    """`x @ dequantize(weight).T`; through pymlxc's kernel when `cuda_matvec` and it applies."""
+    if _use(cuda_matvec):
+        k = x.shape[-1]
+        rows = x.size // k if k else 0
+        if x.dtype == scales.dtype and kernels.quantized_applies(rows, k, bits, group_size, x.dtype.size):
+            n = weight.shape[0]
+            kernel = _kernel(kernels.QUANTIZED_NAME, kernels.QUANTIZED_INPUTS, kernels.QUANTIZED_SOURCE)
+            return kernel([x, weight, scales, biases], output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype],
+                          **kernels.launch(rows, k, n, x.dtype, group_size))[0]
+    return mx.quantized_matmul(x, weight, scales, biases, True, group_size, bits)
+
+
+def dense_matmul(x: Array, weight: Array, weight_t: Array, cuda_matvec: bool = False) -> Array:
+    """`x @ weight.T` (`weight_t` is that transpose, a view); through pymlxc's kernel when
+    `cuda_matvec` and it applies."""
+    if _use(cuda_matvec):
+        k = x.shape[-1]
+        rows = x.size // k if k else 0
+        if x.dtype == weight.dtype and kernels.dense_applies(rows, k, x.dtype.size):
+            n = weight.shape[0]
+            kernel = _kernel(kernels.DENSE_NAME, kernels.DENSE_INPUTS, kernels.DENSE_SOURCE)
+            return kernel([x, weight], output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype],
+                          **kernels.launch(rows, k, n, x.dtype))[0]
+    return mx.matmul(x, weight_t)
+
+
+def _choice() -> str:
+    value = os.environ.get("PYMLXC_CUDA_MATVEC", "auto").strip().lower()
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"PYMLXC_CUDA_MATVEC must be auto, 0 or 1, not {value!r}")
+    return value
+
+
+def configure(model: Any) -> bool:
+    """Mark `model`'s layers to use pymlxc's kernels when this process runs on CUDA and the setting
+    (see the module docstring) says so; returns whether any is. Elsewhere, a no-op."""
+    from .nn import Embedding, Linear, QuantizedEmbedding, QuantizedLinear  # noqa: PLC0415 - nn imports this
+
+    choice = _choice()
+    layers = [m for _, m in model.named_modules() if isinstance(m, (Linear, Embedding, QuantizedLinear,
+                                                                     QuantizedEmbedding))]
+    four_bit = [m for m in layers if isinstance(m, (QuantizedLinear, QuantizedEmbedding)) and m.bits == 4]
+    dense = [m for m in layers if isinstance(m, (Linear, Embedding)) and m.weight.dtype.size == 2]
+    blocks = max(1, len(getattr(model, "layers", None) or ()))
+    per_block = sum(m.weight.nbytes + m.scales.nbytes + m.biases.nbytes for m in four_bit) / blocks
+    on_cuda = choice != "0" and mx.cuda_available() and mx.default_device().type == "gpu"
+    chosen = set()
+    if on_cuda and (choice == "1" or per_block >= AUTO_MIN_BYTES_PER_LAYER):
+        chosen.update(id(m) for m in four_bit)
+    if on_cuda and choice == "1":
+        chosen.update(id(m) for m in dense)
+    for m in layers:
+        m._cuda_matvec = id(m) in chosen  # noqa: SLF001 - the layers' own switch
+    return bool(chosen)

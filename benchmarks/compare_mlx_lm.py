@@ -168,7 +168,7 @@ class Pymlxc(Side):
         self.mode = mode
         self.threaded = threaded  # None: the default for the device (PYMLXC_EVAL_THREAD)
         self.matvec_setting = cuda_matvec  # None: the default (PYMLXC_CUDA_MATVEC), read at load
-        self.cuda_matvec = False  # whether the loaded model uses pymlxc's CUDA matvec kernels
+        self.cuda_matvec = False  # whether the loaded model uses pymlxc's CUDA matvec kernel
         self.loaded: Any = None
         self.decoder: CompiledDecoder | None = None
         self.context_len = LoadConfig().context_len  # what MetalTextModel uses by default
@@ -507,8 +507,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--segmented", action="store_true",
                    help="add pymlxc with the segmented decode step (PYMLXC_DECODE=segmented; Llama family)")
     p.add_argument("--cuda-matvec", choices=["0", "1"], default=None,
-                   help="add pymlxc with PYMLXC_CUDA_MATVEC set (0: MLX's matvec kernels only; 1: pymlxc's, "
-                        "4-bit and dense, at any size)")
+                   help="add pymlxc with PYMLXC_CUDA_MATVEC set (0: MLX's 4-bit matvec only; 1: pymlxc's at "
+                        "any size)")
     p.add_argument("--models-dir", type=Path, default=None,
                    help="where the random models are written and reused (default: a temporary folder)")
     p.add_argument("--out", type=Path, default=Path("."), help="folder for compare_mlx_lm.json and .png")

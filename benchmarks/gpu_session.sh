@@ -179,7 +179,7 @@ PY
         2>&1 | tee "$OUT/matvec-tests/pytest.txt" || echo "!!! matvec tests failed (see $OUT/matvec-tests/pytest.txt)"
       if [ "$CPU" = 1 ]; then bench matvec-8b --shapes llama-3.2-1b-narrow --layers 4 --cuda-matvec 0
       else
-        run "$PY" benchmarks/probe_matvec.py --kind dense --out "$OUT/matvec-probe" 2>&1 | tail -30 \
+        run "$PY" benchmarks/probe_matvec.py --out "$OUT/matvec-probe" 2>&1 | tail -30 \
           || echo "!!! probe_matvec failed"
         bench matvec-8b --shapes llama-3.1-8b --quant 4bit --cuda-matvec 0
       fi

@@ -1,5 +1,7 @@
-"""Matrix-vector products on this GPU: MLX's `quantized_matmul` (4-bit) and `matmul` (bfloat16)
-against pymlxc's CUDA kernels (`--kind quantized|dense`).
+"""The 4-bit matrix-vector product on this GPU: MLX's `quantized_matmul` against pymlxc's CUDA kernel.
+
+(A dense bfloat16 kernel was probed the same way at commit 97ce951, `--kind dense`: no faster than
+MLX's matmul, so it was removed; `benchmarks/h100/session6/matvec-probe` keeps its figures.)
 
 Run through MLX's own Python API, so it needs no pymlxc build. For each weight shape of the
 Llama-3.2-1B and Llama-3.1-8B decode steps (fused q/k/v, o, fused gate/up, down, output head):
@@ -39,24 +41,18 @@ SHAPES = {  # name: (K, N)
 }
 
 
-def _kernel(kind: str) -> Any:
-    if kind == "dense":
-        return mx.fast.cuda_kernel(kernels.DENSE_NAME, list(kernels.DENSE_INPUTS), list(kernels.OUTPUT_NAMES),
-                                   kernels.DENSE_SOURCE, header=kernels.HEADER)
+def _kernel() -> Any:
     return mx.fast.cuda_kernel(kernels.QUANTIZED_NAME, list(kernels.QUANTIZED_INPUTS), list(kernels.OUTPUT_NAMES),
                                kernels.QUANTIZED_SOURCE, header=kernels.HEADER)
 
 
 def _ours(kernel: Any, x: Any, q: Any, rows_per_warp: int) -> Any:
-    """q: (w, scales, biases) for the quantized kernel, (w,) for the dense one."""
     n, k = q[0].shape[0], x.shape[-1]
-    geo = kernels.launch(x.shape[0], k, n, x.dtype, 64 if len(q) == 3 else None, rows_per_warp)
+    geo = kernels.launch(x.shape[0], k, n, x.dtype, 64, rows_per_warp)
     return kernel(inputs=[x, *q], output_shapes=[(x.shape[0], n)], output_dtypes=[x.dtype], **geo)[0]
 
 
 def _mlx(x: Any, q: Any) -> Any:
-    if len(q) == 1:
-        return x @ q[0].T
     return mx.quantized_matmul(x, *q, transpose=True, group_size=64, bits=4)
 
 
@@ -70,15 +66,14 @@ def _time(make_outputs: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
-def probe(shape: str, kind: str, kernel: Any, min_bytes: int, x_rows: int, repeats: int) -> dict[str, Any]:
+def probe(shape: str, kernel: Any, min_bytes: int, x_rows: int, repeats: int) -> dict[str, Any]:
     k, n = SHAPES[shape]
     mx.random.seed(0)
     x = (mx.random.normal((x_rows, k)) * 0.5).astype(mx.bfloat16)
     dense = (mx.random.normal((n, k)) * 0.02).astype(mx.bfloat16)
-    q = (dense,) if kind == "dense" else mx.quantize(dense, 64, 4)
+    q = mx.quantize(dense, 64, 4)
     mx.eval(x, *q)
-    full = dense if kind == "dense" else mx.dequantize(*q, group_size=64, bits=4)
-    ref = np.array(x.astype(mx.float32) @ full.astype(mx.float32).T)
+    ref = np.array(x.astype(mx.float32) @ mx.dequantize(*q, group_size=64, bits=4).astype(mx.float32).T)
     scale = float(np.abs(ref).max())
     out: dict[str, Any] = {"K": k, "N": n, "x_rows": x_rows, "error": {}}
     variants = {"mlx": lambda xx, qq: _mlx(xx, qq)}
@@ -92,7 +87,7 @@ def probe(shape: str, kind: str, kernel: Any, min_bytes: int, x_rows: int, repea
     copies = max(1, -(-min_bytes // weight_bytes))
     many = [tuple(a + 0 for a in q) for _ in range(copies)]  # distinct buffers
     mx.eval(many)
-    stacked = tuple(mx.concatenate([c[i] for c in many], axis=0) for i in range(len(q)))
+    stacked = tuple(mx.concatenate([c[i] for c in many], axis=0) for i in range(3))
     mx.eval(stacked)
     out["copies"] = copies
     out["weight_mb"] = round(weight_bytes / 1e6, 2)
@@ -113,20 +108,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--x-rows", type=int, nargs="+", default=[1])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
-    parser.add_argument("--kind", choices=["quantized", "dense"], default="quantized")
     args = parser.parse_args()
-    kernel = _kernel(args.kind)
-    results = {"device": str(mx.default_device()), "mlx": mx.__version__, "kind": args.kind, "probes": {}}
+    kernel = _kernel()
+    results = {"device": str(mx.default_device()), "mlx": mx.__version__, "probes": {}}
     for rows in args.x_rows:
         for shape in args.shapes:
             key = f"{shape}.m{rows}"
-            results["probes"][key] = r = probe(shape, args.kind, kernel, args.bytes, rows, args.repeats)
+            results["probes"][key] = r = probe(shape, kernel, args.bytes, rows, args.repeats)
             errs = " ".join(f"{k}={v:.1e}" for k, v in r["error"].items())
             us = " ".join(f"{k}={v}" for k, v in r["us_per_call"].items())
             gb = " ".join(f"{k}={v}" for k, v in r["stacked_gbps"].items())
             print(f"{key:16s} err {errs}\n{'':16s} us {us}\n{'':16s} GB/s {gb}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"probe_{args.kind}.json").write_text(json.dumps(results, indent=1))
+    (args.out / "probe_quantized.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,4 @@
-"""Matrix-vector products for CUDA, for a few rows of x: `x @ dequantize(w).T` with 4-bit weights
-(`QUANTIZED_SOURCE`) and `x @ w.T` with bfloat16/float16 weights (`DENSE_SOURCE`).
+"""A 4-bit quantized matrix-vector product for CUDA: `x @ dequantize(w).T` for a few rows of x.
 
 MLX's CUDA `quantized_matmul` for one token gives each output row one warp, which reads 8 bytes of
 packed weights per lane per step and accumulates in bfloat16. On an H100 the 8B shape's decode step
@@ -14,11 +13,12 @@ The layout is MLX's affine quantization (`mx.quantize(w, group_size, 4)`): `w` i
 (rows, K / 8) with element j of a row in bits 4 * (j % 8) of word j / 8, and `scales` / `biases`
 (rows, K / group_size), so a weight is scale * q + bias.
 
-The dense kernel is the same loop over 16-byte chunks of 8 weights (`w` as a Linear holds it,
-(rows, K)): MLX's own matrix-vector kernel reads 8 bytes per lane.
+Dense (bfloat16) weights stay with MLX: the same loop over 16-byte chunks of 8 weights read them no
+faster than MLX's own matrix-vector kernel, about 2.0 against 2.1 TB/s on an H100 (commit 97ce951,
+`benchmarks/h100/session6/matvec-probe`).
 
-This module holds only the sources and the launch geometry, so that the probe can run the same
-kernels through MLX's own Python API; `matvec.py` applies them through `pymlxc.core`.
+This module holds only the source and the launch geometry, so that the probe can run the same
+kernel through MLX's own Python API; `matvec.py` applies it through `pymlxc.core`.
 """
 from __future__ import annotations
 
@@ -26,8 +26,6 @@ from typing import Any
 
 QUANTIZED_NAME = "pymlxc_qmv4"
 QUANTIZED_INPUTS = ("x", "w", "scales", "biases")
-DENSE_NAME = "pymlxc_mv"
-DENSE_INPUTS = ("x", "w")
 OUTPUT_NAMES = ("out",)
 THREADS_PER_BLOCK = 128
 ROWS_PER_WARP = 2
@@ -138,86 +136,18 @@ QUANTIZED_SOURCE = r"""
 """
 
 
-# Template arguments: T (x, w and out dtype), M (rows of x), K (input size), N (output rows),
-# R (output rows per warp).
-DENSE_SOURCE = r"""
-  constexpr int CHUNKS = K / 8;  // 16-byte chunks of weights per row
-  constexpr int ITERS = (CHUNKS + 31) / 32;
-  const int lane = threadIdx.x & 31;
-  const int row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
-  if (row0 >= N) {
-    return;
-  }
-  float acc[M][R];
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      acc[m][r] = 0.f;
-    }
-  }
-  const uint4* wv = reinterpret_cast<const uint4*>(w);
-#pragma unroll 4
-  for (int it = 0; it < ITERS; ++it) {
-    const int c = it * 32 + lane;
-    if ((CHUNKS % 32) != 0 && c >= CHUNKS) {
-      break;
-    }
-    float wf[R][8];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const size_t row = static_cast<size_t>(min(row0 + r, N - 1));  // see the quantized kernel
-      pymlxc_mv::load8(reinterpret_cast<const T*>(wv + row * CHUNKS + c), wf[r]);
-    }
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float xf[8];
-      pymlxc_mv::load8(x + static_cast<size_t>(m) * K + c * 8, xf);
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          acc[m][r] = fmaf(xf[i], wf[r][i], acc[m][r]);
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      float v = acc[m][r];
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        v += __shfl_xor_sync(0xffffffffu, v, off);
-      }
-      if (lane == 0 && row0 + r < N) {
-        out[static_cast<size_t>(m) * N + row0 + r] = static_cast<T>(v);
-      }
-    }
-  }
-"""
-
-
 def quantized_applies(x_rows: int, k: int, bits: int, group_size: int, dtype_size: int) -> bool:
     """Whether the quantized kernel computes the product: 4-bit weights, 2-byte floats, a few rows of x."""
     return (bits == 4 and group_size in GROUP_SIZES and dtype_size == 2 and 1 <= x_rows <= MAX_X_ROWS
             and k % 32 == 0 and k % group_size == 0)
 
 
-def dense_applies(x_rows: int, k: int, dtype_size: int) -> bool:
-    """Whether the dense kernel computes the product: 2-byte floats, a few rows of x."""
-    return dtype_size == 2 and 1 <= x_rows <= MAX_X_ROWS and k % 8 == 0
-
-
-def launch(x_rows: int, k: int, n: int, dtype: Any, group_size: int | None = None,
+def launch(x_rows: int, k: int, n: int, dtype: Any, group_size: int,
            rows_per_warp: int = ROWS_PER_WARP) -> dict[str, Any]:
-    """Keyword arguments of a kernel call for x (x_rows, k) and weights of n rows: grid, threads,
-    template (`group_size` for the quantized kernel, None for the dense one)."""
+    """Keyword arguments of a kernel call for x (x_rows, k) and weights of n rows: grid, threads, template."""
     warps = -(-n // rows_per_warp)
-    group = [] if group_size is None else [("G", group_size)]
     return {
         "grid": (warps * 32, 1, 1),
         "threadgroup": (THREADS_PER_BLOCK, 1, 1),
-        "template": [("T", dtype), ("M", x_rows), ("K", k), ("N", n), *group, ("R", rows_per_warp)],
+        "template": [("T", dtype), ("M", x_rows), ("K", k), ("N", n), ("G", group_size), ("R", rows_per_warp)],
     }

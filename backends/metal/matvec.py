@@ -1,5 +1,5 @@
-"""Which kernel multiplies a few rows of x by a layer's weight on CUDA: MLX's (`matmul`,
-`quantized_matmul`) or pymlxc's matrix-vector kernels (`cuda_matvec`: 4-bit and dense).
+"""Which kernel multiplies a few rows of x by a 4-bit weight on CUDA: MLX's `quantized_matmul` or
+pymlxc's matrix-vector kernel (`cuda_matvec`).
 
 pymlxc's 4-bit kernel reads the weights at about 1.8x the bandwidth of MLX's (H100,
 `benchmarks/probe_matvec.py`), but MLX takes longer to encode a custom-kernel node than its own. So it
@@ -8,9 +8,9 @@ same whatever their size. Measured on an H100 (decode tok/s, MLX's kernel -> pym
 Llama-3.1-8B 4-bit 171 -> 262, Llama-3.2-1B 4-bit 677 -> 789, Qwen3-0.6B 4-bit 411 -> 398.
 
 `configure(model)` decides once, at load, for the device in use then, and marks the model's layers
-(`_cuda_matvec`). `PYMLXC_CUDA_MATVEC` sets it: `auto` (the default: 4-bit layers, when the model
-has at least `AUTO_MIN_BYTES_PER_LAYER` of 4-bit weights per transformer block, its head and
-embedding included), `1` (4-bit and bfloat16/float16 layers, any size) or `0` (never).
+(`_cuda_matvec`). `PYMLXC_CUDA_MATVEC` sets it: `auto` (the default: when the model has at least
+`AUTO_MIN_BYTES_PER_LAYER` of 4-bit weights per transformer block, its head and embedding
+included), `1` (any size) or `0` (never).
 
 Inside `mlx_kernels_only()` every product goes to MLX: a shapeless trace (the compiled prefill)
 must not bake in a row count, and gradients (training) need MLX's own transposes.
@@ -74,20 +74,6 @@ def quantized_matmul(x: Array, weight: Array, scales: Array, biases: Array, grou
     return mx.quantized_matmul(x, weight, scales, biases, True, group_size, bits)
 
 
-def dense_matmul(x: Array, weight: Array, weight_t: Array, cuda_matvec: bool = False) -> Array:
-    """`x @ weight.T` (`weight_t` is that transpose, a view); through pymlxc's kernel when
-    `cuda_matvec` and it applies."""
-    if _use(cuda_matvec):
-        k = x.shape[-1]
-        rows = x.size // k if k else 0
-        if x.dtype == weight.dtype and kernels.dense_applies(rows, k, x.dtype.size):
-            n = weight.shape[0]
-            kernel = _kernel(kernels.DENSE_NAME, kernels.DENSE_INPUTS, kernels.DENSE_SOURCE)
-            return kernel([x, weight], output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype],
-                          **kernels.launch(rows, k, n, x.dtype))[0]
-    return mx.matmul(x, weight_t)
-
-
 def _choice() -> str:
     value = os.environ.get("PYMLXC_CUDA_MATVEC", "auto").strip().lower()
     if value not in ("auto", "0", "1"):
@@ -96,23 +82,17 @@ def _choice() -> str:
 
 
 def configure(model: Any) -> bool:
-    """Mark `model`'s layers to use pymlxc's kernels when this process runs on CUDA and the setting
-    (see the module docstring) says so; returns whether any is. Elsewhere, a no-op."""
-    from .nn import Embedding, Linear, QuantizedEmbedding, QuantizedLinear  # noqa: PLC0415 - nn imports this
+    """Mark `model`'s 4-bit layers to use pymlxc's kernel when this process runs on CUDA and the
+    setting (see the module docstring) says so; returns whether it did. Elsewhere, a no-op."""
+    from .nn import QuantizedEmbedding, QuantizedLinear  # noqa: PLC0415 - nn imports this module
 
     choice = _choice()
-    layers = [m for _, m in model.named_modules() if isinstance(m, (Linear, Embedding, QuantizedLinear,
-                                                                     QuantizedEmbedding))]
-    four_bit = [m for m in layers if isinstance(m, (QuantizedLinear, QuantizedEmbedding)) and m.bits == 4]
-    dense = [m for m in layers if isinstance(m, (Linear, Embedding)) and m.weight.dtype.size == 2]
+    layers = [m for _, m in model.named_modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))]
+    four_bit = [m for m in layers if m.bits == 4]
     blocks = max(1, len(getattr(model, "layers", None) or ()))
     per_block = sum(m.weight.nbytes + m.scales.nbytes + m.biases.nbytes for m in four_bit) / blocks
-    on_cuda = choice != "0" and mx.cuda_available() and mx.default_device().type == "gpu"
-    chosen = set()
-    if on_cuda and (choice == "1" or per_block >= AUTO_MIN_BYTES_PER_LAYER):
-        chosen.update(id(m) for m in four_bit)
-    if on_cuda and choice == "1":
-        chosen.update(id(m) for m in dense)
+    use = (choice != "0" and bool(four_bit) and mx.cuda_available() and mx.default_device().type == "gpu"
+           and (choice == "1" or per_block >= AUTO_MIN_BYTES_PER_LAYER))
     for m in layers:
-        m._cuda_matvec = id(m) in chosen  # noqa: SLF001 - the layers' own switch
-    return bool(chosen)
+        m._cuda_matvec = use and m.bits == 4  # noqa: SLF001 - the layers' own switch
+    return use

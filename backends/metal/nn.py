@@ -17,7 +17,7 @@ from typing import Any
 import pymlxc.core as mx
 from pymlxc.core import Array
 
-from .matvec import dense_matmul, quantized_matmul
+from .matvec import quantized_matmul
 
 _matmul = mx.matmul
 _addmm = mx.addmm
@@ -182,7 +182,6 @@ class Linear(Module):
         self.weight = mx.zeros((output_dims, input_dims))
         if bias:
             self.bias = mx.zeros((output_dims,))
-        self._cuda_matvec = False  # set by matvec.configure
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
@@ -192,9 +191,6 @@ class Linear(Module):
 
     def __call__(self, x: Array) -> Array:
         b = self.__dict__.get("bias")
-        if self._cuda_matvec:
-            y = dense_matmul(x, self.weight, self._wT, True)
-            return y if b is None else y + b
         if b is None:
             return _matmul(x, self._wT)
         return _addmm(b, x, self._wT, 1.0, 1.0)
@@ -255,7 +251,6 @@ class Embedding(Module):
     def __init__(self, num_embeddings: int, dims: int) -> None:
         super().__init__()
         self.weight = mx.zeros((num_embeddings, dims))
-        self._cuda_matvec = False  # set by matvec.configure
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
@@ -267,8 +262,6 @@ class Embedding(Module):
 
     def as_linear(self, x: Array) -> Array:
         """The tied output head: x @ weight^T."""
-        if self._cuda_matvec:
-            return dense_matmul(x, self.weight, self._wT, True)
         return _matmul(x, self._wT)
 
 

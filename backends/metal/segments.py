@@ -36,7 +36,7 @@ from pymlxc.core.transforms import FixedArrays
 
 from .models import llama, qwen3
 from .nn import Module
-from .matvec import dense_matmul, quantized_matmul
+from .matvec import quantized_matmul
 from .nn import silu as nn_silu
 from .sample import greedy
 from .step_queue import StepQueue
@@ -75,9 +75,6 @@ class FusedProjection(Module):
 
     def joint(self, x: Array) -> Array:
         """The linears' outputs side by side on the last axis (one matmul)."""
-        if self._wT is not None and self._cuda_matvec:
-            y = dense_matmul(x, self._weight, self._wT, True)
-            return y if self._bias is None else y + self._bias
         if self._wT is not None:
             return mx.matmul(x, self._wT) if self._bias is None else mx.addmm(self._bias, x, self._wT, 1.0, 1.0)
         y = quantized_matmul(x, self._weight, self._scales, self._biases, self._group_size, self._bits,
@@ -127,8 +124,7 @@ def fuse(linears: Sequence[Module]) -> Fusion | None:
     if type(linears[0]) is nn.Linear:
         weight = mx.concatenate([m.weight for m in linears], axis=0)
         parts = {"weight": weight}
-        fused = FusedProjection(sizes, weight_t=mx.transpose(weight), weight=weight, bias=bias,
-                                cuda_matvec=all(m._cuda_matvec for m in linears))  # noqa: SLF001
+        fused = FusedProjection(sizes, weight_t=mx.transpose(weight), bias=bias)
     else:
         if len({(m.group_size, m.bits, m.scales.dtype) for m in linears}) != 1:
             return None

@@ -1,5 +1,5 @@
-"""pymlxc's CUDA matrix-vector kernels, 4-bit and dense (backends/metal/cuda_matvec.py), and the
-choice of kernel (backends/metal/matvec.py).
+"""pymlxc's 4-bit CUDA matrix-vector kernel (backends/metal/cuda_matvec.py) and the choice of
+kernel (backends/metal/matvec.py).
 
 Everywhere: the kernel's arithmetic, replayed in numpy on MLX's own quantized layout, gives the
 product with the dequantized weights; the launch covers every output row and no more warps than
@@ -7,8 +7,8 @@ needed; `configure` marks layers only on CUDA, and refuses a bad setting by name
 `mlx_kernels_only()` a marked product runs MLX's kernel (on a machine without CUDA the kernel
 itself raises MLXError, so the scope is seen to work).
 
-On CUDA (MLX's CUDA build): each kernel matches a float64 reference as closely as MLX's own
-`quantized_matmul` / `matmul` for varied shapes, group sizes and dtypes; models marked to use it give the same
+On CUDA (MLX's CUDA build): the kernel matches a float64 reference as closely as MLX's own
+`quantized_matmul` for varied shapes, group sizes and dtypes; models marked to use it give the same
 tokens in every decode mode, logits close to MLX's, a compiled prefill that serves short and long
 chunks, and LoRA gradients.
 """
@@ -84,11 +84,9 @@ def test_the_launch_covers_every_row_once(n: int, rows_per_warp: int, m: int) ->
     assert warps * rows_per_warp >= n > (warps - 1) * rows_per_warp
     assert dict(geo["template"]) == {"T": mx.bfloat16, "M": m, "K": 4096, "N": n, "G": 64, "R": rows_per_warp}
     assert geo["threadgroup"][0] % 32 == 0
-    dense = cuda_matvec.launch(m, 4096, n, mx.bfloat16, None, rows_per_warp)
-    assert dense["grid"] == geo["grid"] and "G" not in dict(dense["template"])
 
 
-def test_what_the_kernels_apply_to() -> None:
+def test_what_the_kernel_applies_to() -> None:
     q = cuda_matvec.quantized_applies
     assert q(1, 4096, 4, 64, 2) and q(8, 64, 4, 32, 2)
     assert not q(9, 4096, 4, 64, 2)  # prefill rows: MLX's tensor-core kernels
@@ -97,9 +95,6 @@ def test_what_the_kernels_apply_to() -> None:
     assert not q(1, 4096, 4, 16, 2)  # a group size MLX does not make
     assert not q(1, 4096, 4, 64, 4)  # float32 x
     assert not q(1, 48, 4, 16, 2)  # K not a multiple of 32
-    d = cuda_matvec.dense_applies
-    assert d(1, 8, 2) and d(8, 4096, 2)
-    assert not d(9, 4096, 2) and not d(1, 4096, 4) and not d(1, 12, 2)
 
 
 @pytest.fixture
@@ -121,9 +116,8 @@ def _quantized_layers(model: Any) -> list[Any]:
     return [m for _, m in model.named_modules() if hasattr(m, "_cuda_matvec")]
 
 
-@pytest.mark.parametrize("bits", [4, None])
-def test_configure_marks_layers_only_on_cuda(tiny, monkeypatch: pytest.MonkeyPatch, bits: int | None) -> None:
-    loaded = tiny(bits=bits)
+def test_configure_marks_layers_only_on_cuda(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    loaded = tiny()
     layers = _quantized_layers(loaded.model)
     assert len(layers) == 2 * 7 + 1  # seven linears per block, the tied embedding
     monkeypatch.setenv("PYMLXC_CUDA_MATVEC", "1")
@@ -189,37 +183,17 @@ def test_the_kernel_is_as_close_to_float64_as_mlx(m: int, chunks: int, n: int, g
     assert err_ours <= max(err_theirs * 1.5, 8e-3), (err_ours, err_theirs)
 
 
-@cuda_only
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(m=st.integers(1, 8), chunks=st.integers(1, 1200), n=st.integers(1, 700),
-       dtype=st.sampled_from(["bfloat16", "float16"]), seed=st.integers(0, 2**16))
-def test_the_dense_kernel_is_as_close_to_float64_as_mlx(m: int, chunks: int, n: int, dtype: str, seed: int) -> None:
-    k = chunks * 8
-    rng = np.random.default_rng(seed)
-    w = mx.array((rng.standard_normal((n, k)) * 0.05).astype(np.float32)).astype(getattr(mx, dtype))
-    x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(getattr(mx, dtype))
-    want = np.asarray(x.astype(mx.float32), np.float64) @ np.asarray(w.astype(mx.float32), np.float64).T
-    scale = float(np.abs(want).max()) or 1.0
-    ours = np.asarray(matvec.dense_matmul(x, w, mx.transpose(w), cuda_matvec=True).astype(mx.float32))
-    theirs = np.asarray(mx.matmul(x, mx.transpose(w)).astype(mx.float32))
-    err_ours = float(np.abs(ours - want).max()) / scale
-    err_theirs = float(np.abs(theirs - want).max()) / scale
-    assert ours.shape == (m, n)
-    assert err_ours <= max(err_theirs * 1.5, 8e-3), (err_ours, err_theirs)
-
-
 def _greedy_run(model: Any, prompt: list[int], decoder: CompiledDecoder | None) -> list[int]:
     return list(loops.generate_ids(model, prompt, cache=model.make_cache(None), max_tokens=16, sampler=greedy,
                                    decoder=decoder))
 
 
 @cuda_only
-@pytest.mark.parametrize("bits", [4, None])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_marked_models_keep_their_tokens_in_every_decode_mode(tiny, monkeypatch: pytest.MonkeyPatch,
-                                                              arch: str, bits: int | None) -> None:
+                                                              arch: str) -> None:
     monkeypatch.setenv("PYMLXC_CUDA_MATVEC", "1")
-    loaded = tiny(arch, bits)
+    loaded = tiny(arch)
     assert loaded.cuda_matvec
     model = loaded.model
     prompt = [int(i) for i in np.random.default_rng(3).integers(16, 500, size=37)]

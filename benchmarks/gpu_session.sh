@@ -33,7 +33,7 @@
 # MLX's quantized_matmul is benchmarks/probe_matvec.py, which needs no libmlxc): its GPU tests, the 8B shape with and without it (--cuda-qmv 0) and the
 # 1B-class 4-bit shapes forced onto it (--cuda-qmv 1).
 #
-# Stages: setup smoke tests bench-1b bench-gemma bench-8b variants profile probe matvec matvec-bench report all
+# Stages: setup smoke tests bench-1b bench-gemma bench-8b variants profile probe matvec matvec-bench targets report all
 # Options: --dry-run (print the commands only), --cpu-check (run every stage on this machine's CPU
 # with tiny shapes: checks the plumbing, not the numbers).
 set -euo pipefail
@@ -51,7 +51,7 @@ for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
     --cpu-check) CPU=1 ;;
-    setup|smoke|tests|bench-1b|bench-gemma|bench-8b|variants|profile|probe|matvec|matvec-bench|report) stages+=("$arg") ;;
+    setup|smoke|tests|bench-1b|bench-gemma|bench-8b|variants|profile|probe|matvec|matvec-bench|targets|report) stages+=("$arg") ;;
     all) stages+=(setup smoke tests bench-1b bench-gemma bench-8b report) ;;
     -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "gpu_session.sh: unknown stage or option: $arg" >&2; exit 2 ;;
@@ -191,10 +191,17 @@ PY
         bench matvec-gemma --shapes gemma-3-1b --quant bf16 4bit --cuda-matvec 1
       fi
       ;;
+    targets)
+      if [ "$CPU" = 1 ]; then bench targets --shapes llama-3.2-1b-narrow qwen3-0.6b-narrow
+      else
+        bench targets-1b --shapes llama-3.2-1b qwen3-0.6b gemma-3-1b --quant bf16 4bit
+        bench targets-8b --shapes llama-3.1-8b --quant 4bit --cuda-matvec 0
+      fi
+      ;;
     report)
       mkdir -p "$OUT/report"
       parts=()
-      for part in bench-1b bench-gemma bench-8b variants; do
+      for part in bench-1b bench-gemma bench-8b variants targets-1b targets-8b; do
         if [ -f "$OUT/$part/compare_mlx_lm.json" ]; then parts+=("$OUT/$part/compare_mlx_lm.json"); fi
       done
       if [ ${#parts[@]} -eq 0 ] && [ "$DRY" = 0 ]; then echo "no bench results in $OUT yet" >&2; exit 1; fi

@@ -60,12 +60,15 @@ __device__ __forceinline__ void load8(const T* p, float* f) {
 }  // namespace pymlxc_mv
 """
 
-# Template arguments: T (x, scales, biases and out dtype), M (rows of x), K (input size),
-# N (output rows), G (group size), R (output rows per warp).
+# Template arguments: T (x, scales, biases and out dtype), M (rows of x), G (group size), R (output
+# rows per warp). The weight's sizes are read from its shape at run time, so that a model's linears
+# share one compiled kernel per row count of x: NVRTC compiles each template once per process.
 QUANTIZED_SOURCE = r"""
-  constexpr int CHUNKS = K / 32;  // 16-byte chunks of packed weights per row
-  constexpr int GROUPS = K / G;
-  constexpr int ITERS = (CHUNKS + 31) / 32;
+  const int N = w_shape[0];
+  const int CHUNKS = w_shape[1] / 4;  // 16-byte chunks of packed weights per row
+  const int K = CHUNKS * 32;
+  const int GROUPS = K / G;
+  const int ITERS = (CHUNKS + 31) / 32;
   const int lane = threadIdx.x & 31;
   const int row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
   if (row0 >= N) {
@@ -83,7 +86,7 @@ QUANTIZED_SOURCE = r"""
 #pragma unroll 2
   for (int it = 0; it < ITERS; ++it) {
     const int c = it * 32 + lane;
-    if ((CHUNKS % 32) != 0 && c >= CHUNKS) {
+    if (c >= CHUNKS) {
       break;
     }
     const int g = (c * 32) / G;
@@ -149,5 +152,5 @@ def launch(x_rows: int, k: int, n: int, dtype: Any, group_size: int,
     return {
         "grid": (warps * 32, 1, 1),
         "threadgroup": (THREADS_PER_BLOCK, 1, 1),
-        "template": [("T", dtype), ("M", x_rows), ("K", k), ("N", n), ("G", group_size), ("R", rows_per_warp)],
+        "template": [("T", dtype), ("M", x_rows), ("G", group_size), ("R", rows_per_warp)],
     }

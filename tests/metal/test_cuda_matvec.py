@@ -82,7 +82,7 @@ def test_the_launch_covers_every_row_once(n: int, rows_per_warp: int, m: int) ->
     warps = geo["grid"][0] // 32
     assert geo["grid"][0] % 32 == 0 and geo["grid"][1:] == (1, 1)
     assert warps * rows_per_warp >= n > (warps - 1) * rows_per_warp
-    assert dict(geo["template"]) == {"T": mx.bfloat16, "M": m, "K": 4096, "N": n, "G": 64, "R": rows_per_warp}
+    assert dict(geo["template"]) == {"T": mx.bfloat16, "M": m, "G": 64, "R": rows_per_warp}  # not K, N: one compile
     assert geo["threadgroup"][0] % 32 == 0
 
 

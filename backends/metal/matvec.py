@@ -31,18 +31,18 @@ from . import cuda_matvec as kernels
 # 4-bit bytes per block: Llama-3.1-8B 140 MB, Llama-3.2-1B 43 MB, Gemma-3-1B 22 MB, Qwen3-0.6B 12 MB.
 AUTO_MIN_BYTES_PER_LAYER = 30_000_000
 _state = threading.local()
-_kernels_lock = threading.Lock()
-_kernels: dict[str, Any] = {}
+_kernel_lock = threading.Lock()
+_kernel: Any = None
 
 
-def _kernel(name: str, inputs: tuple[str, ...], source: str) -> Any:
-    """The process's one instance of a kernel (MLX compiles it once per template)."""
-    with _kernels_lock:
-        k = _kernels.get(name)
-        if k is None:
-            k = _kernels[name] = mx.fast.cuda_kernel(name, inputs, kernels.OUTPUT_NAMES, source,
-                                                     header=kernels.HEADER)
-        return k
+def _the_kernel() -> Any:
+    """The process's one instance of the kernel (MLX compiles it once per template)."""
+    global _kernel
+    with _kernel_lock:
+        if _kernel is None:
+            _kernel = mx.fast.cuda_kernel(kernels.QUANTIZED_NAME, kernels.QUANTIZED_INPUTS, kernels.OUTPUT_NAMES,
+                                          kernels.QUANTIZED_SOURCE, header=kernels.HEADER)
+        return _kernel
 
 
 def _use(cuda_matvec: bool) -> bool:
@@ -68,9 +68,8 @@ def quantized_matmul(x: Array, weight: Array, scales: Array, biases: Array, grou
         rows = x.size // k if k else 0
         if x.dtype == scales.dtype and kernels.quantized_applies(rows, k, bits, group_size, x.dtype.size):
             n = weight.shape[0]
-            kernel = _kernel(kernels.QUANTIZED_NAME, kernels.QUANTIZED_INPUTS, kernels.QUANTIZED_SOURCE)
-            return kernel([x, weight, scales, biases], output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype],
-                          **kernels.launch(rows, k, n, x.dtype, group_size))[0]
+            return _the_kernel()([x, weight, scales, biases], output_shapes=[(*x.shape[:-1], n)],
+                                 output_dtypes=[x.dtype], **kernels.launch(rows, k, n, x.dtype, group_size))[0]
     return mx.quantized_matmul(x, weight, scales, biases, True, group_size, bits)
 
 

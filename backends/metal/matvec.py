@@ -8,7 +8,9 @@ same whatever their size. Measured on an H100 (decode tok/s, MLX's kernel -> pym
 Llama-3.1-8B 4-bit 171 -> 262, Llama-3.2-1B 4-bit 677 -> 789, Qwen3-0.6B 4-bit 411 -> 398.
 
 `configure(model)` decides once, at load, for the device in use then, and marks the model's layers
-(`_cuda_matvec`). `PYMLXC_CUDA_MATVEC` sets it: `auto` (the default: when the model has at least
+(`_cuda_matvec`). It runs the kernel once there: NVRTC compiles it then (about 1.5 s on an H100,
+once per process), not in the first generation, and a kernel that cannot run on this machine
+leaves the model on MLX's kernel with a warning instead of failing a generation. `PYMLXC_CUDA_MATVEC` sets it: `auto` (the default: when the model has at least
 `AUTO_MIN_BYTES_PER_LAYER` of 4-bit weights per transformer block, its head and embedding
 included), `1` (any size) or `0` (never).
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -87,11 +90,25 @@ def configure(model: Any) -> bool:
 
     choice = _choice()
     layers = [m for _, m in model.named_modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))]
-    four_bit = [m for m in layers if m.bits == 4]
+    four_bit = [m for m in layers if m.bits == 4 and m.scales.dtype.size == 2]  # what the kernel takes
     blocks = max(1, len(getattr(model, "layers", None) or ()))
     per_block = sum(m.weight.nbytes + m.scales.nbytes + m.biases.nbytes for m in four_bit) / blocks
     use = (choice != "0" and bool(four_bit) and mx.cuda_available() and mx.default_device().type == "gpu"
-           and (choice == "1" or per_block >= AUTO_MIN_BYTES_PER_LAYER))
+           and (choice == "1" or per_block >= AUTO_MIN_BYTES_PER_LAYER) and _runs_on(four_bit[0]))
+    chosen = {id(m) for m in four_bit} if use else set()
     for m in layers:
-        m._cuda_matvec = use and m.bits == 4  # noqa: SLF001 - the layers' own switch
+        m._cuda_matvec = id(m) in chosen  # noqa: SLF001 - the layers' own switch
     return use
+
+
+def _runs_on(layer: Any) -> bool:
+    """Run the kernel once on `layer` (one row of zeros): compiles it now; False, with a warning,
+    if it cannot run here."""
+    try:
+        x = mx.zeros((1, layer.weight.shape[1] * 8), layer.scales.dtype)
+        mx.eval(quantized_matmul(x, layer.weight, layer.scales, layer.biases, layer.group_size, 4, True))
+        return True
+    except Exception as exc:  # noqa: BLE001 - whatever stops it here, MLX's kernel still works
+        warnings.warn(f"pymlxc's CUDA matvec kernel cannot run here ({exc}); the model uses MLX's "
+                      "quantized_matmul", RuntimeWarning, stacklevel=3)
+        return False

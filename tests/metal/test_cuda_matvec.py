@@ -3,7 +3,8 @@ kernel (backends/metal/matvec.py).
 
 Everywhere: the kernel's arithmetic, replayed in numpy on MLX's own quantized layout, gives the
 product with the dequantized weights; the launch covers every output row and no more warps than
-needed; `configure` marks layers only on CUDA, and refuses a bad setting by name; inside
+needed; `configure` marks layers only on CUDA, refuses a bad setting by name, and leaves the model
+on MLX's kernel, with a warning, when the kernel cannot run; inside
 `mlx_kernels_only()` a marked product runs MLX's kernel (on a machine without CUDA the kernel
 itself raises MLXError, so the scope is seen to work).
 
@@ -129,6 +130,22 @@ def test_configure_marks_layers_only_on_cuda(tiny, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("PYMLXC_CUDA_MATVEC", "fast")
     with pytest.raises(ValueError, match="PYMLXC_CUDA_MATVEC"):
         matvec.configure(loaded.model)
+
+
+def test_a_kernel_that_cannot_run_leaves_the_model_on_mlx(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    loaded = tiny()
+    layers = _quantized_layers(loaded.model)
+
+    def broken() -> Any:
+        raise mx.MLXError("nvrtc: error: no such architecture")
+
+    monkeypatch.setenv("PYMLXC_CUDA_MATVEC", "1")
+    monkeypatch.setattr(matvec.mx, "cuda_available", lambda: True)  # as on a CUDA machine
+    monkeypatch.setattr(matvec.mx, "default_device", lambda: mx.Device("gpu", 0))
+    monkeypatch.setattr(matvec, "_the_kernel", broken)
+    with pytest.warns(RuntimeWarning, match="no such architecture"):
+        assert matvec.configure(loaded.model) is False
+    assert not any(m._cuda_matvec for m in layers)
 
 
 def test_mlx_kernels_only_holds_on_its_thread() -> None:

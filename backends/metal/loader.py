@@ -20,7 +20,7 @@ from typing import Any
 import pymlxc.core as mx
 from pymlxc.core import Array, MLXError
 
-from . import nn, matvec
+from . import matvec, nn
 from .models import UnsupportedModelError, get_model_module, infer_model_type
 from .models.base import ConfigError
 from .switch import QuantizedSwitchLinear

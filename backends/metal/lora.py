@@ -16,8 +16,8 @@ from typing import Any
 import pymlxc.core as mx
 from pymlxc.core import Array
 
-from .nn import Embedding, Linear, Module, QuantizedEmbedding, QuantizedLinear
 from .matvec import mlx_kernels_only
+from .nn import Embedding, Linear, Module, QuantizedEmbedding, QuantizedLinear
 
 _DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 

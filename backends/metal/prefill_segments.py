@@ -28,9 +28,9 @@ from pymlxc.core import Array
 
 from . import nn
 from .cache import make_prompt_mask
+from .matvec import mlx_kernels_only
 from .models import qwen3
 from .models.base import attention
-from .matvec import mlx_kernels_only
 from .segments import SegmentPlan, _clone, _Group, _tracing, call_segment
 
 

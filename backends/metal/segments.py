@@ -34,9 +34,9 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 from pymlxc.core.transforms import FixedArrays
 
+from .matvec import quantized_matmul
 from .models import llama, qwen3
 from .nn import Module
-from .matvec import quantized_matmul
 from .nn import silu as nn_silu
 from .sample import greedy
 from .step_queue import StepQueue

@@ -21,9 +21,9 @@ from pymlxc.training.adapters import (
 )
 from pymlxc.training.config import Encoder, LoRAConfig
 
-from . import lora
-from .nn import Module
+from . import lora, matvec
 from .matvec import mlx_kernels_only
+from .nn import Module
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                     "tokenizer.model", "chat_template.jinja", "chat_template.json", "added_tokens.json")
@@ -213,6 +213,7 @@ class TrainableMixin:
         model = self._net()
         n = lora.fuse(model, dequantize=dequantize)
         mx.eval(list(model.parameters().values()))
+        matvec.configure(model)  # the fused layers are new modules: choose their kernel again
         self._adapter._detached()
         self._adapter = None
         return n

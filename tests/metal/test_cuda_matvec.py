@@ -270,3 +270,31 @@ def test_lora_gradients_through_a_marked_model(tmp_path: Path, monkeypatch: pyte
         after = {k: np.asarray(v.astype(mx.float32)) for k, v in adapter.trainable_parameters().items()}
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
     assert any(not np.array_equal(before[k], after[k]) for k in before)
+
+
+def test_fused_adapter_layers_choose_their_kernel_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fusing requantizes the adapted layers into new modules; they are marked like the rest."""
+    import pymlxc
+    from pymlxc.training import LoRAConfig
+
+    path = write_tiny_model(tmp_path / "m", "qwen3", quantize_bits=4, num_layers=2, dtype="float16")
+    monkeypatch.setenv("PYMLXC_CUDA_MATVEC", "1")
+    monkeypatch.setattr(matvec.mx, "cuda_available", lambda: True)  # the choice alone, as on CUDA
+    monkeypatch.setattr(matvec.mx, "default_device", lambda: mx.Device("gpu", 0))
+    monkeypatch.setattr(matvec, "_runs_on", lambda layer: True)
+    with pymlxc.load_model(str(path), backend="metal") as model:
+        model.apply_lora(LoRAConfig(rank=4, alpha=8, target_keys=("q_proj", "v_proj")))
+        monkeypatch.setattr(matvec, "configure", _counting(matvec.configure, calls := []))
+        assert model.fuse_adapter() == 2 * 2
+        net = model._net()  # noqa: SLF001 - the module tree behind the model
+        layers = _quantized_layers(net)
+        assert len(calls) == 1 and len(layers) == 2 * 7 + 1
+        assert all(m._cuda_matvec for m in layers)
+
+
+def _counting(fn: Any, calls: list[Any]) -> Any:
+    def wrapped(*args: Any) -> Any:
+        calls.append(args)
+        return fn(*args)
+
+    return wrapped

@@ -3,7 +3,7 @@
 MLX's CUDA `quantized_matmul` for one token gives each output row one warp, which reads 8 bytes of
 packed weights per lane per step and accumulates in bfloat16. On an H100 the 8B shape's decode step
 reads its weights at about a quarter of the memory bandwidth with it. This kernel reads 16 bytes
-per lane per step (32 weights), keeps `ROWS` output rows per warp so each load of x serves several
+per lane per step (32 weights), keeps `ROWS_PER_WARP` output rows per warp so each load of x serves several
 rows, accumulates in float32, and turns nibbles into floats without the slow integer conversion:
 a nibble q placed in the mantissa of 1.0 is the float 1 + q/16, so
 

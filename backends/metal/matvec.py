@@ -69,8 +69,11 @@ def quantized_matmul(x: Array, weight: Array, scales: Array, biases: Array, grou
     if _use(cuda_matvec):
         k = x.shape[-1]
         rows = x.size // k if k else 0
-        if x.dtype == scales.dtype and kernels.quantized_applies(rows, k, bits, group_size, x.dtype.size):
-            n = weight.shape[0]
+        n = weight.shape[0]
+        # Shapes that do not fit go to MLX, which names the mismatch (the kernel reads by weight shape).
+        fits = (weight.ndim == 2 and weight.shape[1] * 8 == k and tuple(scales.shape) == (n, k // group_size)
+                and tuple(biases.shape) == tuple(scales.shape))
+        if fits and x.dtype == scales.dtype and kernels.quantized_applies(rows, k, bits, group_size, x.dtype.size):
             return _the_kernel()([x, weight, scales, biases], output_shapes=[(*x.shape[:-1], n)],
                                  output_dtypes=[x.dtype], **kernels.launch(rows, k, n, x.dtype, group_size))[0]
     return mx.quantized_matmul(x, weight, scales, biases, True, group_size, bits)

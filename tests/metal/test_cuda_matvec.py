@@ -171,6 +171,14 @@ def test_mlx_kernels_only_holds_on_its_thread() -> None:
             assert isinstance(outcome, mx.MLXError) and "CUDA" in str(outcome)
 
 
+def test_shapes_that_do_not_fit_get_mlx_s_error() -> None:
+    """The kernel sizes its reads by the weight; a mismatched x must not reach it (it would read
+    past the rows), but MLX's check, which names the shapes."""
+    w, s, b = mx.quantize(mx.zeros((16, 128), mx.float16), 64, 4)
+    with pytest.raises(mx.MLXError, match=r"Last dimension of first input with shape \(\.\.\., 64\)"):
+        mx.eval(matvec.quantized_matmul(mx.zeros((1, 64), mx.float16), w, s, b, 64, 4, cuda_matvec=True))
+
+
 def _outcome(fn: Any) -> Any:
     try:
         return fn()

@@ -6,12 +6,22 @@ from pathlib import Path
 
 
 def children(pid: int | None = None) -> set[int]:
-    """Live child processes of `pid` (default: this process), zombies included, from /proc."""
+    """Live child processes of `pid` (default: this process), zombies included, from /proc.
+
+    Read from every process's parent pid in `/proc/<pid>/stat`, not from the per-thread
+    `task/*/children` lists: those miss a child while it is reparented from a thread that spawned
+    it and exited (the workers of a model with parallel slots are started on such threads)."""
+    parent = pid or os.getpid()
     found: set[int] = set()
-    task_dir = Path(f"/proc/{pid or os.getpid()}/task")
-    for task in task_dir.iterdir():
-        try:
-            found |= {int(c) for c in (task / "children").read_text().split()}
-        except OSError:
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
             continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")".
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[1]) == parent:
+            found.add(int(entry.name))
     return found

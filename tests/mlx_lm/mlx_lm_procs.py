@@ -9,8 +9,8 @@ def children(pid: int | None = None) -> set[int]:
     """Live child processes of `pid` (default: this process), zombies included, from /proc.
 
     Read from every process's parent pid in `/proc/<pid>/stat`, not from the per-thread
-    `task/*/children` lists: those miss a child while it is reparented from a thread that spawned
-    it and exited (the workers of a model with parallel slots are started on such threads)."""
+    `task/*/children` lists, which proc(5) calls unreliable: one missed a worker once in a full
+    run (the workers of a model with parallel slots are started on pool threads that exit)."""
     parent = pid or os.getpid()
     found: set[int] = set()
     for entry in Path("/proc").iterdir():

@@ -69,14 +69,21 @@ def quantized_matmul(x: Array, weight: Array, scales: Array, biases: Array, grou
     if _use(cuda_matvec):
         k = x.shape[-1]
         rows = x.size // k if k else 0
-        n = weight.shape[0]
-        # Shapes that do not fit go to MLX, which names the mismatch (the kernel reads by weight shape).
-        fits = (weight.ndim == 2 and weight.shape[1] * 8 == k and tuple(scales.shape) == (n, k // group_size)
-                and tuple(biases.shape) == tuple(scales.shape))
-        if fits and x.dtype == scales.dtype and kernels.quantized_applies(rows, k, bits, group_size, x.dtype.size):
+        # The cheap tests first: a prompt chunk (many rows) goes to MLX without the shape checks.
+        if (kernels.quantized_applies(rows, k, bits, group_size, x.dtype.size)
+                and _fits(x, weight, scales, biases, group_size)):
+            n = weight.shape[0]
             return _the_kernel()([x, weight, scales, biases], output_shapes=[(*x.shape[:-1], n)],
                                  output_dtypes=[x.dtype], **kernels.launch(rows, k, n, x.dtype, group_size))[0]
     return mx.quantized_matmul(x, weight, scales, biases, True, group_size, bits)
+
+
+def _fits(x: Array, weight: Array, scales: Array, biases: Array, group_size: int) -> bool:
+    """Whether the arrays fit each other as the kernel reads them (by the weight's shape). Those
+    that do not go to MLX, whose error names the mismatch."""
+    k, n = x.shape[-1], weight.shape[0]
+    return (x.dtype == scales.dtype and weight.ndim == 2 and weight.shape[1] * 8 == k
+            and tuple(scales.shape) == (n, k // group_size) and tuple(biases.shape) == tuple(scales.shape))
 
 
 def _choice() -> str:

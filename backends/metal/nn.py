@@ -237,6 +237,7 @@ class QuantizedLinear(Module):
         return q
 
     def __call__(self, x: Array) -> Array:
+        # Unmarked layers call MLX directly: no extra Python call on the uncompiled per-token path.
         if self._cuda_matvec:
             y = quantized_matmul(x, self.weight, self.scales, self.biases, self.group_size, self.bits, True)
         else:

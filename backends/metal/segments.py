@@ -330,13 +330,10 @@ class SegmentedSession:
         self._position = first_position  # of the next step built
         self._on_fail = on_fail
 
-    def _call(self, fn: Any, group: _Group, inputs: list[Array]) -> list[Array]:
-        return call_segment(fn, group, inputs)
-
     def _step(self, tokens: Array, pos: Array) -> tuple[Array, Array]:
         """One token through every layer; returns (sampled ids or logits, pos + 1)."""
         fns, p = self._fns, self._position
-        q, k, v, h = self._call(fns.first, self._first, [tokens, pos])
+        q, k, v, h = call_segment(fns.first, self._first, [tokens, pos])
         buffers = self._buffers
         out = None
         for i, scale in enumerate(self._scales):
@@ -349,9 +346,9 @@ class SegmentedSession:
             attn = _sdpa(q, mx.slice(keys, [0, 0, 0, 0], [b, kvh, p + 1, dk], [1, 1, 1, 1]),
                          mx.slice(values, [0, 0, 0, 0], [b, kvh, p + 1, dv], [1, 1, 1, 1]), scale=scale)
             if i + 1 < len(self._scales):
-                q, k, v, h = self._call(fns.mid, self._mids[i], [attn, h, pos])
+                q, k, v, h = call_segment(fns.mid, self._mids[i], [attn, h, pos])
             else:
-                out, pos = self._call(fns.last, self._last, [attn, h, pos])
+                out, pos = call_segment(fns.last, self._last, [attn, h, pos])
         self._position += 1
         return out, pos
 

@@ -292,7 +292,8 @@ def test_fused_adapter_layers_choose_their_kernel_again(tmp_path: Path, monkeypa
     monkeypatch.setattr(matvec, "_runs_on", lambda layer: True)
     with pymlxc.load_model(str(path), backend="metal") as model:
         model.apply_lora(LoRAConfig(rank=4, alpha=8, target_keys=("q_proj", "v_proj")))
-        monkeypatch.setattr(matvec, "configure", _counting(matvec.configure, calls := []))
+        calls: list[Any] = []
+        monkeypatch.setattr(matvec, "configure", _counting(matvec.configure, calls))
         assert model.fuse_adapter() == 2 * 2
         net = model._net()  # noqa: SLF001 - the module tree behind the model
         layers = _quantized_layers(net)

@@ -33,7 +33,10 @@
 # MLX's quantized_matmul is benchmarks/probe_matvec.py, which needs no libmlxc): its GPU tests, the 8B shape with and without it (--cuda-qmv 0) and the
 # 1B-class 4-bit shapes forced onto it (--cuda-qmv 1).
 #
-# Stages: setup smoke tests bench-1b bench-gemma bench-8b variants profile probe matvec matvec-bench targets report all
+# `graphs` counts the CUDA kernels per decode step and per prompt of both sides from MLX's own graph
+# dumps (benchmarks/probe_cuda_graphs.py), for Llama-3.2-1B and Qwen3-0.6B in bfloat16.
+#
+# Stages: setup smoke tests bench-1b bench-gemma bench-8b variants profile probe matvec matvec-bench targets graphs report all
 # Options: --dry-run (print the commands only), --cpu-check (run every stage on this machine's CPU
 # with tiny shapes: checks the plumbing, not the numbers).
 set -euo pipefail
@@ -51,7 +54,7 @@ for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
     --cpu-check) CPU=1 ;;
-    setup|smoke|tests|bench-1b|bench-gemma|bench-8b|variants|profile|probe|matvec|matvec-bench|targets|report) stages+=("$arg") ;;
+    setup|smoke|tests|bench-1b|bench-gemma|bench-8b|variants|profile|probe|matvec|matvec-bench|targets|graphs|report) stages+=("$arg") ;;
     all) stages+=(setup smoke tests bench-1b bench-gemma bench-8b report) ;;
     -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "gpu_session.sh: unknown stage or option: $arg" >&2; exit 2 ;;
@@ -197,6 +200,16 @@ PY
         bench targets-1b --shapes llama-3.2-1b qwen3-0.6b gemma-3-1b --quant bf16 4bit
         bench targets-8b --shapes llama-3.1-8b --quant 4bit --cuda-matvec 0
       fi
+      ;;
+    graphs)
+      ensure_lib
+      mkdir -p "$OUT/graphs"
+      for shape in llama-3.2-1b qwen3-0.6b; do
+        for side in pymlxc mlx_lm; do
+          run "$PY" benchmarks/probe_cuda_graphs.py --side "$side" --shape "$shape" --quant bf16 \
+            --models-dir "$MODELS" --out "$OUT/graphs" 2>&1 | tee -a "$OUT/graphs/log.txt" || echo "!!! graphs $side $shape failed"
+        done
+      done
       ;;
     report)
       mkdir -p "$OUT/report"

@@ -22,7 +22,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # The checkout first, then whatever the tests run with (packages installed outside the venv).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     return subprocess.run([sys.executable, "-m", "pymlxc.cli", *args], input=stdin, capture_output=True, text=True,
                           timeout=120, env=env, cwd=ROOT)
 

@@ -224,7 +224,8 @@ def test_switch_glu_sorted_equals_unsorted() -> None:
     inds = mx.array(rng.integers(0, 4, size=(2, 20, 2)).astype(np.int32))
     many = np.asarray(glu(x, inds))  # 80 pairs: sorted
     one_by_one = np.concatenate([np.asarray(glu(x[:, i:i + 1], inds[:, i:i + 1])) for i in range(20)], axis=1)
-    np.testing.assert_allclose(many, one_by_one, atol=1e-5, rtol=0)
+    # Outputs reach ~17: rtol admits a GPU's different float32 summation order (2e-5 seen on an H100).
+    np.testing.assert_allclose(many, one_by_one, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

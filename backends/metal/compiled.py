@@ -336,6 +336,10 @@ class CompiledDecoder:
         self.mode = mode  # None: PYMLXC_DECODE decides at each generation
         # Segmented mode: run q/k/v and gate/up as one matmul each (weights fused, see segments.py).
         self.fuse_projections = os.environ.get("PYMLXC_FUSE_PROJECTIONS", "1") != "0"
+        # Segmented mode on CUDA: each residual add and the norm after it as one kernel (cuda_norm.py).
+        from .segments import fused_norm_setting  # noqa: PLC0415
+
+        self.fused_norm = fused_norm_setting()
         self._fusions: dict[int, Any] = {}
         self._plans: dict[tuple[Any, ...], Any] = {}  # segments.SegmentPlan per segmented key
         self._recent_plan: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None  # (signature and flags, key)
@@ -434,14 +438,16 @@ class CompiledDecoder:
                 fusions = segments.fusions_for(blocks, self._fusions) if self.fuse_projections else None
             if fusions is not None and any(q is None or g is None for q, g in fusions):
                 fusions = None  # all blocks alike (one trace of the middle segment serves them all)
-            seg_key = ("segmented", structure, fuse_greedy, fusions is not None)
+            fused_norm = segments.use_fused_norm(model, blocks, self.fused_norm)
+            seg_key = ("segmented", structure, fuse_greedy, fusions is not None, fused_norm)
             if seg_key in self._failed:
                 return None
             with self._lock:
                 seg_plan = self._plans.get(seg_key)
                 if seg_plan is None or seg_plan.signature != signature:
                     self._plans.pop(seg_key, None)  # an old plan's arrays go first
-                    seg_plan = segments.SegmentPlan(model, blocks, fuse_greedy, self.stats, fusions, signature)
+                    seg_plan = segments.SegmentPlan(model, blocks, fuse_greedy, self.stats, fusions, signature,
+                                                    fused_norm)
                     self._plans[seg_key] = seg_plan
                 self._recent_plan = ((signature, fuse_greedy, self.fuse_projections), seg_key)
         if seg_key in self._failed:

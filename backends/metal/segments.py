@@ -25,6 +25,7 @@ the uncompiled loop's. Selected with `PYMLXC_DECODE=segmented`; see `compiled.py
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 from pymlxc.core.transforms import FixedArrays
 
+from . import cuda_norm
 from .matvec import quantized_matmul
 from .models import llama, qwen3
 from .nn import Module
@@ -57,6 +59,30 @@ def plan(model: Any) -> list[llama.TransformerBlock] | None:
                 or type(block.mlp) is not llama.MLP):
             return None
     return blocks or None
+
+
+def fused_norm_setting() -> str:
+    """PYMLXC_FUSED_NORM: auto (the default: on CUDA), 1 (also elsewhere, where the kernel then
+    fails its check) or 0."""
+    value = os.environ.get("PYMLXC_FUSED_NORM", "auto").strip().lower()
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"PYMLXC_FUSED_NORM must be auto, 0 or 1, not {value!r}")
+    return value
+
+
+def use_fused_norm(model: Any, blocks: Sequence[Any], setting: str) -> bool:
+    """Whether the segments of `model` add and normalize in one kernel (cuda_norm.py): `setting`
+    allows it, every norm after a residual is an RMSNorm of a shape and type the kernel takes, and
+    the kernel passes its check on this machine."""
+    from . import nn  # noqa: PLC0415
+
+    if setting == "0" or (setting == "auto" and not (mx.cuda_available() and mx.default_device().type == "gpu")):
+        return False
+    norms = [b.post_attention_layernorm for b in blocks] + [b.input_layernorm for b in blocks[1:]] + [model.model.norm]
+    if any(type(n) is not nn.RMSNorm for n in norms):
+        return False
+    kinds = {(n.weight.shape[-1], n.weight.dtype) for n in norms}
+    return len(kinds) == 1 and cuda_norm.applies(*next(iter(kinds))) and cuda_norm.check(*next(iter(kinds)))
 
 
 # ---------------------------------------------------------------------- fused projections
@@ -187,15 +213,25 @@ def _project(attn: Any, x: Array, pos: Array, qkv: FusedProjection | None) -> tu
     return attn.rope(q, pos), attn.rope(k, pos), v
 
 
-def _finish_block(block: Any, attn_out: Array, h: Array, gate_up: FusedProjection | None) -> Array:
+def _add_norm(h: Array, out: Array, norm: Any, fused: bool) -> tuple[Array, Array]:
+    """(h + out, norm(h + out)): one CUDA kernel when `fused` (cuda_norm.py), else MLX's two."""
+    if fused and h.dtype == out.dtype == norm.weight.dtype:
+        return cuda_norm.add_rms_norm(h, out, norm.weight, norm.eps)
+    h = h + out
+    return h, norm(h)
+
+
+def _finish_block(block: Any, attn_out: Array, h: Array, gate_up: FusedProjection | None,
+                  fused_norm: bool) -> tuple[Array, Array]:
+    """The block after its attention: (h after the attention's residual, the MLP's output). The
+    caller adds the two, with the norm that follows."""
     b = h.shape[0]
     o = block.self_attn.o_proj(mx.reshape(attn_out, (b, 1, -1)))  # [B, heads, 1, D]: one token, no transpose
-    h = h + o
-    x = block.post_attention_layernorm(h)
+    h, x = _add_norm(h, o, block.post_attention_layernorm, fused_norm)
     if gate_up is None:
-        return h + block.mlp(x)
+        return h, block.mlp(x)
     g, u = gate_up(x)  # as llama.MLP: down(silu(gate) * up)
-    return h + block.mlp.down_proj(nn_silu(g) * u)
+    return h, block.mlp.down_proj(nn_silu(g) * u)
 
 
 def _clone(modules: Sequence[Module | None], arrays: Sequence[Array], tracers: Sequence[Array]) -> list[Any]:
@@ -219,8 +255,9 @@ def _trace_mid(inputs: list[Array]) -> list[Array]:
     group: _Group = _tracing.group
     attn_out, h, pos = inputs[0], inputs[1], inputs[2]
     block, gate_up, norm, attn, qkv = _clone(group.modules, group.arrays, inputs[3:])
-    h = _finish_block(block, attn_out, h, gate_up)
-    q, k, v = _project(attn, norm(h), pos, qkv)
+    h, mlp_out = _finish_block(block, attn_out, h, gate_up, group.fused_norm)
+    h, x = _add_norm(h, mlp_out, norm, group.fused_norm)
+    q, k, v = _project(attn, x, pos, qkv)
     return [q, k, v, h]
 
 
@@ -228,7 +265,8 @@ def _trace_last(inputs: list[Array]) -> list[Array]:
     group: _Group = _tracing.group
     attn_out, h, pos = inputs[0], inputs[1], inputs[2]
     block, gate_up, norm, embed, head = _clone(group.modules, group.arrays, inputs[3:])
-    h = norm(_finish_block(block, attn_out, h, gate_up))
+    h, mlp_out = _finish_block(block, attn_out, h, gate_up, group.fused_norm)
+    _, h = _add_norm(h, mlp_out, norm, group.fused_norm)
     logits = embed.as_linear(h) if group.tied else head(h)
     logits = mx.reshape(logits, (logits.shape[0], logits.shape[-1]))
     return [greedy(logits) if group.fuse_greedy else logits, pos + 1]
@@ -244,6 +282,7 @@ class _Group:
     stats: dict[str, int]
     tied: bool = False
     fuse_greedy: bool = False
+    fused_norm: bool = False  # residual adds and the norms after them in one kernel (cuda_norm.py)
 
 
 def _group(modules: Sequence[Module | None], stats: dict[str, int], **flags: Any) -> _Group:
@@ -292,7 +331,8 @@ class SegmentPlan:
     cannot be reused by another array while the plan lives)."""
 
     def __init__(self, model: Any, blocks: list[Any], fuse_greedy: bool, stats: dict[str, int],
-                 fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None, signature: tuple[int, ...]) -> None:
+                 fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None, signature: tuple[int, ...],
+                 fused_norm: bool = False) -> None:
         inner = model.model
         tied = model.lm_head is None
         fusions = fusions or [(None, None)] * len(blocks)
@@ -301,11 +341,12 @@ class SegmentPlan:
         self.signature = signature
         self.fuse_greedy = fuse_greedy
         self.first = _group([inner.embed_tokens, blocks[0].input_layernorm, blocks[0].self_attn, qkv[0]], stats)
+        self.fused_norm = fused_norm
         self.mids = [_group([blocks[i], gate_up[i], blocks[i + 1].input_layernorm, blocks[i + 1].self_attn,
-                             qkv[i + 1]], stats)
+                             qkv[i + 1]], stats, fused_norm=fused_norm)
                      for i in range(len(blocks) - 1)]
         self.last = _group([blocks[-1], gate_up[-1], inner.norm, inner.embed_tokens, model.lm_head], stats,
-                           tied=tied, fuse_greedy=fuse_greedy)
+                           tied=tied, fuse_greedy=fuse_greedy, fused_norm=fused_norm)
         self.scales = [float(b.self_attn.scale) for b in blocks]
 
     def arrays(self) -> list[list[Array]]:

@@ -1,0 +1,174 @@
+"""The residual add and the RMSNorm after it as one CUDA kernel, for the decode segments.
+
+A Llama-family decode step ends each half-block with `h = h + out` and normalizes h for the next
+projection: two kernels, MLX's add and its `rms_norm`. On an H100 a Llama-3.2-1B step is bound by
+the device, and 149 of its 214 kernels move a few kilobytes each; each costs a few microseconds of
+launch and tail however little it does (`benchmarks/probe_cuda_graphs.py` counts them). This
+kernel does both in one: it writes `h + out` and its normalized form, 32 kernels fewer per step there.
+
+It reproduces MLX's arithmetic exactly, so the tokens do not change: the add in the 2-byte type,
+then MLX's `rms_norm_small` for the aligned case (the same threads per block, the same elements per
+thread in the same order, the same warp and block reductions, `rsqrt(sum / D + eps)`, and
+`w * T(x * normalizer)`). So it applies only where MLX would use that kernel: a 2-byte float type
+and a row whose 16-byte vectors split evenly over 128 (else 64) threads, at most 8 per thread, or
+exactly 64 vectors (Llama-3.2-1B's 2048: 128 threads of 2). `check()` runs it once against MLX's
+two kernels on random rows and keeps MLX's where they differ in any bit, or where it cannot run.
+
+This module holds the source and the launch geometry; `segments.py` decides where to use it.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+import numpy as np
+
+import pymlxc.core as mx
+from pymlxc.core import Array
+
+NAME = "pymlxc_add_rms_norm"
+INPUTS = ("a", "b", "w", "eps")
+OUTPUTS = ("sum", "normed")
+READS = 8  # 2-byte elements per 16-byte load, as MLX's N_READS
+
+HEADER = r"""
+#include <cooperative_groups/reduce.h>
+"""
+
+# Template arguments: T (the 2-byte float type), BLOCK (threads per row), CHUNKS (16-byte loads per
+# thread), D (the row length, READS * BLOCK * CHUNKS). One block per row.
+SOURCE = r"""
+  namespace cg = cooperative_groups;
+  auto block = cg::this_thread_block();
+  auto warp = cg::tiled_partition<32>(block);
+  __shared__ float partial[BLOCK / 32 > 0 ? BLOCK / 32 : 1];
+  const size_t row = blockIdx.x;
+  const int tid = threadIdx.x;
+  const uint4* a4 = reinterpret_cast<const uint4*>(a + row * D);
+  const uint4* b4 = reinterpret_cast<const uint4*>(b + row * D);
+  uint4* s4 = reinterpret_cast<uint4*>(sum + row * D);
+  uint4* n4 = reinterpret_cast<uint4*>(normed + row * D);
+  const uint4* w4 = reinterpret_cast<const uint4*>(w);
+
+  uint4 xs[CHUNKS];
+  float normalizer = 0.f;
+#pragma unroll
+  for (int i = 0; i < CHUNKS; ++i) {
+    const int offset = BLOCK * i + tid;
+    uint4 av = a4[offset];
+    uint4 bv = b4[offset];
+    const T* ae = reinterpret_cast<const T*>(&av);
+    const T* be = reinterpret_cast<const T*>(&bv);
+    T* xe = reinterpret_cast<T*>(&xs[i]);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      xe[j] = ae[j] + be[j];
+      float t = static_cast<float>(xe[j]);
+      normalizer += t * t;
+    }
+    s4[offset] = xs[i];
+  }
+  // MLX's BlockBroadcastReduce: a warp sum, then the warps' sums summed by each warp.
+  float total = cg::reduce(warp, normalizer, cg::plus<float>());
+  if (BLOCK > 32) {
+    if (warp.thread_rank() == 0) {
+      partial[warp.meta_group_rank()] = total;
+    }
+    block.sync();
+    total = warp.thread_rank() < warp.meta_group_size() ? partial[warp.thread_rank()] : 0.f;
+    total = cg::reduce(warp, total, cg::plus<float>());
+  }
+  const float inv = rsqrt(total / static_cast<uint32_t>(D) + eps[0]);
+#pragma unroll
+  for (int i = 0; i < CHUNKS; ++i) {
+    const int offset = BLOCK * i + tid;
+    uint4 wv = w4[offset];
+    const T* we = reinterpret_cast<const T*>(&wv);
+    T* xe = reinterpret_cast<T*>(&xs[i]);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float y = static_cast<float>(xe[j]) * inv;
+      xe[j] = we[j] * static_cast<T>(y);
+    }
+    n4[offset] = xs[i];
+  }
+"""
+
+
+def geometry(d: int) -> tuple[int, int] | None:
+    """(threads per row, 16-byte loads per thread) of MLX's aligned `rms_norm_small` for rows of
+    `d` 2-byte floats, or None where MLX uses another kernel (then so must we)."""
+    if d % READS:
+        return None
+    vectors = d // READS
+    if d <= READS * 64:
+        return (64, 1) if vectors == 64 else None
+    for block in (128, 64):  # MLX's order: 128 threads first
+        if vectors % block == 0 and vectors // block <= 8:
+            return block, vectors // block
+    return None
+
+
+def applies(d: int, dtype: Any) -> bool:
+    return dtype.size == 2 and dtype in (mx.bfloat16, mx.float16) and geometry(d) is not None
+
+
+_kernel_lock = threading.Lock()
+_kernel: Any = None
+
+
+def _the_kernel() -> Any:
+    global _kernel
+    with _kernel_lock:
+        if _kernel is None:
+            _kernel = mx.fast.cuda_kernel(NAME, INPUTS, OUTPUTS, SOURCE, header=HEADER)
+        return _kernel
+
+
+def add_rms_norm(a: Array, b: Array, weight: Array, eps: float) -> tuple[Array, Array]:
+    """(a + b, rms_norm(a + b) * weight) in one kernel; `applies(a.shape[-1], a.dtype)` must hold,
+    a, b of one shape and dtype, weight [D] of that dtype."""
+    d = a.shape[-1]
+    block, chunks = geometry(d)  # type: ignore[misc] - the caller checked applies()
+    rows = a.size // d
+    outs = _the_kernel()([a, b, weight, mx.array([eps], dtype=mx.float32)],
+                         output_shapes=[tuple(a.shape), tuple(a.shape)], output_dtypes=[a.dtype, a.dtype],
+                         grid=(rows * block, 1, 1), threadgroup=(block, 1, 1),
+                         template=[("T", a.dtype), ("BLOCK", block), ("CHUNKS", chunks), ("D", d)])
+    return outs[0], outs[1]
+
+
+def unfused(a: Array, b: Array, weight: Array, eps: float) -> tuple[Array, Array]:
+    """What `add_rms_norm` computes, as MLX's two kernels."""
+    h = a + b
+    return h, mx.fast.rms_norm(h, weight, eps)
+
+
+_checked: dict[tuple[str, int], bool] = {}
+
+
+def check(d: int, dtype: Any) -> bool:
+    """Whether the kernel runs here and equals MLX's add and rms_norm bit for bit on random rows of
+    `d` (once per process and shape); if not, a RuntimeWarning says why."""
+    key = (str(dtype), d)
+    with _kernel_lock:
+        known = _checked.get(key)
+    if known is not None:
+        return known
+    try:
+        rng = np.random.default_rng(0)
+        a, b, w = (mx.astype(mx.array(rng.standard_normal(s).astype(np.float32)), dtype) for s in [(3, d), (3, d), (d,)])
+        got, want = add_rms_norm(a, b, w, 1e-5), unfused(a, b, w, 1e-5)
+        ok = all(bool(mx.array_equal(g, e).item()) for g, e in zip(got, want))
+        why = "" if ok else "its results differ from MLX's add and rms_norm"
+    except Exception as exc:  # noqa: BLE001 - whatever stops it, MLX's kernels still work
+        ok, why = False, f"it cannot run here ({exc})"
+    if not ok:
+        warnings.warn(f"pymlxc's fused add + RMSNorm CUDA kernel is not used: {why}", RuntimeWarning, stacklevel=2)
+    with _kernel_lock:
+        _checked[key] = ok
+    return ok
+
+
+__all__ = ["add_rms_norm", "applies", "check", "geometry", "unfused"]

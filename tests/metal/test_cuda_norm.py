@@ -1,0 +1,152 @@
+"""The fused residual add + RMSNorm CUDA kernel (backends/metal/cuda_norm.py) and its use in the
+segmented decode (backends/metal/segments.py).
+
+Everywhere: the launch geometry follows MLX's `rms_norm` dispatch (the kernel reproduces MLX's
+aligned kernel, so it may only stand in where MLX would run that one); the setting is read by name;
+off CUDA the segments keep MLX's kernels, and a forced setting there warns and keeps them too; with
+the kernel replaced by MLX's two ops, the segments that use it give the uncompiled loop's tokens
+(the restructured residual stream is right).
+
+On CUDA: the kernel equals MLX's add and rms_norm bit for bit, and models decoded with it keep the
+uncompiled loop's greedy tokens.
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pymlxc.core as mx
+from pymlxc.backends.metal import cuda_norm, segments
+from pymlxc.backends.metal import generate as loops
+from pymlxc.backends.metal.compiled import CompiledDecoder
+from pymlxc.backends.metal.loader import load_weights_and_config
+from pymlxc.backends.metal.sample import greedy
+from pymlxc.testing import write_tiny_model
+
+ON_CUDA = mx.cuda_available() and mx.default_device().type == "gpu"
+cuda_only = pytest.mark.skipif(not ON_CUDA, reason="the kernel needs MLX's CUDA build (run on the GPU machine)")
+# Row lengths MLX's aligned rms_norm_small serves, with its (threads, 16-byte loads per thread).
+ALIGNED = {512: (64, 1), 1024: (128, 1), 1536: (64, 3), 2048: (128, 2), 2560: (64, 5), 3072: (128, 3),
+           4096: (128, 4), 5120: (128, 5), 8192: (128, 8)}
+
+
+@pytest.fixture
+def tiny(tmp_path: Path):
+    opened = []
+
+    def load(arch: str, hidden: int = 512):
+        path = write_tiny_model(tmp_path / f"{arch}-{hidden}", arch, hidden_size=hidden, num_layers=3,
+                                dtype="float16")
+        loaded = load_weights_and_config(path)
+        opened.append(loaded)
+        return loaded.model
+
+    yield load
+    for m in opened:
+        m.free()
+
+
+def _greedy(model: Any, decoder: CompiledDecoder | None, n: int = 12) -> list[int]:
+    prompt = [int(i) for i in np.random.default_rng(5).integers(16, 500, size=21)]
+    return list(loops.generate_ids(model, prompt, cache=model.make_cache(None), max_tokens=n, sampler=greedy,
+                                   decoder=decoder))
+
+
+def _plans_fused(decoder: CompiledDecoder) -> set[bool]:
+    return {plan.fused_norm for plan in decoder._plans.values()}  # noqa: SLF001
+
+
+def test_geometry_follows_mlx_rms_norm_dispatch() -> None:
+    for d, want in ALIGNED.items():
+        assert cuda_norm.geometry(d) == want, d
+    # MLX's unaligned or large-row kernels: not ours to replace.
+    for d in (64, 256, 520, 1000, 1032, 9216, 10240, 16384):
+        assert cuda_norm.geometry(d) is None, d
+    assert cuda_norm.applies(2048, mx.bfloat16) and cuda_norm.applies(2048, mx.float16)
+    assert not cuda_norm.applies(2048, mx.float32) and not cuda_norm.applies(2000, mx.bfloat16)
+
+
+def test_the_setting_is_read_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYMLXC_FUSED_NORM", "sometimes")
+    with pytest.raises(ValueError, match="PYMLXC_FUSED_NORM"):
+        segments.fused_norm_setting()
+    monkeypatch.setenv("PYMLXC_FUSED_NORM", " 0 ")
+    assert segments.fused_norm_setting() == "0"
+
+
+@pytest.mark.skipif(ON_CUDA, reason="off CUDA only: there the kernel cannot run")
+def test_off_cuda_the_segments_keep_mlx_kernels(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny("llama")
+    blocks = segments.plan(model)
+    assert blocks is not None
+    assert not segments.use_fused_norm(model, blocks, "auto")
+    assert not segments.use_fused_norm(model, blocks, "0")
+    cuda_norm._checked.clear()  # noqa: SLF001 - a fresh check
+    with pytest.warns(RuntimeWarning, match="fused add"):
+        assert not segments.use_fused_norm(model, blocks, "1")
+    monkeypatch.setenv("PYMLXC_FUSED_NORM", "1")
+    decoder = CompiledDecoder(model, "segmented")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the check's verdict is cached: no second warning
+        assert _greedy(model, decoder) == _greedy(model, None)
+    assert _plans_fused(decoder) == {False}
+    decoder.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_segments_with_the_fused_step_keep_the_tokens(tiny, monkeypatch: pytest.MonkeyPatch, arch: str) -> None:
+    """The kernel stood in for by MLX's own two ops: the segments that call it give the tokens of
+    the uncompiled loop, so the residual stream (the sum output kept, the normed one projected) is
+    wired right. (A wrong wiring changes the tokens of these random models.)"""
+    model = tiny(arch)
+    calls = []
+
+    def stand_in(a: Any, b: Any, w: Any, eps: float) -> tuple[Any, Any]:
+        calls.append(tuple(a.shape))
+        return cuda_norm.unfused(a, b, w, eps)
+
+    monkeypatch.setattr(cuda_norm, "add_rms_norm", stand_in)
+    monkeypatch.setattr(segments, "use_fused_norm", lambda *a: True)
+    want = _greedy(model, None)
+    decoder = CompiledDecoder(model, "segmented")
+    assert _greedy(model, decoder) == want
+    assert decoder.stats["compiled"] == 1 and _plans_fused(decoder) == {True}
+    # Traced once each: the middle segment adds twice (after attention, after the MLP), the last too.
+    assert len(calls) == 4
+    decoder.close()
+
+
+# ---------------------------------------------------------------------- on CUDA
+
+@cuda_only
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(d=st.sampled_from(sorted(ALIGNED)), rows=st.integers(1, 5), dtype=st.sampled_from(["bfloat16", "float16"]),
+       eps=st.sampled_from([1e-5, 1e-6]), scale=st.sampled_from([0.01, 1.0, 30.0]), seed=st.integers(0, 2**16))
+def test_the_kernel_equals_mlx_add_and_rms_norm_bit_for_bit(d: int, rows: int, dtype: str, eps: float, scale: float,
+                                                             seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    t = getattr(mx, dtype)
+    a, b = (mx.array((rng.standard_normal((rows, 1, d)) * scale).astype(np.float32)).astype(t) for _ in range(2))
+    w = mx.array(rng.standard_normal(d).astype(np.float32)).astype(t)
+    got = cuda_norm.add_rms_norm(a, b, w, eps)
+    want = cuda_norm.unfused(a, b, w, eps)
+    for g, e in zip(got, want):
+        assert g.shape == e.shape and g.dtype == e.dtype
+        np.testing.assert_array_equal(np.asarray(g.astype(mx.float32)), np.asarray(e.astype(mx.float32)))
+
+
+@cuda_only
+@pytest.mark.parametrize("arch,hidden", [("llama", 1024), ("qwen3", 512)])
+def test_decoding_with_the_kernel_keeps_the_tokens(tiny, arch: str, hidden: int) -> None:
+    model = tiny(arch, hidden)
+    want = _greedy(model, None, n=24)
+    decoder = CompiledDecoder(model, "segmented")
+    assert _greedy(model, decoder, n=24) == want
+    assert _plans_fused(decoder) == {True}
+    decoder.close()

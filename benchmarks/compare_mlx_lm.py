@@ -160,33 +160,42 @@ class Side:
 
 class Pymlxc(Side):
     def __init__(self, compiled: bool = True, mode: str | None = None, threaded: bool | None = None,
-                 cuda_matvec: str | None = None) -> None:
+                 cuda_matvec: str | None = None, fused_norm: str | None = None) -> None:
         self.name = (("pymlxc" if compiled else "pymlxc_uncompiled") + (f"_{mode}" if mode else "")
                      + ("" if threaded is None else "_thread" if threaded else "_nothread")
-                     + ("" if cuda_matvec is None else f"_matvec{cuda_matvec}"))
+                     + ("" if cuda_matvec is None else f"_matvec{cuda_matvec}")
+                     + ("" if fused_norm is None else f"_fusednorm{fused_norm}"))
         self.compiled = compiled
         self.mode = mode
         self.threaded = threaded  # None: the default for the device (PYMLXC_EVAL_THREAD)
-        self.matvec_setting = cuda_matvec  # None: the default (PYMLXC_CUDA_MATVEC), read at load
+        # Settings read at load (PYMLXC_CUDA_MATVEC) or by the decoder (PYMLXC_FUSED_NORM); None: the default.
+        self.settings = {k: v for k, v in (("PYMLXC_CUDA_MATVEC", cuda_matvec), ("PYMLXC_FUSED_NORM", fused_norm))
+                         if v is not None}
         self.cuda_matvec = False  # whether the loaded model uses pymlxc's CUDA matvec kernel
         self.loaded: Any = None
         self.decoder: CompiledDecoder | None = None
         self.context_len = LoadConfig().context_len  # what MetalTextModel uses by default
 
     def load(self, path: Path) -> None:
-        old = os.environ.get("PYMLXC_CUDA_MATVEC")
-        if self.matvec_setting is not None:
-            os.environ["PYMLXC_CUDA_MATVEC"] = self.matvec_setting
+        old = {k: os.environ.get(k) for k in self.settings}
+        os.environ.update(self.settings)
         try:
             self.loaded = load_weights_and_config(path)
+            self.decoder = CompiledDecoder(self.loaded.model, self.mode) if self.compiled else None
         finally:
-            if old is None:
-                os.environ.pop("PYMLXC_CUDA_MATVEC", None)
-            else:
-                os.environ["PYMLXC_CUDA_MATVEC"] = old
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         self.cuda_matvec = self.loaded.cuda_matvec
-        self.decoder = CompiledDecoder(self.loaded.model, self.mode) if self.compiled else None
         self.weights = self.loaded.nbytes
+
+    @property
+    def fused_norm(self) -> bool:
+        """Whether the segmented decode added and normalized in one kernel (cuda_norm.py)."""
+        plans = self.decoder._plans.values() if self.decoder is not None else ()  # noqa: SLF001
+        return any(plan.fused_norm for plan in plans)
 
     def free(self) -> None:
         if self.decoder is not None:
@@ -374,6 +383,7 @@ def run_case(shape: str, quant: str, args: argparse.Namespace, sides: list[Side]
             }
             if isinstance(side, Pymlxc):
                 case["sides"][side.name]["cuda_matvec"] = side.cuda_matvec
+                case["sides"][side.name]["fused_norm"] = side.fused_norm
             decoder = getattr(side, "decoder", None)
             if decoder is not None:  # did pymlxc decode on the compiled step (or fall back)?
                 case["sides"][side.name]["decoder_stats"] = dict(decoder.stats)
@@ -509,6 +519,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cuda-matvec", choices=["0", "1"], default=None,
                    help="add pymlxc with PYMLXC_CUDA_MATVEC set (0: MLX's 4-bit matvec only; 1: pymlxc's at "
                         "any size)")
+    p.add_argument("--fused-norm", choices=["0", "1"], default=None,
+                   help="add pymlxc with PYMLXC_FUSED_NORM set (0: MLX's add and rms_norm; 1: the fused kernel "
+                        "wherever it passes its check)")
     p.add_argument("--models-dir", type=Path, default=None,
                    help="where the random models are written and reused (default: a temporary folder)")
     p.add_argument("--out", type=Path, default=Path("."), help="folder for compare_mlx_lm.json and .png")
@@ -607,6 +620,8 @@ def main(argv: list[str] | None = None) -> int:
         sides.append(Pymlxc(True, "segmented"))
     if args.cuda_matvec is not None:
         sides.append(Pymlxc(True, cuda_matvec=args.cuda_matvec))
+    if args.fused_norm is not None:
+        sides.append(Pymlxc(True, fused_norm=args.fused_norm))
     if args.nothread:
         sides.append(Pymlxc(True, threaded=False))
     report: dict[str, Any] = {

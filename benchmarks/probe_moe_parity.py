@@ -42,15 +42,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bits", type=int, default=4, help="0: dense")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seed", type=int, default=8, help="of the prompt ids (the parity tests' prompt_ids: 1)")
+    p.add_argument("--repeat", type=int, default=1, help="run the whole comparison this many times (determinism)")
     args = p.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as tmp:
         path = write_tiny_model(Path(tmp) / args.arch, args.arch, quantize_bits=args.bits or None)
         ours = load_weights_and_config(path)
         ref = load_model(path)[0]
-    rng = np.random.default_rng(8)
-    ids = rng.integers(3, ours.model.args.vocab_size, size=(args.batch, args.tokens)).astype(np.int32)
-    print(f"{args.arch} bits={args.bits or 'dense'} ids {ids.shape} on {mlx.default_device()}")
+    print(f"{args.arch} bits={args.bits or 'dense'}")
+    ids = np.random.default_rng(args.seed).integers(16, 500, size=(args.batch, args.tokens)).astype(np.int32)
+    for _ in range(args.repeat):
+        _compare(ours, ref, ids)
+    ours.free()
+    return 0
+
+
+def _compare(ours: Any, ref: Any, ids: np.ndarray) -> None:
+    print(f"ids {ids.shape} on {mlx.default_device()}")
     h_ref = ref.model.embed_tokens(mlx.array(ids))
     print("embedding diff", float(np.abs(_np(ours.model.model.embed_tokens(_ours(ids))) - _np(h_ref)).max()))
     for i, (ol, rl) in enumerate(zip(ours.model.model.layers, ref.model.layers)):
@@ -83,8 +92,6 @@ def main(argv: list[str] | None = None) -> int:
     logits_o = _np(ours.model(_ours(ids)))
     logits_r = _np(ref(mlx.array(ids)))
     print(f"logits diff {np.abs(logits_o - logits_r).max():.3e}")
-    ours.free()
-    return 0
 
 
 if __name__ == "__main__":

@@ -157,9 +157,9 @@ def test_textmodel_with_the_thread_and_the_prompt_cache(tmp_path: Path, monkeypa
 
 @pytest.mark.parametrize("lookahead", [1, 2, 3])
 def test_pipeline_queues_lookahead_steps_ahead_of_the_reader(lookahead: int) -> None:
-    """Step n > 0 is read only once steps up to n + lookahead are built (fewer at the end; the first
-    step with one more), each built from the previous step's lazy tokens; stopping early builds
-    nothing more."""
+    """Step n > 0 is read only once steps up to n + lookahead are built (fewer at the end); the
+    first step is read as soon as it is built; each step is built from the previous step's lazy
+    tokens; stopping early builds nothing more."""
     queue = StepQueue(threaded=True)
     built: list[int] = []
 
@@ -174,7 +174,7 @@ def test_pipeline_queues_lookahead_steps_ahead_of_the_reader(lookahead: int) -> 
     stream = queue.pipeline(first, following, 6, lookahead)
     seen = []
     for n, shown in enumerate(stream):
-        assert len(built) == min(n + (lookahead if n else 1) + 1, 6)
+        assert len(built) == min(n + (lookahead if n else 0) + 1, 6)
         seen.append(shown.item())
         if n == 3:
             break

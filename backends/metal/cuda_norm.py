@@ -114,16 +114,7 @@ def applies(d: int, dtype: Any) -> bool:
     return dtype.size == 2 and dtype in (mx.bfloat16, mx.float16) and geometry(d) is not None
 
 
-_kernel_lock = threading.Lock()
-_kernel: Any = None
-
-
-def _the_kernel() -> Any:
-    global _kernel
-    with _kernel_lock:
-        if _kernel is None:
-            _kernel = mx.fast.cuda_kernel(NAME, INPUTS, OUTPUTS, SOURCE, header=HEADER)
-        return _kernel
+_the_kernel = mx.fast.SharedKernel(NAME, INPUTS, OUTPUTS, SOURCE, header=HEADER)
 
 
 def add_rms_norm(a: Array, b: Array, weight: Array, eps: float) -> tuple[Array, Array]:
@@ -146,13 +137,14 @@ def unfused(a: Array, b: Array, weight: Array, eps: float) -> tuple[Array, Array
 
 
 _checked: dict[tuple[str, int], bool] = {}
+_checked_lock = threading.Lock()
 
 
 def check(d: int, dtype: Any) -> bool:
     """Whether the kernel runs here and equals MLX's add and rms_norm bit for bit on random rows of
     `d` (once per process and shape); if not, a RuntimeWarning says why."""
     key = (str(dtype), d)
-    with _kernel_lock:
+    with _checked_lock:
         known = _checked.get(key)
     if known is not None:
         return known
@@ -166,7 +158,7 @@ def check(d: int, dtype: Any) -> bool:
         ok, why = False, f"it cannot run here ({exc})"
     if not ok:
         warnings.warn(f"pymlxc's fused add + RMSNorm CUDA kernel is not used: {why}", RuntimeWarning, stacklevel=2)
-    with _kernel_lock:
+    with _checked_lock:
         _checked[key] = ok
     return ok
 

@@ -34,18 +34,13 @@ from . import cuda_matvec as kernels
 # 4-bit bytes per block: Llama-3.1-8B 140 MB, Llama-3.2-1B 43 MB, Gemma-3-1B 22 MB, Qwen3-0.6B 12 MB.
 AUTO_MIN_BYTES_PER_LAYER = 30_000_000
 _state = threading.local()
-_kernel_lock = threading.Lock()
-_kernel: Any = None
+_kernel = mx.fast.SharedKernel(kernels.QUANTIZED_NAME, kernels.QUANTIZED_INPUTS, kernels.OUTPUT_NAMES,
+                               kernels.QUANTIZED_SOURCE, header=kernels.HEADER)
 
 
 def _the_kernel() -> Any:
     """The process's one instance of the kernel (MLX compiles it once per template)."""
-    global _kernel
-    with _kernel_lock:
-        if _kernel is None:
-            _kernel = mx.fast.cuda_kernel(kernels.QUANTIZED_NAME, kernels.QUANTIZED_INPUTS, kernels.OUTPUT_NAMES,
-                                          kernels.QUANTIZED_SOURCE, header=kernels.HEADER)
-        return _kernel
+    return _kernel()
 
 
 def _use(cuda_matvec: bool) -> bool:

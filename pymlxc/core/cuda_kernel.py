@@ -12,6 +12,7 @@ CUDA raises an MLXError (MLX's own message), never crashes.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -109,4 +110,21 @@ def cuda_kernel(name: str, input_names: Sequence[str], output_names: Sequence[st
     return CudaKernel(name, input_names, output_names, source, header, ensure_row_contiguous, shared_memory)
 
 
-__all__ = ["CudaKernel", "cuda_kernel"]
+class SharedKernel:
+    """A kernel made on first use and kept for the process: `shared()` returns the one
+    `CudaKernel` (MLX compiles it once per set of template arguments). Thread-safe."""
+
+    def __init__(self, name: str, input_names: Sequence[str], output_names: Sequence[str], source: str,
+                 header: str = "") -> None:
+        self._args = (name, tuple(input_names), tuple(output_names), source, header)
+        self._lock = threading.Lock()
+        self._kernel: CudaKernel | None = None
+
+    def __call__(self) -> CudaKernel:
+        with self._lock:
+            if self._kernel is None:
+                self._kernel = cuda_kernel(*self._args)
+            return self._kernel
+
+
+__all__ = ["CudaKernel", "SharedKernel", "cuda_kernel"]

@@ -5,7 +5,7 @@ from typing import Any
 
 from ._gen import RAW
 from .array import Array
-from .cuda_kernel import CudaKernel, cuda_kernel  # noqa: F401 - mx.fast.cuda_kernel
+from .cuda_kernel import CudaKernel, SharedKernel, cuda_kernel  # noqa: F401 - mx.fast.cuda_kernel
 
 
 def rms_norm(x: Any, weight: Any, eps: float, *, stream: Any = None) -> Array:

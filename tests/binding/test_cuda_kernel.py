@@ -31,3 +31,25 @@ def test_cuda_kernel_errors_are_python_exceptions() -> None:
     with pytest.raises(mx.MLXError, match="closed"):
         kernel([mx.ones((4,))], output_shapes=[(4,)], output_dtypes=[mx.float32], grid=(4, 1, 1),
                threadgroup=(4, 1, 1))
+
+
+def test_shared_kernel_is_made_once_on_first_use() -> None:
+    """Made lazily (so a module can hold one without CUDA), then one instance for every thread."""
+    import threading
+
+    shared = mx.fast.SharedKernel("k2", ["a"], ["out"], "out[threadIdx.x] = a[threadIdx.x] + 1;")
+    if not mx.cuda_available():
+        for _ in range(2):  # each call tries again: a failure is not kept as the kernel
+            with pytest.raises(mx.MLXError, match="CUDA"):
+                shared()
+        return
+    seen: list[object] = []
+    threads = [threading.Thread(target=lambda: seen.append(shared())) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(seen) == 8 and all(k is seen[0] for k in seen)
+    out = seen[0]([mx.zeros((4,))], output_shapes=[(4,)], output_dtypes=[mx.float32], grid=(4, 1, 1),
+                  threadgroup=(4, 1, 1))
+    assert out[0].tolist() == [1.0, 1.0, 1.0, 1.0]

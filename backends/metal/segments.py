@@ -18,6 +18,8 @@ segmented generation their weights are concatenated into one array and the proje
 of it (no extra memory; `fuse()`), two and one kernels fewer per layer. A projection given a new
 weight since (an update, an adapter) is seen at the next generation and fused again (or, wrapped in
 LoRA, run on its own).
+On CUDA each residual add and the RMSNorm after it run as one kernel (`cuda_norm.py`, bit-identical
+to MLX's two; `PYMLXC_FUSED_NORM`): a plan decides once, and its segments trace with or without it.
 The segments mirror `llama.Attention` / `qwen3.Attention` (Qwen 2's is Llama's with biases) and
 `llama.TransformerBlock`; `plan()` accepts exactly those classes (LoRA-wrapped projections are
 fine: they are called as modules) and full attention only, and the tests compare its tokens with

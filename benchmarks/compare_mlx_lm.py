@@ -508,7 +508,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=3, help="timed runs per side and case (medians; at least 3)")
     # Three: the median then drops one load that pays a once-per-process cost on either side (a cold
     # page cache for mlx-lm's first read of a model, NVRTC compiling pymlxc's CUDA kernel at its first
-    # 4-bit load: 1.5 s on an H100, then cached); with two, the median is their mean.
+    # 4-bit load: about 1.4 s on an H100); with two, the median is their mean.
     p.add_argument("--load-runs", type=int, default=3, help="alternate loads per side (load time median)")
     p.add_argument("--layers", type=int, default=None, help="fewer layers than the real shapes (quick CPU runs)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU")

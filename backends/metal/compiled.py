@@ -47,6 +47,7 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 from pymlxc.core.transforms import FixedArrays
 
+from . import cuda_switch
 from .cache import KVCache, RotatingKVCache
 from .nn import Module
 from .sample import DEFAULT_PENALTY_CONTEXT, LogitsProcessor, Sampler, apply_processors, greedy
@@ -337,9 +338,7 @@ class CompiledDecoder:
         # Segmented mode: run q/k/v and gate/up as one matmul each (weights fused, see segments.py).
         self.fuse_projections = os.environ.get("PYMLXC_FUSE_PROJECTIONS", "1") != "0"
         # Segmented mode on CUDA: each residual add and the norm after it as one kernel (cuda_norm.py).
-        from .segments import fused_norm_setting  # noqa: PLC0415
-
-        self.fused_norm = fused_norm_setting()
+        self.fused_norm = cuda_switch.setting("PYMLXC_FUSED_NORM")
         self._fusions: dict[int, Any] = {}
         self._plans: dict[tuple[Any, ...], Any] = {}  # segments.SegmentPlan per segmented key
         self._recent_plan: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None  # (signature and flags, key)

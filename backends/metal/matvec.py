@@ -19,7 +19,6 @@ must not bake in a row count, and gradients (training) need MLX's own transposes
 """
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 from collections.abc import Iterator
@@ -30,17 +29,13 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 
 from . import cuda_matvec as kernels
+from . import cuda_switch
 
 # 4-bit bytes per block: Llama-3.1-8B 140 MB, Llama-3.2-1B 43 MB, Gemma-3-1B 22 MB, Qwen3-0.6B 12 MB.
 AUTO_MIN_BYTES_PER_LAYER = 30_000_000
 _state = threading.local()
-_kernel = mx.fast.SharedKernel(kernels.QUANTIZED_NAME, kernels.QUANTIZED_INPUTS, kernels.OUTPUT_NAMES,
-                               kernels.QUANTIZED_SOURCE, header=kernels.HEADER)
-
-
-def _the_kernel() -> Any:
-    """The process's one instance of the kernel (MLX compiles it once per template)."""
-    return _kernel()
+_the_kernel = mx.fast.SharedKernel(kernels.QUANTIZED_NAME, kernels.QUANTIZED_INPUTS, kernels.OUTPUT_NAMES,
+                                   kernels.QUANTIZED_SOURCE, header=kernels.HEADER)
 
 
 def _use(cuda_matvec: bool) -> bool:
@@ -81,24 +76,17 @@ def _fits(x: Array, weight: Array, scales: Array, biases: Array, group_size: int
             and tuple(scales.shape) == (n, k // group_size) and tuple(biases.shape) == tuple(scales.shape))
 
 
-def _choice() -> str:
-    value = os.environ.get("PYMLXC_CUDA_MATVEC", "auto").strip().lower()
-    if value not in ("auto", "0", "1"):
-        raise ValueError(f"PYMLXC_CUDA_MATVEC must be auto, 0 or 1, not {value!r}")
-    return value
-
-
 def configure(model: Any) -> bool:
     """Mark `model`'s 4-bit layers to use pymlxc's kernel when this process runs on CUDA and the
     setting (see the module docstring) says so; returns whether it did. Elsewhere, a no-op."""
     from .nn import QuantizedEmbedding, QuantizedLinear  # noqa: PLC0415 - nn imports this module
 
-    choice = _choice()
+    choice = cuda_switch.setting("PYMLXC_CUDA_MATVEC")
     layers = [m for _, m in model.named_modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))]
     four_bit = [m for m in layers if m.bits == 4 and m.scales.dtype.size == 2]  # what the kernel takes
     blocks = max(1, len(getattr(model, "layers", None) or ()))
     per_block = sum(m.weight.nbytes + m.scales.nbytes + m.biases.nbytes for m in four_bit) / blocks
-    use = (choice != "0" and bool(four_bit) and mx.cuda_available() and mx.default_device().type == "gpu"
+    use = (choice != "0" and bool(four_bit) and cuda_switch.on_cuda()
            and (choice == "1" or per_block >= AUTO_MIN_BYTES_PER_LAYER) and _runs_on(four_bit[0]))
     chosen = {id(m) for m in four_bit} if use else set()
     for m in layers:

@@ -27,7 +27,6 @@ the uncompiled loop's. Selected with `PYMLXC_DECODE=segmented`; see `compiled.py
 """
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 from pymlxc.core.transforms import FixedArrays
 
-from . import cuda_norm
+from . import cuda_norm, cuda_switch
 from .matvec import quantized_matmul
 from .models import llama, qwen3
 from .nn import Module
@@ -63,22 +62,14 @@ def plan(model: Any) -> list[llama.TransformerBlock] | None:
     return blocks or None
 
 
-def fused_norm_setting() -> str:
-    """PYMLXC_FUSED_NORM: auto (the default: on CUDA), 1 (also elsewhere, where the kernel then
-    fails its check) or 0."""
-    value = os.environ.get("PYMLXC_FUSED_NORM", "auto").strip().lower()
-    if value not in ("auto", "0", "1"):
-        raise ValueError(f"PYMLXC_FUSED_NORM must be auto, 0 or 1, not {value!r}")
-    return value
-
-
 def use_fused_norm(model: Any, blocks: Sequence[Any], setting: str) -> bool:
     """Whether the segments of `model` add and normalize in one kernel (cuda_norm.py): `setting`
-    allows it, every norm after a residual is an RMSNorm of a shape and type the kernel takes, and
+    (PYMLXC_FUSED_NORM: auto = on CUDA, 1 = also elsewhere, where the kernel then fails its check,
+    or 0) allows it, every norm after a residual is an RMSNorm of a shape and type the kernel takes, and
     the kernel passes its check on this machine."""
     from . import nn  # noqa: PLC0415
 
-    if setting == "0" or (setting == "auto" and not (mx.cuda_available() and mx.default_device().type == "gpu")):
+    if setting == "0" or (setting == "auto" and not cuda_switch.on_cuda()):
         return False
     norms = [b.post_attention_layernorm for b in blocks] + [b.input_layernorm for b in blocks[1:]] + [model.model.norm]
     if any(type(n) is not nn.RMSNorm for n in norms):

@@ -111,7 +111,7 @@ def cuda_kernel(name: str, input_names: Sequence[str], output_names: Sequence[st
 
 
 class SharedKernel:
-    """A kernel made on first use and kept for the process: `shared()` returns the one
+    """A kernel made on first use and kept for the process: calling it returns the one
     `CudaKernel` (MLX compiles it once per set of template arguments). Thread-safe."""
 
     def __init__(self, name: str, input_names: Sequence[str], output_names: Sequence[str], source: str,

@@ -72,12 +72,16 @@ def test_geometry_follows_mlx_rms_norm_dispatch() -> None:
     assert not cuda_norm.applies(2048, mx.float32) and not cuda_norm.applies(2000, mx.bfloat16)
 
 
-def test_the_setting_is_read_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_decoder_reads_the_setting_by_name(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny("llama")
     monkeypatch.setenv("PYMLXC_FUSED_NORM", "sometimes")
     with pytest.raises(ValueError, match="PYMLXC_FUSED_NORM"):
-        segments.fused_norm_setting()
+        CompiledDecoder(model, "segmented")
     monkeypatch.setenv("PYMLXC_FUSED_NORM", " 0 ")
-    assert segments.fused_norm_setting() == "0"
+    decoder = CompiledDecoder(model, "segmented")
+    assert decoder.fused_norm == "0"
+    assert _greedy(model, decoder) == _greedy(model, None) and _plans_fused(decoder) == {False}
+    decoder.close()
 
 
 @pytest.mark.skipif(ON_CUDA, reason="off CUDA only: there the kernel cannot run")

@@ -74,7 +74,10 @@ def test_the_kernel_arithmetic_gives_the_dequantized_product(m: int, chunks: int
     x = rng.standard_normal((m, k)).astype(np.float32)
     got = _replay(x, np.asarray(w), np.asarray(s), np.asarray(b), group)
     want = x.astype(np.float64) @ deq.T
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+    # Against sum |x| |w|, a dot product's error bound: one nearly cancelling output (n = m = 1,
+    # hypothesis found one in CI) is otherwise held to a tolerance float32 sums cannot meet.
+    bound = float((np.abs(x).astype(np.float64) @ np.abs(deq).T).max())
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * bound)
 
 
 @given(n=st.integers(1, 200_000), rows_per_warp=st.integers(1, 8), m=st.integers(1, 8))

@@ -494,6 +494,10 @@ class CompiledDecoder:
         if self._model is not None:
             reserve(cache, decode_capacity(prompt_len, max_tokens))
 
+    def unreserve(self, cache: Sequence[Any]) -> None:
+        """Undo `reserve` (`decode` does it when it ends; a generation that never decodes calls this)."""
+        _unreserve(cache)
+
     def decode(self, cache: Sequence[Any], first_inputs: Array, max_tokens: int, *, sampler: Sampler,
                processors: Sequence[LogitsProcessor] = (), history: Array | None = None,
                fallback: Callable[[], Iterator[Array]], queue: StepQueue | None = None,

@@ -37,9 +37,14 @@ PREFILL_STEP = 2048
 
 
 class LanguageModel(Protocol):
-    """inputs [B, L] int32 -> logits [B, L, V]; `make_cache` gives one cache per layer."""
+    """inputs [B, L] int32 -> logits [B, L, V] (`last_only`: [B, 1, V], the last position's);
+    `output(h)` gives the logits of hidden states after the last layer; `make_cache` gives one cache
+    per layer."""
 
-    def __call__(self, inputs: mx.Array, cache: Sequence[Any] | None = None, mask: mx.Array | None = None) -> mx.Array: ...
+    def __call__(self, inputs: mx.Array, cache: Sequence[Any] | None = None, mask: mx.Array | None = None, *,
+                 last_only: bool = False) -> mx.Array: ...
+
+    def output(self, h: mx.Array) -> mx.Array: ...
 
     def make_cache(self, context_len: int) -> list[Any]: ...
 
@@ -147,64 +152,77 @@ def _cache_state(cache: Sequence[Cache]) -> list[Any]:
 
 def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, step: int = PREFILL_STEP,
             mask: Callable[[int, int], mx.Array | None] | None = None, guard: Guard = NO_GUARD,
-            start: int = 0, queue: StepQueue | None = None, runner: Callable[..., None] | None = None) -> None:
+            start: int = 0, queue: StepQueue | None = None, runner: Callable[..., mx.Array] | None = None,
+            finish: Callable[[mx.Array], mx.Array] | None = None) -> mx.Array | None:
     """Run `tokens` [B, L] through the model into `cache`, `step` positions at a time.
 
-    Only the caches are evaluated (the chunks' logits are never needed). Chunks are pipelined: a
-    chunk is queued, then the previous one is waited for, so the host builds chunk n+1 while the
-    device runs chunk n and at most two chunks' activations exist at a time; the last chunk is left
-    running (what comes next builds on it). `mask(offset, length)` gives each chunk's mask.
-    `start`: the first `start` tokens are in `cache` already (a prompt-cache hit); the chunks keep
-    the boundaries of a prefill from 0, because a context-bounded cache's results depend on them.
-    With a threaded `queue` (see step_queue.py) each layer is handed to the evaluation thread as
-    soon as it is built, so MLX encodes layer i while Python builds layer i+1. `runner`
-    (`CompiledDecoder.prefill_runner`) runs the chunks instead of the model's forward where no mask
-    is given.
+    Only the caches are evaluated (the chunks' logits are never needed), except that with `finish`
+    the logits [B, V] of the last position are computed (for that position alone) and
+    `finish(logits)` (the first sampled ids, say) is built with the last chunk and returned,
+    scheduled and readable. Chunks are pipelined: a chunk is queued, then the previous one is
+    waited for, so the host builds chunk n+1 while the device runs chunk n and at most two chunks'
+    activations exist at a time; the last chunk is left running (what comes next builds on it).
+    `mask(offset, length)` gives each chunk's mask. `start`: the first `start` tokens are in
+    `cache` already (a prompt-cache hit); the chunks keep the boundaries of a prefill from 0,
+    because a context-bounded cache's results depend on them. With a threaded `queue` (see
+    step_queue.py) each layer is handed to the evaluation thread as soon as it is built, so MLX
+    encodes layer i while Python builds layer i+1. `runner` (`CompiledDecoder.prefill_runner`)
+    runs the chunks instead of the model's forward where no mask is given.
     """
     forward = _chunk_forward(model, mask, runner)
     if queue is not None and queue.threaded:
-        _prefill_threaded(forward, tokens, cache, step=step, guard=guard, start=start, queue=queue)
-        return
+        return _prefill_threaded(forward, tokens, cache, step=step, guard=guard, start=start, queue=queue,
+                                 finish=finish)
     length = tokens.shape[1]
     running: list[Any] = []
+    result = None
     while start < length:
         guard.check()
         stop = min((start // step + 1) * step, length)
-        forward(tokens[:, start:stop], cache, start, None)
+        logits = forward(tokens[:, start:stop], cache, start, None, finish is not None and stop == length)
         state = _cache_state(cache)
-        mx.async_eval(state)
+        if logits is not None and finish is not None:
+            result = finish(logits)
+        mx.async_eval([state, result] if result is not None else state)
         if running:
             mx.eval(running)
         running = state
         start = stop
+    return result
 
 
 def _chunk_forward(model: LanguageModel, mask: Callable[[int, int], mx.Array | None] | None,
-                   runner: Callable[..., None] | None) -> Callable[..., None]:
-    """`forward(chunk, cache, offset, on_layer)`: the runner where it applies (it is dropped for the
-    rest of the prompt if it cannot trace), else the model's forward (which reports its layers to
-    the `layer_listener`)."""
+                   runner: Callable[..., mx.Array] | None) -> Callable[..., mx.Array | None]:
+    """`forward(chunk, cache, offset, on_layer, logits)`: the runner where it applies (it is dropped
+    for the rest of the prompt if it cannot trace), else the model's forward (which reports its
+    layers to the `layer_listener`). With `logits`, returns the chunk's last position's logits
+    [B, V] (the model's head runs on that position alone)."""
     from .compiled import CompileUnavailable  # noqa: PLC0415
 
     use = [runner if mask is None else None]
 
-    def forward(chunk: mx.Array, cache: Sequence[Any], offset: int, on_layer: Callable[..., None] | None) -> None:
+    def forward(chunk: mx.Array, cache: Sequence[Any], offset: int, on_layer: Callable[..., None] | None,
+                logits: bool = False) -> mx.Array | None:
         if use[0] is not None:
             try:
-                use[0](chunk, cache, on_layer)
-                return
+                h = use[0](chunk, cache, on_layer)
+                return model.output(h[:, -1:])[:, -1, :] if logits else None
             except CompileUnavailable:
                 use[0] = None
         with layer_listener(on_layer) if on_layer is not None else contextlib.nullcontext():
-            model(chunk, cache=cache, mask=mask(offset, chunk.shape[1]) if mask else None)
+            # The head on one position even where the logits are unused: less graph to build.
+            out = model(chunk, cache=cache, mask=mask(offset, chunk.shape[1]) if mask else None, last_only=True)
+            return out[:, -1, :] if logits else None
 
     return forward
 
 
-def _prefill_threaded(forward: Callable[..., None], tokens: mx.Array, cache: Sequence[Any], *, step: int,
-                      guard: Guard, start: int, queue: StepQueue) -> None:
+def _prefill_threaded(forward: Callable[..., mx.Array | None], tokens: mx.Array, cache: Sequence[Any], *,
+                      step: int, guard: Guard, start: int, queue: StepQueue,
+                      finish: Callable[[mx.Array], mx.Array] | None) -> mx.Array | None:
     """`prefill` with the evaluation thread: the same chunks, each layer submitted when built. The
-    wait for the previous chunk reads a copy of its state (see `StepQueue.readable`)."""
+    wait for the previous chunk reads a copy of its state (see `StepQueue.readable`); `finish`'s
+    result is returned as a readable copy, once the thread has scheduled it."""
     queue.hand_over([tokens, _cache_state(cache)])  # built here (a slice; a prompt-cache hit's caches)
 
     def submit_layer(h: mx.Array, layer_cache: Any) -> None:
@@ -212,19 +230,25 @@ def _prefill_threaded(forward: Callable[..., None], tokens: mx.Array, cache: Seq
 
     length = tokens.shape[1]
     previous: tuple[Any, list[Any]] | None = None
+    result = None
     while start < length:
         guard.check()
         stop = min((start // step + 1) * step, length)
         with queue.building():
-            forward(tokens[:, start:stop], cache, start, submit_layer)
+            logits = forward(tokens[:, start:stop], cache, start, submit_layer, finish is not None and stop == length)
             state = _cache_state(cache)
             marker = [queue.readable(c[0]) for c in state[-1:] if c]  # one array: waits for the whole submission
-        handle = queue.submit([state, marker])
+            if logits is not None and finish is not None:
+                result = queue.readable(finish(logits))
+        handle = queue.submit([state, marker] if result is None else [state, marker, result])
         if previous is not None:
             queue.ready(previous[0])
             mx.eval(previous[1])
         previous = (handle, marker)
         start = stop
+    if result is not None and previous is not None:
+        queue.ready(previous[0])
+    return result
 
 
 StepFn = Callable[[mx.Array], mx.Array]
@@ -321,8 +345,6 @@ def generate_ids(model: LanguageModel, prompt: Sequence[int], *, cache: Sequence
     timings = timings if timings is not None else Timings()
     timings.prompt_tokens = len(prompt)
     tokens = mx.array([list(prompt)], dtype=mx.int32)
-    # All but the last prompt token go through prefill; the last one is the first decode step's
-    # input, so logits are only ever computed for one position.
     if decoder is not None:
         decoder.reserve(cache, len(prompt), max_tokens)
     queue = _queue_for(model)
@@ -332,35 +354,67 @@ def generate_ids(model: LanguageModel, prompt: Sequence[int], *, cache: Sequence
 
         walk = _arrays_of(model, with_classes=True)
         _hand_over_weights(queue, model, walk[0])
-    if len(prompt) - 1 > cached:
-        runner = None
-        if decoder is not None:
-            runner = decoder.prefill_runner(sampler is greedy and not processors, walk)
-        prefill(model, tokens[:, :-1], cache, step=prefill_step, guard=guard, start=cached, queue=queue,
-                runner=runner)
-    history = _history([prompt[:-1]]) if processors and len(prompt) > 1 else None
-    queue.hand_over(_cache_state(cache))
-
-    def uncompiled() -> Iterator[mx.Array]:
-        return decode(make_step(model, cache, sampler, processors, history), tokens[:, -1:], max_tokens, queue)
-
+    runner = None
     if decoder is not None:
-        stream = decoder.decode(cache, tokens[:, -1:], max_tokens, sampler=sampler, processors=processors,
-                                history=history, fallback=uncompiled, queue=queue, walk=walk)
-    else:
-        stream = uncompiled()
+        runner = decoder.prefill_runner(sampler is greedy and not processors, walk)
+    if max_tokens <= 0:
+        if len(prompt) - 1 > cached:
+            prefill(model, tokens[:, :-1], cache, step=prefill_step, guard=guard, start=cached, queue=queue,
+                    runner=runner)
+        queue.drain(raise_errors=False)
+        if decoder is not None:
+            decoder.unreserve(cache)
+        timings.finish()
+        return
+    history = _history([prompt]) if processors else None
+
+    def sample_first(logits: mx.Array) -> mx.Array:
+        return sampler(apply_processors(processors, history, logits) if processors else logits)
+
+    def emit(token: int) -> bool:
+        """Record a read token; False where it stops the generation."""
+        timings.mark_first_token()
+        if sampled_ids is not None:
+            sampled_ids.append(token)
+        if token in stop_ids:
+            return False
+        timings.generated_tokens += 1
+        return True
+
     try:
+        # The whole prompt goes through prefill, and the first token is sampled from the logits of
+        # its last position alone: the time to the first token is one forward pass (no separate
+        # step for the last prompt token), and decoding starts from the first generated token.
+        first = prefill(model, tokens, cache, step=prefill_step, guard=guard, start=cached, queue=queue,
+                        runner=runner, finish=sample_first)
+        token = first.item()
+        if not emit(token):
+            return
+        yield token
+        guard.check()
+        if max_tokens == 1:
+            return
+        first_inputs = mx.array([[token]], dtype=mx.int32)
+        queue.hand_over([first_inputs, _cache_state(cache)])
+
+        def uncompiled() -> Iterator[mx.Array]:
+            return decode(make_step(model, cache, sampler, processors, history), first_inputs, max_tokens - 1, queue)
+
+        if decoder is not None:
+            stream = decoder.decode(cache, first_inputs, max_tokens - 1, sampler=sampler, processors=processors,
+                                    history=history, fallback=uncompiled, queue=queue, walk=walk)
+        else:
+            stream = uncompiled()
         for sampled in stream:
             token = sampled.item()
-            timings.mark_first_token()
-            if sampled_ids is not None:
-                sampled_ids.append(token)
-            if token in stop_ids:
+            if not emit(token):
                 return
-            timings.generated_tokens += 1
             yield token
             guard.check()
     finally:
+        queue.drain(raise_errors=False)
+        if decoder is not None:
+            decoder.unreserve(cache)
         timings.finish()
 
 

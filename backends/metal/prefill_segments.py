@@ -113,14 +113,15 @@ class PrefillRunner:
         self._on_fail = on_fail
 
     def __call__(self, tokens: Array, cache: Sequence[Any], on_layer: Callable[[Array, Any], None] | None = None
-                 ) -> None:
+                 ) -> Array:
+        """The hidden states [B, L, D] after the last layer (before the final norm), lazily."""
         from .compiled import CompileUnavailable  # noqa: PLC0415
 
         first, mid, last = self._fns.for_batch(tokens.shape[0])
         saved = [dict(vars(c)) for c in cache]  # the caches as they were, should a segment fail to trace
         try:
             with mlx_kernels_only():  # a trace here serves every chunk length
-                self._run(tokens, cache, on_layer, first, mid, last)
+                return self._run(tokens, cache, on_layer, first, mid, last)
         except Exception as exc:
             for c, state in zip(cache, saved):
                 vars(c).clear()
@@ -129,7 +130,7 @@ class PrefillRunner:
             raise CompileUnavailable(str(exc)) from exc
 
     def _run(self, tokens: Array, cache: Sequence[Any], on_layer: Callable[[Array, Any], None] | None,
-             first: Any, mid: Any, last: Any) -> None:
+             first: Any, mid: Any, last: Any) -> Array:
         plan, blocks = self._plan, self._blocks
         h = plan.first.modules[0](tokens)  # the embedding (a quantized table's gather fixes its shape)
         q, k, v = call_segment(first, plan.first, [h])
@@ -146,6 +147,7 @@ class PrefillRunner:
                 (h,) = call_segment(last, plan.last, [out, h])
             if on_layer is not None:
                 on_layer(h, c)
+        return h
 
 
 __all__ = ["PrefillFunctions", "PrefillRunner"]

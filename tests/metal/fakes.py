@@ -42,14 +42,17 @@ class FakeModel:
         self.w1, self.w2 = w(dims, 4 * dims), w(4 * dims, dims)
         self.head = w(dims, vocab) * 4.0
         self.calls: list[tuple[int, int]] = []  # (batch, length) of every forward pass
+        self.heads_on: list[int] = []  # positions the head ran on, per forward pass
         self.layers = [object()]
 
     def make_cache(self, context_len: int = 0) -> list[FakeCache]:
         return [FakeCache()]
 
-    def __call__(self, inputs: mx.Array, cache: Sequence[Any] | None = None, mask: Any = None) -> mx.Array:
+    def __call__(self, inputs: mx.Array, cache: Sequence[Any] | None = None, mask: Any = None, *,
+                 last_only: bool = False) -> mx.Array:
         batch, length = inputs.shape
         self.calls.append((batch, length))
+        self.heads_on.append(1 if last_only else length)
         hd = self.dims // self.heads
         x = mx.take(self.embed, inputs, axis=0)
         split = lambda t: mx.transpose(mx.reshape(t, (batch, length, self.heads, hd)), (0, 2, 1, 3))  # noqa: E731
@@ -64,4 +67,7 @@ class FakeModel:
         o = mx.fast.scaled_dot_product_attention(q, k, v, scale=1 / math.sqrt(hd), mask=mask)
         h = x + mx.reshape(mx.transpose(o, (0, 2, 1, 3)), (batch, length, self.dims)) @ self.wo
         h = h + mx.maximum(h @ self.w1, 0.0) @ self.w2
+        return self.output(h[:, -1:] if last_only else h)
+
+    def output(self, h: mx.Array) -> mx.Array:
         return h @ self.head

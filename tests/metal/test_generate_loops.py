@@ -42,9 +42,13 @@ def test_chunked_prefill_and_cache_equal_full_recompute(prompt: list[int], step:
 
 def test_prefill_feeds_chunks_of_step_and_logits_for_one_position() -> None:
     MODEL.calls.clear()
+    MODEL.heads_on.clear()
     run(list(range(20)), 3, prefill_step=8)
-    # 19 prompt tokens in chunks of 8, then one token per step (3 steps, none beyond max_tokens).
-    assert MODEL.calls == [(1, 8), (1, 8), (1, 3), (1, 1), (1, 1), (1, 1)]
+    # 20 prompt tokens in chunks of 8, the first token sampled from the last chunk's last position,
+    # then one token per step (2 steps, none beyond max_tokens).
+    assert MODEL.calls == [(1, 8), (1, 8), (1, 4), (1, 1), (1, 1)]
+    # The head runs on one position per forward pass (in prefill, on each chunk's last).
+    assert MODEL.heads_on == [1, 1, 1, 1, 1]
 
 
 def test_stop_ids_end_the_stream_and_are_not_yielded() -> None:

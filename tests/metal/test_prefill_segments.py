@@ -82,7 +82,7 @@ def test_generations_use_it_and_keep_their_tokens(models, monkeypatch: pytest.Mo
         got = list(loops.generate_ids(model, prompt, cache=model.make_cache(None), max_tokens=12, sampler=greedy,
                                       decoder=decoder, prefill_step=128))
         assert got == want
-    assert calls == [(1, 29), (1, 8), (1, 128), (1, 128), (1, 43)]  # chunks of prefill_step
+    assert calls == [(1, 30), (1, 9), (1, 128), (1, 128), (1, 44)]  # the whole prompts, in chunks of prefill_step
 
 
 def test_a_segment_that_cannot_trace_hands_back_to_the_model(models, monkeypatch: pytest.MonkeyPatch) -> None:

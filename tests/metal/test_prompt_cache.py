@@ -213,10 +213,10 @@ class CountingModel:
     def __init__(self, inner: Any) -> None:
         self.inner, self.prefilled = inner, 0
 
-    def __call__(self, inputs: Any, cache: Any = None, mask: Any = None) -> Any:
+    def __call__(self, inputs: Any, cache: Any = None, mask: Any = None, **kw: Any) -> Any:
         if inputs.shape[1] > 1:
             self.prefilled += inputs.shape[1]
-        return self.inner(inputs, cache=cache, mask=mask)
+        return self.inner(inputs, cache=cache, mask=mask, **kw)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -231,9 +231,9 @@ def test_a_hit_skips_the_prefill_of_the_prefix(models, monkeypatch: pytest.Monke
     # The segmented decode's prefill (a GPU's default) runs the chunks without the model's forward.
     run = prefill_segments.PrefillRunner.__call__
 
-    def counted(self: Any, tokens: Any, *args: Any) -> None:
+    def counted(self: Any, tokens: Any, *args: Any) -> Any:
         counting.prefilled += tokens.shape[1]
-        run(self, tokens, *args)
+        return run(self, tokens, *args)
 
     monkeypatch.setattr(prefill_segments.PrefillRunner, "__call__", counted)
     try:
@@ -241,7 +241,7 @@ def test_a_hit_skips_the_prefill_of_the_prefix(models, monkeypatch: pytest.Monke
         list(m.generate(PREFIX + REST, max_tokens=4))
         miss = m.metrics()
         assert (miss.prompt_cache_misses, miss.prompt_cache_hit_tokens) == (1, 0)
-        assert counting.prefilled == len(prompt) - 1  # the last token is the first decode step's input
+        assert counting.prefilled == len(prompt)  # the first token is sampled from the prefill's logits
         m.prompt_cache.clear()
         counting.prefilled = 0
         m.warm_prompt_cache(PREFIX)
@@ -250,7 +250,7 @@ def test_a_hit_skips_the_prefill_of_the_prefix(models, monkeypatch: pytest.Monke
         list(m.generate(PREFIX + REST, max_tokens=4))
         hit = m.metrics()
         assert (hit.prompt_cache_hits, hit.prompt_cache_hit_tokens) == (1, len(prefix))
-        assert counting.prefilled == len(prompt) - 1 - len(prefix)
+        assert counting.prefilled == len(prompt) - len(prefix)
         assert hit.prompt_tokens == len(prompt) and hit.prompt_cache_restore_duration > 0
     finally:
         m._model = counting.inner

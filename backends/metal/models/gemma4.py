@@ -336,7 +336,8 @@ class Model(TiedHead, nn.Module):
         both = (proj + table) * 2.0**-0.5
         return [both[:, :, i, :] for i in range(len(inner.layers))]
 
-    def __call__(self, inputs: Array, cache: list[Cache] | None = None, mask: Array | None = None) -> Array:
+    def __call__(self, inputs: Array, cache: list[Cache] | None = None, mask: Array | None = None, *,
+                 last_only: bool = False) -> Array:
         inner = self.model
         h = inner.embed_tokens(inputs) * self._embed_scale
         per_layer = self._per_layer_inputs(inputs, h)
@@ -349,6 +350,11 @@ class Model(TiedHead, nn.Module):
             h, kv, offset = layer(h, m, c, pli, shared, offset)
             kvs[i] = (kv, offset)
             after_layer(h, c)
+        return self.output(h[:, -1:] if last_only else h)
+
+    def output(self, h: Array) -> Array:
+        """Hidden states after the last layer -> logits (the final norm, the head, the softcap)."""
+        inner = self.model
         h = inner.norm(h)
         head = self.lm_head
         out = inner.embed_tokens.as_linear(h) if head is None else head(h)

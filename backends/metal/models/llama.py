@@ -147,7 +147,8 @@ class Model(TiedHead, nn.Module):
     def layers(self) -> list[TransformerBlock]:
         return self.model.layers
 
-    def __call__(self, inputs: Array, cache: list[Cache] | None = None, mask: Array | None = None) -> Array:
+    def __call__(self, inputs: Array, cache: list[Cache] | None = None, mask: Array | None = None, *,
+                 last_only: bool = False) -> Array:
         inner = self.model
         h = inner.embed_tokens(inputs)
         masks = self._masks(inputs.shape[1], cache, mask)
@@ -158,6 +159,11 @@ class Model(TiedHead, nn.Module):
             for layer, m, c in zip(inner.layers, masks, cache):
                 h = layer(h, m, c)
                 after_layer(h, c)
+        return self.output(h[:, -1:] if last_only else h)
+
+    def output(self, h: Array) -> Array:
+        """Hidden states after the last layer -> logits (the final norm and the head)."""
+        inner = self.model
         h = inner.norm(h)
         head = self.lm_head
         return inner.embed_tokens.as_linear(h) if head is None else head(h)

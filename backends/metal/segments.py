@@ -91,6 +91,9 @@ class FusedProjection(Module):
         self._sizes = tuple(sizes)
         self._wT, self._weight, self._scales, self._biases, self._bias = weight_t, weight, scales, biases, bias
         self._group_size, self._bits, self._cuda_matvec = group_size, bits, cuda_matvec
+        # Qwen3's q and k norms as one (see `joint_qk_norm`): the weights [q heads + k heads, 1, D].
+        self.qk_norm_weight: Array | None = None
+        self.qk_norm_eps = 0.0
 
     def joint(self, x: Array) -> Array:
         """The linears' outputs side by side on the last axis (one matmul)."""
@@ -127,9 +130,10 @@ def _held(m: Module) -> tuple[Any, ...]:
     return tuple(id(d.get(k)) for k in ("weight", "scales", "biases", "bias"))
 
 
-def fuse(linears: Sequence[Module]) -> Fusion | None:
+def fuse(linears: Sequence[Module], qk_norms: Sequence[Module] = ()) -> Fusion | None:
     """Concatenate the weights of `linears` (all nn.Linear, or all nn.QuantizedLinear of one
-    format; biases on all or none) into one array and give each linear a view of its rows."""
+    format; biases on all or none) into one array and give each linear a view of its rows.
+    `qk_norms`: the q and k RMSNorms after q/k/v projections (Qwen3), joined too where they can be."""
     from . import nn  # noqa: PLC0415
 
     kinds = {type(m) for m in linears}
@@ -159,8 +163,23 @@ def fuse(linears: Sequence[Module]) -> Fusion | None:
         for name, whole in parts.items():
             setattr(m, name, whole[start:start + n])  # a view of the rows: no copy
         start += n
+    if qk_norms:
+        _join_qk_norms(fused, qk_norms, sizes)
     mx.eval([a for m in linears for a in m.arrays()] + list(fused.arrays()))
-    return Fusion(fused, tuple(linears), tuple(_held(m) for m in linears))
+    held = (*linears, *qk_norms)  # a norm given new weights remakes the fusion too
+    return Fusion(fused, held, tuple(_held(m) for m in held))
+
+
+def _join_qk_norms(fused: FusedProjection, norms: Sequence[Module], sizes: Sequence[int]) -> None:
+    """Give `fused` the q and k norms' weights side by side, one row per head, where both norms
+    have one eps and one dtype (else it keeps none and the norms run apart)."""
+    q_norm, k_norm = norms
+    d = q_norm.weight.shape[0]
+    if q_norm.eps != k_norm.eps or q_norm.weight.dtype != k_norm.weight.dtype or k_norm.weight.shape[0] != d:
+        return
+    rows = [mx.broadcast_to(mx.reshape(n.weight, (1, 1, d)), (size // d, 1, d)) for n, size in zip(norms, sizes)]
+    fused.qk_norm_weight = mx.concatenate(rows, axis=0)
+    fused.qk_norm_eps = q_norm.eps
 
 
 def fusions_for(blocks: Sequence[Any], known: dict[int, tuple[Any, Fusion | None, Fusion | None]]
@@ -169,13 +188,14 @@ def fusions_for(blocks: Sequence[Any], known: dict[int, tuple[Any, Fusion | None
     out = []
     for block in blocks:
         attn, mlp = block.self_attn, block.mlp
-        groups = ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj))
+        norms = (attn.q_norm, attn.k_norm) if isinstance(attn, qwen3.Attention) else ()
+        groups = ((attn.q_proj, attn.k_proj, attn.v_proj, *norms), (mlp.gate_proj, mlp.up_proj))
         entry = known.get(id(block))
         if entry is not None and entry[0] is block and all(
                 f is not None and f.linears == g and f.valid() for f, g in zip(entry[1:], groups)):
             out.append((entry[1], entry[2]))
             continue
-        qkv = fuse(groups[0])
+        qkv = fuse(groups[0][:3], norms)
         gate_up = fuse(groups[1])
         known[id(block)] = (block, qkv, gate_up)
         out.append((qkv, gate_up))
@@ -187,11 +207,15 @@ def fusions_for(blocks: Sequence[Any], known: dict[int, tuple[Any, Fusion | None
 def _project(attn: Any, x: Array, pos: Array, qkv: FusedProjection | None) -> tuple[Array, Array, Array]:
     """q, k, v [B, heads, 1, D] of one token, as `llama/qwen3.Attention` make them, RoPE'd at `pos`."""
     b = x.shape[0]
-    if qkv is not None and not isinstance(attn, qwen3.Attention):
+    qk_norm = isinstance(attn, qwen3.Attention)
+    if qkv is not None and (not qk_norm or qkv.qk_norm_weight is not None):
         # One RoPE call for q and k: their heads are adjacent in the joint output [B, 1, heads * D].
         hq, hkv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
         heads = mx.reshape(qkv.joint(x), (b, hq + 2 * hkv, 1, d))
-        qk = attn.rope(mx.slice(heads, [0, 0, 0, 0], [b, hq + hkv, 1, d], [1, 1, 1, 1]), pos)
+        qk = mx.slice(heads, [0, 0, 0, 0], [b, hq + hkv, 1, d], [1, 1, 1, 1])
+        if qk_norm:
+            qk = joint_qk_norm(qk, qkv)
+        qk = attn.rope(qk, pos)
         return (mx.slice(qk, [0, 0, 0, 0], [b, hq, 1, d], [1, 1, 1, 1]),
                 mx.slice(qk, [0, hq, 0, 0], [b, hq + hkv, 1, d], [1, 1, 1, 1]),
                 mx.slice(heads, [0, hq + hkv, 0, 0], [b, hq + 2 * hkv, 1, d], [1, 1, 1, 1]))
@@ -204,6 +228,15 @@ def _project(attn: Any, x: Array, pos: Array, qkv: FusedProjection | None) -> tu
     if isinstance(attn, qwen3.Attention):
         q, k = attn.q_norm(q), attn.k_norm(k)  # over head_dim: the same on either layout
     return attn.rope(q, pos), attn.rope(k, pos), v
+
+
+def joint_qk_norm(qk: Array, qkv: FusedProjection) -> Array:
+    """Qwen3's q and k norms over the joint heads [B, q + k heads, 1, D]: a weightless RMSNorm, then
+    the joint weights. Bit for bit the two weighted norms: MLX's weighted kernel also rounds the
+    normalized value to the array's type before it multiplies by the weight in that type (read in
+    MLX's rms_norm kernels), and each row's sum runs alike. Two kernels instead of two norms and a
+    second RoPE."""
+    return mx.fast.rms_norm(qk, None, qkv.qk_norm_eps) * qkv.qk_norm_weight
 
 
 def _add_norm(h: Array, out: Array, norm: Any, fused: bool) -> tuple[Array, Array]:

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pymlxc.core as mx
 from pymlxc.backends.metal import generate as loops
@@ -364,3 +366,52 @@ def test_decode_mode_follows_the_environment_then_the_device(monkeypatch: pytest
     monkeypatch.delenv("PYMLXC_DECODE")
     with mx.stream_scope("cpu"):
         assert decode_mode() == "graph"  # the graph's lower host cost wins on a CPU
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(["bfloat16", "float16", "float32"]), st.integers(1, 6), st.integers(1, 4),
+       st.sampled_from([32, 64, 128]), st.floats(1e-6, 1e-2), st.integers(0, 2**31 - 1))
+def test_joint_qk_norm_is_the_two_norms_bit_for_bit(dtype: str, hq: int, hkv: int, d: int, eps: float,
+                                                      seed: int) -> None:
+    from pymlxc.backends.metal import nn
+    from pymlxc.backends.metal.segments import FusedProjection, _join_qk_norms, joint_qk_norm
+
+    rng = np.random.default_rng(seed)
+    t = getattr(mx, dtype)
+    draw = lambda *shape: mx.array(rng.normal(0, 2, shape).astype(np.float32)).astype(t)  # noqa: E731
+    q_norm, k_norm = nn.RMSNorm(d, eps=eps), nn.RMSNorm(d, eps=eps)
+    q_norm.weight, k_norm.weight = draw(d), draw(d)
+    fused = FusedProjection([hq * d, hkv * d, hkv * d])
+    _join_qk_norms(fused, (q_norm, k_norm), [hq * d, hkv * d, hkv * d])
+    qk = draw(2, hq + hkv, 1, d)
+    want = mx.concatenate([q_norm(qk[:, :hq]), k_norm(qk[:, hq:])], axis=1)
+    got = joint_qk_norm(qk, fused)
+    assert got.dtype == want.dtype
+    assert np.array_equal(np.asarray(got.astype(mx.float32)), np.asarray(want.astype(mx.float32)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_segmented_qwen3_joins_its_q_and_k_norms(tmp_path: Path, segmented: None, dtype: str) -> None:
+    """The segments run Qwen3's two head norms as one over the joint heads, with one RoPE call;
+    the tokens stay the uncompiled loop's; norms given new weights are joined again."""
+    loaded = load_weights_and_config(write_tiny_model(tmp_path / "m", "qwen3", dtype=dtype, num_layers=3))
+    model = loaded.model
+    ids = prompt()
+    want = run(model, ids, None)
+    decoder = CompiledDecoder(model)
+    assert run(model, ids, decoder) == want
+    fusions = [entry[1] for entry in decoder._fusions.values()]  # noqa: SLF001
+    assert len(fusions) == 3 and all(f.fused.qk_norm_weight is not None for f in fusions)
+    attn = model.layers[1].self_attn
+    attn.k_norm.weight = attn.k_norm.weight * 3  # new weights: the block's fusion is stale
+    mx.eval(attn.k_norm.weight)
+    old = decoder._fusions[id(model.layers[1])][1]  # noqa: SLF001
+    assert not old.valid()
+    assert run(model, ids, decoder) == run(model, ids, None)
+    new = decoder._fusions[id(model.layers[1])][1]  # noqa: SLF001
+    assert new is not old and new.fused.qk_norm_weight is not None
+    head_dim = attn.head_dim
+    assert np.array_equal(np.asarray(new.fused.qk_norm_weight[-1, 0].astype(mx.float32)),
+                          np.asarray(attn.k_norm.weight.astype(mx.float32)).reshape(head_dim))
+    decoder.close()
+    loaded.free()

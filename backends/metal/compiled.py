@@ -339,6 +339,8 @@ class CompiledDecoder:
         self.fuse_projections = os.environ.get("PYMLXC_FUSE_PROJECTIONS", "1") != "0"
         # Segmented mode on CUDA: each residual add and the norm after it as one kernel (cuda_norm.py).
         self.fused_norm = cuda_switch.setting("PYMLXC_FUSED_NORM")
+        # Segmented mode on CUDA: greedy's argmax as two kernels over many blocks (cuda_argmax.py).
+        self.cuda_argmax = cuda_switch.setting("PYMLXC_CUDA_ARGMAX")
         self._fusions: dict[int, Any] = {}
         self._plans: dict[tuple[Any, ...], Any] = {}  # segments.SegmentPlan per segmented key
         self._recent_plan: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None  # (signature and flags, key)
@@ -438,7 +440,8 @@ class CompiledDecoder:
             if fusions is not None and any(q is None or g is None for q, g in fusions):
                 fusions = None  # all blocks alike (one trace of the middle segment serves them all)
             fused_norm = segments.use_fused_norm(model, blocks, self.fused_norm)
-            seg_key = ("segmented", structure, fuse_greedy, fusions is not None, fused_norm)
+            argmax = fuse_greedy and segments.use_cuda_argmax(model, self.cuda_argmax)
+            seg_key = ("segmented", structure, fuse_greedy, fusions is not None, fused_norm, argmax)
             if seg_key in self._failed:
                 return None
             with self._lock:
@@ -446,7 +449,7 @@ class CompiledDecoder:
                 if seg_plan is None or seg_plan.signature != signature:
                     self._plans.pop(seg_key, None)  # an old plan's arrays go first
                     seg_plan = segments.SegmentPlan(model, blocks, fuse_greedy, self.stats, fusions, signature,
-                                                    fused_norm)
+                                                    fused_norm, argmax)
                     self._plans[seg_key] = seg_plan
                 self._recent_plan = ((signature, fuse_greedy, self.fuse_projections), seg_key)
         if seg_key in self._failed:

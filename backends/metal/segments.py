@@ -36,7 +36,7 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 from pymlxc.core.transforms import FixedArrays
 
-from . import cuda_norm, cuda_switch
+from . import cuda_argmax, cuda_norm, cuda_switch
 from .matvec import quantized_matmul
 from .models import llama, qwen3
 from .nn import Module
@@ -76,6 +76,19 @@ def use_fused_norm(model: Any, blocks: Sequence[Any], setting: str) -> bool:
         return False
     kinds = {(n.weight.shape[-1], n.weight.dtype) for n in norms}
     return len(kinds) == 1 and cuda_norm.applies(*next(iter(kinds))) and cuda_norm.check(*next(iter(kinds)))
+
+
+def use_cuda_argmax(model: Any, setting: str) -> bool:
+    """Whether the last segment's greedy argmax runs as cuda_argmax.py's kernels: `setting`
+    (PYMLXC_CUDA_ARGMAX: auto = on CUDA, 1 = also elsewhere, where the kernels then fail their
+    check, or 0) allows it, the logits are of a floating type, and the kernels pass their check."""
+    if setting == "0" or (setting == "auto" and not cuda_switch.on_cuda()):
+        return False
+    embed = model.model.embed_tokens
+    head = model.lm_head if model.lm_head is not None else embed
+    dtype = getattr(head, "scales", head.weight).dtype  # a quantized head's outputs take its scales' type
+    vocab = head.weight.shape[0]
+    return cuda_argmax.applies(dtype) and cuda_argmax.check(vocab, dtype)
 
 
 # ---------------------------------------------------------------------- fused projections
@@ -295,7 +308,9 @@ def _trace_last(inputs: list[Array]) -> list[Array]:
     _, h = _add_norm(h, mlp_out, norm, group.fused_norm)
     logits = embed.as_linear(h) if group.tied else head(h)
     logits = mx.reshape(logits, (logits.shape[0], logits.shape[-1]))
-    return [greedy(logits) if group.fuse_greedy else logits, pos + 1]
+    if group.fuse_greedy:
+        logits = cuda_argmax.argmax(logits) if group.cuda_argmax else greedy(logits)
+    return [logits, pos + 1]
 
 
 @dataclass
@@ -309,6 +324,7 @@ class _Group:
     tied: bool = False
     fuse_greedy: bool = False
     fused_norm: bool = False  # residual adds and the norms after them in one kernel (cuda_norm.py)
+    cuda_argmax: bool = False  # greedy's argmax as cuda_argmax.py's kernels
 
 
 def _group(modules: Sequence[Module | None], stats: dict[str, int], **flags: Any) -> _Group:
@@ -358,7 +374,7 @@ class SegmentPlan:
 
     def __init__(self, model: Any, blocks: list[Any], fuse_greedy: bool, stats: dict[str, int],
                  fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None, signature: tuple[int, ...],
-                 fused_norm: bool = False) -> None:
+                 fused_norm: bool = False, cuda_argmax: bool = False) -> None:
         inner = model.model
         tied = model.lm_head is None
         fusions = fusions or [(None, None)] * len(blocks)
@@ -372,7 +388,9 @@ class SegmentPlan:
                              qkv[i + 1]], stats, fused_norm=fused_norm)
                      for i in range(len(blocks) - 1)]
         self.last = _group([blocks[-1], gate_up[-1], inner.norm, inner.embed_tokens, model.lm_head], stats,
-                           tied=tied, fuse_greedy=fuse_greedy, fused_norm=fused_norm)
+                           tied=tied, fuse_greedy=fuse_greedy, fused_norm=fused_norm,
+                           cuda_argmax=cuda_argmax and fuse_greedy)
+        self.cuda_argmax = self.last.cuda_argmax
         self.scales = [float(b.self_attn.scale) for b in blocks]
 
     def arrays(self) -> list[list[Array]]:

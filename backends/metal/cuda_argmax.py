@@ -1,0 +1,165 @@
+"""Greedy sampling's argmax over a vocabulary as two CUDA kernels, for the decode segments.
+
+MLX reduces a row to its argmax with one block of 1024 threads, whatever the row's length: on an
+H100 that single block takes 26.6 us for Llama's 128256 logits (Nsight Compute, session 7), one of
+a decode step's costliest kernels, and a cast to int32 follows it. Here many blocks each reduce a
+slice of the row to (value, index), then one block reduces those pairs and writes the int32 index.
+
+The result is MLX's exactly, by construction: both take the largest value and, among equal values,
+the smallest index (each thread scans its indices in increasing order keeping a strictly larger
+value; partial results merge by value, then by the smaller index). NaN never wins, and a row with
+no value above -inf gives index 0, as MLX's reduction starts from (index 0, -inf). `check()` still
+compares it with MLX's argmax once per process (ties included) and keeps MLX's where any index
+differs or the kernel cannot run.
+
+This module holds the source and the launch; `segments.py` decides where to use it.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+import numpy as np
+
+import pymlxc.core as mx
+from pymlxc.core import Array
+
+THREADS = 256  # per block, both stages
+MAX_SLICES = 128  # blocks per row in the first stage
+
+# Template arguments: T (the logits' type), V (row length), SLICES (blocks per row). Grid: SLICES
+# blocks across, one row per block row.
+PARTIAL_SOURCE = r"""
+  __shared__ float best_v[THREADS];
+  __shared__ int best_i[THREADS];
+  const int tid = threadIdx.x;
+  const size_t row = blockIdx.y;
+  const int per = (V + SLICES - 1) / SLICES;
+  const int start = blockIdx.x * per;
+  const int stop = min(start + per, V);
+  const T* x = logits + row * V;
+  float v = -INFINITY;
+  int at = 0;
+  for (int i = start + tid; i < stop; i += THREADS) {
+    float y = static_cast<float>(x[i]);
+    if (y > v) { v = y; at = i; }
+  }
+  best_v[tid] = v;
+  best_i[tid] = at;
+  __syncthreads();
+  for (int s = THREADS / 2; s > 0; s >>= 1) {
+    if (tid < s) {
+      float ov = best_v[tid + s];
+      int oi = best_i[tid + s];
+      if (best_v[tid] < ov || (best_v[tid] == ov && oi < best_i[tid])) { best_v[tid] = ov; best_i[tid] = oi; }
+    }
+    __syncthreads();
+  }
+  if (tid == 0) {
+    values[row * SLICES + blockIdx.x] = best_v[0];
+    indices[row * SLICES + blockIdx.x] = best_i[0];
+  }
+"""
+
+# Template argument: SLICES. One block per row.
+FINAL_SOURCE = r"""
+  __shared__ float best_v[THREADS];
+  __shared__ int best_i[THREADS];
+  const int tid = threadIdx.x;
+  const size_t row = blockIdx.x;
+  float v = -INFINITY;
+  int at = 0;
+  for (int i = tid; i < SLICES; i += THREADS) {
+    float ov = values[row * SLICES + i];
+    int oi = indices[row * SLICES + i];
+    if (v < ov || (v == ov && oi < at)) { v = ov; at = oi; }
+  }
+  best_v[tid] = v;
+  best_i[tid] = at;
+  __syncthreads();
+  for (int s = THREADS / 2; s > 0; s >>= 1) {
+    if (tid < s) {
+      float ov = best_v[tid + s];
+      int oi = best_i[tid + s];
+      if (best_v[tid] < ov || (best_v[tid] == ov && oi < best_i[tid])) { best_v[tid] = ov; best_i[tid] = oi; }
+    }
+    __syncthreads();
+  }
+  if (tid == 0) {
+    out[row] = best_i[0];
+  }
+"""
+
+HEADER = f"#define THREADS {THREADS}\n"
+
+_partial = mx.fast.SharedKernel("pymlxc_argmax_partial", ("logits",), ("values", "indices"), PARTIAL_SOURCE,
+                                header=HEADER)
+_final = mx.fast.SharedKernel("pymlxc_argmax_final", ("values", "indices"), ("out",), FINAL_SOURCE, header=HEADER)
+
+FLOAT_TYPES = ("bfloat16", "float16", "float32")
+
+
+def applies(dtype: Any) -> bool:
+    """Whether the kernels take logits of `dtype` (floating types)."""
+    return str(dtype).rsplit(".", 1)[-1] in FLOAT_TYPES
+
+
+def slices(v: int) -> int:
+    """First-stage blocks per row: about 1024 logits each, at most MAX_SLICES."""
+    return max(1, min(MAX_SLICES, -(-v // 1024)))
+
+
+def argmax(logits: Array) -> Array:
+    """int32 [B]: the index of each row's largest logit (the first among equal ones), for logits
+    [B, V] of a floating type (`applies`)."""
+    b, v = logits.shape
+    n = slices(v)
+    values, indices = _partial()([logits], output_shapes=[(b, n), (b, n)], output_dtypes=[mx.float32, mx.int32],
+                                 grid=(n * THREADS, b, 1), threadgroup=(THREADS, 1, 1),
+                                 template=[("T", logits.dtype), ("V", v), ("SLICES", n)])
+    (out,) = _final()([values, indices], output_shapes=[(b,)], output_dtypes=[mx.int32],
+                      grid=(b * THREADS, 1, 1), threadgroup=(THREADS, 1, 1), template=[("SLICES", n)])
+    return out
+
+
+_checked: dict[tuple[int, str], bool] = {}
+_checked_lock = threading.Lock()
+
+
+def check(v: int, dtype: Any) -> bool:
+    """Whether the kernels run here and give MLX's argmax on random rows of `v` logits of `dtype`,
+    with ties placed across slices (once per process and shape); if not, a RuntimeWarning says why."""
+    key = (v, str(dtype))
+    with _checked_lock:
+        known = _checked.get(key)
+        if known is None:
+            known = _checked[key] = _compare(v, dtype)
+    return known
+
+
+def _compare(v: int, dtype: Any) -> bool:
+    rng = np.random.default_rng(0)
+    rows = rng.normal(0, 4, (6, v)).astype(np.float32)
+    top = float(rows.max()) + 1.0
+    rows[1, [v - 1, v // 2, 3]] = top  # one maximum thrice: the first index must win
+    rows[2, :] = top  # all equal
+    rows[3, [v - 1]] = top  # the maximum at the end
+    rows[4, :] = -np.inf  # no value above -inf: index 0
+    rows[5, [0, v // 3]] = np.nan  # NaN never wins
+    logits = mx.array(rows).astype(dtype)
+    try:
+        got = np.asarray(argmax(logits))
+        want = np.asarray(mx.argmax(logits, axis=-1).astype(mx.int32))
+    except Exception as exc:  # noqa: BLE001 - any failure keeps MLX's kernel, with the reason
+        warnings.warn(f"the CUDA argmax kernel cannot run here ({type(exc).__name__}: {exc}); "
+                      "using MLX's argmax", RuntimeWarning, stacklevel=3)
+        return False
+    if not np.array_equal(got, want):
+        warnings.warn(f"the CUDA argmax kernel differs from MLX's argmax for {v} {dtype} logits "
+                      f"({got.tolist()} against {want.tolist()}); using MLX's argmax", RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
+__all__ = ["applies", "argmax", "check", "slices"]

@@ -1,0 +1,155 @@
+"""Greedy's argmax as two CUDA kernels (backends/metal/cuda_argmax.py) in the segmented decode.
+
+Everywhere: the setting is read by name; off CUDA the segments keep MLX's argmax, and a forced
+setting there warns and keeps it too; with the kernels stood in for by MLX's argmax, the segments
+that call them give the uncompiled loop's tokens.
+
+On CUDA: the kernels give MLX's argmax index for any row (ties across slices, -inf rows, NaN), and
+models decoded with them keep the uncompiled loop's greedy tokens.
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pymlxc.core as mx
+from pymlxc.backends.metal import cuda_argmax, segments
+from pymlxc.backends.metal import generate as loops
+from pymlxc.backends.metal.compiled import CompiledDecoder
+from pymlxc.backends.metal.loader import load_weights_and_config
+from pymlxc.backends.metal.sample import greedy
+from pymlxc.testing import write_tiny_model
+
+ON_CUDA = mx.cuda_available() and mx.default_device().type == "gpu"
+cuda_only = pytest.mark.skipif(not ON_CUDA, reason="the kernels need MLX's CUDA build (run on the GPU machine)")
+
+
+@pytest.fixture
+def tiny(tmp_path: Path):
+    opened = []
+
+    def load(arch: str = "llama", bits: int | None = None):
+        path = write_tiny_model(tmp_path / f"{arch}-{bits}", arch, num_layers=3, dtype="float16",
+                                quantize_bits=bits, vocab_size=3000)
+        loaded = load_weights_and_config(path)
+        opened.append(loaded)
+        return loaded.model
+
+    yield load
+    for m in opened:
+        m.free()
+
+
+def _greedy(model: Any, decoder: CompiledDecoder | None, n: int = 12) -> list[int]:
+    prompt = [int(i) for i in np.random.default_rng(5).integers(16, 500, size=21)]
+    return list(loops.generate_ids(model, prompt, cache=model.make_cache(None), max_tokens=n, sampler=greedy,
+                                   decoder=decoder))
+
+
+def _plans_use_it(decoder: CompiledDecoder) -> set[bool]:
+    return {plan.cuda_argmax for plan in decoder._plans.values()}  # noqa: SLF001
+
+
+def test_slices_and_types() -> None:
+    assert cuda_argmax.slices(1) == 1 and cuda_argmax.slices(1024) == 1 and cuda_argmax.slices(1025) == 2
+    assert cuda_argmax.slices(128256) == 126 and cuda_argmax.slices(262144) == cuda_argmax.MAX_SLICES
+    assert all(cuda_argmax.applies(t) for t in (mx.bfloat16, mx.float16, mx.float32))
+    assert not cuda_argmax.applies(mx.int32)
+
+
+def test_the_decoder_reads_the_setting_by_name(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny()
+    monkeypatch.setenv("PYMLXC_CUDA_ARGMAX", "maybe")
+    with pytest.raises(ValueError, match="PYMLXC_CUDA_ARGMAX"):
+        CompiledDecoder(model, "segmented")
+    monkeypatch.setenv("PYMLXC_CUDA_ARGMAX", "0")
+    decoder = CompiledDecoder(model, "segmented")
+    assert decoder.cuda_argmax == "0"
+    assert _greedy(model, decoder) == _greedy(model, None) and _plans_use_it(decoder) == {False}
+    decoder.close()
+
+
+@pytest.mark.skipif(ON_CUDA, reason="off CUDA only: there the kernels cannot run")
+def test_off_cuda_the_segments_keep_mlx_argmax(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny()
+    assert not segments.use_cuda_argmax(model, "auto")
+    assert not segments.use_cuda_argmax(model, "0")
+    cuda_argmax._checked.clear()  # noqa: SLF001 - a fresh check
+    with pytest.warns(RuntimeWarning, match="CUDA argmax"):
+        assert not segments.use_cuda_argmax(model, "1")
+    monkeypatch.setenv("PYMLXC_CUDA_ARGMAX", "1")
+    decoder = CompiledDecoder(model, "segmented")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the verdict is cached: no second warning
+        assert _greedy(model, decoder) == _greedy(model, None)
+    assert _plans_use_it(decoder) == {False}
+    decoder.close()
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_segments_calling_the_kernels_keep_the_tokens(tiny, monkeypatch: pytest.MonkeyPatch, bits: int | None) -> None:
+    """The kernels stood in for by MLX's argmax: the last segment calls them on the step's logits
+    [B, vocab] (traced once) and returns their int32 ids, and the tokens are the uncompiled loop's.
+    A sampler other than greedy never reaches them."""
+    model = tiny("llama", bits)
+    shapes = []
+
+    def stand_in(logits: Any) -> Any:
+        shapes.append(tuple(logits.shape))
+        return greedy(logits)
+
+    monkeypatch.setattr(cuda_argmax, "argmax", stand_in)
+    monkeypatch.setattr(segments, "use_cuda_argmax", lambda *a: True)
+    want = _greedy(model, None)
+    decoder = CompiledDecoder(model, "segmented")
+    assert _greedy(model, decoder) == want
+    assert decoder.stats["compiled"] == 1 and _plans_use_it(decoder) == {True}
+    assert shapes == [(1, 3000)]
+    from pymlxc.backends.metal.sample import make_sampler
+
+    sampler = make_sampler(temperature=0.8, key=1)
+    prompt = [3, 4, 5, 6]
+    got = list(loops.generate_ids(model, prompt, cache=model.make_cache(None), max_tokens=6,
+                                  sampler=sampler, decoder=decoder))
+    assert len(got) == 6 and len(shapes) == 1
+    decoder.close()
+
+
+# ---------------------------------------------------------------------- on CUDA
+
+@cuda_only
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(v=st.integers(1, 300_000), rows=st.integers(1, 3), dtype=st.sampled_from(["bfloat16", "float16", "float32"]),
+       ties=st.lists(st.integers(0, 299_999), max_size=4), special=st.sampled_from(["none", "ninf", "nan"]),
+       seed=st.integers(0, 2**16))
+def test_the_kernels_give_mlx_argmax(v: int, rows: int, dtype: str, ties: list[int], special: str, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(0, 3, (rows, v)).astype(np.float32)
+    places = [t % v for t in ties]
+    if places:
+        x[0, places] = x.max() + 1.0  # one maximum at several places, maybe in different slices
+    if special == "ninf":
+        x[-1, :] = -np.inf
+    elif special == "nan":
+        x[-1, places or [0]] = np.nan
+    logits = mx.array(x).astype(getattr(mx, dtype))
+    got = np.asarray(cuda_argmax.argmax(logits))
+    want = np.asarray(mx.argmax(logits, axis=-1).astype(mx.int32))
+    np.testing.assert_array_equal(got, want)
+
+
+@cuda_only
+@pytest.mark.parametrize("bits", [None, 4])
+def test_decoding_with_the_kernels_keeps_the_tokens(tiny, bits: int | None) -> None:
+    model = tiny("llama", bits)
+    want = _greedy(model, None, n=24)
+    decoder = CompiledDecoder(model, "segmented")
+    assert _greedy(model, decoder, n=24) == want
+    assert _plans_use_it(decoder) == {True}
+    decoder.close()

@@ -160,17 +160,20 @@ class Side:
 
 class Pymlxc(Side):
     def __init__(self, compiled: bool = True, mode: str | None = None, threaded: bool | None = None,
-                 cuda_matvec: str | None = None, fused_norm: str | None = None) -> None:
+                 cuda_matvec: str | None = None, fused_norm: str | None = None, cuda_argmax: str | None = None
+                 ) -> None:
         self.name = (("pymlxc" if compiled else "pymlxc_uncompiled") + (f"_{mode}" if mode else "")
                      + ("" if threaded is None else "_thread" if threaded else "_nothread")
                      + ("" if cuda_matvec is None else f"_matvec{cuda_matvec}")
-                     + ("" if fused_norm is None else f"_fusednorm{fused_norm}"))
+                     + ("" if fused_norm is None else f"_fusednorm{fused_norm}")
+                     + ("" if cuda_argmax is None else f"_argmax{cuda_argmax}"))
         self.compiled = compiled
         self.mode = mode
         self.threaded = threaded  # None: the default for the device (PYMLXC_EVAL_THREAD)
-        # Settings read at load (PYMLXC_CUDA_MATVEC) or by the decoder (PYMLXC_FUSED_NORM); None: the default.
-        self.settings = {k: v for k, v in (("PYMLXC_CUDA_MATVEC", cuda_matvec), ("PYMLXC_FUSED_NORM", fused_norm))
-                         if v is not None}
+        # Settings read at load (PYMLXC_CUDA_MATVEC) or by the decoder (PYMLXC_FUSED_NORM,
+        # PYMLXC_CUDA_ARGMAX); None: the default.
+        self.settings = {k: v for k, v in (("PYMLXC_CUDA_MATVEC", cuda_matvec), ("PYMLXC_FUSED_NORM", fused_norm),
+                                           ("PYMLXC_CUDA_ARGMAX", cuda_argmax)) if v is not None}
         self.cuda_matvec = False  # whether the loaded model uses pymlxc's CUDA matvec kernel
         self.loaded: Any = None
         self.decoder: CompiledDecoder | None = None
@@ -196,6 +199,12 @@ class Pymlxc(Side):
         """Whether the segmented decode added and normalized in one kernel (cuda_norm.py)."""
         plans = self.decoder._plans.values() if self.decoder is not None else ()  # noqa: SLF001
         return any(plan.fused_norm for plan in plans)
+
+    @property
+    def cuda_argmax(self) -> bool:
+        """Whether the segmented decode's greedy argmax ran as cuda_argmax.py's kernels."""
+        plans = self.decoder._plans.values() if self.decoder is not None else ()  # noqa: SLF001
+        return any(plan.cuda_argmax for plan in plans)
 
     def free(self) -> None:
         if self.decoder is not None:
@@ -384,6 +393,7 @@ def run_case(shape: str, quant: str, args: argparse.Namespace, sides: list[Side]
             if isinstance(side, Pymlxc):
                 case["sides"][side.name]["cuda_matvec"] = side.cuda_matvec
                 case["sides"][side.name]["fused_norm"] = side.fused_norm
+                case["sides"][side.name]["cuda_argmax"] = side.cuda_argmax
             decoder = getattr(side, "decoder", None)
             if decoder is not None:  # did pymlxc decode on the compiled step (or fall back)?
                 case["sides"][side.name]["decoder_stats"] = dict(decoder.stats)
@@ -525,6 +535,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fused-norm", choices=["0", "1"], default=None,
                    help="add pymlxc with PYMLXC_FUSED_NORM set (0: MLX's add and rms_norm; 1: the fused kernel "
                         "wherever it passes its check)")
+    p.add_argument("--cuda-argmax", choices=["0", "1"], default=None,
+                   help="add pymlxc with PYMLXC_CUDA_ARGMAX set (0: MLX's argmax; 1: the two kernels wherever "
+                        "they pass their check)")
     p.add_argument("--models-dir", type=Path, default=None,
                    help="where the random models are written and reused (default: a temporary folder)")
     p.add_argument("--out", type=Path, default=Path("."), help="folder for compare_mlx_lm.json and .png")
@@ -625,6 +638,8 @@ def main(argv: list[str] | None = None) -> int:
         sides.append(Pymlxc(True, cuda_matvec=args.cuda_matvec))
     if args.fused_norm is not None:
         sides.append(Pymlxc(True, fused_norm=args.fused_norm))
+    if args.cuda_argmax is not None:
+        sides.append(Pymlxc(True, cuda_argmax=args.cuda_argmax))
     if args.nothread:
         sides.append(Pymlxc(True, threaded=False))
     report: dict[str, Any] = {

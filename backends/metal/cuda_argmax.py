@@ -7,8 +7,9 @@ slice of the row to (value, index), then one block reduces those pairs and write
 
 The result is MLX's exactly, by construction: both take the largest value and, among equal values,
 the smallest index (each thread scans its indices in increasing order keeping a strictly larger
-value; partial results merge by value, then by the smaller index). NaN never wins, and a row with
-no value above -inf gives index 0, as MLX's reduction starts from (index 0, -inf). `check()` still
+value; partial results merge by value, then by the smaller index). NaN counts as the largest value
+(the first NaN wins, as MLX's argmax gives on its CPU and CUDA backends), and a row with no value
+above -inf gives index 0, as MLX's reduction starts from (index 0, -inf). `check()` still
 compares it with MLX's argmax once per process (ties included) and keeps MLX's where any index
 differs or the kernel cannot run.
 
@@ -43,7 +44,7 @@ PARTIAL_SOURCE = r"""
   int at = 0;
   for (int i = start + tid; i < stop; i += THREADS) {
     float y = static_cast<float>(x[i]);
-    if (y > v) { v = y; at = i; }
+    if (pymlxc_beats(y, i, v, at)) { v = y; at = i; }
   }
   best_v[tid] = v;
   best_i[tid] = at;
@@ -52,7 +53,7 @@ PARTIAL_SOURCE = r"""
     if (tid < s) {
       float ov = best_v[tid + s];
       int oi = best_i[tid + s];
-      if (best_v[tid] < ov || (best_v[tid] == ov && oi < best_i[tid])) { best_v[tid] = ov; best_i[tid] = oi; }
+      if (pymlxc_beats(ov, oi, best_v[tid], best_i[tid])) { best_v[tid] = ov; best_i[tid] = oi; }
     }
     __syncthreads();
   }
@@ -73,7 +74,7 @@ FINAL_SOURCE = r"""
   for (int i = tid; i < SLICES; i += THREADS) {
     float ov = values[row * SLICES + i];
     int oi = indices[row * SLICES + i];
-    if (v < ov || (v == ov && oi < at)) { v = ov; at = oi; }
+    if (pymlxc_beats(ov, oi, v, at)) { v = ov; at = oi; }
   }
   best_v[tid] = v;
   best_i[tid] = at;
@@ -82,7 +83,7 @@ FINAL_SOURCE = r"""
     if (tid < s) {
       float ov = best_v[tid + s];
       int oi = best_i[tid + s];
-      if (best_v[tid] < ov || (best_v[tid] == ov && oi < best_i[tid])) { best_v[tid] = ov; best_i[tid] = oi; }
+      if (pymlxc_beats(ov, oi, best_v[tid], best_i[tid])) { best_v[tid] = ov; best_i[tid] = oi; }
     }
     __syncthreads();
   }
@@ -91,7 +92,17 @@ FINAL_SOURCE = r"""
   }
 """
 
-HEADER = f"#define THREADS {THREADS}\n"
+# Whether (v, i) goes before (w, j): NaN above every number (the first NaN wins), then the larger
+# value, then the smaller index. MLX's argmax orders NaN so (seen on its CPU and CUDA backends).
+HEADER = f"#define THREADS {THREADS}\n" + r"""
+__device__ __forceinline__ bool pymlxc_beats(float v, int i, float w, int j) {
+  const bool vn = isnan(v), wn = isnan(w);
+  if (vn || wn) {
+    return vn && (!wn || i < j);
+  }
+  return v > w || (v == w && i < j);
+}
+"""
 
 _partial = mx.fast.SharedKernel("pymlxc_argmax_partial", ("logits",), ("values", "indices"), PARTIAL_SOURCE,
                                 header=HEADER)
@@ -146,7 +157,7 @@ def _compare(v: int, dtype: Any) -> bool:
     rows[2, :] = top  # all equal
     rows[3, [v - 1]] = top  # the maximum at the end
     rows[4, :] = -np.inf  # no value above -inf: index 0
-    rows[5, [0, v // 3]] = np.nan  # NaN never wins
+    rows[5, [v // 3, v - 1]] = np.nan  # the first NaN wins
     logits = mx.array(rows).astype(dtype)
     try:
         got = np.asarray(argmax(logits))

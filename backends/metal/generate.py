@@ -196,7 +196,8 @@ def _chunk_forward(model: LanguageModel, mask: Callable[[int, int], mx.Array | N
     """`forward(chunk, cache, offset, on_layer, logits)`: the runner where it applies (it is dropped
     for the rest of the prompt if it cannot trace), else the model's forward (which reports its
     layers to the `layer_listener`). With `logits`, returns the chunk's last position's logits
-    [B, V] (the model's head runs on that position alone)."""
+    [B, V]. Either way the last layer's queries, attention output and MLP and the head run on the
+    last position alone (`last_only`): every position's keys and values still reach the caches."""
     from .compiled import CompileUnavailable  # noqa: PLC0415
 
     use = [runner if mask is None else None]
@@ -205,12 +206,14 @@ def _chunk_forward(model: LanguageModel, mask: Callable[[int, int], mx.Array | N
                 logits: bool = False) -> mx.Array | None:
         if use[0] is not None:
             try:
-                h = use[0](chunk, cache, on_layer)
-                return model.output(h[:, -1:])[:, -1, :] if logits else None
+                h = use[0](chunk, cache, on_layer, True)
+                return model.output(h)[:, -1, :] if logits else None
             except CompileUnavailable:
                 use[0] = None
         with layer_listener(on_layer) if on_layer is not None else contextlib.nullcontext():
-            # The head on one position even where the logits are unused: less graph to build.
+            # The last layer past its keys and values, and the head, on the last position alone, even
+            # where the logits are unused: the caches need no more, and there is less graph to build
+            # (and, with the threaded prefill, less of the last layer to evaluate).
             out = model(chunk, cache=cache, mask=mask(offset, chunk.shape[1]) if mask else None, last_only=True)
             return out[:, -1, :] if logits else None
 

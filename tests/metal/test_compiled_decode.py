@@ -415,3 +415,26 @@ def test_segmented_qwen3_joins_its_q_and_k_norms(tmp_path: Path, segmented: None
                           np.asarray(attn.k_norm.weight.astype(mx.float32)).reshape(head_dim))
     decoder.close()
     loaded.free()
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_last_only_forward_is_the_full_forward_last_row(models, arch: str) -> None:
+    """`last_only` (prefill's first token): the last position's logits and the same caches as the
+    whole forward, with a sliding window cut into by the prompt (the tiny models' window is 16)."""
+    model = models(arch).model
+    ids = mx.array([prompt(23, seed=4)], dtype=mx.int32)
+    full_cache, last_cache = model.make_cache(None), model.make_cache(None)
+    full = model(ids, cache=full_cache)
+    last = model(ids, cache=last_cache, last_only=True)
+    assert last.shape == (1, 1, full.shape[-1])
+    np.testing.assert_allclose(np.asarray(last[0, 0]), np.asarray(full[0, -1]), rtol=1e-5, atol=1e-5)
+    for a, b in zip(full_cache, last_cache):
+        assert a.offset == b.offset
+        for x, y in zip(a.state, b.state):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # An explicit mask (left-padded rows of a batch): the last query keeps its own row of it.
+    ids2 = mx.array([prompt(23, seed=5), prompt(23, seed=6)], dtype=mx.int32)
+    mask = loops.left_padded_mask(mx.array([0, 6], dtype=mx.int32), 0, 23)
+    full = model(ids2, cache=model.make_cache(None), mask=mask)
+    last = model(ids2, cache=model.make_cache(None), mask=mask, last_only=True)
+    np.testing.assert_allclose(np.asarray(last[:, 0]), np.asarray(full[:, -1]), rtol=1e-5, atol=1e-5)

@@ -152,6 +152,14 @@ def _record_queries(q: Array) -> None:
         sink.append(q)
 
 
+def last_query_mask(mask: Mask) -> Mask:
+    """The mask of a chunk's last query alone: it sees every key a causal chunk mask gives it (None),
+    or its own row of an explicit mask."""
+    if mask is None or isinstance(mask, str):
+        return None
+    return mask[..., -1:, :]
+
+
 def attention(q: Array, k: Array, v: Array, *, scale: float, mask: Mask) -> Array:
     """softmax(q k^T * scale + mask) v over [B, heads, L, head_dim]; kv heads may be fewer (GQA)."""
     if _QUERY_SINKS:

@@ -10,7 +10,8 @@ from pymlxc.core import Array
 
 from .. import nn
 from ..cache import Cache, Mask
-from .base import BaseModelArgs, after_layer, LayerMasks, TiedHead, attention, drop_keys, initialize_rope, make_layer_caches
+from .base import (BaseModelArgs, after_layer, LayerMasks, TiedHead, attention, drop_keys, initialize_rope,
+                   last_query_mask, make_layer_caches)
 
 _reshape = mx.reshape
 _transpose = mx.transpose
@@ -81,19 +82,27 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=bias)
         self.rope = initialize_rope(head_dim, args.rope_theta, args.rope_traditional, args.rope_scaling)
 
-    def __call__(self, x: Array, mask: Mask, cache: Cache | None) -> Array:
+    def __call__(self, x: Array, mask: Mask, cache: Cache | None, last_only: bool = False) -> Array:
         b, L, _ = x.shape
         q = _transpose(_reshape(self.q_proj(x), (b, L, self.n_heads, self.head_dim)), (0, 2, 1, 3))
         k = _transpose(_reshape(self.k_proj(x), (b, L, self.n_kv_heads, self.head_dim)), (0, 2, 1, 3))
         v = _transpose(_reshape(self.v_proj(x), (b, L, self.n_kv_heads, self.head_dim)), (0, 2, 1, 3))
+        return self.attend(q, k, v, mask, cache, last_only)
+
+    def attend(self, q: Array, k: Array, v: Array, mask: Mask, cache: Cache | None, last_only: bool) -> Array:
+        """RoPE, the cache update and attention of q, k, v [B, heads, L, D], then o_proj. `last_only`:
+        every position's keys and values, but the last query's output alone [B, 1, dim]."""
+        b = q.shape[0]
         if cache is not None:
             offset = cache.offset
             q, k = self.rope(q, offset), self.rope(k, offset)
             k, v = cache.update_and_fetch(k, v)
         else:
             q, k = self.rope(q), self.rope(k)
+        if last_only:
+            q, mask = q[:, :, -1:], last_query_mask(mask)
         out = attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(_reshape(_transpose(out, (0, 2, 1, 3)), (b, L, -1)))
+        return self.o_proj(_reshape(_transpose(out, (0, 2, 1, 3)), (b, q.shape[2], -1)))
 
 
 class MLP(nn.Module):
@@ -115,8 +124,12 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: Array, mask: Mask, cache: Cache | None) -> Array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+    def __call__(self, x: Array, mask: Mask, cache: Cache | None, last_only: bool = False) -> Array:
+        """`last_only`: the keys and values of every position go into `cache`, the output is the
+        last position's alone [B, 1, dim] (the rest of the block runs on that position only)."""
+        r = self.self_attn(self.input_layernorm(x), mask, cache, last_only) if last_only else \
+            self.self_attn(self.input_layernorm(x), mask, cache)
+        h = (x[:, -1:] if last_only else x) + r
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -152,12 +165,14 @@ class Model(TiedHead, nn.Module):
         inner = self.model
         h = inner.embed_tokens(inputs)
         masks = self._masks(inputs.shape[1], cache, mask)
+        last = len(inner.layers) - 1
         if cache is None:
-            for layer, m in zip(inner.layers, masks):
-                h = layer(h, m, None)
+            for i, (layer, m) in enumerate(zip(inner.layers, masks)):
+                h = layer(h, m, None, True) if last_only and i == last else layer(h, m, None)
         else:
-            for layer, m, c in zip(inner.layers, masks, cache):
-                h = layer(h, m, c)
+            for i, (layer, m, c) in enumerate(zip(inner.layers, masks, cache)):
+                # The last layer's queries, attention output and MLP on the last position alone.
+                h = layer(h, m, c, True) if last_only and i == last else layer(h, m, c)
                 after_layer(h, c)
         return self.output(h[:, -1:] if last_only else h)
 

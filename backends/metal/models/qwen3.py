@@ -10,7 +10,6 @@ from pymlxc.core import Array
 from .. import nn
 from ..cache import Cache, Mask
 from . import llama
-from .base import attention
 
 _reshape = mx.reshape
 _transpose = mx.transpose
@@ -31,19 +30,12 @@ class Attention(llama.Attention):
         self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
 
-    def __call__(self, x: Array, mask: Mask, cache: Cache | None) -> Array:
+    def __call__(self, x: Array, mask: Mask, cache: Cache | None, last_only: bool = False) -> Array:
         b, L, _ = x.shape
         q = _transpose(self.q_norm(_reshape(self.q_proj(x), (b, L, self.n_heads, self.head_dim))), (0, 2, 1, 3))
         k = _transpose(self.k_norm(_reshape(self.k_proj(x), (b, L, self.n_kv_heads, self.head_dim))), (0, 2, 1, 3))
         v = _transpose(_reshape(self.v_proj(x), (b, L, self.n_kv_heads, self.head_dim)), (0, 2, 1, 3))
-        if cache is not None:
-            offset = cache.offset
-            q, k = self.rope(q, offset), self.rope(k, offset)
-            k, v = cache.update_and_fetch(k, v)
-        else:
-            q, k = self.rope(q), self.rope(k)
-        out = attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(_reshape(_transpose(out, (0, 2, 1, 3)), (b, L, -1)))
+        return self.attend(q, k, v, mask, cache, last_only)
 
 
 class Model(llama.Model):

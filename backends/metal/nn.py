@@ -54,9 +54,13 @@ class Module:
 
     def named_modules(self, prefix: str = "") -> Iterator[tuple[str, "Module"]]:
         """This module (named `prefix`) and every descendant, depth first, with flat names."""
-        yield prefix, self
-        for name, child in self.children():
-            yield from child.named_modules(f"{prefix}.{name}" if prefix else name)
+        # A stack rather than nested generators: every load, update and free walks the tree.
+        stack: list[tuple[str, Module]] = [(prefix, self)]
+        while stack:
+            path, module = stack.pop()
+            yield path, module
+            found = [(f"{path}.{name}" if path else name, child) for name, child in module.children()]
+            stack.extend(reversed(found))
 
     def local_parameters(self) -> Iterator[tuple[str, Array]]:
         for name, value in vars(self).items():

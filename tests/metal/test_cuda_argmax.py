@@ -22,34 +22,16 @@ import pymlxc.core as mx
 from pymlxc.backends.metal import cuda_argmax, segments
 from pymlxc.backends.metal import generate as loops
 from pymlxc.backends.metal.compiled import CompiledDecoder
-from pymlxc.backends.metal.loader import load_weights_and_config
 from pymlxc.backends.metal.sample import greedy
-from pymlxc.testing import write_tiny_model
 
-ON_CUDA = mx.cuda_available() and mx.default_device().type == "gpu"
-cuda_only = pytest.mark.skipif(not ON_CUDA, reason="the kernels need MLX's CUDA build (run on the GPU machine)")
-
+from .cuda_decode_helpers import ON_CUDA, cuda_only, greedy_ids, tiny_models
 
 @pytest.fixture
 def tiny(tmp_path: Path):
-    opened = []
-
-    def load(arch: str = "llama", bits: int | None = None):
-        path = write_tiny_model(tmp_path / f"{arch}-{bits}", arch, num_layers=3, dtype="float16",
-                                quantize_bits=bits, vocab_size=3000)
-        loaded = load_weights_and_config(path)
-        opened.append(loaded)
-        return loaded.model
-
-    yield load
-    for m in opened:
-        m.free()
-
-
-def _greedy(model: Any, decoder: CompiledDecoder | None, n: int = 12) -> list[int]:
-    prompt = [int(i) for i in np.random.default_rng(5).integers(16, 500, size=21)]
-    return list(loops.generate_ids(model, prompt, cache=model.make_cache(None), max_tokens=n, sampler=greedy,
-                                   decoder=decoder))
+    models = tiny_models(tmp_path)
+    load = next(models)
+    yield lambda arch="llama", bits=None: load(arch, quantize_bits=bits, vocab_size=3000)
+    next(models, None)
 
 
 def _plans_use_it(decoder: CompiledDecoder) -> set[bool]:
@@ -71,7 +53,7 @@ def test_the_decoder_reads_the_setting_by_name(tiny, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("PYMLXC_CUDA_ARGMAX", "0")
     decoder = CompiledDecoder(model, "segmented")
     assert decoder.cuda_argmax == "0"
-    assert _greedy(model, decoder) == _greedy(model, None) and _plans_use_it(decoder) == {False}
+    assert greedy_ids(model, decoder) == greedy_ids(model, None) and _plans_use_it(decoder) == {False}
     decoder.close()
 
 
@@ -87,7 +69,7 @@ def test_off_cuda_the_segments_keep_mlx_argmax(tiny, monkeypatch: pytest.MonkeyP
     decoder = CompiledDecoder(model, "segmented")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the verdict is cached: no second warning
-        assert _greedy(model, decoder) == _greedy(model, None)
+        assert greedy_ids(model, decoder) == greedy_ids(model, None)
     assert _plans_use_it(decoder) == {False}
     decoder.close()
 
@@ -106,9 +88,9 @@ def test_segments_calling_the_kernels_keep_the_tokens(tiny, monkeypatch: pytest.
 
     monkeypatch.setattr(cuda_argmax, "argmax", stand_in)
     monkeypatch.setattr(segments, "use_cuda_argmax", lambda *a: True)
-    want = _greedy(model, None)
+    want = greedy_ids(model, None)
     decoder = CompiledDecoder(model, "segmented")
-    assert _greedy(model, decoder) == want
+    assert greedy_ids(model, decoder) == want
     assert decoder.stats["compiled"] == 1 and _plans_use_it(decoder) == {True}
     assert shapes == [(1, 3000)]
     from pymlxc.backends.metal.sample import make_sampler
@@ -148,8 +130,8 @@ def test_the_kernels_give_mlx_argmax(v: int, rows: int, dtype: str, ties: list[i
 @pytest.mark.parametrize("bits", [None, 4])
 def test_decoding_with_the_kernels_keeps_the_tokens(tiny, bits: int | None) -> None:
     model = tiny("llama", bits)
-    want = _greedy(model, None, n=24)
+    want = greedy_ids(model, None, n=24)
     decoder = CompiledDecoder(model, "segmented")
-    assert _greedy(model, decoder, n=24) == want
+    assert greedy_ids(model, decoder, n=24) == want
     assert _plans_use_it(decoder) == {True}
     decoder.close()

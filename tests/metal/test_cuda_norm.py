@@ -23,14 +23,10 @@ from hypothesis import strategies as st
 
 import pymlxc.core as mx
 from pymlxc.backends.metal import cuda_norm, segments
-from pymlxc.backends.metal import generate as loops
 from pymlxc.backends.metal.compiled import CompiledDecoder
-from pymlxc.backends.metal.loader import load_weights_and_config
-from pymlxc.backends.metal.sample import greedy
-from pymlxc.testing import write_tiny_model
 
-ON_CUDA = mx.cuda_available() and mx.default_device().type == "gpu"
-cuda_only = pytest.mark.skipif(not ON_CUDA, reason="the kernel needs MLX's CUDA build (run on the GPU machine)")
+from .cuda_decode_helpers import ON_CUDA, cuda_only, greedy_ids, tiny_models
+
 # Row lengths MLX's aligned rms_norm_small serves, with its (threads, 16-byte loads per thread).
 ALIGNED = {512: (64, 1), 1024: (128, 1), 1536: (64, 3), 2048: (128, 2), 2560: (64, 5), 3072: (128, 3),
            4096: (128, 4), 5120: (128, 5), 8192: (128, 8)}
@@ -38,24 +34,10 @@ ALIGNED = {512: (64, 1), 1024: (128, 1), 1536: (64, 3), 2048: (128, 2), 2560: (6
 
 @pytest.fixture
 def tiny(tmp_path: Path):
-    opened = []
-
-    def load(arch: str, hidden: int = 512):
-        path = write_tiny_model(tmp_path / f"{arch}-{hidden}", arch, hidden_size=hidden, num_layers=3,
-                                dtype="float16")
-        loaded = load_weights_and_config(path)
-        opened.append(loaded)
-        return loaded.model
-
-    yield load
-    for m in opened:
-        m.free()
-
-
-def _greedy(model: Any, decoder: CompiledDecoder | None, n: int = 12) -> list[int]:
-    prompt = [int(i) for i in np.random.default_rng(5).integers(16, 500, size=21)]
-    return list(loops.generate_ids(model, prompt, cache=model.make_cache(None), max_tokens=n, sampler=greedy,
-                                   decoder=decoder))
+    models = tiny_models(tmp_path)
+    load = next(models)
+    yield lambda arch, hidden=512: load(arch, hidden_size=hidden)
+    next(models, None)
 
 
 def _plans_fused(decoder: CompiledDecoder) -> set[bool]:
@@ -80,7 +62,7 @@ def test_the_decoder_reads_the_setting_by_name(tiny, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("PYMLXC_FUSED_NORM", " 0 ")
     decoder = CompiledDecoder(model, "segmented")
     assert decoder.fused_norm == "0"
-    assert _greedy(model, decoder) == _greedy(model, None) and _plans_fused(decoder) == {False}
+    assert greedy_ids(model, decoder) == greedy_ids(model, None) and _plans_fused(decoder) == {False}
     decoder.close()
 
 
@@ -98,7 +80,7 @@ def test_off_cuda_the_segments_keep_mlx_kernels(tiny, monkeypatch: pytest.Monkey
     decoder = CompiledDecoder(model, "segmented")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the check's verdict is cached: no second warning
-        assert _greedy(model, decoder) == _greedy(model, None)
+        assert greedy_ids(model, decoder) == greedy_ids(model, None)
     assert _plans_fused(decoder) == {False}
     decoder.close()
 
@@ -117,9 +99,9 @@ def test_segments_with_the_fused_step_keep_the_tokens(tiny, monkeypatch: pytest.
 
     monkeypatch.setattr(cuda_norm, "add_rms_norm", stand_in)
     monkeypatch.setattr(segments, "use_fused_norm", lambda *a: True)
-    want = _greedy(model, None)
+    want = greedy_ids(model, None)
     decoder = CompiledDecoder(model, "segmented")
-    assert _greedy(model, decoder) == want
+    assert greedy_ids(model, decoder) == want
     assert decoder.stats["compiled"] == 1 and _plans_fused(decoder) == {True}
     # Traced once each: the middle segment adds twice (after attention, after the MLP), the last too.
     assert len(calls) == 4
@@ -149,8 +131,8 @@ def test_the_kernel_equals_mlx_add_and_rms_norm_bit_for_bit(d: int, rows: int, d
 @pytest.mark.parametrize("arch,hidden", [("llama", 1024), ("qwen3", 512)])
 def test_decoding_with_the_kernel_keeps_the_tokens(tiny, arch: str, hidden: int) -> None:
     model = tiny(arch, hidden)
-    want = _greedy(model, None, n=24)
+    want = greedy_ids(model, None, n=24)
     decoder = CompiledDecoder(model, "segmented")
-    assert _greedy(model, decoder, n=24) == want
+    assert greedy_ids(model, decoder, n=24) == want
     assert _plans_fused(decoder) == {True}
     decoder.close()

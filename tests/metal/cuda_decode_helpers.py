@@ -1,0 +1,44 @@
+"""What the CUDA-kernel test files share: tiny float16 models written on demand (freed at the end)
+and the greedy ids of one generation with or without a compiled decoder."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import pymlxc.core as mx
+from pymlxc.backends.metal import generate as loops
+from pymlxc.backends.metal.compiled import CompiledDecoder
+from pymlxc.backends.metal.loader import load_weights_and_config
+from pymlxc.backends.metal.sample import greedy
+from pymlxc.testing import write_tiny_model
+
+ON_CUDA = mx.cuda_available() and mx.default_device().type == "gpu"
+
+
+def tiny_models(tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    """For a fixture: `load(arch, **kw)` gives a 3-layer float16 model (write_tiny_model's `kw`)."""
+    opened = []
+
+    def load(arch: str = "llama", **kw: Any) -> Any:
+        name = "-".join([arch, *(f"{k}{v}" for k, v in sorted(kw.items()))])
+        loaded = load_weights_and_config(write_tiny_model(tmp_path / name, arch, num_layers=3, dtype="float16", **kw))
+        opened.append(loaded)
+        return loaded.model
+
+    yield load
+    for m in opened:
+        m.free()
+
+
+def greedy_ids(model: Any, decoder: CompiledDecoder | None, n: int = 12) -> list[int]:
+    """n greedy ids after a fixed 21-token prompt."""
+    prompt = [int(i) for i in np.random.default_rng(5).integers(16, 500, size=21)]
+    return list(loops.generate_ids(model, prompt, cache=model.make_cache(None), max_tokens=n, sampler=greedy,
+                                   decoder=decoder))
+
+
+cuda_only = pytest.mark.skipif(not ON_CUDA, reason="the kernel needs MLX's CUDA build (run on the GPU machine)")

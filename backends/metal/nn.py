@@ -317,11 +317,14 @@ class RMSNorm(Module):
 
 class OffsetRMSNorm(Module):
     """Gemma's RMSNorm: the checkpoint stores w and the scale is (1 + w). The sum is formed when the
-    weight is set (loading), not in every call, and so never inside a traced function."""
+    weight is set (loading), not in every call, and so never inside a traced function. The initial
+    zeros get no sum (a model has hundreds of these norms, and loading replaces them all); a norm
+    whose weight was never set forms it in each call."""
 
     def __init__(self, dims: int, eps: float = 1e-6) -> None:
         super().__init__()
-        self.weight = mx.zeros((dims,))
+        super().__setattr__("weight", mx.zeros((dims,)))
+        super().__setattr__("_scale", None)
         self.eps = eps
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -330,7 +333,8 @@ class OffsetRMSNorm(Module):
             super().__setattr__("_scale", value + 1.0)
 
     def __call__(self, x: Array) -> Array:
-        return _rms_norm(x, self._scale, self.eps)
+        scale = self._scale if self._scale is not None else self.weight + 1.0
+        return _rms_norm(x, scale, self.eps)
 
 
 # ---------------------------------------------------------------------- quantizing a module tree

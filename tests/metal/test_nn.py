@@ -114,9 +114,11 @@ def test_quantize_swaps_by_predicate() -> None:
 
 def test_offset_rms_norm_uses_one_plus_weight() -> None:
     norm = nn.OffsetRMSNorm(4, eps=1e-6)
-    norm.weight = mx.array([0.0, 1.0, -0.5, 2.0])
     x = np.array([[1.0, 2.0, 3.0, 4.0]], np.float32)
     rms = np.sqrt((x**2).mean(-1, keepdims=True) + 1e-6)
+    # Never set: zeros, a scale of one (formed in the call).
+    np.testing.assert_allclose(np.asarray(norm(mx.array(x))), x / rms, atol=1e-5)
+    norm.weight = mx.array([0.0, 1.0, -0.5, 2.0])
     np.testing.assert_allclose(np.asarray(norm(mx.array(x))), x / rms * np.array([1, 2, 0.5, 3]), atol=1e-5)
 
 

@@ -11,7 +11,7 @@ from pymlxc.core import Array
 from .. import nn
 from ..cache import Cache, Mask
 from .base import (
-    BaseModelArgs, LayerMasks, RoPE, TiedHead, attention, drop_keys, make_layer_caches, softcap,
+    BaseModelArgs, LayerMasks, RoPE, TiedHead, attention, drop_keys, last_query_mask, make_layer_caches, softcap,
     softcapped_attention, after_layer,
 )
 
@@ -68,7 +68,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(n_heads * head_dim, dim)
         self.rope = RoPE(head_dim, base=args.rope_theta, traditional=args.rope_traditional)
 
-    def __call__(self, x: Array, mask: Mask, cache: Cache | None) -> Array:
+    def __call__(self, x: Array, mask: Mask, cache: Cache | None, last_only: bool = False) -> Array:
+        """`last_only`: every position's keys and values into `cache`, the last query's output alone."""
         b, L, _ = x.shape
         q = _transpose(_reshape(self.q_proj(x), (b, L, self.n_heads, self.head_dim)), (0, 2, 1, 3))
         k = _transpose(_reshape(self.k_proj(x), (b, L, self.n_kv_heads, self.head_dim)), (0, 2, 1, 3))
@@ -79,6 +80,8 @@ class Attention(nn.Module):
             k, v = cache.update_and_fetch(k, v)
         else:
             q, k = self.rope(q), self.rope(k)
+        if last_only:
+            q, mask, L = q[:, :, -1:], last_query_mask(mask), 1
         if self.cap:
             out = softcapped_attention(q, k, v, scale=self.scale, cap=self.cap, mask=mask, n_kv_heads=self.n_kv_heads)
         else:
@@ -108,8 +111,11 @@ class TransformerBlock(nn.Module):
         self.pre_feedforward_layernorm = nn.OffsetRMSNorm(dim, eps)
         self.post_feedforward_layernorm = nn.OffsetRMSNorm(dim, eps)
 
-    def __call__(self, x: Array, mask: Mask, cache: Cache | None) -> Array:
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
+    def __call__(self, x: Array, mask: Mask, cache: Cache | None, last_only: bool = False) -> Array:
+        """`last_only`: as `Attention`, and the rest of the block on the last position alone."""
+        r = self.self_attn(self.input_layernorm(x), mask, cache, last_only) if last_only else \
+            self.self_attn(self.input_layernorm(x), mask, cache)
+        h = (x[:, -1:] if last_only else x) + self.post_attention_layernorm(r)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
@@ -143,8 +149,10 @@ class Model(TiedHead, nn.Module):
         h = inner.embed_tokens(inputs) * self._embed_scale  # the scale is rounded to h's dtype, as in HF
         masks = self._masks(inputs.shape[1], cache, mask)
         caches = cache if cache is not None else [None] * len(masks)
-        for layer, m, c in zip(inner.layers, masks, caches):
-            h = layer(h, m, c)
+        last = len(inner.layers) - 1
+        for i, (layer, m, c) in enumerate(zip(inner.layers, masks, caches)):
+            # The last layer's queries, attention output and MLP on the last position alone.
+            h = layer(h, m, c, True) if last_only and i == last else layer(h, m, c)
             after_layer(h, c)
         return self.output(h[:, -1:] if last_only else h)
 

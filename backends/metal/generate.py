@@ -181,7 +181,7 @@ def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, ste
         stop = min((start // step + 1) * step, length)
         logits = forward(tokens[:, start:stop], cache, start, None, finish is not None and stop == length)
         state = _cache_state(cache)
-        if logits is not None and finish is not None:
+        if logits is not None:
             result = finish(logits)
         mx.async_eval([state, result] if result is not None else state)
         if running:
@@ -206,7 +206,7 @@ def _chunk_forward(model: LanguageModel, mask: Callable[[int, int], mx.Array | N
                 logits: bool = False) -> mx.Array | None:
         if use[0] is not None:
             try:
-                h = use[0](chunk, cache, on_layer, True)
+                h = use[0](chunk, cache, on_layer)
                 return model.output(h)[:, -1, :] if logits else None
             except CompileUnavailable:
                 use[0] = None
@@ -241,7 +241,7 @@ def _prefill_threaded(forward: Callable[..., mx.Array | None], tokens: mx.Array,
             logits = forward(tokens[:, start:stop], cache, start, submit_layer, finish is not None and stop == length)
             state = _cache_state(cache)
             marker = [queue.readable(c[0]) for c in state[-1:] if c]  # one array: waits for the whole submission
-            if logits is not None and finish is not None:
+            if logits is not None:
                 result = queue.readable(finish(logits))
         handle = queue.submit([state, marker] if result is None else [state, marker, result])
         if previous is not None:
@@ -360,15 +360,6 @@ def generate_ids(model: LanguageModel, prompt: Sequence[int], *, cache: Sequence
     runner = None
     if decoder is not None:
         runner = decoder.prefill_runner(sampler is greedy and not processors, walk)
-    if max_tokens <= 0:
-        if len(prompt) - 1 > cached:
-            prefill(model, tokens[:, :-1], cache, step=prefill_step, guard=guard, start=cached, queue=queue,
-                    runner=runner)
-        queue.drain(raise_errors=False)
-        if decoder is not None:
-            decoder.unreserve(cache)
-        timings.finish()
-        return
     history = _history([prompt]) if processors else None
 
     def sample_first(logits: mx.Array) -> mx.Array:
@@ -389,7 +380,9 @@ def generate_ids(model: LanguageModel, prompt: Sequence[int], *, cache: Sequence
         # its last position alone: the time to the first token is one forward pass (no separate
         # step for the last prompt token), and decoding starts from the first generated token.
         first = prefill(model, tokens, cache, step=prefill_step, guard=guard, start=cached, queue=queue,
-                        runner=runner, finish=sample_first)
+                        runner=runner, finish=sample_first if max_tokens > 0 else None)
+        if first is None:  # max_tokens <= 0: the prompt is in the caches, nothing is sampled
+            return
         token = first.item()
         if not emit(token):
             return

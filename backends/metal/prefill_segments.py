@@ -30,7 +30,7 @@ from . import nn
 from .cache import make_prompt_mask
 from .matvec import mlx_kernels_only
 from .models import qwen3
-from .models.base import attention, last_query_mask
+from .models.base import attention, last_query
 from .segments import SegmentPlan, _clone, _Group, _tracing, call_segment
 
 
@@ -112,18 +112,18 @@ class PrefillRunner:
         self._fns = fns
         self._on_fail = on_fail
 
-    def __call__(self, tokens: Array, cache: Sequence[Any], on_layer: Callable[[Array, Any], None] | None = None,
-                 last_only: bool = False) -> Array:
-        """The hidden states [B, L, D] after the last layer (before the final norm), lazily;
-        `last_only`: the last position's [B, 1, D] (the last layer's attention output and MLP run
-        on that position alone)."""
+    def __call__(self, tokens: Array, cache: Sequence[Any], on_layer: Callable[[Array, Any], None] | None = None
+                 ) -> Array:
+        """The last position's hidden state [B, 1, D] after the last layer (before the final norm),
+        lazily: the last layer's attention output and MLP run on that position alone (the caches
+        need only its keys and values)."""
         from .compiled import CompileUnavailable  # noqa: PLC0415
 
         first, mid, last = self._fns.for_batch(tokens.shape[0])
         saved = [dict(vars(c)) for c in cache]  # the caches as they were, should a segment fail to trace
         try:
             with mlx_kernels_only():  # a trace here serves every chunk length
-                return self._run(tokens, cache, on_layer, first, mid, last, last_only)
+                return self._run(tokens, cache, on_layer, first, mid, last)
         except Exception as exc:
             for c, state in zip(cache, saved):
                 vars(c).clear()
@@ -132,7 +132,7 @@ class PrefillRunner:
             raise CompileUnavailable(str(exc)) from exc
 
     def _run(self, tokens: Array, cache: Sequence[Any], on_layer: Callable[[Array, Any], None] | None,
-             first: Any, mid: Any, last: Any, last_only: bool) -> Array:
+             first: Any, mid: Any, last: Any) -> Array:
         plan, blocks = self._plan, self._blocks
         h = plan.first.modules[0](tokens)  # the embedding (a quantized table's gather fixes its shape)
         q, k, v = call_segment(first, plan.first, [h])
@@ -143,14 +143,14 @@ class PrefillRunner:
             q, k = attn.rope(q, offset), attn.rope(k, offset)
             keys, values = c.update_and_fetch(k, v)
             mask = make_prompt_mask(length, c, None)
-            if i + 1 < len(blocks):
-                out = attention(q, keys, values, scale=attn.scale, mask=mask)
-                q, k, v, h = call_segment(mid, plan.mids[i], [out, h])
-            else:
-                if last_only:
-                    q, mask, h = q[:, :, -1:], last_query_mask(mask), h[:, -1:]
-                out = attention(q, keys, values, scale=attn.scale, mask=mask)
+            final = i + 1 == len(blocks)
+            if final:
+                (q, mask), h = last_query(q, mask), h[:, -1:]
+            out = attention(q, keys, values, scale=attn.scale, mask=mask)
+            if final:
                 (h,) = call_segment(last, plan.last, [out, h])
+            else:
+                q, k, v, h = call_segment(mid, plan.mids[i], [out, h])
             if on_layer is not None:
                 on_layer(h, c)
         return h

@@ -59,7 +59,9 @@ def test_stop_ids_end_the_stream_and_are_not_yielded() -> None:
 
 
 def test_max_tokens_zero_yields_nothing() -> None:
-    assert run([1, 2], 0) == []
+    cache = MODEL.make_cache()
+    assert list(loops.generate_ids(MODEL, [1, 2, 3], cache=cache, sampler=make_sampler(0.0), max_tokens=0)) == []
+    assert cache[0].offset == 3  # the whole prompt is prefilled all the same
 
 
 @settings(max_examples=10, deadline=None)

@@ -152,12 +152,10 @@ def _record_queries(q: Array) -> None:
         sink.append(q)
 
 
-def last_query_mask(mask: Mask) -> Mask:
-    """The mask of a chunk's last query alone: it sees every key a causal chunk mask gives it (None),
-    or its own row of an explicit mask."""
-    if mask is None or isinstance(mask, str):
-        return None
-    return mask[..., -1:, :]
+def last_query(q: Array, mask: Mask) -> tuple[Array, Mask]:
+    """A chunk's last query [B, heads, 1, D] and its mask: every key a causal chunk mask gives it
+    (None), or its own row of an explicit mask."""
+    return q[:, :, -1:], None if mask is None or isinstance(mask, str) else mask[..., -1:, :]
 
 
 def attention(q: Array, k: Array, v: Array, *, scale: float, mask: Mask) -> Array:

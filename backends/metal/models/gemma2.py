@@ -11,7 +11,7 @@ from pymlxc.core import Array
 from .. import nn
 from ..cache import Cache, Mask
 from .base import (
-    BaseModelArgs, LayerMasks, RoPE, TiedHead, attention, drop_keys, last_query_mask, make_layer_caches, softcap,
+    BaseModelArgs, LayerMasks, RoPE, TiedHead, attention, drop_keys, last_query, make_layer_caches, softcap,
     softcapped_attention, after_layer,
 )
 
@@ -81,7 +81,7 @@ class Attention(nn.Module):
         else:
             q, k = self.rope(q), self.rope(k)
         if last_only:
-            q, mask, L = q[:, :, -1:], last_query_mask(mask), 1
+            (q, mask), L = last_query(q, mask), 1
         if self.cap:
             out = softcapped_attention(q, k, v, scale=self.scale, cap=self.cap, mask=mask, n_kv_heads=self.n_kv_heads)
         else:
@@ -113,8 +113,7 @@ class TransformerBlock(nn.Module):
 
     def __call__(self, x: Array, mask: Mask, cache: Cache | None, last_only: bool = False) -> Array:
         """`last_only`: as `Attention`, and the rest of the block on the last position alone."""
-        r = self.self_attn(self.input_layernorm(x), mask, cache, last_only) if last_only else \
-            self.self_attn(self.input_layernorm(x), mask, cache)
+        r = self.self_attn(self.input_layernorm(x), mask, cache, last_only)
         h = (x[:, -1:] if last_only else x) + self.post_attention_layernorm(r)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
@@ -152,7 +151,7 @@ class Model(TiedHead, nn.Module):
         last = len(inner.layers) - 1
         for i, (layer, m, c) in enumerate(zip(inner.layers, masks, caches)):
             # The last layer's queries, attention output and MLP on the last position alone.
-            h = layer(h, m, c, True) if last_only and i == last else layer(h, m, c)
+            h = layer(h, m, c, last_only and i == last)
             after_layer(h, c)
         return self.output(h[:, -1:] if last_only else h)
 

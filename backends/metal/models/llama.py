@@ -11,7 +11,7 @@ from pymlxc.core import Array
 from .. import nn
 from ..cache import Cache, Mask
 from .base import (BaseModelArgs, after_layer, LayerMasks, TiedHead, attention, drop_keys, initialize_rope,
-                   last_query_mask, make_layer_caches)
+                   last_query, make_layer_caches)
 
 _reshape = mx.reshape
 _transpose = mx.transpose
@@ -100,7 +100,7 @@ class Attention(nn.Module):
         else:
             q, k = self.rope(q), self.rope(k)
         if last_only:
-            q, mask = q[:, :, -1:], last_query_mask(mask)
+            q, mask = last_query(q, mask)
         out = attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(_reshape(_transpose(out, (0, 2, 1, 3)), (b, q.shape[2], -1)))
 
@@ -127,8 +127,7 @@ class TransformerBlock(nn.Module):
     def __call__(self, x: Array, mask: Mask, cache: Cache | None, last_only: bool = False) -> Array:
         """`last_only`: the keys and values of every position go into `cache`, the output is the
         last position's alone [B, 1, dim] (the rest of the block runs on that position only)."""
-        r = self.self_attn(self.input_layernorm(x), mask, cache, last_only) if last_only else \
-            self.self_attn(self.input_layernorm(x), mask, cache)
+        r = self.self_attn(self.input_layernorm(x), mask, cache, last_only)
         h = (x[:, -1:] if last_only else x) + r
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -168,11 +167,11 @@ class Model(TiedHead, nn.Module):
         last = len(inner.layers) - 1
         if cache is None:
             for i, (layer, m) in enumerate(zip(inner.layers, masks)):
-                h = layer(h, m, None, True) if last_only and i == last else layer(h, m, None)
+                h = layer(h, m, None, last_only and i == last)
         else:
             for i, (layer, m, c) in enumerate(zip(inner.layers, masks, cache)):
                 # The last layer's queries, attention output and MLP on the last position alone.
-                h = layer(h, m, c, True) if last_only and i == last else layer(h, m, c)
+                h = layer(h, m, c, last_only and i == last)
                 after_layer(h, c)
         return self.output(h[:, -1:] if last_only else h)
 

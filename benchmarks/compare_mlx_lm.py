@@ -194,17 +194,11 @@ class Pymlxc(Side):
         self.cuda_matvec = self.loaded.cuda_matvec
         self.weights = self.loaded.nbytes
 
-    @property
-    def fused_norm(self) -> bool:
-        """Whether the segmented decode added and normalized in one kernel (cuda_norm.py)."""
+    def used(self, flag: str) -> bool:
+        """Whether a segmented decode plan ran with `flag` set: `fused_norm` (the add and norm in one
+        kernel, cuda_norm.py) or `cuda_argmax` (greedy's argmax as cuda_argmax.py's kernels)."""
         plans = self.decoder._plans.values() if self.decoder is not None else ()  # noqa: SLF001
-        return any(plan.fused_norm for plan in plans)
-
-    @property
-    def cuda_argmax(self) -> bool:
-        """Whether the segmented decode's greedy argmax ran as cuda_argmax.py's kernels."""
-        plans = self.decoder._plans.values() if self.decoder is not None else ()  # noqa: SLF001
-        return any(plan.cuda_argmax for plan in plans)
+        return any(getattr(plan, flag) for plan in plans)
 
     def free(self) -> None:
         if self.decoder is not None:
@@ -392,8 +386,8 @@ def run_case(shape: str, quant: str, args: argparse.Namespace, sides: list[Side]
             }
             if isinstance(side, Pymlxc):
                 case["sides"][side.name]["cuda_matvec"] = side.cuda_matvec
-                case["sides"][side.name]["fused_norm"] = side.fused_norm
-                case["sides"][side.name]["cuda_argmax"] = side.cuda_argmax
+                case["sides"][side.name]["fused_norm"] = side.used("fused_norm")
+                case["sides"][side.name]["cuda_argmax"] = side.used("cuda_argmax")
             decoder = getattr(side, "decoder", None)
             if decoder is not None:  # did pymlxc decode on the compiled step (or fall back)?
                 case["sides"][side.name]["decoder_stats"] = dict(decoder.stats)

@@ -41,4 +41,23 @@ def greedy_ids(model: Any, decoder: CompiledDecoder | None, n: int = 12) -> list
                                    decoder=decoder))
 
 
+def plan_flags(decoder: CompiledDecoder, flag: str) -> set[bool]:
+    """The values of a segment-plan flag (`fused_norm`, `cuda_argmax`) over the decoder's plans."""
+    return {getattr(plan, flag) for plan in decoder._plans.values()}  # noqa: SLF001
+
+
+def check_the_setting_is_read_by_name(model: Any, monkeypatch: pytest.MonkeyPatch, variable: str, attribute: str,
+                                      flag: str) -> None:
+    """A CUDA switch (`variable`) read by `CompiledDecoder` into `attribute`: a bad value is an error
+    naming it; `0` keeps MLX's kernels (no plan sets `flag`) and the uncompiled loop's tokens."""
+    monkeypatch.setenv(variable, "sometimes")
+    with pytest.raises(ValueError, match=variable):
+        CompiledDecoder(model, "segmented")
+    monkeypatch.setenv(variable, " 0 ")
+    decoder = CompiledDecoder(model, "segmented")
+    assert getattr(decoder, attribute) == "0"
+    assert greedy_ids(model, decoder) == greedy_ids(model, None) and plan_flags(decoder, flag) == {False}
+    decoder.close()
+
+
 cuda_only = pytest.mark.skipif(not ON_CUDA, reason="the kernel needs MLX's CUDA build (run on the GPU machine)")

@@ -24,7 +24,8 @@ from pymlxc.backends.metal import generate as loops
 from pymlxc.backends.metal.compiled import CompiledDecoder
 from pymlxc.backends.metal.sample import greedy
 
-from .cuda_decode_helpers import ON_CUDA, cuda_only, greedy_ids, tiny_models
+from .cuda_decode_helpers import (ON_CUDA, check_the_setting_is_read_by_name, cuda_only, greedy_ids, plan_flags,
+                                  tiny_models)
 
 @pytest.fixture
 def tiny(tmp_path: Path):
@@ -32,10 +33,6 @@ def tiny(tmp_path: Path):
     load = next(models)
     yield lambda arch="llama", bits=None: load(arch, quantize_bits=bits, vocab_size=3000)
     next(models, None)
-
-
-def _plans_use_it(decoder: CompiledDecoder) -> set[bool]:
-    return {plan.cuda_argmax for plan in decoder._plans.values()}  # noqa: SLF001
 
 
 def test_slices_and_types() -> None:
@@ -46,15 +43,7 @@ def test_slices_and_types() -> None:
 
 
 def test_the_decoder_reads_the_setting_by_name(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
-    model = tiny()
-    monkeypatch.setenv("PYMLXC_CUDA_ARGMAX", "maybe")
-    with pytest.raises(ValueError, match="PYMLXC_CUDA_ARGMAX"):
-        CompiledDecoder(model, "segmented")
-    monkeypatch.setenv("PYMLXC_CUDA_ARGMAX", "0")
-    decoder = CompiledDecoder(model, "segmented")
-    assert decoder.cuda_argmax == "0"
-    assert greedy_ids(model, decoder) == greedy_ids(model, None) and _plans_use_it(decoder) == {False}
-    decoder.close()
+    check_the_setting_is_read_by_name(tiny(), monkeypatch, "PYMLXC_CUDA_ARGMAX", "cuda_argmax", "cuda_argmax")
 
 
 @pytest.mark.skipif(ON_CUDA, reason="off CUDA only: there the kernels cannot run")
@@ -70,7 +59,7 @@ def test_off_cuda_the_segments_keep_mlx_argmax(tiny, monkeypatch: pytest.MonkeyP
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the verdict is cached: no second warning
         assert greedy_ids(model, decoder) == greedy_ids(model, None)
-    assert _plans_use_it(decoder) == {False}
+    assert plan_flags(decoder, "cuda_argmax") == {False}
     decoder.close()
 
 
@@ -91,7 +80,7 @@ def test_segments_calling_the_kernels_keep_the_tokens(tiny, monkeypatch: pytest.
     want = greedy_ids(model, None)
     decoder = CompiledDecoder(model, "segmented")
     assert greedy_ids(model, decoder) == want
-    assert decoder.stats["compiled"] == 1 and _plans_use_it(decoder) == {True}
+    assert decoder.stats["compiled"] == 1 and plan_flags(decoder, "cuda_argmax") == {True}
     assert shapes == [(1, 3000)]
     from pymlxc.backends.metal.sample import make_sampler
 
@@ -133,5 +122,5 @@ def test_decoding_with_the_kernels_keeps_the_tokens(tiny, bits: int | None) -> N
     want = greedy_ids(model, None, n=24)
     decoder = CompiledDecoder(model, "segmented")
     assert greedy_ids(model, decoder, n=24) == want
-    assert _plans_use_it(decoder) == {True}
+    assert plan_flags(decoder, "cuda_argmax") == {True}
     decoder.close()

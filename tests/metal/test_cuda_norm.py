@@ -25,7 +25,8 @@ import pymlxc.core as mx
 from pymlxc.backends.metal import cuda_norm, segments
 from pymlxc.backends.metal.compiled import CompiledDecoder
 
-from .cuda_decode_helpers import ON_CUDA, cuda_only, greedy_ids, tiny_models
+from .cuda_decode_helpers import (ON_CUDA, check_the_setting_is_read_by_name, cuda_only, greedy_ids, plan_flags,
+                                  tiny_models)
 
 # Row lengths MLX's aligned rms_norm_small serves, with its (threads, 16-byte loads per thread).
 ALIGNED = {512: (64, 1), 1024: (128, 1), 1536: (64, 3), 2048: (128, 2), 2560: (64, 5), 3072: (128, 3),
@@ -40,10 +41,6 @@ def tiny(tmp_path: Path):
     next(models, None)
 
 
-def _plans_fused(decoder: CompiledDecoder) -> set[bool]:
-    return {plan.fused_norm for plan in decoder._plans.values()}  # noqa: SLF001
-
-
 def test_geometry_follows_mlx_rms_norm_dispatch() -> None:
     for d, want in ALIGNED.items():
         assert cuda_norm.geometry(d) == want, d
@@ -55,15 +52,7 @@ def test_geometry_follows_mlx_rms_norm_dispatch() -> None:
 
 
 def test_the_decoder_reads_the_setting_by_name(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
-    model = tiny("llama")
-    monkeypatch.setenv("PYMLXC_FUSED_NORM", "sometimes")
-    with pytest.raises(ValueError, match="PYMLXC_FUSED_NORM"):
-        CompiledDecoder(model, "segmented")
-    monkeypatch.setenv("PYMLXC_FUSED_NORM", " 0 ")
-    decoder = CompiledDecoder(model, "segmented")
-    assert decoder.fused_norm == "0"
-    assert greedy_ids(model, decoder) == greedy_ids(model, None) and _plans_fused(decoder) == {False}
-    decoder.close()
+    check_the_setting_is_read_by_name(tiny("llama"), monkeypatch, "PYMLXC_FUSED_NORM", "fused_norm", "fused_norm")
 
 
 @pytest.mark.skipif(ON_CUDA, reason="off CUDA only: there the kernel cannot run")
@@ -81,7 +70,7 @@ def test_off_cuda_the_segments_keep_mlx_kernels(tiny, monkeypatch: pytest.Monkey
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the check's verdict is cached: no second warning
         assert greedy_ids(model, decoder) == greedy_ids(model, None)
-    assert _plans_fused(decoder) == {False}
+    assert plan_flags(decoder, "fused_norm") == {False}
     decoder.close()
 
 
@@ -102,7 +91,7 @@ def test_segments_with_the_fused_step_keep_the_tokens(tiny, monkeypatch: pytest.
     want = greedy_ids(model, None)
     decoder = CompiledDecoder(model, "segmented")
     assert greedy_ids(model, decoder) == want
-    assert decoder.stats["compiled"] == 1 and _plans_fused(decoder) == {True}
+    assert decoder.stats["compiled"] == 1 and plan_flags(decoder, "fused_norm") == {True}
     # Traced once each: the middle segment adds twice (after attention, after the MLP), the last too.
     assert len(calls) == 4
     decoder.close()
@@ -134,5 +123,5 @@ def test_decoding_with_the_kernel_keeps_the_tokens(tiny, arch: str, hidden: int)
     want = greedy_ids(model, None, n=24)
     decoder = CompiledDecoder(model, "segmented")
     assert greedy_ids(model, decoder, n=24) == want
-    assert _plans_fused(decoder) == {True}
+    assert plan_flags(decoder, "fused_norm") == {True}
     decoder.close()

@@ -48,15 +48,7 @@ PARTIAL_SOURCE = r"""
   }
   best_v[tid] = v;
   best_i[tid] = at;
-  __syncthreads();
-  for (int s = THREADS / 2; s > 0; s >>= 1) {
-    if (tid < s) {
-      float ov = best_v[tid + s];
-      int oi = best_i[tid + s];
-      if (pymlxc_beats(ov, oi, best_v[tid], best_i[tid])) { best_v[tid] = ov; best_i[tid] = oi; }
-    }
-    __syncthreads();
-  }
+  pymlxc_reduce_block(best_v, best_i, tid);
   if (tid == 0) {
     values[row * SLICES + blockIdx.x] = best_v[0];
     indices[row * SLICES + blockIdx.x] = best_i[0];
@@ -78,15 +70,7 @@ FINAL_SOURCE = r"""
   }
   best_v[tid] = v;
   best_i[tid] = at;
-  __syncthreads();
-  for (int s = THREADS / 2; s > 0; s >>= 1) {
-    if (tid < s) {
-      float ov = best_v[tid + s];
-      int oi = best_i[tid + s];
-      if (pymlxc_beats(ov, oi, best_v[tid], best_i[tid])) { best_v[tid] = ov; best_i[tid] = oi; }
-    }
-    __syncthreads();
-  }
+  pymlxc_reduce_block(best_v, best_i, tid);
   if (tid == 0) {
     out[row] = best_i[0];
   }
@@ -101,6 +85,18 @@ __device__ __forceinline__ bool pymlxc_beats(float v, int i, float w, int j) {
     return vn && (!wn || i < j);
   }
   return v > w || (v == w && i < j);
+}
+
+// The block's (value, index) pairs in shared memory, reduced into element 0 in that order.
+__device__ __forceinline__ void pymlxc_reduce_block(float* best_v, int* best_i, int tid) {
+  __syncthreads();
+  for (int s = THREADS / 2; s > 0; s >>= 1) {
+    if (tid < s && pymlxc_beats(best_v[tid + s], best_i[tid + s], best_v[tid], best_i[tid])) {
+      best_v[tid] = best_v[tid + s];
+      best_i[tid] = best_i[tid + s];
+    }
+    __syncthreads();
+  }
 }
 """
 

@@ -160,20 +160,22 @@ class Side:
 
 class Pymlxc(Side):
     def __init__(self, compiled: bool = True, mode: str | None = None, threaded: bool | None = None,
-                 cuda_matvec: str | None = None, fused_norm: str | None = None, cuda_argmax: str | None = None
-                 ) -> None:
+                 cuda_matvec: str | None = None, fused_norm: str | None = None, cuda_argmax: str | None = None,
+                 rope_kv: str | None = None) -> None:
         self.name = (("pymlxc" if compiled else "pymlxc_uncompiled") + (f"_{mode}" if mode else "")
                      + ("" if threaded is None else "_thread" if threaded else "_nothread")
                      + ("" if cuda_matvec is None else f"_matvec{cuda_matvec}")
                      + ("" if fused_norm is None else f"_fusednorm{fused_norm}")
-                     + ("" if cuda_argmax is None else f"_argmax{cuda_argmax}"))
+                     + ("" if cuda_argmax is None else f"_argmax{cuda_argmax}")
+                     + ("" if rope_kv is None else f"_ropekv{rope_kv}"))
         self.compiled = compiled
         self.mode = mode
         self.threaded = threaded  # None: the default for the device (PYMLXC_EVAL_THREAD)
         # Settings read at load (PYMLXC_CUDA_MATVEC) or by the decoder (PYMLXC_FUSED_NORM,
-        # PYMLXC_CUDA_ARGMAX); None: the default.
+        # PYMLXC_CUDA_ARGMAX, PYMLXC_CUDA_ROPE_KV); None: the default.
         self.settings = {k: v for k, v in (("PYMLXC_CUDA_MATVEC", cuda_matvec), ("PYMLXC_FUSED_NORM", fused_norm),
-                                           ("PYMLXC_CUDA_ARGMAX", cuda_argmax)) if v is not None}
+                                           ("PYMLXC_CUDA_ARGMAX", cuda_argmax), ("PYMLXC_CUDA_ROPE_KV", rope_kv))
+                         if v is not None}
         self.cuda_matvec = False  # whether the loaded model uses pymlxc's CUDA matvec kernel
         self.loaded: Any = None
         self.decoder: CompiledDecoder | None = None
@@ -196,7 +198,8 @@ class Pymlxc(Side):
 
     def used(self, flag: str) -> bool:
         """Whether a segmented decode plan ran with `flag` set: `fused_norm` (the add and norm in one
-        kernel, cuda_norm.py) or `cuda_argmax` (greedy's argmax as cuda_argmax.py's kernels)."""
+        kernel, cuda_norm.py), `cuda_argmax` (greedy's argmax as cuda_argmax.py's kernels) or
+        `rope_kv` (RoPE and the key/value writes as cuda_rope_kv.py's kernel)."""
         plans = self.decoder._plans.values() if self.decoder is not None else ()  # noqa: SLF001
         return any(getattr(plan, flag) for plan in plans)
 
@@ -388,6 +391,7 @@ def run_case(shape: str, quant: str, args: argparse.Namespace, sides: list[Side]
                 case["sides"][side.name]["cuda_matvec"] = side.cuda_matvec
                 case["sides"][side.name]["fused_norm"] = side.used("fused_norm")
                 case["sides"][side.name]["cuda_argmax"] = side.used("cuda_argmax")
+                case["sides"][side.name]["rope_kv"] = side.used("rope_kv")
             decoder = getattr(side, "decoder", None)
             if decoder is not None:  # did pymlxc decode on the compiled step (or fall back)?
                 case["sides"][side.name]["decoder_stats"] = dict(decoder.stats)
@@ -532,6 +536,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cuda-argmax", choices=["0", "1"], default=None,
                    help="add pymlxc with PYMLXC_CUDA_ARGMAX set (0: MLX's argmax; 1: the two kernels wherever "
                         "they pass their check)")
+    p.add_argument("--rope-kv", choices=["0", "1"], default=None,
+                   help="add pymlxc with PYMLXC_CUDA_ROPE_KV set (0: MLX's RoPE and slice updates; 1: the fused "
+                        "kernel wherever it passes its check)")
     p.add_argument("--models-dir", type=Path, default=None,
                    help="where the random models are written and reused (default: a temporary folder)")
     p.add_argument("--out", type=Path, default=Path("."), help="folder for compare_mlx_lm.json and .png")
@@ -634,6 +641,8 @@ def main(argv: list[str] | None = None) -> int:
         sides.append(Pymlxc(True, fused_norm=args.fused_norm))
     if args.cuda_argmax is not None:
         sides.append(Pymlxc(True, cuda_argmax=args.cuda_argmax))
+    if args.rope_kv is not None:
+        sides.append(Pymlxc(True, rope_kv=args.rope_kv))
     if args.nothread:
         sides.append(Pymlxc(True, threaded=False))
     report: dict[str, Any] = {

@@ -341,6 +341,8 @@ class CompiledDecoder:
         self.fused_norm = cuda_switch.setting("PYMLXC_FUSED_NORM")
         # Segmented mode on CUDA: greedy's argmax as two kernels over many blocks (cuda_argmax.py).
         self.cuda_argmax = cuda_switch.setting("PYMLXC_CUDA_ARGMAX")
+        # Segmented mode on CUDA: each layer's RoPE and key/value writes as one kernel (cuda_rope_kv.py).
+        self.cuda_rope_kv = cuda_switch.setting("PYMLXC_CUDA_ROPE_KV")
         self._fusions: dict[int, Any] = {}
         self._plans: dict[tuple[Any, ...], Any] = {}  # segments.SegmentPlan per segmented key
         self._recent_plan: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None  # (signature and flags, key)
@@ -441,7 +443,8 @@ class CompiledDecoder:
                 fusions = None  # all blocks alike (one trace of the middle segment serves them all)
             fused_norm = segments.use_fused_norm(model, blocks, self.fused_norm)
             argmax = fuse_greedy and segments.use_cuda_argmax(model, self.cuda_argmax)
-            seg_key = ("segmented", structure, fuse_greedy, fusions is not None, fused_norm, argmax)
+            rope = segments.use_rope_kv(model, blocks, fusions, self.cuda_rope_kv)
+            seg_key = ("segmented", structure, fuse_greedy, fusions is not None, fused_norm, argmax, rope is not None)
             if seg_key in self._failed:
                 return None
             with self._lock:
@@ -449,7 +452,7 @@ class CompiledDecoder:
                 if seg_plan is None or seg_plan.signature != signature:
                     self._plans.pop(seg_key, None)  # an old plan's arrays go first
                     seg_plan = segments.SegmentPlan(model, blocks, fuse_greedy, self.stats, fusions, signature,
-                                                    fused_norm, argmax)
+                                                    fused_norm, argmax, rope)
                     self._plans[seg_key] = seg_plan
                 self._recent_plan = ((signature, fuse_greedy, self.fuse_projections), seg_key)
         if seg_key in self._failed:

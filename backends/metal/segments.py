@@ -20,6 +20,9 @@ weight since (an update, an adapter) is seen at the next generation and fused ag
 LoRA, run on its own).
 On CUDA each residual add and the RMSNorm after it run as one kernel (`cuda_norm.py`, bit-identical
 to MLX's two; `PYMLXC_FUSED_NORM`): a plan decides once, and its segments trace with or without it.
+Likewise each layer's RoPE and its key/value writes (`cuda_rope_kv.py`, `PYMLXC_CUDA_ROPE_KV`): the
+segments then return the joint q/k heads before RoPE, and the kernel writes the session's private
+buffers in place.
 The segments mirror `llama.Attention` / `qwen3.Attention` (Qwen 2's is Llama's with biases) and
 `llama.TransformerBlock`; `plan()` accepts exactly those classes (LoRA-wrapped projections are
 fine: they are called as modules) and full attention only, and the tests compare its tokens with
@@ -36,7 +39,7 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 from pymlxc.core.transforms import FixedArrays
 
-from . import cuda_argmax, cuda_norm, cuda_switch
+from . import cuda_argmax, cuda_norm, cuda_rope_kv, cuda_switch
 from .matvec import quantized_matmul
 from .models import llama, qwen3
 from .nn import Module
@@ -89,6 +92,31 @@ def use_cuda_argmax(model: Any, setting: str) -> bool:
     dtype = getattr(head, "scales", head.weight).dtype  # a quantized head's outputs take its scales' type
     vocab = head.weight.shape[0]
     return cuda_argmax.applies(dtype) and cuda_argmax.check(vocab, dtype)
+
+
+def use_rope_kv(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None,
+                setting: str) -> cuda_rope_kv.Rope | None:
+    """The RoPE for cuda_rope_kv.py's kernel where each layer's RoPE and key/value writes run as
+    that kernel, else None: `setting` (PYMLXC_CUDA_ROPE_KV: auto = on CUDA, 1 = also elsewhere,
+    where the kernel then fails its check, or 0) allows it, every block's q/k/v projections are
+    fused (the kernel takes the joint q and k heads; Qwen3's norms joined too), all layers share
+    one RoPE the kernel reproduces and one head layout, and the kernel passes its check."""
+    if setting == "0" or (setting == "auto" and not cuda_switch.on_cuda()) or not fusions:
+        return None
+    attns = [b.self_attn for b in blocks]
+    joint = [f[0].fused for f in fusions]
+    if any(isinstance(a, qwen3.Attention) and f.qk_norm_weight is None for a, f in zip(attns, joint)):
+        return None
+    first = attns[0]
+    shape = (first.n_heads, first.n_kv_heads, first.head_dim)
+    ropes = [cuda_rope_kv.rope_of(a.rope, a.head_dim) for a in attns]
+    if (ropes[0] is None or any(r is None or r.key != ropes[0].key for r in ropes)
+            or any((a.n_heads, a.n_kv_heads, a.head_dim) != shape for a in attns)):
+        return None
+    embed = model.model.embed_tokens
+    dtype = getattr(embed, "scales", embed.weight).dtype  # the hidden states' type
+    hq, hkv, d = shape
+    return ropes[0] if cuda_rope_kv.check(dtype, hq, hkv, d, d, ropes[0], first.rope) else None
 
 
 # ---------------------------------------------------------------------- fused projections
@@ -217,8 +245,10 @@ def fusions_for(blocks: Sequence[Any], known: dict[int, tuple[Any, Fusion | None
 
 # ---------------------------------------------------------------------- the segments (traced)
 
-def _project(attn: Any, x: Array, pos: Array, qkv: FusedProjection | None) -> tuple[Array, Array, Array]:
-    """q, k, v [B, heads, 1, D] of one token, as `llama/qwen3.Attention` make them, RoPE'd at `pos`."""
+def _project(attn: Any, x: Array, pos: Array, qkv: FusedProjection | None, rope_kv: bool = False) -> list[Array]:
+    """q, k, v [B, heads, 1, D] of one token, as `llama/qwen3.Attention` make them, RoPE'd at `pos`;
+    with `rope_kv` (the plan checked the fusions) [joint q and k heads before RoPE, v], for
+    cuda_rope_kv.py's kernel."""
     b = x.shape[0]
     qk_norm = isinstance(attn, qwen3.Attention)
     if qkv is not None and (not qk_norm or qkv.qk_norm_weight is not None):
@@ -226,12 +256,14 @@ def _project(attn: Any, x: Array, pos: Array, qkv: FusedProjection | None) -> tu
         hq, hkv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
         heads = mx.reshape(qkv.joint(x), (b, hq + 2 * hkv, 1, d))
         qk = mx.slice(heads, [0, 0, 0, 0], [b, hq + hkv, 1, d], [1, 1, 1, 1])
+        v = mx.slice(heads, [0, hq + hkv, 0, 0], [b, hq + 2 * hkv, 1, d], [1, 1, 1, 1])
         if qk_norm:
             qk = joint_qk_norm(qk, qkv)
+        if rope_kv:
+            return [qk, v]
         qk = attn.rope(qk, pos)
-        return (mx.slice(qk, [0, 0, 0, 0], [b, hq, 1, d], [1, 1, 1, 1]),
-                mx.slice(qk, [0, hq, 0, 0], [b, hq + hkv, 1, d], [1, 1, 1, 1]),
-                mx.slice(heads, [0, hq + hkv, 0, 0], [b, hq + 2 * hkv, 1, d], [1, 1, 1, 1]))
+        return [mx.slice(qk, [0, 0, 0, 0], [b, hq, 1, d], [1, 1, 1, 1]),
+                mx.slice(qk, [0, hq, 0, 0], [b, hq + hkv, 1, d], [1, 1, 1, 1]), v]
     q, k, v = qkv(x) if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
     # One token: [B, 1, heads * D] is [B, heads, 1, D] already (the layers' reshape-then-transpose
     # moves an axis of length 1), so no transpose operations go into the graph.
@@ -240,7 +272,7 @@ def _project(attn: Any, x: Array, pos: Array, qkv: FusedProjection | None) -> tu
     v = mx.reshape(v, (b, attn.n_kv_heads, 1, attn.head_dim))
     if isinstance(attn, qwen3.Attention):
         q, k = attn.q_norm(q), attn.k_norm(k)  # over head_dim: the same on either layout
-    return attn.rope(q, pos), attn.rope(k, pos), v
+    return [attn.rope(q, pos), attn.rope(k, pos), v]
 
 
 def joint_qk_norm(qk: Array, qkv: FusedProjection) -> Array:
@@ -286,8 +318,7 @@ def _trace_first(inputs: list[Array]) -> list[Array]:
     tokens, pos = inputs[0], inputs[1]
     embed, norm, attn, qkv = _clone(group.modules, group.arrays, inputs[2:])
     h = embed(mx.reshape(tokens, (tokens.shape[0], 1)))
-    q, k, v = _project(attn, norm(h), pos, qkv)
-    return [q, k, v, h]
+    return [*_project(attn, norm(h), pos, qkv, group.rope_kv), h]
 
 
 def _trace_mid(inputs: list[Array]) -> list[Array]:
@@ -296,8 +327,7 @@ def _trace_mid(inputs: list[Array]) -> list[Array]:
     block, gate_up, norm, attn, qkv = _clone(group.modules, group.arrays, inputs[3:])
     h, mlp_out = _finish_block(block, attn_out, h, gate_up, group.fused_norm)
     h, x = _add_norm(h, mlp_out, norm, group.fused_norm)
-    q, k, v = _project(attn, x, pos, qkv)
-    return [q, k, v, h]
+    return [*_project(attn, x, pos, qkv, group.rope_kv), h]
 
 
 def _trace_last(inputs: list[Array]) -> list[Array]:
@@ -325,6 +355,7 @@ class _Group:
     fuse_greedy: bool = False
     fused_norm: bool = False  # residual adds and the norms after them in one kernel (cuda_norm.py)
     cuda_argmax: bool = False  # greedy's argmax as cuda_argmax.py's kernels
+    rope_kv: bool = False  # outputs the joint q/k heads before RoPE, for cuda_rope_kv.py's kernel
 
 
 def _group(modules: Sequence[Module | None], stats: dict[str, int], **flags: Any) -> _Group:
@@ -374,7 +405,8 @@ class SegmentPlan:
 
     def __init__(self, model: Any, blocks: list[Any], fuse_greedy: bool, stats: dict[str, int],
                  fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None, signature: tuple[int, ...],
-                 fused_norm: bool = False, cuda_argmax: bool = False) -> None:
+                 fused_norm: bool = False, cuda_argmax: bool = False,
+                 rope: cuda_rope_kv.Rope | None = None) -> None:
         inner = model.model
         tied = model.lm_head is None
         fusions = fusions or [(None, None)] * len(blocks)
@@ -382,10 +414,14 @@ class SegmentPlan:
         gate_up = [f[1].fused if f[1] is not None else None for f in fusions]
         self.signature = signature
         self.fuse_greedy = fuse_greedy
-        self.first = _group([inner.embed_tokens, blocks[0].input_layernorm, blocks[0].self_attn, qkv[0]], stats)
+        self.rope = rope  # each layer's RoPE and key/value writes as cuda_rope_kv.py's kernel
+        self.rope_kv = rope is not None
+        self.n_heads = blocks[0].self_attn.n_heads
+        self.first = _group([inner.embed_tokens, blocks[0].input_layernorm, blocks[0].self_attn, qkv[0]], stats,
+                            rope_kv=self.rope_kv)
         self.fused_norm = fused_norm
         self.mids = [_group([blocks[i], gate_up[i], blocks[i + 1].input_layernorm, blocks[i + 1].self_attn,
-                             qkv[i + 1]], stats, fused_norm=fused_norm)
+                             qkv[i + 1]], stats, fused_norm=fused_norm, rope_kv=self.rope_kv)
                      for i in range(len(blocks) - 1)]
         self.last = _group([blocks[-1], gate_up[-1], inner.norm, inner.embed_tokens, model.lm_head], stats,
                            tied=tied, fuse_greedy=fuse_greedy, fused_norm=fused_norm,
@@ -410,6 +446,7 @@ class SegmentedSession:
         self._plan = plan
         self._first, self._mids, self._last = plan.first, plan.mids, plan.last
         self._scales = plan.scales
+        self._rope, self._n_heads = plan.rope, plan.n_heads
         self._buffers: list[Array] = []
         self._first_position = first_position
         self._position = first_position  # of the next step built
@@ -417,25 +454,36 @@ class SegmentedSession:
 
     def _step(self, tokens: Array, pos: Array) -> tuple[Array, Array]:
         """One token through every layer; returns (sampled ids or logits, pos + 1)."""
-        fns, p = self._fns, self._position
-        q, k, v, h = call_segment(fns.first, self._first, [tokens, pos])
-        buffers = self._buffers
+        fns = self._fns
+        *heads, h = call_segment(fns.first, self._first, [tokens, pos])
         out = None
         for i, scale in enumerate(self._scales):
-            keys, values = buffers[2 * i], buffers[2 * i + 1]
-            b, kvh, _, dk = keys.shape
-            dv = values.shape[3]
-            keys = mx.slice_update(keys, k, [0, 0, p, 0], [b, kvh, p + 1, dk], [1, 1, 1, 1])
-            values = mx.slice_update(values, v, [0, 0, p, 0], [b, kvh, p + 1, dv], [1, 1, 1, 1])
-            buffers[2 * i], buffers[2 * i + 1] = keys, values
-            attn = _sdpa(q, mx.slice(keys, [0, 0, 0, 0], [b, kvh, p + 1, dk], [1, 1, 1, 1]),
-                         mx.slice(values, [0, 0, 0, 0], [b, kvh, p + 1, dv], [1, 1, 1, 1]), scale=scale)
+            attn = self._attend(i, heads, pos, scale)
             if i + 1 < len(self._scales):
-                q, k, v, h = call_segment(fns.mid, self._mids[i], [attn, h, pos])
+                *heads, h = call_segment(fns.mid, self._mids[i], [attn, h, pos])
             else:
                 out, pos = call_segment(fns.last, self._last, [attn, h, pos])
         self._position += 1
         return out, pos
+
+    def _attend(self, i: int, heads: list[Array], pos: Array, scale: float) -> Array:
+        """Layer i's key and value into its buffers at this step's position, then its attention
+        over the keys so far. `heads`: [q, k, v] RoPE'd, or with the plan's `rope` [joint q and k
+        heads, v] for cuda_rope_kv.py's kernel, which writes the buffers in place."""
+        p, buffers = self._position, self._buffers
+        keys, values = buffers[2 * i], buffers[2 * i + 1]
+        b, kvh, _, dk = keys.shape
+        dv = values.shape[3]
+        if self._rope is not None:
+            q, keys, values = cuda_rope_kv.rope_write_kv(heads[0], heads[1], pos, keys, values, self._rope,
+                                                         self._n_heads)
+        else:
+            q, k, v = heads
+            keys = mx.slice_update(keys, k, [0, 0, p, 0], [b, kvh, p + 1, dk], [1, 1, 1, 1])
+            values = mx.slice_update(values, v, [0, 0, p, 0], [b, kvh, p + 1, dv], [1, 1, 1, 1])
+        buffers[2 * i], buffers[2 * i + 1] = keys, values
+        return _sdpa(q, mx.slice(keys, [0, 0, 0, 0], [b, kvh, p + 1, dk], [1, 1, 1, 1]),
+                     mx.slice(values, [0, 0, 0, 0], [b, kvh, p + 1, dv], [1, 1, 1, 1]), scale=scale)
 
     def decode(self, first_inputs: Array, max_tokens: int, queue: StepQueue) -> Iterator[Array]:
         from .compiled import _give_back, _ring_of  # noqa: PLC0415
@@ -445,6 +493,8 @@ class SegmentedSession:
         del rings
         for layer in self._layers:  # the session owns the buffers (see compiled.py)
             layer.cache.keys = layer.cache.values = None
+        if self._rope is not None:  # written in place by the kernel: no other array may share them
+            self._buffers = [cuda_rope_kv.private_copy(a) for a in self._buffers]
         queue.hand_over([first_inputs, self._buffers, self._plan.arrays()])
         b = first_inputs.shape[0]
         position: list[Array] = []  # the step's position input, carried from step to step

@@ -115,8 +115,8 @@ class SharedKernel:
     `CudaKernel` (MLX compiles it once per set of template arguments). Thread-safe."""
 
     def __init__(self, name: str, input_names: Sequence[str], output_names: Sequence[str], source: str,
-                 header: str = "") -> None:
-        self._args = (name, tuple(input_names), tuple(output_names), source, header)
+                 header: str = "", ensure_row_contiguous: bool = True) -> None:
+        self._args = (name, tuple(input_names), tuple(output_names), source, header, ensure_row_contiguous)
         self._lock = threading.Lock()
         self._kernel: CudaKernel | None = None
 

@@ -1,0 +1,230 @@
+"""RoPE of one token's queries and keys, and its key and value written into the decode buffers, as
+one CUDA kernel, for the decode segments.
+
+In a segmented Llama-family decode step each layer's attention takes three small kernels before
+MLX's attention kernel: RoPE over the joint q/k heads, then a slice update for the key and one for
+the value. On an H100 a Llama-3.2-1B bf16 step is bound by the device, and such kernels (a few
+kilobytes each) cost 2.8-4.8 us apiece timed alone, mostly launch and tail (BENCHMARKS.md, seventh
+session). This kernel does the three in one launch: 32 kernels fewer per step there.
+
+It writes the key and the value into the buffers in place. MLX's custom kernels have no in-place
+outputs, so the buffers go in as inputs, and the kernel writes through them; what orders it:
+  * the roped queries are its output, and MLX's attention takes them, so the attention that reads
+    the buffers runs after the writes (MLX orders a CUDA graph's kernels by their arrays);
+  * the next write into a layer's buffers needs the next token, which needs this step's attention
+    of every layer;
+  * the decode session owns the buffers alone: it copies them once at its start (`private_copy`),
+    so no other array (a prompt-cache snapshot, a view of a longer buffer) sees the writes.
+Shapes and strides are read from MLX's arguments (no copy of a strided input, which would lose the
+writes).
+
+The rotation reproduces MLX's RoPE kernel (`rope_single`, `rope_single_freqs`) arithmetic for
+arithmetic: the inverse frequency as `exp2(-d * log2(base))` or `1.0 / freqs[i]` (in double, as
+MLX writes it), `theta = (scale * position) * inv_freq`, float `cos` and `sin`, the same two
+products per output. `check()` runs it once per shape, type and RoPE against MLX's RoPE and slice
+updates at several positions, and keeps MLX's kernels where any bit differs or it cannot run.
+
+This module holds the source and the launch; `segments.py` decides where to use it.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import math
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import pymlxc.core as mx
+from pymlxc.core import Array
+
+THREADS = 128
+
+# Template arguments: T (the type of the heads and buffers), HQ and HKV (query and key/value
+# heads), D (head size, all of it rotated), DV (value size), FREQS (a frequency per pair, else
+# rope[0] is log2 of the base). One thread per rotated pair of every q and k head, then one per
+# value element.
+SOURCE = r"""
+  constexpr int HALF = D / 2;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t rows = qk_shape[0];
+  const int64_t pairs = rows * (HQ + HKV) * HALF;
+  const int p = pos[0];
+  if (t < pairs) {
+    const int i = t % HALF;
+    const int head = (t / HALF) % (HQ + HKV);
+    const int64_t b = t / (HALF * (HQ + HKV));
+    float inv_freq;
+    if (FREQS) {
+      inv_freq = 1.0 / rope[i];
+    } else {
+      float d = static_cast<float>(i) / static_cast<float>(HALF);
+      inv_freq = exp2(-d * rope[0]);
+    }
+    float L = scale[0] * static_cast<float>(p);
+    float theta = L * inv_freq;
+    float costheta = cos(theta);
+    float sintheta = sin(theta);
+    const T* x = qk + b * qk_strides[0] + head * qk_strides[1];
+    float x1 = static_cast<float>(x[i * qk_strides[3]]);
+    float x2 = static_cast<float>(x[(i + HALF) * qk_strides[3]]);
+    float rx1 = x1 * costheta - x2 * sintheta;
+    float rx2 = x1 * sintheta + x2 * costheta;
+    if (head < HQ) {
+      T* y = q + (b * HQ + head) * D;
+      y[i] = static_cast<T>(rx1);
+      y[i + HALF] = static_cast<T>(rx2);
+    } else {
+      T* y = const_cast<T*>(kcache) + b * kcache_strides[0] + (head - HQ) * kcache_strides[1]
+          + static_cast<int64_t>(p) * kcache_strides[2];
+      y[i * kcache_strides[3]] = static_cast<T>(rx1);
+      y[(i + HALF) * kcache_strides[3]] = static_cast<T>(rx2);
+    }
+  } else if (t < pairs + rows * HKV * DV) {
+    const int64_t u = t - pairs;
+    const int j = u % DV;
+    const int h = (u / DV) % HKV;
+    const int64_t b = u / (DV * HKV);
+    T* y = const_cast<T*>(vcache) + b * vcache_strides[0] + h * vcache_strides[1]
+        + static_cast<int64_t>(p) * vcache_strides[2];
+    y[j * vcache_strides[3]] = v[b * v_strides[0] + h * v_strides[1] + j * v_strides[3]];
+  }
+"""
+
+_the_kernel = mx.fast.SharedKernel("pymlxc_rope_write_kv", ("qk", "v", "pos", "rope", "scale", "kcache", "vcache"),
+                                   ("q",), SOURCE, ensure_row_contiguous=False)
+
+
+@dataclass(frozen=True)
+class Rope:
+    """A RoPE as the kernel takes it: `table` is the frequencies (float32 [D/2]) or log2 of the
+    base (float32 [1]), `scale` a float32 [1]; `key` tells RoPEs apart for `check`."""
+
+    table: Array
+    scale: Array
+    with_freqs: bool
+    key: tuple[Any, ...]
+
+
+def _log2f(x: float) -> float:
+    """log2 of a float32 as MLX's host code computes it (std::log2 of a float: the C library's
+    log2f), for the kernel's base; Python's own where that library is not found."""
+    name = ctypes.util.find_library("m")
+    if name:
+        try:
+            fn = ctypes.CDLL(name).log2f
+            fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float]
+            return float(fn(ctypes.c_float(x)))
+        except (OSError, AttributeError):
+            pass
+    return float(np.float32(math.log2(float(np.float32(x)))))
+
+
+def rope_of(module: Any, head_dim: int) -> Rope | None:
+    """The kernel's form of a models.base.RoPE rotating all `head_dim` features in the usual
+    (non-traditional) layout; None for anything else (then MLX's kernels stay)."""
+    from .models.base import RoPE  # noqa: PLC0415
+
+    if type(module) is not RoPE or module.traditional or module.dims != head_dim or head_dim % 2:
+        return None
+    freqs = module._freqs  # noqa: SLF001 - the module's constant, read-only
+    scale = mx.array([module.scale], dtype=mx.float32)
+    if freqs is not None:
+        if tuple(freqs.shape) != (head_dim // 2,):
+            return None
+        table = mx.astype(freqs, mx.float32)
+        mx.eval(table)
+        return Rope(table, scale, True, ("freqs", np.asarray(table).tobytes(), module.scale))
+    base = _log2f(module.base)
+    return Rope(mx.array([base], dtype=mx.float32), scale, False, ("base", base, module.scale))
+
+
+def rope_write_kv(qk: Array, v: Array, pos: Array, keys: Array, values: Array, rope: Rope, n_heads: int
+                  ) -> tuple[Array, Array, Array]:
+    """(queries of one token RoPE'd at `pos` [B, n_heads, 1, D], keys, values): its key (RoPE'd)
+    and value go into `keys` [B, kv heads, slots, D] and `values` at slot `pos`, in place (the
+    same arrays come back). `qk` is the joint q and k heads [B, n_heads + kv heads, 1, D], `v`
+    [B, kv heads, 1, DV], `pos` an int32 scalar array; heads and buffers of one type."""
+    b, heads, _, d = qk.shape
+    hkv, dv = heads - n_heads, v.shape[3]
+    items = b * heads * (d // 2) + b * hkv * dv
+    (q,) = _the_kernel()([qk, v, pos, rope.table, rope.scale, keys, values],
+                         output_shapes=[(b, n_heads, 1, d)], output_dtypes=[qk.dtype],
+                         grid=(items, 1, 1), threadgroup=(THREADS, 1, 1),
+                         template=[("T", qk.dtype), ("HQ", n_heads), ("HKV", hkv), ("D", d), ("DV", dv),
+                                   ("FREQS", rope.with_freqs)])
+    return q, keys, values
+
+
+def reference(qk: Array, v: Array, pos: Array, keys: Array, values: Array, apply_rope: Any, n_heads: int
+              ) -> tuple[Array, Array, Array]:
+    """What `rope_write_kv` computes, as MLX's kernels (`apply_rope(x, offset)`: the model's RoPE
+    module), with new key and value arrays instead of writes in place."""
+    b, heads, _, d = qk.shape
+    hkv, dv, p = heads - n_heads, v.shape[3], int(pos.item())
+    roped = apply_rope(qk, pos)
+    q = mx.slice(roped, [0, 0, 0, 0], [b, n_heads, 1, d], [1, 1, 1, 1])
+    k = mx.slice(roped, [0, n_heads, 0, 0], [b, heads, 1, d], [1, 1, 1, 1])
+    keys = mx.slice_update(keys, k, [0, 0, p, 0], [b, hkv, p + 1, d], [1, 1, 1, 1])
+    values = mx.slice_update(values, v, [0, 0, p, 0], [b, hkv, p + 1, dv], [1, 1, 1, 1])
+    return q, keys, values
+
+
+def private_copy(a: Array) -> Array:
+    """`a`'s values in a buffer no other array shares (MLX reuses `a`'s own where nothing else holds
+    it): what the kernel may write into in place."""
+    return mx.multiply(a, mx.array(1, dtype=a.dtype))
+
+
+_checked: dict[tuple[Any, ...], bool] = {}
+_checked_lock = threading.Lock()
+
+
+def check(dtype: Any, n_heads: int, n_kv_heads: int, d: int, dv: int, rope: Rope, apply_rope: Any) -> bool:
+    """Whether the kernel runs here and equals MLX's RoPE (`apply_rope(x, offset)`, the model's
+    module) and slice updates bit for bit, at positions from 0 to 8191 (once per process, shape, type
+    and RoPE); if not, a RuntimeWarning says why."""
+    key = (str(dtype), n_heads, n_kv_heads, d, dv, rope.key)
+    with _checked_lock:
+        known = _checked.get(key)
+        if known is None:
+            known = _checked[key] = _compare(dtype, n_heads, n_kv_heads, d, dv, rope, apply_rope)
+    return known
+
+
+def _compare(dtype: Any, hq: int, hkv: int, d: int, dv: int, rope: Rope, apply_rope: Any) -> bool:
+    rng = np.random.default_rng(0)
+    slots = 8192
+
+    def rand(*shape: int) -> Array:
+        return mx.astype(mx.array(rng.standard_normal(shape).astype(np.float32)), dtype)
+
+    keys, values = rand(1, hkv, slots, d), rand(1, hkv, slots, dv)
+    want_k, want_v = keys, values
+    keys, values = private_copy(keys), private_copy(values)
+    mx.eval(keys, values, want_k, want_v)
+    try:
+        for p in (0, 1, 77, 1000, 4097, slots - 1):
+            qk, v = rand(1, hq + hkv, 1, d), rand(1, hkv, 1, dv)
+            pos = mx.array(p, dtype=mx.int32)
+            q, keys, values = rope_write_kv(qk, v, pos, keys, values, rope, hq)
+            mx.eval(q)
+            want_q, want_k, want_v = reference(qk, v, pos, want_k, want_v, apply_rope, hq)
+            same = [bool(mx.array_equal(a, e).item()) for a, e in ((q, want_q), (keys, want_k), (values, want_v))]
+            if not all(same):
+                what = ", ".join(n for n, s in zip(("queries", "keys", "values"), same) if not s)
+                warnings.warn(f"pymlxc's RoPE + cache-write CUDA kernel is not used: its {what} at position {p} "
+                              f"differ from MLX's RoPE and slice updates ({dtype}, head size {d})",
+                              RuntimeWarning, stacklevel=3)
+                return False
+    except Exception as exc:  # noqa: BLE001 - whatever stops it, MLX's kernels still work
+        warnings.warn(f"pymlxc's RoPE + cache-write CUDA kernel cannot run here ({type(exc).__name__}: {exc}); "
+                      "using MLX's kernels", RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
+__all__ = ["Rope", "check", "private_copy", "reference", "rope_of", "rope_write_kv"]

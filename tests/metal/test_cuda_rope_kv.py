@@ -1,0 +1,193 @@
+"""Each layer's RoPE and key/value writes as one CUDA kernel (backends/metal/cuda_rope_kv.py) in the
+segmented decode.
+
+Everywhere: the setting is read by name; off CUDA the segments keep MLX's kernels, and a forced
+setting there warns and keeps them too; which RoPEs the kernel takes; the check rejects a kernel
+whose queries, keys or values differ from MLX's in any bit; with the kernel stood in for by MLX's
+kernels, the segments that call it (on private buffers) give the uncompiled loop's tokens.
+
+On CUDA: the kernel equals MLX's RoPE and slice updates bit for bit over head layouts, types,
+RoPEs and positions, and models decoded with it keep the uncompiled loop's greedy tokens.
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pymlxc.core as mx
+from pymlxc.backends.metal import cuda_rope_kv, segments
+from pymlxc.backends.metal.compiled import CompiledDecoder
+from pymlxc.backends.metal.models.base import RoPE, llama3_freqs
+from pymlxc.testing import LLAMA3_ROPE_SCALING
+
+from .cuda_decode_helpers import (ON_CUDA, check_the_setting_is_read_by_name, cuda_only, greedy_ids, plan_flags,
+                                  tiny_models)
+
+
+@pytest.fixture
+def tiny(tmp_path: Path):
+    models = tiny_models(tmp_path)
+    load = next(models)
+    yield lambda arch="llama", bits=None, **kw: load(arch, quantize_bits=bits, **kw)
+    next(models, None)
+
+
+@pytest.fixture(autouse=True)
+def fresh_checks():
+    cuda_rope_kv._checked.clear()  # noqa: SLF001 - each test sees its own verdicts
+    yield
+    cuda_rope_kv._checked.clear()  # noqa: SLF001
+
+
+def test_the_ropes_the_kernel_takes() -> None:
+    plain = cuda_rope_kv.rope_of(RoPE(64, base=10000.0), 64)
+    assert plain is not None and not plain.with_freqs and plain.table.shape == (1,)
+    assert abs(float(plain.table.item()) - np.log2(10000.0)) < 1e-5
+    assert cuda_rope_kv.rope_of(RoPE(64, base=500000.0), 64).key != plain.key
+    assert cuda_rope_kv.rope_of(RoPE(64, base=10000.0, scale=0.5), 64).key != plain.key
+    freqs = llama3_freqs(64, 500000.0, LLAMA3_ROPE_SCALING)
+    scaled = cuda_rope_kv.rope_of(RoPE(64, base=500000.0, freqs=freqs), 64)
+    assert scaled is not None and scaled.with_freqs and scaled.table.shape == (32,) and scaled.table.dtype == mx.float32
+    assert cuda_rope_kv.rope_of(RoPE(64, base=10000.0, traditional=True), 64) is None
+    assert cuda_rope_kv.rope_of(RoPE(32, base=10000.0), 64) is None  # a partial rotation
+    assert cuda_rope_kv.rope_of(object(), 64) is None
+
+
+def test_the_decoder_reads_the_setting_by_name(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    check_the_setting_is_read_by_name(tiny(), monkeypatch, "PYMLXC_CUDA_ROPE_KV", "cuda_rope_kv", "rope_kv")
+
+
+def _fusions(model: Any) -> Any:
+    return segments.fusions_for(segments.plan(model), {})
+
+
+@pytest.mark.skipif(ON_CUDA, reason="off CUDA only: there the kernel cannot run")
+def test_off_cuda_the_segments_keep_mlx_kernels(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny()
+    blocks = segments.plan(model)
+    assert segments.use_rope_kv(model, blocks, _fusions(model), "auto") is None
+    assert segments.use_rope_kv(model, blocks, _fusions(model), "0") is None
+    with pytest.warns(RuntimeWarning, match="cannot run here"):
+        assert segments.use_rope_kv(model, blocks, _fusions(model), "1") is None
+    monkeypatch.setenv("PYMLXC_CUDA_ROPE_KV", "1")
+    decoder = CompiledDecoder(model, "segmented")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the verdict is cached: no second warning
+        assert greedy_ids(model, decoder) == greedy_ids(model, None)
+    assert plan_flags(decoder, "rope_kv") == {False}
+    decoder.close()
+
+
+def test_unfused_projections_keep_mlx_kernels(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel takes the joint q and k heads: without fused projections it is not used."""
+    model = tiny()
+    monkeypatch.setattr(cuda_rope_kv, "check", lambda *a: True)
+    assert segments.use_rope_kv(model, segments.plan(model), None, "1") is None
+    assert segments.use_rope_kv(model, segments.plan(model), _fusions(model), "1") is not None
+
+
+def _stand_in(model: Any, calls: list[tuple[int, ...]]) -> Any:
+    """MLX's kernels in the kernel's place (new arrays instead of writes in place), counting calls."""
+    rope = model.layers[0].self_attn.rope
+
+    def stand_in(qk: Any, v: Any, pos: Any, keys: Any, values: Any, spec: Any, n_heads: int) -> Any:
+        calls.append(tuple(qk.shape))
+        return cuda_rope_kv.reference(qk, v, pos, keys, values, rope, n_heads)
+
+    return stand_in
+
+
+@pytest.mark.parametrize("arch,bits,kw", [("llama", None, {}), ("llama", 4, {}), ("qwen3", None, {}),
+                                          ("llama", None, {"rope_scaling": LLAMA3_ROPE_SCALING})])
+def test_segments_calling_the_kernel_keep_the_tokens(tiny, monkeypatch: pytest.MonkeyPatch, arch: str,
+                                                     bits: int | None, kw: dict[str, Any]) -> None:
+    """The kernel stood in for by MLX's RoPE and slice updates: every layer of every step hands it
+    the joint q/k heads before RoPE [1, q + kv heads, 1, D] and the tokens are the uncompiled loop's;
+    the session's buffers are private copies (a cache's own arrays are never handed over)."""
+    model = tiny(arch, bits, **kw)
+    calls: list[tuple[int, ...]] = []
+    monkeypatch.setattr(cuda_rope_kv, "rope_write_kv", _stand_in(model, calls))
+    monkeypatch.setattr(cuda_rope_kv, "check", lambda *a: True)
+    copied: list[Any] = []
+    real_copy = cuda_rope_kv.private_copy
+    monkeypatch.setattr(cuda_rope_kv, "private_copy", lambda a: copied.append(a) or real_copy(a))
+    monkeypatch.setenv("PYMLXC_CUDA_ROPE_KV", "1")
+    want = greedy_ids(model, None)
+    decoder = CompiledDecoder(model, "segmented")
+    assert greedy_ids(model, decoder) == want
+    assert decoder.stats["compiled"] == 1 and plan_flags(decoder, "rope_kv") == {True}
+    attn = model.layers[0].self_attn
+    layers, steps = len(model.layers), len(want) - 1  # the first token comes from the prefill
+    assert calls == [(1, attn.n_heads + attn.n_kv_heads, 1, attn.head_dim)] * (layers * steps)
+    assert len(copied) == 2 * layers
+    decoder.close()
+
+
+@pytest.mark.parametrize("fault", ["queries", "keys", "values"])
+def test_the_check_rejects_any_difference(monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
+    """The check compares queries, keys and values with MLX's at every probed position: a kernel
+    off by one unit in the last place in any of them is rejected with a warning naming it; the
+    exact one (MLX's kernels themselves) passes."""
+    rope = RoPE(16, base=10000.0)
+    spec = cuda_rope_kv.rope_of(rope, 16)
+
+    def stand_in(qk: Any, v: Any, pos: Any, keys: Any, values: Any, s: Any, n_heads: int) -> Any:
+        out = list(cuda_rope_kv.reference(qk, v, pos, keys, values, rope, n_heads))
+        if fault != "none":
+            i = ("queries", "keys", "values").index(fault)
+            bits = mx.view(out[i], mx.int16)
+            out[i] = mx.view(bits + mx.array(1, dtype=mx.int16), mx.float16)
+        return tuple(out)
+
+    monkeypatch.setattr(cuda_rope_kv, "rope_write_kv", stand_in)
+    with pytest.warns(RuntimeWarning, match=f"its {fault} at position 0 differ"):
+        assert not cuda_rope_kv.check(mx.float16, 4, 2, 16, 16, spec, rope)
+    fault = "none"
+    cuda_rope_kv._checked.clear()  # noqa: SLF001
+    assert cuda_rope_kv.check(mx.float16, 4, 2, 16, 16, spec, rope)
+
+
+# ---------------------------------------------------------------------- on CUDA
+
+@cuda_only
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hq=st.sampled_from([1, 2, 4, 8, 16, 32]), group=st.sampled_from([1, 2, 4, 8]),
+       d=st.sampled_from([16, 64, 128, 256]), dtype=st.sampled_from(["bfloat16", "float16", "float32"]),
+       base=st.sampled_from([10000.0, 500000.0, 1000000.0]), llama3=st.booleans(),
+       scale=st.sampled_from([1.0, 0.25]), position=st.integers(0, 131071), seed=st.integers(0, 2**16))
+def test_the_kernel_is_mlx_rope_and_slice_updates(hq: int, group: int, d: int, dtype: str, base: float,
+                                                  llama3: bool, scale: float, position: int, seed: int) -> None:
+    hkv = max(1, hq // group)
+    freqs = llama3_freqs(d, base, LLAMA3_ROPE_SCALING) if llama3 else None
+    rope = RoPE(d, base=base, scale=1.0 if llama3 else scale, freqs=freqs)
+    spec = cuda_rope_kv.rope_of(rope, d)
+    rng = np.random.default_rng(seed)
+    t = getattr(mx, dtype)
+    qk, v = (mx.astype(mx.array(rng.standard_normal(s).astype(np.float32)), t) for s in [(1, hq + hkv, 1, d), (1, hkv, 1, d)])
+    slots = position + 3
+    keys, values = (mx.astype(mx.array(rng.standard_normal((1, hkv, slots, d)).astype(np.float32)), t) for _ in range(2))
+    pos = mx.array(position, dtype=mx.int32)
+    want = cuda_rope_kv.reference(qk, v, pos, keys, values, rope, hq)
+    got = cuda_rope_kv.rope_write_kv(qk, v, pos, cuda_rope_kv.private_copy(keys), cuda_rope_kv.private_copy(values),
+                                     spec, hq)
+    mx.eval(got[0])
+    for name, g, w in zip(("queries", "keys", "values"), got, want):
+        assert bool(mx.array_equal(g, w).item()), name
+
+
+@cuda_only
+@pytest.mark.parametrize("arch,bits,kw", [("llama", None, {}), ("llama", 4, {}), ("qwen3", None, {}),
+                                          ("llama", None, {"rope_scaling": LLAMA3_ROPE_SCALING})])
+def test_decoding_with_the_kernel_keeps_the_tokens(tiny, arch: str, bits: int | None, kw: dict[str, Any]) -> None:
+    model = tiny(arch, bits, **kw)
+    want = greedy_ids(model, None, n=40)
+    decoder = CompiledDecoder(model, "segmented")
+    assert greedy_ids(model, decoder, n=40) == want
+    assert decoder.stats["compiled"] == 1 and plan_flags(decoder, "rope_kv") == {True}
+    decoder.close()

@@ -164,13 +164,15 @@ def reference(qk: Array, v: Array, pos: Array, keys: Array, values: Array, apply
     """What `rope_write_kv` computes, as MLX's kernels (`apply_rope(x, offset)`: the model's RoPE
     module), with new key and value arrays instead of writes in place."""
     b, heads, _, d = qk.shape
-    hkv, dv, p = heads - n_heads, v.shape[3], int(pos.item())
     roped = apply_rope(qk, pos)
     q = mx.slice(roped, [0, 0, 0, 0], [b, n_heads, 1, d], [1, 1, 1, 1])
     k = mx.slice(roped, [0, n_heads, 0, 0], [b, heads, 1, d], [1, 1, 1, 1])
-    keys = mx.slice_update(keys, k, [0, 0, p, 0], [b, hkv, p + 1, d], [1, 1, 1, 1])
-    values = mx.slice_update(values, v, [0, 0, p, 0], [b, hkv, p + 1, dv], [1, 1, 1, 1])
-    return q, keys, values
+    start = mx.reshape(pos, (1,))  # along the slots' axis; no read of the position on the host
+    return q, _slice_update_at(keys, k, start), _slice_update_at(values, v, start)
+
+
+def _slice_update_at(buffer: Array, update: Array, start: Array) -> Array:
+    return mx.RAW["slice_update_dynamic"](buffer, update, start, [2])
 
 
 def private_copy(a: Array) -> Array:

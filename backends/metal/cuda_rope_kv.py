@@ -101,12 +101,20 @@ _the_kernel = mx.fast.SharedKernel("pymlxc_rope_write_kv", ("qk", "v", "pos", "r
 @dataclass(frozen=True)
 class Rope:
     """A RoPE as the kernel takes it: `table` is the frequencies (float32 [D/2]) or log2 of the
-    base (float32 [1]), `scale` a float32 [1]; `key` tells RoPEs apart for `check`."""
+    base (float32 [1]), `scale` a float32 [1]; `key` tells RoPEs apart for `check`; `base` and
+    `scale_value` as the module has them."""
 
     table: Array
     scale: Array
     with_freqs: bool
     key: tuple[Any, ...]
+    base: float | None
+    scale_value: float
+
+    def mlx(self, x: Array, offset: Array) -> Array:
+        """The same RoPE as MLX's kernel computes it (over the whole last axis of `x`)."""
+        return mx.fast.rope(x, x.shape[-1], traditional=False, base=self.base, scale=self.scale_value,
+                            offset=offset, freqs=self.table if self.with_freqs else None)
 
 
 def _log2f(x: float) -> float:
@@ -137,9 +145,10 @@ def rope_of(module: Any, head_dim: int) -> Rope | None:
             return None
         table = mx.astype(freqs, mx.float32)
         mx.eval(table)
-        return Rope(table, scale, True, ("freqs", np.asarray(table).tobytes(), module.scale))
+        return Rope(table, scale, True, ("freqs", np.asarray(table).tobytes(), module.scale), None, module.scale)
     base = _log2f(module.base)
-    return Rope(mx.array([base], dtype=mx.float32), scale, False, ("base", base, module.scale))
+    return Rope(mx.array([base], dtype=mx.float32), scale, False, ("base", base, module.scale), module.base,
+                module.scale)
 
 
 def rope_write_kv(qk: Array, v: Array, pos: Array, keys: Array, values: Array, rope: Rope, n_heads: int

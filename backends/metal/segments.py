@@ -30,6 +30,7 @@ the uncompiled loop's. Selected with `PYMLXC_DECODE=segmented`; see `compiled.py
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -312,22 +313,37 @@ def _clone(modules: Sequence[Module | None], arrays: Sequence[Array], tracers: S
     return [cloner.clone(m) if m is not None else None for m in modules]
 
 
+def _heads(group: "_Group", attn: Any, x: Array, pos: Array, qkv: FusedProjection | None,
+           kv_inputs: list[Array]) -> list[Array]:
+    """The layer's [q, k, v] RoPE'd; with the plan's RoPE kernel [q RoPE'd, keys, values], its key
+    and value written into the buffers `kv_inputs` [keys, values, RoPE table, RoPE scale] (in place:
+    the same buffers come back)."""
+    heads = _project(attn, x, pos, qkv, group.rope is not None)
+    if group.rope is None:
+        return heads
+    keys, values, table, scale = kv_inputs
+    rope = dataclasses.replace(group.rope, table=table, scale=scale)
+    return list(cuda_rope_kv.rope_write_kv(heads[0], heads[1], pos, keys, values, rope, attn.n_heads))
+
+
 def _trace_first(inputs: list[Array]) -> list[Array]:
     group: _Group = _tracing.group
     group.stats["traces"] += 1
     tokens, pos = inputs[0], inputs[1]
-    embed, norm, attn, qkv = _clone(group.modules, group.arrays, inputs[2:])
+    n = 2 + group.kv_inputs
+    embed, norm, attn, qkv = _clone(group.modules, group.arrays, inputs[n:])
     h = embed(mx.reshape(tokens, (tokens.shape[0], 1)))
-    return [*_project(attn, norm(h), pos, qkv, group.rope_kv), h]
+    return [*_heads(group, attn, norm(h), pos, qkv, inputs[2:n]), h]
 
 
 def _trace_mid(inputs: list[Array]) -> list[Array]:
     group: _Group = _tracing.group
     attn_out, h, pos = inputs[0], inputs[1], inputs[2]
-    block, gate_up, norm, attn, qkv = _clone(group.modules, group.arrays, inputs[3:])
+    n = 3 + group.kv_inputs
+    block, gate_up, norm, attn, qkv = _clone(group.modules, group.arrays, inputs[n:])
     h, mlp_out = _finish_block(block, attn_out, h, gate_up, group.fused_norm)
     h, x = _add_norm(h, mlp_out, norm, group.fused_norm)
-    return [*_project(attn, x, pos, qkv, group.rope_kv), h]
+    return [*_heads(group, attn, x, pos, qkv, inputs[3:n]), h]
 
 
 def _trace_last(inputs: list[Array]) -> list[Array]:
@@ -355,7 +371,12 @@ class _Group:
     fuse_greedy: bool = False
     fused_norm: bool = False  # residual adds and the norms after them in one kernel (cuda_norm.py)
     cuda_argmax: bool = False  # greedy's argmax as cuda_argmax.py's kernels
-    rope_kv: bool = False  # outputs the joint q/k heads before RoPE, for cuda_rope_kv.py's kernel
+    rope: cuda_rope_kv.Rope | None = None  # RoPE and the key/value writes as cuda_rope_kv.py's kernel
+
+    @property
+    def kv_inputs(self) -> int:
+        """Inputs after the segment's own for the RoPE kernel: keys, values, RoPE table and scale."""
+        return 0 if self.rope is None else 4
 
 
 def _group(modules: Sequence[Module | None], stats: dict[str, int], **flags: Any) -> _Group:
@@ -416,12 +437,11 @@ class SegmentPlan:
         self.fuse_greedy = fuse_greedy
         self.rope = rope  # each layer's RoPE and key/value writes as cuda_rope_kv.py's kernel
         self.rope_kv = rope is not None
-        self.n_heads = blocks[0].self_attn.n_heads
         self.first = _group([inner.embed_tokens, blocks[0].input_layernorm, blocks[0].self_attn, qkv[0]], stats,
-                            rope_kv=self.rope_kv)
+                            rope=rope)
         self.fused_norm = fused_norm
         self.mids = [_group([blocks[i], gate_up[i], blocks[i + 1].input_layernorm, blocks[i + 1].self_attn,
-                             qkv[i + 1]], stats, fused_norm=fused_norm, rope_kv=self.rope_kv)
+                             qkv[i + 1]], stats, fused_norm=fused_norm, rope=rope)
                      for i in range(len(blocks) - 1)]
         self.last = _group([blocks[-1], gate_up[-1], inner.norm, inner.embed_tokens, model.lm_head], stats,
                            tied=tied, fuse_greedy=fuse_greedy, fused_norm=fused_norm,
@@ -446,7 +466,7 @@ class SegmentedSession:
         self._plan = plan
         self._first, self._mids, self._last = plan.first, plan.mids, plan.last
         self._scales = plan.scales
-        self._rope, self._n_heads = plan.rope, plan.n_heads
+        self._rope = plan.rope
         self._buffers: list[Array] = []
         self._first_position = first_position
         self._position = first_position  # of the next step built
@@ -455,30 +475,35 @@ class SegmentedSession:
     def _step(self, tokens: Array, pos: Array) -> tuple[Array, Array]:
         """One token through every layer; returns (sampled ids or logits, pos + 1)."""
         fns = self._fns
-        *heads, h = call_segment(fns.first, self._first, [tokens, pos])
+        *heads, h = call_segment(fns.first, self._first, [tokens, pos, *self._kv_inputs(0)])
         out = None
         for i, scale in enumerate(self._scales):
-            attn = self._attend(i, heads, pos, scale)
+            attn = self._attend(i, heads, scale)
             if i + 1 < len(self._scales):
-                *heads, h = call_segment(fns.mid, self._mids[i], [attn, h, pos])
+                *heads, h = call_segment(fns.mid, self._mids[i], [attn, h, pos, *self._kv_inputs(i + 1)])
             else:
                 out, pos = call_segment(fns.last, self._last, [attn, h, pos])
         self._position += 1
         return out, pos
 
-    def _attend(self, i: int, heads: list[Array], pos: Array, scale: float) -> Array:
-        """Layer i's key and value into its buffers at this step's position, then its attention
-        over the keys so far. `heads`: [q, k, v] RoPE'd, or with the plan's `rope` [joint q and k
-        heads, v] for cuda_rope_kv.py's kernel, which writes the buffers in place."""
+    def _kv_inputs(self, i: int) -> list[Array]:
+        """What a segment projecting layer i's heads takes for the RoPE kernel (`_Group.kv_inputs`)."""
+        if self._rope is None:
+            return []
+        return [self._buffers[2 * i], self._buffers[2 * i + 1], self._rope.table, self._rope.scale]
+
+    def _attend(self, i: int, heads: list[Array], scale: float) -> Array:
+        """Layer i's key and value into its buffers at this step's position (unless the segment's
+        RoPE kernel wrote them: then `heads` is [q, keys, values]), then its attention over the keys
+        so far."""
         p, buffers = self._position, self._buffers
-        keys, values = buffers[2 * i], buffers[2 * i + 1]
-        b, kvh, _, dk = keys.shape
-        dv = values.shape[3]
+        b, kvh, _, dk = buffers[2 * i].shape
+        dv = buffers[2 * i + 1].shape[3]
         if self._rope is not None:
-            q, keys, values = cuda_rope_kv.rope_write_kv(heads[0], heads[1], pos, keys, values, self._rope,
-                                                         self._n_heads)
+            q, keys, values = heads
         else:
             q, k, v = heads
+            keys, values = buffers[2 * i], buffers[2 * i + 1]
             keys = mx.slice_update(keys, k, [0, 0, p, 0], [b, kvh, p + 1, dk], [1, 1, 1, 1])
             values = mx.slice_update(values, v, [0, 0, p, 0], [b, kvh, p + 1, dv], [1, 1, 1, 1])
         buffers[2 * i], buffers[2 * i + 1] = keys, values

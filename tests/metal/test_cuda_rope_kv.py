@@ -54,6 +54,9 @@ def test_the_ropes_the_kernel_takes() -> None:
     freqs = llama3_freqs(64, 500000.0, LLAMA3_ROPE_SCALING)
     scaled = cuda_rope_kv.rope_of(RoPE(64, base=500000.0, freqs=freqs), 64)
     assert scaled is not None and scaled.with_freqs and scaled.table.shape == (32,) and scaled.table.dtype == mx.float32
+    x, pos = mx.array(np.random.default_rng(1).standard_normal((1, 6, 1, 64)).astype(np.float32)), mx.array(77)
+    for module, spec in ((RoPE(64, base=10000.0), plain), (RoPE(64, base=500000.0, freqs=freqs), scaled)):
+        assert bool(mx.array_equal(spec.mlx(x, pos), module(x, pos)).item())  # the stand-ins' RoPE is the module's
     assert cuda_rope_kv.rope_of(RoPE(64, base=10000.0, traditional=True), 64) is None
     assert cuda_rope_kv.rope_of(RoPE(32, base=10000.0), 64) is None  # a partial rotation
     assert cuda_rope_kv.rope_of(object(), 64) is None
@@ -92,13 +95,12 @@ def test_unfused_projections_keep_mlx_kernels(tiny, monkeypatch: pytest.MonkeyPa
     assert segments.use_rope_kv(model, segments.plan(model), _fusions(model), "1") is not None
 
 
-def _stand_in(model: Any, calls: list[tuple[int, ...]]) -> Any:
+def _stand_in(calls: list[tuple[int, ...]]) -> Any:
     """MLX's kernels in the kernel's place (new arrays instead of writes in place), counting calls."""
-    rope = model.layers[0].self_attn.rope
 
     def stand_in(qk: Any, v: Any, pos: Any, keys: Any, values: Any, spec: Any, n_heads: int) -> Any:
         calls.append(tuple(qk.shape))
-        return cuda_rope_kv.reference(qk, v, pos, keys, values, rope, n_heads)
+        return cuda_rope_kv.reference(qk, v, pos, keys, values, spec.mlx, n_heads)
 
     return stand_in
 
@@ -107,12 +109,13 @@ def _stand_in(model: Any, calls: list[tuple[int, ...]]) -> Any:
                                           ("llama", None, {"rope_scaling": LLAMA3_ROPE_SCALING})])
 def test_segments_calling_the_kernel_keep_the_tokens(tiny, monkeypatch: pytest.MonkeyPatch, arch: str,
                                                      bits: int | None, kw: dict[str, Any]) -> None:
-    """The kernel stood in for by MLX's RoPE and slice updates: every layer of every step hands it
-    the joint q/k heads before RoPE [1, q + kv heads, 1, D] and the tokens are the uncompiled loop's;
-    the session's buffers are private copies (a cache's own arrays are never handed over)."""
+    """The kernel stood in for by MLX's RoPE and slice updates: the first and the middle segment
+    (each traced once) hand it the joint q/k heads before RoPE [1, q + kv heads, 1, D], and the
+    tokens are the uncompiled loop's; the session's buffers are private copies (a cache's own
+    arrays are never handed over)."""
     model = tiny(arch, bits, **kw)
     calls: list[tuple[int, ...]] = []
-    monkeypatch.setattr(cuda_rope_kv, "rope_write_kv", _stand_in(model, calls))
+    monkeypatch.setattr(cuda_rope_kv, "rope_write_kv", _stand_in(calls))
     monkeypatch.setattr(cuda_rope_kv, "check", lambda *a: True)
     copied: list[Any] = []
     real_copy = cuda_rope_kv.private_copy
@@ -123,9 +126,8 @@ def test_segments_calling_the_kernel_keep_the_tokens(tiny, monkeypatch: pytest.M
     assert greedy_ids(model, decoder) == want
     assert decoder.stats["compiled"] == 1 and plan_flags(decoder, "rope_kv") == {True}
     attn = model.layers[0].self_attn
-    layers, steps = len(model.layers), len(want) - 1  # the first token comes from the prefill
-    assert calls == [(1, attn.n_heads + attn.n_kv_heads, 1, attn.head_dim)] * (layers * steps)
-    assert len(copied) == 2 * layers
+    assert calls == [(1, attn.n_heads + attn.n_kv_heads, 1, attn.head_dim)] * 2
+    assert len(copied) == 2 * len(model.layers)
     decoder.close()
 
 

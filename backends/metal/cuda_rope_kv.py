@@ -185,9 +185,12 @@ def _slice_update_at(buffer: Array, update: Array, start: Array) -> Array:
 
 
 def private_copy(a: Array) -> Array:
-    """`a`'s values in a buffer no other array shares (MLX reuses `a`'s own where nothing else holds
-    it): what the kernel may write into in place."""
-    return mx.multiply(a, mx.array(1, dtype=a.dtype))
+    """`a`'s values in a row-major buffer no other array shares (MLX reuses `a`'s own where nothing
+    else holds it): what the kernel may write into in place. Row-major on purpose: a multiply keeps
+    a permuted input's layout (a ring gathered with `take` has its heads inside its slots), and on
+    the H100 such buffers gave wrong tokens after a prompt-cache restore (found by the prompt-cache
+    tests), while row-major ones never did."""
+    return mx.multiply(mx.contiguous(a, False), mx.array(1, dtype=a.dtype))
 
 
 _checked: dict[tuple[Any, ...], bool] = {}

@@ -62,6 +62,20 @@ def test_the_ropes_the_kernel_takes() -> None:
     assert cuda_rope_kv.rope_of(object(), 64) is None
 
 
+def test_the_private_buffers_are_row_major() -> None:
+    """A ring gathered with `take` (heads inside slots) comes out row-major, values unchanged."""
+    from pymlxc.core._loader import ffi, lib
+
+    k = mx.array(np.random.default_rng(2).standard_normal((1, 2, 5, 16)).astype(np.float32))
+    gathered = mx.take(k, mx.array([0, 1, 2, 3, 4, 0, 0]), axis=2)
+    copy = cuda_rope_kv.private_copy(gathered)
+    mx.eval(gathered, copy)
+    flag = ffi.new("bool *")
+    assert lib._mlx_array_is_row_contiguous(flag, gathered.handle) == 0 and not flag[0]  # the layout at issue
+    assert lib._mlx_array_is_row_contiguous(flag, copy.handle) == 0 and flag[0]
+    assert bool(mx.array_equal(copy, gathered).item())
+
+
 def test_the_decoder_reads_the_setting_by_name(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
     check_the_setting_is_read_by_name(tiny(), monkeypatch, "PYMLXC_CUDA_ROPE_KV", "cuda_rope_kv", "rope_kv")
 

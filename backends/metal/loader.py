@@ -326,11 +326,12 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
 
     model.load_weights(weights, strict=True)
     del weights
-    params = model.parameters()
+    params, constants = model.parameters_and_constants()
     nbytes = _evaluate(params, origin, progress)
     # Constants derived from weights at load (e.g. Gemma's 1 + w) are evaluated now as well.
-    mx.eval(list(model.arrays()))
-    cuda_matvec = matvec.configure(model)
+    mx.eval(constants)
+    del constants
+    cuda_matvec = matvec.configure(model) if quantized else False  # no quantized layer: nothing to choose
     return LoadedModel(model=model, config=config, model_type=str(model_type), path=root,
                        quantization={"group_size": int(quant.get("group_size", 64)), "bits": int(quant.get("bits", 4))}
                        if quant else None,

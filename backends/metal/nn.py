@@ -69,11 +69,23 @@ class Module:
 
     def parameters(self) -> dict[str, Array]:
         """Every parameter by flat name ("a.b.0.c")."""
-        out: dict[str, Array] = {}
+        return self.parameters_and_constants()[0]
+
+    def parameters_and_constants(self) -> tuple[dict[str, Array], list[Array]]:
+        """In one walk: every parameter by flat name, and every other Array the tree holds (private
+        constants such as a Linear's W^T, and arrays in lists)."""
+        params: dict[str, Array] = {}
+        constants: list[Array] = []
         for path, module in self.named_modules():
-            for name, value in module.local_parameters():
-                out[f"{path}.{name}" if path else name] = value
-        return out
+            for name, value in vars(module).items():
+                if isinstance(value, Array):
+                    if name.startswith("_"):
+                        constants.append(value)
+                    else:
+                        params[f"{path}.{name}" if path else name] = value
+                elif isinstance(value, (list, tuple)):
+                    constants.extend(v for v in value if isinstance(v, Array))
+        return params, constants
 
     def trainable_parameters(self) -> dict[str, Array]:
         out: dict[str, Array] = {}
@@ -107,28 +119,46 @@ class Module:
         return self
 
     # ------------------------------------------------------------------ updating
-    def _resolve(self, path: str) -> tuple["Module", str]:
-        """(owning module, local name) of a flat parameter name; KeyError when no such module."""
-        *parts, leaf = path.split(".")
-        node: Any = self
-        for part in parts:
-            if isinstance(node, (list, tuple)):
-                if not part.isdigit() or int(part) >= len(node):
-                    raise KeyError(path)
-                node = node[int(part)]
-            else:
-                node = getattr(node, part, None) if not part.startswith("_") else None
-            if node is None:
+    def _owners(self) -> Callable[[str], tuple["Module", str]]:
+        """`resolve(flat name)` -> (owning module, local name), KeyError when no such module. The
+        modules of every prefix are kept: a checkpoint's names share their prefixes
+        ("model.layers.3.self_attn"), so each module is reached by one step from its parent."""
+        nodes: dict[str, Any] = {"": self}
+
+        def node(prefix: str) -> Any:
+            found = nodes.get(prefix)
+            if found is None:
+                parent, _, part = prefix.rpartition(".")
+                owner = node(parent)
+                if isinstance(owner, (list, tuple)):
+                    if not part.isdigit() or int(part) >= len(owner):
+                        raise KeyError(prefix)
+                    found = owner[int(part)]
+                else:
+                    found = getattr(owner, part, None) if not part.startswith("_") else None
+                if found is None:
+                    raise KeyError(prefix)
+                nodes[prefix] = found
+            return found
+
+        def resolve(path: str) -> tuple[Module, str]:
+            prefix, _, leaf = path.rpartition(".")
+            try:
+                module = node(prefix)
+            except KeyError:
+                raise KeyError(path) from None
+            if not isinstance(module, Module):
                 raise KeyError(path)
-        if not isinstance(node, Module):
-            raise KeyError(path)
-        return node, leaf
+            return module, leaf
+
+        return resolve
 
     def update(self, weights: Mapping[str, Array], *, strict: bool = False) -> "Module":
         """Set parameters by flat name. With `strict`, unknown names raise WeightsError."""
+        resolve = self._owners()
         for path, value in weights.items():
             try:
-                module, leaf = self._resolve(path)
+                module, leaf = resolve(path)
             except KeyError:
                 if strict:
                     raise WeightsError(f"unexpected parameter {path!r}: the model has no such tensor") from None

@@ -17,6 +17,7 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 
 from .matvec import mlx_kernels_only
+from . import nn as _nn
 from .nn import Embedding, Linear, Module, QuantizedEmbedding, QuantizedLinear
 
 _DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
@@ -148,12 +149,7 @@ def matches(path: str, keys: Iterable[str]) -> bool:
 def _node(root: Module, path: str) -> Any:
     node: Any = root
     for part in path.split(".") if path else []:
-        if isinstance(node, (list, tuple)):
-            if not part.isdigit() or int(part) >= len(node):
-                raise KeyError(path)
-            node = node[int(part)]
-        else:
-            node = getattr(node, part, None) if not part.startswith("_") else None
+        node = _nn.child(node, part)
         if node is None:
             raise KeyError(path)
     return node

@@ -32,6 +32,14 @@ class WeightsError(ValueError):
     """Checkpoint tensors do not fit the model: the message names the tensor(s)."""
 
 
+def child(node: Any, part: str) -> Any:
+    """One step of a flat name ("layers", "3", "mlp"): a module's public attribute or a list's
+    item, else None."""
+    if isinstance(node, (list, tuple)):
+        return node[int(part)] if part.isdigit() and int(part) < len(node) else None
+    return getattr(node, part, None) if not part.startswith("_") else None
+
+
 class Module:
     """Base class: attributes that are Arrays are parameters, Modules (or lists of them) are children."""
 
@@ -129,13 +137,7 @@ class Module:
             found = nodes.get(prefix)
             if found is None:
                 parent, _, part = prefix.rpartition(".")
-                owner = node(parent)
-                if isinstance(owner, (list, tuple)):
-                    if not part.isdigit() or int(part) >= len(owner):
-                        raise KeyError(prefix)
-                    found = owner[int(part)]
-                else:
-                    found = getattr(owner, part, None) if not part.startswith("_") else None
+                found = child(node(parent), part)
                 if found is None:
                     raise KeyError(prefix)
                 nodes[prefix] = found

@@ -14,7 +14,9 @@ outputs, so the buffers go in as inputs, and the kernel writes through them; wha
   * the next write into a layer's buffers needs the next token, which needs this step's attention
     of every layer;
   * the decode session owns the buffers alone: it copies them once at its start (`private_copy`),
-    so no other array (a prompt-cache snapshot, a view of a longer buffer) sees the writes.
+    so no other array (a prompt-cache snapshot, a view of a longer buffer) sees the writes;
+  * those copies are row-major: over a permuted buffer (heads inside slots, as `take` gives) MLX's
+    attention after the writes was wrong on the H100, though the written values were exact.
 Shapes and strides are read from MLX's arguments (no copy of a strided input, which would lose the
 writes).
 

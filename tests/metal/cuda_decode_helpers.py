@@ -2,6 +2,7 @@
 and the greedy ids of one generation with or without a compiled decoder."""
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,19 @@ def check_the_setting_is_read_by_name(model: Any, monkeypatch: pytest.MonkeyPatc
     decoder = CompiledDecoder(model, "segmented")
     assert getattr(decoder, attribute) == "0"
     assert greedy_ids(model, decoder) == greedy_ids(model, None) and plan_flags(decoder, flag) == {False}
+    decoder.close()
+
+
+def check_a_forced_setting_keeps_mlx_kernels(model: Any, monkeypatch: pytest.MonkeyPatch, variable: str,
+                                             flag: str) -> None:
+    """Off CUDA, a CUDA switch (`variable`) forced to `1`: the kernel's check failed already (its
+    verdict is cached, so no second warning), no plan sets `flag`, the tokens are the uncompiled loop's."""
+    monkeypatch.setenv(variable, "1")
+    decoder = CompiledDecoder(model, "segmented")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert greedy_ids(model, decoder) == greedy_ids(model, None)
+    assert plan_flags(decoder, flag) == {False}
     decoder.close()
 
 

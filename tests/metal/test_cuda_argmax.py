@@ -9,7 +9,6 @@ models decoded with them keep the uncompiled loop's greedy tokens.
 """
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +23,8 @@ from pymlxc.backends.metal import generate as loops
 from pymlxc.backends.metal.compiled import CompiledDecoder
 from pymlxc.backends.metal.sample import greedy
 
-from .cuda_decode_helpers import (ON_CUDA, check_the_setting_is_read_by_name, cuda_only, greedy_ids, plan_flags,
-                                  tiny_models)
+from .cuda_decode_helpers import (ON_CUDA, check_a_forced_setting_keeps_mlx_kernels, check_the_setting_is_read_by_name,
+                                  cuda_only, greedy_ids, plan_flags, tiny_models)
 
 @pytest.fixture
 def tiny(tmp_path: Path):
@@ -54,13 +53,7 @@ def test_off_cuda_the_segments_keep_mlx_argmax(tiny, monkeypatch: pytest.MonkeyP
     cuda_argmax._checked.clear()  # noqa: SLF001 - a fresh check
     with pytest.warns(RuntimeWarning, match="CUDA argmax"):
         assert not segments.use_cuda_argmax(model, "1")
-    monkeypatch.setenv("PYMLXC_CUDA_ARGMAX", "1")
-    decoder = CompiledDecoder(model, "segmented")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # the verdict is cached: no second warning
-        assert greedy_ids(model, decoder) == greedy_ids(model, None)
-    assert plan_flags(decoder, "cuda_argmax") == {False}
-    decoder.close()
+    check_a_forced_setting_keeps_mlx_kernels(model, monkeypatch, "PYMLXC_CUDA_ARGMAX", "cuda_argmax")
 
 
 @pytest.mark.parametrize("bits", [None, 4])

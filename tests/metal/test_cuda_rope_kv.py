@@ -11,7 +11,6 @@ RoPEs and positions, and models decoded with it keep the uncompiled loop's greed
 """
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +25,8 @@ from pymlxc.backends.metal.compiled import CompiledDecoder
 from pymlxc.backends.metal.models.base import RoPE, llama3_freqs
 from pymlxc.testing import LLAMA3_ROPE_SCALING
 
-from .cuda_decode_helpers import (ON_CUDA, check_the_setting_is_read_by_name, cuda_only, greedy_ids, plan_flags,
-                                  tiny_models)
+from .cuda_decode_helpers import (ON_CUDA, check_a_forced_setting_keeps_mlx_kernels, check_the_setting_is_read_by_name,
+                                  cuda_only, greedy_ids, plan_flags, tiny_models)
 
 
 @pytest.fixture
@@ -92,13 +91,7 @@ def test_off_cuda_the_segments_keep_mlx_kernels(tiny, monkeypatch: pytest.Monkey
     assert segments.use_rope_kv(model, blocks, _fusions(model), "0") is None
     with pytest.warns(RuntimeWarning, match="cannot run here"):
         assert segments.use_rope_kv(model, blocks, _fusions(model), "1") is None
-    monkeypatch.setenv("PYMLXC_CUDA_ROPE_KV", "1")
-    decoder = CompiledDecoder(model, "segmented")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # the verdict is cached: no second warning
-        assert greedy_ids(model, decoder) == greedy_ids(model, None)
-    assert plan_flags(decoder, "rope_kv") == {False}
-    decoder.close()
+    check_a_forced_setting_keeps_mlx_kernels(model, monkeypatch, "PYMLXC_CUDA_ROPE_KV", "rope_kv")
 
 
 def test_unfused_projections_keep_mlx_kernels(tiny, monkeypatch: pytest.MonkeyPatch) -> None:

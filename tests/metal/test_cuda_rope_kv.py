@@ -138,6 +138,26 @@ def test_segments_calling_the_kernel_keep_the_tokens(tiny, monkeypatch: pytest.M
     decoder.close()
 
 
+def test_heads_of_another_type_than_the_buffers_skip_the_kernel(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel writes the heads' type into the buffers: a segment whose heads and buffers differ
+    in type (float16 heads, float32 buffers here) uses MLX's RoPE and casting updates instead; with
+    one type it calls the kernel."""
+    model = tiny()
+    attn = model.layers[0].self_attn
+    (qkv, _), = segments.fusions_for(model.layers[:1], {})
+    spec = cuda_rope_kv.rope_of(attn.rope, attn.head_dim)
+    group = segments._group([], {}, rope=spec)  # noqa: SLF001
+    x = mx.astype(mx.array(np.random.default_rng(3).standard_normal((1, 1, 64)).astype(np.float32)), mx.float16)
+    pos = mx.array(4, dtype=mx.int32)
+    calls: list[tuple[int, ...]] = []
+    monkeypatch.setattr(cuda_rope_kv, "rope_write_kv", _stand_in(calls))
+    for dtype, kernel in ((mx.float32, False), (mx.float16, True)):
+        keys, values = (mx.zeros((1, attn.n_kv_heads, 8, attn.head_dim), dtype) for _ in range(2))
+        q, k, v = segments._heads(group, attn, x, pos, qkv.fused, [keys, values, spec.table, spec.scale])  # noqa: SLF001
+        assert bool(calls) == kernel and k.dtype == v.dtype == dtype
+        assert bool(mx.any(k[:, :, 4] != 0).item()) and not bool(mx.any(k[:, :, 5:] != 0).item())
+
+
 @pytest.mark.parametrize("fault", ["queries", "keys", "values"])
 def test_the_check_rejects_any_difference(monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
     """The check compares queries, keys and values with MLX's at every probed position: a kernel

@@ -324,8 +324,8 @@ def _heads(group: "_Group", attn: Any, x: Array, pos: Array, qkv: FusedProjectio
     keys, values, table, scale = kv_inputs
     (qk, v), dtype = heads, keys.dtype
     if not qk.dtype == v.dtype == dtype == values.dtype:
-        # The kernel writes the heads' type into the buffers: another type (Qwen3 norms stored in
-        # float32 over bfloat16 activations, say) goes through MLX's RoPE and casting updates.
+        # The kernel writes the heads' type into the buffers: where they differ (caches filled in
+        # another type than the step computes in, say), MLX's RoPE and casting updates do it.
         return list(cuda_rope_kv.reference(qk, v, pos, keys, values, attn.rope, attn.n_heads))
     rope = dataclasses.replace(group.rope, table=table, scale=scale)
     return list(cuda_rope_kv.rope_write_kv(qk, v, pos, keys, values, rope, attn.n_heads))

@@ -61,6 +61,17 @@ def check_the_setting_is_read_by_name(model: Any, monkeypatch: pytest.MonkeyPatc
     decoder.close()
 
 
+def stood_in_decoder(model: Any, flag: str) -> CompiledDecoder:
+    """A segmented decoder run with a kernel stood in for (the caller patched it and forced its
+    use): its greedy ids are the uncompiled loop's, it decoded compiled, and its plan sets `flag`.
+    Returned for further checks; the caller closes it."""
+    want = greedy_ids(model, None)
+    decoder = CompiledDecoder(model, "segmented")
+    assert greedy_ids(model, decoder) == want
+    assert decoder.stats["compiled"] == 1 and plan_flags(decoder, flag) == {True}
+    return decoder
+
+
 def check_a_forced_setting_keeps_mlx_kernels(model: Any, monkeypatch: pytest.MonkeyPatch, variable: str,
                                              flag: str) -> None:
     """Off CUDA, a CUDA switch (`variable`) forced to `1`: the kernel's check failed already (its

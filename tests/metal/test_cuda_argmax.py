@@ -24,7 +24,7 @@ from pymlxc.backends.metal.compiled import CompiledDecoder
 from pymlxc.backends.metal.sample import greedy
 
 from .cuda_decode_helpers import (ON_CUDA, check_a_forced_setting_keeps_mlx_kernels, check_the_setting_is_read_by_name,
-                                  cuda_only, greedy_ids, plan_flags, tiny_models)
+                                  cuda_only, greedy_ids, plan_flags, stood_in_decoder, tiny_models)
 
 @pytest.fixture
 def tiny(tmp_path: Path):
@@ -70,10 +70,7 @@ def test_segments_calling_the_kernels_keep_the_tokens(tiny, monkeypatch: pytest.
 
     monkeypatch.setattr(cuda_argmax, "argmax", stand_in)
     monkeypatch.setattr(segments, "use_cuda_argmax", lambda *a: True)
-    want = greedy_ids(model, None)
-    decoder = CompiledDecoder(model, "segmented")
-    assert greedy_ids(model, decoder) == want
-    assert decoder.stats["compiled"] == 1 and plan_flags(decoder, "cuda_argmax") == {True}
+    decoder = stood_in_decoder(model, "cuda_argmax")
     assert shapes == [(1, 3000)]
     from pymlxc.backends.metal.sample import make_sampler
 

@@ -26,7 +26,7 @@ from pymlxc.backends.metal import cuda_norm, segments
 from pymlxc.backends.metal.compiled import CompiledDecoder
 
 from .cuda_decode_helpers import (ON_CUDA, check_the_setting_is_read_by_name, cuda_only, greedy_ids, plan_flags,
-                                  tiny_models)
+                                  stood_in_decoder, tiny_models)
 
 # Row lengths MLX's aligned rms_norm_small serves, with its (threads, 16-byte loads per thread).
 ALIGNED = {512: (64, 1), 1024: (128, 1), 1536: (64, 3), 2048: (128, 2), 2560: (64, 5), 3072: (128, 3),
@@ -88,10 +88,7 @@ def test_segments_with_the_fused_step_keep_the_tokens(tiny, monkeypatch: pytest.
 
     monkeypatch.setattr(cuda_norm, "add_rms_norm", stand_in)
     monkeypatch.setattr(segments, "use_fused_norm", lambda *a: True)
-    want = greedy_ids(model, None)
-    decoder = CompiledDecoder(model, "segmented")
-    assert greedy_ids(model, decoder) == want
-    assert decoder.stats["compiled"] == 1 and plan_flags(decoder, "fused_norm") == {True}
+    decoder = stood_in_decoder(model, "fused_norm")
     # Traced once each: the middle segment adds twice (after attention, after the MLP), the last too.
     assert len(calls) == 4
     decoder.close()

@@ -26,7 +26,7 @@ from pymlxc.backends.metal.models.base import RoPE, llama3_freqs
 from pymlxc.testing import LLAMA3_ROPE_SCALING
 
 from .cuda_decode_helpers import (ON_CUDA, check_a_forced_setting_keeps_mlx_kernels, check_the_setting_is_read_by_name,
-                                  cuda_only, greedy_ids, plan_flags, tiny_models)
+                                  cuda_only, greedy_ids, plan_flags, stood_in_decoder, tiny_models)
 
 
 @pytest.fixture
@@ -128,10 +128,7 @@ def test_segments_calling_the_kernel_keep_the_tokens(tiny, monkeypatch: pytest.M
     real_copy = cuda_rope_kv.private_copy
     monkeypatch.setattr(cuda_rope_kv, "private_copy", lambda a: copied.append(a) or real_copy(a))
     monkeypatch.setenv("PYMLXC_CUDA_ROPE_KV", "1")
-    want = greedy_ids(model, None)
-    decoder = CompiledDecoder(model, "segmented")
-    assert greedy_ids(model, decoder) == want
-    assert decoder.stats["compiled"] == 1 and plan_flags(decoder, "rope_kv") == {True}
+    decoder = stood_in_decoder(model, "rope_kv")
     attn = model.layers[0].self_attn
     assert calls == [(1, attn.n_heads + attn.n_kv_heads, 1, attn.head_dim)] * 2
     assert len(copied) == 2 * len(model.layers)

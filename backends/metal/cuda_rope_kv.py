@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import math
 import threading
 import warnings
@@ -119,6 +120,7 @@ class Rope:
                             offset=offset, freqs=self.table if self.with_freqs else None)
 
 
+@functools.lru_cache(maxsize=None)
 def _log2f(x: float) -> float:
     """log2 of a float32 as MLX's host code computes it (std::log2 of a float: the C library's
     log2f), for the kernel's base; Python's own where that library is not found."""

@@ -330,7 +330,6 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
     nbytes = _evaluate(params, origin, progress)
     # Constants derived from weights at load (e.g. Gemma's 1 + w) are evaluated now as well.
     mx.eval(constants)
-    del constants
     cuda_matvec = matvec.configure(model) if quantized else False  # no quantized layer: nothing to choose
     return LoadedModel(model=model, config=config, model_type=str(model_type), path=root,
                        quantization={"group_size": int(quant.get("group_size", 64)), "bits": int(quant.get("bits", 4))}

@@ -1,12 +1,74 @@
-"""Generation and load options: frozen dataclasses with go-inference's fields and defaults."""
+"""Generation and load options: frozen dataclasses with go-inference's fields and defaults.
+
+Every option is checked when the config is made, so that a bad value raises `TypeError` (wrong
+type) or `ValueError` (wrong value) naming the option at the call, on every backend, instead of
+failing mid-stream or giving garbage. Numbers must be real numbers of the right kind: an int option
+takes an int (not a bool, not a float such as 2.5), a float option an int or float that is finite
+and not subnormal (sampling runs in float32, where such values overflow or vanish).
+"""
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+import os
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 T = TypeVar("T")
+
+# A positive temperature divides the float32 logits: below MIN_TEMPERATURE 1/temperature overflows
+# them for ordinary logit sizes, above MAX_TEMPERATURE it rounds them (and -inf filters) to NaN.
+MIN_TEMPERATURE = 1e-6
+MAX_TEMPERATURE = 1e6
+# The repeat penalty multiplies or divides logits in the model's dtype (float16 overflows at 65504).
+MIN_REPEAT_PENALTY = 1e-2
+MAX_REPEAT_PENALTY = 1e2
+SEED_LIMIT = 2**64  # MLX seeds are uint64
+_FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+
+
+@runtime_checkable
+class CancelEvent(Protocol):
+    """What `cancel` must be: a `threading.Event`, or anything with an `is_set()` method."""
+
+    def is_set(self) -> bool: ...
+
+
+def _integer(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
+    """`value` as an int when it is an integer (not a bool) within [low, high)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__} {value!r}")
+    value = int(value)
+    if (low is not None and value < low) or (high is not None and value >= high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high})"
+        raise ValueError(f"{name} must be {bounds}, not {value}")
+    return value
+
+
+def _real(name: str, value: Any) -> float:
+    """`value` as a float when it is a finite, non-subnormal real number (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, not {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, not {value}")
+    if value != 0.0 and abs(value) < _FLOAT32_TINY:
+        raise ValueError(f"{name} must be 0 or at least {_FLOAT32_TINY:g} in size (a subnormal float), not {value!r}")
+    return value
+
+
+def _in_range(name: str, value: float, low: float, high: float, extra: str = "") -> None:
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be {extra}in [{low:g}, {high:g}], not {value!r}")
+
+
+def _token_ids(name: str, value: Any) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"{name} must be a sequence of token ids, not {type(value).__name__} {value!r}")
+    return tuple(_integer(f"{name}[{i}]", t, low=0) for i, t in enumerate(value))
 
 
 @dataclass(frozen=True)
@@ -26,21 +88,35 @@ class GenerateConfig:
     cancel: threading.Event | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, not {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, not {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, not {self.top_k}")
-        if not 0.0 <= self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in [0, 1], not {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], not {self.min_p}")
-        if self.repeat_penalty <= 0:
-            raise ValueError(f"repeat_penalty must be > 0, not {self.repeat_penalty}")
-        if self.timeout is not None and self.timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, not {self.timeout}")
-        object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
+        put = object.__setattr__
+        put(self, "max_tokens", _integer("max_tokens", self.max_tokens, low=0))
+        put(self, "top_k", _integer("top_k", self.top_k, low=0))
+        temperature = _real("temperature", self.temperature)
+        if temperature != 0.0:
+            _in_range("temperature", temperature, MIN_TEMPERATURE, MAX_TEMPERATURE, "0 (greedy) or ")
+        put(self, "temperature", temperature)
+        for name in ("top_p", "min_p"):
+            value = _real(name, getattr(self, name))
+            _in_range(name, value, 0.0, 1.0)
+            put(self, name, value)
+        penalty = _real("repeat_penalty", self.repeat_penalty)
+        _in_range("repeat_penalty", penalty, MIN_REPEAT_PENALTY, MAX_REPEAT_PENALTY)
+        put(self, "repeat_penalty", penalty)
+        put(self, "stop_tokens", _token_ids("stop_tokens", self.stop_tokens))
+        if not isinstance(self.return_logits, bool):
+            raise TypeError(f"return_logits must be a bool, not {type(self.return_logits).__name__}")
+        if self.seed is not None:
+            put(self, "seed", _integer("seed", self.seed, low=0, high=SEED_LIMIT))
+        if self.timeout is not None:
+            timeout = _real("timeout", self.timeout)
+            # threading's waits refuse longer timeouts; a timeout that never fires is None.
+            if not 0.0 < timeout <= threading.TIMEOUT_MAX:
+                raise ValueError(f"timeout must be > 0 and at most {threading.TIMEOUT_MAX:g} seconds "
+                                 f"(None for no timeout), not {timeout!r}")
+            put(self, "timeout", timeout)
+        if self.cancel is not None and not (isinstance(self.cancel, CancelEvent) and callable(self.cancel.is_set)):
+            raise TypeError(f"cancel must be a threading.Event (or have an is_set() method), "
+                            f"not {type(self.cancel).__name__} {self.cancel!r}")
 
 
 @dataclass(frozen=True)
@@ -58,13 +134,18 @@ class LoadConfig:
     prompt_cache_bytes: int = 2 << 30
 
     def __post_init__(self) -> None:
-        if self.context_len <= 0:
-            raise ValueError(f"context_len must be > 0, not {self.context_len}")
-        if self.parallel_slots < 1:
-            raise ValueError(f"parallel_slots must be >= 1, not {self.parallel_slots}")
-        if self.prompt_cache_entries < 0 or self.prompt_cache_bytes < 0:
-            raise ValueError(f"prompt_cache_entries and prompt_cache_bytes must be >= 0, not "
-                             f"{self.prompt_cache_entries} and {self.prompt_cache_bytes}")
+        put = object.__setattr__
+        if self.backend is not None and not isinstance(self.backend, str):
+            raise TypeError(f"backend must be a str or None, not {type(self.backend).__name__}")
+        if self.adapter_path is not None:
+            if not isinstance(self.adapter_path, (str, os.PathLike)):
+                raise TypeError(f"adapter_path must be a path or None, not {type(self.adapter_path).__name__}")
+            put(self, "adapter_path", os.fspath(self.adapter_path))
+        put(self, "context_len", _integer("context_len", self.context_len, low=1))
+        put(self, "parallel_slots", _integer("parallel_slots", self.parallel_slots, low=1))
+        put(self, "gpu_layers", _integer("gpu_layers", self.gpu_layers, low=-1))
+        put(self, "prompt_cache_entries", _integer("prompt_cache_entries", self.prompt_cache_entries, low=0))
+        put(self, "prompt_cache_bytes", _integer("prompt_cache_bytes", self.prompt_cache_bytes, low=0))
 
 
 def make_config(cls: type[T], base: T | None = None, **options: Any) -> T:

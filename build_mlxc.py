@@ -5,7 +5,7 @@ Run by `pip install` (the setuptools hook in setup.py) and runnable alone:
 
     python build_mlxc.py [--source PATH] [--force] [--output DIR]
 
-Steps: find the pinned mlx-c source (--source, the user cache, else the upstream archive), verify its
+Steps: check that the installed MLX is the release pyproject.toml pins, find the pinned mlx-c source (--source, the user cache, else the upstream archive), verify its
 tree digest, apply the MLX 0.32 compatibility edits, build a shared libmlxc with CMake against the
 `mlx` wheel's CMake config, then preprocess the installed headers with stand-in libc headers into a
 cdef that `pymlxc.core._loader` hands to `ffi.cdef`, plus a JSON of every function's parameter names.
@@ -23,14 +23,16 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import tomllib
 import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 PIN_FILE = ROOT / "third_party" / "mlx-c.json"
+PYPROJECT = ROOT / "pyproject.toml"
 DEFAULT_OUTPUT = ROOT / "pymlxc" / "_lib"
 STAMP_NAME = "stamp.json"
-REBUILD_COMMAND = "python build_mlxc.py --force  (or: pip install --no-build-isolation -e .)"
+REBUILD_COMMAND = "python build_mlxc.py --force  (or: pip install -e .)"
 
 
 class BuildError(RuntimeError):
@@ -151,6 +153,57 @@ def store_in_cache(pin: dict, tree: Path) -> None:
 
 # ----------------------------------------------------------------------------- MLX and patches
 
+def mlx_pins(pyproject: Path = PYPROJECT) -> dict[str, str]:
+    """{requirement, with where it stands: version} for every requirement on `mlx` in pyproject.toml.
+
+    Each must be an exact `==` pin: libmlxc is built against the build environment's MLX and is
+    refused at import by any other release, so a range would let pip pair it with the wrong one.
+    """
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    try:
+        data = tomllib.loads(pyproject.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise BuildError(f"cannot read the MLX pins from {pyproject}: {exc}") from exc
+    groups = {"[build-system] requires": data.get("build-system", {}).get("requires", []),
+              "[project] dependencies": data.get("project", {}).get("dependencies", [])}
+    for extra, reqs in data.get("project", {}).get("optional-dependencies", {}).items():
+        groups[f"[project.optional-dependencies] {extra}"] = reqs
+    pins: dict[str, str] = {}
+    for where, reqs in groups.items():
+        for text in reqs:
+            try:
+                req = Requirement(text)
+            except InvalidRequirement as exc:
+                raise BuildError(f"{pyproject}: {where}: {exc}") from exc
+            if req.name.lower() != "mlx":
+                continue
+            specs = list(req.specifier)
+            if len(specs) != 1 or specs[0].operator != "==" or "*" in specs[0].version:
+                raise BuildError(f"{pyproject}: {where} requires {text!r}; MLX must be pinned exactly (mlx==X.Y.Z)")
+            pins[f"{where}: {text}"] = specs[0].version
+    return pins
+
+
+def pinned_mlx_version(pyproject: Path = PYPROJECT) -> str:
+    """The one MLX release pyproject.toml pins everywhere."""
+    pins = mlx_pins(pyproject)
+    versions = set(pins.values())
+    if len(versions) != 1:
+        listed = "; ".join(f"{where} -> {v}" for where, v in pins.items()) or "none"
+        raise BuildError(f"{pyproject} must pin one MLX release in every requirement on mlx; found: {listed}")
+    return versions.pop()
+
+
+def check_mlx_version(installed: str, pinned: str, prefix: Path) -> None:
+    if installed != pinned:
+        raise BuildError(
+            f"MLX {installed} is installed at {prefix}, but pymlxc is built and run with MLX {pinned} "
+            f"(pinned in {PYPROJECT.name}). Install it: pip install 'mlx[cpu]=={pinned}' (Linux CPU), "
+            f"'mlx[cuda13]=={pinned}' (CUDA) or 'mlx=={pinned}' (macOS); or let pip do it: pip install ."
+        )
+
+
 def find_mlx() -> tuple[Path, str]:
     """The installed mlx wheel's prefix (holding lib/, include/, share/cmake) and its version."""
     import importlib.metadata
@@ -159,8 +212,9 @@ def find_mlx() -> tuple[Path, str]:
     spec = importlib.util.find_spec("mlx")
     if spec is None or not spec.submodule_search_locations:
         raise BuildError(
-            "MLX is not installed in this Python. Install it first: "
-            "pip install 'mlx[cpu]>=0.32,<0.33' (Linux CPU), 'mlx[cuda13]>=0.32,<0.33' (CUDA) or 'mlx' (macOS)"
+            "MLX is not installed in this Python. Install pymlxc with pip's build isolation (pip install .), "
+            "which brings the pinned MLX, or install it first: pip install 'mlx[cpu]==X.Y.Z' (Linux CPU), "
+            "'mlx[cuda13]==X.Y.Z' (CUDA) or 'mlx==X.Y.Z' (macOS), X.Y.Z as pinned in pyproject.toml"
         )
     prefix = Path(list(spec.submodule_search_locations)[0])
     if not (prefix / "share" / "cmake" / "MLX" / "MLXConfig.cmake").is_file():
@@ -373,6 +427,8 @@ def is_current(output: Path, pin: dict, mlx_version: str) -> bool:
 def build(source: Path | None = None, force: bool = False, output: Path = DEFAULT_OUTPUT) -> Path:
     pin = load_pin()
     mlx_prefix, mlx_version = find_mlx()
+    if PYPROJECT.is_file():  # a source tree or an sdist (an installed copy of this file has no pins)
+        check_mlx_version(mlx_version, pinned_mlx_version(), mlx_prefix)
     output.mkdir(parents=True, exist_ok=True)
     if not force and source is None and is_current(output, pin, mlx_version):
         print(f"[build_mlxc] {output} is current (MLX {mlx_version}, mlx-c {pin['commit'][:10]})", file=sys.stderr)

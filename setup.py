@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 from setuptools import find_packages, setup
+from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_py import build_py
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -13,17 +14,31 @@ import build_mlxc  # noqa: E402
 
 class BuildPyWithMlxc(build_py):
     def run(self) -> None:
-        # Editable installs import from the source tree, so the library goes there; a regular
-        # install puts it in the wheel being built.
-        if getattr(self, "editable_mode", False):
-            target = build_mlxc.DEFAULT_OUTPUT
-        else:
-            target = Path(self.build_lib) / "pymlxc" / "_lib"
         try:
-            build_mlxc.build(output=target)
+            if getattr(self, "editable_mode", False):
+                # Editable installs import from the source tree, so the library goes there (kept
+                # when its stamp already matches this MLX).
+                build_mlxc.build(output=build_mlxc.DEFAULT_OUTPUT)
+                super().run()
+            else:
+                # A wheel gets a library built now against the build environment's MLX; built after
+                # the package data is copied, so a source tree's own pymlxc/_lib never stands in.
+                super().run()
+                build_mlxc.build(output=Path(self.build_lib) / "pymlxc" / "_lib", force=True)
         except build_mlxc.BuildError as exc:
             raise SystemExit(f"build_mlxc: error: {exc}") from exc
-        super().run()
+
+
+class PlatformWheel(bdist_wheel):
+    """The wheel carries libmlxc, so it is tagged for this platform; cffi's ABI mode needs no
+    particular Python, hence py3-none-<platform>."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        self.root_is_pure = False
+
+    def get_tag(self) -> tuple[str, str, str]:
+        return ("py3", "none", super().get_tag()[2])
 
 
 def _packages() -> tuple[list[str], dict[str, str]]:
@@ -40,4 +55,4 @@ def _packages() -> tuple[list[str], dict[str, str]]:
 
 
 PACKAGES, PACKAGE_DIR = _packages()
-setup(cmdclass={"build_py": BuildPyWithMlxc}, packages=PACKAGES, package_dir=PACKAGE_DIR)
+setup(cmdclass={"build_py": BuildPyWithMlxc, "bdist_wheel": PlatformWheel}, packages=PACKAGES, package_dir=PACKAGE_DIR)

@@ -154,7 +154,8 @@ class Encoder:
 class SupportsTraining(Protocol):
     """What `pymlxc.train` needs beyond `TrainableModel`: logits for a [B, L] token array (through
     the current adapter weights), the encoder for records, gradient checkpointing of the blocks, the
-    device scope to train in, and the adapter currently applied."""
+    device scope to train in, the adapter currently applied, and its removal (a failed run takes
+    off the adapter it applied)."""
 
     def logits(self, inputs: Array) -> Array: ...
 
@@ -166,3 +167,5 @@ class SupportsTraining(Protocol):
 
     @property
     def adapter(self) -> LoRAAdapter | None: ...
+
+    def remove_adapter(self) -> None: ...

@@ -129,13 +129,25 @@ class Trainer:
         self._value_and_grad = mx.value_and_grad(loss_fn)
 
     def step(self, batch: Batch) -> float:
-        """One optimizer step on `batch`; returns its loss."""
-        self.adapter.reseed_dropout(_dropout_seed(self.config.seed, self.optimizer.step + 1))
+        """One optimizer step on `batch`; returns its loss. A non-finite loss or update raises
+        FloatingPointError naming the step, and the adapter keeps the weights it had before it."""
+        step = self.optimizer.step + 1
+        self.adapter.reseed_dropout(_dropout_seed(self.config.seed, step))
         (loss, _), grads = self._value_and_grad(self.params, batch.inputs, batch.targets, batch.mask)
-        self.params = self.optimizer.update(self.params, grads)
+        before = self.params
+        params = self.optimizer.update(self.params, grads)
+        # One flag for every updated weight: an overflow in the update with a finite loss would
+        # otherwise only show as NaN outputs later.
+        finite = mx.all(mx.stack([mx.all(mx.isfinite(p)) for p in params.values()]))
+        mx.eval([loss, finite, *params.values(), *self.optimizer.state_arrays()])
+        value = float(loss.item())
+        if not math.isfinite(value) or not bool(finite.item()):
+            self.adapter.update(before)
+            what = f"the loss is {value}" if not math.isfinite(value) else "the update made non-finite weights"
+            raise FloatingPointError(f"{what} at step {step}; lower the learning rate or set max_grad_norm")
+        self.params = params
         self.adapter.update(self.params)
-        mx.eval([loss, *self.params.values(), *self.optimizer.state_arrays()])
-        return float(loss.item())
+        return value
 
     def evaluate(self, examples: Sequence[Example], num_batches: int = -1) -> float:
         """Mean loss per trained token over `num_batches` batches (-1: all) of `examples`."""
@@ -230,12 +242,29 @@ def _train(model: Any, data: str | Path, adapter_path: str | Path, lora: LoRACon
         raise ValueError(f"{data}: every training token is masked out (mask_prompt with empty completions?)")
 
     adapter = model.adapter
-    if adapter is None:
+    applied = adapter is None
+    weights_before = {} if applied else dict(adapter.trainable_parameters())
+    if applied:
         if resume_state is not None:
             lora = LoRAConfig(**{**resume_state["lora"], "target_keys": tuple(resume_state["lora"]["target_keys"])})
         adapter = model.apply_lora(lora or LoRAConfig(), seed=config.seed)
-    lora_config: LoRAConfig = adapter.config
+    try:
+        return _run(model, data, adapter, adapter_dir, resume_state, train_set, valid_set, config, callback)
+    except BaseException:
+        # A failed run leaves the model as it was before the call: the adapter made here is removed,
+        # an adapter it already had gets its weights back (arrays are immutable: these are they).
+        if applied:
+            model.remove_adapter()
+        else:
+            adapter.update(weights_before)
+            mx.eval(list(weights_before.values()))
+        raise
 
+
+def _run(model: Any, data: str | Path, adapter: Any, adapter_dir: Path, resume_state: dict[str, Any] | None,
+         train_set: list[Example], valid_set: list[Example], config: TrainConfig,
+         callback: Callable[[TrainReport], None] | None) -> TrainResult:
+    lora_config: LoRAConfig = adapter.config
     trainer = Trainer(model, config, adapter)
     start = 0
     history: dict[str, Any] = {"train_losses": [], "val_losses": []}
@@ -269,13 +298,10 @@ def _train(model: Any, data: str | Path, adapter_path: str | Path, lora: LoRACon
         for step in range(start + 1, config.iters + 1):
             _, batch = next(batches)
             t0 = time.perf_counter()
-            loss = trainer.step(batch)
+            loss = trainer.step(batch)  # raises at the first non-finite loss
             step_seconds = time.perf_counter() - t0  # tokens/s counts training steps only
             window_seconds += step_seconds
             train_seconds += step_seconds
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"the loss is {loss} at step {step}; lower the learning rate "
-                                         "or set max_grad_norm")
             result.step_losses.append(loss)
             window_loss += loss
             window_tokens += batch.ntokens

@@ -1,11 +1,12 @@
 """`discover(root)`: find model directories (safetensors or GGUF) under a folder."""
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from .files import check_regular_file, read_json
 
 
 @dataclass(frozen=True)
@@ -22,14 +23,14 @@ def _safetensors_model(path: Path, files: list[str]) -> DiscoveredModel | None:
     weights = [f for f in files if f.endswith(".safetensors") and not f.startswith("adapter")]
     if "config.json" not in files or not weights:
         return None
-    config = json.loads((path / "config.json").read_text())
-    if not isinstance(config, dict):
-        return None
+    # Bounded, regular files only: a FIFO or a link to /dev/zero named config.json is skipped.
+    config = read_json(path / "config.json", what="config file")
     quant = config.get("quantization") or config.get("quantization_config") or {}
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    model_type = config.get("model_type") or text.get("model_type")
     return DiscoveredModel(
         path=path,
-        model_type=config.get("model_type") or text.get("model_type"),
+        model_type=model_type if isinstance(model_type, str) else None,
         quant_bits=int(quant.get("bits", 0) or 0) if isinstance(quant, dict) else 0,
         quant_group=int(quant.get("group_size", 0) or 0) if isinstance(quant, dict) else 0,
         num_files=len(weights),
@@ -41,6 +42,7 @@ def _gguf_model(path: Path, files: list[str]) -> DiscoveredModel | None:
     ggufs = sorted(f for f in files if f.endswith(".gguf") and not f.lower().startswith("mmproj"))  # not projectors
     if not ggufs:
         return None
+    check_regular_file(path / ggufs[0], what="GGUF file")  # its reader opens it by name
     try:
         from .backends.metal.gguf import describe_gguf  # type: ignore[import-not-found]
 
@@ -51,7 +53,9 @@ def _gguf_model(path: Path, files: list[str]) -> DiscoveredModel | None:
 
 
 def discover(root: str | os.PathLike[str]) -> Iterator[DiscoveredModel]:
-    """Yield each model directory under `root` (itself included). Unreadable entries are skipped."""
+    """Yield each model directory under `root` (itself included). Unreadable entries are skipped:
+    files that cannot be read, are not regular files (FIFOs, devices) or are too large to be what
+    they are named, and malformed ones."""
     root = Path(root)
     for dirpath, dirnames, filenames in os.walk(root, onerror=lambda _e: None):
         dirnames.sort()
@@ -59,7 +63,7 @@ def discover(root: str | os.PathLike[str]) -> Iterator[DiscoveredModel]:
         for probe in (_safetensors_model, _gguf_model):
             try:
                 found = probe(path, filenames)
-            except (OSError, ValueError, TypeError, KeyError):
+            except (OSError, ValueError, TypeError, KeyError, OverflowError):
                 continue  # unreadable or malformed: not fatal
             if found is not None:
                 yield found

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pymlxc.options import LoadConfig
@@ -49,6 +50,8 @@ class MetalBackend:
 
 
 def _load(path: str, config: LoadConfig, progress: Progress | None) -> "MetalTextModel":
+    from pymlxc.files import check_regular_file
+
     from .loader import gguf_file_of, load_weights_and_config
     from .textmodel import MetalTextModel
     from .tokenizer import Tokenizer
@@ -57,11 +60,15 @@ def _load(path: str, config: LoadConfig, progress: Progress | None) -> "MetalTex
     if gguf_file is not None:  # tokenizer and weights from one GGUF file (see gguf.py)
         from .gguf import load_gguf_model
 
+        check_regular_file(gguf_file, what="GGUF file")  # no FIFO or device handed to the reader
         tokenizer, loaded = load_gguf_model(gguf_file, context_len=config.context_len, progress=progress)
+        source = str(gguf_file)
     else:
         tokenizer = Tokenizer(path)  # first: a missing tokenizer fails before gigabytes are read
         loaded = load_weights_and_config(path, context_len=config.context_len, progress=progress)
+        source = str(Path(path) / "tokenizer.json")
     try:
+        check_vocab(tokenizer, loaded.model.args, source)
         model = MetalTextModel(loaded.model, tokenizer, model_type=loaded.model_type, info=_model_info(loaded),
                                release=loaded.free, config=config, stop_ids=_config_eos_ids(loaded.config))
     except BaseException:
@@ -74,6 +81,37 @@ def _load(path: str, config: LoadConfig, progress: Progress | None) -> "MetalTex
             model.close()
             raise
     return model
+
+
+def embedding_rows(args: Any) -> int:
+    """How many token ids the model can embed: `vocab_size`, or fewer when a second table (Gemma 4's
+    per-layer input embeddings) is smaller."""
+    rows = int(args.vocab_size)
+    if getattr(args, "hidden_size_per_layer_input", 0) and getattr(args, "vocab_size_per_layer_input", None):
+        rows = min(rows, int(args.vocab_size_per_layer_input))
+    return rows
+
+
+def check_vocab(tokenizer: Any, args: Any, source: str) -> None:
+    """The tokenizer's ids against the model's embedding rows. Ordinary text encoding to ids the
+    model has no row for means tokenizer and weights do not belong together: an error. Added tokens
+    past the rows (a `<pad>` appended by a fine-tuning tool, say) are common and harmless as long as
+    those ids never reach the model, which the per-call id check of the model refuses: a warning."""
+    from .tokenizer import TokenizerLoadError
+
+    rows = embedding_rows(args)
+    backend = tokenizer.backend
+    added = backend.get_added_tokens_decoder()
+    base_max = max((i for i in backend.get_vocab(with_added_tokens=False).values() if i not in added), default=-1)
+    if base_max >= rows:
+        raise TokenizerLoadError(f"{source}: the tokenizer's vocabulary has ids up to {base_max}, but the model "
+                                 f"embeds only {rows} (config vocab_size): the tokenizer is not this model's")
+    beyond = sorted(i for i in added if i >= rows)
+    if beyond:
+        names = ", ".join(f"{added[i].content!r} ({i})" for i in beyond[:5]) + (" ..." if len(beyond) > 5 else "")
+        warnings.warn(f"{source}: {len(beyond)} added token{'s' if len(beyond) > 1 else ''} past the model's "
+                      f"{rows} embedding rows: {names}; a prompt that contains "
+                      f"{'them' if len(beyond) > 1 else 'it'} cannot be run", UserWarning, stacklevel=3)
 
 
 def _model_info(loaded: Any) -> "ModelInfo":

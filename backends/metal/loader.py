@@ -10,7 +10,6 @@ weight at once.
 """
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -19,15 +18,17 @@ from typing import Any
 
 import pymlxc.core as mx
 from pymlxc.core import Array, MLXError
+from pymlxc.files import check_regular_file, read_json
 
 from . import matvec, nn
+from .config_check import ConfigError, check_against_tensors
 from .models import UnsupportedModelError, get_model_module, infer_model_type
-from .models.base import ConfigError
 from .switch import QuantizedSwitchLinear
 
 Progress = Callable[[int, int], None]
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+SUPPORTED_GROUP_SIZES = (32, 64, 128)  # those MLX's affine quantization takes
 _EVAL_CHUNK_BYTES = 256 << 20  # weights evaluated per batch: enough to keep the reader busy
 _ADAPTER_FILES = ("adapters.safetensors", "adapter_model.safetensors")
 
@@ -83,15 +84,17 @@ def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not root.is_dir():
         raise FileNotFoundError(f"model directory not found: {root}")
     file = root / "config.json"
-    if not file.is_file():
+    if not file.exists():
         raise FileNotFoundError(f"config.json not found in {root} (expected {file})")
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{file}: not valid JSON: {exc}") from exc
-    if not isinstance(config, dict):
-        raise ConfigError(f"{file}: expected a JSON object, got {type(config).__name__}")
-    return config
+    return read_json(file, what="config file", error=ConfigError)
+
+
+def _check_quant_entry(entry: Mapping[str, Any], field: str, file: Path) -> None:
+    """bits and group_size of a `quantization` entry, when given, are values MLX can unpack."""
+    for key, allowed in (("bits", SUPPORTED_BITS), ("group_size", SUPPORTED_GROUP_SIZES)):
+        value = entry.get(key)
+        if value is not None and (isinstance(value, bool) or value not in allowed):
+            raise ConfigError(f"{file}: {field}.{key}: expected one of {', '.join(map(str, allowed))}, got {value!r}")
 
 
 def _quantization_of(config: Mapping[str, Any], file: Path) -> dict[str, Any] | None:
@@ -102,7 +105,7 @@ def _quantization_of(config: Mapping[str, Any], file: Path) -> dict[str, Any] | 
         q = config.get("quantization_config")
         if q is None and isinstance(config.get("text_config"), Mapping):
             q = config["text_config"].get("quantization")
-        if q is not None and ("quant_method" in q and "bits" not in q):
+        if q is not None and isinstance(q, Mapping) and ("quant_method" in q and "bits" not in q):
             raise ConfigError(f"{file}: quantization method {q.get('quant_method')!r} is not supported "
                               "(only MLX affine quantization: 'bits' and 'group_size')")
     if q is None:
@@ -112,6 +115,10 @@ def _quantization_of(config: Mapping[str, Any], file: Path) -> dict[str, Any] | 
     mode = q.get("mode", "affine")
     if mode != "affine":
         raise ConfigError(f"{file}: quantization mode {mode!r} is not supported (only 'affine')")
+    _check_quant_entry(q, "quantization", file)
+    for key, entry in q.items():  # per-module overrides: {"model.layers.0.mlp.up_proj": {"bits": 8, ...}}
+        if isinstance(entry, Mapping):
+            _check_quant_entry(entry, f"quantization.{key}", file)
     return dict(q)
 
 
@@ -122,15 +129,13 @@ def weight_files(root: Path) -> list[Path]:
     `model*.safetensors`, else every `*.safetensors` but LoRA adapter files. (Repositories such as
     Mistral's also hold the same weights in another layout, `consolidated.safetensors`.)"""
     index = root / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
-            raise WeightsFileError(f"{index}: not a safetensors index (no 'weight_map' of tensor -> file): {exc}") from exc
-        files = [root / n for n in names]
+    if index.exists():
+        weight_map = read_json(index, what="safetensors index", error=WeightsFileError).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise WeightsFileError(f"{index}: not a safetensors index (no 'weight_map' of tensor -> file name)")
+        files = [root / _shard_name(n, index) for n in sorted(set(weight_map.values()))]
         for f in files:
-            if not f.is_file():
+            if not f.exists():
                 raise WeightsFileError(f"weights file {f} listed in {index} is missing")
         return files
     files = sorted(root.glob("model*.safetensors"))
@@ -141,10 +146,22 @@ def weight_files(root: Path) -> list[Path]:
     return files
 
 
+def _shard_name(name: str, index: Path) -> str:
+    """A file name of the index's weight_map, refused unless it names a file inside the model
+    directory: no absolute path, no `..` (links the directory itself holds are followed, as the
+    Hugging Face cache needs)."""
+    parts = name.replace("\\", "/").split("/")
+    if not name or name.startswith(("/", "\\")) or ".." in parts or "" in parts or (len(name) > 1 and name[1] == ":"):
+        raise WeightsFileError(f"{index}: weight_map names {name!r}, which is not a file inside the model "
+                               "directory (absolute paths and '..' are refused)")
+    return name
+
+
 def _read_shards(files: list[Path]) -> tuple[dict[str, Array], dict[str, Path]]:
     weights: dict[str, Array] = {}
     origin: dict[str, Path] = {}
     for f in files:
+        check_regular_file(f, what="weights file")  # MLX opens it by name: no FIFO, no device
         try:
             arrays, _ = mx.load_safetensors(f)
         except MLXError as exc:
@@ -201,6 +218,23 @@ def _quant_params(path: str, module: nn.Module, weights: Mapping[str, Array], de
         raise nn.WeightsError(f"tensor {path}.weight: cannot read its quantization (packed shape {packed.shape}, "
                               f"scales shape {scales.shape}, {in_dims} inputs)")
     return {"group_size": group_size, "bits": bits}
+
+
+def _check_dtypes(params: Mapping[str, Array], weights: Mapping[str, Array], origin: Mapping[str, Path]) -> None:
+    """Each tensor has the kind of dtype its parameter computes with: floating point for weights,
+    norms and scales, the packed integer type for quantized weights. (A float tensor declared I32
+    would otherwise load and compute garbage.)"""
+    for name, value in weights.items():
+        want = params.get(name)
+        if want is None:
+            continue  # unexpected tensors are named by load_weights
+        got_dt, want_dt = value.dtype, want.dtype
+        if (got_dt.is_floating if want_dt.is_floating else got_dt == want_dt):
+            continue
+        src = origin.get(name)
+        need = "a floating-point dtype" if want_dt.is_floating else want_dt.name
+        raise WeightsFileError(f"tensor {name!r}" + (f" in {src}" if src else "")
+                               + f" is stored as {got_dt.name}; the model needs {need}")
 
 
 def _evaluate(params: dict[str, Array], origin: Mapping[str, Path], progress: Progress | None) -> int:
@@ -272,6 +306,7 @@ def _load(root: Path, context_len: int, progress: Progress | None) -> LoadedMode
     if gguf_file is not None:
         from .gguf import load_gguf_weights
 
+        check_regular_file(gguf_file, what="GGUF file")
         return load_gguf_weights(gguf_file, context_len=context_len, progress=progress)
     config = read_config(root)
     files = weight_files(root)
@@ -291,9 +326,11 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
     module = get_model_module(model_type, (canonical_name(k) for k in raw))
     try:
         args = module.ModelArgs.from_dict(config)
+        # Before a model of the config's size is allocated: does the checkpoint have that size?
+        check_against_tensors(args, {canonical_name(k): v.shape for k, v in raw.items()})
     except ConfigError as exc:
         raise ConfigError(f"{file}: {exc}") from exc
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
         raise ConfigError(f"{file}: cannot read the {model_type} config: {exc}") from exc
     try:
         model = module.Model(args)
@@ -323,7 +360,11 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
             first = next(m for _, m in model.named_modules()
                          if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)))
             quant = {"group_size": first.group_size, "bits": first.bits}
+        if quant is not None and not quantized:
+            raise ConfigError(f"{file}: quantization: {quant.get('bits')}-bit weights declared, but the checkpoint's "
+                              "tensors are not quantized (no *.scales)")
 
+    _check_dtypes(model.parameters(), weights, origin)
     model.load_weights(weights, strict=True)
     del weights
     params, constants = model.parameters_and_constants()

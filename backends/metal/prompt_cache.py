@@ -285,10 +285,42 @@ def save_entries(path: str | os.PathLike[str], entries: Sequence[Entry], identit
     return len(described)
 
 
+@dataclass(frozen=True)
+class TensorSpec:
+    """What one layer cache's keys or values must be, but for their length: [batch, heads, length, dim]."""
+
+    batch: int
+    heads: int
+    dim: int
+    dtype: Any
+
+    def check(self, a: Array, what: str) -> None:
+        if a.ndim != 4 or (a.shape[0], a.shape[1], a.shape[3]) != (self.batch, self.heads, self.dim):
+            raise PromptCacheError(f"{what} has shape {tuple(a.shape)}; this model's are "
+                                   f"({self.batch}, {self.heads}, length, {self.dim}) (batch, heads, length, head_dim)")
+        if a.dtype != self.dtype:
+            raise PromptCacheError(f"{what} is {_dtype_name(a)}; this model's are {str(self.dtype).rsplit('.', 1)[-1]}")
+
+
+def cache_specs(model: Any, caches: Sequence[Any]) -> list[tuple[TensorSpec, TensorSpec]]:
+    """The keys' and values' spec of each of `caches` (fresh, from `model.make_cache`; they are
+    used up): the model itself writes one token into them, so every architecture's head counts,
+    head dims (per layer where they differ) and cache dtype come out as generation makes them."""
+    model(mx.array([[0]], dtype=mx.int32), cache=list(caches))
+    mx.eval([a for c in caches for a in c.state])
+    specs = []
+    for c in caches:
+        keys, values = c.state
+        specs.append((TensorSpec(1, keys.shape[1], keys.shape[3], keys.dtype),
+                      TensorSpec(1, values.shape[1], values.shape[3], values.dtype)))
+    return specs
+
+
 def load_entries(path: str | os.PathLike[str], identity: dict[str, str], layout: Sequence[Any],
-                 vocab_size: int) -> list[tuple[np.ndarray, list[Any]]]:
+                 vocab_size: int, *, model: Any) -> list[tuple[np.ndarray, list[Any]]]:
     """The entries of the file at `path` as (tokens, caches), oldest first, after checking that the
-    file was made by the model `identity` names with caches like `layout` (a fresh cache list)."""
+    file was made by the model `identity` names with caches like `layout` (a fresh cache list, used
+    up here), and that every tensor has the batch, heads, head_dim and dtype `model` writes."""
     where = os.fspath(path)
     try:
         arrays, metadata = mx.load_safetensors(where)
@@ -306,9 +338,12 @@ def load_entries(path: str | os.PathLike[str], identity: dict[str, str], layout:
         raise PromptCacheError(f"{where}: the prompt cache was made by another {identity['model_type']} model "
                                "(its config or weights differ from this one's)")
     expected = [_layout(c) for c in layout]
+    specs = cache_specs(model, layout)
     try:
         described = json.loads(metadata["entries"])
-        return [_entry(arrays, i, d, expected, vocab_size) for i, d in enumerate(described)]
+        if not isinstance(described, list):
+            raise TypeError(f"entries is a {type(described).__name__}, not a list")
+        return [_entry(arrays, i, d, expected, specs, vocab_size) for i, d in enumerate(described)]
     except PromptCacheError as exc:
         raise PromptCacheError(f"{where}: {exc}") from None
     except (KeyError, TypeError, ValueError) as exc:
@@ -316,7 +351,7 @@ def load_entries(path: str | os.PathLike[str], identity: dict[str, str], layout:
 
 
 def _entry(arrays: dict[str, Array], i: int, described: dict[str, Any], expected: list[dict[str, Any]],
-           vocab_size: int) -> tuple[np.ndarray, list[Any]]:
+           specs: list[tuple[TensorSpec, TensorSpec]], vocab_size: int) -> tuple[np.ndarray, list[Any]]:
     tokens = np.asarray(described["tokens"], dtype=np.int64)
     if tokens.ndim != 1 or not len(tokens) or tokens.min() < 0 or tokens.max() >= vocab_size:
         raise PromptCacheError(f"entry {i}: token ids missing or outside the vocabulary of {vocab_size}")
@@ -329,7 +364,9 @@ def _entry(arrays: dict[str, Array], i: int, described: dict[str, Any], expected
     for j, layer in enumerate(layers):
         keys, values = arrays[f"{i}.{j}.keys"], arrays[f"{i}.{j}.values"]
         meta = tuple(int(v) for v in layer["meta"])
-        if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
+        specs[j][0].check(keys, f"entry {i} layer {j}: the keys tensor {i}.{j}.keys")
+        specs[j][1].check(values, f"entry {i} layer {j}: the values tensor {i}.{j}.values")
+        if keys.shape[2] != values.shape[2]:
             raise PromptCacheError(f"entry {i} layer {j}: keys {keys.shape} and values {values.shape} do not fit")
         if layer["kind"] == "KVCache":
             if meta != (len(tokens),) or keys.shape[2] != len(tokens):

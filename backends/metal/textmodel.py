@@ -263,7 +263,7 @@ class MetalTextModel(TrainableMixin):
         model = self._model
         with self._on_device():
             entries = pcache.load_entries(path, pcache.model_identity(model, self._model_type),
-                                          model.make_cache(self._context_len), self._info.vocab_size)
+                                          model.make_cache(self._context_len), self._info.vocab_size, model=model)
             if self.compiled_decode and compile_enabled():
                 self._decoder.prepare_weights()
             self._prompt_cache.check_weights(model.parameters().values())

@@ -16,6 +16,8 @@ from typing import Any
 import tokenizers
 from tokenizers import processors
 
+from pymlxc.files import TOKENIZER_LIMIT, read_json, read_text
+
 # The named special tokens, in the order transformers passes them to chat templates.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _REPLACEMENT = "\ufffd"
@@ -26,17 +28,12 @@ class TokenizerLoadError(ValueError):
 
 
 def _read_json(path: Path, *, required: bool) -> dict[str, Any] | None:
-    if not path.is_file():
+    # Through pymlxc.files: a FIFO or a device in the directory is refused, not read forever.
+    if not path.exists():
         if required:
             raise FileNotFoundError(f"tokenizer file not found: {path}")
         return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise TokenizerLoadError(f"{path}: not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise TokenizerLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    return read_json(path, what="tokenizer file", error=TokenizerLoadError)
 
 
 def _token_text(value: Any) -> str | None:
@@ -63,12 +60,23 @@ class Tokenizer:
 
     def __init__(self, model_dir: str | Path) -> None:
         root = Path(model_dir)
+        if not root.is_dir():
+            raise FileNotFoundError(f"model directory not found: {root}")
         tokenizer_file = root / "tokenizer.json"
+        if not tokenizer_file.exists():
+            raise FileNotFoundError(f"tokenizer file not found: {tokenizer_file}")
+        # Read here (a regular file of bounded size), parsed from the text: tokenizers' own
+        # from_file would block on a FIFO and read a device without end.
+        text = read_text(tokenizer_file, what="tokenizer file", max_bytes=TOKENIZER_LIMIT, error=TokenizerLoadError)
         try:
-            self._backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+            self._backend = tokenizers.Tokenizer.from_str(text)
         except Exception as exc:  # tokenizers raises a bare Exception; say what is wrong, naming the file
-            _read_json(tokenizer_file, required=True)  # raises for a missing file or bad JSON
+            try:
+                json.loads(text)
+            except (json.JSONDecodeError, RecursionError) as bad:
+                raise TokenizerLoadError(f"{tokenizer_file}: not valid JSON: {bad}") from exc
             raise TokenizerLoadError(f"{tokenizer_file}: not a valid tokenizers file: {exc}") from exc
+        del text
 
         tok_config = _read_json(root / "tokenizer_config.json", required=False) or {}
         special_map = _read_json(root / "special_tokens_map.json", required=False) or {}
@@ -129,8 +137,8 @@ class Tokenizer:
     def _template(root: Path | None, tok_config: Mapping[str, Any]) -> str | None:
         # Newer checkpoints keep the template in its own file, which then wins (as in transformers).
         jinja_file = root / "chat_template.jinja" if root is not None else None
-        if jinja_file is not None and jinja_file.is_file():
-            return jinja_file.read_text(encoding="utf-8") or None
+        if jinja_file is not None and jinja_file.exists():
+            return read_text(jinja_file, what="chat template", error=TokenizerLoadError) or None
         template_json = _read_json(root / "chat_template.json", required=False) if root is not None else None
         template = (template_json or tok_config).get("chat_template")
         if isinstance(template, list):
@@ -197,7 +205,17 @@ class Tokenizer:
 
     # -- encode / decode -----------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            # tokenizers says "TextInputSequence must be str" for a str it cannot take as UTF-8.
+            if isinstance(text, str):
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise ValueError(f"text is not valid Unicode: {exc.reason} at index {exc.start} "
+                                     f"({text[exc.start]!r})") from None
+            raise
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..files import check_regular_file
 from ._loader import MLXError, check, ffi, lib
 from .array import Array, asarray, new_handle, wrap
 from .device import cpu, default_stream
@@ -17,10 +18,9 @@ def _cpu_stream() -> Any:
 
 
 def _check_file(path: str | os.PathLike[str]) -> bytes:
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"no such file: {p}")
-    return str(p).encode()
+    # MLX opens the file itself: a FIFO or a device there would block or never end.
+    check_regular_file(path)
+    return str(Path(path)).encode()
 
 
 def _unpack_array_map(m: Any) -> dict[str, Array]:

@@ -350,3 +350,41 @@ def test_a_file_of_another_model_is_refused(models, dirs, tmp_path: Path) -> Non
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(PromptCacheError, match="cannot read"):
         m.load_prompt_cache(tmp_path / "junk.safetensors")
+
+
+def _tampered(arrays: dict[str, Any], name: str, how: str) -> Any:
+    a = arrays[name]
+    b, h, n, d = a.shape
+    if how == "head_dim":
+        return mx.zeros((b, h, n, 999), a.dtype)
+    if how == "heads":
+        return mx.zeros((b, 7, n, d), a.dtype)
+    if how == "batch":
+        return mx.zeros((3, h, n, d), a.dtype)
+    if how == "rank":
+        return mx.zeros((h, n, d), a.dtype)
+    return mx.astype(a, {"int8": mx.int8, "float16": mx.float16}[how])
+
+
+@pytest.mark.parametrize("case", ["llama", "gemma3"])
+@pytest.mark.parametrize("how", ["head_dim", "heads", "batch", "rank", "int8", "float16"])
+def test_a_tensor_unlike_the_models_is_refused_and_changes_nothing(models, dirs, tmp_path: Path, case: str,
+                                                                    how: str) -> None:
+    m, plain = models(case)
+    m.warm_prompt_cache(PREFIX)
+    good = tmp_path / "good.safetensors"
+    m.save_prompt_cache(good)
+    arrays, metadata = mx.load_safetensors(str(good))
+    layers = len(json.loads(metadata["entries"])[0]["layers"])
+    for name in ("0.0.keys", f"0.{layers - 1}.values"):
+        bad = tmp_path / f"bad-{how}.safetensors"
+        mx.save_safetensors(str(bad), {**arrays, name: _tampered(arrays, name, how)}, metadata)
+        with pymlxc.load_model(str(dirs[case]), backend="metal") as fresh:
+            fresh.warm_prompt_cache(OTHER)
+            before = fresh.prompt_cache.entries()
+            with pytest.raises(PromptCacheError, match=f"tensor {name}"):
+                fresh.load_prompt_cache(bad)
+            assert fresh.prompt_cache.entries() == before
+            assert fresh.load_prompt_cache(good) == 1  # the untouched file still loads
+            assert ids(fresh.generate(PREFIX + REST, max_tokens=8)) == ids(plain.generate(PREFIX + REST, max_tokens=8))
+            assert fresh.err() is None and fresh.metrics().prompt_cache_hits == 1

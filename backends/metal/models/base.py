@@ -15,6 +15,7 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 
 from .. import nn
+from ..config_check import ConfigError, check_args, check_params
 from ..cache import Cache, KVCache, Mask, RotatingKVCache, create_causal_mask, make_prompt_mask, CONTEXT_KEEP
 
 _sdpa = mx.fast.scaled_dot_product_attention
@@ -50,21 +51,22 @@ def layer_listener(fn: Any) -> Iterator[None]:
         _layer_listener.fn = previous
 
 
-class ConfigError(ValueError):
-    """config.json lacks a field the architecture needs, or holds an unusable value."""
-
-
 @dataclasses.dataclass
 class BaseModelArgs:
     @classmethod
-    def from_dict(cls: type[A], params: Mapping[str, Any]) -> A:
-        """Build from a HF config dict; unknown keys are ignored, missing required ones named."""
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        missing = [n for n, f in fields.items()
-                   if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and n not in params]
-        if missing:
-            raise ConfigError(f"config is missing required field{'s' if len(missing) > 1 else ''}: {', '.join(missing)}")
-        return cls(**{k: v for k, v in params.items() if k in fields})
+    def from_dict(cls: type[A], params: Mapping[str, Any], prefix: str = "") -> A:
+        """Build from a HF config dict: unknown keys are ignored, the others checked against their
+        annotations and ranges before use, then the resolved arguments as a whole (`config_check`).
+        `prefix` names where the fields sit in the file (`text_config.`) in errors."""
+        kwargs = check_params(cls, params, prefix)
+        try:
+            args = cls(**kwargs)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError, KeyError, AttributeError, ZeroDivisionError) as exc:
+            raise ConfigError(f"{prefix}config: unusable values: {type(exc).__name__}: {exc}") from exc
+        check_args(args, prefix)
+        return args
 
 
 # ---------------------------------------------------------------------- RoPE

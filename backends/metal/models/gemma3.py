@@ -47,15 +47,15 @@ class ModelArgs(BaseModelArgs):
     tie_word_embeddings: bool | None = None
 
     @classmethod
-    def from_dict(cls, params: Mapping[str, Any]) -> "ModelArgs":
+    def from_dict(cls, params: Mapping[str, Any], prefix: str = "") -> "ModelArgs":
         """Also takes the multimodal config: the text model's fields are under `text_config`."""
         if isinstance(params.get("text_config"), Mapping):
             text = dict(params["text_config"])
             if params.get("vocab_size") is not None:
                 text["vocab_size"] = params["vocab_size"]
             text.setdefault("model_type", "gemma3_text")
-            params = text
-        return super().from_dict(params)
+            params, prefix = text, prefix + "text_config."
+        return super().from_dict(params, prefix)
 
     def __post_init__(self) -> None:
         rp = self.rope_parameters

@@ -81,17 +81,19 @@ class ModelArgs(BaseModelArgs):
     tie_word_embeddings: bool = True
 
     @classmethod
-    def from_dict(cls, params: Mapping[str, Any]) -> "ModelArgs":
+    def from_dict(cls, params: Mapping[str, Any], prefix: str = "") -> "ModelArgs":
         """Also takes the multimodal `gemma4` config: the text model's fields are under `text_config`
         (with mlx-lm's fallbacks: the top-level vocab_size, 8 heads, 1 kv head)."""
         if params.get("model_type") == "gemma4" or isinstance(params.get("text_config"), Mapping):
+            if not isinstance(params.get("text_config") or {}, Mapping):
+                raise ConfigError(f"text_config: expected an object, got {type(params['text_config']).__name__}")
             text = dict(params.get("text_config") or {})
             text["vocab_size"] = params.get("vocab_size", text.get("vocab_size", 262144))
             text.setdefault("num_attention_heads", 8)
             text.setdefault("num_key_value_heads", 1)
             text.setdefault("model_type", "gemma4_text")
-            params = text
-        return super().from_dict(params)
+            params, prefix = text, prefix + "text_config."
+        return super().from_dict(params, prefix)
 
     def __post_init__(self) -> None:
         if self.rope_parameters is None:
@@ -99,11 +101,7 @@ class ModelArgs(BaseModelArgs):
         if self.layer_types is None:
             pattern = [SLIDING] * (self.sliding_window_pattern - 1) + [FULL]
             self.layer_types = (pattern * (self.num_hidden_layers // len(pattern) + 1))[: self.num_hidden_layers]
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
-        unknown = sorted(set(self.layer_types) - {SLIDING, FULL})
-        if unknown:
-            raise ConfigError(f"unsupported layer types {unknown} (supported: {SLIDING}, {FULL})")
+        # layer_types' length and values are checked with the other fields (config_check.check_args).
         if self.enable_moe_block and not (self.num_experts and self.top_k_experts and self.moe_intermediate_size):
             raise ConfigError("enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size")
 

@@ -104,9 +104,11 @@ def read_json(path: str | os.PathLike[str], *, what: str = "file", max_bytes: in
     """The JSON value of the regular file at `path` (an object unless `expect_object` is False).
     Invalid JSON, nesting deeper than the parser's recursion limit, and (with `expect_object`) a
     value that is not an object raise `error` naming the file."""
-    text = read_text(path, what=what, max_bytes=max_bytes, error=error)
+    data = read_bytes(path, what=what, max_bytes=max_bytes)
     try:
-        value = json.loads(text)
+        value = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: not valid JSON (not UTF-8): {exc}") from exc
     except json.JSONDecodeError as exc:
         raise error(f"{path}: not valid JSON: {exc}") from exc
     except RecursionError:

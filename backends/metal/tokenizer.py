@@ -72,9 +72,11 @@ class Tokenizer:
             self._backend = tokenizers.Tokenizer.from_str(text)
         except Exception as exc:  # tokenizers raises a bare Exception; say what is wrong, naming the file
             try:
-                json.loads(text)
+                value = json.loads(text)
             except (json.JSONDecodeError, RecursionError) as bad:
                 raise TokenizerLoadError(f"{tokenizer_file}: not valid JSON: {bad}") from exc
+            if not isinstance(value, dict):
+                raise TokenizerLoadError(f"{tokenizer_file}: expected a JSON object, got {type(value).__name__}") from exc
             raise TokenizerLoadError(f"{tokenizer_file}: not a valid tokenizers file: {exc}") from exc
         del text
 

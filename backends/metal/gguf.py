@@ -6,20 +6,15 @@ the architecture's hyperparameters (`<arch>.*` keys), the tokenizer (`tokenizer.
 turns it into what `loader.py` builds models from: an HF-style config dict and a weight dict under
 HF names, so every architecture file works unchanged.
 
-Reading is done in two passes, the first in Python, the second by MLX:
-1. `read_gguf` checks the whole structure with the `gguf` package's reader, with bounds checks of
-   its own (a string or array longer than the file, a tensor count the file cannot hold, tensor data
-   past the end), and the tensor types against those MLX can load. MLX's C++ reader trusts the file,
-   so it never sees one that fails here.
-2. `mx.load_gguf` reads the tensors. It hands Q4_0, Q4_1 and Q8_0 back already repacked in MLX's
-   affine format (packed uint32 `weight`, float16 `scales` and `biases`, 32 values per group), so
-   they stay quantized (`QuantizedLinear`, 4 or 8 bits, group 32). F32 and F16 come as they are;
-   BF16 (which MLX widens to float16) is taken bit-exact from the file instead.
+Reading is done in two passes, both in Python: `read_gguf` checks the whole structure with the
+`gguf` package's reader, with bounds checks of its own (a string or array longer than the file, a
+tensor count the file cannot hold, tensor data past the end) and the tensor types against those
+pymlxc loads; then `gguf_tensors.read_tensors` reads each tensor from the reader's read-only memory
+map and converts it (`gguf_quants.py`: which types are repacked into MLX's affine layout, bit-exact
+or with float16-rounded scales, and which are kept as llama.cpp's blocks). MLX's own GGUF reader is
+not used: it widens K-quants to float16 and maps the file for writing. `docs/gguf.md` has the table.
 
-Conventions of llama.cpp's converter that are undone here: Llama's q/k projection rows are permuted
-for interleaved RoPE (Qwen and Gemma use the rotate-half RoPE and are not permuted); Gemma's norm
-weights are stored as 1 + w; Llama 3's RoPE scaling is stored as a `rope_freqs` tensor of per-pair
-factors rather than as config values.
+Llama 3's RoPE scaling, stored as a `rope_freqs` tensor of per-pair factors, becomes config values.
 """
 from __future__ import annotations
 
@@ -41,8 +36,8 @@ try:
 except ImportError as exc:  # an optional dependency: pip install 'pymlxc[gguf]'
     raise ImportError("GGUF models need the `gguf` package: pip install 'pymlxc[gguf]' (or pip install gguf)") from exc
 
-import pymlxc.core as mx
-from pymlxc.core import Array, MLXError
+from .gguf_quants import AFFINE_BITS, GROUP, use_block_layers
+from .gguf_tensors import TensorError, hf_name, read_tensors
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)
@@ -51,41 +46,19 @@ MAX_ARRAY_LEN = 1 << 24  # metadata arrays: real vocabularies have a few hundred
 MAX_STRING_LEN = 1 << 28  # an embedded tokenizer.json is tens of MiB at most
 _MAX_DIM = (1 << 31) - 1  # MLX shapes are int32
 
-# Tensor types pymlxc loads: MLX copies F32 and F16, widens BF16 (whose exact values are then taken
-# from the file) and repacks the three legacy quantizations; any other type is refused before MLX.
+# Tensor types pymlxc loads (gguf_quants.py says how each is kept); any other is refused by name.
 DENSE_TYPES = (QType.F32, QType.F16, QType.BF16)
-QUANT_BITS = {QType.Q4_0: 4, QType.Q4_1: 4, QType.Q8_0: 8}
+QUANT_BITS = {**AFFINE_BITS, QType.Q2_K: 2, QType.Q3_K: 3, QType.Q6_K: 6}
 SUPPORTED_TYPES = DENSE_TYPES + tuple(QUANT_BITS)
-QUANT_GROUP = 32  # every legacy llama.cpp quantization works in blocks of 32
+QUANT_GROUP = GROUP  # the group of every repacked type
+# What to do with a file of another type (IQ*, TQ*, MXFP4, ...): every standard recipe loads.
+_RECIPES = ("re-quantize it with llama-quantize to Q4_K_M (or any of Q2_K, Q3_K_S/M/L, Q4_0, Q4_1, Q4_K_S/M, "
+            "Q5_0, Q5_1, Q5_K_S/M, Q6_K, Q8_0), or load the original safetensors")
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
-_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3_text"}
-
-# llama.cpp's tensor names -> HF module paths. `ffn_norm` is the pre-MLP norm everywhere, which
-# Llama and Qwen call post_attention_layernorm and Gemma pre_feedforward_layernorm.
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GEMMA_BLOCK_NAMES = {
-    **_BLOCK_NAMES,
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-_SUFFIXES = ("weight", "bias", "scales", "biases")
-_IGNORED = ("rope_freqs.weight",)  # folded into the config (Llama 3 RoPE scaling)
-
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3")
+_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
+               "gemma2": "gemma2", "gemma3": "gemma3_text"}
+_MOE = ("qwen2moe", "qwen3moe")
 
 class GGUFError(ValueError):
     """A GGUF file is malformed, or holds something pymlxc cannot load; the message names the file."""
@@ -237,8 +210,7 @@ def _check_tensors(path: Path, reader: GGUFReader, size: int, *, types: bool) ->
         raise GGUFError(
             f"{path}: {len(unsupported)} tensor{'s have types' if len(unsupported) > 1 else ' has a type'} pymlxc "
             f"cannot load: {', '.join(unsupported[:8])}{' ...' if len(unsupported) > 8 else ''}; supported: "
-            f"{', '.join(t.name for t in SUPPORTED_TYPES)} (re-quantize with llama-quantize --pure to Q8_0 or Q4_0, "
-            "or load the original safetensors)")
+            f"{', '.join(t.name for t in SUPPORTED_TYPES)}; {_RECIPES}")
 
 
 def read_gguf(path: str | os.PathLike[str], *, check_types: bool = True) -> GGUFReader:
@@ -366,7 +338,7 @@ def gguf_config(reader: GGUFReader) -> dict[str, Any]:
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "intermediate_size": _int(reader, key("feed_forward_length"), required=True),
+        "intermediate_size": _int(reader, key("feed_forward_length"), 0, required=arch not in _MOE),
         "vocab_size": vocab,
         "max_position_embeddings": context,
         "rms_norm_eps": _float(reader, key("attention.layer_norm_rms_epsilon"), 1e-5 if arch == "llama" else 1e-6),
@@ -377,8 +349,10 @@ def gguf_config(reader: GGUFReader) -> dict[str, Any]:
     rope_scaling = _rope_scaling(reader, arch, head_dim, config["rope_theta"])
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
-    if arch in ("llama", "qwen2"):
+    if arch in ("llama", "qwen2", "qwen2moe"):
         config["attention_bias"] = "blk.0.attn_q.bias" in shapes
+    if arch in _MOE:
+        config.update(_moe_config(reader, arch, config, shapes))
     if arch in ("gemma2", "gemma3"):
         config.update(_gemma_config(reader, arch, config))
     for name in ("bos_token_id", "eos_token_id"):
@@ -400,15 +374,59 @@ def _check_against_tensors(config: Mapping[str, Any], shapes: Mapping[str, tuple
         "token_embd.weight": (config["vocab_size"], hidden),
         "blk.0.attn_q.weight": (config["num_attention_heads"] * head_dim, hidden),
         "blk.0.attn_k.weight": (config["num_key_value_heads"] * head_dim, hidden),
-        "blk.0.ffn_up.weight": (config["intermediate_size"], hidden),
     }
+    dense = [n for n in shapes if n.startswith("blk.") and n.endswith(".ffn_up.weight")]
+    if dense or not config.get("num_experts"):  # a MoE file may have no dense MLP at all
+        expected[dense[0] if dense else "blk.0.ffn_up.weight"] = (config["intermediate_size"], hidden)
     for name, shape in expected.items():
         if shapes.get(name) != shape:
             raise GGUFError(f"tensor {name} has shape {shapes.get(name)}, but the metadata implies {shape}")
 
 
 _ARCH_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
                "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+
+
+def _moe_config(reader: GGUFReader, arch: str, base: Mapping[str, Any],
+                shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    """Experts from the `expert_*` keys, checked against the stacked tensors [E, ff, hidden]. Layers
+    without a router are dense (`mlp_only_layers`). llama.cpp renormalises the top-k weights for
+    qwen3moe and not for qwen2moe, unless `expert_weights_norm` says otherwise."""
+    def key(name: str) -> str:
+        return f"{arch}.{name}"
+
+    layers, hidden = base["num_hidden_layers"], base["hidden_size"]
+    experts = _int(reader, key("expert_count"), required=True)
+    used = _int(reader, key("expert_used_count"), required=True)
+    moe_layers = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in shapes]
+    if not experts or not used or not moe_layers:
+        raise GGUFError(f"{key('expert_count')} is {experts} and {key('expert_used_count')} {used}, "
+                        f"with routers in {len(moe_layers)} blocks: not a mixture-of-experts model")
+    first = moe_layers[0]
+    ff = shapes.get(f"blk.{first}.ffn_up_exps.weight")
+    if ff is None or len(ff) != 3:
+        raise GGUFError(f"tensor blk.{first}.ffn_up_exps.weight is missing or not stacked [experts, ff, hidden]")
+    ff_len = _int(reader, key("expert_feed_forward_length"), ff[1])
+    if ff != (experts, ff_len, hidden):
+        raise GGUFError(f"tensor blk.{first}.ffn_up_exps.weight has shape {ff}, but the metadata implies "
+                        f"{(experts, ff_len, hidden)}")
+    norm = metadata(reader, key("expert_weights_norm"))
+    out: dict[str, Any] = {
+        "num_experts": experts, "num_experts_per_tok": used, "moe_intermediate_size": ff_len, "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(layers) if i not in moe_layers],
+        "norm_topk_prob": bool(norm) if isinstance(norm, bool) else arch == "qwen3moe",
+    }
+    if arch == "qwen2moe":
+        shared = shapes.get(f"blk.{first}.ffn_up_shexp.weight")
+        out["shared_expert_intermediate_size"] = _int(reader, key("expert_shared_feed_forward_length"),
+                                                      shared[0] if shared else 0)
+        if not shared or shared != (out["shared_expert_intermediate_size"], hidden):
+            raise GGUFError(f"tensor blk.{first}.ffn_up_shexp.weight has shape {shared}, but the metadata implies "
+                            f"{(out['shared_expert_intermediate_size'], hidden)}")
+    return out
+
+
 # llama.cpp scales Gemma's queries by 1/sqrt(hidden / heads) in the 27B models and by
 # 1/sqrt(head_dim) in the others; the GGUF has no key for it. The 27B models are told by depth.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -528,80 +546,6 @@ def _llama3_factors(scaling: Mapping[str, float], wavelen: np.ndarray) -> np.nda
     return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, blend))
 
 
-# ---------------------------------------------------------------------- tensors
-
-def hf_name(name: str, arch: str) -> str:
-    """llama.cpp's tensor name -> ours (HF's), with MLX's `.scales`/`.biases` kept as suffixes."""
-    stem, _, suffix = name.rpartition(".")
-    if suffix not in _SUFFIXES or not stem:
-        raise GGUFError(f"tensor {name!r} has no counterpart in the {arch} model")
-    if stem in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
-    parts = stem.split(".")
-    table = _GEMMA_BLOCK_NAMES if arch.startswith("gemma") else _BLOCK_NAMES
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in table:
-        return f"model.layers.{int(parts[1])}.{table[parts[2]]}.{suffix}"
-    raise GGUFError(f"tensor {name!r} has no counterpart in the {arch} model")
-
-
-def _unpermute_rows(w: Array, n_heads: int) -> Array:
-    """Undo llama.cpp's q/k permutation: within each head its rows were reordered from the halves
-    layout [x0..x(d/2-1), y0..] to pairs (x0, y0, x1, y1, ...) for interleaved RoPE."""
-    rows = w.shape[0]
-    if rows % (2 * n_heads):
-        raise GGUFError(f"a q/k projection with {rows} rows cannot be split into {n_heads} heads")
-    half = rows // n_heads // 2
-    order = np.arange(rows).reshape(n_heads, half, 2).transpose(0, 2, 1).reshape(-1)
-    return mx.take(w, mx.array(order.astype(np.int32)), axis=0)
-
-
-def _bf16(reader_tensor: Any) -> Array:
-    """A BF16 tensor bit-exact from the memory-mapped file (MLX's reader widens BF16 to float16)."""
-    raw = np.ascontiguousarray(reader_tensor.data).view(np.uint16)
-    shape = tuple(int(d) for d in reversed(reader_tensor.shape.tolist()))
-    return mx.view(mx.array(raw.reshape(shape)), mx.bfloat16)
-
-
-def read_gguf_weights(path: Path, reader: GGUFReader, config: Mapping[str, Any]) -> dict[str, Array]:
-    """The tensors of the validated file under HF names, with llama.cpp's conventions undone.
-    Quantized tensors come as `<module>.weight` (packed), `.scales` and `.biases`."""
-    arch = architecture(reader)
-    by_name = {t.name: t for t in reader.tensors}
-    if not os.access(path, os.W_OK):
-        # gguflib (inside MLX) opens the file O_RDWR and maps it shared read-write, though it never
-        # writes: a read-only file fails there with only "gguf_init failed".
-        raise GGUFError(f"{path}: MLX's GGUF reader needs write permission on the file (it maps it read-write, "
-                        "without writing); make it writable (chmod u+w) or load a writable copy")
-    try:
-        with mx.load_gguf(path) as g:
-            raw = {k: g.tensor(k) for k in g.keys()}
-    except MLXError as exc:
-        raise GGUFError(f"{path}: MLX cannot read this GGUF file: {exc}") from exc
-    heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
-    gemma = arch.startswith("gemma")
-    # llama.cpp keeps 1-D tensors (norms, biases) in F32 whatever the model's precision. In an
-    # all-F16 or all-BF16 file they go back to that dtype, as in the HF checkpoint: F32 norms would
-    # make every activation float32 and every matmul widen its half-precision weight per call.
-    matrices = {t.tensor_type for t in reader.tensors if len(t.shape) >= 2}
-    half = {frozenset({QType.F16}): mx.float16, frozenset({QType.BF16}): mx.bfloat16}.get(frozenset(matrices))
-    out: dict[str, Array] = {}
-    for name, value in raw.items():
-        if name in _IGNORED:
-            continue
-        tensor = by_name.get(name)
-        if tensor is not None and tensor.tensor_type == QType.BF16:
-            value = _bf16(tensor)
-        target = hf_name(name, arch)
-        if arch == "llama" and (".self_attn.q_proj." in target or ".self_attn.k_proj." in target):
-            value = _unpermute_rows(value, heads if ".q_proj." in target else kv_heads)
-        if gemma and target.endswith("norm.weight"):
-            value = (value.astype(mx.float32) - 1.0).astype(value.dtype)
-        if half is not None and value.ndim == 1 and value.dtype == mx.float32:
-            value = value.astype(half)
-        out[target] = value
-    return out
-
-
 # ---------------------------------------------------------------------- loading
 
 @contextlib.contextmanager
@@ -613,12 +557,14 @@ def _naming(path: Path) -> Iterator[None]:
         if str(exc).startswith(str(path)):
             raise
         raise GGUFError(f"{path}: {exc}") from exc.__cause__
+    except TensorError as exc:
+        raise GGUFError(f"{path}: {exc}") from None
 
 
 def _model_config(reader: GGUFReader) -> dict[str, Any]:
     config = gguf_config(reader)
     bits = {QUANT_BITS[t.tensor_type] for t in reader.tensors if t.tensor_type in QUANT_BITS}
-    if bits:
+    if bits:  # the report's default; each layer's own bits come from its tensors
         dominant, _ = quantization_of(reader)
         config["quantization"] = {"group_size": QUANT_GROUP, "bits": dominant or max(bits), "mode": "affine"}
     return config
@@ -626,17 +572,20 @@ def _model_config(reader: GGUFReader) -> dict[str, Any]:
 
 def load_gguf_weights(path: str | os.PathLike[str], *, context_len: int = 131072,
                       progress: Callable[[int, int], None] | None = None, reader: GGUFReader | None = None) -> Any:
-    """The `loader.LoadedModel` of the GGUF file at `path` (layers with Q4_0/Q4_1/Q8_0 weights quantized,
-    the others dense, dtypes as stored)."""
+    """The `loader.LoadedModel` of the GGUF file at `path`: layers of repacked types quantized
+    (`QuantizedLinear`, group 32), Q2_K/Q3_K/Q6_K layers as block layers, the others dense, dtypes
+    as stored."""
     from .loader import build_model
 
     file = Path(path)
     reader = reader if reader is not None else read_gguf(file)
     with _naming(file):
         config = _model_config(reader)
-        weights = read_gguf_weights(file, reader, config)
-    return build_model(config, weights, dict.fromkeys(weights, file), source=file, root=file,
-                       context_len=context_len, progress=progress)
+        weights = read_tensors(reader, architecture(reader), config)
+    blocks = weights.block_layers
+    return build_model(config, weights.arrays, dict.fromkeys(weights.arrays, file), source=file, root=file,
+                       context_len=context_len, progress=progress,
+                       layers=(lambda model: use_block_layers(model, blocks)) if blocks else None)
 
 
 def load_gguf_model(path: str | os.PathLike[str], *, context_len: int = 131072,
@@ -691,5 +640,5 @@ def describe_gguf(path: str | os.PathLike[str]) -> tuple[str | None, int, int]:
 
 
 __all__ = ["GGUFError", "ARCHITECTURES", "SUPPORTED_TYPES", "find_gguf", "read_gguf", "metadata", "gguf_config",
-           "read_gguf_weights", "load_gguf_weights", "load_gguf_model", "hf_name", "llama3_rope_scaling",
+           "load_gguf_weights", "load_gguf_model", "hf_name", "llama3_rope_scaling",
            "quantization_of", "describe_gguf"]

@@ -316,9 +316,11 @@ def _load(root: Path, context_len: int, progress: Progress | None) -> LoadedMode
 
 
 def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[str, Path], *, source: Path,
-                root: Path, context_len: int, progress: Progress | None) -> LoadedModel:
+                root: Path, context_len: int, progress: Progress | None,
+                layers: Callable[[nn.Module], int] | None = None) -> LoadedModel:
     """The model of `config` with the checkpoint tensors `raw` (HF names) in it; `source` names the
-    file that errors about the config refer to, `origin` the file of each tensor."""
+    file that errors about the config refer to, `origin` the file of each tensor; `layers(model)`
+    swaps in a format's own layer types before the weights go in (returns how many)."""
     file = source
     model_type = config.get("model_type") or infer_model_type(config, (canonical_name(k) for k in raw))
     if model_type is not None and not isinstance(model_type, str):
@@ -364,6 +366,8 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
             raise ConfigError(f"{file}: quantization: {quant.get('bits')}-bit weights declared, but the checkpoint's "
                               "tensors are not quantized (no *.scales)")
 
+    if layers is not None:
+        quantized += layers(model)
     _check_dtypes(model.parameters(), weights, origin)
     model.load_weights(weights, strict=True)
     del weights

@@ -194,7 +194,8 @@ def check_args(args: Any, prefix: str = "") -> None:
             raise ConfigError(f"{prefix}layer_types: {len(layer_types)} entries for num_hidden_layers {n_layers}")
         unknown = sorted(set(layer_types) - set(LAYER_TYPES))
         if unknown:
-            raise ConfigError(f"{prefix}layer_types: unsupported {unknown} (supported: {', '.join(LAYER_TYPES)})")
+            raise ConfigError(f"{prefix}layer_types: unsupported layer types {unknown} "
+                              f"(supported: {', '.join(LAYER_TYPES)})")
     for name in ("mlp_only_layers",):
         for i in values.get(name) or ():
             if n_layers is not None and not 0 <= i < n_layers:

@@ -207,7 +207,7 @@ def test_config_errors() -> None:
     with pytest.raises(ConfigError, match="enable_moe_block needs"):
         gemma4.ModelArgs(enable_moe_block=True)
     with pytest.raises(ConfigError, match="unsupported layer types"):
-        gemma4.ModelArgs(num_hidden_layers=2, layer_types=["sliding_attention", "chunked_attention"])
+        gemma4.ModelArgs.from_dict({"num_hidden_layers": 2, "layer_types": ["sliding_attention", "chunked_attention"]})
     with pytest.raises(ConfigError, match="num_experts_per_tok"):
         qwen3_moe.ModelArgs.from_dict({"hidden_size": 64, "num_hidden_layers": 1, "intermediate_size": 64,
                                        "num_attention_heads": 4, "vocab_size": 10, "num_experts": 4,

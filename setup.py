@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import Distribution, find_packages, setup
 from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_py import build_py
 
@@ -29,13 +29,17 @@ class BuildPyWithMlxc(build_py):
             raise SystemExit(f"build_mlxc: error: {exc}") from exc
 
 
-class PlatformWheel(bdist_wheel):
-    """The wheel carries libmlxc, so it is tagged for this platform; cffi's ABI mode needs no
-    particular Python, hence py3-none-<platform>."""
+class BinaryDistribution(Distribution):
+    """Carries a native library (libmlxc), so the wheel is a platform wheel with its files at the
+    root (platlib), not a pure one."""
 
-    def finalize_options(self) -> None:
-        super().finalize_options()
-        self.root_is_pure = False
+    def has_ext_modules(self) -> bool:
+        return True
+
+
+class PlatformWheel(bdist_wheel):
+    """Tagged for this platform only: cffi's ABI mode ties the wheel to no Python version or ABI,
+    hence py3-none-<platform>."""
 
     def get_tag(self) -> tuple[str, str, str]:
         return ("py3", "none", super().get_tag()[2])
@@ -55,4 +59,4 @@ def _packages() -> tuple[list[str], dict[str, str]]:
 
 
 PACKAGES, PACKAGE_DIR = _packages()
-setup(cmdclass={"build_py": BuildPyWithMlxc, "bdist_wheel": PlatformWheel}, packages=PACKAGES, package_dir=PACKAGE_DIR)
+setup(distclass=BinaryDistribution, cmdclass={"build_py": BuildPyWithMlxc, "bdist_wheel": PlatformWheel}, packages=PACKAGES, package_dir=PACKAGE_DIR)

@@ -226,28 +226,95 @@ class Tokenizer:
         return StreamingDetokenizer(self, skip_special_tokens=skip_special_tokens)
 
 
-class StreamingDetokenizer:
-    """Turns token ids, one at a time, into text pieces that concatenate to `decode(all ids)`.
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character a byte-level BPE token uses -> the byte.
+    Printable Latin-1 bytes stand for themselves; the others are shifted to U+0100 onwards."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    shifted = [b for b in range(256) if b not in kept]
+    table = {chr(b): b for b in kept}
+    table.update({chr(256 + n): b for n, b in enumerate(shifted)})
+    return table
 
-    Each step decodes only a window: the ids from the start of the last emitted piece to the end.
-    The text the window had before the new ids (`_prefix_text`) is cut off the front, so decoders
-    that depend on context (a leading space dropped at the start, a character split over several
-    byte tokens) see enough of it. While the window's text ends in U+FFFD a character is still
-    incomplete (and while a byte-fallback run may continue), so nothing is emitted until it
-    completes or `finish()` is called. Cuts fall only on character boundaries, where UTF-8
-    decoding starts afresh, so the pieces add up to the full decode.
+
+_BYTE_LEVEL = _byte_level_table()
+# The first byte of a character and, for those that restrict it, the range of its second byte.
+_SECOND_BYTE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
+
+
+def _char_length(lead: int) -> int:
+    """Bytes in the UTF-8 character that starts with `lead`; 0 for a byte that cannot start one."""
+    if lead < 0x80:
+        return 1
+    if 0xC2 <= lead <= 0xDF:
+        return 2
+    if 0xE0 <= lead <= 0xEF:
+        return 3
+    if 0xF0 <= lead <= 0xF4:
+        return 4
+    return 0
+
+
+def unfinished_tail(data: bytes) -> int:
+    """How many bytes at the end of `data` begin a UTF-8 character that more bytes could still
+    complete (0 when `data` ends on a character boundary or with bytes that can never be valid:
+    a stray continuation byte, a fifth byte, a surrogate)."""
+    for back in range(1, min(3, len(data)) + 1):
+        lead = data[-back]
+        if 0x80 <= lead <= 0xBF:
+            continue  # a continuation byte: its lead byte is further back
+        if back >= _char_length(lead):
+            return 0  # a complete character, or a byte that starts none
+        low, high = _SECOND_BYTE.get(lead, (0x80, 0xBF))
+        return back if back == 1 or low <= data[-back + 1] <= high else 0
+    return 0
+
+
+def _decoder_kind(backend: tokenizers.Tokenizer) -> str:
+    """How the pipeline's decoder turns tokens into bytes: "byte_level" (every token spells bytes
+    in GPT-2's alphabet, decoded together, an invalid sequence becoming U+FFFD), "byte_fallback"
+    (SentencePiece-style: <0xNN> tokens are bytes, other tokens whole characters) or "other"."""
+    decoder = backend.decoder
+    if decoder is None:
+        return "other"
+    spec = json.loads(decoder.__getstate__())
+    steps = spec.get("decoders", []) if spec.get("type") == "Sequence" else [spec]
+    kinds = {step.get("type") for step in steps if isinstance(step, dict)}
+    if kinds == {"ByteLevel"}:
+        return "byte_level"
+    return "byte_fallback" if "ByteFallback" in kinds else "other"
+
+
+class StreamingDetokenizer:
+    """Turns token ids, one at a time, into text pieces, each given as soon as its token arrives.
+
+    Each step decodes only a window: the ids of the last emitted piece (context for decoders that
+    depend on it, such as a leading space dropped at the start) and the new ids; the text the
+    window had before the new ids (`_prefix_text`) is cut off the front. A piece is "" while a
+    character is incomplete; bytes that can never become a character (a stray continuation byte,
+    a lead byte followed by a non-continuation) come out as U+FFFD at once, one per maximal
+    invalid sequence, as Python's and Rust's lossy UTF-8 decoders write them.
+
+    The pieces concatenate to `decode(all ids)` except where decode itself differs from that
+    rule: `tokenizers`' ByteFallback decoder turns a whole run of <0xNN> tokens into one U+FFFD
+    per byte when any byte of the run is invalid, where the stream keeps the run's valid
+    characters. Byte-fallback tokens are therefore held outside the window until they form whole
+    characters (which then enter it) or prove invalid (which become U+FFFD and are dropped), so
+    that the window never holds a broken run. With byte-level tokens the window's own decode says
+    what is there, and the token bytes only tell an unfinished character from an invalid one.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
+        self._backend = tokenizer.backend
         self._decode = tokenizer.backend.decode
         self._skip = skip_special_tokens
-        self._byte_ids = tokenizer.byte_fallback_ids
         self._skipped = tokenizer.special_ids if skip_special_tokens else frozenset()
-        self._last_kept: int | None = None  # the last id that decode does not skip
+        self._kind = _decoder_kind(tokenizer.backend)
+        self._byte_ids = tokenizer.byte_fallback_ids if self._kind == "byte_fallback" else frozenset()
         self._ids: list[int] = []
-        self._start = 0  # window start: the first id of the last emitted piece
-        self._read = 0  # ids before this index are covered by what was emitted
-        self._prefix_text = ""  # decode of ids[_start:_read]
+        self._window: list[int] = []  # ids decoded together: the last piece's, then the unsettled ones
+        self._read = 0  # window[:_read] is context already emitted in full
+        self._prefix_text = ""  # the part of decode(window) already emitted
+        self._pending: list[int] = []  # byte-fallback ids of a character still incomplete
 
     @property
     def token_ids(self) -> tuple[int, ...]:
@@ -257,37 +324,87 @@ class StreamingDetokenizer:
         """Take one more id; return the text it completes (often "", never a broken character)."""
         token_id = int(token_id)
         self._ids.append(token_id)
-        if token_id not in self._skipped:
-            self._last_kept = token_id
-        return self._emit(final=False)
+        if token_id in self._skipped:
+            return ""  # decode drops it before its decoders run: it changes no neighbour's text
+        if token_id in self._byte_ids:
+            self._pending.append(token_id)
+            return self._settle(final=False)
+        text = self._settle(final=True)  # a whole token ends any byte run: what is pending is invalid
+        self._window.append(token_id)
+        return text + self._emit(final=False)
 
     def finish(self) -> str:
-        """Return whatever is held back (an incomplete character decodes to U+FFFD here)."""
-        return self._emit(final=True)
+        """Return whatever is held back (an incomplete character comes out as U+FFFD here)."""
+        return self._settle(final=True) + self._emit(final=True)
 
     def reset(self) -> None:
         self._ids.clear()
-        self._start = self._read = 0
+        self._window.clear()
+        self._pending.clear()
+        self._read = 0
         self._prefix_text = ""
-        self._last_kept = None
+
+    def _byte(self, token_id: int) -> int:
+        return int(self._backend.id_to_token(token_id)[3:5], 16)  # "<0xNN>"
+
+    def _settle(self, *, final: bool) -> str:
+        """Move the pending byte-fallback ids that form whole characters into the window, and turn
+        those that can never form one into U+FFFD; keep an unfinished character unless `final`."""
+        if not self._pending:
+            return ""
+        data = bytes(self._byte(i) for i in self._pending)
+        end = len(data) - (0 if final else unfinished_tail(data))
+        out: list[str] = []
+        pos = 0
+        while pos < end:
+            try:
+                data[pos:end].decode("utf-8")
+                good, bad_end = end, end
+            except UnicodeDecodeError as exc:
+                good, bad_end = pos + exc.start, pos + exc.end
+            if good > pos:
+                self._window.extend(self._pending[pos:good])
+                out.append(self._emit(final=False))
+            if bad_end > good:
+                out.append(_REPLACEMENT)
+            pos = bad_end
+        del self._pending[:end]
+        return "".join(out)
+
+    def _unfinished(self) -> bool:
+        """Whether the window's bytes end inside a character (byte-level tokens only)."""
+        data = b""
+        for token_id in reversed(self._window[self._read:]):
+            token = self._backend.id_to_token(token_id) or ""
+            spelled = [_BYTE_LEVEL.get(c) for c in token]
+            # A token outside the alphabet (an added token) is decoded as its UTF-8 text.
+            data = (bytes(spelled) if None not in spelled else token.encode("utf-8")) + data  # type: ignore[arg-type]
+            if len(data) >= 3:
+                break
+        return unfinished_tail(data) > 0
 
     def _emit(self, *, final: bool) -> str:
-        if not final and self._last_kept in self._byte_ids:
-            # A byte-fallback run may go on (skipped special tokens do not end it), and its
-            # text depends on the whole run.
+        if len(self._window) <= self._read:
             return ""
-        text = self._decode(self._ids[self._start:], skip_special_tokens=self._skip)
-        if len(text) <= len(self._prefix_text) or not text.startswith(self._prefix_text):
-            return ""
+        text = self._decode(self._window, skip_special_tokens=self._skip)
+        if not text.startswith(self._prefix_text):
+            return ""  # the context changed what came before (not seen with the supported decoders)
         if text.endswith(_REPLACEMENT) and not final:
-            return ""
+            if self._kind == "other":
+                return ""  # no way to tell an unfinished character from an invalid one: wait
+            if self._kind == "byte_level" and self._unfinished():
+                # Give what is complete; the unfinished character stays in the window.
+                piece, self._prefix_text = text[len(self._prefix_text):-1], text[:-1]
+                return piece
         piece = text[len(self._prefix_text):]
         # The next window starts at this piece's first id. A piece whose ids decode to nothing on
-        # their own (skipped special tokens) cannot anchor the next cut: keep the old start then.
-        tail = self._decode(self._ids[self._read:], skip_special_tokens=self._skip)
+        # their own (a leading space the decoder drops) cannot anchor the next cut: keep the
+        # window whole then.
+        tail = self._decode(self._window[self._read:], skip_special_tokens=self._skip)
         if tail and text.endswith(tail):
-            self._start, self._prefix_text = self._read, tail
+            del self._window[:self._read]
+            self._prefix_text = tail
         else:
             self._prefix_text = text
-        self._read = len(self._ids)
+        self._read = len(self._window)
         return piece

@@ -216,9 +216,43 @@ def _stream(tok: Tokenizer, ids: list[int], skip: bool) -> list[str]:
     return pieces + [detok.finish()]
 
 
-def _check_stream(tok: Tokenizer, ids: list[int], skip: bool) -> None:
+def _lenient_decode(tok: Tokenizer, ids: list[int], skip: bool) -> str:
+    """decode(ids), except that a run of <0xNN> tokens keeps its valid characters and gives one
+    U+FFFD per maximal invalid sequence, as the stream does (tokenizers' ByteFallback decoder turns
+    the whole run into U+FFFD, one per byte, when any byte of it is invalid). Each invalid
+    sequence is replaced by <unk>, which ends a run as any whole token does, then by U+FFFD."""
+    unk = tok.token_to_id("<unk>")
+    assert unk is not None and unk not in ids
+    kept = [i for i in ids if not (skip and i in tok.special_ids)]
+    out: list[int] = []
+    run: list[int] = []
+
+    def flush() -> None:
+        data = bytes(int(tok.id_to_token(i)[3:5], 16) for i in run)
+        pos = 0
+        while pos < len(data):
+            try:
+                data[pos:].decode("utf-8")
+                out.extend(run[pos:])
+                break
+            except UnicodeDecodeError as exc:
+                out.extend(run[pos:pos + exc.start] + [unk])
+                pos += exc.end
+        run.clear()
+
+    for i in kept:
+        if i in tok.byte_fallback_ids:
+            run.append(i)
+        else:
+            flush()
+            out.append(i)
+    flush()
+    return tok.decode(out, skip_special_tokens=False).replace("<unk>", "\ufffd")
+
+
+def _check_stream(tok: Tokenizer, ids: list[int], skip: bool, *, lenient: bool = False) -> None:
     pieces = _stream(tok, ids, skip)
-    full = tok.decode(ids, skip_special_tokens=skip)
+    full = _lenient_decode(tok, ids, skip) if lenient else tok.decode(ids, skip_special_tokens=skip)
     assert "".join(pieces) == full
     if "\ufffd" not in full:
         assert not any("\ufffd" in p for p in pieces)
@@ -238,7 +272,8 @@ def test_stream_adds_up_to_decode_byte_level(qwen: Tokenizer, ids: list[int], sk
 @settings(max_examples=300, deadline=None)
 @given(ids=_biased_ids(300, 260), skip=st.booleans())
 def test_stream_adds_up_to_decode_byte_fallback(spm: Tokenizer, ids: list[int], skip: bool) -> None:
-    _check_stream(spm, [i % spm.vocab_size for i in ids], skip)
+    # <unk> (id 0) is the reference's marker for an invalid byte sequence: leave it out here.
+    _check_stream(spm, [i % (spm.vocab_size - 1) + 1 for i in ids], skip, lenient=True)
 
 
 @settings(max_examples=100, deadline=None)
@@ -275,3 +310,95 @@ def test_window_stays_small(qwen: Tokenizer, monkeypatch: pytest.MonkeyPatch) ->
 def test_spm_keeps_inner_spaces_when_skipping_specials(spm: Tokenizer) -> None:
     ids = spm.encode("hello world") + [spm.token_to_id("</s>")] + spm.encode("again", add_special_tokens=False)
     assert "".join(_stream(spm, ids, skip=True)) == spm.decode(ids, skip_special_tokens=True)
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.text(max_size=30).filter(lambda t: "\ufffd" not in t))
+def test_each_token_gives_its_text_at_once(qwen: Tokenizer, spm: Tokenizer, text: str) -> None:
+    # After every token the stream has given all the text its ids spell except an unfinished
+    # character (which the decode of the ids so far shows as trailing U+FFFD).
+    for tok, decode in ((qwen, qwen.decode), (spm, lambda ids: _lenient_decode(spm, ids, False))):
+        ids = tok.encode(text, add_special_tokens=False)
+        detok = tok.detokenizer()
+        given_so_far = ""
+        for k, token_id in enumerate(ids, 1):
+            given_so_far += detok.add(token_id)
+            assert given_so_far == decode(ids[:k]).rstrip("\ufffd")
+
+
+def _byte_ids(tok: Tokenizer, data: bytes) -> list[int]:
+    """One token per byte: <0xNN> tokens, or the byte-level alphabet's single characters."""
+    if tok.byte_fallback_ids:
+        return [tok.token_to_id(f"<0x{b:02X}>") for b in data]
+    return [tok.token_to_id(c) for c in (tok.id_to_token(i) for i in _qwen_byte_tokens(tok, data))]
+
+
+def _qwen_byte_tokens(tok: Tokenizer, data: bytes) -> list[int]:
+    from pymlxc.backends.metal.tokenizer import _BYTE_LEVEL
+
+    by_byte = {b: c for c, b in _BYTE_LEVEL.items()}
+    return [tok.token_to_id(by_byte[b]) for b in data]
+
+
+@pytest.mark.parametrize("name", ["qwen", "spm"])
+@pytest.mark.parametrize("data, pieces", [
+    # A stray continuation byte can never be valid: U+FFFD with its own token.
+    (b"a\x80b", ["a", "\ufffd", "b"]),
+    # An emoji's fifth byte is a continuation byte too many.
+    ("🙂".encode() + b"\x80\x80", ["", "", "", "🙂", "\ufffd", "\ufffd"]),
+    # A lead byte whose next byte is not a continuation: U+FFFD when that byte arrives.
+    (b"\xe2\x82A", ["", "", "\ufffdA"]),
+    # Bytes that start no character (0xC0, 0xF5); ED may start one, but ED A0 is a surrogate's.
+    (b"\xc0\xf5\xed\xa0", ["\ufffd", "\ufffd", "", "\ufffd\ufffd"]),
+    # Valid characters in a run with an invalid byte keep their text.
+    ("é".encode() + b"\xff" + "ü".encode(), ["", "é", "\ufffd", "", "ü"]),
+])
+def test_invalid_bytes_come_out_at_once(qwen: Tokenizer, spm: Tokenizer, name: str, data: bytes,
+                                        pieces: list[str]) -> None:
+    tok = qwen if name == "qwen" else spm
+    ids = _byte_ids(tok, data)
+    assert None not in ids and len(ids) == len(data)
+    detok = tok.detokenizer()
+    assert [detok.add(i) for i in ids] == pieces
+    assert detok.finish() == ""
+
+
+def test_an_unfinished_character_at_the_end_is_one_replacement(qwen: Tokenizer, spm: Tokenizer) -> None:
+    for tok in (qwen, spm):
+        detok = tok.detokenizer()
+        assert [detok.add(i) for i in _byte_ids(tok, b"ok\xf0\x9f")] == ["o", "k", "", ""]
+        assert detok.finish() == "\ufffd"
+
+
+def test_a_long_byte_run_streams_character_by_character(spm: Tokenizer) -> None:
+    # 14 byte tokens (Korean, three bytes a character, then two ASCII bytes) came out at once.
+    text = "한국어문" + "ok"
+    detok = spm.detokenizer()
+    pieces = [detok.add(i) for i in _byte_ids(spm, text.encode())]
+    assert len(pieces) == 14
+    assert pieces == ["", "", "한", "", "", "국", "", "", "어", "", "", "문", "o", "k"]
+
+
+def _oracle_unfinished(data: bytes) -> int:
+    """The longest tail of `data` that is a proper prefix of one UTF-8 character, found by trying
+    continuation bytes that satisfy every lead byte's second-byte range."""
+    for k in (3, 2, 1):
+        if k > len(data):
+            continue
+        tail = data[-k:]
+        for n in range(1, 4 - k + 1):
+            for fill in (0x80, 0x90, 0xA0, 0xBF):
+                try:
+                    if len((tail + bytes([fill] * n)).decode("utf-8")) == 1:
+                        return k
+                except UnicodeDecodeError:
+                    pass
+    return 0
+
+
+@settings(max_examples=500, deadline=None)
+@given(data=st.binary(max_size=6) | st.text(max_size=3).map(lambda t: t.encode()[:-1]))
+def test_unfinished_tail_agrees_with_an_oracle(data: bytes) -> None:
+    from pymlxc.backends.metal.tokenizer import unfinished_tail
+
+    assert unfinished_tail(data) == _oracle_unfinished(data)

@@ -376,7 +376,7 @@ def _check_against_tensors(config: Mapping[str, Any], shapes: Mapping[str, tuple
         "blk.0.attn_k.weight": (config["num_key_value_heads"] * head_dim, hidden),
     }
     dense = [n for n in shapes if n.startswith("blk.") and n.endswith(".ffn_up.weight")]
-    if dense or not config.get("num_experts"):  # a MoE file may have no dense MLP at all
+    if dense or not any(n.endswith(".ffn_gate_inp.weight") for n in shapes):  # MoE files may have no dense MLP
         expected[dense[0] if dense else "blk.0.ffn_up.weight"] = (config["intermediate_size"], hidden)
     for name, shape in expected.items():
         if shapes.get(name) != shape:

@@ -19,8 +19,8 @@ normal range), and likewise the bias. A scale or bias that overflows float16 is 
 
 Q2_K, Q3_K and Q6_K scale sub-blocks of 16 values, which MLX's group sizes (32, 64, 128) cannot
 express, and re-encoding them in 8 bits would cost 9 bits a weight (1.4x to 2.6x the file). They stay
-in the file's own blocks (uint8 rows of 84, 110 or 210 bytes per 256 weights, llama.cpp's layout,
-which its kernels and ports of them read) and are dequantized by MLX ops, bit for bit as
+in the file's own blocks (uint8 [rows, blocks, 84 | 110 | 210 bytes] per 256 weights, llama.cpp's
+layout, which its kernels and ports of them read) and are dequantized by MLX ops, bit for bit as
 `gguf.quants.dequantize` does in float32, when a layer runs.
 """
 from __future__ import annotations
@@ -158,13 +158,10 @@ def _half(raw: Array) -> Array:
     return mx.view(raw, mx.float16).astype(mx.float32)
 
 
-def dequantize_blocks(raw: Array, qtype: QType) -> Array:
-    """Rows of Q2_K/Q3_K/Q6_K blocks (..., n_blocks * type_size) uint8 -> float32 (..., n_blocks * 256),
+def dequantize_blocks(b: Array, qtype: QType) -> Array:
+    """Rows of Q2_K/Q3_K/Q6_K blocks (..., n_blocks, type_size) uint8 -> float32 (..., n_blocks * 256),
     with the float32 operations of `gguf.quants.dequantize` in its order (so bit for bit equal)."""
-    size = GGML_QUANT_SIZES[qtype][1]
-    lead = tuple(raw.shape[:-1])
-    nb = raw.shape[-1] // size
-    b = mx.reshape(raw, (*lead, nb, size))
+    lead, nb = tuple(b.shape[:-2]), b.shape[-2]
     shape = (*lead, nb)
     if qtype == QType.Q6_K:
         ql = mx.reshape(b[..., 0:128], (*shape, 2, 1, 64)) >> _u8([0, 4], (2, 1))
@@ -195,13 +192,16 @@ def dequantize_blocks(raw: Array, qtype: QType) -> Array:
     raise QuantError(f"{qtype.name} is not kept as blocks")
 
 
-def row_bytes(qtype: QType, cols: int) -> int:
+def block_shape(qtype: QType, cols: int) -> tuple[int, int]:
+    """(blocks, bytes a block) of a row of `cols` weights: the trailing dimensions of a block weight."""
     block, size = GGML_QUANT_SIZES[qtype]
-    return cols // block * size
+    if cols % block:
+        raise QuantError(f"{cols} inputs are not a multiple of {qtype.name}'s block of {block}")
+    return cols // block, size
 
 
 class BlockLinear(nn.Module):
-    """A Linear whose weight is rows of GGUF blocks (`weight` uint8 [out, in/256 * type_size]),
+    """A Linear whose weight is rows of GGUF blocks (`weight` uint8 [out, in/256, type_size]),
     dequantized for each call in the input's dtype."""
 
     def __init__(self, input_dims: int, output_dims: int, qtype: QType, bias: bool = False,
@@ -209,7 +209,7 @@ class BlockLinear(nn.Module):
         super().__init__()
         self.qtype = qtype
         self.input_dims, self.output_dims = input_dims, output_dims
-        self.weight = mx.zeros((output_dims, row_bytes(qtype, input_dims)), mx.uint8)
+        self.weight = mx.zeros((output_dims, *block_shape(qtype, input_dims)), mx.uint8)
         if bias:
             self.bias = mx.zeros((output_dims,), dtype)
         self.freeze(recurse=False)
@@ -229,7 +229,7 @@ class BlockEmbedding(nn.Module):
         super().__init__()
         self.qtype = qtype
         self._dtype = dtype
-        self.weight = mx.zeros((num_embeddings, row_bytes(qtype, dims)), mx.uint8)
+        self.weight = mx.zeros((num_embeddings, *block_shape(qtype, dims)), mx.uint8)
         self.freeze(recurse=False)
 
     def __call__(self, x: Array) -> Array:
@@ -241,13 +241,13 @@ class BlockEmbedding(nn.Module):
 
 
 class BlockSwitchLinear(nn.Module):
-    """A SwitchLinear (E stacked experts) whose weight is rows of GGUF blocks [E, out, row_bytes]."""
+    """A SwitchLinear (E stacked experts) whose weight is rows of GGUF blocks [E, out, in/256, type_size]."""
 
     def __init__(self, input_dims: int, output_dims: int, num_experts: int, qtype: QType, bias: bool = False,
                  dtype: mx.Dtype = mx.float16) -> None:
         super().__init__()
         self.qtype = qtype
-        self.weight = mx.zeros((num_experts, output_dims, row_bytes(qtype, input_dims)), mx.uint8)
+        self.weight = mx.zeros((num_experts, output_dims, *block_shape(qtype, input_dims)), mx.uint8)
         if bias:
             self.bias = mx.zeros((num_experts, output_dims), dtype)
         self.freeze(recurse=False)

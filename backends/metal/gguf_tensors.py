@@ -141,7 +141,8 @@ def read_tensors(reader: GGUFReader, arch: str, config: Mapping[str, Any]) -> GG
             out.arrays[f"{module}.biases"] = mx.array(biases.reshape(*lead, biases.shape[-1]))
             continue
         if qtype in BLOCK_TYPES:
-            out.arrays[target] = mx.array(np.ascontiguousarray(raw).reshape(*shape[:-1], raw.shape[-1]))
+            size = GGML_QUANT_SIZES[qtype][1]
+            out.arrays[target] = mx.array(np.ascontiguousarray(raw).reshape(*shape[:-1], -1, size))
             out.block_layers[module] = qtype
             continue
         dtype = {QType.F32: np.float32, QType.F16: np.float16, QType.BF16: np.uint16}[qtype]

@@ -349,14 +349,14 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
         model.tie_embeddings()
 
     quant = _quantization_of(config, file)
-    quantized = 0
+    quantized = layers(model) if layers is not None else 0
     if quant is not None or any(k.endswith(".scales") for k in weights):
         defaults = {k: quant[k] for k in ("group_size", "bits") if quant and k in quant}
         overrides = {canonical_name(k): v for k, v in (quant or {}).items()
                      if k not in ("group_size", "bits", "mode") and (isinstance(v, Mapping) or v is False)}
         overrides = {("model." + k if k not in module_paths and f"model.{k}" in module_paths else k): v
                      for k, v in overrides.items()}
-        quantized = nn.quantize(model, lambda p, m: _quant_params(p, m, weights, defaults, overrides),
+        quantized += nn.quantize(model, lambda p, m: _quant_params(p, m, weights, defaults, overrides),
                                 group_size=int(defaults.get("group_size", 64)), bits=int(defaults.get("bits", 4)))
         if quant is None and quantized:
             first = next(m for _, m in model.named_modules()
@@ -366,8 +366,6 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
             raise ConfigError(f"{file}: quantization: {quant.get('bits')}-bit weights declared, but the checkpoint's "
                               "tensors are not quantized (no *.scales)")
 
-    if layers is not None:
-        quantized += layers(model)
     _check_dtypes(model.parameters(), weights, origin)
     model.load_weights(weights, strict=True)
     del weights

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,11 +18,13 @@ from typing import Any
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QType
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
-        "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3_text": gguf.MODEL_ARCH.GEMMA3, "gemma3": gguf.MODEL_ARCH.GEMMA3}
-QUANTIZED = (QType.Q8_0, QType.Q4_0, QType.Q4_1)
+        "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3_text": gguf.MODEL_ARCH.GEMMA3, "gemma3": gguf.MODEL_ARCH.GEMMA3,
+        "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE, "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE}
+LEGACY = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0)  # gguf.quants writes these
+K_QUANTS = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K)  # encode_k writes these
 
 
 def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -49,12 +52,54 @@ def _llama3_rope_factors(config: Mapping[str, Any], head_dim: int) -> np.ndarray
     return np.asarray(out, dtype=np.float32)
 
 
-def _encode(w: np.ndarray, qtype: QType) -> tuple[np.ndarray, QType]:
+def _encode(w: np.ndarray, qtype: QType) -> tuple[np.ndarray, QType, np.ndarray]:
+    """(data to write, its type, the float32 values a reader must find: gguf's dequantization)."""
     if w.ndim == 1 or qtype == QType.F32:
-        return w.astype(np.float32), QType.F32
+        return w.astype(np.float32), QType.F32, w.astype(np.float32)
     if qtype == QType.F16:
-        return w.astype(np.float16), QType.F16
-    return gguf.quants.quantize(w.astype(np.float32), qtype), qtype
+        return w.astype(np.float16), QType.F16, w.astype(np.float16).astype(np.float32)
+    data = encode_k(w, qtype) if qtype in K_QUANTS else gguf.quants.quantize(w.astype(np.float32), qtype)
+    return data, qtype, gguf.quants.dequantize(data, qtype).reshape(w.shape)
+
+
+def _stack_experts(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """HF's per-expert tensors -> llama.cpp's stacked `mlp.experts.P` [E, out, in] (named as the
+    name map knows them), in the order of the first expert's key."""
+    out: dict[str, np.ndarray] = {}
+    groups: dict[str, dict[int, np.ndarray]] = {}
+    for name, w in weights.items():
+        parts = name.split(".")
+        if len(parts) > 6 and parts[4] == "experts" and parts[5].isdigit():
+            key = ".".join(parts[:5] + parts[6:])
+            if key not in groups:
+                groups[key] = {}
+                out[key] = w  # a placeholder keeping the order
+            groups[key][int(parts[5])] = w
+        else:
+            out[name] = w
+    for key, experts in groups.items():
+        out[key] = np.stack([experts[e] for e in range(len(experts))])
+    return out
+
+
+def _extra_name(stem: str) -> str | None:
+    """Names the name map of this gguf version lacks: Qwen 2 MoE's shared expert, and the dense MLP
+    of a MoE model's `mlp_only_layers` (llama.cpp's qwen3moe has none; pymlxc reads them)."""
+    parts = stem.split(".")
+    table = {"shared_expert.gate_proj": "ffn_gate_shexp", "shared_expert.up_proj": "ffn_up_shexp",
+             "shared_expert.down_proj": "ffn_down_shexp", "shared_expert_gate": "ffn_gate_inp_shexp",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    if len(parts) > 4 and parts[:2] == ["model", "layers"] and parts[3] == "mlp":
+        found = table.get(".".join(parts[4:]))
+        return f"blk.{parts[2]}.{found}" if found else None
+    return None
+
+
+def _unstack_experts(name: str, w: np.ndarray) -> dict[str, np.ndarray]:
+    parts = name.split(".")
+    if len(parts) > 5 and parts[4] == "experts" and w.ndim == 3:
+        return {".".join(parts[:5] + [str(e)] + parts[5:]): w[e] for e in range(w.shape[0])}
+    return {name: w}
 
 
 def _write_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, pre: str) -> None:
@@ -77,9 +122,12 @@ def _write_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, pre: str) -> None
 
 
 def export_gguf(model_dir: str | Path, out: str | Path, qtype: QType = QType.F32, *, pre: str = "gpt-2",
-                tokenizer: bool = True, skip: Sequence[str] = (), extra_types: Mapping[str, QType] | None = None) -> Path:
-    """Write the model at `model_dir` as one GGUF file at `out`. 2-D weights get `qtype` (or the
-    type `extra_types` names for a GGUF tensor name); `skip` drops GGUF tensor names."""
+                tokenizer: bool = True, skip: Sequence[str] = (), extra_types: Mapping[str, QType] | None = None,
+                twin: str | Path | None = None) -> Path:
+    """Write the model at `model_dir` as one GGUF file at `out`. 2-D and 3-D weights get `qtype` (or
+    the type `extra_types` names for a GGUF tensor name); `skip` drops GGUF tensor names. `twin`:
+    also write there a copy of `model_dir` whose safetensors hold, in HF layout, exactly the float32
+    values that `gguf.quants.dequantize` gives for the written tensors (the reference model)."""
     model_dir, out = Path(model_dir), Path(out)
     config = json.loads((model_dir / "config.json").read_text())
     text = config.get("text_config", config)
@@ -109,6 +157,12 @@ def export_gguf(model_dir: str | Path, out: str | Path, qtype: QType = QType.F32
         writer.add_attn_logit_softcapping(text["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(text["final_logit_softcapping"])
         writer.add_sliding_window(text["sliding_window"])
+    if "num_experts" in text:
+        writer.add_expert_count(text["num_experts"])
+        writer.add_expert_used_count(text["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(text["moe_intermediate_size"])
+        if text.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(text["shared_expert_intermediate_size"])
     if model_type in ("gemma3", "gemma3_text"):
         writer.add_sliding_window(text["sliding_window"])
         writer.add_sliding_window_pattern(text["sliding_window_pattern"])  # llama.cpp assumes 6 without it
@@ -120,27 +174,39 @@ def export_gguf(model_dir: str | Path, out: str | Path, qtype: QType = QType.F32
         _write_tokenizer(writer, model_dir, pre)
 
     weights = {k.removeprefix("language_model."): v for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+    weights = _stack_experts(weights)
     gemma = model_type.startswith("gemma")
+    reference: dict[str, np.ndarray] = {}
     for hf, w in weights.items():
         stem, _, suffix = hf.rpartition(".")
-        name = names.get_name(stem)
+        name = names.get_name(stem) or _extra_name(stem)
         assert name is not None, hf
         w = w.astype(np.float32)
+        order = None
         if model_type == "llama" and stem.endswith(("q_proj", "k_proj")):
-            w = _permute(w, heads if stem.endswith("q_proj") else kv_heads)
+            order = _permute(np.arange(w.shape[0]), heads if stem.endswith("q_proj") else kv_heads)
+            w = w[order]
         if gemma and hf.endswith("norm.weight"):
             w = w + 1
         full = f"{name}.{suffix}"
         if full in skip:
             continue
-        data, t = _encode(w, (extra_types or {}).get(full, qtype))
-        writer.add_tensor(full, data, raw_dtype=t if t in QUANTIZED or t == QType.BF16 else None)
+        data, t, values = _encode(w, (extra_types or {}).get(full, qtype))
+        writer.add_tensor(full, data, raw_dtype=t if t not in (QType.F32, QType.F16) else None)
+        if gemma and hf.endswith("norm.weight"):
+            values = values - np.float32(1)  # as the reader undoes it, in float32
+        if order is not None:
+            values = values[np.argsort(order)]
+        reference.update(_unstack_experts(hf, values))
     if scaling.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(text, head_dim))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    if twin is not None:
+        shutil.copytree(model_dir, twin)
+        save_file(reference, str(Path(twin) / "model.safetensors"))
     return out
 
 
@@ -172,3 +238,96 @@ def write_spm_gguf(out: str | Path, spm_dir: str | Path, *, add_space_prefix: bo
     writer.write_tensors_to_file()
     writer.close()
     return Path(out)
+
+
+# ---------------------------------------------------------------------- K-quant encoders (test side)
+# The `gguf` package dequantizes every type but quantizes only the legacy ones. These encoders make
+# valid K-quant blocks near `w` (plain min/max choices, not llama.cpp's search): tests compare a
+# loaded file against the package's own dequantization of the very blocks written, so how close the
+# blocks are to `w` only keeps the tiny models' logits in a sane range.
+
+def _q(x: np.ndarray, scale: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(scale != 0, np.rint(x / np.where(scale != 0, scale, 1)), 0)
+    return np.clip(q, lo, hi).astype(np.int16)
+
+
+def _f16_bytes(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).reshape(-1, 1).view(np.uint8)
+
+
+def _crumbs(q: np.ndarray) -> np.ndarray:
+    """256 2-bit values -> 64 bytes: value 128h + 32s + j at bits 2s of byte 32h + j."""
+    q = q.reshape(-1, 2, 4, 32).astype(np.uint8)
+    return (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(-1, 64)
+
+
+def _k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """Eight 6-bit scales and mins -> the 12 bytes of Q4_K/Q5_K."""
+    sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
+    out = np.empty((sc.shape[0], 12), np.uint8)
+    out[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    out[:, 4:8] = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)
+    return out
+
+
+def _min_max_blocks(x: np.ndarray, sub: int, levels: int, scale_levels: int) -> tuple[np.ndarray, ...]:
+    """Per sub-block of `sub`: w = d*sc*q - dmin*m, q < levels, sc and m < scale_levels."""
+    x = x.reshape(x.shape[0], -1, sub)
+    low = np.minimum(x.min(-1), 0)
+    scale = (x.max(-1) - low) / (levels - 1)
+    d = scale.max(-1, keepdims=True) / (scale_levels - 1)
+    dmin = (-low).max(-1, keepdims=True) / (scale_levels - 1)
+    d, dmin = d.astype(np.float16).astype(np.float32), dmin.astype(np.float16).astype(np.float32)
+    sc = _q(scale, d, 0, scale_levels - 1)
+    m = _q(-low, dmin, 0, scale_levels - 1)
+    q = _q(x + (dmin * m)[..., None], (d * sc)[..., None], 0, levels - 1)
+    return d, dmin, sc, m, q
+
+
+def encode_k(w: np.ndarray, qtype: QType) -> np.ndarray:
+    """Float rows (..., n*256) -> K-quant blocks (..., n*type_size) uint8 of Q2_K..Q6_K."""
+    shape = w.shape
+    x = w.astype(np.float32).reshape(-1, 256)
+    n = x.shape[0]
+    if qtype == QType.Q6_K:
+        sub = x.reshape(n, 16, 16)
+        amax = np.take_along_axis(sub, np.abs(sub).argmax(-1)[..., None], -1)[..., 0]
+        scale = amax / -32
+        d = (np.abs(scale).max(-1, keepdims=True) / 127).astype(np.float16).astype(np.float32)
+        sc = _q(scale, d, -128, 127)
+        q = (_q(sub, (d * sc)[..., None], -32, 31) + 32).astype(np.uint8).reshape(n, 2, 128)
+        ql = (q[:, :, :64] & 0x0F) | ((q[:, :, 64:] & 0x0F) << 4)
+        qh = _crumbs((q >> 4).reshape(n, 256))
+        blocks = np.concatenate([ql.reshape(n, 128), qh, sc.astype(np.int8).view(np.uint8), _f16_bytes(d)], -1)
+    elif qtype == QType.Q3_K:
+        sub = x.reshape(n, 16, 16)
+        amax = np.take_along_axis(sub, np.abs(sub).argmax(-1)[..., None], -1)[..., 0]
+        scale = amax / -4
+        d = (np.abs(scale).max(-1, keepdims=True) / 32).astype(np.float16).astype(np.float32)
+        sc = _q(scale, d, -32, 31)
+        q = (_q(sub, (d * sc)[..., None], -4, 3) + 4).astype(np.uint8).reshape(n, 256)
+        hmask = np.zeros((n, 32), np.uint8)
+        for s in range(8):
+            hmask |= (q[:, 32 * s:32 * (s + 1)] >> 2) << s
+        s6 = (sc + 32).astype(np.uint8)
+        scales = np.concatenate([(s6[:, :8] & 0x0F) | ((s6[:, 8:] & 0x0F) << 4),
+                                 ((s6 >> 4).reshape(n, 4, 4) << np.array([0, 2, 4, 6], np.uint8)[:, None]).sum(1, dtype=np.uint8)], -1)
+        blocks = np.concatenate([hmask, _crumbs(q & 3), scales, _f16_bytes(d)], -1)
+    elif qtype == QType.Q2_K:
+        d, dmin, sc, m, q = _min_max_blocks(x, 16, 4, 16)
+        blocks = np.concatenate([(sc | (m << 4)).astype(np.uint8), _crumbs(q.reshape(n, 256)), _f16_bytes(d),
+                                 _f16_bytes(dmin)], -1)
+    elif qtype in (QType.Q4_K, QType.Q5_K):
+        d, dmin, sc, m, q = _min_max_blocks(x, 32, 16 if qtype == QType.Q4_K else 32, 64)
+        q = q.astype(np.uint8).reshape(n, 4, 2, 32)
+        qs = ((q[:, :, 0] & 0x0F) | ((q[:, :, 1] & 0x0F) << 4)).reshape(n, 128)
+        parts = [_f16_bytes(d), _f16_bytes(dmin), _k_scales(sc, m)]
+        if qtype == QType.Q5_K:
+            high = (q.reshape(n, 8, 32) >> 4).astype(np.uint8)
+            parts.append((high << np.arange(8, dtype=np.uint8)[:, None]).sum(1, dtype=np.uint8))
+        blocks = np.concatenate([*parts, qs], -1)
+    else:
+        raise ValueError(f"{qtype.name} is not a K-quant")
+    return blocks.reshape(*shape[:-1], -1)

@@ -22,6 +22,7 @@ import pymlxc.core as mx
 from pymlxc.model import GenerationCancelled, ModelClosedError
 from pymlxc.types import GenerateMetrics
 
+from . import memory_check
 from .models.base import layer_listener
 from .sample import DEFAULT_PENALTY_CONTEXT, LogitsProcessor, Sampler, apply_processors, greedy
 from .step_queue import StepQueue
@@ -153,7 +154,7 @@ def _cache_state(cache: Sequence[Cache]) -> list[Any]:
 def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, step: int = PREFILL_STEP,
             mask: Callable[[int, int], mx.Array | None] | None = None, guard: Guard = NO_GUARD,
             start: int = 0, queue: StepQueue | None = None, runner: Callable[..., mx.Array] | None = None,
-            finish: Callable[[mx.Array], mx.Array] | None = None) -> mx.Array | None:
+            finish: Callable[[mx.Array], mx.Array] | None = None, new_tokens: int = 0) -> mx.Array | None:
     """Run `tokens` [B, L] through the model into `cache`, `step` positions at a time.
 
     Only the caches are evaluated (the chunks' logits are never needed), except that with `finish`
@@ -167,8 +168,13 @@ def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, ste
     because a context-bounded cache's results depend on them. With a threaded `queue` (see
     step_queue.py) each layer is handed to the evaluation thread as soon as it is built, so MLX
     encodes layer i while Python builds layer i+1. `runner` (`CompiledDecoder.prefill_runner`)
-    runs the chunks instead of the model's forward where no mask is given.
+    runs the chunks instead of the model's forward where no mask is given. Before anything is
+    allocated, the caches at their final size (`new_tokens` more per row to come after the prompt)
+    and a chunk's attention are checked against the device's free memory (DeviceMemoryError).
     """
+    memory_check.check(model, cache, batch=tokens.shape[0], prompt_len=tokens.shape[1], new_tokens=new_tokens,
+                       step=step, what=f"a prompt of {tokens.shape[1]} tokens" + (
+                           f" and {new_tokens} new tokens" if new_tokens else ""))
     forward = _chunk_forward(model, mask, runner)
     if queue is not None and queue.threaded:
         return _prefill_threaded(forward, tokens, cache, step=step, guard=guard, start=start, queue=queue,
@@ -380,7 +386,7 @@ def generate_ids(model: LanguageModel, prompt: Sequence[int], *, cache: Sequence
         # its last position alone: the time to the first token is one forward pass (no separate
         # step for the last prompt token), and decoding starts from the first generated token.
         first = prefill(model, tokens, cache, step=prefill_step, guard=guard, start=cached, queue=queue,
-                        runner=runner, finish=sample_first if max_tokens > 0 else None)
+                        runner=runner, finish=sample_first if max_tokens > 0 else None, new_tokens=max_tokens)
         if first is None:  # max_tokens <= 0: the prompt is in the caches, nothing is sampled
             return
         token = first.item()
@@ -445,9 +451,10 @@ def batch_generate_ids(model: LanguageModel, prompts: Sequence[Sequence[int]], *
     # Padding repeats the row's first id: any id would do, since padded keys are masked out.
     padded = mx.array([[p[0]] * pad + list(p) for p, pad in zip(prompts, pad_counts)], dtype=mx.int32)
     pads = mx.array(pad_counts, dtype=mx.int32)
-    if width > 1:
-        prefill(model, padded[:, :-1], cache, step=prefill_step, guard=guard,
-                mask=lambda offset, length: left_padded_mask(pads, offset, length))
+    # Every prompt token but the last goes through prefill (none where width is 1: then it only
+    # checks the memory of the caches at their final size).
+    prefill(model, padded[:, :-1], cache, step=prefill_step, guard=guard,
+            mask=lambda offset, length: left_padded_mask(pads, offset, length), new_tokens=max_tokens + 1)
     history = _history([p[:-1] or p for p in prompts]) if processors else None
     step = make_step(model, cache, sampler, processors, history,
                      mask=lambda offset: left_padded_mask(pads, offset, 1), offset=width - 1)
@@ -477,21 +484,39 @@ def batch_generate_ids(model: LanguageModel, prompts: Sequence[Sequence[int]], *
 
 def classify_ids(model: LanguageModel, prompts: Sequence[Sequence[int]], *, sampler: Sampler,
                  processors: Sequence[LogitsProcessor] = (), return_logits: bool = False,
-                 timings: Timings | None = None) -> tuple[list[int], list[list[float]] | None]:
-    """One batched forward pass of right-padded prompts; the next id after each prompt (sampled at
-    its last real position), and those positions' logits when asked."""
+                 timings: Timings | None = None, context_len: int | None = None, guard: Guard = NO_GUARD,
+                 step: int = PREFILL_STEP) -> tuple[list[int], list[list[float]] | None]:
+    """The next id after each prompt (sampled from its last position's logits), and those logits
+    when asked.
+
+    Each prompt goes through the model as `generate`'s prefill takes it: into fresh caches of
+    `context_len` (None: unbounded), in chunks of `step` at the same boundaries, the head on its
+    last position alone; so its logits are those `generate` samples its first token from, and memory
+    is bounded by a chunk, whatever the prompt's length. Prompts that fit one chunk and
+    `context_len` are batched, left-padded as `batch_generate` pads (up to `step` tokens a pass);
+    longer ones go alone, so that a cache that evicts sees exactly the chunks of that prompt alone."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     timings = timings if timings is not None else Timings()
     timings.prompt_tokens = sum(len(p) for p in prompts)
-    width = max(len(p) for p in prompts)
-    lengths = [len(p) for p in prompts]
-    # Right padding keeps each prompt at the positions it has alone: its logits are the same.
-    padded = mx.array([list(p) + [p[-1]] * (width - len(p)) for p in prompts], dtype=mx.int32)
-    lengths_arr = mx.array(lengths, dtype=mx.int32)
-    logits = model(padded, mask=right_padded_mask(lengths_arr, width))
-    last = mx.reshape(lengths_arr - 1, (-1, 1, 1))
-    logits = mx.squeeze(mx.take_along_axis(logits, last, axis=1), 1)  # [B, V]
+    rows: list[mx.Array | None] = [None] * len(prompts)
+    for group in _classify_groups([len(p) for p in prompts], step, context_len):
+        guard.check()
+        members = [prompts[i] for i in group]
+        width = max(len(p) for p in members)
+        pad_counts = [width - len(p) for p in members]
+        tokens = mx.array([[p[0]] * pad + list(p) for p, pad in zip(members, pad_counts)], dtype=mx.int32)
+        mask = None
+        if any(pad_counts):
+            pads = mx.array(pad_counts, dtype=mx.int32)
+            mask = lambda offset, length, pads=pads: left_padded_mask(pads, offset, length)  # noqa: E731
+        cache = model.make_cache(context_len)
+        last = prefill(model, tokens, cache, step=step, mask=mask, guard=guard, finish=lambda logits: logits)
+        mx.eval(last)  # before the caches go: only the [rows, V] logits stay
+        del cache
+        for j, i in enumerate(group):
+            rows[i] = last[j]
+    logits = mx.stack(rows, axis=0)  # [B, V]
     if processors:
         logits = apply_processors(processors, _history(prompts), logits)
     ids = sampler(logits)
@@ -501,3 +526,24 @@ def classify_ids(model: LanguageModel, prompts: Sequence[Sequence[int]], *, samp
     timings.generated_tokens = len(prompts)
     timings.finish()
     return ids.tolist(), (outputs[1].tolist() if return_logits else None)
+
+
+def _classify_groups(lengths: Sequence[int], step: int, context_len: int | None) -> list[list[int]]:
+    """Indices of the prompts run together by `classify_ids`, shortest first: prompts of at most one
+    chunk and `context_len` tokens share a pass while rows x width stays within `step` tokens
+    (padding changes nothing for them: no chunk boundary, no eviction); any other goes alone."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        n = lengths[i]
+        if n > step or (context_len is not None and n > context_len):
+            groups.append([i])
+            continue
+        if current and (len(current) + 1) * n > step:  # sorted: n is the widest so far
+            groups.append(current)
+            current = []
+        current.append(i)
+    if current:
+        groups.append(current)
+    return groups

@@ -1,8 +1,11 @@
 """`inspect_attention`: what each attention layer holds for a prompt, as numpy arrays.
 
-Keys come from the caches after one prefill from empty caches: a cache stores exactly the keys
-attention uses (after RoPE and any per-head norm), and one chunk from empty keeps every position
-in order, sliding-window layers included. Queries never reach a cache, so they are recorded by the
+The prompt goes through the model as `generate`'s prefill takes it: into fresh caches of
+`context_len`, in chunks of `PREFILL_STEP` at the same boundaries, so memory is bounded by a chunk
+(and the arrays returned) and every position is computed as `generate` computes it. A cache may
+evict (a sliding window, `context_len`), so keys are not read back from the caches: each layer's
+cache is wrapped to record the keys it is given (after RoPE and any per-head norm: exactly what
+attention uses), chunk by chunk. Queries never reach a cache, so they are recorded by the
 architectures' shared attention functions (`models.base.recording_queries`).
 """
 from __future__ import annotations
@@ -15,60 +18,115 @@ import numpy as np
 import pymlxc.core as mx
 from pymlxc.types import AttentionSnapshot
 
+from . import memory_check
+from .cache import Mask
+from .generate import PREFILL_STEP
 from .models.base import recording_queries
 
 
-def _keys_of(cache: Any, seq_len: int) -> mx.Array:
-    if cache.offset != seq_len or not cache.state:
-        raise RuntimeError(f"a layer cache saw {cache.offset} tokens of {seq_len}: this architecture does "
-                           "not keep one cache per layer, which inspect_attention needs")
-    keys = cache.state[0]
-    if keys.shape[2] < seq_len:
-        raise RuntimeError(f"a layer cache holds {keys.shape[2]} keys for {seq_len} tokens")
-    b, h, _, d = keys.shape
-    return mx.slice(keys, [0, 0, 0, 0], [b, h, seq_len, d], [1, 1, 1, 1])
+class _Recorded:
+    """A layer's cache that keeps the keys of each `update_and_fetch` (the `Cache` protocol's
+    other members are the wrapped cache's)."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+        self.keys: list[mx.Array] = []
+
+    @property
+    def offset(self) -> int:
+        return self.cache.offset
+
+    def update_and_fetch(self, keys: mx.Array, values: mx.Array) -> tuple[mx.Array, mx.Array]:
+        self.keys.append(keys)
+        return self.cache.update_and_fetch(keys, values)
+
+    def make_mask(self, n: int, window_size: int | None = None) -> Mask:
+        return self.cache.make_mask(n, window_size)
+
+    @property
+    def state(self) -> tuple[mx.Array, ...]:
+        return self.cache.state
 
 
-def _per_head(a: mx.Array) -> list[np.ndarray]:
-    """[1, heads, L, D] -> one float32 (L, D) array per head."""
-    values = np.asarray(mx.astype(a, mx.float32))
-    return [np.ascontiguousarray(values[0, h]) for h in range(values.shape[1])]
+def _per_head(a: mx.Array) -> np.ndarray:
+    """[1, heads, L, D] -> float32 [heads, L, D]."""
+    return np.asarray(mx.astype(a, mx.float32))[0]
 
 
-def inspect_attention(model: Any, ids: Sequence[int], *, architecture: str,
-                      include_queries: bool = False) -> AttentionSnapshot:
-    """One forward pass of `ids` through `model` into fresh caches; the keys of every layer (and
-    the queries, when asked). The logits are never evaluated."""
+def _output_bytes(model: Any, cache: Sequence[Any], n: int, include_queries: bool) -> int:
+    """float32 bytes of the keys (and queries) returned for `n` positions, 0 where unknown."""
+    shapes = memory_check.layer_shapes(model, cache)
+    if shapes is None:
+        return 0
+    heads = sum(s.head_dim * (s.kv_heads + (s.query_heads if include_queries else 0)) for s in shapes)
+    return 4 * n * heads
+
+
+def inspect_attention(model: Any, ids: Sequence[int], *, architecture: str, include_queries: bool = False,
+                      context_len: int | None = None, step: int = PREFILL_STEP) -> AttentionSnapshot:
+    """The keys of every layer for `ids` (and the queries, when asked), from a chunked prefill into
+    fresh caches of `context_len`. The logits are never evaluated."""
     ids = list(ids)
     if not ids:
         raise ValueError("the prompt has no tokens")
-    cache = model.make_cache(None)
-    tokens = mx.array([ids], dtype=mx.int32)
-    queries: list[mx.Array] | None = None
-    if include_queries:
-        with recording_queries() as queries:
-            model(tokens, cache=cache)
-        if len(queries) != len(cache):
-            raise RuntimeError(f"{architecture}: {len(queries)} attention calls recorded for {len(cache)} layers; "
-                               "this architecture's attention does not go through models.base")
-    else:
-        model(tokens, cache=cache)
-    keys = [_keys_of(c, len(ids)) for c in cache]
-    mx.eval(keys + (queries or []))
-    key_heads = [_per_head(k) for k in keys]
-    query_heads = [_per_head(q) for q in queries] if queries is not None else None
-    _, num_kv_heads, _, head_dim = keys[0].shape
+    if step < 1:
+        raise ValueError(f"step must be >= 1, not {step}")
+    cache = [_Recorded(c) for c in model.make_cache(context_len)]
+    memory_check.check(model, [r.cache for r in cache], batch=1, prompt_len=len(ids), step=step,
+                       extra=_output_bytes(model, [r.cache for r in cache], len(ids), include_queries),
+                       what=f"inspect_attention of {len(ids)} tokens")
+    keys: list[list[np.ndarray]] = [[] for _ in cache]
+    queries: list[list[np.ndarray]] | None = [[] for _ in cache] if include_queries else None
+    for start in range(0, len(ids), step):
+        chunk = mx.array([ids[start:start + step]], dtype=mx.int32)
+        if queries is not None:
+            with recording_queries() as recorded:
+                model(chunk, cache=cache)  # every query of the last layer too: not `last_only`
+            if len(recorded) != len(cache):
+                raise RuntimeError(f"{architecture}: {len(recorded)} attention calls recorded for {len(cache)} "
+                                   "layers; this architecture's attention does not go through models.base")
+        else:
+            recorded = []
+            model(chunk, cache=cache, last_only=True)  # every position's keys still reach the caches
+        length = chunk.shape[1]
+        for r in cache:
+            if len(r.keys) != 1 or r.keys[0].shape[2] != length:
+                raise RuntimeError(f"a layer cache got {[k.shape[2] for k in r.keys]} keys for a chunk of {length} "
+                                   "tokens: this architecture does not keep one cache per layer, which "
+                                   "inspect_attention needs")
+        got = [r.keys.pop() for r in cache]
+        mx.eval(got + recorded + [r.state for r in cache])
+        for i, k in enumerate(got):
+            keys[i].append(_per_head(k))
+        if queries is not None:
+            for i, q in enumerate(recorded):
+                queries[i].append(_per_head(q))
+        del got, recorded
+    key_heads = _joined(keys)
+    query_heads = _joined(queries) if queries is not None else None
+    num_kv_heads, head_dim = len(key_heads[0]), key_heads[0][0].shape[1]
     return AttentionSnapshot(
         architecture=architecture,
-        num_layers=len(keys),
+        num_layers=len(key_heads),
         num_kv_heads=int(num_kv_heads),
-        num_query_heads=int(queries[0].shape[1]) if queries else _query_heads(model, int(num_kv_heads)),
+        num_query_heads=len(query_heads[0]) if query_heads else _query_heads(model, int(num_kv_heads)),
         seq_len=len(ids),
         head_dim=int(head_dim),
         keys=key_heads,
         queries=query_heads,
         token_ids=tuple(ids),
     )
+
+
+def _joined(layers: list[list[np.ndarray]]) -> list[list[np.ndarray]]:
+    """Per layer, its chunks [heads, l, D] -> one contiguous (L, D) array per head; each layer's
+    chunks are dropped as it is joined (one layer's copy at a time on top of the result)."""
+    out = []
+    for i, parts in enumerate(layers):
+        whole = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+        layers[i] = []
+        out.append([np.ascontiguousarray(whole[h]) for h in range(whole.shape[0])])
+    return out
 
 
 def _query_heads(model: Any, default: int) -> int:

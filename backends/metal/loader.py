@@ -336,7 +336,8 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
         raise ConfigError(f"{file}: cannot read the {model_type} config: {exc}") from exc
     try:
         model = module.Model(args)
-    except (TypeError, ValueError, ZeroDivisionError) as exc:
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError, MLXError) as exc:
+        # Fields each in range can still multiply past MLX's 32-bit shapes (heads * head_dim).
         raise ConfigError(f"{file}: cannot build a {model_type} model from this config: {exc}") from exc
 
     module_paths = {p for p, _ in model.named_modules()}

@@ -189,3 +189,37 @@ def test_free_returns_memory(tmp_path: Path, arch: str, bits: int | None) -> Non
     assert mx.get_active_memory() == before
     with pytest.raises(mx.FreedArrayError):
         loaded.model(mx.array([[20]], mx.int32))
+
+
+@pytest.mark.parametrize("name", ["/etc/passwd", "../outside.safetensors", "sub/../../outside.safetensors",
+                                  "", "C:/weights.safetensors", "sub//x.safetensors"])
+def test_index_may_not_name_files_outside_the_directory(tiny: Path, name: str) -> None:
+    """A weight_map naming an absolute path or one with `..` used to be opened."""
+    weights = load_file(str(tiny / "model.safetensors"))
+    save_file(weights, str(tiny.parent / "outside.safetensors"))  # there, loadable: it must not be read
+    index = {"weight_map": {k: "model.safetensors" for k in weights}}
+    index["weight_map"]["model.norm.weight"] = name
+    (tiny / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(WeightsFileError, match=r"index\.json: weight_map names .*not a file inside the model"):
+        load_weights_and_config(tiny)
+
+
+def test_index_in_a_subdirectory_and_through_links_loads(tiny: Path, tmp_path: Path) -> None:
+    """Links the directory holds are followed (the Hugging Face cache links every file to a blob)."""
+    blob = tmp_path / "blobs" / "abc123"
+    blob.parent.mkdir()
+    (tiny / "model.safetensors").rename(blob)
+    (tiny / "shards").mkdir()
+    (tiny / "shards" / "model.safetensors").symlink_to(blob)
+    names = load_file(str(blob))
+    index = {"weight_map": dict.fromkeys(names, "shards/model.safetensors")}
+    (tiny / "model.safetensors.index.json").write_text(json.dumps(index))
+    with load_weights_and_config(tiny) as loaded:
+        assert loaded.num_tensors == len(names)
+
+
+@pytest.mark.parametrize("index", ["[1]", '{"weight_map": [1]}', '{"weight_map": {"a": 3}}', "{"])
+def test_malformed_index_names_the_file(tiny: Path, index: str) -> None:
+    (tiny / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(WeightsFileError, match=r"model\.safetensors\.index\.json"):
+        load_weights_and_config(tiny)

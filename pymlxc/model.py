@@ -20,8 +20,23 @@ class GenerationCancelled(RuntimeError):
 class TextModel(Protocol):
     """A loaded text model.
 
-    Errors: invalid arguments raise at once. An error during a stream (including cancellation and
-    timeout) ends the iterator quietly and is kept in `err()`; `err()` is reset at each new call.
+    Errors: invalid arguments raise at once (a prompt with a lone surrogate, a token id outside the
+    vocabulary: ValueError naming the position). Streams (`generate`, `chat`):
+    - A stop (cancel event, timeout: GenerationCancelled; `close()` from another thread:
+      ModelClosedError) ends the iterator quietly; the reason is kept in `err()`.
+    - Any other error during a stream (out of memory, a failed kernel) is raised from the iterator
+      and also kept in `err()`, so that a `for` loop cannot mistake it for the end of the text.
+    - `err()` answers for the calling thread and is reset at each of its calls. What it keeps
+      holds no traceback (no frame of the failed generation, so none of its arrays).
+    Tokens: each `Token` is yielded as soon as its id is sampled; its text is "" while a character
+    is unfinished, and bytes that can never be valid UTF-8 come out as U+FFFD at once. The texts
+    add up to the decode of the ids, except that a character left unfinished by a stop id,
+    a stop or an error is dropped.
+    Lifetime: `close()` frees the weights; a stream running on another thread stops at its next
+    token and `close()` waits for it first; a paused stream ends (ModelClosedError in `err()`)
+    when resumed. Later calls raise ModelClosedError. A stream holds one of the model's
+    `parallel_slots` from its first token to its end: a call on a thread whose own unfinished
+    streams hold every slot raises RuntimeError instead of waiting forever.
     """
 
     @property

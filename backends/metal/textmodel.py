@@ -1,8 +1,14 @@
 """`MetalTextModel`: the `TextModel` of the native backend (text in, tokens out, lifetime, slots).
 
 The loops are in `generate.py`; this class turns text into ids and ids into `Token`s, applies the
-error convention (bad arguments raise at once; a failure inside a stream ends it and is kept for
-`err()`), caps concurrent generations with `parallel_slots`, and frees the weights on `close()`.
+error convention of `pymlxc.model.TextModel`, caps concurrent generations with `parallel_slots`, and
+frees the weights on `close()`.
+
+Lifetime: every piece of work that touches the model's arrays (one step of a stream, a whole
+classify, batch or prompt-cache call) runs inside `_step()`, which counts it. `close()` marks the
+model closed (no new step starts; running ones stop at their next token through the guard), waits
+for the counted steps to end, and only then frees. A paused stream is between steps: it holds its
+slot and its own KV cache, never a weight that is being freed.
 
 `max_tokens=0` is valid and means "generate nothing": the stream is empty, `batch_generate` gives
 empty results, and `classify` is unaffected (it always produces one token).
@@ -10,13 +16,16 @@ empty results, and `classify` is unaffected (it always produces one token).
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import threading
+import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import pymlxc.core as mx
-from pymlxc.model import ModelClosedError
+from pymlxc.model import GenerationCancelled, ModelClosedError
 from pymlxc.options import GenerateConfig, LoadConfig, make_config
 from pymlxc.types import AttentionSnapshot, BatchResult, ClassifyResult, GenerateMetrics, Message, ModelInfo, Token
 
@@ -25,6 +34,10 @@ from . import prompt_cache as pcache
 from .compiled import CompiledDecoder, compile_enabled
 from .sample import Sampler, make_logits_processors, make_sampler
 from .training import TrainableMixin
+
+# How long close() waits for running steps (one token, or one prefill chunk, each) to notice it.
+# Past it, the last step to end frees the model instead: close() never frees under a running step.
+CLOSE_WAIT_S = 30.0
 
 
 class Detokenizer(Protocol):
@@ -48,32 +61,44 @@ class TokenizerLike(Protocol):
     def detokenizer(self, skip_special_tokens: bool = False) -> Detokenizer: ...
 
 
-def _tokens(ids: Iterator[int], detokenizer: Detokenizer) -> Iterator[Token]:
-    """Ids to Tokens whose texts concatenate to the decoded ids.
+def _tokens(ids: Iterator[int], detokenizer: Detokenizer, last: int | None = None) -> Iterator[Token]:
+    """Ids to Tokens, each as soon as its id arrives (its text "" while a character is unfinished).
 
-    An id whose text is not complete yet (part of a multi-byte character) is held back until a
-    later id completes it, so that the text `finish()` may still release at the end can go to the
-    last held token instead of being lost. Errors from `ids` are re-raised after the flush.
+    `last`: how many ids there are at most (max_tokens, or a batch row's length): the token that
+    reaches it also carries what `finish()` releases, so that the texts add up to the decode. A
+    stream that ends earlier (a stop id, an error) drops an unfinished character at its end.
     """
-    held: list[int] = []
-    error: Exception | None = None
+    count = 0
+    for token_id in ids:
+        count += 1
+        piece = detokenizer.add(token_id)
+        if count == last:
+            piece += detokenizer.finish()
+        yield Token(token_id, piece)
+
+
+def _detached(exc: BaseException, depth: int = 0) -> BaseException:
+    """A copy of `exc` for err() that keeps no traceback (whose frames would keep the failed
+    generation's KV cache and inputs alive), nor do its chained exceptions."""
     try:
-        for token_id in ids:
-            piece = detokenizer.add(token_id)
-            if not piece:
-                held.append(token_id)
-                continue
-            for h in held:
-                yield Token(h, "")
-            held.clear()
-            yield Token(token_id, piece)
-    except Exception as exc:  # noqa: BLE001 - handed on after the flush
-        error = exc
-    tail = detokenizer.finish()
-    for i, h in enumerate(held):
-        yield Token(h, tail if i == len(held) - 1 else "")
-    if error is not None:
-        raise error
+        kept = copy.copy(exc)
+    except Exception:  # noqa: BLE001 - an exception type that cannot be copied: keep it, stripped
+        kept = exc
+    kept.__traceback__ = None
+    for name in ("__cause__", "__context__"):
+        chained = getattr(exc, name)
+        setattr(kept, name, _detached(chained, depth + 1) if chained is not None and depth < 8 else None)
+    kept.__suppress_context__ = exc.__suppress_context__
+    return kept
+
+
+def _check_text(text: str, what: str) -> None:
+    """A lone surrogate (from a bad decode upstream) cannot be encoded: say where it is."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} has a lone surrogate {text[exc.start]!r} at position {exc.start}: "
+                         "not valid Unicode text") from None
 
 
 class MetalTextModel(TrainableMixin):
@@ -81,7 +106,8 @@ class MetalTextModel(TrainableMixin):
     The training side (apply_lora, adapters, logits) comes from `training.TrainableMixin`.
 
     `err()` answers for the calling thread: the error that ended its last stream (or batch), reset
-    at each of its calls, so concurrent callers do not see one another's errors.
+    at each of its calls, so concurrent callers do not see one another's errors. It is a copy
+    without traceback (see `_detached`).
     """
 
     def __init__(self, model: Any, tokenizer: TokenizerLike, *, model_type: str, info: ModelInfo,
@@ -95,10 +121,15 @@ class MetalTextModel(TrainableMixin):
         self._context_len = config.context_len
         self._device = mx.cpu if config.gpu_layers == 0 else None
         self._stop_ids = frozenset(tokenizer.eos_token_ids) | frozenset(stop_ids)
+        self._parallel_slots = config.parallel_slots
         self._slots = threading.BoundedSemaphore(config.parallel_slots)
         self._state_lock = threading.Lock()
+        self._idle = threading.Condition(self._state_lock)  # notified when the last step ends
         self._active = 0
         self._closed = False
+        self._steps: dict[int, int] = {}  # thread id -> steps it is running now
+        self._held: dict[int, int] = {}  # thread id -> slots held by streams it started
+        self._free_at_idle = False  # close() gave up waiting: the last step to end frees
         self._errors: dict[int, BaseException | None] = {}
         self._metrics = GenerateMetrics()
         self._prompt_cache = pcache.PromptCache(config.prompt_cache_entries, config.prompt_cache_bytes)
@@ -170,6 +201,7 @@ class MetalTextModel(TrainableMixin):
         options = self._begin(config)
         if not messages:
             raise ValueError("chat needs at least one message")
+        self._check_messages(messages)
         text = render_chat(messages, self._tokenizer, add_generation_prompt=True)
         # The template writes the special tokens itself (BOS included).
         ids = self._tokenizer.encode(text, add_special_tokens=False)
@@ -177,19 +209,17 @@ class MetalTextModel(TrainableMixin):
         return self._stream(self._model, ids, options)
 
     def classify(self, prompts: Sequence[str], **config: Any) -> list[ClassifyResult]:
-        """The next token after each prompt, each prefilled as `generate` prefills it (chunked,
-        `context_len` honoured). Not a stream: errors, cancellation and timeout included, are raised."""
+        """The next token after each prompt, from one batched forward pass. Not a stream: errors,
+        cancellation and timeout included, are raised."""
         options = self._begin(config)
         model = self._model
         rows = self._encode_prompts(prompts)
         timings = loops.Timings()
-        guard = loops.Guard.make(options.cancel, options.timeout, self._is_closed)
         try:
-            with self._slot(guard), self._on_device():
+            with self._slot(loops.Guard.make(options.cancel, options.timeout, self._is_closed)), self._step(), self._on_device():
                 ids, logits = loops.classify_ids(
                     model, rows, sampler=self._sampler(options), return_logits=options.return_logits,
-                    processors=make_logits_processors(options.repeat_penalty), timings=timings,
-                    context_len=self._context_len, guard=guard)
+                    processors=make_logits_processors(options.repeat_penalty), timings=timings)
         finally:
             self._finish(timings)
         return [ClassifyResult(Token(i, self._tokenizer.decode([i])), logits[n] if logits is not None else None)
@@ -207,7 +237,7 @@ class MetalTextModel(TrainableMixin):
         rows = [loops.BatchRow() for _ in rows_in]
         error: Exception | None = None
         try:
-            with self._slot(guard), self._on_device():
+            with self._slot(guard), self._step(), self._on_device():
                 rows = loops.batch_generate_ids(
                     model, rows_in, cache=model.make_cache(self._context_len),
                     sampler=self._sampler(options), processors=make_logits_processors(options.repeat_penalty),
@@ -216,12 +246,12 @@ class MetalTextModel(TrainableMixin):
                     out=rows)
         except Exception as exc:  # noqa: BLE001 - reported per row and in err()
             error = exc
-            self._errors[threading.get_ident()] = exc
+            self._errors[threading.get_ident()] = _detached(exc)
         finally:
             self._finish(timings)
         results = []
         for row in rows:
-            tokens = list(_tokens(iter(row.ids), self._tokenizer.detokenizer()))
+            tokens = list(_tokens(iter(row.ids), self._tokenizer.detokenizer(), last=len(row.ids)))
             results.append(BatchResult(tokens, None if error is None else f"{type(error).__name__}: {error}"))
         return results
 
@@ -240,7 +270,7 @@ class MetalTextModel(TrainableMixin):
         timings = loops.Timings(prompt_tokens=len(ids))
         use = pcache.CacheUse()
         try:
-            with self._slot(loops.Guard.make(None, None, self._is_closed)), self._on_device():
+            with self._slot(loops.Guard.make(None, None, self._is_closed)), self._step(), self._on_device():
                 cache, cached, use = self._restore_prompt_cache(model, ids, limit=len(ids))
                 if cached < len(ids):
                     loops.prefill(model, mx.array([ids], dtype=mx.int32), cache, start=cached)
@@ -252,8 +282,7 @@ class MetalTextModel(TrainableMixin):
     def save_prompt_cache(self, path: str | os.PathLike[str]) -> int:
         """Write the prompt cache's entries to a safetensors file at `path`, with the model's identity
         and each entry's token ids in its metadata; returns how many entries were written."""
-        self._check_open()
-        with self._on_device():
+        with self._step(), self._on_device():
             return pcache.save_entries(path, self._prompt_cache.snapshot(),
                                        pcache.model_identity(self._model, self._model_type))
 
@@ -261,9 +290,8 @@ class MetalTextModel(TrainableMixin):
         """Add the entries of a file written by `save_prompt_cache` (most recent last); returns how
         many were kept. A file made by another model, or with another `context_len`, raises
         `PromptCacheError` and changes nothing."""
-        self._check_open()
-        model = self._model
-        with self._on_device():
+        with self._step(), self._on_device():
+            model = self._model
             entries = pcache.load_entries(path, pcache.model_identity(model, self._model_type),
                                           model.make_cache(self._context_len), self._info.vocab_size, model=model)
             if self.compiled_decode and compile_enabled():
@@ -273,15 +301,14 @@ class MetalTextModel(TrainableMixin):
 
     def inspect_attention(self, prompt: str | Sequence[int], include_queries: bool = False) -> AttentionSnapshot:
         """The keys (after RoPE) of every layer and KV head for `prompt` (text, encoded as `generate`
-        encodes it, or token ids), and the queries of every head when asked: a chunked prefill."""
+        encodes it, or token ids), and the queries of every head when asked: one forward pass."""
         from .inspection import inspect_attention
 
         self._begin({})
         model = self._model
         ids = self._prefix_ids(prompt)
-        with self._slot(loops.Guard.make(None, None, self._is_closed)), self._on_device():
-            return inspect_attention(model, ids, architecture=self._model_type, include_queries=include_queries,
-                                     context_len=self._context_len)
+        with self._slot(loops.Guard.make(None, None, self._is_closed)), self._step(), self._on_device():
+            return inspect_attention(model, ids, architecture=self._model_type, include_queries=include_queries)
 
     def _prefix_ids(self, prefix: str | Sequence[Any]) -> list[int]:
         if isinstance(prefix, str):
@@ -290,13 +317,11 @@ class MetalTextModel(TrainableMixin):
         if items and all(isinstance(m, (Message, dict)) for m in items):
             from .chat_template import render_chat
 
+            self._check_messages(items)
             text = render_chat(items, self._tokenizer, add_generation_prompt=False)
             ids = self._tokenizer.encode(text, add_special_tokens=False)
         elif all(isinstance(t, int) and not isinstance(t, bool) for t in items):
             ids = [int(t) for t in items]
-            bad = [t for t in ids if not 0 <= t < self._info.vocab_size]
-            if bad:
-                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary of {self._info.vocab_size}")
         else:
             raise TypeError("expected text, token ids, or chat messages")
         self._check_ids(ids)
@@ -322,12 +347,28 @@ class MetalTextModel(TrainableMixin):
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Free every weight now. Idempotent; later calls raise ModelClosedError. A generation
-        running on another thread stops at its next token with ModelClosedError in its err()."""
+        """Free every weight. Idempotent; later calls raise ModelClosedError. Streams running on
+        other threads stop at their next token (their err(): ModelClosedError) and close() waits
+        for them before freeing (at most CLOSE_WAIT_S; past it, with a warning, the last of them
+        frees on its way out). A paused stream ends with ModelClosedError when resumed."""
+        me = threading.get_ident()
         with self._state_lock:
             if self._closed:
                 return
             self._closed = True
+            deadline = time.monotonic() + CLOSE_WAIT_S
+            # Steps of this very thread (close() from inside one) cannot end while it waits.
+            while self._active_steps() > self._steps.get(me, 0) and (left := deadline - time.monotonic()) > 0:
+                self._idle.wait(left)
+            deferred = self._free_at_idle = self._active_steps() > 0
+        if deferred:
+            if not self._steps.get(me):
+                warnings.warn(f"close(): generations still running after {CLOSE_WAIT_S:g} s; the model is "
+                              "freed when the last of them stops", RuntimeWarning, stacklevel=2)
+            return
+        self._free()
+
+    def _free(self) -> None:
         try:
             self._resources.close()
         finally:
@@ -354,6 +395,34 @@ class MetalTextModel(TrainableMixin):
         if self._closed:
             raise ModelClosedError("the model is closed")
 
+    def _active_steps(self) -> int:
+        return sum(self._steps.values())
+
+    @contextlib.contextmanager
+    def _step(self) -> Iterator[None]:
+        """Run work that touches the model's arrays: refused once closed, and counted, so that
+        close() frees nothing under it."""
+        me = threading.get_ident()
+        with self._state_lock:
+            if self._closed:
+                raise ModelClosedError("the model was closed")
+            self._steps[me] = self._steps.get(me, 0) + 1
+        try:
+            yield
+        finally:
+            with self._state_lock:
+                self._steps[me] -= 1
+                if not self._steps[me]:
+                    del self._steps[me]
+                idle = not self._steps
+                free = idle and self._free_at_idle
+                if free:
+                    self._free_at_idle = False
+                if idle:
+                    self._idle.notify_all()
+            if free:
+                self._free()
+
     def _begin(self, config: dict[str, Any]) -> GenerateConfig:
         """Start a call: check the model and options (raising at once) and reset err()."""
         self._check_open()
@@ -362,16 +431,33 @@ class MetalTextModel(TrainableMixin):
         return options
 
     def _check_ids(self, ids: Sequence[int]) -> None:
+        """Every prompt's ids pass here before MLX sees them: an id past the embedding's rows would
+        read out of bounds (MLX's gather does not check)."""
         # A prompt or generation longer than context_len is not an error: the caches keep the
         # most recent context_len tokens (and the first few), as the models' make_cache decides.
         if not ids:
             raise ValueError("the prompt encodes to no tokens")
+        vocab = self._info.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            n, bad = next((n, t) for n, t in enumerate(ids) if not 0 <= t < vocab)
+            raise ValueError(f"token id {bad} (position {n} of the prompt) is outside the model's vocabulary "
+                             f"of {vocab} (ids 0..{vocab - 1}, the embedding's rows)")
+
+    @staticmethod
+    def _check_messages(messages: Sequence[Any]) -> None:
+        for n, message in enumerate(messages):
+            fields = message.to_dict() if isinstance(message, Message) else message
+            if isinstance(fields, dict):
+                for key, value in fields.items():
+                    if isinstance(value, str):
+                        _check_text(value, f"message {n}'s {key}")
 
     def _encode_prompt(self, prompt: str) -> list[int]:
         if not isinstance(prompt, str):
             raise TypeError(f"the prompt must be a str, not {type(prompt).__name__}")
         if not prompt:
             raise ValueError("the prompt is empty")
+        _check_text(prompt, "the prompt")
         ids = self._tokenizer.encode(prompt)
         self._check_ids(ids)
         return ids
@@ -389,12 +475,23 @@ class MetalTextModel(TrainableMixin):
 
     @contextlib.contextmanager
     def _slot(self, guard: loops.Guard) -> Iterator[None]:
-        """Hold one of the `parallel_slots` (waiting while all are taken, cancellable)."""
+        """Hold one of the `parallel_slots` (waiting while all are taken, cancellable). Where every
+        slot is held by paused streams of the calling thread, no other thread can free one while
+        this thread waits: that raises at once instead of waiting forever."""
+        me = threading.get_ident()
         while not self._slots.acquire(timeout=0.05):
             guard.check()
+            with self._state_lock:
+                mine = self._held.get(me, 0)
+            if mine >= self._parallel_slots:
+                raise RuntimeError(
+                    f"all {self._parallel_slots} generation slots (parallel_slots) are held by unfinished "
+                    "streams of this thread; a call here would wait for them forever: finish or close() "
+                    "those iterators first, or load the model with more parallel_slots")
         try:
             guard.check()
             with self._state_lock:
+                self._held[me] = self._held.get(me, 0) + 1
                 self._active += 1
                 if self._active == 1:
                     # Peak memory is process-wide: only reset it when no other call is measuring.
@@ -402,7 +499,11 @@ class MetalTextModel(TrainableMixin):
             yield
         finally:
             with self._state_lock:
-                self._active -= 1
+                if me in self._held:
+                    self._active -= 1
+                    self._held[me] -= 1
+                    if not self._held[me]:
+                        del self._held[me]
             self._slots.release()
 
     @contextlib.contextmanager
@@ -427,7 +528,7 @@ class MetalTextModel(TrainableMixin):
 
     def _stream(self, model: Any, ids: list[int], options: GenerateConfig) -> Iterator[Token]:
         # `model` is taken when the call is made: a close() racing with the stream's start then
-        # fails inside the stream (into err()), never on a model that is already None.
+        # ends the stream (ModelClosedError in err()) at its first step, before `model` is used.
         if options.max_tokens == 0:
             return iter(())
         owner = threading.get_ident()
@@ -449,7 +550,7 @@ class MetalTextModel(TrainableMixin):
                     stop_ids=self._stop_ids | frozenset(options.stop_tokens), guard=guard, timings=timings,
                     decoder=self._decoder if self.compiled_decode and compile_enabled() else None)
                 try:
-                    yield from _tokens(id_stream, self._tokenizer.detokenizer())
+                    yield from _tokens(id_stream, self._tokenizer.detokenizer(), last=options.max_tokens)
                 finally:
                     id_stream.close()
                     self._keep_prompt_cache(ids + sampled, cache)
@@ -457,18 +558,28 @@ class MetalTextModel(TrainableMixin):
             self._finish(timings, use)
 
     def _reporting(self, tokens: Iterator[Token], owner: int) -> Iterator[Token]:
-        """Run each step of `tokens` on the model's device; keep an error for err() instead of
-        raising it (for the thread that made the call)."""
+        """Run each step of `tokens` as a counted step on the model's device. An error is kept for
+        err() (of the thread that made the call); cancellation, timeout and close() end the stream
+        quietly, any other error is raised as well."""
         try:
             while True:
                 try:
-                    with self._on_device():
+                    with self._step(), self._on_device():
                         token = next(tokens)
                 except StopIteration:
                     return
-                except Exception as exc:  # noqa: BLE001 - the documented convention: kept for err()
-                    self._errors[owner] = exc
+                except (GenerationCancelled, ModelClosedError) as exc:
+                    self._errors[owner] = _detached(exc)
                     return
+                except Exception as exc:
+                    self._errors[owner] = _detached(exc)
+                    raise
                 yield token
         finally:
-            tokens.close()
+            # The stream's own cleanup (its caches into the prompt cache, the queued step drained)
+            # is a step too while the model is open; once it is closed the cleanup touches no weight.
+            try:
+                with self._step(), self._on_device():
+                    tokens.close()
+            except ModelClosedError:
+                tokens.close()

@@ -209,17 +209,19 @@ class MetalTextModel(TrainableMixin):
         return self._stream(self._model, ids, options)
 
     def classify(self, prompts: Sequence[str], **config: Any) -> list[ClassifyResult]:
-        """The next token after each prompt, from one batched forward pass. Not a stream: errors,
-        cancellation and timeout included, are raised."""
+        """The next token after each prompt, each prefilled as `generate` prefills it (chunked,
+        `context_len` honoured). Not a stream: errors, cancellation and timeout included, are raised."""
         options = self._begin(config)
         model = self._model
         rows = self._encode_prompts(prompts)
         timings = loops.Timings()
+        guard = loops.Guard.make(options.cancel, options.timeout, self._is_closed)
         try:
-            with self._slot(loops.Guard.make(options.cancel, options.timeout, self._is_closed)), self._step(), self._on_device():
+            with self._slot(guard), self._step(), self._on_device():
                 ids, logits = loops.classify_ids(
                     model, rows, sampler=self._sampler(options), return_logits=options.return_logits,
-                    processors=make_logits_processors(options.repeat_penalty), timings=timings)
+                    processors=make_logits_processors(options.repeat_penalty), timings=timings,
+                    context_len=self._context_len, guard=guard)
         finally:
             self._finish(timings)
         return [ClassifyResult(Token(i, self._tokenizer.decode([i])), logits[n] if logits is not None else None)
@@ -301,14 +303,15 @@ class MetalTextModel(TrainableMixin):
 
     def inspect_attention(self, prompt: str | Sequence[int], include_queries: bool = False) -> AttentionSnapshot:
         """The keys (after RoPE) of every layer and KV head for `prompt` (text, encoded as `generate`
-        encodes it, or token ids), and the queries of every head when asked: one forward pass."""
+        encodes it, or token ids), and the queries of every head when asked: a chunked prefill."""
         from .inspection import inspect_attention
 
         self._begin({})
         model = self._model
         ids = self._prefix_ids(prompt)
         with self._slot(loops.Guard.make(None, None, self._is_closed)), self._step(), self._on_device():
-            return inspect_attention(model, ids, architecture=self._model_type, include_queries=include_queries)
+            return inspect_attention(model, ids, architecture=self._model_type, include_queries=include_queries,
+                                     context_len=self._context_len)
 
     def _prefix_ids(self, prefix: str | Sequence[Any]) -> list[int]:
         if isinstance(prefix, str):

@@ -202,7 +202,10 @@ class MetalTextModel(TrainableMixin):
         if not messages:
             raise ValueError("chat needs at least one message")
         self._check_messages(messages)
-        text = render_chat(messages, self._tokenizer, add_generation_prompt=True)
+        # The template is the checkpoint's code: it renders under the call's cancel and timeout
+        # (and the model's closing), besides its own bounds.
+        guard = loops.Guard.make(options.cancel, options.timeout, self._is_closed)
+        text = render_chat(messages, self._tokenizer, add_generation_prompt=True, guard=guard.check)
         # The template writes the special tokens itself (BOS included).
         ids = self._tokenizer.encode(text, add_special_tokens=False)
         self._check_ids(ids)

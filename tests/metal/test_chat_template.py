@@ -6,8 +6,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
+import json
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pymlxc.backends.metal import chat_template as ct
 from pymlxc.backends.metal.chat_template import ChatTemplateError, builtin_template, render_chat
 from pymlxc.backends.metal.tokenizer import Tokenizer
 from pymlxc.testing import ARCHITECTURES, write_tiny_model
@@ -149,3 +154,78 @@ def test_sandbox_refuses_internals() -> None:
 def test_syntax_error_is_a_chat_template_error() -> None:
     with pytest.raises(ChatTemplateError, match="not valid Jinja"):
         render_chat([{"role": "user", "content": "x"}], FakeTokenizer("{% for m in messages %}"))
+
+
+# ---------------------------------------------------------------------- bounds of a render
+# (the hostile templates that would hang or take gigabytes without them: tests/reliability/test_templates.py)
+USER = [{"role": "user", "content": "x"}]
+SIZED = {
+    "repeat": ("{{ 'ab' * n }}", lambda n: 2 * n),
+    "repeat reversed": ("{{ (n * ['a'])|join }}", lambda n: n + 1),  # list items + their characters
+    "center": ("{{ 'a'|center(n) }}", lambda n: n),
+    "ljust": ("{{ 'a'.ljust(n) }}", lambda n: n),
+    "percent": ("{{ '%*d' % (n, 1) }}", lambda n: n),
+    "str.format": ("{{ '{:>{}}'.format(1, n) }}", lambda n: n),
+    "replace": ("{{ 'aaaa'|replace('a', 'b' * n) }}", lambda n: 4 * n),
+}
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=st.sampled_from(sorted(SIZED)), n=st.integers(0, 2 * ct.MAX_CHARS))
+def test_size_multiplying_operations_stop_exactly_past_the_limit(case: str, n: int) -> None:
+    template, size = SIZED[case]
+    if size(n) <= ct.MAX_CHARS:
+        text = render_chat(USER, FakeTokenizer(template), n=n)
+        assert len(text) >= min(n, 1) and len(text) <= ct.MAX_CHARS
+    else:
+        with pytest.raises(ChatTemplateError, match="over the limit"):
+            render_chat(USER, FakeTokenizer(template), n=n)
+
+
+@settings(max_examples=30, deadline=None)
+@given(indent=st.integers(0, 200), exponent=st.integers(0, 40000))
+def test_tojson_indent_and_integer_powers_are_bounded(indent: int, exponent: int) -> None:
+    template = FakeTokenizer("{{ messages|tojson(indent=indent) }}")
+    if indent <= ct.MAX_INDENT:
+        assert render_chat(USER, template, indent=indent) == json.dumps(USER, indent=indent)
+    else:
+        with pytest.raises(ChatTemplateError, match="indent"):
+            render_chat(USER, template, indent=indent)
+    power = FakeTokenizer("{{ (3 ** e) % 1000 }}")
+    if exponent * 2 <= ct.MAX_INT_BITS:  # 3 has 2 bits
+        assert render_chat(USER, power, e=exponent) == str(pow(3, exponent, 1000))
+    else:
+        with pytest.raises(ChatTemplateError, match="bits"):
+            render_chat(USER, power, e=exponent)
+
+
+def test_a_long_render_stops_at_its_deadline_and_at_the_guard() -> None:
+    slow = FakeTokenizer("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+    with pytest.raises(ChatTemplateError, match="longer than 0.2 s"):
+        render_chat(USER, slow, seconds=0.2)
+    calls = []
+
+    class Stopped(Exception):
+        pass
+
+    def guard() -> None:
+        calls.append(1)
+        if len(calls) > 1000:
+            raise Stopped("cancelled")
+
+    with pytest.raises(Stopped):  # the guard's own exception, not wrapped
+        render_chat(USER, slow, guard=guard)
+    assert len(calls) == 1001
+
+
+def test_python_errors_in_a_template_are_chat_template_errors() -> None:
+    for template, message in [("{{ 1 / 0 }}", "ZeroDivisionError"),
+                              ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError")]:
+        with pytest.raises(ChatTemplateError, match=message):
+            render_chat(USER, FakeTokenizer(template))
+
+
+def test_ordinary_templates_keep_working_with_the_bounds(dirs: dict[str, Path]) -> None:
+    long = [{"role": "user" if i % 2 == 0 else "assistant", "content": "word " * 2000} for i in range(50)]
+    text = render_chat(long, Tokenizer(dirs["qwen2"]))
+    assert text.count("word") == 100000 and text.endswith("<|im_start|>assistant\n")

@@ -296,6 +296,8 @@ def gguf_file_of(path: str | os.PathLike[str]) -> Path | None:
     p = Path(path)
     if p.suffix.lower() != ".gguf" and not (p.is_dir() and any(p.glob("*.gguf"))):
         return None
+    if p.suffix.lower() == ".gguf" and p.exists():
+        check_regular_file(p, what="GGUF file")  # a FIFO or device named *.gguf: said so, not "no directory"
     from .gguf import find_gguf
 
     return find_gguf(p)

@@ -78,6 +78,13 @@ def test_link_to_dev_zero_is_refused_unread(model: Path, name: str) -> None:
     assert peak_mib < 1500  # nothing read from the device (it used to read about 2 GB)
 
 
+def test_gguf_fifo_is_refused(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "m.gguf")
+    kind, message, _ = run_case(LOAD.format(path=str(tmp_path / "m.gguf")), timeout=120)
+    assert (kind, message) == ("UnsafeFileError", f"GGUF file {tmp_path / 'm.gguf'} is a FIFO (named pipe), "
+                                                  "not a regular file")
+
+
 def test_link_to_a_regular_file_still_loads(model: Path, tmp_path: Path) -> None:
     """Links are followed (the Hugging Face cache is made of them): only what they lead to counts."""
     blobs = tmp_path / "blobs"

@@ -25,6 +25,7 @@ from typing import Any
 
 import pymlxc.core as mx
 from pymlxc.core import Array
+from pymlxc.files import JSON_LIMIT, read_text
 
 MLX_WEIGHTS = "adapters.safetensors"
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -57,10 +58,10 @@ class AdapterWeights:
 
 def _read_config(path: Path) -> dict[str, Any]:
     file = path / CONFIG
-    if not file.is_file():
+    if not file.exists():
         raise AdapterError(f"{path}: no {CONFIG}")
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
+    try:  # bounded, regular files only (pymlxc.files): a FIFO there would block the read
+        config = json.loads(read_text(file, what="adapter config", max_bytes=JSON_LIMIT, error=AdapterError))
     except json.JSONDecodeError as exc:
         raise AdapterError(f"{file}: malformed JSON: {exc.msg} (line {exc.lineno})") from None
     if not isinstance(config, dict):

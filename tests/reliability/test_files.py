@@ -178,3 +178,29 @@ def test_read_json_round_trips(tmp_path_factory: pytest.TempPathFactory, value: 
     file = tmp_path_factory.mktemp("j") / "f.json"
     file.write_text(json.dumps(value), encoding="utf-8")
     assert read_json(file) == value
+
+
+def test_adapter_and_safetensors_readers_refuse_fifos(tmp_path: Path) -> None:
+    """Adapters and prompt caches are read through the same door: `pymlxc.core.load_safetensors`
+    (which MLX opens by name) and `pymlxc.files` for their JSON."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapters.safetensors").write_bytes(b"")
+    os.mkfifo(adapter / "adapter_config.json")
+    os.mkfifo(tmp_path / "cache.safetensors")
+    result = run_case(f"""
+import pymlxc.core as mx
+from pymlxc.training.adapters import read_adapter
+out = []
+for fn, arg in ((read_adapter, {str(adapter)!r}), (mx.load_safetensors, {str(tmp_path / "cache.safetensors")!r})):
+    try:
+        fn(arg)
+        out.append("read")
+    except Exception as exc:
+        out.append([type(exc).__name__, str(exc)])
+report(out)
+""", timeout=120)
+    assert result == [["UnsafeFileError", f"adapter config {adapter / 'adapter_config.json'} is a FIFO (named pipe), "
+                                          "not a regular file"],
+                      ["UnsafeFileError", f"file {tmp_path / 'cache.safetensors'} is a FIFO (named pipe), "
+                                          "not a regular file"]]

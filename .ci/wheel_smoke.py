@@ -14,7 +14,8 @@ import pymlxc.core as mx
 from pymlxc.core import _loader
 
 site = Path(pymlxc.__file__).resolve().parent
-assert "site-packages" in site.parts, f"pymlxc imported from {site}, not from the installed wheel"
+checkout = Path(__file__).resolve().parents[1]
+assert not site.is_relative_to(checkout), f"pymlxc imported from the checkout ({site}), not from the installed wheel"
 assert Path(_loader._LIB_PATH).is_relative_to(site), f"libmlxc loaded from {_loader._LIB_PATH}, not the wheel"
 
 a = mx.array([[1.0, 2.0], [3.0, 4.0]])

@@ -81,6 +81,10 @@ def _check_float(field: str, value: Any, positive: bool) -> float:
     return float(value)
 
 
+def _optional(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
+
+
 def check_value(field: str, hint: Any, value: Any) -> Any:
     """`value` checked against the annotation `hint` (int, float, bool, str, dict, list[...] and
     their `| None`); returns it normalised (an integral float as an int, an int as a float)."""
@@ -170,7 +174,10 @@ def check_params(cls: type, params: Any, prefix: str = "") -> dict[str, Any]:
         raise ConfigError(f"config is missing required field{'s' if len(missing) > 1 else ''}: "
                           + ", ".join(prefix + m for m in missing))
     hints = _hints(cls)
-    kwargs = {k: check_value(prefix + k, hints[k], v) for k, v in params.items() if k in fields}
+    # null where the field cannot be None but has a default means "not set" (as in transformers).
+    unset = {k for k, v in params.items() if v is None and k in fields and not _optional(hints[k])
+             and (fields[k].default is not dataclasses.MISSING or fields[k].default_factory is not dataclasses.MISSING)}
+    kwargs = {k: check_value(prefix + k, hints[k], v) for k, v in params.items() if k in fields and k not in unset}
     _check_rope_fields(kwargs, prefix)
     return kwargs
 

@@ -99,6 +99,13 @@ def test_integral_floats_are_taken(tiny: Path) -> None:
         assert loaded.model.args.hidden_size == 64 and isinstance(loaded.model.args.hidden_size, int)
 
 
+def test_null_means_the_default_where_the_field_has_one() -> None:
+    """transformers writes null for unset fields: a field with a default takes it, a required one is named."""
+    assert gemma3.ModelArgs.from_dict({"sliding_window_pattern": None}).sliding_window_pattern == 6
+    with pytest.raises(ConfigError, match="hidden_size: expected an integer, got None"):
+        llama.ModelArgs.from_dict({**LLAMA, "hidden_size": None})
+
+
 @pytest.mark.parametrize(("scaling", "field"), [
     ({"rope_type": "llama3"}, "rope_scaling.factor"),
     ({"type": "linear"}, "rope_scaling.factor"),

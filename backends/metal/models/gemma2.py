@@ -27,7 +27,7 @@ class ModelArgs(BaseModelArgs):
     num_attention_heads: int
     vocab_size: int
     model_type: str = "gemma2"
-    head_dim: int = 256  # HF's default; not hidden / heads
+    head_dim: int | None = 256  # HF's default; not hidden / heads (null: hidden / heads)
     num_key_value_heads: int | None = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0

@@ -83,7 +83,7 @@ def test_sizes_out_of_range_or_of_the_wrong_type(tiny: Path, field: str, value: 
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("rms_norm_eps", "x"), ("rms_norm_eps", -1e-5), ("rms_norm_eps", None), ("rope_theta", 0),
+    ("rms_norm_eps", "x"), ("rms_norm_eps", -1e-5), ("rms_norm_eps", float("inf")), ("rope_theta", 0),
     ("rope_theta", "1e4"), ("attention_bias", "false"), ("tie_word_embeddings", 1), ("model_type", 3),
     ("sliding_window", -4), ("layer_types", "full_attention"),
 ])

@@ -547,7 +547,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="run a case only if the device holds this many times its weights (both sides + work)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--merge", nargs="*", type=Path, default=None, metavar="JSON",
-                   help="merge earlier result files (e.g. the parts of a GPU session) into --out; runs nothing")
+                   help="merge earlier result files into --out (a folder, or a .json path such as "
+                        "benchmarks/results/h100.json), the latest run of each case kept; runs nothing")
     args = p.parse_args(argv)
     if args.quick:
         args.shapes = [s for s in args.shapes if s != "llama-3.1-8b"] if "--shapes" not in (argv or sys.argv) else args.shapes
@@ -589,24 +590,72 @@ def header(report: dict[str, Any]) -> str:
             f"medians of {s['runs']} runs" + (f", {s['layers']} layers" if s.get("layers") else "") + ".")
 
 
+def reproduce_command(settings: dict[str, Any], case: dict[str, Any]) -> str:
+    """The command line that measures `case` again with the settings of the run that measured it."""
+    parts = ["python benchmarks/compare_mlx_lm.py", f"--shapes {case['shape']}", f"--quant {case['quant']}",
+             "--prompt-lengths " + " ".join(map(str, settings["prompt_lengths"])), f"--max-tokens {settings['max_tokens']}",
+             f"--runs {settings['runs']}", f"--load-runs {settings.get('load_runs', 3)}"]
+    if settings.get("layers"):
+        parts.append(f"--layers {settings['layers']}")
+    if settings.get("cpu"):
+        parts.append("--cpu")
+    return " ".join(parts)
+
+
 def merge(files: list[Path], out: Path) -> int:
+    """One report from several: each case keeps the run that measured it (date, commit, versions and
+    the command that reproduces it), and a case measured in several files keeps the latest run."""
     reports = [json.loads(f.read_text()) for f in files]
     if not reports:
         print("--merge: no files given", file=sys.stderr)
         return 2
-    merged = dict(reports[0])
-    merged["cases"] = [c for r in reports for c in r["cases"]]
+    latest: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for path, report in sorted(zip(files, reports), key=lambda fr: fr[1]["date"]):
+        for case in report["cases"]:
+            run = case.get("run") or {
+                "date": report["date"], "versions": report["versions"], "source": path.name,
+                "command": reproduce_command(report["settings"], case)}
+            key = (case["shape"], case["quant"], case["prompt_tokens"], case.get("layers"))
+            latest[key] = dict(case, run=run)
+    order = {(s, q): i for i, (s, q) in enumerate((s, q) for s in SHAPES for q in QUANTS)}
+    cases = sorted(latest.values(), key=lambda c: (order.get((c["shape"], c["quant"]), len(order)), c["prompt_tokens"]))
+    merged = dict(max(reports, key=lambda r: r["date"]))
+    merged["cases"] = cases
     merged["skipped"] = [c for r in reports for c in r.get("skipped", [])]
-    merged["merged_from"] = [str(f) for f in files]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "compare_mlx_lm.json").write_text(json.dumps(merged, indent=1) + "\n")
-    print(header(merged))
-    print()
-    print(markdown_table(merged))
+    merged.pop("merged_from", None)
+    json_path, chart_path = ((out, out.with_suffix(".png")) if out.suffix == ".json"
+                             else (out / "compare_mlx_lm.json", out / "compare_mlx_lm.png"))
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(merged, indent=1) + "\n")
+    print(results_page_table(merged))
     for skip in merged["skipped"]:
         print(f"\nskipped {skip['shape']} {skip['quant']}: {skip['reason']}")
-    chart(merged, out / "compare_mlx_lm.png")
+    chart(merged, chart_path)
     return 0
+
+
+def results_page_table(report: dict[str, Any]) -> str:
+    """The BENCHMARKS.md table of a merged report: one row per case with its commit and date, and a
+    numbered list of the commands that reproduce the rows."""
+    commands: list[str] = []
+    lines = ["| shape | quant | prompt | decode tok/s pymlxc | mlx-lm | decode | prefill | peak memory | load "
+             "| commit | date | command |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
+    for case in report["cases"]:
+        run = case["run"]
+        if run["command"] not in commands:
+            commands.append(run["command"])
+        r = case["ratio"]
+        lines.append(
+            f"| {case['shape']} | {case['quant']} | {case['prompt_tokens']} | "
+            f"{case['sides']['pymlxc']['decode_tps']['median']:.0f} | {case['sides']['mlx_lm']['decode_tps']['median']:.0f} | "
+            f"{r['decode']:.2f}x | {r['prefill']:.2f}x | {r['peak_memory']:.2f}x | {r['load']:.2f}x | "
+            f"`{run['versions'].get('pymlxc_git', '?')}` | {run['date'][:10]} | [{commands.index(run['command']) + 1}] |")
+    versions = sorted({", ".join(f"{k} {v}" for k, v in c["run"]["versions"].items() if k != "pymlxc_git")
+                       for c in report["cases"]})
+    lines += ["", "Versions: " + "; ".join(versions) + "."]
+    lines += [""] + [f"[{i}] `{c}`" for i, c in enumerate(commands, 1)]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

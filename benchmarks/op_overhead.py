@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import datetime
 import json
 import platform
 import sys
@@ -80,7 +81,11 @@ def run(number: int, repeat: int, clock: str = "thread") -> dict[str, Any]:
     for name in ours:
         t_ours, t_mlx = _time_pair(ours[name], theirs[name], number, repeat, CLOCKS[clock])
         rows.append({"case": name, "pymlxc_us": t_ours * 1e6, "mlx_us": t_mlx * 1e6, "ratio": t_ours / t_mlx})
+    from compare_mlx_lm import versions  # the same version and commit record as the model benchmark
+
     return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": versions(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "mlx_version": mlx.__version__,

@@ -1,42 +1,37 @@
 #!/usr/bin/env bash
-# The GPU session of issue 7: build libmlxc for MLX's CUDA wheel, smoke-test the binding, run the
-# binding and model parity tests on the GPU, then benchmarks/compare_mlx_lm.py at full size.
+# Runs pymlxc's GPU checks and benchmarks in stages, each sized for one 10-minute call on a lent GPU
+# machine: build libmlxc against MLX's CUDA wheel, smoke-test the binding, run the binding and model
+# parity tests, then benchmarks/compare_mlx_lm.py at full size and the profiling probes.
 #
-# Run on the GPU machine from the repo root, after the CUDA wheel is installed (see
-# ../shared/tools/device-mlx-cuda/README.md):
+# Run from the repo root after the CUDA wheel is installed (see ../shared/tools/device-mlx-cuda/README.md):
 #
 #   device call 1:  bash .device-stage/a/stash.sh                          carry [".device-stage/a"]
-#   device call 2:  source .device-stage/b/install.sh && bash benchmarks/gpu_session.sh setup tests
+#   device call 2:  source .device-stage/b/install.sh && bash benchmarks/run_on_gpu.sh setup tests
 #                                                                          carry [".device-stage/b"]
-#   device call 3:  source .device-stage/b/install.sh --no-install && bash benchmarks/gpu_session.sh bench-1b
-#   device call 4:  source .device-stage/b/install.sh --no-install && bash benchmarks/gpu_session.sh bench-gemma bench-8b report
+#   device call 3:  source .device-stage/b/install.sh --no-install && bash benchmarks/run_on_gpu.sh targets
 #
-# Every stage fits one device call of 10 minutes (each bench stage takes about 2 to 5). A stage
-# that needs libmlxc builds it first when the machine went cold (about a minute); the random models
-# stay in /tmp/pymlxc-bench-models while the machine is warm. Results go to $OUT (the device tool
-# brings them back; it starts empty in every call): $OUT/<stage>/compare_mlx_lm.{json,png} and
-# log.txt, $OUT/tests/pytest.txt. `report` merges the bench results present in this call's $OUT;
-# to merge the parts of several calls, run here afterwards:
-#   python benchmarks/compare_mlx_lm.py --merge <part>/compare_mlx_lm.json ... --out benchmarks/results/gpu
-#
-# A follow-up session for the Llama-family levers (segmented decode with fused projections, see
-# backends/metal/segments.py), on a warm machine or after calls 1 and 2:
-#   device call:    source .device-stage/b/install.sh --no-install && bash benchmarks/gpu_session.sh variants profile
-# `variants` runs Llama-3.2-1B and Qwen3-0.6B (bf16, 4-bit; prompts 128 and 2048) with four sides:
-# mlx-lm, pymlxc (whole-step graph), pymlxc_segmented, pymlxc_uncompiled; `profile` splits one
-# Llama-3.2-1B bf16 generation of each into device wait, MLX dispatch and other host time.
+# A stage that needs libmlxc builds it first when the machine went cold (about a minute); the random
+# models stay in /tmp/pymlxc-bench-models while the machine is warm. Results go to $OUT:
+# $OUT/<stage>/compare_mlx_lm.{json,png} and log.txt, $OUT/tests/pytest.txt. `report` merges the
+# bench results present in this call's $OUT. To update the results page from several calls' parts,
+# run here afterwards (the latest run of each case is kept, with its commit, date and command):
+#   python benchmarks/compare_mlx_lm.py --merge benchmarks/results/h100.json <part>/compare_mlx_lm.json ... \
+#       --out benchmarks/results/h100.json
 #
 # The lent machine's copy of the checkout may carry stale git metadata: prefix the command with
 # PYMLXC_GIT_REV=<this checkout's commit> so that the JSON names the code that ran.
 #
-# `qmv` checks pymlxc's 4-bit CUDA matvec kernel (backends/metal/cuda_matvec.py; its probe against
-# MLX's quantized_matmul is benchmarks/probe_matvec.py, which needs no libmlxc): its GPU tests, the 8B shape with and without it (--cuda-qmv 0) and the
-# 1B-class 4-bit shapes forced onto it (--cuda-qmv 1).
-#
-# `graphs` counts the CUDA kernels per decode step and per prompt of both sides from MLX's own graph
-# dumps (benchmarks/probe_cuda_graphs.py), for Llama-3.2-1B and Qwen3-0.6B in bfloat16.
-#
-# Stages: setup smoke tests bench-1b bench-gemma bench-8b variants profile probe matvec matvec-bench targets graphs report all
+# Stages:
+#   setup, smoke, tests   build libmlxc, a binding smoke test, the binding and model parity tests
+#   targets               the results page's cases: the 1B-class shapes (bf16, 4-bit) and Llama-3.1-8B 4-bit
+#   bench-1b, bench-gemma, bench-8b
+#                         the same cases with more sides (uncompiled decode, no evaluation thread)
+#   variants              Llama-3.2-1B and Qwen3-0.6B with the whole-step graph, segmented and uncompiled sides
+#   profile, probe        benchmarks/profile/profile_generation.py and probe_decode.py: where a token's time goes
+#   matvec, matvec-bench  the 4-bit CUDA matvec kernel (backends/metal/cuda_matvec.py): its GPU tests,
+#                         benchmarks/profile/probe_matvec.py, the 8B shape without it and the 1B shapes forced onto it
+#   graphs                CUDA kernels per decode step of both sides (benchmarks/profile/probe_cuda_graphs.py)
+#   report                merge this call's bench results;  all = setup smoke tests bench-1b bench-gemma bench-8b report
 # Options: --dry-run (print the commands only), --cpu-check (run every stage on this machine's CPU
 # with tiny shapes: checks the plumbing, not the numbers).
 set -euo pipefail
@@ -56,17 +51,17 @@ for arg in "$@"; do
     --cpu-check) CPU=1 ;;
     setup|smoke|tests|bench-1b|bench-gemma|bench-8b|variants|profile|probe|matvec|matvec-bench|targets|graphs|report) stages+=("$arg") ;;
     all) stages+=(setup smoke tests bench-1b bench-gemma bench-8b report) ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
-    *) echo "gpu_session.sh: unknown stage or option: $arg" >&2; exit 2 ;;
+    -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
+    *) echo "run_on_gpu.sh: unknown stage or option: $arg" >&2; exit 2 ;;
   esac
 done
-[ ${#stages[@]} -gt 0 ] || { echo "gpu_session.sh: name at least one stage (or all); --help lists them" >&2; exit 2; }
+[ ${#stages[@]} -gt 0 ] || { echo "run_on_gpu.sh: name at least one stage (or all); --help lists them" >&2; exit 2; }
 
 if [ "$CPU" = 1 ]; then
   # Plumbing check on a CPU: the venv's MLX and libmlxc, tiny shapes, a scratch output folder.
   LIB_DIR=${PYMLXC_LIB_DIR:-$ROOT/pymlxc/_lib}
-  OUT=${OUT_CPU_CHECK:-/tmp/pymlxc-gpu-session-check}
-  MODELS=/tmp/pymlxc-gpu-session-check-models
+  OUT=${OUT_CPU_CHECK:-/tmp/pymlxc-gpu-cpu-check}
+  MODELS=/tmp/pymlxc-gpu-cpu-check-models
 fi
 export PYMLXC_LIB_DIR="$LIB_DIR"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -162,7 +157,7 @@ PY
       mkdir -p "$OUT/profile"
       if [ "$CPU" = 1 ]; then prof_args=(--cpu --shape llama-3.2-1b-narrow --quant f32 --layers 2 --prompt 16 --max-tokens 8)
       else prof_args=(--shape llama-3.2-1b --quant bf16 --prompt 128 --max-tokens 128); fi
-      run "$PY" benchmarks/profile_generation.py --models-dir "$MODELS" --out "$OUT/profile" "${prof_args[@]}" \
+      run "$PY" benchmarks/profile/profile_generation.py --models-dir "$MODELS" --out "$OUT/profile" "${prof_args[@]}" \
         2>&1 | tee "$OUT/profile/log.txt" || echo "!!! profile failed (see $OUT/profile/log.txt)"
       ;;
     probe)
@@ -172,7 +167,7 @@ PY
       mkdir -p "$OUT/probe"
       if [ "$CPU" = 1 ]; then probe_args=(--cpu --shape llama-3.2-1b-narrow --quant f32 --layers 2 --prompts 16 --max-tokens 8 --runs 2)
       else probe_args=(--shape llama-3.2-1b --quant bf16 --prompts 128 2048 --max-tokens 128 --runs 3); fi
-      run "$PY" benchmarks/probe_decode.py --models-dir "$MODELS" --out "$OUT/probe" "${probe_args[@]}" \
+      run "$PY" benchmarks/profile/probe_decode.py --models-dir "$MODELS" --out "$OUT/probe" "${probe_args[@]}" \
         2>&1 | tee "$OUT/probe/log.txt" || echo "!!! probe failed (see $OUT/probe/log.txt)"
       ;;
     matvec)
@@ -182,7 +177,7 @@ PY
         2>&1 | tee "$OUT/matvec-tests/pytest.txt" || echo "!!! matvec tests failed (see $OUT/matvec-tests/pytest.txt)"
       if [ "$CPU" = 1 ]; then bench matvec-8b --shapes llama-3.2-1b-narrow --layers 4 --cuda-matvec 0
       else
-        run "$PY" benchmarks/probe_matvec.py --out "$OUT/matvec-probe" 2>&1 | tail -30 \
+        run "$PY" benchmarks/profile/probe_matvec.py --out "$OUT/matvec-probe" 2>&1 | tail -30 \
           || echo "!!! probe_matvec failed"
         bench matvec-8b --shapes llama-3.1-8b --quant 4bit --cuda-matvec 0
       fi
@@ -206,7 +201,7 @@ PY
       mkdir -p "$OUT/graphs"
       for shape in llama-3.2-1b qwen3-0.6b; do
         for side in pymlxc mlx_lm; do
-          run "$PY" benchmarks/probe_cuda_graphs.py --side "$side" --shape "$shape" --quant bf16 \
+          run "$PY" benchmarks/profile/probe_cuda_graphs.py --side "$side" --shape "$shape" --quant bf16 \
             --models-dir "$MODELS" --out "$OUT/graphs" 2>&1 | tee -a "$OUT/graphs/log.txt" || echo "!!! graphs $side $shape failed"
         done
       done

@@ -1,7 +1,7 @@
 """Greedy sampling's argmax over a vocabulary as two CUDA kernels, for the decode segments.
 
 MLX reduces a row to its argmax with one block of 1024 threads, whatever the row's length: on an
-H100 that single block takes 26.6 us for Llama's 128256 logits (Nsight Compute, session 7), one of
+H100 that single block takes 26.6 us for Llama's 128256 logits (Nsight Compute; docs/performance.md), one of
 a decode step's costliest kernels, and a cast to int32 follows it. Here many blocks each reduce a
 slice of the row to (value, index), then one block reduces those pairs and writes the int32 index.
 

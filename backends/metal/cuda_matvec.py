@@ -15,7 +15,7 @@ The layout is MLX's affine quantization (`mx.quantize(w, group_size, 4)`): `w` i
 
 Dense (bfloat16) weights stay with MLX: the same loop over 16-byte chunks of 8 weights read them no
 faster than MLX's own matrix-vector kernel, about 2.0 against 2.1 TB/s on an H100 (commit 97ce951,
-`benchmarks/h100/session6/matvec-probe`).
+`benchmarks/profile/probe_matvec.py`; docs/performance.md).
 
 This module holds only the source and the launch geometry, so that the probe can run the same
 kernel through MLX's own Python API; `matvec.py` applies it through `pymlxc.core`.

@@ -2,7 +2,7 @@
 
 A Llama-family decode step ends each half-block with `h = h + out` and normalizes h for the next
 projection: two kernels, MLX's add and its `rms_norm`. On an H100 a Llama-3.2-1B step is bound by
-the device, and 149 of its 214 kernels move a few kilobytes each (`benchmarks/probe_cuda_graphs.py`
+the device, and 149 of its 214 kernels move a few kilobytes each (`benchmarks/profile/probe_cuda_graphs.py`
 counts them); timed alone each takes 2.8-4.8 us, mostly launch and tail. This kernel does both in
 one: it writes `h + out` and its normalized form, 32 kernels fewer per step there (measured: about
 1 us of step time saved per kernel removed).

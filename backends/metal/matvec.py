@@ -2,7 +2,7 @@
 pymlxc's matrix-vector kernel (`cuda_matvec`).
 
 pymlxc's 4-bit kernel reads the weights at about 1.8x the bandwidth of MLX's (H100,
-`benchmarks/probe_matvec.py`), but on small matrices a call of it costs more host time (10 against
+`benchmarks/profile/probe_matvec.py`), but on small matrices a call of it costs more host time (10 against
 6 us per call, as if MLX took longer to encode a custom-kernel node than its own). So it pays where the device bounds a decode step: many weight bytes per layer, whose encoding costs the
 same whatever their size. Measured on an H100 (decode tok/s, MLX's kernel -> pymlxc's):
 Llama-3.1-8B 4-bit 171 -> 262, Llama-3.2-1B 4-bit 677 -> 789, Qwen3-0.6B 4-bit 411 -> 398.

@@ -6,8 +6,8 @@ random-weight model of a real shape, in its own process (MLX reads the variable 
 kernel nodes of two greedy generations that differ only in length: the difference divided by the
 extra tokens is the kernels of one decode step, the rest the prompt's.
 
-    python benchmarks/probe_cuda_graphs.py --side pymlxc --shape llama-3.2-1b --quant bf16 --out DIR
-    python benchmarks/probe_cuda_graphs.py --side mlx_lm ...
+    python benchmarks/profile/probe_cuda_graphs.py --side pymlxc --shape llama-3.2-1b --quant bf16 --out DIR
+    python benchmarks/profile/probe_cuda_graphs.py --side mlx_lm ...
 
 Prints and writes DIR/<side>.json: graphs and kernels per step, and the kernel names by count.
 Needs MLX's CUDA build (on a CPU no graph is written and it says so).

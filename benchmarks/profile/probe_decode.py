@@ -1,4 +1,4 @@
-"""Where a token's time goes on this device, measured piece by piece (for the GPU session).
+"""Where a token's time goes on this device, measured piece by piece (host against device, on any device).
 
 Five probes, each printed and written to `probe_decode.json`:
 
@@ -15,7 +15,7 @@ Five probes, each printed and written to `probe_decode.json`:
 * `memory`: peak memory above the weights after prefill alone and after prefill and decode, for
   mlx-lm and pymlxc's paths (with and without the thread).
 
-    python benchmarks/probe_decode.py --out DIR [--shape llama-3.2-1b --quant bf16]
+    python benchmarks/profile/probe_decode.py --out DIR [--shape llama-3.2-1b --quant bf16]
 """
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ Run under ncu with profiling off at start; the script turns the CUDA profiler on
 only around `--steps` decode steps of a warm generation, so only those kernels are measured:
 
     ncu --profile-from-start off --metrics gpu__time_duration.sum --cache-control none --csv \
-        --log-file OUT.csv python benchmarks/probe_kernel_times.py --side pymlxc
-    python benchmarks/probe_kernel_times.py --summarize OUT.csv --steps 4
+        --log-file OUT.csv python benchmarks/profile/probe_kernel_times.py --side pymlxc
+    python benchmarks/profile/probe_kernel_times.py --summarize OUT.csv --steps 4
 
 ncu runs every kernel on its own, so the sum of their durations is the step's device time without
 the gaps between kernels; the difference to the step's wall time is the gaps and the host.

@@ -1,7 +1,7 @@
 """The 4-bit matrix-vector product on this GPU: MLX's `quantized_matmul` against pymlxc's CUDA kernel.
 
 (A dense bfloat16 kernel was probed the same way at commit 97ce951, `--kind dense`: no faster than
-MLX's matmul, so it was removed; `benchmarks/h100/session6/matvec-probe` keeps its figures.)
+MLX's matmul, so it was removed; docs/performance.md gives its figures.)
 
 Run through MLX's own Python API, so it needs no pymlxc build. For each weight shape of the
 Llama-3.2-1B and Llama-3.1-8B decode steps (fused q/k/v, o, fused gate/up, down, output head):
@@ -13,7 +13,7 @@ Llama-3.2-1B and Llama-3.1-8B decode steps (fused q/k/v, o, fused gate/up, down,
 * `stacked`: the same weights as one product with that many more rows, which measures the device
   alone (one host encode for many bytes), as GB/s.
 
-    python benchmarks/probe_matvec.py --out DIR
+    python benchmarks/profile/probe_matvec.py --out DIR
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import numpy as np
 
 # Loaded by path: importing the package would load pymlxc's own library, which this probe does not need.
 _spec = importlib.util.spec_from_file_location(
-    "cuda_matvec", Path(__file__).resolve().parents[1] / "backends" / "metal" / "cuda_matvec.py")
+    "cuda_matvec", Path(__file__).resolve().parents[2] / "backends" / "metal" / "cuda_matvec.py")
 kernels = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(kernels)
 

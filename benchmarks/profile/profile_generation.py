@@ -2,10 +2,10 @@
 MLX's dispatch in `async_eval`) against waiting for the device (`item`/`eval`), from cProfile.
 
 A step that waits for the device most of its time is device bound (fewer or faster kernels help);
-one that is busy on the host is host bound (less Python, fewer graph nodes help). For the GPU
-session; runs anywhere.
+one that is busy on the host is host bound (less Python, fewer graph nodes help). Runs on any
+device.
 
-    python benchmarks/profile_generation.py --shape llama-3.2-1b --quant bf16 --prompt 128 \\
+    python benchmarks/profile/profile_generation.py --shape llama-3.2-1b --quant bf16 --prompt 128 \\
         --max-tokens 128 --modes mlx_lm graph segmented uncompiled --out DIR
 """
 from __future__ import annotations

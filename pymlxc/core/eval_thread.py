@@ -4,7 +4,7 @@ On a fast device a small model's decode step is bound by host work done twice, o
 on one thread: Python builds the step's graph, then MLX encodes it for the device (`async_eval`: on
 CUDA every operation becomes a node of a CUDA graph, about 4 µs each on an H100). Measured there,
 both halves take about 1 ms per token for a 1B model while the device waits
-(benchmarks/h100/probe). With an `EvalThread` the encoding of step n runs here while the caller
+(docs/performance.md). With an `EvalThread` the encoding of step n runs here while the caller
 builds step n+1, so a step costs the longer half instead of the sum.
 
 Rules, both from MLX's threading model:

@@ -27,6 +27,18 @@ def claim_stdout() -> BinaryIO:
     return os.fdopen(private, "wb")
 
 
+def claim_stdin() -> BinaryIO:
+    """Take the real stdin for protocol lines; afterwards stdin (fd 0, `sys.stdin`, `input()`) reads
+    /dev/null. A library that asks a question on stdin (transformers: "run the custom code? [y/N]")
+    then reads end of input at once instead of waiting on, or eating, the protocol pipe."""
+    private = os.dup(0)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    sys.stdin = open(os.devnull, encoding="utf-8")  # noqa: SIM115 - lives as long as the process
+    return os.fdopen(private, "rb")
+
+
 class LineWriter:
     """Writes one message per line, whole and flushed, from any thread."""
 

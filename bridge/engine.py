@@ -16,10 +16,12 @@ from typing import Any
 import mlx.core as mx
 import mlx_lm
 import numpy as np
+import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+from .detokenize import TokenBytes
 from .protocol import CommandError
 
 Event = dict[str, Any]
@@ -80,19 +82,47 @@ class _recording_queries:
         self.patched.clear()
 
 
+def _embedding_rows(model: Any) -> int | None:
+    """Rows of the model's token embedding: the ids it can look up (a gather past them reads out of bounds)."""
+    found = [(name, m) for name, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))]
+    found.sort(key=lambda item: (not item[0].endswith("embed_tokens"), len(item[0])))
+    return int(found[0][1].weight.shape[0]) if found else None
+
+
+def _first_logits_recorder(sink: list[Any], index: int) -> Callable[[Any, Any], Any]:
+    """A logits processor (the last one of prompt `index`) that keeps the first logits it sees in `sink`."""
+
+    def record(tokens: Any, logits: Any) -> Any:
+        if sink[index] is None:  # BatchGenerator may compute a step past the last token: keep the first
+            sink[index] = logits
+        return logits
+
+    return record
+
+
 class Engine:
     """A model and tokenizer loaded by mlx-lm, with the worker's commands as methods."""
 
     def __init__(self, path: str, adapter_path: str | None, context_len: int | None, device: str | None) -> None:
-        # The worker has checked that the paths are directories (mlx_lm.load would try the network).
+        # The worker has checked that the paths are directories (mlx_lm.load would try the network)
+        # and that the model asks for no custom code; trust_remote_code=False is the second guard.
         if device == "cpu":
             mx.set_default_device(mx.cpu)
         try:
-            self.model, self.tokenizer, self.config = mlx_lm.load(path, adapter_path=adapter_path, return_config=True)
+            self.model, self.tokenizer, self.config = mlx_lm.load(
+                path, adapter_path=adapter_path, return_config=True,
+                tokenizer_config={"trust_remote_code": False}, trust_remote_code=False)
         except Exception as e:  # mlx-lm raises several kinds (ValueError, KeyError, FileNotFoundError...)
             raise CommandError("load_failed", f"mlx-lm could not load {path!r}: {type(e).__name__}: {e}") from e
         self.path, self.adapter_path, self.context_len = path, adapter_path, context_len
-        self.vocab_size = self.info()["vocab_size"]
+        # Ids are checked against the embedding's rows: the config's vocab_size may say otherwise.
+        rows = _embedding_rows(self.model)
+        self.vocab_size = rows if rows is not None else self.info()["vocab_size"]
+        tokens = len(self.tokenizer._tokenizer)
+        if tokens > self.vocab_size:
+            raise CommandError("load_failed", f"the tokenizer of {path!r} has {tokens} tokens but the model's embedding "
+                                              f"has {self.vocab_size} rows: ids from {self.vocab_size} on have no embedding")
+        self.token_bytes = TokenBytes(self.tokenizer.detokenizer, self.tokenizer.decode)
 
     # ---- facts ----------------------------------------------------------------------------------
 
@@ -138,23 +168,25 @@ class Engine:
         return str(self.tokenizer.decode(self.check_tokens(tokens, "decode")))
 
     def check_tokens(self, tokens: list[int], cmd: str = "inspect_attention") -> list[int]:
-        bad = [t for t in tokens if t >= self.vocab_size]
+        """`tokens`, after checking that each has an embedding row (every id passes here before MLX sees it)."""
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
         if bad:
-            raise CommandError("bad_field", f"{cmd}: token id(s) {bad[:5]} outside the vocabulary of {self.vocab_size}")
+            raise CommandError("bad_field", f"{cmd}: token id {bad[0]} is outside the vocabulary of {self.vocab_size} "
+                                            f"(the embedding's rows)" + (f"; {len(bad)} such ids" if len(bad) > 1 else ""))
         return tokens
 
-    def prompt_tokens(self, prompt: str) -> list[int]:
+    def prompt_tokens(self, prompt: str, cmd: str = "generate") -> list[int]:
         # As mlx-lm's stream_generate: add special tokens unless the prompt already starts with BOS.
         bos = self.tokenizer.bos_token
         tokens = self.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
         if not tokens:
             raise CommandError("bad_field", "prompt encodes to no tokens")
-        return tokens
+        return self.check_tokens(tokens, cmd)
 
     def chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
         if not self.tokenizer.has_chat_template:
             raise CommandError("no_chat_template", "the model's tokenizer has no chat template")
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        return self.check_tokens(list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)), "chat")
 
     # ---- sampling -------------------------------------------------------------------------------
 
@@ -174,16 +206,13 @@ class Engine:
     # ---- generate -------------------------------------------------------------------------------
 
     def generate(self, tokens: list[int], opts: dict[str, Any], hooks: Hooks) -> Iterator[Event]:
-        """Yield {"token_id", "token"} events, then one {"finish_reason", metrics...} event.
-
-        Each token is held back until the next one arrives, so that text the detokenizer releases
-        only at the end still lands on the last token: the pieces always join into the full text.
-        """
+        """Yield {"token_id", "token"} events, each as soon as its token is sampled, then one
+        {"finish_reason", "tail", metrics...} event. A token's text is "" while a character is
+        unfinished; `tail` is what is still held when the stream ends (an unfinished character)."""
         mx.reset_peak_memory()
         stop_ids = set(self.tokenizer.eos_token_ids) | set(opts["stop_tokens"])
         sampler, processors = self._sampling(opts)
-        detokenizer = self.tokenizer.detokenizer
-        held: Event | None = None
+        text = self.token_bytes.stream()
         finish, count = "length", 0
         start = time.perf_counter()
         prompt_time = 0.0
@@ -217,21 +246,16 @@ class Engine:
                 if hooks.cancelled():
                     finish = "cancelled"
                     break
-                detokenizer.add_token(token)
-                if held is not None:
-                    yield held
-                held = {"token_id": int(token), "token": detokenizer.last_segment}
                 count += 1
+                yield {"token_id": int(token), "token": text.add(int(token))}
         except _Stopped:
             finish = "cancelled"
-        detokenizer.finalize()
-        if held is not None:
-            held["token"] += detokenizer.last_segment
-            yield held
+        tail = text.finish()
         total = time.perf_counter() - start
         decode_time = total - prompt_time if count else 0.0
         yield {
             "finish_reason": finish,
+            "tail": tail,
             "prompt_tokens": len(tokens),
             "generation_tokens": count,
             "prompt_time": prompt_time,
@@ -285,10 +309,19 @@ class Engine:
     # ---- batches --------------------------------------------------------------------------------
 
     def _run_batch(
-        self, prompts: list[list[int]], opts: dict[str, Any], max_tokens: int, stops: list[list[int]], cancelled: Callable[[], bool]
+        self, prompts: list[list[int]], opts: dict[str, Any], max_tokens: int, stops: list[list[int]], cancelled: Callable[[], bool],
+        first_logits: list[Any] | None = None,
     ) -> tuple[dict[int, list[tuple[int, Any]]], dict[int, str], dict[str, Any]]:
-        """Run mlx-lm's BatchGenerator; per prompt index: (token, logprobs) pairs and a finish reason."""
+        """Run mlx-lm's BatchGenerator; per prompt index: (token, logprobs) pairs and a finish reason.
+
+        `first_logits`, when given, receives per prompt the logits its first token was sampled from
+        (after the logits processors), which BatchGenerator does not return: it hands the sampler
+        only their log-probabilities."""
         sampler, processors = self._sampling(opts)
+        per_prompt = None
+        if first_logits is not None:
+            first_logits[:] = [None] * len(prompts)
+            per_prompt = [[*processors, _first_logits_recorder(first_logits, i)] for i in range(len(prompts))]
         gen = BatchGenerator(
             self.model,
             max_tokens=max_tokens,
@@ -300,7 +333,7 @@ class Engine:
         steps: dict[int, list[tuple[int, Any]]] = {}
         finish: dict[int, str] = {}
         try:
-            uids = gen.insert(prompts)
+            uids = gen.insert(prompts, logits_processors=per_prompt)
             index = {uid: i for i, uid in enumerate(uids)}
             steps = {i: [] for i in range(len(prompts))}
             with gen.stats() as stats:
@@ -332,7 +365,7 @@ class Engine:
         return steps, finish, metrics
 
     def classify(self, prompts: list[str], opts: dict[str, Any], cancelled: Callable[[], bool]) -> tuple[list[Event], dict[str, Any]]:
-        """One prefill per prompt, batched, and the token sampled after it (with log-probs if asked)."""
+        """One prefill per prompt, batched, and the token sampled after it (with its raw logits if asked)."""
         mx.reset_peak_memory()
         if not prompts:
             return [], {"prompt_tokens": 0, "generation_tokens": 0, **self._memory()}
@@ -342,15 +375,18 @@ class Engine:
                 encoded.append(self.prompt_tokens(prompt))
             except CommandError as e:
                 raise CommandError(e.code, f"classify: prompts item {i}: {e}") from None
-        steps, finish, metrics = self._run_batch(encoded, opts, 1, [], cancelled)
+        logits: list[Any] | None = [] if opts["return_logits"] else None
+        steps, finish, metrics = self._run_batch(encoded, opts, 1, [], cancelled, first_logits=logits)
         if any(reason == "cancelled" for reason in finish.values()):
             raise CommandError("cancelled", "classify was cancelled")
         results = []
         for i in range(len(prompts)):
-            token, logprobs = steps[i][0]
+            token, _ = steps[i][0]
             item: Event = {"token_id": token, "token": self.tokenizer.decode([token])}
-            if opts["return_logits"]:
-                item["logits"] = logprobs.astype(mx.float32).tolist()
+            if logits is not None:
+                if logits[i] is None:
+                    raise RuntimeError(f"classify: no logits were recorded for prompts item {i}")
+                item["logits"] = logits[i].astype(mx.float32).reshape(-1).tolist()
             results.append(item)
         return results, metrics
 

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 # Versions a client of this module can talk to: 2 added `inspect_attention` and changed nothing else,
-# so a version 1 worker serves every other command.
-COMPATIBLE_VERSIONS = (1, 2)
+# so a version 1 worker serves every other command; 3 made `classify` logits raw logits (they were
+# log-probabilities), so the client asks only a version 3 worker for them.
+COMPATIBLE_VERSIONS = (1, 2, 3)
 MAX_LINE_BYTES = 16 * 1024 * 1024  # a line longer than this is refused unread (prompts are text, not tensors)
 
 REPLY_TYPES = ("hello", "progress", "token", "done", "result", "error")
@@ -98,9 +100,16 @@ def _int(value: Any) -> int:
 def _number(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"must be a number, not {_kind(value)}")
-    if not math.isfinite(value):
+    try:
+        number = float(value)
+    except OverflowError:  # an integer too large for a float
+        raise ValueError(f"must be finite, not an integer of {len(str(value))} digits") from None
+    if not math.isfinite(number):
         raise ValueError("must be finite")
-    return float(value)
+    if number != 0.0 and abs(number) < sys.float_info.min:
+        # Dividing by a subnormal temperature or penalty overflows to inf, and the sampler then sees NaN.
+        raise ValueError(f"must be 0 or at least {sys.float_info.min:g} in size, not the subnormal {number!r}")
+    return number
 
 
 def _str(value: Any) -> str:

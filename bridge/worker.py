@@ -5,6 +5,7 @@ Run it as `python -m pymlxc.bridge`, or `python path/to/bridge` where pymlxc is 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import queue
 import sys
@@ -14,10 +15,28 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import protocol as P
-from .channel import EOF, Line, LineReader, LineWriter, claim_stdout
+from .channel import EOF, Line, LineReader, LineWriter, claim_stdin, claim_stdout
 
 if TYPE_CHECKING:
     from .engine import Engine
+
+
+def custom_code(path: str) -> str | None:
+    """Where the model directory asks for its own Python code (transformers' `auto_map`), if it does."""
+    for name, key in (("tokenizer_config.json", None), ("config.json", "AutoTokenizer")):
+        try:
+            with open(os.path.join(path, name), encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            continue  # absent or unreadable: mlx-lm reports it with its own message
+        auto_map = config.get("auto_map") if isinstance(config, dict) else None
+        if not isinstance(auto_map, dict):
+            continue
+        if key is None and auto_map:
+            return f"auto_map in {name} names {sorted(auto_map)}"
+        if key is not None and key in auto_map:
+            return f"auto_map in {name} names {key} {auto_map[key]!r}"
+    return None
 
 
 class Control:
@@ -139,6 +158,10 @@ class Worker:
                 raise P.CommandError("load_failed", f"{field} {a[field]!r} is not a directory")
         if a["device"] not in (None, "default", "gpu", "cpu"):
             raise P.CommandError("bad_field", f"load: device must be 'default', 'gpu' or 'cpu', not {a['device']!r}")
+        custom = custom_code(a["path"])
+        if custom is not None:  # transformers would ask whether to run it; the answer is always no
+            raise P.CommandError("load_failed", f"the model at {a['path']!r} needs custom tokenizer code ({custom}), "
+                                                "which pymlxc never runs")
         try:
             from .engine import Engine
         except ImportError as e:
@@ -202,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     writer = LineWriter(claim_stdout())
     worker = Worker(writer)
     inbox: queue.Queue[Line | None] = queue.Queue()
-    reader = LineReader(sys.stdin.buffer, args.max_line_bytes, inbox, worker.intercept)
+    reader = LineReader(claim_stdin(), args.max_line_bytes, inbox, worker.intercept)
     try:
         writer.send(P.hello(pid=os.getpid(), python=sys.version.split()[0], max_line_bytes=args.max_line_bytes))
         reader.start()

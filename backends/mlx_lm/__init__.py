@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 from .backend import PYTHON_ENV, MlxLmBackend, probe
-from .errors import WorkerDied, WorkerError, WorkerReplyError, WorkerTimeout
+from .errors import WorkerBadRequest, WorkerDied, WorkerError, WorkerReplyError, WorkerTimeout
 from .textmodel import MlxLmModel
 
 __all__ = [
     "PYTHON_ENV",
     "MlxLmBackend",
     "MlxLmModel",
+    "WorkerBadRequest",
     "WorkerDied",
     "WorkerError",
     "WorkerReplyError",

@@ -20,3 +20,13 @@ class WorkerReplyError(RuntimeError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{message} [{code}]")
         self.code = code
+
+
+class WorkerBadRequest(WorkerReplyError, ValueError):
+    """The worker refused the request's content (`bad_field`): a caller's mistake, as a ValueError
+    (e.g. a token id outside the embedding, an option out of range)."""
+
+
+def reply_error(code: str, message: str) -> WorkerReplyError:
+    """The exception for an `error` reply: WorkerBadRequest for a refused field, else WorkerReplyError."""
+    return (WorkerBadRequest if code == "bad_field" else WorkerReplyError)(code, message)

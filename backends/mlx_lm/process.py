@@ -103,10 +103,13 @@ class WorkerProcess:
     # ---- traffic ----------------------------------------------------------------------------------
 
     def send(self, message: Mapping[str, Any], *, doing: str = "sending") -> None:
+        """Write one request line. A message JSON cannot carry (NaN) raises ValueError and sends nothing;
+        only a failed write (the worker's stdin closed) means the worker is gone."""
+        data = P.encode(message)  # outside the try: a bad value is the caller's, not a dead pipe
         try:
-            self._stdin.write(P.encode(message))
+            self._stdin.write(data)
             self._stdin.flush()
-        except (BrokenPipeError, ValueError, OSError):
+        except (BrokenPipeError, ValueError, OSError):  # ValueError: our end of the pipe is closed
             raise self._died(doing) from None
 
     def poll(self, timeout: float, *, doing: str = "waiting") -> dict[str, Any] | None:

@@ -6,8 +6,13 @@ fails with the reason (and the worker's last stderr lines); the next call on tha
 fresh worker and loads the model again.
 
 Errors follow pymlxc.model: invalid arguments raise at once; an error during a stream (the worker
-dying, an error reply, cancellation, the timeout) ends the iterator quietly and is kept in `err()`,
-which each new call resets. Check `err()` after a stream ends to tell a finish from a failure.
+dying, an error reply, cancellation, the timeout, the model closed meanwhile) ends the iterator
+quietly and is kept in the calling thread's `err()`, which each new call resets. Check `err()` after
+a stream ends to tell a finish from a failure.
+
+A cancel or timeout ends the call within about CANCEL_WAIT_S even when the worker does not answer
+its `cancel`: the worker then finishes (or, hung, is killed after CANCEL_GRACE_S) in the background,
+holding its slot until then.
 """
 from __future__ import annotations
 
@@ -27,11 +32,12 @@ from pymlxc.model import GenerationCancelled, ModelClosedError
 from pymlxc.options import GenerateConfig, LoadConfig, make_config
 from pymlxc.types import AttentionSnapshot, BatchResult, ClassifyResult, GenerateMetrics, Message, ModelInfo, Token
 
-from .errors import WorkerError, WorkerReplyError
+from .errors import WorkerError, WorkerReplyError, reply_error
 from .process import WorkerProcess
 
 POLL_S = 0.05  # how often a waiting call looks at its cancel event and deadline
-CANCEL_GRACE_S = 10.0  # a worker that has not finished this long after `cancel` is taken as hung
+CANCEL_WAIT_S = 1.0  # how long a stopped call waits for its worker's last line before it returns
+CANCEL_GRACE_S = 10.0  # a worker that has not finished this long after `cancel` is taken as hung and killed
 CLOSE_GRACE_S = 2.0
 
 
@@ -64,13 +70,21 @@ def _metrics(reply: Mapping[str, Any]) -> GenerateMetrics:
     )
 
 
-def _strings(values: Sequence[str], what: str) -> list[str]:
+def _prompt(prompt: str, what: str = "prompt") -> str:
+    if not isinstance(prompt, str):
+        raise TypeError(f"{what} must be a string, not {type(prompt).__name__}")
+    if not prompt:
+        raise ValueError(f"{what} is empty")
+    return prompt
+
+
+def _prompts(values: Sequence[str]) -> list[str]:
+    """A non-empty list of non-empty prompts (as the metal backend takes them)."""
     if isinstance(values, str) or not isinstance(values, Sequence):
-        raise TypeError(f"{what} must be a sequence of strings, not {type(values).__name__}")
-    bad = [i for i, v in enumerate(values) if not isinstance(v, str)]
-    if bad:
-        raise TypeError(f"{what} must be strings; item {bad[0]} is {type(values[bad[0]]).__name__}")
-    return list(values)
+        raise TypeError(f"prompts must be a sequence of strings, not {type(values).__name__}")
+    if not values:
+        raise ValueError("no prompts given")
+    return [_prompt(v, f"prompts item {i}") for i, v in enumerate(values)]
 
 
 def _messages(messages: Sequence[Message | Mapping[str, str]]) -> list[dict[str, str]]:
@@ -116,6 +130,15 @@ def _snapshot(reply: Mapping[str, Any]) -> AttentionSnapshot:
     )
 
 
+def _await_terminal(worker: WorkerProcess, rid: int, deadline: float) -> bool:
+    """Read `worker`'s lines until the terminal one of request `rid` (True) or `deadline` (False)."""
+    while time.monotonic() < deadline:
+        line = worker.poll(min(POLL_S, max(0.0, deadline - time.monotonic())))
+        if line is not None and line.get("id") == rid and line["type"] in P.TERMINAL_TYPES:
+            return True
+    return False
+
+
 class _Slot:
     """One worker with the model loaded, started again on demand after it was discarded."""
 
@@ -143,14 +166,17 @@ class _Slot:
 
 
 class _Stop:
-    """Why a call should stop early, if it should: its cancel event or its deadline."""
+    """Why a call should stop early, if it should: the model closed, its cancel event or its deadline."""
 
-    def __init__(self, config: GenerateConfig) -> None:
+    def __init__(self, config: GenerateConfig, closed: Callable[[], bool]) -> None:
         self.cancel = config.cancel
         self.timeout = config.timeout
         self.deadline = None if config.timeout is None else time.monotonic() + config.timeout
+        self.closed = closed
 
-    def reason(self) -> GenerationCancelled | None:
+    def reason(self) -> GenerationCancelled | ModelClosedError | None:
+        if self.closed():
+            return ModelClosedError("the model was closed during the call")
         if self.cancel is not None and self.cancel.is_set():
             return GenerationCancelled("generation cancelled")
         if self.deadline is not None and time.monotonic() >= self.deadline:
@@ -184,7 +210,7 @@ class MlxLmModel:
         self.response_timeout, self.load_timeout, self.startup_timeout = response_timeout, load_timeout, startup_timeout
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._err: BaseException | None = None
+        self._errors: dict[int, BaseException | None] = {}  # err() per calling thread
         self._metrics = GenerateMetrics()
         self._closed = False
         self._slots = [_Slot(self._start_worker) for _ in range(config.parallel_slots)]
@@ -212,7 +238,7 @@ class MlxLmModel:
             worker.send(self._load, doing="loading the model")
             reply = worker.receive(self.load_timeout, doing="loading the model")
             if reply.get("type") == "error":
-                raise WorkerReplyError(str(reply.get("error")), str(reply.get("message")))
+                raise reply_error(str(reply.get("error")), str(reply.get("message")))
             return worker, reply
         except BaseException:
             worker.kill()
@@ -232,21 +258,36 @@ class MlxLmModel:
             return GenerateMetrics(**self._metrics.to_dict())
 
     def err(self) -> BaseException | None:
+        """Why this thread's last call failed or stopped early; None if it finished."""
         with self._lock:
-            return self._err
+            return self._errors.get(threading.get_ident())
 
     def _set_err(self, e: BaseException | None) -> None:
         with self._lock:
-            self._err = e
+            self._errors[threading.get_ident()] = e
+
+    def _fail(self, e: BaseException) -> BaseException:
+        """Keep why the call failed in err() and return it; a failure caused by close() (the worker
+        quit or was killed under the call) is a ModelClosedError, whatever the worker showed."""
+        if self._closed and not isinstance(e, ModelClosedError):
+            closed = ModelClosedError(f"the model was closed during the call ({type(e).__name__}: {e})")
+            closed.__cause__ = e
+            e = closed
+        self._set_err(e)
+        return e
 
     def _set_metrics(self, reply: Mapping[str, Any]) -> None:
         with self._lock:
             self._metrics = _metrics(reply)
 
-    def _begin(self) -> None:
+    def _begin(self, config: Mapping[str, Any] | None = None) -> GenerateConfig:
+        """Start a call, as the metal backend does: refuse a closed model, check the options (the
+        one GenerateConfig both backends validate with, before anything reaches a worker), reset err()."""
         if self._closed:
             raise ModelClosedError("the model is closed")
+        cfg = make_config(GenerateConfig, **(config or {}))
         self._set_err(None)
+        return cfg
 
     def worker_pids(self) -> list[int]:
         """The pids of the live workers (for tests and diagnostics)."""
@@ -266,20 +307,26 @@ class MlxLmModel:
             except queue.Empty:
                 continue
 
-    def _exchange(self, cmd: str, args: dict[str, Any], stop: _Stop, stopped: list[GenerationCancelled]) -> Iterator[dict[str, Any]]:
+    def _exchange(self, cmd: str, args: dict[str, Any], stop: _Stop, stopped: list[BaseException]) -> Iterator[dict[str, Any]]:
         """Send one request on a free worker; yield its reply lines up to and including the terminal one.
 
         When the call must stop early, a `cancel` is sent, the reason is appended to `stopped`, and the
-        lines that follow are still yielded (the caller decides what to keep) until the terminal one.
+        lines that follow are still yielded (the caller decides what to keep) until the terminal one,
+        or for at most CANCEL_WAIT_S: then the iterator ends without it and the worker is settled in
+        the background (see `_release`).
         """
+        try:
+            P.encode({"cmd": cmd, **args})  # checked before a worker is taken: nothing is sent half-made
+        except ValueError as e:  # e.g. a float JSON cannot carry (NaN) that slipped past the options' checks
+            raise ValueError(f"{cmd}: the request cannot be sent as JSON: {e}") from None
         slot = self._acquire(stop)
         rid = next(self._ids)
         finished = False
+        cancelled_at: float | None = None
         try:
             worker, _ = slot.ensure()
             worker.send({"cmd": cmd, "id": rid, **args}, doing=cmd)
             heard = time.monotonic()
-            cancelled_at: float | None = None
             while True:
                 if cancelled_at is None and (reason := stop.reason()) is not None:
                     stopped.append(reason)
@@ -288,10 +335,10 @@ class MlxLmModel:
                 line = worker.poll(POLL_S, doing=cmd)
                 now = time.monotonic()
                 if line is None:
+                    if cancelled_at is not None and now - cancelled_at > CANCEL_WAIT_S:
+                        return  # the caller has its reason in `stopped`; the worker is settled in finally
                     if now - heard > self.response_timeout:
                         raise worker.stalled(self.response_timeout, cmd)
-                    if cancelled_at is not None and now - cancelled_at > CANCEL_GRACE_S:
-                        raise worker.stalled(CANCEL_GRACE_S, f"{cmd}, after cancel")
                     continue
                 heard = now
                 if line.get("id") != rid:
@@ -304,85 +351,123 @@ class MlxLmModel:
             slot.discard()
             raise
         finally:
-            if not finished:
-                self._abandon(slot, rid)
-            self._free.put(slot)
+            if finished or slot.worker is None:
+                self._free.put(slot)
+            else:
+                self._release(slot, rid, cancelled_at)
 
-    def _abandon(self, slot: _Slot, rid: int) -> None:
-        """The caller stopped reading mid-request: cancel it and read up to its end, or drop the worker."""
+    def _release(self, slot: _Slot, rid: int, cancelled_at: float | None) -> None:
+        """Free `slot` once its request `rid`, left unfinished by its caller, has ended: cancel it (if
+        not yet) and wait up to CANCEL_WAIT_S for its terminal line; past that, a background thread
+        waits up to CANCEL_GRACE_S after the cancel, kills a worker that is still silent, and only
+        then frees the slot, so that the caller returns at once and no later call meets stale lines."""
         worker = slot.worker
-        if worker is None or not worker.alive():
-            return
         try:
-            worker.send({"cmd": "cancel", "id": f"cancel-{rid}"})
-            deadline = time.monotonic() + CANCEL_GRACE_S
-            while time.monotonic() < deadline:
-                line = worker.poll(POLL_S)
-                if line is not None and line.get("id") == rid and line["type"] in P.TERMINAL_TYPES:
+            if worker is None or not worker.alive():
+                slot.discard()
+            else:
+                if cancelled_at is None:
+                    worker.send({"cmd": "cancel", "id": f"cancel-{rid}"})
+                    cancelled_at = time.monotonic()
+                if not _await_terminal(worker, rid, cancelled_at + CANCEL_WAIT_S):
+                    threading.Thread(target=self._settle, args=(slot, worker, rid, cancelled_at),
+                                     daemon=True, name="mlx_lm-settle").start()
                     return
-            slot.discard()
         except WorkerError:
             slot.discard()
+        self._free.put(slot)
 
-    def _call(self, cmd: str, args: dict[str, Any], config: GenerateConfig) -> tuple[dict[str, Any], GenerationCancelled | None]:
-        """A request with a single reply: the reply, and why it stopped early if it did. Errors raise (and are kept)."""
-        stopped: list[GenerationCancelled] = []
+    def _settle(self, slot: _Slot, worker: WorkerProcess, rid: int, cancelled_at: float) -> None:
         try:
-            for line in self._exchange(cmd, args, _Stop(config), stopped):
+            if not _await_terminal(worker, rid, cancelled_at + CANCEL_GRACE_S):
+                worker.stalled(CANCEL_GRACE_S, "cancelling")  # kills it; the next call starts a fresh one
+                slot.discard()
+        except WorkerError:
+            slot.discard()
+        finally:
+            self._free.put(slot)
+
+    def _call(self, cmd: str, args: dict[str, Any], config: GenerateConfig) -> tuple[dict[str, Any], BaseException | None]:
+        """A request with a single reply: the reply, and why it stopped early if it did. Errors raise
+        (and are kept in err()), a stop that got no reply in time included."""
+        stopped: list[BaseException] = []
+        try:
+            for line in self._exchange(cmd, args, _Stop(config, self._is_closed), stopped):
                 if line["type"] == "error":
                     if line.get("error") == "cancelled" and stopped:
                         raise stopped[0]
-                    raise WorkerReplyError(str(line.get("error")), str(line.get("message")))
+                    raise reply_error(str(line.get("error")), str(line.get("message")))
                 if line["type"] == "result":
                     return line, (stopped[0] if stopped else None)
+            if stopped:
+                raise stopped[0]
             raise WorkerError(f"the worker ended {cmd} without a result")
-        except (WorkerError, WorkerReplyError, GenerationCancelled) as e:
-            self._set_err(e)
-            raise
+        except (WorkerError, WorkerReplyError, GenerationCancelled, ModelClosedError) as e:
+            raise self._fail(e)
+
+    def _is_closed(self) -> bool:
+        return self._closed
 
     # ---- TextModel ----------------------------------------------------------------------------------
 
     def generate(self, prompt: str, **config: Any) -> Iterator[Token]:
         """Stream the tokens that follow `prompt`. After the stream ends, `err()` says whether it failed."""
-        cfg = make_config(GenerateConfig, **config)
-        if not isinstance(prompt, str):
-            raise TypeError(f"prompt must be a string, not {type(prompt).__name__}")
-        self._begin()
-        return self._stream("generate", {"prompt": prompt, **_sampling(cfg)}, cfg)
+        cfg = self._begin(config)
+        return self._stream("generate", {"prompt": _prompt(prompt), **_sampling(cfg)}, cfg)
 
     def chat(self, messages: Sequence[Message | dict[str, str]], **config: Any) -> Iterator[Token]:
         """Stream the assistant's reply to `messages`, formatted by the model's chat template."""
-        cfg = make_config(GenerateConfig, **config)
-        msgs = _messages(messages)
-        self._begin()
-        return self._stream("chat", {"messages": msgs, **_sampling(cfg)}, cfg)
+        cfg = self._begin(config)
+        return self._stream("chat", {"messages": _messages(messages), **_sampling(cfg)}, cfg)
 
     def _stream(self, cmd: str, args: dict[str, Any], config: GenerateConfig) -> Iterator[Token]:
-        stopped: list[GenerationCancelled] = []
-        lines = self._exchange(cmd, args, _Stop(config), stopped)
+        """Tokens as their lines arrive. A token whose text is "" (its character is unfinished) waits
+        for the next token with text, or for the stream's end, whose held text (`tail`) it gets: so
+        the texts join into the full text, as the metal backend's do."""
+        stopped: list[BaseException] = []
+        lines = self._exchange(cmd, args, _Stop(config, self._is_closed), stopped)
+        held: list[int] = []
+        tail = ""
+        ended = False
         try:
             for line in lines:
                 kind = line["type"]
                 if kind == "token" and not stopped:
-                    yield Token(int(line["token_id"]), str(line["token"]))
+                    token_id, text = int(line["token_id"]), str(line["token"])
+                    if not text:
+                        held.append(token_id)
+                        continue
+                    for h in held:
+                        yield Token(h, "")
+                    held.clear()
+                    yield Token(token_id, text)
                 elif kind == "done":
+                    ended = True
                     self._set_metrics(line)
+                    tail = str(line.get("tail") or "")
                     if line.get("finish_reason") == "cancelled":
-                        self._set_err(stopped[0] if stopped else GenerationCancelled("the worker cancelled the generation"))
+                        self._fail(stopped[0] if stopped else GenerationCancelled("the worker cancelled the generation"))
                 elif kind == "error":
-                    self._set_err(WorkerReplyError(str(line.get("error")), str(line.get("message"))))
+                    ended = True
+                    self._fail(reply_error(str(line.get("error")), str(line.get("message"))))
+            if not ended and stopped:  # the worker did not answer the cancel in time
+                self._fail(stopped[0])
         except (WorkerError, WorkerReplyError, GenerationCancelled, ModelClosedError) as e:
-            self._set_err(e)
+            self._fail(e)
         finally:
             lines.close()  # if our consumer stopped early: cancel the request and free the worker now
+        for i, h in enumerate(held):
+            yield Token(h, tail if i == len(held) - 1 else "")
 
     def classify(self, prompts: Sequence[str], **config: Any) -> list[ClassifyResult]:
-        """The token sampled after each prompt (one batched prefill); `logits` are log-probabilities."""
-        cfg = make_config(GenerateConfig, **config)
-        items = _strings(prompts, "prompts")
-        self._begin()
-        if not items:
-            return []
+        """The token sampled after each prompt (one batched prefill). With `return_logits`, each
+        result's `logits` are the raw logits it was sampled from (after repeat_penalty, before
+        temperature; not log-probabilities), as the metal backend returns them."""
+        cfg = self._begin(config)
+        items = _prompts(prompts)
+        if cfg.return_logits and self.protocol < 3:
+            # Older workers send log-probabilities, which would pass for logits silently.
+            raise WorkerError(f"the worker speaks protocol {self.protocol}; classify logits need protocol 3")
         reply, _ = self._call("classify", {"prompts": items, **_sampling(cfg)}, cfg)
         self._set_metrics(reply)
         return [
@@ -391,16 +476,17 @@ class MlxLmModel:
         ]
 
     def batch_generate(self, prompts: Sequence[str], **config: Any) -> list[BatchResult]:
-        """Generate for all prompts at once. Cancelled or timed out: the tokens so far, and `err()` set."""
-        cfg = make_config(GenerateConfig, **config)
-        items = _strings(prompts, "prompts")
-        self._begin()
-        if not items:
-            return []
-        reply, stopped = self._call("batch_generate", {"prompts": items, **_sampling(cfg)}, cfg)
+        """Generate for all prompts at once. Cancelled or timed out: the tokens so far (none when the
+        worker did not answer the cancel in time), each with the reason, and `err()` set."""
+        cfg = self._begin(config)
+        items = _prompts(prompts)
+        try:
+            reply, stopped = self._call("batch_generate", {"prompts": items, **_sampling(cfg)}, cfg)
+        except (GenerationCancelled, ModelClosedError) as e:
+            return [BatchResult([], f"{type(e).__name__}: {e}") for _ in items]
         self._set_metrics(reply)
         if stopped is not None:
-            self._set_err(stopped)
+            self._fail(stopped)
         return [
             BatchResult([Token(int(t["token_id"]), str(t["token"])) for t in r["tokens"]], r.get("error"))
             for r in reply["results"]

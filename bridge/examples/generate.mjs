@@ -7,7 +7,7 @@ import { createInterface } from "node:readline";
 import { dirname, join } from "node:path";
 import { fileURLToPath } from "node:url";
 
-const PROTOCOLS = [1, 2]; // what this script uses (generate) is the same in both
+const PROTOCOLS = [1, 2, 3]; // what this script uses (generate) is the same in all (3 adds done.tail)
 const [model, prompt = "Hello", maxTokens = "16"] = process.argv.slice(2);
 if (!model) {
   console.error("usage: node generate.mjs MODEL_DIR [PROMPT] [MAX_TOKENS]");
@@ -37,7 +37,7 @@ for await (const line of createInterface({ input: worker.stdout })) {
   } else if (msg.type === "token") {
     process.stdout.write(msg.token);
   } else if (msg.type === "done") {
-    process.stdout.write("\n");
+    process.stdout.write((msg.tail ?? "") + "\n");
     console.error(`[${msg.finish_reason}: ${msg.generation_tokens} tokens, ${msg.generation_tps.toFixed(1)} tok/s]`);
     send({ cmd: "quit", id: "quit" });
   } else if (msg.type === "result" && msg.cmd === "quit") {

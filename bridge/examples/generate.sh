@@ -18,12 +18,12 @@ requests | "${PYTHON:-python3}" "$bridge_dir" | while IFS= read -r line; do
   case "$(jq -r .type <<<"$line")" in
     hello)
       protocol=$(jq .protocol <<<"$line")
-      # generate is the same in versions 1 and 2
-      [ "$protocol" = 1 ] || [ "$protocol" = 2 ] || { echo "worker speaks protocol $protocol, this script 1 or 2" >&2; exit 1; } ;;
+      # generate is the same in versions 1 to 3 (3 adds done.tail)
+      case "$protocol" in 1|2|3) ;; *) echo "worker speaks protocol $protocol, this script 1 to 3" >&2; exit 1 ;; esac ;;
     error)
       jq -r '"\(.cmd // "request") failed: \(.message) [\(.error)]"' <<<"$line" >&2
       exit 1 ;;
     token) jq -j .token <<<"$line" ;;
-    done) echo ;;
+    done) jq -j '.tail // ""' <<<"$line"; echo ;;
   esac
 done

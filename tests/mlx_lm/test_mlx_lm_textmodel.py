@@ -41,7 +41,11 @@ def test_chat_classify_and_batch_generate_return_the_public_types(model: MlxLmMo
     batch = model.batch_generate(["a", "bb"], max_tokens=3)
     assert all(isinstance(b, BatchResult) and len(b.tokens) == 3 and b.error is None for b in batch)
     assert model.metrics().generated_tokens == 6
-    assert model.classify([]) == [] and model.batch_generate([]) == []
+    for call in (model.classify, model.batch_generate):  # as on the metal backend
+        with pytest.raises(ValueError, match="no prompts"):
+            call([])
+        with pytest.raises(ValueError, match="prompts item 1 is empty"):
+            call(["a", ""])
 
 
 @pytest.mark.parametrize(
@@ -51,6 +55,7 @@ def test_chat_classify_and_batch_generate_return_the_public_types(model: MlxLmMo
         (lambda m: m.generate("x", temperature=-1), ValueError),
         (lambda m: m.generate("x", top_p=2), ValueError),
         (lambda m: m.generate(b"x"), TypeError),
+        (lambda m: m.generate(""), ValueError),
         (lambda m: m.chat([]), TypeError),
         (lambda m: m.chat("hello"), TypeError),
         (lambda m: m.chat([{"role": "user"}]), TypeError),

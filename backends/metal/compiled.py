@@ -10,8 +10,12 @@ Shapes must not change from token to token for one trace to serve, so decoding r
 fixed-size buffers instead of growing caches:
 
 * every layer's keys and values live in a ring of `R` slots, position `p` in slot `p % R`; a
-  full-attention layer has `R >= prompt + max_tokens` (it never wraps: slot = position), a
-  sliding-window layer keeps `R = window` slots (mlx-lm's rotating cache holds the same tokens);
+  full-attention layer has `R` > every position written so far (it never wraps: slot = position),
+  a sliding-window layer keeps `R = window` slots (mlx-lm's rotating cache holds the same tokens);
+* a full-attention layer's buffer starts with room for the prompt and the first token and grows
+  as tokens arrive (`_Rings`): to the next multiple of BUFFER_STEP at least, doubling, never past
+  what `prompt + max_tokens` needs. So the memory of a short generation does not depend on
+  `max_tokens`, and a long one traces once per buffer size (log2 of its length in 256-token steps);
 * the position is an input array (`pos`), used for RoPE (`fast.rope` with an array offset), for
   the slot written (`slice_update_dynamic`) and for an additive mask over the slots (a slot is
   visible when it holds a position <= pos inside the layer's window);
@@ -20,8 +24,8 @@ fixed-size buffers instead of growing caches:
   model frees its memory whatever MLX's (per-thread) compile cache still holds.
 
 Prefill stays uncompiled (a few large chunks: the binding's overhead is amortized there) and
-writes into caches whose first allocation is already the decode size (`reserve`), so the buffers
-pass to the decode without a copy. During decoding the session owns the buffers (so that MLX
+writes into caches whose first allocation is already the decode's first size (`reserve`), so the
+buffers pass to the decode without a copy. During decoding the session owns the buffers (so that MLX
 writes them in place: an array something else still holds is copied on write); when it ends,
 the caches get the rings back in their own layout, so a caller that keeps the caches (a prompt
 cache) sees every token.
@@ -98,10 +102,23 @@ def decode_capacity(prompt_len: int, max_tokens: int) -> int:
     return -(-need // BUFFER_STEP) * BUFFER_STEP + BUFFER_PAD
 
 
+def first_capacity(prompt_len: int, max_tokens: int) -> int:
+    """Slots a full-attention layer starts a generation with: the prompt and the first token (all of
+    the generation where that is less)."""
+    return min(decode_capacity(prompt_len, min(max_tokens, 1)), decode_capacity(prompt_len, max_tokens))
+
+
+def grown_capacity(capacity: int, needed: int, full: int) -> int:
+    """The next buffer size after `capacity` slots, for `needed` slots: twice the size (in
+    BUFFER_STEP steps), at least `needed`, at most `full` (what the whole generation needs)."""
+    doubled = 2 * (capacity - BUFFER_PAD) + BUFFER_PAD
+    return min(full, max(decode_capacity(needed, 0), doubled))
+
+
 def reserve(cache: Sequence[Any], capacity: int) -> None:
     """Make each empty cache allocate `capacity` slots at its first update (a rotating cache: at
-    most its size), so that prefill writes straight into the buffer that decoding will use (no
-    copy, no regrowth). `CompiledDecoder.decode` undoes it when the generation ends."""
+    most its size), so that prefill writes straight into the buffer that decoding starts with (no
+    copy). `CompiledDecoder.decode` undoes it when the generation ends."""
     for c in cache:
         if type(c) in (KVCache, RotatingKVCache) and c.keys is None:
             c.step = max(capacity, type(c).step)
@@ -321,6 +338,43 @@ def _give_back(layer: _Layer, keys: Array, values: Array, offset: int) -> None:
         c._set_dims(keys, values)  # noqa: SLF001
 
 
+class _Rings:
+    """The rings of one decode session, grown as positions arrive (see the module doc). `layers` is
+    one list for the session's life: growing replaces its items."""
+
+    def __init__(self, layers: list[_Layer], capacity: int, full: int, last_position: int) -> None:
+        self.layers = layers
+        self.capacity = capacity  # slots of the layers that grow (full attention)
+        self.full = full
+        self.last_position = last_position
+
+    def key(self) -> tuple[tuple[int, int | None], ...]:
+        return tuple((layer.ring, layer.window) for layer in self.layers)
+
+    def grow_for(self, position: int, buffers: list[Array]) -> list[Array] | None:
+        """Where a step at `position` does not fit the growing layers: their buffers grown (a new
+        list; zeros after the positions held, which stay at their slots) and `layers` updated.
+        None where it fits."""
+        if position < self.capacity:
+            return None
+        capacity = grown_capacity(self.capacity, position + 1, self.full)
+        if capacity <= position:
+            raise RuntimeError(f"decode position {position} is past the {self.full} slots planned for this generation")
+        layers = _plan([layer.cache for layer in self.layers], capacity, self.last_position)
+        if layers is None:  # the same caches planned before: cannot happen unless they changed type
+            raise RuntimeError("the decode caches changed during the generation")
+        out = list(buffers)
+        for i, (old, new) in enumerate(zip(self.layers, layers)):
+            extra = new.ring - old.ring
+            for j in (2 * i, 2 * i + 1) if extra > 0 else ():
+                a = out[j]
+                b, h, _, d = a.shape
+                out[j] = mx.concatenate([a, mx.zeros((b, h, extra, d), a.dtype)], axis=2)
+        self.layers[:] = layers
+        self.capacity = capacity
+        return out
+
+
 # ---------------------------------------------------------------------- the decoder
 
 class CompiledDecoder:
@@ -384,24 +438,26 @@ class CompiledDecoder:
         if model is None or batch != 1 or max_tokens <= 0 or not cache:
             return None
         last_position = first_position + max_tokens - 1
-        capacity = decode_capacity(first_position + 1, max_tokens)
+        full = decode_capacity(first_position + 1, max_tokens)
+        capacity = first_capacity(first_position + 1, max_tokens)
         if any(type(c) is KVCache and c.keys is not None and c.keys.shape[2] > capacity for c in cache):
             capacity = max(c.keys.shape[2] for c in cache if type(c) is KVCache and c.keys is not None)
         layers = _plan(cache, capacity, last_position)
         if layers is None or any(c.offset != first_position for c in cache) or any(c.keys is None for c in cache):
             return None
+        rings = _Rings(layers, capacity, max(full, capacity), last_position)
         weights, classes = walk if walk is not None else _arrays_of(model, with_classes=True)
         structure = (classes, len(weights))
         fuse_greedy = sampler is greedy and not processors
         if (self.mode or decode_mode()) == "segmented" and not processors:
-            session = self._segmented(model, structure, weights, fuse_greedy, layers, sampler, first_position)
+            session = self._segmented(model, structure, weights, fuse_greedy, rings, sampler, first_position)
             if session is not None:
                 return session
-        key = (structure, fuse_greedy, tuple((layer.ring, layer.window) for layer in layers))
+        key = (structure, fuse_greedy, rings.key())
         if key in self._failed:
             return None
         spec = _Spec(model, weights, layers, fuse_greedy, self.stats)
-        return DecodeSession(self, key, spec, sampler, processors, history)
+        return DecodeSession(self, key, spec, sampler, processors, history, rings)
 
     def prepare_weights(self) -> None:
         """Fuse the projections now where the segmented decode will (it swaps the linears' weights
@@ -460,7 +516,7 @@ class CompiledDecoder:
         return seg_key, seg_plan
 
     def _segmented(self, model: Module, structure: tuple[Any, ...], weights: list[Array], fuse_greedy: bool,
-                   layers: list[_Layer], sampler: Sampler, first_position: int) -> "SegmentedSession | None":
+                   rings: _Rings, sampler: Sampler, first_position: int) -> "SegmentedSession | None":
         """A segmented session, or None where the model is not of the Llama family or its segments
         failed to trace."""
         from . import segments
@@ -470,7 +526,7 @@ class CompiledDecoder:
             return None
         seg_key, seg_plan = found
         fns = self._function(seg_key, segments.SegmentFunctions)
-        return segments.SegmentedSession(seg_plan, layers, fns, sampler, first_position,
+        return segments.SegmentedSession(seg_plan, rings, fns, sampler, first_position,
                                          on_fail=lambda exc: self._mark_failed(seg_key, exc))
 
     def prefill_runner(self, fuse_greedy: bool, walk: tuple[list[Array], tuple[str, ...]] | None = None
@@ -496,9 +552,9 @@ class CompiledDecoder:
                                               on_fail=lambda exc: self._mark_failed(key, exc))
 
     def reserve(self, cache: Sequence[Any], prompt_len: int, max_tokens: int) -> None:
-        """Call before prefill: size the empty caches' first allocation for the whole generation."""
+        """Call before prefill: size the empty caches' first allocation as the decode's first buffers."""
         if self._model is not None:
-            reserve(cache, decode_capacity(prompt_len, max_tokens))
+            reserve(cache, first_capacity(prompt_len, max_tokens))
 
     def unreserve(self, cache: Sequence[Any]) -> None:
         """Undo `reserve` (`decode` does it when it ends; a generation that never decodes calls this)."""
@@ -592,9 +648,10 @@ class DecodeSession:
     the sampled ids [B] like `generate.decode`; the caches get the rings back when it ends."""
 
     def __init__(self, decoder: CompiledDecoder, key: tuple[Any, ...], spec: _Spec, sampler: Sampler,
-                 processors: Sequence[LogitsProcessor], history: Array | None) -> None:
+                 processors: Sequence[LogitsProcessor], history: Array | None, rings: _Rings) -> None:
         self._decoder = decoder
         self._key = key
+        self._rings = rings  # rings.layers is spec.layers
         self._spec = spec
         self._sampler = sampler
         self._processors = list(processors)
@@ -607,6 +664,11 @@ class DecodeSession:
 
     def _call(self, tokens: Array, pos: Array) -> tuple[Array, Array]:
         spec = self._spec
+        grown = self._rings.grow_for(self._first_position + self._steps, self._buffers)
+        if grown is not None:  # a new buffer size: its own trace (made once per size)
+            self._buffers = grown
+            self._key = (*self._key[:2], self._rings.key())
+            self._fn = self._decoder._function(self._key)  # noqa: SLF001
         _tracing.spec = spec  # read by _trace_step, if MLX traces now
         try:
             out = self._fn.call_flat([tokens, pos, *self._buffers], self._weights)

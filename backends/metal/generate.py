@@ -154,7 +154,7 @@ def _cache_state(cache: Sequence[Cache]) -> list[Any]:
 def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, step: int = PREFILL_STEP,
             mask: Callable[[int, int], mx.Array | None] | None = None, guard: Guard = NO_GUARD,
             start: int = 0, queue: StepQueue | None = None, runner: Callable[..., mx.Array] | None = None,
-            finish: Callable[[mx.Array], mx.Array] | None = None, new_tokens: int = 0) -> mx.Array | None:
+            finish: Callable[[mx.Array], mx.Array] | None = None, new_tokens: int | None = 0) -> mx.Array | None:
     """Run `tokens` [B, L] through the model into `cache`, `step` positions at a time.
 
     Only the caches are evaluated (the chunks' logits are never needed), except that with `finish`
@@ -170,11 +170,11 @@ def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, ste
     encodes layer i while Python builds layer i+1. `runner` (`CompiledDecoder.prefill_runner`)
     runs the chunks instead of the model's forward where no mask is given. Before anything is
     allocated, the caches at their final size (`new_tokens` more per row to come after the prompt)
-    and a chunk's attention are checked against the device's free memory (DeviceMemoryError).
+    and a chunk's attention are checked against the device's free memory (DeviceMemoryError;
+    `new_tokens=None`: the caller has checked).
     """
-    memory_check.check(model, cache, batch=tokens.shape[0], prompt_len=tokens.shape[1], new_tokens=new_tokens,
-                       step=step, what=f"a prompt of {tokens.shape[1]} tokens" + (
-                           f" and {new_tokens} new tokens" if new_tokens else ""))
+    if new_tokens is not None:
+        check_memory(model, cache, tokens.shape[0], tokens.shape[1], new_tokens, step)
     forward = _chunk_forward(model, mask, runner)
     if queue is not None and queue.threaded:
         return _prefill_threaded(forward, tokens, cache, step=step, guard=guard, start=start, queue=queue,
@@ -195,6 +195,15 @@ def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, ste
         running = state
         start = stop
     return result
+
+
+def check_memory(model: LanguageModel, cache: Sequence[Any], batch: int, prompt_len: int, new_tokens: int,
+                 step: int = PREFILL_STEP) -> None:
+    """DeviceMemoryError where `batch` prompts of `prompt_len` tokens and `new_tokens` generated
+    after them cannot fit the device's free memory (see memory_check.py)."""
+    memory_check.check(model, cache, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, step=step,
+                       what=f"{batch} x {prompt_len} prompt tokens" + (f" and {new_tokens} new tokens" if new_tokens
+                                                                       else ""))
 
 
 def _chunk_forward(model: LanguageModel, mask: Callable[[int, int], mx.Array | None] | None,
@@ -451,10 +460,10 @@ def batch_generate_ids(model: LanguageModel, prompts: Sequence[Sequence[int]], *
     # Padding repeats the row's first id: any id would do, since padded keys are masked out.
     padded = mx.array([[p[0]] * pad + list(p) for p, pad in zip(prompts, pad_counts)], dtype=mx.int32)
     pads = mx.array(pad_counts, dtype=mx.int32)
-    # Every prompt token but the last goes through prefill (none where width is 1: then it only
-    # checks the memory of the caches at their final size).
-    prefill(model, padded[:, :-1], cache, step=prefill_step, guard=guard,
-            mask=lambda offset, length: left_padded_mask(pads, offset, length), new_tokens=max_tokens + 1)
+    check_memory(model, cache, len(prompts), width, max_tokens, prefill_step)
+    if width > 1:
+        prefill(model, padded[:, :-1], cache, step=prefill_step, guard=guard,
+                mask=lambda offset, length: left_padded_mask(pads, offset, length), new_tokens=None)
     history = _history([p[:-1] or p for p in prompts]) if processors else None
     step = make_step(model, cache, sampler, processors, history,
                      mask=lambda offset: left_padded_mask(pads, offset, 1), offset=width - 1)

@@ -6,8 +6,9 @@ under a memory limit set with `set_memory_limit` evaluation can wait for memory 
 So the loops estimate, before they prefill, the largest buffers a call will hold, and raise
 `DeviceMemoryError` (a `MemoryError`) naming the options and sizes when they cannot fit:
 
-* the KV caches at their final size: every layer's cache holds min(its bound, prompt + new tokens)
-  positions, its bound being a sliding window or `context_len` (a `RotatingKVCache`'s `max_size`);
+* the KV caches at their largest: every layer's cache holds min(its bound, prompt + new tokens)
+  positions, its bound being a sliding window or `context_len` (a `RotatingKVCache`'s `max_size`,
+  plus the chunk that overflows it);
 * where MLX's attention runs as separate operations (its CPU backend), one chunk's attention scores
   [batch, query heads, chunk, keys];
 * `extra`: what the caller returns on top (inspect_attention's keys and queries).
@@ -157,7 +158,9 @@ def estimate(model: Any, cache: Sequence[Any], *, batch: int, prompt_len: int, n
     chunk = min(step, prompt_len)
     for c, shape in zip(cache, shapes):
         bound = _bound(c)
-        held = tokens if bound is None else min(tokens, bound)
+        # A bounded cache fed a chunk that overflows it holds its last bound - 1 positions and the
+        # chunk until the next one-token step cuts it back.
+        held = tokens if bound is None else min(tokens, max(bound, bound - 1 + chunk))
         now = getattr(c, "nbytes", 0) if isinstance(c, (KVCache, RotatingKVCache)) else 0
         kv += max(batch * held * shape.kv_bytes - now, 0)
         if unfused:

@@ -462,9 +462,10 @@ class SegmentedSession:
     """One generation's decode on the segments; `decode(first_inputs, max_tokens, queue)` yields the
     sampled ids [B] like `generate.decode`, the caches get the buffers back when it ends."""
 
-    def __init__(self, plan: SegmentPlan, layers: list[Any], fns: SegmentFunctions, sampler: Any,
+    def __init__(self, plan: SegmentPlan, rings: Any, fns: SegmentFunctions, sampler: Any,
                  first_position: int, on_fail: Callable[[BaseException], None]) -> None:
-        self._layers = layers  # compiled._Layer: cache and ring size (= buffer length)
+        self._rings = rings  # compiled._Rings: grows the buffers as positions arrive
+        self._layers = rings.layers  # compiled._Layer: cache and ring size (= buffer length)
         self._fns = fns
         self._fuse_greedy = plan.fuse_greedy
         self._sampler = sampler
@@ -479,6 +480,9 @@ class SegmentedSession:
 
     def _step(self, tokens: Array, pos: Array) -> tuple[Array, Array]:
         """One token through every layer; returns (sampled ids or logits, pos + 1)."""
+        grown = self._rings.grow_for(self._position, self._buffers)
+        if grown is not None:  # longer buffers (with the RoPE kernel: its own, written in place)
+            self._buffers = [cuda_rope_kv.private_copy(a) for a in grown] if self._rope is not None else grown
         fns = self._fns
         *heads, h = call_segment(fns.first, self._first, [tokens, pos, *self._kv_inputs(0)])
         out = None

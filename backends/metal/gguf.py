@@ -22,8 +22,7 @@ import contextlib
 import math
 import os
 import struct
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,8 @@ try:
 except ImportError as exc:  # an optional dependency: pip install 'pymlxc[gguf]'
     raise ImportError("GGUF models need the `gguf` package: pip install 'pymlxc[gguf]' (or pip install gguf)") from exc
 
+from .gguf_config import (ARCHITECTURES, GGUFError, architecture, gguf_config, llama3_rope_scaling, metadata,
+                          model_type_of, scalar)
 from .gguf_quants import AFFINE_BITS, GROUP, use_block_layers
 from .gguf_tensors import TensorError, hf_name, read_tensors
 
@@ -55,13 +56,6 @@ QUANT_GROUP = GROUP  # the group of every repacked type
 _RECIPES = ("re-quantize it with llama-quantize to Q4_K_M (or any of Q2_K, Q3_K_S/M/L, Q4_0, Q4_1, Q4_K_S/M, "
             "Q5_0, Q5_1, Q5_K_S/M, Q6_K, Q8_0), or load the original safetensors")
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3")
-_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
-               "gemma2": "gemma2", "gemma3": "gemma3_text"}
-_MOE = ("qwen2moe", "qwen3moe")
-
-class GGUFError(ValueError):
-    """A GGUF file is malformed, or holds something pymlxc cannot load; the message names the file."""
 
 
 class _Corrupt(ValueError):
@@ -231,319 +225,10 @@ def read_gguf(path: str | os.PathLike[str], *, check_types: bool = True) -> GGUF
     if reader.byte_order != "I":
         raise GGUFError(f"{p}: GGUF files of the other byte order are not supported")
     _check_tensors(p, reader, p.stat().st_size, types=check_types)
-    split = _scalar(reader, "split.count")
+    split = scalar(reader, "split.count")
     if isinstance(split, int) and split > 1:
         raise GGUFError(f"{p}: part of a {split}-file split GGUF; merge it first (llama-gguf-split --merge)")
     return reader
-
-
-# ---------------------------------------------------------------------- metadata
-
-def metadata(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    """A metadata value as Python: str, int, float, bool, or a list of them."""
-    field = reader.fields.get(key)
-    if field is None or not field.types:
-        return default
-    try:
-        if field.types[0] == GGUFValueType.ARRAY:
-            return field.contents(slice(None))
-        value = field.contents()
-    except UnicodeDecodeError as exc:
-        raise GGUFError(f"metadata {key} is not valid UTF-8: {exc}") from None
-    if field.types[0] == GGUFValueType.FLOAT32:
-        value = float(str(np.float32(value)))  # 1e-05, not 9.999999747378752e-06
-    return value
-
-
-def _scalar(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    value = metadata(reader, key, default)
-    return default if isinstance(value, list) else value
-
-
-def _int(reader: GGUFReader, key: str, default: int | None = None, *, required: bool = False) -> int | None:
-    """An integer key; a per-layer list is accepted when all its entries agree."""
-    value = metadata(reader, key)
-    if isinstance(value, list):
-        distinct = set(value)
-        if len(distinct) != 1:
-            raise GGUFError(f"{key} varies by layer ({sorted(distinct)}), which pymlxc's models do not support")
-        value = distinct.pop()
-    if value is None:
-        if required:
-            raise GGUFError(f"the metadata key {key} is missing")
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 0:
-        raise GGUFError(f"{key} must be a non-negative integer, got {value!r}")
-    return int(value)
-
-
-def _float(reader: GGUFReader, key: str, default: float | None = None) -> float | None:
-    value = _scalar(reader, key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise GGUFError(f"{key} must be a finite number, got {value!r}")
-    return float(value)
-
-
-def architecture(reader: GGUFReader) -> str:
-    arch = _scalar(reader, "general.architecture")
-    if not isinstance(arch, str):
-        raise GGUFError("the metadata key general.architecture is missing")
-    return arch
-
-
-def model_type_of(arch: str) -> str:
-    if arch not in _MODEL_TYPE:
-        raise GGUFError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
-    return _MODEL_TYPE[arch]
-
-
-def _tensor_shapes(reader: GGUFReader) -> dict[str, tuple[int, ...]]:
-    """Tensor shapes in MLX order (GGUF lists the fastest-varying dimension first)."""
-    return {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
-
-
-def gguf_config(reader: GGUFReader) -> dict[str, Any]:
-    """The HF-style config.json of the model in `reader`, from its `<arch>.*` keys and tensor shapes."""
-    arch = architecture(reader)
-    model_type = model_type_of(arch)
-    shapes = _tensor_shapes(reader)
-    def key(name: str) -> str:
-        return f"{arch}.{name}"
-
-
-    hidden = _int(reader, key("embedding_length"), required=True)
-    heads = _int(reader, key("attention.head_count"), required=True)
-    if not hidden or not heads:
-        raise GGUFError(f"{key('embedding_length')} and {key('attention.head_count')} must be positive")
-    kv_heads = _int(reader, key("attention.head_count_kv"), heads) or heads
-    head_dim = _int(reader, key("attention.key_length"), hidden // heads) or hidden // heads
-    value_dim = _int(reader, key("attention.value_length"), head_dim)
-    if value_dim != head_dim:
-        raise GGUFError(f"key_length {head_dim} != value_length {value_dim}: not supported")
-    rope_dims = _int(reader, key("rope.dimension_count"), head_dim)
-    if rope_dims != head_dim:
-        raise GGUFError(f"partial rotary embeddings ({rope_dims} of {head_dim} dimensions) are not supported")
-    embed = shapes.get("token_embd.weight")
-    if embed is None or len(embed) != 2:
-        raise GGUFError("the token embedding tensor token_embd.weight is missing")
-    vocab = embed[0]
-    context = _int(reader, key("context_length"), 4096)
-    config: dict[str, Any] = {
-        "model_type": model_type,
-        "architectures": [_ARCH_CLASS[arch]],
-        "hidden_size": hidden,
-        "num_hidden_layers": _int(reader, key("block_count"), required=True),
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "intermediate_size": _int(reader, key("feed_forward_length"), 0, required=arch not in _MOE),
-        "vocab_size": vocab,
-        "max_position_embeddings": context,
-        "rms_norm_eps": _float(reader, key("attention.layer_norm_rms_epsilon"), 1e-5 if arch == "llama" else 1e-6),
-        "rope_theta": _float(reader, key("rope.freq_base"), 10000.0),
-        "tie_word_embeddings": "output.weight" not in shapes,
-    }
-    _check_against_tensors(config, shapes)
-    rope_scaling = _rope_scaling(reader, arch, head_dim, config["rope_theta"])
-    if rope_scaling is not None:
-        config["rope_scaling"] = rope_scaling
-    if arch in ("llama", "qwen2", "qwen2moe"):
-        config["attention_bias"] = "blk.0.attn_q.bias" in shapes
-    if arch in _MOE:
-        config.update(_moe_config(reader, arch, config, shapes))
-    if arch in ("gemma2", "gemma3"):
-        config.update(_gemma_config(reader, arch, config))
-    for name in ("bos_token_id", "eos_token_id"):
-        token = _scalar(reader, f"tokenizer.ggml.{name}")
-        if isinstance(token, int) and not isinstance(token, bool):
-            config[name] = token
-    return config
-
-
-def _check_against_tensors(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> None:
-    """The hyperparameters must describe the tensors the file holds (a corrupt block count would
-    otherwise build a model of millions of layers before any weight is matched)."""
-    layers = config["num_hidden_layers"]
-    blocks = {int(n.split(".")[1]) for n in shapes if n.startswith("blk.") and n.split(".")[1].isdigit()}
-    if len(blocks) != layers or (blocks and (min(blocks) != 0 or max(blocks) != layers - 1)):
-        raise GGUFError(f"block_count is {layers} but the file has tensors for {len(blocks)} blocks")
-    hidden, head_dim = config["hidden_size"], config["head_dim"]
-    expected = {
-        "token_embd.weight": (config["vocab_size"], hidden),
-        "blk.0.attn_q.weight": (config["num_attention_heads"] * head_dim, hidden),
-        "blk.0.attn_k.weight": (config["num_key_value_heads"] * head_dim, hidden),
-    }
-    dense = [n for n in shapes if n.startswith("blk.") and n.endswith(".ffn_up.weight")]
-    if dense or not any(n.endswith(".ffn_gate_inp.weight") for n in shapes):  # MoE files may have no dense MLP
-        expected[dense[0] if dense else "blk.0.ffn_up.weight"] = (config["intermediate_size"], hidden)
-    for name, shape in expected.items():
-        if shapes.get(name) != shape:
-            raise GGUFError(f"tensor {name} has shape {shapes.get(name)}, but the metadata implies {shape}")
-
-
-_ARCH_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-               "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
-
-
-def _moe_config(reader: GGUFReader, arch: str, base: Mapping[str, Any],
-                shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
-    """Experts from the `expert_*` keys, checked against the stacked tensors [E, ff, hidden]. Layers
-    without a router are dense (`mlp_only_layers`). llama.cpp renormalises the top-k weights for
-    qwen3moe and not for qwen2moe, unless `expert_weights_norm` says otherwise."""
-    def key(name: str) -> str:
-        return f"{arch}.{name}"
-
-    layers, hidden = base["num_hidden_layers"], base["hidden_size"]
-    experts = _int(reader, key("expert_count"), required=True)
-    used = _int(reader, key("expert_used_count"), required=True)
-    moe_layers = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in shapes]
-    if not experts or not used or not moe_layers:
-        raise GGUFError(f"{key('expert_count')} is {experts} and {key('expert_used_count')} {used}, "
-                        f"with routers in {len(moe_layers)} blocks: not a mixture-of-experts model")
-    first = moe_layers[0]
-    ff = shapes.get(f"blk.{first}.ffn_up_exps.weight")
-    if ff is None or len(ff) != 3:
-        raise GGUFError(f"tensor blk.{first}.ffn_up_exps.weight is missing or not stacked [experts, ff, hidden]")
-    ff_len = _int(reader, key("expert_feed_forward_length"), ff[1])
-    if ff != (experts, ff_len, hidden):
-        raise GGUFError(f"tensor blk.{first}.ffn_up_exps.weight has shape {ff}, but the metadata implies "
-                        f"{(experts, ff_len, hidden)}")
-    norm = metadata(reader, key("expert_weights_norm"))
-    out: dict[str, Any] = {
-        "num_experts": experts, "num_experts_per_tok": used, "moe_intermediate_size": ff_len, "decoder_sparse_step": 1,
-        "mlp_only_layers": [i for i in range(layers) if i not in moe_layers],
-        "norm_topk_prob": bool(norm) if isinstance(norm, bool) else arch == "qwen3moe",
-    }
-    if arch == "qwen2moe":
-        shared = shapes.get(f"blk.{first}.ffn_up_shexp.weight")
-        out["shared_expert_intermediate_size"] = _int(reader, key("expert_shared_feed_forward_length"),
-                                                      shared[0] if shared else 0)
-        if not shared or shared != (out["shared_expert_intermediate_size"], hidden):
-            raise GGUFError(f"tensor blk.{first}.ffn_up_shexp.weight has shape {shared}, but the metadata implies "
-                            f"{(out['shared_expert_intermediate_size'], hidden)}")
-    return out
-
-
-# llama.cpp scales Gemma's queries by 1/sqrt(hidden / heads) in the 27B models and by
-# 1/sqrt(head_dim) in the others; the GGUF has no key for it. The 27B models are told by depth.
-_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-
-
-def _gemma_config(reader: GGUFReader, arch: str, base: Mapping[str, Any]) -> dict[str, Any]:
-    def key(name: str) -> str:
-        return f"{arch}.{name}"
-
-    layers, hidden, heads = base["num_hidden_layers"], base["hidden_size"], base["num_attention_heads"]
-    wide = layers == _GEMMA_27B_LAYERS[arch]
-    out: dict[str, Any] = {
-        "hidden_activation": "gelu_pytorch_tanh",
-        "query_pre_attn_scalar": hidden // heads if wide else base["head_dim"],
-        "sliding_window": _int(reader, key("attention.sliding_window"), 4096),
-        "attn_logit_softcapping": _float(reader, key("attn_logit_softcapping")),
-        "final_logit_softcapping": _float(reader, key("final_logit_softcapping")),
-    }
-    if arch == "gemma2":
-        if out["attn_logit_softcapping"] is None:
-            out["attn_logit_softcapping"] = 50.0
-        if out["final_logit_softcapping"] is None:
-            out["final_logit_softcapping"] = 30.0
-        return out
-    # Gemma 3: every sixth layer is global unless the file says otherwise (a period, or a per-layer
-    # list of booleans, true for sliding-window layers).
-    pattern = metadata(reader, key("attention.sliding_window_pattern"))
-    if isinstance(pattern, list):
-        if len(pattern) != layers:
-            raise GGUFError(f"{key('attention.sliding_window_pattern')} has {len(pattern)} entries for {layers} layers")
-        sliding = [bool(v) for v in pattern]
-    else:
-        period = int(pattern) if isinstance(pattern, int) and pattern > 0 else 6
-        sliding = [(i + 1) % period != 0 for i in range(layers)]
-        out["sliding_window_pattern"] = period
-    out["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
-    out["rope_local_base_freq"] = _float(reader, key("rope.freq_base_swa"), 10000.0)
-    return out
-
-
-def _rope_scaling(reader: GGUFReader, arch: str, head_dim: int, base: float) -> dict[str, Any] | None:
-    def key(name: str) -> str:
-        return f"{arch}.{name}"
-
-    kind = _scalar(reader, key("rope.scaling.type"))
-    factor = _float(reader, key("rope.scaling.factor"))
-    if kind in ("linear", "yarn") and factor and factor != 1.0:
-        out: dict[str, Any] = {"rope_type": kind, "factor": factor}
-        original = _int(reader, key("rope.scaling.original_context_length"))
-        if original:
-            out["original_max_position_embeddings"] = original
-        return out
-    if kind not in (None, "none", "linear", "yarn"):
-        raise GGUFError(f"RoPE scaling type {kind!r} is not supported")
-    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if arch == "llama" and freqs is not None:
-        if freqs.tensor_type not in (QType.F32, QType.F16):
-            raise GGUFError(f"rope_freqs.weight has type {freqs.tensor_type.name} (expected F32)")
-        return llama3_rope_scaling(np.asarray(freqs.data, dtype=np.float64), head_dim, base)
-    return None
-
-
-def llama3_rope_scaling(factors: np.ndarray, head_dim: int, base: float) -> dict[str, Any] | None:
-    """The HF `rope_scaling` of Llama 3 whose per-pair factors llama.cpp stored as `rope_freqs`.
-
-    Pair i of frequency base^(-2i/d) has wavelength w = 2 pi base^(2i/d). Llama 3 keeps short
-    wavelengths (factor 1), slows long ones by `factor`, and in between divides by
-    (1 - s) / factor + s with s = (L / w - low) / (high - low), L the original context. Those three
-    numbers are only fixed up to a common scale, so low is taken as 1 (Llama 3's value) and s is
-    fitted against 1 / w. The fit is checked by recomputing every factor."""
-    f = np.asarray(factors, dtype=np.float64).reshape(-1)
-    if f.size != head_dim // 2 or not np.all(np.isfinite(f)) or np.any(f <= 0):
-        raise GGUFError(f"rope_freqs has {f.size} entries (expected {head_dim // 2} positive ones)")
-    if np.allclose(f, 1.0):
-        return None
-    factor = float(f.max())
-    wavelen = 2 * math.pi * base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    medium = (f > 1 + 1e-6) & (f < factor * (1 - 1e-6))
-    s = (1 / f[medium] - 1 / factor) / (1 - 1 / factor)  # the blend weight of each medium pair
-    if medium.sum() >= 2:
-        slope, intercept = np.polyfit(1 / wavelen[medium], s, 1)
-        if intercept >= 0 or slope <= 0:
-            raise GGUFError("rope_freqs do not follow Llama 3's RoPE scaling")
-        high = 1 - 1 / intercept
-        original = -slope / intercept
-    elif medium.sum() == 1:
-        # One equation, s = (L / w - 1) / (high - 1): any L between this wavelength and the first
-        # slowed one whose high keeps the shorter wavelengths unscaled reproduces every factor.
-        w, slowed = float(wavelen[medium][0]), wavelen[f >= factor * (1 - 1e-6)]
-        top = float(slowed.min()) if slowed.size else w * 1e3
-        llama3 = w * (1 + 3 * float(s[0]))  # the L of Llama 3's high / low = 4, tried first
-        for original in [llama3, *np.geomspace(w, top, 66)[1:-1]]:
-            high = 1 + (original / w - 1) / float(s[0])
-            trial = {"factor": factor, "low_freq_factor": 1.0, "high_freq_factor": high,
-                     "original_max_position_embeddings": original}
-            if np.allclose(_llama3_factors(trial, wavelen), f, rtol=1e-4, atol=1e-6):
-                break
-        else:
-            raise GGUFError("rope_freqs do not follow Llama 3's RoPE scaling")
-    else:  # no blend region: any boundaries between the kept and the slowed wavelengths fit
-        kept, slowed = wavelen[f <= 1 + 1e-6], wavelen[f > 1 + 1e-6]
-        if not kept.size or not slowed.size:
-            raise GGUFError("rope_freqs do not follow Llama 3's RoPE scaling")
-        original, high = float(np.sqrt(kept.max() * slowed.min())), 1.0 + 1e-3
-    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": float(high),
-               "original_max_position_embeddings": float(original)}
-    if not np.allclose(_llama3_factors(scaling, wavelen), f, rtol=1e-4, atol=1e-6):
-        raise GGUFError("rope_freqs do not follow Llama 3's RoPE scaling")
-    return scaling
-
-
-def _llama3_factors(scaling: Mapping[str, float], wavelen: np.ndarray) -> np.ndarray:
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    original = scaling["original_max_position_embeddings"]
-    smooth = (original / wavelen - low) / (high - low)
-    blend = 1 / ((1 - smooth) / factor + smooth)
-    return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, blend))
 
 
 # ---------------------------------------------------------------------- loading
@@ -636,7 +321,7 @@ def describe_gguf(path: str | os.PathLike[str]) -> tuple[str | None, int, int]:
     with _naming(file):
         arch = architecture(reader)
     bits, group = quantization_of(reader)
-    return _MODEL_TYPE.get(arch, arch), bits, group
+    return (model_type_of(arch) if arch in ARCHITECTURES else arch), bits, group
 
 
 __all__ = ["GGUFError", "ARCHITECTURES", "SUPPORTED_TYPES", "find_gguf", "read_gguf", "metadata", "gguf_config",

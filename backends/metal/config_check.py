@@ -221,6 +221,8 @@ def check_against_tensors(args: Any, shapes: Mapping[str, Sequence[int]]) -> Non
     Only what strict loading would refuse later is refused here, so no valid checkpoint fails."""
     n_layers = getattr(args, "num_hidden_layers", None)
     indices = {int(m.group(1)) for name in shapes if (m := _LAYER.match(name))}
+    if n_layers is not None and not indices and any(n.startswith("model.") for n in shapes):
+        raise ConfigError(f"num_hidden_layers: {n_layers}, but the checkpoint has no layer tensors (model.layers.*)")
     if n_layers is not None and indices and max(indices) + 1 != n_layers:
         raise ConfigError(f"num_hidden_layers: {n_layers}, but the checkpoint's tensors hold "
                           f"{max(indices) + 1} layers (model.layers.0 .. model.layers.{max(indices)})")

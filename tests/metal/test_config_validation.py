@@ -165,6 +165,13 @@ def test_num_hidden_layers_must_match_the_checkpoint(tiny: Path, layers: int) ->
     assert "the checkpoint's tensors hold 2 layers" in _config_error(tiny, "num_hidden_layers")
 
 
+def test_checkpoint_without_layers(tiny: Path) -> None:
+    file = tiny / "model.safetensors"
+    save_file({k: v for k, v in load_file(str(file)).items() if ".layers." not in k}, str(file))
+    _edit_config(tiny, num_hidden_layers=10**5)
+    assert "no layer tensors" in _config_error(tiny, "num_hidden_layers")
+
+
 @pytest.mark.parametrize(("field", "value"), [("vocab_size", 513), ("hidden_size", 128)])
 def test_embedding_must_match_the_checkpoint(tiny: Path, field: str, value: int) -> None:
     _edit_config(tiny, **{field: value}, head_dim=16)

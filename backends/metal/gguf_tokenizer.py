@@ -21,7 +21,9 @@ the Hugging Face files so that `Tokenizer.from_parts` treats both alike.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,22 +37,52 @@ if TYPE_CHECKING:
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
-_GPT2 = None  # ByteLevel's own GPT-2 pattern
-_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+# The split patterns as llama.cpp runs them (llama-vocab.cpp, `llm_tokenizer_bpe`), not as the
+# tokenizer.json they came from: llama.cpp spells `(?i:'s|...)` as `'[sS]|...`, which differs for
+# letters that case-fold to ASCII ("'\u017f" is no contraction there), and its pattern decides the ids.
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+           r"|\s+(?!\S)|\s+")
+_QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+          r"|\s+(?!\S)|\s+")
+# Qwen 3.5: letter runs take combining marks along (\p{M}).
+_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
            r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-# tokenizer.ggml.pre -> (split pattern, ignore_merges: a word that is a token is taken whole, as
-# Llama 3's tokenizer.json asks).
-PRE_TOKENIZERS: dict[str | None, tuple[str | None, bool]] = {
-    None: (_GPT2, False), "default": (_GPT2, False), "gpt-2": (_GPT2, False), "gpt2": (_GPT2, False),
-    "llama-bpe": (_LLAMA3, True), "llama3": (_LLAMA3, True), "smaug-bpe": (_LLAMA3, True),
-    "qwen2": (_QWEN2, False), "deepseek-r1-qwen": (_QWEN2, False),
+# llama.cpp's "default" (also what it uses when tokenizer.ggml.pre is missing): four splits in turn.
+_DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
+_NEWLINES = r"[^\n]+|[\n]+"
+
+
+@dataclass(frozen=True)
+class PreTokenizer:
+    """How llama.cpp splits text before its BPE merges, for one `tokenizer.ggml.pre` value."""
+
+    patterns: tuple[str, ...]  # applied in turn, each to the pieces of the one before
+    ignore_merges: bool = False  # a piece that is a token is taken whole (Llama 3)
+    spm_style: bool = False  # spaces become U+2581, raw UTF-8 with <0xXX> byte tokens (Gemma 4)
+    add_bos: bool = False  # llama.cpp's default when tokenizer.ggml.add_bos_token is absent
+
+
+_P_DEFAULT = PreTokenizer(_DEFAULT)
+_P_GPT2 = PreTokenizer((_GPT2,))
+_P_LLAMA3 = PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True)
+_P_QWEN2 = PreTokenizer((_QWEN2,))
+_P_QWEN35 = PreTokenizer((_QWEN35,))
+_P_GEMMA4 = PreTokenizer((_NEWLINES,), spm_style=True, add_bos=True)
+# tokenizer.ggml.pre -> its split, under every name llama.cpp gives the same split (llama-vocab.cpp).
+PRE_TOKENIZERS: dict[str | None, PreTokenizer] = {
+    None: _P_DEFAULT, "default": _P_DEFAULT,
+    **dict.fromkeys(("gpt-2", "gpt2", "phi-2", "roberta-bpe", "exaone4"), _P_GPT2),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "smaug-bpe"), _P_LLAMA3),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"), _P_QWEN2),
+    "qwen35": _P_QWEN35,
+    "gemma4": _P_GEMMA4,
 }
 # Texts of control tokens that end a turn, as llama.cpp also treats them (GGUF files carry no
 # generation_config.json, and often name only one of them as EOS).
 END_OF_TURN = ("<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "<|end|>",
-               "<end_of_turn>", "<eos>", "</s>")
+               "<end_of_turn>", "<eos>", "</s>", "<turn|>", "<|tool_response>")
 _SPM_SPACE = "\u2581"
 
 
@@ -62,49 +94,95 @@ def _token_id(value: Any, n: int) -> int | None:
 
 # ---------------------------------------------------------------------- pipelines
 
-def _byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], pre: str | None) -> tokenizers.Tokenizer:
+def _split(patterns: Sequence[str]) -> list[pre_tokenizers.PreTokenizer]:
+    # "isolated": llama.cpp keeps both the matches and the text between them as pieces.
+    return [pre_tokenizers.Split(Regex(p), behavior="isolated", invert=False) for p in patterns]
+
+
+def _bpe_model(vocab: dict[str, int], pairs: list[tuple[str, str]], *, ignore_merges: bool,
+               byte_fallback: bool) -> models.BPE:
+    try:
+        return models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges, byte_fallback=byte_fallback)
+    except Exception as exc:  # tokenizers raises plain Exception for merges outside the vocabulary
+        raise GGUFError(f"the GGUF vocabulary and merges do not form a BPE model: {exc}") from exc
+
+
+def _unreachable(vocab: dict[str, int], pairs: list[tuple[str, str]], pieces: Sequence[str]) -> list[str]:
+    """The `pieces` that the merges alone do not turn into themselves."""
+    if not pieces:
+        return []
+    probe = tokenizers.Tokenizer(_bpe_model(vocab, pairs, ignore_merges=False, byte_fallback=True))
+    found = probe.encode_batch(list(pieces), add_special_tokens=False)
+    return [p for p, enc in zip(pieces, found) if enc.ids != [vocab[p]]]
+
+
+def _gemma4_ignore_merges(vocab: dict[str, int], pairs: list[tuple[str, str]], tokens: Sequence[str],
+                          types: Sequence[int]) -> bool:
+    """llama.cpp takes a newline run whole when it is a token and merges every other piece (a whole
+    line). `tokenizers` has one switch for all pieces; pick the value that gives the same ids, and
+    warn when no value does (a line that is a token the merges cannot build)."""
+    runs = [t for t in vocab if t and not t.strip("\n")]
+    if not _unreachable(vocab, pairs, runs):
+        return False  # the merges build every newline-run token: merging is exact everywhere
+    lines = [t for t, k in zip(tokens, types) if k == NORMAL and "\n" not in t and vocab.get(t) is not None]
+    bad = _unreachable(vocab, pairs, lines)
+    if bad:
+        warnings.warn(f"this Gemma 4 vocabulary has {len(bad)} token(s) its merges cannot build (e.g. "
+                      f"{bad[0]!r}): a line of text that is exactly one of them is encoded as that token, "
+                      "where llama.cpp encodes it by merges", stacklevel=3)
+    return True
+
+
+def _bpe(tokens: Sequence[str], merges: Sequence[str], types: Sequence[int], pre: str | None,
+         model: str) -> tokenizers.Tokenizer:
+    """llama.cpp's BPE (`tokenizer.ggml.model` gpt2 or gemma4): split by `pre`, then merges by rank."""
+    if model == "gemma4":
+        pre = "gemma4"  # llama.cpp ignores tokenizer.ggml.pre for this model
     if pre not in PRE_TOKENIZERS:
         known = ", ".join(sorted(k for k in PRE_TOKENIZERS if k))
         raise GGUFError(f"pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported (supported: {known}); "
                         "put the model's tokenizer.json beside the GGUF file")
-    pattern, ignore_merges = PRE_TOKENIZERS[pre]
+    split = PRE_TOKENIZERS[pre]
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
     pairs: list[tuple[str, str]] = []
     for m in merges:
-        left, sep, right = m.partition(" ")
-        if not sep or not left or not right or " " in right:
+        # llama.cpp splits at the first space after the first character, so a merge's left part
+        # may itself be a space (SPM-style vocabularies keep raw spaces in some tokens).
+        cut = m.find(" ", 1)
+        left, right = (m[:cut], m[cut + 1:]) if cut > 0 else ("", "")
+        if not left or not right:
             raise GGUFError(f"malformed merge {m!r} in tokenizer.ggml.merges")
         pairs.append((left, right))
-    try:
-        model = models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges)
-    except Exception as exc:  # tokenizers raises plain Exception for merges outside the vocabulary
-        raise GGUFError(f"the GGUF vocabulary and merges do not form a BPE model: {exc}") from exc
-    tok = tokenizers.Tokenizer(model)
-    if pattern is None:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+    if split.spm_style:
+        ignore = _gemma4_ignore_merges(vocab, pairs, tokens, types)
+        tok = tokenizers.Tokenizer(_bpe_model(vocab, pairs, ignore_merges=ignore, byte_fallback=True))
+        tok.normalizer = normalizers.Replace(" ", _SPM_SPACE)
+        tok.pre_tokenizer = pre_tokenizers.Sequence(_split(split.patterns))
+        tok.decoder = decoders.Sequence([decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+        return tok
+    tok = tokenizers.Tokenizer(_bpe_model(vocab, pairs, ignore_merges=split.ignore_merges, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        *_split(split.patterns), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     return tok
 
 
 def spm_merges(tokens: Sequence[str], scores: Sequence[float], types: Sequence[int]) -> list[tuple[str, str]]:
-    """Every split of every normal piece into two normal pieces, best-scoring joined piece first
-    (ties: lower id first, then by the ids of the halves)."""
-    normal = {}
+    """Every split of every token into two tokens, best-scoring joined token first (ties: lower id
+    first, then by the ids of the halves). llama.cpp's SPM joins two adjacent pieces whenever the
+    joined text is a token of any type, so user-defined and control tokens take part too; only byte
+    tokens (`<0x41>`) stay out, as they stand for bytes, not for their text."""
+    ids: dict[str, int] = {}
     for i, (t, kind) in enumerate(zip(tokens, types)):
-        if kind == NORMAL:
-            normal.setdefault(t, i)
+        if kind != BYTE:
+            ids.setdefault(t, i)
     ranked: list[tuple[float, int, int, int, str, str]] = []
-    for piece, pid in normal.items():
+    for piece, pid in ids.items():
         for k in range(1, len(piece)):
             left, right = piece[:k], piece[k:]
-            li, ri = normal.get(left), normal.get(right)
+            li, ri = ids.get(left), ids.get(right)
             if li is not None and ri is not None:
                 ranked.append((-float(scores[pid]), pid, li, ri, left, right))
     ranked.sort()
@@ -151,9 +229,11 @@ def pipeline_from_metadata(reader: GGUFReader) -> tokenizers.Tokenizer:
     if not isinstance(types, list) or len(types) != n:
         raise GGUFError(f"tokenizer.ggml.token_type has {len(types) if isinstance(types, list) else 'no'} entries "
                         f"for {n} tokens")
-    if kind == "gpt2":
+    if kind in ("gpt2", "gemma4"):
         merges = metadata(reader, "tokenizer.ggml.merges") or []
-        tok = _byte_level_bpe(tokens, merges, metadata(reader, "tokenizer.ggml.pre"))
+        if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
+            raise GGUFError("tokenizer.ggml.merges is not a list of strings")
+        tok = _bpe(tokens, merges, types, metadata(reader, "tokenizer.ggml.pre"), kind)
     elif kind == "llama":
         scores = metadata(reader, "tokenizer.ggml.scores")
         if not isinstance(scores, list) or len(scores) != n:
@@ -166,7 +246,7 @@ def pipeline_from_metadata(reader: GGUFReader) -> tokenizers.Tokenizer:
                                  add_space_prefix=bool(add_prefix))
     else:
         raise GGUFError(f"tokenizer model {kind!r} (tokenizer.ggml.model) is not supported (supported: gpt2, "
-                        "llama); put the model's tokenizer.json beside the GGUF file")
+                        "gemma4, llama); put the model's tokenizer.json beside the GGUF file")
     special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k in (CONTROL, UNKNOWN)]
     plain = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
     if special:
@@ -192,8 +272,12 @@ def settings_from_metadata(reader: GGUFReader, model_type: str | None) -> tuple[
     eos_id, eos = token("tokenizer.ggml.eos_token_id")
     _, unk = token("tokenizer.ggml.unknown_token_id")
     _, pad = token("tokenizer.ggml.padding_token_id")
-    spm = metadata(reader, "tokenizer.ggml.model") == "llama"
-    add_bos = metadata(reader, "tokenizer.ggml.add_bos_token", spm)
+    kind = metadata(reader, "tokenizer.ggml.model")
+    pre = "gemma4" if kind == "gemma4" else metadata(reader, "tokenizer.ggml.pre")
+    split = PRE_TOKENIZERS.get(pre) if kind in ("gpt2", "gemma4") else None
+    add_bos = metadata(reader, "tokenizer.ggml.add_bos_token", kind == "llama" or (split is not None and split.add_bos))
+    if pre == "gemma4":
+        add_bos = True  # llama.cpp forces BOS for Gemma 4, whatever the file says
     add_eos = metadata(reader, "tokenizer.ggml.add_eos_token", False)
     tok_config: dict[str, Any] = {"add_bos_token": bool(add_bos) and bos is not None, "add_eos_token": bool(add_eos)}
     for name, text in (("bos_token", bos), ("eos_token", eos), ("unk_token", unk), ("pad_token", pad)):
@@ -207,6 +291,8 @@ def settings_from_metadata(reader: GGUFReader, model_type: str | None) -> tuple[
             if i is not None]
     if len(types) == n:
         stop += [i for i, (t, k) in enumerate(zip(tokens, types)) if k == CONTROL and t in END_OF_TURN]
+        if any(tokens[i] == "<|tool_response>" for i in stop):
+            stop = [i for i in stop if tokens[i] != "</s>"]  # Gemma 4's "</s>" is text, as llama.cpp has it
     config: dict[str, Any] = {"model_type": model_type, "eos_token_id": sorted(set(stop))}
     if bos_id is not None:
         config["bos_token_id"] = bos_id

@@ -1,0 +1,202 @@
+"""Tokenizer-only GGUF files in each family's style, from small tokenizers trained here, and
+llama.cpp's own tokenization of them (llama-cpp-python, in a child process) to compare with.
+
+The vocabularies are trained on `TEXT` with the tokenizers and sentencepiece libraries, shaped like
+the real ones: byte-level BPE under a family's split pattern (Llama 3, Qwen 2, Qwen 3.5, GPT-2,
+llama.cpp's default), Gemma 4's BPE on raw UTF-8 with U+2581 for spaces and <0x00>..<0xFF> byte
+tokens, and Gemma 2/3's SentencePiece BPE with byte fallback, scores and token types.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import gguf
+import tokenizers
+from tokenizers import Regex, models, normalizers, pre_tokenizers, trainers
+
+from pymlxc.testing import CORPUS
+
+# Scripts with combining marks (Devanagari, Thai, decomposed accents), contractions in both cases,
+# tabs and runs of newlines and spaces, so that the split patterns' differences show.
+TEXT = CORPUS + """\
+नमस्ते दुनिया, यह एक छोटा वाक्य है। สวัสดีชาวโลก ภาษาไทยมีสระ. Cafe\u0301 re\u0301sume\u0301 nai\u0308ve.
+I'M HERE, you'RE there, we'Ll see; they'VE gone, it'S done, I'D say, don'T.
+\tindented\twith\ttabs\n\n\nthree newlines, then four\n\n\n\nand spaces:    four,        eight.
+1234567 89 000 3.14 1e10 0x1F 2024-01-01 12:30:45 $100 +5 <tag> ~x^y|z
+"""
+
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = (int(gguf.TokenType.NORMAL), int(gguf.TokenType.UNKNOWN),
+                                                int(gguf.TokenType.CONTROL), int(gguf.TokenType.USER_DEFINED),
+                                                int(gguf.TokenType.BYTE))
+LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+         r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# tokenizer.ggml.pre -> the pattern its vocabulary is trained under (the HF spelling).
+TRAIN_PATTERN = {"llama-bpe": LLAMA3, "qwen2": QWEN2, "qwen35": QWEN35, "gpt-2": GPT2, "default": GPT2}
+BPE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
+GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<start_of_turn>", "<end_of_turn>")
+
+
+def _lines() -> list[str]:
+    return TEXT.splitlines(keepends=True) * 4
+
+
+def byte_level_vocab(pre: str, vocab_size: int = 700) -> tuple[list[str], list[str], list[int]]:
+    """(tokens, merges, token types) of a byte-level BPE trained under `pre`'s split pattern."""
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(TRAIN_PATTERN[pre]), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(BPE_SPECIALS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_lines(), trainer)
+    data = json.loads(tok.to_str())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    types = [CONTROL if t in BPE_SPECIALS else NORMAL for t in tokens]
+    return tokens, merges, types
+
+
+def gemma4_vocab(vocab_size: int = 900, newline_runs: int = 4) -> tuple[list[str], list[str], list[int]]:
+    """(tokens, merges, token types) shaped like Gemma 4's: BPE on raw UTF-8 with U+2581 for spaces,
+    split only at newlines, 256 byte tokens, and newline-run tokens "\\n" * 2..`newline_runs` that
+    no merge builds (as in the real vocabulary, where they are added tokens)."""
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\n+"), behavior="removed")
+    # Newlines stay out of the alphabet here: the single "\n" token is placed by hand below.
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False, limit_alphabet=120,
+                                  max_token_length=12)
+    tok.train_from_iterator(_lines(), trainer)
+    data = json.loads(tok.to_str())
+    learned: dict[str, int] = data["model"]["vocab"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
+    runs = ["\n" * k for k in range(1, newline_runs + 1)]
+    tokens = [*GEMMA_SPECIALS, *bytes_, *runs, *sorted(learned, key=learned.__getitem__)]
+    types = ([CONTROL] * len(GEMMA_SPECIALS) + [BYTE] * 256 + [NORMAL] * len(runs)
+             + [NORMAL] * len(learned))
+    types[GEMMA_SPECIALS.index("<unk>")] = UNKNOWN
+    return tokens, merges, types
+
+
+def write_vocab_gguf(out: str | Path, *, model: str, tokens: Sequence[str], types: Sequence[int],
+                     merges: Sequence[str] = (), scores: Sequence[float] | None = None, pre: str | None = None,
+                     bos: str | None = None, eos: str | None = None, unk: str | None = None,
+                     add_bos: bool | None = None, add_space_prefix: bool | None = None) -> Path:
+    """A vocabulary-only GGUF that llama.cpp loads with vocab_only=True (a llama header, no tensors)."""
+    writer = gguf.GGUFWriter(str(out), "llama")
+    # The hyper-parameters llama.cpp reads before the vocabulary; no tensor is ever read.
+    writer.add_context_length(128)
+    writer.add_embedding_length(64)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(4)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model(model)
+    if pre is not None:
+        writer.add_tokenizer_pre(pre)
+    writer.add_token_list(list(tokens))
+    writer.add_token_types([int(t) for t in types])
+    if scores is not None:
+        writer.add_token_scores([float(s) for s in scores])
+    if merges:
+        writer.add_token_merges(list(merges))
+    index = {t: i for i, t in reversed(list(enumerate(tokens)))}
+    if bos is not None:
+        writer.add_bos_token_id(index[bos])
+    if eos is not None:
+        writer.add_eos_token_id(index[eos])
+    if unk is not None:
+        writer.add_unk_token_id(index[unk])
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
+    if add_space_prefix is not None:
+        writer.add_add_space_prefix(add_space_prefix)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(out)
+
+
+def sentencepiece_gguf(out: Path, work: Path, *, add_space_prefix: bool, vocab_size: int = 600) -> Path:
+    """A Gemma 2/3-style vocabulary: SentencePiece BPE with byte fallback, Gemma's control tokens,
+    user-defined whitespace runs and tags, written with llama.cpp's converter's token types."""
+    import sentencepiece as spm
+
+    user = ["\u2581\u2581", "\u2581\u2581\u2581\u2581", "<h1>", "</h1>", "<start_of_image>"]
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(_lines()), model_prefix=str(work / "tokenizer"), vocab_size=vocab_size,
+        model_type="bpe", byte_fallback=True, character_coverage=0.98, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, add_dummy_prefix=add_space_prefix, split_digits=True,
+        control_symbols=["<start_of_turn>", "<end_of_turn>"], user_defined_symbols=user,
+        pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>",
+        unk_piece="<unk>", allow_whitespace_only_pieces=True, minloglevel=2)
+    proc = spm.SentencePieceProcessor(model_file=str(work / "tokenizer.model"))
+    tokens, scores, types = [], [], []
+    for i in range(proc.vocab_size()):
+        tokens.append(proc.id_to_piece(i))
+        scores.append(proc.get_score(i))
+        types.append(BYTE if proc.is_byte(i) else UNKNOWN if proc.is_unknown(i) else
+                     CONTROL if proc.is_control(i) else USER_DEFINED if tokens[-1] in user else NORMAL)
+    return write_vocab_gguf(out, model="llama", tokens=tokens, types=types, scores=scores, bos="<bos>", eos="<eos>",
+                            unk="<unk>", add_bos=True, add_space_prefix=add_space_prefix)
+
+
+# ---------------------------------------------------------------------- llama.cpp as the reference
+
+_SERVER = r"""
+import json, sys
+import llama_cpp
+vocab = llama_cpp.Llama(model_path=sys.argv[1], vocab_only=True, verbose=False)
+for line in sys.stdin:
+    text, add_special = json.loads(line)
+    ids = vocab.tokenize(text.encode("utf-8"), add_bos=add_special, special=True)
+    print(json.dumps(ids), flush=True)
+"""
+
+
+class LlamaCppVocab:
+    """llama.cpp's tokenizer of one GGUF file, in a child process (an assertion in llama.cpp must
+    fail the test, not end the test run)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(path)], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8")
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        try:
+            self._proc.stdin.write(json.dumps([text, add_special]) + "\n")
+            self._proc.stdin.flush()
+        except BrokenPipeError:
+            pass
+        line = self._proc.stdout.readline()
+        if not line:
+            err = self._proc.stderr.read() if self._proc.stderr else ""
+            raise RuntimeError(f"llama.cpp's tokenizer of {self.path} died on {text!r}: {err[-2000:]}")
+        return list(json.loads(line))
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.stdin.close() if self._proc.stdin else None
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        for stream in (self._proc.stdout, self._proc.stderr):
+            if stream is not None:
+                stream.close()

@@ -1,0 +1,171 @@
+"""Tokenizers rebuilt from GGUF metadata give llama.cpp's token ids: each family's vocabulary style
+(tests/metal/gguf_vocab.py) is tokenized by llama.cpp itself (llama-cpp-python, vocab_only) and by
+ours, on fixed samples and on random text (unicode, combining marks, whitespace runs, digits,
+contractions, special tokens)."""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import llama_cpp  # noqa: F401 - the reference tokenizer (the test extra); it runs in a child process
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pymlxc.backends.metal.gguf import GGUFError, read_gguf
+from pymlxc.backends.metal.gguf_tokenizer import load_gguf_tokenizer
+from pymlxc.backends.metal.tokenizer import Tokenizer
+
+from .gguf_vocab import (BPE_SPECIALS, CONTROL, GEMMA_SPECIALS, NORMAL, TEXT, LlamaCppVocab, byte_level_vocab,
+                         gemma4_vocab, sentencepiece_gguf, write_vocab_gguf)
+
+
+BYTE_LEVEL = ("llama-bpe", "qwen2", "qwen35", "gpt-2", "default")
+VOCABS = (*BYTE_LEVEL, "gemma4", "spm", "spm-no-prefix")
+SAMPLES = [
+    *TEXT.splitlines(keepends=True), TEXT, "", " ", "\n", "  ", "\n\n\n\n\n\n", " \n \n", "\t\t x", "a  b   c    d",
+    "I'M YOU'RE we'Ll it'S", "'s't're", "x'\u017ft",  # a long s is no contraction for llama.cpp
+    "e\u0301\u0301 \u0915\u094d\u0937 \u0301lead", "\u00a0nbsp\u2003em\u3000ideo", "12345678901 3.14159 1,000,000",
+    "🙂🙂 👍🏽 🇫🇷 \U0010fffd \ufeff\u200b", "\x00\x01\x7f control", "<|im_start|>user\nhi<|im_end|>\n",
+    "<bos><start_of_turn>user\nHi!<end_of_turn>\n<start_of_turn>model\n", "<|turn>user\n  x<turn|>", "<h1>Title</h1>",
+    "<think>\n\n</think>\n\n", "<|endoftext|><|endoftext|>", "trailing   ", "   leading",
+]
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> None:
+    warnings.simplefilter("ignore", DeprecationWarning)
+
+
+def _write(name: str, root: Path, **overrides: object) -> Path:
+    path = root / f"{name}.gguf"
+    if name in BYTE_LEVEL:
+        tokens, merges, types = byte_level_vocab(name)
+        args: dict = dict(model="gpt2", pre=name, tokens=tokens, merges=merges, types=types,
+                          bos="<|endoftext|>", eos="<|im_end|>")
+    elif name == "gemma4":
+        tokens, merges, types = gemma4_vocab()
+        args = dict(model="gemma4", pre="gemma4", tokens=tokens, merges=merges, types=types, bos="<bos>",
+                    eos="<eos>", unk="<unk>", add_bos=False)  # llama.cpp adds BOS for Gemma 4 regardless
+    else:
+        work = root / name
+        work.mkdir()
+        return sentencepiece_gguf(path, work, add_space_prefix=name == "spm")
+    return write_vocab_gguf(path, **{**args, **overrides})
+
+
+class Pair:
+    """Our tokenizer and llama.cpp's for one GGUF file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.ours: Tokenizer = load_gguf_tokenizer(path, read_gguf(path), None)
+        self.ref = LlamaCppVocab(path)
+
+    def check(self, text: str) -> None:
+        for add_special in (True, False):
+            want = self.ref.tokenize(text, add_special)
+            assert self.ours.encode(text, add_special) == want, (self.path.name, text, add_special)
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Pair]]:
+    root = tmp_path_factory.mktemp("vocab")
+    made: dict[str, Pair] = {}
+
+    def get(name: str) -> Pair:
+        if name not in made:
+            made[name] = Pair(_write(name, root))
+        return made[name]
+
+    yield get
+    for pair in made.values():
+        pair.ref.close()
+
+
+@pytest.mark.parametrize("name", VOCABS)
+def test_samples_tokenize_as_llama_cpp(name: str, pairs: Callable[[str], Pair]) -> None:
+    pair = pairs(name)
+    for text in SAMPLES:
+        pair.check(text)
+
+
+_SPECIALS = sorted({*BPE_SPECIALS, *GEMMA_SPECIALS, "<h1>", "</h1>", "<start_of_image>"})
+_PIECES = st.one_of(
+    st.text(max_size=12),  # any code point but surrogates
+    st.text(st.characters(categories=("L", "M", "N")), max_size=8),
+    st.text(st.characters(categories=("Zs", "Cc", "P", "S")), max_size=6),
+    st.sampled_from([" ", "  ", "\n", "\n\n", "\r\n", "\t", "   \n", "'s", "'LL", "'Re", "\u0301", "\u093f", "0",
+                     "123", "9999", "é", "ß", "🙂", "中文", *_SPECIALS]),
+)
+TEXTS = st.lists(_PIECES, max_size=12).map("".join)
+
+
+@pytest.mark.parametrize("name", VOCABS)
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=TEXTS)
+def test_random_text_tokenizes_as_llama_cpp(name: str, text: str, pairs: Callable[[str], Pair]) -> None:
+    pairs(name).check(text)
+
+
+def test_the_pre_tokenizer_name_decides_the_split(tmp_path: Path) -> None:
+    """Qwen 3.5's split keeps combining marks with their letters; Qwen 2's does not. The same vocabulary
+    under each name gives different ids in llama.cpp, and ours follows the name."""
+    text = "\u0928\u092e\u0938\u094d\u0924\u0947 \u0926\u0941\u0928\u093f\u092f\u093e re\u0301sume\u0301"
+    ids = {}
+    for pre in ("qwen2", "qwen35"):
+        tokens, merges, types = byte_level_vocab("qwen35")
+        path = write_vocab_gguf(tmp_path / f"{pre}.gguf", model="gpt2", pre=pre, tokens=tokens, merges=merges,
+                                types=types)
+        pair = Pair(path)
+        try:
+            pair.check(text)
+            ids[pre] = pair.ours.encode(text)
+        finally:
+            pair.ref.close()
+    assert ids["qwen2"] != ids["qwen35"]
+
+
+def test_gemma4_settings_follow_llama_cpp(pairs: Callable[[str], Pair]) -> None:
+    pair = pairs("gemma4")
+    bos = GEMMA_SPECIALS.index("<bos>")
+    assert pair.ours.encode("hi")[0] == bos == pair.ref.tokenize("hi")[0]  # the file says add_bos false
+    assert pair.ours.encode("hi", False)[0] != bos
+    assert {GEMMA_SPECIALS.index("<eos>"), GEMMA_SPECIALS.index("<turn|>")} <= set(pair.ours.eos_token_ids)
+    ids = pair.ours.encode("a\n\n\nb", False)
+    assert "\n\n\n" in [pair.ours.decode([i]) for i in ids]  # a newline run that is a token is taken whole
+    assert pair.ours.decode(pair.ours.encode(TEXT, False)) == TEXT
+
+
+def test_gemma4_vocabulary_no_setting_reproduces_warns(tmp_path: Path) -> None:
+    """A newline run and a whole line that are both tokens no merge builds: one switch of the
+    `tokenizers` pipeline cannot give both llama.cpp's answers, so loading says so."""
+    tokens, merges, types = gemma4_vocab()
+    tokens.append("\u2581the\u2581baker\u2581counted")  # no merge builds this
+    types.append(NORMAL)
+    path = write_vocab_gguf(tmp_path / "g.gguf", model="gemma4", tokens=tokens, merges=merges, types=types,
+                            bos="<bos>", eos="<eos>")
+    with pytest.warns(UserWarning, match=r"1 token\(s\) its merges cannot build.*the\u2581baker"):
+        load_gguf_tokenizer(path, read_gguf(path), "gemma4")
+
+
+@pytest.mark.parametrize("model,pre,match", [
+    ("gpt2", "tekken", r"pre-tokenizer 'tekken' \(tokenizer.ggml.pre\) is not supported.*qwen35"),
+    ("gpt2", "chatglm-bpe", r"pre-tokenizer 'chatglm-bpe'.*tokenizer.json beside"),
+    ("t5", None, r"tokenizer model 't5' \(tokenizer.ggml.model\) is not supported.*gemma4"),
+])
+def test_unreproducible_tokenizers_are_refused_by_name(model: str, pre: str | None, match: str, tmp_path: Path) -> None:
+    tokens, merges, types = byte_level_vocab("gpt-2", vocab_size=300)
+    path = write_vocab_gguf(tmp_path / "t.gguf", model=model, pre=pre, tokens=tokens, merges=merges, types=types)
+    with pytest.raises(GGUFError, match=match):
+        load_gguf_tokenizer(path, read_gguf(path), None)
+
+
+def test_malformed_merges_are_refused(tmp_path: Path) -> None:
+    tokens, merges, types = byte_level_vocab("qwen2", vocab_size=300)
+    path = write_vocab_gguf(tmp_path / "m.gguf", model="gpt2", pre="qwen2", tokens=tokens, merges=[*merges, "nospace"],
+                            types=types)
+    with pytest.raises(GGUFError, match="malformed merge 'nospace'"):
+        load_gguf_tokenizer(path, read_gguf(path), None)
+    assert CONTROL in types

@@ -134,9 +134,19 @@ class TokenBytes:
             table = [t.replace(_SPM_SPACE, b" ") for t in detokenizer.tokenmap]
             self.trim_space = bool(getattr(detokenizer, "trim_space", True))
         if table is not None:
-            frozen = table
-            # An id past the tokenizer's table (a model whose embedding has padding rows) has no text.
-            self.bytes_of = lambda token: frozen[token] if 0 <= token < len(frozen) else b""
+            self._use(table)
+
+    @classmethod
+    def from_table(cls, table: Sequence[bytes], decode: Callable[[Sequence[int]], str], *, trim_space: bool) -> "TokenBytes":
+        """A table given directly: token id -> its bytes."""
+        made = cls(None, decode)
+        made.trim_space = trim_space
+        made._use(list(table))
+        return made
+
+    def _use(self, table: list[bytes]) -> None:
+        # An id past the tokenizer's table (a model whose embedding has padding rows) has no text.
+        self.bytes_of = lambda token: table[token] if 0 <= token < len(table) else b""
 
     def stream(self) -> TextStream:
         return TextStream(self)

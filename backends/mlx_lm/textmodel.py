@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import itertools
+import math
 import queue
 import threading
 import time
@@ -42,8 +43,9 @@ CLOSE_GRACE_S = 2.0
 
 
 def _sampling(config: GenerateConfig) -> dict[str, Any]:
-    """The protocol's sampling fields, from a GenerateConfig (timeout and cancel stay on this side)."""
-    return {
+    """The protocol's sampling fields, from a GenerateConfig (timeout and cancel stay on this side).
+    A value JSON cannot carry raises ValueError naming the option, at the call, before any worker."""
+    fields = {
         "max_tokens": config.max_tokens,
         "temperature": config.temperature,
         "top_k": config.top_k,
@@ -54,6 +56,10 @@ def _sampling(config: GenerateConfig) -> dict[str, Any]:
         "seed": config.seed,
         "return_logits": config.return_logits,
     }
+    for name, value in fields.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, not {value}")
+    return fields
 
 
 def _metrics(reply: Mapping[str, Any]) -> GenerateMetrics:

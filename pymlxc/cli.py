@@ -13,11 +13,12 @@ import json
 import pkgutil
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from typing import IO, Any
+
+from tqdm import tqdm
 
 PROG = "pymlxc"
 
@@ -47,32 +48,27 @@ def commands() -> dict[str, Command]:
 # ---------------------------------------------------------------------- output helpers
 
 class ProgressBar:
-    """`(done, total)` callback drawing one line on a terminal stream (a final line elsewhere)."""
+    """`(done, total)` callback feeding a tqdm bar of bytes on `stream` (stderr by default). tqdm
+    draws nothing when the stream is not a terminal, so logs and pipes stay clean."""
 
-    def __init__(self, label: str = "loading", stream: IO[str] | None = None, width: int = 30) -> None:
-        self.label, self.stream, self.width = label, stream or sys.stderr, width
-        self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self._last = -1
-        self._start = time.perf_counter()
-        self._lock = threading.Lock()
+    def __init__(self, label: str = "loading", stream: IO[str] | None = None) -> None:
+        self.label, self.stream = label, stream or sys.stderr
+        self._bar: tqdm[Any] | None = None
+        self._lock = threading.Lock()  # a backend may report from its loading thread
 
     def __call__(self, done: int, total: int) -> None:
-        percent = 100 if total <= 0 else min(100, int(100 * done / total))
         with self._lock:
-            if percent == self._last or (not self._tty and percent < 100):
-                return
-            self._last = percent
-            filled = self.width * percent // 100
-            end = "\n" if percent == 100 else ""
-            prefix = "\r" if self._tty else ""
-            self.stream.write(f"{prefix}{self.label} [{'#' * filled}{'.' * (self.width - filled)}] {percent:3d}% "
-                              f"{time.perf_counter() - self._start:.1f}s{end}")
-            self.stream.flush()
+            if self._bar is None:
+                self._bar = tqdm(total=max(total, 0), desc=self.label, unit="B", unit_scale=True, unit_divisor=1024,
+                                 file=self.stream, disable=None, leave=True, dynamic_ncols=True)
+            if total != self._bar.total:
+                self._bar.total = max(total, 0)
+            self._bar.update(max(done, 0) - self._bar.n)
 
     def close(self) -> None:
-        if self._tty and 0 <= self._last < 100:
-            self.stream.write("\n")
-            self.stream.flush()
+        with self._lock:
+            if self._bar is not None:
+                self._bar.close()
 
 
 def _mb(n: int) -> str:

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -228,3 +230,101 @@ def test_recover_repairs_the_random_state_a_failed_compiled_sampler_leaves() -> 
         mx.eval(make_sampler(0.5)(logprobs))  # ...which poisons every later sample
     Engine.recover(object.__new__(Engine))
     assert 0 <= make_sampler(0.5)(logprobs).item() < 8
+
+
+# ---- reliability: what must neither kill the worker nor pass silently ----------------------------
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("temperature", 5e-324, "subnormal"),
+    ("repeat_penalty", 1e-310, "subnormal"),
+    ("temperature", 10**400, "finite"),  # float() of it overflows: that exception once ended the worker
+    ("top_p", -(10**400), "finite"),
+])
+def test_numbers_a_sampler_cannot_use_are_refused_and_the_worker_lives(idle_worker: RawWorker, field: str, value: Any, says: str) -> None:
+    reply = idle_worker.request(cmd="generate", id="n", prompt="x", **{field: value})
+    assert reply["type"] == "error" and reply["error"] == "bad_field"
+    assert field in reply["message"] and says in reply["message"]
+    assert idle_worker.request(cmd="cancel", id="alive")["type"] == "result"
+
+
+def test_a_model_that_needs_custom_tokenizer_code_is_refused_at_once(start_worker: Any, tiny_model: Path, tmp_path: Path) -> None:
+    """transformers would ask "run the custom code? [y/N]" on stdin (the protocol pipe) and wait."""
+    model = tmp_path / "custom"
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="CustomTokenizer", auto_map={"AutoTokenizer": ["tokenization_custom.CustomTokenizer", None]})
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (model / "tokenization_custom.py").write_text("raise SystemExit('the custom code ran')\n")
+    worker = start_worker()
+    start = time.monotonic()
+    reply = worker.request(cmd="load", id="L", path=str(model))
+    assert time.monotonic() - start < 20
+    assert reply["error"] == "load_failed" and "custom tokenizer code" in reply["message"]
+    assert "pymlxc never runs" in reply["message"] and "auto_map in tokenizer_config.json" in reply["message"]
+    assert worker.request(cmd="load", id="L2", path=str(tiny_model))["type"] == "result"  # still serving
+
+
+def test_a_library_reading_stdin_gets_end_of_input_not_the_protocol_pipe(start_worker: Any) -> None:
+    """Runs the worker's main with a request after the line it would have stolen; input() sees EOF."""
+    code = (
+        "import sys; sys.path.insert(0, %r)\n" % str(BRIDGE_DIR.parent)
+        + "from bridge import worker\n"
+        "seen = []\n"
+        "def steal():\n"
+        "    try:\n"
+        "        seen.append(input())\n"
+        "    except EOFError:\n"
+        "        seen.append('EOF')\n"
+        "def info(self, request, seq):\n"
+        "    steal()\n"
+        "    raise worker.P.CommandError('no_model', repr(seen))\n"
+        "worker.Worker.info = info\n"
+        "worker.main([])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], input=b'{"cmd":"info","id":1}\n{"cmd":"cancel","id":2}\n{"cmd":"quit"}\n',
+                          capture_output=True, timeout=60)
+    replies = [json.loads(line) for line in proc.stdout.splitlines()]
+    errors = [r for r in replies if r["type"] == "error"]
+    assert len(errors) == 1 and errors[0]["message"] == "['EOF']", proc.stderr[-2000:]
+    assert {r.get("cmd") for r in replies if r["type"] == "result"} == {"cancel", "quit"}  # no line went to input()
+
+
+def test_ids_outside_the_embedding_are_refused_naming_the_id_and_its_rows(loaded_worker: RawWorker) -> None:
+    for request in ({"cmd": "decode", "tokens": [3, 600]}, {"cmd": "inspect_attention", "tokens": [600, 1]}):
+        reply = loaded_worker.request(id="t", **request)
+        assert reply["error"] == "bad_field"
+        assert "token id 600 is outside the vocabulary of 512 (the embedding's rows)" in reply["message"]
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused_at_load(start_worker: Any, tiny_model: Path, tmp_path: Path) -> None:
+    model = tmp_path / "big-tokenizer"
+    shutil.copytree(tiny_model, model)
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    tokenizer["added_tokens"].append({"id": 512, "content": "<|extra|>", "single_word": False, "lstrip": False,
+                                      "rstrip": False, "normalized": False, "special": True})
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+    reply = start_worker().request(cmd="load", id="L", path=str(model))
+    assert reply["error"] == "load_failed"
+    assert "has 513 tokens but the model's embedding has 512 rows" in reply["message"]
+
+
+def test_tokens_stream_as_sampled_and_join_with_the_tail_into_the_text(loaded_worker: RawWorker) -> None:
+    loaded_worker.send(cmd="generate", id="s", prompt="The baker", max_tokens=12)
+    lines = loaded_worker.until_terminal("s")
+    tokens, done = _tokens(lines), lines[-1]
+    assert len(tokens) == done["generation_tokens"] == 12 and done["tail"] == ""
+    text = loaded_worker.request(cmd="decode", id="d", tokens=[t["token_id"] for t in tokens])["text"]
+    assert "".join(t["token"] for t in tokens) + done["tail"] == (text[1:] if text.startswith(" ") else text)
+
+
+def test_classify_logits_are_raw_logits_of_the_prompt_alone(loaded_worker: RawWorker) -> None:
+    """Raw logits: not normalised (their log-sum-exp is not 0), and the same for a prompt batched
+    with others as alone; log-probabilities differ from them by a constant per prompt."""
+    both = loaded_worker.request(cmd="classify", id="k", prompts=["a", "bb b ccc"], return_logits=True)["results"]
+    alone = loaded_worker.request(cmd="classify", id="k1", prompts=["bb b ccc"], return_logits=True)["results"]
+    logits = np.array([r["logits"] for r in both])
+    assert np.allclose(logits[1], alone[0]["logits"], atol=1e-4)
+    lse = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
+    assert np.all(np.abs(lse) > 1e-3)
+    assert [r["token_id"] for r in both] == list(logits.argmax(1))

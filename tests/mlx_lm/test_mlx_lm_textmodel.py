@@ -221,3 +221,55 @@ def test_a_worker_speaking_another_protocol_version_is_refused(fake_backend: Any
     with pytest.raises(WorkerError, match="protocol 999"):
         fake_backend("protocol").load(str(tmp_path), LoadConfig())
     assert children() == before
+
+
+def test_a_timeout_against_a_hung_worker_returns_within_a_second_of_it(fake_backend: Any, tmp_path: Path) -> None:
+    """The worker ignores the cancel: the call still ends about CANCEL_WAIT_S after the timeout, and
+    the worker is killed in the background CANCEL_GRACE_S after the cancel (not by the caller)."""
+    from pymlxc.backends.mlx_lm.textmodel import CANCEL_GRACE_S, CANCEL_WAIT_S
+
+    before = children()
+    with fake_backend("hang").load(str(tmp_path), LoadConfig()) as m:
+        [pid] = m.worker_pids()
+        start = time.monotonic()
+        assert [t.text for t in m.generate("x", timeout=1.0)] == ["a"]
+        assert time.monotonic() - start < 1.0 + CANCEL_WAIT_S + 0.5
+        assert isinstance(m.err(), GenerationCancelled) and "timed out" in str(m.err())
+        deadline = time.monotonic() + CANCEL_GRACE_S + 5
+        while pid in children() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pid not in children()  # killed and reaped by the background settle
+        start = time.monotonic()
+        results = m.batch_generate(["a", "b"], timeout=1.0)  # a fresh worker, hung the same way
+        assert time.monotonic() - start < 1.0 + CANCEL_WAIT_S + 1.5
+        assert all(r.tokens == [] and "timed out" in str(r.error) for r in results)
+        assert isinstance(m.err(), GenerationCancelled)
+    assert children() == before
+
+
+def test_an_option_json_cannot_carry_raises_at_the_call_and_the_worker_lives(model: MlxLmModel) -> None:
+    pids = model.worker_pids()
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate("x", temperature=float("nan"), max_tokens=2)
+    with pytest.raises(ValueError, match="top_p"):
+        model.classify(["x"], top_p=float("nan"))
+    assert len(list(model.generate("x", max_tokens=2))) == 2 and model.err() is None
+    assert model.worker_pids() == pids  # no reload: the worker was never sent the bad request
+
+
+def test_ids_outside_the_embedding_raise_value_errors_naming_them(model: MlxLmModel) -> None:
+    for call in (lambda: model.decode([5, 512]), lambda: model.inspect_attention([512])):
+        with pytest.raises(ValueError, match=r"token id 512 is outside the vocabulary of 512 \(the embedding's rows\)"):
+            call()
+
+
+def test_err_belongs_to_the_calling_thread(model: MlxLmModel) -> None:
+    cancel = threading.Event()
+    cancel.set()
+    list(model.generate("x", max_tokens=3, cancel=cancel))
+    other: list[BaseException | None] = []
+    t = threading.Thread(target=lambda: (list(model.generate("y", max_tokens=2)), other.append(model.err())))
+    t.start()
+    t.join(60)
+    assert other == [None]
+    assert isinstance(model.err(), GenerationCancelled)  # another thread's call did not reset it

@@ -11,9 +11,9 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader, GGUFValueType
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "gemma4")
 _MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
-               "gemma2": "gemma2", "gemma3": "gemma3_text"}
+               "gemma2": "gemma2", "gemma3": "gemma3_text", "gemma4": "gemma4_text"}
 _MOE = ("qwen2moe", "qwen3moe")
 
 
@@ -102,6 +102,8 @@ def gguf_config(reader: GGUFReader) -> dict[str, Any]:
     heads = _int(reader, key("attention.head_count"), required=True)
     if not hidden or not heads:
         raise GGUFError(f"{key('embedding_length')} and {key('attention.head_count')} must be positive")
+    if arch == "gemma4":  # per-layer arrays and two head sizes: a reading of its own
+        return _gemma4_config(reader, shapes, hidden, heads)
     kv_heads = _int(reader, key("attention.head_count_kv"), heads) or heads
     head_dim = _int(reader, key("attention.key_length"), hidden // heads) or hidden // heads
     value_dim = _int(reader, key("attention.value_length"), head_dim)
@@ -147,7 +149,8 @@ def gguf_config(reader: GGUFReader) -> dict[str, Any]:
     return config
 
 
-def _check_against_tensors(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> None:
+def _check_against_tensors(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], *,
+                           attention: bool = True) -> None:
     """The hyperparameters must describe the tensors the file holds (a corrupt block count would
     otherwise build a model of millions of layers before any weight is matched)."""
     layers = config["num_hidden_layers"]
@@ -155,11 +158,10 @@ def _check_against_tensors(config: Mapping[str, Any], shapes: Mapping[str, tuple
     if len(blocks) != layers or (blocks and (min(blocks) != 0 or max(blocks) != layers - 1)):
         raise GGUFError(f"block_count is {layers} but the file has tensors for {len(blocks)} blocks")
     hidden, head_dim = config["hidden_size"], config["head_dim"]
-    expected = {
-        "token_embd.weight": (config["vocab_size"], hidden),
-        "blk.0.attn_q.weight": (config["num_attention_heads"] * head_dim, hidden),
-        "blk.0.attn_k.weight": (config["num_key_value_heads"] * head_dim, hidden),
-    }
+    expected = {"token_embd.weight": (config["vocab_size"], hidden)}
+    if attention:
+        expected["blk.0.attn_q.weight"] = (config["num_attention_heads"] * head_dim, hidden)
+        expected["blk.0.attn_k.weight"] = (config["num_key_value_heads"] * head_dim, hidden)
     dense = [n for n in shapes if n.startswith("blk.") and n.endswith(".ffn_up.weight")]
     if dense or not any(n.endswith(".ffn_gate_inp.weight") for n in shapes):  # MoE files may have no dense MLP
         expected[dense[0] if dense else "blk.0.ffn_up.weight"] = (config["intermediate_size"], hidden)
@@ -168,7 +170,8 @@ def _check_against_tensors(config: Mapping[str, Any], shapes: Mapping[str, tuple
             raise GGUFError(f"tensor {name} has shape {shapes.get(name)}, but the metadata implies {shape}")
 
 
-_ARCH_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+_ARCH_CLASS = {"gemma4": "Gemma4ForCausalLM",
+               "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
                "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
@@ -329,6 +332,105 @@ def _llama3_factors(scaling: Mapping[str, float], wavelen: np.ndarray) -> np.nda
     smooth = (original / wavelen - low) / (high - low)
     blend = 1 / ((1 - smooth) / factor + smooth)
     return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, blend))
+
+
+def _per_layer(reader: GGUFReader, key: str, layers: int, default: int | None = None) -> list[int]:
+    """An integer key that may be one value or one per layer -> one per layer."""
+    value = metadata(reader, key, default)
+    values = value if isinstance(value, list) else [value] * layers
+    if len(values) != layers or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
+        raise GGUFError(f"{key} must be a non-negative integer or one per layer ({layers}), got {value!r}")
+    return [int(v) for v in values]
+
+
+def _gemma4_config(reader: GGUFReader, shapes: Mapping[str, tuple[int, ...]], hidden: int, heads: int) -> dict[str, Any]:
+    """Gemma 4 as llama.cpp's converter writes it: `key_length` is the full-attention head size and
+    `key_length_swa` the sliding one; `head_count_kv` and `feed_forward_length` may be per layer
+    (the full layers' kv heads, the double-wide MLP of the shared-KV tail); the sliding pattern is a
+    per-layer list; the full layers' "proportional" RoPE is the `rope_freqs` tensor (1 for rotated
+    pairs, 1e30 for fixed ones); norms are stored as they are (no 1 + w)."""
+    def key(name: str) -> str:
+        return f"gemma4.{name}"
+
+    layers = _int(reader, key("block_count"), required=True)
+    pattern = metadata(reader, key("attention.sliding_window_pattern"))
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise GGUFError(f"{key('attention.sliding_window_pattern')} has {len(pattern)} entries for {layers} layers")
+        sliding = [bool(v) for v in pattern]
+    else:
+        period = int(pattern) if isinstance(pattern, int) and pattern > 0 else 5
+        sliding = [(i + 1) % period != 0 for i in range(layers)]
+    full_head = _int(reader, key("attention.key_length"), hidden // heads) or hidden // heads
+    swa_head = _int(reader, key("attention.key_length_swa"), full_head) or full_head
+    kv = _per_layer(reader, key("attention.head_count_kv"), layers, heads)
+    kv_swa = {kv[i] for i in range(layers) if sliding[i]} or {kv[0]}
+    kv_full = {kv[i] for i in range(layers) if not sliding[i]} or kv_swa
+    if len(kv_swa) != 1 or len(kv_full) != 1:
+        raise GGUFError(f"{key('attention.head_count_kv')} varies within a layer type: {kv}")
+    ff = _per_layer(reader, key("feed_forward_length"), layers)
+    shared = _int(reader, key("attention.shared_kv_layers"), 0)
+    if shared >= layers:
+        raise GGUFError(f"{key('attention.shared_kv_layers')} is {shared} of {layers} layers")
+    first_shared = layers - shared
+    wide = any(ff[i] == 2 * ff[0] for i in range(first_shared, layers)) and ff[0] > 0
+    if any(v != ff[0] * (2 if wide and i >= first_shared else 1) for i, v in enumerate(ff)):
+        raise GGUFError(f"{key('feed_forward_length')} {ff} is not one width (doubled in the shared-KV tail)")
+    embed = shapes.get("token_embd.weight")
+    if embed is None or len(embed) != 2:
+        raise GGUFError("the token embedding tensor token_embd.weight is missing")
+    full_theta = _float(reader, key("rope.freq_base"), 1000000.0)
+    swa_rot = _int(reader, key("rope.dimension_count_swa"), swa_head)
+    rope = {"full_attention": {"rope_type": "proportional", "rope_theta": full_theta,
+                               "partial_rotary_factor": _gemma4_rotated(reader, full_head)},
+            "sliding_attention": {"rope_type": "default", "rope_theta": _float(reader, key("rope.freq_base_swa"), 10000.0),
+                                  "partial_rotary_factor": swa_rot / swa_head}}
+    per_layer = _int(reader, key("embedding_length_per_layer_input"), 0)
+    full_layers = [i for i in range(first_shared) if not sliding[i]]
+    config: dict[str, Any] = {
+        "model_type": "gemma4_text", "architectures": [_ARCH_CLASS["gemma4"]],
+        "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_swa.pop(), "head_dim": swa_head, "global_head_dim": full_head,
+        "intermediate_size": ff[0], "use_double_wide_mlp": wide, "num_kv_shared_layers": shared,
+        "vocab_size": embed[0], "max_position_embeddings": _int(reader, key("context_length"), 131072),
+        "rms_norm_eps": _float(reader, key("attention.layer_norm_rms_epsilon"), 1e-6),
+        "sliding_window": _int(reader, key("attention.sliding_window"), 512),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "rope_parameters": rope, "final_logit_softcapping": _float(reader, key("final_logit_softcapping")),
+        "hidden_size_per_layer_input": per_layer,
+        "vocab_size_per_layer_input": (shapes.get("per_layer_token_embd.weight") or embed)[0],
+        # K = V on full layers: they have no value projection of their own.
+        "attention_k_eq_v": bool(full_layers) and f"blk.{full_layers[0]}.attn_v.weight" not in shapes,
+        "num_global_key_value_heads": kv_full.pop(),
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "enable_moe_block": any(n.endswith(".ffn_gate_inp.weight") for n in shapes),
+    }
+    if config["enable_moe_block"]:
+        down = next((shapes[n] for n in shapes if n.endswith(".ffn_down_exps.weight")), None)
+        config.update({"num_experts": _int(reader, key("expert_count"), required=True),
+                       "top_k_experts": _int(reader, key("expert_used_count"), required=True),
+                       "moe_intermediate_size": _int(reader, key("expert_feed_forward_length"),
+                                                     down[-1] if down else None, required=True)})
+    _check_against_tensors(config, shapes, attention=False)  # the per-layer sizes meet strict loading
+    for name in ("bos_token_id", "eos_token_id"):
+        token = scalar(reader, f"tokenizer.ggml.{name}")
+        if isinstance(token, int) and not isinstance(token, bool):
+            config[name] = token
+    return config
+
+
+def _gemma4_rotated(reader: GGUFReader, head_dim: int) -> float:
+    """The share of the full layers' head that rotates, from the `rope_freqs` factors (1.0 rotated,
+    1e30 fixed: llama.cpp's encoding of the "proportional" RoPE)."""
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is None:
+        return 1.0
+    f = np.asarray(freqs.data, dtype=np.float64).reshape(-1)
+    rotated = int(np.sum(f == 1.0))
+    if f.size != head_dim // 2 or rotated + int(np.sum(f >= 1e29)) != f.size or np.any(f[:rotated] != 1.0):
+        raise GGUFError(f"rope_freqs.weight is not Gemma 4's proportional RoPE ({f.size} factors for a head of "
+                        f"{head_dim}: 1.0 for the rotated pairs first, then 1e30)")
+    return 2 * rotated / head_dim
 
 
 __all__ = ["GGUFError", "ARCHITECTURES", "metadata", "scalar", "architecture", "model_type_of", "gguf_config",

@@ -282,14 +282,18 @@ def block_form(layer: nn.Module, qtype: QType, dtype: mx.Dtype) -> nn.Module:
 def use_block_layers(model: nn.Module, types: dict[str, Any], dtype: mx.Dtype = mx.float16) -> int:
     """Swap the layers at the module paths of `types` (path -> QType) for block layers; returns how many."""
     modules = dict(model.named_modules())
+    swapped = 0
     for path, qtype in types.items():
         parent, _, name = path.rpartition(".")
         owner = modules.get(parent)
         layer = modules.get(path)
+        if layer is None and owner is not None:
+            continue  # a tensor the architecture's sanitize drops (Gemma 4's shared-KV layers' own k/v)
         if owner is None or layer is None:
             raise nn.WeightsError(f"tensor {path}.weight ({QType(qtype).name}) has no layer in the model")
         setattr(owner, name, block_form(layer, qtype, dtype))
-    return len(types)
+        swapped += 1
+    return swapped
 
 
 __all__ = ["GROUP", "AFFINE_BITS", "EXACT_AFFINE", "BLOCK_TYPES", "QuantError", "affine_parts", "pack_bits",

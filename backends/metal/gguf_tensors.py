@@ -58,6 +58,32 @@ GEMMA_BLOCK_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Gemma 4 (llama.cpp's names -> ours, whole parameter names: the router's and the experts' scales
+# are `.scale` tensors, the layer scalar has no `.weight` in HF, and the experts' gate and up
+# projections come fused as `ffn_gate_up_exps`, split on reading).
+GEMMA4_GLOBAL_NAMES = {"per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+                       "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+                       "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight"}
+GEMMA4_BLOCK_NAMES = {
+    **{f"{k}.weight": f"{v}.weight" for k, v in BLOCK_NAMES.items() if not k.startswith("ffn_") or k in
+       ("ffn_gate", "ffn_up", "ffn_down")},
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+    "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+    "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
+    "ffn_gate_inp.weight": "router.proj.weight",
+    "ffn_gate_inp.scale": "router.scale",
+    "ffn_down_exps.scale": "router.per_expert_scale",
+    "ffn_down_exps.weight": "experts.switch_glu.down_proj.weight",
+    "ffn_gate_up_exps.weight": "experts.switch_glu.gate_up_proj.weight",
+    "layer_output_scale.weight": "layer_scalar",
+    "inp_gate.weight": "per_layer_input_gate.weight",
+    "proj.weight": "per_layer_projection.weight",
+    "post_norm.weight": "post_per_layer_input_norm.weight",
+}
+FUSED_GATE_UP = ".experts.switch_glu.gate_up_proj.weight"
 SUFFIXES = ("weight", "bias")
 IGNORED = ("rope_freqs.weight",)  # folded into the config (Llama 3 RoPE scaling)
 
@@ -68,6 +94,8 @@ class TensorError(ValueError):
 
 def hf_name(name: str, arch: str) -> str:
     """llama.cpp's tensor name -> ours (HF's)."""
+    if arch == "gemma4":
+        return _gemma4_name(name)
     stem, _, suffix = name.rpartition(".")
     if suffix not in SUFFIXES or not stem:
         raise TensorError(f"tensor {name!r} has no counterpart in the {arch} model")
@@ -78,6 +106,18 @@ def hf_name(name: str, arch: str) -> str:
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in table:
         return f"model.layers.{int(parts[1])}.{table[parts[2]]}.{suffix}"
     raise TensorError(f"tensor {name!r} has no counterpart in the {arch} model")
+
+
+def _gemma4_name(name: str) -> str:
+    if name in GEMMA4_GLOBAL_NAMES:
+        return GEMMA4_GLOBAL_NAMES[name]
+    stem, _, suffix = name.rpartition(".")
+    if stem in GLOBAL_NAMES and suffix == "weight":
+        return f"{GLOBAL_NAMES[stem]}.weight"
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in GEMMA4_BLOCK_NAMES:
+        return f"model.layers.{int(parts[1])}.{GEMMA4_BLOCK_NAMES[parts[2]]}"
+    raise TensorError(f"tensor {name!r} has no counterpart in the gemma4 model")
 
 
 def unpermute_order(rows: int, n_heads: int) -> np.ndarray:
@@ -110,7 +150,7 @@ def _raw(reader: GGUFReader, tensor: Any) -> np.ndarray:
 def read_tensors(reader: GGUFReader, arch: str, config: Mapping[str, Any]) -> GGUFWeights:
     """Every tensor of the file (already validated by `read_gguf`) under HF names, converted."""
     heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
-    gemma = arch.startswith("gemma")
+    shifted_norms = arch in ("gemma2", "gemma3")  # stored as 1 + w (Gemma 4's are stored as they are)
     # llama.cpp keeps 1-D tensors (norms, biases) in F32 whatever the model's precision. In an
     # all-F16 or all-BF16 file they go back to that dtype, as in the HF checkpoint: F32 norms would
     # make every activation float32 and every matmul widen its half-precision weight per call.
@@ -129,32 +169,48 @@ def read_tensors(reader: GGUFReader, arch: str, config: Mapping[str, Any]) -> GG
             raw = raw[order]
         if target.endswith(".mlp.shared_expert_gate.weight") and len(shape) == 1:
             shape = (1, shape[0])  # llama.cpp stores Qwen 2 MoE's shared-expert gate as a vector
-        module = target.rpartition(".")[0]
-        if qtype in AFFINE_BITS:
-            try:
-                packed, scales, biases = repack_affine(raw, qtype, name)
-            except QuantError as exc:
-                raise TensorError(str(exc)) from None
-            lead = shape[:-1]
-            out.arrays[target] = mx.array(packed.reshape(*lead, packed.shape[-1]))
-            out.arrays[f"{module}.scales"] = mx.array(scales.reshape(*lead, scales.shape[-1]))
-            out.arrays[f"{module}.biases"] = mx.array(biases.reshape(*lead, biases.shape[-1]))
+        if target.endswith(FUSED_GATE_UP):
+            if len(shape) != 3 or shape[1] % 2:
+                raise TensorError(f"tensor {name!r} has shape {shape}, not [experts, 2 * ff, hidden]")
+            halves = raw.reshape(shape[0], 2, -1, raw.shape[-1])
+            for i, part in enumerate(("gate_proj", "up_proj")):
+                _convert(out, halves[:, i].reshape(-1, raw.shape[-1]), qtype, (shape[0], shape[1] // 2, shape[2]),
+                         target.replace("gate_up_proj", part), name, half=half)
             continue
-        if qtype in BLOCK_TYPES:
-            size = GGML_QUANT_SIZES[qtype][1]
-            out.arrays[target] = mx.array(np.ascontiguousarray(raw).reshape(*shape[:-1], -1, size))
-            out.block_layers[module] = qtype
-            continue
-        dtype = {QType.F32: np.float32, QType.F16: np.float16, QType.BF16: np.uint16}[qtype]
-        value = mx.array(np.ascontiguousarray(raw).view(dtype).reshape(shape))
-        if qtype == QType.BF16:
-            value = mx.view(value, mx.bfloat16)  # bit-exact from the file
-        if gemma and target.endswith("norm.weight"):
-            value = (value.astype(mx.float32) - 1.0).astype(value.dtype)
-        if half is not None and value.ndim == 1 and value.dtype == mx.float32:
-            value = value.astype(half)
-        out.arrays[target] = value
+        _convert(out, raw, qtype, shape, target, name, half=half,
+                 shift=shifted_norms and target.endswith("norm.weight"))
     return out
+
+
+def _convert(out: GGUFWeights, raw: np.ndarray, qtype: QType, shape: tuple[int, ...], target: str, name: str, *,
+             half: Any, shift: bool = False) -> None:
+    """One tensor's rows of bytes into `out` under `target` (its type's arrays); `shift`: a norm
+    stored as 1 + w."""
+    module = target.rpartition(".")[0]
+    if qtype in AFFINE_BITS:
+        try:
+            packed, scales, biases = repack_affine(raw, qtype, name)
+        except QuantError as exc:
+            raise TensorError(str(exc)) from None
+        lead = shape[:-1]
+        out.arrays[target] = mx.array(packed.reshape(*lead, packed.shape[-1]))
+        out.arrays[f"{module}.scales"] = mx.array(scales.reshape(*lead, scales.shape[-1]))
+        out.arrays[f"{module}.biases"] = mx.array(biases.reshape(*lead, biases.shape[-1]))
+        return
+    if qtype in BLOCK_TYPES:
+        size = GGML_QUANT_SIZES[qtype][1]
+        out.arrays[target] = mx.array(np.ascontiguousarray(raw).reshape(*shape[:-1], -1, size))
+        out.block_layers[module] = qtype
+        return
+    dtype = {QType.F32: np.float32, QType.F16: np.float16, QType.BF16: np.uint16}[qtype]
+    value = mx.array(np.ascontiguousarray(raw).view(dtype).reshape(shape))
+    if qtype == QType.BF16:
+        value = mx.view(value, mx.bfloat16)  # bit-exact from the file
+    if shift:
+        value = (value.astype(mx.float32) - 1.0).astype(value.dtype)
+    if half is not None and value.ndim == 1 and value.dtype == mx.float32:
+        value = value.astype(half)
+    out.arrays[target] = value
 
 
 __all__ = ["GLOBAL_NAMES", "BLOCK_NAMES", "GEMMA_BLOCK_NAMES", "TensorError", "GGUFWeights", "hf_name",

@@ -22,7 +22,8 @@ from safetensors.numpy import load_file, save_file
 
 ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
         "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3_text": gguf.MODEL_ARCH.GEMMA3, "gemma3": gguf.MODEL_ARCH.GEMMA3,
-        "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE, "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE}
+        "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE, "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
+        "gemma4": gguf.MODEL_ARCH.GEMMA4, "gemma4_text": gguf.MODEL_ARCH.GEMMA4}
 LEGACY = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0)  # gguf.quants writes these
 K_QUANTS = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K)  # encode_k writes these
 
@@ -62,9 +63,9 @@ def _encode(w: np.ndarray, qtype: QType) -> tuple[np.ndarray, QType, np.ndarray]
     return data, qtype, gguf.quants.dequantize(data, qtype).reshape(w.shape)
 
 
-def _stack_experts(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _stack_experts(weights: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], set[str]]:
     """HF's per-expert tensors -> llama.cpp's stacked `mlp.experts.P` [E, out, in] (named as the
-    name map knows them), in the order of the first expert's key."""
+    name map knows them), in the order of the first expert's key; and the stacked names."""
     out: dict[str, np.ndarray] = {}
     groups: dict[str, dict[int, np.ndarray]] = {}
     for name, w in weights.items():
@@ -79,7 +80,54 @@ def _stack_experts(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             out[name] = w
     for key, experts in groups.items():
         out[key] = np.stack([experts[e] for e in range(len(experts))])
-    return out
+    return out, set(groups)
+
+
+_GEMMA4_SPECIAL = {"experts.gate_up_proj": "ffn_gate_up_exps.weight", "experts.down_proj": "ffn_down_exps.weight",
+                   "router.scale": "ffn_gate_inp.scale", "router.per_expert_scale": "ffn_down_exps.scale",
+                   "layer_scalar": "layer_output_scale.weight"}
+
+
+def _gemma4_name(hf: str, names: gguf.TensorNameMap) -> str | None:
+    """The GGUF name llama.cpp's converter gives a Gemma 4 tensor; None for the vision/audio towers."""
+    name = hf.replace("model.language_model.", "model.")
+    parts = name.split(".")
+    if len(parts) > 3 and parts[:2] == ["model", "layers"]:
+        special = _GEMMA4_SPECIAL.get(".".join(parts[3:]))
+        if special is not None:
+            return f"blk.{parts[2]}.{special}"
+    stem, _, suffix = name.rpartition(".")
+    found = names.get_name(stem)
+    return f"{found}.{suffix}" if found else None
+
+
+def _gemma4_metadata(writer: gguf.GGUFWriter, text: Mapping[str, Any]) -> None:
+    """Gemma 4's keys as llama.cpp's converter writes them (per-layer arrays, two head sizes)."""
+    layers, shared = text["num_hidden_layers"], text.get("num_kv_shared_layers", 0)
+    swa = [t == "sliding_attention" for t in text["layer_types"]]
+    ff, first = text["intermediate_size"], layers - shared
+    wide = text.get("use_double_wide_mlp", False)
+    writer.add_feed_forward_length([ff * 2 if wide and i >= first else ff for i in range(layers)] if wide else ff)
+    kv, kv_full = text["num_key_value_heads"], text.get("num_global_key_value_heads")
+    writer.add_head_count_kv([kv if s else kv_full for s in swa] if kv_full is not None else kv)
+    writer.add_key_length(text["global_head_dim"])
+    writer.add_value_length(text["global_head_dim"])
+    writer.add_key_length_swa(text["head_dim"])
+    writer.add_value_length_swa(text["head_dim"])
+    rope = text["rope_parameters"]
+    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    writer.add_rope_dimension_count(text["global_head_dim"])
+    writer.add_rope_dimension_count_swa(int(text["head_dim"] * text.get("partial_rotary_factor", 1.0)))
+    writer.add_shared_kv_layers(shared)
+    writer.add_embedding_length_per_layer_input(text.get("hidden_size_per_layer_input") or 0)
+    writer.add_sliding_window_pattern(swa)
+    writer.add_sliding_window(text["sliding_window"])
+    writer.add_final_logit_softcapping(text["final_logit_softcapping"])
+    if text.get("enable_moe_block"):
+        writer.add_expert_count(text["num_experts"])
+        writer.add_expert_used_count(text["top_k_experts"])
+        writer.add_expert_feed_forward_length(text["moe_intermediate_size"])
 
 
 def _extra_name(stem: str) -> str | None:
@@ -144,20 +192,24 @@ def export_gguf(model_dir: str | Path, out: str | Path, qtype: QType = QType.F32
     writer.add_block_count(layers)
     writer.add_context_length(text["max_position_embeddings"])
     writer.add_embedding_length(text["hidden_size"])
-    writer.add_feed_forward_length(text["intermediate_size"])
     writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(text["rms_norm_eps"])
-    writer.add_rope_freq_base(text["rope_theta"])
-    writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(text["vocab_size"])
+    gemma4 = model_type.startswith("gemma4")
+    if gemma4:
+        _gemma4_metadata(writer, text)
+    else:
+        writer.add_feed_forward_length(text["intermediate_size"])
+        writer.add_head_count_kv(kv_heads)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_rope_freq_base(text["rope_theta"])
+        writer.add_rope_dimension_count(head_dim)
     if model_type == "gemma2":
         writer.add_attn_logit_softcapping(text["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(text["final_logit_softcapping"])
         writer.add_sliding_window(text["sliding_window"])
-    if "num_experts" in text:
+    if "num_experts" in text and not gemma4:
         writer.add_expert_count(text["num_experts"])
         writer.add_expert_used_count(text["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(text["moe_intermediate_size"])
@@ -174,12 +226,20 @@ def export_gguf(model_dir: str | Path, out: str | Path, qtype: QType = QType.F32
         _write_tokenizer(writer, model_dir, pre)
 
     weights = {k.removeprefix("language_model."): v for k, v in load_file(str(model_dir / "model.safetensors")).items()}
-    weights = _stack_experts(weights)
-    gemma = model_type.startswith("gemma")
+    weights, stacked = _stack_experts(weights)
+    gemma = model_type in ("gemma2", "gemma3", "gemma3_text")  # norms stored as 1 + w (not Gemma 4's)
     reference: dict[str, np.ndarray] = {}
     for hf, w in weights.items():
-        stem, _, suffix = hf.rpartition(".")
-        name = names.get_name(stem) or _extra_name(stem)
+        if gemma4:
+            full = _gemma4_name(hf, names)
+            if full is None:  # the vision and audio towers
+                reference[hf] = w
+                continue
+            name, suffix = full.rsplit(".", 1)
+            stem = hf
+        else:
+            stem, _, suffix = hf.rpartition(".")
+            name = names.get_name(stem) or _extra_name(stem)
         assert name is not None, hf
         w = w.astype(np.float32)
         order = None
@@ -197,9 +257,14 @@ def export_gguf(model_dir: str | Path, out: str | Path, qtype: QType = QType.F32
             values = values - np.float32(1)  # as the reader undoes it, in float32
         if order is not None:
             values = values[np.argsort(order)]
-        reference.update(_unstack_experts(hf, values))
+        reference.update(_unstack_experts(hf, values) if hf in stacked else {hf: values})
     if scaling.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(text, head_dim))
+    if gemma4:  # the full layers' proportional RoPE: 1 for rotated pairs, 1e30 for fixed ones
+        full = text["rope_parameters"]["full_attention"]
+        rotated = int(text["global_head_dim"] * full.get("partial_rotary_factor", 1.0) / 2)
+        writer.add_tensor("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (text["global_head_dim"] // 2 - rotated),
+                                                        np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -289,6 +354,8 @@ def _min_max_blocks(x: np.ndarray, sub: int, levels: int, scale_levels: int) -> 
 def encode_k(w: np.ndarray, qtype: QType) -> np.ndarray:
     """Float rows (..., n*256) -> K-quant blocks (..., n*type_size) uint8 of Q2_K..Q6_K."""
     shape = w.shape
+    if shape[-1] % 256:
+        raise ValueError(f"{qtype.name} needs rows of a multiple of 256 values, not {shape[-1]}")
     x = w.astype(np.float32).reshape(-1, 256)
     n = x.shape[0]
     if qtype == QType.Q6_K:

@@ -394,7 +394,7 @@ def test_metadata_must_match_the_tensors(small: Path, tmp_path: Path) -> None:
     data[arch + 8: arch + 13] = b"phi3x"
     (tmp_path / "a.gguf").write_bytes(bytes(data))
     with pytest.raises(GGUFError, match="'phi3x' is not supported; supported: llama, qwen2, qwen3, qwen2moe, qwen3moe, "
-                                        "gemma2, gemma3"):
+                                        "gemma2, gemma3, gemma4"):
         pymlxc.load_model(str(tmp_path / "a.gguf"), backend="metal")
 
 

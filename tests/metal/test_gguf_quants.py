@@ -112,7 +112,7 @@ def test_a_scale_float16_cannot_hold_is_an_error() -> None:
 def tiny_dims(arch: str) -> dict[str, object]:
     """Widths that are multiples of the K-quants' 256-value super-blocks."""
     extra: dict[str, object] = {}
-    if arch.endswith("_moe"):
+    if arch.endswith("_moe") or arch == "gemma4":
         extra["moe_intermediate_size"] = 256
     if arch == "qwen2_moe":
         extra["shared_expert_intermediate_size"] = 256
@@ -227,6 +227,47 @@ def test_moe_from_metadata(arch: str, tiny: Callable[[str], Path], tmp_path: Pat
     assert kinds["model.layers.0.mlp.switch_mlp.gate_proj"] is QuantizedSwitchLinear
     assert kinds["model.layers.0.mlp.switch_mlp.down_proj"] is BlockSwitchLinear
     assert ratio <= MEMORY_BOUND
+
+
+# Gemma 4's per-layer inputs are 16 wide (the per-layer projection's inputs) and 4 * 16 (the table):
+# no K-quant block fits them, as llama-quantize would also find.
+GEMMA4_NARROW = {"per_layer_token_embd.weight": Q.Q8_0, **{f"blk.{i}.proj.weight": Q.F16 for i in range(4)}}
+
+
+@pytest.mark.parametrize("arch", ["gemma4_text", "gemma4"])
+def test_gemma4_from_metadata(arch: str, tiny: Callable[[str], Path], tmp_path: Path) -> None:
+    """gemma4_text: per-layer inputs, shared-KV layers, the double-wide MLP; gemma4: the MoE block
+    beside the MLP, K = V full layers with their own kv heads, the vision tower dropped."""
+    src = tiny(arch)
+    path, _ = export(src, tmp_path / "f32", Q.F32)
+    got, _, _ = logits_and_model(path)
+    want, _, _ = logits_and_model(src)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    config = gguf_config(read_gguf(path))
+    original = json.loads((src / "config.json").read_text())
+    original = original.get("text_config", original)
+    for key in ("layer_types", "head_dim", "global_head_dim", "num_key_value_heads", "num_kv_shared_layers",
+                "hidden_size_per_layer_input", "use_double_wide_mlp", "attention_k_eq_v", "enable_moe_block",
+                "sliding_window", "final_logit_softcapping"):
+        if key == "use_double_wide_mlp" and not original["num_kv_shared_layers"]:
+            continue  # no shared-KV layer to widen: the file cannot tell
+        assert config[key] == original[key], key
+    assert config["rope_parameters"]["full_attention"]["partial_rotary_factor"] == 0.25
+    if original["enable_moe_block"]:
+        assert (config["num_experts"], config["top_k_experts"]) == (original["num_experts"], original["top_k_experts"])
+        assert config["num_global_key_value_heads"] == original["num_global_key_value_heads"]
+    types = {**GEMMA4_NARROW, "blk.0.ffn_down_exps.weight": Q.Q6_K, "blk.1.ffn_gate_up_exps.weight": Q.Q5_K,
+             "blk.0.attn_q.weight": Q.Q3_K}
+    path, twin = export(src, tmp_path / "q", Q.Q4_K, types)
+    got, kinds, ratio = logits_and_model(path)
+    want, _, _ = logits_and_model(twin)
+    np.testing.assert_allclose(got, want, atol=ATOL[Q.Q4_K], rtol=0)
+    assert kinds["model.layers.0.self_attn.q_proj"] is BlockLinear
+    assert kinds["model.layers.1.self_attn.q_proj"] is nn.QuantizedLinear
+    if original["enable_moe_block"]:
+        assert kinds["model.layers.0.experts.switch_glu.down_proj"] is BlockSwitchLinear
+        assert kinds["model.layers.1.experts.switch_glu.gate_proj"] is QuantizedSwitchLinear
+    assert ratio <= MEMORY_BOUND, ratio
 
 
 # ---------------------------------------------------------------------- files

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import stat
+import tracemalloc
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -316,3 +317,28 @@ def test_overflowing_scale_in_a_file_names_file_and_tensor(tiny: Callable[[str],
     with pytest.raises(GGUFError, match=rf"{bad}: tensor 'blk\.1\.ffn_up\.weight' \(Q8_0\).*float16"):
         load_weights_and_config(bad)
 
+
+def test_loading_streams_tensor_by_tensor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python-side memory while loading stays a fraction of the file (each tensor converted in
+    chunks from the read-only map, then freed), and MLX's peak is the loaded model's size."""
+    from pymlxc.backends.metal import gguf_quants
+
+    monkeypatch.setattr(gguf_quants, "_CHUNK_WEIGHTS", 1 << 16)
+    src = write_tiny_model(tmp_path / "src", "llama", seed=1, hidden_size=512, intermediate_size=2048, num_layers=4,
+                           num_heads=8, num_kv_heads=4)
+    path, _ = export(src, tmp_path / "m", Q.Q8_0, {f"blk.{i}.ffn_down.weight": Q.Q4_K for i in range(4)}
+                     | {f"blk.{i}.ffn_up.weight": Q.Q6_K for i in range(4)})
+    file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    tracemalloc.start()
+    try:
+        with load_weights_and_config(path) as loaded:
+            _, python_peak = tracemalloc.get_traced_memory()
+            mlx_peak = mx.get_peak_memory() - before
+            assert loaded.nbytes <= MEMORY_BOUND * file_bytes
+    finally:
+        tracemalloc.stop()
+    assert python_peak < 0.25 * file_bytes, (python_peak, file_bytes)
+    assert mlx_peak < 1.25 * file_bytes, (mlx_peak, file_bytes)

@@ -192,6 +192,12 @@ def dequantize_blocks(b: Array, qtype: QType) -> Array:
     raise QuantError(f"{qtype.name} is not kept as blocks")
 
 
+def block_matmul(x: Array, weight: Array, qtype: QType) -> Array:
+    """x @ W^T for W the rows of blocks `weight` [out, blocks, bytes], dequantized whole for the call
+    (a float32 copy of W lives while it runs: kernels that read the blocks are the speed part)."""
+    return mx.matmul(x, mx.swapaxes(dequantize_blocks(weight, qtype).astype(x.dtype), -1, -2))
+
+
 def block_shape(qtype: QType, cols: int) -> tuple[int, int]:
     """(blocks, bytes a block) of a row of `cols` weights: the trailing dimensions of a block weight."""
     block, size = GGML_QUANT_SIZES[qtype]
@@ -215,8 +221,7 @@ class BlockLinear(nn.Module):
         self.freeze(recurse=False)
 
     def __call__(self, x: Array) -> Array:
-        w = dequantize_blocks(self.weight, self.qtype).astype(x.dtype)
-        y = mx.matmul(x, mx.swapaxes(w, -1, -2))
+        y = block_matmul(x, self.weight, self.qtype)
         b = self.__dict__.get("bias")
         return y if b is None else y + b
 
@@ -236,8 +241,7 @@ class BlockEmbedding(nn.Module):
         return dequantize_blocks(mx.take(self.weight, x, axis=0), self.qtype).astype(self._dtype)
 
     def as_linear(self, x: Array) -> Array:
-        w = dequantize_blocks(self.weight, self.qtype).astype(x.dtype)
-        return mx.matmul(x, mx.swapaxes(w, -1, -2))
+        return block_matmul(x, self.weight, self.qtype)
 
 
 class BlockSwitchLinear(nn.Module):
@@ -257,8 +261,15 @@ class BlockSwitchLinear(nn.Module):
         return self.weight.shape[0]
 
     def __call__(self, x: Array, indices: Array, sorted_indices: bool = False) -> Array:
-        w = dequantize_blocks(self.weight, self.qtype).astype(x.dtype)
-        y = mx.gather_mm(x, mx.swapaxes(w, -1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+        picks = indices.size
+        if picks < self.num_experts:
+            # Fewer (token, expert) pairs than experts (decoding): dequantize only the picked experts,
+            # one copy per pair, and point each pair at its own copy (still sorted when they were).
+            w = dequantize_blocks(mx.take(self.weight, mx.reshape(indices, (-1,)), axis=0), self.qtype)
+            rhs = mx.reshape(mx.arange(picks, dtype=mx.uint32), indices.shape)
+        else:
+            w, rhs = dequantize_blocks(self.weight, self.qtype), indices
+        y = mx.gather_mm(x, mx.swapaxes(w.astype(x.dtype), -1, -2), rhs_indices=rhs, sorted_indices=sorted_indices)
         b = self.__dict__.get("bias")
         return y if b is None else y + mx.expand_dims(mx.take(b, indices, axis=0), -2)
 

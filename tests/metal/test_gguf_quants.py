@@ -139,10 +139,10 @@ def export(src: Path, root: Path, qtype: Q, extra: Mapping[str, Q] | None = None
     return export_gguf(src, root / "gguf" / "m.gguf", qtype, extra_types=extra, twin=root / "twin"), root / "twin"
 
 
-def logits_and_model(path: Path) -> tuple[np.ndarray, dict[str, type], float]:
-    """Logits of IDS, the type of each layer by module path, and loaded bytes / file tensor bytes."""
+def logits_and_model(path: Path, ids: list[list[int]] = IDS) -> tuple[np.ndarray, dict[str, type], float]:
+    """Logits of `ids`, the type of each layer by module path, and loaded bytes / file tensor bytes."""
     with load_weights_and_config(path) as loaded:
-        out = np.array(loaded.model(mx.array(IDS)).astype(mx.float32))
+        out = np.array(loaded.model(mx.array(ids)).astype(mx.float32))
         kinds = {p: type(m) for p, m in loaded.model.named_modules()}
         ratio = 0.0
         if path.suffix == ".gguf":
@@ -228,6 +228,10 @@ def test_moe_from_metadata(arch: str, tiny: Callable[[str], Path], tmp_path: Pat
     assert kinds["model.layers.0.mlp.switch_mlp.gate_proj"] is QuantizedSwitchLinear
     assert kinds["model.layers.0.mlp.switch_mlp.down_proj"] is BlockSwitchLinear
     assert ratio <= MEMORY_BOUND
+    # One token picks fewer experts than there are: only those are dequantized (the decoding path).
+    one = [IDS[0][:1]]
+    np.testing.assert_allclose(logits_and_model(path, one)[0], logits_and_model(twin, one)[0],
+                               atol=ATOL[Q.Q4_K], rtol=0)
 
 
 # Gemma 4's per-layer inputs are 16 wide (the per-layer projection's inputs) and 4 * 16 (the table):
@@ -268,6 +272,9 @@ def test_gemma4_from_metadata(arch: str, tiny: Callable[[str], Path], tmp_path: 
     if original["enable_moe_block"]:
         assert kinds["model.layers.0.experts.switch_glu.down_proj"] is BlockSwitchLinear
         assert kinds["model.layers.1.experts.switch_glu.gate_proj"] is QuantizedSwitchLinear
+        one = [IDS[0][:1]]  # fewer picks than experts
+        np.testing.assert_allclose(logits_and_model(path, one)[0], logits_and_model(twin, one)[0],
+                                   atol=ATOL[Q.Q4_K], rtol=0)
     assert ratio <= MEMORY_BOUND, ratio
 
 

@@ -20,6 +20,7 @@ the Hugging Face files so that `Tokenizer.from_parts` treats both alike.
 """
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 from collections.abc import Mapping, Sequence
@@ -40,17 +41,19 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 # The split patterns as llama.cpp runs them (llama-vocab.cpp, `llm_tokenizer_bpe`), not as the
 # tokenizer.json they came from: llama.cpp spells `(?i:'s|...)` as `'[sS]|...`, which differs for
 # letters that case-fold to ASCII ("'\u017f" is no contraction there), and its pattern decides the ids.
+# Every class is in brackets so that `_classes` can put llama.cpp's own tables in place of
+# Oniguruma's \p{..} and \s (see `_unicode_ranges`).
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-           r"|\s+(?!\S)|\s+")
-_QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-          r"|\s+(?!\S)|\s+")
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?[\p{L}]+| ?[\p{N}]+| ?[^\s\p{L}\p{N}]+|[\s]+(?![^\s])|[\s]+"
+_LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}]+|[\p{N}]{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|[\s]*[\r\n]+"
+           r"|[\s]+(?![^\s])|[\s]+")
+_QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}]+|[\p{N}]| ?[^\s\p{L}\p{N}]+[\r\n]*|[\s]*[\r\n]+"
+          r"|[\s]+(?![^\s])|[\s]+")
 # Qwen 3.5: letter runs take combining marks along (\p{M}).
-_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
-           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|[\p{N}]| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+           r"|[\s]*[\r\n]+|[\s]+(?![^\s])|[\s]+")
 # llama.cpp's "default" (also what it uses when tokenizer.ggml.pre is missing): four splits in turn.
-_DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
+_DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"[\p{N}]+", r"[0-9][0-9][0-9]")
 _NEWLINES = r"[^\n]+|[\n]+"
 
 
@@ -92,11 +95,66 @@ def _token_id(value: Any, n: int) -> int | None:
     return value
 
 
+# llama.cpp classifies code points with tables of Unicode 15.1 (unicode-data.cpp); Oniguruma, under
+# `tokenizers`, knows later versions, so a letter added since (U+13460, Egyptian hieroglyphs) would be
+# split differently. unicodedata2 of that version (the gguf extra) gives the same tables.
+LLAMA_CPP_UNICODE = "15.1.0"
+# Unicode's White_Space property, which is llama.cpp's `\s` (a fixed list there too).
+_WHITE_SPACE = (0x09, 0x0A, 0x0B, 0x0C, 0x0D, 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028, 0x2029,
+                0x202F, 0x205F, 0x3000)
+
+
+def _ranges(points: Sequence[int]) -> str:
+    out, i = [], 0
+    while i < len(points):
+        j = i
+        while j + 1 < len(points) and points[j + 1] == points[j] + 1:
+            j += 1
+        out.append(f"\\x{{{points[i]:X}}}" if i == j else f"\\x{{{points[i]:X}}}-\\x{{{points[j]:X}}}")
+        i = j + 1
+    return "".join(out)
+
+
+@functools.cache
+def _unicode_ranges() -> dict[str, str] | None:
+    r"""Class bodies for \p{L}, \p{N}, \p{M}, \p{P} and \s from llama.cpp's Unicode version, or None
+    when unicodedata2 of that version is not installed."""
+    try:
+        import unicodedata2
+    except ImportError:
+        return None
+    if unicodedata2.unidata_version != LLAMA_CPP_UNICODE:
+        return None
+    by_major: dict[str, list[int]] = {"L": [], "N": [], "M": [], "P": []}
+    # Planes 4-13 hold no assigned code point and 15-16 only private use (category Co).
+    points = [*range(0x40000), *range(0xE0000, 0xF0000)]
+    for c, category in zip(points, map(unicodedata2.category, map(chr, points))):
+        group = by_major.get(category[0])
+        if group is not None:
+            group.append(c)
+    ranges = {f"\\p{{{k}}}": _ranges(v) for k, v in by_major.items()}
+    ranges["\\s"] = _ranges(_WHITE_SPACE)
+    return ranges
+
+
+def _classes(pattern: str) -> str:
+    """`pattern` with llama.cpp's character tables in place of Oniguruma's."""
+    ranges = _unicode_ranges()
+    if ranges is None:
+        warnings.warn(f"unicodedata2=={LLAMA_CPP_UNICODE} is not installed (pip install 'pymlxc[gguf]'): the "
+                      "GGUF tokenizer splits text with Oniguruma's Unicode tables, so characters assigned after "
+                      f"Unicode {LLAMA_CPP_UNICODE} may get other token ids than in llama.cpp", stacklevel=4)
+        return pattern
+    for name, body in ranges.items():
+        pattern = pattern.replace(name, body)
+    return pattern
+
+
 # ---------------------------------------------------------------------- pipelines
 
 def _split(patterns: Sequence[str]) -> list[pre_tokenizers.PreTokenizer]:
     # "isolated": llama.cpp keeps both the matches and the text between them as pieces.
-    return [pre_tokenizers.Split(Regex(p), behavior="isolated", invert=False) for p in patterns]
+    return [pre_tokenizers.Split(Regex(_classes(p)), behavior="isolated", invert=False) for p in patterns]
 
 
 def _bpe_model(vocab: dict[str, int], pairs: list[tuple[str, str]], *, ignore_merges: bool,

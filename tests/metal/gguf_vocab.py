@@ -66,6 +66,25 @@ def byte_level_vocab(pre: str, vocab_size: int = 700) -> tuple[list[str], list[s
     return tokens, merges, types
 
 
+def byte_pair_vocab() -> tuple[list[str], list[str], list[int]]:
+    """(tokens, merges, token types) holding every pair of byte symbols as a token with its merge: any
+    two bytes that end up in one piece are merged, so the ids show every boundary the split drew
+    (a trained vocabulary hides a wrong boundary wherever it has no merge across it)."""
+    chars = sorted(pre_tokenizers.ByteLevel.alphabet(), key=_byte_of)  # GPT-2's stand-ins, in byte order
+    pairs = [a + b for a in chars for b in chars]
+    tokens = [*BPE_SPECIALS, *chars, *pairs]
+    merges = [f"{a} {b}" for a in chars for b in chars]
+    return tokens, merges, [CONTROL] * len(BPE_SPECIALS) + [NORMAL] * (len(chars) + len(pairs))
+
+
+def _byte_of(ch: str) -> int:
+    """The byte that GPT-2's byte-to-unicode table maps to `ch`."""
+    c = ord(ch)
+    if 33 <= c <= 126 or 161 <= c <= 172 or 174 <= c <= 255:
+        return c
+    return sorted(b for b in range(256) if not (33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255))[c - 256]
+
+
 def gemma4_vocab(vocab_size: int = 900, newline_runs: int = 4) -> tuple[list[str], list[str], list[int]]:
     """(tokens, merges, token types) shaped like Gemma 4's: BPE on raw UTF-8 with U+2581 for spaces,
     split only at newlines, 256 byte tokens, and newline-run tokens "\\n" * 2..`newline_runs` that

@@ -17,12 +17,13 @@ from pymlxc.backends.metal.gguf import GGUFError, read_gguf
 from pymlxc.backends.metal.gguf_tokenizer import load_gguf_tokenizer
 from pymlxc.backends.metal.tokenizer import Tokenizer
 
-from .gguf_vocab import (BPE_SPECIALS, CONTROL, GEMMA_SPECIALS, NORMAL, TEXT, LlamaCppVocab, byte_level_vocab,
+from .gguf_vocab import (BPE_SPECIALS, CONTROL, GEMMA_SPECIALS, NORMAL, TEXT, LlamaCppVocab, byte_level_vocab, byte_pair_vocab,
                          gemma4_vocab, sentencepiece_gguf, write_vocab_gguf)
 
 
 BYTE_LEVEL = ("llama-bpe", "qwen2", "qwen35", "gpt-2", "default")
-VOCABS = (*BYTE_LEVEL, "gemma4", "spm", "spm-no-prefix")
+PAIRS = tuple(f"pairs-{pre}" for pre in BYTE_LEVEL)  # every byte pair merges: ids show each split boundary
+VOCABS = (*BYTE_LEVEL, *PAIRS, "gemma4", "spm", "spm-no-prefix")
 SAMPLES = [
     *TEXT.splitlines(keepends=True), TEXT, "", " ", "\n", "  ", "\n\n\n\n\n\n", " \n \n", "\t\t x", "a  b   c    d",
     "I'M YOU'RE we'Ll it'S", "'s't're", "x'\u017ft",  # a long s is no contraction for llama.cpp
@@ -44,6 +45,10 @@ def _write(name: str, root: Path, **overrides: object) -> Path:
         tokens, merges, types = byte_level_vocab(name)
         args: dict = dict(model="gpt2", pre=name, tokens=tokens, merges=merges, types=types,
                           bos="<|endoftext|>", eos="<|im_end|>")
+    elif name in PAIRS:
+        tokens, merges, types = byte_pair_vocab()
+        args = dict(model="gpt2", pre=name.removeprefix("pairs-"), tokens=tokens, merges=merges, types=types,
+                    bos="<|endoftext|>", eos="<|im_end|>")
     elif name == "gemma4":
         tokens, merges, types = gemma4_vocab()
         args = dict(model="gemma4", pre="gemma4", tokens=tokens, merges=merges, types=types, bos="<bos>",

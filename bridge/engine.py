@@ -247,7 +247,10 @@ class Engine:
                     finish = "cancelled"
                     break
                 count += 1
-                yield {"token_id": int(token), "token": text.add(int(token))}
+                piece = text.add(int(token))
+                if count == opts["max_tokens"]:  # known to be the last: it takes any unfinished character
+                    piece += text.finish()
+                yield {"token_id": int(token), "token": piece}
         except _Stopped:
             finish = "cancelled"
         tail = text.finish()

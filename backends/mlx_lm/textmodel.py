@@ -5,10 +5,10 @@ concurrent callers are serialised per worker. A worker that dies or stalls is ki
 fails with the reason (and the worker's last stderr lines); the next call on that slot starts a
 fresh worker and loads the model again.
 
-Errors follow pymlxc.model: invalid arguments raise at once; an error during a stream (the worker
-dying, an error reply, cancellation, the timeout, the model closed meanwhile) ends the iterator
-quietly and is kept in the calling thread's `err()`, which each new call resets. Check `err()` after
-a stream ends to tell a finish from a failure.
+Errors follow pymlxc.model's TextModel rules: invalid arguments raise at once; a stop during a
+stream (cancellation, the timeout, close() meanwhile: ModelClosedError) ends the iterator quietly,
+and any other failure (the worker dying or stalling, an error reply) is raised from it; both are kept
+in the calling thread's `err()`, which each of its calls resets.
 
 A cancel or timeout ends the call within about CANCEL_WAIT_S even when the worker does not answer
 its `cancel`: the worker then finishes (or, hung, is killed after CANCEL_GRACE_S) in the background,
@@ -217,6 +217,7 @@ class MlxLmModel:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._errors: dict[int, BaseException | None] = {}  # err() per calling thread
+        self._holders: dict[int, int] = {}  # slots held per thread, by its unfinished calls
         self._metrics = GenerateMetrics()
         self._closed = False
         self._slots = [_Slot(self._start_worker) for _ in range(config.parallel_slots)]
@@ -302,6 +303,7 @@ class MlxLmModel:
     # ---- one request on one worker ------------------------------------------------------------------
 
     def _acquire(self, stop: _Stop) -> _Slot:
+        me = threading.get_ident()
         while True:
             if self._closed:
                 raise ModelClosedError("the model is closed")
@@ -309,9 +311,25 @@ class MlxLmModel:
             if reason is not None:
                 raise reason
             try:
-                return self._free.get(timeout=POLL_S)
+                slot = self._free.get(timeout=POLL_S)
             except queue.Empty:
+                with self._lock:
+                    if self._holders.get(me, 0) >= len(self._slots):
+                        # Only this thread could free a slot, and it is waiting here: it would wait forever.
+                        raise RuntimeError(f"all {len(self._slots)} parallel_slots are held by this thread's unfinished "
+                                           "streams; finish or close them before another call") from None
                 continue
+            with self._lock:
+                self._holders[me] = self._holders.get(me, 0) + 1
+            return slot
+
+    def _unhold(self, thread: int) -> None:
+        with self._lock:
+            left = self._holders.get(thread, 0) - 1
+            if left > 0:
+                self._holders[thread] = left
+            else:
+                self._holders.pop(thread, None)
 
     def _exchange(self, cmd: str, args: dict[str, Any], stop: _Stop, stopped: list[BaseException]) -> Iterator[dict[str, Any]]:
         """Send one request on a free worker; yield its reply lines up to and including the terminal one.
@@ -326,6 +344,7 @@ class MlxLmModel:
         except ValueError as e:  # e.g. a float JSON cannot carry (NaN) that slipped past the options' checks
             raise ValueError(f"{cmd}: the request cannot be sent as JSON: {e}") from None
         slot = self._acquire(stop)
+        holder = threading.get_ident()  # a generator may be resumed on another thread: unhold this one
         rid = next(self._ids)
         finished = False
         cancelled_at: float | None = None
@@ -357,6 +376,7 @@ class MlxLmModel:
             slot.discard()
             raise
         finally:
+            self._unhold(holder)
             if finished or slot.worker is None:
                 self._free.put(slot)
             else:
@@ -427,43 +447,35 @@ class MlxLmModel:
         return self._stream("chat", {"messages": _messages(messages), **_sampling(cfg)}, cfg)
 
     def _stream(self, cmd: str, args: dict[str, Any], config: GenerateConfig) -> Iterator[Token]:
-        """Tokens as their lines arrive. A token whose text is "" (its character is unfinished) waits
-        for the next token with text, or for the stream's end, whose held text (`tail`) it gets: so
-        the texts join into the full text, as the metal backend's do."""
+        """Tokens as their lines arrive (the worker sends each as it is sampled). A stop (cancel,
+        timeout, close) ends the iterator quietly; any other failure (the worker dying or stalling,
+        an error reply) is raised from it. Both are kept in err(), as pymlxc.model says."""
         stopped: list[BaseException] = []
         lines = self._exchange(cmd, args, _Stop(config, self._is_closed), stopped)
-        held: list[int] = []
-        tail = ""
         ended = False
         try:
             for line in lines:
                 kind = line["type"]
                 if kind == "token" and not stopped:
-                    token_id, text = int(line["token_id"]), str(line["token"])
-                    if not text:
-                        held.append(token_id)
-                        continue
-                    for h in held:
-                        yield Token(h, "")
-                    held.clear()
-                    yield Token(token_id, text)
+                    yield Token(int(line["token_id"]), str(line["token"]))
                 elif kind == "done":
                     ended = True
                     self._set_metrics(line)
-                    tail = str(line.get("tail") or "")
                     if line.get("finish_reason") == "cancelled":
                         self._fail(stopped[0] if stopped else GenerationCancelled("the worker cancelled the generation"))
                 elif kind == "error":
                     ended = True
-                    self._fail(reply_error(str(line.get("error")), str(line.get("message"))))
+                    raise reply_error(str(line.get("error")), str(line.get("message")))
             if not ended and stopped:  # the worker did not answer the cancel in time
                 self._fail(stopped[0])
-        except (WorkerError, WorkerReplyError, GenerationCancelled, ModelClosedError) as e:
+        except (GenerationCancelled, ModelClosedError) as e:
             self._fail(e)
+        except (WorkerError, WorkerReplyError) as e:
+            failure = self._fail(e)
+            if not isinstance(failure, ModelClosedError):  # close() under the call is a stop, not a failure
+                raise failure from None
         finally:
             lines.close()  # if our consumer stopped early: cancel the request and free the worker now
-        for i, h in enumerate(held):
-            yield Token(h, tail if i == len(held) - 1 else "")
 
     def classify(self, prompts: Sequence[str], **config: Any) -> list[ClassifyResult]:
         """The token sampled after each prompt (one batched prefill). With `return_logits`, each

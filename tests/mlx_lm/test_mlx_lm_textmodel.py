@@ -149,9 +149,11 @@ def test_a_killed_worker_gives_an_error_and_the_next_call_a_fresh_worker(model: 
     stream = model.generate("x", max_tokens=LONG)
     next(stream)
     os.kill(pid, signal.SIGKILL)
-    rest = list(stream)
-    assert len(rest) < LONG
+    with pytest.raises(WorkerDied) as raised:  # a failure, not a stop: raised from the iterator
+        for _ in stream:
+            pass
     err = model.err()
+    assert err is raised.value
     assert isinstance(err, WorkerDied) and "signal 9" in str(err)
     assert pid not in children()  # reaped, not a zombie
     assert len(list(model.generate("x", max_tokens=4))) == 4 and model.err() is None
@@ -184,13 +186,16 @@ def fake_backend(tmp_path: Path) -> Any:
 
 def test_a_dying_worker_error_carries_its_last_stderr_lines(fake_backend: Any, tmp_path: Path) -> None:
     with fake_backend("die").load(str(tmp_path), LoadConfig()) as m:
-        tokens = list(m.generate("x"))
+        tokens: list[Token] = []
+        with pytest.raises(WorkerDied):
+            tokens.extend(m.generate("x"))
         assert [t.text for t in tokens] == ["a", "b"]
         err = m.err()
         assert isinstance(err, WorkerDied)
         assert "exited with code 3" in str(err) and "RESOURCE EXHAUSTED, out of memory" in str(err)
         assert m.worker_pids() == []
-        list(m.generate("x"))  # a fresh worker serves the next call (and dies the same way)
+        with pytest.raises(WorkerDied):  # a fresh worker serves the next call (and dies the same way)
+            list(m.generate("x"))
         assert isinstance(m.err(), WorkerDied)
 
 
@@ -199,16 +204,20 @@ def test_a_silent_worker_is_killed_after_the_response_timeout(fake_backend: Any,
     with fake_backend("hang", response_timeout=1.0).load(str(tmp_path), LoadConfig()) as m:
         [pid] = m.worker_pids()
         start = time.monotonic()
-        assert [t.text for t in m.generate("x")] == ["a"]
+        texts: list[str] = []
+        with pytest.raises(WorkerTimeout):
+            texts.extend(t.text for t in m.generate("x"))
+        assert texts == ["a"]
         assert 1.0 <= time.monotonic() - start < 10
         assert isinstance(m.err(), WorkerTimeout) and "killed" in str(m.err())
         assert pid not in children()
     assert children() == before
 
 
-def test_an_error_reply_ends_the_stream_into_err_and_raises_for_single_replies(fake_backend: Any, tmp_path: Path) -> None:
+def test_an_error_reply_is_raised_from_the_stream_and_for_single_replies_and_kept(fake_backend: Any, tmp_path: Path) -> None:
     with fake_backend("error").load(str(tmp_path), LoadConfig()) as m:
-        assert list(m.generate("x")) == []
+        with pytest.raises(WorkerReplyError, match="fake failure"):
+            list(m.generate("x"))
         err = m.err()
         assert isinstance(err, WorkerReplyError) and err.code == "failed" and "fake failure" in str(err)
         with pytest.raises(WorkerReplyError):

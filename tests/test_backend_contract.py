@@ -1,0 +1,151 @@
+"""The TextModel contract, checked on both backends with the same tiny model: what raises at the
+call, what ends a stream into err(), close during a generation, and classify's logits (raw logits,
+equal across backends to float tolerance)."""
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import pymlxc
+from pymlxc.backends.mlx_lm import MlxLmBackend
+from pymlxc.model import GenerationCancelled, ModelClosedError, TextModel
+from pymlxc.options import LoadConfig
+from pymlxc.testing import write_tiny_model
+
+BACKENDS = ("metal", "mlx_lm")
+LONG = 100_000  # the tiny model never picks EOS (its special tokens are muted): only a stop ends a stream
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("contract") / "llama", "llama", seed=3)
+
+
+def _load(backend: str, path: Path) -> TextModel:
+    if backend == "mlx_lm":
+        return MlxLmBackend(sys.executable, response_timeout=30.0, load_timeout=120.0).load(str(path), LoadConfig(context_len=1024))
+    return pymlxc.load_model(str(path), backend="metal", context_len=1024)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny: Path) -> Iterator[dict[str, TextModel]]:
+    models = {name: _load(name, tiny) for name in BACKENDS}
+    yield models
+    for m in models.values():
+        m.close()
+
+
+@pytest.fixture(params=BACKENDS)
+def model(request: pytest.FixtureRequest, loaded: dict[str, TextModel]) -> TextModel:
+    return loaded[request.param]
+
+
+BAD_CALLS: list[tuple[str, Callable[[TextModel], Any], type[Exception], str]] = [
+    ("unknown option", lambda m: m.generate("x", bogus=1), TypeError, "bogus"),
+    ("negative temperature", lambda m: m.generate("x", temperature=-1.0), ValueError, "temperature"),
+    ("NaN temperature", lambda m: m.generate("x", temperature=float("nan")), ValueError, "temperature"),
+    ("NaN top_p", lambda m: m.classify(["x"], top_p=float("nan")), ValueError, "top_p"),
+    ("negative stop token", lambda m: m.generate("x", stop_tokens=[-1]), ValueError, "stop_tokens"),
+    ("zero timeout", lambda m: m.batch_generate(["x"], timeout=0), ValueError, "timeout"),
+    ("bytes prompt", lambda m: m.generate(b"x"), TypeError, "str"),
+    ("empty prompt", lambda m: m.generate(""), ValueError, "empty"),
+    ("one string as prompts", lambda m: m.classify("abc"), TypeError, "prompts"),
+    ("no prompts to classify", lambda m: m.classify([]), ValueError, "no prompts"),
+    ("no prompts to batch", lambda m: m.batch_generate([]), ValueError, "no prompts"),
+]
+
+
+@pytest.mark.parametrize("what, call, error, names", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_arguments_raise_at_the_call(model: TextModel, what: str, call: Callable[[TextModel], Any],
+                                         error: type[Exception], names: str) -> None:
+    with pytest.raises(error, match=names):
+        call(model)  # generate returns lazily: raising here proves the check is eager
+    assert len(list(model.generate("x", max_tokens=2))) == 2 and model.err() is None  # and the model serves on
+
+
+def test_a_stream_that_finishes_leaves_err_none_and_a_cancelled_one_sets_it(model: TextModel) -> None:
+    cancel = threading.Event()
+    got = []
+    for token in model.generate("Once upon a time", max_tokens=LONG, cancel=cancel):
+        got.append(token)
+        if len(got) == 3:
+            cancel.set()
+    assert 3 <= len(got) < 50
+    assert isinstance(model.err(), GenerationCancelled)
+    assert len(list(model.generate("x", max_tokens=4))) == 4
+    assert model.err() is None  # each call resets it
+
+
+def test_a_timeout_ends_the_stream_into_err(model: TextModel) -> None:
+    tokens = list(model.generate("x", max_tokens=LONG, timeout=0.5))
+    assert 0 < len(tokens) < LONG
+    assert isinstance(model.err(), GenerationCancelled) and "timed out" in str(model.err())
+
+
+def test_a_cancelled_classify_raises(model: TextModel) -> None:
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(GenerationCancelled):
+        model.classify(["x"], cancel=cancel)
+
+
+def test_streamed_texts_join_into_the_decoded_text(model: TextModel) -> None:
+    tokens = list(model.generate("The baker", max_tokens=16))
+    assert len(tokens) == 16
+    text = "".join(t.text for t in tokens)
+    decoded = model.decode([t.id for t in tokens])  # type: ignore[attr-defined]
+    assert text == decoded or text == decoded[1:] and decoded.startswith(" ")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_close_during_a_generation_ends_it_with_model_closed_error(backend: str, tiny: Path) -> None:
+    m = _load(backend, tiny)
+    started, outcome = threading.Event(), {}
+
+    def consume() -> None:
+        n = 0
+        for _ in m.generate("x", max_tokens=LONG):
+            n += 1
+            if n == 2:
+                started.set()
+        outcome.update(n=n, err=m.err())
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    assert started.wait(60)
+    m.close()
+    consumer.join(30)
+    assert not consumer.is_alive()
+    assert outcome["n"] < LONG and isinstance(outcome["err"], ModelClosedError)
+    with pytest.raises(ModelClosedError):
+        m.generate("x")
+
+
+def test_classify_logits_are_raw_logits_equal_across_backends(loaded: dict[str, TextModel]) -> None:
+    prompts = ["a", "The baker kneads", "bb b"]
+    results = {name: m.classify(prompts, return_logits=True) for name, m in loaded.items()}
+    metal, mlx_lm = (np.array([r.logits for r in results[name]], dtype=np.float64) for name in BACKENDS)
+    assert metal.shape == mlx_lm.shape == (3, 512)
+    np.testing.assert_allclose(mlx_lm, metal, atol=2e-3, rtol=1e-3)  # log-probabilities would be off by a constant
+    for name in BACKENDS:
+        assert [r.token.id for r in results[name]] == list(metal.argmax(1))  # greedy: the argmax
+    penalised = {name: m.classify(prompts, return_logits=True, repeat_penalty=1.5) for name, m in loaded.items()}
+    np.testing.assert_allclose(np.array([r.logits for r in penalised["mlx_lm"]]),
+                               np.array([r.logits for r in penalised["metal"]]), atol=2e-3, rtol=1e-3)
+
+
+def test_a_call_behind_this_threads_own_paused_stream_raises_instead_of_waiting(model: TextModel) -> None:
+    paused = model.generate("x", max_tokens=LONG)
+    next(paused)  # the stream holds the only slot until it ends
+    try:
+        with pytest.raises(RuntimeError, match="slot"):
+            model.classify(["y"])
+    finally:
+        paused.close()
+    assert len(model.classify(["y"])) == 1

@@ -134,17 +134,6 @@ def left_padded_mask(pads: mx.Array, offset: int, length: int) -> mx.Array:
     return mx.expand_dims(mask, 1)
 
 
-def right_padded_mask(lengths: mx.Array, length: int) -> mx.Array:
-    """Causal mask for right-padded rows of real `lengths` [B]: keys beyond a row's end are
-    hidden from every query but their own (only the real queries' outputs are read)."""
-    queries = _positions(0, length)[:, None]
-    keys = _positions(0, length)[None, :]
-    causal = keys <= queries
-    real = keys[None] < lengths[:, None, None]
-    mask = causal[None] & (real | (keys == queries)[None])
-    return mx.expand_dims(mask, 1)
-
-
 # ---------------------------------------------------------------------- prefill and decode
 
 def _cache_state(cache: Sequence[Cache]) -> list[Any]:

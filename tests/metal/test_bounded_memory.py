@@ -84,6 +84,29 @@ def test_classify_gives_each_prompt_its_own_prefill(models, lengths: list[int], 
         assert token == int(np.argmax(row))
 
 
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(1, 100), min_size=1, max_size=30), step=st.integers(1, 64),
+       context_len=st.one_of(st.none(), st.integers(1, 80)))
+def test_classify_groups_share_a_chunk_or_go_alone(lengths: list[int], step: int, context_len: int | None) -> None:
+    groups = loops._classify_groups(lengths, step, context_len)  # noqa: SLF001
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        width = max(lengths[i] for i in g)
+        if len(g) > 1:  # padded together: one chunk, no eviction
+            assert len(g) * width <= step and (context_len is None or width <= context_len)
+
+
+def test_classify_stops_on_its_guard(models) -> None:
+    import threading
+
+    from pymlxc.model import GenerationCancelled
+
+    event = threading.Event()
+    event.set()
+    with pytest.raises(GenerationCancelled):
+        loops.classify_ids(models("llama").model, [ids_of(5)], sampler=greedy, guard=loops.Guard.make(event, None))
+
+
 def test_classify_honours_context_len_as_generate_does(models) -> None:
     model = models("llama").model
     prompt = ids_of(300)

@@ -2,21 +2,34 @@
 
 Where the pipeline comes from, best first: a `tokenizer.json` beside the GGUF file; the
 `tokenizer.huggingface.json` key some converters embed; else it is rebuilt from llama.cpp's
-`tokenizer.ggml.*` keys:
+`tokenizer.ggml.*` keys, to give the ids llama.cpp gives (llama-vocab.cpp is the reference;
+tests/metal/test_gguf_tokenizer.py compares with it on random text):
 
-* `gpt2`: byte-level BPE from `tokens` and `merges`. The pre-tokenizer split follows
-  `tokenizer.ggml.pre` (GPT-2's, Llama 3's or Qwen 2's pattern); others are refused, since a wrong
-  split silently changes every encoding.
-* `llama`: SentencePiece BPE from `tokens` and `scores` with byte fallback. llama.cpp (like
-  SentencePiece's BPE) merges the adjacent pair whose joined piece scores highest; a BPE whose
-  merges are every split of every piece, ranked by the joined piece's score, does the same. This is
-  what "llama" means in a GGUF file even for a Unigram-trained vocabulary (llama.cpp calls those
-  "t5"), so no Viterbi segmentation is attempted.
+* `gpt2`: byte-level BPE from `tokens` and `merges`, split first by `tokenizer.ggml.pre`: GPT-2's,
+  Llama 3's, Qwen 2's and Qwen 3.5's patterns (under every name llama.cpp gives them) and llama.cpp's
+  "default" (also taken when the key is missing), spelled as llama.cpp runs them and with its
+  Unicode 15.1 character tables. Other names are refused by name, since a wrong split silently
+  changes every encoding.
+* `gemma4` (or `gpt2` with pre `gemma4`): BPE on raw UTF-8 with U+2581 for spaces, split only at
+  newlines, <0xXX> byte tokens for what no token covers; a newline run that is a token is taken whole.
+* `llama`: SentencePiece BPE (Gemma 2/3, Llama 2, Mistral) from `tokens` and `scores` with byte
+  fallback. llama.cpp (like SentencePiece's BPE) merges the adjacent pair whose joined text is a
+  token with the highest score; a BPE whose merges are every split of every token, ranked by the
+  joined token's score, does the same. This is what "llama" means in a GGUF file even for a
+  Unigram-trained vocabulary (llama.cpp calls those "t5"), so no Viterbi segmentation is attempted.
 
-Control tokens become special added tokens, user-defined ones plain added tokens. The settings
-(special tokens, whether BOS/EOS are added, the chat template, the ids that end generation) come
-from `tokenizer_config.json` beside the file when present, else from the GGUF keys, in the shape of
-the Hugging Face files so that `Tokenizer.from_parts` treats both alike.
+Control tokens become special added tokens, user-defined ones plain added tokens; the text between
+them is tokenized as llama.cpp parses special tokens (`special=True`). The settings (special tokens,
+whether BOS/EOS are added, the chat template, the ids that end generation) come from
+`tokenizer_config.json` beside the file when present, else from the GGUF keys with llama.cpp's
+defaults (BOS for SentencePiece, Llama 3 and Gemma 4), in the shape of the Hugging Face files so that
+`Tokenizer.from_parts` treats both alike.
+
+Where it can still differ from llama.cpp: two merges of one SentencePiece vocabulary whose tokens
+score exactly alike compete at different places of a word (llama.cpp takes the leftmost, the pipeline
+the lower id); special tokens that overlap in the text (llama.cpp matches the longest token first,
+`tokenizers` the leftmost); a Gemma 4 vocabulary that has both a newline run and a whole line the
+merges cannot build (loading warns).
 """
 from __future__ import annotations
 

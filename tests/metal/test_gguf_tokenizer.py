@@ -23,7 +23,7 @@ from .gguf_vocab import (BPE_SPECIALS, CONTROL, GEMMA_SPECIALS, NORMAL, TEXT, Ll
 
 BYTE_LEVEL = ("llama-bpe", "qwen2", "qwen35", "gpt-2", "default")
 PAIRS = tuple(f"pairs-{pre}" for pre in BYTE_LEVEL)  # every byte pair merges: ids show each split boundary
-VOCABS = (*BYTE_LEVEL, *PAIRS, "gemma4", "spm", "spm-no-prefix")
+VOCABS = (*BYTE_LEVEL, *PAIRS, "gemma4", "gemma4-as-gpt2", "spm", "spm-no-prefix")
 SAMPLES = [
     *TEXT.splitlines(keepends=True), TEXT, "", " ", "\n", "  ", "\n\n\n\n\n\n", " \n \n", "\t\t x", "a  b   c    d",
     "I'M YOU'RE we'Ll it'S", "'s't're", "x'\u017ft",  # a long s is no contraction for llama.cpp
@@ -49,9 +49,10 @@ def _write(name: str, root: Path, **overrides: object) -> Path:
         tokens, merges, types = byte_pair_vocab()
         args = dict(model="gpt2", pre=name.removeprefix("pairs-"), tokens=tokens, merges=merges, types=types,
                     bos="<|endoftext|>", eos="<|im_end|>")
-    elif name == "gemma4":
+    elif name.startswith("gemma4"):
         tokens, merges, types = gemma4_vocab()
-        args = dict(model="gemma4", pre="gemma4", tokens=tokens, merges=merges, types=types, bos="<bos>",
+        # llama.cpp also runs Gemma 4's split for a "gpt2" model whose pre is "gemma4"
+        args = dict(model="gpt2" if name == "gemma4-as-gpt2" else "gemma4", pre="gemma4", tokens=tokens, merges=merges, types=types, bos="<bos>",
                     eos="<eos>", unk="<unk>", add_bos=False)  # llama.cpp adds BOS for Gemma 4 regardless
     else:
         work = root / name
@@ -174,3 +175,25 @@ def test_malformed_merges_are_refused(tmp_path: Path) -> None:
     with pytest.raises(GGUFError, match="malformed merge 'nospace'"):
         load_gguf_tokenizer(path, read_gguf(path), None)
     assert CONTROL in types
+
+
+def test_without_llama_cpps_unicode_tables_loading_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without unicodedata2 15.1 the split falls back on Oniguruma's newer tables: a letter added in
+    Unicode 16 then splits otherwise than in llama.cpp, and loading warns instead of staying silent."""
+    import sys
+
+    from pymlxc.backends.metal import gguf_tokenizer
+
+    path = _write("pairs-qwen2", tmp_path)
+    text = "A\U00013460:"  # U+13460: a letter since Unicode 16, unassigned in llama.cpp's tables
+    pair = Pair(path)
+    try:
+        pair.check(text)
+        monkeypatch.setitem(sys.modules, "unicodedata2", None)  # import unicodedata2 -> ImportError
+        gguf_tokenizer._unicode_ranges.cache_clear()
+        with pytest.warns(UserWarning, match=r"unicodedata2==15.1.0 is not installed.*Unicode 15.1.0"):
+            fallback = load_gguf_tokenizer(path, read_gguf(path), None)
+        assert fallback.encode(text) != pair.ref.tokenize(text)
+    finally:
+        pair.ref.close()
+        gguf_tokenizer._unicode_ranges.cache_clear()

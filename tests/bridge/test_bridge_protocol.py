@@ -29,10 +29,10 @@ sampling = st.fixed_dictionaries(
     {},
     optional={
         "max_tokens": st.integers(0, 10_000),
-        "temperature": st.floats(0, 5),
+        "temperature": st.floats(0, 5, allow_subnormal=False),
         "top_k": st.integers(0, 100),
-        "top_p": st.floats(0, 1),
-        "min_p": st.floats(0, 1),
+        "top_p": st.floats(0, 1, allow_subnormal=False),
+        "min_p": st.floats(0, 1, allow_subnormal=False),
         "repeat_penalty": st.floats(0.01, 5),
         "stop_tokens": st.lists(st.integers(0, 100_000), max_size=4),
         "seed": st.none() | st.integers(0, 2**31),
@@ -136,3 +136,9 @@ def test_replies_refuse_non_finite_numbers_and_check_their_type() -> None:
     assert P.check_reply(json.loads(P.encode(P.token(1, 5, "a")))) == "token"
     with pytest.raises(P.ProtocolError):
         P.check_reply({"type": "gossip"})
+
+
+@given(st.floats(min_value=-2.2e-308, max_value=2.2e-308, allow_subnormal=True).filter(lambda v: v != 0.0))
+def test_subnormal_numbers_are_refused_naming_the_field(value: float) -> None:
+    with pytest.raises(P.ProtocolError, match="temperature .*subnormal"):
+        P.parse_request({"cmd": "generate", "prompt": "x", "temperature": abs(value)})

@@ -9,8 +9,10 @@ tokens, and Gemma 2/3's SentencePiece BPE with byte fallback, scores and token t
 from __future__ import annotations
 
 import json
+import select
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -192,30 +194,39 @@ class LlamaCppVocab:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._log = tempfile.TemporaryFile()  # not a pipe: a chatty child must not block on a full one
         self._proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(path)], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8")
+                                      stdout=subprocess.PIPE, stderr=self._log, text=True, encoding="utf-8")
 
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+    def tokenize(self, text: str, add_special: bool = True, timeout: float = 120.0) -> list[int]:
         assert self._proc.stdin is not None and self._proc.stdout is not None
         try:
             self._proc.stdin.write(json.dumps([text, add_special]) + "\n")
             self._proc.stdin.flush()
         except BrokenPipeError:
             pass
+        ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
+        if not ready:
+            self._proc.kill()
+            raise RuntimeError(f"llama.cpp's tokenizer of {self.path} gave no answer within {timeout} s on {text!r}")
         line = self._proc.stdout.readline()
         if not line:
-            err = self._proc.stderr.read() if self._proc.stderr else ""
-            raise RuntimeError(f"llama.cpp's tokenizer of {self.path} died on {text!r}: {err[-2000:]}")
+            self._proc.wait(timeout=10)
+            self._log.seek(0)
+            err = self._log.read().decode("utf-8", "replace")
+            raise RuntimeError(f"llama.cpp's tokenizer of {self.path} exited with {self._proc.returncode} on "
+                               f"{text!r}: {err[-2000:]}")
         return list(json.loads(line))
 
     def close(self) -> None:
+        if self._proc.stdin is not None and not self._proc.stdin.closed:
+            self._proc.stdin.close()
         if self._proc.poll() is None:
-            self._proc.stdin.close() if self._proc.stdin else None
             try:
                 self._proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
-        for stream in (self._proc.stdout, self._proc.stderr):
-            if stream is not None:
-                stream.close()
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
+        self._log.close()

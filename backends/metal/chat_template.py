@@ -12,8 +12,8 @@ environment also bounds them: every loop iteration, call, namespace write and ou
 the render's deadline (`RENDER_SECONDS`, or sooner the call's own timeout and cancel, through the
 `guard` of `render_chat`), and the operations that multiply sizes (repetition, concatenation, `%`
 and `str.format` widths, padding, `replace`, `join`, `indent`, `wordwrap`, `tojson`'s indent, integer
-powers) are checked before they run against `MAX_CHARS` characters (`MAX_INT_BITS` for integers),
-as is the text the template writes in all.
+powers) are checked before they run against `MAX_CHARS` characters (`MAX_ITEMS` items for lists,
+`MAX_INT_BITS` for integers), as is the text the template writes in all.
 """
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 # Bounds of one render. Real chat templates render in milliseconds and write at most the prompt.
 RENDER_SECONDS = 10.0
 MAX_CHARS = 1 << 24  # characters of any one value the template makes, and of its whole text
+MAX_ITEMS = 1 << 20  # items of any one list, tuple, dict or set it makes
 MAX_INT_BITS = 1 << 16  # integers the template computes (powers, products)
 MAX_INDENT = 64  # tojson's indent, in spaces or characters
 
@@ -121,6 +122,8 @@ def _children(value: Any) -> list[Any] | None:
 def _weight(value: Any, limit: int = MAX_CHARS) -> int:
     """Characters of strings plus one per other item, counting a shared part each time it appears
     (as printing or tojson would write it), each distinct part measured once; capped at limit + 1."""
+    if isinstance(value, str):
+        return len(value)
     memo: dict[int, int] = {}
     stack: list[tuple[Any, bool]] = [(value, False)]
     while stack:
@@ -130,6 +133,8 @@ def _weight(value: Any, limit: int = MAX_CHARS) -> int:
         kids = _children(v)
         if kids is None:
             memo[id(v)] = len(v) if isinstance(v, str) else 1
+        elif len(kids) > MAX_ITEMS:  # too big whatever it holds: no need to walk it
+            return limit + 1
         elif not expanded:
             stack.append((v, True))
             stack.extend((k, False) for k in kids if id(k) not in memo)
@@ -147,6 +152,8 @@ def _check_value(value: Any, what: str) -> Any:
         if value.bit_length() > MAX_INT_BITS:
             raise _too_big(what, value.bit_length(), MAX_INT_BITS, "bits")
     elif isinstance(value, (list, tuple, set, frozenset, Mapping)):
+        if len(value) > MAX_ITEMS:
+            raise _too_big(what, len(value), MAX_ITEMS, "items")
         weight = _weight(value)
         if weight > MAX_CHARS:
             raise _too_big(what, weight, unit="items and characters")
@@ -189,7 +196,9 @@ def _check_format(fmt: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> N
 
 
 def _joined_size(sep: str, items: Sequence[Any]) -> int:
-    return len(sep) * max(len(items) - 1, 0) + sum(_weight(i) for i in items)
+    if len(items) > MAX_ITEMS:
+        return MAX_CHARS + 1
+    return len(sep) * max(len(items) - 1, 0) + sum(len(i) if isinstance(i, str) else _weight(i) for i in items)
 
 
 def _replaced_size(s: str, old: str, new: str, count: int = -1) -> int:
@@ -309,7 +318,12 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         if operator == "*":
             for seq, n in ((left, right), (right, left)):
                 if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and not isinstance(n, bool):
-                    _check_size(_weight(seq) * max(n, 0), "a repetition")
+                    if isinstance(seq, str):
+                        _check_size(len(seq) * max(n, 0), "a repetition")
+                        continue
+                    if len(seq) * max(n, 0) > MAX_ITEMS:
+                        raise _too_big("a repetition", len(seq) * n, MAX_ITEMS, "items")
+                    _check_size((_weight(seq) - 1) * max(n, 0) + 1, "a repetition")  # the container counts once
             if isinstance(left, int) and isinstance(right, int) and left.bit_length() + right.bit_length() > MAX_INT_BITS:
                 raise _too_big("a product", left.bit_length() + right.bit_length(), MAX_INT_BITS, "bits")
         elif operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:

@@ -161,7 +161,7 @@ def test_syntax_error_is_a_chat_template_error() -> None:
 USER = [{"role": "user", "content": "x"}]
 SIZED = {
     "repeat": ("{{ 'ab' * n }}", lambda n: 2 * n),
-    "repeat reversed": ("{{ (n * ['a'])|join }}", lambda n: n + 1),  # list items + their characters
+    "repeat reversed": ("{{ (n * ['a'])|join }}", lambda n: n * ct.MAX_CHARS // ct.MAX_ITEMS),  # MAX_ITEMS items
     "center": ("{{ 'a'|center(n) }}", lambda n: n),
     "ljust": ("{{ 'a'.ljust(n) }}", lambda n: n),
     "percent": ("{{ '%*d' % (n, 1) }}", lambda n: n),
@@ -170,10 +170,17 @@ SIZED = {
 }
 
 
-@settings(max_examples=40, deadline=None)
-@given(case=st.sampled_from(sorted(SIZED)), n=st.integers(0, 2 * ct.MAX_CHARS))
-def test_size_multiplying_operations_stop_exactly_past_the_limit(case: str, n: int) -> None:
+@settings(max_examples=60, deadline=None)
+@given(case=st.sampled_from(sorted(SIZED)), n=st.integers(0, 2 * ct.MAX_CHARS), near=st.booleans(),
+       delta=st.integers(-2, 2))
+def test_size_multiplying_operations_stop_exactly_past_the_limit(case: str, n: int, near: bool, delta: int) -> None:
     template, size = SIZED[case]
+    if near:  # around the largest n whose result fits (every size here grows with n)
+        low, high = 0, 2 * ct.MAX_CHARS
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if size(mid) <= ct.MAX_CHARS else (low, mid - 1)
+        n = max(low + delta, 0)
     if size(n) <= ct.MAX_CHARS:
         text = render_chat(USER, FakeTokenizer(template), n=n)
         assert len(text) >= min(n, 1) and len(text) <= ct.MAX_CHARS

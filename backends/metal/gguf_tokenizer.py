@@ -95,10 +95,30 @@ PRE_TOKENIZERS: dict[str | None, PreTokenizer] = {
     "qwen35": _P_QWEN35,
     "gemma4": _P_GEMMA4,
 }
-# Texts of control tokens that end a turn, as llama.cpp also treats them (GGUF files carry no
-# generation_config.json, and often name only one of them as EOS).
+# Texts of tokens that end generation, as llama.cpp has them (GGUF files carry no
+# generation_config.json, and often name only one of them as EOS); the fill-in-the-middle padding,
+# repository and file separators end it there too.
+_FIM_ENDS = ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]", "<|fim_repo|>", "<|repo_name|>",
+             "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>")
 END_OF_TURN = ("<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "<|end|>",
-               "<end_of_turn>", "<eos>", "</s>", "<turn|>", "<|tool_response>")
+               "<end_of_turn>", "<eos>", "</s>", "<turn|>", "<|tool_response>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+               "<end_of_utterance>", "<\uff5cend\u2581of\u2581sentence\uff5c>", *_FIM_ENDS)
+# llama.cpp makes tokens with these texts control tokens whatever type the file gives them
+# ("control-looking token"), so they are parsed as special tokens; the other fill-in-the-middle
+# markers are among them.
+_CONTROL_LOOKING = frozenset((*END_OF_TURN, "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>",
+                              "<\uff5cfim\u2581begin\uff5c>", "<PRE>", "\u2581<PRE>", "<|fim_suffix|>", "<fim-suffix>",
+                              "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>", "<SUF>", "\u2581<SUF>", "<|fim_middle|>",
+                              "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>", "<MID>", "\u2581<MID>"))
+
+
+def token_types(tokens: Sequence[str], types: Sequence[int]) -> list[int]:
+    """The token types llama.cpp tokenizes with: control-looking tokens made control, and Gemma 4's
+    "</s>" (a vocabulary with "<|tool_response>") made normal text."""
+    out = [CONTROL if t in _CONTROL_LOOKING and k not in (CONTROL, UNKNOWN) else k for t, k in zip(tokens, types)]
+    if "<|tool_response>" in tokens:
+        out = [NORMAL if t == "</s>" else k for t, k in zip(tokens, out)]
+    return out
 _SPM_SPACE = "\u2581"
 
 
@@ -199,8 +219,8 @@ def _gemma4_ignore_merges(vocab: dict[str, int], pairs: list[tuple[str, str]], t
     bad = _unreachable(vocab, pairs, lines)
     if bad:
         warnings.warn(f"this Gemma 4 vocabulary has {len(bad)} token(s) its merges cannot build (e.g. "
-                      f"{bad[0]!r}): a line of text that is exactly one of them is encoded as that token, "
-                      "where llama.cpp encodes it by merges", stacklevel=3)
+                      f"{bad[0]!r}): text between newlines and special tokens that is exactly one of them is "
+                      "encoded as that token, where llama.cpp encodes it by merges", stacklevel=3)
     return True
 
 
@@ -300,6 +320,7 @@ def pipeline_from_metadata(reader: GGUFReader) -> tokenizers.Tokenizer:
     if not isinstance(types, list) or len(types) != n:
         raise GGUFError(f"tokenizer.ggml.token_type has {len(types) if isinstance(types, list) else 'no'} entries "
                         f"for {n} tokens")
+    types = token_types(tokens, types)
     if kind in ("gpt2", "gemma4"):
         merges = metadata(reader, "tokenizer.ggml.merges") or []
         if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
@@ -361,8 +382,8 @@ def settings_from_metadata(reader: GGUFReader, model_type: str | None) -> tuple[
     stop = [i for i in (eos_id, token("tokenizer.ggml.eot_token_id")[0], token("tokenizer.ggml.eom_token_id")[0])
             if i is not None]
     if len(types) == n:
-        stop += [i for i, (t, k) in enumerate(zip(tokens, types)) if k == CONTROL and t in END_OF_TURN]
-        if any(tokens[i] == "<|tool_response>" for i in stop):
+        stop += [i for i, (t, k) in enumerate(zip(tokens, token_types(tokens, types))) if k == CONTROL and t in END_OF_TURN]
+        if "<|tool_response>" in tokens:
             stop = [i for i in stop if tokens[i] != "</s>"]  # Gemma 4's "</s>" is text, as llama.cpp has it
     config: dict[str, Any] = {"model_type": model_type, "eos_token_id": sorted(set(stop))}
     if bos_id is not None:
@@ -405,5 +426,5 @@ def load_gguf_tokenizer(gguf_path: str | Path, reader: GGUFReader, model_type: s
                                 gen_config=gen_config)
 
 
-__all__ = ["PRE_TOKENIZERS", "END_OF_TURN", "pipeline_from_metadata", "settings_from_metadata", "spm_merges",
+__all__ = ["PRE_TOKENIZERS", "END_OF_TURN", "token_types", "pipeline_from_metadata", "settings_from_metadata", "spm_merges",
            "load_gguf_tokenizer"]

@@ -43,7 +43,9 @@ QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| 
 GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 # tokenizer.ggml.pre -> the pattern its vocabulary is trained under (the HF spelling).
 TRAIN_PATTERN = {"llama-bpe": LLAMA3, "qwen2": QWEN2, "qwen35": QWEN35, "gpt-2": GPT2, "default": GPT2}
-BPE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
+BPE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|file_sep|>")
+# Written as normal tokens, as some converters did: llama.cpp makes "control-looking" ones control.
+LOOSE_SPECIALS = ("<|file_sep|>",)
 GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<start_of_turn>", "<end_of_turn>")
 
 
@@ -64,7 +66,7 @@ def byte_level_vocab(pre: str, vocab_size: int = 700) -> tuple[list[str], list[s
     vocab: dict[str, int] = data["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.__getitem__)
     merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
-    types = [CONTROL if t in BPE_SPECIALS else NORMAL for t in tokens]
+    types = [CONTROL if t in BPE_SPECIALS and t not in LOOSE_SPECIALS else NORMAL for t in tokens]
     return tokens, merges, types
 
 

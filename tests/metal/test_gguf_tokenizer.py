@@ -30,7 +30,8 @@ SAMPLES = [
     "e\u0301\u0301 \u0915\u094d\u0937 \u0301lead", "\u00a0nbsp\u2003em\u3000ideo", "12345678901 3.14159 1,000,000",
     "🙂🙂 👍🏽 🇫🇷 \U0010fffd \ufeff\u200b", "\x00\x01\x7f control", "<|im_start|>user\nhi<|im_end|>\n",
     "<bos><start_of_turn>user\nHi!<end_of_turn>\n<start_of_turn>model\n", "<|turn>user\n  x<turn|>", "<h1>Title</h1>",
-    "<think>\n\n</think>\n\n", "<|endoftext|><|endoftext|>", "trailing   ", "   leading",
+    "<think>\n\n</think>\n\n", "<|endoftext|><|endoftext|>", "trailing   ", "   leading", "a<|file_sep|>b",
+
 ]
 
 
@@ -115,6 +116,14 @@ def test_random_text_tokenizes_as_llama_cpp(name: str, text: str, pairs: Callabl
     pairs(name).check(text)
 
 
+def test_control_looking_tokens_are_special_and_end_generation(pairs: Callable[[str], Pair]) -> None:
+    pair = pairs("qwen2")
+    sep = BPE_SPECIALS.index("<|file_sep|>")  # a normal token in the file
+    assert pair.ours.encode("a<|file_sep|>b", False) == pair.ref.tokenize("a<|file_sep|>b", False)
+    assert sep in pair.ours.encode("a<|file_sep|>b", False)
+    assert sep in pair.ours.eos_token_ids
+
+
 def test_the_pre_tokenizer_name_decides_the_split(tmp_path: Path) -> None:
     """Qwen 3.5's split keeps combining marks with their letters; Qwen 2's does not. The same vocabulary
     under each name gives different ids in llama.cpp, and ours follows the name."""
@@ -142,6 +151,26 @@ def test_gemma4_settings_follow_llama_cpp(pairs: Callable[[str], Pair]) -> None:
     ids = pair.ours.encode("a\n\n\nb", False)
     assert "\n\n\n" in [pair.ours.decode([i]) for i in ids]  # a newline run that is a token is taken whole
     assert pair.ours.decode(pair.ours.encode(TEXT, False)) == TEXT
+
+
+def test_gemma4_end_of_s_is_text_beside_a_tool_response_token(tmp_path: Path) -> None:
+    """llama.cpp makes "</s>" plain text (and no stop) in a vocabulary with "<|tool_response>"; as no
+    merge builds "</s>", text that is just "</s>" between newlines or special tokens is the one place
+    where ids can differ, and loading names it."""
+    tokens, merges, types = gemma4_vocab()
+    tokens += ["<|tool_response>", "</s>"]
+    types += [CONTROL, CONTROL]
+    path = write_vocab_gguf(tmp_path / "g.gguf", model="gemma4", tokens=tokens, merges=merges, types=types,
+                            bos="<bos>", eos="<eos>")
+    with pytest.warns(UserWarning, match=r"1 token\(s\) its merges cannot build \(e.g. '</s>'\)"):
+        pair = Pair(path)
+    try:
+        for text in ("x</s>y<|tool_response>z", "a </s>\n\n</s> b", "<|tool_response></s>x"):
+            pair.check(text)
+        stops = set(pair.ours.eos_token_ids)
+        assert len(tokens) - 2 in stops and len(tokens) - 1 not in stops
+    finally:
+        pair.ref.close()
 
 
 def test_gemma4_vocabulary_no_setting_reproduces_warns(tmp_path: Path) -> None:

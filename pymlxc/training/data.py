@@ -7,6 +7,7 @@ Errors name the file and the line.
 """
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -18,7 +19,11 @@ import numpy as np
 import pymlxc.core as mx
 from pymlxc.core import Array
 
+from pymlxc.files import read_text
+
 from .config import Encoder
+
+DATASET_LIMIT = 4 << 30  # bytes of one JSONL file; larger corpora belong in several files
 
 FORMATS = ("text", "completion", "chat")
 
@@ -63,30 +68,31 @@ def record_format(data: dict[str, Any]) -> str:
 def read_jsonl(path: str | Path) -> list[Record]:
     """Every non-blank line of `path` as a JSON object, in order; all records share one format."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise DatasetError(f"no such dataset file: {path}")
+    # Only a regular file of bounded size is read: a FIFO or a device would block or never end.
+    text = read_text(path, what="dataset file", max_bytes=DATASET_LIMIT, error=DatasetError)
     records: list[Record] = []
     first_format: str | None = None
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                data = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DatasetError(f"{path}:{lineno}: malformed JSON: {exc.msg} (column {exc.colno})") from None
-            if not isinstance(data, dict):
-                raise DatasetError(f"{path}:{lineno}: a record must be a JSON object, not {type(data).__name__}")
-            try:
-                fmt = record_format(data)
-            except KeyError as exc:
-                raise DatasetError(f"{path}:{lineno}: {exc.args[0]}") from None
-            if first_format is None:
-                first_format = fmt
-            elif fmt != first_format:
-                raise DatasetError(f"{path}:{lineno}: a {fmt!r} record in a {first_format!r} dataset "
-                                   "(all records of a file must have one format)")
-            records.append(Record(data, str(path), lineno))
+    for lineno, line in enumerate(io.StringIO(text, newline=None), 1):  # open()'s newlines
+        if not line.strip():
+            continue
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{path}:{lineno}: malformed JSON: {exc.msg} (column {exc.colno})") from None
+        if not isinstance(data, dict):
+            raise DatasetError(f"{path}:{lineno}: a record must be a JSON object, not {type(data).__name__}")
+        try:
+            fmt = record_format(data)
+        except KeyError as exc:
+            raise DatasetError(f"{path}:{lineno}: {exc.args[0]}") from None
+        if first_format is None:
+            first_format = fmt
+        elif fmt != first_format:
+            raise DatasetError(f"{path}:{lineno}: a {fmt!r} record in a {first_format!r} dataset "
+                               "(all records of a file must have one format)")
+        records.append(Record(data, str(path), lineno))
     if not records:
         raise DatasetError(f"{path}: the dataset is empty")
     return records

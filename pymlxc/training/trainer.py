@@ -25,6 +25,7 @@ from typing import Any, TextIO
 
 import pymlxc.core as mx
 from pymlxc.core import Array
+from pymlxc.files import read_json
 
 from .adapters import MLX_WEIGHTS
 from .config import LoRAConfig, SupportsTraining, TrainableModel, TrainConfig
@@ -180,7 +181,7 @@ class Trainer:
         tmp.replace(path / STATE_FILE)
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+        state = read_json(path / STATE_FILE, what="training state", error=ValueError)
         arrays, _ = mx.load_safetensors(path / STATE_ARRAYS)
         params = {k[len("params."):]: v for k, v in arrays.items() if k.startswith("params.")}
         current = self.adapter.trainable_parameters()
@@ -232,7 +233,7 @@ def _train(model: Any, data: str | Path, adapter_path: str | Path, lora: LoRACon
     if config.resume:
         if not (adapter_dir / STATE_FILE).is_file():
             raise FileNotFoundError(f"cannot resume: {adapter_dir / STATE_FILE} does not exist")
-        resume_state = json.loads((adapter_dir / STATE_FILE).read_text(encoding="utf-8"))
+        resume_state = read_json(adapter_dir / STATE_FILE, what="training state", error=ValueError)
 
     train_records, valid_records = load_records(data, config.valid_split, config.seed)
     encoder = model.training_encoder()

@@ -204,3 +204,27 @@ report(out)
                                           "not a regular file"],
                       ["UnsafeFileError", f"file {tmp_path / 'cache.safetensors'} is a FIFO (named pipe), "
                                           "not a regular file"]]
+
+
+def test_training_readers_refuse_fifos(tmp_path: Path) -> None:
+    """A training set or a resume state that is a FIFO is refused by name instead of blocking."""
+    data = tmp_path / "data"
+    data.mkdir()
+    os.mkfifo(data / "train.jsonl")
+    os.mkfifo(tmp_path / "state.json")
+    result = run_case(f"""
+from pymlxc.files import read_json
+from pymlxc.training.data import read_jsonl
+out = []
+for fn, arg in ((read_jsonl, {str(data / "train.jsonl")!r}), (read_json, {str(tmp_path / "state.json")!r})):
+    try:
+        fn(arg)
+        out.append("read")
+    except Exception as exc:
+        out.append([type(exc).__name__, str(exc)])
+report(out)
+""", timeout=120)
+    assert result == [["UnsafeFileError", f"dataset file {data / 'train.jsonl'} is a FIFO (named pipe), "
+                                          "not a regular file"],
+                      ["UnsafeFileError", f"file {tmp_path / 'state.json'} is a FIFO (named pipe), "
+                                          "not a regular file"]]

@@ -20,8 +20,10 @@ normal range), and likewise the bias. A scale or bias that overflows float16 is 
 Q2_K, Q3_K and Q6_K scale sub-blocks of 16 values, which MLX's group sizes (32, 64, 128) cannot
 express, and re-encoding them in 8 bits would cost 9 bits a weight (1.4x to 2.6x the file). They stay
 in the file's own blocks (uint8 [rows, blocks, 84 | 110 | 210 bytes] per 256 weights, llama.cpp's
-layout, which its kernels and ports of them read) and are dequantized by MLX ops, bit for bit as
-`gguf.quants.dequantize` does in float32, when a layer runs.
+layout). On a GPU, kernels read them directly (`kernels/gguf_blocks.py`: a matvec for a few rows of x,
+a dequantization of row chunks for MLX's matmul otherwise, checked once against MLX ops); on the CPU,
+or where a kernel fails its check, MLX ops dequantize them, bit for bit as `gguf.quants.dequantize`
+does in float32. Either way at most CHUNK_WEIGHTS dense weights exist at once beside the blocks.
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ from gguf.constants import GGML_QUANT_SIZES
 import pymlxc.core as mx
 from pymlxc.core import Array
 
-from . import nn
+from . import matvec, nn
+from .kernels import gguf_blocks
 
 GROUP = 32  # MLX's group size for every repacked type
 QK_K = 256
@@ -192,10 +195,35 @@ def dequantize_blocks(b: Array, qtype: QType) -> Array:
     raise QuantError(f"{qtype.name} is not kept as blocks")
 
 
+CHUNK_WEIGHTS = 1 << 24  # weights dequantized at once for a many-row product: bounded transient memory
+
+
+def dequantize_rows(weight: Array, qtype: QType, dtype: Any) -> Array:
+    """Blocks [rows, NB, S] -> [rows, NB * 256] of `dtype`: the GPU kernel where it passed its check,
+    else MLX ops (float32, as the reference, then cast)."""
+    kind = gguf_blocks.ready(qtype, dtype)
+    if kind is not None:
+        return gguf_blocks.dequantize(weight, qtype, dtype, kind)
+    return dequantize_blocks(weight, qtype).astype(dtype)
+
+
 def block_matmul(x: Array, weight: Array, qtype: QType) -> Array:
-    """x @ W^T for W the rows of blocks `weight` [out, blocks, bytes], dequantized whole for the call
-    (a float32 copy of W lives while it runs: kernels that read the blocks are the speed part)."""
-    return mx.matmul(x, mx.swapaxes(dequantize_blocks(weight, qtype).astype(x.dtype), -1, -2))
+    """x @ W^T for W the rows of blocks `weight` [out, blocks, bytes]. A few rows of x (decode) on a
+    GPU: the matvec kernel reading the blocks. Otherwise chunks of CHUNK_WEIGHTS weights are
+    dequantized in turn for MLX's matmul, so at most a chunk's dense copy lives beside the blocks."""
+    n, nb = weight.shape[0], weight.shape[1]
+    k = x.shape[-1]
+    rows = x.size // k if k else 0
+    if 1 <= rows <= gguf_blocks.MAX_X_ROWS and matvec.kernels_allowed():
+        kind = gguf_blocks.ready(qtype, x.dtype)
+        if kind is not None and k == nb * QK_K:
+            y = gguf_blocks.matvec(mx.reshape(x, (1, rows, k)), mx.expand_dims(weight, 0),
+                                   mx.zeros((1,), mx.int32), qtype, kind)
+            return mx.reshape(y, (*x.shape[:-1], n))
+    step = max(1, CHUNK_WEIGHTS // max(nb * QK_K, 1))
+    parts = [mx.matmul(x, mx.swapaxes(dequantize_rows(weight[r:r + step], qtype, x.dtype), -1, -2))
+             for r in range(0, n, step)]
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
 
 def block_shape(qtype: QType, cols: int) -> tuple[int, int]:
@@ -238,7 +266,8 @@ class BlockEmbedding(nn.Module):
         self.freeze(recurse=False)
 
     def __call__(self, x: Array) -> Array:
-        return dequantize_blocks(mx.take(self.weight, x, axis=0), self.qtype).astype(self._dtype)
+        rows = mx.take(self.weight, mx.reshape(x, (-1,)), axis=0)
+        return mx.reshape(dequantize_rows(rows, self.qtype, self._dtype), (*x.shape, -1))
 
     def as_linear(self, x: Array) -> Array:
         return block_matmul(x, self.weight, self.qtype)
@@ -262,16 +291,42 @@ class BlockSwitchLinear(nn.Module):
 
     def __call__(self, x: Array, indices: Array, sorted_indices: bool = False) -> Array:
         picks = indices.size
+        y = None
         if picks < self.num_experts:
-            # Fewer (token, expert) pairs than experts (decoding): dequantize only the picked experts,
-            # one copy per pair, and point each pair at its own copy (still sorted when they were).
-            w = dequantize_blocks(mx.take(self.weight, mx.reshape(indices, (-1,)), axis=0), self.qtype)
-            rhs = mx.reshape(mx.arange(picks, dtype=mx.uint32), indices.shape)
-        else:
-            w, rhs = dequantize_blocks(self.weight, self.qtype), indices
-        y = mx.gather_mm(x, mx.swapaxes(w.astype(x.dtype), -1, -2), rhs_indices=rhs, sorted_indices=sorted_indices)
+            y = self._picked(x, indices)
+            if y is None:
+                # Fewer (token, expert) pairs than experts (decoding): dequantize only the picked
+                # experts, one copy per pair, each pair pointed at its own copy (still sorted when they were).
+                taken = mx.take(self.weight, mx.reshape(indices, (-1,)), axis=0)
+                w = dequantize_rows(mx.reshape(taken, (picks * self.weight.shape[1], *self.weight.shape[2:])),
+                                    self.qtype, x.dtype)
+                w = mx.reshape(w, (picks, self.weight.shape[1], -1))
+                rhs = mx.reshape(mx.arange(picks, dtype=mx.uint32), indices.shape)
+                y = mx.gather_mm(x, mx.swapaxes(w, -1, -2), rhs_indices=rhs, sorted_indices=sorted_indices)
+        if y is None:
+            e, n = self.weight.shape[:2]
+            w = mx.reshape(dequantize_rows(mx.reshape(self.weight, (e * n, *self.weight.shape[2:])), self.qtype,
+                                           x.dtype), (e, n, -1))
+            y = mx.gather_mm(x, mx.swapaxes(w, -1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
         b = self.__dict__.get("bias")
         return y if b is None else y + mx.expand_dims(mx.take(b, indices, axis=0), -2)
+
+    def _picked(self, x: Array, indices: Array) -> Array | None:
+        """gather_mm's result through the matvec kernel, which reads each pair's expert in place;
+        None where it does not apply (no checked kernel here, or too many rows a pair)."""
+        m, k = x.shape[-2], x.shape[-1]
+        if not (1 <= m <= gguf_blocks.MAX_X_ROWS and matvec.kernels_allowed()
+                and k == self.weight.shape[2] * QK_K):
+            return None
+        kind = gguf_blocks.ready(self.qtype, x.dtype)
+        if kind is None:
+            return None
+        batch = tuple(np.broadcast_shapes(tuple(x.shape[:-2]), tuple(indices.shape)))
+        pairs = int(np.prod(batch, dtype=np.int64))
+        xs = mx.reshape(mx.broadcast_to(x, (*batch, m, k)), (pairs, m, k))
+        idx = mx.reshape(mx.broadcast_to(indices, batch), (pairs,)).astype(mx.int32)
+        y = gguf_blocks.matvec(xs, self.weight, idx, self.qtype, kind)
+        return mx.reshape(y, (*batch, m, self.weight.shape[1]))
 
 
 def block_form(layer: nn.Module, qtype: QType, dtype: mx.Dtype) -> nn.Module:
@@ -304,9 +359,11 @@ def use_block_layers(model: nn.Module, types: dict[str, Any], dtype: mx.Dtype = 
             raise nn.WeightsError(f"tensor {path}.weight ({QType(qtype).name}) has no layer in the model")
         setattr(owner, name, block_form(layer, qtype, dtype))
         swapped += 1
+    for qtype in sorted({QType(t) for t in types.values()}):
+        gguf_blocks.ready(qtype, dtype)  # compile and check the kernels now, not in the first generation
     return swapped
 
 
 __all__ = ["GROUP", "AFFINE_BITS", "EXACT_AFFINE", "BLOCK_TYPES", "QuantError", "affine_parts", "pack_bits",
-           "repack_affine", "dequantize_blocks", "BlockLinear", "BlockEmbedding", "BlockSwitchLinear", "block_form",
+           "repack_affine", "dequantize_blocks", "dequantize_rows", "block_matmul", "BlockLinear", "BlockEmbedding", "BlockSwitchLinear", "block_form",
            "use_block_layers"]

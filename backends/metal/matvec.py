@@ -39,7 +39,13 @@ _the_kernel = mx.fast.SharedKernel(kernels.QUANTIZED_NAME, kernels.QUANTIZED_INP
 
 
 def _use(cuda_matvec: bool) -> bool:
-    return cuda_matvec and not getattr(_state, "mlx_only", False)
+    return cuda_matvec and kernels_allowed()
+
+
+def kernels_allowed() -> bool:
+    """False inside `mlx_kernels_only()` (on this thread): pymlxc's row-count-specialized kernels
+    stay out of shapeless traces and gradients (GGUF block layers ask this too)."""
+    return not getattr(_state, "mlx_only", False)
 
 
 @contextmanager

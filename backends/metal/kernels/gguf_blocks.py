@@ -1,0 +1,414 @@
+"""Kernels that read llama.cpp's Q2_K, Q3_K and Q6_K blocks as they lie in the file, for
+`gguf_quants.BlockLinear` and friends: a matrix-vector product for a few rows of x (decode) and a
+dequantization of whole rows (prefill: chunks of rows dequantized, then MLX's matmul).
+
+Without them a block layer dequantizes its whole matrix with MLX ops at every call (a Q6_K output
+head of 128k x 2048 is a 1 GiB float32 temporary per token). The weight stays uint8
+[rows, blocks, bytes], llama.cpp's `block_q6_K` & co. one after another (84 / 110 / 210 bytes per
+256 weights), so reading it directly costs the file's 2.6 / 3.4 / 6.6 bits per weight.
+
+Layout (ggml-common.h), value p of a 256-value block, with n = p / 128, k = (p % 128) / 32,
+l = p % 32 and s = p / 16 (the 16-value sub-block):
+
+    Q6_K  ql[128] qh[64] sc[16] (int8) d      w = d sc[s] (q - 32),
+          q = (ql[64n + 32(k & 1) + l] >> 4(k >> 1)) & 15 | ((qh[32n + l] >> 2k) & 3) << 4
+    Q3_K  hmask[32] qs[64] scales[12] d       w = d (sc[s] - 32) (q - (hmask bit p/32 of byte l ? 0 : 4)),
+          q = (qs[32n + l] >> 2k) & 3, sc 6-bit: low nibble from scales[s % 8] (>> 4 for s >= 8),
+          high 2 bits from scales[8 + s % 4] >> 2(s / 4)
+    Q2_K  scales[16] qs[64] d dmin            w = d (scales[s] & 15) q - dmin (scales[s] >> 4),
+          q = (qs[32n + l] >> 2k) & 3
+
+Each lane of a warp (CUDA) or simdgroup (Metal) takes 8 consecutive values of a block (one
+sub-block half, one scale), so a warp covers one block per step; it accumulates x . w in float32
+for `R` output rows at once (each x load serves them), and the lanes' sums are reduced with
+shuffles / `simd_sum`. The values are computed with the reference's float32 operations in its
+order (rounding each product: `__fmul_rn` keeps CUDA from fusing Q2_K's d*q - m into one fma), so
+the dequantization kernel gives `gguf.quants.dequantize`'s values bit for bit, and the product
+differs from MLX's only by summation order.
+
+The Metal sources mirror the CUDA ones line for line (simdgroups of 32, the same lane mapping).
+They have not been run: the project has no Mac in its test machines; `check()` compares them with
+MLX once per process before a model uses them, as it does the CUDA ones.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+from gguf.constants import GGML_QUANT_SIZES
+
+import pymlxc.core as mx
+from pymlxc.core import Array
+
+from .metal_kernel import SharedMetalKernel
+
+QK_K = 256
+TYPE_IDS = {QType.Q2_K: 10, QType.Q3_K: 11, QType.Q6_K: 14}  # ggml's type numbers: the template's Q
+MAX_X_ROWS = 8  # more rows of x (prefill) dequantize chunks of rows for MLX's matmul instead
+ROWS_PER_WARP = 2
+THREADS = 128  # per block / threadgroup: 4 warps
+
+# ---------------------------------------------------------------------------------------- CUDA
+
+CUDA_HEADER = r"""
+namespace pymlxc_gguf {
+
+__device__ __forceinline__ float half_at(const uint8_t* p) {
+  // Blocks of 84/110/210 bytes leave a float16 field only 2-byte aligned: read it byte-wise.
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(p[0] | (p[1] << 8))));
+}
+
+// The 8 values p0..p0+7 (p0 a multiple of 8) of the block at b, in float32, as gguf's reference.
+template <int Q>
+__device__ __forceinline__ void values8(const uint8_t* b, int p0, float* v) {
+  const int n = p0 >> 7, k = (p0 & 127) >> 5, l = p0 & 31, s = p0 >> 4;
+  if (Q == 14) {  // Q6_K
+    const float dl = half_at(b + 208) * static_cast<float>(static_cast<int8_t>(b[192 + s]));
+    const uint8_t* ql = b + 64 * n + 32 * (k & 1) + l;
+    const uint8_t* qh = b + 128 + 32 * n + l;
+    const int sl = 4 * (k >> 1), sh = 2 * k;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int q = ((ql[i] >> sl) & 15) | (((qh[i] >> sh) & 3) << 4);
+      v[i] = __fmul_rn(dl, static_cast<float>(q) - 32.f);
+    }
+  } else if (Q == 11) {  // Q3_K
+    int sc = (s < 8) ? (b[96 + s] & 15) : (b[88 + s] >> 4);
+    sc |= ((b[104 + (s & 3)] >> (2 * (s >> 2))) & 3) << 4;
+    const float dl = half_at(b + 108) * (static_cast<float>(sc) - 32.f);
+    const uint8_t* qs = b + 32 + 32 * n + l;
+    const uint8_t* hm = b + l;
+    const int j = p0 >> 5;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int q = ((qs[i] >> (2 * k)) & 3) - (((hm[i] >> j) & 1) ? 0 : 4);
+      v[i] = __fmul_rn(dl, static_cast<float>(q));
+    }
+  } else {  // Q2_K
+    const int sc = b[s];
+    const float dl = half_at(b + 80) * static_cast<float>(sc & 15);
+    const float ml = half_at(b + 82) * static_cast<float>(sc >> 4);
+    const uint8_t* qs = b + 16 + 32 * n + l;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      v[i] = __fsub_rn(__fmul_rn(dl, static_cast<float>((qs[i] >> (2 * k)) & 3)), ml);
+    }
+  }
+}
+
+}  // namespace pymlxc_gguf
+"""
+
+# Template arguments: T (x and out), M (rows of x per pair), Q (ggml type), S (bytes a block),
+# R (output rows per warp). x [P, M, K], w [E, N, NB, S] uint8, idx [P] int32 (the matrix of each
+# pair: 0 for a plain linear, the expert for a switch layer) -> out [P, M, N]. Grid: warps across,
+# pairs down. Sizes come from w's shape at run time, so a model's layers share one compiled kernel.
+CUDA_MATVEC_SOURCE = r"""
+  const int N = w_shape[1];
+  const int NB = w_shape[2];
+  const int K = NB * 256;
+  const int pair = blockIdx.y;
+  const int lane = threadIdx.x & 31;
+  const int row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
+  if (row0 >= N) {
+    return;
+  }
+  const uint8_t* wm = w + static_cast<size_t>(idx[pair]) * N * NB * S;
+  const T* xp = x + static_cast<size_t>(pair) * M * K;
+  float acc[M][R];
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      acc[m][r] = 0.f;
+    }
+  }
+  for (int blk = 0; blk < NB; ++blk) {
+    float v[R][8];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      // Rows past N (the last warp) read row N - 1 again; their sums are never written.
+      const size_t row = static_cast<size_t>(min(row0 + r, N - 1));
+      pymlxc_gguf::values8<Q>(wm + (row * NB + blk) * S, lane * 8, v[r]);
+    }
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const T* xm = xp + static_cast<size_t>(m) * K + blk * 256 + lane * 8;
+      float xf[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        xf[i] = static_cast<float>(xm[i]);
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float d = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          d = fmaf(xf[i], v[r][i], d);
+        }
+        acc[m][r] += d;
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float s = acc[m][r];
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        s += __shfl_xor_sync(0xffffffffu, s, off);
+      }
+      if (lane == 0 && row0 + r < N) {
+        out[(static_cast<size_t>(pair) * M + m) * N + row0 + r] = static_cast<T>(s);
+      }
+    }
+  }
+"""
+
+# Template arguments: T (out), Q, S. w [rows, NB, S] -> out [rows, NB * 256]; thread t writes the
+# 8 values 8 (t % 32) of block (t / 32) % NB of row t / (32 NB).
+CUDA_DEQUANT_SOURCE = r"""
+  const size_t rows = w_shape[0];
+  const int NB = w_shape[1];
+  const size_t t = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t unit = t >> 5;  // (row, block)
+  if (unit >= rows * NB) {
+    return;
+  }
+  float v[8];
+  pymlxc_gguf::values8<Q>(w + unit * S, (t & 31) * 8, v);
+  T* o = out + unit * 256 + (t & 31) * 8;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    o[i] = static_cast<T>(v[i]);
+  }
+"""
+
+# ---------------------------------------------------------------------------------------- Metal
+
+METAL_HEADER = r"""
+namespace pymlxc_gguf {
+
+inline float half_at(const device uint8_t* p) {
+  return float(as_type<half>(ushort(p[0]) | (ushort(p[1]) << 8)));
+}
+
+template <int Q>
+inline void values8(const device uint8_t* b, int p0, thread float* v) {
+  const int n = p0 >> 7, k = (p0 & 127) >> 5, l = p0 & 31, s = p0 >> 4;
+  if (Q == 14) {
+    const float dl = half_at(b + 208) * float(as_type<char>(b[192 + s]));
+    const device uint8_t* ql = b + 64 * n + 32 * (k & 1) + l;
+    const device uint8_t* qh = b + 128 + 32 * n + l;
+    const int sl = 4 * (k >> 1), sh = 2 * k;
+    for (int i = 0; i < 8; ++i) {
+      const int q = ((ql[i] >> sl) & 15) | (((qh[i] >> sh) & 3) << 4);
+      v[i] = dl * (float(q) - 32.f);
+    }
+  } else if (Q == 11) {
+    int sc = (s < 8) ? (b[96 + s] & 15) : (b[88 + s] >> 4);
+    sc |= ((b[104 + (s & 3)] >> (2 * (s >> 2))) & 3) << 4;
+    const float dl = half_at(b + 108) * (float(sc) - 32.f);
+    const device uint8_t* qs = b + 32 + 32 * n + l;
+    const device uint8_t* hm = b + l;
+    const int j = p0 >> 5;
+    for (int i = 0; i < 8; ++i) {
+      const int q = ((qs[i] >> (2 * k)) & 3) - (((hm[i] >> j) & 1) ? 0 : 4);
+      v[i] = dl * float(q);
+    }
+  } else {
+    const int sc = b[s];
+    const float dl = half_at(b + 80) * float(sc & 15);
+    const float ml = half_at(b + 82) * float(sc >> 4);
+    const device uint8_t* qs = b + 16 + 32 * n + l;
+    for (int i = 0; i < 8; ++i) {
+      v[i] = dl * float((qs[i] >> (2 * k)) & 3) - ml;
+    }
+  }
+}
+
+}  // namespace pymlxc_gguf
+"""
+
+METAL_MATVEC_SOURCE = r"""
+  const int N = w_shape[1];
+  const int NB = w_shape[2];
+  const int K = NB * 256;
+  const int pair = thread_position_in_grid.y;
+  const int lane = thread_index_in_simdgroup;
+  const int row0 = int(thread_position_in_grid.x >> 5) * R;
+  if (row0 >= N) {
+    return;
+  }
+  const device uint8_t* wm = w + size_t(idx[pair]) * N * NB * S;
+  const device T* xp = x + size_t(pair) * M * K;
+  float acc[M][R];
+  for (int m = 0; m < M; ++m) {
+    for (int r = 0; r < R; ++r) {
+      acc[m][r] = 0.f;
+    }
+  }
+  for (int blk = 0; blk < NB; ++blk) {
+    float v[R][8];
+    for (int r = 0; r < R; ++r) {
+      const size_t row = size_t(min(row0 + r, N - 1));
+      pymlxc_gguf::values8<Q>(wm + (row * NB + blk) * S, lane * 8, v[r]);
+    }
+    for (int m = 0; m < M; ++m) {
+      const device T* xm = xp + size_t(m) * K + blk * 256 + lane * 8;
+      float xf[8];
+      for (int i = 0; i < 8; ++i) {
+        xf[i] = float(xm[i]);
+      }
+      for (int r = 0; r < R; ++r) {
+        float d = 0.f;
+        for (int i = 0; i < 8; ++i) {
+          d = fma(xf[i], v[r][i], d);
+        }
+        acc[m][r] += d;
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    for (int r = 0; r < R; ++r) {
+      const float s = simd_sum(acc[m][r]);
+      if (lane == 0 && row0 + r < N) {
+        out[(size_t(pair) * M + m) * N + row0 + r] = T(s);
+      }
+    }
+  }
+"""
+
+METAL_DEQUANT_SOURCE = r"""
+  const size_t rows = w_shape[0];
+  const int NB = w_shape[1];
+  const size_t t = thread_position_in_grid.x;
+  const size_t unit = t >> 5;
+  if (unit >= rows * NB) {
+    return;
+  }
+  float v[8];
+  pymlxc_gguf::values8<Q>(w + unit * S, int(t & 31) * 8, v);
+  device T* o = out + unit * 256 + (t & 31) * 8;
+  for (int i = 0; i < 8; ++i) {
+    o[i] = T(v[i]);
+  }
+"""
+
+_cuda_matvec = mx.fast.SharedKernel("pymlxc_gguf_matvec", ("x", "w", "idx"), ("out",), CUDA_MATVEC_SOURCE,
+                                    header=CUDA_HEADER)
+_cuda_dequant = mx.fast.SharedKernel("pymlxc_gguf_dequant", ("w",), ("out",), CUDA_DEQUANT_SOURCE,
+                                     header=CUDA_HEADER)
+_metal_matvec = SharedMetalKernel("pymlxc_gguf_matvec", ("x", "w", "idx"), ("out",), METAL_MATVEC_SOURCE,
+                                  header=METAL_HEADER)
+_metal_dequant = SharedMetalKernel("pymlxc_gguf_dequant", ("w",), ("out",), METAL_DEQUANT_SOURCE,
+                                   header=METAL_HEADER)
+_KERNELS = {"cuda": (_cuda_matvec, _cuda_dequant), "metal": (_metal_matvec, _metal_dequant)}
+
+
+def device_kind() -> str | None:
+    """"cuda" or "metal" where MLX's default device is that GPU, else None (the CPU: MLX ops)."""
+    if mx.default_device().type != "gpu":
+        return None
+    if mx.cuda_available():
+        return "cuda"
+    return "metal" if mx.metal_available() else None
+
+
+def matvec(x: Array, w: Array, idx: Array, qtype: QType, kind: str,
+           rows_per_warp: int = ROWS_PER_WARP) -> Array:
+    """out [P, M, N] = x [P, M, K] @ dequantize(w[idx[p]]).T for blocks w [E, N, K/256, S] uint8
+    and idx [P] int32, through the `kind` ("cuda" / "metal") kernel; M at most MAX_X_ROWS."""
+    p, m, _ = x.shape
+    n, size = w.shape[1], w.shape[3]
+    warps = -(-n // rows_per_warp)
+    (out,) = _KERNELS[kind][0]()([x, w, idx], output_shapes=[(p, m, n)], output_dtypes=[x.dtype],
+                                 grid=(warps * 32, p, 1), threadgroup=(THREADS, 1, 1),
+                                 template=[("T", x.dtype), ("M", m), ("Q", TYPE_IDS[qtype]), ("S", size),
+                                           ("R", rows_per_warp)])
+    return out
+
+
+def dequantize(w: Array, qtype: QType, dtype: Any, kind: str) -> Array:
+    """Blocks w [rows, NB, S] uint8 -> [rows, NB * 256] of `dtype`, through the `kind` kernel
+    (float32: `gguf.quants.dequantize`'s values exactly)."""
+    rows, nb, size = w.shape
+    (out,) = _KERNELS[kind][1]()([w], output_shapes=[(rows, nb * QK_K)], output_dtypes=[dtype],
+                                 grid=(rows * nb * 32, 1, 1), threadgroup=(THREADS, 1, 1),
+                                 template=[("T", dtype), ("Q", TYPE_IDS[qtype]), ("S", size)])
+    return out
+
+
+# ---------------------------------------------------------------------------------------- checked once
+
+_checked: dict[tuple[str, int, str], bool] = {}
+_checked_lock = threading.Lock()
+
+
+def ready(qtype: QType, dtype: Any) -> str | None:
+    """The kernel kind to use for `qtype` blocks and x of `dtype` on this device: "cuda" or
+    "metal" once `check` passed for them (run now, the first time), else None (MLX ops)."""
+    kind = device_kind()
+    if kind is None:
+        return None
+    key = (kind, int(qtype), str(dtype))
+    with _checked_lock:
+        known = _checked.get(key)
+        if known is None:
+            known = _checked[key] = _compare(kind, qtype, dtype)
+    return kind if known else None
+
+
+def random_blocks(rng: np.random.Generator, shape: tuple[int, ...], qtype: QType, scale: float = 0.02) -> np.ndarray:
+    """Random valid blocks [*shape, S] uint8 of `qtype`: random bytes, with the float16 super-block
+    scales set to finite values near `scale` (random bytes would hold NaN and huge ones)."""
+    size = GGML_QUANT_SIZES[qtype][1]
+    b = rng.integers(0, 256, (*shape, size), dtype=np.uint8)
+    fields = {QType.Q6_K: (208,), QType.Q3_K: (108,), QType.Q2_K: (80, 82)}[qtype]
+    for at in fields:
+        d = (rng.uniform(0.25, 1.0, shape) * scale * rng.choice([-1, 1], shape)).astype(np.float16)
+        b[..., at:at + 2] = d[..., None].view(np.uint8).reshape(*shape, 2)
+    return b
+
+
+def _compare(kind: str, qtype: QType, dtype: Any) -> bool:
+    """Whether both kernels run here and agree with MLX ops on random blocks: the dequantization bit
+    for bit (float32), the product within float32 summation error plus `dtype`'s output rounding."""
+    from ..gguf_quants import dequantize_blocks  # noqa: PLC0415 - gguf_quants imports this module
+
+    rng = np.random.default_rng(0)
+    n, nb, m, e = 37, 3, 3, 2  # N not a multiple of the rows per warp; two matrices, three pairs
+    blocks = mx.array(random_blocks(rng, (e, n, nb), qtype))
+    x = mx.array(rng.standard_normal((3, m, nb * QK_K)).astype(np.float32)).astype(dtype)
+    idx = mx.array(np.array([1, 0, 1], np.int32))
+    try:
+        got_w = np.asarray(dequantize(mx.reshape(blocks, (e * n, nb, -1)), qtype, mx.float32, kind))
+        got = np.asarray(matvec(x, blocks, idx, qtype, kind).astype(mx.float32))
+        want_w = np.asarray(dequantize_blocks(blocks, qtype)).reshape(e * n, -1)
+    except Exception as exc:  # noqa: BLE001 - any failure keeps MLX ops, with the reason
+        warnings.warn(f"the {kind} kernels for {qtype.name} blocks cannot run here ({type(exc).__name__}: {exc}); "
+                      "using MLX ops (each call dequantizes the matrix)", RuntimeWarning, stacklevel=3)
+        return False
+    dense = want_w.reshape(e, n, -1)[np.asarray(idx)]
+    xf = np.asarray(x.astype(mx.float32)).astype(np.float64)
+    want = np.einsum("pmk,pnk->pmn", xf, dense.astype(np.float64))
+    bound = np.einsum("pmk,pnk->pmn", np.abs(xf), np.abs(dense.astype(np.float64)))
+    tol = bound * 2.0 ** -20 + np.abs(want) * (2.0 ** -7 if dtype.size == 2 else 2.0 ** -22) + 1e-30
+    if not np.array_equal(got_w, want_w):
+        bad = np.argwhere(got_w != want_w)[0]
+        warnings.warn(f"the {kind} dequantization kernel for {qtype.name} differs from MLX ops at row {bad[0]}, "
+                      f"value {bad[1]}; using MLX ops", RuntimeWarning, stacklevel=3)
+        return False
+    if not np.all(np.abs(got - want) <= tol):
+        worst = float(np.max(np.abs(got - want) - tol))
+        warnings.warn(f"the {kind} matvec kernel for {qtype.name} and {dtype} x differs from MLX ops by "
+                      f"{worst:.3g} beyond its bound; using MLX ops", RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
+__all__ = ["MAX_X_ROWS", "TYPE_IDS", "dequantize", "device_kind", "matvec", "random_blocks", "ready"]

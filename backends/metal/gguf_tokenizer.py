@@ -86,12 +86,17 @@ _P_LLAMA3 = PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True)
 _P_QWEN2 = PreTokenizer((_QWEN2,))
 _P_QWEN35 = PreTokenizer((_QWEN35,))
 _P_GEMMA4 = PreTokenizer((_NEWLINES,), spm_style=True, add_bos=True)
-# tokenizer.ggml.pre -> its split, under every name llama.cpp gives the same split (llama-vocab.cpp).
+# tokenizer.ggml.pre -> its split, under the names llama.cpp gives the same split and settings
+# (llama-vocab.cpp); names it gives special-token rules of their own (jina, modern-bert) are left out.
 PRE_TOKENIZERS: dict[str | None, PreTokenizer] = {
     None: _P_DEFAULT, "default": _P_DEFAULT,
-    **dict.fromkeys(("gpt-2", "gpt2", "phi-2", "roberta-bpe", "exaone4"), _P_GPT2),
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "smaug-bpe"), _P_LLAMA3),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"), _P_QWEN2),
+    **dict.fromkeys(("gpt-2", "phi-2", "gigachat", "a.x-4.0", "mellum", "roberta-bpe", "exaone4", "mpt", "olmo"),
+                    _P_GPT2),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"),
+                    _P_LLAMA3),
+    # Llama 3's pattern without its whole-word rule and BOS default
+    **dict.fromkeys(("smaug-bpe", "dbrx"), PreTokenizer((_LLAMA3,))),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2"), _P_QWEN2),
     "qwen35": _P_QWEN35,
     "gemma4": _P_GEMMA4,
 }

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pymlxc.backends.metal.gguf import GGUFError, read_gguf
-from pymlxc.backends.metal.gguf_tokenizer import load_gguf_tokenizer
+from pymlxc.backends.metal.gguf_tokenizer import PRE_TOKENIZERS, load_gguf_tokenizer
 from pymlxc.backends.metal.tokenizer import Tokenizer
 
 from .gguf_vocab import (BPE_SPECIALS, CONTROL, GEMMA_SPECIALS, NORMAL, TEXT, LlamaCppVocab, byte_level_vocab, byte_pair_vocab,
@@ -114,6 +114,22 @@ TEXTS = st.lists(_PIECES, max_size=12).map("".join)
 @given(text=TEXTS)
 def test_random_text_tokenizes_as_llama_cpp(name: str, text: str, pairs: Callable[[str], Pair]) -> None:
     pairs(name).check(text)
+
+
+@pytest.mark.parametrize("pre", sorted((k for k in PRE_TOKENIZERS if k != "gemma4"), key=str))
+def test_every_pre_tokenizer_name_splits_as_llama_cpp(pre: str | None, tmp_path: Path) -> None:
+    """Each accepted byte-level tokenizer.ggml.pre value (None: the key is missing) on the byte-pair
+    vocabulary, whose ids show every split boundary, with llama.cpp's BOS default for that name
+    (gemma4's has its own vocabularies above)."""
+    tokens, merges, types = byte_pair_vocab()
+    path = write_vocab_gguf(tmp_path / "p.gguf", model="gpt2", pre=pre, tokens=tokens, merges=merges, types=types,
+                            bos="<|endoftext|>", eos="<|im_end|>")
+    pair = Pair(path)
+    try:
+        for text in SAMPLES:
+            pair.check(text)
+    finally:
+        pair.ref.close()
 
 
 def test_control_looking_tokens_are_special_and_end_generation(pairs: Callable[[str], Pair]) -> None:

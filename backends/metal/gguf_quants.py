@@ -23,7 +23,7 @@ in the file's own blocks (uint8 [rows, blocks, 84 | 110 | 210 bytes] per 256 wei
 layout). On a GPU, kernels read them directly (`kernels/gguf_blocks.py`: a matvec for a few rows of x,
 a dequantization of row chunks for MLX's matmul otherwise, checked once against MLX ops); on the CPU,
 or where a kernel fails its check, MLX ops dequantize them, bit for bit as `gguf.quants.dequantize`
-does in float32. Either way at most CHUNK_WEIGHTS dense weights exist at once beside the blocks.
+does in float32. Many-row products dequantize chunks of CHUNK_WEIGHTS weights, never the whole matrix.
 """
 from __future__ import annotations
 
@@ -210,7 +210,8 @@ def dequantize_rows(weight: Array, qtype: QType, dtype: Any) -> Array:
 def block_matmul(x: Array, weight: Array, qtype: QType) -> Array:
     """x @ W^T for W the rows of blocks `weight` [out, blocks, bytes]. A few rows of x (decode) on a
     GPU: the matvec kernel reading the blocks. Otherwise chunks of CHUNK_WEIGHTS weights are
-    dequantized in turn for MLX's matmul, so at most a chunk's dense copy lives beside the blocks."""
+    dequantized, each for its own MLX matmul, so no dense copy of the whole matrix is made (MLX may
+    still hold several chunks at once: its host side allocates ahead of the device)."""
     n, nb = weight.shape[0], weight.shape[1]
     k = x.shape[-1]
     rows = x.size // k if k else 0

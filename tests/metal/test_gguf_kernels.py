@@ -1,0 +1,238 @@
+"""The kernels that read Q2_K/Q3_K/Q6_K blocks (backends/metal/kernels/gguf_blocks.py) and the block
+layers that use them (backends/metal/gguf_quants.py).
+
+Everywhere: the kernels' lane arithmetic, replayed in numpy from the same formulas, is
+`gguf.quants.dequantize` bit for bit; a many-row product dequantizes bounded chunks and equals the
+whole-matrix product; on a machine where a kernel cannot run the layers warn once and compute with
+MLX ops; the CUDA sources compile with nvcc for sm_90.
+
+On CUDA (MLX's CUDA build): the dequantization kernel equals the reference bit for bit, the
+matvec kernel matches a float64 product within float32 summation error for varied shapes, row
+counts and dtypes, the switch layer's kernel path equals its MLX path, and a tiny model with a
+Q6_K head decodes the same tokens with the kernels as with MLX ops.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import warnings
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pymlxc.core as mx
+from pymlxc.backends.metal import gguf_quants, matvec
+from pymlxc.backends.metal import generate as loops
+from pymlxc.backends.metal.gguf_quants import BlockEmbedding, BlockLinear, BlockSwitchLinear, dequantize_blocks
+from pymlxc.backends.metal.kernels import gguf_blocks
+from pymlxc.backends.metal.loader import load_weights_and_config
+from pymlxc.backends.metal.sample import greedy
+from pymlxc.testing import write_tiny_model
+
+from .gguf_export import export_gguf
+
+TYPES = (Q.Q2_K, Q.Q3_K, Q.Q6_K)
+ON_CUDA = mx.cuda_available() and mx.default_device().type == "gpu"
+cuda_only = pytest.mark.skipif(not ON_CUDA, reason="the kernels need MLX's CUDA build (run on the GPU machine)")
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> None:
+    warnings.simplefilter("ignore", DeprecationWarning)
+
+
+# ---------------------------------------------------------------------- the lane arithmetic, in numpy
+
+def _half(b: np.ndarray, at: int) -> np.float32:
+    return np.float32(b[at:at + 2].view(np.float16)[0])
+
+
+def values8(b: np.ndarray, p0: int, qtype: Q) -> np.ndarray:
+    """`pymlxc_gguf::values8` transcribed: the 8 values from p0 of one block b (uint8), float32."""
+    n, k, l, s = p0 >> 7, (p0 & 127) >> 5, p0 & 31, p0 >> 4
+    out = np.empty(8, np.float32)
+    for i in range(8):
+        if qtype == Q.Q6_K:
+            dl = _half(b, 208) * np.float32(np.int8(b[192 + s].view(np.int8)))
+            q = ((int(b[64 * n + 32 * (k & 1) + l + i]) >> (4 * (k >> 1))) & 15) \
+                | (((int(b[128 + 32 * n + l + i]) >> (2 * k)) & 3) << 4)
+            out[i] = dl * (np.float32(q) - np.float32(32))
+        elif qtype == Q.Q3_K:
+            sc = (int(b[96 + s]) & 15) if s < 8 else (int(b[88 + s]) >> 4)
+            sc |= ((int(b[104 + (s & 3)]) >> (2 * (s >> 2))) & 3) << 4
+            dl = _half(b, 108) * (np.float32(sc) - np.float32(32))
+            q = ((int(b[32 + 32 * n + l + i]) >> (2 * k)) & 3) - (0 if (int(b[l + i]) >> (p0 >> 5)) & 1 else 4)
+            out[i] = dl * np.float32(q)
+        else:
+            sc = int(b[s])
+            dl, ml = _half(b, 80) * np.float32(sc & 15), _half(b, 82) * np.float32(sc >> 4)
+            out[i] = dl * np.float32((int(b[16 + 32 * n + l + i]) >> (2 * k)) & 3) - ml
+    return out
+
+
+@settings(max_examples=12, deadline=None)
+@given(qtype=st.sampled_from(TYPES), seed=st.integers(0, 2**32 - 1), scale=st.sampled_from([2.0**-20, 0.02, 3.0]))
+def test_lane_arithmetic_is_the_reference(qtype: Q, seed: int, scale: float) -> None:
+    """32 lanes of 8 values each rebuild the block exactly as gguf.quants.dequantize does."""
+    blocks = gguf_blocks.random_blocks(np.random.default_rng(seed), (2,), qtype, scale)
+    for b in blocks:
+        got = np.concatenate([values8(b, 8 * lane, qtype) for lane in range(32)])
+        want = gguf.quants.dequantize(b.reshape(1, -1), qtype).reshape(-1)
+        np.testing.assert_array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
+
+
+# ---------------------------------------------------------------------- the layers, on any device
+
+def _layer(qtype: Q, n: int, nb: int, seed: int) -> tuple[BlockLinear, np.ndarray]:
+    layer = BlockLinear(nb * 256, n, qtype)
+    blocks = gguf_blocks.random_blocks(np.random.default_rng(seed), (n, nb), qtype)
+    layer.weight = mx.array(blocks)
+    dense = gguf.quants.dequantize(blocks.reshape(n, -1), qtype).astype(np.float64)
+    return layer, dense
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_many_rows_in_chunks_against_float64(qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill-sized product over 5 chunks of rows (each dequantized for its own matmul) equals
+    the float64 product."""
+    n, nb, rows = 640, 4, 24
+    layer, dense = _layer(qtype, n, nb, 1)
+    x = np.random.default_rng(2).standard_normal((rows, nb * 256)).astype(np.float32)
+    want = x.astype(np.float64) @ dense.T
+    monkeypatch.setattr(gguf_quants, "CHUNK_WEIGHTS", 128 * nb * 256)
+    got = np.asarray(layer(mx.array(x)))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
+def test_one_chunk_and_many_chunks_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    layer, _ = _layer(Q.Q6_K, 96, 2, 3)
+    x = mx.array(np.random.default_rng(4).standard_normal((2, 5, 512)).astype(np.float32))
+    whole = np.asarray(layer(x))
+    monkeypatch.setattr(gguf_quants, "CHUNK_WEIGHTS", 7 * 512)  # 14 chunks, the last one short
+    np.testing.assert_array_equal(np.asarray(layer(x)), whole)
+    assert whole.shape == (2, 5, 96)
+
+
+def test_a_kernel_that_cannot_run_warns_and_mlx_ops_compute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device claiming a GPU whose kernel fails (here the CPU build: MLX raises) is checked once,
+    warns with the reason, and the layer's result is MLX's."""
+    if ON_CUDA:
+        pytest.skip("on CUDA the kernels run; tested below")
+    monkeypatch.setattr(gguf_blocks, "device_kind", lambda: "cuda")
+    monkeypatch.setattr(gguf_blocks, "_checked", {})
+    layer, dense = _layer(Q.Q3_K, 40, 2, 5)
+    x = np.random.default_rng(6).standard_normal((1, 512)).astype(np.float32)
+    with pytest.warns(RuntimeWarning, match="Q3_K blocks cannot run here"):
+        got = np.asarray(layer(mx.array(x)))
+    np.testing.assert_allclose(got, x @ dense.T, rtol=1e-4, atol=1e-4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # checked once: no second warning
+        layer(mx.array(x))
+    assert gguf_blocks.ready(Q.Q3_K, mx.float32) is None
+
+
+def test_the_cpu_uses_mlx_ops() -> None:
+    if ON_CUDA:
+        pytest.skip("this machine has a GPU")
+    assert gguf_blocks.device_kind() is None and gguf_blocks.ready(Q.Q6_K, mx.float16) is None
+
+
+def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
+    """Both CUDA kernels, in MLX's signature form, for every type, dtype and a few row counts."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not installed here")
+    g = gguf_blocks
+    lines = ["#include <cuda_fp16.h>", "#include <cuda_bf16.h>", "#include <cstdint>", g.CUDA_HEADER,
+             "template <typename T, int M, int Q, int S, int R> __global__ void mv(const T* x, const uint8_t* w, "
+             "const int32_t* w_shape, const int32_t* idx, T* out) {", g.CUDA_MATVEC_SOURCE, "}",
+             "template <typename T, int Q, int S> __global__ void dq(const uint8_t* w, const int32_t* w_shape, T* out) {",
+             g.CUDA_DEQUANT_SOURCE, "}"]
+    for t in ("__half", "__nv_bfloat16", "float"):
+        for qtype in TYPES:
+            q, s = g.TYPE_IDS[qtype], gguf.constants.GGML_QUANT_SIZES[qtype][1]
+            for m in (1, 8):
+                lines.append(f"template __global__ void mv<{t},{m},{q},{s},2>(const {t}*, const uint8_t*, "
+                             f"const int32_t*, const int32_t*, {t}*);")
+            lines.append(f"template __global__ void dq<{t},{q},{s}>(const uint8_t*, const int32_t*, {t}*);")
+    src = tmp_path / "k.cu"
+    src.write_text("\n".join(lines) + "\n")
+    done = subprocess.run([nvcc, "-arch=sm_90", "-c", str(src), "-o", str(tmp_path / "k.o")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------- on CUDA
+
+@cuda_only
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_dequantization_kernel_is_the_reference(qtype: Q, dtype: Any) -> None:
+    blocks = gguf_blocks.random_blocks(np.random.default_rng(7), (33, 3), qtype)
+    want = gguf.quants.dequantize(blocks.reshape(33, -1), qtype).astype(np.float32)
+    got = gguf_blocks.dequantize(mx.array(blocks), qtype, dtype, "cuda")
+    np.testing.assert_array_equal(np.asarray(got.astype(mx.float32)), np.asarray(mx.array(want).astype(dtype)
+                                                                                  .astype(mx.float32)))
+
+
+@cuda_only
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(qtype=st.sampled_from(TYPES), n=st.integers(1, 300), nb=st.integers(1, 9), m=st.integers(1, 8),
+       pairs=st.integers(1, 3), dtype=st.sampled_from(["float32", "float16", "bfloat16"]), seed=st.integers(0, 1000))
+def test_matvec_kernel_against_float64(qtype: Q, n: int, nb: int, m: int, pairs: int, dtype: str, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    dt = getattr(mx, dtype)
+    experts = 2
+    blocks = gguf_blocks.random_blocks(rng, (experts, n, nb), qtype)
+    dense = gguf.quants.dequantize(blocks.reshape(experts * n, -1), qtype).reshape(experts, n, -1).astype(np.float64)
+    x = mx.array(rng.standard_normal((pairs, m, nb * 256)).astype(np.float32)).astype(dt)
+    idx = rng.integers(0, experts, pairs).astype(np.int32)
+    got = np.asarray(gguf_blocks.matvec(x, mx.array(blocks), mx.array(idx), qtype, "cuda").astype(mx.float32))
+    xf = np.asarray(x.astype(mx.float32)).astype(np.float64)
+    want = np.einsum("pmk,pnk->pmn", xf, dense[idx])
+    bound = np.einsum("pmk,pnk->pmn", np.abs(xf), np.abs(dense[idx]))
+    out_round = 2.0**-8 if dtype != "float32" else 2.0**-23
+    assert np.all(np.abs(got - want) <= bound * 2.0**-20 + np.abs(want) * out_round + 1e-30)
+
+
+@cuda_only
+@pytest.mark.parametrize("qtype", TYPES)
+def test_layers_on_the_kernels_equal_mlx_ops(qtype: Q) -> None:
+    rng = np.random.default_rng(9)
+    layer, dense = _layer(qtype, 130, 2, 10)
+    emb = BlockEmbedding(130, 512, qtype)
+    emb.weight = layer.weight
+    ids = mx.array(np.array([[3, 129, 0]], np.int32))
+    want_rows = np.asarray(dequantize_blocks(mx.take(layer.weight, mx.reshape(ids, (-1,)), axis=0), qtype))
+    np.testing.assert_array_equal(np.asarray(emb(ids).astype(mx.float32)).reshape(3, -1),
+                                  want_rows.reshape(3, -1).astype(np.float16).astype(np.float32))
+    switch = BlockSwitchLinear(512, 130, 4, qtype)
+    switch.weight = mx.array(gguf_blocks.random_blocks(rng, (4, 130, 2), qtype))
+    x = mx.array(rng.standard_normal((1, 2, 1, 1, 512)).astype(np.float32))
+    indices = mx.array(np.array([[[3, 1], [0, 3]]], np.int32).reshape(1, 2, 2))[:, :, :1]
+    kernel = np.asarray(switch(x, indices))
+    with matvec.mlx_kernels_only():
+        ops = np.asarray(switch(x, indices))
+    np.testing.assert_allclose(kernel, ops, rtol=1e-5, atol=1e-5 * float(np.abs(ops).max()))
+
+
+@cuda_only
+def test_tiny_model_with_a_q6k_head_decodes_the_same_tokens(tmp_path: Path) -> None:
+    """llama.cpp's default Q4_0 recipe keeps the tied embedding / head in Q6_K: greedy tokens with
+    the matvec kernel equal those with MLX's ops (the dequantization kernel feeds both)."""
+    model_dir = write_tiny_model(tmp_path / "hf", "llama", seed=3, hidden_size=256, intermediate_size=512,
+                                 tie_word_embeddings=True)
+    path = export_gguf(model_dir, tmp_path / "m.gguf", Q.Q4_0, extra_types={"token_embd.weight": Q.Q6_K})
+    loaded = load_weights_and_config(path)
+    model = loaded.model
+    prompt = [3, 17, 260, 99, 5]
+    fast = list(loops.generate_ids(model, prompt, cache=model.make_cache(64), sampler=greedy, max_tokens=12))
+    with matvec.mlx_kernels_only():
+        slow = list(loops.generate_ids(model, prompt, cache=model.make_cache(64), sampler=greedy, max_tokens=12))
+    assert fast == slow and len(fast) == 12

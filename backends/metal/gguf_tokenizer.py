@@ -28,8 +28,8 @@ defaults (BOS for SentencePiece, Llama 3 and Gemma 4), in the shape of the Huggi
 Where it can still differ from llama.cpp: two merges of one SentencePiece vocabulary whose tokens
 score exactly alike compete at different places of a word (llama.cpp takes the leftmost, the pipeline
 the lower id); special tokens that overlap in the text (llama.cpp matches the longest token first,
-`tokenizers` the leftmost); a Gemma 4 vocabulary that has both a newline run and a whole line the
-merges cannot build (loading warns).
+`tokenizers` the leftmost); a Gemma 4 vocabulary whose own merges join newlines without building its
+newline-run tokens (loading warns and names the tokens concerned).
 """
 from __future__ import annotations
 
@@ -68,6 +68,7 @@ _QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|[\p{N}]| ?[^\s\p{L
 # llama.cpp's "default" (also what it uses when tokenizer.ggml.pre is missing): four splits in turn.
 _DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"[\p{N}]+", r"[0-9][0-9][0-9]")
 _NEWLINES = r"[^\n]+|[\n]+"
+_SPM_SPACE = "\u2581"
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,6 @@ def token_types(tokens: Sequence[str], types: Sequence[int]) -> list[int]:
     if "<|tool_response>" in tokens:
         out = [NORMAL if t == "</s>" else k for t, k in zip(tokens, out)]
     return out
-_SPM_SPACE = "\u2581"
 
 
 def _token_id(value: Any, n: int) -> int | None:
@@ -212,21 +212,36 @@ def _unreachable(vocab: dict[str, int], pairs: list[tuple[str, str]], pieces: Se
     return [p for p, enc in zip(pieces, found) if enc.ids != [vocab[p]]]
 
 
-def _gemma4_ignore_merges(vocab: dict[str, int], pairs: list[tuple[str, str]], tokens: Sequence[str],
-                          types: Sequence[int]) -> bool:
-    """llama.cpp takes a newline run whole when it is a token and merges every other piece (a whole
-    line). `tokenizers` has one switch for all pieces; pick the value that gives the same ids, and
-    warn when no value does (a line that is a token the merges cannot build)."""
-    runs = [t for t in vocab if t and not t.strip("\n")]
+def _gemma4_newlines(vocab: dict[str, int], pairs: list[tuple[str, str]], tokens: Sequence[str],
+                     types: Sequence[int]) -> tuple[str, list[tuple[str, str]], bool]:
+    """(split pattern, merges, ignore_merges) that give llama.cpp's Gemma 4 ids.
+
+    llama.cpp splits the text into lines and maximal newline runs, takes a run whole when it is a
+    token and merges everything else. Gemma 4's run tokens are not built by its merges, and
+    `tokenizers` has one whole-word switch for all pieces, so: a run that is a token becomes one
+    piece, built by added merges between run tokens (ranked after the file's); any other run is cut
+    into single newlines, which is what the file's merges make of it when none of them joins newlines."""
+    runs = sorted((t for t in vocab if t and not t.strip("\n")), key=len)
     if not _unreachable(vocab, pairs, runs):
-        return False  # the merges build every newline-run token: merging is exact everywhere
-    lines = [t for t, k in zip(tokens, types) if k == NORMAL and "\n" not in t and vocab.get(t) is not None]
-    bad = _unreachable(vocab, pairs, lines)
+        return _NEWLINES, pairs, False  # the file's merges build every run token: merging is exact
+    if not any(not (a.strip("\n") and b.strip("\n")) for a, b in pairs):
+        lengths = sorted({len(r) for r in runs if len(r) > 1}, reverse=True)
+        whole = "|".join(r"\n{%d}" % k for k in lengths)
+        pattern = r"[^\n]+|" + (r"(?<!\n)(?:" + whole + r")(?!\n)|" if lengths else "") + r"\n"
+        joins = [(r[:k], r[k:]) for r in runs for k in range(1, len(r)) if r[:k] in vocab and r[k:] in vocab]
+        merged = [*pairs, *joins]
+        if not _unreachable(vocab, merged, runs):
+            return pattern, merged, False
+    # A run token neither the file's merges nor added ones build: take every piece that is a token
+    # whole, which is wrong only for a piece (not a run) that is a token no merge builds.
+    added = (CONTROL, UNKNOWN, USER_DEFINED)  # split off before the merges
+    pieces = [t for t, k in zip(tokens, types) if k not in added and "\n" not in t and vocab.get(t) is not None]
+    bad = _unreachable(vocab, pairs, pieces)
     if bad:
         warnings.warn(f"this Gemma 4 vocabulary has {len(bad)} token(s) its merges cannot build (e.g. "
                       f"{bad[0]!r}): text between newlines and special tokens that is exactly one of them is "
                       "encoded as that token, where llama.cpp encodes it by merges", stacklevel=3)
-    return True
+    return _NEWLINES, pairs, True
 
 
 def _bpe(tokens: Sequence[str], merges: Sequence[str], types: Sequence[int], pre: str | None,
@@ -252,10 +267,10 @@ def _bpe(tokens: Sequence[str], merges: Sequence[str], types: Sequence[int], pre
             raise GGUFError(f"malformed merge {m!r} in tokenizer.ggml.merges")
         pairs.append((left, right))
     if split.spm_style:
-        ignore = _gemma4_ignore_merges(vocab, pairs, tokens, types)
+        pattern, pairs, ignore = _gemma4_newlines(vocab, pairs, tokens, types)
         tok = tokenizers.Tokenizer(_bpe_model(vocab, pairs, ignore_merges=ignore, byte_fallback=True))
         tok.normalizer = normalizers.Replace(" ", _SPM_SPACE)
-        tok.pre_tokenizer = pre_tokenizers.Sequence(_split(split.patterns))
+        tok.pre_tokenizer = pre_tokenizers.Sequence(_split((pattern,)))
         tok.decoder = decoders.Sequence([decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
         return tok
     tok = tokenizers.Tokenizer(_bpe_model(vocab, pairs, ignore_merges=split.ignore_merges, byte_fallback=False))

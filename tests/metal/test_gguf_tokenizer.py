@@ -170,18 +170,18 @@ def test_gemma4_settings_follow_llama_cpp(pairs: Callable[[str], Pair]) -> None:
 
 
 def test_gemma4_end_of_s_is_text_beside_a_tool_response_token(tmp_path: Path) -> None:
-    """llama.cpp makes "</s>" plain text (and no stop) in a vocabulary with "<|tool_response>"; as no
-    merge builds "</s>", text that is just "</s>" between newlines or special tokens is the one place
-    where ids can differ, and loading names it."""
+    """llama.cpp makes "</s>" plain text (and no stop) in a vocabulary with "<|tool_response>"; no merge
+    builds "</s>", so text that is just "</s>" must be merged, not taken whole."""
     tokens, merges, types = gemma4_vocab()
     tokens += ["<|tool_response>", "</s>"]
     types += [CONTROL, CONTROL]
     path = write_vocab_gguf(tmp_path / "g.gguf", model="gemma4", tokens=tokens, merges=merges, types=types,
                             bos="<bos>", eos="<eos>")
-    with pytest.warns(UserWarning, match=r"1 token\(s\) its merges cannot build \(e.g. '</s>'\)"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
         pair = Pair(path)
     try:
-        for text in ("x</s>y<|tool_response>z", "a </s>\n\n</s> b", "<|tool_response></s>x"):
+        for text in ("x</s>y<|tool_response>z", "a </s>\n\n</s>\n</s> b", "<|tool_response></s>", "</s>", "<0x41>"):
             pair.check(text)
         stops = set(pair.ours.eos_token_ids)
         assert len(tokens) - 2 in stops and len(tokens) - 1 not in stops
@@ -190,15 +190,24 @@ def test_gemma4_end_of_s_is_text_beside_a_tool_response_token(tmp_path: Path) ->
 
 
 def test_gemma4_vocabulary_no_setting_reproduces_warns(tmp_path: Path) -> None:
-    """A newline run and a whole line that are both tokens no merge builds: one switch of the
-    `tokenizers` pipeline cannot give both llama.cpp's answers, so loading says so."""
+    """When the file's own merges join newlines but do not build its run tokens, runs cannot be cut
+    apart safely; pieces that are tokens are then taken whole, which is wrong only for a piece that is
+    a token no merge builds, and loading names them."""
     tokens, merges, types = gemma4_vocab()
+    merges.append("\n\n \n\n")  # builds "\n\n\n\n" from "\n\n", which nothing builds
     tokens.append("\u2581the\u2581baker\u2581counted")  # no merge builds this
     types.append(NORMAL)
     path = write_vocab_gguf(tmp_path / "g.gguf", model="gemma4", tokens=tokens, merges=merges, types=types,
                             bos="<bos>", eos="<eos>")
-    with pytest.warns(UserWarning, match=r"1 token\(s\) its merges cannot build.*the\u2581baker"):
-        load_gguf_tokenizer(path, read_gguf(path), "gemma4")
+    with pytest.warns(UserWarning, match=r"257 token\(s\) its merges cannot build"):
+        pair = Pair(path)
+    try:
+        for text in ("a\n\nb\n\n\n\n\nc\n", "the baker counted\n\n\n", "x\n\u2581the\u2581baker\u2581countedy"):
+            pair.check(text)
+        line = "\n\u2581the\u2581baker\u2581counted\n"  # the stated exception
+        assert pair.ours.encode(line, False) != pair.ref.tokenize(line, False)
+    finally:
+        pair.ref.close()
 
 
 @pytest.mark.parametrize("model,pre,match", [

@@ -25,7 +25,7 @@ from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "qwen2_moe", "qwen3_moe",
-                 "gemma4_text", "gemma4")
+                 "gemma4_text", "gemma4", "qwen3_next", "qwen3_5", "qwen3_5_moe")
 QUANTIZE_BITS = (2, 3, 4, 6, 8)
 DTYPES = ("float32", "float16")
 LLAMA3_ROPE_SCALING: dict[str, Any] = {
@@ -109,6 +109,20 @@ _CHATML_TEMPLATE = (
     "{%- endif %}\n"
     "{%- endif %}\n"
 )
+# Qwen 3.5's generation prompt opens the thinking block, or writes it empty when thinking is off.
+_QWEN35_TEMPLATE = (
+    "{%- for message in messages %}\n"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "{{- '<|im_start|>assistant\\n' }}\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}\n"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}\n"
+    "{%- else %}\n"
+    "{{- '<think>\\n' }}\n"
+    "{%- endif %}\n"
+    "{%- endif %}\n"
+)
 _GEMMA_TEMPLATE = (
     "{{ bos_token }}\n"
     "{%- if messages[0]['role'] == 'system' -%}\n"
@@ -148,6 +162,7 @@ _QWEN = _TokenFamily(
     config_eos=("<|im_end|>", "<|endoftext|>"), post_bos=False, add_bos_token=None, chat_template=_CHATML_TEMPLATE,
 )
 _QWEN3 = replace(_QWEN, plain_added=("<think>", "</think>"))
+_QWEN35 = replace(_QWEN3, chat_template=_QWEN35_TEMPLATE)
 _GEMMA = _TokenFamily(
     specials=("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"),
     bos="<bos>", eos="<eos>", pad="<pad>", unk="<unk>",
@@ -157,6 +172,7 @@ _FAMILIES: dict[str, _TokenFamily] = {
     "llama": _LLAMA3, "mistral": _MISTRAL, "qwen2": _QWEN, "qwen3": _QWEN3,
     "gemma2": _GEMMA, "gemma3_text": _GEMMA, "gemma3": _GEMMA,
     "qwen2_moe": _QWEN, "qwen3_moe": _QWEN3, "gemma4_text": _GEMMA, "gemma4": _GEMMA,
+    "qwen3_next": _QWEN3, "qwen3_5": _QWEN35, "qwen3_5_moe": _QWEN35,
 }
 
 
@@ -269,6 +285,8 @@ def _text_config(arch: str, *, vocab_size: int, hidden_size: int, num_layers: in
         config["architectures"] = ["Qwen2ForCausalLM" if arch == "qwen2" else "Qwen3ForCausalLM"]
     elif arch in _MOE_ARCHS:
         config.update(_moe_config(arch, num_layers=num_layers))
+    elif arch in _NEXT_ARCHS:
+        config.update(_next_config(arch, num_layers=num_layers))
     elif arch in ("gemma4_text", "gemma4"):
         config.update(_gemma4_config(arch, num_layers=num_layers, head_dim=head_dim, vocab_size=vocab_size))
     elif arch == "gemma2":
@@ -306,6 +324,8 @@ def _weights(config: Mapping[str, Any], arch: str, rng: np.random.Generator, dty
     w: dict[str, np.ndarray] = {"model.embed_tokens.weight": rng.normal(0.0, hidden**-0.5, size=(vocab, hidden))}
     if arch in ("gemma4_text", "gemma4"):
         return _gemma4_weights(config, arch, w, linear, rng, dtype)
+    if arch in _NEXT_ARCHS:
+        return _next_weights(config, arch, w, linear, rng, dtype)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         w[p + "self_attn.q_proj.weight"] = linear(q_out, hidden)
@@ -353,7 +373,7 @@ def _quantize_weights(weights: dict[str, np.ndarray], group_size: int, bits: int
 # -- mixture of experts and Gemma 4 -----------------------------------------------------------------
 _MOE_ARCHS = ("qwen2_moe", "qwen3_moe")
 _SWITCH_ARCHS = ("qwen2_moe", "qwen3_moe", "gemma4_text", "gemma4")  # quantized: mlx-lm's stacked experts
-_UNTIED = ("llama", "mistral", "qwen2_moe", "qwen3_moe")  # mlx-lm's qwen2_moe always has an lm_head
+_UNTIED = ("llama", "mistral", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe")  # mlx-lm's qwen2_moe always has an lm_head
 _ROUTER_QUANT = {"group_size": 64, "bits": 8}  # mlx-lm's quant_predicate for the routers
 
 
@@ -478,6 +498,8 @@ def _gemma4_weights(config: Mapping[str, Any], arch: str, w: dict[str, np.ndarra
 
 def _hf_name(arch: str, name: str) -> str:
     """Where a text-model tensor sits in the multimodal checkpoints."""
+    if arch in ("qwen3_5", "qwen3_5_moe") and name.startswith("model."):
+        return "model.language_model." + name[len("model."):]
     if arch == "gemma3":
         return "language_model." + name
     if arch == "gemma4" and name.startswith("model.") and not name.startswith(("model.vision", "model.embed_vision")):
@@ -529,6 +551,159 @@ def _quantize_switch_weights(weights: dict[str, np.ndarray], arch: str, group_si
     return out, overrides
 
 
+# -- Qwen3-Next and Qwen 3.5 (Gated DeltaNet) --------------------------------------------------------
+_NEXT_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+
+
+def _next_config(arch: str, *, num_layers: int) -> dict[str, Any]:
+    """Linear-attention layers with full attention every second layer (`full_attention_interval`),
+    2 key heads of 32 and 4 value heads of 16, a window of 4; qwen3_next and qwen3_5_moe with 4
+    experts (top 2) and a shared expert, qwen3_5 dense. Qwen 3.5 nests its RoPE settings in
+    `rope_parameters` (transformers 5), Qwen3-Next keeps them flat."""
+    config: dict[str, Any] = {
+        "rms_norm_eps": 1e-6, "hidden_act": "silu", "full_attention_interval": 2,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+    }
+    if arch == "qwen3_next":
+        config.update(rope_theta=10000.0, partial_rotary_factor=0.25, rope_scaling=None,
+                      architectures=["Qwen3NextForCausalLM"])
+    else:
+        config["model_type"] = f"{arch}_text"
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                     "mrope_section": [1, 1, 0], "mrope_interleaved": True}
+    if arch != "qwen3_5":
+        config.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[],
+                      norm_topk_prob=True)
+    return config
+
+
+def _next_multimodal_config(arch: str, text: dict[str, Any], ids: Mapping[str, Any], dtype: str) -> dict[str, Any]:
+    name = "Qwen3_5MoeForConditionalGeneration" if arch == "qwen3_5_moe" else "Qwen3_5ForConditionalGeneration"
+    text_only = {k: v for k, v in text.items() if k != "architectures"}
+    return {"architectures": [name], "model_type": arch, "text_config": text_only,
+            "vision_config": {"model_type": "qwen3_5_vision", "hidden_size": 16, "depth": 1},
+            "tie_word_embeddings": text["tie_word_embeddings"], "torch_dtype": dtype, **ids}
+
+
+def _next_weights(config: Mapping[str, Any], arch: str, w: dict[str, np.ndarray], linear: Any,
+                  rng: np.random.Generator, dtype: np.dtype) -> dict[str, np.ndarray]:
+    """HF's tensors: RMSNorm weights as offsets from 1 (but the gated norm's), conv weights [C, 1,
+    K], experts apart (qwen3_next) or fused `experts.gate_up_proj` (qwen3_5_moe); a multi-token
+    prediction tensor, and for Qwen 3.5 a vision tensor, that loading must drop."""
+    hidden, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
+    hd, kv_heads = config["head_dim"], config["num_key_value_heads"]
+    nk, nv = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    dk, dv, width = config["linear_key_head_dim"], config["linear_value_head_dim"], config["linear_conv_kernel_dim"]
+    key_dim, value_dim = nk * dk, nv * dv
+
+    def offset_norm(dim: int) -> np.ndarray:
+        return rng.normal(0.0, 0.05, size=(dim,))
+
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        if (i + 1) % config["full_attention_interval"]:
+            a = p + "linear_attn."
+            if arch == "qwen3_next":
+                w[a + "in_proj_qkvz.weight"] = linear(2 * key_dim + 2 * value_dim, hidden)
+                w[a + "in_proj_ba.weight"] = linear(2 * nv, hidden)
+            else:
+                w[a + "in_proj_qkv.weight"] = linear(2 * key_dim + value_dim, hidden)
+                w[a + "in_proj_z.weight"] = linear(value_dim, hidden)
+                w[a + "in_proj_b.weight"] = linear(nv, hidden)
+                w[a + "in_proj_a.weight"] = linear(nv, hidden)
+            w[a + "conv1d.weight"] = rng.normal(0.0, width**-0.5, size=(2 * key_dim + value_dim, 1, width))
+            w[a + "dt_bias"] = rng.normal(0.0, 0.5, size=(nv,))
+            w[a + "A_log"] = np.log(rng.uniform(1.0, 16.0, size=(nv,)))
+            w[a + "norm.weight"] = rng.normal(1.0, 0.05, size=(dv,))
+            w[a + "out_proj.weight"] = linear(hidden, value_dim)
+        else:
+            w[p + "self_attn.q_proj.weight"] = linear(2 * heads * hd, hidden)
+            w[p + "self_attn.k_proj.weight"] = linear(kv_heads * hd, hidden)
+            w[p + "self_attn.v_proj.weight"] = linear(kv_heads * hd, hidden)
+            w[p + "self_attn.o_proj.weight"] = linear(hidden, heads * hd)
+            w[p + "self_attn.q_norm.weight"] = offset_norm(hd)
+            w[p + "self_attn.k_norm.weight"] = offset_norm(hd)
+        n = config.get("num_experts", 0)
+        moe = n > 0 and (arch != "qwen3_next" or _is_moe_layer(config, i))
+        if moe:
+            moe_inter, shared = config["moe_intermediate_size"], config["shared_expert_intermediate_size"]
+            w[p + "mlp.gate.weight"] = linear(n, hidden)
+            if arch == "qwen3_next":
+                for e in range(n):
+                    w[p + f"mlp.experts.{e}.gate_proj.weight"] = linear(moe_inter, hidden)
+                    w[p + f"mlp.experts.{e}.up_proj.weight"] = linear(moe_inter, hidden)
+                    w[p + f"mlp.experts.{e}.down_proj.weight"] = linear(hidden, moe_inter)
+            else:
+                w[p + "mlp.experts.gate_up_proj"] = np.stack([linear(2 * moe_inter, hidden) for _ in range(n)])
+                w[p + "mlp.experts.down_proj"] = np.stack([linear(hidden, moe_inter) for _ in range(n)])
+            w[p + "mlp.shared_expert.gate_proj.weight"] = linear(shared, hidden)
+            w[p + "mlp.shared_expert.up_proj.weight"] = linear(shared, hidden)
+            w[p + "mlp.shared_expert.down_proj.weight"] = linear(hidden, shared)
+            w[p + "mlp.shared_expert_gate.weight"] = linear(1, hidden)
+        else:
+            w[p + "mlp.gate_proj.weight"] = linear(inter, hidden)
+            w[p + "mlp.up_proj.weight"] = linear(inter, hidden)
+            w[p + "mlp.down_proj.weight"] = linear(hidden, inter)
+        w[p + "input_layernorm.weight"] = offset_norm(hidden)
+        w[p + "post_attention_layernorm.weight"] = offset_norm(hidden)
+    w["model.norm.weight"] = offset_norm(hidden)
+    if not config["tie_word_embeddings"]:
+        w["lm_head.weight"] = linear(config["vocab_size"], hidden)
+    w["mtp.fc.weight"] = linear(hidden, 2 * hidden)
+    out = {_hf_name(arch, k): v.astype(dtype) for k, v in w.items()}
+    if arch != "qwen3_next":
+        out["model.visual.patch_embed.proj.weight"] = linear(16, 48).astype(dtype)
+    return out
+
+
+def _next_to_mlx_layout(weights: dict[str, np.ndarray], arch: str) -> dict[str, np.ndarray]:
+    """What mlx-lm's conversion writes: experts stacked, conv [C, K, 1], norms + 1, no MTP or
+    vision tensors, Qwen 3.5's text model under `language_model.`."""
+    unfused: dict[str, np.ndarray] = {}
+    for name, value in weights.items():
+        if name.endswith(".experts.gate_up_proj"):
+            base = name[: -len(".experts.gate_up_proj")] + ".switch_mlp"
+            unfused[base + ".gate_proj.weight"], unfused[base + ".up_proj.weight"] = np.split(value, 2, axis=-2)
+        elif name.endswith(".experts.down_proj"):
+            unfused[name[: -len(".experts.down_proj")] + ".switch_mlp.down_proj.weight"] = value
+        elif not name.startswith(("mtp.", "model.visual.")):
+            unfused[name] = value
+    out: dict[str, np.ndarray] = {}
+    for name, value in _to_switch_layout(unfused).items():
+        if name.endswith("conv1d.weight"):
+            value = np.swapaxes(value, 1, 2)
+        elif name.endswith(("layernorm.weight", "model.norm.weight", "language_model.norm.weight", "_norm.weight")):
+            value = value + 1
+        if name.startswith("model.language_model."):
+            name = "language_model.model." + name[len("model.language_model."):]
+        elif arch != "qwen3_next" and name.startswith("lm_head."):
+            name = "language_model." + name
+        out[name] = value
+    return out
+
+
+def _quantize_next_weights(weights: dict[str, np.ndarray], arch: str, group_size: int,
+                           bits: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """mlx-lm's quantization of these families: every projection, embedding and expert stack (not
+    the convolution), the routers (`mlp.gate`, `mlp.shared_expert_gate`) at 8 bits as overrides."""
+    out: dict[str, np.ndarray] = {}
+    overrides: dict[str, Any] = {}
+    for name, value in _next_to_mlx_layout(weights, arch).items():
+        stem = name[: -len(".weight")]
+        router = name.endswith((".mlp.gate.weight", ".mlp.shared_expert_gate.weight"))
+        params = _ROUTER_QUANT if router else {"group_size": group_size, "bits": bits}
+        if (name.endswith(".weight") and value.ndim >= 2 and "conv1d" not in name
+                and value.shape[-1] % params["group_size"] == 0):
+            out[name], out[stem + ".scales"], out[stem + ".biases"] = quantize_affine(value, **params)
+            if router:
+                overrides[stem] = dict(params)
+        else:
+            out[name] = value
+    return out, overrides
+
+
 # -- writing --------------------------------------------------------------------------------------
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -570,7 +745,7 @@ def write_tiny_model(
     if quantize_bits is not None and quantize_bits not in QUANTIZE_BITS:
         raise ValueError(f"quantize_bits must be one of {QUANTIZE_BITS}, got {quantize_bits}")
     tie = arch not in _UNTIED if tie_word_embeddings is None else tie_word_embeddings
-    num_layers = num_layers or (4 if arch == "gemma4_text" else 2)
+    num_layers = num_layers or (4 if arch in ("gemma4_text", *_NEXT_ARCHS) else 2)
     if arch == "gemma2" and not tie:
         raise ValueError("gemma2 always ties its output projection to the embeddings")
     root = Path(path)
@@ -598,7 +773,9 @@ def write_tiny_model(
         out_name = _hf_name(arch, "model.embed_tokens.weight" if tie else "lm_head.weight")
         special_ids = [i for i, added in tok.get_added_tokens_decoder().items() if added.special]
         weights[out_name][special_ids] = 0
-    if arch in ("gemma3", "gemma4"):
+    if arch in ("qwen3_5", "qwen3_5_moe"):
+        config = _next_multimodal_config(arch, text, ids, dtype)
+    elif arch in ("gemma3", "gemma4"):
         text_only = {k: v for k, v in text.items() if k != "architectures"}
         config: dict[str, Any] = {
             "architectures": [f"{arch.capitalize()}ForConditionalGeneration"], "model_type": arch,
@@ -611,7 +788,10 @@ def write_tiny_model(
         config = text
     if quantize_bits is not None:
         quant: dict[str, Any] = {"group_size": group_size, "bits": quantize_bits, "mode": "affine"}
-        if arch in _SWITCH_ARCHS:
+        if arch in _NEXT_ARCHS:
+            weights, overrides = _quantize_next_weights(weights, arch, group_size, quantize_bits)
+            quant.update(overrides)
+        elif arch in _SWITCH_ARCHS:
             weights, overrides = _quantize_switch_weights(weights, arch, group_size, quantize_bits)
             quant.update(overrides)
         else:

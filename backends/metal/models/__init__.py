@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from types import ModuleType
 
-from . import gemma2, gemma3, gemma4, llama, qwen2, qwen2_moe, qwen3, qwen3_moe
+from . import gemma2, gemma3, gemma4, llama, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next
 
 MODEL_TYPES: dict[str, ModuleType] = {
     "llama": llama,
@@ -23,6 +23,11 @@ MODEL_TYPES: dict[str, ModuleType] = {
     "qwen3_moe": qwen3_moe,
     "gemma4_text": gemma4,
     "gemma4": gemma4,
+    "qwen3_next": qwen3_next,
+    "qwen3_5": qwen3_5,
+    "qwen3_5_text": qwen3_5,
+    "qwen3_5_moe": qwen3_5_moe,
+    "qwen3_5_moe_text": qwen3_5_moe,
 }
 
 
@@ -46,6 +51,11 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma4ForCausalLM": "gemma4_text",
     "Gemma4ForConditionalGeneration": "gemma4",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
 }
 
 

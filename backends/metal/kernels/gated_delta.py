@@ -1,0 +1,241 @@
+"""Gated DeltaNet's recurrence as one fused kernel, on CUDA and on Metal.
+
+One warp (CUDA) or SIMD group (Metal) of 32 threads owns one row of one head's state: each thread
+holds Dk / 32 of the row's entries in registers for all T tokens, so the state is read once and
+written once per call instead of once per operation. Per token a thread decays its entries, the
+row's recall S k is summed across the warp, the delta written back, and S q summed the same way.
+Layout: q, k [B, T, Hk, Dk] (heads shared by Hv / Hk value heads), v [B, T, Hv, Dv], g, beta [B,
+T, Hv] float32, state [B, Hv, Dv, Dk] float32; outputs y [B, T, Hv, Dv] (q's dtype) and the state.
+Launch: grid (32, Dv, B * Hv) threads in groups of (32, ROWS, 1); Dk a multiple of 32.
+
+The model decodes through `run` (one token per call); prefill takes the chunked MLX form
+(models/gated_delta.py), whose matrix products beat a per-token loop on long prompts. `ready`
+compares the kernel with the MLX ops once per process and shape (`check_once`), and keeps the ops
+with a warning where it cannot run or disagrees.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import pymlxc.core as mx
+from pymlxc.core import Array
+
+from .metal_kernel import SharedMetalKernel
+
+ROWS = 4  # state rows (warps) per block / threadgroup
+INPUTS = ("q", "k", "v", "g", "beta", "state_in")
+OUTPUTS = ("y", "state_out")
+
+# Template arguments: InT (q, k, v, y), Dk, Dv, Hk, Hv, T.
+CUDA_SOURCE = r"""
+  constexpr int P = Dk / 32;
+  const int lane = threadIdx.x;
+  const int row = blockIdx.y * blockDim.y + threadIdx.y;
+  const int n = blockIdx.z;
+  if (row >= Dv) {
+    return;  // the whole warp: shuffles below stay within full warps
+  }
+  const int b = n / Hv;
+  const int hv = n % Hv;
+  const int hk = hv / (Hv / Hk);
+  const InT* q_ = q + ((size_t)b * T * Hk + hk) * Dk + lane * P;
+  const InT* k_ = k + ((size_t)b * T * Hk + hk) * Dk + lane * P;
+  const InT* v_ = v + ((size_t)b * T * Hv + hv) * Dv;
+  InT* y_ = y + ((size_t)b * T * Hv + hv) * Dv;
+  const float* g_ = g + (size_t)b * T * Hv + hv;
+  const float* beta_ = beta + (size_t)b * T * Hv + hv;
+  const size_t at = ((size_t)n * Dv + row) * Dk + lane * P;
+  float s[P];
+  #pragma unroll
+  for (int i = 0; i < P; ++i) {
+    s[i] = state_in[at + i];
+  }
+  for (int t = 0; t < T; ++t) {
+    const float gt = g_[0];
+    float recall = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < P; ++i) {
+      s[i] *= gt;
+      recall += s[i] * static_cast<float>(k_[i]);
+    }
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      recall += __shfl_xor_sync(0xffffffffu, recall, off);
+    }
+    const float delta = (static_cast<float>(v_[row]) - recall) * beta_[0];
+    float out = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < P; ++i) {
+      s[i] += static_cast<float>(k_[i]) * delta;
+      out += s[i] * static_cast<float>(q_[i]);
+    }
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      out += __shfl_xor_sync(0xffffffffu, out, off);
+    }
+    if (lane == 0) {
+      y_[row] = static_cast<InT>(out);
+    }
+    q_ += Hk * Dk;
+    k_ += Hk * Dk;
+    v_ += Hv * Dv;
+    y_ += Hv * Dv;
+    g_ += Hv;
+    beta_ += Hv;
+  }
+  #pragma unroll
+  for (int i = 0; i < P; ++i) {
+    state_out[at + i] = s[i];
+  }
+"""
+
+# The same in Metal; MLX adds the attributes the body names (thread_position_in_grid, ...).
+METAL_SOURCE = r"""
+  constexpr int P = Dk / 32;
+  const uint lane = thread_index_in_simdgroup;
+  const uint row = thread_position_in_grid.y;
+  const uint n = thread_position_in_grid.z;
+  const uint b = n / Hv;
+  const uint hv = n % Hv;
+  const uint hk = hv / (Hv / Hk);
+  auto q_ = q + (b * T * Hk + hk) * Dk + lane * P;
+  auto k_ = k + (b * T * Hk + hk) * Dk + lane * P;
+  auto v_ = v + (b * T * Hv + hv) * Dv;
+  auto y_ = y + (b * T * Hv + hv) * Dv;
+  auto g_ = g + b * T * Hv + hv;
+  auto beta_ = beta + b * T * Hv + hv;
+  const uint at = (n * Dv + row) * Dk + lane * P;
+  float s[P];
+  for (int i = 0; i < P; ++i) {
+    s[i] = state_in[at + i];
+  }
+  for (int t = 0; t < T; ++t) {
+    const float gt = g_[0];
+    float recall = 0.0f;
+    for (int i = 0; i < P; ++i) {
+      s[i] *= gt;
+      recall += s[i] * static_cast<float>(k_[i]);
+    }
+    recall = simd_sum(recall);
+    const float delta = (static_cast<float>(v_[row]) - recall) * beta_[0];
+    float out = 0.0f;
+    for (int i = 0; i < P; ++i) {
+      s[i] += static_cast<float>(k_[i]) * delta;
+      out += s[i] * static_cast<float>(q_[i]);
+    }
+    out = simd_sum(out);
+    if (lane == 0) {
+      y_[row] = static_cast<InT>(out);
+    }
+    q_ += Hk * Dk;
+    k_ += Hk * Dk;
+    v_ += Hv * Dv;
+    y_ += Hv * Dv;
+    g_ += Hv;
+    beta_ += Hv;
+  }
+  for (int i = 0; i < P; ++i) {
+    state_out[at + i] = s[i];
+  }
+"""
+
+_cuda = mx.fast.SharedKernel("pymlxc_gated_delta", INPUTS, OUTPUTS, CUDA_SOURCE)
+_metal = SharedMetalKernel("pymlxc_gated_delta", INPUTS, OUTPUTS, METAL_SOURCE)
+
+Ops = Callable[..., tuple[Array, Array]]
+
+
+def device_kind() -> str | None:
+    """"cuda" or "metal" where MLX's default device is that GPU, else None (the CPU: MLX ops)."""
+    if mx.default_device().type != "gpu":
+        return None
+    if mx.cuda_available():
+        return "cuda"
+    return "metal" if mx.metal_available() else None
+
+
+def applies(dk: int, dv: int, hk: int, hv: int) -> bool:
+    """Shapes the kernel takes: Dk a multiple of 32 (a warp splits each row), Hk dividing Hv."""
+    return dk >= 32 and dk % 32 == 0 and dv >= 1 and hk >= 1 and hv % hk == 0
+
+
+def run(kind: str, q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array) -> tuple[Array, Array]:
+    """y, new state through the `kind` ("cuda" / "metal") kernel (shapes and layout: module doc)."""
+    b, t, hk, dk = k.shape
+    hv, dv = v.shape[2:]
+    kernel = _cuda() if kind == "cuda" else _metal()
+    y, out = kernel([q, k, v, g.astype(mx.float32), beta.astype(mx.float32), state.astype(mx.float32)],
+                    output_shapes=[(b, t, hv, dv), (b, hv, dv, dk)], output_dtypes=[q.dtype, mx.float32],
+                    grid=(32, dv, b * hv), threadgroup=(32, ROWS, 1),
+                    template=[("InT", q.dtype), ("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv), ("T", t)])
+    return y, out
+
+
+# ---------------------------------------------------------------------- checked once
+
+_checked: dict[tuple[Any, ...], bool] = {}
+_checked_lock = threading.Lock()
+
+
+def ready(q: Array, k: Array, v: Array, ops: Ops) -> str | None:
+    """The kernel kind to use for these shapes and dtype here, once `check_once` passed for them
+    (run now, the first time), else None: use `ops`, the MLX operations it must agree with."""
+    kind = device_kind()
+    if kind is None:
+        return None
+    _, t, hk, dk = k.shape
+    hv, dv = v.shape[2:]
+    if not applies(dk, dv, hk, hv):
+        return None
+    key = (kind, dk, dv, hk, hv, t, str(q.dtype))
+    with _checked_lock:
+        known = _checked.get(key)
+        if known is None:
+            known = _checked[key] = check_once(kind, (dk, dv, hk, hv, t), q.dtype, ops)
+    return kind if known else None
+
+
+def check_once(kind: str, dims: tuple[int, int, int, int, int], dtype: Any, ops: Ops,
+               runner: Callable[..., tuple[Array, Array]] | None = None) -> bool:
+    """Whether the kernel runs and agrees with `ops(q, k, v, g, beta, state)` on random inputs of
+    these dims (Dk, Dv, Hk, Hv, T) within float32 summation error plus `dtype`'s rounding of y; a
+    RuntimeWarning says why not. `runner` stands in for `run` (tests)."""
+    dk, dv, hk, hv, t = dims
+    rng = np.random.default_rng(0)
+    b = 2
+
+    def unit(shape: tuple[int, ...]) -> np.ndarray:
+        x = rng.normal(size=shape).astype(np.float32)
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+    q = mx.array(unit((b, t, hk, dk)) * dk**-0.5).astype(dtype)
+    k = mx.array(unit((b, t, hk, dk))).astype(dtype)
+    v = mx.array(rng.normal(size=(b, t, hv, dv)).astype(np.float32)).astype(dtype)
+    g = mx.array(rng.uniform(0.5, 1.0, (b, t, hv)).astype(np.float32))
+    beta = mx.array(rng.uniform(0.0, 1.0, (b, t, hv)).astype(np.float32))
+    state = mx.array(rng.normal(size=(b, hv, dv, dk)).astype(np.float32))
+    try:
+        got_y, got_s = (runner or run)(kind, q, k, v, g, beta, state)
+        want_y, want_s = ops(q, k, v, g, beta, state)
+        got = [np.asarray(got_y.astype(mx.float32)), np.asarray(got_s)]
+        want = [np.asarray(want_y.astype(mx.float32)), np.asarray(want_s)]
+    except Exception as exc:  # noqa: BLE001 - any failure keeps the MLX ops, with the reason
+        warnings.warn(f"the {kind} gated delta kernel cannot run here ({type(exc).__name__}: {exc}); "
+                      "using MLX operations", RuntimeWarning, stacklevel=3)
+        return False
+    y_tol = 1e-4 if dtype == mx.float32 else 2e-2
+    for name, a, w, tol in (("y", got[0], want[0], y_tol), ("state", got[1], want[1], 1e-4)):
+        if a.shape != w.shape or not np.allclose(a, w, rtol=tol, atol=tol):
+            worst = float(np.max(np.abs(a - w))) if a.shape == w.shape else float("nan")
+            warnings.warn(f"the {kind} gated delta kernel differs from MLX operations ({name}: largest difference "
+                          f"{worst:.3g} for dims {dims}, {dtype}); using MLX operations", RuntimeWarning, stacklevel=3)
+            return False
+    return True
+
+
+__all__ = ["CUDA_SOURCE", "METAL_SOURCE", "applies", "check_once", "device_kind", "ready", "run"]

@@ -26,6 +26,7 @@ from typing import Any, TextIO
 import pymlxc.core as mx
 from pymlxc.core import Array
 from pymlxc.files import read_json
+from tqdm import tqdm
 
 from .adapters import MLX_WEIGHTS
 from .config import LoRAConfig, SupportsTraining, TrainableModel, TrainConfig
@@ -64,34 +65,29 @@ class TrainResult:
 
 
 class Progress:
-    """A one-line progress bar on a terminal (a line per report otherwise)."""
+    """A tqdm bar of the steps with the latest loss, validation loss, speed and learning rate as its
+    postfix; silent when the stream is not a terminal (the callback still gets every report)."""
 
     def __init__(self, total: int, stream: TextIO | None = None, enabled: bool = True) -> None:
-        self.total = total
-        self.stream = stream or sys.stderr
-        self.enabled = enabled
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        # disable=None is tqdm's own "only on a terminal" check.
+        self._bar = tqdm(total=total, file=stream or sys.stderr, disable=None if enabled else True,
+                         unit="step", dynamic_ncols=True, leave=True)
 
     def show(self, r: TrainReport) -> None:
-        if not self.enabled:
+        if self._bar.disable:
             return
-        parts = [f"{r.step}/{self.total}"]
+        postfix: dict[str, str] = {}
         if r.train_loss is not None:
-            parts.append(f"loss {r.train_loss:.4f}")
+            postfix["loss"] = f"{r.train_loss:.4f}"
         if r.val_loss is not None:
-            parts.append(f"val {r.val_loss:.4f}")
-        parts.append(f"{r.tokens_per_sec:,.0f} tok/s")
-        parts.append(f"lr {r.learning_rate:.2e}")
-        width = 24
-        done = int(width * r.step / max(1, self.total))
-        text = f"[{'#' * done}{'.' * (width - done)}] " + "  ".join(parts)
-        if self.tty:
-            self.stream.write("\r" + text + " " * 4)
-            if r.step >= self.total:
-                self.stream.write("\n")
-        else:
-            self.stream.write(text + "\n")
-        self.stream.flush()
+            postfix["val"] = f"{r.val_loss:.4f}"
+        postfix["tok/s"] = f"{r.tokens_per_sec:,.0f}"
+        postfix["lr"] = f"{r.learning_rate:.2e}"
+        self._bar.set_postfix(postfix, refresh=False)
+        self._bar.update(max(0, r.step - self._bar.n))
+
+    def close(self) -> None:
+        self._bar.close()
 
 
 def _schedule(config: TrainConfig) -> Any:
@@ -332,6 +328,7 @@ def _run(model: Any, data: str | Path, adapter: Any, adapter_dir: Path, resume_s
                 if step % config.save_every == 0:  # a snapshot, as mlx-lm keeps them
                     shutil.copyfile(adapter_dir / MLX_WEIGHTS, adapter_dir / f"{step:07d}_adapters.safetensors")
     finally:
+        progress.close()
         adapter.set_training(False)
         model.set_grad_checkpoint(False)
     result.seconds = time.perf_counter() - run_start

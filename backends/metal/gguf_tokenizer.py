@@ -322,6 +322,13 @@ def _sentencepiece_bpe(tokens: Sequence[str], scores: Sequence[float], types: Se
     return tok
 
 
+def _pre(reader: GGUFReader) -> str | None:
+    pre = metadata(reader, "tokenizer.ggml.pre")
+    if pre is not None and not isinstance(pre, str):
+        raise GGUFError(f"tokenizer.ggml.pre is a {type(pre).__name__}, not a pre-tokenizer name")
+    return pre
+
+
 def pipeline_from_metadata(reader: GGUFReader) -> tokenizers.Tokenizer:
     """A `tokenizers.Tokenizer` from the `tokenizer.ggml.*` keys (or an embedded tokenizer.json)."""
     embedded = metadata(reader, "tokenizer.huggingface.json")
@@ -335,21 +342,23 @@ def pipeline_from_metadata(reader: GGUFReader) -> tokenizers.Tokenizer:
     if not isinstance(tokens, list) or not tokens:
         raise GGUFError("the GGUF file has no tokenizer (tokenizer.ggml.tokens); put the model's tokenizer.json "
                         "beside it")
+    if not all(isinstance(t, str) for t in tokens):
+        raise GGUFError("tokenizer.ggml.tokens is not a list of strings")
     n = len(tokens)
     types = metadata(reader, "tokenizer.ggml.token_type") or [NORMAL] * n
-    if not isinstance(types, list) or len(types) != n:
-        raise GGUFError(f"tokenizer.ggml.token_type has {len(types) if isinstance(types, list) else 'no'} entries "
-                        f"for {n} tokens")
+    if not isinstance(types, list) or len(types) != n or not all(isinstance(k, int) for k in types):
+        raise GGUFError(f"tokenizer.ggml.token_type is not a list of {n} integers, one per token")
     types = token_types(tokens, types)
     if kind in ("gpt2", "gemma4"):
         merges = metadata(reader, "tokenizer.ggml.merges") or []
         if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
             raise GGUFError("tokenizer.ggml.merges is not a list of strings")
-        tok = _bpe(tokens, merges, types, metadata(reader, "tokenizer.ggml.pre"), kind)
+        tok = _bpe(tokens, merges, types, _pre(reader), kind)
     elif kind == "llama":
         scores = metadata(reader, "tokenizer.ggml.scores")
-        if not isinstance(scores, list) or len(scores) != n:
-            raise GGUFError("a SentencePiece (llama) tokenizer needs tokenizer.ggml.scores, one per token")
+        if (not isinstance(scores, list) or len(scores) != n
+                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in scores)):
+            raise GGUFError("a SentencePiece (llama) tokenizer needs tokenizer.ggml.scores, one number per token")
         unk_id = _token_id(metadata(reader, "tokenizer.ggml.unknown_token_id"), n)
         if unk_id is None:
             unk_id = next((i for i, k in enumerate(types) if k == UNKNOWN), None)
@@ -372,8 +381,11 @@ def pipeline_from_metadata(reader: GGUFReader) -> tokenizers.Tokenizer:
 
 def settings_from_metadata(reader: GGUFReader, model_type: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(tokenizer_config, config) dicts shaped like the Hugging Face files, from the GGUF keys."""
-    tokens = metadata(reader, "tokenizer.ggml.tokens") or []
-    types = metadata(reader, "tokenizer.ggml.token_type") or []
+    # Malformed lists are left to `pipeline_from_metadata` to name; here they only give no settings.
+    tokens = metadata(reader, "tokenizer.ggml.tokens")
+    tokens = tokens if isinstance(tokens, list) and all(isinstance(t, str) for t in tokens) else []
+    types = metadata(reader, "tokenizer.ggml.token_type")
+    types = types if isinstance(types, list) and all(isinstance(k, int) for k in types) else []
     n = len(tokens)
 
     def token(key: str) -> tuple[int | None, str | None]:
@@ -385,7 +397,7 @@ def settings_from_metadata(reader: GGUFReader, model_type: str | None) -> tuple[
     _, unk = token("tokenizer.ggml.unknown_token_id")
     _, pad = token("tokenizer.ggml.padding_token_id")
     kind = metadata(reader, "tokenizer.ggml.model")
-    pre = "gemma4" if kind == "gemma4" else metadata(reader, "tokenizer.ggml.pre")
+    pre = "gemma4" if kind == "gemma4" else _pre(reader)
     split = PRE_TOKENIZERS.get(pre) if kind in ("gpt2", "gemma4") else None
     add_bos = metadata(reader, "tokenizer.ggml.add_bos_token", kind == "llama" or (split is not None and split.add_bos))
     if pre == "gemma4":

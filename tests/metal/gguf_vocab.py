@@ -8,13 +8,15 @@ tokens, and Gemma 2/3's SentencePiece BPE with byte fallback, scores and token t
 """
 from __future__ import annotations
 
+import functools
 import json
 import select
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import gguf
 import tokenizers
@@ -55,6 +57,12 @@ def _lines() -> list[str]:
 
 def byte_level_vocab(pre: str, vocab_size: int = 700) -> tuple[list[str], list[str], list[int]]:
     """(tokens, merges, token types) of a byte-level BPE trained under `pre`'s split pattern."""
+    tokens, merges, types = _byte_level_vocab(pre, vocab_size)
+    return list(tokens), list(merges), list(types)
+
+
+@functools.cache
+def _byte_level_vocab(pre: str, vocab_size: int) -> tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...]]:
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(TRAIN_PATTERN[pre]), behavior="isolated"),
@@ -67,7 +75,7 @@ def byte_level_vocab(pre: str, vocab_size: int = 700) -> tuple[list[str], list[s
     tokens = sorted(vocab, key=vocab.__getitem__)
     merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
     types = [CONTROL if t in BPE_SPECIALS and t not in LOOSE_SPECIALS else NORMAL for t in tokens]
-    return tokens, merges, types
+    return tuple(tokens), tuple(merges), tuple(types)
 
 
 def byte_pair_vocab() -> tuple[list[str], list[str], list[int]]:
@@ -112,11 +120,13 @@ def gemma4_vocab(vocab_size: int = 900, newline_runs: int = 4) -> tuple[list[str
     return tokens, merges, types
 
 
-def write_vocab_gguf(out: str | Path, *, model: str, tokens: Sequence[str], types: Sequence[int],
+def write_vocab_gguf(out: str | Path, *, model: str | None, tokens: Sequence[str], types: Sequence[int],
                      merges: Sequence[str] = (), scores: Sequence[float] | None = None, pre: str | None = None,
                      bos: str | None = None, eos: str | None = None, unk: str | None = None,
-                     add_bos: bool | None = None, add_space_prefix: bool | None = None) -> Path:
-    """A vocabulary-only GGUF that llama.cpp loads with vocab_only=True (a llama header, no tensors)."""
+                     add_bos: bool | None = None, add_space_prefix: bool | None = None,
+                     extra: Mapping[str, Any] | None = None) -> Path:
+    """A vocabulary-only GGUF that llama.cpp loads with vocab_only=True (a llama header, no tensors);
+    `extra` adds keys of any type (str, bool, int, float or a list of one of them)."""
     writer = gguf.GGUFWriter(str(out), "llama")
     # The hyper-parameters llama.cpp reads before the vocabulary; no tensor is ever read.
     writer.add_context_length(128)
@@ -126,11 +136,14 @@ def write_vocab_gguf(out: str | Path, *, model: str, tokens: Sequence[str], type
     writer.add_head_count(4)
     writer.add_head_count_kv(4)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_tokenizer_model(model)
+    if model is not None:
+        writer.add_tokenizer_model(model)
     if pre is not None:
         writer.add_tokenizer_pre(pre)
-    writer.add_token_list(list(tokens))
-    writer.add_token_types([int(t) for t in types])
+    if tokens:
+        writer.add_token_list(list(tokens))
+    if types:
+        writer.add_token_types([int(t) for t in types])
     if scores is not None:
         writer.add_token_scores([float(s) for s in scores])
     if merges:
@@ -146,6 +159,17 @@ def write_vocab_gguf(out: str | Path, *, model: str, tokens: Sequence[str], type
         writer.add_add_bos_token(add_bos)
     if add_space_prefix is not None:
         writer.add_add_space_prefix(add_space_prefix)
+    for key, value in (extra or {}).items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_int32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_array(key, list(value))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import llama_cpp  # noqa: F401 - the reference tokenizer (the test extra); it runs in a child process
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from pymlxc.backends.metal.gguf import GGUFError, read_gguf
@@ -251,3 +251,41 @@ def test_without_llama_cpps_unicode_tables_loading_says_so(tmp_path: Path, monke
     finally:
         pair.ref.close()
         gguf_tokenizer._unicode_ranges.cache_clear()
+
+
+_VALUES = st.one_of(st.text(max_size=8), st.booleans(), st.integers(-2**31, 2**31 - 1), st.floats(allow_nan=False, width=32),
+                    st.lists(st.integers(0, 2**31 - 1), max_size=4), st.lists(st.text(max_size=6), max_size=4))
+
+
+@settings(max_examples=60, deadline=None)
+@given(key=st.sampled_from(["tokenizer.ggml.pre", "tokenizer.ggml.model", "tokenizer.ggml.merges", "tokenizer.ggml.tokens",
+                            "tokenizer.ggml.token_type", "tokenizer.ggml.scores", "tokenizer.ggml.add_bos_token",
+                            "tokenizer.ggml.bos_token_id", "tokenizer.ggml.add_space_prefix"]),
+       value=_VALUES, model=st.sampled_from(["gpt2", "gemma4", "llama"]))
+def test_hostile_tokenizer_metadata_gives_gguf_error(key: str, value: object, model: str,
+                                                    tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Any value of any type under a tokenizer key loads or raises GGUFError, never another exception."""
+    tokens, merges, types = byte_level_vocab("gpt-2", vocab_size=300)
+    fields = dict(model=model, pre="gpt-2", tokens=tokens, merges=merges, types=types, scores=[0.0] * len(tokens),
+                  bos="<|endoftext|>", add_bos=True, add_space_prefix=True)
+    name = {"tokenizer.ggml.pre": "pre", "tokenizer.ggml.model": "model", "tokenizer.ggml.merges": "merges",
+            "tokenizer.ggml.tokens": "tokens",
+            "tokenizer.ggml.token_type": "types", "tokenizer.ggml.scores": "scores",
+            "tokenizer.ggml.add_bos_token": "add_bos", "tokenizer.ggml.bos_token_id": "bos",
+            "tokenizer.ggml.add_space_prefix": "add_space_prefix"}[key]
+    fields[name] = None if name in ("pre", "model", "add_bos", "add_space_prefix", "bos", "scores") else ()
+    if name == "tokens":
+        fields["bos"] = None
+    path = tmp_path_factory.mktemp("hostile") / "h.gguf"
+    try:
+        write_vocab_gguf(path, **fields, extra={key: value})
+    except (ValueError, TypeError, OverflowError):
+        event("the gguf package does not write this value")  # e.g. an empty or mixed array
+        return
+    try:
+        tok = load_gguf_tokenizer(path, read_gguf(path), None)
+    except GGUFError:
+        event("GGUFError")
+        return
+    event("loaded")
+    tok.encode("hello world, 123 <|endoftext|>")

@@ -4,7 +4,9 @@
 shape holds for loading by pymlxc and mlx-lm: `config.json` (the published config's fields) and
 safetensors shards in HF names, bfloat16, or quantized in mlx-lm's layout (packed uint32 `weight`,
 bfloat16 `scales`/`biases` per group, `quantization` in the config; every linear and the embedding
-quantized, as `mlx_lm.convert -q` does). No tokenizer: the benchmarks feed token ids.
+quantized, as `mlx_lm.convert -q` does). The benchmarks feed token ids; `write_tokenizer` adds a
+byte-level BPE `tokenizer.json` of the shape's vocabulary where a file format needs one (GGUF files
+carry their vocabulary, and llama.cpp's tools load it).
 
 Weights are drawn tensor by tensor with mlx.core's generator directly in bfloat16 (or --dtype; std
 1/sqrt(fan_in), so activations stay O(1) through the layers), quantized right away and written in
@@ -185,6 +187,70 @@ def write_random_model(path: str | Path, shape: str, *, bits: int | None = None,
     return root
 
 
+def _byte_chars() -> list[str]:
+    """GPT-2's byte-level alphabet: byte b -> a printable character (spaces and controls moved up)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def write_tokenizer(path: str | Path, config: dict[str, Any]) -> Path:
+    """Write a byte-level BPE `tokenizer.json` (+ `tokenizer_config.json`) with exactly
+    `vocab_size` ids: the config's bos/eos ids as special tokens, the 256 bytes, then every pair of
+    bytes and as many byte triples as fill the rest, each made by one merge. Meaningless as a
+    language, but valid for Hugging Face's tokenizers, gguf's SpecialVocab and llama.cpp."""
+    root = Path(path)
+    vocab_size = int(config["vocab_size"])
+    eos = config.get("eos_token_id")
+    specials = {int(config["bos_token_id"]): "<|begin_of_text|>"} if config.get("bos_token_id") is not None else {}
+    for i, e in enumerate(eos if isinstance(eos, list) else [eos] if eos is not None else []):
+        specials.setdefault(int(e), "<|end_of_text|>" if i == 0 else f"<|eot_{i}|>")
+    byte = _byte_chars()
+
+    def pieces() -> Iterator[tuple[str, str | None]]:
+        yield from ((c, None) for c in byte)
+        yield from ((a + b, f"{a} {b}") for a in byte for b in byte)
+        yield from ((a + b + c, f"{a + b} {c}") for a in byte for b in byte for c in byte)
+
+    vocab: dict[str, int] = {}
+    merges: list[str] = []
+    stream = pieces()
+    for i in range(vocab_size):
+        if i in specials:
+            vocab[specials[i]] = i  # in the model's vocabulary too, so that the ids stay where they are
+            continue
+        text, merge = next(stream)
+        vocab[text] = i
+        if merge is not None:
+            merges.append(merge)
+    if len(vocab) < 256 + len(specials):
+        raise ValueError(f"a vocabulary of {vocab_size} ids has no room for the 256 byte tokens")
+    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+              "special": True} for i, t in sorted(specials.items())]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+                 "pre_tokenizer": byte_level, "post_processor": None, "decoder": byte_level,
+                 "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                           "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                           "ignore_merges": False, "vocab": vocab, "merges": merges}}
+    (root / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
+    tok_config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": True,
+                                  "model_max_length": config.get("max_position_embeddings", 4096)}
+    names = dict(sorted(specials.items()))
+    if config.get("bos_token_id") is not None:
+        tok_config["bos_token"] = names[int(config["bos_token_id"])]
+    if eos is not None:
+        tok_config["eos_token"] = names[int(eos[0] if isinstance(eos, list) else eos)]
+    (root / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    return root
+
+
 def weight_bytes(path: str | Path) -> int:
     """Bytes of the tensors of a model directory written here (from its index)."""
     index = json.loads((Path(path) / "model.safetensors.index.json").read_text())
@@ -200,9 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=None, help="fewer layers than the real model")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--tokenizer", action="store_true", help="also write a byte-level BPE tokenizer.json")
     args = parser.parse_args(argv)
     out = write_random_model(args.path, args.shape, bits=args.bits, group_size=args.group_size,
                              layers=args.layers, seed=args.seed, dtype=args.dtype)
+    if args.tokenizer:
+        write_tokenizer(out, shape_config(args.shape, args.layers))
     print(f"{out} ({weight_bytes(out) / 2**30:.2f} GiB)")
     return 0
 

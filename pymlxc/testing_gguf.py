@@ -1,8 +1,10 @@
-"""Write GGUF files from tiny Hugging Face model directories, the way llama.cpp's converter does.
+"""Write GGUF files from Hugging Face model directories, the way llama.cpp's converter does: for
+tests (tiny models) and for `benchmarks/compare_llama_cpp.py` (random real-shape models that
+llama.cpp's own tools then quantize). Needs the `gguf` extra.
 
-Test-side only: the names come from the `gguf` package's own `TensorNameMap` and the special ids,
-merges and chat template from its `SpecialVocab`, so the reader in `backends/metal/gguf.py` is
-checked against an independent writer. The converter's conventions are applied here on purpose:
+The names come from the `gguf` package's own `TensorNameMap` and the special ids, merges and chat
+template from its `SpecialVocab`, so the reader in `backends/metal/gguf.py` is checked against an
+independent writer. The converter's conventions are applied here on purpose:
 Llama's q/k rows permuted for interleaved RoPE, Gemma's norms stored as 1 + w, Llama 3's RoPE scaling
 as a `rope_freqs` tensor, 1-D tensors kept in F32.
 """
@@ -169,6 +171,22 @@ def _write_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, pre: str) -> None
     gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=n).add_to_gguf(writer, quiet=True)
 
 
+def _load_weights(model_dir: Path) -> dict[str, np.ndarray]:
+    """Every tensor of the directory's safetensors files (one file or shards), in file order.
+    numpy has no bfloat16: a bfloat16 checkpoint is an error that says so."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors file in {model_dir}")
+    weights: dict[str, np.ndarray] = {}
+    for f in files:
+        try:
+            weights.update(load_file(str(f)))
+        except TypeError as exc:
+            raise ValueError(f"{f}: cannot read its tensors with numpy ({exc}); write the model in "
+                             "float16 or float32") from exc
+    return weights
+
+
 def export_gguf(model_dir: str | Path, out: str | Path, qtype: QType = QType.F32, *, pre: str = "gpt-2",
                 tokenizer: bool = True, skip: Sequence[str] = (), extra_types: Mapping[str, QType] | None = None,
                 twin: str | Path | None = None) -> Path:
@@ -225,7 +243,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, qtype: QType = QType.F32
     if tokenizer:
         _write_tokenizer(writer, model_dir, pre)
 
-    weights = {k.removeprefix("language_model."): v for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+    weights = {k.removeprefix("language_model."): v for k, v in _load_weights(model_dir).items()}
     weights, stacked = _stack_experts(weights)
     gemma = model_type in ("gemma2", "gemma3", "gemma3_text")  # norms stored as 1 + w (not Gemma 4's)
     reference: dict[str, np.ndarray] = {}

@@ -584,7 +584,8 @@ def _next_multimodal_config(arch: str, text: dict[str, Any], ids: Mapping[str, A
     text_only = {k: v for k, v in text.items() if k != "architectures"}
     return {"architectures": [name], "model_type": arch, "text_config": text_only,
             "vision_config": {"model_type": "qwen3_5_vision", "hidden_size": 16, "depth": 1},
-            "tie_word_embeddings": text["tie_word_embeddings"], "torch_dtype": dtype, **ids}
+            "vocab_size": text["vocab_size"], "tie_word_embeddings": text["tie_word_embeddings"], "torch_dtype": dtype,
+            **ids}
 
 
 def _next_weights(config: Mapping[str, Any], arch: str, w: dict[str, np.ndarray], linear: Any,

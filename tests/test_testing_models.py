@@ -48,7 +48,10 @@ def test_loads_in_mlx_lm_with_finite_logits(model_dirs: dict, arch: str, bits: i
 def test_quantized_model_is_close_to_dense(model_dirs: dict, arch: str) -> None:
     dense, _ = _logits(model_dirs[(arch, None)])
     quant, _ = _logits(model_dirs[(arch, 4)])
-    assert np.corrcoef(dense.ravel(), quant.ravel())[0, 1] > 0.9
+    # Random gated-delta layers (4 of them, gates through exp and softplus) amplify 4-bit rounding:
+    # about 0.6-0.7 there, 0.99 at 8 bits; a wrong layout (norm offsets, conv axes) gives about 0.
+    floor = 0.5 if arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe") else 0.9
+    assert np.corrcoef(dense.ravel(), quant.ravel())[0, 1] > floor
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -62,7 +65,8 @@ def test_autotokenizer_loads_and_matches_config(model_dirs: dict, arch: str) -> 
     assert tok.chat_template is not None
 
 
-@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if not a.endswith("moe") and not a.startswith("gemma4")])
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if not a.endswith("moe")
+                                  and not a.startswith(("gemma4", "qwen3_next", "qwen3_5"))])  # own layouts
 def test_weights_have_the_checkpoint_names_and_shapes(model_dirs: dict, arch: str) -> None:
     weights = load_file(str(model_dirs[(arch, None)] / "model.safetensors"))
     prefix = "language_model." if arch == "gemma3" else ""

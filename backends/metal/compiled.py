@@ -53,6 +53,7 @@ from pymlxc.core.transforms import FixedArrays
 
 from . import cuda_switch
 from .cache import KVCache, RotatingKVCache
+from .recurrent_cache import RecurrentCache, StepRecurrentCache
 from .nn import Module
 from .sample import DEFAULT_PENALTY_CONTEXT, LogitsProcessor, Sampler, apply_processors, greedy
 from .step_queue import StepQueue
@@ -280,6 +281,8 @@ def _plan(cache: Sequence[Any], capacity: int, last_position: int) -> list[_Laye
                 return None  # a context-bounded cache would evict with sinks kept: not a ring
             ring = min(c.max_size, capacity)
             layers.append(_Layer(c, ring, c.max_size if ring == c.max_size else None))
+        elif type(c) is RecurrentCache and c.left_padding is None:
+            layers.append(_Layer(c, 0, None))  # ring 0: a fixed-size state, passed whole from step to step
         else:
             return None
     return layers
@@ -288,6 +291,8 @@ def _plan(cache: Sequence[Any], capacity: int, last_position: int) -> list[_Laye
 def _ring_of(layer: _Layer) -> tuple[Array, Array]:
     """The layer's keys and values laid out as its ring (slot = position % ring)."""
     c, ring = layer.cache, layer.ring
+    if ring == 0:
+        return c.decode_buffers()
     offset = c.offset
     if type(c) is KVCache:
         k, v = c.keys, c.values
@@ -323,6 +328,9 @@ def _cut(a: Array, length: int) -> Array:
 def _give_back(layer: _Layer, keys: Array, values: Array, offset: int) -> None:
     """Put the ring back into the layer's cache, in that cache's own layout, at `offset` tokens."""
     c, ring = layer.cache, layer.ring
+    if ring == 0:
+        c.take_back(keys, values, offset)
+        return
     if type(c) is KVCache:
         c.keys, c.values, c.offset = keys, values, offset
         c._capacity = ring  # noqa: SLF001 - the buffer is a KVCache buffer of `ring` slots
@@ -443,7 +451,7 @@ class CompiledDecoder:
         if any(type(c) is KVCache and c.keys is not None and c.keys.shape[2] > capacity for c in cache):
             capacity = max(c.keys.shape[2] for c in cache if type(c) is KVCache and c.keys is not None)
         layers = _plan(cache, capacity, last_position)
-        if layers is None or any(c.offset != first_position for c in cache) or any(c.keys is None for c in cache):
+        if layers is None or any(c.offset != first_position for c in cache) or any(c.empty() for c in cache):
             return None
         rings = _Rings(layers, capacity, max(full, capacity), last_position)
         weights, classes = walk if walk is not None else _arrays_of(model, with_classes=True)
@@ -631,7 +639,8 @@ def _trace_step(inputs: list[Array]) -> list[Array]:
     weights = inputs[2 + 2 * n:]
     model = _clone(spec.model, {id(a): t for a, t in zip(spec.weights, weights)})
     state = _StepState(pos, buffers[0].dtype)
-    caches = [_RingCache(buffers[2 * i], buffers[2 * i + 1], layer.ring, layer.window, state)
+    caches = [StepRecurrentCache(buffers[2 * i], buffers[2 * i + 1], pos) if layer.ring == 0
+              else _RingCache(buffers[2 * i], buffers[2 * i + 1], layer.ring, layer.window, state)
               for i, layer in enumerate(spec.layers)]
     b = tokens.shape[0]
     logits = model(mx.reshape(tokens, (b, 1)), cache=caches)
@@ -639,7 +648,7 @@ def _trace_step(inputs: list[Array]) -> list[Array]:
     out = greedy(logits) if spec.fuse_greedy else logits
     result = [out, pos + 1]
     for c in caches:
-        result += [c.keys, c.values]
+        result += list(c.state)
     return result
 
 
@@ -703,7 +712,10 @@ class DecodeSession:
         # make every buffer's first write a copy (MLX writes in place only into an array nothing
         # else holds), a second KV cache at the peak.
         for layer in spec.layers:
-            layer.cache.keys = layer.cache.values = None
+            if layer.ring == 0:
+                layer.cache.release_buffers()
+            else:
+                layer.cache.keys = layer.cache.values = None
         b = first_inputs.shape[0]
         queue.hand_over([first_inputs, self._buffers, self._history, spec.weights])  # weights: an update may be lazy
         position: list[Array] = []  # the step's position input, carried from step to step

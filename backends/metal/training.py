@@ -8,9 +8,10 @@ and `_model_type`.
 from __future__ import annotations
 
 import contextlib
+from contextlib import AbstractContextManager
 import json
 import shutil
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 # Multimodal configs whose checkpoints wrap the text model: there mlx-lm names parameters
 # `language_model.<our name>` and transformers (so PEFT) `model.language_model.<our name minus model.>`.
 # We load only the text model, under the plain names; files for other tools get their names.
-_WRAPPED_TYPES = ("gemma3", "gemma4")
+_WRAPPED_TYPES = ("gemma3", "gemma4", "qwen3_5", "qwen3_5_moe")
 
 
 def _family(model_type: str) -> str:
@@ -142,22 +143,25 @@ class TrainableMixin:
     _model_type: str
     _device: Any = None  # mx.cpu when the model was loaded with gpu_layers=0
     _adapter: MetalLoRAAdapter | None = None
+    # MetalTextModel's counted step: close() frees nothing while one runs, and refuses new ones.
+    _step: Callable[[], AbstractContextManager[None]]
 
     # ------------------------------------------------------------------ TrainableModel
     def apply_lora(self, config: LoRAConfig | None = None, *, seed: int = 0) -> MetalLoRAAdapter:
         """Wrap the target linears of the last `config.num_layers` blocks in LoRA layers (B = 0, so the
         model is unchanged until trained) and freeze everything else. One adapter at a time."""
-        config = config or LoRAConfig()
-        model = self._net()
-        self._no_adapter_yet()
-        paths = lora.select_modules(model, config.target_keys, config.num_layers)
-        keys = lora.DropoutKeys(seed)
-        specs = [lora.LoRASpec(p, config.rank, config.scale) for p in paths]
-        frozen = _frozen_state(model)
-        lora.attach(model, specs, dropout=config.dropout, dtype=config.dtype, seed=seed, dropout_keys=keys)
-        self._adapter = MetalLoRAAdapter(model, config, paths, model_type=self._model_type, dropout_keys=keys,
-                                         frozen_before=frozen)
-        return self._adapter
+        with self._step():
+            config = config or LoRAConfig()
+            model = self._net()
+            self._no_adapter_yet()
+            paths = lora.select_modules(model, config.target_keys, config.num_layers)
+            keys = lora.DropoutKeys(seed)
+            specs = [lora.LoRASpec(p, config.rank, config.scale) for p in paths]
+            frozen = _frozen_state(model)
+            lora.attach(model, specs, dropout=config.dropout, dtype=config.dtype, seed=seed, dropout_keys=keys)
+            self._adapter = MetalLoRAAdapter(model, config, paths, model_type=self._model_type, dropout_keys=keys,
+                                             frozen_before=frozen)
+            return self._adapter
 
     @property
     def adapter(self) -> MetalLoRAAdapter | None:
@@ -166,57 +170,60 @@ class TrainableMixin:
     def load_adapter(self, path: str | Path) -> MetalLoRAAdapter:
         """Attach the adapter in directory `path`: mlx-lm's format (`adapters.safetensors`) or PEFT's
         (`adapter_model.safetensors`). Errors name the tensors that do not fit."""
-        model = self._net()
-        self._no_adapter_yet()
-        weights = read_adapter(path)
-        saved_type = weights.config.get("model_type")
-        if isinstance(saved_type, str) and _family(saved_type) != _family(self._model_type):
-            raise AdapterError(f"{path}: the adapter was trained on a {saved_type!r} model, this is {self._model_type!r}")
-        weights = _rename_modules(weights, model)
-        dims = {p: lora.linear_dims(lora.get_module(model, p)) for p in _linear_paths(model)}
-        check_shapes(weights, dims, f"this {self._model_type} model")
-        first = weights.modules[0]
-        dtype = "bfloat16" if weights.tensors[f"{first}.lora_a"].dtype == mx.bfloat16 else "float32"
-        _, blocks = lora.blocks_of(model)
-        config = LoRAConfig(
-            rank=weights.rank(first), alpha=weights.scales[first] * weights.rank(first),
-            target_keys=tuple(sorted({_in_block(m) for m in weights.modules})),
-            num_layers=_num_layers(weights.modules, len(blocks)), dropout=min(weights.dropout, 0.99), dtype=dtype)
-        keys = lora.DropoutKeys(0)
-        specs = [lora.LoRASpec(m, weights.rank(m), weights.scales[m]) for m in weights.modules]
-        frozen = _frozen_state(model)
-        lora.attach(model, specs, dropout=config.dropout, dtype=dtype, dropout_keys=keys)
-        adapter = MetalLoRAAdapter(model, config, weights.modules, model_type=self._model_type, dropout_keys=keys,
-                                   frozen_before=frozen)
-        try:
-            lora.load_tensors(model, weights.tensors)
-        except ValueError as exc:
-            lora.detach(model)
-            adapter._detached()
-            raise AdapterError(f"{path}: {exc}") from None
-        self._adapter = adapter
-        return self._adapter
+        with self._step():
+            model = self._net()
+            self._no_adapter_yet()
+            weights = read_adapter(path)
+            saved_type = weights.config.get("model_type")
+            if isinstance(saved_type, str) and _family(saved_type) != _family(self._model_type):
+                raise AdapterError(f"{path}: the adapter was trained on a {saved_type!r} model, this is {self._model_type!r}")
+            weights = _rename_modules(weights, model)
+            dims = {p: lora.linear_dims(lora.get_module(model, p)) for p in _linear_paths(model)}
+            check_shapes(weights, dims, f"this {self._model_type} model")
+            first = weights.modules[0]
+            dtype = "bfloat16" if weights.tensors[f"{first}.lora_a"].dtype == mx.bfloat16 else "float32"
+            _, blocks = lora.blocks_of(model)
+            config = LoRAConfig(
+                rank=weights.rank(first), alpha=weights.scales[first] * weights.rank(first),
+                target_keys=tuple(sorted({_in_block(m) for m in weights.modules})),
+                num_layers=_num_layers(weights.modules, len(blocks)), dropout=min(weights.dropout, 0.99), dtype=dtype)
+            keys = lora.DropoutKeys(0)
+            specs = [lora.LoRASpec(m, weights.rank(m), weights.scales[m]) for m in weights.modules]
+            frozen = _frozen_state(model)
+            lora.attach(model, specs, dropout=config.dropout, dtype=dtype, dropout_keys=keys)
+            adapter = MetalLoRAAdapter(model, config, weights.modules, model_type=self._model_type, dropout_keys=keys,
+                                       frozen_before=frozen)
+            try:
+                lora.load_tensors(model, weights.tensors)
+            except ValueError as exc:
+                lora.detach(model)
+                adapter._detached()
+                raise AdapterError(f"{path}: {exc}") from None
+            self._adapter = adapter
+            return self._adapter
 
     def remove_adapter(self) -> None:
         """Put the base layers back (the adapter's weights are dropped)."""
-        if self._adapter is not None:
-            lora.detach(self._net())
-            self._adapter._detached()
-            self._adapter = None
+        with self._step():
+            if self._adapter is not None:
+                lora.detach(self._net())
+                self._adapter._detached()
+                self._adapter = None
 
     def fuse_adapter(self, dequantize: bool = False) -> int:
         """Fold the adapter into the base weights (W += scale * (A B)^T). Quantized bases are
         dequantized, updated and requantized with their own group size and bits, unless
         `dequantize`, which leaves them dense. Returns how many layers were fused."""
-        if self._adapter is None:
-            raise RuntimeError("no adapter to fuse")
-        model = self._net()
-        n = lora.fuse(model, dequantize=dequantize)
-        mx.eval(list(model.parameters().values()))
-        matvec.configure(model)  # the fused layers are new modules: choose their kernel again
-        self._adapter._detached()
-        self._adapter = None
-        return n
+        with self._step():
+            if self._adapter is None:
+                raise RuntimeError("no adapter to fuse")
+            model = self._net()
+            n = lora.fuse(model, dequantize=dequantize)
+            mx.eval(list(model.parameters().values()))
+            matvec.configure(model)  # the fused layers are new modules: choose their kernel again
+            self._adapter._detached()
+            self._adapter = None
+            return n
 
     def save_fused(self, path: str | Path, source: str | Path, *, dequantize: bool = False) -> Path:
         """Fuse the adapter (if one is attached) and write a model directory at `path`: the weights
@@ -224,19 +231,21 @@ class TrainableMixin:
         directory the base model was loaded from). A quantized base stays quantized (fused layers are
         requantized with their own bits and group size) unless `dequantize`: then every layer is saved
         dense and the quantization config is dropped."""
-        if self._adapter is not None:
-            self.fuse_adapter(dequantize=dequantize)
-        if dequantize:
-            lora.dequantize_model(self._net())
-        return save_model_dir(self._net(), path, source, dequantized=dequantize,
-                              rename=lambda name: external_name(name, self._model_type, "mlx"))
+        with self._step():
+            if self._adapter is not None:
+                self.fuse_adapter(dequantize=dequantize)
+            if dequantize:
+                lora.dequantize_model(self._net())
+            return save_model_dir(self._net(), path, source, dequantized=dequantize,
+                                  rename=lambda name: external_name(name, self._model_type, "mlx"))
 
     # ------------------------------------------------------------------ what pymlxc.train uses
     def logits(self, inputs: Array) -> Array:
         """Logits [B, L, V] of a [B, L] token array, without a cache (causal attention), through
         MLX's kernels only: their gradients are defined."""
-        with mlx_kernels_only():
-            return self._net()(inputs)
+        with self._step():
+            with mlx_kernels_only():
+                return self._net()(inputs)
 
     def training_encoder(self) -> Encoder:
         from .chat_template import builtin_template, render_chat
@@ -259,16 +268,19 @@ class TrainableMixin:
                        eos_token_id=eos, render_chat=render, model_type=self._model_type)
 
     def set_grad_checkpoint(self, enabled: bool) -> None:
-        lora.set_grad_checkpoint(self._net(), enabled)
+        with self._step():
+            lora.set_grad_checkpoint(self._net(), enabled)
 
     @contextlib.contextmanager
     def training_scope(self) -> Iterator[None]:
-        """Run on the model's device (the CPU when it was loaded with gpu_layers=0)."""
-        if self._device is None:
-            yield
-        else:
-            with mx.stream_scope(self._device):
+        """Run as one counted step (close() waits for it; once closed, the next training call inside
+        raises ModelClosedError) on the model's device (the CPU when it was loaded with gpu_layers=0)."""
+        with self._step():
+            if self._device is None:
                 yield
+            else:
+                with mx.stream_scope(self._device):
+                    yield
 
     # ------------------------------------------------------------------ helpers
     def _net(self) -> Module:

@@ -41,9 +41,10 @@ def test_adapter_round_trips_through_mlx_lm_and_peft(arch: str, tmp_path: Path) 
         np.testing.assert_allclose(_ours(model, ids), ours, rtol=1e-5, atol=1e-5)
     with safe_open(str(tmp_path / "peft" / "adapter_model.safetensors"), "numpy") as f:
         first_name = sorted(f.keys())[0]
-    wrapped = arch in ("gemma3", "gemma4")
-    assert first_name.startswith("base_model.model.model.language_model.layers.0." if wrapped
-                                 else "base_model.model.model.layers.0.")
+    wrapped = arch in ("gemma3", "gemma4", "qwen3_5", "qwen3_5_moe")
+    first = 1 if arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe") else 0  # layer 0 is linear attention there
+    assert first_name.startswith(f"base_model.model.model.language_model.layers.{first}." if wrapped
+                                 else f"base_model.model.model.layers.{first}.")
 
 
 def test_fused_multimodal_wrapper_loads_in_mlx_lm(tmp_path: Path) -> None:

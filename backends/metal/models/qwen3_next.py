@@ -227,6 +227,8 @@ class GatedDeltaNet(nn.Module):
         if state is None:
             state = mx.zeros((bsz, self.num_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
         beta = mx.sigmoid(b)
+        if s > 1 and cache is not None:  # check the decode kernel now, before a compiled step traces it
+            kernels.ready(q[:, :1], k[:, :1], v[:, :1], _ops_one_token)
         if s == 1 and valid is None:
             y, state = self._step(q, k, v, gated_delta.decay(self.A_log, a, self.dt_bias), beta, state)
         else:

@@ -414,7 +414,8 @@ def settings_from_metadata(reader: GGUFReader, model_type: str | None) -> tuple[
     stop = [i for i in (eos_id, token("tokenizer.ggml.eot_token_id")[0], token("tokenizer.ggml.eom_token_id")[0])
             if i is not None]
     if len(types) == n:
-        stop += [i for i, (t, k) in enumerate(zip(tokens, token_types(tokens, types))) if k == CONTROL and t in END_OF_TURN]
+        stop += [i for i, (t, k) in enumerate(zip(tokens, token_types(tokens, types)))
+                 if k == CONTROL and t in END_OF_TURN]
         if "<|tool_response>" in tokens:
             stop = [i for i in stop if tokens[i] != "</s>"]  # Gemma 4's "</s>" is text, as llama.cpp has it
     config: dict[str, Any] = {"model_type": model_type, "eos_token_id": sorted(set(stop))}
@@ -458,5 +459,5 @@ def load_gguf_tokenizer(gguf_path: str | Path, reader: GGUFReader, model_type: s
                                 gen_config=gen_config)
 
 
-__all__ = ["PRE_TOKENIZERS", "END_OF_TURN", "token_types", "pipeline_from_metadata", "settings_from_metadata", "spm_merges",
-           "load_gguf_tokenizer"]
+__all__ = ["PRE_TOKENIZERS", "END_OF_TURN", "LLAMA_CPP_UNICODE", "token_types", "pipeline_from_metadata",
+           "settings_from_metadata", "spm_merges", "load_gguf_tokenizer"]

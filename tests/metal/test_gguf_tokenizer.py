@@ -7,6 +7,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import llama_cpp  # noqa: F401 - the reference tokenizer (the test extra); it runs in a child process
 import pytest
@@ -17,9 +18,8 @@ from pymlxc.backends.metal.gguf import GGUFError, read_gguf
 from pymlxc.backends.metal.gguf_tokenizer import PRE_TOKENIZERS, load_gguf_tokenizer
 from pymlxc.backends.metal.tokenizer import Tokenizer
 
-from .gguf_vocab import (BPE_SPECIALS, CONTROL, GEMMA_SPECIALS, NORMAL, TEXT, LlamaCppVocab, byte_level_vocab, byte_pair_vocab,
-                         gemma4_vocab, sentencepiece_gguf, write_vocab_gguf)
-
+from .gguf_vocab import (BPE_SPECIALS, CONTROL, GEMMA_SPECIALS, NORMAL, TEXT, LlamaCppVocab, byte_level_vocab,
+                         byte_pair_vocab, gemma4_vocab, sentencepiece_gguf, write_vocab_gguf)
 
 BYTE_LEVEL = ("llama-bpe", "qwen2", "qwen35", "gpt-2", "default")
 PAIRS = tuple(f"pairs-{pre}" for pre in BYTE_LEVEL)  # every byte pair merges: ids show each split boundary
@@ -31,7 +31,6 @@ SAMPLES = [
     "🙂🙂 👍🏽 🇫🇷 \U0010fffd \ufeff\u200b", "\x00\x01\x7f control", "<|im_start|>user\nhi<|im_end|>\n",
     "<bos><start_of_turn>user\nHi!<end_of_turn>\n<start_of_turn>model\n", "<|turn>user\n  x<turn|>", "<h1>Title</h1>",
     "<think>\n\n</think>\n\n", "<|endoftext|><|endoftext|>", "trailing   ", "   leading", "a<|file_sep|>b",
-
 ]
 
 
@@ -40,11 +39,13 @@ def _quiet() -> None:
     warnings.simplefilter("ignore", DeprecationWarning)
 
 
-def _write(name: str, root: Path, **overrides: object) -> Path:
+def _write(name: str, root: Path) -> Path:
+    """The GGUF file of vocabulary `name` (one of VOCABS) in `root`."""
     path = root / f"{name}.gguf"
+    args: dict[str, Any]
     if name in BYTE_LEVEL:
         tokens, merges, types = byte_level_vocab(name)
-        args: dict = dict(model="gpt2", pre=name, tokens=tokens, merges=merges, types=types,
+        args = dict(model="gpt2", pre=name, tokens=tokens, merges=merges, types=types,
                           bos="<|endoftext|>", eos="<|im_end|>")
     elif name in PAIRS:
         tokens, merges, types = byte_pair_vocab()
@@ -53,13 +54,14 @@ def _write(name: str, root: Path, **overrides: object) -> Path:
     elif name.startswith("gemma4"):
         tokens, merges, types = gemma4_vocab()
         # llama.cpp also runs Gemma 4's split for a "gpt2" model whose pre is "gemma4"
-        args = dict(model="gpt2" if name == "gemma4-as-gpt2" else "gemma4", pre="gemma4", tokens=tokens, merges=merges, types=types, bos="<bos>",
-                    eos="<eos>", unk="<unk>", add_bos=False)  # llama.cpp adds BOS for Gemma 4 regardless
+        args = dict(model="gpt2" if name == "gemma4-as-gpt2" else "gemma4", pre="gemma4", tokens=tokens,
+                    merges=merges, types=types, bos="<bos>", eos="<eos>", unk="<unk>",
+                    add_bos=False)  # llama.cpp adds BOS for Gemma 4 whatever the file says
     else:
         work = root / name
         work.mkdir()
         return sentencepiece_gguf(path, work, add_space_prefix=name == "spm")
-    return write_vocab_gguf(path, **{**args, **overrides})
+    return write_vocab_gguf(path, **args)
 
 
 class Pair:
@@ -253,12 +255,14 @@ def test_without_llama_cpps_unicode_tables_loading_says_so(tmp_path: Path, monke
         gguf_tokenizer._unicode_ranges.cache_clear()
 
 
-_VALUES = st.one_of(st.text(max_size=8), st.booleans(), st.integers(-2**31, 2**31 - 1), st.floats(allow_nan=False, width=32),
+_VALUES = st.one_of(st.text(max_size=8), st.booleans(), st.integers(-2**31, 2**31 - 1),
+                    st.floats(allow_nan=False, width=32),
                     st.lists(st.integers(0, 2**31 - 1), max_size=4), st.lists(st.text(max_size=6), max_size=4))
 
 
 @settings(max_examples=60, deadline=None)
-@given(key=st.sampled_from(["tokenizer.ggml.pre", "tokenizer.ggml.model", "tokenizer.ggml.merges", "tokenizer.ggml.tokens",
+@given(key=st.sampled_from(["tokenizer.ggml.pre", "tokenizer.ggml.model", "tokenizer.ggml.merges",
+                            "tokenizer.ggml.tokens",
                             "tokenizer.ggml.token_type", "tokenizer.ggml.scores", "tokenizer.ggml.add_bos_token",
                             "tokenizer.ggml.bos_token_id", "tokenizer.ggml.add_space_prefix"]),
        value=_VALUES, model=st.sampled_from(["gpt2", "gemma4", "llama"]))

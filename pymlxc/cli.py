@@ -88,7 +88,8 @@ def _error(message: str) -> None:
 # ---------------------------------------------------------------------- loading
 
 def add_load_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="model directory")
+    parser.add_argument("model", help="model directory, .gguf file, or Hugging Face repo id (org/name[@revision]"
+                        "[:QUANT]; downloaded into the hub cache)")
     parser.add_argument("--backend", default=None, help="backend name (default: the best available)")
     parser.add_argument("--context-len", type=int, default=None, help="context length in tokens")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (gpu_layers=0)")
@@ -97,8 +98,9 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load(args: argparse.Namespace) -> Any:
     """Load `args.model` as `add_load_arguments` describes, with a progress bar on stderr when the
-    backend reports progress."""
-    from pymlxc import registry
+    backend reports progress. A repo id is downloaded first (huggingface_hub's bars unless --quiet)
+    and `args.model` becomes the local path, which commands such as `fuse` read files from."""
+    from pymlxc import hub, registry
     from pymlxc.options import LoadConfig, make_config
 
     options: dict[str, Any] = {}
@@ -110,9 +112,10 @@ def load(args: argparse.Namespace) -> Any:
     backend = registry.default_backend() if config.backend is None else registry.get(config.backend)
     if not backend.available():
         raise registry.BackendUnavailableError(f"backend {backend.name!r} is unavailable: {backend.unavailable_reason()}")
+    name, args.model = args.model, str(hub.resolve(args.model, progress=not args.quiet))
     if args.quiet or "progress" not in inspect.signature(backend.load).parameters:
         return backend.load(str(args.model), config)
-    bar = ProgressBar(f"loading {args.model}")
+    bar = ProgressBar(f"loading {name}")
     try:
         return backend.load(str(args.model), config, progress=bar)  # type: ignore[call-arg]
     finally:
@@ -227,25 +230,31 @@ def _run_info(args: argparse.Namespace) -> int:
 
 
 def _configure_discover(p: argparse.ArgumentParser) -> None:
-    p.add_argument("root", help="folder to search")
+    p.add_argument("root", nargs="?", default=None,
+                   help="folder to search (default: the Hugging Face hub cache, listing each model's repo id)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
 
 
 def _run_discover(args: argparse.Namespace) -> int:
-    from pymlxc.discover import discover
+    from pymlxc.discover import discover, discover_hub
+    from pymlxc.hub import hub_cache_dir
 
+    where = args.root if args.root is not None else f"the Hugging Face cache {hub_cache_dir()}"
     found = 0
-    for model in discover(args.root):
+    for model in (discover(args.root) if args.root is not None else discover_hub()):
         found += 1
         record = {"path": str(model.path), "model_type": model.model_type, "format": model.format,
                   "quant_bits": model.quant_bits, "quant_group": model.quant_group, "files": model.num_files}
+        if model.reference is not None:
+            record = {"reference": model.reference, **record}
         if args.json:
             print(json.dumps(record))
         else:
             quant = f"{model.quant_bits}-bit/{model.quant_group}" if model.quant_bits else "unquantized"
-            print(f"{model.path}\t{model.model_type or '?'}\t{model.format}\t{quant}\t{model.num_files} file(s)")
+            lead = f"{model.reference}\t" if model.reference is not None else ""
+            print(f"{lead}{model.path}\t{model.model_type or '?'}\t{model.format}\t{quant}\t{model.num_files} file(s)")
     if not found and not args.json:
-        print(f"no models under {args.root}", file=sys.stderr)
+        print(f"no models under {where}", file=sys.stderr)
     return 0
 
 
@@ -253,7 +262,8 @@ for _command in (
     Command("generate", "generate text after a prompt", _configure_generate, _run_generate),
     Command("chat", "chat interactively (reads messages from stdin)", _configure_chat, _run_chat),
     Command("info", "describe a model", _configure_info, _run_info),
-    Command("discover", "list the model directories under a folder", _configure_discover, _run_discover),
+    Command("discover", "list the model directories under a folder, or the models in the Hugging Face cache",
+            _configure_discover, _run_discover),
 ):
     register_command(_command)
 

@@ -1,12 +1,15 @@
-"""`discover(root)`: find model directories (safetensors or GGUF) under a folder."""
+"""`discover(root)`: find model directories (safetensors or GGUF) under a folder; `discover_hub()`:
+the models in the Hugging Face hub cache, each with the reference that loads it."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .files import check_regular_file, read_json
+from .files import check_regular_file, read_bytes, read_json
+from .hub import DEFAULT_REVISION, gguf_group, hub_cache_dir, is_model_gguf, quant_label
 
 
 @dataclass(frozen=True)
@@ -17,6 +20,7 @@ class DiscoveredModel:
     quant_group: int
     num_files: int
     format: str  # "safetensors" or "gguf"
+    reference: str | None = None  # discover_hub: the repo id to load it by (org/name[@commit][:QUANT])
 
 
 def _safetensors_model(path: Path, files: list[str]) -> DiscoveredModel | None:
@@ -38,17 +42,21 @@ def _safetensors_model(path: Path, files: list[str]) -> DiscoveredModel | None:
     )
 
 
+def _describe_gguf(file: Path) -> tuple[str | None, int, int]:
+    check_regular_file(file, what="GGUF file")  # its reader opens it by name
+    try:
+        from .backends.metal.gguf import describe_gguf  # type: ignore[import-not-found]
+
+        return describe_gguf(file)  # type: ignore[no-any-return]
+    except ImportError:
+        return None, 0, 0
+
+
 def _gguf_model(path: Path, files: list[str]) -> DiscoveredModel | None:
     ggufs = sorted(f for f in files if f.endswith(".gguf") and not f.lower().startswith("mmproj"))  # not projectors
     if not ggufs:
         return None
-    check_regular_file(path / ggufs[0], what="GGUF file")  # its reader opens it by name
-    try:
-        from .backends.metal.gguf import describe_gguf  # type: ignore[import-not-found]
-
-        model_type, bits, group = describe_gguf(path / ggufs[0])
-    except ImportError:
-        model_type, bits, group = None, 0, 0
+    model_type, bits, group = _describe_gguf(path / ggufs[0])
     return DiscoveredModel(path, model_type, bits, group, len(ggufs), "gguf")
 
 
@@ -68,3 +76,37 @@ def discover(root: str | os.PathLike[str]) -> Iterator[DiscoveredModel]:
             if found is not None:
                 yield found
                 break
+
+
+def discover_hub(cache_dir: str | os.PathLike[str] | None = None) -> Iterator[DiscoveredModel]:
+    """Yield each loadable model in the Hugging Face hub cache (`cache_dir`, else the one
+    `pymlxc.hub.hub_cache_dir()` names): a safetensors snapshot as `org/name` (the default
+    branch's commit) or `org/name@<commit>`, and each quantization of a GGUF snapshot as
+    `...:QUANT` with `path` the .gguf file. Unreadable or malformed entries are skipped."""
+    cache = Path(cache_dir) if cache_dir is not None else hub_cache_dir()
+    for storage in sorted(cache.glob("models--*--*")):
+        repo_id = storage.name[len("models--"):].replace("--", "/", 1)  # org names cannot hold "--"
+        try:
+            ref = read_bytes(storage / "refs" / DEFAULT_REVISION, what="cache ref file", max_bytes=4096)
+            default = ref.decode("ascii", "replace").strip()
+        except OSError:
+            default = ""  # no default branch cached: every snapshot is named by its commit
+        for snapshot in sorted(p for p in (storage / "snapshots").glob("*") if p.is_dir()):
+            name = repo_id if snapshot.name == default else f"{repo_id}@{snapshot.name}"
+            try:
+                files = sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file())
+                found = _safetensors_model(snapshot, [f for f in files if "/" not in f])
+                if found is not None:
+                    yield dataclasses.replace(found, reference=name)
+                    continue
+                groups: dict[str, list[str]] = {}
+                for f in files:
+                    if is_model_gguf(f):
+                        groups.setdefault(gguf_group(f), []).append(f)
+                for group, parts in sorted(groups.items()):
+                    first = snapshot / sorted(parts)[0]
+                    model_type, bits, qgroup = _describe_gguf(first)
+                    yield DiscoveredModel(first, model_type, bits, qgroup, len(parts), "gguf",
+                                          reference=f"{name}:{quant_label(group)}")
+            except (OSError, ValueError, TypeError, KeyError, OverflowError):
+                continue  # unreadable or malformed: not fatal

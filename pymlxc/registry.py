@@ -4,6 +4,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from . import hub
 from .model import Backend, TextModel
 from .options import LoadConfig, make_config
 
@@ -57,7 +58,9 @@ def default_backend() -> Backend:
 
 
 def load_model(path: str, backend: str | None = None, **options: Any) -> TextModel:
-    """Load the model at `path` (a directory, or a .gguf file) with `backend` or the default one."""
+    """Load the model at `path` with `backend` or the default one. `path` is a directory or a .gguf
+    file, or a Hugging Face repo id (`org/name`, `org/name@revision`, `org/name:Q4_K_M` for a GGUF
+    repo) downloaded into the hub cache first (`pymlxc.hub.resolve`; an existing path wins)."""
     config = make_config(LoadConfig, backend=backend, **options)
     if config.backend is None:
         chosen = default_backend()
@@ -70,4 +73,4 @@ def load_model(path: str, backend: str | None = None, **options: Any) -> TextMod
             raise BackendUnavailableError(
                 f"backend {config.backend!r} is unavailable: {chosen.unavailable_reason()}; backends: {_describe()}"
             )
-    return chosen.load(str(path), config)
+    return chosen.load(str(hub.resolve(path)), config)  # options checked and backend chosen before any download

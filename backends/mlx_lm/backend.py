@@ -90,7 +90,9 @@ class MlxLmBackend:
         return probe(self.python)[1]
 
     def load(self, path: str, config: LoadConfig) -> MlxLmModel:
-        model_dir = Path(path).expanduser().resolve()
+        from pymlxc.hub import resolve
+
+        model_dir = resolve(path).resolve()  # a repo id is fetched here: the worker gets a local directory
         if not model_dir.is_dir():
             raise FileNotFoundError(f"the mlx_lm backend loads model directories; {path!r} is not one")
         adapter = None

@@ -211,7 +211,10 @@ def _print_text(record: dict[str, Any]) -> None:
 def _run_bench(args: argparse.Namespace) -> int:
     from pymlxc.cli import load
 
+    from pymlxc.hub import resolve
+
     quiet = args.quiet
+    args.model = str(resolve(args.model, progress=not quiet))  # a download is not part of the timed load
     args.quiet = True  # no progress bar: the load is timed
     start = time.perf_counter()
     with load(args) as model:

@@ -220,11 +220,12 @@ def _gemma4_newlines(vocab: dict[str, int], pairs: list[tuple[str, str]], tokens
     token and merges everything else. Gemma 4's run tokens are not built by its merges, and
     `tokenizers` has one whole-word switch for all pieces, so: a run that is a token becomes one
     piece, built by added merges between run tokens (ranked after the file's); any other run is cut
-    into single newlines, which is what the file's merges make of it when none of them joins newlines."""
+    into single newlines, which is what the file's merges make of it when none of them joins two runs."""
     runs = sorted((t for t in vocab if t and not t.strip("\n")), key=len)
     if not _unreachable(vocab, pairs, runs):
         return _NEWLINES, pairs, False  # the file's merges build every run token: merging is exact
-    if not any(not (a.strip("\n") and b.strip("\n")) for a, b in pairs):
+    # Only a merge of two newline runs can act on a run (pieces never mix newlines with other text).
+    if not any(not a.strip("\n") and not b.strip("\n") for a, b in pairs):
         lengths = sorted({len(r) for r in runs if len(r) > 1}, reverse=True)
         whole = "|".join(r"\n{%d}" % k for k in lengths)
         pattern = r"[^\n]+|" + (r"(?<!\n)(?:" + whole + r")(?!\n)|" if lengths else "") + r"\n"

@@ -157,6 +157,9 @@ class SupportsTraining(Protocol):
     device scope to train in, the adapter currently applied, and its removal (a failed run takes
     off the adapter it applied)."""
 
+    @property
+    def closed(self) -> bool: ...
+
     def logits(self, inputs: Array) -> Array: ...
 
     def training_encoder(self) -> Encoder: ...

@@ -250,6 +250,9 @@ def _train(model: Any, data: str | Path, adapter_path: str | Path, lora: LoRACon
     except BaseException:
         # A failed run leaves the model as it was before the call: the adapter made here is removed,
         # an adapter it already had gets its weights back (arrays are immutable: these are they).
+        # A model closed under the run is going away: nothing to restore.
+        if model.closed:
+            raise
         if applied:
             model.remove_adapter()
         else:

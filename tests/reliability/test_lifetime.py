@@ -125,3 +125,37 @@ def test_a_call_behind_this_threads_only_slot_raises_instead_of_waiting(model_di
     for name in ("generate", "classify", "batch", "warm", "inspect"):
         assert "parallel_slots" in got[name] and "this thread" in got[name], (name, got[name])
     assert got["after"] == 3
+
+
+def test_close_while_another_thread_trains(model_dir: Path, tmp_path: Path) -> None:
+    # Training runs as one counted step: close() waits for it, and the run's next step raises
+    # ModelClosedError instead of using weights that close() is about to free.
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join('{"text": "Once upon a time there was a tiny model %d"}\n' % i for i in range(8)))
+    result = run_case(f"""
+        import threading, time
+        import pymlxc
+        m = pymlxc.load_model({str(model_dir)!r}, backend="metal")
+        started = threading.Event()
+        result = {{}}
+        def work():
+            try:
+                pymlxc.train(m, {str(data)!r}, {str(tmp_path / "adapters")!r}, iters=100000, batch_size=2,
+                             steps_per_report=1, save_every=100000, progress=False,
+                             callback=lambda r: started.set())
+                result["raised"] = None
+            except BaseException as exc:
+                result["raised"] = type(exc).__name__
+            started.set()
+        thread = threading.Thread(target=work)
+        thread.start()
+        started.wait(120)
+        t0 = time.monotonic()
+        m.close()
+        result["close_s"] = time.monotonic() - t0
+        thread.join(60)
+        result["alive"] = thread.is_alive()
+        report(result)
+    """, timeout=300)
+    assert result["raised"] == "ModelClosedError" and not result["alive"], result
+    assert result["close_s"] < 20, result

@@ -91,7 +91,8 @@ def test_cli_lora_then_fuse(llama_dir: Path, repeat_data: Path, tmp_path: Path, 
                "--export-peft", str(tmp_path / "peft")])
     assert rc == 0
     err = capsys.readouterr().err
-    assert "4/4" in err and "tok/s" in err and "done: 4 steps" in err
+    # Off a terminal the progress bar is silent; the closing line still reports the run.
+    assert "done: 4 steps" in err and "trained tok/s" in err and "\r" not in err
     assert (tmp_path / "ad" / "adapters.safetensors").is_file() and (tmp_path / "peft" / "adapter_model.safetensors").is_file()
     rc = main(["fuse", str(llama_dir), "--adapter-path", str(tmp_path / "ad"), "--save-path", str(tmp_path / "fused"),
                "--quiet"])

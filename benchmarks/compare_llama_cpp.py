@@ -52,10 +52,8 @@ from typing import Any
 
 import numpy as np
 
-import mlx.core as mlx
-
-from compare_mlx_lm import Pymlxc, bytes_per_token, device_facts, measure_bandwidth, timed_run, versions, warm_up
-from random_models import shape_config, weight_bytes, write_random_model, write_tokenizer
+# MLX, pymlxc, random_models and compare_mlx_lm are imported where a stage needs them: --build-only
+# runs on a machine where MLX is not installed yet.
 
 SCHEMA_VERSION = 1
 # GGUF format -> (llama-quantize type, native checkpoint: bits or None for bfloat16)
@@ -90,7 +88,7 @@ def build_llama_cpp(tarball: Path, folder: Path, cuda: bool, jobs: int) -> Path:
         shutil.rmtree(src)
         (folder / top).rename(src)
     options = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-               "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=OFF",
+               "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=OFF",
                "-DGGML_CCACHE=OFF"]
     if cuda:
         options += ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90"]
@@ -138,7 +136,9 @@ def prepare(shape: str, formats: list[str], root: Path, layers: int | None, tool
     """Write (or reuse) the source model, its F16 GGUF, each format's GGUF and native checkpoint.
     Returns {format: {"gguf": path, "native": path}}."""
     from gguf import GGMLQuantizationType as QType
+
     from pymlxc.testing_gguf import export_gguf
+    from random_models import shape_config, weight_bytes, write_random_model, write_tokenizer
 
     tag = shape + ("" if layers is None else f"-{layers}l")
     src = root / f"{tag}-f16-src"
@@ -182,7 +182,9 @@ def prepare(shape: str, formats: list[str], root: Path, layers: int | None, tool
 
 # ---------------------------------------------------------------------- one case
 
-def pymlxc_runs(side: Pymlxc, prompts: dict[int, list[int]], tokens: int) -> dict[int, dict[str, Any]]:
+def pymlxc_runs(side: Any, prompts: dict[int, list[int]], tokens: int) -> dict[int, dict[str, Any]]:
+    from compare_mlx_lm import timed_run
+
     return {n: timed_run(side, ids, tokens) for n, ids in prompts.items()}
 
 
@@ -192,6 +194,9 @@ def median(values: list[float]) -> float | None:
 
 def run_case(shape: str, fmt: str, files: dict[str, Path], args: argparse.Namespace, tools: Path | None,
              bandwidth: float) -> dict[str, Any]:
+    from compare_mlx_lm import Pymlxc, bytes_per_token, warm_up
+    from random_models import shape_config
+
     config = shape_config(shape, args.layers)
     rng = np.random.default_rng(0)
     v = config["vocab_size"]
@@ -200,11 +205,13 @@ def run_case(shape: str, fmt: str, files: dict[str, Path], args: argparse.Namesp
     total, per_token = gguf_tensor_bytes(files["gguf"])
     native_per_token = bytes_per_token(files["native"], config)
     sides = {"pymlxc_gguf": Pymlxc(), "pymlxc_native": Pymlxc()}
-    sides["pymlxc_gguf"].name, sides["pymlxc_native"].name = "pymlxc_gguf", "pymlxc_native"
+    if args.matvec_off:  # the GGUF file with MLX's quantized_matmul for its affine layers
+        sides["pymlxc_gguf_matvec0"] = Pymlxc(cuda_matvec="0")
     load_s: dict[str, float] = {}
     for name, side in sides.items():
+        side.name = name
         t = time.perf_counter()
-        side.load(files["gguf" if name == "pymlxc_gguf" else "native"])
+        side.load(files["native" if name == "pymlxc_native" else "gguf"])
         load_s[name] = time.perf_counter() - t
         for ids in prompts.values():
             warm_up(side, ids, args.max_tokens)
@@ -251,6 +258,9 @@ def table(report: dict[str, Any]) -> str:
     for n in lengths:
         head += [f"decode @{n}: GGUF / native / llama.cpp", f"prefill {n}: GGUF / native / llama.cpp"]
     head += ["GGUF / llama.cpp decode", "bandwidth (GGUF, native, llama.cpp)", "memory / file"]
+    matvec0 = any("pymlxc_gguf_matvec0" in c["sides"] for c in report["cases"])
+    if matvec0:
+        head.append(f"GGUF decode @{lengths[0]}, MLX's quantized_matmul")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def num(x: float | None) -> str:
@@ -269,6 +279,8 @@ def table(report: dict[str, Any]) -> str:
         row.append(", ".join("-" if s.get(k, {}).get("bandwidth_fraction") is None else f"{s[k]['bandwidth_fraction']:.0%}"
                              for k in ("pymlxc_gguf", "pymlxc_native", "llama_cpp")))
         row.append(f"{c['memory_after_load']['pymlxc_gguf'] / c['gguf_tensor_bytes']:.3f}")
+        if matvec0:
+            row.append(num(s.get("pymlxc_gguf_matvec0", {}).get(first, {}).get("decode_tps")))
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
@@ -313,6 +325,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-llama-cpp", action="store_true", help="pymlxc only (files from pymlxc's writer)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU (MLX and llama.cpp)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 4)
+    p.add_argument("--matvec-off", action="store_true",
+                   help="a fourth side: the GGUF file with PYMLXC_CUDA_MATVEC=0 (MLX's kernels for affine layers)")
+    p.add_argument("--build-only", action="store_true", help="build llama.cpp's tools, then stop")
+    p.add_argument("--prepare-only", action="store_true", help="write the models and files, then stop")
     args = p.parse_args(argv)
     if not args.no_llama_cpp and args.llama_cpp is None:
         p.error("name --llama-cpp (a build folder, or where to build with --llama-cpp-src) or pass --no-llama-cpp")
@@ -323,17 +339,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.cpu:
-        mlx.set_default_device(mlx.cpu)
-        import pymlxc.core as pmx
-
-        pmx.set_default_device(pmx.cpu)
     tools = None
     if not args.no_llama_cpp:
         tools = (build_llama_cpp(args.llama_cpp_src, args.llama_cpp, not args.cpu, args.threads)
                  if args.llama_cpp_src is not None else find_tools(args.llama_cpp))
         if tools is None:
             raise SystemExit(f"no {' and '.join(TOOLS)} under {args.llama_cpp}; give --llama-cpp-src to build them")
+    if args.build_only:
+        print(f"llama.cpp tools in {tools}")
+        return 0
+    import mlx.core as mlx
+
+    import pymlxc.core as pmx
+    from compare_mlx_lm import device_facts, measure_bandwidth, versions
+
+    if args.cpu:
+        mlx.set_default_device(mlx.cpu)
+        pmx.set_default_device(pmx.cpu)
     args.models_dir.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     bandwidth = measure_bandwidth(1 << 28 if not args.cpu else 1 << 26)
@@ -348,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes:
         print(f"== {shape}", flush=True)
         files = prepare(shape, args.formats, args.models_dir, args.layers, tools, args.threads)
+        if args.prepare_only:
+            continue
         for fmt in args.formats:
             print(f"  -- {fmt}", flush=True)
             try:
@@ -358,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             report["cases"].append(case)
             (args.out / "compare_llama_cpp.json").write_text(json.dumps(report, indent=1) + "\n")
+    if args.prepare_only:
+        return 0
     done = {**report, "cases": [c for c in report["cases"] if "error" not in c]}
     md = table(done) if done["cases"] else "no case finished\n"
     (args.out / "compare_llama_cpp.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -200,8 +200,9 @@ CHUNK_WEIGHTS = 1 << 24  # weights dequantized at once for a many-row product: b
 
 def dequantize_rows(weight: Array, qtype: QType, dtype: Any) -> Array:
     """Blocks [rows, NB, S] -> [rows, NB * 256] of `dtype`: the GPU kernel where it passed its check,
-    else MLX ops (float32, as the reference, then cast)."""
-    kind = gguf_blocks.ready(qtype, dtype)
+    else MLX ops (float32, as the reference, then cast). Inside `matvec.mlx_kernels_only()` MLX ops
+    always: a shapeless trace cannot re-infer a custom kernel's output shape."""
+    kind = gguf_blocks.ready(qtype, dtype) if matvec.kernels_allowed() else None
     if kind is not None:
         return gguf_blocks.dequantize(weight, qtype, dtype, kind)
     return dequantize_blocks(weight, qtype).astype(dtype)

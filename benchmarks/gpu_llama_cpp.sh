@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The GPU runs behind BENCHMARKS.md's llama.cpp table: the GGUF block kernels' GPU tests and
+# benchmarks/compare_llama_cpp.py, in three device calls (the machine has no network: MLX's CUDA
+# wheel comes in .device-stage/, llama.cpp's source as .lcp/llama.cpp-src.tar.gz):
+#
+#   call 1: bash .device-stage/a/stash.sh && bash benchmarks/gpu_llama_cpp.sh build
+#                                                       carry [".device-stage/a", ".lcp"]
+#   call 2: source .device-stage/b/install.sh && bash benchmarks/gpu_llama_cpp.sh tests bench-1b
+#                                                       carry [".device-stage/b"]
+#   call 3: source .device-stage/b/install.sh --no-install && bash benchmarks/gpu_llama_cpp.sh bench-8b
+#
+# build starts llama.cpp's CUDA build in the background (a few minutes; bench-* wait for it).
+# Results go to $OUT: tests.txt, <stage>/compare_llama_cpp.{json,md,png}, <stage>.log.
+# Set PYMLXC_GIT_REV=<commit> in front when the lent copy's git metadata is stale.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+OUT=${OUT:-/tmp/gguf-gpu-out}
+LCP=${LCP:-/tmp/lcp}
+MODELS=${MODELS:-/tmp/pymlxc-llama-cpp-models}
+export PYMLXC_LIB_DIR=${PYMLXC_LIB_DIR:-/tmp/pymlxc_lib}
+# The gguf package from llama.cpp's own source (gguf-py), where pip cannot reach a registry.
+export PYTHONPATH="$ROOT:$LCP/src/gguf-py${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+
+ensure_lib() {
+  [ -f "$PYMLXC_LIB_DIR/stamp.json" ] || python3 build_mlxc.py --output "$PYMLXC_LIB_DIR"
+}
+
+wait_build() {  # until the background build has left the tools (or stopped)
+  for _ in $(seq 1 120); do
+    if grep -q "llama.cpp tools in" "$LCP/build.log" 2>/dev/null; then return 0; fi
+    if ! pgrep -f "compare_llama_cpp.py --build-only" >/dev/null; then
+      echo "llama.cpp build stopped:"; tail -30 "$LCP/build.log"; return 1
+    fi
+    sleep 5
+  done
+  echo "llama.cpp build still running after 10 minutes"; return 1
+}
+
+bench() {  # bench <name> <compare_llama_cpp arguments...>
+  local name=$1; shift
+  ensure_lib
+  wait_build
+  python3 benchmarks/compare_llama_cpp.py --llama-cpp "$LCP" --models-dir "$MODELS" --out "$OUT/$name" "$@" \
+    2>&1 | tee "$OUT/$name.log" || echo "!!! $name failed (see $name.log)"
+}
+
+for stage in "$@"; do
+  echo "=== $stage $(date -u +%H:%M:%S) (${SECONDS}s into this call)"
+  case "$stage" in
+    build)
+      mkdir -p "$LCP"
+      if [ ! -f "$LCP/src/CMakeLists.txt" ]; then
+        tar xzf .lcp/llama.cpp-src.tar.gz -C "$LCP" && mv "$LCP/llama.cpp" "$LCP/src"
+      fi
+      setsid nohup python3 benchmarks/compare_llama_cpp.py --build-only --llama-cpp "$LCP" \
+        --llama-cpp-src .lcp/llama.cpp-src.tar.gz > "$LCP/build.log" 2>&1 < /dev/null &
+      sleep 20; tail -5 "$LCP/build.log"
+      ;;
+    tests)
+      ensure_lib
+      python3 -m pytest tests/metal/test_gguf_kernels.py tests/metal/test_gguf_quants.py tests/metal/test_cuda_matvec.py \
+        -q -p no:cacheprovider -x 2>&1 | tee "$OUT/tests.txt" | tail -30 || true
+      ;;
+    bench-1b) bench bench-1b --shapes llama-3.2-1b --matvec-off ;;
+    bench-8b) bench bench-8b --shapes llama-3.1-8b --formats q4_0 q4_k_m --rounds 3 ;;
+    *) echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+done
+echo "=== done $(date -u +%H:%M:%S) (${SECONDS}s)"

@@ -209,7 +209,8 @@ class MetalTextModel(TrainableMixin):
         # The template writes the special tokens itself (BOS included).
         ids = self._tokenizer.encode(text, add_special_tokens=False)
         self._check_ids(ids)
-        return self._stream(self._model, ids, options)
+        # The rendering spent part of the call's timeout: the stream keeps the same deadline.
+        return self._stream(self._model, ids, options, guard)
 
     def classify(self, prompts: Sequence[str], **config: Any) -> list[ClassifyResult]:
         """The next token after each prompt, each prefilled as `generate` prefills it (chunked,
@@ -532,16 +533,19 @@ class MetalTextModel(TrainableMixin):
             metrics.prefill_tokens_per_sec = prefilled / metrics.prefill_duration if metrics.prefill_duration > 0 else 0.0
         self._metrics = metrics
 
-    def _stream(self, model: Any, ids: list[int], options: GenerateConfig) -> Iterator[Token]:
+    def _stream(self, model: Any, ids: list[int], options: GenerateConfig,
+                guard: loops.Guard | None = None) -> Iterator[Token]:
         # `model` is taken when the call is made: a close() racing with the stream's start then
         # ends the stream (ModelClosedError in err()) at its first step, before `model` is used.
         if options.max_tokens == 0:
             return iter(())
         owner = threading.get_ident()
-        return self._reporting(self._token_stream(model, ids, options), owner)
+        return self._reporting(self._token_stream(model, ids, options, guard), owner)
 
-    def _token_stream(self, model: Any, ids: list[int], options: GenerateConfig) -> Iterator[Token]:
-        guard = loops.Guard.make(options.cancel, options.timeout, self._is_closed)
+    def _token_stream(self, model: Any, ids: list[int], options: GenerateConfig,
+                      guard: loops.Guard | None = None) -> Iterator[Token]:
+        if guard is None:
+            guard = loops.Guard.make(options.cancel, options.timeout, self._is_closed)
         timings = loops.Timings()
         use = pcache.CacheUse()
         try:

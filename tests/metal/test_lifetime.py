@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,16 @@ def test_cancellation_and_close_end_the_stream_quietly(model_dir: Path, model) -
         m.close()
         assert list(stream) == []
         assert isinstance(m.err(), ModelClosedError)
+
+
+
+def test_chat_timeout_counts_from_the_call(model) -> None:
+    # chat() renders its template at the call, under the call's timeout; the stream keeps that
+    # deadline instead of starting a second full timeout when it is first iterated.
+    stream = model.chat([{"role": "user", "content": "hi"}], max_tokens=50, timeout=0.3)
+    time.sleep(0.5)
+    assert list(stream) == []
+    assert isinstance(model.err(), GenerationCancelled) and "timed out" in str(model.err())
 
 
 # ---------------------------------------------------------------------- err() holds no arrays

@@ -24,6 +24,7 @@ from pymlxc.types import GenerateMetrics
 
 from . import memory_check
 from .models.base import layer_listener
+from .recurrent_cache import set_left_padding
 from .sample import DEFAULT_PENALTY_CONTEXT, LogitsProcessor, Sampler, apply_processors, greedy
 from .step_queue import StepQueue
 
@@ -450,6 +451,7 @@ def batch_generate_ids(model: LanguageModel, prompts: Sequence[Sequence[int]], *
     padded = mx.array([[p[0]] * pad + list(p) for p, pad in zip(prompts, pad_counts)], dtype=mx.int32)
     pads = mx.array(pad_counts, dtype=mx.int32)
     check_memory(model, cache, len(prompts), width, max_tokens, prefill_step)
+    set_left_padding(cache, pads)  # linear-attention layers skip the padding by position, not by mask
     if width > 1:
         prefill(model, padded[:, :-1], cache, step=prefill_step, guard=guard,
                 mask=lambda offset, length: left_padded_mask(pads, offset, length), new_tokens=None)
@@ -509,6 +511,8 @@ def classify_ids(model: LanguageModel, prompts: Sequence[Sequence[int]], *, samp
             pads = mx.array(pad_counts, dtype=mx.int32)
             mask = lambda offset, length, pads=pads: left_padded_mask(pads, offset, length)  # noqa: E731
         cache = model.make_cache(context_len)
+        if any(pad_counts):
+            set_left_padding(cache, pads)
         last = prefill(model, tokens, cache, step=step, mask=mask, guard=guard, finish=lambda logits: logits)
         mx.eval(last)  # before the caches go: only the [rows, V] logits stay
         del cache

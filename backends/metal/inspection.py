@@ -6,7 +6,9 @@ The prompt goes through the model as `generate`'s prefill takes it: into fresh c
 evict (a sliding window, `context_len`), so keys are not read back from the caches: each layer's
 cache is wrapped to record the keys it is given (after RoPE and any per-head norm: exactly what
 attention uses), chunk by chunk. Queries never reach a cache, so they are recorded by the
-architectures' shared attention functions (`models.base.recording_queries`).
+architectures' shared attention functions (`models.base.recording_queries`). Linear-attention
+layers (a RecurrentCache: no keys) run as they are and are not reported; `num_layers` counts the
+attention layers.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from . import memory_check
 from .cache import Mask
 from .generate import PREFILL_STEP
 from .models.base import recording_queries
+from .recurrent_cache import RecurrentCache
 
 
 class _Recorded:
@@ -71,9 +74,11 @@ def inspect_attention(model: Any, ids: Sequence[int], *, architecture: str, incl
         raise ValueError("the prompt has no tokens")
     if step < 1:
         raise ValueError(f"step must be >= 1, not {step}")
-    cache = [_Recorded(c) for c in model.make_cache(context_len)]
-    memory_check.check(model, [r.cache for r in cache], batch=1, prompt_len=len(ids), step=step,
-                       extra=_output_bytes(model, [r.cache for r in cache], len(ids), include_queries),
+    layers = [c if isinstance(c, RecurrentCache) else _Recorded(c) for c in model.make_cache(context_len)]
+    cache = [r for r in layers if isinstance(r, _Recorded)]  # the attention layers'
+    plain = [r.cache if isinstance(r, _Recorded) else r for r in layers]
+    memory_check.check(model, plain, batch=1, prompt_len=len(ids), step=step,
+                       extra=_output_bytes(model, plain, len(ids), include_queries),
                        what=f"inspect_attention of {len(ids)} tokens")
     keys: list[list[np.ndarray]] = [[] for _ in cache]
     queries: list[list[np.ndarray]] | None = [[] for _ in cache] if include_queries else None
@@ -81,13 +86,13 @@ def inspect_attention(model: Any, ids: Sequence[int], *, architecture: str, incl
         chunk = mx.array([ids[start:start + step]], dtype=mx.int32)
         if queries is not None:
             with recording_queries() as recorded:
-                model(chunk, cache=cache)  # every query of the last layer too: not `last_only`
+                model(chunk, cache=layers)  # every query of the last layer too: not `last_only`
             if len(recorded) != len(cache):
                 raise RuntimeError(f"{architecture}: {len(recorded)} attention calls recorded for {len(cache)} "
                                    "layers; this architecture's attention does not go through models.base")
         else:
             recorded = []
-            model(chunk, cache=cache, last_only=True)  # every position's keys still reach the caches
+            model(chunk, cache=layers, last_only=True)  # every position's keys still reach the caches
         length = chunk.shape[1]
         for r in cache:
             if len(r.keys) != 1 or r.keys[0].shape[2] != length:
@@ -95,7 +100,7 @@ def inspect_attention(model: Any, ids: Sequence[int], *, architecture: str, incl
                                    "tokens: this architecture does not keep one cache per layer, which "
                                    "inspect_attention needs")
         got = [r.keys.pop() for r in cache]
-        mx.eval(got + recorded + [r.state for r in cache])
+        mx.eval(got + recorded + [r.state for r in layers])
         for i, k in enumerate(got):
             keys[i].append(_per_head(k))
         if queries is not None:

@@ -36,6 +36,7 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 
 from .cache import KVCache, RotatingKVCache
+from .recurrent_cache import KIND as RECURRENT, RecurrentCache, RecurrentCacheError
 
 FORMAT = "pymlxc-prompt-cache"
 FORMAT_VERSION = "1"
@@ -69,6 +70,15 @@ def restore(caches: Sequence[Any], n: int) -> list[Any] | None:
             return None
         out.append(restored)
     return out
+
+
+def restorable(caches: Sequence[Any], n: int) -> int:
+    """The longest prefix of at most `n` tokens that every cache can give back: a recurrent cache
+    only where it kept its state (RecurrentCache.restorable), any other at any length."""
+    for c in caches:
+        if isinstance(c, RecurrentCache):
+            n = min(n, c.restorable(n))
+    return n
 
 
 def consistent_offset(caches: Sequence[Any]) -> int | None:
@@ -173,7 +183,7 @@ class PromptCache:
         wanted = np.asarray(prompt[:limit], dtype=np.int64)
         with self._lock:
             # Longest first; among equals the most recently used (later in the order).
-            candidates = sorted(((_common_prefix(e.tokens, wanted), rank, key)
+            candidates = sorted(((restorable(e.caches, _common_prefix(e.tokens, wanted)), rank, key)
                                  for rank, (key, e) in enumerate(self._entries.items())), reverse=True)
             for n, _, key in candidates:
                 if n == 0:
@@ -255,6 +265,8 @@ def model_identity(model: Any, model_type: str) -> dict[str, str]:
 # ---------------------------------------------------------------------- files
 
 def _layout(cache: Any) -> dict[str, Any]:
+    if isinstance(cache, RecurrentCache):
+        return {"kind": RECURRENT}
     if isinstance(cache, RotatingKVCache):
         return {"kind": "RotatingKVCache", "max_size": cache.max_size, "keep": cache.keep}
     if isinstance(cache, KVCache):
@@ -263,6 +275,8 @@ def _layout(cache: Any) -> dict[str, Any]:
 
 
 def _arrays(cache: Any) -> tuple[Array, Array]:
+    if isinstance(cache, RecurrentCache):
+        return cache.file_arrays()  # stored as keys: the conv window, values: the state
     keys, values = cache.state
     if isinstance(cache, KVCache) and keys.shape[2] > cache.offset:  # drop the unused capacity
         keys, values = (mx.slice(v, [0, 0, 0, 0], [v.shape[0], v.shape[1], cache.offset, v.shape[3]], [1, 1, 1, 1])
@@ -302,14 +316,18 @@ class TensorSpec:
             raise PromptCacheError(f"{what} is {_dtype_name(a)}; this model's are {str(self.dtype).rsplit('.', 1)[-1]}")
 
 
-def cache_specs(model: Any, caches: Sequence[Any]) -> list[tuple[TensorSpec, TensorSpec]]:
+def cache_specs(model: Any, caches: Sequence[Any]) -> list[Any]:
     """The keys' and values' spec of each of `caches` (fresh, from `model.make_cache`; they are
     used up): the model itself writes one token into them, so every architecture's head counts,
-    head dims (per layer where they differ) and cache dtype come out as generation makes them."""
+    head dims (per layer where they differ) and cache dtype come out as generation makes them. A
+    recurrent cache is its own spec (the shapes a file's arrays must have)."""
     model(mx.array([[0]], dtype=mx.int32), cache=list(caches))
     mx.eval([a for c in caches for a in c.state])
-    specs = []
+    specs: list[Any] = []
     for c in caches:
+        if isinstance(c, RecurrentCache):
+            specs.append(c)  # a file's arrays must be shaped as this cache's (RecurrentCache.from_file)
+            continue
         keys, values = c.state
         specs.append((TensorSpec(1, keys.shape[1], keys.shape[3], keys.dtype),
                       TensorSpec(1, values.shape[1], values.shape[3], values.dtype)))
@@ -351,7 +369,7 @@ def load_entries(path: str | os.PathLike[str], identity: dict[str, str], layout:
 
 
 def _entry(arrays: dict[str, Array], i: int, described: dict[str, Any], expected: list[dict[str, Any]],
-           specs: list[tuple[TensorSpec, TensorSpec]], vocab_size: int) -> tuple[np.ndarray, list[Any]]:
+           specs: list[Any], vocab_size: int) -> tuple[np.ndarray, list[Any]]:
     tokens = np.asarray(described["tokens"], dtype=np.int64)
     if tokens.ndim != 1 or not len(tokens) or tokens.min() < 0 or tokens.max() >= vocab_size:
         raise PromptCacheError(f"entry {i}: token ids missing or outside the vocabulary of {vocab_size}")
@@ -364,6 +382,12 @@ def _entry(arrays: dict[str, Array], i: int, described: dict[str, Any], expected
     for j, layer in enumerate(layers):
         keys, values = arrays[f"{i}.{j}.keys"], arrays[f"{i}.{j}.values"]
         meta = tuple(int(v) for v in layer["meta"])
+        if layer["kind"] == RECURRENT:
+            try:
+                caches.append(RecurrentCache.from_file(keys, values, meta, len(tokens), specs[j]))
+            except RecurrentCacheError as exc:
+                raise PromptCacheError(f"entry {i} layer {j}: {exc}") from None
+            continue
         specs[j][0].check(keys, f"entry {i} layer {j}: the keys tensor {i}.{j}.keys")
         specs[j][1].check(values, f"entry {i} layer {j}: the values tensor {i}.{j}.values")
         if keys.shape[2] != values.shape[2]:

@@ -132,7 +132,7 @@ def gguf_tensor_bytes(path: Path) -> tuple[int, int]:
 
 
 def prepare(shape: str, formats: list[str], root: Path, layers: int | None, tools: Path | None,
-            threads: int) -> dict[str, dict[str, Path]]:
+            threads: int, drop_source: bool = False) -> dict[str, dict[str, Path]]:
     """Write (or reuse) the source model, its F16 GGUF, each format's GGUF and native checkpoint.
     Returns {format: {"gguf": path, "native": path}}."""
     from gguf import GGMLQuantizationType as QType
@@ -143,36 +143,45 @@ def prepare(shape: str, formats: list[str], root: Path, layers: int | None, tool
     tag = shape + ("" if layers is None else f"-{layers}l")
     src = root / f"{tag}-f16-src"
     config = shape_config(shape, layers)
-    if not (src / "tokenizer.json").is_file():
+    f16 = root / f"{tag}-f16.gguf"
+    ggufs = {fmt: f16 if FORMATS[fmt][0] is None else root / f"{tag}-{fmt}.gguf" for fmt in formats}
+    missing = [fmt for fmt, path in ggufs.items() if not path.is_file()]
+    if missing and not (src / "tokenizer.json").is_file() and not (f16.is_file() and tools is not None):
         t = time.perf_counter()
         write_random_model(src, shape, layers=layers, dtype="float16")
         write_tokenizer(src, config)
         print(f"  wrote {src.name} ({weight_bytes(src) / 2**30:.2f} GiB) in {time.perf_counter() - t:.0f}s", flush=True)
-    f16 = root / f"{tag}-f16.gguf"
-    if not f16.is_file():
+    if missing and not f16.is_file():
         t = time.perf_counter()
         export_gguf(src, f16.with_suffix(".part"), QType.F16, pre="llama-bpe")
         f16.with_suffix(".part").rename(f16)
         print(f"  wrote {f16.name} in {time.perf_counter() - t:.0f}s", flush=True)
+    for fmt in missing:
+        qname = FORMATS[fmt][0]
+        gguf = ggufs[fmt]
+        if qname is None:
+            continue
+        t = time.perf_counter()
+        part = gguf.with_suffix(".part")
+        if tools is not None:
+            done = subprocess.run([str(tools / "llama-quantize"), str(f16), str(part), qname, str(threads)],
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"llama-quantize {qname} failed: {done.stderr[-2000:]}")
+        else:  # the recipe's main type, with llama.cpp's Q6_K output / embedding (plumbing checks)
+            main = {"q4_0": QType.Q4_0, "q4_k_m": QType.Q4_K, "q6_k": QType.Q6_K, "q8_0": QType.Q8_0}[fmt]
+            head = QType.Q8_0 if fmt == "q8_0" else QType.Q6_K
+            export_gguf(src, part, main, pre="llama-bpe", extra_types={"token_embd.weight": head, "output.weight": head})
+        part.rename(gguf)
+        print(f"  wrote {gguf.name} in {time.perf_counter() - t:.0f}s", flush=True)
+    if drop_source:  # disk space: the float16 source (and an F16 file not benchmarked) are done with
+        shutil.rmtree(src, ignore_errors=True)
+        if "f16" not in formats:
+            f16.unlink(missing_ok=True)
     out: dict[str, dict[str, Path]] = {}
     for fmt in formats:
-        qname, bits = FORMATS[fmt]
-        gguf = f16 if qname is None else root / f"{tag}-{fmt}.gguf"
-        if not gguf.is_file():
-            t = time.perf_counter()
-            part = gguf.with_suffix(".part")
-            if tools is not None:
-                done = subprocess.run([str(tools / "llama-quantize"), str(f16), str(part), qname, str(threads)],
-                                      capture_output=True, text=True)
-                if done.returncode != 0:
-                    raise RuntimeError(f"llama-quantize {qname} failed: {done.stderr[-2000:]}")
-            else:  # the recipe's main type, with llama.cpp's Q6_K output / embedding (plumbing checks)
-                main = {"q4_0": QType.Q4_0, "q4_k_m": QType.Q4_K, "q6_k": QType.Q6_K, "q8_0": QType.Q8_0}[fmt]
-                head = QType.Q8_0 if fmt == "q8_0" else QType.Q6_K
-                export_gguf(src, part, main, pre="llama-bpe",
-                            extra_types={"token_embd.weight": head, "output.weight": head})
-            part.rename(gguf)
-            print(f"  wrote {gguf.name} in {time.perf_counter() - t:.0f}s", flush=True)
+        bits = FORMATS[fmt][1]
+        gguf = ggufs[fmt]
         native = root / f"{tag}-{'bf16' if bits is None else f'{bits}bit'}"
         if not (native / "model.safetensors.index.json").is_file():
             write_random_model(native, shape, bits=bits, layers=layers, dtype="bfloat16")
@@ -327,6 +336,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 4)
     p.add_argument("--matvec-off", action="store_true",
                    help="a fourth side: the GGUF file with PYMLXC_CUDA_MATVEC=0 (MLX's kernels for affine layers)")
+    p.add_argument("--drop-source", action="store_true",
+                   help="delete the float16 source model (and an unused F16 GGUF) once the files are written")
     p.add_argument("--build-only", action="store_true", help="build llama.cpp's tools, then stop")
     p.add_argument("--prepare-only", action="store_true", help="write the models and files, then stop")
     args = p.parse_args(argv)
@@ -369,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         "cases": []}
     for shape in args.shapes:
         print(f"== {shape}", flush=True)
-        files = prepare(shape, args.formats, args.models_dir, args.layers, tools, args.threads)
+        files = prepare(shape, args.formats, args.models_dir, args.layers, tools, args.threads, args.drop_source)
         if args.prepare_only:
             continue
         for fmt in args.formats:

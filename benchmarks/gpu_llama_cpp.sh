@@ -5,11 +5,13 @@
 #
 #   call 1: bash .device-stage/a/stash.sh && bash benchmarks/gpu_llama_cpp.sh build
 #                                                       carry [".device-stage/a", ".lcp"]
-#   call 2: source .device-stage/b/install.sh && bash benchmarks/gpu_llama_cpp.sh tests bench-1b
+#   call 2: source .device-stage/b/install.sh && bash benchmarks/gpu_llama_cpp.sh prep-8b-bg tests bench-1b
 #                                                       carry [".device-stage/b"]
 #   call 3: source .device-stage/b/install.sh --no-install && bash benchmarks/gpu_llama_cpp.sh bench-8b
 #
-# build starts llama.cpp's CUDA build in the background (a few minutes; bench-* wait for it).
+# build starts llama.cpp's CUDA build in the background (a few minutes; bench-* wait for it);
+# prep-8b-bg writes the 8B files in the background (niced; its CPU work overlaps the 1B runs, which
+# alternate the sides, so it slows them alike), and bench-8b waits for it.
 # Results go to $OUT: tests.txt, <stage>/compare_llama_cpp.{json,md,png}, <stage>.log.
 # Set PYMLXC_GIT_REV=<commit> in front when the lent copy's git metadata is stale.
 set -euo pipefail
@@ -64,8 +66,21 @@ for stage in "$@"; do
       python3 -m pytest tests/metal/test_gguf_kernels.py tests/metal/test_gguf_quants.py tests/metal/test_cuda_matvec.py \
         -q -p no:cacheprovider -x 2>&1 | tee "$OUT/tests.txt" | tail -30 || true
       ;;
-    bench-1b) bench bench-1b --shapes llama-3.2-1b --matvec-off ;;
-    bench-8b) bench bench-8b --shapes llama-3.1-8b --formats q4_0 q4_k_m --rounds 3 ;;
+    prep-8b-bg)
+      setsid nohup nice -n 19 bash "$0" prep-8b > "$OUT/prep-8b.log" 2>&1 < /dev/null &
+      ;;
+    prep-8b)
+      ensure_lib
+      wait_build
+      python3 benchmarks/compare_llama_cpp.py --llama-cpp "$LCP" --models-dir "$MODELS" --out "$OUT/bench-8b" \
+        --shapes llama-3.1-8b --formats q4_0 q4_k_m --prepare-only --drop-source --threads 8 && touch "$OUT/prep-8b.done"
+      ;;
+    bench-1b) bench bench-1b --shapes llama-3.2-1b --matvec-off --drop-source ;;
+    bench-8b)
+      for _ in $(seq 1 100); do [ -f "$OUT/prep-8b.done" ] && break; sleep 5; done
+      tail -5 "$OUT/prep-8b.log"
+      bench bench-8b --shapes llama-3.1-8b --formats q4_0 q4_k_m --rounds 3 --matvec-off
+      ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done

@@ -20,11 +20,12 @@ cd "$ROOT"
 OUT=${OUT:-/tmp/gguf-gpu-out}
 LCP=${LCP:-/tmp/lcp}
 MODELS=${MODELS:-/tmp/pymlxc-llama-cpp-models}
+STATE=/tmp/gguf-gpu-state  # outlives a call's $OUT: the background 8B preparation's log and done mark
 export PYMLXC_LIB_DIR=${PYMLXC_LIB_DIR:-/tmp/pymlxc_lib}
 # The gguf package from llama.cpp's own source (gguf-py), where pip cannot reach a registry.
 export PYTHONPATH="$ROOT:$LCP/src/gguf-py${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$STATE"
 
 ensure_lib() {
   [ -f "$PYMLXC_LIB_DIR/stamp.json" ] || python3 build_mlxc.py --output "$PYMLXC_LIB_DIR"
@@ -67,18 +68,18 @@ for stage in "$@"; do
         -q -p no:cacheprovider -x 2>&1 | tee "$OUT/tests.txt" | tail -30 || true
       ;;
     prep-8b-bg)
-      setsid nohup nice -n 19 bash "$0" prep-8b > "$OUT/prep-8b.log" 2>&1 < /dev/null &
+      setsid nohup nice -n 19 bash "$0" prep-8b > "$STATE/prep-8b.log" 2>&1 < /dev/null &
       ;;
     prep-8b)
       ensure_lib
       wait_build
       python3 benchmarks/compare_llama_cpp.py --llama-cpp "$LCP" --models-dir "$MODELS" --out "$OUT/bench-8b" \
-        --shapes llama-3.1-8b --formats q4_0 q4_k_m --prepare-only --drop-source --threads 8 && touch "$OUT/prep-8b.done"
+        --shapes llama-3.1-8b --formats q4_0 q4_k_m --prepare-only --drop-source --threads 8 && touch "$STATE/prep-8b.done"
       ;;
     bench-1b) bench bench-1b --shapes llama-3.2-1b --matvec-off --drop-source ;;
     bench-8b)
-      for _ in $(seq 1 100); do [ -f "$OUT/prep-8b.done" ] && break; sleep 5; done
-      tail -5 "$OUT/prep-8b.log"
+      for _ in $(seq 1 100); do [ -f "$STATE/prep-8b.done" ] && break; sleep 5; done
+      tail -5 "$STATE/prep-8b.log"; df -h /tmp | tail -1
       bench bench-8b --shapes llama-3.1-8b --formats q4_0 q4_k_m --rounds 3 --matvec-off
       ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;

@@ -340,8 +340,9 @@ def _download(ref: ModelReference, cache: Path, progress: bool) -> Path:
     except RepositoryNotFoundError:
         raise HubModelNotFoundError(f"no repo {ref.repo_id!r} {where} (or it is private: set HF_TOKEN), and no "
                                     f"such local file or directory") from None
-    except RevisionResolutionError as exc:
-        raise HubModelNotFoundError(f"{ref.where()}: {exc}") from None
+    except RevisionResolutionError as exc:  # the Hub unreachable and the revision not cached
+        cause = exc.__cause__ or exc
+        return _from_cache(ref, cache, f"the Hub could not be reached: {type(cause).__name__}: {cause}")
     except HfHubHTTPError as exc:
         if exc.response is not None and exc.response.status_code >= 500:
             return _from_cache(ref, cache, f"the Hub answered {exc.response.status_code}")

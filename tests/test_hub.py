@@ -151,6 +151,23 @@ def test_gguf_shards_of_one_quantization_are_one_match(tmp_path: Path, monkeypat
         hub.resolve("o/split:gguf")
 
 
+def test_mlx_lm_worker_gets_the_resolved_directory(offline: Path, models: dict[str, Path]) -> None:
+    from pymlxc.backends.mlx_lm import MlxLmBackend
+    from pymlxc.options import LoadConfig
+
+    backend = MlxLmBackend(sys.executable)
+    if not backend.available():
+        pytest.fail(f"mlx-lm (a test dependency) is unavailable: {backend.unavailable_reason()}")
+    # mlx-lm cannot read 'org/name@v2' itself (offline, and '@' is not its syntax): loading the v2
+    # snapshot shows the worker was handed the resolved directory.
+    with pymlxc.load_model(str(models["v2"]), backend="metal") as native:
+        want = [t.id for t in native.generate(PROMPT, max_tokens=6)]
+    with backend.load(f"{REPO}@v2", LoadConfig()) as model:
+        assert model.info().to_dict()["vocab_size"] == 384
+        assert [t.id for t in model.generate(PROMPT, max_tokens=6)] == want
+        assert model.err() is None
+
+
 def test_cli_generate_takes_a_repo_id(offline: Path, expected: dict) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     run = subprocess.run([sys.executable, "-m", "pymlxc.cli", "generate", REPO, PROMPT, "--max-tokens", "6",
@@ -312,11 +329,11 @@ class Hub:
         self.requests.append((h.command, path, h.headers.get("Authorization")))
         parts = path.strip("/").split("/")
         status, headers, data = 404, {"X-Error-Code": "RepoNotFound"}, b'{"error": "Repository not found"}'
-        if parts[:2] == ["api", "models"] and len(parts) >= 6:
+        if parts[:2] == ["api", "models"] and len(parts) in (4, 6) or len(parts) > 6 and parts[4] == "tree":
             repo = "/".join(parts[2:4])
             if repo in self.repos:
                 commit, files = self.repos[repo]
-                if parts[4] == "revision":
+                if len(parts) == 4 or parts[4] == "revision":  # repo info, of the default branch or a revision
                     status, headers, data = 200, {}, json.dumps(
                         {"id": repo, "sha": commit, "siblings": [{"rfilename": f} for f in files]}).encode()
                 elif parts[4] == "tree":
@@ -369,6 +386,19 @@ def test_download_fetches_only_the_model_files(online: Path, models: dict[str, P
     assert (online / "models--srv-org--tiny/refs/main").read_text() == MAIN
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # what was downloaded is found offline by the same name
     assert greedy("srv-org/tiny") == expected["main"]
+
+
+def test_download_progress_is_huggingface_hubs_bar(online: Path, models: dict[str, Path], tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  capfd: pytest.CaptureFixture[str]) -> None:
+    files = {k: v.read_bytes() for k, v in dir_files(models["main"]).items()}
+    with Hub({"srv-org/tiny": (MAIN, files)}) as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        hub.resolve("srv-org/tiny", progress=False)
+        assert capfd.readouterr().err == ""
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "second"))
+        hub.resolve("srv-org/tiny", progress=True)
+        assert f"Fetching {len(files)} files" in capfd.readouterr().err
 
 
 def test_download_of_one_gguf_quantization(online: Path, models: dict[str, Path], monkeypatch: pytest.MonkeyPatch,

@@ -364,6 +364,8 @@ def resolve(reference: str | os.PathLike[str], *, progress: bool = True) -> Path
     the .gguf file) of the Hub repo it names, downloaded into the hub cache if needed. `progress`:
     huggingface_hub's progress bars while downloading."""
     text = os.fspath(reference)
+    if not text.strip():
+        raise HubReferenceError("the model reference is empty: give a model directory, a .gguf file or a repo id")
     if os.path.exists(os.path.expanduser(text)) or not _looks_like_repo(text):
         return Path(text).expanduser()
     ref = parse_reference(text)  # checked before any network use

@@ -243,6 +243,8 @@ def test_missing_files_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ("org/name:Q4 K", "not a valid quantization pattern"),
     ("org/name:", "not a valid quantization pattern"),
     ("org/name@a:Q8_0@b", "two revisions"),
+    ("", "empty"),
+    (" ", "empty"),
 ])
 def test_bad_references_fail_before_any_network_use(reference: str, message: str, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
@@ -289,6 +291,22 @@ def test_any_text_parses_or_raises_a_reference_error(text: str) -> None:
         assert repr(text) in str(exc) or "repo id" in str(exc)
     else:
         assert ref.repo_id.count("/") == 1 and str(ref).startswith(ref.repo_id)
+
+
+QUANTS = ("Q4_0", "Q4_K", "Q4_K_M", "Q4_K_S", "Q8_0", "F16", "BF16", "IQ2_XXS", "IQ2_XS", "Q6_K")
+
+
+@given(st.lists(st.sampled_from(QUANTS), min_size=1, unique=True), st.data())
+def test_a_stated_quantization_picks_exactly_its_files(quants: list[str], data: st.DataObject) -> None:
+    shards = {q: data.draw(st.integers(1, 3), label=q) for q in quants}
+    files = ["README.md", "mmproj-F16.gguf"] + [
+        f"m-{q}.gguf" if n == 1 else f"{q}/m-{q}-{i:05d}-of-{n:05d}.gguf" for q, n in shards.items()
+        for i in range(1, n + 1)]
+    want = data.draw(st.sampled_from(quants))
+    pattern = data.draw(st.sampled_from([want, want.lower()]))
+    choice = hub.choose_files(ModelReference("o/m", None, pattern), files, "here")
+    assert [hub.quant_label(hub.gguf_group(f)) for f in choice.gguf] == [want] * shards[want]
+    assert choice.files == choice.gguf  # no companions in this listing, and never the projector
 
 
 # ---------------------------------------------------------------------- downloading, from a local Hub
@@ -365,7 +383,6 @@ def online(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # as read at its import from the outer environment
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
     monkeypatch.setenv("HF_TOKEN", "hf_test_token")
     return tmp_path / "hub"
 

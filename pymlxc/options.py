@@ -17,6 +17,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from .settings import Settings, current
+
 T = TypeVar("T")
 
 # A positive temperature divides the float32 logits: below MIN_TEMPERATURE 1/temperature overflows
@@ -132,9 +134,13 @@ class LoadConfig:
     # prefix): at most this many entries and bytes, least recently used dropped first; 0 turns it off.
     prompt_cache_entries: int = 8
     prompt_cache_bytes: int = 2 << 30
+    # The PYMLXC_* switches the model decodes with (pymlxc/settings.py): the process's by default.
+    settings: Settings = field(default_factory=current)
 
     def __post_init__(self) -> None:
         put = object.__setattr__
+        if not isinstance(self.settings, Settings):
+            raise TypeError(f"settings must be a pymlxc.settings.Settings, not {type(self.settings).__name__}")
         if self.backend is not None and not isinstance(self.backend, str):
             raise TypeError(f"backend must be a str or None, not {type(self.backend).__name__}")
         if self.adapter_path is not None:

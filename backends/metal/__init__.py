@@ -27,7 +27,7 @@ class MetalBackend:
 
     def unavailable_reason(self) -> str | None:
         try:
-            import pymlxc.core  # noqa: F401
+            import pymlxc.core  # noqa: F401, PLC0415 - the question is whether it imports
         except Exception as exc:  # noqa: BLE001 - any failure to load the library is the reason
             return f"pymlxc.core cannot be imported: {type(exc).__name__}: {exc}"
         return None
@@ -42,7 +42,7 @@ class MetalBackend:
             warnings.warn(f"gpu_layers={config.gpu_layers} is ignored by the metal backend: MLX runs every layer "
                           "on one device (gpu_layers=0 selects the CPU)", UserWarning, stacklevel=2)
         if config.gpu_layers == 0:
-            import pymlxc.core as mx
+            import pymlxc.core as mx  # noqa: PLC0415 - this package imports cheaply (see the module doc)
 
             with mx.stream_scope(mx.cpu):
                 return _load(path, config, progress)
@@ -50,22 +50,20 @@ class MetalBackend:
 
 
 def _load(path: str, config: LoadConfig, progress: Progress | None) -> "MetalTextModel":
-    from pymlxc.files import check_regular_file
-
-    from .loader import gguf_file_of, load_weights_and_config
-    from .textmodel import MetalTextModel
-    from .tokenizer import Tokenizer
+    # The loader, the models and the generation loops load here, not when pymlxc registers the backend.
+    from .loader import gguf_file_of, load_gguf_model, load_weights_and_config  # noqa: PLC0415
+    from .textmodel import MetalTextModel  # noqa: PLC0415
+    from .tokenizer import Tokenizer  # noqa: PLC0415
 
     gguf_file = gguf_file_of(path)
     if gguf_file is not None:  # tokenizer and weights from one GGUF file (see gguf.py)
-        from .gguf import load_gguf_model
-
-        check_regular_file(gguf_file, what="GGUF file")  # no FIFO or device handed to the reader
-        tokenizer, loaded = load_gguf_model(gguf_file, context_len=config.context_len, progress=progress)
+        tokenizer, loaded = load_gguf_model(gguf_file, context_len=config.context_len, progress=progress,
+                                            settings=config.settings)
         source = str(gguf_file)
     else:
         tokenizer = Tokenizer(path)  # first: a missing tokenizer fails before gigabytes are read
-        loaded = load_weights_and_config(path, context_len=config.context_len, progress=progress)
+        loaded = load_weights_and_config(path, context_len=config.context_len, progress=progress,
+                                         settings=config.settings)
         source = str(Path(path) / "tokenizer.json")
     try:
         check_vocab(tokenizer, loaded.model.args, source)
@@ -97,7 +95,7 @@ def check_vocab(tokenizer: Any, args: Any, source: str) -> None:
     model has no row for means tokenizer and weights do not belong together: an error. Added tokens
     past the rows (a `<pad>` appended by a fine-tuning tool, say) are common and harmless as long as
     those ids never reach the model, which the per-call id check of the model refuses: a warning."""
-    from .tokenizer import TokenizerLoadError
+    from .tokenizer import TokenizerLoadError  # noqa: PLC0415 - loaded with the model (see _load)
 
     rows = embedding_rows(args)
     backend = tokenizer.backend
@@ -115,7 +113,7 @@ def check_vocab(tokenizer: Any, args: Any, source: str) -> None:
 
 
 def _model_info(loaded: Any) -> "ModelInfo":
-    from pymlxc.types import ModelInfo
+    from pymlxc.types import ModelInfo  # noqa: PLC0415 - loaded with the model (see _load)
 
     args = loaded.model.args
     return ModelInfo(
@@ -146,7 +144,7 @@ BACKEND = MetalBackend()
 
 def register_backend() -> None:
     """Add the metal backend to pymlxc's registry."""
-    from pymlxc.registry import register
+    from pymlxc.registry import register  # noqa: PLC0415 - pymlxc imports this package while it registers backends
 
     register(BACKEND)
 

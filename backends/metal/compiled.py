@@ -33,13 +33,12 @@ cache) sees every token.
 `CompiledDecoder.start` says None where this path does not apply (batches, explicit masks,
 unknown cache types, a context-bounded cache that would evict, a model whose forward cannot be
 traced); the caller then uses the uncompiled loop, which gives the same tokens.
-`PYMLXC_COMPILE=0` turns the compiled path off.
+`PYMLXC_COMPILE=0` (`Settings.compile`, see pymlxc/settings.py) turns the compiled path off.
 """
 from __future__ import annotations
 
 import copy
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -50,8 +49,9 @@ import numpy as np
 import pymlxc.core as mx
 from pymlxc.core import Array
 from pymlxc.core.transforms import FixedArrays
+from pymlxc.settings import Settings
+from pymlxc.settings import current as current_settings
 
-from . import cuda_switch
 from .cache import KVCache, RotatingKVCache
 from .recurrent_cache import RecurrentCache, StepRecurrentCache
 from .nn import Module
@@ -63,7 +63,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ENV_VAR = "PYMLXC_COMPILE"
 BUFFER_STEP = 256  # decode buffers are sized in steps of this many tokens (mlx-lm's cache step)
 # ...plus a few slots, so that a buffer's length is never a multiple of 256. MLX's CUDA backend
 # sends one-token attention over a prefix of a buffer whose length is such a multiple to cuDNN
@@ -72,29 +71,22 @@ BUFFER_STEP = 256  # decode buffers are sized in steps of this many tokens (mlx-
 BUFFER_PAD = 8
 
 
-DECODE_ENV_VAR = "PYMLXC_DECODE"
-
-
 DECODE_MODES = ("graph", "segmented")
 
 
-def decode_mode() -> str:
+def decode_mode(setting: str = "auto") -> str:
     """How a compiled step is built. "graph": the whole step as one compiled graph over masked
-    rings. "segmented" (Llama-family models): compiled segments around MLX's fused attention on
-    exact-length keys, see segments.py.
-    PYMLXC_DECODE decides when set. Otherwise: "segmented" on a GPU, "graph" on a CPU, where its
-    lower host cost per token wins. On an H100 the segments beat the graph in every Llama/Qwen case
-    (MLX's CUDA decode attention takes no mask, so the graph's masked attention runs unfused).
-    Models that segments.plan() does not cover (Gemma, MoE) use the graph either way."""
-    mode = os.environ.get(DECODE_ENV_VAR, "").strip().lower()
-    if mode in DECODE_MODES:
-        return mode
+    rings. "segmented" (models whose blocks declare their halves, see segments.py): compiled
+    segments around MLX's fused attention on exact-length keys.
+    `setting` (PYMLXC_DECODE) decides unless `auto`: then "segmented" on a GPU, "graph" on a CPU,
+    where its lower host cost per token wins. On an H100 the segments beat the graph in every
+    Llama/Qwen case (MLX's CUDA decode attention takes no mask, so the graph's masked attention runs
+    unfused). Models that segments.plan() does not cover (Gemma, MoE) use the graph either way."""
+    if setting in DECODE_MODES:
+        return setting
+    if setting != "auto":
+        raise ValueError(f"the decode setting must be auto or one of {', '.join(DECODE_MODES)}, not {setting!r}")
     return "segmented" if mx.default_device().type == "gpu" else "graph"
-
-
-def compile_enabled() -> bool:
-    """False when the environment says PYMLXC_COMPILE=0 (or false/no/off)."""
-    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def decode_capacity(prompt_len: int, max_tokens: int) -> int:
@@ -392,19 +384,23 @@ class CompiledDecoder:
     apply). Thread-safe; `close()` drops the traces.
     """
 
-    def __init__(self, model: Module, mode: str | None = None) -> None:
+    def __init__(self, model: Module, mode: str | None = None, settings: Settings | None = None) -> None:
+        """`mode` ("graph" or "segmented") overrides `settings.decode`; `settings` (else the
+        process's, see pymlxc/settings.py) hold the switches below."""
         if mode is not None and mode not in DECODE_MODES:
             raise ValueError(f"decode mode must be one of {', '.join(DECODE_MODES)}, not {mode!r}")
+        settings = settings if settings is not None else current_settings()
         self._model: Module | None = model
-        self.mode = mode  # None: PYMLXC_DECODE decides at each generation
+        self.enabled = settings.compile  # False: every generation takes the uncompiled loop
+        self.mode = mode if mode is not None else settings.decode  # "auto": by the device at each generation
         # Segmented mode: run q/k/v and gate/up as one matmul each (weights fused, see segments.py).
-        self.fuse_projections = os.environ.get("PYMLXC_FUSE_PROJECTIONS", "1") != "0"
+        self.fuse_projections = settings.fuse_projections
         # Segmented mode on CUDA: each residual add and the norm after it as one kernel (cuda_norm.py).
-        self.fused_norm = cuda_switch.setting("PYMLXC_FUSED_NORM")
+        self.fused_norm = settings.fused_norm
         # Segmented mode on CUDA: greedy's argmax as two kernels over many blocks (cuda_argmax.py).
-        self.cuda_argmax = cuda_switch.setting("PYMLXC_CUDA_ARGMAX")
+        self.cuda_argmax = settings.cuda_argmax
         # Segmented mode on CUDA: each layer's RoPE and key/value writes as one kernel (cuda_rope_kv.py).
-        self.cuda_rope_kv = cuda_switch.setting("PYMLXC_CUDA_ROPE_KV")
+        self.cuda_rope_kv = settings.cuda_rope_kv
         self._fusions: dict[int, Any] = {}
         self._plans: dict[tuple[Any, ...], Any] = {}  # segments.SegmentPlan per segmented key
         self._recent_plan: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None  # (signature and flags, key)
@@ -457,7 +453,7 @@ class CompiledDecoder:
         weights, classes = walk if walk is not None else _arrays_of(model, with_classes=True)
         structure = (classes, len(weights))
         fuse_greedy = sampler is greedy and not processors
-        if (self.mode or decode_mode()) == "segmented" and not processors:
+        if decode_mode(self.mode) == "segmented" and not processors:
             session = self._segmented(model, structure, weights, fuse_greedy, rings, sampler, first_position)
             if session is not None:
                 return session
@@ -473,7 +469,7 @@ class CompiledDecoder:
         (the prompt cache) then sees the final arrays from the first generation on. Without this
         call the first segmented generation fuses them (and the next one rebuilds its plan once)."""
         model = self._model
-        if model is None or not self.fuse_projections or (self.mode or decode_mode()) != "segmented":
+        if model is None or not self.fuse_projections or decode_mode(self.mode) != "segmented":
             return
         from . import segments
 
@@ -543,7 +539,7 @@ class CompiledDecoder:
         prefill_segments.py), on the plan the segmented decode that follows will use; None where the
         decode is not segmented (or the model not of the Llama family)."""
         model = self._model
-        if model is None or (self.mode or decode_mode()) != "segmented":
+        if model is None or decode_mode(self.mode) != "segmented":
             return None
         from . import prefill_segments
 
@@ -755,5 +751,5 @@ class CompileUnavailable(RuntimeError):
     """The model's forward could not be traced; the caller falls back to the uncompiled path."""
 
 
-__all__ = ["CompiledDecoder", "DecodeSession", "CompileUnavailable", "compile_enabled", "decode_capacity", "reserve",
-           "ENV_VAR", "BUFFER_STEP"]
+__all__ = ["CompiledDecoder", "DecodeSession", "CompileUnavailable", "decode_capacity", "decode_mode", "reserve",
+           "BUFFER_STEP"]

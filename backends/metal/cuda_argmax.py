@@ -17,14 +17,14 @@ This module holds the source and the launch; `segments.py` decides where to use 
 """
 from __future__ import annotations
 
-import threading
-import warnings
 from typing import Any
 
 import numpy as np
 
 import pymlxc.core as mx
 from pymlxc.core import Array
+
+from . import kernel_check
 
 THREADS = 256  # per block, both stages
 MAX_SLICES = 128  # blocks per row in the first stage
@@ -130,22 +130,16 @@ def argmax(logits: Array) -> Array:
     return out
 
 
-_checked: dict[tuple[int, str], bool] = {}
-_checked_lock = threading.Lock()
+checks = kernel_check.CheckedOnce("the CUDA argmax kernel")
 
 
 def check(v: int, dtype: Any) -> bool:
     """Whether the kernels run here and give MLX's argmax on random rows of `v` logits of `dtype`,
     with ties placed across slices (once per process and shape); if not, a RuntimeWarning says why."""
-    key = (v, str(dtype))
-    with _checked_lock:
-        known = _checked.get(key)
-        if known is None:
-            known = _checked[key] = _compare(v, dtype)
-    return known
+    return checks.verdict((v, str(dtype)), lambda: _compare(v, dtype))
 
 
-def _compare(v: int, dtype: Any) -> bool:
+def _compare(v: int, dtype: Any) -> str | None:
     rng = np.random.default_rng(0)
     rows = rng.normal(0, 4, (6, v)).astype(np.float32)
     top = float(rows.max()) + 1.0
@@ -155,18 +149,11 @@ def _compare(v: int, dtype: Any) -> bool:
     rows[4, :] = -np.inf  # no value above -inf: index 0
     rows[5, [v // 3, v - 1]] = np.nan  # the first NaN wins
     logits = mx.array(rows).astype(dtype)
-    try:
-        got = np.asarray(argmax(logits))
-        want = np.asarray(mx.argmax(logits, axis=-1).astype(mx.int32))
-    except Exception as exc:  # noqa: BLE001 - any failure keeps MLX's kernel, with the reason
-        warnings.warn(f"the CUDA argmax kernel cannot run here ({type(exc).__name__}: {exc}); "
-                      "using MLX's argmax", RuntimeWarning, stacklevel=3)
-        return False
+    got = np.asarray(argmax(logits))
+    want = np.asarray(mx.argmax(logits, axis=-1).astype(mx.int32))
     if not np.array_equal(got, want):
-        warnings.warn(f"the CUDA argmax kernel differs from MLX's argmax for {v} {dtype} logits "
-                      f"({got.tolist()} against {want.tolist()}); using MLX's argmax", RuntimeWarning, stacklevel=3)
-        return False
-    return True
+        return f"it differs from MLX's argmax for {v} {dtype} logits ({got.tolist()} against {want.tolist()})"
+    return None
 
 
-__all__ = ["applies", "argmax", "check", "slices"]
+__all__ = ["applies", "argmax", "check", "checks", "slices"]

@@ -19,14 +19,14 @@ This module holds the source and the launch geometry; `segments.py` decides wher
 """
 from __future__ import annotations
 
-import threading
-import warnings
 from typing import Any
 
 import numpy as np
 
 import pymlxc.core as mx
 from pymlxc.core import Array
+
+from . import kernel_check
 
 NAME = "pymlxc_add_rms_norm"
 INPUTS = ("a", "b", "w", "eps")
@@ -137,31 +137,22 @@ def unfused(a: Array, b: Array, weight: Array, eps: float) -> tuple[Array, Array
     return h, mx.fast.rms_norm(h, weight, eps)
 
 
-_checked: dict[tuple[str, int], bool] = {}
-_checked_lock = threading.Lock()
+checks = kernel_check.CheckedOnce("pymlxc's fused add + RMSNorm CUDA kernel")
 
 
 def check(d: int, dtype: Any) -> bool:
     """Whether the kernel runs here and equals MLX's add and rms_norm bit for bit on random rows of
     `d` (once per process and shape); if not, a RuntimeWarning says why."""
-    key = (str(dtype), d)
-    with _checked_lock:
-        known = _checked.get(key)
-    if known is not None:
-        return known
-    try:
-        rng = np.random.default_rng(0)
-        a, b, w = (mx.astype(mx.array(rng.standard_normal(s).astype(np.float32)), dtype) for s in [(3, d), (3, d), (d,)])
-        got, want = add_rms_norm(a, b, w, 1e-5), unfused(a, b, w, 1e-5)
-        ok = all(bool(mx.array_equal(g, e).item()) for g, e in zip(got, want))
-        why = "" if ok else "its results differ from MLX's add and rms_norm"
-    except Exception as exc:  # noqa: BLE001 - whatever stops it, MLX's kernels still work
-        ok, why = False, f"it cannot run here ({exc})"
-    if not ok:
-        warnings.warn(f"pymlxc's fused add + RMSNorm CUDA kernel is not used: {why}", RuntimeWarning, stacklevel=2)
-    with _checked_lock:
-        _checked[key] = ok
-    return ok
+    return checks.verdict((str(dtype), d), lambda: _compare(d, dtype))
 
 
-__all__ = ["add_rms_norm", "applies", "check", "geometry", "unfused"]
+def _compare(d: int, dtype: Any) -> str | None:
+    rng = np.random.default_rng(0)
+    a, b, w = (mx.astype(mx.array(rng.standard_normal(s).astype(np.float32)), dtype) for s in [(3, d), (3, d), (d,)])
+    got, want = add_rms_norm(a, b, w, 1e-5), unfused(a, b, w, 1e-5)
+    if all(bool(mx.array_equal(g, e).item()) for g, e in zip(got, want)):
+        return None
+    return "its results differ from MLX's add and rms_norm"
+
+
+__all__ = ["add_rms_norm", "applies", "check", "checks", "geometry", "unfused"]

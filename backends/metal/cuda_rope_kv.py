@@ -34,8 +34,6 @@ import ctypes
 import ctypes.util
 import functools
 import math
-import threading
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +41,8 @@ import numpy as np
 
 import pymlxc.core as mx
 from pymlxc.core import Array
+
+from . import kernel_check
 
 THREADS = 128
 
@@ -197,23 +197,18 @@ def private_copy(a: Array) -> Array:
     return mx.multiply(mx.contiguous(a, False), mx.array(1, dtype=a.dtype))
 
 
-_checked: dict[tuple[Any, ...], bool] = {}
-_checked_lock = threading.Lock()
+checks = kernel_check.CheckedOnce("pymlxc's RoPE + cache-write CUDA kernel")
 
 
 def check(dtype: Any, n_heads: int, n_kv_heads: int, d: int, dv: int, rope: Rope, apply_rope: Any) -> bool:
     """Whether the kernel runs here and equals MLX's RoPE (`apply_rope(x, offset)`, the model's
     module) and slice updates bit for bit, at positions from 0 to 8191 (once per process, shape, type
     and RoPE); if not, a RuntimeWarning says why."""
-    key = (str(dtype), n_heads, n_kv_heads, d, dv, rope.key)
-    with _checked_lock:
-        known = _checked.get(key)
-        if known is None:
-            known = _checked[key] = _compare(dtype, n_heads, n_kv_heads, d, dv, rope, apply_rope)
-    return known
+    return checks.verdict((str(dtype), n_heads, n_kv_heads, d, dv, rope.key),
+                          lambda: _compare(dtype, n_heads, n_kv_heads, d, dv, rope, apply_rope))
 
 
-def _compare(dtype: Any, hq: int, hkv: int, d: int, dv: int, rope: Rope, apply_rope: Any) -> bool:
+def _compare(dtype: Any, hq: int, hkv: int, d: int, dv: int, rope: Rope, apply_rope: Any) -> str | None:
     rng = np.random.default_rng(0)
     slots = 8192
 
@@ -224,25 +219,17 @@ def _compare(dtype: Any, hq: int, hkv: int, d: int, dv: int, rope: Rope, apply_r
     want_k, want_v = keys, values
     keys, values = private_copy(keys), private_copy(values)
     mx.eval(keys, values, want_k, want_v)
-    try:
-        for p in (0, 1, 77, 1000, 4097, slots - 1):
-            qk, v = rand(1, hq + hkv, 1, d), rand(1, hkv, 1, dv)
-            pos = mx.array(p, dtype=mx.int32)
-            q, keys, values = rope_write_kv(qk, v, pos, keys, values, rope, hq)
-            mx.eval(q)
-            want_q, want_k, want_v = reference(qk, v, pos, want_k, want_v, apply_rope, hq)
-            same = [bool(mx.array_equal(a, e).item()) for a, e in ((q, want_q), (keys, want_k), (values, want_v))]
-            if not all(same):
-                what = ", ".join(n for n, s in zip(("queries", "keys", "values"), same) if not s)
-                warnings.warn(f"pymlxc's RoPE + cache-write CUDA kernel is not used: its {what} at position {p} "
-                              f"differ from MLX's RoPE and slice updates ({dtype}, head size {d})",
-                              RuntimeWarning, stacklevel=3)
-                return False
-    except Exception as exc:  # noqa: BLE001 - whatever stops it, MLX's kernels still work
-        warnings.warn(f"pymlxc's RoPE + cache-write CUDA kernel cannot run here ({type(exc).__name__}: {exc}); "
-                      "using MLX's kernels", RuntimeWarning, stacklevel=3)
-        return False
-    return True
+    for p in (0, 1, 77, 1000, 4097, slots - 1):
+        qk, v = rand(1, hq + hkv, 1, d), rand(1, hkv, 1, dv)
+        pos = mx.array(p, dtype=mx.int32)
+        q, keys, values = rope_write_kv(qk, v, pos, keys, values, rope, hq)
+        mx.eval(q)
+        want_q, want_k, want_v = reference(qk, v, pos, want_k, want_v, apply_rope, hq)
+        same = [bool(mx.array_equal(a, e).item()) for a, e in ((q, want_q), (keys, want_k), (values, want_v))]
+        if not all(same):
+            what = ", ".join(n for n, s in zip(("queries", "keys", "values"), same) if not s)
+            return f"its {what} at position {p} differ from MLX's RoPE and slice updates ({dtype}, head size {d})"
+    return None
 
 
-__all__ = ["Rope", "check", "private_copy", "reference", "rope_of", "rope_write_kv"]
+__all__ = ["Rope", "check", "checks", "private_copy", "reference", "rope_of", "rope_write_kv"]

@@ -23,6 +23,7 @@ import math
 import os
 import struct
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -234,7 +235,7 @@ def read_gguf(path: str | os.PathLike[str], *, check_types: bool = True) -> GGUF
 # ---------------------------------------------------------------------- loading
 
 @contextlib.contextmanager
-def _naming(path: Path) -> Iterator[None]:
+def naming(path: Path) -> Iterator[None]:
     """Prefix the file name to GGUFErrors raised inside that do not name it yet."""
     try:
         yield
@@ -255,35 +256,29 @@ def _model_config(reader: GGUFReader) -> dict[str, Any]:
     return config
 
 
-def load_gguf_weights(path: str | os.PathLike[str], *, context_len: int = 131072,
-                      progress: Callable[[int, int], None] | None = None, reader: GGUFReader | None = None) -> Any:
-    """The `loader.LoadedModel` of the GGUF file at `path`: layers of repacked types quantized
+@dataclass
+class GGUFCheckpoint:
+    """What `loader.build_model` needs from a GGUF file: the HF-style config, the tensors under HF
+    names, and `layers(model)` swapping in llama.cpp's block layers (None where there are none)."""
+
+    file: Path
+    config: dict[str, Any]
+    arrays: dict[str, Any]
+    layers: Callable[[Any], int] | None
+
+
+def read_gguf_checkpoint(path: str | os.PathLike[str], reader: GGUFReader | None = None) -> GGUFCheckpoint:
+    """The config and tensors of the GGUF file at `path`: layers of repacked types quantized
     (`QuantizedLinear`, group 32), Q2_K/Q3_K/Q6_K layers as block layers, the others dense, dtypes
     as stored."""
-    from .loader import build_model
-
     file = Path(path)
     reader = reader if reader is not None else read_gguf(file)
-    with _naming(file):
+    with naming(file):
         config = _model_config(reader)
         weights = read_tensors(reader, architecture(reader), config)
     blocks = weights.block_layers
-    return build_model(config, weights.arrays, dict.fromkeys(weights.arrays, file), source=file, root=file,
-                       context_len=context_len, progress=progress,
-                       layers=(lambda model: use_block_layers(model, blocks)) if blocks else None)
-
-
-def load_gguf_model(path: str | os.PathLike[str], *, context_len: int = 131072,
-                    progress: Callable[[int, int], None] | None = None) -> tuple[Any, Any]:
-    """(tokenizer, LoadedModel) of the GGUF file at `path`, reading its metadata once. The tokenizer
-    comes first, so that a file without one fails before the weights are read."""
-    from .gguf_tokenizer import load_gguf_tokenizer
-
-    file = Path(path)
-    reader = read_gguf(file)
-    with _naming(file):
-        tokenizer = load_gguf_tokenizer(file, reader, model_type_of(architecture(reader)))
-    return tokenizer, load_gguf_weights(file, context_len=context_len, progress=progress, reader=reader)
+    return GGUFCheckpoint(file, config, weights.arrays,
+                          (lambda model: use_block_layers(model, blocks)) if blocks else None)
 
 
 # ---------------------------------------------------------------------- description
@@ -318,12 +313,12 @@ def describe_gguf(path: str | os.PathLike[str]) -> tuple[str | None, int, int]:
     if file is None:
         raise GGUFError(f"no GGUF model in {p}")
     reader = read_gguf(file, check_types=False)
-    with _naming(file):
+    with naming(file):
         arch = architecture(reader)
     bits, group = quantization_of(reader)
     return (model_type_of(arch) if arch in ARCHITECTURES else arch), bits, group
 
 
 __all__ = ["GGUFError", "ARCHITECTURES", "SUPPORTED_TYPES", "find_gguf", "read_gguf", "metadata", "gguf_config",
-           "load_gguf_weights", "load_gguf_model", "hf_name", "llama3_rope_scaling",
+           "GGUFCheckpoint", "read_gguf_checkpoint", "naming", "hf_name", "llama3_rope_scaling",
            "quantization_of", "describe_gguf"]

@@ -19,9 +19,12 @@ from typing import Any
 import pymlxc.core as mx
 from pymlxc.core import Array, MLXError
 from pymlxc.files import check_regular_file, read_json
+from pymlxc.settings import SWITCH, Settings
+from pymlxc.settings import current as current_settings
 
 from . import matvec, nn
 from .config_check import ConfigError, check_against_tensors
+from .kernel_check import on_cuda
 from .models import UnsupportedModelError, get_model_module, infer_model_type
 from .switch import QuantizedSwitchLinear
 
@@ -277,17 +280,39 @@ def _evaluate(params: dict[str, Array], origin: Mapping[str, Path], progress: Pr
     return total
 
 
+# ---------------------------------------------------------------------- kernel choice
+
+def choose_cuda_matvec(model: Any, setting: str) -> bool:
+    """Mark `model`'s 4-bit layers to use pymlxc's matvec kernel (matvec.py) where this process runs
+    on CUDA and `setting` (PYMLXC_CUDA_MATVEC: `auto`, `1` or `0`) says so, and the kernel runs here;
+    returns whether it did. Elsewhere, a no-op. Decided once, at load, for the device in use then."""
+    if setting not in SWITCH:
+        raise ValueError(f"the cuda_matvec setting must be one of {', '.join(SWITCH)}, not {setting!r}")
+    layers = [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    four_bit = [m for m in layers if m.bits == 4 and m.scales.dtype.size == 2]  # what the kernel takes
+    blocks = max(1, len(getattr(model, "layers", None) or ()))
+    per_block = sum(m.weight.nbytes + m.scales.nbytes + m.biases.nbytes for m in four_bit) / blocks
+    use = (setting != "0" and bool(four_bit) and on_cuda()
+           and (setting == "1" or per_block >= matvec.AUTO_MIN_BYTES_PER_LAYER) and matvec.runs_on(four_bit[0]))
+    chosen = {id(m) for m in four_bit} if use else set()
+    for m in layers:
+        m.use_cuda_matvec(id(m) in chosen)
+    return use
+
+
 # ---------------------------------------------------------------------- entry point
 
 def load_weights_and_config(path: str | os.PathLike[str], context_len: int = 131072, device: Any = None, *,
-                            progress: Progress | None = None) -> LoadedModel:
+                            progress: Progress | None = None, settings: Settings | None = None) -> LoadedModel:
     """Load the model directory (or GGUF file) at `path`. `progress(done_bytes, total_bytes)` is called while the
     weights are read. `device` (a `pymlxc.core.Device`/`Stream`) runs the loading there.
-    `context_len` is kept for the caller's `model.make_cache(context_len)`."""
+    `context_len` is kept for the caller's `model.make_cache(context_len)`. `settings` (else the
+    process's) choose the kernels (`cuda_matvec`)."""
+    settings = settings if settings is not None else current_settings()
     if device is not None:
         with mx.stream_scope(device):
-            return _load(Path(path), context_len, progress)
-    return _load(Path(path), context_len, progress)
+            return _load(Path(path), context_len, progress, settings)
+    return _load(Path(path), context_len, progress, settings)
 
 
 def gguf_file_of(path: str | os.PathLike[str]) -> Path | None:
@@ -298,31 +323,58 @@ def gguf_file_of(path: str | os.PathLike[str]) -> Path | None:
         return None
     if p.suffix.lower() == ".gguf" and p.exists():
         check_regular_file(p, what="GGUF file")  # a FIFO or device named *.gguf: said so, not "no directory"
-    from .gguf import find_gguf
+    from .gguf import find_gguf  # noqa: PLC0415 - gguf.py needs the optional `gguf` package
 
     return find_gguf(p)
 
 
-def _load(root: Path, context_len: int, progress: Progress | None) -> LoadedModel:
+def load_gguf_weights(path: str | os.PathLike[str], *, context_len: int = 131072, progress: Progress | None = None,
+                      reader: Any = None, settings: Settings | None = None) -> LoadedModel:
+    """The LoadedModel of the GGUF file at `path` (see gguf.py); `reader`: its GGUFReader, where read already."""
+    from .gguf import read_gguf_checkpoint  # noqa: PLC0415 - gguf.py needs the optional `gguf` package
+
+    check_regular_file(Path(path), what="GGUF file")
+    ckpt = read_gguf_checkpoint(path, reader)
+    return build_model(ckpt.config, ckpt.arrays, dict.fromkeys(ckpt.arrays, ckpt.file), source=ckpt.file,
+                       root=ckpt.file, context_len=context_len, progress=progress, layers=ckpt.layers,
+                       settings=settings)
+
+
+def load_gguf_model(path: str | os.PathLike[str], *, context_len: int = 131072, progress: Progress | None = None,
+                    settings: Settings | None = None) -> tuple[Any, LoadedModel]:
+    """(tokenizer, LoadedModel) of the GGUF file at `path`, reading its metadata once. The tokenizer
+    comes first, so that a file without one fails before the weights are read."""
+    # gguf.py and gguf_tokenizer.py need the optional `gguf` package: imported for GGUF files only.
+    from .gguf import architecture, model_type_of, naming, read_gguf  # noqa: PLC0415
+    from .gguf_tokenizer import load_gguf_tokenizer  # noqa: PLC0415
+
+    file = Path(path)
+    check_regular_file(file, what="GGUF file")  # no FIFO or device handed to the reader
+    reader = read_gguf(file)
+    with naming(file):
+        tokenizer = load_gguf_tokenizer(file, reader, model_type_of(architecture(reader)))
+    return tokenizer, load_gguf_weights(file, context_len=context_len, progress=progress, reader=reader,
+                                        settings=settings)
+
+
+def _load(root: Path, context_len: int, progress: Progress | None, settings: Settings) -> LoadedModel:
     gguf_file = gguf_file_of(root)
     if gguf_file is not None:
-        from .gguf import load_gguf_weights
-
-        check_regular_file(gguf_file, what="GGUF file")
-        return load_gguf_weights(gguf_file, context_len=context_len, progress=progress)
+        return load_gguf_weights(gguf_file, context_len=context_len, progress=progress, settings=settings)
     config = read_config(root)
     files = weight_files(root)
     raw, origin = _read_shards(files)
     return build_model(config, raw, origin, source=root / "config.json", root=root, context_len=context_len,
-                       progress=progress)
+                       progress=progress, settings=settings)
 
 
 def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[str, Path], *, source: Path,
                 root: Path, context_len: int, progress: Progress | None,
-                layers: Callable[[nn.Module], int] | None = None) -> LoadedModel:
+                layers: Callable[[nn.Module], int] | None = None, settings: Settings | None = None) -> LoadedModel:
     """The model of `config` with the checkpoint tensors `raw` (HF names) in it; `source` names the
     file that errors about the config refer to, `origin` the file of each tensor; `layers(model)`
-    swaps in a format's own layer types before the weights go in (returns how many)."""
+    swaps in a format's own layer types before the weights go in (returns how many); `settings`
+    (else the process's) choose the kernels."""
     file = source
     model_type = config.get("model_type") or infer_model_type(config, (canonical_name(k) for k in raw))
     if model_type is not None and not isinstance(model_type, str):
@@ -376,7 +428,9 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
     nbytes = _evaluate(params, origin, progress)
     # Constants derived from weights at load (e.g. Gemma's 1 + w) are evaluated now as well.
     mx.eval(constants)
-    cuda_matvec = matvec.configure(model) if quantized else False  # no quantized layer: nothing to choose
+    cuda_matvec = False
+    if quantized:  # no quantized layer: nothing to choose
+        cuda_matvec = choose_cuda_matvec(model, (settings if settings is not None else current_settings()).cuda_matvec)
     return LoadedModel(model=model, config=config, model_type=str(model_type), path=root,
                        quantization={"group_size": int(quant.get("group_size", 64)), "bits": int(quant.get("bits", 4))}
                        if quant else None,
@@ -385,5 +439,5 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
 
 
 __all__ = ["LoadedModel", "WeightsFileError", "ConfigError", "UnsupportedModelError", "load_weights_and_config",
-           "build_model", "gguf_file_of",
+           "build_model", "gguf_file_of", "load_gguf_weights", "load_gguf_model", "choose_cuda_matvec",
            "read_config", "weight_files", "canonical_name"]

@@ -7,8 +7,8 @@ pymlxc's 4-bit kernel reads the weights at about 1.8x the bandwidth of MLX's (H1
 same whatever their size. Measured on an H100 (decode tok/s, MLX's kernel -> pymlxc's):
 Llama-3.1-8B 4-bit 171 -> 262, Llama-3.2-1B 4-bit 677 -> 789, Qwen3-0.6B 4-bit 411 -> 398.
 
-`configure(model)` decides once, at load, for the device in use then, and marks the model's layers
-(`_cuda_matvec`). It runs the kernel once there: NVRTC compiles it then (about 1.5 s on an H100,
+`loader.choose_cuda_matvec(model, setting)` decides once, at load, for the device in use then, and
+marks the model's layers (`use_cuda_matvec`). It runs the kernel once there: NVRTC compiles it then (about 1.5 s on an H100,
 once per process), not in the first generation, and a kernel that cannot run on this machine
 leaves the model on MLX's kernel with a warning instead of failing a generation. `PYMLXC_CUDA_MATVEC` sets it: `auto` (the default: when the model has at least
 `AUTO_MIN_BYTES_PER_LAYER` of 4-bit weights per transformer block, its head and embedding
@@ -29,7 +29,6 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 
 from . import cuda_matvec as kernels
-from . import cuda_switch
 
 # 4-bit bytes per block: Llama-3.1-8B 140 MB, Llama-3.2-1B 43 MB, Gemma-3-1B 22 MB, Qwen3-0.6B 12 MB.
 AUTO_MIN_BYTES_PER_LAYER = 30_000_000
@@ -82,25 +81,7 @@ def _fits(x: Array, weight: Array, scales: Array, biases: Array, group_size: int
             and tuple(scales.shape) == (n, k // group_size) and tuple(biases.shape) == tuple(scales.shape))
 
 
-def configure(model: Any) -> bool:
-    """Mark `model`'s 4-bit layers to use pymlxc's kernel when this process runs on CUDA and the
-    setting (see the module docstring) says so; returns whether it did. Elsewhere, a no-op."""
-    from .nn import QuantizedEmbedding, QuantizedLinear  # noqa: PLC0415 - nn imports this module
-
-    choice = cuda_switch.setting("PYMLXC_CUDA_MATVEC")
-    layers = [m for _, m in model.named_modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))]
-    four_bit = [m for m in layers if m.bits == 4 and m.scales.dtype.size == 2]  # what the kernel takes
-    blocks = max(1, len(getattr(model, "layers", None) or ()))
-    per_block = sum(m.weight.nbytes + m.scales.nbytes + m.biases.nbytes for m in four_bit) / blocks
-    use = (choice != "0" and bool(four_bit) and cuda_switch.on_cuda()
-           and (choice == "1" or per_block >= AUTO_MIN_BYTES_PER_LAYER) and _runs_on(four_bit[0]))
-    chosen = {id(m) for m in four_bit} if use else set()
-    for m in layers:
-        m._cuda_matvec = id(m) in chosen  # noqa: SLF001 - the layers' own switch
-    return use
-
-
-def _runs_on(layer: Any) -> bool:
+def runs_on(layer: Any) -> bool:
     """Run the kernel once on `layer` (one row of zeros): compiles it now; False, with a warning,
     if it cannot run here."""
     try:

@@ -252,7 +252,15 @@ class QuantizedLinear(Module):
         if bias:
             self.bias = mx.zeros((output_dims,), dtype)
         self.freeze(["weight", "scales", "biases"], recurse=False)
-        self._cuda_matvec = False  # set by matvec.configure
+        self._cuda_matvec = False  # set by loader.choose_cuda_matvec
+
+    @property
+    def cuda_matvec(self) -> bool:
+        """Whether products of few rows go through pymlxc's CUDA kernel (loader.choose_cuda_matvec)."""
+        return self._cuda_matvec
+
+    def use_cuda_matvec(self, on: bool) -> None:
+        self._cuda_matvec = bool(on)
 
     @property
     def input_dims(self) -> int:
@@ -316,7 +324,15 @@ class QuantizedEmbedding(Module):
         self.scales = mx.zeros((num_embeddings, dims // group_size), dtype)
         self.biases = mx.zeros((num_embeddings, dims // group_size), dtype)
         self.freeze(recurse=False)
-        self._cuda_matvec = False  # set by matvec.configure
+        self._cuda_matvec = False  # set by loader.choose_cuda_matvec
+
+    @property
+    def cuda_matvec(self) -> bool:
+        """Whether products of few rows go through pymlxc's CUDA kernel (loader.choose_cuda_matvec)."""
+        return self._cuda_matvec
+
+    def use_cuda_matvec(self, on: bool) -> None:
+        self._cuda_matvec = bool(on)
 
     @classmethod
     def from_embedding(cls, emb: Embedding, group_size: int = 64, bits: int = 4) -> "QuantizedEmbedding":

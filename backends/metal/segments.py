@@ -40,7 +40,7 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 from pymlxc.core.transforms import FixedArrays
 
-from . import cuda_argmax, cuda_norm, cuda_rope_kv, cuda_switch
+from . import cuda_argmax, cuda_norm, cuda_rope_kv, kernel_check
 from .matvec import quantized_matmul
 from .models import llama, qwen3
 from .nn import Module
@@ -73,7 +73,7 @@ def use_fused_norm(model: Any, blocks: Sequence[Any], setting: str) -> bool:
     the kernel passes its check on this machine."""
     from . import nn  # noqa: PLC0415
 
-    if setting == "0" or (setting == "auto" and not cuda_switch.on_cuda()):
+    if setting == "0" or (setting == "auto" and not kernel_check.on_cuda()):
         return False
     norms = [b.post_attention_layernorm for b in blocks] + [b.input_layernorm for b in blocks[1:]] + [model.model.norm]
     if any(type(n) is not nn.RMSNorm for n in norms):
@@ -86,7 +86,7 @@ def use_cuda_argmax(model: Any, setting: str) -> bool:
     """Whether the last segment's greedy argmax runs as cuda_argmax.py's kernels: `setting`
     (PYMLXC_CUDA_ARGMAX: auto = on CUDA, 1 = also elsewhere, where the kernels then fail their
     check, or 0) allows it, the logits are of a floating type, and the kernels pass their check."""
-    if setting == "0" or (setting == "auto" and not cuda_switch.on_cuda()):
+    if setting == "0" or (setting == "auto" and not kernel_check.on_cuda()):
         return False
     embed = model.model.embed_tokens
     head = model.lm_head if model.lm_head is not None else embed
@@ -102,7 +102,7 @@ def use_rope_kv(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple[Fusio
     where the kernel then fails its check, or 0) allows it, every block's q/k/v projections are
     fused (the kernel takes the joint q and k heads; Qwen3's norms joined too), all layers share
     one RoPE the kernel reproduces and one head layout, and the kernel passes its check."""
-    if setting == "0" or (setting == "auto" and not cuda_switch.on_cuda()) or not fusions:
+    if setting == "0" or (setting == "auto" and not kernel_check.on_cuda()) or not fusions:
         return None
     attns = [b.self_attn for b in blocks]
     joint = [f[0].fused for f in fusions]

@@ -31,7 +31,7 @@ from pymlxc.types import AttentionSnapshot, BatchResult, ClassifyResult, Generat
 
 from . import generate as loops
 from . import prompt_cache as pcache
-from .compiled import CompiledDecoder, compile_enabled
+from .compiled import CompiledDecoder
 from .sample import Sampler, make_logits_processors, make_sampler
 from .training import TrainableMixin
 
@@ -139,7 +139,8 @@ class MetalTextModel(TrainableMixin):
             self._resources.callback(release)
         self._resources.callback(self._prompt_cache.clear)
         # The compiled decode step (see compiled.py), used where it applies unless PYMLXC_COMPILE=0.
-        self._decoder = CompiledDecoder(model)
+        self.settings = config.settings  # the PYMLXC_* switches this model runs with (pymlxc/settings.py)
+        self._decoder = CompiledDecoder(model, settings=config.settings)
         self._resources.callback(self._decoder.close)
         self.compiled_decode = True
 
@@ -300,7 +301,7 @@ class MetalTextModel(TrainableMixin):
             model = self._model
             entries = pcache.load_entries(path, pcache.model_identity(model, self._model_type),
                                           model.make_cache(self._context_len), self._info.vocab_size, model=model)
-            if self.compiled_decode and compile_enabled():
+            if self.compiled_decode and self._decoder.enabled:
                 self._decoder.prepare_weights()
             self._prompt_cache.check_weights(model.parameters().values())
             return sum(self._prompt_cache.store(tokens.tolist(), caches) for tokens, caches in entries)
@@ -338,7 +339,7 @@ class MetalTextModel(TrainableMixin):
         """Fresh caches, or the prompt cache's longest prefix of `ids` (at most `limit` tokens)."""
         if not self._prompt_cache.enabled:
             return model.make_cache(self._context_len), 0, pcache.CacheUse()
-        if self.compiled_decode and compile_enabled():
+        if self.compiled_decode and self._decoder.enabled:
             self._decoder.prepare_weights()  # a first fusion must not look like new weights later
         self._prompt_cache.check_weights(model.parameters().values())
         restored, cached, use = pcache.timed_lookup(self._prompt_cache, ids, limit)
@@ -558,7 +559,7 @@ class MetalTextModel(TrainableMixin):
                     sampler=self._sampler(options), processors=make_logits_processors(options.repeat_penalty),
                     max_tokens=options.max_tokens,
                     stop_ids=self._stop_ids | frozenset(options.stop_tokens), guard=guard, timings=timings,
-                    decoder=self._decoder if self.compiled_decode and compile_enabled() else None)
+                    decoder=self._decoder if self.compiled_decode and self._decoder.enabled else None)
                 try:
                     yield from _tokens(id_stream, self._tokenizer.detokenizer(), last=options.max_tokens)
                 finally:

@@ -22,7 +22,8 @@ from pymlxc.training.adapters import (
 )
 from pymlxc.training.config import Encoder, LoRAConfig
 
-from . import lora, matvec
+from . import lora
+from .loader import choose_cuda_matvec
 from .matvec import mlx_kernels_only
 from .nn import Module
 
@@ -220,7 +221,8 @@ class TrainableMixin:
             model = self._net()
             n = lora.fuse(model, dequantize=dequantize)
             mx.eval(list(model.parameters().values()))
-            matvec.configure(model)  # the fused layers are new modules: choose their kernel again
+            # The fused layers are new modules: choose their kernel again, by the model's settings.
+            choose_cuda_matvec(model, self.settings.cuda_matvec)
             self._adapter._detached()
             self._adapter = None
             return n

@@ -9,11 +9,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from pymlxc import settings
 from pymlxc.options import LoadConfig
 
 from .textmodel import MlxLmModel
 
-PYTHON_ENV = "PYMLXC_MLX_LM_PYTHON"  # the Python that runs the worker, when mlx-lm lives elsewhere
+PYTHON_ENV = settings.variable("mlx_lm_python")  # the Python that runs the worker, when mlx-lm lives elsewhere
 MIN_MLX_LM = (0, 32)  # BatchGenerator and the generate_step keywords the worker uses
 # Loads mlx's native library (the part that breaks) but not mlx-lm, whose import takes seconds;
 # mlx-lm's version comes from its metadata, or from the module where it has none (a source checkout).
@@ -81,7 +82,7 @@ class MlxLmBackend:
 
     @property
     def python(self) -> str:
-        return self._python or os.environ.get(PYTHON_ENV) or sys.executable
+        return self._python or settings.current().mlx_lm_python or sys.executable
 
     def available(self) -> bool:
         return self.unavailable_reason() is None

@@ -8,7 +8,6 @@ import ctypes
 import importlib.metadata
 import importlib.util
 import json
-import os
 import re
 import sys
 import threading
@@ -16,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import cffi
+
+from .. import settings
 
 REBUILD_HINT = "python build_mlxc.py --force   (or reinstall: pip install --no-build-isolation -e .)"
 
@@ -29,8 +30,8 @@ class LibraryNotBuiltError(ImportError):
 
 
 def _lib_dir() -> Path:
-    override = os.environ.get("PYMLXC_LIB_DIR")
-    return Path(override) if override else Path(__file__).resolve().parent.parent / "_lib"
+    override = settings.current().lib_dir  # PYMLXC_LIB_DIR
+    return override if override is not None else Path(__file__).resolve().parent.parent / "_lib"
 
 
 def _read_stamp(lib_dir: Path) -> dict[str, Any]:

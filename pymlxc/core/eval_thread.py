@@ -25,17 +25,17 @@ One thread per device serves the whole process (`shared(device)`); submissions r
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import threading
 from collections.abc import Iterator
 from typing import Any
 
+from .. import settings
 from ._loader import check, ffi, lib
 from .device import Device, Stream, default_stream, stream_scope
 from .eval import async_eval
 
-ENV_VAR = "PYMLXC_EVAL_THREAD"
+ENV_VAR = settings.variable("eval_thread")
 
 
 class Ticket:
@@ -149,16 +149,15 @@ def shared(device: Device) -> EvalThread:
         return t
 
 
-def enabled(device: Device) -> bool:
-    """Whether generation loops should encode on an EvalThread: PYMLXC_EVAL_THREAD=1/0 decides when
-    set; otherwise on a GPU (host-bound there) and not on a CPU (MLX's CPU evaluation computes on
-    the stream's own thread already, and the CPU cores are the compute)."""
-    value = os.environ.get(ENV_VAR, "").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    return device.type == "gpu"
+def enabled(device: Device, setting: str | None = None) -> bool:
+    """Whether generation loops should encode on an EvalThread: `setting` (else the process's
+    PYMLXC_EVAL_THREAD, see pymlxc/settings.py) `1`/`0` decides; `auto` means on a GPU (host-bound
+    there) and not on a CPU (MLX's CPU evaluation computes on the stream's own thread already, and
+    the CPU cores are the compute)."""
+    value = settings.current().eval_thread if setting is None else setting
+    if value not in settings.SWITCH:
+        raise ValueError(f"the eval-thread setting must be one of {', '.join(settings.SWITCH)}, not {value!r}")
+    return value == "1" or (value == "auto" and device.type == "gpu")
 
 
 __all__ = ["EvalThread", "Ticket", "shared", "enabled", "ENV_VAR"]

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import pymlxc.core as mx
+from pymlxc import settings
 from pymlxc.core import eval_thread
 
 
@@ -80,12 +81,12 @@ def test_shared_is_one_thread_and_a_closed_thread_refuses_work() -> None:
 
 
 @pytest.mark.parametrize(("value", "expected"), [("1", True), ("0", False), ("off", False), ("yes", True)])
-def test_enabled_follows_the_environment(monkeypatch: pytest.MonkeyPatch, value: str, expected: bool) -> None:
-    monkeypatch.setenv(eval_thread.ENV_VAR, value)
-    assert eval_thread.enabled(mx.cpu) is expected
+def test_enabled_follows_the_environment(value: str, expected: bool) -> None:
+    with settings.override(**vars(settings.Settings.from_env({eval_thread.ENV_VAR: value}))):
+        assert eval_thread.enabled(mx.cpu) is expected
 
 
-def test_enabled_by_default_on_gpus_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(eval_thread.ENV_VAR, raising=False)
-    assert eval_thread.enabled(mx.Device("gpu")) is True
-    assert eval_thread.enabled(mx.cpu) is False
+def test_enabled_by_default_on_gpus_only() -> None:
+    with settings.override(eval_thread="auto"):
+        assert eval_thread.enabled(mx.Device("gpu")) is True
+        assert eval_thread.enabled(mx.cpu) is False

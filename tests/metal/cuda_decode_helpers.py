@@ -47,14 +47,12 @@ def plan_flags(decoder: CompiledDecoder, flag: str) -> set[bool]:
     return {getattr(plan, flag) for plan in decoder._plans.values()}  # noqa: SLF001
 
 
-def check_the_setting_is_read_by_name(model: Any, monkeypatch: pytest.MonkeyPatch, variable: str, attribute: str,
-                                      flag: str) -> None:
+def check_the_setting_is_read_by_name(model: Any, switches: Any, variable: str, attribute: str, flag: str) -> None:
     """A CUDA switch (`variable`) read by `CompiledDecoder` into `attribute`: a bad value is an error
     naming it; `0` keeps MLX's kernels (no plan sets `flag`) and the uncompiled loop's tokens."""
-    monkeypatch.setenv(variable, "sometimes")
     with pytest.raises(ValueError, match=variable):
-        CompiledDecoder(model, "segmented")
-    monkeypatch.setenv(variable, " 0 ")
+        switches.env(variable, "sometimes")
+    switches.env(variable, " 0 ")
     decoder = CompiledDecoder(model, "segmented")
     assert getattr(decoder, attribute) == "0"
     assert greedy_ids(model, decoder) == greedy_ids(model, None) and plan_flags(decoder, flag) == {False}
@@ -72,11 +70,10 @@ def stood_in_decoder(model: Any, flag: str) -> CompiledDecoder:
     return decoder
 
 
-def check_a_forced_setting_keeps_mlx_kernels(model: Any, monkeypatch: pytest.MonkeyPatch, variable: str,
-                                             flag: str) -> None:
+def check_a_forced_setting_keeps_mlx_kernels(model: Any, switches: Any, variable: str, flag: str) -> None:
     """Off CUDA, a CUDA switch (`variable`) forced to `1`: the kernel's check failed already (its
     verdict is cached, so no second warning), no plan sets `flag`, the tokens are the uncompiled loop's."""
-    monkeypatch.setenv(variable, "1")
+    switches.env(variable, "1")
     decoder = CompiledDecoder(model, "segmented")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)

@@ -188,18 +188,20 @@ def test_lora_adapter_retraces(models) -> None:
     assert run(model, ids, decoder) == before
 
 
-def test_textmodel_default_and_env_switch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_textmodel_default_and_the_compile_setting(tmp_path: Path, switches: Any) -> None:
     from pymlxc.backends.metal import BACKEND
+    from pymlxc.options import LoadConfig
+    from pymlxc.settings import Settings
 
     path = write_tiny_model(tmp_path / "m", "llama", num_layers=2)
-    with BACKEND.load(str(path)) as tm:
+    with BACKEND.load(str(path), LoadConfig(settings=Settings(compile=False))) as plain:
+        off = [t.id for t in plain.generate("The baker", max_tokens=12)]
+        assert plain._decoder.stats["compiled"] == plain._decoder.stats["fallback"] == 0  # noqa: SLF001
+    switches(compile=False)  # the process's settings: read by a model at load, not at each generation
+    with BACKEND.load(str(path), LoadConfig(settings=Settings())) as tm:
         on = [t.id for t in tm.generate("The baker", max_tokens=12)]
         assert tm._decoder.stats["compiled"] == 1  # noqa: SLF001
-        monkeypatch.setenv("PYMLXC_COMPILE", "0")
-        off = [t.id for t in tm.generate("The baker", max_tokens=12)]
-        assert tm._decoder.stats["compiled"] == 1 and tm._decoder.stats["fallback"] == 0  # noqa: SLF001
         assert on == off
-        monkeypatch.delenv("PYMLXC_COMPILE")
         tm.compiled_decode = False
         assert [t.id for t in tm.generate("The baker", max_tokens=12)] == on
         assert tm._decoder.stats["compiled"] == 1  # noqa: SLF001
@@ -263,8 +265,8 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @pytest.fixture
-def segmented(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PYMLXC_DECODE", "segmented")
+def segmented(switches: Any) -> None:
+    switches(decode="segmented")
 
 
 @pytest.mark.parametrize("arch", LLAMA_FAMILY)
@@ -359,16 +361,18 @@ def test_segmented_with_lora_runs_unfused(models, segmented: None) -> None:
     assert run(model, ids, decoder) == run(model, ids, None)
 
 
-def test_decode_mode_follows_the_environment_then_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decode_mode_follows_the_setting_then_the_device(models: Any) -> None:
     import pymlxc.core as mx
     from pymlxc.backends.metal.compiled import decode_mode
+    from pymlxc.settings import Settings
 
     for mode in ("segmented", "graph"):
-        monkeypatch.setenv("PYMLXC_DECODE", mode)
-        assert decode_mode() == mode
-    monkeypatch.delenv("PYMLXC_DECODE")
+        assert decode_mode(mode) == mode
+        assert CompiledDecoder(models("llama").model, settings=Settings(decode=mode)).mode == mode
     with mx.stream_scope("cpu"):
-        assert decode_mode() == "graph"  # the graph's lower host cost wins on a CPU
+        assert decode_mode("auto") == "graph"  # the graph's lower host cost wins on a CPU
+    with pytest.raises(ValueError, match="decode setting"):
+        decode_mode("fast")
 
 
 @settings(max_examples=25, deadline=None)

@@ -41,19 +41,19 @@ def test_slices_and_types() -> None:
     assert not cuda_argmax.applies(mx.int32)
 
 
-def test_the_decoder_reads_the_setting_by_name(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
-    check_the_setting_is_read_by_name(tiny(), monkeypatch, "PYMLXC_CUDA_ARGMAX", "cuda_argmax", "cuda_argmax")
+def test_the_decoder_reads_the_setting_by_name(tiny, monkeypatch: pytest.MonkeyPatch, switches: Any) -> None:
+    check_the_setting_is_read_by_name(tiny(), switches, "PYMLXC_CUDA_ARGMAX", "cuda_argmax", "cuda_argmax")
 
 
 @pytest.mark.skipif(ON_CUDA, reason="off CUDA only: there the kernels cannot run")
-def test_off_cuda_the_segments_keep_mlx_argmax(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_off_cuda_the_segments_keep_mlx_argmax(tiny, monkeypatch: pytest.MonkeyPatch, switches: Any) -> None:
     model = tiny()
     assert not segments.use_cuda_argmax(model, "auto")
     assert not segments.use_cuda_argmax(model, "0")
-    cuda_argmax._checked.clear()  # noqa: SLF001 - a fresh check
+    cuda_argmax.checks.forget()  # a fresh check
     with pytest.warns(RuntimeWarning, match="CUDA argmax"):
         assert not segments.use_cuda_argmax(model, "1")
-    check_a_forced_setting_keeps_mlx_kernels(model, monkeypatch, "PYMLXC_CUDA_ARGMAX", "cuda_argmax")
+    check_a_forced_setting_keeps_mlx_kernels(model, switches, "PYMLXC_CUDA_ARGMAX", "cuda_argmax")
 
 
 @pytest.mark.parametrize("bits", [None, 4])

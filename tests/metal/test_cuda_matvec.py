@@ -25,10 +25,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pymlxc.core as mx
-from pymlxc.backends.metal import cuda_matvec, matvec
+from pymlxc.backends.metal import cuda_matvec, matvec, nn, training
 from pymlxc.backends.metal import generate as loops
 from pymlxc.backends.metal.compiled import CompiledDecoder
-from pymlxc.backends.metal.loader import load_weights_and_config
+from pymlxc.backends.metal.loader import choose_cuda_matvec, load_weights_and_config
 from pymlxc.backends.metal.sample import greedy
 from pymlxc.testing import write_tiny_model
 
@@ -117,38 +117,37 @@ def tiny(tmp_path: Path):
 
 
 def _quantized_layers(model: Any) -> list[Any]:
-    return [m for _, m in model.named_modules() if hasattr(m, "_cuda_matvec")]
+    return [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
 
 
-def test_configure_marks_layers_only_on_cuda(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_configure_marks_layers_only_on_cuda(tiny, monkeypatch: pytest.MonkeyPatch, switches: Any) -> None:
     loaded = tiny()
     layers = _quantized_layers(loaded.model)
     assert len(layers) == 2 * 7 + 1  # seven linears per block, the tied embedding
-    monkeypatch.setenv("PYMLXC_CUDA_MATVEC", "1")
-    assert matvec.configure(loaded.model) is ON_CUDA
-    assert [m._cuda_matvec for m in layers] == [ON_CUDA] * len(layers)
-    monkeypatch.setenv("PYMLXC_CUDA_MATVEC", "auto")  # a tiny model is far below the size where it pays
-    assert matvec.configure(loaded.model) is False
-    assert not any(m._cuda_matvec for m in layers)
-    monkeypatch.setenv("PYMLXC_CUDA_MATVEC", "fast")
+    assert choose_cuda_matvec(loaded.model, "1") is ON_CUDA
+    assert [m.cuda_matvec for m in layers] == [ON_CUDA] * len(layers)
+    assert choose_cuda_matvec(loaded.model, "auto") is False  # a tiny model is far below the size where it pays
+    assert not any(m.cuda_matvec for m in layers)
+    with pytest.raises(ValueError, match="cuda_matvec setting"):
+        choose_cuda_matvec(loaded.model, "fast")
     with pytest.raises(ValueError, match="PYMLXC_CUDA_MATVEC"):
-        matvec.configure(loaded.model)
+        switches.env("PYMLXC_CUDA_MATVEC", "fast")
 
 
-def test_a_kernel_that_cannot_run_leaves_the_model_on_mlx(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_kernel_that_cannot_run_leaves_the_model_on_mlx(tiny, monkeypatch: pytest.MonkeyPatch, switches: Any) -> None:
     loaded = tiny()
     layers = _quantized_layers(loaded.model)
 
     def broken() -> Any:
         raise mx.MLXError("nvrtc: error: no such architecture")
 
-    monkeypatch.setenv("PYMLXC_CUDA_MATVEC", "1")
+    switches.env("PYMLXC_CUDA_MATVEC", "1")
     monkeypatch.setattr(matvec.mx, "cuda_available", lambda: True)  # as on a CUDA machine
     monkeypatch.setattr(matvec.mx, "default_device", lambda: mx.Device("gpu", 0))
     monkeypatch.setattr(matvec, "_the_kernel", broken)
     with pytest.warns(RuntimeWarning, match="no such architecture"):
-        assert matvec.configure(loaded.model) is False
-    assert not any(m._cuda_matvec for m in layers)
+        assert choose_cuda_matvec(loaded.model, "1") is False
+    assert not any(m.cuda_matvec for m in layers)
 
 
 def test_mlx_kernels_only_holds_on_its_thread() -> None:
@@ -221,9 +220,9 @@ def _greedy_run(model: Any, prompt: list[int], decoder: CompiledDecoder | None) 
 
 @cuda_only
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_marked_models_keep_their_tokens_in_every_decode_mode(tiny, monkeypatch: pytest.MonkeyPatch,
+def test_marked_models_keep_their_tokens_in_every_decode_mode(tiny, monkeypatch: pytest.MonkeyPatch, switches: Any,
                                                               arch: str) -> None:
-    monkeypatch.setenv("PYMLXC_CUDA_MATVEC", "1")
+    switches.env("PYMLXC_CUDA_MATVEC", "1")
     loaded = tiny(arch)
     assert loaded.cuda_matvec
     model = loaded.model
@@ -247,8 +246,8 @@ def test_marked_models_keep_their_tokens_in_every_decode_mode(tiny, monkeypatch:
 
 
 @cuda_only
-def test_the_compiled_prefill_serves_short_and_long_chunks(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PYMLXC_CUDA_MATVEC", "1")
+def test_the_compiled_prefill_serves_short_and_long_chunks(tiny, monkeypatch: pytest.MonkeyPatch, switches: Any) -> None:
+    switches.env("PYMLXC_CUDA_MATVEC", "1")
     model = tiny().model
     decoder = CompiledDecoder(model, "segmented")
     runner = decoder.prefill_runner(True)
@@ -267,12 +266,12 @@ def test_the_compiled_prefill_serves_short_and_long_chunks(tiny, monkeypatch: py
 
 
 @cuda_only
-def test_lora_gradients_through_a_marked_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lora_gradients_through_a_marked_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, switches: Any) -> None:
     import pymlxc
     from pymlxc.training import LoRAConfig, TrainConfig, Trainer
     from pymlxc.training.data import Example, make_batch
 
-    monkeypatch.setenv("PYMLXC_CUDA_MATVEC", "1")
+    switches.env("PYMLXC_CUDA_MATVEC", "1")
     path = write_tiny_model(tmp_path / "m", "llama", quantize_bits=4, num_layers=2, dtype="float16")
     with pymlxc.load_model(str(path), backend="metal") as model:
         adapter = model.apply_lora(LoRAConfig(rank=4, alpha=8, target_keys=("q_proj", "v_proj")))
@@ -286,25 +285,25 @@ def test_lora_gradients_through_a_marked_model(tmp_path: Path, monkeypatch: pyte
     assert any(not np.array_equal(before[k], after[k]) for k in before)
 
 
-def test_fused_adapter_layers_choose_their_kernel_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fused_adapter_layers_choose_their_kernel_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, switches: Any) -> None:
     """Fusing requantizes the adapted layers into new modules; they are marked like the rest."""
     import pymlxc
     from pymlxc.training import LoRAConfig
 
     path = write_tiny_model(tmp_path / "m", "qwen3", quantize_bits=4, num_layers=2, dtype="float16")
-    monkeypatch.setenv("PYMLXC_CUDA_MATVEC", "1")
+    switches.env("PYMLXC_CUDA_MATVEC", "1")
     monkeypatch.setattr(matvec.mx, "cuda_available", lambda: True)  # the choice alone, as on CUDA
     monkeypatch.setattr(matvec.mx, "default_device", lambda: mx.Device("gpu", 0))
-    monkeypatch.setattr(matvec, "_runs_on", lambda layer: True)
+    monkeypatch.setattr(matvec, "runs_on", lambda layer: True)
     with pymlxc.load_model(str(path), backend="metal") as model:
         model.apply_lora(LoRAConfig(rank=4, alpha=8, target_keys=("q_proj", "v_proj")))
         calls: list[Any] = []
-        monkeypatch.setattr(matvec, "configure", _counting(matvec.configure, calls))
+        monkeypatch.setattr(training, "choose_cuda_matvec", _counting(choose_cuda_matvec, calls))
         assert model.fuse_adapter() == 2 * 2
         net = model._net()  # noqa: SLF001 - the module tree behind the model
         layers = _quantized_layers(net)
         assert len(calls) == 1 and len(layers) == 2 * 7 + 1
-        assert all(m._cuda_matvec for m in layers)
+        assert all(m.cuda_matvec for m in layers)
 
 
 def _counting(fn: Any, calls: list[Any]) -> Any:

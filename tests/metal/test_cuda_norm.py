@@ -51,21 +51,21 @@ def test_geometry_follows_mlx_rms_norm_dispatch() -> None:
     assert not cuda_norm.applies(2048, mx.float32) and not cuda_norm.applies(2000, mx.bfloat16)
 
 
-def test_the_decoder_reads_the_setting_by_name(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
-    check_the_setting_is_read_by_name(tiny("llama"), monkeypatch, "PYMLXC_FUSED_NORM", "fused_norm", "fused_norm")
+def test_the_decoder_reads_the_setting_by_name(tiny, monkeypatch: pytest.MonkeyPatch, switches: Any) -> None:
+    check_the_setting_is_read_by_name(tiny("llama"), switches, "PYMLXC_FUSED_NORM", "fused_norm", "fused_norm")
 
 
 @pytest.mark.skipif(ON_CUDA, reason="off CUDA only: there the kernel cannot run")
-def test_off_cuda_the_segments_keep_mlx_kernels(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_off_cuda_the_segments_keep_mlx_kernels(tiny, monkeypatch: pytest.MonkeyPatch, switches: Any) -> None:
     model = tiny("llama")
     blocks = segments.plan(model)
     assert blocks is not None
     assert not segments.use_fused_norm(model, blocks, "auto")
     assert not segments.use_fused_norm(model, blocks, "0")
-    cuda_norm._checked.clear()  # noqa: SLF001 - a fresh check
+    cuda_norm.checks.forget()  # a fresh check
     with pytest.warns(RuntimeWarning, match="fused add"):
         assert not segments.use_fused_norm(model, blocks, "1")
-    monkeypatch.setenv("PYMLXC_FUSED_NORM", "1")
+    switches.env("PYMLXC_FUSED_NORM", "1")
     decoder = CompiledDecoder(model, "segmented")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the check's verdict is cached: no second warning

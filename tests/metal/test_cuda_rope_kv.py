@@ -39,9 +39,9 @@ def tiny(tmp_path: Path):
 
 @pytest.fixture(autouse=True)
 def fresh_checks():
-    cuda_rope_kv._checked.clear()  # noqa: SLF001 - each test sees its own verdicts
+    cuda_rope_kv.checks.forget()  # each test sees its own verdicts
     yield
-    cuda_rope_kv._checked.clear()  # noqa: SLF001
+    cuda_rope_kv.checks.forget()
 
 
 def test_the_ropes_the_kernel_takes() -> None:
@@ -75,8 +75,8 @@ def test_the_private_buffers_are_row_major() -> None:
     assert bool(mx.array_equal(copy, gathered).item())
 
 
-def test_the_decoder_reads_the_setting_by_name(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
-    check_the_setting_is_read_by_name(tiny(), monkeypatch, "PYMLXC_CUDA_ROPE_KV", "cuda_rope_kv", "rope_kv")
+def test_the_decoder_reads_the_setting_by_name(tiny, monkeypatch: pytest.MonkeyPatch, switches: Any) -> None:
+    check_the_setting_is_read_by_name(tiny(), switches, "PYMLXC_CUDA_ROPE_KV", "cuda_rope_kv", "rope_kv")
 
 
 def _fusions(model: Any) -> Any:
@@ -84,14 +84,14 @@ def _fusions(model: Any) -> Any:
 
 
 @pytest.mark.skipif(ON_CUDA, reason="off CUDA only: there the kernel cannot run")
-def test_off_cuda_the_segments_keep_mlx_kernels(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_off_cuda_the_segments_keep_mlx_kernels(tiny, monkeypatch: pytest.MonkeyPatch, switches: Any) -> None:
     model = tiny()
     blocks = segments.plan(model)
     assert segments.use_rope_kv(model, blocks, _fusions(model), "auto") is None
     assert segments.use_rope_kv(model, blocks, _fusions(model), "0") is None
     with pytest.warns(RuntimeWarning, match="cannot run here"):
         assert segments.use_rope_kv(model, blocks, _fusions(model), "1") is None
-    check_a_forced_setting_keeps_mlx_kernels(model, monkeypatch, "PYMLXC_CUDA_ROPE_KV", "rope_kv")
+    check_a_forced_setting_keeps_mlx_kernels(model, switches, "PYMLXC_CUDA_ROPE_KV", "rope_kv")
 
 
 def test_unfused_projections_keep_mlx_kernels(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -114,7 +114,7 @@ def _stand_in(calls: list[tuple[int, ...]]) -> Any:
 
 @pytest.mark.parametrize("arch,bits,kw", [("llama", None, {}), ("llama", 4, {}), ("qwen3", None, {}),
                                           ("llama", None, {"rope_scaling": LLAMA3_ROPE_SCALING})])
-def test_segments_calling_the_kernel_keep_the_tokens(tiny, monkeypatch: pytest.MonkeyPatch, arch: str,
+def test_segments_calling_the_kernel_keep_the_tokens(tiny, monkeypatch: pytest.MonkeyPatch, switches: Any, arch: str,
                                                      bits: int | None, kw: dict[str, Any]) -> None:
     """The kernel stood in for by MLX's RoPE and slice updates: the first and the middle segment
     (each traced once) hand it the joint q/k heads before RoPE [1, q + kv heads, 1, D], and the
@@ -127,7 +127,7 @@ def test_segments_calling_the_kernel_keep_the_tokens(tiny, monkeypatch: pytest.M
     copied: list[Any] = []
     real_copy = cuda_rope_kv.private_copy
     monkeypatch.setattr(cuda_rope_kv, "private_copy", lambda a: copied.append(a) or real_copy(a))
-    monkeypatch.setenv("PYMLXC_CUDA_ROPE_KV", "1")
+    switches.env("PYMLXC_CUDA_ROPE_KV", "1")
     decoder = stood_in_decoder(model, "rope_kv")
     attn = model.layers[0].self_attn
     assert calls == [(1, attn.n_heads + attn.n_kv_heads, 1, attn.head_dim)] * 2
@@ -175,7 +175,7 @@ def test_the_check_rejects_any_difference(monkeypatch: pytest.MonkeyPatch, fault
     with pytest.warns(RuntimeWarning, match=f"its {fault} at position 0 differ"):
         assert not cuda_rope_kv.check(mx.float16, 4, 2, 16, 16, spec, rope)
     fault = "none"
-    cuda_rope_kv._checked.clear()  # noqa: SLF001
+    cuda_rope_kv.checks.forget()
     assert cuda_rope_kv.check(mx.float16, 4, 2, 16, 16, spec, rope)
 
 

@@ -68,8 +68,8 @@ def test_caches_equal_the_model_forward(models, arch: str, bits: int | None) -> 
     decoder.close()
 
 
-def test_generations_use_it_and_keep_their_tokens(models, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PYMLXC_DECODE", "segmented")
+def test_generations_use_it_and_keep_their_tokens(models, monkeypatch: pytest.MonkeyPatch, switches) -> None:
+    switches(decode="segmented")
     model = models("llama").model
     decoder = CompiledDecoder(model)
     calls = []

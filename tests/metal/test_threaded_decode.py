@@ -11,6 +11,7 @@ import pytest
 
 import pymlxc
 import pymlxc.core
+from pymlxc import settings
 from pymlxc.backends.metal import generate as loops
 from pymlxc.backends.metal.compiled import CompiledDecoder
 from pymlxc.backends.metal.loader import LoadedModel, load_weights_and_config
@@ -43,7 +44,12 @@ def ids(n: int = 19, seed: int = 2) -> list[int]:
 
 def generate(model: Any, prompt: list[int], mode: str | None, threaded: bool, monkeypatch: pytest.MonkeyPatch,
              steps: int = 20, decoder: CompiledDecoder | None = None, **kw: Any) -> list[int]:
-    monkeypatch.setenv(eval_thread.ENV_VAR, "1" if threaded else "0")
+    with settings.override(eval_thread="1" if threaded else "0"):
+        return _generate(model, prompt, mode, steps, decoder, **kw)
+
+
+def _generate(model: Any, prompt: list[int], mode: str | None, steps: int, decoder: CompiledDecoder | None,
+              **kw: Any) -> list[int]:
     own = decoder is None and mode is not None
     decoder = CompiledDecoder(model, mode) if own else decoder
     kw.setdefault("sampler", greedy)
@@ -109,20 +115,20 @@ def test_batches_threaded(models, monkeypatch: pytest.MonkeyPatch) -> None:
     prompts = [ids(7, 1), ids(12, 2), ids(3, 3)]
 
     def run(threaded: bool) -> list[list[int]]:
-        monkeypatch.setenv(eval_thread.ENV_VAR, "1" if threaded else "0")
-        rows = loops.batch_generate_ids(model, prompts, cache=model.make_cache(None), sampler=greedy, max_tokens=9)
+        with settings.override(eval_thread="1" if threaded else "0"):
+            rows = loops.batch_generate_ids(model, prompts, cache=model.make_cache(None), sampler=greedy, max_tokens=9)
         return [r.ids for r in rows]
 
     assert run(True) == run(False)
 
 
 @pytest.mark.parametrize("mode", ["graph", "segmented"])
-def test_an_early_stop_leaves_caches_that_continue(models, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+def test_an_early_stop_leaves_caches_that_continue(models, switches, mode: str) -> None:
     """Breaking out after 5 tokens: the caches hold every step fed (one queued step included) and
     a generation continuing from them gives the tokens of a fresh one."""
     model = models("llama").model
     prompt = ids()
-    monkeypatch.setenv(eval_thread.ENV_VAR, "1")
+    switches(eval_thread="1")
     decoder = CompiledDecoder(model, mode)
     try:
         cache, sampled = model.make_cache(None), []
@@ -143,9 +149,8 @@ def test_an_early_stop_leaves_caches_that_continue(models, monkeypatch: pytest.M
         decoder.close()
 
 
-def test_textmodel_with_the_thread_and_the_prompt_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(eval_thread.ENV_VAR, "1")
-    monkeypatch.setenv("PYMLXC_DECODE", "segmented")
+def test_textmodel_with_the_thread_and_the_prompt_cache(tmp_path: Path, switches) -> None:
+    switches(eval_thread="1", decode="segmented")
     path = write_tiny_model(tmp_path / "m", "llama", num_layers=2)
     with pymlxc.load_model(str(path), backend="metal") as m, \
             pymlxc.load_model(str(path), backend="metal", prompt_cache_entries=0) as plain:

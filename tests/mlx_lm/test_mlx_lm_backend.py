@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pymlxc import registry
+from pymlxc import registry, settings
 from pymlxc.backends.mlx_lm import MlxLmBackend, probe, register_backend
 from pymlxc.options import LoadConfig
 
@@ -39,11 +39,12 @@ def test_unavailable_when_the_python_is_missing_or_mlx_lm_too_old(tmp_path: Path
     assert probe(old) == (None, f"mlx-lm 0.19.3 in {old} is older than the 0.32 the worker needs")
 
 
-def test_python_comes_from_the_environment_when_not_given(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PYMLXC_MLX_LM_PYTHON", "/opt/other/python")
-    assert MlxLmBackend().python == "/opt/other/python"
-    monkeypatch.delenv("PYMLXC_MLX_LM_PYTHON")
-    assert MlxLmBackend().python == sys.executable
+def test_python_comes_from_the_settings_when_not_given() -> None:
+    read = settings.Settings.from_env({"PYMLXC_MLX_LM_PYTHON": "/opt/other/python"})
+    with settings.override(mlx_lm_python=read.mlx_lm_python):
+        assert MlxLmBackend().python == "/opt/other/python"
+    with settings.override(mlx_lm_python=None):
+        assert MlxLmBackend().python == sys.executable
 
 
 def test_register_backend_puts_mlx_lm_in_the_registry(tmp_path: Path) -> None:

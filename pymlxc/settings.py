@@ -1,0 +1,186 @@
+"""Every `PYMLXC_*` environment switch: typed, defaulted and documented in one place, read once.
+
+`Settings.from_env()` parses the environment with one strict parser: a value a switch does not take
+is a `SettingsError` naming the variable and the values it takes (nothing is silently ignored).
+`current()` is the process's settings, read at its first call and kept; `LoadConfig.settings`
+defaults to it and carries it down to a model (its decoder and kernel choices), so a model loaded
+with explicit `Settings` ignores the environment. `override(**changes)` swaps the process's
+settings for a block (tests, benchmarks and tools that compare switches in one process).
+
+This module imports nothing from pymlxc: the binding's loader reads `lib_dir` from it before
+anything else loads. `docs/settings.md` is generated from the fields here (`python -c
+'import pymlxc.settings as s; print(s.markdown(), end="")' > docs/settings.md`; a test checks that the page is current).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PREFIX = "PYMLXC_"
+SWITCH = ("auto", "0", "1")  # a lever that `auto` turns on where it pays
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class SettingsError(ValueError):
+    """An environment variable holds a value its switch does not take; the message names both."""
+
+
+def _doc(kind: str, text: str) -> dict[str, str]:
+    return {"kind": kind, "doc": text}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The process's switches. Each field is `PYMLXC_<FIELD NAME IN CAPITALS>` in the environment."""
+
+    compile: bool = field(default=True, metadata=_doc("bool", (
+        "Decode on the compiled step (`backends/metal/compiled.py`) where it applies; `0` keeps every "
+        "generation on the uncompiled loop (the same tokens, more host time per token).")))
+    decode: str = field(default="auto", metadata=_doc("auto|graph|segmented", (
+        "How the compiled step is built: `graph` (the whole step as one traced graph over masked "
+        "rings) or `segmented` (compiled segments around MLX's fused attention; models that declare "
+        "the block halves, the Llama family). `auto`: segmented on a GPU, graph on a CPU.")))
+    fuse_projections: bool = field(default=True, metadata=_doc("bool", (
+        "Segmented decode: run each block's q/k/v and gate/up projections as one matmul each "
+        "(their weights concatenated once, the linears keep views).")))
+    fused_norm: str = field(default="auto", metadata=_doc("auto|0|1", (
+        "Segmented decode: each residual add and the RMSNorm after it as one CUDA kernel "
+        "(`cuda_norm.py`). `auto`: on CUDA; `1`: also elsewhere (the kernel then fails its check "
+        "and MLX's kernels run).")))
+    cuda_argmax: str = field(default="auto", metadata=_doc("auto|0|1", (
+        "Segmented greedy decode: the argmax over the vocabulary as two CUDA kernels "
+        "(`cuda_argmax.py`). `auto`: on CUDA.")))
+    cuda_rope_kv: str = field(default="auto", metadata=_doc("auto|0|1", (
+        "Segmented decode: each layer's RoPE and key/value writes as one CUDA kernel "
+        "(`cuda_rope_kv.py`). `auto`: on CUDA.")))
+    cuda_matvec: str = field(default="auto", metadata=_doc("auto|0|1", (
+        "4-bit quantized products of few rows through pymlxc's CUDA kernel (`cuda_matvec.py`), "
+        "chosen at load. `auto`: on CUDA for models whose layers are large enough for it to pay; "
+        "`1`: for every 4-bit model on CUDA.")))
+    eval_thread: str = field(default="auto", metadata=_doc("auto|0|1", (
+        "Generation loops encode each step on an evaluation thread while Python builds the next "
+        "(`pymlxc/core/eval_thread.py`). `auto`: on a GPU, not on a CPU (where the cores are "
+        "the compute).")))
+    lib_dir: Path | None = field(default=None, metadata=_doc("path", (
+        "The folder of libmlxc and its cdef (default: `pymlxc/_lib` of the installed package). "
+        "Read when `pymlxc.core` is first imported.")))
+    mlx_lm_python: str | None = field(default=None, metadata=_doc("path", (
+        "The Python that runs the mlx_lm backend's worker (default: this interpreter), for an "
+        "mlx-lm installed in another environment.")))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+        """The settings the environment (`os.environ` by default) asks for; an unset or empty
+        variable keeps its default."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(variable(f.name), "").strip()
+            if raw:
+                values[f.name] = _parse(f.name, f.metadata["kind"], raw)
+        return cls(**values)
+
+    def __post_init__(self) -> None:
+        # Explicit Settings(...) are checked as strictly as the environment.
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            kind = f.metadata["kind"]
+            if kind == "bool" and not isinstance(value, bool):
+                raise SettingsError(f"Settings.{f.name} must be a bool, not {value!r}")
+            if "|" in kind and value not in kind.split("|"):
+                raise SettingsError(f"Settings.{f.name} must be one of {', '.join(kind.split('|'))}, not {value!r}")
+        if self.lib_dir is not None and not isinstance(self.lib_dir, Path):
+            object.__setattr__(self, "lib_dir", Path(self.lib_dir))
+
+    def switch_on(self, name: str, on_cuda: bool) -> bool:
+        """Whether an `auto|0|1` CUDA lever `name` may be used: `1`, or `auto` on CUDA."""
+        value = getattr(self, name)
+        return value == "1" or (value == "auto" and on_cuda)
+
+
+def variable(name: str) -> str:
+    """The environment variable of the field `name`."""
+    return PREFIX + name.upper()
+
+
+def _parse(name: str, kind: str, raw: str) -> Any:
+    value = raw.lower()
+    if kind == "path":
+        return Path(raw) if name == "lib_dir" else raw
+    if kind == "bool":
+        if value in _TRUE:
+            return True
+        if value in _FALSE:
+            return False
+        raise SettingsError(f"{variable(name)} must be one of {', '.join(_TRUE + _FALSE)}, not {raw!r}")
+    choices = kind.split("|")
+    if choices == list(SWITCH):  # the tri-state levers also take the boolean words
+        value = "1" if value in _TRUE else "0" if value in _FALSE else value
+    if value not in choices:
+        aliases = " (or true/false, yes/no, on/off)" if choices == list(SWITCH) else ""
+        raise SettingsError(f"{variable(name)} must be one of {', '.join(choices)}{aliases}, not {raw!r}")
+    return value
+
+
+_lock = threading.Lock()
+_current: Settings | None = None
+
+
+def current() -> Settings:
+    """The process's settings: the environment as read at the first call (or an `override`)."""
+    global _current
+    with _lock:
+        if _current is None:
+            _current = Settings.from_env()
+        return _current
+
+
+@contextlib.contextmanager
+def override(**changes: Any) -> Iterator[Settings]:
+    """The process's settings with `changes` for the block (what `current()` and a new
+    `LoadConfig` see); the previous ones come back after it."""
+    global _current
+    before = current()
+    replaced = dataclasses.replace(before, **changes)
+    with _lock:
+        _current = replaced
+    try:
+        yield replaced
+    finally:
+        with _lock:
+            _current = before
+
+
+def markdown() -> str:
+    """docs/settings.md: one row per switch, from the fields' metadata."""
+    lines = [
+        "# Settings",
+        "",
+        "Every `PYMLXC_*` environment variable, as `pymlxc/settings.py` defines it (this page is "
+        "generated from it: `python -c 'import pymlxc.settings as s; print(s.markdown(), end=\"\")' > "
+        "docs/settings.md`). The environment is read "
+        "once, at the first use; a value a variable does not take is an error that names it. "
+        "A model can also be given explicit settings: "
+        "`pymlxc.load_model(path, settings=Settings(decode=\"graph\"))` with "
+        "`from pymlxc.settings import Settings`.",
+        "",
+        "| variable | values | default | what it does |",
+        "|---|---|---|---|",
+    ]
+    for f in dataclasses.fields(Settings):
+        kind = f.metadata["kind"]
+        values = {"bool": "1/0 (true/false, yes/no, on/off)", "path": "a path"}.get(kind, kind.replace("|", ", "))
+        default = f.default
+        shown = "unset" if default is None else ("1" if default is True else "0" if default is False else default)
+        lines.append(f"| `{variable(f.name)}` | {values} | {shown} | {f.metadata['doc']} |")
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["Settings", "SettingsError", "current", "override", "variable", "markdown", "SWITCH"]

@@ -275,8 +275,6 @@ def _layout(cache: Any) -> dict[str, Any]:
 
 
 def _arrays(cache: Any) -> tuple[Array, Array]:
-    if isinstance(cache, RecurrentCache):
-        return cache.file_arrays()  # stored as keys: the conv window, values: the state
     keys, values = cache.state
     if isinstance(cache, KVCache) and keys.shape[2] > cache.offset:  # drop the unused capacity
         keys, values = (mx.slice(v, [0, 0, 0, 0], [v.shape[0], v.shape[1], cache.offset, v.shape[3]], [1, 1, 1, 1])
@@ -291,6 +289,10 @@ def save_entries(path: str | os.PathLike[str], entries: Sequence[Entry], identit
     for i, entry in enumerate(entries):
         layers = []
         for j, cache in enumerate(entry.caches):
+            if isinstance(cache, RecurrentCache):  # keys: the conv windows, values: the states
+                meta, arrays[f"{i}.{j}.keys"], arrays[f"{i}.{j}.values"] = cache.file_state()
+                layers.append({**_layout(cache), "meta": list(meta)})
+                continue
             layers.append({**_layout(cache), "meta": [int(v) for v in cache.meta_state]})
             arrays[f"{i}.{j}.keys"], arrays[f"{i}.{j}.values"] = _arrays(cache)
         described.append({"tokens": entry.tokens.tolist(), "layers": layers})

@@ -137,26 +137,40 @@ class RecurrentCache:
     def meta_state(self) -> tuple[int, ...]:
         return (self.offset,)
 
-    def file_arrays(self) -> tuple[Array, Array]:
-        """What a prompt cache file stores for this layer: (conv window, state)."""
+    def file_state(self) -> tuple[tuple[int, ...], Array, Array]:
+        """What a prompt cache file stores for this layer: the meta (tokens seen, then the token
+        counts of the kept states) and the conv windows and states, current first, stacked on a
+        new first axis (so the file restores the prefixes the cache could)."""
         if self.conv is None:
             raise RecurrentCacheError("an empty recurrent cache has nothing to save")
-        return self.conv, self.recurrent
+        kept = [(m, s) for m, s in self._snapshots.items() if m < self.offset]
+        meta = (self.offset, *(m for m, _ in kept))
+        convs = mx.stack([self.conv, *(s[0] for _, s in kept)])
+        states = mx.stack([self.recurrent, *(s[1] for _, s in kept)])
+        return meta, convs, states
 
     @classmethod
-    def from_file(cls, conv: Array, recurrent: Array, meta: Sequence[int], tokens: int,
+    def from_file(cls, convs: Array, states: Array, meta: Sequence[int], tokens: int,
                   like: "RecurrentCache") -> "RecurrentCache":
-        """A cache from a prompt cache file's arrays, checked against `like` (a cache the model has
-        written one token into): the same batch, window, channels, heads and dtypes."""
-        if tuple(meta) != (tokens,):
-            raise RecurrentCacheError(f"recurrent cache state {tuple(meta)} for {tokens} tokens")
-        for name, got, want in (("conv window", conv, like.conv), ("state", recurrent, like.recurrent)):
-            assert want is not None
-            if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
-                raise RecurrentCacheError(f"the {name} has shape {tuple(got.shape)} {got.dtype}; this model's is "
-                                          f"{tuple(want.shape)} {want.dtype}")
+        """A cache from a prompt cache file's arrays (see `file_state`), checked against `like` (a
+        cache the model has written one token into): the same batch, window, channels, heads and
+        dtypes, one array per kept state, the kept states before the tokens seen, in order."""
+        meta = tuple(meta)
+        if not meta or meta[0] != tokens:
+            raise RecurrentCacheError(f"recurrent cache state {meta} for {tokens} tokens")
+        kept = meta[1:]
+        if any(not 0 < m < tokens for m in kept) or list(kept) != sorted(set(kept)):
+            raise RecurrentCacheError(f"kept states at {list(kept)} tokens do not precede {tokens} in order")
+        assert like.conv is not None and like.recurrent is not None
+        for name, got, want in (("conv window", convs, like.conv), ("state", states, like.recurrent)):
+            shape = (len(meta), *want.shape)
+            if tuple(got.shape) != shape or got.dtype != want.dtype:
+                raise RecurrentCacheError(f"the {name} has shape {tuple(got.shape)} {got.dtype}; this model's are "
+                                          f"{shape} {want.dtype} (one per kept state)")
         c = cls()
-        c.offset, c.conv, c.recurrent = tokens, conv, recurrent
+        c.offset, c.conv, c.recurrent = tokens, convs[0], states[0]
+        for i, m in enumerate(kept, start=1):
+            c._snapshots[m] = (convs[i], states[i])
         return c
 
     # ------------------------------------------------------------------ compiled decode

@@ -182,21 +182,21 @@ _checked: dict[tuple[Any, ...], bool] = {}
 _checked_lock = threading.Lock()
 
 
-def ready(q: Array, k: Array, v: Array, ops: Ops) -> str | None:
-    """The kernel kind to use for these shapes and dtype here, once `check_once` passed for them
-    (run now, the first time), else None: use `ops`, the MLX operations it must agree with."""
+def ready(dims: tuple[int, int, int, int, int], dtype: Any, ops: Ops) -> str | None:
+    """The kernel kind to use for `dims` (Dk, Dv, Hk, Hv, T) and q/k/v of `dtype` here, once
+    `check_once` passed for them (run now, the first time), else None: use `ops`, the MLX
+    operations it must agree with."""
     kind = device_kind()
     if kind is None:
         return None
-    _, t, hk, dk = k.shape
-    hv, dv = v.shape[2:]
+    dk, dv, hk, hv, _ = dims
     if not applies(dk, dv, hk, hv):
         return None
-    key = (kind, dk, dv, hk, hv, t, str(q.dtype))
+    key = (kind, *dims, str(dtype))
     with _checked_lock:
         known = _checked.get(key)
         if known is None:
-            known = _checked[key] = check_once(kind, (dk, dv, hk, hv, t), q.dtype, ops)
+            known = _checked[key] = check_once(kind, dims, dtype, ops)
     return kind if known else None
 
 

@@ -227,8 +227,6 @@ class GatedDeltaNet(nn.Module):
         if state is None:
             state = mx.zeros((bsz, self.num_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
         beta = mx.sigmoid(b)
-        if s > 1 and cache is not None:  # check the decode kernel now, before a compiled step traces it
-            kernels.ready(q[:, :1], k[:, :1], v[:, :1], _ops_one_token)
         if s == 1 and valid is None:
             y, state = self._step(q, k, v, gated_delta.decay(self.A_log, a, self.dt_bias), beta, state)
         else:
@@ -241,9 +239,13 @@ class GatedDeltaNet(nn.Module):
         out = self.norm(y, z)
         return self.out_proj(_reshape(out, (bsz, out.shape[1], -1)))
 
+    def kernel_dims(self) -> tuple[int, int, int, int, int]:
+        """(Dk, Dv, Hk, Hv, T) of a one-token step, as the kernel check keys them."""
+        return self.head_k_dim, self.head_v_dim, self.num_k_heads, self.num_v_heads, 1
+
     def _step(self, q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array) -> tuple[Array, Array]:
         """One token: the fused kernel where it passed its check here, else MLX operations."""
-        kind = kernels.ready(q, k, v, _ops_one_token)
+        kind = kernels.ready(self.kernel_dims(), q.dtype, _ops_one_token)
         if kind is not None:
             return kernels.run(kind, q, k, v, g, beta, state)
         hv = self.num_v_heads
@@ -350,6 +352,8 @@ class Model(TiedHead, nn.Module):
                  last_only: bool = False) -> Array:
         inner = self.model
         h = inner.embed_tokens(inputs)
+        if cache is not None and inputs.shape[1] > 1:
+            self._check_kernels(h.dtype)
         at = self._attention_at
         attn_mask: Mask = None
         if at is not None:
@@ -361,6 +365,14 @@ class Model(TiedHead, nn.Module):
             if c is not None:
                 after_layer(h, c)
         return self.output(h[:, -1:] if last_only else h)
+
+    def _check_kernels(self, dtype: Any) -> None:
+        """Run the decode kernel's one-time check at prefill, before any layer is built: never
+        inside a compiled step's trace, nor between the layers the evaluation thread runs."""
+        for layer in self.layers:
+            if layer.is_linear:
+                kernels.ready(layer.linear_attn.kernel_dims(), dtype, _ops_one_token)
+                return  # every linear layer has the same shape
 
     def output(self, h: Array) -> Array:
         """Hidden states after the last layer -> logits (the final norm and the head)."""

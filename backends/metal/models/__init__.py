@@ -25,9 +25,7 @@ MODEL_TYPES: dict[str, ModuleType] = {
     "gemma4": gemma4,
     "qwen3_next": qwen3_next,
     "qwen3_5": qwen3_5,
-    "qwen3_5_text": qwen3_5,
     "qwen3_5_moe": qwen3_5_moe,
-    "qwen3_5_moe_text": qwen3_5_moe,
 }
 
 
@@ -53,9 +51,9 @@ ARCHITECTURES: dict[str, str] = {
     "Gemma4ForConditionalGeneration": "gemma4",
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
-    "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
-    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
 }
 
 

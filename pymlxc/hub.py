@@ -214,12 +214,14 @@ def _check_shards(ref: ModelReference, chosen: Sequence[str], where: str) -> Non
 
 
 @dataclass(frozen=True)
-class _Choice:
+class FileChoice:
+    """What `choose_files` picked from a repo's listing."""
+
     files: list[str]  # repo paths to fetch
     gguf: list[str]  # the model's .gguf file(s), empty for a safetensors model
 
 
-def choose_files(ref: ModelReference, files: Sequence[str], where: str) -> _Choice:
+def choose_files(ref: ModelReference, files: Sequence[str], where: str) -> FileChoice:
     """The files of `files` (a repo's listing) that the model `ref` needs."""
     top = [f for f in files if "/" not in f]
     ggufs = sorted(f for f in files if is_model_gguf(f))
@@ -227,7 +229,7 @@ def choose_files(ref: ModelReference, files: Sequence[str], where: str) -> _Choi
     if ref.pattern is not None:
         picked = _pick_gguf(ref, ggufs, where)
     elif "config.json" in top and weights:
-        return _Choice([f for f in top if _matches(f, MODEL_FILES) and not f.startswith("adapter")], [])
+        return FileChoice([f for f in top if _matches(f, MODEL_FILES) and not f.startswith("adapter")], [])
     elif ggufs:
         groups = sorted({gguf_group(f) for f in ggufs})
         if len(groups) > 1:
@@ -235,16 +237,16 @@ def choose_files(ref: ModelReference, files: Sequence[str], where: str) -> _Choi
                                     f"'{ref.repo_id}:QUANT' -- {_describe_ggufs(ggufs)}")
         picked = ggufs
     else:
-        missing = " and ".join(x for x, ok in (("config.json", "config.json" in top), ("*.safetensors weights", weights))
-                               if not ok)
+        needs = (("config.json", "config.json" in top), ("*.safetensors weights", bool(weights)))
+        missing = " and ".join(name for name, ok in needs if not ok)
         shown = ", ".join(sorted(files)[:20]) + (", ..." if len(files) > 20 else "") or "no files"
         raise HubModelNotFoundError(f"{ref.where()} {where} is not a model pymlxc can load: no GGUF file, and "
                                     f"{missing} missing (files: {shown})")
     _check_shards(ref, picked, where)
-    return _Choice(picked + [f for f in top if f in GGUF_COMPANIONS], picked)
+    return FileChoice(picked + [f for f in top if f in GGUF_COMPANIONS], picked)
 
 
-def _check_folder(ref: ModelReference, folder: Path, choice: _Choice, where: str) -> Path:
+def _check_folder(ref: ModelReference, folder: Path, choice: FileChoice, where: str) -> Path:
     """The path to hand to a backend, after checking that what the model needs is in `folder`."""
     missing = [f for f in choice.files if not (folder / f).is_file()]  # a link to a missing blob too
     if not missing and not choice.gguf:
@@ -375,6 +377,6 @@ def resolve(reference: str | os.PathLike[str], *, progress: bool = True) -> Path
     return _download(ref, cache, progress)
 
 
-__all__ = ["DEFAULT_REVISION", "HubModelNotFoundError", "HubReferenceError", "ModelReference", "QuantizationError",
-           "choose_files", "gguf_group", "hub_cache_dir", "is_model_gguf", "is_offline", "parse_reference",
-           "quant_label", "resolve"]
+__all__ = ["DEFAULT_REVISION", "FileChoice", "HubModelNotFoundError", "HubReferenceError", "ModelReference",
+           "QuantizationError", "choose_files", "gguf_group", "hub_cache_dir", "is_model_gguf", "is_offline",
+           "parse_reference", "quant_label", "resolve"]

@@ -231,24 +231,23 @@ def _ops(q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any) -> tuple[Any, An
     return gd.recurrent(q, k, v, g, beta, state)
 
 
-def test_check_once_accepts_an_agreeing_kernel() -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert kernels.check_once("cuda", (32, 8, 1, 2, 3), mx.float32, _ops, runner=lambda kind, *a: _ops(*a))
+def test_compare_accepts_an_agreeing_kernel() -> None:
+    assert kernels.compare("cuda", (32, 8, 1, 2, 3), mx.float32, _ops, runner=lambda kind, *a: _ops(*a)) is None
+    assert kernels.compare("metal", (64, 8, 2, 4, 1), mx.bfloat16, _ops,
+                           runner=lambda kind, *a: _ops(*a)) is None
 
 
-@pytest.mark.parametrize("runner,why", [
-    (lambda kind, *a: (_ for _ in ()).throw(mx.MLXError("nvrtc: no such architecture")), "cannot run here"),
-    (lambda kind, q, k, v, g, beta, s: _ops(q, k, v * 1.01, g, beta, s), "differs from MLX operations"),
-])
-def test_check_once_refuses_with_a_warning(runner: Any, why: str) -> None:
-    with pytest.warns(RuntimeWarning, match=why):
-        assert not kernels.check_once("metal", (32, 8, 1, 2, 1), mx.float32, _ops, runner=runner)
+def test_compare_names_a_disagreement() -> None:
+    def wrong(kind: str, q: Any, k: Any, v: Any, g: Any, beta: Any, s: Any) -> tuple[Any, Any]:
+        return _ops(q, k, v * 1.01, g, beta, s)
+
+    why = kernels.compare("metal", (32, 8, 1, 2, 1), mx.float32, _ops, runner=wrong)
+    assert why is not None and why.startswith("it differs from MLX operations (y: largest difference")
 
 
 def test_a_failing_kernel_falls_back_to_the_ops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where MLX's device claims CUDA but the kernel cannot run (here: the CPU), decoding warns
-    once and gives the operations' logits."""
+    """Where MLX's device claims CUDA but the kernel cannot run (here: the CPU), the check at
+    prefill warns once, keeps its verdict, and decoding gives the operations' logits."""
     from pymlxc.backends.metal.loader import load_weights_and_config
     from pymlxc.testing import write_tiny_model
 
@@ -261,12 +260,19 @@ def test_a_failing_kernel_falls_back_to_the_ops(tmp_path: Path, monkeypatch: pyt
         return np.asarray(model(mx.array([[60]], dtype=mx.int32), cache))
 
     expected = decode()
-    monkeypatch.setattr(kernels, "_checked", {})
+    kernels._checks.forget()  # noqa: SLF001 - a fresh process's verdicts
     monkeypatch.setattr(kernels, "device_kind", lambda: "cuda")
-    with pytest.warns(RuntimeWarning, match="the cuda gated delta kernel cannot run here"):
-        got = decode()
+    try:
+        with pytest.warns(RuntimeWarning, match="the gated delta kernel is not used: it cannot run here"):
+            got = decode()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once: the verdict is kept
+            again = decode()
+        assert list(kernels._checks.known().values()) == [False]  # noqa: SLF001
+    finally:
+        kernels._checks.forget()  # noqa: SLF001
     np.testing.assert_array_equal(got, expected)
-    assert list(kernels._checked.values()) == [False]  # noqa: SLF001 - the verdict is kept
+    np.testing.assert_array_equal(again, expected)
 
 
 CUDA_PRELUDE = """#include <cuda_fp16.h>

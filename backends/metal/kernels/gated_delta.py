@@ -10,13 +10,12 @@ Launch: grid (32, Dv, B * Hv) threads in groups of (32, ROWS, 1); Dk a multiple 
 
 The model decodes through `run` (one token per call); prefill takes the chunked MLX form
 (models/gated_delta.py), whose matrix products beat a per-token loop on long prompts. `ready`
-compares the kernel with the MLX ops once per process and shape (`check_once`), and keeps the ops
-with a warning where it cannot run or disagrees.
+compares the kernel with the MLX ops once per process and shape (`compare`, through
+kernel_check.CheckedOnce), and keeps the ops with a warning where it cannot run or disagrees.
+The CUDA source is compiled by nvcc in the tests; neither kernel has run on a GPU in them.
 """
 from __future__ import annotations
 
-import threading
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +24,7 @@ import numpy as np
 import pymlxc.core as mx
 from pymlxc.core import Array
 
+from ..kernel_check import CheckedOnce
 from .metal_kernel import SharedMetalKernel
 
 ROWS = 4  # state rows (warps) per block / threadgroup
@@ -178,33 +178,24 @@ def run(kind: str, q: Array, k: Array, v: Array, g: Array, beta: Array, state: A
 
 # ---------------------------------------------------------------------- checked once
 
-_checked: dict[tuple[Any, ...], bool] = {}
-_checked_lock = threading.Lock()
+_checks = CheckedOnce("the gated delta kernel")
 
 
 def ready(dims: tuple[int, int, int, int, int], dtype: Any, ops: Ops) -> str | None:
     """The kernel kind to use for `dims` (Dk, Dv, Hk, Hv, T) and q/k/v of `dtype` here, once
-    `check_once` passed for them (run now, the first time), else None: use `ops`, the MLX
-    operations it must agree with."""
+    `compare` found it agreeing with `ops` (the MLX operations; run now, the first time), else None:
+    use the operations (a RuntimeWarning said why)."""
     kind = device_kind()
-    if kind is None:
+    if kind is None or not applies(*dims[:4]):
         return None
-    dk, dv, hk, hv, _ = dims
-    if not applies(dk, dv, hk, hv):
-        return None
-    key = (kind, *dims, str(dtype))
-    with _checked_lock:
-        known = _checked.get(key)
-        if known is None:
-            known = _checked[key] = check_once(kind, dims, dtype, ops)
-    return kind if known else None
+    return kind if _checks.verdict((kind, *dims, str(dtype)), lambda: compare(kind, dims, dtype, ops)) else None
 
 
-def check_once(kind: str, dims: tuple[int, int, int, int, int], dtype: Any, ops: Ops,
-               runner: Callable[..., tuple[Array, Array]] | None = None) -> bool:
-    """Whether the kernel runs and agrees with `ops(q, k, v, g, beta, state)` on random inputs of
-    these dims (Dk, Dv, Hk, Hv, T) within float32 summation error plus `dtype`'s rounding of y; a
-    RuntimeWarning says why not. `runner` stands in for `run` (tests)."""
+def compare(kind: str, dims: tuple[int, int, int, int, int], dtype: Any, ops: Ops,
+            runner: Callable[..., tuple[Array, Array]] | None = None) -> str | None:
+    """None where the kernel agrees with `ops(q, k, v, g, beta, state)` on random inputs of these
+    dims (Dk, Dv, Hk, Hv, T) within float32 summation error plus `dtype`'s rounding of y, else how
+    it differs; raises what running it raises. `runner` stands in for `run` (tests)."""
     dk, dv, hk, hv, t = dims
     rng = np.random.default_rng(0)
     b = 2
@@ -219,23 +210,18 @@ def check_once(kind: str, dims: tuple[int, int, int, int, int], dtype: Any, ops:
     g = mx.array(rng.uniform(0.5, 1.0, (b, t, hv)).astype(np.float32))
     beta = mx.array(rng.uniform(0.0, 1.0, (b, t, hv)).astype(np.float32))
     state = mx.array(rng.normal(size=(b, hv, dv, dk)).astype(np.float32))
-    try:
-        got_y, got_s = (runner or run)(kind, q, k, v, g, beta, state)
-        want_y, want_s = ops(q, k, v, g, beta, state)
-        got = [np.asarray(got_y.astype(mx.float32)), np.asarray(got_s)]
-        want = [np.asarray(want_y.astype(mx.float32)), np.asarray(want_s)]
-    except Exception as exc:  # noqa: BLE001 - any failure keeps the MLX ops, with the reason
-        warnings.warn(f"the {kind} gated delta kernel cannot run here ({type(exc).__name__}: {exc}); "
-                      "using MLX operations", RuntimeWarning, stacklevel=3)
-        return False
+    got_y, got_s = (runner or run)(kind, q, k, v, g, beta, state)
+    want_y, want_s = ops(q, k, v, g, beta, state)
+    got = [np.asarray(got_y.astype(mx.float32)), np.asarray(got_s)]
+    want = [np.asarray(want_y.astype(mx.float32)), np.asarray(want_s)]
     y_tol = 1e-4 if dtype == mx.float32 else 2e-2
     for name, a, w, tol in (("y", got[0], want[0], y_tol), ("state", got[1], want[1], 1e-4)):
-        if a.shape != w.shape or not np.allclose(a, w, rtol=tol, atol=tol):
-            worst = float(np.max(np.abs(a - w))) if a.shape == w.shape else float("nan")
-            warnings.warn(f"the {kind} gated delta kernel differs from MLX operations ({name}: largest difference "
-                          f"{worst:.3g} for dims {dims}, {dtype}); using MLX operations", RuntimeWarning, stacklevel=3)
-            return False
-    return True
+        if a.shape != w.shape:
+            return f"its {name} has shape {a.shape}, MLX operations give {w.shape}"
+        if not np.allclose(a, w, rtol=tol, atol=tol):
+            return (f"it differs from MLX operations ({name}: largest difference {float(np.max(np.abs(a - w))):.3g} "
+                    f"for dims {dims}, {dtype})")
+    return None
 
 
-__all__ = ["CUDA_SOURCE", "METAL_SOURCE", "applies", "check_once", "device_kind", "ready", "run"]
+__all__ = ["CUDA_SOURCE", "METAL_SOURCE", "applies", "compare", "device_kind", "ready", "run"]

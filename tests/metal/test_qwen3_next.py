@@ -125,6 +125,15 @@ def test_greedy_decode_matches_mlx_lm(models, arch: str, bits: int | None) -> No
     np.testing.assert_allclose(la, lb, atol=ATOL[bits], rtol=0)
 
 
+@pytest.mark.parametrize("arch,bits", [("qwen3_next", 2), ("qwen3_5", 3), ("qwen3_5_moe", 6), ("qwen3_next", 8)])
+def test_other_bit_widths_match_mlx_lm(models, arch: str, bits: int) -> None:
+    ours, ref, _ = models(arch, bits)
+    assert ours.quantization == {"group_size": 32, "bits": bits}
+    la, lb, ta, tb = run_both(ours, ref, prompt_ids(8, seed=4), steps=8)
+    assert ta == tb
+    np.testing.assert_allclose(la, lb, atol=1e-3, rtol=0)
+
+
 @pytest.mark.parametrize("arch,extra", SHAPES)
 def test_other_shapes_match_mlx_lm(models, arch: str, extra: dict[str, Any]) -> None:
     """Other intervals and expert counts; a 70-token prompt in chunks of 33 (chunk boundaries of the

@@ -265,3 +265,8 @@ def test_text_config_errors_name_the_nesting(tmp_path: Path) -> None:
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=r"text_config\.linear_key_head_dim"):
         load_weights_and_config(path)
+    config["text_config"]["linear_key_head_dim"] = 32
+    config["text_config"]["linear_num_value_heads"] = 3
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"text_config\.linear_num_value_heads: 3 is not a multiple"):
+        load_weights_and_config(path)

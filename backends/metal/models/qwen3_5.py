@@ -49,7 +49,12 @@ class ModelArgs(qwen3_next.ModelArgs):
                 merged["tie_word_embeddings"] = params["tie_word_embeddings"]
             merged["model_type"] = params.get("model_type") or merged.get("model_type")
             params, prefix = merged, prefix + "text_config."
-        return super().from_dict(params, prefix)
+        try:
+            return super().from_dict(params, prefix)
+        except ConfigError as exc:  # the checks between fields name them without the nesting
+            if prefix and not str(exc).startswith(prefix):
+                raise ConfigError(f"{prefix}{exc}") from None
+            raise
 
     def is_moe_layer(self, i: int) -> bool:
         return self.num_experts > 0  # every layer, as mlx-lm builds it

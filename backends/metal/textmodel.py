@@ -29,6 +29,7 @@ from pymlxc.model import GenerationCancelled, ModelClosedError
 from pymlxc.options import GenerateConfig, LoadConfig, make_config
 from pymlxc.types import AttentionSnapshot, BatchResult, ClassifyResult, GenerateMetrics, Message, ModelInfo, Token
 
+from . import batching
 from . import generate as loops
 from . import prompt_cache as pcache
 from .compiled import CompiledDecoder
@@ -143,6 +144,7 @@ class MetalTextModel(TrainableMixin):
         self._decoder = CompiledDecoder(model, settings=config.settings)
         self._resources.callback(self._decoder.close)
         self.compiled_decode = True
+        self._scheduler: batching.Scheduler | None = None  # made by scheduler()
 
     # ------------------------------------------------------------------ facts
     @property
@@ -233,13 +235,52 @@ class MetalTextModel(TrainableMixin):
                 for n, i in enumerate(ids)]
 
     def batch_generate(self, prompts: Sequence[str], **config: Any) -> list[BatchResult]:
-        """Generate for every prompt at once (one decode step for the whole batch)."""
+        """Generate for every prompt at once: the prompts join the model's continuous batch
+        (`scheduler()`; one decode step for every running row), or, for a model whose caches cannot
+        join one (recurrent layers), one left-padded batch."""
         options = self._begin(config)
-        model = self._model
         rows_in = self._encode_prompts(prompts)
         if options.max_tokens == 0:
             return [BatchResult() for _ in rows_in]
         guard = loops.Guard.make(options.cancel, options.timeout, self._is_closed)
+        try:
+            scheduler = self.scheduler()
+        except batching.BatchingUnsupported:
+            return self._batch_generate_padded(rows_in, options, guard)
+        timings = loops.Timings(prompt_tokens=sum(len(r) for r in rows_in))
+        stop_ids = self._stop_ids | frozenset(options.stop_tokens)
+        params = batching.SamplingParams(
+            max_tokens=options.max_tokens, temperature=options.temperature, top_p=options.top_p,
+            top_k=options.top_k, min_p=options.min_p, seed=options.seed,
+            repetition_penalty=options.repeat_penalty, stop_ids=stop_ids)
+        requests = [(batching.Request(ids, params, collector), collector)
+                    for ids, collector in ((ids, batching.Collector()) for ids in rows_in)]
+        error: BaseException | None = None
+        try:
+            batching.run_all(scheduler, requests, guard)
+        except Exception as exc:  # noqa: BLE001 - reported per row and in err()
+            error = exc
+        for _, collector in requests:
+            end = collector.finish()
+            if error is None and end is not None and end.error is not None:
+                error = end.error
+        if error is not None:
+            self._errors[threading.get_ident()] = _detached(error)
+        first = [c.events[0] for _, c in requests if c.events]
+        if first:
+            timings.mark_first_token()
+        timings.generated_tokens = sum(len(c.tokens()) for _, c in requests)
+        self._finish(timings)
+        results = []
+        for _, collector in requests:
+            ids = collector.tokens()
+            tokens = list(_tokens(iter(ids), self._tokenizer.detokenizer(), last=len(ids)))
+            results.append(BatchResult(tokens, None if error is None else f"{type(error).__name__}: {error}"))
+        return results
+
+    def _batch_generate_padded(self, rows_in: list[list[int]], options: GenerateConfig,
+                               guard: loops.Guard) -> list[BatchResult]:
+        model = self._model
         timings = loops.Timings()
         rows = [loops.BatchRow() for _ in rows_in]
         error: Exception | None = None
@@ -261,6 +302,24 @@ class MetalTextModel(TrainableMixin):
             tokens = list(_tokens(iter(row.ids), self._tokenizer.detokenizer(), last=len(row.ids)))
             results.append(BatchResult(tokens, None if error is None else f"{type(error).__name__}: {error}"))
         return results
+
+    # ------------------------------------------------------------------ continuous batching
+    def scheduler(self, *, max_batch: int | None = None, max_queue: int | None = None) -> batching.Scheduler:
+        """The model's continuous-batching scheduler (`batching.py`), made at the first call; its
+        thread runs each step as a counted step and stops at close(). `max_batch` (rows decoding
+        at once) and `max_queue` (requests waiting beyond them) change it for later admissions.
+        BatchingUnsupported for a model with recurrent layers."""
+        self._check_open()
+        with self._state_lock:
+            if self._scheduler is None:
+                self._scheduler = batching.Scheduler(_BatchHost(self), context_len=self._context_len,
+                                                     max_batch=max_batch or 32, max_queue=64 if max_queue is None
+                                                     else max_queue)
+                self._resources.callback(self._scheduler.close)
+            elif max_batch is not None or max_queue is not None:
+                self._scheduler.max_batch = max_batch or self._scheduler.max_batch
+                self._scheduler.max_queue = self._scheduler.max_queue if max_queue is None else max_queue
+            return self._scheduler
 
     # ------------------------------------------------------------------ prompt cache and inspection
     def warm_prompt_cache(self, prefix: str | Sequence[int] | Sequence[Message | dict[str, str]]) -> int:
@@ -594,3 +653,32 @@ class MetalTextModel(TrainableMixin):
                     tokens.close()
             except ModelClosedError:
                 tokens.close()
+
+
+class _BatchHost:
+    """What the scheduler reaches of its model (`batching.Host`): the architecture, counted steps
+    on the model's device, and the prompt cache."""
+
+    def __init__(self, owner: MetalTextModel) -> None:
+        self._owner = owner
+
+    @property
+    def language_model(self) -> Any:
+        return self._owner.model
+
+    @property
+    def vocab_size(self) -> int:
+        return self._owner.info().vocab_size
+
+    @contextlib.contextmanager
+    def counted_step(self) -> Iterator[None]:
+        with self._owner._step(), self._owner._on_device():
+            yield
+
+    def restore_prefix(self, ids: list[int]) -> tuple[list[Any], int]:
+        # The last prompt token is prefilled anyway: its logits give the first token.
+        cache, cached, _ = self._owner._restore_prompt_cache(self._owner.model, ids, limit=len(ids) - 1)
+        return cache, cached
+
+    def keep_prefix(self, ids: list[int], cache: list[Any]) -> None:
+        self._owner._keep_prompt_cache(ids, cache)

@@ -1,0 +1,693 @@
+"""Continuous batching: one running decode batch that requests join and leave between steps.
+
+A `Scheduler` owns a thread and one decode batch. Each turn of its loop it
+1. admits queued requests (up to `max_batch` running or prefilling at once),
+2. drops cancelled requests, freeing their rows of the batch's caches,
+3. runs one prefill chunk of the oldest request still being prefilled (so a long prompt never
+   stops the running streams for longer than one chunk), and
+4. runs one decode step for every running row.
+
+A request is prefilled alone, into the model's own caches (`make_cache`, or the prompt cache's
+longest prefix of its prompt: prefixes are shared across requests), exactly as `generate` prefills.
+Its first token is sampled from the prefill's logits; its caches then join the batch's
+`BatchKVCache`s: each row right-aligned at the batch's current column, with its own RoPE positions
+(`offset` is an array, one position per row) and its own first valid column, so a row decodes the
+tokens it would decode alone. Each row samples with its own sampler, penalties, logit bias, stop
+ids and constraint (`Constraint`: a grammar's allowed-token mask), and reports each token through
+its own `emit` callback, on the scheduler's thread.
+
+Every step runs as a counted step of the model (`host.counted_step()`), so `close()` waits for the
+running step and then stops the loop; the requests left get a `ModelClosedError` event.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+import pymlxc.core as mx
+from pymlxc.model import GenerationCancelled, ModelClosedError
+
+from . import generate as loops
+from .cache import KVCache, RotatingKVCache
+from .sample import DEFAULT_PENALTY_CONTEXT, greedy, make_repeat_penalty, make_sampler
+
+_NEG_INF = float("-inf")
+GROW = 256  # columns added to a batch cache at a time
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+
+
+class BatchingUnsupported(RuntimeError):
+    """The model's caches cannot join a batch (a linear-attention layer's recurrent state)."""
+
+
+class QueueFull(RuntimeError):
+    """The scheduler's queue holds `max_queue` requests already."""
+
+
+class Constraint(Protocol):
+    """A grammar that decoding follows: `allowed()` is the bool mask [vocab] of the ids that may come
+    next, `advance(id)` consumes the sampled id, `done()` says the grammar is complete (nothing
+    more may follow: the row stops as at a stop id)."""
+
+    def allowed(self) -> np.ndarray: ...
+
+    def advance(self, token: int) -> None: ...
+
+    def done(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples. 0 is off for every filter and penalty; 1.0 for `repetition_penalty`."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from every generated id's logit
+    frequency_penalty: float = 0.0  # subtracted per occurrence among the generated ids
+    repetition_penalty: float = 1.0  # llama.cpp's, over the last 64 ids of prompt and output
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None  # None: none; k >= 0: the sampled id's and the top k
+    stop_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, not {self.max_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], not {self.logprobs}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, not {self.repetition_penalty}")
+        make_sampler(self.temperature, self.top_k, self.top_p, self.min_p)  # raises on bad values
+
+
+@dataclass(frozen=True)
+class Event:
+    """One sampled token of a request (`token`), or its end (`finish`: "stop", "length",
+    "cancelled", "error"; `error` says what went wrong)."""
+
+    token: int | None = None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    finish: str | None = None
+    error: BaseException | None = None
+
+
+class Request:
+    """A generation in the scheduler: prompt ids in, `Event`s out through `emit` (called on the
+    scheduler's thread: it must not block). `cancel()` removes it between steps."""
+
+    _ids = itertools.count()
+
+    def __init__(self, prompt: Sequence[int], params: SamplingParams, emit: Callable[[Event], None],
+                 constraint: Constraint | None = None) -> None:
+        if not prompt:
+            raise ValueError("the prompt has no tokens")
+        self.id = next(self._ids)
+        self.prompt = list(prompt)
+        self.params = params
+        self.emit = emit
+        self.constraint = constraint
+        self._cancelled = threading.Event()
+        self.submitted = time.perf_counter()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+class Host(Protocol):
+    """What the scheduler needs from the model that owns it (`MetalTextModel`)."""
+
+    @property
+    def language_model(self) -> Any: ...
+
+    def counted_step(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def restore_prefix(self, ids: list[int]) -> tuple[list[Any], int]: ...
+
+    def keep_prefix(self, ids: list[int], cache: list[Any]) -> None: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+
+# ---------------------------------------------------------------------- the batch's caches
+
+class BatchKVCache:
+    """One attention layer's keys and values for every row of the decode batch (the `Cache`
+    protocol, for one-token steps).
+
+    Columns are shared: column c of row b holds position c - starts[b]; columns before
+    `valid[b]` are padding (or keys a sliding window dropped before the row joined). `offset` is
+    the array of each row's next position (for RoPE), `make_mask` hides each row's invalid columns
+    and, with a window, what is older than it.
+    """
+
+    def __init__(self, keys: mx.Array, values: mx.Array, idx: int, starts: np.ndarray, valid: np.ndarray) -> None:
+        self.keys, self.values = keys, values
+        self.idx = idx
+        self.starts = starts
+        self.valid = valid
+        self._offset: mx.Array | None = None
+
+    @property
+    def offset(self) -> mx.Array:
+        if self._offset is None:
+            self._offset = mx.array((self.idx - self.starts).astype(np.int32))
+        return self._offset
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def update_and_fetch(self, keys: mx.Array, values: mx.Array) -> tuple[mx.Array, mx.Array]:
+        b, h, s, dk = keys.shape
+        if s != 1:
+            raise ValueError(f"a batch cache takes one-token steps, not {s} tokens")
+        if self.idx + 1 > self.capacity:
+            self._grow()
+        dv = values.shape[3]
+        end = self.idx + 1
+        self.keys = mx.slice_update(self.keys, keys, [0, 0, self.idx, 0], [b, h, end, dk], [1, 1, 1, 1])
+        self.values = mx.slice_update(self.values, values, [0, 0, self.idx, 0], [b, h, end, dv], [1, 1, 1, 1])
+        self.idx = end
+        self._offset = None
+        return (mx.slice(self.keys, [0, 0, 0, 0], [b, h, end, dk], [1, 1, 1, 1]),
+                mx.slice(self.values, [0, 0, 0, 0], [b, h, end, dv], [1, 1, 1, 1]))
+
+    def _grow(self) -> None:
+        b, h, cap, dk = self.keys.shape
+        dv = self.values.shape[3]
+        self.keys = mx.concatenate([self.keys, mx.zeros((b, h, GROW, dk), self.keys.dtype)], axis=2)
+        self.values = mx.concatenate([self.values, mx.zeros((b, h, GROW, dv), self.values.dtype)], axis=2)
+
+    def make_mask(self, n: int, window_size: int | None = None) -> mx.Array | None:
+        if n != 1:
+            raise ValueError(f"a batch cache takes one-token steps, not {n} tokens")
+        cols = np.arange(self.idx + 1)
+        visible = cols[None, :] >= self.valid[:, None]
+        if window_size is not None:
+            visible &= (self.idx - cols)[None, :] < window_size
+        if visible.all():
+            return None
+        return mx.array(visible[:, None, None, :])
+
+    @property
+    def state(self) -> tuple[mx.Array, ...]:
+        return (self.keys, self.values)
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def trim(self, n: int) -> int:
+        return 0
+
+
+def _row_kv(cache: Any) -> tuple[mx.Array, mx.Array, int]:
+    """A request's layer cache as keys and values [1, H, m, D] in position order, the last m of
+    its `offset` positions (m < offset where a sliding window dropped the oldest)."""
+    state, meta = cache.state, cache.meta_state
+    if not state:
+        raise ValueError("an empty cache cannot join the batch")
+    keys, values = state
+    if isinstance(cache, RotatingKVCache):
+        keep, _max_size, offset, idx = meta
+        length = keys.shape[2]
+        if idx == offset:  # nothing evicted: slot i holds position i
+            return keys[:, :, :offset], values[:, :, :offset], offset
+        if keep:
+            raise BatchingUnsupported("a context-bounded cache that evicted cannot join the batch")
+        if idx >= length:
+            return keys, values, offset
+        order = np.concatenate([np.arange(idx, length), np.arange(0, idx)]).astype(np.int32)
+        index = mx.array(order)
+        return mx.take(keys, index, axis=2), mx.take(values, index, axis=2), offset
+    (offset,) = meta
+    return keys[:, :, :offset], values[:, :, :offset], offset
+
+
+def check_batchable(caches: Sequence[Any]) -> None:
+    for i, c in enumerate(caches):
+        if not isinstance(c, (KVCache, RotatingKVCache)):
+            raise BatchingUnsupported(f"layer {i} has a {type(c).__name__}: continuous batching takes "
+                                      "attention layers only (KVCache, RotatingKVCache)")
+
+
+class Batch:
+    """The running rows and their `BatchKVCache`s (one per layer, all with the same columns)."""
+
+    def __init__(self) -> None:
+        self.rows: list[_Row] = []
+        self.caches: list[BatchKVCache] = []
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, row: "_Row", layer_caches: Sequence[Any]) -> None:
+        parts = [_row_kv(c) for c in layer_caches]
+        positions = parts[0][2]
+        idx = self.caches[0].idx if self.caches else 0
+        shift = max(0, max(k.shape[2] for k, _, _ in parts) - idx, positions - idx)
+        if self.caches and shift:
+            for c in self.caches:
+                c.keys = mx.concatenate([mx.zeros((*c.keys.shape[:2], shift, c.keys.shape[3]), c.keys.dtype), c.keys], 2)
+                c.values = mx.concatenate([mx.zeros((*c.values.shape[:2], shift, c.values.shape[3]), c.values.dtype),
+                                           c.values], 2)
+                c.idx += shift
+                c.starts = c.starts + shift
+                c.valid = c.valid + shift
+                c._offset = None
+        idx += shift
+        new_caches = []
+        for n, (keys, values, _) in enumerate(parts):
+            m = keys.shape[2]
+            b, h, _, dk = keys.shape
+            capacity = self.caches[n].capacity if self.caches else ((idx + GROW) // GROW) * GROW
+            pad_front, pad_back = idx - m, capacity - idx
+            pieces_k = [keys]
+            pieces_v = [values]
+            if pad_front:
+                pieces_k.insert(0, mx.zeros((b, h, pad_front, dk), keys.dtype))
+                pieces_v.insert(0, mx.zeros((b, h, pad_front, values.shape[3]), values.dtype))
+            if pad_back:
+                pieces_k.append(mx.zeros((b, h, pad_back, dk), keys.dtype))
+                pieces_v.append(mx.zeros((b, h, pad_back, values.shape[3]), values.dtype))
+            row_k = mx.concatenate(pieces_k, 2) if len(pieces_k) > 1 else keys
+            row_v = mx.concatenate(pieces_v, 2) if len(pieces_v) > 1 else values
+            start, valid = idx - positions, idx - m
+            if self.caches:
+                c = self.caches[n]
+                c.keys = mx.concatenate([c.keys, row_k], 0)
+                c.values = mx.concatenate([c.values, row_v], 0)
+                c.starts = np.append(c.starts, start)
+                c.valid = np.append(c.valid, valid)
+                c._offset = None
+            else:
+                new_caches.append(BatchKVCache(row_k, row_v, idx, np.array([start]), np.array([valid])))
+        if not self.caches:
+            self.caches = new_caches
+        mx.eval([c.state for c in self.caches])
+        self.rows.append(row)
+
+    def remove(self, gone: Sequence["_Row"]) -> None:
+        """Drop rows, and the leading columns no row needs any more."""
+        if not gone:
+            return
+        keep = [i for i, r in enumerate(self.rows) if r not in gone]
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.caches = []
+            return
+        index = mx.array(np.array(keep, dtype=np.int32))
+        first = min(int(c.valid[keep].min()) for c in self.caches)
+        for c in self.caches:
+            keys, values = mx.take(c.keys, index, axis=0), mx.take(c.values, index, axis=0)
+            if first:
+                keys, values = keys[:, :, first:], values[:, :, first:]
+            c.keys, c.values = keys, values
+            c.idx -= first
+            c.starts = c.starts[keep] - first
+            c.valid = c.valid[keep] - first
+            c._offset = None
+        mx.eval([c.state for c in self.caches])
+
+
+# ---------------------------------------------------------------------- rows
+
+@dataclass
+class _Row:
+    """A request being prefilled or decoded: its sampler and what it has produced."""
+
+    request: Request
+    sampler: Any
+    generated: list[int] = field(default_factory=list)
+    counts: collections.Counter[int] = field(default_factory=collections.Counter)
+    cache: list[Any] | None = None  # while prefilling: the request's own caches
+    done_tokens: int = 0  # prompt tokens in `cache`
+    started: bool = False
+    checked: bool = False  # the memory check of its prefill was made
+    max_tokens: int = 0
+    bias: tuple[mx.Array, mx.Array] | None = None
+    repeat: Any = None
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    def plain(self) -> bool:
+        """Greedy with nothing to apply: the batch's argmax serves it."""
+        p = self.params
+        return (self.sampler is greedy and self.request.constraint is None and p.logprobs is None
+                and not p.presence_penalty and not p.frequency_penalty and p.repetition_penalty == 1.0
+                and not p.logit_bias)
+
+    def process(self, logits: mx.Array) -> mx.Array:
+        """This row's logits [1, V] after its penalties, bias and constraint."""
+        p = self.params
+        if p.repetition_penalty != 1.0:
+            recent = (self.request.prompt + self.generated)[-DEFAULT_PENALTY_CONTEXT:]
+            logits = self.repeat(mx.array([recent], dtype=mx.int32), logits)
+        if (p.presence_penalty or p.frequency_penalty) and self.counts:
+            ids = np.fromiter(self.counts.keys(), dtype=np.int32)
+            amounts = np.array([p.presence_penalty + p.frequency_penalty * n for n in self.counts.values()],
+                               dtype=np.float32)
+            index = mx.array(ids[None, :])
+            seen = mx.take_along_axis(logits, index, axis=-1)
+            logits = mx.put_along_axis(logits, index, seen - mx.array(amounts[None, :]).astype(logits.dtype), axis=-1)
+        if self.bias is not None:
+            index, amounts = self.bias
+            seen = mx.take_along_axis(logits, index, axis=-1)
+            logits = mx.put_along_axis(logits, index, seen + amounts.astype(logits.dtype), axis=-1)
+        constraint = self.request.constraint
+        if constraint is not None:
+            allowed = constraint.allowed()
+            vocab = logits.shape[-1]
+            if allowed.shape[0] < vocab:
+                allowed = np.concatenate([allowed, np.zeros(vocab - allowed.shape[0], dtype=bool)])
+            logits = mx.where(mx.array(allowed[None, :vocab]), logits, mx.array(_NEG_INF, logits.dtype))
+        return logits
+
+
+def _make_row(request: Request, vocab: int) -> _Row:
+    p = request.params
+    row = _Row(request, make_sampler(p.temperature, p.top_k, p.top_p, p.min_p, key=p.seed))
+    if p.logit_bias:
+        ids = np.array([i for i, _ in p.logit_bias], dtype=np.int32)
+        if ids.min() < 0 or ids.max() >= vocab:
+            raise ValueError(f"logit_bias names token id {int(ids[(ids < 0) | (ids >= vocab)][0])}, outside "
+                             f"the vocabulary of {vocab}")
+        row.bias = (mx.array(ids[None, :]), mx.array(np.array([[b for _, b in p.logit_bias]], dtype=np.float32)))
+    if p.repetition_penalty != 1.0:
+        row.repeat = make_repeat_penalty(p.repetition_penalty)
+    return row
+
+
+# ---------------------------------------------------------------------- the scheduler
+
+class Scheduler:
+    """The continuous-batching loop of one model (see the module doc). Thread-safe `submit`."""
+
+    def __init__(self, host: Host, *, max_batch: int = 16, max_queue: int = 64, prefill_step: int = 512,
+                 context_len: int | None = None) -> None:
+        if max_batch < 1 or max_queue < 0 or prefill_step < 1:
+            raise ValueError("max_batch and prefill_step must be >= 1, max_queue >= 0")
+        self._host = host
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.prefill_step = prefill_step
+        self.context_len = context_len
+        check_batchable(host.language_model.make_cache(context_len))
+        self._queue: collections.deque[Request] = collections.deque()
+        self._lock = threading.Condition()
+        self._stopping = False
+        self._prefilling: collections.deque[_Row] = collections.deque()
+        self._batch = Batch()
+        self._thread: threading.Thread | None = None
+        self.steps = 0  # decode steps run (for tests and metrics)
+        self.peak_rows = 0
+
+    # ------------------------------------------------------------------ the caller's side
+    def submit(self, request: Request, bounded: bool = True) -> None:
+        """Queue `request`; QueueFull when `max_queue` requests wait already for a free row
+        (`bounded=False`: queued whatever the length, for a caller that waits for them all)."""
+        with self._lock:
+            if self._stopping:
+                raise ModelClosedError("the model is closed")
+            free = max(0, self.max_batch - self.running())
+            if bounded and len(self._queue) >= self.max_queue + free:
+                raise QueueFull(f"{len(self._queue)} requests are waiting already (max_queue={self.max_queue})")
+            self._queue.append(request)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="pymlxc-batch", daemon=True)
+                self._thread.start()
+            self._lock.notify_all()
+
+    def running(self) -> int:
+        """Rows decoding or prefilling now."""
+        return len(self._batch) + len(self._prefilling)
+
+    def stats(self) -> dict[str, int]:
+        return {"running": len(self._batch), "prefilling": len(self._prefilling), "queued": len(self._queue),
+                "steps": self.steps, "peak_rows": self.peak_rows}
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the loop (after its running step); requests left get ModelClosedError."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        self._fail_all(ModelClosedError("the model was closed"))
+
+    # ------------------------------------------------------------------ the loop
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self._queue and not self.running():
+                    self._lock.wait(0.5)
+                if self._stopping:
+                    break
+            try:
+                with self._host.counted_step():
+                    self._turn()
+            except ModelClosedError as exc:
+                self._fail_all(exc)
+                break
+            except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the loop
+                self._fail_all(exc)
+        self._fail_all(ModelClosedError("the model was closed"))
+
+    def _turn(self) -> None:
+        self._admit()
+        self._drop_cancelled()
+        if self._prefilling:
+            self._prefill_chunk(self._prefilling[0])
+        if len(self._batch):
+            self._decode_step()
+
+    def _admit(self) -> None:
+        vocab = self._host.vocab_size
+        while True:
+            with self._lock:
+                if not self._queue or self.running() >= self.max_batch:
+                    return
+                request = self._queue.popleft()
+            if request.cancelled:
+                request.emit(Event(finish="cancelled"))
+                continue
+            try:
+                row = _make_row(request, vocab)
+            except Exception as exc:  # noqa: BLE001 - a bad request fails alone
+                request.emit(Event(finish="error", error=exc))
+                continue
+            row.max_tokens = request.params.max_tokens
+            if self.context_len is not None:
+                row.max_tokens = min(row.max_tokens, self.context_len - len(request.prompt))
+            if row.max_tokens <= 0:
+                request.emit(Event(finish="length"))
+                continue
+            self._prefilling.append(row)
+
+    def _drop_cancelled(self) -> None:
+        for row in [r for r in self._prefilling if r.request.cancelled]:
+            self._prefilling.remove(row)
+            row.cache = None
+            row.request.emit(Event(finish="cancelled"))
+        gone = [r for r in self._batch.rows if r.request.cancelled]
+        if gone:
+            self._batch.remove(gone)
+            for row in gone:
+                row.request.emit(Event(finish="cancelled"))
+
+    def _prefill_chunk(self, row: _Row) -> None:
+        """One chunk of `row`'s prompt; after the last, its first token and its place in the batch."""
+        request, host = row.request, self._host
+        model = host.language_model
+        ids = request.prompt
+        try:
+            if not row.started:
+                row.started = True
+                row.cache, row.done_tokens = host.restore_prefix(ids)
+            start = row.done_tokens
+            stop = min((start // self.prefill_step + 1) * self.prefill_step, len(ids))
+            last = stop == len(ids)
+            tokens = mx.array([ids[:stop]], dtype=mx.int32)
+            first_chunk = not row.checked
+            row.checked = True
+            logits = loops.prefill(model, tokens, row.cache, step=self.prefill_step, start=start,
+                                   finish=(lambda x: x) if last else None,
+                                   new_tokens=row.max_tokens if first_chunk else None)
+            row.done_tokens = stop
+            if not last:
+                return
+            self._prefilling.popleft()
+            host.keep_prefix(ids, row.cache)
+            token, logprob, top = self._sample([row], logits)[0]
+            if self._record(row, token, logprob, top):
+                self._batch.add(row, row.cache)
+                self.peak_rows = max(self.peak_rows, len(self._batch))
+            row.cache = None
+        except (ModelClosedError, GenerationCancelled):
+            raise
+        except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
+            if row in self._prefilling:
+                self._prefilling.remove(row)
+            row.cache = None
+            request.emit(Event(finish="error", error=exc))
+
+    def _decode_step(self) -> None:
+        rows = list(self._batch.rows)
+        model = self._host.language_model
+        inputs = mx.array([[r.generated[-1]] for r in rows], dtype=mx.int32)
+        logits = model(inputs, cache=self._batch.caches)[:, -1, :]
+        results = self._sample(rows, logits)
+        self.steps += 1
+        finished = [row for row, (token, logprob, top) in zip(rows, results) if not self._record(row, token, logprob, top)]
+        self._batch.remove(finished)
+
+    def _sample(self, rows: Sequence[_Row], logits: mx.Array) -> list[tuple[int, float | None, tuple[tuple[int, float], ...]]]:
+        """Each row's next id (and log-probabilities where asked) from logits [B, V]."""
+        plain = [i for i, r in enumerate(rows) if r.plain()]
+        outputs: list[Any] = [None] * len(rows)
+        extras: dict[int, tuple[mx.Array, mx.Array, mx.Array]] = {}
+        if len(plain) == len(rows):
+            sampled = mx.argmax(logits, axis=-1).astype(mx.int32)
+            ids = sampled.tolist()
+            return [(int(t), None, ()) for t in ids]
+        if plain:
+            chosen = mx.argmax(mx.take(logits, mx.array(np.array(plain, dtype=np.int32)), axis=0), axis=-1).astype(mx.int32)
+        parts = []
+        for i, row in enumerate(rows):
+            if i in plain:
+                continue
+            row_logits = row.process(logits[i:i + 1])
+            token = row.sampler(row_logits)
+            outputs[i] = token
+            k = row.params.logprobs
+            if k is not None:
+                logp = row_logits.astype(mx.float32)
+                logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
+                picked = mx.take_along_axis(logp, mx.expand_dims(token, 1), axis=-1)
+                top = mx.argsort(-logp, axis=-1)[:, :k] if k else mx.zeros((1, 0), mx.int32)
+                extras[i] = (picked, top, mx.take_along_axis(logp, top, axis=-1) if k else top)
+            parts.append(token)
+        evaluated = [outputs[i] for i in range(len(rows)) if outputs[i] is not None]
+        mx.eval(evaluated + [v for e in extras.values() for v in e] + ([chosen] if plain else []))
+        result: list[tuple[int, float | None, tuple[tuple[int, float], ...]]] = [(0, None, ())] * len(rows)
+        if plain:
+            for i, t in zip(plain, chosen.tolist()):
+                result[i] = (int(t), None, ())
+        for i, token in enumerate(outputs):
+            if token is None:
+                continue
+            t = int(token.tolist()[0])
+            if i in extras:
+                picked, top, top_lp = extras[i]
+                pairs = tuple(zip((int(x) for x in top.tolist()[0]), (float(x) for x in top_lp.tolist()[0])))
+                result[i] = (t, float(picked.tolist()[0][0]), pairs)
+            else:
+                result[i] = (t, None, ())
+        return result
+
+    def _record(self, row: _Row, token: int, logprob: float | None, top: tuple[tuple[int, float], ...]) -> bool:
+        """Report `token` of `row`; False where the row is finished."""
+        request = row.request
+        if request.cancelled:
+            request.emit(Event(finish="cancelled"))
+            return False
+        if token in request.params.stop_ids:
+            request.emit(Event(finish="stop"))
+            return False
+        constraint = request.constraint
+        try:
+            if constraint is not None:
+                constraint.advance(token)
+        except Exception as exc:  # noqa: BLE001 - the grammar refused: this request fails alone
+            request.emit(Event(finish="error", error=exc))
+            return False
+        row.generated.append(token)
+        row.counts[token] += 1
+        request.emit(Event(token=token, logprob=logprob, top_logprobs=top))
+        if constraint is not None and constraint.done():
+            request.emit(Event(finish="stop"))
+            return False
+        if len(row.generated) >= row.max_tokens:
+            request.emit(Event(finish="length"))
+            return False
+        return True
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            queued = list(self._queue)
+            self._queue.clear()
+        rows = list(self._prefilling) + list(self._batch.rows)
+        self._prefilling.clear()
+        self._batch = Batch()
+        for request in queued + [r.request for r in rows]:
+            request.emit(Event(finish="error", error=exc))
+
+
+# ---------------------------------------------------------------------- waiting for results
+
+class Collector:
+    """`emit` target that gathers a request's events; `wait()` returns them once it finished."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self._done = threading.Event()
+
+    def __call__(self, event: Event) -> None:
+        if self._done.is_set():
+            return
+        self.events.append(event)
+        if event.finish is not None:
+            self._done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    @property
+    def finished(self) -> bool:
+        return self._done.is_set()
+
+    def tokens(self) -> list[int]:
+        return [e.token for e in self.events if e.token is not None]
+
+    def finish(self) -> Event | None:
+        return self.events[-1] if self.events and self.events[-1].finish is not None else None
+
+
+def run_all(scheduler: Scheduler, requests: Sequence[tuple[Request, Collector]], guard: loops.Guard) -> None:
+    """Submit every request and wait for all, cancelling them where `guard` trips (it raises then)."""
+    guard.check()
+    for request, _ in requests:
+        scheduler.submit(request, bounded=False)
+    try:
+        for request, collector in requests:
+            while not collector.wait(0.05):
+                guard.check()
+    except BaseException:
+        for request, _ in requests:
+            request.cancel()
+        for _, collector in requests:
+            collector.wait(5.0)
+        raise

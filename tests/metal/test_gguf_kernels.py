@@ -125,16 +125,18 @@ def test_a_kernel_that_cannot_run_warns_and_mlx_ops_compute(monkeypatch: pytest.
     if ON_CUDA:
         pytest.skip("on CUDA the kernels run; tested below")
     monkeypatch.setattr(gguf_blocks, "device_kind", lambda: "cuda")
-    monkeypatch.setattr(gguf_blocks, "_checked", {})
+    gguf_blocks.checks.forget()
     layer, dense = _layer(Q.Q3_K, 40, 2, 5)
     x = np.random.default_rng(6).standard_normal((1, 512)).astype(np.float32)
-    with pytest.warns(RuntimeWarning, match="Q3_K blocks cannot run here"):
+    with pytest.warns(RuntimeWarning, match="GGUF Q2_K/Q3_K/Q6_K blocks is not used: it cannot run here"):
         got = np.asarray(layer(mx.array(x)))
     np.testing.assert_allclose(got, x @ dense.T, rtol=1e-4, atol=1e-4)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # checked once: no second warning
         layer(mx.array(x))
     assert gguf_blocks.ready(Q.Q3_K, mx.float32) is None
+    assert gguf_blocks.checks.known() == {("cuda", int(Q.Q3_K), str(mx.float32)): False}
+    gguf_blocks.checks.forget()
 
 
 def test_the_cpu_uses_mlx_ops() -> None:

@@ -27,13 +27,11 @@ the dequantization kernel gives `gguf.quants.dequantize`'s values bit for bit, a
 differs from MLX's only by summation order.
 
 The Metal sources mirror the CUDA ones line for line (simdgroups of 32, the same lane mapping).
-They have not been run: the project has no Mac in its test machines; `check()` compares them with
+They have not been run: the project has no Mac in its test machines; `ready()` compares them with
 MLX once per process before a model uses them, as it does the CUDA ones.
 """
 from __future__ import annotations
 
-import threading
-import warnings
 from typing import Any
 
 import numpy as np
@@ -43,6 +41,7 @@ from gguf.constants import GGML_QUANT_SIZES
 import pymlxc.core as mx
 from pymlxc.core import Array
 
+from ..kernel_check import CheckedOnce
 from .metal_kernel import SharedMetalKernel
 
 QK_K = 256
@@ -345,22 +344,17 @@ def dequantize(w: Array, qtype: QType, dtype: Any, kind: str) -> Array:
 
 # ---------------------------------------------------------------------------------------- checked once
 
-_checked: dict[tuple[str, int, str], bool] = {}
-_checked_lock = threading.Lock()
+checks = CheckedOnce("pymlxc's kernels for GGUF Q2_K/Q3_K/Q6_K blocks")
 
 
 def ready(qtype: QType, dtype: Any) -> str | None:
     """The kernel kind to use for `qtype` blocks and x of `dtype` on this device: "cuda" or
-    "metal" once `check` passed for them (run now, the first time), else None (MLX ops)."""
+    "metal" once `compare` passed for them (run now, the first time), else None (MLX ops)."""
     kind = device_kind()
     if kind is None:
         return None
-    key = (kind, int(qtype), str(dtype))
-    with _checked_lock:
-        known = _checked.get(key)
-        if known is None:
-            known = _checked[key] = _compare(kind, qtype, dtype)
-    return kind if known else None
+    ok = checks.verdict((kind, int(qtype), str(dtype)), lambda: _compare(kind, qtype, dtype))
+    return kind if ok else None
 
 
 def random_blocks(rng: np.random.Generator, shape: tuple[int, ...], qtype: QType, scale: float = 0.02) -> np.ndarray:
@@ -375,9 +369,10 @@ def random_blocks(rng: np.random.Generator, shape: tuple[int, ...], qtype: QType
     return b
 
 
-def _compare(kind: str, qtype: QType, dtype: Any) -> bool:
-    """Whether both kernels run here and agree with MLX ops on random blocks: the dequantization bit
-    for bit (float32), the product within float32 summation error plus `dtype`'s output rounding."""
+def _compare(kind: str, qtype: QType, dtype: Any) -> str | None:
+    """None where both kernels agree with MLX ops on random blocks (the dequantization bit for bit in
+    float32, the product within float32 summation error plus `dtype`'s output rounding), else why not.
+    Raises where a kernel cannot run here."""
     from ..gguf_quants import dequantize_blocks  # noqa: PLC0415 - gguf_quants imports this module
 
     rng = np.random.default_rng(0)
@@ -385,30 +380,21 @@ def _compare(kind: str, qtype: QType, dtype: Any) -> bool:
     blocks = mx.array(random_blocks(rng, (e, n, nb), qtype))
     x = mx.array(rng.standard_normal((3, m, nb * QK_K)).astype(np.float32)).astype(dtype)
     idx = mx.array(np.array([1, 0, 1], np.int32))
-    try:
-        got_w = np.asarray(dequantize(mx.reshape(blocks, (e * n, nb, -1)), qtype, mx.float32, kind))
-        got = np.asarray(matvec(x, blocks, idx, qtype, kind).astype(mx.float32))
-        want_w = np.asarray(dequantize_blocks(blocks, qtype)).reshape(e * n, -1)
-    except Exception as exc:  # noqa: BLE001 - any failure keeps MLX ops, with the reason
-        warnings.warn(f"the {kind} kernels for {qtype.name} blocks cannot run here ({type(exc).__name__}: {exc}); "
-                      "using MLX ops (each call dequantizes the matrix)", RuntimeWarning, stacklevel=3)
-        return False
-    dense = want_w.reshape(e, n, -1)[np.asarray(idx)]
-    xf = np.asarray(x.astype(mx.float32)).astype(np.float64)
-    want = np.einsum("pmk,pnk->pmn", xf, dense.astype(np.float64))
-    bound = np.einsum("pmk,pnk->pmn", np.abs(xf), np.abs(dense.astype(np.float64)))
-    tol = bound * 2.0 ** -20 + np.abs(want) * (2.0 ** -7 if dtype.size == 2 else 2.0 ** -22) + 1e-30
+    got_w = np.asarray(dequantize(mx.reshape(blocks, (e * n, nb, -1)), qtype, mx.float32, kind))
+    got = np.asarray(matvec(x, blocks, idx, qtype, kind).astype(mx.float32))
+    want_w = np.asarray(dequantize_blocks(blocks, qtype)).reshape(e * n, -1)
     if not np.array_equal(got_w, want_w):
         bad = np.argwhere(got_w != want_w)[0]
-        warnings.warn(f"the {kind} dequantization kernel for {qtype.name} differs from MLX ops at row {bad[0]}, "
-                      f"value {bad[1]}; using MLX ops", RuntimeWarning, stacklevel=3)
-        return False
+        return f"{kind} dequantization of {qtype.name} differs from MLX ops at row {bad[0]}, value {bad[1]}"
+    dense = want_w.reshape(e, n, -1)[np.asarray(idx)].astype(np.float64)
+    xf = np.asarray(x.astype(mx.float32)).astype(np.float64)
+    want = np.einsum("pmk,pnk->pmn", xf, dense)
+    bound = np.einsum("pmk,pnk->pmn", np.abs(xf), np.abs(dense))
+    tol = bound * 2.0 ** -20 + np.abs(want) * (2.0 ** -7 if dtype.size == 2 else 2.0 ** -22) + 1e-30
     if not np.all(np.abs(got - want) <= tol):
-        worst = float(np.max(np.abs(got - want) - tol))
-        warnings.warn(f"the {kind} matvec kernel for {qtype.name} and {dtype} x differs from MLX ops by "
-                      f"{worst:.3g} beyond its bound; using MLX ops", RuntimeWarning, stacklevel=3)
-        return False
-    return True
+        return (f"{kind} matvec of {qtype.name} with {dtype} x differs from MLX ops by "
+                f"{float(np.max(np.abs(got - want) - tol)):.3g} beyond its bound")
+    return None
 
 
-__all__ = ["MAX_X_ROWS", "TYPE_IDS", "dequantize", "device_kind", "matvec", "random_blocks", "ready"]
+__all__ = ["MAX_X_ROWS", "TYPE_IDS", "checks", "dequantize", "device_kind", "matvec", "random_blocks", "ready"]

@@ -315,6 +315,7 @@ class StreamingDetokenizer:
         self._read = 0  # window[:_read] is context already emitted in full
         self._prefix_text = ""  # the part of decode(window) already emitted
         self._pending: list[int] = []  # byte-fallback ids of a character still incomplete
+        self._anchor: int | None = None  # a plain token, context after invalid bytes at the start
 
     @property
     def token_ids(self) -> tuple[int, ...]:
@@ -367,9 +368,29 @@ class StreamingDetokenizer:
                 out.append(self._emit(final=False))
             if bad_end > good:
                 out.append(_REPLACEMENT)
+                if not self._window:
+                    self._anchor_window()
             pos = bad_end
         del self._pending[:end]
         return "".join(out)
+
+    def _anchor_window(self) -> None:
+        """Invalid bytes at the very start became U+FFFD outside the window, so the next token is
+        not the text's first: decoders that drop a leading space must not drop its space. Put a
+        plain token in the window as emitted context to say so."""
+        if self._anchor is None:
+            for token_id in range(self._backend.get_vocab_size()):
+                if token_id in self._byte_ids or token_id in self._skipped:
+                    continue
+                text = self._decode([token_id], skip_special_tokens=False)
+                if text and not text[0].isspace() and _REPLACEMENT not in text:
+                    self._anchor = token_id
+                    break
+            else:
+                return  # no plain token: a leading space after the U+FFFD may be dropped
+        self._window = [self._anchor]
+        self._read = 1
+        self._prefix_text = self._decode(self._window, skip_special_tokens=self._skip)
 
     def _unfinished(self) -> bool:
         """Whether the window's bytes end inside a character (byte-level tokens only)."""

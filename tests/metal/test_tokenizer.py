@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, normalizers, trainers
@@ -271,6 +271,7 @@ def test_stream_adds_up_to_decode_byte_level(qwen: Tokenizer, ids: list[int], sk
 
 @settings(max_examples=300, deadline=None)
 @given(ids=_biased_ids(300, 260), skip=st.booleans())
+@example(ids=[130, 34], skip=False)  # a stray byte first: the next token keeps its leading space
 def test_stream_adds_up_to_decode_byte_fallback(spm: Tokenizer, ids: list[int], skip: bool) -> None:
     # <unk> (id 0) is the reference's marker for an invalid byte sequence: leave it out here.
     _check_stream(spm, [i % (spm.vocab_size - 1) + 1 for i in ids], skip, lenient=True)

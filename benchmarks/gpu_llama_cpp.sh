@@ -20,6 +20,7 @@ cd "$ROOT"
 OUT=${OUT:-/tmp/gguf-gpu-out}
 LCP=${LCP:-/tmp/lcp}
 MODELS=${MODELS:-/tmp/pymlxc-llama-cpp-models}
+LCP_SRC=${LCP_SRC:-.lcp/llama.cpp-src.tar.gz}  # llama.cpp's source tarball
 STATE=/tmp/gguf-gpu-state  # outlives a call's $OUT: the background 8B preparation's log and done mark
 export PYMLXC_LIB_DIR=${PYMLXC_LIB_DIR:-/tmp/pymlxc_lib}
 # The gguf package from llama.cpp's own source (gguf-py), where pip cannot reach a registry.
@@ -56,10 +57,10 @@ for stage in "$@"; do
     build)
       mkdir -p "$LCP"
       if [ ! -f "$LCP/src/CMakeLists.txt" ]; then
-        tar xzf .lcp/llama.cpp-src.tar.gz -C "$LCP" && mv "$LCP/llama.cpp" "$LCP/src"
+        tar xzf "$LCP_SRC" -C "$LCP" && mv "$LCP/llama.cpp" "$LCP/src"
       fi
       setsid nohup python3 benchmarks/compare_llama_cpp.py --build-only --llama-cpp "$LCP" \
-        --llama-cpp-src .lcp/llama.cpp-src.tar.gz > "$LCP/build.log" 2>&1 < /dev/null &
+        --llama-cpp-src "$LCP_SRC" > "$LCP/build.log" 2>&1 < /dev/null &
       sleep 20; tail -5 "$LCP/build.log"
       ;;
     tests)
@@ -76,7 +77,7 @@ for stage in "$@"; do
       python3 benchmarks/compare_llama_cpp.py --llama-cpp "$LCP" --models-dir "$MODELS" --out "$OUT/bench-8b" \
         --shapes llama-3.1-8b --formats q4_0 q4_k_m --prepare-only --drop-source --threads 8 && touch "$STATE/prep-8b.done"
       ;;
-    bench-1b) bench bench-1b --shapes llama-3.2-1b --matvec-off --drop-source ;;
+    bench-1b) bench bench-1b --shapes llama-3.2-1b --matvec-off --drop-source ${BENCH_1B_ARGS:-} ;;
     bench-8b)
       for _ in $(seq 1 100); do [ -f "$STATE/prep-8b.done" ] && break; sleep 5; done
       tail -5 "$STATE/prep-8b.log"; df -h /tmp | tail -1

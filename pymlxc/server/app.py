@@ -1,0 +1,450 @@
+"""The OpenAI-compatible HTTP API (FastAPI): `create_app(model, ServerConfig)`.
+
+Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (`stream`
+as server-sent events ending with `data: [DONE]`). Errors use OpenAI's shape
+`{"error": {"message", "type", "param", "code"}}`: 400 for a bad body (malformed JSON, a wrong
+type, a value out of range, a prompt too long), 401 for a missing or wrong API key, 413 for a body
+over the limit, 429 when the queue is full, 500 when generation fails.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pymlxc.backends.metal import batching
+
+from . import tools as toolcalls
+from .constraints import ConstraintError, GrammarFactory
+from .engine import BadRequest, BatchEngine, Job, Piece, QueueFull, SlotEngine
+from .schemas import ChatRequest, CompletionRequest, NamedToolChoice, Sampling
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_id: str = "model"
+    api_key: str | None = None
+    max_concurrency: int = 16
+    max_queue: int = 64
+    max_body_bytes: int = 1 << 20
+    max_tokens_limit: int = 4096
+    cors_origins: tuple[str, ...] = ()
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+           code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes gets 413 (by its Content-Length, else as it streams)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
+                await _error(413, f"request body over {self.limit} bytes", code="request_too_large")(scope, receive, send)
+                return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise ApiError(413, f"request body over {self.limit} bytes", code="request_too_large")
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def _engine_for(model: Any, config: ServerConfig) -> BatchEngine | SlotEngine:
+    if hasattr(model, "scheduler"):
+        try:
+            return BatchEngine(model, max_concurrency=config.max_concurrency, max_queue=config.max_queue)
+        except batching.BatchingUnsupported:
+            pass
+    return SlotEngine(model, max_concurrency=config.max_concurrency, max_queue=config.max_queue,
+                      context_len=getattr(model, "_context_len", None))
+
+
+def create_app(model: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
+    """The API serving `model` (a loaded `TextModel`); the caller owns the model's lifetime."""
+    engine = _engine_for(model, config)
+    tokenizer = engine.tokenizer
+    grammars: GrammarFactory | None = None
+    tool_fmt = toolcalls.HERMES
+    if tokenizer is not None:
+        backend = getattr(tokenizer, "backend", None)
+        if backend is not None:
+            grammars = GrammarFactory(backend.to_str(), engine.vocab_size, engine.stop_ids)
+        tool_fmt = toolcalls.tool_format(tokenizer.chat_template, tokenizer.model_type)
+    app = FastAPI(title="pymlxc", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine = engine
+    created = int(time.time())
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            return _error(400, f"the body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
+        param = ".".join(loc) or None
+        return _error(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return _error(exc.status, str(exc), exc.kind, exc.param, exc.code)
+
+    @app.exception_handler(Exception)
+    async def failed(_: Request, exc: Exception) -> JSONResponse:
+        return _error(500, f"generation failed: {type(exc).__name__}: {exc}", "server_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "server_error")
+
+    async def authorize(request: Request) -> None:
+        if config.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
+            raise ApiError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", **engine.stats()}
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": config.model_id, "object": "model", "created": created,
+                                            "owned_by": "pymlxc"}]}
+
+    # ------------------------------------------------------------------ building a job
+    def need(feature: str, param: str) -> None:
+        if feature not in engine.features:
+            raise ApiError(400, f"{param} is not supported by this model's backend", param=param)
+
+    def sampling(body: Sampling, prompt_len: int, max_tokens: int | None, logprobs: int | None) -> batching.SamplingParams:
+        limit = config.max_tokens_limit
+        if max_tokens is not None and max_tokens > limit:
+            raise ApiError(400, f"max_tokens is {max_tokens}, over this server's limit of {limit}", param="max_tokens")
+        context = engine.context_len
+        if context is not None and prompt_len >= context:
+            raise ApiError(400, f"the prompt has {prompt_len} tokens; this model's context is {context}",
+                           param="messages", code="context_length_exceeded")
+        room = limit if context is None else min(limit, context - prompt_len)
+        bias: tuple[tuple[int, float], ...] = ()
+        if body.logit_bias:
+            need("logit_bias", "logit_bias")
+            try:
+                bias = tuple((int(k), max(-100.0, min(100.0, float(v)))) for k, v in body.logit_bias.items())
+            except ValueError:
+                raise ApiError(400, "logit_bias keys must be token ids", param="logit_bias") from None
+            vocab = getattr(engine, "vocab_size", 0)
+            if any(not 0 <= k < vocab for k, _ in bias):
+                raise ApiError(400, f"logit_bias names a token id outside the vocabulary of {vocab}", param="logit_bias")
+        if body.presence_penalty or body.frequency_penalty:
+            need("penalties", "presence_penalty")
+        if logprobs is not None:
+            need("logprobs", "logprobs")
+        return batching.SamplingParams(
+            max_tokens=room if max_tokens is None else min(max_tokens, room), temperature=body.temperature,
+            top_p=body.top_p if body.top_p < 1.0 else 0.0, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty, logit_bias=bias, logprobs=logprobs,
+            stop_ids=engine.stop_ids)
+
+    def encode_ids(ids: list[int], param: str) -> list[int]:
+        vocab = getattr(engine, "vocab_size", 0)
+        if not ids or any(not 0 <= t < vocab for t in ids):
+            raise ApiError(400, f"{param}: token ids must be in [0, {vocab})", param=param)
+        return ids
+
+    async def completion_job(body: CompletionRequest) -> Job:
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise ApiError(400, "prompt: one prompt per request", param="prompt")
+            prompt = prompt[0]
+        stop = body.stop_strings()
+        if tokenizer is None:
+            if not isinstance(prompt, str):
+                raise ApiError(400, "prompt: token ids are not supported by this model's backend", param="prompt")
+            if not prompt:
+                raise ApiError(400, "prompt is empty", param="prompt")
+            return Job(sampling(body, 0, body.max_tokens, None), prompt_text=prompt, stop=stop)
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ApiError(400, "prompt is empty", param="prompt")
+            ids = await asyncio.to_thread(tokenizer.encode, prompt)
+        else:
+            ids = encode_ids(list(prompt), "prompt")
+        return Job(sampling(body, len(ids), body.max_tokens, body.logprobs), prompt_ids=ids, stop=stop)
+
+    async def chat_job(body: ChatRequest) -> tuple[Job, bool]:
+        messages = [m.to_template() for m in body.messages]
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        tools = [t.model_dump() for t in body.tools] if body.tools else None
+        choice = body.tool_choice
+        if tools is None and choice not in (None, "none", "auto"):
+            raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+        use_tools = tools is not None and choice != "none"
+        stop = body.stop_strings()
+        if tokenizer is None:
+            if use_tools:
+                raise ApiError(400, "tools are not supported by this model's backend", param="tools")
+            if body.response_format is not None and body.response_format.type != "text":
+                need("constraint", "response_format")
+            return Job(sampling(body, 0, max_tokens, None), messages=messages, stop=stop), False
+        from pymlxc.backends.metal.chat_template import ChatTemplateError, render_chat
+
+        try:
+            text = await asyncio.to_thread(render_chat, messages, tokenizer, True,
+                                           **({"tools": tools} if use_tools else {}))
+        except (ChatTemplateError, TypeError, ValueError) as exc:
+            raise ApiError(400, f"messages: {exc}", param="messages") from None
+        ids = await asyncio.to_thread(tokenizer.encode, text, False)
+        if not ids:
+            raise ApiError(400, "messages render to no tokens", param="messages")
+        params = sampling(body, len(ids), max_tokens, logprobs)
+        constraint = None
+        fmt = body.response_format
+        try:
+            if use_tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
+                chosen = tools
+                if isinstance(choice, NamedToolChoice):
+                    chosen = [t for t in tools if t["function"]["name"] == choice.function.name]
+                    if not chosen:
+                        raise ApiError(400, f"tool_choice names {choice.function.name!r}, not among the tools",
+                                       param="tool_choice")
+                constraint = await asyncio.to_thread(_grammar().lark, toolcalls.forced_call_grammar(chosen, tool_fmt))
+            elif fmt is not None and fmt.type == "json_object":
+                constraint = await asyncio.to_thread(_grammar().json_schema, {"type": "object"})
+            elif fmt is not None and fmt.type == "json_schema":
+                if fmt.json_schema is None:
+                    raise ApiError(400, "response_format.json_schema is required for type json_schema",
+                                   param="response_format.json_schema")
+                constraint = await asyncio.to_thread(_grammar().json_schema, fmt.json_schema.schema_)
+        except ConstraintError as exc:
+            raise ApiError(400, str(exc), param="response_format" if not use_tools else "tools") from None
+        return Job(params, prompt_ids=ids, stop=stop, constraint=constraint), use_tools
+
+    def _grammar() -> GrammarFactory:
+        if grammars is None:
+            raise ConstraintError("constrained output needs the model's Hugging Face tokenizer")
+        return grammars
+
+    # ------------------------------------------------------------------ running a job
+    def token_text(token: int) -> str:
+        return tokenizer.decode([token]) if tokenizer is not None else ""
+
+    def chat_logprob(piece: Piece) -> dict[str, Any]:
+        text = token_text(piece.token)
+        return {"token": text, "logprob": piece.logprob, "bytes": list(text.encode()),
+                "top_logprobs": [{"token": token_text(t), "logprob": lp, "bytes": list(token_text(t).encode())}
+                                 for t, lp in piece.top_logprobs]}
+
+    async def pieces(job: Job, request: Request) -> AsyncIterator[Piece]:
+        try:
+            async with contextlib.aclosing(engine.stream(job)) as stream:
+                async for piece in stream:
+                    yield piece
+        except QueueFull as exc:
+            raise ApiError(429, str(exc), "rate_limit_error", code="queue_full") from None
+        except BadRequest as exc:
+            raise ApiError(400, str(exc), param=exc.param, code=exc.code) from None
+
+    async def first_then(stream: AsyncIterator[Piece]) -> tuple[Piece | None, AsyncIterator[Piece]]:
+        """Start the stream before the response does, so that a full queue is a 429, not a broken stream."""
+        try:
+            first = await stream.__anext__()
+        except StopAsyncIteration:
+            return None, stream
+        return first, stream
+
+    def usage(prompt: int, completion: int) -> dict[str, int]:
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def prompt_len(job: Job) -> int:
+        return len(job.prompt_ids) if job.prompt_ids is not None else 0
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        job = await completion_job(body)
+        rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        first, stream = await first_then(pieces(job, request))
+
+        def chunk(text: str, finish: str | None, piece: Piece | None) -> dict[str, Any]:
+            choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            if job.params.logprobs is not None and piece is not None and piece.token is not None:
+                choice["logprobs"] = {"tokens": [token_text(piece.token)], "token_logprobs": [piece.logprob],
+                                      "top_logprobs": [{token_text(t): lp for t, lp in piece.top_logprobs}],
+                                      "text_offset": [0]}
+            return {"id": rid, "object": "text_completion", "created": now, "model": config.model_id,
+                    "choices": [choice]}
+
+        if body.stream:
+            async def events() -> AsyncIterator[str]:
+                count, finish = 0, "length"
+                async with contextlib.aclosing(_chain(first, stream)) as chained:
+                    async for piece in chained:
+                        count += piece.token is not None
+                        finish = piece.finish or finish
+                        if piece.text or piece.token is not None:
+                            yield json.dumps(chunk(piece.text, None, piece))
+                yield json.dumps(chunk("", finish, None))
+                if body.stream_options is not None and body.stream_options.include_usage:
+                    yield json.dumps({"id": rid, "object": "text_completion", "created": now, "model": config.model_id,
+                                      "choices": [], "usage": usage(prompt_len(job), count)})
+                yield "[DONE]"
+            return EventSourceResponse(events(), ping=15)
+        texts, count, finish = [], 0, "length"
+        lp: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = 0
+        async with contextlib.aclosing(_chain(first, stream)) as chained:
+            async for piece in chained:
+                texts.append(piece.text)
+                finish = piece.finish or finish
+                if piece.token is not None:
+                    count += 1
+                    if job.params.logprobs is not None:
+                        t = token_text(piece.token)
+                        lp["tokens"].append(t)
+                        lp["token_logprobs"].append(piece.logprob)
+                        lp["top_logprobs"].append({token_text(i): v for i, v in piece.top_logprobs})
+                        lp["text_offset"].append(offset)
+                        offset += len(t)
+        return {"id": rid, "object": "text_completion", "created": now, "model": config.model_id,
+                "choices": [{"index": 0, "text": "".join(texts), "finish_reason": finish,
+                             "logprobs": lp if job.params.logprobs is not None else None}],
+                "usage": usage(prompt_len(job), count)}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat_completions(body: ChatRequest, request: Request) -> Any:
+        job, use_tools = await chat_job(body)
+        rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        first, stream = await first_then(pieces(job, request))
+        want_lp = job.params.logprobs is not None
+
+        def chunk(delta: dict[str, Any], finish: str | None, logprobs: list[dict[str, Any]] | None = None) -> str:
+            return json.dumps({"id": rid, "object": "chat.completion.chunk", "created": now, "model": config.model_id,
+                               "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                                            "logprobs": {"content": logprobs} if logprobs is not None else None}]})
+
+        if body.stream:
+            async def events() -> AsyncIterator[str]:
+                count, finish = 0, "length"
+                held, holding = "", use_tools
+                yield chunk({"role": "assistant", "content": ""}, None)
+                async with contextlib.aclosing(_chain(first, stream)) as chained:
+                    async for piece in chained:
+                        count += piece.token is not None
+                        finish = piece.finish or finish
+                        lps = [chat_logprob(piece)] if want_lp and piece.token is not None else None
+                        if holding:
+                            held += piece.text
+                            if toolcalls.may_be_tool_call(held, tool_fmt):
+                                continue
+                            holding, piece_text = False, held
+                        else:
+                            piece_text = piece.text
+                        if piece_text or lps:
+                            yield chunk({"content": piece_text}, None, lps)
+                if holding:
+                    content, calls = toolcalls.parse_tool_calls(held, tool_fmt)
+                    if calls:
+                        finish = "tool_calls"
+                        yield chunk({"tool_calls": [c.to_openai(i) for i, c in enumerate(calls)]}, None)
+                    elif held:
+                        yield chunk({"content": held}, None)
+                yield chunk({}, finish)
+                if body.stream_options is not None and body.stream_options.include_usage:
+                    yield json.dumps({"id": rid, "object": "chat.completion.chunk", "created": now,
+                                      "model": config.model_id, "choices": [], "usage": usage(prompt_len(job), count)})
+                yield "[DONE]"
+            return EventSourceResponse(events(), ping=15)
+        texts, count, finish, lps = [], 0, "length", []
+        async with contextlib.aclosing(_chain(first, stream)) as chained:
+            async for piece in chained:
+                texts.append(piece.text)
+                finish = piece.finish or finish
+                if piece.token is not None:
+                    count += 1
+                    if want_lp:
+                        lps.append(chat_logprob(piece))
+        content: str | None = "".join(texts)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if use_tools:
+            rest, calls = toolcalls.parse_tool_calls(content, tool_fmt)
+            if calls:
+                message = {"role": "assistant", "content": rest or None,
+                           "tool_calls": [c.to_openai() for c in calls]}
+                finish = "tool_calls"
+        return {"id": rid, "object": "chat.completion", "created": now, "model": config.model_id,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish,
+                             "logprobs": {"content": lps} if want_lp else None}],
+                "usage": usage(prompt_len(job), count)}
+
+    if config.cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
+    app.add_middleware(_BodyLimitMiddleware, limit=config.max_body_bytes)
+    return app
+
+
+class _BodyLimitMiddleware(BodyLimit):
+    """`BodyLimit` in the shape `add_middleware` builds (an ApiError raised while reading is a 413)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except ApiError as exc:
+            await _error(exc.status, str(exc), exc.kind, exc.param, exc.code)(scope, receive, send)
+
+
+async def _chain(first: Piece | None, rest: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
+    """`first`, then the rest; closing this closes `rest` (its generation is cancelled)."""
+    try:
+        if first is not None:
+            yield first
+            if first.finish is not None:
+                return
+        async for piece in rest:
+            yield piece
+            if piece.finish is not None:
+                return
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
+
+
+Handler = Callable[[Request], Awaitable[Any]]

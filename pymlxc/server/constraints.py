@@ -1,0 +1,106 @@
+"""Constrained decoding with llguidance: a JSON schema (or a Lark grammar) as a `batching.Constraint`.
+
+llguidance compiles the grammar against the model's tokenizer (the Hugging Face `tokenizers` JSON)
+and, at each step, gives the ids that keep the output inside the grammar; the scheduler masks the
+others out before sampling. The tokenizer conversion is made once per model.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+
+class ConstraintError(ValueError):
+    """A schema or grammar llguidance cannot use (the message says why), or a tokenizer it cannot read."""
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError as exc:  # pragma: no cover - the server extra installs it
+        raise ConstraintError("constrained decoding needs llguidance (pip install 'pymlxc[server]')") from exc
+    return llguidance
+
+
+class GrammarFactory:
+    """Builds constraints for one model: its tokenizer converted once (`tokenizer_json`: the HF
+    tokenizers JSON text; `vocab_size`: the model's logits width; `eos_ids`: the ids that end a
+    completed output)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Iterable[int]) -> None:
+        self._json = tokenizer_json
+        self._vocab = vocab_size
+        self._eos = sorted(eos_ids)
+        self._tokenizer: Any = None
+        self._lock = threading.Lock()
+
+    def _lltokenizer(self) -> Any:
+        with self._lock:
+            if self._tokenizer is None:
+                llg = _llguidance()
+                try:
+                    self._tokenizer = llg.LLTokenizer(self._json, n_vocab=self._vocab, eos_token=self._eos)
+                except Exception as exc:  # noqa: BLE001 - llguidance's own message
+                    raise ConstraintError(f"llguidance cannot use this tokenizer: {exc}") from exc
+            return self._tokenizer
+
+    def json_schema(self, schema: Mapping[str, Any]) -> "GrammarConstraint":
+        llg = _llguidance()
+        try:
+            grammar = llg.LLMatcher.grammar_from_json_schema(_compact(schema))
+        except Exception as exc:  # noqa: BLE001
+            raise ConstraintError(f"unusable JSON schema: {exc}") from exc
+        return self._matcher(grammar)
+
+    def lark(self, source: str) -> "GrammarConstraint":
+        return self._matcher(_llguidance().LLMatcher.grammar_from_lark(source))
+
+    def _matcher(self, grammar: str) -> "GrammarConstraint":
+        llg = _llguidance()
+        tokenizer = self._lltokenizer()
+        problem = llg.LLMatcher.validate_grammar(grammar, tokenizer)
+        if problem and not problem.startswith("WARNING"):
+            raise ConstraintError(f"unusable grammar: {problem}")
+        matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ConstraintError(f"unusable grammar: {matcher.get_error()}")
+        return GrammarConstraint(matcher, self._vocab)
+
+
+# Compact JSON (", " and ": " between items, no other whitespace): with flexible whitespace a model
+# unsure of what comes next may emit blanks until max_tokens.
+COMPACT = {"whitespace_flexible": False}
+
+
+def _compact(schema: Mapping[str, Any]) -> dict[str, Any]:
+    return {**dict(schema), "x-guidance": {**COMPACT, **dict(schema.get("x-guidance") or {})}}
+
+
+def json_lark_rule(schema: Mapping[str, Any]) -> str:
+    """A Lark rule body for a compact JSON value of `schema` (llguidance's `%json` extension)."""
+    return "%json " + json.dumps(_compact(schema))
+
+
+class GrammarConstraint:
+    """One request's grammar state (see `batching.Constraint`)."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self._matcher = matcher
+        self._vocab = vocab_size
+
+    def allowed(self) -> np.ndarray:
+        mask = np.frombuffer(self._matcher.compute_logit_bias(), dtype=np.uint8)
+        if self._matcher.is_error():
+            raise ConstraintError(f"grammar: {self._matcher.get_error()}")
+        return mask[: self._vocab] > 0
+
+    def advance(self, token: int) -> None:
+        if not self._matcher.consume_token(token):
+            raise ConstraintError(f"grammar refused token {token}: {self._matcher.get_error()}")
+
+    def done(self) -> bool:
+        return bool(self._matcher.is_stopped())

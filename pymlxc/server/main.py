@@ -1,0 +1,84 @@
+"""The command line of the server: `pymlxc serve MODEL ...` and `python -m pymlxc.server MODEL ...`."""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+from collections.abc import Sequence
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8080
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="a model directory, a .gguf file or a Hugging Face repo id")
+    parser.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default: loopback only)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--backend", default=None, help="metal (continuous batching) or mlx_lm (worker slots)")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' (default: $PYMLXC_API_KEY, else none)")
+    parser.add_argument("--max-concurrency", type=int, default=16,
+                        help="requests generating at once (the batch's rows; mlx_lm: worker slots)")
+    parser.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those; more get 429")
+    parser.add_argument("--context-len", type=int, default=None, help="tokens of context per request")
+    parser.add_argument("--adapter", default=None, help="a LoRA adapter directory to load with the model")
+    parser.add_argument("--model-id", default=None, help="the name /v1/models reports (default: MODEL)")
+    parser.add_argument("--max-tokens-limit", type=int, default=4096, help="the largest max_tokens a request may ask")
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="the largest request body")
+    parser.add_argument("--cors-origin", action="append", default=[],
+                        help="allow browser requests from this origin (repeatable; default: CORS off)")
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"--{name} must be >= 1, not {value}")
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("max_concurrency", "context_len", "max_tokens_limit", "max_body_bytes"):
+        _positive(name.replace("_", "-"), getattr(args, name))
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, not {args.max_queue}")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, not {args.port}")
+    try:
+        loopback = ipaddress.ip_address(args.host).is_loopback
+    except ValueError:
+        loopback = args.host == "localhost"
+    api_key = args.api_key if args.api_key is not None else os.environ.get("PYMLXC_API_KEY") or None
+    if not loopback and api_key is None:
+        print(f"pymlxc serve: warning: listening on {args.host} without an API key", file=sys.stderr)
+    try:
+        import uvicorn
+
+        from .app import ServerConfig, create_app
+    except ImportError as exc:
+        raise RuntimeError(f"the server needs its extra: pip install 'pymlxc[server]' ({exc})") from None
+    import pymlxc
+
+    options: dict[str, object] = {"parallel_slots": args.max_concurrency}
+    if args.context_len is not None:
+        options["context_len"] = args.context_len
+    if args.adapter is not None:
+        options["adapter_path"] = args.adapter
+    config = ServerConfig(model_id=args.model_id or args.model, api_key=api_key, max_concurrency=args.max_concurrency,
+                          max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+                          max_tokens_limit=args.max_tokens_limit, cors_origins=tuple(args.cors_origin))
+    with pymlxc.load_model(args.model, backend=args.backend, **options) as model:
+        app = create_app(model, config)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pymlxc.server", description="An OpenAI-compatible server.")
+    configure(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        return 130
+    except (OSError, ValueError, RuntimeError) as exc:
+        print(f"pymlxc serve: error: {exc}", file=sys.stderr)
+        return 1

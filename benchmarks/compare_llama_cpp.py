@@ -59,7 +59,7 @@ SCHEMA_VERSION = 1
 # GGUF format -> (llama-quantize type, native checkpoint: bits or None for bfloat16)
 FORMATS: dict[str, tuple[str | None, int | None]] = {
     "f16": (None, None), "q4_0": ("Q4_0", 4), "q4_k_m": ("Q4_K_M", 4), "q6_k": ("Q6_K", 6), "q8_0": ("Q8_0", 8)}
-DEFAULT_FORMATS = ("f16", "q4_0", "q4_k_m", "q6_k", "q8_0")
+DEFAULT_FORMATS = ("q4_0", "q4_k_m", "f16", "q6_k", "q8_0")  # the issues' cases first
 TOOLS = ("llama-bench", "llama-quantize")
 
 

@@ -74,6 +74,9 @@ class Settings:
     mlx_lm_python: str | None = field(default=None, metadata=_doc("path", (
         "The Python that runs the mlx_lm backend's worker (default: this interpreter), for an "
         "mlx-lm installed in another environment.")))
+    api_key: str | None = field(default=None, repr=False, metadata=_doc("text", (
+        "The key `pymlxc serve` requires as `Authorization: Bearer KEY` (default: none; its "
+        "`--api-key` option takes precedence).")))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -112,7 +115,7 @@ def variable(name: str) -> str:
 
 def _parse(name: str, kind: str, raw: str) -> Any:
     value = raw.lower()
-    if kind == "path":
+    if kind in ("path", "text"):
         return Path(raw) if name == "lib_dir" else raw
     if kind == "bool":
         if value in _TRUE:
@@ -176,7 +179,8 @@ def markdown() -> str:
     ]
     for f in dataclasses.fields(Settings):
         kind = f.metadata["kind"]
-        values = {"bool": "1/0 (true/false, yes/no, on/off)", "path": "a path"}.get(kind, kind.replace("|", ", "))
+        values = {"bool": "1/0 (true/false, yes/no, on/off)", "path": "a path", "text": "a string"}.get(
+            kind, kind.replace("|", ", "))
         default = f.default
         shown = "unset" if default is None else ("1" if default is True else "0" if default is False else default)
         lines.append(f"| `{variable(f.name)}` | {values} | {shown} | {f.metadata['doc']} |")

@@ -77,6 +77,16 @@ def make_prompt_mask(n: int, cache: "Cache | None" = None, window_size: int | No
 
 # ---------------------------------------------------------------------- caches
 
+def _first_slots(a: Array, length: int) -> Array:
+    b, h, _, d = a.shape
+    return _slice(a, [0, 0, 0, 0], [b, h, length, d], [1, 1, 1, 1])
+
+
+def _pad_slots(a: Array, length: int) -> Array:
+    b, h, have, d = a.shape
+    return _concat([a, mx.zeros((b, h, length - have, d), a.dtype)], axis=2)
+
+
 class _KeyValueBuffers:
     """The key/value buffers both caches hold, and their release."""
 
@@ -89,6 +99,15 @@ class _KeyValueBuffers:
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    def snapshot(self) -> dict[str, object]:
+        """The cache's state now (arrays are immutable: nothing is copied), for `restore`."""
+        return dict(vars(self))
+
+    def restore(self, snapshot: dict[str, object]) -> None:
+        """Back to the state `snapshot` took (a step that failed half-way leaves no trace)."""
+        vars(self).clear()
+        vars(self).update(snapshot)
 
     def _free_buffers(self) -> None:
         for a in (self.keys, self.values):
@@ -194,6 +213,40 @@ class KVCache(_KeyValueBuffers):
         """Release the buffers now; the cache is empty afterwards."""
         self._free_buffers()
         self.offset = self._capacity = 0
+
+    # ------------------------------------------------------------------ the compiled decode's buffers
+    def reserve(self, capacity: int) -> None:
+        """Allocate `capacity` slots at the first update (when still empty), so that prefill writes
+        straight into the buffer the compiled decode starts with (no copy); `unreserve` undoes it."""
+        if self.keys is None:
+            self.step = max(capacity, type(self).step)
+
+    def unreserve(self) -> None:
+        """Back to the class's growth step."""
+        self.__dict__.pop("step", None)
+
+    def decode_buffers(self, ring: int) -> tuple[Array, Array]:
+        """The keys and values as a decode buffer of `ring` slots (slot = position; `ring` covers
+        every position written), zeros past the tokens held."""
+        k, v = self.keys, self.values
+        length = k.shape[2]
+        if length == ring:
+            return k, v
+        if length > ring:  # a restored cache with room to spare: keep the filled part
+            return _first_slots(k, ring), _first_slots(v, ring)
+        return _pad_slots(k, ring), _pad_slots(v, ring)
+
+    def release_buffers(self) -> None:
+        """Let go of the buffers while a decode session owns them (MLX writes in place only into an
+        array nothing else holds); `take_back` returns them."""
+        self.keys = self.values = None
+
+    def take_back(self, keys: Array, values: Array, offset: int) -> None:
+        """Hold the decode buffers `keys`, `values` (slot = position) with `offset` tokens."""
+        self.keys, self.values, self.offset = keys, values, offset
+        b, h, capacity, dk = keys.shape
+        self._capacity = capacity
+        self._dims = (b, h, dk, values.shape[3])
 
 
 class RotatingKVCache(_KeyValueBuffers):
@@ -465,3 +518,42 @@ class RotatingKVCache(_KeyValueBuffers):
         """Release the buffers now; the cache is empty afterwards."""
         self._free_buffers()
         self.offset = self._idx = self._len = 0
+
+    # ------------------------------------------------------------------ the compiled decode's buffers
+    def reserve(self, capacity: int) -> None:
+        """Allocate up to `capacity` slots at the first update (when still empty; at most
+        `max_size`), so that prefill writes into the buffer the compiled decode starts with."""
+        if self.keys is None:
+            self.step = max(capacity, type(self).step)
+
+    def unreserve(self) -> None:
+        """Back to the class's growth step."""
+        self.__dict__.pop("step", None)
+
+    def decode_buffers(self, ring: int) -> tuple[Array, Array]:
+        """The keys and values as a ring of `ring` slots, position p in slot p % ring (every
+        position the ring can hold must still be here: `keep` == 0 or nothing evicted)."""
+        offset = self.offset
+        if self._idx == offset and self._len == ring and offset <= ring:
+            return self.keys, self.values  # in temporal order, nothing evicted, `ring` long: the ring
+        # Otherwise pick, for every slot, the buffer entry holding its latest position.
+        where = {int(p): i for i, p in enumerate(self._slot_positions()) if p >= 0}
+        index = np.zeros(ring, dtype=np.int32)
+        for s in range(min(ring, offset)):
+            index[s] = where[s + ring * ((offset - 1 - s) // ring)]
+        idx = mx.array(index)
+        return mx.take(self.keys, idx, axis=2), mx.take(self.values, idx, axis=2)
+
+    def release_buffers(self) -> None:
+        """Let go of the buffers while a decode session owns them; `take_back` returns them."""
+        self.keys = self.values = None
+
+    def take_back(self, keys: Array, values: Array, offset: int) -> None:
+        """Hold the ring `keys`, `values` (position p in slot p % ring) with `offset` tokens: this
+        cache's own in-place layout, with the write index at offset % ring (in temporal order until
+        full)."""
+        ring = keys.shape[2]
+        self.keys, self.values, self.offset = keys, values, offset
+        self._len = ring
+        self._idx = offset if offset < ring else offset % ring
+        self._set_dims(keys, values)

@@ -24,6 +24,7 @@ from pymlxc.types import GenerateMetrics
 
 from . import memory_check
 from .models.base import layer_listener
+from .nn import arrays_of
 from .recurrent_cache import set_left_padding
 from .sample import DEFAULT_PENALTY_CONTEXT, LogitsProcessor, Sampler, apply_processors, greedy
 from .step_queue import StepQueue
@@ -300,9 +301,7 @@ def _hand_over_weights(queue: StepQueue, model: Any, weights: list[mx.Array] | N
     """The model's arrays (`weights`, else found by walking the model) to a threaded queue (an
     update or an adapter may have left them lazy)."""
     if queue.threaded:
-        from .compiled import _arrays_of  # noqa: PLC0415
-
-        queue.hand_over(weights if weights is not None else _arrays_of(model))
+        queue.hand_over(weights if weights is not None else arrays_of(model))
 
 
 def decode(step: StepFn, first_inputs: mx.Array, max_tokens: int, queue: StepQueue | None = None) -> Iterator[mx.Array]:
@@ -358,9 +357,7 @@ def generate_ids(model: LanguageModel, prompt: Sequence[int], *, cache: Sequence
     queue = _queue_for(model)
     walk = None  # the model's arrays and module classes, walked once for this generation
     if queue.threaded or decoder is not None:
-        from .compiled import _arrays_of  # noqa: PLC0415
-
-        walk = _arrays_of(model, with_classes=True)
+        walk = arrays_of(model, with_classes=True)
         _hand_over_weights(queue, model, walk[0])
     runner = None
     if decoder is not None:

@@ -10,7 +10,10 @@ loader replaces every one of them, so building a 70B model skeleton is free.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -229,6 +232,8 @@ class Linear(Module):
         b = self.__dict__.get("bias")
         if b is None:
             return _matmul(x, self._wT)
+        if getattr(_trace_state, "shapeless", False):
+            return _matmul(x, self._wT) + b  # see `shapeless_trace`
         return _addmm(b, x, self._wT, 1.0, 1.0)
 
 
@@ -434,6 +439,86 @@ def _replace(parent: Module, name: str, new: Module) -> None:
     else:
         setattr(parent, name, new)
 
+
+# ---------------------------------------------------------------------- the module tree as arrays
+
+def arrays_of(model: Module, with_classes: bool = False) -> Any:
+    """Every Array the module tree holds (parameters and private constants), each once, in a fixed
+    order for a given tree structure; with `with_classes`, also the module classes in walk order
+    (what a trace depends on besides shapes: an attached or fused LoRA adapter changes them).
+    (Iterative: recursive closures would make reference cycles that keep the weights alive until a
+    garbage collection.)"""
+    out: list[Array] = []
+    classes: list[str] = []
+    seen: set[int] = set()
+    stack: list[Any] = [model]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, Array):
+            if id(value) not in seen:
+                seen.add(id(value))
+                out.append(value)
+        elif isinstance(value, Module):
+            if id(value) not in seen:
+                seen.add(id(value))
+                classes.append(type(value).__qualname__)
+                stack.extend(reversed(list(vars(value).values())))
+        elif isinstance(value, (list, tuple)):
+            stack.extend(reversed(value))
+        elif isinstance(value, dict):
+            stack.extend(reversed(list(value.values())))
+    return (out, tuple(classes)) if with_classes else out
+
+
+class Cloner:
+    """Copies module trees with their Arrays replaced by `substitute[id(array)]` (a trace's inputs
+    for the model's weights); the originals are untouched (another thread may be running them).
+    Modules shared within or across the trees copied by one Cloner stay shared."""
+
+    def __init__(self, substitute: dict[int, Array]) -> None:
+        self.substitute = substitute
+        self.memo: dict[int, Module] = {}
+
+    def swap(self, value: Any) -> Any:
+        if isinstance(value, Array):
+            return self.substitute.get(id(value), value)
+        if isinstance(value, Module):
+            return self.clone(value)
+        if isinstance(value, list):
+            return [self.swap(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(self.swap(v) for v in value)
+        if isinstance(value, dict) and any(isinstance(v, (Array, Module)) for v in value.values()):
+            return {k: self.swap(v) for k, v in value.items()}
+        return value
+
+    def clone(self, module: Module) -> Module:
+        done = self.memo.get(id(module))
+        if done is not None:
+            return done
+        new = copy.copy(module)
+        self.memo[id(module)] = new
+        # Set through __dict__: a module's __setattr__ may derive constants from what is set.
+        new.__dict__.update({k: self.swap(v) for k, v in vars(module).items()})
+        return new
+
+
+_trace_state = threading.local()
+
+
+@contextlib.contextmanager
+def shapeless_trace() -> Iterator[None]:
+    """Within (on this thread): a dense Linear adds its bias after the matmul instead of MLX's fused
+    `addmm`, which fixes the row count in a shapeless trace (the compiled prefill)."""
+    before = getattr(_trace_state, "shapeless", False)
+    _trace_state.shapeless = True
+    try:
+        yield
+    finally:
+        _trace_state.shapeless = before
+
+
+# ---------------------------------------------------------------------- activations
 
 def silu(x: Array) -> Array:
     return x * mx.sigmoid(x)

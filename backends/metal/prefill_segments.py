@@ -13,10 +13,11 @@ the attention runs as one replay of a compiled segment, traced once for every pr
     last: the last layer's o_proj, residual, MLP, residual                             (compiled)
 
 RoPE and the embedding stay outside: MLX runs RoPE as a graph of slices where it has no kernel (its
-CPU), and a slice fixes its shape, as does the dequantization of a quantized table's rows. For the same reason the q/k/v and gate/up projections run as their own matmuls
-here (on the views of the fused weights). The segments mirror `llama.Attention`,
-`qwen3.Attention` and `llama.TransformerBlock` like the decode's; the tests compare the caches
-and tokens with the model's own forward.
+CPU), and a slice fixes its shape, as does the dequantization of a quantized table's rows. For the
+same reason the q/k/v and gate/up projections run as their own matmuls here (on the views of the
+fused weights), and a dense layer adds its bias after the matmul (`nn.shapeless_trace`). The
+segments call the model's own block halves, like the decode's (`Attention.heads` / `output`,
+`TransformerBlock.finish`); the tests compare the caches and tokens with the model's own forward.
 """
 from __future__ import annotations
 
@@ -29,54 +30,34 @@ from pymlxc.core import Array
 from . import nn
 from .cache import make_prompt_mask
 from .matvec import mlx_kernels_only
-from .models import qwen3
 from .models.base import attention, last_query
-from .segments import SegmentPlan, _clone, _Group, _tracing, call_segment
-
-
-def _linear(m: Any, x: Array) -> Array:
-    """`m(x)`, except that a dense layer's bias is added after the matmul: MLX's fused `addmm`
-    flattens the rows to a fixed count."""
-    if type(m) is nn.Linear and m.__dict__.get("bias") is not None:
-        return mx.matmul(x, m._wT) + m.bias  # noqa: SLF001 - the layer's own transposed view
-    return m(x)
-
-
-def _heads(attn: Any, x: Array) -> list[Array]:
-    """q, k, v [B, heads, L, D] of a chunk, before RoPE (`-1`: any length)."""
-    b = x.shape[0]
-    q = mx.reshape(_linear(attn.q_proj, x), (b, -1, attn.n_heads, attn.head_dim))
-    k = mx.reshape(_linear(attn.k_proj, x), (b, -1, attn.n_kv_heads, attn.head_dim))
-    v = mx.reshape(_linear(attn.v_proj, x), (b, -1, attn.n_kv_heads, attn.head_dim))
-    if isinstance(attn, qwen3.Attention):
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    return [mx.transpose(t, (0, 2, 1, 3)) for t in (q, k, v)]
+from .segments import SegmentGroup, SegmentPlan, call_segment
+from .trace import CompileUnavailable, clone_modules
+from .trace import spec as traced_spec
 
 
 def _finish(block: Any, attn_out: Array, h: Array) -> Array:
-    attn = block.self_attn
-    out = mx.reshape(mx.transpose(attn_out, (0, 2, 1, 3)), (h.shape[0], -1, attn.n_heads * attn.head_dim))
-    h = h + _linear(attn.o_proj, out)
-    x, mlp = block.post_attention_layernorm(h), block.mlp  # as llama.MLP: down(silu(gate) * up)
-    return h + _linear(mlp.down_proj, nn.silu(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
+    """The block's output after its attention (the block's own `finish`)."""
+    h, mlp_out = block.finish(h, block.self_attn.output(attn_out))
+    return h + mlp_out
 
 
 def _trace_first(inputs: list[Array]) -> list[Array]:
-    group: _Group = _tracing.group
-    _embed, norm, attn, _qkv = _clone(group.modules, group.arrays, inputs[1:])
-    return _heads(attn, norm(inputs[0]))
+    group: SegmentGroup = traced_spec()
+    _embed, norm, attn, _qkv = clone_modules(group.modules, group.arrays, inputs[1:])
+    return list(attn.heads(norm(inputs[0])))
 
 
 def _trace_mid(inputs: list[Array]) -> list[Array]:
-    group: _Group = _tracing.group
-    block, _gate_up, norm, attn, _qkv = _clone(group.modules, group.arrays, inputs[2:])
+    group: SegmentGroup = traced_spec()
+    block, _gate_up, norm, attn, _qkv = clone_modules(group.modules, group.arrays, inputs[2:])
     h = _finish(block, inputs[0], inputs[1])
-    return [*_heads(attn, norm(h)), h]
+    return [*attn.heads(norm(h)), h]
 
 
 def _trace_last(inputs: list[Array]) -> list[Array]:
-    group: _Group = _tracing.group
-    block = _clone(group.modules[:1], group.arrays, inputs[2:])[0]
+    group: SegmentGroup = traced_spec()
+    block = clone_modules(group.modules[:1], group.arrays, inputs[2:])[0]
     return [_finish(block, inputs[0], inputs[1])]
 
 
@@ -117,17 +98,14 @@ class PrefillRunner:
         """The last position's hidden state [B, 1, D] after the last layer (before the final norm),
         lazily: the last layer's attention output and MLP run on that position alone (the caches
         need only its keys and values)."""
-        from .compiled import CompileUnavailable  # noqa: PLC0415
-
         first, mid, last = self._fns.for_batch(tokens.shape[0])
-        saved = [dict(vars(c)) for c in cache]  # the caches as they were, should a segment fail to trace
+        saved = [c.snapshot() for c in cache]  # the caches as they were, should a segment fail to trace
         try:
-            with mlx_kernels_only():  # a trace here serves every chunk length
+            with mlx_kernels_only(), nn.shapeless_trace():  # a trace here serves every chunk length
                 return self._run(tokens, cache, on_layer, first, mid, last)
         except Exception as exc:
             for c, state in zip(cache, saved):
-                vars(c).clear()
-                vars(c).update(state)
+                c.restore(state)
             self._on_fail(exc)
             raise CompileUnavailable(str(exc)) from exc
 

@@ -23,15 +23,17 @@ to MLX's two; `PYMLXC_FUSED_NORM`): a plan decides once, and its segments trace 
 Likewise each layer's RoPE and its key/value writes (`cuda_rope_kv.py`, `PYMLXC_CUDA_ROPE_KV`): the
 segments then return the joint q/k heads before RoPE, and the kernel writes the session's private
 buffers in place.
-The segments mirror `llama.Attention` / `qwen3.Attention` (Qwen 2's is Llama's with biases) and
-`llama.TransformerBlock`; `plan()` accepts exactly those classes (LoRA-wrapped projections are
-fine: they are called as modules) and full attention only, and the tests compare its tokens with
-the uncompiled loop's. Selected with `PYMLXC_DECODE=segmented`; see `compiled.py` for the rest.
+The segments run the model's own block in halves (`llama.Attention.heads` before the attention
+step, `Attention.output` and `TransformerBlock.finish` after it): a model opts in by declaring
+`segmented_decode` (llama.Model does, so Mistral, Qwen 2 and Qwen 3 and any architecture built on
+its blocks follow), and `plan()` takes it where every layer attends fully (LoRA-wrapped
+projections are fine: they are called as modules). The tests compare its tokens with the
+uncompiled loop's for every architecture that declares it. Selected with `PYMLXC_DECODE=segmented`;
+see `compiled.py` for the rest.
 """
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,28 +42,29 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 from pymlxc.core.transforms import FixedArrays
 
-from . import cuda_argmax, cuda_norm, cuda_rope_kv, kernel_check
+from . import cuda_argmax, cuda_norm, cuda_rope_kv, kernel_check, nn
+from .decode_rings import Rings, give_back, take_buffers
 from .matvec import quantized_matmul
-from .models import llama, qwen3
-from .nn import Module
-from .nn import silu as nn_silu
+from .models import llama
+from .nn import Module, arrays_of
 from .sample import greedy
 from .step_queue import StepQueue
+from .trace import CompileUnavailable, call_traced, clone_modules
+from .trace import spec as traced_spec
 
-_ATTENTION = (llama.Attention, qwen3.Attention)
 _sdpa = mx.fast.scaled_dot_product_attention
-_tracing = threading.local()
 
 
 def plan(model: Any) -> list[llama.TransformerBlock] | None:
-    """The blocks of a Llama-family model whose decode step can be segmented, else None."""
-    if not isinstance(model, llama.Model) or any(w is not None for w in model.layer_windows()):
+    """The blocks of a model whose decode step can be segmented, else None: the model declares
+    `segmented_decode` (its blocks run in halves: `llama.TransformerBlock` with a `llama.Attention`
+    and a `llama.MLP`, or subclasses) and every layer attends fully."""
+    if getattr(model, "segmented_decode", False) is not True or any(w is not None for w in model.layer_windows()):
         return None
     blocks = list(model.layers)
     for block in blocks:
-        if (type(block) is not llama.TransformerBlock or not isinstance(block.self_attn, _ATTENTION)
-                or type(block.self_attn).__call__ not in (llama.Attention.__call__, qwen3.Attention.__call__)
-                or type(block.mlp) is not llama.MLP):
+        if (not isinstance(block, llama.TransformerBlock) or not isinstance(block.self_attn, llama.Attention)
+                or not isinstance(block.mlp, llama.MLP)):
             return None
     return blocks or None
 
@@ -71,8 +74,6 @@ def use_fused_norm(model: Any, blocks: Sequence[Any], setting: str) -> bool:
     (PYMLXC_FUSED_NORM: auto = on CUDA, 1 = also elsewhere, where the kernel then fails its check,
     or 0) allows it, every norm after a residual is an RMSNorm of a shape and type the kernel takes, and
     the kernel passes its check on this machine."""
-    from . import nn  # noqa: PLC0415
-
     if setting == "0" or (setting == "auto" and not kernel_check.on_cuda()):
         return False
     norms = [b.post_attention_layernorm for b in blocks] + [b.input_layernorm for b in blocks[1:]] + [model.model.norm]
@@ -106,7 +107,7 @@ def use_rope_kv(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple[Fusio
         return None
     attns = [b.self_attn for b in blocks]
     joint = [f[0].fused for f in fusions]
-    if any(isinstance(a, qwen3.Attention) and f.qk_norm_weight is None for a, f in zip(attns, joint)):
+    if any(a.qk_norms() and f.qk_norm_weight is None for a, f in zip(attns, joint)):
         return None
     first = attns[0]
     shape = (first.n_heads, first.n_kv_heads, first.head_dim)
@@ -176,8 +177,6 @@ def fuse(linears: Sequence[Module], qk_norms: Sequence[Module] = ()) -> Fusion |
     """Concatenate the weights of `linears` (all nn.Linear, or all nn.QuantizedLinear of one
     format; biases on all or none) into one array and give each linear a view of its rows.
     `qk_norms`: the q and k RMSNorms after q/k/v projections (Qwen3), joined too where they can be."""
-    from . import nn  # noqa: PLC0415
-
     kinds = {type(m) for m in linears}
     if len(linears) < 2 or len(kinds) != 1 or kinds.pop() not in (nn.Linear, nn.QuantizedLinear):
         return None
@@ -196,7 +195,7 @@ def fuse(linears: Sequence[Module], qk_norms: Sequence[Module] = ()) -> Fusion |
         parts = {k: mx.concatenate([getattr(m, k) for m in linears], axis=0) for k in ("weight", "scales", "biases")}
         fused = FusedProjection(sizes, weight=parts["weight"], scales=parts["scales"], biases=parts["biases"],
                                 bias=bias, group_size=linears[0].group_size, bits=linears[0].bits,
-                                cuda_matvec=all(m._cuda_matvec for m in linears))  # noqa: SLF001
+                                cuda_matvec=all(m.cuda_matvec for m in linears))
     if bias is not None:
         parts["bias"] = bias
     mx.eval(list(parts.values()))
@@ -230,7 +229,7 @@ def fusions_for(blocks: Sequence[Any], known: dict[int, tuple[Any, Fusion | None
     out = []
     for block in blocks:
         attn, mlp = block.self_attn, block.mlp
-        norms = (attn.q_norm, attn.k_norm) if isinstance(attn, qwen3.Attention) else ()
+        norms = attn.qk_norms()
         groups = ((attn.q_proj, attn.k_proj, attn.v_proj, *norms), (mlp.gate_proj, mlp.up_proj))
         entry = known.get(id(block))
         if entry is not None and entry[0] is block and all(
@@ -247,13 +246,13 @@ def fusions_for(blocks: Sequence[Any], known: dict[int, tuple[Any, Fusion | None
 # ---------------------------------------------------------------------- the segments (traced)
 
 def _project(attn: Any, x: Array, pos: Array, qkv: FusedProjection | None, rope_kv: bool = False) -> list[Array]:
-    """q, k, v [B, heads, 1, D] of one token, as `llama/qwen3.Attention` make them, RoPE'd at `pos`;
+    """q, k, v [B, heads, 1, D] of one token, as the attention's `heads` makes them, RoPE'd at `pos`;
     with `rope_kv` (the plan checked the fusions) [joint q and k heads before RoPE, v], for
     cuda_rope_kv.py's kernel."""
-    b = x.shape[0]
-    qk_norm = isinstance(attn, qwen3.Attention)
+    qk_norm = bool(attn.qk_norms())
     if qkv is not None and (not qk_norm or qkv.qk_norm_weight is not None):
         # One RoPE call for q and k: their heads are adjacent in the joint output [B, 1, heads * D].
+        b = x.shape[0]
         hq, hkv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
         heads = mx.reshape(qkv.joint(x), (b, hq + 2 * hkv, 1, d))
         qk = mx.slice(heads, [0, 0, 0, 0], [b, hq + hkv, 1, d], [1, 1, 1, 1])
@@ -265,14 +264,7 @@ def _project(attn: Any, x: Array, pos: Array, qkv: FusedProjection | None, rope_
         qk = attn.rope(qk, pos)
         return [mx.slice(qk, [0, 0, 0, 0], [b, hq, 1, d], [1, 1, 1, 1]),
                 mx.slice(qk, [0, hq, 0, 0], [b, hq + hkv, 1, d], [1, 1, 1, 1]), v]
-    q, k, v = qkv(x) if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
-    # One token: [B, 1, heads * D] is [B, heads, 1, D] already (the layers' reshape-then-transpose
-    # moves an axis of length 1), so no transpose operations go into the graph.
-    q = mx.reshape(q, (b, attn.n_heads, 1, attn.head_dim))
-    k = mx.reshape(k, (b, attn.n_kv_heads, 1, attn.head_dim))
-    v = mx.reshape(v, (b, attn.n_kv_heads, 1, attn.head_dim))
-    if isinstance(attn, qwen3.Attention):
-        q, k = attn.q_norm(q), attn.k_norm(k)  # over head_dim: the same on either layout
+    q, k, v = attn.heads(x, qkv, one_token=True)
     return [attn.rope(q, pos), attn.rope(k, pos), v]
 
 
@@ -295,25 +287,13 @@ def _add_norm(h: Array, out: Array, norm: Any, fused: bool) -> tuple[Array, Arra
 
 def _finish_block(block: Any, attn_out: Array, h: Array, gate_up: FusedProjection | None,
                   fused_norm: bool) -> tuple[Array, Array]:
-    """The block after its attention: (h after the attention's residual, the MLP's output). The
-    caller adds the two, with the norm that follows."""
-    b = h.shape[0]
-    o = block.self_attn.o_proj(mx.reshape(attn_out, (b, 1, -1)))  # [B, heads, 1, D]: one token, no transpose
-    h, x = _add_norm(h, o, block.post_attention_layernorm, fused_norm)
-    if gate_up is None:
-        return h, block.mlp(x)
-    g, u = gate_up(x)  # as llama.MLP: down(silu(gate) * up)
-    return h, block.mlp.down_proj(nn_silu(g) * u)
+    """The block after its attention (its own `finish`): (h after the attention's residual, the
+    MLP's output). The caller adds the two, with the norm that follows."""
+    o = block.self_attn.output(attn_out, one_token=True)  # [B, heads, 1, D]: one token, no transpose
+    return block.finish(h, o, gate_up, lambda x, out, norm: _add_norm(x, out, norm, fused_norm))
 
 
-def _clone(modules: Sequence[Module | None], arrays: Sequence[Array], tracers: Sequence[Array]) -> list[Any]:
-    from .compiled import _Cloner  # noqa: PLC0415 - one copier for both decode paths
-
-    cloner = _Cloner({id(a): t for a, t in zip(arrays, tracers)})
-    return [cloner.clone(m) if m is not None else None for m in modules]
-
-
-def _heads(group: "_Group", attn: Any, x: Array, pos: Array, qkv: FusedProjection | None,
+def _heads(group: "SegmentGroup", attn: Any, x: Array, pos: Array, qkv: FusedProjection | None,
            kv_inputs: list[Array]) -> list[Array]:
     """The layer's [q, k, v] RoPE'd; with the plan's RoPE kernel [q RoPE'd, keys, values], its key
     and value written into the buffers `kv_inputs` [keys, values, RoPE table, RoPE scale] (in place:
@@ -332,29 +312,29 @@ def _heads(group: "_Group", attn: Any, x: Array, pos: Array, qkv: FusedProjectio
 
 
 def _trace_first(inputs: list[Array]) -> list[Array]:
-    group: _Group = _tracing.group
+    group: SegmentGroup = traced_spec()
     group.stats["traces"] += 1
     tokens, pos = inputs[0], inputs[1]
     n = 2 + group.kv_inputs
-    embed, norm, attn, qkv = _clone(group.modules, group.arrays, inputs[n:])
+    embed, norm, attn, qkv = clone_modules(group.modules, group.arrays, inputs[n:])
     h = embed(mx.reshape(tokens, (tokens.shape[0], 1)))
     return [*_heads(group, attn, norm(h), pos, qkv, inputs[2:n]), h]
 
 
 def _trace_mid(inputs: list[Array]) -> list[Array]:
-    group: _Group = _tracing.group
+    group: SegmentGroup = traced_spec()
     attn_out, h, pos = inputs[0], inputs[1], inputs[2]
     n = 3 + group.kv_inputs
-    block, gate_up, norm, attn, qkv = _clone(group.modules, group.arrays, inputs[n:])
+    block, gate_up, norm, attn, qkv = clone_modules(group.modules, group.arrays, inputs[n:])
     h, mlp_out = _finish_block(block, attn_out, h, gate_up, group.fused_norm)
     h, x = _add_norm(h, mlp_out, norm, group.fused_norm)
     return [*_heads(group, attn, x, pos, qkv, inputs[3:n]), h]
 
 
 def _trace_last(inputs: list[Array]) -> list[Array]:
-    group: _Group = _tracing.group
+    group: SegmentGroup = traced_spec()
     attn_out, h, pos = inputs[0], inputs[1], inputs[2]
-    block, gate_up, norm, embed, head = _clone(group.modules, group.arrays, inputs[3:])
+    block, gate_up, norm, embed, head = clone_modules(group.modules, group.arrays, inputs[3:])
     h, mlp_out = _finish_block(block, attn_out, h, gate_up, group.fused_norm)
     _, h = _add_norm(h, mlp_out, norm, group.fused_norm)
     logits = embed.as_linear(h) if group.tied else head(h)
@@ -365,7 +345,7 @@ def _trace_last(inputs: list[Array]) -> list[Array]:
 
 
 @dataclass
-class _Group:
+class SegmentGroup:
     """The modules one segment call runs, their arrays (the call's fixed inputs) and flags."""
 
     modules: list[Module | None]
@@ -384,28 +364,23 @@ class _Group:
         return 0 if self.rope is None else 4
 
 
-def _group(modules: Sequence[Module | None], stats: dict[str, int], **flags: Any) -> _Group:
-    from .compiled import _arrays_of  # noqa: PLC0415
-
+def segment_group(modules: Sequence[Module | None], stats: dict[str, int], **flags: Any) -> SegmentGroup:
+    """The group of `modules` (None: absent), its arrays each once."""
     present = [m for m in modules if m is not None]
     arrays: list[Array] = []
     seen: set[int] = set()
     for m in present:
-        for a in _arrays_of(m):
+        for a in arrays_of(m):
             if id(a) not in seen:
                 seen.add(id(a))
                 arrays.append(a)
-    return _Group(list(modules), arrays, FixedArrays(arrays), stats, **flags)
+    return SegmentGroup(list(modules), arrays, FixedArrays(arrays), stats, **flags)
 
 
-def call_segment(fn: Any, group: _Group, inputs: list[Array]) -> list[Array]:
+def call_segment(fn: Any, group: SegmentGroup, inputs: list[Array]) -> list[Array]:
     """Call a compiled segment with `inputs` and the group's arrays; a trace (the first call) reads
-    the group's modules through `_tracing`."""
-    _tracing.group = group
-    try:
-        return fn.call_flat(inputs, group.fixed)
-    finally:
-        _tracing.group = None
+    the group's modules through `trace.spec()`."""
+    return call_traced(fn, group, inputs, group.fixed)
 
 
 class SegmentFunctions:
@@ -442,13 +417,13 @@ class SegmentPlan:
         self.fuse_greedy = fuse_greedy
         self.rope = rope  # each layer's RoPE and key/value writes as cuda_rope_kv.py's kernel
         self.rope_kv = rope is not None
-        self.first = _group([inner.embed_tokens, blocks[0].input_layernorm, blocks[0].self_attn, qkv[0]], stats,
+        self.first = segment_group([inner.embed_tokens, blocks[0].input_layernorm, blocks[0].self_attn, qkv[0]], stats,
                             rope=rope)
         self.fused_norm = fused_norm
-        self.mids = [_group([blocks[i], gate_up[i], blocks[i + 1].input_layernorm, blocks[i + 1].self_attn,
+        self.mids = [segment_group([blocks[i], gate_up[i], blocks[i + 1].input_layernorm, blocks[i + 1].self_attn,
                              qkv[i + 1]], stats, fused_norm=fused_norm, rope=rope)
                      for i in range(len(blocks) - 1)]
-        self.last = _group([blocks[-1], gate_up[-1], inner.norm, inner.embed_tokens, model.lm_head], stats,
+        self.last = segment_group([blocks[-1], gate_up[-1], inner.norm, inner.embed_tokens, model.lm_head], stats,
                            tied=tied, fuse_greedy=fuse_greedy, fused_norm=fused_norm,
                            cuda_argmax=cuda_argmax and fuse_greedy)
         self.cuda_argmax = self.last.cuda_argmax
@@ -462,10 +437,10 @@ class SegmentedSession:
     """One generation's decode on the segments; `decode(first_inputs, max_tokens, queue)` yields the
     sampled ids [B] like `generate.decode`, the caches get the buffers back when it ends."""
 
-    def __init__(self, plan: SegmentPlan, rings: Any, fns: SegmentFunctions, sampler: Any,
+    def __init__(self, plan: SegmentPlan, rings: Rings, fns: SegmentFunctions, sampler: Any,
                  first_position: int, on_fail: Callable[[BaseException], None]) -> None:
-        self._rings = rings  # compiled._Rings: grows the buffers as positions arrive
-        self._layers = rings.layers  # compiled._Layer: cache and ring size (= buffer length)
+        self._rings = rings  # grows the buffers as positions arrive
+        self._layers = rings.layers  # decode_rings.RingLayer: cache and ring size (= buffer length)
         self._fns = fns
         self._fuse_greedy = plan.fuse_greedy
         self._sampler = sampler
@@ -496,7 +471,7 @@ class SegmentedSession:
         return out, pos
 
     def _kv_inputs(self, i: int) -> list[Array]:
-        """What a segment projecting layer i's heads takes for the RoPE kernel (`_Group.kv_inputs`)."""
+        """What a segment projecting layer i's heads takes for the RoPE kernel (`SegmentGroup.kv_inputs`)."""
         if self._rope is None:
             return []
         return [self._buffers[2 * i], self._buffers[2 * i + 1], self._rope.table, self._rope.scale]
@@ -520,13 +495,7 @@ class SegmentedSession:
                      mx.slice(values, [0, 0, 0, 0], [b, kvh, p + 1, dv], [1, 1, 1, 1]), scale=scale)
 
     def decode(self, first_inputs: Array, max_tokens: int, queue: StepQueue) -> Iterator[Array]:
-        from .compiled import _give_back, _ring_of  # noqa: PLC0415
-
-        rings = [_ring_of(layer) for layer in self._layers]
-        self._buffers = [a for pair in rings for a in pair]
-        del rings
-        for layer in self._layers:  # the session owns the buffers (see compiled.py)
-            layer.cache.keys = layer.cache.values = None
+        self._buffers = take_buffers(self._layers)  # the session owns them until it gives them back
         if self._rope is not None:  # written in place by the kernel: no other array may share them
             self._buffers = [cuda_rope_kv.private_copy(a) for a in self._buffers]
         queue.hand_over([first_inputs, self._buffers, self._plan.arrays()])
@@ -537,8 +506,6 @@ class SegmentedSession:
             try:  # the first call of each segment traces it
                 out, pos = self._step(mx.reshape(first_inputs, (b,)), mx.array(self._position, dtype=mx.int32))
             except Exception as exc:
-                from .compiled import CompileUnavailable  # noqa: PLC0415
-
                 self._on_fail(exc)
                 raise CompileUnavailable(str(exc)) from exc
             position.append(pos)
@@ -554,10 +521,9 @@ class SegmentedSession:
             queue.drain(raise_errors=False)  # the buffers go back to the caches: every step scheduled
             if self._buffers:
                 offset = self._first_position + queue.steps_kept(self._position - self._first_position)
-                for i, layer in enumerate(self._layers):
-                    _give_back(layer, self._buffers[2 * i], self._buffers[2 * i + 1], offset)
+                give_back(self._layers, self._buffers, offset)
                 self._buffers = []
 
 
-__all__ = ["plan", "fuse", "fusions_for", "FusedProjection", "Fusion", "SegmentFunctions", "SegmentPlan",
-           "SegmentedSession"]
+__all__ = ["plan", "fuse", "fusions_for", "FusedProjection", "Fusion", "SegmentFunctions", "SegmentGroup",
+           "SegmentPlan", "SegmentedSession", "call_segment", "segment_group"]

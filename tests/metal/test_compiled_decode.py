@@ -261,7 +261,37 @@ def test_decode_peak_memory_has_one_kv_cache(models) -> None:
 
 # ---------------------------------------------------------------------- PYMLXC_DECODE=segmented
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+def declares_segments(arch: str) -> bool:
+    """Whether the architecture's model declares that its blocks run in halves (segments.py)."""
+    from pymlxc.backends.metal.models import MODEL_TYPES
+
+    return getattr(MODEL_TYPES[arch].Model, "segmented_decode", False) is True
+
+
+LLAMA_FAMILY = tuple(a for a in ARCHITECTURES if declares_segments(a))
+
+
+def test_the_llama_family_declares_the_segments() -> None:
+    """Every architecture built on Llama's blocks takes the segmented path; MoE and Gemma do not."""
+    assert {"llama", "mistral", "qwen2", "qwen3"} <= set(LLAMA_FAMILY)
+    assert not {"qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "qwen3_next"} & set(LLAMA_FAMILY)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_segments_take_exactly_the_declaring_architectures(models, arch: str) -> None:
+    """`segments.plan` follows the declaration (full attention given); where it plans, the
+    segmented decode runs (a segment plan is made) with the uncompiled loop's greedy tokens."""
+    from pymlxc.backends.metal import segments
+
+    model = models(arch).model
+    windows = model.layer_windows() if hasattr(model, "layer_windows") else [None]
+    planned = segments.plan(model) is not None
+    assert planned == (declares_segments(arch) and all(w is None for w in windows))
+    decoder = CompiledDecoder(model, "segmented")
+    ids = prompt()
+    assert run(model, ids, decoder) == run(model, ids, None)
+    assert bool(decoder._plans) == planned and decoder.stats["compiled"] == 1  # noqa: SLF001
+    decoder.close()
 
 
 @pytest.fixture

@@ -2,8 +2,9 @@
 with RoPE (optionally Llama 3 scaled), SwiGLU MLP, RMSNorm."""
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import pymlxc.core as mx
 from pymlxc.core import Array
@@ -15,6 +16,7 @@ from .base import (BaseModelArgs, after_layer, LayerMasks, TiedHead, attention, 
 
 _reshape = mx.reshape
 _transpose = mx.transpose
+AddNorm = Callable[[Array, Array, Any], tuple[Array, Array]]
 
 
 @dataclass
@@ -82,17 +84,46 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=bias)
         self.rope = initialize_rope(head_dim, args.rope_theta, args.rope_traditional, args.rope_scaling)
 
+    # The attention in halves, which the segmented decode and prefill (segments.py,
+    # prefill_segments.py) call around their own attention step: `heads` before RoPE, `output` after.
+    def heads(self, x: Array, qkv: Callable[[Array], Sequence[Array]] | None = None,
+              one_token: bool = False) -> tuple[Array, Array, Array]:
+        """q, k, v [B, heads, L, D] of `x` [B, L, dim], before RoPE. `qkv`: the three projections as
+        one call (fused weights). `one_token` (L = 1): [B, 1, heads * D] is [B, heads, 1, D]
+        already, so no transpose goes into a traced graph."""
+        b = x.shape[0]
+        q, k, v = qkv(x) if qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        if one_token:
+            q = _reshape(q, (b, self.n_heads, 1, self.head_dim))
+            k = _reshape(k, (b, self.n_kv_heads, 1, self.head_dim))
+            return (*self.normalize_qk(q, k), _reshape(v, (b, self.n_kv_heads, 1, self.head_dim)))
+        q = _reshape(q, (b, -1, self.n_heads, self.head_dim))
+        k = _reshape(k, (b, -1, self.n_kv_heads, self.head_dim))
+        q, k = self.normalize_qk(q, k)
+        v = _reshape(v, (b, -1, self.n_kv_heads, self.head_dim))
+        return _transpose(q, (0, 2, 1, 3)), _transpose(k, (0, 2, 1, 3)), _transpose(v, (0, 2, 1, 3))
+
+    def normalize_qk(self, q: Array, k: Array) -> tuple[Array, Array]:
+        """q and k per head before RoPE (over the last axis, so on either layout): none here (Qwen 3 has norms)."""
+        return q, k
+
+    def qk_norms(self) -> tuple[nn.Module, ...]:
+        """The (q, k) norms `normalize_qk` applies, () where none (fused projections join them)."""
+        return ()
+
+    def output(self, out: Array, one_token: bool = False) -> Array:
+        """o_proj of the attention's output [B, heads, L, D] -> [B, L, dim]."""
+        b = out.shape[0]
+        if one_token:
+            return self.o_proj(_reshape(out, (b, 1, -1)))
+        return self.o_proj(_reshape(_transpose(out, (0, 2, 1, 3)), (b, -1, self.n_heads * out.shape[3])))
+
     def __call__(self, x: Array, mask: Mask, cache: Cache | None, last_only: bool = False) -> Array:
-        b, L, _ = x.shape
-        q = _transpose(_reshape(self.q_proj(x), (b, L, self.n_heads, self.head_dim)), (0, 2, 1, 3))
-        k = _transpose(_reshape(self.k_proj(x), (b, L, self.n_kv_heads, self.head_dim)), (0, 2, 1, 3))
-        v = _transpose(_reshape(self.v_proj(x), (b, L, self.n_kv_heads, self.head_dim)), (0, 2, 1, 3))
-        return self.attend(q, k, v, mask, cache, last_only)
+        return self.attend(*self.heads(x), mask, cache, last_only)
 
     def attend(self, q: Array, k: Array, v: Array, mask: Mask, cache: Cache | None, last_only: bool) -> Array:
         """RoPE, the cache update and attention of q, k, v [B, heads, L, D], then o_proj. `last_only`:
         every position's keys and values, but the last query's output alone [B, 1, dim]."""
-        b = q.shape[0]
         if cache is not None:
             offset = cache.offset
             q, k = self.rope(q, offset), self.rope(k, offset)
@@ -101,8 +132,7 @@ class Attention(nn.Module):
             q, k = self.rope(q), self.rope(k)
         if last_only:
             q, mask = last_query(q, mask)
-        out = attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(_reshape(_transpose(out, (0, 2, 1, 3)), (b, q.shape[2], -1)))
+        return self.output(attention(q, k, v, scale=self.scale, mask=mask))
 
 
 class MLP(nn.Module):
@@ -112,8 +142,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden_dim, dim, bias=bias)
         self.up_proj = nn.Linear(dim, hidden_dim, bias=bias)
 
-    def __call__(self, x: Array) -> Array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x: Array, gate_up: Callable[[Array], Sequence[Array]] | None = None) -> Array:
+        """down(silu(gate(x)) * up(x)); `gate_up`: the two projections as one call (fused weights)."""
+        g, u = gate_up(x) if gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(nn.silu(g) * u)
 
 
 class TransformerBlock(nn.Module):
@@ -127,9 +159,21 @@ class TransformerBlock(nn.Module):
     def __call__(self, x: Array, mask: Mask, cache: Cache | None, last_only: bool = False) -> Array:
         """`last_only`: the keys and values of every position go into `cache`, the output is the
         last position's alone [B, 1, dim] (the rest of the block runs on that position only)."""
-        r = self.self_attn(self.input_layernorm(x), mask, cache, last_only)
-        h = (x[:, -1:] if last_only else x) + r
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h, mlp_out = self.finish(x[:, -1:] if last_only else x,
+                                 self.self_attn(self.input_layernorm(x), mask, cache, last_only))
+        return h + mlp_out
+
+    def finish(self, x: Array, attn_out: Array, gate_up: Callable[[Array], Sequence[Array]] | None = None,
+               add_norm: AddNorm | None = None) -> tuple[Array, Array]:
+        """The block after its attention (`attn_out`: o_proj's output): (h, the MLP's output), h =
+        x + attn_out; the block's output is their sum, which the caller adds (the segmented decode
+        with the next norm). `add_norm(h, out, norm)` -> (h + out, norm(h + out)) in one kernel."""
+        if add_norm is not None:
+            h, normed = add_norm(x, attn_out, self.post_attention_layernorm)
+        else:
+            h = x + attn_out
+            normed = self.post_attention_layernorm(h)
+        return h, (self.mlp(normed) if gate_up is None else self.mlp(normed, gate_up))  # a MoE block's takes x alone
 
 
 class LlamaModel(nn.Module):
@@ -142,6 +186,11 @@ class LlamaModel(nn.Module):
 
 class Model(TiedHead, nn.Module):
     """Token ids [B, L] -> logits [B, L, vocab]. Also the base of Qwen 2/3 (same skeleton)."""
+
+    # The segmented decode and prefill (segments.py) run this model's blocks in halves
+    # (`Attention.heads` / `output`, `TransformerBlock.finish`); a subclass whose blocks are not
+    # these (MoE) says False.
+    segmented_decode: ClassVar[bool] = True
 
     def __init__(self, args: ModelArgs, attention_cls: type[nn.Module] = Attention) -> None:
         super().__init__()

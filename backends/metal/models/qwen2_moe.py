@@ -61,6 +61,8 @@ class SparseMoeBlock(nn.Module):
 
 
 class Model(llama.Model):
+    segmented_decode = False  # MoE blocks: the whole-step graph decodes them
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args, qwen2.Attention)
         for i, layer in enumerate(self.layers):

@@ -4,15 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import pymlxc.core as mx
 from pymlxc.core import Array
 
 from .. import nn
-from ..cache import Cache, Mask
 from . import llama
-
-_reshape = mx.reshape
-_transpose = mx.transpose
 
 
 @dataclass
@@ -30,12 +25,11 @@ class Attention(llama.Attention):
         self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
 
-    def __call__(self, x: Array, mask: Mask, cache: Cache | None, last_only: bool = False) -> Array:
-        b, L, _ = x.shape
-        q = _transpose(self.q_norm(_reshape(self.q_proj(x), (b, L, self.n_heads, self.head_dim))), (0, 2, 1, 3))
-        k = _transpose(self.k_norm(_reshape(self.k_proj(x), (b, L, self.n_kv_heads, self.head_dim))), (0, 2, 1, 3))
-        v = _transpose(_reshape(self.v_proj(x), (b, L, self.n_kv_heads, self.head_dim)), (0, 2, 1, 3))
-        return self.attend(q, k, v, mask, cache, last_only)
+    def normalize_qk(self, q: Array, k: Array) -> tuple[Array, Array]:
+        return self.q_norm(q), self.k_norm(k)
+
+    def qk_norms(self) -> tuple[nn.Module, ...]:
+        return self.q_norm, self.k_norm
 
 
 class Model(llama.Model):

@@ -90,6 +90,8 @@ def stack_experts(weights: dict[str, Array], num_layers: int, num_experts: int) 
 
 
 class Model(llama.Model):
+    segmented_decode = False  # MoE blocks: the whole-step graph decodes them
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args, qwen3.Attention)
         for i, layer in enumerate(self.layers):

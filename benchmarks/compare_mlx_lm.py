@@ -24,6 +24,7 @@ from __future__ import annotations
 import _path  # noqa: F401 - the checkout as installed (backends as pymlxc.backends)
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -43,6 +44,7 @@ import numpy as np
 import mlx.core as mlx
 
 import pymlxc.core as pmx
+from pymlxc import settings as pymlxc_settings
 from pymlxc.backends.metal import generate as loops
 from pymlxc.backends.metal.compiled import CompiledDecoder
 from pymlxc.backends.metal.loader import load_weights_and_config
@@ -171,10 +173,10 @@ class Pymlxc(Side):
         self.compiled = compiled
         self.mode = mode
         self.threaded = threaded  # None: the default for the device (PYMLXC_EVAL_THREAD)
-        # Settings read at load (PYMLXC_CUDA_MATVEC) or by the decoder (PYMLXC_FUSED_NORM,
-        # PYMLXC_CUDA_ARGMAX, PYMLXC_CUDA_ROPE_KV); None: the default.
-        self.settings = {k: v for k, v in (("PYMLXC_CUDA_MATVEC", cuda_matvec), ("PYMLXC_FUSED_NORM", fused_norm),
-                                           ("PYMLXC_CUDA_ARGMAX", cuda_argmax), ("PYMLXC_CUDA_ROPE_KV", rope_kv))
+        # Settings (pymlxc/settings.py) read at load (cuda_matvec) or by the decoder (fused_norm,
+        # cuda_argmax, cuda_rope_kv); None: the process's.
+        self.settings = {k: v for k, v in (("cuda_matvec", cuda_matvec), ("fused_norm", fused_norm),
+                                           ("cuda_argmax", cuda_argmax), ("cuda_rope_kv", rope_kv))
                          if v is not None}
         self.cuda_matvec = False  # whether the loaded model uses pymlxc's CUDA matvec kernel
         self.loaded: Any = None
@@ -182,17 +184,9 @@ class Pymlxc(Side):
         self.context_len = LoadConfig().context_len  # what MetalTextModel uses by default
 
     def load(self, path: Path) -> None:
-        old = {k: os.environ.get(k) for k in self.settings}
-        os.environ.update(self.settings)
-        try:
-            self.loaded = load_weights_and_config(path)
-            self.decoder = CompiledDecoder(self.loaded.model, self.mode) if self.compiled else None
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        chosen = dataclasses.replace(pymlxc_settings.current(), **self.settings)
+        self.loaded = load_weights_and_config(path, settings=chosen)
+        self.decoder = CompiledDecoder(self.loaded.model, self.mode, settings=chosen) if self.compiled else None
         self.cuda_matvec = self.loaded.cuda_matvec
         self.weights = self.loaded.nbytes
 
@@ -218,16 +212,9 @@ class Pymlxc(Side):
         return tokens if self.threaded is None else self._with_thread_setting(tokens)
 
     def _with_thread_setting(self, tokens: Iterator[int]) -> Iterator[int]:
-        """Run the generation with PYMLXC_EVAL_THREAD set to this side's choice (read as it starts)."""
-        old = os.environ.get("PYMLXC_EVAL_THREAD")
-        os.environ["PYMLXC_EVAL_THREAD"] = "1" if self.threaded else "0"
-        try:
+        """Run the generation with the eval-thread setting of this side's choice (read as it starts)."""
+        with pymlxc_settings.override(eval_thread="1" if self.threaded else "0"):
             yield from tokens
-        finally:
-            if old is None:
-                os.environ.pop("PYMLXC_EVAL_THREAD", None)
-            else:
-                os.environ["PYMLXC_EVAL_THREAD"] = old
 
 
 class MlxLm(Side):

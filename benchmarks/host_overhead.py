@@ -79,12 +79,9 @@ def time_mlx_lm(config: dict[str, Any], bits: int | None, context: int, steps: i
 
 def time_pymlxc(config: dict[str, Any], bits: int | None, context: int, steps: int, compiled: bool,
                 mode: str = "graph") -> list[float]:
-    import os
-
-    os.environ["PYMLXC_DECODE"] = mode
     model = _pymlxc_model(config, bits)
     cache = model.make_cache(LoadConfig().context_len)
-    decoder = CompiledDecoder(model) if compiled else None
+    decoder = CompiledDecoder(model, mode) if compiled else None
     if decoder is not None:
         decoder.reserve(cache, context, steps + 2)
     model(pmx.array([[5] * (context - 1)], dtype=pmx.int32), cache=cache)  # lazy prefill
@@ -100,15 +97,14 @@ def time_pymlxc(config: dict[str, Any], bits: int | None, context: int, steps: i
         return times
     session = decoder.start(cache, context - 1, steps + 2, sampler=greedy)
     assert session is not None, "the compiled path does not apply"
-    from pymlxc.backends.metal import compiled as cmod
-    from pymlxc.backends.metal import segments
+    from pymlxc.backends.metal import decode_rings, segments
 
     # Each session kind's one-step function (the first call traces); build only, nothing evaluated.
     if isinstance(session, segments.SegmentedSession):
         layers, step_fn = session._layers, session._step  # noqa: SLF001
     else:
         layers, step_fn = session._spec.layers, session._call  # noqa: SLF001
-    session._buffers = [a for layer in layers for a in cmod._ring_of(layer)]  # noqa: SLF001
+    session._buffers = [a for layer in layers for a in decode_rings.ring_buffers(layer)]  # noqa: SLF001
     tokens = pmx.reshape(first, (1,))
     pos = pmx.array(context - 1, dtype=pmx.int32)
     t = time.perf_counter()

@@ -34,6 +34,7 @@ from typing import Any
 import mlx.core as mlx
 
 import pymlxc.core as pmx
+from pymlxc import settings as pymlxc_settings
 from pymlxc.backends.metal import generate as loops
 from pymlxc.backends.metal.compiled import CompiledDecoder
 from pymlxc.backends.metal.loader import load_weights_and_config
@@ -247,15 +248,8 @@ def timelines(path: Path, prompts: list[int], max_tokens: int, runs: int,
 
     def threaded(flag: str, fn: Callable[[list[int]], dict[str, Any]]) -> Callable[[list[int]], dict[str, Any]]:
         def run(p: list[int]) -> dict[str, Any]:
-            old = os.environ.get(eval_thread.ENV_VAR)
-            os.environ[eval_thread.ENV_VAR] = flag
-            try:
+            with pymlxc_settings.override(eval_thread=flag):
                 return fn(p)
-            finally:
-                if old is None:
-                    os.environ.pop(eval_thread.ENV_VAR, None)
-                else:
-                    os.environ[eval_thread.ENV_VAR] = old
         return run
 
     variants.append(("mlx_lm", lambda p: mlx_lm_timeline(lm_model, p, max_tokens)))
@@ -420,7 +414,8 @@ def memory(path: Path, plen: int, tokens: int) -> list[dict[str, Any]]:
     for mode, flag in (("segmented", "1"), ("segmented", "0"), (None, "0")):
         decoder = CompiledDecoder(loaded.model, mode) if mode else None
         name = f"pymlxc_{mode or 'uncompiled'}" + ("" if flag == "1" else "_nothread")
-        os.environ[eval_thread.ENV_VAR] = flag
+        thread_setting = pymlxc_settings.override(eval_thread=flag)  # until this variant's end
+        thread_setting.__enter__()
 
         def run_all(_: Any = None, decoder: CompiledDecoder | None = decoder) -> Any:
             model = loaded.model
@@ -441,7 +436,7 @@ def memory(path: Path, plen: int, tokens: int) -> list[dict[str, Any]]:
         measure(name, lambda: 0, run_all, split=False)  # a whole generation (its own prefill)
         if decoder is not None:
             decoder.close()
-    os.environ.pop(eval_thread.ENV_VAR, None)
+        thread_setting.__exit__(None, None, None)
     loaded.free()
     return rows
 

@@ -143,7 +143,7 @@ def test_heads_of_another_type_than_the_buffers_skip_the_kernel(tiny, monkeypatc
     attn = model.layers[0].self_attn
     (qkv, _), = segments.fusions_for(model.layers[:1], {})
     spec = cuda_rope_kv.rope_of(attn.rope, attn.head_dim)
-    group = segments._group([], {}, rope=spec)  # noqa: SLF001
+    group = segments.segment_group([], {}, rope=spec)
     x = mx.astype(mx.array(np.random.default_rng(3).standard_normal((1, 1, 64)).astype(np.float32)), mx.float16)
     pos = mx.array(4, dtype=mx.int32)
     calls: list[tuple[int, ...]] = []

@@ -176,6 +176,11 @@ class MetalTextModel(TrainableMixin):
         return self._info.num_layers
 
     @property
+    def stop_ids(self) -> frozenset[int]:
+        """The ids that end a generation (the tokenizer's EOS ids and the checkpoint's own)."""
+        return self._stop_ids
+
+    @property
     def closed(self) -> bool:
         return self._closed
 

@@ -90,13 +90,15 @@ class BatchEngine:
         self.scheduler = model.scheduler(max_batch=max_concurrency, max_queue=max_queue)
         self.tokenizer = model.tokenizer
         self.vocab_size = model.info().vocab_size
-        self.stop_ids = frozenset(model._stop_ids)
+        self.stop_ids = model.stop_ids
         self.context_len = self.scheduler.context_len
 
     features = frozenset({"logprobs", "logit_bias", "penalties", "constraint", "tools"})
 
     def stats(self) -> dict[str, int]:
-        return self.scheduler.stats()
+        import pymlxc.core as mx
+
+        return {**self.scheduler.stats(), "active_memory_bytes": mx.get_active_memory()}
 
     async def stream(self, job: Job) -> AsyncIterator[Piece]:
         assert job.prompt_ids is not None

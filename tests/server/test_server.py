@@ -1,0 +1,264 @@
+"""The OpenAI-compatible server end to end: a real server process, the official `openai` client."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+try:
+    import httpx
+except ImportError:  # the openai client's HTTP library under its newer name
+    import httpx2 as httpx  # type: ignore[no-redef]
+import jsonschema
+import openai
+import pytest
+
+import pymlxc
+
+from .conftest import API_KEY, Server, start_server, stop_server
+
+PROMPTS = [f"Request number {i}: tell me about {topic}" for i, topic in enumerate(
+    ["cats", "dogs", "the sea", "mountains", "rain", "bread", "music", "stars",
+     "rivers", "trains", "clocks", "maps", "salt", "glass", "wind", "paper"])]
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def local(model_dir):
+    with pymlxc.load_model(str(model_dir), backend="metal") as model:
+        yield model
+
+
+def test_models_and_health(client: openai.OpenAI, server: Server) -> None:
+    assert [m.id for m in client.models.list().data] == [str(server.model_dir)]
+    assert server.health()["status"] == "ok"
+
+
+def test_completion_equals_generate(client: openai.OpenAI, local) -> None:
+    want = "".join(t.text for t in local.generate(PROMPTS[0], max_tokens=12))
+    got = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    assert got.choices[0].text == want
+    assert got.choices[0].finish_reason == "length"
+    assert got.usage.completion_tokens == 12
+    assert got.usage.prompt_tokens == len(local.encode(PROMPTS[0]))
+
+
+def test_streamed_completion_equals_the_whole(client: openai.OpenAI) -> None:
+    whole = client.completions.create(model="m", prompt=PROMPTS[1], max_tokens=16, temperature=0).choices[0].text
+    chunks = list(client.completions.create(model="m", prompt=PROMPTS[1], max_tokens=16, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    assert chunks[-1].usage.completion_tokens == 16
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_equals_model_chat_and_streams(client: openai.OpenAI, local) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
+    want = "".join(t.text for t in local.chat(messages, max_tokens=10))
+    got = client.chat.completions.create(model="m", messages=messages, max_tokens=10, temperature=0)
+    assert got.choices[0].message.content == want and got.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model="m", messages=messages, max_completion_tokens=10,
+                                                 temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_sixteen_concurrent_clients_each_get_their_single_generation(client: openai.OpenAI, server: Server,
+                                                                      local) -> None:
+    # Greedy tokens of the batched decode equal a lone generate's: each row has its own RoPE
+    # positions and masks, and the tiny float32 model's top logits are not near ties.
+    want = {p: "".join(t.text for t in local.generate(p, max_tokens=24)) for p in PROMPTS}
+    got: dict[str, str] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(PROMPTS))
+
+    def call(prompt: str, stream: bool) -> None:
+        try:
+            start.wait()
+            if stream:
+                parts = client.completions.create(model="m", prompt=prompt, max_tokens=24, temperature=0, stream=True)
+                got[prompt] = "".join(c.choices[0].text for c in parts if c.choices)
+            else:
+                got[prompt] = client.completions.create(model="m", prompt=prompt, max_tokens=24,
+                                                        temperature=0).choices[0].text
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call, args=(p, i % 2 == 0)) for i, p in enumerate(PROMPTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors
+    assert got == want
+    assert server.health()["peak_rows"] > 1  # they shared decode steps
+
+
+def test_seed_reproduces_sampling(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> str:
+        return client.completions.create(model="m", prompt=PROMPTS[2], max_tokens=16, temperature=1.0, top_p=0.95,
+                                         seed=seed).choices[0].text
+
+    assert sample(7) == sample(7)
+    assert len({sample(7), sample(8), sample(9)}) > 1
+
+
+def test_stop_string_across_a_token_boundary(client: openai.OpenAI) -> None:
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model="m", prompt=PROMPTS[3], max_tokens=20, temperature=0, stream=True) if c.choices]
+    full = "".join(pieces)
+    n = next(i for i in range(3, len(pieces) - 1) if pieces[i] and pieces[i + 1])
+    stop = pieces[n][-1] + pieces[n + 1][0]  # spans the boundary between two tokens
+    got = client.completions.create(model="m", prompt=PROMPTS[3], max_tokens=20, temperature=0, stop=[stop])
+    assert got.choices[0].text == full[: full.index(stop)]
+    assert got.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model="m", prompt=PROMPTS[3], max_tokens=20, temperature=0, stop=stop,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == full[: full.index(stop)]
+
+
+SCHEMA = {"type": "object", "properties": {"size": {"type": "integer", "minimum": 0, "maximum": 999},
+                                           "color": {"enum": ["red", "green", "blue"]},
+                                           "ok": {"type": "boolean"}},
+          "required": ["size", "color", "ok"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_schema_output_validates(client: openai.OpenAI, temperature: float) -> None:
+    got = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Describe a ball."}], max_tokens=64, temperature=temperature,
+        seed=1, response_format={"type": "json_schema", "json_schema": {"name": "ball", "schema": SCHEMA}})
+    jsonschema.validate(json.loads(got.choices[0].message.content), SCHEMA)
+    assert got.choices[0].finish_reason == "stop"
+    plain = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Describe a ball."}],
+                                           max_tokens=64, temperature=0, response_format={"type": "json_object"})
+    assert isinstance(json.loads(plain.choices[0].message.content), dict)
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}},
+                   "required": ["city"], "additionalProperties": False}}}]
+
+
+def test_tool_call_is_parsed(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Weather in Rome?"}]
+    got = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice="required",
+                                         max_tokens=64, temperature=0)
+    choice = got.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] in {"Paris", "Rome", "Oslo"}
+    streamed = list(client.chat.completions.create(
+        model="m", messages=messages, tools=TOOLS, max_tokens=64, temperature=0, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    calls = [tc for c in streamed for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [c.function.name for c in calls] == ["get_weather"]
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"
+    # The answer goes back to the model through its template (tool results included).
+    follow = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                         {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    assert client.chat.completions.create(model="m", messages=follow, tools=TOOLS, max_tokens=4,
+                                          temperature=0).choices[0].finish_reason in ("length", "stop", "tool_calls")
+
+
+def test_logprobs_and_logit_bias(client: openai.OpenAI, local) -> None:
+    got = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                         temperature=0, logprobs=True, top_logprobs=3)
+    content = got.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)  # greedy picks the top one
+    forced = local.encode(" glass")[0]
+    biased = client.completions.create(model="m", prompt=PROMPTS[4], max_tokens=3, temperature=0,
+                                       logit_bias={str(forced): 100}, logprobs=1)
+    assert biased.choices[0].text == local.decode([forced] * 3)
+
+
+def test_penalties_change_greedy_output(client: openai.OpenAI) -> None:
+    plain = client.completions.create(model="m", prompt=PROMPTS[5], max_tokens=30, temperature=0).choices[0].text
+    penalised = client.completions.create(model="m", prompt=PROMPTS[5], max_tokens=30, temperature=0,
+                                          frequency_penalty=2.0, presence_penalty=2.0).choices[0].text
+    assert penalised != plain
+
+
+def test_disconnect_mid_stream_frees_its_row(server: Server) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    before = server.health()
+    body = {"model": "m", "prompt": PROMPTS[6], "max_tokens": 8000, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers) as response:
+            assert response.status_code == 200
+            seen = 0
+            for line in response.iter_lines():
+                seen += line.startswith("data:")
+                if seen >= 5:
+                    during = server.health()  # before leaving the iterator: that closes the response
+                    break
+            assert during["running"] == 1
+    deadline = time.monotonic() + 30
+    while (now := server.health())["running"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert now["running"] == 0
+    steps = now["steps"]
+    time.sleep(0.5)
+    after = server.health()
+    assert after["steps"] == steps  # nothing decodes for the gone client
+    assert after["steps"] - before["steps"] < 7999
+    assert after["active_memory_bytes"] < during["active_memory_bytes"]
+
+
+def test_bad_requests_get_openai_errors(server: Server) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    url = f"{server.url}/v1/chat/completions"
+    malformed = httpx.post(url, content=b'{"messages": [', headers=headers)
+    assert malformed.status_code == 400 and malformed.json()["error"]["type"] == "invalid_request_error"
+    wrong_type = httpx.post(url, json={"messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
+                            headers=headers)
+    assert wrong_type.status_code == 400 and wrong_type.json()["error"]["param"] == "temperature"
+    unknown = httpx.post(url, json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                                    "some_future_field": {"a": 1}}, headers=headers)
+    assert unknown.status_code == 200
+    too_many = httpx.post(url, json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6},
+                          headers=headers)
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "max_tokens"
+    oversize = httpx.post(url, content=b'{"messages": "' + b"x" * 100_000 + b'"}', headers=headers)
+    assert oversize.status_code == 413 and "error" in oversize.json()
+    bad_schema = httpx.post(url, json={"messages": [{"role": "user", "content": "x"}],
+                                       "response_format": {"type": "json_schema", "json_schema": {
+                                           "name": "x", "schema": {"type": "no-such-type"}}}}, headers=headers)
+    assert bad_schema.status_code == 400
+
+
+def test_api_key_is_required(server: Server) -> None:
+    wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="not-the-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}).status_code == 401
+
+
+def test_full_queue_answers_429(model_dir, tmp_path) -> None:
+    small = start_server(model_dir, "--max-concurrency", "1", "--max-queue", "0", "--max-tokens-limit", "8000",
+                         log=tmp_path / "small.log")
+    try:
+        body = {"model": "m", "prompt": "x", "max_tokens": 8000, "stream": True}
+        with httpx.Client(timeout=60) as http:
+            with http.stream("POST", f"{small.url}/v1/completions", json=body) as busy:
+                assert busy.status_code == 200
+                lines = busy.iter_lines()
+                next(lines)
+                second = http.post(f"{small.url}/v1/completions", json={"prompt": "y", "max_tokens": 2})
+                assert second.status_code == 429
+                assert second.json()["error"]["type"] == "rate_limit_error"
+        deadline = time.monotonic() + 30
+        while small.health()["running"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert httpx.post(f"{small.url}/v1/completions", json={"prompt": "y", "max_tokens": 2}).status_code == 200
+    finally:
+        stop_server(small)

@@ -19,12 +19,11 @@ from typing import Any
 import pymlxc.core as mx
 from pymlxc.core import Array, MLXError
 from pymlxc.files import check_regular_file, read_json
-from pymlxc.settings import SWITCH, Settings
+from pymlxc.settings import Settings
 from pymlxc.settings import current as current_settings
 
-from . import matvec, nn
+from . import nn
 from .config_check import ConfigError, check_against_tensors
-from .kernel_check import on_cuda
 from .models import UnsupportedModelError, get_model_module, infer_model_type
 from .switch import QuantizedSwitchLinear
 
@@ -280,26 +279,6 @@ def _evaluate(params: dict[str, Array], origin: Mapping[str, Path], progress: Pr
     return total
 
 
-# ---------------------------------------------------------------------- kernel choice
-
-def choose_cuda_matvec(model: Any, setting: str) -> bool:
-    """Mark `model`'s 4-bit layers to use pymlxc's matvec kernel (matvec.py) where this process runs
-    on CUDA and `setting` (PYMLXC_CUDA_MATVEC: `auto`, `1` or `0`) says so, and the kernel runs here;
-    returns whether it did. Elsewhere, a no-op. Decided once, at load, for the device in use then."""
-    if setting not in SWITCH:
-        raise ValueError(f"the cuda_matvec setting must be one of {', '.join(SWITCH)}, not {setting!r}")
-    layers = [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
-    four_bit = [m for m in layers if m.bits == 4 and m.scales.dtype.size == 2]  # what the kernel takes
-    blocks = max(1, len(getattr(model, "layers", None) or ()))
-    per_block = sum(m.weight.nbytes + m.scales.nbytes + m.biases.nbytes for m in four_bit) / blocks
-    use = (setting != "0" and bool(four_bit) and on_cuda()
-           and (setting == "1" or per_block >= matvec.AUTO_MIN_BYTES_PER_LAYER) and matvec.runs_on(four_bit[0]))
-    chosen = {id(m) for m in four_bit} if use else set()
-    for m in layers:
-        m.use_cuda_matvec(id(m) in chosen)
-    return use
-
-
 # ---------------------------------------------------------------------- entry point
 
 def load_weights_and_config(path: str | os.PathLike[str], context_len: int = 131072, device: Any = None, *,
@@ -430,7 +409,7 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
     mx.eval(constants)
     cuda_matvec = False
     if quantized:  # no quantized layer: nothing to choose
-        cuda_matvec = choose_cuda_matvec(model, (settings if settings is not None else current_settings()).cuda_matvec)
+        cuda_matvec = nn.choose_cuda_matvec(model, (settings if settings is not None else current_settings()).cuda_matvec)
     return LoadedModel(model=model, config=config, model_type=str(model_type), path=root,
                        quantization={"group_size": int(quant.get("group_size", 64)), "bits": int(quant.get("bits", 4))}
                        if quant else None,
@@ -439,5 +418,5 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
 
 
 __all__ = ["LoadedModel", "WeightsFileError", "ConfigError", "UnsupportedModelError", "load_weights_and_config",
-           "build_model", "gguf_file_of", "load_gguf_weights", "load_gguf_model", "choose_cuda_matvec",
+           "build_model", "gguf_file_of", "load_gguf_weights", "load_gguf_model",
            "read_config", "weight_files", "canonical_name"]

@@ -7,7 +7,7 @@ pymlxc's 4-bit kernel reads the weights at about 1.8x the bandwidth of MLX's (H1
 same whatever their size. Measured on an H100 (decode tok/s, MLX's kernel -> pymlxc's):
 Llama-3.1-8B 4-bit 171 -> 262, Llama-3.2-1B 4-bit 677 -> 789, Qwen3-0.6B 4-bit 411 -> 398.
 
-`loader.choose_cuda_matvec(model, setting)` decides once, at load, for the device in use then, and
+`nn.choose_cuda_matvec(model, setting)` decides once, at load, for the device in use then, and
 marks the model's layers (`use_cuda_matvec`). It runs the kernel once there: NVRTC compiles it then (about 1.5 s on an H100,
 once per process), not in the first generation, and a kernel that cannot run on this machine
 leaves the model on MLX's kernel with a warning instead of failing a generation. `PYMLXC_CUDA_MATVEC` sets it: `auto` (the default: when the model has at least

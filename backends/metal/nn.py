@@ -19,8 +19,10 @@ from typing import Any
 
 import pymlxc.core as mx
 from pymlxc.core import Array
+from pymlxc.settings import SWITCH
 
-from .matvec import quantized_matmul
+from .kernel_check import on_cuda
+from .matvec import AUTO_MIN_BYTES_PER_LAYER, quantized_matmul, runs_on
 
 _matmul = mx.matmul
 _addmm = mx.addmm
@@ -257,11 +259,11 @@ class QuantizedLinear(Module):
         if bias:
             self.bias = mx.zeros((output_dims,), dtype)
         self.freeze(["weight", "scales", "biases"], recurse=False)
-        self._cuda_matvec = False  # set by loader.choose_cuda_matvec
+        self._cuda_matvec = False  # set by choose_cuda_matvec
 
     @property
     def cuda_matvec(self) -> bool:
-        """Whether products of few rows go through pymlxc's CUDA kernel (loader.choose_cuda_matvec)."""
+        """Whether products of few rows go through pymlxc's CUDA kernel (choose_cuda_matvec)."""
         return self._cuda_matvec
 
     def use_cuda_matvec(self, on: bool) -> None:
@@ -329,11 +331,11 @@ class QuantizedEmbedding(Module):
         self.scales = mx.zeros((num_embeddings, dims // group_size), dtype)
         self.biases = mx.zeros((num_embeddings, dims // group_size), dtype)
         self.freeze(recurse=False)
-        self._cuda_matvec = False  # set by loader.choose_cuda_matvec
+        self._cuda_matvec = False  # set by choose_cuda_matvec
 
     @property
     def cuda_matvec(self) -> bool:
-        """Whether products of few rows go through pymlxc's CUDA kernel (loader.choose_cuda_matvec)."""
+        """Whether products of few rows go through pymlxc's CUDA kernel (choose_cuda_matvec)."""
         return self._cuda_matvec
 
     def use_cuda_matvec(self, on: bool) -> None:
@@ -516,6 +518,26 @@ def shapeless_trace() -> Iterator[None]:
         yield
     finally:
         _trace_state.shapeless = before
+
+
+# ---------------------------------------------------------------------- kernel choice
+
+def choose_cuda_matvec(model: Any, setting: str) -> bool:
+    """Mark `model`'s 4-bit layers to use pymlxc's matvec kernel (matvec.py) where this process runs
+    on CUDA and `setting` (PYMLXC_CUDA_MATVEC: `auto`, `1` or `0`) says so, and the kernel runs here;
+    returns whether it did. Elsewhere, a no-op. Decided once, at load, for the device in use then."""
+    if setting not in SWITCH:
+        raise ValueError(f"the cuda_matvec setting must be one of {', '.join(SWITCH)}, not {setting!r}")
+    layers = [m for _, m in model.named_modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))]
+    four_bit = [m for m in layers if m.bits == 4 and m.scales.dtype.size == 2]  # what the kernel takes
+    blocks = max(1, len(getattr(model, "layers", None) or ()))
+    per_block = sum(m.weight.nbytes + m.scales.nbytes + m.biases.nbytes for m in four_bit) / blocks
+    use = (setting != "0" and bool(four_bit) and on_cuda()
+           and (setting == "1" or per_block >= AUTO_MIN_BYTES_PER_LAYER) and runs_on(four_bit[0]))
+    chosen = {id(m) for m in four_bit} if use else set()
+    for m in layers:
+        m.use_cuda_matvec(id(m) in chosen)
+    return use
 
 
 # ---------------------------------------------------------------------- activations

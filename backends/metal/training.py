@@ -23,9 +23,8 @@ from pymlxc.training.adapters import (
 from pymlxc.training.config import Encoder, LoRAConfig
 
 from . import lora
-from .loader import choose_cuda_matvec
 from .matvec import mlx_kernels_only
-from .nn import Module
+from .nn import Module, choose_cuda_matvec
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                     "tokenizer.model", "chat_template.jinja", "chat_template.json", "added_tokens.json")

@@ -28,7 +28,8 @@ import pymlxc.core as mx
 from pymlxc.backends.metal import cuda_matvec, matvec, nn, training
 from pymlxc.backends.metal import generate as loops
 from pymlxc.backends.metal.compiled import CompiledDecoder
-from pymlxc.backends.metal.loader import choose_cuda_matvec, load_weights_and_config
+from pymlxc.backends.metal.loader import load_weights_and_config
+from pymlxc.backends.metal.nn import choose_cuda_matvec
 from pymlxc.backends.metal.sample import greedy
 from pymlxc.testing import write_tiny_model
 
@@ -294,7 +295,7 @@ def test_fused_adapter_layers_choose_their_kernel_again(tmp_path: Path, monkeypa
     switches.env("PYMLXC_CUDA_MATVEC", "1")
     monkeypatch.setattr(matvec.mx, "cuda_available", lambda: True)  # the choice alone, as on CUDA
     monkeypatch.setattr(matvec.mx, "default_device", lambda: mx.Device("gpu", 0))
-    monkeypatch.setattr(matvec, "runs_on", lambda layer: True)
+    monkeypatch.setattr(nn, "runs_on", lambda layer: True)
     with pymlxc.load_model(str(path), backend="metal") as model:
         model.apply_lora(LoRAConfig(rank=4, alpha=8, target_keys=("q_proj", "v_proj")))
         calls: list[Any] = []

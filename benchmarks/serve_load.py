@@ -1,0 +1,150 @@
+"""Load test of OpenAI-compatible servers: N concurrent streaming clients on loopback.
+
+For each server (`pymlxc serve` and `mlx_lm.server` on the same model, started here one after the
+other) and each N, every client streams one `/v1/completions` request (greedy, its own prompt,
+`--max-tokens` tokens) at once; reported: total generated tok/s over the wall time, time to first
+token (p50/p99) and inter-token latency (p50/p99, the gaps between a request's streamed tokens).
+
+    python benchmarks/serve_load.py --model DIR [--clients 1,4,16,64] [--max-tokens 64] [--out results.json]
+    python benchmarks/serve_load.py --model DIR --tiny   # writes a tiny random llama to DIR first
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+try:
+    import httpx
+except ImportError:  # the openai client's HTTP library under its newer name
+    import httpx2 as httpx  # type: ignore[no-redef]
+
+WORDS = "the quick brown fox jumps over a lazy dog while rivers run to the sea under grey skies".split()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _command(kind: str, model: str, port: int, clients: int) -> list[str]:
+    if kind == "pymlxc":
+        return [sys.executable, "-m", "pymlxc.server", model, "--port", str(port), "--max-concurrency", str(clients),
+                "--max-queue", str(clients), "--max-tokens-limit", "100000"]
+    return [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--port", str(port),
+            "--decode-concurrency", str(clients), "--prompt-concurrency", str(clients)]
+
+
+def _start(kind: str, model: str, clients: int, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    out = open(log, "wb")  # noqa: SIM115 - lives as long as the process
+    process = subprocess.Popen(_command(kind, model, port, clients), stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{kind} server exited: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    process.kill()
+    raise RuntimeError(f"{kind} server did not start")
+
+
+async def _client(http: Any, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    body = {"model": "default_model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+    start = time.perf_counter()
+    stamps: list[float] = []
+    async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if chunk.get("choices") and chunk["choices"][0].get("finish_reason") is None:
+                stamps.append(time.perf_counter())
+    return {"ttft": stamps[0] - start if stamps else float("nan"), "tokens": len(stamps),
+            "gaps": [b - a for a, b in zip(stamps, stamps[1:])]}
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+async def _round(url: str, clients: int, max_tokens: int, prompt_words: int) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        prompts = [f"Client {i}: " + " ".join(WORDS[(i + j) % len(WORDS)] for j in range(prompt_words))
+                   for i in range(clients)]
+        start = time.perf_counter()
+        results = await asyncio.gather(*(_client(http, url, p, max_tokens) for p in prompts))
+        wall = time.perf_counter() - start
+    tokens = sum(r["tokens"] for r in results)
+    ttfts = [r["ttft"] for r in results]
+    gaps = [g for r in results for g in r["gaps"]]
+    return {"clients": clients, "tokens": tokens, "wall_s": wall, "tok_per_s": tokens / wall,
+            "ttft_p50_ms": 1e3 * _pct(ttfts, 0.5), "ttft_p99_ms": 1e3 * _pct(ttfts, 0.99),
+            "itl_p50_ms": 1e3 * _pct(gaps, 0.5), "itl_p99_ms": 1e3 * _pct(gaps, 0.99)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--tiny", action="store_true", help="write a tiny random llama to --model first")
+    parser.add_argument("--clients", default="1,4,16,64")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompt-words", type=int, default=32)
+    parser.add_argument("--servers", default="pymlxc,mlx_lm")
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args()
+    if args.tiny:
+        from pymlxc.testing import write_tiny_model
+
+        write_tiny_model(args.model, "llama", seed=0, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
+                         intermediate_size=512, vocab_size=1024)
+    counts = [int(n) for n in args.clients.split(",")]
+    rows = []
+    logs = Path(os.environ.get("TMPDIR", "/tmp"))
+    for kind in args.servers.split(","):
+        process, url = _start(kind, args.model, max(counts), logs / f"serve_load_{kind}.log")
+        try:
+            asyncio.run(_round(url, 1, 8, 8))  # warm-up: compiled paths, allocator
+            for n in counts:
+                try:
+                    row = {"server": kind, **asyncio.run(_round(url, n, args.max_tokens, args.prompt_words))}
+                except (httpx.HTTPError, RuntimeError) as exc:  # a server that drops connections under load
+                    rows.append({"server": kind, "clients": n, "error": f"{type(exc).__name__}: {exc}"})
+                    print(f"{kind:7s} N={n:3d}  failed: {type(exc).__name__}: {exc}", flush=True)
+                    continue
+                rows.append(row)
+                print(f"{kind:7s} N={n:3d}  {row['tok_per_s']:8.1f} tok/s  TTFT p50 {row['ttft_p50_ms']:7.1f} ms "
+                      f"p99 {row['ttft_p99_ms']:7.1f} ms  ITL p50 {row['itl_p50_ms']:6.1f} ms "
+                      f"p99 {row['itl_p99_ms']:6.1f} ms", flush=True)
+        finally:
+            process.terminate()
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

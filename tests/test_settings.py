@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from pymlxc import settings
 from pymlxc.options import LoadConfig
 from pymlxc.settings import Settings, SettingsError
-
 from tests.reliability.subproc import run_case
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,9 +92,8 @@ def test_read_once_and_overridden_for_a_block(monkeypatch: pytest.MonkeyPatch) -
         assert settings.current() is inside and inside.decode == "graph" and not inside.compile
         assert LoadConfig().settings is inside  # a config made now carries them
     assert settings.current() is first
-    with pytest.raises(TypeError):
-        with settings.override(no_such_switch=1):
-            pass
+    with pytest.raises(TypeError), settings.override(no_such_switch=1):
+        pass
     assert settings.current() is first
 
 

@@ -37,7 +37,6 @@ traced); the caller then uses the uncompiled loop, which gives the same tokens.
 """
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence

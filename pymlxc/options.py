@@ -30,6 +30,7 @@ MIN_REPEAT_PENALTY = 1e-2
 MAX_REPEAT_PENALTY = 1e2
 SEED_LIMIT = 2**64  # MLX seeds are uint64
 _FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+DISTRIBUTED_MODES = ("tensor", "pipeline")
 
 
 @runtime_checkable
@@ -136,11 +137,20 @@ class LoadConfig:
     prompt_cache_bytes: int = 2 << 30
     # The PYMLXC_* switches the model decodes with (pymlxc/settings.py): the process's by default.
     settings: Settings = field(default_factory=current)
+    # Split the model over the processes launched together (`pymlxc launch` / `mlx.launch`):
+    # "tensor" (heads and MLP columns per rank) or "pipeline" (layers per rank); docs/distributed.md.
+    distributed: str | None = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__
         if not isinstance(self.settings, Settings):
             raise TypeError(f"settings must be a pymlxc.settings.Settings, not {type(self.settings).__name__}")
+        if self.distributed is not None:
+            if not isinstance(self.distributed, str) or self.distributed not in DISTRIBUTED_MODES:
+                raise ValueError(f"distributed must be one of {', '.join(map(repr, DISTRIBUTED_MODES))} or None, "
+                                 f"not {self.distributed!r}")
+            # Each rank's steps must pair their collectives one to one: the uncompiled loop only.
+            put(self, "settings", dataclasses.replace(self.settings, compile=False))
         if self.backend is not None and not isinstance(self.backend, str):
             raise TypeError(f"backend must be a str or None, not {type(self.backend).__name__}")
         if self.adapter_path is not None:

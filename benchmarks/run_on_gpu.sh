@@ -121,8 +121,8 @@ print("matmul sum", b.item(), "mlx", want)
 assert abs(b.item() - want) <= 1e-3 * max(1.0, abs(want)), "binding and mlx disagree"
 f = mx.compile(lambda x: [mx.exp(x[0]) * 2.0 + 1.0])
 print("compiled", f([mx.ones((4,))])[0].tolist())
-from pymlxc.backends.metal import compiled
-print("compiled decode enabled:", compiled.compile_enabled())
+from pymlxc import settings
+print("settings:", settings.current())
 PY
       ;;
     tests)

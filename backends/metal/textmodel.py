@@ -262,7 +262,8 @@ class MetalTextModel(TrainableMixin):
                     for ids, collector in ((ids, batching.Collector()) for ids in rows_in)]
         error: BaseException | None = None
         try:
-            batching.run_all(scheduler, requests, guard)
+            with self._slot(guard):  # as any call: held by the caller while its rows run
+                batching.run_all(scheduler, requests, guard)
         except Exception as exc:  # noqa: BLE001 - reported per row and in err()
             error = exc
         for _, collector in requests:

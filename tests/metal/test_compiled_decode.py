@@ -194,7 +194,9 @@ def test_textmodel_default_and_the_compile_setting(tmp_path: Path, switches: Any
     from pymlxc.settings import Settings
 
     path = write_tiny_model(tmp_path / "m", "llama", num_layers=2)
-    with BACKEND.load(str(path), LoadConfig(settings=Settings(compile=False))) as plain:
+    import pymlxc
+
+    with pymlxc.load_model(str(path), backend="metal", settings=Settings(compile=False)) as plain:
         off = [t.id for t in plain.generate("The baker", max_tokens=12)]
         assert plain._decoder.stats["compiled"] == plain._decoder.stats["fallback"] == 0  # noqa: SLF001
     switches(compile=False)  # the process's settings: read by a model at load, not at each generation

@@ -65,6 +65,10 @@ def _load(path: str, config: LoadConfig, progress: Progress | None) -> "MetalTex
         loaded = load_weights_and_config(path, context_len=config.context_len, progress=progress,
                                          settings=config.settings)
         source = str(Path(path) / "tokenizer.json")
+    if config.distributed is not None:  # split over the processes launched together (distributed/)
+        from .distributed import shard_loaded  # noqa: PLC0415 - loaded with the model (see above)
+
+        shard_loaded(loaded, config.distributed)
     try:
         check_vocab(tokenizer, loaded.model.args, source)
         model = MetalTextModel(loaded.model, tokenizer, model_type=loaded.model_type, info=_model_info(loaded),

@@ -33,6 +33,7 @@ from . import batching
 from . import generate as loops
 from . import prompt_cache as pcache
 from .compiled import CompiledDecoder
+from .distributed.runtime import agree_options
 from .sample import Sampler, make_logits_processors, make_sampler
 from .training import TrainableMixin
 
@@ -120,6 +121,7 @@ class MetalTextModel(TrainableMixin):
         self._model_type = model_type
         self._info = info
         self._context_len = config.context_len
+        self._distributed = config.distributed is not None
         self._device = mx.cpu if config.gpu_layers == 0 else None
         self._stop_ids = frozenset(tokenizer.eos_token_ids) | frozenset(stop_ids)
         self._parallel_slots = config.parallel_slots
@@ -500,6 +502,8 @@ class MetalTextModel(TrainableMixin):
         """Start a call: check the model and options (raising at once) and reset err()."""
         self._check_open()
         options = make_config(GenerateConfig, **config)
+        if self._distributed:  # every rank must run the same steps: one seed, no timeout (distributed/runtime.py)
+            options = agree_options(options)
         self._errors[threading.get_ident()] = None
         return options
 

@@ -15,7 +15,7 @@ from . import operators as _operators  # noqa: F401  (attaches Array operators)
 from .ops import *  # noqa: F401,F403
 from .ops import array, astype
 from .eval import async_eval, eval  # noqa: A004
-from . import fast, fft, linalg, random  # noqa: F401
+from . import distributed, fast, fft, linalg, random  # noqa: F401
 from .memory import (
     clear_cache, cuda_available, device_info, get_active_memory, get_cache_memory, get_memory_limit,
     get_peak_memory, metal_available, reset_peak_memory, set_cache_limit, set_memory_limit, set_wired_limit,

@@ -1,0 +1,115 @@
+"""Pipeline parallelism applied to a built model: rank r runs a contiguous run of the blocks, takes
+its input from rank r-1 (`recv_like`) and hands its output to rank r+1 (`send`); after the last
+block every rank gets the last rank's hidden state (`all_gather`), so every rank computes the same
+logits and samples the same tokens (the loops stay as they are).
+
+The model keeps its list of blocks: the blocks of other ranks are replaced by `RemoteBlock`s, which
+hold no weights and pass the hidden state through; they still advance their layer's cache by the
+positions seen (with key/value tensors of no heads, no memory), so cache offsets, masks, trimming
+and prompt-cache reuse stay the same on every rank. The weights of the other ranks' blocks are
+dropped at once (all ranks read the checkpoint's embedding and head).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pymlxc.core as mx
+from pymlxc.core import Array
+from pymlxc.core import distributed as dist
+
+from .. import nn
+from ..cache import Cache, Mask
+from .errors import ShardingError
+
+# Families whose blocks are called `block(h, mask, cache, last_only)` with a KV cache per block.
+PIPELINE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe")
+
+
+def layer_ranges(num_layers: int, size: int) -> list[range]:
+    """Contiguous runs of blocks per rank, as even as possible (the first ranks get one more)."""
+    if num_layers < size:
+        raise ShardingError(f"pipeline parallelism over {size} ranks needs at least {size} layers; "
+                            f"the model has {num_layers}")
+    base, extra = divmod(num_layers, size)
+    out, start = [], 0
+    for r in range(size):
+        n = base + (1 if r < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def _advance(cache: Cache | None, x: Array) -> None:
+    """Move `cache` on by x's positions without storing anything (keys of zero heads)."""
+    if cache is not None:
+        empty = mx.zeros((x.shape[0], 0, x.shape[1], 1), x.dtype)
+        # Nothing the step computes depends on these: scheduled now, or they would stay lazy until
+        # another thread (the batch scheduler reusing a prompt cache) evaluates them on this one's stream.
+        mx.async_eval(cache.update_and_fetch(empty, empty))
+
+
+class RemoteBlock(nn.Module):
+    """The stand-in for a block another rank runs: the hidden state passes through unchanged."""
+
+    def __call__(self, x: Array, mask: Mask, cache: Cache | None, last_only: bool = False) -> Array:
+        _advance(cache, x)
+        return x[:, -1:] if last_only else x
+
+
+class StageBlock(nn.Module):
+    """A block of this rank, with the stage's hand-overs around it: receive before the stage's
+    first block, send after its last, gather the last rank's output after the model's last."""
+
+    def __init__(self, inner: nn.Module | None, group: dist.Group, *, receive: bool, send: bool,
+                 gather: bool) -> None:
+        super().__init__()
+        self.inner = inner
+        self._group = group
+        self._receive, self._send, self._gather = receive, send, gather
+
+    def __call__(self, x: Array, mask: Mask, cache: Cache | None, last_only: bool = False) -> Array:
+        g = self._group
+        rank = g.rank()
+        if self._receive:
+            x = dist.recv_like(x, rank - 1, group=g)
+        if self.inner is None:
+            _advance(cache, x)
+            h = x[:, -1:] if last_only else x
+        else:
+            h = self.inner(x, mask, cache, last_only)
+        if self._send:
+            h = dist.send(h, rank + 1, group=g)
+        if self._gather:
+            n = h.shape[0]
+            h = dist.all_gather(h, group=g)[(g.size() - 1) * n:]
+        return h
+
+
+def shard_pipeline(model: Any, group: dist.Group) -> range:
+    """Split `model` (built and loaded) in place over `group` by layers; returns this rank's run."""
+    size, rank = group.size(), group.rank()
+    if model.model_type not in PIPELINE_FAMILIES:
+        raise ShardingError(f"pipeline parallelism does not support model type {model.model_type!r}; supported: "
+                            f"{', '.join(PIPELINE_FAMILIES)}")
+    layers = model.layers
+    ranges = layer_ranges(len(layers), size)
+    mine = ranges[rank]
+    if size == 1:
+        return mine
+    last = len(layers) - 1
+    for i in range(len(layers)):
+        owned = i in mine
+        first_of_stage = owned and i == mine.start and rank > 0
+        last_of_stage = owned and i == mine.stop - 1 and rank < size - 1
+        if owned or i == last:
+            if not owned:
+                layers[i].free()
+            layers[i] = StageBlock(layers[i] if owned else None, group, receive=first_of_stage,
+                                   send=last_of_stage, gather=i == last)
+        else:
+            layers[i].free()
+            layers[i] = RemoteBlock()
+    return mine
+
+
+__all__ = ["PIPELINE_FAMILIES", "RemoteBlock", "StageBlock", "layer_ranges", "shard_pipeline"]

@@ -1,0 +1,53 @@
+"""What the ranks of a distributed model share: the group, and the options of each call.
+
+Every rank runs the same calls (the same script under `mlx.launch`, or rank 0's requests repeated
+by the others) and so the same steps, each step's collectives matched one to one. Nothing that
+differs between processes may decide how many steps a call takes: sampling draws from one seed
+that rank 0 picks and every rank takes, and a wall-clock `timeout` or a `cancel` event, which each
+process would see at a different step, is refused.
+"""
+from __future__ import annotations
+
+import dataclasses
+import secrets
+
+import pymlxc.core as mx
+from pymlxc.core import MLXError
+from pymlxc.core import distributed as dist
+from pymlxc.options import GenerateConfig
+
+from .errors import ShardingError
+
+MODES = ("tensor", "pipeline")
+
+
+def join_group(mode: str) -> dist.Group:
+    """The group of the processes launched together (strict: a process that was not launched as
+    one of several, or whose peers cannot be reached, gets an error, not a group of one)."""
+    if mode not in MODES:
+        raise ValueError(f"distributed must be one of {', '.join(MODES)} (or None), not {mode!r}")
+    try:
+        return dist.init(strict=True)
+    except MLXError as exc:
+        raise ShardingError(f"distributed={mode!r} needs processes started together by `pymlxc launch -n N ...` "
+                            f"or `mlx.launch -n N ...` (one per rank): {exc}") from exc
+
+
+def agree_options(options: GenerateConfig) -> GenerateConfig:
+    """`options` as every rank must run them: rank 0's seed where none is given (a collective:
+    every rank calls this once per call), no timeout or cancel event."""
+    if options.timeout is not None or options.cancel is not None:
+        raise ValueError("timeout and cancel are not supported on a distributed model: every rank must take the "
+                         "same number of steps (stop with max_tokens or stop_tokens)")
+    group = dist.init()
+    if group.size() == 1:
+        return options
+    mine = secrets.randbits(62) if group.rank() == 0 else 0
+    halves = [mine >> 31, mine & 0x7FFFFFFF] if options.seed is None else [0, 0]
+    agreed = dist.all_sum(mx.array(halves, mx.int32), group=group).tolist()
+    if options.seed is not None:
+        return options
+    return dataclasses.replace(options, seed=(int(agreed[0]) << 31) | int(agreed[1]))
+
+
+__all__ = ["MODES", "agree_options", "join_group"]

@@ -183,10 +183,11 @@ class Engine:
             raise CommandError("bad_field", "prompt encodes to no tokens")
         return self.check_tokens(tokens, cmd)
 
-    def chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_tokens(self, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None) -> list[int]:
         if not self.tokenizer.has_chat_template:
             raise CommandError("no_chat_template", "the model's tokenizer has no chat template")
-        return self.check_tokens(list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)), "chat")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(template_kwargs or {}))
+        return self.check_tokens(list(ids), "chat")
 
     # ---- sampling -------------------------------------------------------------------------------
 

@@ -174,6 +174,22 @@ def _message(value: Any) -> dict[str, str]:
     return {"role": value["role"], "content": value["content"]}
 
 
+MAX_TEMPLATE_KWARGS = 64  # variables a chat call may hand its template (enable_thinking, tools, ...)
+
+
+def check_template_kwargs(value: Any) -> dict[str, Any]:
+    """Variables for a chat template: a mapping of at most MAX_TEMPLATE_KWARGS identifier keys
+    (values as they are; on the wire, JSON values)."""
+    if not isinstance(value, Mapping):
+        raise ValueError(f"must be an object of template variables, not {_kind(value)}")
+    if len(value) > MAX_TEMPLATE_KWARGS:
+        raise ValueError(f"has {len(value)} keys; at most {MAX_TEMPLATE_KWARGS}")
+    for key in value:
+        if not isinstance(key, str) or not key.isidentifier() or key.startswith("_"):
+            raise ValueError(f"key {key!r} is not a template variable name")
+    return dict(value)
+
+
 def _nonempty(check: Callable[[Any], list[Any]]) -> Callable[[Any], list[Any]]:
     def nonempty(value: Any) -> list[Any]:
         v = check(value)
@@ -212,7 +228,8 @@ COMMANDS: dict[str, dict[str, Field]] = {
         "device": Field(_optional(_str)),
     },
     "generate": {"prompt": Field(_str, required=True), **SAMPLING},
-    "chat": {"messages": Field(_nonempty(_list_of(_message, "messages")), required=True), **SAMPLING},
+    "chat": {"messages": Field(_nonempty(_list_of(_message, "messages")), required=True),
+             "chat_template_kwargs": Field(_optional(check_template_kwargs)), **SAMPLING},
     "classify": {"prompts": Field(_list_of(_str, "strings"), required=True), **SAMPLING},
     "batch_generate": {"prompts": Field(_list_of(_str, "strings"), required=True), **SAMPLING},
     "info": {},

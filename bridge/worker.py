@@ -189,7 +189,7 @@ class Worker:
         from .engine import Hooks
 
         a = request.args
-        tokens = engine.prompt_tokens(a["prompt"]) if request.cmd == "generate" else engine.chat_tokens(a["messages"])
+        tokens = engine.prompt_tokens(a["prompt"]) if request.cmd == "generate" else engine.chat_tokens(a["messages"], a.get("chat_template_kwargs"))
         hooks = Hooks(
             cancelled=lambda: self.control.stopped(seq),
             progress=lambda done, total: self.out.send(P.progress(request.id, done, total)),

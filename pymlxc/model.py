@@ -1,7 +1,7 @@
 """The `TextModel` and `Backend` protocols that every backend implements."""
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from .options import LoadConfig
@@ -44,7 +44,8 @@ class TextModel(Protocol):
 
     def generate(self, prompt: str, **config: Any) -> Iterator[Token]: ...
 
-    def chat(self, messages: Sequence[Message | dict[str, str]], **config: Any) -> Iterator[Token]: ...
+    def chat(self, messages: Sequence[Message | dict[str, str]], *,
+             chat_template_kwargs: Mapping[str, Any] | None = None, **config: Any) -> Iterator[Token]: ...
 
     def classify(self, prompts: Sequence[str], **config: Any) -> list[ClassifyResult]: ...
 

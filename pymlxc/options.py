@@ -13,7 +13,7 @@ import math
 import numbers
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -173,3 +173,16 @@ def make_config(cls: type[T], base: T | None = None, **options: Any) -> T:
     if base is not None:
         return dataclasses.replace(base, **options)  # type: ignore[type-var]
     return cls(**options)
+
+
+def check_template_kwargs(value: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`chat_template_kwargs` as a dict: identifier keys not starting with "_" (the worker's wire
+    check, `bridge/protocol.py`, applies the same rule to JSON it receives)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"chat_template_kwargs must be a mapping of template variables, not {type(value).__name__}")
+    for key in value:
+        if not isinstance(key, str) or not key.isidentifier() or key.startswith("_"):
+            raise ValueError(f"chat_template_kwargs: {key!r} is not a template variable name")
+    return dict(value)

@@ -149,3 +149,33 @@ def test_a_call_behind_this_threads_own_paused_stream_raises_instead_of_waiting(
     finally:
         paused.close()
     assert len(model.classify(["y"])) == 1
+
+
+@pytest.fixture(scope="module")
+def qwen3_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, TextModel]]:
+    path = write_tiny_model(tmp_path_factory.mktemp("contract") / "qwen3", "qwen3", seed=5)
+    models = {b: _load(b, path) for b in BACKENDS}
+    yield models
+    for m in models.values():
+        m.close()
+
+
+def test_chat_template_kwargs_reach_the_template_on_both_backends(qwen3_models: dict[str, TextModel]) -> None:
+    # Qwen 3's template writes an empty think block when thinking is off: a longer prompt, the
+    # same on both backends, and the same tokens.
+    messages = [{"role": "user", "content": "Say something."}]
+    seen = {}
+    for name, m in qwen3_models.items():
+        on = [t.id for t in m.chat(messages, max_tokens=6)]
+        on_len = m.metrics().prompt_tokens
+        off = [t.id for t in m.chat(messages, max_tokens=6, chat_template_kwargs={"enable_thinking": False})]
+        off_len = m.metrics().prompt_tokens
+        assert off_len > on_len, name
+        seen[name] = (on, off, on_len, off_len)
+    assert seen["metal"] == seen["mlx_lm"]
+
+
+@pytest.mark.parametrize("bad", [{"_private": 1}, {"not a name": 1}, {1: 2}])
+def test_bad_chat_template_kwargs_raise_at_the_call(model: TextModel, bad: dict[Any, Any]) -> None:
+    with pytest.raises(ValueError, match="template variable name"):
+        model.chat([{"role": "user", "content": "hi"}], chat_template_kwargs=bad)

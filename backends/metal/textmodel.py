@@ -21,12 +21,12 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import pymlxc.core as mx
 from pymlxc.model import GenerationCancelled, ModelClosedError
-from pymlxc.options import GenerateConfig, LoadConfig, make_config
+from pymlxc.options import GenerateConfig, LoadConfig, check_template_kwargs, make_config
 from pymlxc.types import AttentionSnapshot, BatchResult, ClassifyResult, GenerateMetrics, Message, ModelInfo, Token
 
 from . import batching
@@ -204,18 +204,22 @@ class MetalTextModel(TrainableMixin):
         ids = self._encode_prompt(prompt)
         return self._stream(self._model, ids, options)
 
-    def chat(self, messages: Sequence[Message | dict[str, str]], **config: Any) -> Iterator[Token]:
-        """Stream the assistant's answer to `messages`, rendered with the model's chat template."""
+    def chat(self, messages: Sequence[Message | dict[str, str]], *,
+             chat_template_kwargs: Mapping[str, Any] | None = None, **config: Any) -> Iterator[Token]:
+        """Stream the assistant's answer to `messages`, rendered with the model's chat template;
+        `chat_template_kwargs` reach the template as variables (e.g. enable_thinking=False)."""
         from .chat_template import render_chat
 
         options = self._begin(config)
+        template_kwargs = check_template_kwargs(chat_template_kwargs)
         if not messages:
             raise ValueError("chat needs at least one message")
         self._check_messages(messages)
         # The template is the checkpoint's code: it renders under the call's cancel and timeout
         # (and the model's closing), besides its own bounds.
         guard = loops.Guard.make(options.cancel, options.timeout, self._is_closed)
-        text = render_chat(messages, self._tokenizer, add_generation_prompt=True, guard=guard.check)
+        text = render_chat(messages, self._tokenizer, add_generation_prompt=True, guard=guard.check,
+                           **template_kwargs)
         # The template writes the special tokens itself (BOS included).
         ids = self._tokenizer.encode(text, add_special_tokens=False)
         self._check_ids(ids)

@@ -30,7 +30,7 @@ import numpy as np
 
 from pymlxc.bridge import protocol as P
 from pymlxc.model import GenerationCancelled, ModelClosedError
-from pymlxc.options import GenerateConfig, LoadConfig, make_config
+from pymlxc.options import GenerateConfig, LoadConfig, check_template_kwargs, make_config
 from pymlxc.types import AttentionSnapshot, BatchResult, ClassifyResult, GenerateMetrics, Message, ModelInfo, Token
 
 from .errors import WorkerError, WorkerReplyError, reply_error
@@ -441,10 +441,16 @@ class MlxLmModel:
         cfg = self._begin(config)
         return self._stream("generate", {"prompt": _prompt(prompt), **_sampling(cfg)}, cfg)
 
-    def chat(self, messages: Sequence[Message | dict[str, str]], **config: Any) -> Iterator[Token]:
-        """Stream the assistant's reply to `messages`, formatted by the model's chat template."""
+    def chat(self, messages: Sequence[Message | dict[str, str]], *,
+             chat_template_kwargs: Mapping[str, Any] | None = None, **config: Any) -> Iterator[Token]:
+        """Stream the assistant's reply to `messages`, formatted by the model's chat template;
+        `chat_template_kwargs` reach the template as variables (e.g. enable_thinking=False)."""
         cfg = self._begin(config)
-        return self._stream("chat", {"messages": _messages(messages), **_sampling(cfg)}, cfg)
+        args: dict[str, Any] = {"messages": _messages(messages), **_sampling(cfg)}
+        template_kwargs = check_template_kwargs(chat_template_kwargs)
+        if template_kwargs:
+            args["chat_template_kwargs"] = template_kwargs
+        return self._stream("chat", args, cfg)
 
     def _stream(self, cmd: str, args: dict[str, Any], config: GenerateConfig) -> Iterator[Token]:
         """Tokens as their lines arrive (the worker sends each as it is sampled). A stop (cancel,

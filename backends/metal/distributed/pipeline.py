@@ -22,7 +22,7 @@ from ..cache import Cache, Mask
 from .errors import ShardingError
 
 # Families whose blocks are called `block(h, mask, cache, last_only)` with a KV cache per block.
-PIPELINE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe")
+PIPELINE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "qwen2_moe", "qwen3_moe")
 
 
 def layer_ranges(num_layers: int, size: int) -> list[range]:

@@ -25,7 +25,7 @@ from .errors import ShardingError
 
 # Families whose blocks are `self_attn` (q/k/v/o_proj, n_heads, n_kv_heads) + `mlp` (gate/up/down or
 # a switch_mlp MoE): the ones this module knows how to split.
-TENSOR_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe")
+TENSOR_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "qwen2_moe", "qwen3_moe")
 
 _qmm = mx.quantized_matmul
 _all_sum = dist.all_sum

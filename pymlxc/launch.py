@@ -26,7 +26,12 @@ LAUNCH_BACKENDS = ("ring", "nccl")
 
 
 class LaunchError(RuntimeError):
-    """A rank failed, or the run outlived its timeout; the message names the rank and its end."""
+    """A rank failed, or the run outlived its timeout; the message names the rank and its end.
+    `results`: every rank's result (returncode None: killed by the launcher)."""
+
+    def __init__(self, message: str, results: "list[RankResult]") -> None:
+        super().__init__(message)
+        self.results = results
 
 
 @dataclass
@@ -112,7 +117,7 @@ def run_local(n: int, command: Sequence[str], *, backend: str = "ring", timeout:
     if failed is not None:
         rank, why = failed
         tail = results[rank].stderr[-3000:] if rank >= 0 else ""
-        raise LaunchError(f"{why}" + (f"\n--- rank {rank} stderr ---\n{tail}" if tail else ""))
+        raise LaunchError(f"{why}" + (f"\n--- rank {rank} stderr ---\n{tail}" if tail else ""), results)
     return results
 
 

@@ -46,7 +46,7 @@ import mlx.core as mlx
 import pymlxc.core as pmx
 from pymlxc import settings as pymlxc_settings
 from pymlxc.backends.metal import generate as loops
-from pymlxc.backends.metal.compiled import CompiledDecoder
+from pymlxc.backends.metal.decode.decoder import CompiledDecoder
 from pymlxc.backends.metal.loader import load_weights_and_config
 from pymlxc.backends.metal.sample import greedy
 from pymlxc.options import LoadConfig

@@ -27,7 +27,7 @@ import mlx.nn as mlx_nn
 import pymlxc.core as pmx
 from pymlxc.backends.metal import generate as loops
 from pymlxc.backends.metal import nn as pnn
-from pymlxc.backends.metal.compiled import CompiledDecoder, decode_capacity
+from pymlxc.backends.metal.decode.decoder import CompiledDecoder, decode_capacity
 from pymlxc.backends.metal.models import get_model_module
 from pymlxc.backends.metal.sample import greedy
 from pymlxc.options import LoadConfig
@@ -97,14 +97,14 @@ def time_pymlxc(config: dict[str, Any], bits: int | None, context: int, steps: i
         return times
     session = decoder.start(cache, context - 1, steps + 2, sampler=greedy)
     assert session is not None, "the compiled path does not apply"
-    from pymlxc.backends.metal import decode_rings, segments
+    from pymlxc.backends.metal.decode import rings, segments
 
     # Each session kind's one-step function (the first call traces); build only, nothing evaluated.
     if isinstance(session, segments.SegmentedSession):
         layers, step_fn = session._layers, session._step  # noqa: SLF001
     else:
         layers, step_fn = session._spec.layers, session._call  # noqa: SLF001
-    session._buffers = [a for layer in layers for a in decode_rings.ring_buffers(layer)]  # noqa: SLF001
+    session._buffers = [a for layer in layers for a in rings.ring_buffers(layer)]  # noqa: SLF001
     tokens = pmx.reshape(first, (1,))
     pos = pmx.array(context - 1, dtype=pmx.int32)
     t = time.perf_counter()

@@ -41,7 +41,7 @@ class Settings:
     """The process's switches. Each field is `PYMLXC_<FIELD NAME IN CAPITALS>` in the environment."""
 
     compile: bool = field(default=True, metadata=_doc("bool", (
-        "Decode on the compiled step (`backends/metal/compiled.py`) where it applies; `0` keeps every "
+        "Decode on the compiled step (`backends/metal/decode/decoder.py`) where it applies; `0` keeps every "
         "generation on the uncompiled loop (the same tokens, more host time per token).")))
     decode: str = field(default="auto", metadata=_doc("auto|graph|segmented", (
         "How the compiled step is built: `graph` (the whole step as one traced graph over masked "

@@ -31,7 +31,7 @@ from .step_queue import StepQueue
 
 if TYPE_CHECKING:
     from .cache import Cache
-    from .compiled import CompiledDecoder
+    from .decode.decoder import CompiledDecoder
 
 # Prompt tokens per forward pass. 2048 as mlx-lm: on a GPU, 512-token chunks measured 0.4-0.6x of
 # mlx-lm's prefill for 2048-token prompts (H100, MLX 0.32.4) from smaller matmuls and more launches;
@@ -204,7 +204,7 @@ def _chunk_forward(model: LanguageModel, mask: Callable[[int, int], mx.Array | N
     layers to the `layer_listener`). With `logits`, returns the chunk's last position's logits
     [B, V]. Either way the last layer's queries, attention output and MLP and the head run on the
     last position alone (`last_only`): every position's keys and values still reach the caches."""
-    from .compiled import CompileUnavailable  # noqa: PLC0415
+    from .decode.decoder import CompileUnavailable  # noqa: PLC0415
 
     use = [runner if mask is None else None]
 

@@ -32,7 +32,7 @@ from pymlxc.types import AttentionSnapshot, BatchResult, ClassifyResult, Generat
 from . import batching
 from . import generate as loops
 from . import prompt_cache as pcache
-from .compiled import CompiledDecoder
+from .decode.decoder import CompiledDecoder
 from .distributed.runtime import agree_options
 from .sample import Sampler, make_logits_processors, make_sampler
 from .training import TrainableMixin

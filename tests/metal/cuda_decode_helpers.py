@@ -12,7 +12,7 @@ import pytest
 
 import pymlxc.core as mx
 from pymlxc.backends.metal import generate as loops
-from pymlxc.backends.metal.compiled import CompiledDecoder
+from pymlxc.backends.metal.decode.decoder import CompiledDecoder
 from pymlxc.backends.metal.loader import load_weights_and_config
 from pymlxc.backends.metal.sample import greedy
 from pymlxc.testing import write_tiny_model

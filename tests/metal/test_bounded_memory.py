@@ -21,8 +21,8 @@ import pymlxc
 import pymlxc.core as mx
 from pymlxc.backends.metal import generate as loops
 from pymlxc.backends.metal import memory_check
-from pymlxc.backends.metal.compiled import CompiledDecoder
-from pymlxc.backends.metal.decode_rings import BUFFER_PAD, BUFFER_STEP, decode_capacity, first_capacity, grown_capacity
+from pymlxc.backends.metal.decode.decoder import CompiledDecoder
+from pymlxc.backends.metal.decode.rings import BUFFER_PAD, BUFFER_STEP, decode_capacity, first_capacity, grown_capacity
 from pymlxc.backends.metal.inspection import inspect_attention
 from pymlxc.backends.metal.loader import LoadedModel, load_weights_and_config
 from pymlxc.backends.metal.sample import greedy

@@ -1,4 +1,4 @@
-"""The compiled decode step (backends/metal/compiled.py) gives the tokens of the uncompiled loop.
+"""The compiled decode step (backends/metal/decode/decoder.py) gives the tokens of the uncompiled loop.
 
 Every architecture decodes greedily with and without the compiled step from the same prompt; the
 prompt and the generation cross the tiny models' sliding windows (16 tokens), so the ring buffers
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import pymlxc.core as mx
 from pymlxc.backends.metal import generate as loops
-from pymlxc.backends.metal.compiled import CompiledDecoder, decode_capacity
+from pymlxc.backends.metal.decode.decoder import CompiledDecoder, decode_capacity
 from pymlxc.backends.metal.loader import LoadedModel, load_weights_and_config
 from pymlxc.backends.metal.sample import greedy, make_logits_processors, make_sampler
 from pymlxc.testing import ARCHITECTURES, write_tiny_model
@@ -283,7 +283,7 @@ def test_the_llama_family_declares_the_segments() -> None:
 def test_segments_take_exactly_the_declaring_architectures(models, arch: str) -> None:
     """`segments.plan` follows the declaration (full attention given); where it plans, the
     segmented decode runs (a segment plan is made) with the uncompiled loop's greedy tokens."""
-    from pymlxc.backends.metal import segments
+    from pymlxc.backends.metal.decode import segments
 
     model = models(arch).model
     windows = model.layer_windows() if hasattr(model, "layer_windows") else [None]
@@ -303,7 +303,7 @@ def segmented(switches: Any) -> None:
 
 @pytest.mark.parametrize("arch", LLAMA_FAMILY)
 def test_segmented_tokens_match_uncompiled(models, segmented: None, arch: str) -> None:
-    from pymlxc.backends.metal import segments
+    from pymlxc.backends.metal.decode import segments
 
     model = models(arch).model
     assert segments.plan(model) is not None
@@ -329,7 +329,7 @@ def test_segmented_quantized_and_continuing_caches(models, segmented: None) -> N
 
 def test_segmented_falls_back_to_the_graph_where_it_does_not_apply(models, segmented: None) -> None:
     """Sliding windows (Gemma) and processors are decoded by the whole-step graph instead."""
-    from pymlxc.backends.metal import segments
+    from pymlxc.backends.metal.decode import segments
 
     model = models("gemma3_text").model
     assert segments.plan(model) is None
@@ -395,7 +395,7 @@ def test_segmented_with_lora_runs_unfused(models, segmented: None) -> None:
 
 def test_decode_mode_follows_the_setting_then_the_device(models: Any) -> None:
     import pymlxc.core as mx
-    from pymlxc.backends.metal.compiled import decode_mode
+    from pymlxc.backends.metal.decode.decoder import decode_mode
     from pymlxc.settings import Settings
 
     for mode in ("segmented", "graph"):
@@ -413,7 +413,7 @@ def test_decode_mode_follows_the_setting_then_the_device(models: Any) -> None:
 def test_joint_qk_norm_is_the_two_norms_bit_for_bit(dtype: str, hq: int, hkv: int, d: int, eps: float,
                                                       seed: int) -> None:
     from pymlxc.backends.metal import nn
-    from pymlxc.backends.metal.segments import FusedProjection, _join_qk_norms, joint_qk_norm
+    from pymlxc.backends.metal.decode.segments import FusedProjection, _join_qk_norms, joint_qk_norm
 
     rng = np.random.default_rng(seed)
     t = getattr(mx, dtype)

@@ -18,9 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pymlxc.core as mx
-from pymlxc.backends.metal import cuda_argmax, segments
+from pymlxc.backends.metal import cuda_argmax
+from pymlxc.backends.metal.decode import segments
 from pymlxc.backends.metal import generate as loops
-from pymlxc.backends.metal.compiled import CompiledDecoder
+from pymlxc.backends.metal.decode.decoder import CompiledDecoder
 from pymlxc.backends.metal.sample import greedy
 
 from .cuda_decode_helpers import (ON_CUDA, check_a_forced_setting_keeps_mlx_kernels, check_the_setting_is_read_by_name,

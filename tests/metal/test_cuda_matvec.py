@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 import pymlxc.core as mx
 from pymlxc.backends.metal import cuda_matvec, matvec, nn, training
 from pymlxc.backends.metal import generate as loops
-from pymlxc.backends.metal.compiled import CompiledDecoder
+from pymlxc.backends.metal.decode.decoder import CompiledDecoder
 from pymlxc.backends.metal.loader import load_weights_and_config
 from pymlxc.backends.metal.nn import choose_cuda_matvec
 from pymlxc.backends.metal.sample import greedy

@@ -20,8 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pymlxc.core as mx
-from pymlxc.backends.metal import cuda_rope_kv, segments
-from pymlxc.backends.metal.compiled import CompiledDecoder
+from pymlxc.backends.metal import cuda_rope_kv
+from pymlxc.backends.metal.decode import segments
+from pymlxc.backends.metal.decode.decoder import CompiledDecoder
 from pymlxc.backends.metal.models.base import RoPE, llama3_freqs
 from pymlxc.testing import LLAMA3_ROPE_SCALING
 

@@ -1,4 +1,4 @@
-"""Prefill through shapeless compiled segments (backends/metal/prefill_segments.py).
+"""Prefill through shapeless compiled segments (backends/metal/decode/prefill.py).
 
 The caches it fills equal the model forward's, bit for bit, over chunks of changing lengths (one
 trace serves them all), for every Llama-family architecture, dense and quantized, with biases;
@@ -15,8 +15,8 @@ import pytest
 
 import pymlxc.core as mx
 from pymlxc.backends.metal import generate as loops
-from pymlxc.backends.metal import prefill_segments
-from pymlxc.backends.metal.compiled import CompiledDecoder
+from pymlxc.backends.metal.decode import prefill
+from pymlxc.backends.metal.decode.decoder import CompiledDecoder
 from pymlxc.backends.metal.loader import LoadedModel, load_weights_and_config
 from pymlxc.backends.metal.sample import greedy
 from pymlxc.testing import write_tiny_model
@@ -73,8 +73,8 @@ def test_generations_use_it_and_keep_their_tokens(models, monkeypatch: pytest.Mo
     model = models("llama").model
     decoder = CompiledDecoder(model)
     calls = []
-    real = prefill_segments.PrefillRunner.__call__
-    monkeypatch.setattr(prefill_segments.PrefillRunner, "__call__",
+    real = prefill.PrefillRunner.__call__
+    monkeypatch.setattr(prefill.PrefillRunner, "__call__",
                         lambda self, *a, **k: calls.append(a[0].shape) or real(self, *a, **k))
     for n in (30, 9, 300):
         prompt = ids(n, seed=n)
@@ -94,7 +94,7 @@ def test_a_segment_that_cannot_trace_hands_back_to_the_model(models, monkeypatch
     def broken(inputs: list[Any]) -> list[Any]:
         raise ValueError("cannot trace this")
 
-    monkeypatch.setattr(prefill_segments, "_trace_mid", broken)
+    monkeypatch.setattr(prefill, "_trace_mid", broken)
     got = list(loops.generate_ids(model, prompt, cache=model.make_cache(None), max_tokens=8, sampler=greedy,
                                   decoder=decoder))
     assert got == want  # the first layer's cache update was undone, then the model's forward ran

@@ -223,19 +223,19 @@ class CountingModel:
 
 
 def test_a_hit_skips_the_prefill_of_the_prefix(models, monkeypatch: pytest.MonkeyPatch) -> None:
-    from pymlxc.backends.metal import prefill_segments
+    from pymlxc.backends.metal.decode import prefill
 
     m, _ = models("llama")
     counting = CountingModel(m.model)
     m._model = counting
     # The segmented decode's prefill (a GPU's default) runs the chunks without the model's forward.
-    run = prefill_segments.PrefillRunner.__call__
+    run = prefill.PrefillRunner.__call__
 
     def counted(self: Any, tokens: Any, *args: Any) -> Any:
         counting.prefilled += tokens.shape[1]
         return run(self, tokens, *args)
 
-    monkeypatch.setattr(prefill_segments.PrefillRunner, "__call__", counted)
+    monkeypatch.setattr(prefill.PrefillRunner, "__call__", counted)
     try:
         prefix, prompt = m.encode(PREFIX), m.encode(PREFIX + REST)
         list(m.generate(PREFIX + REST, max_tokens=4))

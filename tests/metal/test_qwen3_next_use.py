@@ -14,7 +14,7 @@ import pymlxc
 import pymlxc.core as mx
 from pymlxc.backends.metal import generate as loops
 from pymlxc.backends.metal.chat_template import render_chat
-from pymlxc.backends.metal.compiled import CompiledDecoder
+from pymlxc.backends.metal.decode.decoder import CompiledDecoder
 from pymlxc.backends.metal.prompt_cache import PromptCacheError
 from pymlxc.backends.metal.recurrent_cache import RecurrentCache
 from pymlxc.backends.metal.sample import greedy

@@ -13,7 +13,7 @@ import pymlxc
 import pymlxc.core
 from pymlxc import settings
 from pymlxc.backends.metal import generate as loops
-from pymlxc.backends.metal.compiled import CompiledDecoder
+from pymlxc.backends.metal.decode.decoder import CompiledDecoder
 from pymlxc.backends.metal.loader import LoadedModel, load_weights_and_config
 from pymlxc.backends.metal.sample import greedy, make_logits_processors, make_sampler
 from pymlxc.backends.metal.step_queue import StepQueue

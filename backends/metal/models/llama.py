@@ -85,7 +85,7 @@ class Attention(nn.Module):
         self.rope = initialize_rope(head_dim, args.rope_theta, args.rope_traditional, args.rope_scaling)
 
     # The attention in halves, which the segmented decode and prefill (segments.py,
-    # prefill_segments.py) call around their own attention step: `heads` before RoPE, `output` after.
+    # decode/prefill.py) call around their own attention step: `heads` before RoPE, `output` after.
     def heads(self, x: Array, qkv: Callable[[Array], Sequence[Array]] | None = None,
               one_token: bool = False) -> tuple[Array, Array, Array]:
         """q, k, v [B, heads, L, D] of `x` [B, L, dim], before RoPE. `qkv`: the three projections as

@@ -13,7 +13,7 @@ fixed-size buffers instead of growing caches:
   full-attention layer has `R` > every position written so far (it never wraps: slot = position),
   a sliding-window layer keeps `R = window` slots (mlx-lm's rotating cache holds the same tokens);
 * a full-attention layer's buffer starts with room for the prompt and the first token and grows
-  as tokens arrive (`decode_rings.Rings`): to the next multiple of BUFFER_STEP at least, doubling, never past
+  as tokens arrive (`rings.Rings`): to the next multiple of BUFFER_STEP at least, doubling, never past
   what `prompt + max_tokens` needs. So the memory of a short generation does not depend on
   `max_tokens`, and a long one traces once per buffer size (log2 of its length in 256-token steps);
 * the position is an input array (`pos`), used for RoPE (`fast.rope` with an array offset), for
@@ -49,15 +49,31 @@ from pymlxc.core.transforms import FixedArrays
 from pymlxc.settings import Settings
 from pymlxc.settings import current as current_settings
 
-from . import prefill_segments, segments
-from .cache import KVCache
-from .decode_rings import (BUFFER_STEP, RingLayer, Rings, decode_capacity, first_capacity, give_back, plan_rings,
-                           reserve, take_buffers, unreserve)
-from .nn import Module, arrays_of
-from .recurrent_cache import StepRecurrentCache
-from .sample import DEFAULT_PENALTY_CONTEXT, LogitsProcessor, Sampler, apply_processors, greedy
+from ..cache import KVCache
+from ..nn import Module, arrays_of
+from ..recurrent_cache import StepRecurrentCache
+from ..sample import (
+    DEFAULT_PENALTY_CONTEXT,
+    LogitsProcessor,
+    Sampler,
+    apply_processors,
+    greedy,
+)
+from ..step_queue import StepQueue
+from . import prefill, segments
+from .rings import (
+    BUFFER_STEP,
+    RingLayer,
+    Rings,
+    decode_capacity,
+    first_capacity,
+    give_back,
+    plan_rings,
+    reserve,
+    take_buffers,
+    unreserve,
+)
 from .segments import SegmentedSession
-from .step_queue import StepQueue
 from .trace import CompileUnavailable, call_traced, clone_modules
 from .trace import spec as traced_spec
 
@@ -297,7 +313,7 @@ class CompiledDecoder:
     def prefill_runner(self, fuse_greedy: bool, walk: tuple[list[Array], tuple[str, ...]] | None = None
                        ) -> Callable[..., None] | None:
         """`run(tokens, cache, on_layer)`: a prefill chunk through shapeless compiled segments (see
-        prefill_segments.py), on the plan the segmented decode that follows will use; None where the
+        prefill.py), on the plan the segmented decode that follows will use; None where the
         decode is not segmented (or the model not of the Llama family)."""
         model = self._model
         if model is None or decode_mode(self.mode) != "segmented":
@@ -310,8 +326,8 @@ class CompiledDecoder:
         key = ("prefill", *seg_key)
         if key in self._failed:
             return None
-        fns = self._function(key, prefill_segments.PrefillFunctions)
-        return prefill_segments.PrefillRunner(seg_plan, list(model.layers), fns,
+        fns = self._function(key, prefill.PrefillFunctions)
+        return prefill.PrefillRunner(seg_plan, list(model.layers), fns,
                                               on_fail=lambda exc: self._mark_failed(key, exc))
 
     def reserve(self, cache: Sequence[Any], prompt_len: int, max_tokens: int) -> None:
@@ -488,4 +504,4 @@ class DecodeSession:
 
 
 __all__ = ["CompiledDecoder", "DecodeSession", "CompileUnavailable", "decode_capacity", "decode_mode", "reserve",
-           "BUFFER_STEP"]  # CompileUnavailable, decode_capacity, reserve, BUFFER_STEP: from trace.py, decode_rings.py
+           "BUFFER_STEP"]  # CompileUnavailable, decode_capacity, reserve, BUFFER_STEP: from trace.py, rings.py

@@ -1,7 +1,7 @@
 """The segmented decode step of the Llama family: compiled segments between the attentions, and
 attention itself on exact-length keys through MLX's fused kernel.
 
-The whole-step graph of `compiled.py` attends over fixed-size rings with an additive mask. MLX's
+The whole-step graph of `decoder.py` attends over fixed-size rings with an additive mask. MLX's
 CUDA decode kernels take no array mask, so there every layer's attention runs as MLX's unfused
 fallback (scale, matmul, mask, softmax, matmul): four kernels more per layer than mlx-lm, which
 attends over the exact keys. This step keeps the fused kernel: per token it calls
@@ -29,7 +29,7 @@ step, `Attention.output` and `TransformerBlock.finish` after it): a model opts i
 its blocks follow), and `plan()` takes it where every layer attends fully (LoRA-wrapped
 projections are fine: they are called as modules). The tests compare its tokens with the
 uncompiled loop's for every architecture that declares it. Selected with `PYMLXC_DECODE=segmented`;
-see `compiled.py` for the rest.
+see `decoder.py` for the rest.
 """
 from __future__ import annotations
 
@@ -42,13 +42,13 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 from pymlxc.core.transforms import FixedArrays
 
-from . import cuda_argmax, cuda_norm, cuda_rope_kv, kernel_check, nn
-from .decode_rings import Rings, give_back, take_buffers
-from .matvec import quantized_matmul
-from .models import llama
-from .nn import Module, arrays_of
-from .sample import greedy
-from .step_queue import StepQueue
+from .. import cuda_argmax, cuda_norm, cuda_rope_kv, kernel_check, nn
+from ..matvec import quantized_matmul
+from ..models import llama
+from ..nn import Module, arrays_of
+from ..sample import greedy
+from ..step_queue import StepQueue
+from .rings import Rings, give_back, take_buffers
 from .trace import CompileUnavailable, call_traced, clone_modules
 from .trace import spec as traced_spec
 
@@ -440,7 +440,7 @@ class SegmentedSession:
     def __init__(self, plan: SegmentPlan, rings: Rings, fns: SegmentFunctions, sampler: Any,
                  first_position: int, on_fail: Callable[[BaseException], None]) -> None:
         self._rings = rings  # grows the buffers as positions arrive
-        self._layers = rings.layers  # decode_rings.RingLayer: cache and ring size (= buffer length)
+        self._layers = rings.layers  # rings.RingLayer: cache and ring size (= buffer length)
         self._fns = fns
         self._fuse_greedy = plan.fuse_greedy
         self._sampler = sampler

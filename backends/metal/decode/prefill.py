@@ -27,10 +27,10 @@ from typing import Any
 import pymlxc.core as mx
 from pymlxc.core import Array
 
-from . import nn
-from .cache import make_prompt_mask
-from .matvec import mlx_kernels_only
-from .models.base import attention, last_query
+from .. import nn
+from ..cache import make_prompt_mask
+from ..matvec import mlx_kernels_only
+from ..models.base import attention, last_query
 from .segments import SegmentGroup, SegmentPlan, call_segment
 from .trace import CompileUnavailable, clone_modules
 from .trace import spec as traced_spec

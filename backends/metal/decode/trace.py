@@ -15,7 +15,7 @@ from typing import Any
 from pymlxc.core import Array
 from pymlxc.core.transforms import FixedArrays
 
-from .nn import Cloner, Module
+from ..nn import Cloner, Module
 
 
 class CompileUnavailable(RuntimeError):

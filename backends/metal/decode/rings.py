@@ -25,8 +25,8 @@ from typing import Any
 import pymlxc.core as mx
 from pymlxc.core import Array
 
-from .cache import KVCache, RotatingKVCache
-from .recurrent_cache import RecurrentCache
+from ..cache import KVCache, RotatingKVCache
+from ..recurrent_cache import RecurrentCache
 
 BUFFER_STEP = 256  # decode buffers are sized in steps of this many tokens (mlx-lm's cache step)
 # ...plus a few slots, so that a buffer's length is never a multiple of 256. MLX's CUDA backend

@@ -94,6 +94,8 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context-len", type=int, default=None, help="context length in tokens")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (gpu_layers=0)")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar or metrics")
+    parser.add_argument("--distributed", choices=("tensor", "pipeline"), default=None,
+                        help="split the model over the ranks of `pymlxc launch` (docs/distributed.md)")
 
 
 def load(args: argparse.Namespace) -> Any:
@@ -108,6 +110,8 @@ def load(args: argparse.Namespace) -> Any:
         options["context_len"] = args.context_len
     if args.cpu:
         options["gpu_layers"] = 0
+    if getattr(args, "distributed", None) is not None:  # commands with their own load arguments lack it
+        options["distributed"] = args.distributed
     config = make_config(LoadConfig, backend=args.backend, **options)
     backend = registry.default_backend() if config.backend is None else registry.get(config.backend)
     if not backend.available():

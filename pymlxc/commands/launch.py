@@ -1,0 +1,57 @@
+"""`pymlxc launch -n N [--mode tensor|pipeline] -- COMMAND ...`: run a pymlxc command as N ranks on
+this machine (the ring backend over 127.0.0.1, or NCCL with one GPU per rank), the model split by
+`--mode`. Rank 0 answers: its output is shown, the other ranks run the same steps silently. A rank
+that fails ends the run (see `pymlxc.launch`). For several machines use `mlx.launch` with
+`pymlxc COMMAND --distributed MODE` (docs/distributed.md)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
+
+
+def _configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", "--ranks", type=int, required=True, help="how many processes (ranks)")
+    p.add_argument("--mode", choices=("tensor", "pipeline"), default="tensor",
+                   help="how the model is split: tensor (heads and MLP columns per rank) or pipeline (layers per rank)")
+    p.add_argument("--backend", choices=("ring", "nccl"), default="ring",
+                   help="ring (TCP over 127.0.0.1; CPUs and Macs) or nccl (one GPU per rank)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds before every rank is stopped")
+    p.add_argument("--grace", type=float, default=10.0,
+                   help="seconds the other ranks get to end on their own after one fails")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                   help="the pymlxc command every rank runs, e.g. -- generate MODEL 'Hello'")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from pymlxc.launch import LaunchError, run_local  # noqa: PLC0415 - light CLI start-up
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        print("pymlxc launch: no command given (e.g. pymlxc launch -n 2 -- generate MODEL 'Hello')", file=sys.stderr)
+        return 2
+    if args.ranks < 1:
+        print(f"pymlxc launch: -n must be at least 1, not {args.ranks}", file=sys.stderr)
+        return 2
+    command = [sys.executable, "-c", "import sys; from pymlxc.cli import main; sys.exit(main())",
+               *cmd, "--distributed", args.mode]
+    try:
+        results = run_local(args.ranks, command, backend=args.backend, timeout=args.timeout, grace=args.grace,
+                            echo=True)
+    except LaunchError as exc:
+        print(f"pymlxc launch: {exc}", file=sys.stderr)
+        return 1
+    sys.stderr.write(results[0].stderr)
+    return 0
+
+
+def register_commands(register: Callable[[Any], None]) -> None:
+    from pymlxc.cli import Command  # noqa: PLC0415 - cli imports this package
+
+    register(Command("launch", "run a command as N ranks of one distributed model on this machine", _configure, _run))
+
+
+__all__ = ["register_commands"]

@@ -1,0 +1,35 @@
+"""`pymlxc launch -n 2 -- generate ...` prints what one process prints (rank 0 answers, once); a
+failing rank ends the launch with status 1 and names the rank."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pymlxc.testing import write_tiny_model
+
+TESTS = str(Path(__file__).resolve().parents[1])
+CLI = f"import sys; sys.path.insert(0, {TESTS!r}); import conftest; from pymlxc.cli import main; sys.exit(main())"
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", CLI, *argv], capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_launch_generate_answers_once_like_one_process(tmp_path: Path, mode: str) -> None:
+    model = str(write_tiny_model(tmp_path / "q", "qwen3"))
+    alone = _cli("generate", model, "Hello there", "--max-tokens", "8", "-q")
+    assert alone.returncode == 0, alone.stderr
+    launched = _cli("launch", "-n", "2", "--mode", mode, "--", "generate", model, "Hello there", "--max-tokens", "8",
+                    "-q")
+    assert launched.returncode == 0, launched.stderr
+    assert launched.stdout == alone.stdout and alone.stdout.strip()
+
+
+def test_launch_reports_the_failing_rank(tmp_path: Path) -> None:
+    launched = _cli("launch", "-n", "2", "--", "generate", str(tmp_path / "missing"), "hi", "-q")
+    assert launched.returncode == 1
+    assert "pymlxc launch: rank 0 exited with status" in launched.stderr or "rank 1 exited" in launched.stderr

@@ -192,8 +192,8 @@ class Pymlxc(Side):
 
     def used(self, flag: str) -> bool:
         """Whether a segmented decode plan ran with `flag` set: `fused_norm` (the add and norm in one
-        kernel, cuda_norm.py), `cuda_argmax` (greedy's argmax as cuda_argmax.py's kernels) or
-        `rope_kv` (RoPE and the key/value writes as cuda_rope_kv.py's kernel)."""
+        kernel, kernels/add_rms_norm.py), `cuda_argmax` (greedy's argmax as kernels/argmax.py's kernels) or
+        `rope_kv` (RoPE and the key/value writes as kernels/rope_kv.py's kernel)."""
         plans = self.decoder._plans.values() if self.decoder is not None else ()  # noqa: SLF001
         return any(getattr(plan, flag) for plan in plans)
 

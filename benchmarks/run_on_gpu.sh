@@ -28,7 +28,7 @@
 #                         the same cases with more sides (uncompiled decode, no evaluation thread)
 #   variants              Llama-3.2-1B and Qwen3-0.6B with the whole-step graph, segmented and uncompiled sides
 #   profile, probe        benchmarks/profile/profile_generation.py and probe_decode.py: where a token's time goes
-#   matvec, matvec-bench  the 4-bit CUDA matvec kernel (backends/metal/cuda_matvec.py): its GPU tests,
+#   matvec, matvec-bench  the 4-bit CUDA matvec kernel (backends/metal/kernels/matvec.py): its GPU tests,
 #                         benchmarks/profile/probe_matvec.py, the 8B shape without it and the 1B shapes forced onto it
 #   graphs                CUDA kernels per decode step of both sides (benchmarks/profile/probe_cuda_graphs.py)
 #   report                merge this call's bench results;  all = setup smoke tests bench-1b bench-gemma bench-8b report

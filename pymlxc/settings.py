@@ -52,16 +52,16 @@ class Settings:
         "(their weights concatenated once, the linears keep views).")))
     fused_norm: str = field(default="auto", metadata=_doc("auto|0|1", (
         "Segmented decode: each residual add and the RMSNorm after it as one CUDA kernel "
-        "(`cuda_norm.py`). `auto`: on CUDA; `1`: also elsewhere (the kernel then fails its check "
+        "(`kernels/add_rms_norm.py`). `auto`: on CUDA; `1`: also elsewhere (the kernel then fails its check "
         "and MLX's kernels run).")))
     cuda_argmax: str = field(default="auto", metadata=_doc("auto|0|1", (
         "Segmented greedy decode: the argmax over the vocabulary as two CUDA kernels "
-        "(`cuda_argmax.py`). `auto`: on CUDA.")))
+        "(`kernels/argmax.py`). `auto`: on CUDA.")))
     cuda_rope_kv: str = field(default="auto", metadata=_doc("auto|0|1", (
         "Segmented decode: each layer's RoPE and key/value writes as one CUDA kernel "
-        "(`cuda_rope_kv.py`). `auto`: on CUDA.")))
+        "(`kernels/rope_kv.py`). `auto`: on CUDA.")))
     cuda_matvec: str = field(default="auto", metadata=_doc("auto|0|1", (
-        "4-bit quantized products of few rows through pymlxc's CUDA kernel (`cuda_matvec.py`), "
+        "4-bit quantized products of few rows through pymlxc's CUDA kernel (`kernels/matvec.py`), "
         "chosen at load. `auto`: on CUDA for models whose layers are large enough for it to pay; "
         "`1`: for every 4-bit model on CUDA.")))
     eval_thread: str = field(default="auto", metadata=_doc("auto|0|1", (

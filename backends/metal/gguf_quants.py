@@ -36,7 +36,7 @@ from gguf.constants import GGML_QUANT_SIZES
 import pymlxc.core as mx
 from pymlxc.core import Array
 
-from . import matvec, nn
+from . import kernel_choice, nn
 from .kernels import gguf_blocks
 
 GROUP = 32  # MLX's group size for every repacked type
@@ -200,9 +200,9 @@ CHUNK_WEIGHTS = 1 << 24  # weights dequantized at once for a many-row product: b
 
 def dequantize_rows(weight: Array, qtype: QType, dtype: Any) -> Array:
     """Blocks [rows, NB, S] -> [rows, NB * 256] of `dtype`: the GPU kernel where it passed its check,
-    else MLX ops (float32, as the reference, then cast). Inside `matvec.mlx_kernels_only()` MLX ops
+    else MLX ops (float32, as the reference, then cast). Inside `kernel_choice.mlx_kernels_only()` MLX ops
     always: a shapeless trace cannot re-infer a custom kernel's output shape."""
-    kind = gguf_blocks.ready(qtype, dtype) if matvec.kernels_allowed() else None
+    kind = gguf_blocks.ready(qtype, dtype) if kernel_choice.kernels_allowed() else None
     if kind is not None:
         return gguf_blocks.dequantize(weight, qtype, dtype, kind)
     return dequantize_blocks(weight, qtype).astype(dtype)
@@ -216,7 +216,7 @@ def block_matmul(x: Array, weight: Array, qtype: QType) -> Array:
     n, nb = weight.shape[0], weight.shape[1]
     k = x.shape[-1]
     rows = x.size // k if k else 0
-    if 1 <= rows <= gguf_blocks.MAX_X_ROWS and matvec.kernels_allowed():
+    if 1 <= rows <= gguf_blocks.MAX_X_ROWS and kernel_choice.kernels_allowed():
         kind = gguf_blocks.ready(qtype, x.dtype)
         if kind is not None and k == nb * QK_K:
             y = gguf_blocks.matvec(mx.reshape(x, (1, rows, k)), mx.expand_dims(weight, 0),
@@ -317,7 +317,7 @@ class BlockSwitchLinear(nn.Module):
         """gather_mm's result through the matvec kernel, which reads each pair's expert in place;
         None where it does not apply (no checked kernel here, or too many rows a pair)."""
         m, k = x.shape[-2], x.shape[-1]
-        if not (1 <= m <= gguf_blocks.MAX_X_ROWS and matvec.kernels_allowed()
+        if not (1 <= m <= gguf_blocks.MAX_X_ROWS and kernel_choice.kernels_allowed()
                 and k == self.weight.shape[2] * QK_K):
             return None
         kind = gguf_blocks.ready(self.qtype, x.dtype)

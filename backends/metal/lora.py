@@ -16,7 +16,7 @@ from typing import Any
 import pymlxc.core as mx
 from pymlxc.core import Array
 
-from .matvec import mlx_kernels_only
+from .kernel_choice import mlx_kernels_only
 from . import nn as _nn
 from .nn import Embedding, Linear, Module, QuantizedEmbedding, QuantizedLinear
 

@@ -21,8 +21,8 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 from pymlxc.settings import SWITCH
 
-from .kernel_check import on_cuda
-from .matvec import AUTO_MIN_BYTES_PER_LAYER, quantized_matmul, runs_on
+from .kernel_choice import AUTO_MIN_BYTES_PER_LAYER, quantized_matmul, runs_on
+from .kernels.check import on_cuda
 
 _matmul = mx.matmul
 _addmm = mx.addmm
@@ -523,7 +523,7 @@ def shapeless_trace() -> Iterator[None]:
 # ---------------------------------------------------------------------- kernel choice
 
 def choose_cuda_matvec(model: Any, setting: str) -> bool:
-    """Mark `model`'s 4-bit layers to use pymlxc's matvec kernel (matvec.py) where this process runs
+    """Mark `model`'s 4-bit layers to use pymlxc's matvec kernel (kernel_choice.py) where this process runs
     on CUDA and `setting` (PYMLXC_CUDA_MATVEC: `auto`, `1` or `0`) says so, and the kernel runs here;
     returns whether it did. Elsewhere, a no-op. Decided once, at load, for the device in use then."""
     if setting not in SWITCH:

@@ -23,7 +23,7 @@ from pymlxc.training.adapters import (
 from pymlxc.training.config import Encoder, LoRAConfig
 
 from . import lora
-from .matvec import mlx_kernels_only
+from .kernel_choice import mlx_kernels_only
 from .nn import Module, choose_cuda_matvec
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",

@@ -30,7 +30,7 @@ import numpy as np
 
 # Loaded by path: importing the package would load pymlxc's own library, which this probe does not need.
 _spec = importlib.util.spec_from_file_location(
-    "cuda_matvec", Path(__file__).resolve().parents[2] / "backends" / "metal" / "cuda_matvec.py")
+    "cuda_matvec", Path(__file__).resolve().parents[2] / "backends" / "metal" / "kernels" / "matvec.py")
 kernels = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(kernels)
 

@@ -311,7 +311,7 @@ def test_segmented_tokens_match_uncompiled(models, segmented: None, arch: str) -
     ids = prompt()
     assert run(model, ids, decoder) == run(model, ids, None)
     assert run(model, ids[:15], decoder, steps=300) == run(model, ids[:15], None, steps=300)
-    # One trace for every buffer size; with the RoPE kernel (cuda_rope_kv.py, on CUDA) the segments
+    # One trace for every buffer size; with the RoPE kernel (kernels/rope_kv.py, on CUDA) the segments
     # take the buffers as inputs, so one per size (two here).
     rope_kv = any(plan.rope_kv for plan in decoder._plans.values())  # noqa: SLF001
     assert decoder.stats == {"compiled": 2, "fallback": 0, "traces": 2 if rope_kv else 1}

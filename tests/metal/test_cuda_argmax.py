@@ -1,4 +1,4 @@
-"""Greedy's argmax as two CUDA kernels (backends/metal/cuda_argmax.py) in the segmented decode.
+"""Greedy's argmax as two CUDA kernels (backends/metal/kernels/argmax.py) in the segmented decode.
 
 Everywhere: the setting is read by name; off CUDA the segments keep MLX's argmax, and a forced
 setting there warns and keeps it too; with the kernels stood in for by MLX's argmax, the segments
@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pymlxc.core as mx
-from pymlxc.backends.metal import cuda_argmax
 from pymlxc.backends.metal.decode import segments
 from pymlxc.backends.metal import generate as loops
 from pymlxc.backends.metal.decode.decoder import CompiledDecoder
+from pymlxc.backends.metal.kernels import argmax as cuda_argmax
 from pymlxc.backends.metal.sample import greedy
 
 from .cuda_decode_helpers import (ON_CUDA, check_a_forced_setting_keeps_mlx_kernels, check_the_setting_is_read_by_name,

@@ -1,5 +1,5 @@
-"""pymlxc's 4-bit CUDA matrix-vector kernel (backends/metal/cuda_matvec.py) and the choice of
-kernel (backends/metal/matvec.py).
+"""pymlxc's 4-bit CUDA matrix-vector kernel (backends/metal/kernels/matvec.py) and the choice of
+kernel (backends/metal/kernel_choice.py).
 
 Everywhere: the kernel's arithmetic, replayed in numpy on MLX's own quantized layout, gives the
 product with the dequantized weights; the launch covers every output row and no more warps than
@@ -25,9 +25,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pymlxc.core as mx
-from pymlxc.backends.metal import cuda_matvec, matvec, nn, training
+from pymlxc.backends.metal import kernel_choice, nn, training
 from pymlxc.backends.metal import generate as loops
 from pymlxc.backends.metal.decode.decoder import CompiledDecoder
+from pymlxc.backends.metal.kernels import matvec as cuda_matvec
 from pymlxc.backends.metal.loader import load_weights_and_config
 from pymlxc.backends.metal.nn import choose_cuda_matvec
 from pymlxc.backends.metal.sample import greedy
@@ -143,9 +144,9 @@ def test_a_kernel_that_cannot_run_leaves_the_model_on_mlx(tiny, monkeypatch: pyt
         raise mx.MLXError("nvrtc: error: no such architecture")
 
     switches.env("PYMLXC_CUDA_MATVEC", "1")
-    monkeypatch.setattr(matvec.mx, "cuda_available", lambda: True)  # as on a CUDA machine
-    monkeypatch.setattr(matvec.mx, "default_device", lambda: mx.Device("gpu", 0))
-    monkeypatch.setattr(matvec, "_the_kernel", broken)
+    monkeypatch.setattr(kernel_choice.mx, "cuda_available", lambda: True)  # as on a CUDA machine
+    monkeypatch.setattr(kernel_choice.mx, "default_device", lambda: mx.Device("gpu", 0))
+    monkeypatch.setattr(kernel_choice, "_the_kernel", broken)
     with pytest.warns(RuntimeWarning, match="no such architecture"):
         assert choose_cuda_matvec(loaded.model, "1") is False
     assert not any(m.cuda_matvec for m in layers)
@@ -158,10 +159,10 @@ def test_mlx_kernels_only_holds_on_its_thread() -> None:
     want = np.asarray(x.astype(mx.float32), np.float64) @ deq.T
 
     def product() -> np.ndarray:
-        return np.asarray(matvec.quantized_matmul(x, w, s, b, 64, 4, cuda_matvec=True).astype(mx.float32))
+        return np.asarray(kernel_choice.quantized_matmul(x, w, s, b, 64, 4, cuda_matvec=True).astype(mx.float32))
 
     seen: list[Any] = []
-    with matvec.mlx_kernels_only():
+    with kernel_choice.mlx_kernels_only():
         np.testing.assert_allclose(product(), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
         other = threading.Thread(target=lambda: seen.append(_outcome(product)))
         other.start()
@@ -179,7 +180,7 @@ def test_shapes_that_do_not_fit_get_mlx_s_error() -> None:
     past the rows), but MLX's check, which names the shapes."""
     w, s, b = mx.quantize(mx.zeros((16, 128), mx.float16), 64, 4)
     with pytest.raises(mx.MLXError, match=r"Last dimension of first input with shape \(\.\.\., 64\)"):
-        mx.eval(matvec.quantized_matmul(mx.zeros((1, 64), mx.float16), w, s, b, 64, 4, cuda_matvec=True))
+        mx.eval(kernel_choice.quantized_matmul(mx.zeros((1, 64), mx.float16), w, s, b, 64, 4, cuda_matvec=True))
 
 
 def _outcome(fn: Any) -> Any:
@@ -206,7 +207,7 @@ def test_the_kernel_is_as_close_to_float64_as_mlx(m: int, chunks: int, n: int, g
     # Errors relative to the terms' magnitude, sum |x| |w| (a dot product's error bound): a single
     # output that nearly cancels (n = m = 1, K = 32 on an H100) says nothing about the kernel.
     scale = float((np.abs(xf) @ np.abs(deq).T).max()) or 1.0
-    ours = np.asarray(matvec.quantized_matmul(x, w, s, b, group, 4, cuda_matvec=True).astype(mx.float32))
+    ours = np.asarray(kernel_choice.quantized_matmul(x, w, s, b, group, 4, cuda_matvec=True).astype(mx.float32))
     theirs = np.asarray(mx.quantized_matmul(x, w, s, b, True, group, 4).astype(mx.float32))
     err_ours = float(np.abs(ours - want).max()) / scale
     err_theirs = float(np.abs(theirs - want).max()) / scale
@@ -239,7 +240,7 @@ def test_marked_models_keep_their_tokens_in_every_decode_mode(tiny, monkeypatch:
     cache = model.make_cache(None)
     model(tokens[:, :-1], cache=cache)
     ours = np.asarray(model(tokens[:, -1:], cache=cache).astype(mx.float32))
-    with matvec.mlx_kernels_only():
+    with kernel_choice.mlx_kernels_only():
         cache = model.make_cache(None)
         model(tokens[:, :-1], cache=cache)
         theirs = np.asarray(model(tokens[:, -1:], cache=cache).astype(mx.float32))
@@ -255,7 +256,7 @@ def test_the_compiled_prefill_serves_short_and_long_chunks(tiny, monkeypatch: py
     assert runner is not None
     tokens = mx.array([[int(i) for i in np.random.default_rng(4).integers(16, 500, size=45)]], dtype=mx.int32)
     ours, theirs = model.make_cache(None), model.make_cache(None)
-    with matvec.mlx_kernels_only():
+    with kernel_choice.mlx_kernels_only():
         for start, stop in ((0, 3), (3, 45)):  # traced on 3 rows (the kernel's range), replayed on 42
             runner(tokens[:, start:stop], ours)
             model(tokens[:, start:stop], cache=theirs)
@@ -293,8 +294,8 @@ def test_fused_adapter_layers_choose_their_kernel_again(tmp_path: Path, monkeypa
 
     path = write_tiny_model(tmp_path / "m", "qwen3", quantize_bits=4, num_layers=2, dtype="float16")
     switches.env("PYMLXC_CUDA_MATVEC", "1")
-    monkeypatch.setattr(matvec.mx, "cuda_available", lambda: True)  # the choice alone, as on CUDA
-    monkeypatch.setattr(matvec.mx, "default_device", lambda: mx.Device("gpu", 0))
+    monkeypatch.setattr(kernel_choice.mx, "cuda_available", lambda: True)  # the choice alone, as on CUDA
+    monkeypatch.setattr(kernel_choice.mx, "default_device", lambda: mx.Device("gpu", 0))
     monkeypatch.setattr(nn, "runs_on", lambda layer: True)
     with pymlxc.load_model(str(path), backend="metal") as model:
         model.apply_lora(LoRAConfig(rank=4, alpha=8, target_keys=("q_proj", "v_proj")))

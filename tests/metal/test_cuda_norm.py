@@ -1,4 +1,4 @@
-"""The fused residual add + RMSNorm CUDA kernel (backends/metal/cuda_norm.py) and its use in the
+"""The fused residual add + RMSNorm CUDA kernel (backends/metal/kernels/add_rms_norm.py) and its use in the
 segmented decode (backends/metal/decode/segments.py).
 
 Everywhere: the launch geometry follows MLX's `rms_norm` dispatch (the kernel reproduces MLX's
@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pymlxc.core as mx
-from pymlxc.backends.metal import cuda_norm
 from pymlxc.backends.metal.decode import segments
 from pymlxc.backends.metal.decode.decoder import CompiledDecoder
+from pymlxc.backends.metal.kernels import add_rms_norm as cuda_norm
 
 from .cuda_decode_helpers import (ON_CUDA, check_the_setting_is_read_by_name, cuda_only, greedy_ids, plan_flags,
                                   stood_in_decoder, tiny_models)

@@ -1,4 +1,4 @@
-"""Each layer's RoPE and key/value writes as one CUDA kernel (backends/metal/cuda_rope_kv.py) in the
+"""Each layer's RoPE and key/value writes as one CUDA kernel (backends/metal/kernels/rope_kv.py) in the
 segmented decode.
 
 Everywhere: the setting is read by name; off CUDA the segments keep MLX's kernels, and a forced
@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pymlxc.core as mx
-from pymlxc.backends.metal import cuda_rope_kv
 from pymlxc.backends.metal.decode import segments
 from pymlxc.backends.metal.decode.decoder import CompiledDecoder
+from pymlxc.backends.metal.kernels import rope_kv as cuda_rope_kv
 from pymlxc.backends.metal.models.base import RoPE, llama3_freqs
 from pymlxc.testing import LLAMA3_ROPE_SCALING
 
@@ -46,20 +46,20 @@ def fresh_checks():
 
 
 def test_the_ropes_the_kernel_takes() -> None:
-    plain = cuda_rope_kv.rope_of(RoPE(64, base=10000.0), 64)
+    plain = segments.rope_of(RoPE(64, base=10000.0), 64)
     assert plain is not None and not plain.with_freqs and plain.table.shape == (1,)
     assert abs(float(plain.table.item()) - np.log2(10000.0)) < 1e-5
-    assert cuda_rope_kv.rope_of(RoPE(64, base=500000.0), 64).key != plain.key
-    assert cuda_rope_kv.rope_of(RoPE(64, base=10000.0, scale=0.5), 64).key != plain.key
+    assert segments.rope_of(RoPE(64, base=500000.0), 64).key != plain.key
+    assert segments.rope_of(RoPE(64, base=10000.0, scale=0.5), 64).key != plain.key
     freqs = llama3_freqs(64, 500000.0, LLAMA3_ROPE_SCALING)
-    scaled = cuda_rope_kv.rope_of(RoPE(64, base=500000.0, freqs=freqs), 64)
+    scaled = segments.rope_of(RoPE(64, base=500000.0, freqs=freqs), 64)
     assert scaled is not None and scaled.with_freqs and scaled.table.shape == (32,) and scaled.table.dtype == mx.float32
     x, pos = mx.array(np.random.default_rng(1).standard_normal((1, 6, 1, 64)).astype(np.float32)), mx.array(77)
     for module, spec in ((RoPE(64, base=10000.0), plain), (RoPE(64, base=500000.0, freqs=freqs), scaled)):
         assert bool(mx.array_equal(spec.mlx(x, pos), module(x, pos)).item())  # the stand-ins' RoPE is the module's
-    assert cuda_rope_kv.rope_of(RoPE(64, base=10000.0, traditional=True), 64) is None
-    assert cuda_rope_kv.rope_of(RoPE(32, base=10000.0), 64) is None  # a partial rotation
-    assert cuda_rope_kv.rope_of(object(), 64) is None
+    assert segments.rope_of(RoPE(64, base=10000.0, traditional=True), 64) is None
+    assert segments.rope_of(RoPE(32, base=10000.0), 64) is None  # a partial rotation
+    assert segments.rope_of(object(), 64) is None
 
 
 def test_the_private_buffers_are_row_major() -> None:
@@ -143,7 +143,7 @@ def test_heads_of_another_type_than_the_buffers_skip_the_kernel(tiny, monkeypatc
     model = tiny()
     attn = model.layers[0].self_attn
     (qkv, _), = segments.fusions_for(model.layers[:1], {})
-    spec = cuda_rope_kv.rope_of(attn.rope, attn.head_dim)
+    spec = segments.rope_of(attn.rope, attn.head_dim)
     group = segments.segment_group([], {}, rope=spec)
     x = mx.astype(mx.array(np.random.default_rng(3).standard_normal((1, 1, 64)).astype(np.float32)), mx.float16)
     pos = mx.array(4, dtype=mx.int32)
@@ -162,7 +162,7 @@ def test_the_check_rejects_any_difference(monkeypatch: pytest.MonkeyPatch, fault
     off by one unit in the last place in any of them is rejected with a warning naming it; the
     exact one (MLX's kernels themselves) passes."""
     rope = RoPE(16, base=10000.0)
-    spec = cuda_rope_kv.rope_of(rope, 16)
+    spec = segments.rope_of(rope, 16)
 
     def stand_in(qk: Any, v: Any, pos: Any, keys: Any, values: Any, s: Any, n_heads: int) -> Any:
         out = list(cuda_rope_kv.reference(qk, v, pos, keys, values, rope, n_heads))
@@ -193,7 +193,7 @@ def test_the_kernel_is_mlx_rope_and_slice_updates(hq: int, group: int, d: int, d
     hkv = max(1, hq // group)
     freqs = llama3_freqs(d, base, LLAMA3_ROPE_SCALING) if llama3 else None
     rope = RoPE(d, base=base, scale=1.0 if llama3 else scale, freqs=freqs)
-    spec = cuda_rope_kv.rope_of(rope, d)
+    spec = segments.rope_of(rope, d)
     rng = np.random.default_rng(seed)
     t = getattr(mx, dtype)
     qk, v = (mx.astype(mx.array(rng.standard_normal(s).astype(np.float32)), t) for s in [(1, hq + hkv, 1, d), (1, hkv, 1, d)])

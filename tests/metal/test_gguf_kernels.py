@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pymlxc.core as mx
-from pymlxc.backends.metal import gguf_quants, matvec
+from pymlxc.backends.metal import gguf_quants, kernel_choice
 from pymlxc.backends.metal import generate as loops
 from pymlxc.backends.metal.gguf_quants import BlockEmbedding, BlockLinear, BlockSwitchLinear, dequantize_blocks
 from pymlxc.backends.metal.kernels import gguf_blocks
@@ -220,7 +220,7 @@ def test_layers_on_the_kernels_equal_mlx_ops(qtype: Q) -> None:
     x = mx.array(rng.standard_normal((1, 2, 1, 1, 512)).astype(np.float32))
     indices = mx.array(np.array([[[3, 1], [0, 3]]], np.int32).reshape(1, 2, 2))[:, :, :1]
     kernel = np.asarray(switch(x, indices))
-    with matvec.mlx_kernels_only():
+    with kernel_choice.mlx_kernels_only():
         ops = np.asarray(switch(x, indices))
     np.testing.assert_allclose(kernel, ops, rtol=1e-5, atol=1e-5 * float(np.abs(ops).max()))
 
@@ -236,6 +236,6 @@ def test_tiny_model_with_a_q6k_head_decodes_the_same_tokens(tmp_path: Path) -> N
     model = loaded.model
     prompt = [3, 17, 260, 99, 5]
     fast = list(loops.generate_ids(model, prompt, cache=model.make_cache(64), sampler=greedy, max_tokens=12))
-    with matvec.mlx_kernels_only():
+    with kernel_choice.mlx_kernels_only():
         slow = list(loops.generate_ids(model, prompt, cache=model.make_cache(64), sampler=greedy, max_tokens=12))
     assert fast == slow and len(fast) == 12

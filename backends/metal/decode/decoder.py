@@ -178,11 +178,11 @@ class CompiledDecoder:
         self.mode = mode if mode is not None else settings.decode  # "auto": by the device at each generation
         # Segmented mode: run q/k/v and gate/up as one matmul each (weights fused, see segments.py).
         self.fuse_projections = settings.fuse_projections
-        # Segmented mode on CUDA: each residual add and the norm after it as one kernel (cuda_norm.py).
+        # Segmented mode on CUDA: each residual add and the norm after it as one kernel (kernels/add_rms_norm.py).
         self.fused_norm = settings.fused_norm
-        # Segmented mode on CUDA: greedy's argmax as two kernels over many blocks (cuda_argmax.py).
+        # Segmented mode on CUDA: greedy's argmax as two kernels over many blocks (kernels/argmax.py).
         self.cuda_argmax = settings.cuda_argmax
-        # Segmented mode on CUDA: each layer's RoPE and key/value writes as one kernel (cuda_rope_kv.py).
+        # Segmented mode on CUDA: each layer's RoPE and key/value writes as one kernel (kernels/rope_kv.py).
         self.cuda_rope_kv = settings.cuda_rope_kv
         self._fusions: dict[int, Any] = {}
         self._plans: dict[tuple[Any, ...], Any] = {}  # segments.SegmentPlan per segmented key

@@ -29,7 +29,7 @@ from pymlxc.core import Array
 
 from .. import nn
 from ..cache import make_prompt_mask
-from ..matvec import mlx_kernels_only
+from ..kernel_choice import mlx_kernels_only
 from ..models.base import attention, last_query
 from .segments import SegmentGroup, SegmentPlan, call_segment
 from .trace import CompileUnavailable, clone_modules

@@ -18,9 +18,9 @@ segmented generation their weights are concatenated into one array and the proje
 of it (no extra memory; `fuse()`), two and one kernels fewer per layer. A projection given a new
 weight since (an update, an adapter) is seen at the next generation and fused again (or, wrapped in
 LoRA, run on its own).
-On CUDA each residual add and the RMSNorm after it run as one kernel (`cuda_norm.py`, bit-identical
+On CUDA each residual add and the RMSNorm after it run as one kernel (`kernels/add_rms_norm.py`, bit-identical
 to MLX's two; `PYMLXC_FUSED_NORM`): a plan decides once, and its segments trace with or without it.
-Likewise each layer's RoPE and its key/value writes (`cuda_rope_kv.py`, `PYMLXC_CUDA_ROPE_KV`): the
+Likewise each layer's RoPE and its key/value writes (`kernels/rope_kv.py`, `PYMLXC_CUDA_ROPE_KV`): the
 segments then return the joint q/k heads before RoPE, and the kernel writes the session's private
 buffers in place.
 The segments run the model's own block in halves (`llama.Attention.heads` before the attention
@@ -42,9 +42,14 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 from pymlxc.core.transforms import FixedArrays
 
-from .. import cuda_argmax, cuda_norm, cuda_rope_kv, kernel_check, nn
-from ..matvec import quantized_matmul
+from .. import nn
+from ..kernel_choice import quantized_matmul
+from ..kernels import add_rms_norm as norm_kernel
+from ..kernels import argmax as argmax_kernel
+from ..kernels import check as kernel_check
+from ..kernels import rope_kv as rope_kv_kernel
 from ..models import llama
+from ..models.base import RoPE
 from ..nn import Module, arrays_of
 from ..sample import greedy
 from ..step_queue import StepQueue
@@ -70,7 +75,7 @@ def plan(model: Any) -> list[llama.TransformerBlock] | None:
 
 
 def use_fused_norm(model: Any, blocks: Sequence[Any], setting: str) -> bool:
-    """Whether the segments of `model` add and normalize in one kernel (cuda_norm.py): `setting`
+    """Whether the segments of `model` add and normalize in one kernel (`kernels/add_rms_norm.py`): `setting`
     (PYMLXC_FUSED_NORM: auto = on CUDA, 1 = also elsewhere, where the kernel then fails its check,
     or 0) allows it, every norm after a residual is an RMSNorm of a shape and type the kernel takes, and
     the kernel passes its check on this machine."""
@@ -80,11 +85,11 @@ def use_fused_norm(model: Any, blocks: Sequence[Any], setting: str) -> bool:
     if any(type(n) is not nn.RMSNorm for n in norms):
         return False
     kinds = {(n.weight.shape[-1], n.weight.dtype) for n in norms}
-    return len(kinds) == 1 and cuda_norm.applies(*next(iter(kinds))) and cuda_norm.check(*next(iter(kinds)))
+    return len(kinds) == 1 and norm_kernel.applies(*next(iter(kinds))) and norm_kernel.check(*next(iter(kinds)))
 
 
 def use_cuda_argmax(model: Any, setting: str) -> bool:
-    """Whether the last segment's greedy argmax runs as cuda_argmax.py's kernels: `setting`
+    """Whether the last segment's greedy argmax runs as `kernels/argmax.py`'s kernels: `setting`
     (PYMLXC_CUDA_ARGMAX: auto = on CUDA, 1 = also elsewhere, where the kernels then fail their
     check, or 0) allows it, the logits are of a floating type, and the kernels pass their check."""
     if setting == "0" or (setting == "auto" and not kernel_check.on_cuda()):
@@ -93,12 +98,12 @@ def use_cuda_argmax(model: Any, setting: str) -> bool:
     head = model.lm_head if model.lm_head is not None else embed
     dtype = getattr(head, "scales", head.weight).dtype  # a quantized head's outputs take its scales' type
     vocab = head.weight.shape[0]
-    return cuda_argmax.applies(dtype) and cuda_argmax.check(vocab, dtype)
+    return argmax_kernel.applies(dtype) and argmax_kernel.check(vocab, dtype)
 
 
 def use_rope_kv(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None,
-                setting: str) -> cuda_rope_kv.Rope | None:
-    """The RoPE for cuda_rope_kv.py's kernel where each layer's RoPE and key/value writes run as
+                setting: str) -> rope_kv_kernel.Rope | None:
+    """The RoPE for `kernels/rope_kv.py`'s kernel where each layer's RoPE and key/value writes run as
     that kernel, else None: `setting` (PYMLXC_CUDA_ROPE_KV: auto = on CUDA, 1 = also elsewhere,
     where the kernel then fails its check, or 0) allows it, every block's q/k/v projections are
     fused (the kernel takes the joint q and k heads; Qwen3's norms joined too), all layers share
@@ -111,17 +116,28 @@ def use_rope_kv(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple[Fusio
         return None
     first = attns[0]
     shape = (first.n_heads, first.n_kv_heads, first.head_dim)
-    ropes = [cuda_rope_kv.rope_of(a.rope, a.head_dim) for a in attns]
+    ropes = [rope_of(a.rope, a.head_dim) for a in attns]
     if (ropes[0] is None or any(r is None or r.key != ropes[0].key for r in ropes)
             or any((a.n_heads, a.n_kv_heads, a.head_dim) != shape for a in attns)):
         return None
     embed = model.model.embed_tokens
     dtype = getattr(embed, "scales", embed.weight).dtype  # the hidden states' type
     hq, hkv, d = shape
-    return ropes[0] if cuda_rope_kv.check(dtype, hq, hkv, d, d, ropes[0], first.rope) else None
+    return ropes[0] if rope_kv_kernel.check(dtype, hq, hkv, d, d, ropes[0], first.rope) else None
 
 
 # ---------------------------------------------------------------------- fused projections
+
+def rope_of(module: Any, head_dim: int) -> rope_kv_kernel.Rope | None:
+    """The RoPE + cache-write kernel's form of a block's `models.base.RoPE` (exactly that class:
+    a subclass may rotate differently); None where the kernel cannot reproduce it."""
+    if type(module) is not RoPE:
+        return None
+    return rope_kv_kernel.rope_table(dims=module.dims, traditional=module.traditional, base=module.base,
+                                     scale=module.scale,
+                                     freqs=module._freqs,  # noqa: SLF001 - the module's constant, read-only
+                                     head_dim=head_dim)
+
 
 class FusedProjection(Module):
     """Linears of one input as one matmul: the concatenated weight (dense: its transpose) and,
@@ -248,7 +264,7 @@ def fusions_for(blocks: Sequence[Any], known: dict[int, tuple[Any, Fusion | None
 def _project(attn: Any, x: Array, pos: Array, qkv: FusedProjection | None, rope_kv: bool = False) -> list[Array]:
     """q, k, v [B, heads, 1, D] of one token, as the attention's `heads` makes them, RoPE'd at `pos`;
     with `rope_kv` (the plan checked the fusions) [joint q and k heads before RoPE, v], for
-    cuda_rope_kv.py's kernel."""
+    `kernels/rope_kv.py`'s kernel."""
     qk_norm = bool(attn.qk_norms())
     if qkv is not None and (not qk_norm or qkv.qk_norm_weight is not None):
         # One RoPE call for q and k: their heads are adjacent in the joint output [B, 1, heads * D].
@@ -278,9 +294,9 @@ def joint_qk_norm(qk: Array, qkv: FusedProjection) -> Array:
 
 
 def _add_norm(h: Array, out: Array, norm: Any, fused: bool) -> tuple[Array, Array]:
-    """(h + out, norm(h + out)): one CUDA kernel when `fused` (cuda_norm.py), else MLX's two."""
+    """(h + out, norm(h + out)): one CUDA kernel when `fused` (`kernels/add_rms_norm.py`), else MLX's two."""
     if fused and h.dtype == out.dtype == norm.weight.dtype:
-        return cuda_norm.add_rms_norm(h, out, norm.weight, norm.eps)
+        return norm_kernel.add_rms_norm(h, out, norm.weight, norm.eps)
     h = h + out
     return h, norm(h)
 
@@ -306,9 +322,9 @@ def _heads(group: "SegmentGroup", attn: Any, x: Array, pos: Array, qkv: FusedPro
     if not qk.dtype == v.dtype == dtype == values.dtype:
         # The kernel writes the heads' type into the buffers: where they differ (caches filled in
         # another type than the step computes in, say), MLX's RoPE and casting updates do it.
-        return list(cuda_rope_kv.reference(qk, v, pos, keys, values, attn.rope, attn.n_heads))
+        return list(rope_kv_kernel.reference(qk, v, pos, keys, values, attn.rope, attn.n_heads))
     rope = dataclasses.replace(group.rope, table=table, scale=scale)
-    return list(cuda_rope_kv.rope_write_kv(qk, v, pos, keys, values, rope, attn.n_heads))
+    return list(rope_kv_kernel.rope_write_kv(qk, v, pos, keys, values, rope, attn.n_heads))
 
 
 def _trace_first(inputs: list[Array]) -> list[Array]:
@@ -340,7 +356,7 @@ def _trace_last(inputs: list[Array]) -> list[Array]:
     logits = embed.as_linear(h) if group.tied else head(h)
     logits = mx.reshape(logits, (logits.shape[0], logits.shape[-1]))
     if group.fuse_greedy:
-        logits = cuda_argmax.argmax(logits) if group.cuda_argmax else greedy(logits)
+        logits = argmax_kernel.argmax(logits) if group.cuda_argmax else greedy(logits)
     return [logits, pos + 1]
 
 
@@ -354,9 +370,9 @@ class SegmentGroup:
     stats: dict[str, int]
     tied: bool = False
     fuse_greedy: bool = False
-    fused_norm: bool = False  # residual adds and the norms after them in one kernel (cuda_norm.py)
-    cuda_argmax: bool = False  # greedy's argmax as cuda_argmax.py's kernels
-    rope: cuda_rope_kv.Rope | None = None  # RoPE and the key/value writes as cuda_rope_kv.py's kernel
+    fused_norm: bool = False  # residual adds and the norms after them in one kernel (`kernels/add_rms_norm.py`)
+    cuda_argmax: bool = False  # greedy's argmax as `kernels/argmax.py`'s kernels
+    rope: rope_kv_kernel.Rope | None = None  # RoPE and the key/value writes as `kernels/rope_kv.py`'s kernel
 
     @property
     def kv_inputs(self) -> int:
@@ -407,7 +423,7 @@ class SegmentPlan:
     def __init__(self, model: Any, blocks: list[Any], fuse_greedy: bool, stats: dict[str, int],
                  fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None, signature: tuple[int, ...],
                  fused_norm: bool = False, cuda_argmax: bool = False,
-                 rope: cuda_rope_kv.Rope | None = None) -> None:
+                 rope: rope_kv_kernel.Rope | None = None) -> None:
         inner = model.model
         tied = model.lm_head is None
         fusions = fusions or [(None, None)] * len(blocks)
@@ -415,7 +431,7 @@ class SegmentPlan:
         gate_up = [f[1].fused if f[1] is not None else None for f in fusions]
         self.signature = signature
         self.fuse_greedy = fuse_greedy
-        self.rope = rope  # each layer's RoPE and key/value writes as cuda_rope_kv.py's kernel
+        self.rope = rope  # each layer's RoPE and key/value writes as `kernels/rope_kv.py`'s kernel
         self.rope_kv = rope is not None
         self.first = segment_group([inner.embed_tokens, blocks[0].input_layernorm, blocks[0].self_attn, qkv[0]], stats,
                             rope=rope)
@@ -457,7 +473,7 @@ class SegmentedSession:
         """One token through every layer; returns (sampled ids or logits, pos + 1)."""
         grown = self._rings.grow_for(self._position, self._buffers)
         if grown is not None:  # longer buffers (with the RoPE kernel: its own, written in place)
-            self._buffers = [cuda_rope_kv.private_copy(a) for a in grown] if self._rope is not None else grown
+            self._buffers = [rope_kv_kernel.private_copy(a) for a in grown] if self._rope is not None else grown
         fns = self._fns
         *heads, h = call_segment(fns.first, self._first, [tokens, pos, *self._kv_inputs(0)])
         out = None
@@ -497,7 +513,7 @@ class SegmentedSession:
     def decode(self, first_inputs: Array, max_tokens: int, queue: StepQueue) -> Iterator[Array]:
         self._buffers = take_buffers(self._layers)  # the session owns them until it gives them back
         if self._rope is not None:  # written in place by the kernel: no other array may share them
-            self._buffers = [cuda_rope_kv.private_copy(a) for a in self._buffers]
+            self._buffers = [rope_kv_kernel.private_copy(a) for a in self._buffers]
         queue.hand_over([first_inputs, self._buffers, self._plan.arrays()])
         b = first_inputs.shape[0]
         position: list[Array] = []  # the step's position input, carried from step to step
@@ -525,5 +541,5 @@ class SegmentedSession:
                 self._buffers = []
 
 
-__all__ = ["plan", "fuse", "fusions_for", "FusedProjection", "Fusion", "SegmentFunctions", "SegmentGroup",
+__all__ = ["plan", "rope_of", "fuse", "fusions_for", "FusedProjection", "Fusion", "SegmentFunctions", "SegmentGroup",
            "SegmentPlan", "SegmentedSession", "call_segment", "segment_group"]

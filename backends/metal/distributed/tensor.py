@@ -19,7 +19,7 @@ from pymlxc.core import Array
 from pymlxc.core import distributed as dist
 
 from .. import nn
-from ..matvec import quantized_matmul
+from ..kernel_choice import quantized_matmul
 from ..switch import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 from .errors import ShardingError
 

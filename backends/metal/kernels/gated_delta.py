@@ -11,7 +11,7 @@ Launch: grid (32, Dv, B * Hv) threads in groups of (32, ROWS, 1); Dk a multiple 
 The model decodes through `run` (one token per call); prefill takes the chunked MLX form
 (models/gated_delta.py), whose matrix products beat a per-token loop on long prompts. `ready`
 compares the kernel with the MLX ops once per process and shape (`compare`, through
-kernel_check.CheckedOnce), and keeps the ops with a warning where it cannot run or disagrees.
+check.CheckedOnce), and keeps the ops with a warning where it cannot run or disagrees.
 The CUDA source is compiled by nvcc in the tests; neither kernel has run on a GPU in them.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 import pymlxc.core as mx
 from pymlxc.core import Array
 
-from ..kernel_check import CheckedOnce
+from .check import CheckedOnce
 from .metal_kernel import SharedMetalKernel
 
 ROWS = 4  # state rows (warps) per block / threadgroup

@@ -41,7 +41,7 @@ from gguf.constants import GGML_QUANT_SIZES
 import pymlxc.core as mx
 from pymlxc.core import Array
 
-from ..kernel_check import CheckedOnce
+from .check import CheckedOnce
 from .metal_kernel import SharedMetalKernel
 
 QK_K = 256

@@ -18,7 +18,7 @@ faster than MLX's own matrix-vector kernel, about 2.0 against 2.1 TB/s on an H10
 `benchmarks/profile/probe_matvec.py`; docs/performance.md).
 
 This module holds only the source and the launch geometry, so that the probe can run the same
-kernel through MLX's own Python API; `matvec.py` applies it through `pymlxc.core`.
+kernel through MLX's own Python API; `kernel_choice.py` applies it through `pymlxc.core`.
 """
 from __future__ import annotations
 

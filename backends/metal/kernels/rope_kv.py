@@ -42,7 +42,7 @@ import numpy as np
 import pymlxc.core as mx
 from pymlxc.core import Array
 
-from . import kernel_check
+from .check import CheckedOnce
 
 THREADS = 128
 
@@ -135,24 +135,23 @@ def _log2f(x: float) -> float:
     return float(np.float32(math.log2(float(np.float32(x)))))
 
 
-def rope_of(module: Any, head_dim: int) -> Rope | None:
-    """The kernel's form of a models.base.RoPE rotating all `head_dim` features in the usual
-    (non-traditional) layout; None for anything else (then MLX's kernels stay)."""
-    from .models.base import RoPE  # noqa: PLC0415
-
-    if type(module) is not RoPE or module.traditional or module.dims != head_dim or head_dim % 2:
+def rope_table(*, dims: int, traditional: bool, base: float | None, scale: float, freqs: Array | None,
+               head_dim: int) -> Rope | None:
+    """The kernel's form of a RoPE (models.base.RoPE's fields) rotating all `head_dim` features in
+    the usual (non-traditional) layout; None for anything else (then MLX's kernels stay)."""
+    if traditional or dims != head_dim or head_dim % 2:
         return None
-    freqs = module._freqs  # noqa: SLF001 - the module's constant, read-only
-    scale = mx.array([module.scale], dtype=mx.float32)
+    scale_arr = mx.array([scale], dtype=mx.float32)
     if freqs is not None:
         if tuple(freqs.shape) != (head_dim // 2,):
             return None
         table = mx.astype(freqs, mx.float32)
         mx.eval(table)
-        return Rope(table, scale, True, ("freqs", np.asarray(table).tobytes(), module.scale), None, module.scale)
-    base = _log2f(module.base)
-    return Rope(mx.array([base], dtype=mx.float32), scale, False, ("base", base, module.scale), module.base,
-                module.scale)
+        return Rope(table, scale_arr, True, ("freqs", np.asarray(table).tobytes(), scale), None, scale)
+    if base is None:
+        return None
+    log_base = _log2f(base)
+    return Rope(mx.array([log_base], dtype=mx.float32), scale_arr, False, ("base", log_base, scale), base, scale)
 
 
 def rope_write_kv(qk: Array, v: Array, pos: Array, keys: Array, values: Array, rope: Rope, n_heads: int
@@ -197,7 +196,7 @@ def private_copy(a: Array) -> Array:
     return mx.multiply(mx.contiguous(a, False), mx.array(1, dtype=a.dtype))
 
 
-checks = kernel_check.CheckedOnce("pymlxc's RoPE + cache-write CUDA kernel")
+checks = CheckedOnce("pymlxc's RoPE + cache-write CUDA kernel")
 
 
 def check(dtype: Any, n_heads: int, n_kv_heads: int, d: int, dv: int, rope: Rope, apply_rope: Any) -> bool:
@@ -232,4 +231,4 @@ def _compare(dtype: Any, hq: int, hkv: int, d: int, dv: int, rope: Rope, apply_r
     return None
 
 
-__all__ = ["Rope", "check", "checks", "private_copy", "reference", "rope_of", "rope_write_kv"]
+__all__ = ["Rope", "check", "checks", "private_copy", "reference", "rope_table", "rope_write_kv"]

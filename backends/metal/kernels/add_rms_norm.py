@@ -26,7 +26,7 @@ import numpy as np
 import pymlxc.core as mx
 from pymlxc.core import Array
 
-from . import kernel_check
+from .check import CheckedOnce
 
 NAME = "pymlxc_add_rms_norm"
 INPUTS = ("a", "b", "w", "eps")
@@ -137,7 +137,7 @@ def unfused(a: Array, b: Array, weight: Array, eps: float) -> tuple[Array, Array
     return h, mx.fast.rms_norm(h, weight, eps)
 
 
-checks = kernel_check.CheckedOnce("pymlxc's fused add + RMSNorm CUDA kernel")
+checks = CheckedOnce("pymlxc's fused add + RMSNorm CUDA kernel")
 
 
 def check(d: int, dtype: Any) -> bool:

@@ -24,7 +24,7 @@ import numpy as np
 import pymlxc.core as mx
 from pymlxc.core import Array
 
-from . import kernel_check
+from .check import CheckedOnce
 
 THREADS = 256  # per block, both stages
 MAX_SLICES = 128  # blocks per row in the first stage
@@ -130,7 +130,7 @@ def argmax(logits: Array) -> Array:
     return out
 
 
-checks = kernel_check.CheckedOnce("the CUDA argmax kernel")
+checks = CheckedOnce("the CUDA argmax kernel")
 
 
 def check(v: int, dtype: Any) -> bool:

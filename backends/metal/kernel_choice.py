@@ -1,5 +1,5 @@
 """Which kernel multiplies a few rows of x by a 4-bit weight on CUDA: MLX's `quantized_matmul` or
-pymlxc's matrix-vector kernel (`cuda_matvec`).
+pymlxc's matrix-vector kernel (`kernels/matvec.py`).
 
 pymlxc's 4-bit kernel reads the weights at about 1.8x the bandwidth of MLX's (H100,
 `benchmarks/profile/probe_matvec.py`), but on small matrices a call of it costs more host time (10 against
@@ -28,13 +28,14 @@ from typing import Any
 import pymlxc.core as mx
 from pymlxc.core import Array
 
-from . import cuda_matvec as kernels
+from .kernels import matvec as matvec_kernel
 
 # 4-bit bytes per block: Llama-3.1-8B 140 MB, Llama-3.2-1B 43 MB, Gemma-3-1B 22 MB, Qwen3-0.6B 12 MB.
 AUTO_MIN_BYTES_PER_LAYER = 30_000_000
 _state = threading.local()
-_the_kernel = mx.fast.SharedKernel(kernels.QUANTIZED_NAME, kernels.QUANTIZED_INPUTS, kernels.OUTPUT_NAMES,
-                                   kernels.QUANTIZED_SOURCE, header=kernels.HEADER)
+_the_kernel = mx.fast.SharedKernel(matvec_kernel.QUANTIZED_NAME, matvec_kernel.QUANTIZED_INPUTS,
+                                   matvec_kernel.OUTPUT_NAMES, matvec_kernel.QUANTIZED_SOURCE,
+                                   header=matvec_kernel.HEADER)
 
 
 def _use(cuda_matvec: bool) -> bool:
@@ -65,11 +66,11 @@ def quantized_matmul(x: Array, weight: Array, scales: Array, biases: Array, grou
         k = x.shape[-1]
         rows = x.size // k if k else 0
         # The cheap tests first: a prompt chunk (many rows) goes to MLX without the shape checks.
-        if (kernels.quantized_applies(rows, k, bits, group_size, x.dtype.size)
+        if (matvec_kernel.quantized_applies(rows, k, bits, group_size, x.dtype.size)
                 and _fits(x, weight, scales, biases, group_size)):
             n = weight.shape[0]
             return _the_kernel()([x, weight, scales, biases], output_shapes=[(*x.shape[:-1], n)],
-                                 output_dtypes=[x.dtype], **kernels.launch(rows, k, n, x.dtype, group_size))[0]
+                                 output_dtypes=[x.dtype], **matvec_kernel.launch(rows, k, n, x.dtype, group_size))[0]
     return mx.quantized_matmul(x, weight, scales, biases, True, group_size, bits)
 
 

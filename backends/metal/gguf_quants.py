@@ -38,6 +38,7 @@ from pymlxc.core import Array
 
 from . import kernel_choice, nn
 from .kernels import gguf_blocks
+from .models.switch_layers import SwitchLinear
 
 GROUP = 32  # MLX's group size for every repacked type
 QK_K = 256
@@ -333,8 +334,6 @@ class BlockSwitchLinear(nn.Module):
 
 def block_form(layer: nn.Module, qtype: QType, dtype: mx.Dtype) -> nn.Module:
     """The placeholder block layer that replaces `layer` (Linear, Embedding or SwitchLinear)."""
-    from .switch import SwitchLinear
-
     if isinstance(layer, nn.Linear):
         out_dims, in_dims = layer.weight.shape
         return BlockLinear(in_dims, out_dims, qtype, "bias" in vars(layer), dtype)
@@ -362,7 +361,7 @@ def use_block_layers(model: nn.Module, types: dict[str, Any], dtype: mx.Dtype = 
         setattr(owner, name, block_form(layer, qtype, dtype))
         swapped += 1
     for qtype in sorted({QType(t) for t in types.values()}):
-        gguf_blocks.ready(qtype, dtype)  # compile and check the kernels now, not in the first generation
+        gguf_blocks.ready(qtype, dtype)  # check the kernels now (every dtype), not in a generation
     return swapped
 
 

@@ -25,7 +25,7 @@ from pymlxc.settings import current as current_settings
 from . import nn
 from .config_check import ConfigError, check_against_tensors
 from .models import UnsupportedModelError, get_model_module, infer_model_type
-from .switch import QuantizedSwitchLinear
+from .models.switch_layers import QuantizedSwitchLinear
 
 Progress = Callable[[int, int], None]
 

@@ -396,7 +396,7 @@ class OffsetRMSNorm(Module):
 
 QuantPredicate = Callable[[str, Module], "dict[str, int] | bool"]
 
-# Other layer types with a quantized form (e.g. the experts' SwitchLinear in switch.py): type ->
+# Other layer types with a quantized form (e.g. the experts' SwitchLinear in models/switch_layers.py): type ->
 # factory(layer, group_size=, bits=) giving the placeholder quantized module. Registered by the
 # module that defines the layer.
 QUANTIZED_FORMS: dict[type, Callable[..., Module]] = {}

@@ -32,7 +32,7 @@ from pymlxc.backends.metal.gguf_quants import (AFFINE_BITS, BLOCK_TYPES, EXACT_A
                                                BlockSwitchLinear, QuantError, affine_parts, dequantize_blocks,
                                                repack_affine)
 from pymlxc.backends.metal.loader import load_weights_and_config
-from pymlxc.backends.metal.switch import QuantizedSwitchLinear
+from pymlxc.backends.metal.models.switch_layers import QuantizedSwitchLinear
 from pymlxc.testing import write_tiny_model
 
 from .gguf_export import export_gguf

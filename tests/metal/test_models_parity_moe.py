@@ -23,7 +23,7 @@ from pymlxc.backends.metal import nn
 from pymlxc.backends.metal.loader import load_weights_and_config
 from pymlxc.backends.metal.models import gemma4, qwen3_moe
 from pymlxc.backends.metal.models.base import ConfigError
-from pymlxc.backends.metal.switch import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
+from pymlxc.backends.metal.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 from pymlxc.testing import write_tiny_model
 
 from .test_models_parity import ATOL, PROMPT_LEN, STEPS, models, prompt_ids, run_both  # noqa: F401 (fixture)

@@ -26,7 +26,7 @@ from pymlxc.backends.metal.loader import LoadedModel, load_weights_and_config
 from pymlxc.backends.metal.models import qwen3_5, qwen3_next
 from pymlxc.backends.metal.models.base import ConfigError
 from pymlxc.backends.metal.recurrent_cache import RecurrentCache
-from pymlxc.backends.metal.switch import QuantizedSwitchLinear
+from pymlxc.backends.metal.models.switch_layers import QuantizedSwitchLinear
 from pymlxc.testing import write_tiny_model
 
 mlx = importlib.import_module("mlx.core")

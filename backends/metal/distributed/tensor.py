@@ -20,7 +20,7 @@ from pymlxc.core import distributed as dist
 
 from .. import nn
 from ..kernel_choice import quantized_matmul
-from ..switch import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
+from ..models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 from .errors import ShardingError
 
 # Families whose blocks are `self_attn` (q/k/v/o_proj, n_heads, n_kv_heads) + `mlp` (gate/up/down or

@@ -28,11 +28,11 @@ from pymlxc.core import Array
 
 from .. import nn
 from ..cache import Cache, Mask
-from ..switch import SwitchGLU, geglu
 from .base import (
     BaseModelArgs, ConfigError, LayerMasks, RoPE, TiedHead, attention, initialize_rope, make_layer_caches,
     rope_scaling_type, softcap, after_layer,
 )
+from .switch_layers import SwitchGLU, geglu
 
 _reshape = mx.reshape
 _transpose = mx.transpose

@@ -10,10 +10,10 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 
 from .. import nn
-from ..switch import SwitchGLU
 from . import llama, qwen2
 from .base import ConfigError
 from .qwen3_moe import stack_experts
+from .switch_layers import SwitchGLU
 
 
 @dataclass

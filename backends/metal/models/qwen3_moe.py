@@ -15,9 +15,9 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 
 from .. import nn
-from ..switch import SwitchGLU
 from . import llama, qwen3
 from .base import ConfigError
+from .switch_layers import SwitchGLU
 
 
 @dataclass

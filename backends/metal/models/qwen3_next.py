@@ -26,11 +26,11 @@ from .. import nn
 from ..cache import Cache, Mask
 from ..kernels import gated_delta as kernels
 from ..recurrent_cache import RecurrentCache
-from ..switch import SwitchGLU
 from . import gated_delta, llama
 from .base import (BaseModelArgs, ConfigError, LayerMasks, TiedHead, after_layer, attention, initialize_rope,
                    last_query, make_layer_caches, rope_scaling_type)
 from .qwen3_moe import combine, stack_experts, top_k_routing
+from .switch_layers import SwitchGLU
 
 _reshape = mx.reshape
 _transpose = mx.transpose

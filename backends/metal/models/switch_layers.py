@@ -15,7 +15,7 @@ from collections.abc import Callable
 import pymlxc.core as mx
 from pymlxc.core import Array
 
-from . import nn
+from .. import nn
 
 _SORT_AT = 64  # (token, expert) pairs from which sorting pays for itself (mlx-lm's threshold)
 

@@ -344,7 +344,7 @@ def generate_ids(model: LanguageModel, prompt: Sequence[int], *, cache: Sequence
     `cached`: how many prompt tokens `cache` holds already (at most all but the last). `sampled_ids`
     receives every sampled id, stop ids included, as it is read: with the prompt, the tokens the
     cache has seen (the cache's offset says how many of them went in). `decoder`: decode on its
-    compiled step where it applies (see `compiled.py`; the same tokens as without it)."""
+    compiled step where it applies (see `decode/decoder.py`; the same tokens as without it)."""
     if not prompt:
         raise ValueError("the prompt has no tokens")
     if not 0 <= cached < len(prompt):

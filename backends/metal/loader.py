@@ -52,7 +52,7 @@ class LoadedModel:
     nbytes: int
     quantized_modules: int = 0
     context_len: int = 131072
-    cuda_matvec: bool = False  # 4-bit products of few rows through pymlxc's CUDA kernel (matvec.py)
+    cuda_matvec: bool = False  # 4-bit products of few rows through pymlxc's CUDA kernel (kernel_choice.py)
     _freed: bool = field(default=False, repr=False)
 
     @property

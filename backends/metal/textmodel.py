@@ -141,7 +141,7 @@ class MetalTextModel(TrainableMixin):
         if release is not None:
             self._resources.callback(release)
         self._resources.callback(self._prompt_cache.clear)
-        # The compiled decode step (see compiled.py), used where it applies unless PYMLXC_COMPILE=0.
+        # The compiled decode step (see decode/decoder.py), used where it applies unless PYMLXC_COMPILE=0.
         self.settings = config.settings  # the PYMLXC_* switches this model runs with (pymlxc/settings.py)
         self._decoder = CompiledDecoder(model, settings=config.settings)
         self._resources.callback(self._decoder.close)

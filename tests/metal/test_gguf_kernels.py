@@ -115,7 +115,8 @@ def test_one_chunk_and_many_chunks_agree(monkeypatch: pytest.MonkeyPatch) -> Non
     x = mx.array(np.random.default_rng(4).standard_normal((2, 5, 512)).astype(np.float32))
     whole = np.asarray(layer(x))
     monkeypatch.setattr(gguf_quants, "CHUNK_WEIGHTS", 7 * 512)  # 14 chunks, the last one short
-    np.testing.assert_array_equal(np.asarray(layer(x)), whole)
+    # Equal on the CPU; cuBLAS sums a narrower matrix in another order (H100: 4e-4 on values up to 500).
+    np.testing.assert_allclose(np.asarray(layer(x)), whole, rtol=1e-5, atol=1e-5 * float(np.abs(whole).max()))
     assert whole.shape == (2, 5, 96)
 
 
@@ -135,7 +136,7 @@ def test_a_kernel_that_cannot_run_warns_and_mlx_ops_compute(monkeypatch: pytest.
         warnings.simplefilter("error", RuntimeWarning)  # checked once: no second warning
         layer(mx.array(x))
     assert gguf_blocks.ready(Q.Q3_K, mx.float32) is None
-    assert gguf_blocks.checks.known() == {("cuda", int(Q.Q3_K), str(mx.float32)): False}
+    assert gguf_blocks.checks.known() == {("cuda", int(Q.Q3_K)): False}
     gguf_blocks.checks.forget()
 
 

@@ -49,6 +49,7 @@ TYPE_IDS = {QType.Q2_K: 10, QType.Q3_K: 11, QType.Q6_K: 14}  # ggml's type numbe
 MAX_X_ROWS = 8  # more rows of x (prefill) dequantize chunks of rows for MLX's matmul instead
 ROWS_PER_WARP = 2
 THREADS = 128  # per block / threadgroup: 4 warps
+FLOAT_TYPES = (mx.float16, mx.bfloat16, mx.float32)  # x dtypes the kernels take
 
 # ---------------------------------------------------------------------------------------- CUDA
 
@@ -353,8 +354,11 @@ def ready(qtype: QType, dtype: Any) -> str | None:
     kind = device_kind()
     if kind is None:
         return None
-    ok = checks.verdict((kind, int(qtype), str(dtype)), lambda: _compare(kind, qtype, dtype))
-    return kind if ok else None
+    # One verdict per type for every dtype, reached at load (`use_block_layers`): a first check in
+    # the middle of a generation ran on the decode thread, where it failed on the H100
+    # ("There is no Stream(gpu, 1) in current thread") and left the layers on MLX ops.
+    ok = checks.verdict((kind, int(qtype)), lambda: _compare_dtypes(kind, qtype))
+    return kind if ok and dtype in FLOAT_TYPES else None
 
 
 def random_blocks(rng: np.random.Generator, shape: tuple[int, ...], qtype: QType, scale: float = 0.02) -> np.ndarray:
@@ -369,6 +373,15 @@ def random_blocks(rng: np.random.Generator, shape: tuple[int, ...], qtype: QType
     return b
 
 
+def _compare_dtypes(kind: str, qtype: QType) -> str | None:
+    """`_compare` for each floating dtype of x, with one row (the decode template, compiled now)."""
+    for dtype in FLOAT_TYPES:
+        why = _compare(kind, qtype, dtype)
+        if why is not None:
+            return why
+    return None
+
+
 def _compare(kind: str, qtype: QType, dtype: Any) -> str | None:
     """None where both kernels agree with MLX ops on random blocks (the dequantization bit for bit in
     float32, the product within float32 summation error plus `dtype`'s output rounding), else why not.
@@ -376,7 +389,7 @@ def _compare(kind: str, qtype: QType, dtype: Any) -> str | None:
     from ..gguf_quants import dequantize_blocks  # noqa: PLC0415 - gguf_quants imports this module
 
     rng = np.random.default_rng(0)
-    n, nb, m, e = 37, 3, 3, 2  # N not a multiple of the rows per warp; two matrices, three pairs
+    n, nb, m, e = 37, 3, 1, 2  # N not a multiple of the rows per warp; two matrices, three pairs
     blocks = mx.array(random_blocks(rng, (e, n, nb), qtype))
     x = mx.array(rng.standard_normal((3, m, nb * QK_K)).astype(np.float32)).astype(dtype)
     idx = mx.array(np.array([1, 0, 1], np.int32))

@@ -6,7 +6,9 @@ The names come from the `gguf` package's own `TensorNameMap` and the special ids
 template from its `SpecialVocab`, so the reader in `backends/metal/gguf.py` is checked against an
 independent writer. The converter's conventions are applied here on purpose:
 Llama's q/k rows permuted for interleaved RoPE, Gemma's norms stored as 1 + w, Llama 3's RoPE scaling
-as a `rope_freqs` tensor, 1-D tensors kept in F32.
+as a `rope_freqs` tensor, 1-D tensors kept in F32; for Qwen3-Next and Qwen 3.5 those of
+`_gated_delta_tensors` (A_log as -exp(A_log), squeezed conv weights, norms as 1 + w, Qwen3-Next's
+q|k|v|z split, Qwen 3.5's value heads tiled, the multi-token prediction block after the model's).
 """
 from __future__ import annotations
 
@@ -25,7 +27,10 @@ from safetensors.numpy import load_file, save_file
 ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
         "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3_text": gguf.MODEL_ARCH.GEMMA3, "gemma3": gguf.MODEL_ARCH.GEMMA3,
         "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE, "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
-        "gemma4": gguf.MODEL_ARCH.GEMMA4, "gemma4_text": gguf.MODEL_ARCH.GEMMA4}
+        "gemma4": gguf.MODEL_ARCH.GEMMA4, "gemma4_text": gguf.MODEL_ARCH.GEMMA4,
+        "qwen3_next": gguf.MODEL_ARCH.QWEN3NEXT, "qwen3_5": gguf.MODEL_ARCH.QWEN35,
+        "qwen3_5_moe": gguf.MODEL_ARCH.QWEN35MOE}
+GATED_DELTA = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 LEGACY = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0)  # gguf.quants writes these
 K_QUANTS = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K)  # encode_k writes these
 
@@ -152,6 +157,119 @@ def _unstack_experts(name: str, w: np.ndarray) -> dict[str, np.ndarray]:
     return {name: w}
 
 
+# ---------------------------------------------------------------------- Qwen3-Next and Qwen 3.5
+
+_ALWAYS_F32 = ("ssm_conv1d.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")  # as the converter keeps them
+
+
+def _gated_delta_metadata(writer: gguf.GGUFWriter, text: Mapping[str, Any], model_type: str, head_dim: int) -> None:
+    """The keys of llama.cpp's Qwen3NextModel / Qwen3_5TextModel converters."""
+    rope = text.get("rope_parameters") or {}
+    partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+    writer.add_rope_freq_base(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
+    writer.add_rope_dimension_count(int(head_dim * partial))
+    writer.add_ssm_conv_kernel(text["linear_conv_kernel_dim"])
+    writer.add_ssm_state_size(text["linear_key_head_dim"])
+    writer.add_ssm_group_count(text["linear_num_key_heads"])
+    writer.add_ssm_time_step_rank(text["linear_num_value_heads"])
+    writer.add_ssm_inner_size(text["linear_value_head_dim"] * text["linear_num_value_heads"])
+    writer.add_full_attention_interval(text.get("full_attention_interval", 4))
+    if text.get("layer_types") is not None:  # newer converters: per layer, the MTP block last (not recurrent)
+        writer.add_array(f"{writer.arch}.attention.recurrent_layers",
+                         [t == "linear_attention" for t in text["layer_types"]] + [False])
+    if model_type != "qwen3_next":
+        sections = list(rope.get("mrope_section", [11, 11, 10]))
+        writer.add_rope_dimension_sections((sections + [0] * 4)[:4])
+    writer.add_nextn_predict_layers(1)
+
+
+def _tiled(w: np.ndarray, axis: int, key_heads: int, value_heads: int, head: int) -> np.ndarray:
+    """The converter's `_reorder_v_heads`: value heads grouped by key head -> tiled, along `axis`."""
+    w = np.moveaxis(w, axis, 0)
+    shape = w.shape
+    w = w.reshape(key_heads, value_heads // key_heads, head, *shape[1:]).swapaxes(0, 1).reshape(shape)
+    return np.moveaxis(w, 0, axis)
+
+
+def _untiled(w: np.ndarray, axis: int, key_heads: int, value_heads: int, head: int) -> np.ndarray:
+    w = np.moveaxis(w, axis, 0)
+    shape = w.shape
+    w = w.reshape(value_heads // key_heads, key_heads, head, *shape[1:]).swapaxes(0, 1).reshape(shape)
+    return np.moveaxis(w, 0, axis)
+
+
+Parts = list[tuple[str, np.ndarray]]
+
+
+def _gated_delta_tensors(hf: str, w: np.ndarray, text: Mapping[str, Any], model_type: str, layers: int,
+                         names: gguf.TensorNameMap) -> tuple[Parts, Any]:
+    """HF tensor -> ([(GGUF name, float32 data)], inverse: the written parts' values -> the HF
+    tensor a reader must rebuild). No parts: a tensor the converter leaves out (the vision tower)."""
+    nk, nv = text["linear_num_key_heads"], text["linear_num_value_heads"]
+    dk, dv = text["linear_key_head_dim"], text["linear_value_head_dim"]
+    qk = 2 * nk * dk
+    tile = model_type != "qwen3_next" and nk != nv
+    name = hf.replace("model.language_model.", "model.")
+    if name.startswith(("model.visual.", "visual.")):
+        return [], None
+    if name.startswith("mtp."):  # the converter's MTP block: numbered after the model's layers
+        return [(f"blk.{layers}.nextn.eh_proj.weight", w)] if name == "mtp.fc.weight" else [], lambda v: w
+    parts = name.split(".")
+    blk = f"blk.{parts[2]}" if parts[:2] == ["model", "layers"] else None
+    leaf = ".".join(parts[3:]) if blk else ""
+
+    def same(v: list[np.ndarray]) -> np.ndarray:
+        return v[0]
+
+    def v_rows(v: np.ndarray, head: int, undo: bool = False) -> np.ndarray:
+        return (_untiled if undo else _tiled)(v, 0, nk, nv, head) if tile else v
+
+    def qkv_rows(v: np.ndarray, undo: bool = False) -> np.ndarray:
+        return np.concatenate([v[:qk], v_rows(v[qk:], dv, undo)]) if tile else v
+
+    if leaf == "linear_attn.A_log":
+        a = -np.exp(v_rows(w, 1))
+        return [(f"{blk}.ssm_a", a)], lambda v: v_rows(np.log(-v[0]).astype(np.float32), 1, undo=True)
+    if leaf == "linear_attn.dt_bias":
+        return [(f"{blk}.ssm_dt.bias", v_rows(w, 1))], lambda v: v_rows(v[0], 1, undo=True)
+    if leaf == "linear_attn.conv1d.weight":
+        return [(f"{blk}.ssm_conv1d.weight", qkv_rows(w[:, 0]))], lambda v: qkv_rows(v[0], undo=True)[:, None]
+    if leaf == "linear_attn.in_proj_qkv.weight":
+        return [(f"{blk}.attn_qkv.weight", qkv_rows(w))], lambda v: qkv_rows(v[0], undo=True)
+    if leaf == "linear_attn.in_proj_z.weight":
+        return [(f"{blk}.attn_gate.weight", v_rows(w, dv))], lambda v: v_rows(v[0], dv, undo=True)
+    if leaf in ("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight"):
+        gguf_name = "ssm_beta" if leaf.endswith("_b.weight") else "ssm_alpha"
+        return [(f"{blk}.{gguf_name}.weight", v_rows(w, 1))], lambda v: v_rows(v[0], 1, undo=True)
+    if leaf == "linear_attn.out_proj.weight":
+        cols = (lambda x, undo=False: (_untiled if undo else _tiled)(x, 1, nk, nv, dv)) if tile else (lambda x, undo=False: x)
+        return [(f"{blk}.ssm_out.weight", cols(w))], lambda v: cols(v[0], undo=True)
+    if leaf == "linear_attn.in_proj_qkvz.weight":  # [q, k, v, z] per key head -> all q, k, v | all z
+        per = nv // nk * dv
+        g = w.reshape(nk, 2 * dk + 2 * per, -1)
+        q, k, v, z = np.split(g, [dk, 2 * dk, 2 * dk + per], axis=1)
+        flat = [x.reshape(-1, w.shape[-1]) for x in (q, k, v, z)]
+
+        def regroup(vals: list[np.ndarray]) -> np.ndarray:
+            qkv, zz = vals
+            qq, kk, vv = np.split(qkv, [nk * dk, 2 * nk * dk])
+            return np.concatenate([x.reshape(nk, -1, w.shape[-1]) for x in (qq, kk, vv, zz)], axis=1).reshape(w.shape)
+        return [(f"{blk}.attn_qkv.weight", np.concatenate(flat[:3])), (f"{blk}.attn_gate.weight", flat[3])], regroup
+    if leaf == "mlp.experts.gate_up_proj":  # the converter splits HF's fused experts
+        mid = w.shape[-2] // 2
+        return ([(f"{blk}.ffn_gate_exps.weight", w[..., :mid, :]), (f"{blk}.ffn_up_exps.weight", w[..., mid:, :])],
+                lambda v: np.concatenate(v, axis=-2))
+    if leaf == "mlp.experts.down_proj":
+        return [(f"{blk}.ffn_down_exps.weight", w)], same
+    stem, _, suffix = name.rpartition(".")
+    found = names.get_name(stem) or _extra_name(stem)
+    if found is None:
+        raise ValueError(f"{hf}: no GGUF name for this tensor")
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        return [(f"{found}.{suffix}", w + np.float32(1))], lambda v: v[0] - np.float32(1)  # HF: the offset from 1
+    return [(f"{found}.{suffix}", w)], same
+
+
 def _write_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, pre: str) -> None:
     data = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
     vocab: dict[str, int] = dict(data["model"]["vocab"])
@@ -207,15 +325,23 @@ def export_gguf(model_dir: str | Path, out: str | Path, qtype: QType = QType.F32
 
     writer = gguf.GGUFWriter(str(out), arch_name)
     writer.add_name(model_dir.name)
-    writer.add_block_count(layers)
+    writer.add_block_count(layers + (1 if model_type in GATED_DELTA else 0))  # + the MTP block
     writer.add_context_length(text["max_position_embeddings"])
     writer.add_embedding_length(text["hidden_size"])
     writer.add_head_count(heads)
     writer.add_layer_norm_rms_eps(text["rms_norm_eps"])
     writer.add_vocab_size(text["vocab_size"])
     gemma4 = model_type.startswith("gemma4")
+    gated = model_type in GATED_DELTA
     if gemma4:
         _gemma4_metadata(writer, text)
+    elif gated:
+        if text.get("intermediate_size"):
+            writer.add_feed_forward_length(text["intermediate_size"])
+        writer.add_head_count_kv(kv_heads)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        _gated_delta_metadata(writer, text, model_type, head_dim)
     else:
         writer.add_feed_forward_length(text["intermediate_size"])
         writer.add_head_count_kv(kv_heads)
@@ -245,6 +371,11 @@ def export_gguf(model_dir: str | Path, out: str | Path, qtype: QType = QType.F32
 
     weights = {k.removeprefix("language_model."): v for k, v in _load_weights(model_dir).items()}
     weights, stacked = _stack_experts(weights)
+    if gated:
+        reference = _write_gated_delta(writer, weights, stacked, text, model_type, layers, names, qtype,
+                                       extra_types or {}, skip)
+        _finish(writer, model_dir, twin, reference)
+        return out
     gemma = model_type in ("gemma2", "gemma3", "gemma3_text")  # norms stored as 1 + w (not Gemma 4's)
     reference: dict[str, np.ndarray] = {}
     for hf, w in weights.items():
@@ -283,6 +414,11 @@ def export_gguf(model_dir: str | Path, out: str | Path, qtype: QType = QType.F32
         rotated = int(text["global_head_dim"] * full.get("partial_rotary_factor", 1.0) / 2)
         writer.add_tensor("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (text["global_head_dim"] // 2 - rotated),
                                                         np.float32))
+    _finish(writer, model_dir, twin, reference)
+    return out
+
+
+def _finish(writer: gguf.GGUFWriter, model_dir: Path, twin: str | Path | None, reference: dict[str, np.ndarray]) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -290,7 +426,30 @@ def export_gguf(model_dir: str | Path, out: str | Path, qtype: QType = QType.F32
     if twin is not None:
         shutil.copytree(model_dir, twin)
         save_file(reference, str(Path(twin) / "model.safetensors"))
-    return out
+
+
+def _write_gated_delta(writer: gguf.GGUFWriter, weights: Mapping[str, np.ndarray], stacked: set[str],
+                       text: Mapping[str, Any], model_type: str, layers: int, names: gguf.TensorNameMap, qtype: QType,
+                       extra_types: Mapping[str, QType], skip: Sequence[str]) -> dict[str, np.ndarray]:
+    """Qwen3-Next / Qwen 3.5 tensors as the converter writes them; the HF-layout reference."""
+    reference: dict[str, np.ndarray] = {}
+    for hf, w in weights.items():
+        parts, inverse = _gated_delta_tensors(hf, w.astype(np.float32), text, model_type, layers, names)
+        if not parts:
+            reference[hf] = w
+            continue
+        values = []
+        for full, data in parts:
+            if full in skip:
+                continue
+            kind = extra_types.get(full, QType.F32 if full.endswith(_ALWAYS_F32) else qtype)
+            encoded, t, value = _encode(np.ascontiguousarray(data), kind)
+            writer.add_tensor(full, encoded, raw_dtype=t if t not in (QType.F32, QType.F16) else None)
+            values.append(value)
+        if len(values) == len(parts):
+            result = np.ascontiguousarray(inverse(values))  # safetensors writes the buffer as it lies
+            reference.update(_unstack_experts(hf, result) if hf in stacked else {hf: result})
+    return reference
 
 
 def write_spm_gguf(out: str | Path, spm_dir: str | Path, *, add_space_prefix: bool = True,

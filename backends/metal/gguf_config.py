@@ -11,10 +11,13 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader, GGUFValueType
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "gemma4")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "gemma4", "qwen3next",
+                 "qwen35", "qwen35moe")
 _MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
-               "gemma2": "gemma2", "gemma3": "gemma3_text", "gemma4": "gemma4_text"}
+               "gemma2": "gemma2", "gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen3next": "qwen3_next",
+               "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe"}
 _MOE = ("qwen2moe", "qwen3moe")
+GATED_DELTA = ("qwen3next", "qwen35", "qwen35moe")  # Gated DeltaNet linear attention (Qwen3-Next, Qwen 3.5)
 
 
 class GGUFError(ValueError):
@@ -104,6 +107,8 @@ def gguf_config(reader: GGUFReader) -> dict[str, Any]:
         raise GGUFError(f"{key('embedding_length')} and {key('attention.head_count')} must be positive")
     if arch == "gemma4":  # per-layer arrays and two head sizes: a reading of its own
         return _gemma4_config(reader, shapes, hidden, heads)
+    if arch in GATED_DELTA:  # linear-attention blocks, partial RoPE, a multi-token prediction tail
+        return _gated_delta_config(reader, arch, shapes, hidden, heads)
     kv_heads = _int(reader, key("attention.head_count_kv"), heads) or heads
     head_dim = _int(reader, key("attention.key_length"), hidden // heads) or hidden // heads
     value_dim = _int(reader, key("attention.value_length"), head_dim)
@@ -170,7 +175,8 @@ def _check_against_tensors(config: Mapping[str, Any], shapes: Mapping[str, tuple
             raise GGUFError(f"tensor {name} has shape {shapes.get(name)}, but the metadata implies {shape}")
 
 
-_ARCH_CLASS = {"gemma4": "Gemma4ForCausalLM",
+_ARCH_CLASS = {"gemma4": "Gemma4ForCausalLM", "qwen3next": "Qwen3NextForCausalLM",
+               "qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM",
                "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
                "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
@@ -180,7 +186,8 @@ def _moe_config(reader: GGUFReader, arch: str, base: Mapping[str, Any],
                 shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
     """Experts from the `expert_*` keys, checked against the stacked tensors [E, ff, hidden]. Layers
     without a router are dense (`mlp_only_layers`). llama.cpp renormalises the top-k weights for
-    qwen3moe and not for qwen2moe, unless `expert_weights_norm` says otherwise."""
+    every Qwen MoE but qwen2moe, unless `expert_weights_norm` says otherwise; qwen2moe, qwen3next and
+    qwen35moe add a gated shared expert."""
     def key(name: str) -> str:
         return f"{arch}.{name}"
 
@@ -193,6 +200,9 @@ def _moe_config(reader: GGUFReader, arch: str, base: Mapping[str, Any],
                         f"with routers in {len(moe_layers)} blocks: not a mixture-of-experts model")
     first = moe_layers[0]
     ff = shapes.get(f"blk.{first}.ffn_up_exps.weight")
+    fused = shapes.get(f"blk.{first}.ffn_gate_up_exps.weight")
+    if ff is None and fused is not None and len(fused) == 3 and fused[1] % 2 == 0:
+        ff = (fused[0], fused[1] // 2, fused[2])  # llama.cpp's fused [experts, 2 * ff, hidden]
     if ff is None or len(ff) != 3:
         raise GGUFError(f"tensor blk.{first}.ffn_up_exps.weight is missing or not stacked [experts, ff, hidden]")
     ff_len = _int(reader, key("expert_feed_forward_length"), ff[1])
@@ -203,9 +213,9 @@ def _moe_config(reader: GGUFReader, arch: str, base: Mapping[str, Any],
     out: dict[str, Any] = {
         "num_experts": experts, "num_experts_per_tok": used, "moe_intermediate_size": ff_len, "decoder_sparse_step": 1,
         "mlp_only_layers": [i for i in range(layers) if i not in moe_layers],
-        "norm_topk_prob": bool(norm) if isinstance(norm, bool) else arch == "qwen3moe",
+        "norm_topk_prob": bool(norm) if isinstance(norm, bool) else arch != "qwen2moe",
     }
-    if arch == "qwen2moe":
+    if arch in ("qwen2moe", *GATED_DELTA):
         shared = shapes.get(f"blk.{first}.ffn_up_shexp.weight")
         out["shared_expert_intermediate_size"] = _int(reader, key("expert_shared_feed_forward_length"),
                                                       shared[0] if shared else 0)
@@ -334,6 +344,129 @@ def _llama3_factors(scaling: Mapping[str, float], wavelen: np.ndarray) -> np.nda
     return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, blend))
 
 
+def model_layers(reader: GGUFReader, arch: str) -> int:
+    """Blocks of the model proper: llama.cpp appends the multi-token prediction layers
+    (`nextn_predict_layers`) to `block_count`; pymlxc drops them."""
+    total = _int(reader, f"{arch}.block_count", required=True)
+    nextn = _int(reader, f"{arch}.nextn_predict_layers", 0) or 0
+    if nextn >= total:
+        raise GGUFError(f"{arch}.nextn_predict_layers is {nextn} of {total} blocks")
+    return total - nextn
+
+
+def _full_attention_interval(reader: GGUFReader, arch: str, layers: int) -> int:
+    """Every interval-th layer is full attention, the others linear. Newer converters write the
+    per-layer `attention.recurrent_layers` (the multi-token prediction layers last, not recurrent);
+    pymlxc's models take a period, so the list must be one."""
+    recurrent = metadata(reader, f"{arch}.attention.recurrent_layers")
+    interval = _int(reader, f"{arch}.full_attention_interval", 4) or 0
+    if isinstance(recurrent, list):
+        if len(recurrent) < layers:
+            raise GGUFError(f"{arch}.attention.recurrent_layers has {len(recurrent)} entries for {layers} layers")
+        linear = [bool(v) for v in recurrent[:layers]]
+        interval = next((i + 1 for i, v in enumerate(linear) if not v), layers + 1)
+        if any(v != ((i + 1) % interval != 0) for i, v in enumerate(linear)):
+            raise GGUFError(f"{arch}.attention.recurrent_layers {linear} is not one full-attention layer every n "
+                            "layers, which pymlxc's models require")
+    if interval < 1:
+        raise GGUFError(f"{arch}.full_attention_interval must be at least 1, got {interval}")
+    return interval
+
+
+def _gated_delta_config(reader: GGUFReader, arch: str, shapes: Mapping[str, tuple[int, ...]], hidden: int,
+                        heads: int) -> dict[str, Any]:
+    """Qwen3-Next and Qwen 3.5 as llama.cpp's converter writes them: the linear layers' sizes under
+    `ssm.*` (conv_kernel, state_size = key head size, group_count = key heads, time_step_rank =
+    value heads, inner_size = value heads x value head size), the rotated share of the attention
+    head as `rope.dimension_count` (the M-RoPE sections change nothing for text), and the
+    multi-token prediction blocks after the model's own (dropped)."""
+    def key(name: str) -> str:
+        return f"{arch}.{name}"
+
+    layers = model_layers(reader, arch)
+    own = {n: s for n, s in shapes.items()
+           if not (n.startswith("blk.") and n.split(".")[1].isdigit() and int(n.split(".")[1]) >= layers)}
+    kv_heads = _int(reader, key("attention.head_count_kv"), heads) or heads
+    head_dim = _int(reader, key("attention.key_length"), hidden // heads) or hidden // heads
+    if _int(reader, key("attention.value_length"), head_dim) != head_dim:
+        raise GGUFError(f"{key('attention.key_length')} and value_length differ: not supported")
+    rope_dims = _int(reader, key("rope.dimension_count"), head_dim // 4)
+    if not rope_dims or rope_dims > head_dim or rope_dims % 2:
+        raise GGUFError(f"{key('rope.dimension_count')} is {rope_dims} for a head of {head_dim}")
+    nk = _int(reader, key("ssm.group_count"), required=True)
+    nv = _int(reader, key("ssm.time_step_rank"), required=True)
+    dk = _int(reader, key("ssm.state_size"), required=True)
+    inner = _int(reader, key("ssm.inner_size"), required=True)
+    conv = _int(reader, key("ssm.conv_kernel"), required=True)
+    if not (nk and nv and dk and inner and conv) or nv % nk or inner % nv:
+        raise GGUFError(f"linear attention sizes do not fit: ssm.group_count {nk}, ssm.time_step_rank {nv}, "
+                        f"ssm.state_size {dk}, ssm.inner_size {inner}, ssm.conv_kernel {conv} (the value heads "
+                        "must be a multiple of the key heads and divide inner_size)")
+    embed = own.get("token_embd.weight")
+    if embed is None or len(embed) != 2:
+        raise GGUFError("the token embedding tensor token_embd.weight is missing")
+    interval = _full_attention_interval(reader, arch, layers)
+    moe = any(n.endswith(".ffn_gate_inp.weight") for n in own)
+    config: dict[str, Any] = {
+        "model_type": _MODEL_TYPE[arch], "architectures": [_ARCH_CLASS[arch]],
+        "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "intermediate_size": _int(reader, key("feed_forward_length"), 0, required=not moe),
+        "vocab_size": embed[0], "max_position_embeddings": _int(reader, key("context_length"), 4096),
+        "rms_norm_eps": _float(reader, key("attention.layer_norm_rms_epsilon"), 1e-6),
+        "rope_theta": _float(reader, key("rope.freq_base"), 10000.0),
+        "partial_rotary_factor": rope_dims / head_dim,
+        "tie_word_embeddings": "output.weight" not in own,
+        "full_attention_interval": interval,
+        "linear_num_key_heads": nk, "linear_num_value_heads": nv, "linear_key_head_dim": dk,
+        "linear_value_head_dim": inner // nv, "linear_conv_kernel_dim": conv,
+    }
+    rope_scaling = _rope_scaling(reader, arch, head_dim, config["rope_theta"])
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+    if moe:
+        config.update(_moe_config(reader, arch, config, own))
+        if arch == "qwen35moe" and config["mlp_only_layers"]:  # mlx-lm's qwen3_5_moe: a router in every layer
+            raise GGUFError(f"blocks {config['mlp_only_layers']} have no router (ffn_gate_inp): every qwen35moe "
+                            "block is a mixture of experts")
+        if not config["intermediate_size"]:
+            config["intermediate_size"] = config["moe_intermediate_size"]
+    elif arch != "qwen35":
+        raise GGUFError(f"no block has a router (ffn_gate_inp): a {arch} model is a mixture of experts")
+    _check_gated_delta_tensors(config, own)
+    for name in ("bos_token_id", "eos_token_id"):
+        token = scalar(reader, f"tokenizer.ggml.{name}")
+        if isinstance(token, int) and not isinstance(token, bool):
+            config[name] = token
+    return config
+
+
+def _check_gated_delta_tensors(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """The sizes must describe the tensors: blocks, the first linear and attention layers."""
+    _check_against_tensors(config, shapes, attention=False)
+    layers, hidden, interval = config["num_hidden_layers"], config["hidden_size"], config["full_attention_interval"]
+    nk, nv = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    dk, dv, conv = config["linear_key_head_dim"], config["linear_value_head_dim"], config["linear_conv_kernel_dim"]
+    expected: dict[str, tuple[int, ...]] = {}
+    linear = next((i for i in range(layers) if (i + 1) % interval), None)
+    if linear is not None:
+        b = f"blk.{linear}."
+        expected[b + "ssm_conv1d.weight"] = (2 * nk * dk + nv * dv, conv)
+        expected[b + "ssm_out.weight"] = (hidden, nv * dv)
+        expected[b + "ssm_a"] = (nv,)
+        if b + "ssm_in.weight" not in shapes:  # the legacy qwen3next projection has its own layout
+            expected[b + "attn_qkv.weight"] = (2 * nk * dk + nv * dv, hidden)
+            expected[b + "attn_gate.weight"] = (nv * dv, hidden)
+    attn = next((i for i in range(layers) if (i + 1) % interval == 0), None)
+    if attn is not None:
+        head_dim = config["head_dim"]
+        expected[f"blk.{attn}.attn_q.weight"] = (2 * config["num_attention_heads"] * head_dim, hidden)
+        expected[f"blk.{attn}.attn_k.weight"] = (config["num_key_value_heads"] * head_dim, hidden)
+    for name, shape in expected.items():
+        if shapes.get(name) != shape:
+            raise GGUFError(f"tensor {name} has shape {shapes.get(name)}, but the metadata implies {shape}")
+
+
 def _per_layer(reader: GGUFReader, key: str, layers: int, default: int | None = None) -> list[int]:
     """An integer key that may be one value or one per layer -> one per layer."""
     value = metadata(reader, key, default)
@@ -433,5 +566,5 @@ def _gemma4_rotated(reader: GGUFReader, head_dim: int) -> float:
     return 2 * rotated / head_dim
 
 
-__all__ = ["GGUFError", "ARCHITECTURES", "metadata", "scalar", "architecture", "model_type_of", "gguf_config",
+__all__ = ["GGUFError", "ARCHITECTURES", "GATED_DELTA", "model_layers", "metadata", "scalar", "architecture", "model_type_of", "gguf_config",
            "llama3_rope_scaling"]

@@ -9,7 +9,13 @@ file's blocks, their layers swapped for block layers by `use_block_layers`.
 
 Conventions of llama.cpp's converter undone here: Llama's q/k projection rows permuted for
 interleaved RoPE (rows of blocks are permuted like rows of floats); Gemma's norm weights stored as
-1 + w; experts already stacked [E, out, in] as in mlx-lm's switch layout.
+1 + w; experts already stacked [E, out, in] as in mlx-lm's switch layout. Qwen3-Next and Qwen 3.5
+(`GATED_DELTA`): A_log stored as A = -exp(A_log), the conv weight squeezed to [C, K], the norms
+already 1 + w (mlx-lm's layout), Qwen3-Next's per-key-head q|k|v|z projection split into `attn_qkv`
+and `attn_gate` (merged back), Qwen 3.5's value heads reordered from grouped by key head to tiled
+(`_value_order`; rows are permuted in any type, the output projection's columns in float and
+repacked types, and a Q2_K/Q3_K/Q6_K output projection, whose 256-value blocks span two heads, is
+dequantized), and the multi-token prediction blocks after the model's own dropped.
 """
 from __future__ import annotations
 
@@ -25,7 +31,10 @@ from gguf.constants import GGML_QUANT_SIZES
 import pymlxc.core as mx
 from pymlxc.core import Array
 
-from .gguf_quants import AFFINE_BITS, BLOCK_TYPES, QuantError, repack_affine
+from gguf.quants import dequantize
+
+from .gguf_config import GATED_DELTA
+from .gguf_quants import AFFINE_BITS, BLOCK_TYPES, GROUP, QuantError, repack_affine
 
 # llama.cpp's tensor names -> HF module paths. `ffn_norm` is the pre-MLP norm everywhere, which
 # Llama and Qwen call post_attention_layernorm and Gemma pre_feedforward_layernorm.
@@ -83,7 +92,24 @@ GEMMA4_BLOCK_NAMES = {
     "proj.weight": "per_layer_projection.weight",
     "post_norm.weight": "post_per_layer_input_norm.weight",
 }
-FUSED_GATE_UP = ".experts.switch_glu.gate_up_proj.weight"
+# Qwen3-Next and Qwen 3.5 (whole parameter names: A_log and dt_bias have no `.weight`).
+GATED_DELTA_BLOCK_NAMES = {
+    **{f"{k}.{s}": f"{v}.{s}" for k, v in BLOCK_NAMES.items() if k != "ffn_norm" for s in ("weight", "bias")},
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_in.weight": "linear_attn.in_proj_qkvz.weight",  # Qwen3-Next files of older converters
+    "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+    "ffn_gate_up_exps.weight": "mlp.switch_mlp.gate_up_proj.weight",
+}
+FUSED_GATE_UP = (".experts.switch_glu.gate_up_proj.weight", ".mlp.switch_mlp.gate_up_proj.weight")
 SUFFIXES = ("weight", "bias")
 IGNORED = ("rope_freqs.weight",)  # folded into the config (Llama 3 RoPE scaling)
 
@@ -96,6 +122,10 @@ def hf_name(name: str, arch: str) -> str:
     """llama.cpp's tensor name -> ours (HF's)."""
     if arch == "gemma4":
         return _gemma4_name(name)
+    if arch in GATED_DELTA:
+        parts = name.split(".", 2)
+        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in GATED_DELTA_BLOCK_NAMES:
+            return f"model.layers.{int(parts[1])}.{GATED_DELTA_BLOCK_NAMES[parts[2]]}"
     stem, _, suffix = name.rpartition(".")
     if suffix not in SUFFIXES or not stem:
         raise TensorError(f"tensor {name!r} has no counterpart in the {arch} model")
@@ -151,47 +181,186 @@ def read_tensors(reader: GGUFReader, arch: str, config: Mapping[str, Any]) -> GG
     """Every tensor of the file (already validated by `read_gguf`) under HF names, converted."""
     heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
     shifted_norms = arch in ("gemma2", "gemma3")  # stored as 1 + w (Gemma 4's are stored as they are)
-    # llama.cpp keeps 1-D tensors (norms, biases) in F32 whatever the model's precision. In an
-    # all-F16 or all-BF16 file they go back to that dtype, as in the HF checkpoint: F32 norms would
-    # make every activation float32 and every matmul widen its half-precision weight per call.
-    matrices = frozenset(t.tensor_type for t in reader.tensors if len(t.shape) >= 2)
+    gated = _GatedDelta(config, reader) if arch in GATED_DELTA else None
+    # llama.cpp keeps 1-D tensors (norms, biases) and the linear layers' conv weights in F32
+    # whatever the model's precision. In an all-F16 or all-BF16 file they go back to that dtype, as
+    # in the HF checkpoint: F32 norms would make every activation float32 and every matmul widen
+    # its half-precision weight per call.
+    matrices = frozenset(t.tensor_type for t in reader.tensors if len(t.shape) >= 2 and ".ssm_conv1d." not in t.name)
     half = {frozenset({QType.F16}): mx.float16, frozenset({QType.BF16}): mx.bfloat16}.get(matrices)
     out = GGUFWeights()
     for tensor in reader.tensors:
         name, qtype = tensor.name, tensor.tensor_type
         if name in IGNORED:
             continue
-        target = hf_name(name, arch)
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # MLX order
         raw = _raw(reader, tensor)
+        if gated is not None:
+            if gated.skips(name):
+                continue
+            target = hf_name(name, arch)
+            raw, qtype, shape, cols, target = gated.convert(out, name, target, raw, qtype, shape)
+            if raw is None:
+                continue  # held until its partner comes (Qwen3-Next's attn_qkv and attn_gate)
+            if cols is not None and (qtype in BLOCK_TYPES or (qtype in AFFINE_BITS and cols.size % GROUP)):
+                # A column order that splits the type's blocks: the reference dequantization, dense.
+                dense = dequantize(raw, qtype)[:, cols]
+                out.arrays[target] = mx.array(dense).astype(gated.dense_dtype)
+                continue
+            _convert(out, raw, qtype, shape, target, name, half=half, cols=cols,
+                     half_2d=target.endswith(".conv1d.weight"))
+            continue
+        target = hf_name(name, arch)
         if arch == "llama" and (".self_attn.q_proj." in target or ".self_attn.k_proj." in target):
             order = unpermute_order(raw.shape[0], heads if ".q_proj." in target else kv_heads)
             raw = raw[order]
         if target.endswith(".mlp.shared_expert_gate.weight") and len(shape) == 1:
             shape = (1, shape[0])  # llama.cpp stores Qwen 2 MoE's shared-expert gate as a vector
         if target.endswith(FUSED_GATE_UP):
-            if len(shape) != 3 or shape[1] % 2:
-                raise TensorError(f"tensor {name!r} has shape {shape}, not [experts, 2 * ff, hidden]")
-            halves = raw.reshape(shape[0], 2, -1, raw.shape[-1])
-            for i, part in enumerate(("gate_proj", "up_proj")):
-                _convert(out, halves[:, i].reshape(-1, raw.shape[-1]), qtype, (shape[0], shape[1] // 2, shape[2]),
-                         target.replace("gate_up_proj", part), name, half=half)
+            _split_gate_up(out, raw, qtype, shape, target, name, half)
             continue
         _convert(out, raw, qtype, shape, target, name, half=half,
                  shift=shifted_norms and target.endswith("norm.weight"))
+    if gated is not None:
+        gated.finish()
     return out
 
 
+def _split_gate_up(out: GGUFWeights, raw: np.ndarray, qtype: QType, shape: tuple[int, ...], target: str, name: str,
+                   half: Any) -> None:
+    """llama.cpp's fused experts [E, 2 * ff, hidden] (gate rows first) -> gate_proj and up_proj."""
+    if len(shape) != 3 or shape[1] % 2:
+        raise TensorError(f"tensor {name!r} has shape {shape}, not [experts, 2 * ff, hidden]")
+    halves = raw.reshape(shape[0], 2, -1, raw.shape[-1])
+    for i, part in enumerate(("gate_proj", "up_proj")):
+        _convert(out, halves[:, i].reshape(-1, raw.shape[-1]), qtype, (shape[0], shape[1] // 2, shape[2]),
+                 target.replace("gate_up_proj", part), name, half=half)
+
+
+def _value_order(key_heads: int, value_heads: int, head: int) -> np.ndarray:
+    """Positions, in llama.cpp's tiled order of value heads (v0 of every key head, then v1, ...),
+    of the HF order's rows (the value heads of key head 0, then of key head 1, ...): `tiled[order]`
+    is HF's. `head`: rows per value head."""
+    per = value_heads // key_heads
+    heads = np.arange(value_heads).reshape(per, key_heads).T.reshape(-1)
+    return (heads[:, None] * head + np.arange(head)).reshape(-1)
+
+
+class _GatedDelta:
+    """Qwen3-Next / Qwen 3.5 tensors from llama.cpp's layout back to mlx-lm's (see the module doc)."""
+
+    def __init__(self, config: Mapping[str, Any], reader: GGUFReader) -> None:
+        self.layers = int(config["num_hidden_layers"])
+        nk, nv = int(config["linear_num_key_heads"]), int(config["linear_num_value_heads"])
+        self.nk, self.nv = nk, nv
+        self.dk, self.dv = int(config["linear_key_head_dim"]), int(config["linear_value_head_dim"])
+        self.qk = 2 * nk * self.dk
+        # Qwen 3.5's converter tiles the value heads; Qwen3-Next's keeps HF's grouping.
+        self.next = config["model_type"] == "qwen3_next"
+        self.tiled = not self.next and nk != nv
+        embed = next((t.tensor_type for t in reader.tensors if t.name == "token_embd.weight"), None)
+        # The dtype a dense fallback is kept in: the activations' (the embedding's, float16 when quantized).
+        self.dense_dtype = {QType.F32: mx.float32, QType.BF16: mx.bfloat16}.get(embed, mx.float16)
+        self._pending: dict[int, dict[str, tuple[np.ndarray, QType, str]]] = {}
+
+    def skips(self, name: str) -> bool:
+        """The multi-token prediction blocks (numbered after the model's own)."""
+        parts = name.split(".")
+        return len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) >= self.layers
+
+    def _values(self, head: int) -> np.ndarray:
+        return _value_order(self.nk, self.nv, head)
+
+    def convert(self, out: GGUFWeights, name: str, target: str, raw: np.ndarray, qtype: QType,
+                shape: tuple[int, ...]) -> tuple[Any, QType, tuple[int, ...], np.ndarray | None, str]:
+        """(rows in mlx-lm's order, type, shape, column order or None, target); rows None: done or
+        held back."""
+        stem = target.rpartition(".linear_attn.")[2]
+        if target.endswith(".mlp.shared_expert_gate.weight") and len(shape) == 1:
+            return raw, qtype, (1, shape[0]), None, target
+        if target.endswith(FUSED_GATE_UP[1]):
+            _split_gate_up(out, raw, qtype, shape, target, name, None)
+            return None, qtype, shape, None, target
+        if ".linear_attn." not in target:
+            return raw, qtype, shape, None, target
+        qkv_rows = np.concatenate([np.arange(self.qk), self.qk + self._values(self.dv)]) if self.tiled else None
+        if stem == "conv1d.weight":
+            if len(shape) != 2:
+                raise TensorError(f"tensor {name!r} has shape {shape}, not [channels, kernel]")
+            return (raw if qkv_rows is None else raw[qkv_rows]), qtype, (*shape, 1), None, target
+        if stem == "A_log":
+            a = dequantize(raw, qtype).reshape(-1)
+            if not np.all(a < 0):
+                raise TensorError(f"tensor {name!r} must hold A = -exp(A_log) < 0; it has {a.max()}")
+            if self.tiled:
+                a = a[self._values(1)]
+            a_log = np.log(-a).astype(np.float32)  # the converter stored -exp(A_log)
+            return a_log.view(np.uint8).reshape(1, -1), QType.F32, shape, None, target
+        if self.tiled:
+            if stem == "in_proj_qkv.weight":
+                return raw[qkv_rows], qtype, shape, None, target
+            if stem == "in_proj_z.weight":
+                return raw[self._values(self.dv)], qtype, shape, None, target
+            if stem in ("in_proj_b.weight", "in_proj_a.weight"):
+                return raw[self._values(1)], qtype, shape, None, target
+            if stem == "dt_bias":  # a vector: its elements as rows of bytes
+                return raw.reshape(shape[0], -1)[self._values(1)].reshape(1, -1), qtype, shape, None, target
+            if stem == "out_proj.weight":
+                return raw, qtype, shape, self._values(self.dv), target
+        if self.next and stem in ("in_proj_qkv.weight", "in_proj_z.weight"):
+            return self._merge_qkvz(out, name, target, raw, qtype, shape)
+        return raw, qtype, shape, None, target
+
+    def finish(self) -> None:
+        if self._pending:
+            block, parts = next(iter(self._pending.items()))
+            missing = "attn_gate" if "in_proj_qkv.weight" in parts else "attn_qkv"
+            raise TensorError(f"tensor blk.{block}.{missing}.weight is missing (Qwen3-Next's linear layers have "
+                              "attn_qkv and attn_gate)")
+
+    def _merge_qkvz(self, out: GGUFWeights, name: str, target: str, raw: np.ndarray, qtype: QType,
+                    shape: tuple[int, ...]) -> tuple[Any, QType, tuple[int, ...], None, str]:
+        """Qwen3-Next: attn_qkv [all q, all k, all v] and attn_gate [all z] -> HF's in_proj_qkvz,
+        q|k|v|z per key head. Of two types, the reference dequantization (float32) of both."""
+        block = int(name.split(".")[1])
+        stem = target.rpartition(".linear_attn.")[2]
+        parts = self._pending.setdefault(block, {})
+        parts[stem] = (raw, qtype, name)
+        merged_target = target.replace(stem, "in_proj_qkvz.weight")
+        if len(parts) < 2:
+            return None, qtype, shape, None, merged_target
+        del self._pending[block]
+        (qkv, qkv_type, _), (z, z_type, _) = parts["in_proj_qkv.weight"], parts["in_proj_z.weight"]
+        nk, dk, per_v = self.nk, self.dk, self.nv // self.nk * self.dv
+        rows = []
+        for g in range(nk):
+            rows += [np.arange(g * dk, (g + 1) * dk), nk * dk + np.arange(g * dk, (g + 1) * dk),
+                     self.qk + np.arange(g * per_v, (g + 1) * per_v),
+                     self.qk + nk * per_v + np.arange(g * per_v, (g + 1) * per_v)]
+        order = np.concatenate(rows)
+        hidden = shape[-1]
+        if qkv_type == z_type:
+            return np.concatenate([qkv, z])[order], qkv_type, (order.size, hidden), None, merged_target
+        dense = np.concatenate([dequantize(qkv, qkv_type), dequantize(z, z_type)])[order]
+        out.arrays[merged_target] = mx.array(dense).astype(self.dense_dtype)
+        return None, qkv_type, shape, None, merged_target
+
+
 def _convert(out: GGUFWeights, raw: np.ndarray, qtype: QType, shape: tuple[int, ...], target: str, name: str, *,
-             half: Any, shift: bool = False) -> None:
+             half: Any, shift: bool = False, cols: np.ndarray | None = None, half_2d: bool = False) -> None:
     """One tensor's rows of bytes into `out` under `target` (its type's arrays); `shift`: a norm
-    stored as 1 + w."""
+    stored as 1 + w; `cols`: the order to take the columns in (whole groups of 32 when repacked);
+    `half_2d`: a matrix llama.cpp keeps in F32 that goes to `half` like the vectors."""
     module = target.rpartition(".")[0]
     if qtype in AFFINE_BITS:
         try:
             packed, scales, biases = repack_affine(raw, qtype, name)
         except QuantError as exc:
             raise TensorError(str(exc)) from None
+        if cols is not None:  # whole groups: each is `bits` words of the packed row
+            groups = cols.reshape(-1, GROUP)[:, 0] // GROUP
+            packed = packed.reshape(packed.shape[0], scales.shape[1], -1)[:, groups].reshape(packed.shape)
+            scales, biases = scales[:, groups], biases[:, groups]
         lead = shape[:-1]
         out.arrays[target] = mx.array(packed.reshape(*lead, packed.shape[-1]))
         out.arrays[f"{module}.scales"] = mx.array(scales.reshape(*lead, scales.shape[-1]))
@@ -203,12 +372,15 @@ def _convert(out: GGUFWeights, raw: np.ndarray, qtype: QType, shape: tuple[int, 
         out.block_layers[module] = qtype
         return
     dtype = {QType.F32: np.float32, QType.F16: np.float16, QType.BF16: np.uint16}[qtype]
-    value = mx.array(np.ascontiguousarray(raw).view(dtype).reshape(shape))
+    values = np.ascontiguousarray(raw).view(dtype)
+    if cols is not None:
+        values = np.ascontiguousarray(values.reshape(values.shape[0], -1)[:, cols])
+    value = mx.array(values.reshape(shape))
     if qtype == QType.BF16:
         value = mx.view(value, mx.bfloat16)  # bit-exact from the file
     if shift:
         value = (value.astype(mx.float32) - 1.0).astype(value.dtype)
-    if half is not None and value.ndim == 1 and value.dtype == mx.float32:
+    if half is not None and (value.ndim == 1 or half_2d) and value.dtype == mx.float32:
         value = value.astype(half)
     out.arrays[target] = value
 

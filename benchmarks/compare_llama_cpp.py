@@ -153,7 +153,7 @@ def prepare(shape: str, formats: list[str], root: Path, layers: int | None, tool
         print(f"  wrote {src.name} ({weight_bytes(src) / 2**30:.2f} GiB) in {time.perf_counter() - t:.0f}s", flush=True)
     if missing and not f16.is_file():
         t = time.perf_counter()
-        export_gguf(src, f16.with_suffix(".part"), QType.F16, pre="llama-bpe")
+        export_gguf(src, f16.with_suffix(".part"), QType.F16, pre="gpt-2")
         f16.with_suffix(".part").rename(f16)
         print(f"  wrote {f16.name} in {time.perf_counter() - t:.0f}s", flush=True)
     for fmt in missing:
@@ -171,7 +171,7 @@ def prepare(shape: str, formats: list[str], root: Path, layers: int | None, tool
         else:  # the recipe's main type, with llama.cpp's Q6_K output / embedding (plumbing checks)
             main = {"q4_0": QType.Q4_0, "q4_k_m": QType.Q4_K, "q6_k": QType.Q6_K, "q8_0": QType.Q8_0}[fmt]
             head = QType.Q8_0 if fmt == "q8_0" else QType.Q6_K
-            export_gguf(src, part, main, pre="llama-bpe", extra_types={"token_embd.weight": head, "output.weight": head})
+            export_gguf(src, part, main, pre="gpt-2", extra_types={"token_embd.weight": head, "output.weight": head})
         part.rename(gguf)
         print(f"  wrote {gguf.name} in {time.perf_counter() - t:.0f}s", flush=True)
     if drop_source:  # disk space: the float16 source (and an F16 file not benchmarked) are done with

@@ -12,7 +12,8 @@
 # build starts llama.cpp's CUDA build in the background (a few minutes; bench-* wait for it);
 # prep-8b-bg writes the 8B files in the background (niced; its CPU work overlaps the 1B runs, which
 # alternate the sides, so it slows them alike), and bench-8b waits for it.
-# Results go to $OUT: tests.txt, <stage>/compare_llama_cpp.{json,md,png}, <stage>.log.
+# probe: benchmarks/profile/probe_gguf_blocks.py (the block kernels' time per decode shape).
+# Results go to $OUT: tests.txt, probe.log, <stage>/compare_llama_cpp.{json,md,png}, <stage>.log.
 # Set PYMLXC_GIT_REV=<commit> in front when the lent copy's git metadata is stale.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -76,6 +77,10 @@ for stage in "$@"; do
       wait_build
       python3 benchmarks/compare_llama_cpp.py --llama-cpp "$LCP" --models-dir "$MODELS" --out "$OUT/bench-8b" \
         --shapes llama-3.1-8b --formats q4_0 q4_k_m --prepare-only --drop-source --threads 8 && touch "$STATE/prep-8b.done"
+      ;;
+    probe)  # the block kernels against MLX ops, MLX 4-bit and dense float16 per decode shape
+      ensure_lib
+      python3 benchmarks/profile/probe_gguf_blocks.py --out "$OUT/probe" 2>&1 | tee "$OUT/probe.log" || echo "!!! probe failed"
       ;;
     bench-1b) bench bench-1b --shapes llama-3.2-1b --matvec-off --drop-source ${BENCH_1B_ARGS:-} ;;
     bench-8b)

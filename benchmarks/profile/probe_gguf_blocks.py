@@ -1,0 +1,115 @@
+"""GGUF Q2_K/Q3_K/Q6_K block layers on this device: what a product of a few rows costs with the
+block kernels (`backends/metal/kernels/gguf_blocks.py`) against MLX ops (the whole matrix
+dequantized per call), MLX's 4-bit `quantized_matmul` (group 64) and a dense float16 matmul, for the
+shapes of Llama-3.2-1B's and Llama-3.1-8B's decode steps (the Q6_K output head is the case that
+matters: llama.cpp's default Q4_0 and Q4_K_M recipes keep it in Q6_K).
+
+Per shape and side: microseconds per call when distinct weights totalling at least --bytes are
+applied in one evaluation (so they come from memory, not the L2 cache), the weight bytes read per
+second, and the largest difference from a float64 product over its largest value.
+
+    python benchmarks/profile/probe_gguf_blocks.py [--types Q6_K Q3_K Q2_K] [--rows 1] [--out DIR]
+    python benchmarks/profile/probe_gguf_blocks.py --cpu --shapes 1b.o --bytes 50000000   # MLX ops only
+"""
+from __future__ import annotations
+
+import _path  # noqa: F401 - the checkout as installed
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+import pymlxc.core as mx
+from pymlxc.backends.metal.gguf_quants import dequantize_blocks
+from pymlxc.backends.metal.kernels import gguf_blocks
+
+SHAPES = {  # name: (K, N)
+    "1b.o": (2048, 2048), "1b.gate_up": (2048, 16384), "1b.down": (8192, 2048), "1b.head": (2048, 128256),
+    "8b.o": (4096, 4096), "8b.down": (14336, 4096), "8b.head": (4096, 128256),
+}
+
+
+def timed(fn: Callable[[], list[Any]], repeats: int) -> float:
+    mx.eval(fn())
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def probe(qtype: Q, k: int, n: int, rows: int, min_bytes: int, repeats: int) -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    blocks_np = gguf_blocks.random_blocks(rng, (n, k // 256), qtype)
+    block_bytes = blocks_np.nbytes
+    copies = max(1, -(-min_bytes // block_bytes))
+    blocks = [mx.array(blocks_np) for _ in range(copies)]
+    x = mx.array(rng.standard_normal((rows, k)).astype(np.float32)).astype(mx.float16)
+    dense64 = gguf.quants.dequantize(blocks_np.reshape(n, -1), qtype).astype(np.float64)
+    want = np.asarray(x.astype(mx.float32)).astype(np.float64) @ dense64.T
+    scale = float(np.abs(want).max()) or 1.0
+    out: dict[str, Any] = {"type": qtype.name, "K": k, "N": n, "rows": rows, "copies": copies}
+    kind = gguf_blocks.device_kind()
+    sides: dict[str, tuple[Callable[[mx.Array], mx.Array], int]] = {
+        "mlx_ops": (lambda w: mx.matmul(x, mx.swapaxes(dequantize_blocks(w, qtype).astype(x.dtype), -1, -2)), block_bytes)}
+    if kind is not None:
+        zero = mx.zeros((1,), mx.int32)
+        sides["kernel"] = (lambda w: mx.reshape(gguf_blocks.matvec(mx.reshape(x, (1, rows, k)), mx.expand_dims(w, 0),
+                                                                    zero, qtype, kind), (rows, n)), block_bytes)
+    dense = mx.array(dense64.astype(np.float16))
+    q, s, b = mx.quantize(dense, 64, 4)
+    mx.eval(q, s, b)
+    q4 = [(q, s, b)] + [(q + 0, s + 0, b + 0) for _ in range(copies - 1)]
+    d16 = [dense] + [dense + 0 for _ in range(copies - 1)]
+    for name, (fn, nbytes) in sides.items():
+        got = np.asarray(fn(blocks[0]).astype(mx.float32))
+        t = timed(lambda: [fn(w) for w in blocks], repeats) / copies
+        out[name] = {"us": t * 1e6, "GBps": nbytes / t / 1e9, "error": float(np.abs(got - want).max()) / scale}
+    t = timed(lambda: [mx.quantized_matmul(x, *w, True, 64, 4) for w in q4], repeats) / copies
+    out["mlx_4bit_g64"] = {"us": t * 1e6, "GBps": (q.nbytes + s.nbytes + b.nbytes) / t / 1e9}
+    t = timed(lambda: [mx.matmul(x, mx.swapaxes(w, 0, 1)) for w in d16], repeats) / copies
+    out["dense_f16"] = {"us": t * 1e6, "GBps": dense.nbytes / t / 1e9}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--types", nargs="+", default=["Q6_K", "Q3_K", "Q2_K"], choices=["Q6_K", "Q3_K", "Q2_K"])
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--rows", type=int, default=1, help="rows of x (decode: 1)")
+    p.add_argument("--bytes", type=int, default=1 << 30, help="weight bytes per evaluation (beyond the L2 cache)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.cpu:
+        mx.set_default_device(mx.cpu)
+    results = []
+    for t in args.types:
+        if gguf_blocks.device_kind() is not None:
+            gguf_blocks.ready(Q[t], mx.float16)  # compile and check first, as a model's load does
+        for shape in args.shapes:
+            k, n = SHAPES[shape]
+            r = probe(Q[t], k, n, args.rows, args.bytes, args.repeats)
+            r["shape"] = shape
+            results.append(r)
+            cols = "  ".join(f"{side} {r[side]['us']:8.1f} us {r[side]['GBps']:7.1f} GB/s"
+                             for side in ("kernel", "mlx_ops", "mlx_4bit_g64", "dense_f16") if side in r)
+            print(f"{t:5s} {shape:11s} {cols}", flush=True)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "probe_gguf_blocks.json").write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

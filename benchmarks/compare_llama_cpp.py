@@ -1,6 +1,6 @@
 """pymlxc against llama.cpp on the same GGUF files, and pymlxc on its own formats of the same shape.
 
-For each shape (random weights of a real model's shapes, `random_models.py`) this writes the model
+For each shape (random weights of a real model's shapes, `pymlxc/testing/shapes.py`) this writes the model
 in float16 with a byte-level BPE vocabulary, converts it to an F16 GGUF with pymlxc's own writer
 (`pymlxc.testing_gguf`, as llama.cpp's converter lays it out), quantizes that with llama.cpp's
 `llama-quantize` (Q4_0, Q4_K_M, Q6_K, Q8_0: llama.cpp's recipes, mixed types included), and writes
@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-# MLX, pymlxc, random_models and compare_mlx_lm are imported where a stage needs them: --build-only
+# MLX, pymlxc (with its random models) and compare_mlx_lm are imported where a stage needs them: --build-only
 # runs on a machine where MLX is not installed yet.
 
 SCHEMA_VERSION = 1
@@ -137,8 +137,8 @@ def prepare(shape: str, formats: list[str], root: Path, layers: int | None, tool
     Returns {format: {"gguf": path, "native": path}}."""
     from gguf import GGMLQuantizationType as QType
 
+    from pymlxc.testing.shapes import shape_config, weight_bytes, write_byte_tokenizer, write_random_model
     from pymlxc.testing_gguf import export_gguf
-    from random_models import shape_config, weight_bytes, write_random_model, write_tokenizer
 
     tag = shape + ("" if layers is None else f"-{layers}l")
     src = root / f"{tag}-f16-src"
@@ -149,7 +149,7 @@ def prepare(shape: str, formats: list[str], root: Path, layers: int | None, tool
     if missing and not (src / "tokenizer.json").is_file() and not (f16.is_file() and tools is not None):
         t = time.perf_counter()
         write_random_model(src, shape, layers=layers, dtype="float16")
-        write_tokenizer(src, config)
+        write_byte_tokenizer(src, config)
         print(f"  wrote {src.name} ({weight_bytes(src) / 2**30:.2f} GiB) in {time.perf_counter() - t:.0f}s", flush=True)
     if missing and not f16.is_file():
         t = time.perf_counter()
@@ -204,7 +204,7 @@ def median(values: list[float]) -> float | None:
 def run_case(shape: str, fmt: str, files: dict[str, Path], args: argparse.Namespace, tools: Path | None,
              bandwidth: float) -> dict[str, Any]:
     from compare_mlx_lm import Pymlxc, bytes_per_token, warm_up
-    from random_models import shape_config
+    from pymlxc.testing.shapes import shape_config
 
     config = shape_config(shape, args.layers)
     rng = np.random.default_rng(0)

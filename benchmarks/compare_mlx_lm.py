@@ -1,7 +1,7 @@
 """pymlxc's native backend against mlx-lm on the same device, the same weights and the same tokens.
 
 For every case (a real model shape, bfloat16 or 4-bit, with random weights written on the fly by
-`random_models.py`) and every prompt length, both sides generate greedily from the same prompt
+`pymlxc/testing/shapes.py`) and every prompt length, both sides generate greedily from the same prompt
 token ids with EOS ignored, alternately (ABBA ordering over the runs, so that drift on a busy
 machine hits both alike), after one warm-up each. Reported per side: prefill tok/s (prompt tokens
 over the time to the first token, as mlx-lm counts it), decode tok/s (tokens after the first over
@@ -50,7 +50,7 @@ from pymlxc.backends.metal.decode.decoder import CompiledDecoder
 from pymlxc.backends.metal.loader import load_weights_and_config
 from pymlxc.backends.metal.sample import greedy
 from pymlxc.options import LoadConfig
-from random_models import SHAPES, shape_config, weight_bytes, write_random_model
+from pymlxc.testing.shapes import SHAPES, shape_config, weight_bytes, write_random_model
 
 SCHEMA_VERSION = 1
 QUANTS = {"bf16": None, "4bit": 4, "f32": None, "4bit-f32": 4}  # name -> bits; "-f32"/"f32": float32 weights/scales
@@ -552,7 +552,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def estimated_bytes(shape: str, quant: str, layers: int | None) -> int:
     config = shape_config(shape, layers)
-    from random_models import tensor_shapes
+    from pymlxc.testing.shapes import tensor_shapes
 
     total = 0
     for _, shp, kind in tensor_shapes(config):

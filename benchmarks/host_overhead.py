@@ -31,7 +31,7 @@ from pymlxc.backends.metal.decode.decoder import CompiledDecoder, decode_capacit
 from pymlxc.backends.metal.models import get_model_module
 from pymlxc.backends.metal.sample import greedy
 from pymlxc.options import LoadConfig
-from random_models import SHAPES, shape_config
+from pymlxc.testing.shapes import SHAPES, shape_config
 
 
 def _pymlxc_model(config: dict[str, Any], bits: int | None) -> Any:

@@ -1,6 +1,7 @@
 """`pymlxc.testing.write_tiny_model`: the directories it writes load in mlx-lm and transformers."""
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -8,9 +9,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import load_file
 
-from pymlxc.testing import ARCHITECTURES, LLAMA3_ROPE_SCALING, quantize_affine, write_tiny_model
+from pymlxc.testing import (ARCHITECTURES, LLAMA3_ROPE_SCALING, QUANTIZE_BITS, SPECS, ArchSpec, quantize_affine, tokenizer,
+                            write_tiny_model)
+from pymlxc.testing.specs import block_weights
+from pymlxc.testing.transformer import llama_fields, tensors
 
 mx = pytest.importorskip("mlx.core")
 mlx_lm_utils = pytest.importorskip("mlx_lm.utils")
@@ -203,3 +209,79 @@ def test_bad_arguments_are_refused(tmp_path: Path) -> None:
         write_tiny_model(tmp_path, "gemma2", tie_word_embeddings=False)
     with pytest.raises(ValueError, match="quantize_bits"):
         write_tiny_model(tmp_path, "llama", quantize_bits=5)
+
+
+# -- the writers' structure: one spec per architecture, one tensor list for tiny and real shapes ------
+# sha256 of model.safetensors and config.json as the writer made them before it was split into specs
+# (`pymlxc/testing.py` at 9636cd2): the tiny models must not drift, or every parity test's weights move.
+GOLDEN = {
+    ("llama", None, "float32"): ("264a1440df370fa4dee3bf01b65f3f35143c5bf23fee9899ecb829f3ab4e3a8a",
+                                 "b84aabe3e239f87b6577440b0bf2272cadb06b9eb9bdcacef533d44e471124c5"),
+    ("qwen3_5_moe", 4, "float32"): ("42bd4f891b89c856e7ed734f123def10282d1f541a32f29d3d3e13b7915ce3e5",
+                                    "bc9d8491689da3c9117a71008848b52ca3f103b317bf99b715b715215f34198f"),
+    ("gemma4", None, "float16"): ("3b75f6532f06dfd3e686933c9ad34b2b1eb58a60023fd579596fbbcc41a6745a",
+                                  "078e1908acf7667cc2fed11091e19ecdb5ce2329f2fb0f1cf49722ada870e774"),
+    ("qwen2_moe", 8, "float32"): ("dee15e82b2d8f5c11e5fe27fdf2cb214060d78e904d7378418391552e79d6592",
+                                  "b9162d901b36650fdaa461846463c227c4c3d3c6cb61cc15be1e4a9ca50f8440"),
+}
+
+
+@pytest.mark.parametrize(("arch", "bits", "dtype"), list(GOLDEN))
+def test_tiny_models_keep_their_bytes(tmp_path: Path, arch: str, bits: int | None, dtype: str) -> None:
+    path = write_tiny_model(tmp_path, arch, quantize_bits=bits, dtype=dtype)
+    digests = tuple(hashlib.sha256((path / name).read_bytes()).hexdigest()
+                    for name in ("model.safetensors", "config.json"))
+    assert digests == GOLDEN[(arch, bits, dtype)]
+
+
+def test_every_architecture_is_one_spec() -> None:
+    assert ARCHITECTURES == tuple(SPECS)
+    assert all(name == spec.name for name, spec in SPECS.items())
+
+
+@pytest.mark.parametrize("arch", [a for a, s in SPECS.items() if s.weights is block_weights])
+def test_standard_blocks_write_exactly_the_listed_tensors(tmp_path: Path, arch: str) -> None:
+    """Architectures of the standard block write `transformer.tensors`, the list the real-shape
+    writer draws too, under the checkpoint's nesting."""
+    path = write_tiny_model(tmp_path, arch)
+    config = json.loads((path / "config.json").read_text())
+    text = config.get("text_config", config)
+    spec = SPECS[arch]
+    listed = {spec.rename(name): shape for name, shape, _ in tensors(text, spec)}
+    written = {name: value.shape for name, value in load_file(str(path / "model.safetensors")).items()}
+    assert written == listed
+
+
+def test_real_shapes_draw_the_tiny_writers_tensor_list() -> None:
+    shapes = pytest.importorskip("pymlxc.testing.shapes")
+    for shape in shapes.SHAPES:
+        config = shapes.shape_config(shape, layers=2)
+        assert list(shapes.tensor_shapes(config)) == list(tensors(config, SPECS[config["model_type"]]))
+    names = [n for n, _, _ in shapes.tensor_shapes(shapes.shape_config("qwen3-0.6b", layers=1))]
+    assert "model.layers.0.self_attn.q_norm.weight" in names and "lm_head.weight" not in names
+
+
+def test_a_new_architecture_is_one_spec_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Llama-like architecture needs nothing but its entry: config, tokenizer, weights and the
+    quantized layout follow from the spec."""
+    spec = ArchSpec("llama_like", tokenizer.LLAMA3, llama_fields, tied=False, qk_norm=True)
+    monkeypatch.setitem(SPECS, "llama_like", spec)
+    path = write_tiny_model(tmp_path, "llama_like", quantize_bits=4)
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "llama_like" and config["quantization"]["bits"] == 4
+    weights = load_file(str(path / "model.safetensors"))
+    assert "model.layers.1.self_attn.q_norm.weight" in weights and "lm_head.scales" in weights
+    assert weights["model.layers.0.mlp.up_proj.weight"].dtype == np.uint32
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(arch=st.sampled_from(ARCHITECTURES), seed=st.integers(0, 2**32 - 1),
+       bits=st.sampled_from([None, *QUANTIZE_BITS]))
+def test_the_seed_alone_decides_the_weights(tmp_path: Path, arch: str, seed: int, bits: int | None) -> None:
+    root = tmp_path / f"{arch}-{seed}-{bits}"
+    a = write_tiny_model(root / "a", arch, seed=seed, quantize_bits=bits)
+    b = write_tiny_model(root / "b", arch, seed=seed, quantize_bits=bits)
+    c = write_tiny_model(root / "c", arch, seed=seed + 1, quantize_bits=bits)
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()

@@ -1,5 +1,4 @@
-"""For the probes in benchmarks/profile/: put benchmarks/ on sys.path (for `compare_mlx_lm` and
-`random_models`), then run benchmarks/_path.py, which makes the checkout importable as installed.
+"""For the probes in benchmarks/profile/: put benchmarks/ on sys.path (for `compare_mlx_lm`), then run benchmarks/_path.py, which makes the checkout importable as installed.
 
 A probe imports it first (`import _path`), as the scripts in benchmarks/ import theirs.
 """

@@ -26,7 +26,7 @@ import numpy as np
 import mlx.core as mlx
 
 from compare_mlx_lm import MlxLm, Pymlxc, model_dir, warm_up
-from random_models import SHAPES, shape_config
+from pymlxc.testing.shapes import SHAPES, shape_config
 
 # cProfile entries (substrings of "file:line(function)") that are waits for the device, and host dispatch.
 WAIT = ("item", "to_numpy", "tolist", "'eval'", "(eval)", "method 'item'")

@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 
 from pymlxc.backends.metal.gguf import read_gguf
 from pymlxc.backends.metal.gguf_tokenizer import load_gguf_tokenizer
-from pymlxc.testing import write_tiny_model
+from pymlxc.testing import shapes, write_tiny_model
 from pymlxc.testing_gguf import export_gguf
 
 from .gguf_vocab import LlamaCppVocab
@@ -23,7 +23,6 @@ from .gguf_vocab import LlamaCppVocab
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 import compare_llama_cpp  # noqa: E402 - a benchmark script, importable from its folder
-import random_models  # noqa: E402
 
 TEXTS = ["Hello world, this is a test.", "  spaces\tand\nnewlines  ", "digits 1234567 and 3.14",
          "ünïcödé ✓ 🙂", "it's they're I'M", ""]
@@ -37,8 +36,8 @@ def _quiet() -> None:
 @pytest.fixture(scope="module")
 def narrow_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("narrow")
-    src = random_models.write_random_model(root / "src", "llama-3.2-1b-narrow", layers=1, dtype="float16")
-    random_models.write_tokenizer(src, random_models.shape_config("llama-3.2-1b-narrow", 1))
+    src = shapes.write_random_model(root / "src", "llama-3.2-1b-narrow", layers=1, dtype="float16")
+    shapes.write_byte_tokenizer(src, shapes.shape_config("llama-3.2-1b-narrow", 1))
     return src, export_gguf(src, root / "m.gguf", Q.Q8_0, pre="gpt-2")
 
 

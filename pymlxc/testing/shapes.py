@@ -1,19 +1,21 @@
-"""Random-weight model directories of real shapes, written on the fly (no downloads).
+"""Random-weight model directories of real shapes, written on the fly (no downloads), for the benchmarks.
 
 `write_random_model(path, "llama-3.2-1b", bits=4)` writes what a Hugging Face checkpoint of that
 shape holds for loading by pymlxc and mlx-lm: `config.json` (the published config's fields) and
 safetensors shards in HF names, bfloat16, or quantized in mlx-lm's layout (packed uint32 `weight`,
 bfloat16 `scales`/`biases` per group, `quantization` in the config; every linear and the embedding
-quantized, as `mlx_lm.convert -q` does). The benchmarks feed token ids; `write_tokenizer` adds a
-byte-level BPE `tokenizer.json` of the shape's vocabulary where a file format needs one (GGUF files
-carry their vocabulary, and llama.cpp's tools load it).
+quantized, as `mlx_lm.convert -q` does). The tensors are the tiny writer's list for the same
+architecture (`specs.SPECS`, `transformer.tensors`). The benchmarks feed token ids;
+`write_byte_tokenizer` adds a byte-level BPE `tokenizer.json` of the shape's vocabulary where a file
+format needs one (GGUF files carry their vocabulary, and llama.cpp's tools load it).
 
 Weights are drawn tensor by tensor with mlx.core's generator directly in bfloat16 (or --dtype; std
 1/sqrt(fan_in), so activations stay O(1) through the layers), quantized right away and written in
 shards of about 1 GB, so that an 8B model never needs more than a shard of memory and is written in
-seconds on a GPU. Values are random: only shapes, dtypes and layouts are real.
+seconds on a GPU. Values are random: only shapes, dtypes and layouts are real. This module needs
+MLX's own Python package (`mlx`, a dependency of pymlxc).
 
-CLI: `python benchmarks/random_models.py SHAPE PATH [--bits 4] [--layers N]`.
+CLI: `python -m pymlxc.testing.shapes SHAPE PATH [--bits 4] [--layers N] [--tokenizer]`.
 """
 from __future__ import annotations
 
@@ -25,6 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+
+from .specs import ArchSpec, spec_of
+from .tokenizer import write_byte_tokenizer
+from .transformer import Tensor, tensors
 
 LLAMA31_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192, "rope_type": "llama3"}
@@ -83,7 +89,7 @@ def shape_config(shape: str, layers: int | None = None) -> dict[str, Any]:
     """The config of `shape`, optionally with fewer layers (for quick runs on a CPU)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
-    config = json.loads(json.dumps(SHAPES[shape]))
+    config: dict[str, Any] = json.loads(json.dumps(SHAPES[shape]))
     if layers is not None:
         config["num_hidden_layers"] = layers
     if config["model_type"] == "gemma3_text":
@@ -93,42 +99,19 @@ def shape_config(shape: str, layers: int | None = None) -> dict[str, Any]:
     return config
 
 
-def tensor_shapes(config: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...], str]]:
-    """(HF name, shape, kind) of every tensor; kind is "linear", "embedding" or "norm"."""
-    h, inter, hd = config["hidden_size"], config["intermediate_size"], config["head_dim"]
-    q_out, kv_out = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
-    gemma = config["model_type"].startswith("gemma")
-    yield "model.embed_tokens.weight", (config["vocab_size"], h), "embedding"
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        yield p + "self_attn.q_proj.weight", (q_out, h), "linear"
-        yield p + "self_attn.k_proj.weight", (kv_out, h), "linear"
-        yield p + "self_attn.v_proj.weight", (kv_out, h), "linear"
-        yield p + "self_attn.o_proj.weight", (h, q_out), "linear"
-        if config["model_type"] in ("qwen3", "gemma3_text"):
-            yield p + "self_attn.q_norm.weight", (hd,), "norm"
-            yield p + "self_attn.k_norm.weight", (hd,), "norm"
-        yield p + "mlp.gate_proj.weight", (inter, h), "linear"
-        yield p + "mlp.up_proj.weight", (inter, h), "linear"
-        yield p + "mlp.down_proj.weight", (h, inter), "linear"
-        yield p + "input_layernorm.weight", (h,), "norm"
-        yield p + "post_attention_layernorm.weight", (h,), "norm"
-        if gemma:
-            yield p + "pre_feedforward_layernorm.weight", (h,), "norm"
-            yield p + "post_feedforward_layernorm.weight", (h,), "norm"
-    yield "model.norm.weight", (h,), "norm"
-    if not config["tie_word_embeddings"]:
-        yield "lm_head.weight", (config["vocab_size"], h), "linear"
+def tensor_shapes(config: dict[str, Any]) -> Iterator[Tensor]:
+    """(HF name, shape, kind) of every tensor of a real-shape config."""
+    return tensors(config, spec_of(config["model_type"]))
 
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 
 
-def _draw(shape: tuple[int, ...], kind: str, gemma: bool, key: mx.array, dtype: mx.Dtype) -> mx.array:
+def _draw(shape: tuple[int, ...], kind: str, spec: ArchSpec, key: mx.array, dtype: mx.Dtype) -> mx.array:
     if kind == "norm":
-        # Gemma scales by (1 + w): w near 0; the others by w: near 1.
-        base = 0.0 if gemma else 1.0
-        return (base + 0.05 * mx.random.normal(shape, key=key)).astype(dtype)
+        return (spec.norm_center + 0.05 * mx.random.normal(shape, key=key)).astype(dtype)
+    if kind == "bias":
+        return (0.02 * mx.random.normal(shape, key=key)).astype(dtype)
     # Linears and the (tied) embedding alike: std 1/sqrt(fan_in) keeps outputs and logits O(1).
     return mx.random.normal(shape, dtype=dtype, scale=1.0 / math.sqrt(shape[-1]), key=key)
 
@@ -146,7 +129,7 @@ def write_random_model(path: str | Path, shape: str, *, bits: int | None = None,
     if bits is not None:
         config["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine"}
         config["quantization_config"] = dict(config["quantization"])
-    gemma = config["model_type"].startswith("gemma")
+    spec = spec_of(config["model_type"])
     key = mx.random.key(seed)
     shard: dict[str, mx.array] = {}
     shard_bytes = 0
@@ -164,10 +147,10 @@ def write_random_model(path: str | Path, shape: str, *, bits: int | None = None,
         shard, shard_bytes = {}, 0
 
     total = 0
-    for name, shp, kind in tensor_shapes(config):
+    for name, shp, kind in tensors(config, spec):
         key, sub = mx.random.split(key)
-        w = _draw(shp, kind, gemma, sub, DTYPES[dtype])
-        if bits is not None and kind != "norm" and shp[-1] % group_size == 0:
+        w = _draw(shp, kind, spec, sub, DTYPES[dtype])
+        if bits is not None and kind in ("linear", "embedding") and shp[-1] % group_size == 0:
             q, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
             stem = name[: -len(".weight")]
             parts = {name: q, stem + ".scales": scales, stem + ".biases": biases}
@@ -184,70 +167,6 @@ def write_random_model(path: str | Path, shape: str, *, bits: int | None = None,
     (root / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return root
-
-
-def _byte_chars() -> list[str]:
-    """GPT-2's byte-level alphabet: byte b -> a printable character (spaces and controls moved up)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
-
-
-def write_tokenizer(path: str | Path, config: dict[str, Any]) -> Path:
-    """Write a byte-level BPE `tokenizer.json` (+ `tokenizer_config.json`) with exactly
-    `vocab_size` ids: the config's bos/eos ids as special tokens, the 256 bytes, then every pair of
-    bytes and as many byte triples as fill the rest, each made by one merge. Meaningless as a
-    language, but valid for Hugging Face's tokenizers, gguf's SpecialVocab and llama.cpp."""
-    root = Path(path)
-    vocab_size = int(config["vocab_size"])
-    eos = config.get("eos_token_id")
-    specials = {int(config["bos_token_id"]): "<|begin_of_text|>"} if config.get("bos_token_id") is not None else {}
-    for i, e in enumerate(eos if isinstance(eos, list) else [eos] if eos is not None else []):
-        specials.setdefault(int(e), "<|end_of_text|>" if i == 0 else f"<|eot_{i}|>")
-    byte = _byte_chars()
-
-    def pieces() -> Iterator[tuple[str, str | None]]:
-        yield from ((c, None) for c in byte)
-        yield from ((a + b, f"{a} {b}") for a in byte for b in byte)
-        yield from ((a + b + c, f"{a + b} {c}") for a in byte for b in byte for c in byte)
-
-    vocab: dict[str, int] = {}
-    merges: list[str] = []
-    stream = pieces()
-    for i in range(vocab_size):
-        if i in specials:
-            vocab[specials[i]] = i  # in the model's vocabulary too, so that the ids stay where they are
-            continue
-        text, merge = next(stream)
-        vocab[text] = i
-        if merge is not None:
-            merges.append(merge)
-    if len(vocab) < 256 + len(specials):
-        raise ValueError(f"a vocabulary of {vocab_size} ids has no room for the 256 byte tokens")
-    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-              "special": True} for i, t in sorted(specials.items())]
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
-    tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
-                 "pre_tokenizer": byte_level, "post_processor": None, "decoder": byte_level,
-                 "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                           "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                           "ignore_merges": False, "vocab": vocab, "merges": merges}}
-    (root / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
-    tok_config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": True,
-                                  "model_max_length": config.get("max_position_embeddings", 4096)}
-    names = dict(sorted(specials.items()))
-    if config.get("bos_token_id") is not None:
-        tok_config["bos_token"] = names[int(config["bos_token_id"])]
-    if eos is not None:
-        tok_config["eos_token"] = names[int(eos[0] if isinstance(eos, list) else eos)]
-    (root / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     return root
 
 
@@ -271,10 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     out = write_random_model(args.path, args.shape, bits=args.bits, group_size=args.group_size,
                              layers=args.layers, seed=args.seed, dtype=args.dtype)
     if args.tokenizer:
-        write_tokenizer(out, shape_config(args.shape, args.layers))
+        write_byte_tokenizer(out, shape_config(args.shape, args.layers))
     print(f"{out} ({weight_bytes(out) / 2**30:.2f} GiB)")
     return 0
 
+
+
+
+__all__ = ["SHAPES", "shape_config", "tensor_shapes", "weight_bytes", "write_byte_tokenizer", "write_random_model"]
 
 if __name__ == "__main__":
     raise SystemExit(main())

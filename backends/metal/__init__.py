@@ -63,9 +63,9 @@ def _load(path: str, config: LoadConfig, progress: Progress | None) -> "MetalTex
     else:
         tokenizer = Tokenizer(path)  # first: a missing tokenizer fails before gigabytes are read
         loaded = load_weights_and_config(path, context_len=config.context_len, progress=progress,
-                                         settings=config.settings)
+                                         settings=config.settings, distributed=config.distributed)
         source = str(Path(path) / "tokenizer.json")
-    if config.distributed is not None:  # split over the processes launched together (distributed/)
+    if config.distributed is not None and loaded.distributed is None:  # GGUF: split once loaded (distributed/)
         from .distributed import shard_loaded  # noqa: PLC0415 - loaded with the model (see above)
 
         shard_loaded(loaded, config.distributed)

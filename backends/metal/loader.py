@@ -52,6 +52,7 @@ class LoadedModel:
     nbytes: int
     quantized_modules: int = 0
     context_len: int = 131072
+    distributed: str | None = None  # the mode the model was split by while loading (distributed/), else None
     cuda_matvec: bool = False  # 4-bit products of few rows through pymlxc's CUDA kernel (kernel_choice.py)
     _freed: bool = field(default=False, repr=False)
 
@@ -282,16 +283,19 @@ def _evaluate(params: dict[str, Array], origin: Mapping[str, Path], progress: Pr
 # ---------------------------------------------------------------------- entry point
 
 def load_weights_and_config(path: str | os.PathLike[str], context_len: int = 131072, device: Any = None, *,
-                            progress: Progress | None = None, settings: Settings | None = None) -> LoadedModel:
+                            progress: Progress | None = None, settings: Settings | None = None,
+                            distributed: str | None = None) -> LoadedModel:
     """Load the model directory (or GGUF file) at `path`. `progress(done_bytes, total_bytes)` is called while the
     weights are read. `device` (a `pymlxc.core.Device`/`Stream`) runs the loading there.
     `context_len` is kept for the caller's `model.make_cache(context_len)`. `settings` (else the
-    process's) choose the kernels (`cuda_matvec`)."""
+    process's) choose the kernels (`cuda_matvec`). `distributed` ("tensor" or "pipeline"): a
+    safetensors model is split over the launched ranks as it loads, each rank reading only its
+    part (`LoadedModel.distributed` says so; a GGUF file loads whole, for `shard_loaded`)."""
     settings = settings if settings is not None else current_settings()
     if device is not None:
         with mx.stream_scope(device):
-            return _load(Path(path), context_len, progress, settings)
-    return _load(Path(path), context_len, progress, settings)
+            return _load(Path(path), context_len, progress, settings, distributed)
+    return _load(Path(path), context_len, progress, settings, distributed)
 
 
 def gguf_file_of(path: str | os.PathLike[str]) -> Path | None:
@@ -336,24 +340,28 @@ def load_gguf_model(path: str | os.PathLike[str], *, context_len: int = 131072, 
                                         settings=settings)
 
 
-def _load(root: Path, context_len: int, progress: Progress | None, settings: Settings) -> LoadedModel:
+def _load(root: Path, context_len: int, progress: Progress | None, settings: Settings,
+          distributed: str | None) -> LoadedModel:
     gguf_file = gguf_file_of(root)
     if gguf_file is not None:
         return load_gguf_weights(gguf_file, context_len=context_len, progress=progress, settings=settings)
     config = read_config(root)
     files = weight_files(root)
-    raw, origin = _read_shards(files)
+    raw, origin = _read_shards(files)  # lazy: nothing is read before evaluation
     return build_model(config, raw, origin, source=root / "config.json", root=root, context_len=context_len,
-                       progress=progress, settings=settings)
+                       progress=progress, settings=settings, distributed=distributed)
 
 
 def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[str, Path], *, source: Path,
                 root: Path, context_len: int, progress: Progress | None,
-                layers: Callable[[nn.Module], int] | None = None, settings: Settings | None = None) -> LoadedModel:
+                layers: Callable[[nn.Module], int] | None = None, settings: Settings | None = None,
+                distributed: str | None = None) -> LoadedModel:
     """The model of `config` with the checkpoint tensors `raw` (HF names) in it; `source` names the
     file that errors about the config refer to, `origin` the file of each tensor; `layers(model)`
     swaps in a format's own layer types before the weights go in (returns how many); `settings`
-    (else the process's) choose the kernels."""
+    (else the process's) choose the kernels. `distributed`: split the model by that mode before
+    the weights go in, reading each split tensor's part only from its safetensors file (`raw`
+    must then be MLX's lazy safetensors arrays, as `origin` names them)."""
     file = source
     model_type = config.get("model_type") or infer_model_type(config, (canonical_name(k) for k in raw))
     if model_type is not None and not isinstance(model_type, str):
@@ -374,6 +382,11 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
         raise ConfigError(f"{file}: cannot build a {model_type} model from this config: {exc}") from exc
 
     module_paths = {p for p, _ in model.named_modules()}
+    sources = None
+    if distributed is not None:  # where each tensor sanitize passes through can be read in part
+        from .distributed import Source  # noqa: PLC0415 - the distributed runtime only when asked
+
+        sources = {id(v): Source(v, origin[k], k) for k, v in raw.items()}
     weights = model.sanitize(_resolve_names(raw, module_paths))
     del raw
     origin = {canonical_name(k): v for k, v in origin.items()}
@@ -401,12 +414,23 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
                               "tensors are not quantized (no *.scales)")
 
     _check_dtypes(model.parameters(), weights, origin)
+    group = None
+    if distributed is not None:
+        from .distributed import narrow_weights, shard_before_load  # noqa: PLC0415 - see above
+
+        group, dropped = shard_before_load(model, distributed)
+        weights = narrow_weights(model.parameters(), weights, sources or {}, group.rank(), group.size(), dropped)
+        del sources
     model.load_weights(weights, strict=True)
     del weights
     params, constants = model.parameters_and_constants()
     nbytes = _evaluate(params, origin, progress)
     # Constants derived from weights at load (e.g. Gemma's 1 + w) are evaluated now as well.
     mx.eval(constants)
+    if group is not None:
+        from .distributed import finish_after_load  # noqa: PLC0415 - see above
+
+        finish_after_load(model, str(distributed), group)
     cuda_matvec = False
     if quantized:  # no quantized layer: nothing to choose
         cuda_matvec = nn.choose_cuda_matvec(model, (settings if settings is not None else current_settings()).cuda_matvec)
@@ -414,7 +438,7 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
                        quantization={"group_size": int(quant.get("group_size", 64)), "bits": int(quant.get("bits", 4))}
                        if quant else None,
                        num_tensors=len(params), nbytes=nbytes, quantized_modules=quantized, context_len=context_len,
-                       cuda_matvec=cuda_matvec)
+                       distributed=distributed, cuda_matvec=cuda_matvec)
 
 
 __all__ = ["LoadedModel", "WeightsFileError", "ConfigError", "UnsupportedModelError", "load_weights_and_config",

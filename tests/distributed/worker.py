@@ -2,7 +2,7 @@
 model named on the command line split as asked, runs the calls, and prints what it got as one
 `RESULT <json>` line (every rank prints its own, so a test can check that all ranks agree).
 
-    python tests/distributed/worker.py MODEL MODE [--tokens N] [--die-rank R] [--batch]
+    python tests/distributed/worker.py MODEL MODE [--tokens N] [--die-rank R] [--batch] [--load-only]
 
 MODE is tensor, pipeline or none (one process, the reference).
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -27,16 +28,26 @@ def main() -> None:
     ap.add_argument("mode", choices=["tensor", "pipeline", "none"])
     ap.add_argument("--tokens", type=int, default=6)
     ap.add_argument("--die-rank", type=int, default=None, help="this rank exits hard after loading")
+    ap.add_argument("--stop-rank", type=int, default=None, help="this rank stops itself (SIGSTOP) after loading")
     ap.add_argument("--batch", action="store_true", help="also run batch_generate and classify")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--load-only", action="store_true", help="report the load's MLX peak memory and stop")
     a = ap.parse_args()
     distributed = None if a.mode == "none" else a.mode
     out: dict[str, object] = {}
+    pymlxc.core.reset_peak_memory()
     with pymlxc.load_model(a.model, distributed=distributed, context_len=256) as model:
+        out["load_peak"] = pymlxc.core.get_peak_memory()
+        out["load_active"] = pymlxc.core.get_active_memory()
         rank = pymlxc.core.distributed.init().rank() if distributed else 0
         out["rank"] = rank
+        if a.load_only:
+            print("RESULT " + json.dumps(out), flush=True)
+            return
         if a.die_rank is not None and rank == a.die_rank:
             os._exit(7)
+        if a.stop_rank is not None and rank == a.stop_rank:
+            os.kill(os.getpid(), signal.SIGSTOP)
         started = time.monotonic()
         try:
             tokens = list(model.generate("Hello there, general", max_tokens=a.tokens, temperature=a.temperature))

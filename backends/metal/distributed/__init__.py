@@ -1,16 +1,39 @@
 """Models split over several processes (MLX's distributed backends): tensor parallelism
 (`tensor.py`), pipeline parallelism (`pipeline.py`), and what every rank must agree on to stay in
-step (`runtime.py`). `shard_loaded(loaded, mode)` applies a mode to a model the loader built."""
+step (`runtime.py`). The loader splits a safetensors model before its weights go in
+(`shard_before_load`, then `partial.narrow_weights` reads each rank's part only, then
+`finish_after_load`); `shard_loaded(loaded, mode)` splits a model loaded whole (GGUF)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pymlxc.core as mx
+from pymlxc.core import distributed as dist
 
 from .errors import PeerLostError, ShardingError
-from .pipeline import PIPELINE_FAMILIES, layer_ranges, shard_pipeline
+from .partial import Source, Sources, narrow_weights
+from .pipeline import PIPELINE_FAMILIES, drop_remote_layers, layer_ranges, shard_pipeline
 from .runtime import MODES, agree_options, join_group
 from .tensor import TENSOR_FAMILIES, shard_tensor_parallel
+
+
+def shard_before_load(model: Any, mode: str) -> tuple[dist.Group, Callable[[str], bool]]:
+    """Split `model`, built with placeholder parameters, by `mode` before its weights are read: the
+    group, and which checkpoint tensors belong to no parameter of this rank (pipeline: the blocks
+    other ranks run)."""
+    group = join_group(mode)
+    if mode == "tensor":
+        shard_tensor_parallel(model, group, evaluate=False)
+        return group, lambda name: False
+    dropped = drop_remote_layers(model, group)
+    return group, dropped.__contains__
+
+
+def finish_after_load(model: Any, mode: str, group: dist.Group) -> None:
+    """What splitting needs once the weights are in: the pipeline's stage hand-overs."""
+    if mode == "pipeline":
+        shard_pipeline(model, group)
 
 
 def shard_loaded(loaded: Any, mode: str) -> None:
@@ -28,5 +51,6 @@ def shard_loaded(loaded: Any, mode: str) -> None:
         raise
 
 
-__all__ = ["MODES", "PIPELINE_FAMILIES", "TENSOR_FAMILIES", "PeerLostError", "ShardingError", "agree_options",
-           "join_group", "layer_ranges", "shard_loaded", "shard_pipeline", "shard_tensor_parallel"]
+__all__ = ["MODES", "PIPELINE_FAMILIES", "TENSOR_FAMILIES", "PeerLostError", "ShardingError", "Source", "Sources",
+           "agree_options", "finish_after_load", "join_group", "layer_ranges", "narrow_weights", "shard_before_load",
+           "shard_loaded", "shard_pipeline", "shard_tensor_parallel"]

@@ -85,6 +85,23 @@ class StageBlock(nn.Module):
         return h
 
 
+def drop_remote_layers(model: Any, group: dist.Group) -> set[str]:
+    """Before the weights go in: replace the blocks other ranks run by `RemoteBlock`s; returns the
+    names of the parameters they held, whose tensors the loader then leaves unread."""
+    size, rank = group.size(), group.rank()
+    if model.model_type not in PIPELINE_FAMILIES:
+        raise ShardingError(f"pipeline parallelism does not support model type {model.model_type!r}; supported: "
+                            f"{', '.join(PIPELINE_FAMILIES)}")
+    layers = model.layers
+    mine = layer_ranges(len(layers), size)[rank]
+    before = set(model.parameters())
+    for i in range(len(layers)):
+        if i not in mine:
+            layers[i].free()
+            layers[i] = RemoteBlock()
+    return before - set(model.parameters())
+
+
 def shard_pipeline(model: Any, group: dist.Group) -> range:
     """Split `model` (built and loaded) in place over `group` by layers; returns this rank's run."""
     size, rank = group.size(), group.rank()
@@ -112,4 +129,4 @@ def shard_pipeline(model: Any, group: dist.Group) -> range:
     return mine
 
 
-__all__ = ["PIPELINE_FAMILIES", "RemoteBlock", "StageBlock", "layer_ranges", "shard_pipeline"]
+__all__ = ["PIPELINE_FAMILIES", "RemoteBlock", "StageBlock", "drop_remote_layers", "layer_ranges", "shard_pipeline"]

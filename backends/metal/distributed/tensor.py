@@ -200,8 +200,10 @@ def _shard_ffn(mlp: nn.Module, name: str, group: dist.Group) -> None:
     raise ShardingError(f"{name}: a {type(mlp).__name__} cannot be split for tensor parallelism")
 
 
-def shard_tensor_parallel(model: Any, group: dist.Group) -> None:
-    """Split `model` (built and loaded) in place over `group` for tensor parallelism."""
+def shard_tensor_parallel(model: Any, group: dist.Group, *, evaluate: bool = True) -> None:
+    """Split `model` in place over `group` for tensor parallelism: a loaded model (its parts are
+    then evaluated, `evaluate`), or one built with placeholders whose weights are read afterwards
+    in this rank's shapes (`partial.narrow_weights`; `evaluate=False`: nothing is computed)."""
     size = group.size()
     if model.model_type not in TENSOR_FAMILIES:
         raise ShardingError(f"tensor parallelism does not support model type {model.model_type!r}; supported: "
@@ -212,7 +214,8 @@ def shard_tensor_parallel(model: Any, group: dist.Group) -> None:
     for i, layer in enumerate(model.layers):
         _shard_attention(layer.self_attn, f"model.layers.{i}.self_attn", group)
         _shard_ffn(layer.mlp, f"model.layers.{i}.mlp", group)
-    mx.eval(model.parameters_and_constants()[0])
+    if evaluate:
+        mx.eval(model.parameters_and_constants()[0])
 
 
 __all__ = ["TENSOR_FAMILIES", "shard_tensor_parallel", "split_columns", "split_rows", "part"]

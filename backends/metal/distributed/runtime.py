@@ -17,20 +17,24 @@ from pymlxc.core import distributed as dist
 from pymlxc.options import GenerateConfig
 
 from .errors import ShardingError
+from .watchdog import watch_group
 
 MODES = ("tensor", "pipeline")
 
 
 def join_group(mode: str) -> dist.Group:
     """The group of the processes launched together (strict: a process that was not launched as
-    one of several, or whose peers cannot be reached, gets an error, not a group of one)."""
+    one of several, or whose peers cannot be reached, gets an error, not a group of one), with the
+    heartbeat that ends every rank when one stalls (`watchdog.py`) started the first time."""
     if mode not in MODES:
         raise ValueError(f"distributed must be one of {', '.join(MODES)} (or None), not {mode!r}")
     try:
-        return dist.init(strict=True)
+        group = dist.init(strict=True)
     except MLXError as exc:
         raise ShardingError(f"distributed={mode!r} needs processes started together by `pymlxc launch -n N ...` "
                             f"or `mlx.launch -n N ...` (one per rank): {exc}") from exc
+    watch_group(group)
+    return group
 
 
 def agree_options(options: GenerateConfig) -> GenerateConfig:

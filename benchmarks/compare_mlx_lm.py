@@ -347,7 +347,8 @@ def run_case(shape: str, quant: str, args: argparse.Namespace, sides: list[Side]
     rng = np.random.default_rng(args.seed)
     vocab = config["vocab_size"]
     for prompt_len in args.prompt_lengths:
-        prompt = [int(i) for i in rng.integers(1000, vocab - 1000, size=prompt_len)]
+        margin = min(1000, vocab // 8)  # clear of the special ids at either end, small vocabularies too
+        prompt = [int(i) for i in rng.integers(margin, vocab - margin, size=prompt_len)]
         print(f"  {shape} {quant} prompt {prompt_len}, {args.max_tokens} tokens", flush=True)
         for side in sides:
             warm_up(side, prompt, args.max_tokens)
@@ -494,9 +495,44 @@ def chart(report: dict[str, Any], path: Path) -> bool:
 
 # ---------------------------------------------------------------------- main
 
+def add_shapes_from_json(paths: list[Path]) -> list[str]:
+    """Register the shapes in JSON files (each an object `{"name": {HF config fields}}`, the fields
+    of a published config.json, merged over a base shape named by `"base"` if given) and return
+    their names, so that `--shapes` can name them."""
+    names = []
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"--shape-json {path}: {exc}") from None
+        if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+            raise SystemExit(f"--shape-json {path}: expected an object of shape name -> config fields")
+        for name, fields in data.items():
+            fields = dict(fields)
+            base = fields.pop("base", None)
+            if base is not None and base not in SHAPES:
+                raise SystemExit(f"--shape-json {path}: shape {name!r} names an unknown base {base!r}")
+            config = {**(SHAPES[base] if base else {}), **fields}
+            missing = [k for k in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                   "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size",
+                                   "tie_word_embeddings") if k not in config]
+            if missing:
+                raise SystemExit(f"--shape-json {path}: shape {name!r} lacks {', '.join(missing)}")
+            SHAPES[name] = config
+            names.append(name)
+    return names
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    # Shapes from --shape-json files exist before --shapes checks its choices.
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--shape-json", nargs="+", type=Path, default=[])
+    add_shapes_from_json(pre.parse_known_args(argv)[0].shape_json)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), choices=sorted(SHAPES))
+    p.add_argument("--shape-json", nargs="+", type=Path, default=[], metavar="JSON",
+                   help='more shapes: a JSON object {"name": {config.json fields, or "base": SHAPE and the '
+                        'fields that differ}} (e.g. benchmarks/shapes_cpu.json)')
     p.add_argument("--quant", nargs="+", default=["bf16", "4bit"], choices=sorted(QUANTS))
     p.add_argument("--prompt-lengths", nargs="+", type=int, default=[128, 2048])
     p.add_argument("--max-tokens", type=int, default=256)
@@ -579,7 +615,10 @@ def header(report: dict[str, Any]) -> str:
 
 def reproduce_command(settings: dict[str, Any], case: dict[str, Any]) -> str:
     """The command line that measures `case` again with the settings of the run that measured it."""
-    parts = ["python benchmarks/compare_mlx_lm.py", f"--shapes {case['shape']}", f"--quant {case['quant']}",
+    parts = ["python benchmarks/compare_mlx_lm.py"]
+    if settings.get("shape_json"):
+        parts.append("--shape-json " + " ".join(settings["shape_json"]))
+    parts += [f"--shapes {case['shape']}", f"--quant {case['quant']}",
              "--prompt-lengths " + " ".join(map(str, settings["prompt_lengths"])), f"--max-tokens {settings['max_tokens']}",
              f"--runs {settings['runs']}", f"--load-runs {settings.get('load_runs', 3)}"]
     if settings.get("layers"):
@@ -688,6 +727,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"shapes": args.shapes, "quant": args.quant, "prompt_lengths": args.prompt_lengths,
                      "max_tokens": args.max_tokens, "runs": args.runs, "load_runs": args.load_runs,
                      "layers": args.layers, "cpu": args.cpu, "greedy": True, "eos_ignored": True,
+                     "shape_json": [str(p) for p in args.shape_json],
                      "sides": [s.name for s in sides]},
         "cases": [], "skipped": [],
     }

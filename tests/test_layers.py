@@ -27,24 +27,13 @@ from graphlib import CycleError, TopologicalSorter
 ROOT = Path(__file__).resolve().parents[1]
 # Source folder -> the package name it installs as.
 PACKAGES = {"pymlxc": "pymlxc", "backends": "pymlxc.backends", "bridge": "pymlxc.bridge"}
-# The binding's Array methods that call ops (astype, contiguous, view: imported inside them) and the
-# generated wrappers that build Arrays; the GGUF block kernels' check against gguf_quants' reference.
+# The GGUF block kernels' check against gguf_quants' reference dequantization (gguf_quants imports
+# the kernels; the kernels import the reference inside the check).
 KNOWN_CYCLES = {
-    frozenset({"pymlxc.core.array", "pymlxc.core.ops", "pymlxc.core._gen"}),
     frozenset({"pymlxc.backends.metal.gguf_quants", "pymlxc.backends.metal.kernels.gguf_blocks"}),
 }
-# The binding's modules share their handle helpers and ffi types by private name.
-KNOWN_PRIVATE = {
-    "pymlxc.core._gen from pymlxc.core.array import _RESULT",
-    "pymlxc.core.array from pymlxc.core.device import _state",
-    "pymlxc.core.distributed from pymlxc.core._loader import _errors",
-    "pymlxc.core.operators from pymlxc.core._gen import _ENV",
-    "pymlxc.core.operators from pymlxc.core.array import _INEXACT",
-    "pymlxc.core.operators from pymlxc.core.array import _RESULT",
-    "pymlxc.core.operators from pymlxc.core.array import _copy_handle",
-    "pymlxc.core.ops from pymlxc.core.array import _copy_handle",
-    "pymlxc.core.transforms from pymlxc.core._gen import _ARRAY_ARRAY",
-}
+# Private names taken from another module of the project: none left.
+KNOWN_PRIVATE: set[str] = set()
 
 
 @dataclass

@@ -5,7 +5,9 @@ placeholder parameters, swaps in quantized layers where the checkpoint is quanti
 layout: packed `weight`, `scales`, `biases`; config `quantization` with per-module overrides),
 matches checkpoint names to parameters (with or without `language_model.` / `model.` prefixes),
 checks every tensor's presence and shape, and evaluates the weights so that loading is paid for at
-load. Dtypes are kept as stored (bfloat16 stays bfloat16). `LoadedModel.free()` releases every
+load. Dtypes are kept as stored (bfloat16 stays bfloat16) unless a `dtype` is asked for, and the
+model's `compute_dtype` records the dtype its activations take: what kernels are chosen by (read it
+there, not from a weight: a GGUF embedding may be uint8 blocks). `LoadedModel.free()` releases every
 weight at once.
 """
 from __future__ import annotations
@@ -33,6 +35,7 @@ SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)  # those MLX's affine quantization takes
 _EVAL_CHUNK_BYTES = 256 << 20  # weights evaluated per batch: enough to keep the reader busy
 _ADAPTER_FILES = ("adapters.safetensors", "adapter_model.safetensors")
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}  # LoadConfig.dtype, "auto" aside
 
 
 class WeightsFileError(ValueError):
@@ -284,18 +287,28 @@ def _evaluate(params: dict[str, Array], origin: Mapping[str, Path], progress: Pr
 
 def load_weights_and_config(path: str | os.PathLike[str], context_len: int = 131072, device: Any = None, *,
                             progress: Progress | None = None, settings: Settings | None = None,
-                            distributed: str | None = None) -> LoadedModel:
+                            distributed: str | None = None, dtype: str = "auto") -> LoadedModel:
     """Load the model directory (or GGUF file) at `path`. `progress(done_bytes, total_bytes)` is called while the
     weights are read. `device` (a `pymlxc.core.Device`/`Stream`) runs the loading there.
     `context_len` is kept for the caller's `model.make_cache(context_len)`. `settings` (else the
     process's) choose the kernels (`cuda_matvec`). `distributed` ("tensor" or "pipeline"): a
     safetensors model is split over the launched ranks as it loads, each rank reading only its
-    part (`LoadedModel.distributed` says so; a GGUF file loads whole, for `shard_loaded`)."""
+    part (`LoadedModel.distributed` says so; a GGUF file loads whole, for `shard_loaded`). `dtype`
+    (LoadConfig.dtype): "auto", or the dtype to compute in (`requested_dtype`)."""
     settings = settings if settings is not None else current_settings()
     if device is not None:
         with mx.stream_scope(device):
-            return _load(Path(path), context_len, progress, settings, distributed)
-    return _load(Path(path), context_len, progress, settings, distributed)
+            return _load(Path(path), context_len, progress, settings, distributed, dtype)
+    return _load(Path(path), context_len, progress, settings, distributed, dtype)
+
+
+def requested_dtype(dtype: str) -> Any:
+    """LoadConfig.dtype as an MLX dtype; None for "auto" (the checkpoint's own)."""
+    if dtype == "auto":
+        return None
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of 'auto', {', '.join(map(repr, DTYPES))}, not {dtype!r}")
+    return DTYPES[dtype]
 
 
 def gguf_file_of(path: str | os.PathLike[str]) -> Path | None:
@@ -312,19 +325,20 @@ def gguf_file_of(path: str | os.PathLike[str]) -> Path | None:
 
 
 def load_gguf_weights(path: str | os.PathLike[str], *, context_len: int = 131072, progress: Progress | None = None,
-                      reader: Any = None, settings: Settings | None = None) -> LoadedModel:
-    """The LoadedModel of the GGUF file at `path` (see gguf.py); `reader`: its GGUFReader, where read already."""
+                      reader: Any = None, settings: Settings | None = None, dtype: str = "auto") -> LoadedModel:
+    """The LoadedModel of the GGUF file at `path` (see gguf.py); `reader`: its GGUFReader, where read already;
+    `dtype`: "auto" (gguf_tensors.compute_dtype decides) or the dtype to compute in."""
     from .gguf import read_gguf_checkpoint  # noqa: PLC0415 - gguf.py needs the optional `gguf` package
 
     check_regular_file(Path(path), what="GGUF file")
-    ckpt = read_gguf_checkpoint(path, reader)
+    ckpt = read_gguf_checkpoint(path, reader, dtype=requested_dtype(dtype))
     return build_model(ckpt.config, ckpt.arrays, dict.fromkeys(ckpt.arrays, ckpt.file), source=ckpt.file,
                        root=ckpt.file, context_len=context_len, progress=progress, layers=ckpt.layers,
-                       settings=settings)
+                       settings=settings, compute_dtype=ckpt.dtype)
 
 
 def load_gguf_model(path: str | os.PathLike[str], *, context_len: int = 131072, progress: Progress | None = None,
-                    settings: Settings | None = None) -> tuple[Any, LoadedModel]:
+                    settings: Settings | None = None, dtype: str = "auto") -> tuple[Any, LoadedModel]:
     """(tokenizer, LoadedModel) of the GGUF file at `path`, reading its metadata once. The tokenizer
     comes first, so that a file without one fails before the weights are read."""
     # gguf.py and gguf_tokenizer.py need the optional `gguf` package: imported for GGUF files only.
@@ -337,31 +351,37 @@ def load_gguf_model(path: str | os.PathLike[str], *, context_len: int = 131072, 
     with naming(file):
         tokenizer = load_gguf_tokenizer(file, reader, model_type_of(architecture(reader)))
     return tokenizer, load_gguf_weights(file, context_len=context_len, progress=progress, reader=reader,
-                                        settings=settings)
+                                        settings=settings, dtype=dtype)
 
 
 def _load(root: Path, context_len: int, progress: Progress | None, settings: Settings,
-          distributed: str | None) -> LoadedModel:
+          distributed: str | None, dtype: str) -> LoadedModel:
+    cast = requested_dtype(dtype)  # checked before anything is read
     gguf_file = gguf_file_of(root)
     if gguf_file is not None:
-        return load_gguf_weights(gguf_file, context_len=context_len, progress=progress, settings=settings)
+        return load_gguf_weights(gguf_file, context_len=context_len, progress=progress, settings=settings,
+                                 dtype=dtype)
     config = read_config(root)
     files = weight_files(root)
     raw, origin = _read_shards(files)  # lazy: nothing is read before evaluation
     return build_model(config, raw, origin, source=root / "config.json", root=root, context_len=context_len,
-                       progress=progress, settings=settings, distributed=distributed)
+                       progress=progress, settings=settings, distributed=distributed, dtype=cast)
 
 
 def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[str, Path], *, source: Path,
                 root: Path, context_len: int, progress: Progress | None,
                 layers: Callable[[nn.Module], int] | None = None, settings: Settings | None = None,
-                distributed: str | None = None) -> LoadedModel:
+                distributed: str | None = None, dtype: Any = None, compute_dtype: Any = None) -> LoadedModel:
     """The model of `config` with the checkpoint tensors `raw` (HF names) in it; `source` names the
     file that errors about the config refer to, `origin` the file of each tensor; `layers(model)`
     swaps in a format's own layer types before the weights go in (returns how many); `settings`
     (else the process's) choose the kernels. `distributed`: split the model by that mode before
     the weights go in, reading each split tensor's part only from its safetensors file (`raw`
-    must then be MLX's lazy safetensors arrays, as `origin` names them)."""
+    must then be MLX's lazy safetensors arrays, as `origin` names them). `dtype`: cast every
+    floating tensor to it as it loads (quantization scales and biases too, but not to float32:
+    `quantized_matmul` takes half-precision ones with float32 x, exact and half the bytes).
+    `model.compute_dtype` is set to `compute_dtype` (a format that chose it, GGUF), else `dtype`,
+    else the embedding's output dtype (its scales' for a quantized one)."""
     file = source
     model_type = config.get("model_type") or infer_model_type(config, (canonical_name(k) for k in raw))
     if model_type is not None and not isinstance(model_type, str):
@@ -421,6 +441,8 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
         group, dropped = shard_before_load(model, distributed)
         weights = narrow_weights(model.parameters(), weights, sources or {}, group.rank(), group.size(), dropped)
         del sources
+    if dtype is not None:  # lazy casts: each is read in its dtype by _evaluate's batches
+        weights = {k: _cast(k, v, dtype) for k, v in weights.items()}
     model.load_weights(weights, strict=True)
     del weights
     params, constants = model.parameters_and_constants()
@@ -431,6 +453,7 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
         from .distributed import finish_after_load  # noqa: PLC0415 - see above
 
         finish_after_load(model, str(distributed), group)
+    model.compute_dtype = compute_dtype or dtype or _embedding_dtype(model)
     cuda_matvec = False
     if quantized:  # no quantized layer: nothing to choose
         cuda_matvec = nn.choose_cuda_matvec(model, (settings if settings is not None else current_settings()).cuda_matvec)
@@ -439,6 +462,20 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
                        if quant else None,
                        num_tensors=len(params), nbytes=nbytes, quantized_modules=quantized, context_len=context_len,
                        distributed=distributed, cuda_matvec=cuda_matvec)
+
+
+def _cast(name: str, value: Array, dtype: Any) -> Array:
+    if not value.dtype.is_floating or value.dtype == dtype:
+        return value
+    if dtype == mx.float32 and name.endswith((".scales", ".biases")):
+        return value
+    return value.astype(dtype)
+
+
+def _embedding_dtype(model: Any) -> Any:
+    """The dtype the token embedding outputs: its scales' when quantized, else its table's."""
+    embed = model.model.embed_tokens
+    return vars(embed).get("scales", embed.weight).dtype
 
 
 __all__ = ["LoadedModel", "WeightsFileError", "ConfigError", "UnsupportedModelError", "load_weights_and_config",

@@ -19,7 +19,7 @@ from . import dtypes as _dt
 from . import device as _device
 from ._loader import SIGNATURES, MLXError, check, fast, ffi, gc_cdata, last_error, lib, new_cdata
 from .array import (
-    _RESULT, Array, FreedArrayError, asarray, freed, new_handle, release_failed, release_failed_result, weak_handle,
+    RESULT_SLOT, Array, FreedArrayError, asarray, freed, new_handle, release_failed, release_failed_result, weak_handle,
     wrap,
 )
 from .device import current_stream, resolve_stream
@@ -125,7 +125,7 @@ def dtype_value(v: Any) -> int:
     return v.value if type(v) is _dt.Dtype else _dt.as_dtype(v).value
 
 
-_ARRAY_ARRAY = ffi.typeof("mlx_array[]")
+ARRAY_ARRAY_TYPE = ffi.typeof("mlx_array[]")
 _VECTOR_P = ffi.typeof("mlx_vector_array *")
 _vector_new_data = lib.mlx_vector_array_new_data
 _vector_new = lib.mlx_vector_array_new
@@ -136,7 +136,7 @@ _vector_get = lib.mlx_vector_array_get
 
 def vector_of(arrays: Sequence[Any]) -> tuple[list[Array], Any]:
     items = [arr(a) for a in arrays]
-    handles = new_cdata(_ARRAY_ARRAY, [[handle_of(a)] for a in items])
+    handles = new_cdata(ARRAY_ARRAY_TYPE, [[handle_of(a)] for a in items])
     vec = _vector_new_data(handles, len(items))
     return items, gc_cdata(new_cdata(_VECTOR_P, vec), _free_vector)
 
@@ -190,18 +190,18 @@ def vector_slot(vec: Any) -> Any:
 
 # The globals of every generated wrapper (one dict, shared: `_tls` is rebound in place when the
 # default device changes, see device._drop_cache).
-_ENV: dict[str, Any] = {
+GENERATED_ENV: dict[str, Any] = {
     "lib": lib, "ffi": ffi, "new_handle": new_handle, "wrap": wrap, "fail": fail, "arr": arr,
     "handle_of": handle_of, "opt_handle": opt_handle, "int_list": int_list, "int64_list": int64_list,
     "opt_int": opt_int, "opt_float": opt_float, "opt_dtype": opt_dtype, "dtype_value": dtype_value,
     "vector_of": vector_of, "new_vector": new_vector, "unpack_vector": unpack_vector,
     "resolve_stream": resolve_stream, "cstr": cstr, "fft_norm": fft_norm, "Array": Array,
     "FreedArrayError": FreedArrayError, "release_failed": release_failed, "MLXError": MLXError,
-    "_freed": freed, "_current": current_stream, "_tls": _device._cache, "_new": new_cdata, "_AP": _RESULT,
+    "_freed": freed, "_current": current_stream, "_tls": _device._cache, "_new": new_cdata, "_AP": RESULT_SLOT,
     "_gc": gc_cdata, "_free": fast.mlx_array_free, "_vslot": vector_slot, "_anew": object.__new__, "_arr": arr,
     "_weak": weak,
 }
-_device._cache_listeners.append(lambda cache: _ENV.__setitem__("_tls", cache))
+_device._cache_listeners.append(lambda cache: GENERATED_ENV.__setitem__("_tls", cache))
 
 # How a wrapper finds its stream: the thread's cached current stream unless one is given.
 _STREAM_LINES = [
@@ -252,7 +252,7 @@ def _build(cname: str, sig: dict[str, Any]) -> Callable[..., Any] | None:
     while j < len(body_params):
         ctype, name = body_params[j]
         nxt = body_params[j + 1] if j + 1 < len(body_params) else None
-        if name in ("lambda", "from", "def", "class", "global") or name in _ENV:
+        if name in ("lambda", "from", "def", "class", "global") or name in GENERATED_ENV:
             name = name + "_"
         if ctype == "const mlx_array":
             weak_from = [n for n in WEAK_FROM.get(name, ()) if n in array_names]
@@ -327,12 +327,12 @@ def _build(cname: str, sig: dict[str, Any]) -> Callable[..., Any] | None:
     body.append("return " + (res_out[0] if len(res_out) == 1 else "(" + ", ".join(res_out) + ",)"))
     lines += ["    " + line for line in body]
     src = "\n".join(lines)
-    _ENV[fn_global] = getattr(fast, cname)
+    GENERATED_ENV[fn_global] = getattr(fast, cname)
     try:
-        exec(compile(src, f"<pymlxc generated {cname}>", "exec"), _ENV)
+        exec(compile(src, f"<pymlxc generated {cname}>", "exec"), GENERATED_ENV)
     except SyntaxError as exc:  # pragma: no cover - a signature we cannot express
         raise RuntimeError(f"cannot generate wrapper for {cname}: {exc}\n{src}") from exc
-    fn = _ENV.pop(cname)
+    fn = GENERATED_ENV.pop(cname)
     fn.__doc__ = f"mlx-c `{cname}` ({', '.join(n for _, n in sig['params'])})."
     fn.__source__ = src  # type: ignore[attr-defined]  # for debugging: the generated code
     return fn

@@ -148,13 +148,13 @@ gc_cdata: Any = getattr(ffi._backend, "gcp", ffi.gc)
 # ---------------------------------------------------------------------------- errors
 # mlx-c's default handler calls exit(); ours keeps the message for the calling thread, and the
 # caller turns the non-zero status into MLXError. It must never raise into C.
-_errors = threading.local()
+error_state = threading.local()
 
 
 @ffi.callback("void(const char *, void *)")
 def _error_handler(msg: Any, _data: Any) -> None:
     try:
-        _errors.message = ffi.string(msg).decode("utf-8", "replace") if msg != ffi.NULL else "unknown MLX error"
+        error_state.message = ffi.string(msg).decode("utf-8", "replace") if msg != ffi.NULL else "unknown MLX error"
     except BaseException:  # pragma: no cover - never let anything cross into C
         pass
 
@@ -164,8 +164,8 @@ lib.mlx_set_error_handler(_error_handler, ffi.NULL, ffi.NULL)
 
 def last_error() -> str:
     """Return and clear this thread's last MLX error message."""
-    message = getattr(_errors, "message", None) or "MLX call failed"
-    _errors.message = None
+    message = getattr(error_state, "message", None) or "MLX call failed"
+    error_state.message = None
     # mlx-c appends " at <its source file>:<line>": keep MLX's own words only.
     return _LOCATION.sub("", message)
 

@@ -11,12 +11,12 @@ import numpy as np
 
 from . import dtypes as _dt
 from ._loader import MLXError, check, fast, ffi, gc_cdata, last_error, lib, new_cdata
-from .device import _state, current_stream
+from .device import current_stream
 
 _NULL = ffi.NULL
 # Bound once: these run for every op (and `lib.<name>` lookups cost a dict lookup each).
 _ARRAY_P = ffi.typeof("mlx_array *")  # a result slot for `lib` calls
-_RESULT = ffi.typeof("void **")  # a result slot for `fast` calls (the same `ctx`, see _loader)
+RESULT_SLOT = ffi.typeof("void **")  # a result slot for `fast` calls (the same `ctx`, see _loader)
 _new = new_cdata
 _gc = gc_cdata
 _array_free = fast.mlx_array_free
@@ -58,6 +58,42 @@ def release_failed_result(r: Any) -> None:
         r[0] = _NULL
 
 
+def _own_op(fn: Any, *args: Any) -> "Array":
+    """One op of the `fast` view whose result is one array, on this thread's stream. The Array's own
+    conversions (astype, contiguous, view, a host copy) call mlx-c here rather than through `ops`,
+    which is built on this module (so this module never imports it)."""
+    r = new_cdata(RESULT_SLOT)
+    if fn(r, *args, current_stream()):  # args: array handles (`_ctx`) and plain values
+        release_failed_result(r)
+        raise MLXError(last_error())
+    return adopt(r[0])
+
+
+def _ctx(a: "Array") -> Any:
+    h = a._h
+    if h is None:
+        raise FreedArrayError("array used after free()")
+    return h
+
+
+def _astype(a: "Array", dtype: _dt.Dtype) -> "Array":
+    return _own_op(fast.mlx_astype, _ctx(a), dtype.value)
+
+
+def _contiguous(a: "Array") -> "Array":
+    return _own_op(fast.mlx_contiguous, _ctx(a), False)
+
+
+def _view(a: "Array", dtype: _dt.Dtype) -> "Array":
+    return _own_op(fast.mlx_view, _ctx(a), dtype.value)
+
+
+def _host_copy(a: "Array") -> "Array":
+    """A fresh row-major copy: a + zeros_like(a), as MLX writes a new buffer for it."""
+    zeros = _own_op(fast.mlx_zeros_like, _ctx(a))
+    return _own_op(fast.mlx_add, _ctx(a), _ctx(zeros))
+
+
 def as_struct(h: Any) -> Any:
     """The `mlx_array` struct for a handle, to pass to `lib` (the Array must outlive its use)."""
     return _new(_ARRAY_P, [h])[0]
@@ -82,7 +118,7 @@ class Array:
     def __init__(self, value: Any, dtype: _dt.Dtype | str | None = None) -> None:
         made = asarray(value, dtype)
         if made is value:  # already an Array of that dtype: share MLX's data through a new handle
-            made = _copy_handle(made)
+            made = copy_handle(made)
         # Take over the handle of the freshly made array.
         self._h = made._h
         made._h = None
@@ -228,7 +264,7 @@ class Array:
         raise TypeError("Array cannot be pickled; convert with numpy.asarray first")
 
 
-def _copy_handle(a: Array) -> Array:
+def copy_handle(a: Array) -> Array:
     """A second handle on the same MLX array (MLX arrays share their data)."""
     p = _new(_ARRAY_P)
     check(lib.mlx_array_set(p, a.handle))
@@ -306,7 +342,7 @@ def scalar_handle(value: Any, dtype: _dt.Dtype) -> Any:
     return _gc(h, _array_free)
 
 
-_INEXACT = frozenset(d for d in _dt.ALL if d.kind in "fc")
+INEXACT_DTYPES = frozenset(d for d in _dt.ALL if d.kind in "fc")
 
 
 def weak_dtype(dtype: _dt.Dtype, t: type) -> _dt.Dtype:
@@ -314,7 +350,7 @@ def weak_dtype(dtype: _dt.Dtype, t: type) -> _dt.Dtype:
     the array's dtype when that holds its kind (float32 array + 1.5 stays float32, int8 + 3 stays
     int8, bool + 3 is int32, int + 1.5 is float32)."""
     if t is float:
-        return dtype if dtype in _INEXACT else _dt.float32
+        return dtype if dtype in INEXACT_DTYPES else _dt.float32
     if t is int:
         return _dt.int32 if dtype is _dt.bool_ else dtype
     if t is bool:
@@ -420,9 +456,7 @@ def _from_numpy(arr: np.ndarray, dtype: _dt.Dtype | None) -> Array:
         raise MLXError(last_error())
     out = adopt(h)
     if dtype is not src:
-        from .ops import astype
-
-        out = astype(out, dtype)
+        out = _astype(out, dtype)
     return out
 
 
@@ -443,9 +477,7 @@ def asarray(value: Any, dtype: _dt.Dtype | str | None = None) -> Array:
     if isinstance(value, Array):
         if dtype is None or value.dtype is dtype:
             return value
-        from .ops import astype
-
-        return astype(value, dtype)
+        return _astype(value, dtype)
     if isinstance(value, np.ndarray):
         return _from_numpy(value, dtype)
     if isinstance(value, (numbers.Number, np.generic)):
@@ -484,20 +516,16 @@ _DATA_FN = {
 
 def to_numpy(a: Array) -> np.ndarray:
     """Copy an array's values into a new numpy array (row-major; bfloat16 widens to float32)."""
-    from .ops import contiguous
-
     h = a.handle
     flag = ffi.new("bool *")
     check(lib._mlx_array_is_row_contiguous(flag, h))
     src = a
     if not flag[0]:
-        src = contiguous(a)
+        src = _contiguous(a)
     check(lib.mlx_array_eval(src.handle))
     check(lib._mlx_array_is_row_contiguous(flag, src.handle))
     if not flag[0]:  # evaluated views of broadcasts can still be strided: force a copy
-        from .ops import add, zeros_like
-
-        src = add(src, zeros_like(src))
+        src = _host_copy(src)
         check(lib.mlx_array_eval(src.handle))
     dtype = a.dtype
     shape = a.shape
@@ -506,9 +534,7 @@ def to_numpy(a: Array) -> np.ndarray:
         return np.zeros(shape, dtype=dtype.numpy)
     if dtype is _dt.float16 or dtype is _dt.bfloat16:
         # Half types have no data accessor on every platform: read their bits as uint16.
-        from .ops import view
-
-        src = view(src, _dt.uint16)
+        src = _view(src, _dt.uint16)
         check(lib.mlx_array_eval(src.handle))
         ptr = lib.mlx_array_data_uint16(src.handle)
     else:
@@ -529,5 +555,5 @@ def to_numpy(a: Array) -> np.ndarray:
 __all__ = [
     "Array", "asarray", "scalar", "scalar_handle", "weak_dtype", "weak_handle", "to_numpy", "wrap", "adopt",
     "new_handle", "release_failed", "release_failed_result", "as_struct",
-    "freed", "FreedArrayError", "_state", "current_stream",
+    "freed", "FreedArrayError", "current_stream", "copy_handle", "RESULT_SLOT", "INEXACT_DTYPES",
 ]

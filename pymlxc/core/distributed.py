@@ -18,7 +18,7 @@ from typing import Any
 
 from . import dtypes as _dt
 from ._gen import arr, int_list
-from ._loader import MLXError, _errors, ffi, last_error, lib
+from ._loader import MLXError, error_state, ffi, last_error, lib
 from .array import Array, new_handle, release_failed, wrap
 from .device import resolve_stream
 
@@ -39,7 +39,7 @@ def _backend_arg(backend: str) -> Any:
 def _error_message() -> str | None:
     """The message MLX's error handler left for this thread since the last call, cleared; None if
     none. (For the mlx-c functions that answer a value, not a status: rank, size, is_available.)"""
-    message = getattr(_errors, "message", None)
+    message = getattr(error_state, "message", None)
     if message is None:
         return None
     return last_error()

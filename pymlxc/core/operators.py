@@ -9,10 +9,10 @@ import numpy as np
 
 from . import dtypes as _dt
 from . import ops
-from ._gen import _ENV, RAW, fail, result_lines
+from ._gen import GENERATED_ENV, RAW, fail, result_lines
 from ._loader import fast, ffi, gc_cdata, new_cdata
 from .array import (
-    _INEXACT, _RESULT, Array, _copy_handle, adopt, asarray, freed, scalar, scalar_handle, weak_dtype, weak_handle,
+    INEXACT_DTYPES, RESULT_SLOT, Array, copy_handle, adopt, asarray, freed, scalar, scalar_handle, weak_dtype, weak_handle,
 )
 from . import device as _device
 from .device import current_stream
@@ -33,7 +33,7 @@ def other_handle(self: Array, other: Any) -> Any:
         except AttributeError:
             dtype = self.dtype
         if t is float:
-            if dtype is _float32 or dtype not in _INEXACT:
+            if dtype is _float32 or dtype not in INEXACT_DTYPES:
                 return gc_cdata(_new_float32(other), _free)
         elif dtype is _int32 and -2147483648 <= other <= 2147483647:
             return gc_cdata(_new_int(other), _free)
@@ -68,10 +68,10 @@ def _binary_method(cname: str, reverse: bool) -> Callable[[Array, Any], Array]:
     ]
     lines += ["    " + line for line in result_lines("_r0", "_o0")]
     lines.append("    return _o0")
-    _ENV["_c_" + cname] = getattr(fast, cname)
-    _ENV["_other_handle"] = other_handle
-    exec(compile("\n".join(lines), f"<pymlxc operator {cname}{' reversed' if reverse else ''}>", "exec"), _ENV)
-    return _ENV.pop("method")
+    GENERATED_ENV["_c_" + cname] = getattr(fast, cname)
+    GENERATED_ENV["_other_handle"] = other_handle
+    exec(compile("\n".join(lines), f"<pymlxc operator {cname}{' reversed' if reverse else ''}>", "exec"), GENERATED_ENV)
+    return GENERATED_ENV.pop("method")
 
 
 for _dunder, _cname in [
@@ -115,7 +115,7 @@ Array.__rand__ = _and  # type: ignore[method-assign]
 Array.__or__ = _or  # type: ignore[method-assign]
 Array.__ror__ = _or  # type: ignore[method-assign]
 Array.__neg__ = lambda self: RAW["negative"](self)  # type: ignore[method-assign]
-Array.__pos__ = lambda self: _copy_handle(self)  # type: ignore[method-assign]
+Array.__pos__ = lambda self: copy_handle(self)  # type: ignore[method-assign]
 Array.__abs__ = lambda self: RAW["abs"](self)  # type: ignore[method-assign]
 Array.__invert__ = lambda self: (  # type: ignore[method-assign]
     RAW["logical_not"](self) if self.dtype is _dt.bool_ else RAW["bitwise_invert"](self)
@@ -279,7 +279,7 @@ def _slice_first_axis(a: Array, start: int, stop: int, step: int, rest: tuple[in
     except AttributeError:
         s = current_stream()
     n = len(rest) + 1
-    r = new_cdata(_RESULT)
+    r = new_cdata(RESULT_SLOT)
     if _c_slice(r, h, bufs[0], n, bufs[1], n, bufs[2], n, s):
         fail(r)
     out = _object_new(Array)
@@ -315,7 +315,7 @@ def getitem(self: Array, index: Any) -> Array:
     if out_shape != sizes:
         view = _reshape(view, out_shape)
     elif view is self:  # a[...] or a[:]: a new Array (assigning into it must not change `self`)
-        view = _copy_handle(self)
+        view = copy_handle(self)
     return view
 
 

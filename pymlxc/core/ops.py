@@ -12,7 +12,8 @@ from typing import Any
 
 from . import dtypes as _dt
 from ._gen import RAW, arr
-from .array import Array, _copy_handle, asarray
+from .array import Array, asarray
+from .array import copy_handle as _copy_handle
 
 # Every plain generated op, re-exported under its MLX name.
 _SKIP_PREFIXES = ("fast_", "fft_", "linalg_", "random_", "distributed_")

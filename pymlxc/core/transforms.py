@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._gen import _ARRAY_ARRAY, new_vector, unpack_vector, vector_of
+from ._gen import ARRAY_ARRAY_TYPE, new_vector, unpack_vector, vector_of
 from ._loader import MLXError, ffi, last_error, lib, new_cdata
 from .array import Array, FreedArrayError, asarray
 
@@ -220,9 +220,9 @@ class FixedArrays:
         items = [a if isinstance(a, Array) else asarray(a) for a in arrays]
         if any(a._h is None for a in items):
             raise FreedArrayError("array used after free()")
-        given = new_cdata(_ARRAY_ARRAY, [[a._h] for a in items])
+        given = new_cdata(ARRAY_ARRAY_TYPE, [[a._h] for a in items])
         self.size = len(items)
-        self.handles = new_cdata(_ARRAY_ARRAY, self.size)
+        self.handles = new_cdata(ARRAY_ARRAY_TYPE, self.size)
         for i in range(self.size):
             self.handles[i] = lib.mlx_array_new()
             _call(lib.mlx_array_set(self.handles + i, given[i]))

@@ -9,6 +9,9 @@ So the loops estimate, before they prefill, the largest buffers a call will hold
 * the KV caches at their largest: every layer's cache holds min(its bound, prompt + new tokens)
   positions, its bound being a sliding window or `context_len` (a `RotatingKVCache`'s `max_size`,
   plus the chunk that overflows it);
+* a linear-attention layer's `RecurrentCache` (Qwen3-Next, Qwen 3.5): its conv window and delta-rule
+  state, of a fixed size whatever the tokens, held once plus the snapshots kept at chunk boundaries
+  for the prompt cache (at most `MAX_SNAPSHOTS`, one per prefill chunk);
 * where MLX's attention runs as separate operations (its CPU backend), one chunk's attention scores
   [batch, query heads, chunk, keys];
 * `extra`: what the caller returns on top (inspect_attention's keys and queries).
@@ -27,6 +30,7 @@ import pymlxc.core as mx
 from pymlxc.core.memory import device_info
 
 from .cache import KVCache, RotatingKVCache
+from .recurrent_cache import MAX_SNAPSHOTS, RecurrentCache
 
 
 class DeviceMemoryError(MemoryError):
@@ -95,18 +99,29 @@ def _out_dtype(linear: Any) -> Any:
 
 @dataclass(frozen=True)
 class LayerShape:
-    """One cached layer's attention: key/value bytes per position per row, heads, dtype size."""
+    """One cached layer: key/value bytes per position per row, heads, dtype size; for a linear
+    attention layer (no keys or values, no heads) `state_bytes`, its conv window and recurrent state
+    per row, whatever the number of positions."""
 
     kv_bytes: int
     query_heads: int
     kv_heads: int
     head_dim: int
     itemsize: int
+    state_bytes: int = 0
+
+
+def _linear_shape(attn: Any) -> LayerShape:
+    """A Gated DeltaNet layer's cache per row: (K - 1) inputs of the convolution in the projection's
+    dtype, and the float32 state [Hv, Dv, Dk]."""
+    qkv = attn.in_proj_qkv if "in_proj_qkv" in vars(attn) else attn.in_proj_qkvz
+    conv = (attn.conv_kernel_size - 1) * attn.conv_dim * _out_dtype(qkv).size
+    return LayerShape(0, 0, 0, 0, 4, conv + attn.num_v_heads * attn.head_v_dim * attn.head_k_dim * 4)
 
 
 def layer_shapes(model: Any, cache: Sequence[Any]) -> list[LayerShape] | None:
-    """The attention shape of each layer with a cache, from the model's attention modules (None
-    where the model does not expose them: then nothing is checked)."""
+    """The shape of each layer with a cache, from the model's attention modules (None where the
+    model does not expose them: then nothing is checked)."""
     layers = getattr(model, "layers", None)
     if not isinstance(layers, (list, tuple)) or len(layers) < len(cache):
         return None
@@ -114,6 +129,9 @@ def layer_shapes(model: Any, cache: Sequence[Any]) -> list[LayerShape] | None:
     for layer, _ in zip(layers, cache):
         attn = getattr(layer, "self_attn", None)
         try:
+            if attn is None and getattr(layer, "linear_attn", None) is not None:
+                out.append(_linear_shape(layer.linear_attn))
+                continue
             itemsize = _out_dtype(attn.k_proj).size
             out.append(LayerShape(2 * attn.n_kv_heads * attn.head_dim * itemsize, attn.n_heads, attn.n_kv_heads,
                                   attn.head_dim, itemsize))
@@ -156,7 +174,13 @@ def estimate(model: Any, cache: Sequence[Any], *, batch: int, prompt_len: int, n
     kv = scores = 0
     unfused = mx.default_device().type == "cpu"  # MLX's CPU attention materializes its scores
     chunk = min(step, prompt_len)
+    chunks = -(-prompt_len // step) if step > 0 else 1
     for c, shape in zip(cache, shapes):
+        if shape.state_bytes:  # the state now, and a snapshot per multi-token chunk (the latest few)
+            copies = 1 + min(MAX_SNAPSHOTS, chunks)
+            now = c.nbytes if isinstance(c, RecurrentCache) else 0
+            kv += max(batch * copies * shape.state_bytes - now, 0)
+            continue
         bound = _bound(c)
         # A bounded cache fed a chunk that overflows it holds its last bound - 1 positions and the
         # chunk until the next one-token step cuts it back.

@@ -246,3 +246,26 @@ def test_the_estimate_is_what_the_caches_hold(models, arch: str, prompt: int, ne
     if context_len is None and arch != "gemma3_text":  # nothing bounded: every position is held
         # (the last token sampled is never fed back: one position fewer at most)
         assert held >= est.kv - sum(s.kv_bytes for s in shapes)
+
+
+@settings(max_examples=8, deadline=None)
+@given(arch=st.sampled_from(["qwen3_5", "qwen3_next"]), prompt=st.integers(1, 150), new=st.integers(0, 40),
+       step=st.sampled_from([16, 64, 2048]))
+def test_the_estimate_counts_linear_attention_caches(models, arch: str, prompt: int, new: int, step: int) -> None:
+    """Qwen 3.5 / Qwen3-Next: linear layers have no self_attn; their caches (conv window and
+    recurrent state, plus the prompt cache's snapshots) are counted, the attention layers' KV too."""
+    model = models(arch).model
+    cache = model.make_cache(None)
+    shapes = memory_check.layer_shapes(model, cache)
+    assert shapes is not None
+    linear = [i for i, s in enumerate(shapes) if s.state_bytes]
+    assert 0 < len(linear) < len(shapes) and all(shapes[i].kv_bytes == 0 for i in linear)
+    est = memory_check.estimate(model, cache, batch=1, prompt_len=prompt, new_tokens=new, step=step)
+    assert est is not None
+    list(loops.generate_ids(model, ids_of(prompt), cache=cache, sampler=greedy, max_tokens=new, prefill_step=step))
+    for i in linear:  # one state is exactly the layer's state_bytes
+        assert cache[i].conv.nbytes + cache[i].recurrent.nbytes == shapes[i].state_bytes
+    held = sum(c.nbytes for c in cache)
+    assert held <= est.kv + sum(256 * s.kv_bytes for s in shapes)
+    kv_est = sum((prompt + new) * s.kv_bytes for s in shapes)  # the attention layers, unbounded
+    assert est.kv - kv_est >= sum(cache[i].nbytes for i in linear) >= len(linear) * shapes[linear[0]].state_bytes

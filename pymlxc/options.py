@@ -31,6 +31,7 @@ MAX_REPEAT_PENALTY = 1e2
 SEED_LIMIT = 2**64  # MLX seeds are uint64
 _FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 DISTRIBUTED_MODES = ("tensor", "pipeline")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 @runtime_checkable
@@ -140,9 +141,15 @@ class LoadConfig:
     # Split the model over the processes launched together (`pymlxc launch` / `mlx.launch`):
     # "tensor" (heads and MLP columns per rank) or "pipeline" (layers per rank); docs/distributed.md.
     distributed: str | None = None
+    # The dtype the model computes in (the metal backend): "auto" keeps a checkpoint's own (a
+    # quantized GGUF file: float16 where its architecture is safe in it, docs/gguf.md), or every
+    # floating tensor but half-precision quantization scales is cast to the one named.
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         put = object.__setattr__
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(map(repr, DTYPES))}, not {self.dtype!r}")
         if not isinstance(self.settings, Settings):
             raise TypeError(f"settings must be a pymlxc.settings.Settings, not {type(self.settings).__name__}")
         if self.distributed is not None:

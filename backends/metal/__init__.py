@@ -58,12 +58,13 @@ def _load(path: str, config: LoadConfig, progress: Progress | None) -> "MetalTex
     gguf_file = gguf_file_of(path)
     if gguf_file is not None:  # tokenizer and weights from one GGUF file (see gguf.py)
         tokenizer, loaded = load_gguf_model(gguf_file, context_len=config.context_len, progress=progress,
-                                            settings=config.settings)
+                                            settings=config.settings, dtype=config.dtype)
         source = str(gguf_file)
     else:
         tokenizer = Tokenizer(path)  # first: a missing tokenizer fails before gigabytes are read
         loaded = load_weights_and_config(path, context_len=config.context_len, progress=progress,
-                                         settings=config.settings, distributed=config.distributed)
+                                         settings=config.settings, distributed=config.distributed,
+                                         dtype=config.dtype)
         source = str(Path(path) / "tokenizer.json")
     if config.distributed is not None and loaded.distributed is None:  # GGUF: split once loaded (distributed/)
         from .distributed import shard_loaded  # noqa: PLC0415 - loaded with the model (see above)

@@ -39,7 +39,7 @@ except ImportError as exc:  # an optional dependency: pip install 'pymlxc[gguf]'
 from .gguf_config import (ARCHITECTURES, GGUFError, architecture, gguf_config, llama3_rope_scaling, metadata,
                           model_type_of, scalar)
 from .gguf_quants import AFFINE_BITS, GROUP, use_block_layers
-from .gguf_tensors import TensorError, hf_name, read_tensors
+from .gguf_tensors import TensorError, compute_dtype, hf_name, read_tensors
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)
@@ -259,26 +259,31 @@ def _model_config(reader: GGUFReader) -> dict[str, Any]:
 @dataclass
 class GGUFCheckpoint:
     """What `loader.build_model` needs from a GGUF file: the HF-style config, the tensors under HF
-    names, and `layers(model)` swapping in llama.cpp's block layers (None where there are none)."""
+    names, `layers(model)` swapping in llama.cpp's block layers (None where there are none), and
+    the dtype the model computes in."""
 
     file: Path
     config: dict[str, Any]
     arrays: dict[str, Any]
     layers: Callable[[Any], int] | None
+    dtype: Any
 
 
-def read_gguf_checkpoint(path: str | os.PathLike[str], reader: GGUFReader | None = None) -> GGUFCheckpoint:
+def read_gguf_checkpoint(path: str | os.PathLike[str], reader: GGUFReader | None = None, *,
+                         dtype: Any = None) -> GGUFCheckpoint:
     """The config and tensors of the GGUF file at `path`: layers of repacked types quantized
-    (`QuantizedLinear`, group 32), Q2_K/Q3_K/Q6_K layers as block layers, the others dense, dtypes
-    as stored."""
+    (`QuantizedLinear`, group 32), Q2_K/Q3_K/Q6_K layers as block layers, the others dense; float
+    tensors in the compute dtype (`gguf_tensors.compute_dtype`: `dtype` where given, an MLX dtype)."""
     file = Path(path)
     reader = reader if reader is not None else read_gguf(file)
     with naming(file):
         config = _model_config(reader)
-        weights = read_tensors(reader, architecture(reader), config)
+        arch = architecture(reader)
+        compute = compute_dtype(reader, arch, dtype)
+        weights = read_tensors(reader, arch, config, compute, explicit=dtype is not None)
     blocks = weights.block_layers
     return GGUFCheckpoint(file, config, weights.arrays,
-                          (lambda model: use_block_layers(model, blocks)) if blocks else None)
+                          (lambda model: use_block_layers(model, blocks, compute)) if blocks else None, compute)
 
 
 # ---------------------------------------------------------------------- description

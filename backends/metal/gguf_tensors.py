@@ -16,6 +16,13 @@ and `attn_gate` (merged back), Qwen 3.5's value heads reordered from grouped by 
 (`_value_order`; rows are permuted in any type, the output projection's columns in float and
 repacked types, and a Q2_K/Q3_K/Q6_K output projection, whose 256-value blocks span two heads, is
 dequantized), and the multi-token prediction blocks after the model's own dropped.
+
+The dtype the model computes in (`compute_dtype`): llama.cpp keeps norms and other small tensors in
+F32 whatever the file's type, which would make every activation float32 and keep quantized layers
+off the half-precision kernels. A file's float tensors therefore go to the compute dtype: float16
+for quantized files of the architectures in HALF_SAFE (as MLX's quantized models compute in their
+scales' dtype), float32 for other quantized ones, the matrices' own dtype in all-F16 or all-BF16
+files, float32 in F32 files; a LoadConfig.dtype names another.
 """
 from __future__ import annotations
 
@@ -35,6 +42,13 @@ from gguf.quants import dequantize
 
 from .gguf_config import GATED_DELTA
 from .gguf_quants import AFFINE_BITS, BLOCK_TYPES, GROUP, QuantError, repack_affine
+
+# Quantized files of these compute in float16 by default. Gemma's residual stream grows past
+# float16's range (HF refuses float16 for Gemma 2 and 3; llama.cpp keeps activations in F32), and
+# Qwen3-Next / Qwen 3.5's recurrent state is kept in float32 by mlx-lm: those stay float32.
+HALF_SAFE = frozenset({"llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe"})
+FLOAT16_MAX = 65504.0
+_DTYPES = {QType.F32: mx.float32, QType.F16: mx.float16, QType.BF16: mx.bfloat16}
 
 # llama.cpp's tensor names -> HF module paths. `ffn_norm` is the pre-MLP norm everywhere, which
 # Llama and Qwen call post_attention_layernorm and Gemma pre_feedforward_layernorm.
@@ -177,17 +191,39 @@ def _raw(reader: GGUFReader, tensor: Any) -> np.ndarray:
     return reader.data[start:start + rows * row].view(np.ndarray).reshape(rows, row)
 
 
-def read_tensors(reader: GGUFReader, arch: str, config: Mapping[str, Any]) -> GGUFWeights:
-    """Every tensor of the file (already validated by `read_gguf`) under HF names, converted."""
+def _matrix_types(reader: GGUFReader) -> frozenset[QType]:
+    """The types of the file's weight matrices (not the linear layers' conv weights, F32 anyway)."""
+    return frozenset(t.tensor_type for t in reader.tensors if len(t.shape) >= 2 and ".ssm_conv1d." not in t.name)
+
+
+def compute_dtype(reader: GGUFReader, arch: str, requested: Any = None) -> Any:
+    """The dtype the model of this file computes in: `requested` (LoadConfig.dtype) where given, else
+    float16 for a quantized file of a HALF_SAFE architecture without BF16 matrices, float32 for other
+    quantized files, the matrices' dtype where they are all F16 or all BF16 (F32 ones beside them
+    allowed), else float32."""
+    matrices = _matrix_types(reader)
+    affine = sorted(t.name for t in reader.tensors if t.tensor_type in AFFINE_BITS)
+    if requested is not None:
+        if requested == mx.bfloat16 and affine:
+            # Their scales are float16 (exact); quantized_matmul of bfloat16 x with them gives float32.
+            raise TensorError(f"dtype 'bfloat16' cannot compute tensor {affine[0]!r} "
+                              f"({QType(next(t.tensor_type for t in reader.tensors if t.name == affine[0])).name}): "
+                              "its scales are float16; load it with dtype 'auto', 'float16' or 'float32'")
+        return requested
+    halves = matrices & {QType.F16, QType.BF16}
+    if matrices - set(_DTYPES):  # quantized
+        return mx.float16 if arch in HALF_SAFE and QType.BF16 not in halves else mx.float32
+    return _DTYPES[next(iter(halves))] if len(halves) == 1 else mx.float32
+
+
+def read_tensors(reader: GGUFReader, arch: str, config: Mapping[str, Any], dtype: Any = mx.float32, *,
+                 explicit: bool = False) -> GGUFWeights:
+    """Every tensor of the file (already validated by `read_gguf`) under HF names, converted; float
+    tensors in `dtype` (`compute_dtype`'s) as `_convert` says, every one where `explicit` (asked for)."""
     heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
     shifted_norms = arch in ("gemma2", "gemma3")  # stored as 1 + w (Gemma 4's are stored as they are)
     gated = _GatedDelta(config, reader) if arch in GATED_DELTA else None
-    # llama.cpp keeps 1-D tensors (norms, biases) and the linear layers' conv weights in F32
-    # whatever the model's precision. In an all-F16 or all-BF16 file they go back to that dtype, as
-    # in the HF checkpoint: F32 norms would make every activation float32 and every matmul widen
-    # its half-precision weight per call.
-    matrices = frozenset(t.tensor_type for t in reader.tensors if len(t.shape) >= 2 and ".ssm_conv1d." not in t.name)
-    half = {frozenset({QType.F16}): mx.float16, frozenset({QType.BF16}): mx.bfloat16}.get(matrices)
+    cast = _Cast(dtype, explicit)
     out = GGUFWeights()
     for tensor in reader.tensors:
         name, qtype = tensor.name, tensor.tensor_type
@@ -207,7 +243,7 @@ def read_tensors(reader: GGUFReader, arch: str, config: Mapping[str, Any]) -> GG
                 dense = dequantize(raw, qtype)[:, cols]
                 out.arrays[target] = mx.array(dense).astype(gated.dense_dtype)
                 continue
-            _convert(out, raw, qtype, shape, target, name, half=half, cols=cols,
+            _convert(out, raw, qtype, shape, target, name, cast=cast, cols=cols,
                      half_2d=target.endswith(".conv1d.weight"))
             continue
         target = hf_name(name, arch)
@@ -217,9 +253,9 @@ def read_tensors(reader: GGUFReader, arch: str, config: Mapping[str, Any]) -> GG
         if target.endswith(".mlp.shared_expert_gate.weight") and len(shape) == 1:
             shape = (1, shape[0])  # llama.cpp stores Qwen 2 MoE's shared-expert gate as a vector
         if target.endswith(FUSED_GATE_UP):
-            _split_gate_up(out, raw, qtype, shape, target, name, half)
+            _split_gate_up(out, raw, qtype, shape, target, name, cast)
             continue
-        _convert(out, raw, qtype, shape, target, name, half=half,
+        _convert(out, raw, qtype, shape, target, name, cast=cast,
                  shift=shifted_norms and target.endswith("norm.weight"))
     if gated is not None:
         gated.finish()
@@ -227,14 +263,14 @@ def read_tensors(reader: GGUFReader, arch: str, config: Mapping[str, Any]) -> GG
 
 
 def _split_gate_up(out: GGUFWeights, raw: np.ndarray, qtype: QType, shape: tuple[int, ...], target: str, name: str,
-                   half: Any) -> None:
+                   cast: "_Cast | None") -> None:
     """llama.cpp's fused experts [E, 2 * ff, hidden] (gate rows first) -> gate_proj and up_proj."""
     if len(shape) != 3 or shape[1] % 2:
         raise TensorError(f"tensor {name!r} has shape {shape}, not [experts, 2 * ff, hidden]")
     halves = raw.reshape(shape[0], 2, -1, raw.shape[-1])
     for i, part in enumerate(("gate_proj", "up_proj")):
         _convert(out, halves[:, i].reshape(-1, raw.shape[-1]), qtype, (shape[0], shape[1] // 2, shape[2]),
-                 target.replace("gate_up_proj", part), name, half=half)
+                 target.replace("gate_up_proj", part), name, cast=cast)
 
 
 def _value_order(key_heads: int, value_heads: int, head: int) -> np.ndarray:
@@ -346,11 +382,33 @@ class _GatedDelta:
         return None, qkv_type, shape, None, merged_target
 
 
+@dataclass(frozen=True)
+class _Cast:
+    """Which float tensors go to the compute dtype: all where `explicit`; else vectors (norms,
+    biases) and the conv weights llama.cpp keeps in F32, and F32 matrices where the model computes
+    in half precision (a router, an F32 head). Half-precision matrices are never widened unasked."""
+    dtype: Any
+    explicit: bool
+
+    def __call__(self, value: Array, name: str, vector_like: bool) -> Array:
+        if value.dtype == self.dtype:
+            return value
+        if not (self.explicit or vector_like or (value.dtype == mx.float32 and self.dtype.size == 2)):
+            return value
+        if self.dtype == mx.float16:
+            peak = float(mx.max(mx.abs(value.astype(mx.float32))).item()) if value.size else 0.0
+            if not peak <= FLOAT16_MAX:  # NaN too
+                raise TensorError(f"tensor {name!r} holds values up to {peak:g} in size, beyond float16's "
+                                  f"{FLOAT16_MAX:g}; load it with dtype 'float32'")
+        return value.astype(self.dtype)
+
+
 def _convert(out: GGUFWeights, raw: np.ndarray, qtype: QType, shape: tuple[int, ...], target: str, name: str, *,
-             half: Any, shift: bool = False, cols: np.ndarray | None = None, half_2d: bool = False) -> None:
-    """One tensor's rows of bytes into `out` under `target` (its type's arrays); `shift`: a norm
-    stored as 1 + w; `cols`: the order to take the columns in (whole groups of 32 when repacked);
-    `half_2d`: a matrix llama.cpp keeps in F32 that goes to `half` like the vectors."""
+             cast: _Cast | None, shift: bool = False, cols: np.ndarray | None = None, half_2d: bool = False) -> None:
+    """One tensor's rows of bytes into `out` under `target` (its type's arrays); `cast`: the cast
+    of float tensors to the compute dtype; `shift`: a norm stored as 1 + w; `cols`: the order to take
+    the columns in (whole groups of 32 when repacked); `half_2d`: a matrix llama.cpp keeps in F32
+    that is cast like the vectors."""
     module = target.rpartition(".")[0]
     if qtype in AFFINE_BITS:
         try:
@@ -380,10 +438,10 @@ def _convert(out: GGUFWeights, raw: np.ndarray, qtype: QType, shape: tuple[int, 
         value = mx.view(value, mx.bfloat16)  # bit-exact from the file
     if shift:
         value = (value.astype(mx.float32) - 1.0).astype(value.dtype)
-    if half is not None and (value.ndim == 1 or half_2d) and value.dtype == mx.float32:
-        value = value.astype(half)
+    if cast is not None:
+        value = cast(value, name, value.ndim == 1 or half_2d)
     out.arrays[target] = value
 
 
-__all__ = ["GLOBAL_NAMES", "BLOCK_NAMES", "GEMMA_BLOCK_NAMES", "TensorError", "GGUFWeights", "hf_name",
-           "unpermute_order", "read_tensors"]
+__all__ = ["GLOBAL_NAMES", "BLOCK_NAMES", "GEMMA_BLOCK_NAMES", "HALF_SAFE", "TensorError", "GGUFWeights", "hf_name",
+           "unpermute_order", "compute_dtype", "read_tensors"]

@@ -97,6 +97,8 @@ def use_cuda_argmax(model: Any, setting: str) -> bool:
     embed = model.model.embed_tokens
     head = model.lm_head if model.lm_head is not None else embed
     dtype = getattr(head, "scales", head.weight).dtype  # a quantized head's outputs take its scales' type
+    if not dtype.is_floating:  # GGUF blocks (uint8): dequantized in the activations' dtype
+        dtype = model.compute_dtype
     vocab = head.weight.shape[0]
     return argmax_kernel.applies(dtype) and argmax_kernel.check(vocab, dtype)
 
@@ -120,8 +122,7 @@ def use_rope_kv(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple[Fusio
     if (ropes[0] is None or any(r is None or r.key != ropes[0].key for r in ropes)
             or any((a.n_heads, a.n_kv_heads, a.head_dim) != shape for a in attns)):
         return None
-    embed = model.model.embed_tokens
-    dtype = getattr(embed, "scales", embed.weight).dtype  # the hidden states' type
+    dtype = model.compute_dtype  # the hidden states' type, set at load (a GGUF embedding may be uint8 blocks)
     hq, hkv, d = shape
     return ropes[0] if rope_kv_kernel.check(dtype, hq, hkv, d, d, ropes[0], first.rope) else None
 

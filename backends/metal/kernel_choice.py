@@ -14,6 +14,11 @@ leaves the model on MLX's kernel with a warning instead of failing a generation.
 `AUTO_MIN_BYTES_PER_LAYER` of 4-bit weights per transformer block, its head and embedding
 included), `1` (any size) or `0` (never).
 
+GGUF files: Q4_0, Q4_1 and Q4_K layers are repacked as 4 bits at group 32, which the kernel takes
+when x is in the scales' float16, as in quantized files computing in float16 (`gguf_tensors.compute_dtype`);
+5- and 8-bit layers (Q5_0, Q5_1, Q5_K, Q8_0) stay on MLX's kernel (this one unpacks nibbles only),
+and Q2_K/Q3_K/Q6_K are read by `kernels/gguf_blocks.py`. `kernel_takes` says which.
+
 Inside `mlx_kernels_only()` every product goes to MLX: a shapeless trace (the compiled prefill)
 must not bake in a row count, and gradients (training) need MLX's own transposes.
 """
@@ -65,13 +70,22 @@ def quantized_matmul(x: Array, weight: Array, scales: Array, biases: Array, grou
     if _use(cuda_matvec):
         k = x.shape[-1]
         rows = x.size // k if k else 0
-        # The cheap tests first: a prompt chunk (many rows) goes to MLX without the shape checks.
-        if (matvec_kernel.quantized_applies(rows, k, bits, group_size, x.dtype.size)
-                and _fits(x, weight, scales, biases, group_size)):
+        if kernel_takes(x, weight, scales, biases, group_size, bits):
             n = weight.shape[0]
             return _the_kernel()([x, weight, scales, biases], output_shapes=[(*x.shape[:-1], n)],
                                  output_dtypes=[x.dtype], **matvec_kernel.launch(rows, k, n, x.dtype, group_size))[0]
     return mx.quantized_matmul(x, weight, scales, biases, True, group_size, bits)
+
+
+def kernel_takes(x: Array, weight: Array, scales: Array, biases: Array, group_size: int, bits: int) -> bool:
+    """Whether pymlxc's kernel computes `x @ dequantize(weight).T` (where it is chosen): 4 bits at
+    group 32, 64 or 128 (GGUF's Q4_0, Q4_1 and Q4_K repack to group 32), x in the scales' 2-byte
+    dtype (a GGUF model computing in float16), a few rows. Q5_*, Q8_0 and float32 x go to MLX."""
+    k = x.shape[-1]
+    rows = x.size // k if k else 0
+    # The cheap tests first: a prompt chunk (many rows) goes to MLX without the shape checks.
+    return (matvec_kernel.quantized_applies(rows, k, bits, group_size, x.dtype.size)
+            and _fits(x, weight, scales, biases, group_size))
 
 
 def _fits(x: Array, weight: Array, scales: Array, biases: Array, group_size: int) -> bool:

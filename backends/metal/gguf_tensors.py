@@ -222,7 +222,7 @@ def read_tensors(reader: GGUFReader, arch: str, config: Mapping[str, Any], dtype
     tensors in `dtype` (`compute_dtype`'s) as `_convert` says, every one where `explicit` (asked for)."""
     heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
     shifted_norms = arch in ("gemma2", "gemma3")  # stored as 1 + w (Gemma 4's are stored as they are)
-    gated = _GatedDelta(config, reader) if arch in GATED_DELTA else None
+    gated = _GatedDelta(config, dtype) if arch in GATED_DELTA else None
     cast = _Cast(dtype, explicit)
     out = GGUFWeights()
     for tensor in reader.tensors:
@@ -285,7 +285,7 @@ def _value_order(key_heads: int, value_heads: int, head: int) -> np.ndarray:
 class _GatedDelta:
     """Qwen3-Next / Qwen 3.5 tensors from llama.cpp's layout back to mlx-lm's (see the module doc)."""
 
-    def __init__(self, config: Mapping[str, Any], reader: GGUFReader) -> None:
+    def __init__(self, config: Mapping[str, Any], dtype: Any) -> None:
         self.layers = int(config["num_hidden_layers"])
         nk, nv = int(config["linear_num_key_heads"]), int(config["linear_num_value_heads"])
         self.nk, self.nv = nk, nv
@@ -294,9 +294,7 @@ class _GatedDelta:
         # Qwen 3.5's converter tiles the value heads; Qwen3-Next's keeps HF's grouping.
         self.next = config["model_type"] == "qwen3_next"
         self.tiled = not self.next and nk != nv
-        embed = next((t.tensor_type for t in reader.tensors if t.name == "token_embd.weight"), None)
-        # The dtype a dense fallback is kept in: the activations' (the embedding's, float16 when quantized).
-        self.dense_dtype = {QType.F32: mx.float32, QType.BF16: mx.bfloat16}.get(embed, mx.float16)
+        self.dense_dtype = dtype  # a dense fallback computes in the model's dtype, never widened per call
         self._pending: dict[int, dict[str, tuple[np.ndarray, QType, str]]] = {}
 
     def skips(self, name: str) -> bool:

@@ -305,12 +305,12 @@ class BlockSwitchLinear(nn.Module):
                                     self.qtype, x.dtype)
                 w = mx.reshape(w, (picks, self.weight.shape[1], -1))
                 rhs = mx.reshape(mx.arange(picks, dtype=mx.uint32), indices.shape)
-                y = mx.gather_mm(x, mx.swapaxes(w, -1, -2), rhs_indices=rhs, sorted_indices=sorted_indices)
+                y = _gather_mm(x, w, rhs, sorted_indices)
         if y is None:
             e, n = self.weight.shape[:2]
             w = mx.reshape(dequantize_rows(mx.reshape(self.weight, (e * n, *self.weight.shape[2:])), self.qtype,
                                            x.dtype), (e, n, -1))
-            y = mx.gather_mm(x, mx.swapaxes(w, -1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+            y = _gather_mm(x, w, indices, sorted_indices)
         b = self.__dict__.get("bias")
         return y if b is None else y + mx.expand_dims(mx.take(b, indices, axis=0), -2)
 
@@ -330,6 +330,16 @@ class BlockSwitchLinear(nn.Module):
         idx = mx.reshape(mx.broadcast_to(indices, batch), (pairs,)).astype(mx.int32)
         y = gguf_blocks.matvec(xs, self.weight, idx, self.qtype, kind)
         return mx.reshape(y, (*batch, m, self.weight.shape[1]))
+
+
+def _gather_mm(x: Array, w: Array, indices: Array, sorted_indices: bool) -> Array:
+    """x @ w[indices]^T through `gather_mm`; MLX's CPU gather_mm takes float32 only, so a model
+    computing in half precision (a quantized GGUF MoE file) runs it in float32 there, cast back."""
+    if x.dtype != mx.float32 and mx.default_device().type == "cpu":
+        y = mx.gather_mm(x.astype(mx.float32), mx.swapaxes(w.astype(mx.float32), -1, -2), rhs_indices=indices,
+                         sorted_indices=sorted_indices)
+        return y.astype(x.dtype)
+    return mx.gather_mm(x, mx.swapaxes(w, -1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
 
 
 def block_form(layer: nn.Module, qtype: QType, dtype: mx.Dtype) -> nn.Module:

@@ -92,6 +92,9 @@ class MlxLmBackend:
     def load(self, path: str, config: LoadConfig) -> MlxLmModel:
         from pymlxc.hub import resolve
 
+        if config.dtype != "auto":  # mlx-lm computes in the checkpoint's dtype: refused, not ignored
+            raise ValueError(f"dtype={config.dtype!r} is not supported by the mlx_lm backend (the metal backend takes it)")
+
         model_dir = resolve(path).resolve()  # a repo id is fetched here: the worker gets a local directory
         if not model_dir.is_dir():
             raise FileNotFoundError(f"the mlx_lm backend loads model directories; {path!r} is not one")

@@ -438,8 +438,9 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
     if distributed is not None:
         from .distributed import narrow_weights, shard_before_load  # noqa: PLC0415 - see above
 
-        group, dropped = shard_before_load(model, distributed)
-        weights = narrow_weights(model.parameters(), weights, sources or {}, group.rank(), group.size(), dropped)
+        group, dropped, layouts = shard_before_load(model, distributed)
+        weights = narrow_weights(model.parameters(), weights, sources or {}, group.rank(), group.size(), dropped,
+                                 layouts)
         del sources
     if dtype is not None:  # lazy casts: each is read in its dtype by _evaluate's batches
         weights = {k: _cast(k, v, dtype) for k, v in weights.items()}

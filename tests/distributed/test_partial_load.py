@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import pymlxc.core as mx
 from pymlxc.backends.metal.distributed import ShardingError
 from pymlxc.backends.metal.distributed.partial import Source, read_part, split_axis
+from pymlxc.backends.metal.distributed.tensor import part
 from pymlxc.testing import write_tiny_model
 
 from .helpers import ranks, reference, result_of
@@ -29,6 +30,10 @@ DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16,
 def test_read_part_is_the_slice_of_the_stored_tensor(tmp_path_factory: pytest.TempPathFactory, dtype: str,
                                                      dims: list[int], size: int, data: st.DataObject) -> None:
     axis = data.draw(st.integers(0, len(dims) - 1))
+    # The split axis in 1-3 sections (q, k, v one after the other), each cut on its own.
+    per_rank = data.draw(st.lists(st.integers(1, 3), min_size=1, max_size=3))
+    dims[axis] = sum(per_rank)
+    sections = tuple(n * size for n in per_rank)
     shape = list(dims)
     shape[axis] *= size
     full = (mx.random.normal(shape) * 50).astype(DTYPES[dtype])
@@ -36,10 +41,16 @@ def test_read_part_is_the_slice_of_the_stored_tensor(tmp_path_factory: pytest.Te
     mx.save_safetensors(file, {"before": mx.ones((3,)), "t": full})  # "t" does not start the data
     whole = np.array(full.astype(mx.float32))
     for rank in range(size):
-        got = read_part(Source(full, file, "t"), axis, rank, size)
+        got = read_part(Source(full, file, "t"), axis, rank, size, sections)
         assert got.dtype == full.dtype and got.shape == tuple(dims)
-        want = np.take(whole, range(rank * dims[axis], (rank + 1) * dims[axis]), axis=axis)
+        rows, start = [], 0
+        for n in per_rank:  # section by section: this rank's n rows of each
+            rows += range(start + rank * n, start + (rank + 1) * n)
+            start += n * size
+        want = np.take(whole, rows, axis=axis)
         np.testing.assert_array_equal(np.array(got.astype(mx.float32)), want)
+        # The in-memory split (a model loaded whole, e.g. GGUF) cuts the same rows.
+        np.testing.assert_array_equal(np.array(part(full, axis, rank, size, sections).astype(mx.float32)), want)
 
 
 def test_shapes_that_are_not_parts_are_named() -> None:

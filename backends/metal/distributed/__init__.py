@@ -15,19 +15,19 @@ from .errors import PeerLostError, ShardingError
 from .partial import Source, Sources, narrow_weights
 from .pipeline import PIPELINE_FAMILIES, drop_remote_layers, layer_ranges, shard_pipeline
 from .runtime import MODES, agree_options, join_group
-from .tensor import TENSOR_FAMILIES, shard_tensor_parallel
+from .tensor import TENSOR_FAMILIES, Layouts, shard_tensor_parallel
 
 
-def shard_before_load(model: Any, mode: str) -> tuple[dist.Group, Callable[[str], bool]]:
+def shard_before_load(model: Any, mode: str) -> tuple[dist.Group, Callable[[str], bool], Layouts]:
     """Split `model`, built with placeholder parameters, by `mode` before its weights are read: the
-    group, and which checkpoint tensors belong to no parameter of this rank (pipeline: the blocks
-    other ranks run)."""
+    group, which checkpoint tensors belong to no parameter of this rank (pipeline: the blocks
+    other ranks run), and the parameters split by sections (`tensor.Layouts`)."""
     group = join_group(mode)
     if mode == "tensor":
-        shard_tensor_parallel(model, group, evaluate=False)
-        return group, lambda name: False
+        layouts = shard_tensor_parallel(model, group, evaluate=False)
+        return group, lambda name: False, layouts
     dropped = drop_remote_layers(model, group)
-    return group, dropped.__contains__
+    return group, dropped.__contains__, {}
 
 
 def finish_after_load(model: Any, mode: str, group: dist.Group) -> None:

@@ -4,7 +4,7 @@ keeps, so that loading a model split over N ranks costs each about 1/N of the sh
 The model is split before its weights go in (`shard_before_load`), so every parameter already has
 its per-rank shape; `narrow_weights` then gives each parameter the part of its checkpoint tensor
 that matches: the one axis whose length differs is cut in `size` equal parts and rank r takes the
-r-th. A tensor that the model's `sanitize` passed through unchanged is read from its safetensors
+r-th (of each section where the split named the axis's sections, `tensor.Layouts`). A tensor that the model's `sanitize` passed through unchanged is read from its safetensors
 file at the part's byte ranges only (`read_part`); one that sanitize computed (experts stacked from
 per-expert tensors, say) is cut from MLX's lazy result, which reads that tensor whole once.
 
@@ -25,6 +25,7 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 
 from .errors import ShardingError
+from .tensor import Layouts, part, section_parts
 
 # safetensors dtype -> (numpy dtype of the same width, MLX dtype to view it as)
 _DTYPES: dict[str, tuple[type, mx.Dtype]] = {
@@ -72,8 +73,9 @@ def _header(file: Path) -> tuple[int, dict[str, dict[str, object]]]:
     return cached
 
 
-def read_part(source: Source, axis: int, rank: int, size: int) -> Array:
-    """The rank-th of `size` equal parts along `axis` of the tensor at `source`, read alone."""
+def read_part(source: Source, axis: int, rank: int, size: int, sections: tuple[int, ...] | None = None) -> Array:
+    """The rank-th of `size` equal parts along `axis` of the tensor at `source` (of each of
+    `sections`, joined), read alone."""
     start, entries = _header(source.file)
     entry = entries.get(source.name)
     if not isinstance(entry, dict):
@@ -87,14 +89,17 @@ def read_part(source: Source, axis: int, rank: int, size: int) -> Array:
     np_type, mx_type = dtype
     if end - begin != int(np.prod(shape, dtype=np.int64)) * np.dtype(np_type).itemsize:
         raise ShardingError(f"{source.file}: tensor {source.name!r}: its byte range does not hold shape {shape}")
-    step = shape[axis] // size
-    index = [slice(None)] * len(shape)
-    index[axis] = slice(rank * step, (rank + 1) * step)
+    axis %= len(shape)
     data = np.memmap(source.file, dtype=np_type, mode="r", offset=start + begin, shape=shape)
     try:
-        part = np.ascontiguousarray(data[tuple(index)])
+        pieces = []
+        for lo, hi in section_parts(shape[axis], rank, size, sections):
+            index = [slice(None)] * len(shape)
+            index[axis] = slice(lo, hi)
+            pieces.append(data[tuple(index)])
+        part = np.ascontiguousarray(pieces[0]) if len(pieces) == 1 else np.concatenate(pieces, axis=axis)
     finally:
-        del data  # unmapped now: the pages of other ranks' parts are not kept
+        del data, pieces  # unmapped now: the pages of other ranks' parts are not kept
     out = mx.array(part)
     return out if mx_type == out.dtype else mx.view(out, mx_type)
 
@@ -110,19 +115,20 @@ def split_axis(name: str, full: tuple[int, ...], mine: tuple[int, ...], size: in
 
 
 def narrow_weights(params: Mapping[str, Array], weights: dict[str, Array], sources: Sources,
-                   rank: int, size: int, dropped: Callable[[str], bool]) -> dict[str, Array]:
+                   rank: int, size: int, dropped: Callable[[str], bool],
+                   layouts: Layouts | None = None) -> dict[str, Array]:
     """`weights` (parameter names -> checkpoint tensors, full) cut to this rank's parameters:
     tensors of parameters split by the model are read in part; those of blocks other ranks run
     (`dropped(name)`) are left out unread; every other one passes as it is (strict loading then
-    names any tensor still missing or unexpected)."""
+    names any tensor still missing or unexpected). `layouts`: the sections of split axes."""
     try:
-        return _narrow(params, weights, sources, rank, size, dropped)
+        return _narrow(params, weights, sources, rank, size, dropped, layouts or {})
     finally:
         _headers.clear()  # read again by the next load: the files may have changed
 
 
 def _narrow(params: Mapping[str, Array], weights: dict[str, Array], sources: Sources, rank: int, size: int,
-            dropped: Callable[[str], bool]) -> dict[str, Array]:
+            dropped: Callable[[str], bool], layouts: Layouts) -> dict[str, Array]:
     out: dict[str, Array] = {}
     for name, value in weights.items():
         want = params.get(name)
@@ -135,14 +141,12 @@ def _narrow(params: Mapping[str, Array], weights: dict[str, Array], sources: Sou
             out[name] = value
             continue
         axis = split_axis(name, full, mine, size)
+        sections = layouts.get(name)
         source = sources.get(id(value))
         if source is not None and source.array is value:
-            out[name] = read_part(source, axis, rank, size)
+            out[name] = read_part(source, axis, rank, size, sections)
         else:  # computed by sanitize: cut from the lazy result
-            step = mine[axis]
-            index = [slice(None)] * len(full)
-            index[axis] = slice(rank * step, (rank + 1) * step)
-            out[name] = mx.copy(value[tuple(index)])
+            out[name] = part(value, axis, rank, size, sections)
     return out
 
 

@@ -242,7 +242,8 @@ def _gated_delta_tensors(hf: str, w: np.ndarray, text: Mapping[str, Any], model_
         gguf_name = "ssm_beta" if leaf.endswith("_b.weight") else "ssm_alpha"
         return [(f"{blk}.{gguf_name}.weight", v_rows(w, 1))], lambda v: v_rows(v[0], 1, undo=True)
     if leaf == "linear_attn.out_proj.weight":
-        cols = (lambda x, undo=False: (_untiled if undo else _tiled)(x, 1, nk, nv, dv)) if tile else (lambda x, undo=False: x)
+        def cols(x: np.ndarray, undo: bool = False) -> np.ndarray:
+            return (_untiled if undo else _tiled)(x, 1, nk, nv, dv) if tile else x
         return [(f"{blk}.ssm_out.weight", cols(w))], lambda v: cols(v[0], undo=True)
     if leaf == "linear_attn.in_proj_qkvz.weight":  # [q, k, v, z] per key head -> all q, k, v | all z
         per = nv // nk * dv
@@ -418,7 +419,8 @@ def export_gguf(model_dir: str | Path, out: str | Path, qtype: QType = QType.F32
     return out
 
 
-def _finish(writer: gguf.GGUFWriter, model_dir: Path, twin: str | Path | None, reference: dict[str, np.ndarray]) -> None:
+def _finish(writer: gguf.GGUFWriter, model_dir: Path, twin: str | Path | None,
+            reference: dict[str, np.ndarray]) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -269,3 +269,13 @@ def test_the_estimate_counts_linear_attention_caches(models, arch: str, prompt: 
     assert held <= est.kv + sum(256 * s.kv_bytes for s in shapes)
     kv_est = sum((prompt + new) * s.kv_bytes for s in shapes)  # the attention layers, unbounded
     assert est.kv - kv_est >= sum(cache[i].nbytes for i in linear) >= len(linear) * shapes[linear[0]].state_bytes
+
+
+def test_linear_attention_models_are_checked(models) -> None:
+    """A Qwen 3.5 call that cannot fit is refused before anything is allocated (its layers were
+    once unknown to the check, which then let everything through)."""
+    model = models("qwen3_5").model
+    assert memory_check.device_memory() > 0
+    with pytest.raises(memory_check.DeviceMemoryError, match="max_tokens"):
+        memory_check.check(model, model.make_cache(None), batch=1, prompt_len=10, new_tokens=10**12)
+    memory_check.check(model, model.make_cache(None), batch=1, prompt_len=10, new_tokens=10)  # fits

@@ -135,8 +135,27 @@ def _is_quantized(layer: nn.Module) -> bool:
     return isinstance(layer, (nn.QuantizedLinear, QuantizedSwitchLinear))
 
 
+def _is_block(layer: nn.Module) -> bool:
+    """A GGUF block layer (weights as rows of llama.cpp blocks: one more trailing axis)."""
+    if not type(layer).__module__.endswith("gguf_quants") and not hasattr(layer, "qtype"):
+        return False
+    from .blocks import is_block  # noqa: PLC0415 - needs the optional gguf package: GGUF models only
+
+    return is_block(layer)
+
+
 def _out_axis(layer: nn.Module) -> int:
-    return layer.weight.ndim - 2  # (out, in) or (experts, out, in)
+    # (out, in) or (experts, out, in); block layers (out, blocks, bytes) or (experts, out, blocks, bytes)
+    return layer.weight.ndim - (3 if _is_block(layer) else 2)
+
+
+def _row_form(layer: nn.Module) -> type | None:
+    form = _ROW_FORMS.get(type(layer))
+    if form is None and _is_block(layer):
+        from .blocks import ROW_FORMS  # noqa: PLC0415 - see _is_block
+
+        form = ROW_FORMS.get(type(layer))
+    return form
 
 
 def split_columns(layer: nn.Module, name: str, rank: int, size: int, unit: int = 1,
@@ -156,6 +175,8 @@ def split_columns(layer: nn.Module, name: str, rank: int, size: int, unit: int =
         updates["biases"] = part(layer.biases, axis, rank, size, sections)
     if "bias" in vars(layer):
         updates["bias"] = part(layer.bias, layer.bias.ndim - 1, rank, size, sections)
+    if _is_block(layer) and "output_dims" in vars(layer):
+        layer.output_dims //= size
     for key, value in updates.items():
         setattr(layer, key, value)
         if sections is not None and layouts is not None:
@@ -167,7 +188,7 @@ def split_rows(parent: nn.Module, attr: str, name: str, group: dist.Group) -> No
     bias stays whole, added after the sum)."""
     layer = getattr(parent, attr)
     rank, size = group.rank(), group.size()
-    form = _ROW_FORMS.get(type(layer))
+    form = _row_form(layer)
     if form is None:
         raise ShardingError(f"{name}: a {type(layer).__name__} cannot be split for tensor parallelism")
     if _is_quantized(layer):
@@ -177,6 +198,14 @@ def split_rows(parent: nn.Module, attr: str, name: str, group: dist.Group) -> No
                                 f"{size} equal parts at group boundaries")
         updates = {"weight": part(layer.weight, -1, rank, size), "scales": part(layer.scales, -1, rank, size),
                    "biases": part(layer.biases, -1, rank, size)}
+    elif _is_block(layer):
+        blocks = layer.weight.shape[-2]
+        if blocks % size:
+            raise ShardingError(f"{name}: {blocks} blocks of {layer.qtype.name} a row cannot be split in {size} "
+                                "equal parts of whole blocks")
+        updates = {"weight": part(layer.weight, -2, rank, size)}
+        if "input_dims" in vars(layer):
+            updates["input_dims"] = layer.input_dims // size
     else:
         in_dims = layer.weight.shape[-1]
         if in_dims % size:

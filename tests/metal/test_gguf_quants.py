@@ -3,9 +3,10 @@ dequantization (random valid blocks), tiny models of every type and of llama-qua
 recipes against a twin checkpoint holding the reference dequantization of the very blocks written,
 memory after load against the file's tensor bytes, read-only files, and the MoE architectures.
 
-Tolerances (logits of these tiny random models have a standard deviation near 0.6): the quantized
-layers compute in float16 (float16 scales, activations) where the twin computes in float32, which
-alone moves logits by up to ~0.005; Q4_K and Q5_K also round their scales to float16 (docs/gguf.md).
+Tolerances (logits of these tiny random models have a standard deviation near 0.6): the GGUF
+models are loaded with dtype="float32", as their float32 twins compute (a quantized file computes in
+float16 by default: test_gguf_dtype.py holds that path to the twins), and differ from them only by
+summation order and, for Q4_K and Q5_K, their scales rounded to float16 (docs/gguf.md).
 """
 from __future__ import annotations
 
@@ -139,15 +140,18 @@ def export(src: Path, root: Path, qtype: Q, extra: Mapping[str, Q] | None = None
     return export_gguf(src, root / "gguf" / "m.gguf", qtype, extra_types=extra, twin=root / "twin"), root / "twin"
 
 
-def logits_and_model(path: Path, ids: list[list[int]] = IDS) -> tuple[np.ndarray, dict[str, type], float]:
-    """Logits of `ids`, the type of each layer by module path, and loaded bytes / file tensor bytes."""
-    with load_weights_and_config(path) as loaded:
+def logits_and_model(path: Path, ids: list[list[int]] = IDS,
+                     dtype: str = "float32") -> tuple[np.ndarray, dict[str, type], float]:
+    """Logits of `ids` computed in `dtype`, the type of each layer by module path, and loaded bytes /
+    file tensor bytes as loaded by default (dtype "auto": an asked-for float32 widens F16 tensors)."""
+    with load_weights_and_config(path, dtype=dtype) as loaded:
         out = np.array(loaded.model(mx.array(ids)).astype(mx.float32))
         kinds = {p: type(m) for p, m in loaded.model.named_modules()}
-        ratio = 0.0
-        if path.suffix == ".gguf":
+    ratio = 0.0
+    if path.suffix == ".gguf":
+        with load_weights_and_config(path) as loaded:
             ratio = loaded.nbytes / sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
-        return out, kinds, ratio
+    return out, kinds, ratio
 
 
 def _expected_kind(qtype: Q) -> type:

@@ -1,17 +1,29 @@
 #!/usr/bin/env bash
-# The GPU runs behind BENCHMARKS.md's llama.cpp table: the GGUF block kernels' GPU tests and
-# benchmarks/compare_llama_cpp.py, in three device calls (the machine has no network: MLX's CUDA
-# wheel comes in .device-stage/, llama.cpp's source as .lcp/llama.cpp-src.tar.gz):
+# The GPU runs behind BENCHMARKS.md's llama.cpp table: the GGUF GPU tests and
+# benchmarks/compare_llama_cpp.py, Llama-3.2-1B and Llama-3.1-8B on Q4_0, Q4_K_M, Q6_K and Q8_0,
+# in five device calls of at most 10 minutes (the machine has no network: MLX's CUDA wheel comes in
+# .device-stage/, llama.cpp's source as .lcp/llama.cpp-src.tar.gz; the machine must stay warm
+# between calls, its /tmp holds the build and the 8B files):
 #
 #   call 1: bash .device-stage/a/stash.sh && bash benchmarks/gpu_llama_cpp.sh build
 #                                                       carry [".device-stage/a", ".lcp"]
 #   call 2: source .device-stage/b/install.sh && bash benchmarks/gpu_llama_cpp.sh prep-8b-bg tests bench-1b
 #                                                       carry [".device-stage/b"]
 #   call 3: source .device-stage/b/install.sh --no-install && bash benchmarks/gpu_llama_cpp.sh bench-8b
+#   call 4: source .device-stage/b/install.sh --no-install && FORMATS_8B="q6_k q8_0" \
+#             bash benchmarks/gpu_llama_cpp.sh clean-8b prep-8b
+#   call 5: source .device-stage/b/install.sh --no-install && FORMATS_8B="q6_k q8_0" \
+#             bash benchmarks/gpu_llama_cpp.sh bench-8b
 #
 # build starts llama.cpp's CUDA build in the background (a few minutes; bench-* wait for it);
-# prep-8b-bg writes the 8B files in the background (niced; its CPU work overlaps the 1B runs, which
-# alternate the sides, so it slows them alike), and bench-8b waits for it.
+# prep-8b-bg writes the 8B files of FORMATS_8B in the background (niced; its CPU work overlaps the
+# 1B runs, which alternate the sides, so it slows them alike), and bench-8b waits for it. The 8B
+# files come two formats at a time (disk: 64 GiB): the float16 source goes once its F16 GGUF is
+# written, which later formats are quantized from; clean-8b removes the formats benchmarked before.
+# What the runs measure since the compute-dtype change: quantized GGUF files of Llama compute in
+# float16 (docs/gguf.md), so their Q4_0/Q4_K layers take pymlxc's 4-bit matvec kernel (the GGUF
+# side) or MLX's quantized_matmul (the pymlxc_gguf_matvec0 side, --matvec-off), Q6_K/Q8_0 layers the
+# block kernels and MLX's 8-bit kernel; the earlier float32 runs are BENCHMARKS.md's 160 tok/s row.
 # probe: benchmarks/profile/probe_gguf_blocks.py (the block kernels' time per decode shape).
 # Results go to $OUT: tests.txt, probe.log, <stage>/compare_llama_cpp.{json,md,png}, <stage>.log.
 # Set PYMLXC_GIT_REV=<commit> in front when the lent copy's git metadata is stale.
@@ -27,6 +39,7 @@ export PYMLXC_LIB_DIR=${PYMLXC_LIB_DIR:-/tmp/pymlxc_lib}
 # The gguf package from llama.cpp's own source (gguf-py), where pip cannot reach a registry.
 export PYTHONPATH="$ROOT:$LCP/src/gguf-py${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+FORMATS_8B=${FORMATS_8B:-q4_0 q4_k_m}
 mkdir -p "$OUT" "$STATE"
 
 ensure_lib() {
@@ -66,27 +79,48 @@ for stage in "$@"; do
       ;;
     tests)
       ensure_lib
-      python3 -m pytest tests/metal/test_gguf_kernels.py tests/metal/test_gguf_quants.py tests/metal/test_cuda_matvec.py \
+      python3 -m pytest tests/metal/test_gguf_kernels.py tests/metal/test_gguf_quants.py tests/metal/test_gguf_dtype.py \
+        tests/metal/test_cuda_matvec.py \
         -q -p no:cacheprovider -x 2>&1 | tee "$OUT/tests.txt" | tail -30 || true
       ;;
     prep-8b-bg)
       setsid nohup nice -n 19 bash "$0" prep-8b > "$STATE/prep-8b.log" 2>&1 < /dev/null &
       ;;
-    prep-8b)
+    prep-8b)  # FORMATS_8B's files; the F16 GGUF stays for the next formats, the float16 source goes
       ensure_lib
       wait_build
+      rm -f "$STATE/prep-8b.done"
+      # shellcheck disable=SC2086  # FORMATS_8B is a list of words
       python3 benchmarks/compare_llama_cpp.py --llama-cpp "$LCP" --models-dir "$MODELS" --out "$OUT/bench-8b" \
-        --shapes llama-3.1-8b --formats q4_0 q4_k_m --prepare-only --drop-source --threads 8 && touch "$STATE/prep-8b.done"
+        --shapes llama-3.1-8b --formats $FORMATS_8B --prepare-only --threads 8 \
+        && rm -rf "$MODELS/llama-3.1-8b-f16-src" && touch "$STATE/prep-8b.done"
+      df -h /tmp | tail -1
+      ;;
+    clean-8b)  # the 8B files of the formats not in FORMATS_8B (benchmarked in an earlier call)
+      for fmt in q4_0 q4_k_m q6_k q8_0; do
+        case " $FORMATS_8B " in *" $fmt "*) ;; *) rm -f "$MODELS/llama-3.1-8b-$fmt.gguf" ;; esac
+      done
+      for bits in 4 6 8; do
+        keep=0
+        for fmt in $FORMATS_8B; do
+          case "$fmt:$bits" in q4_0:4|q4_k_m:4|q6_k:6|q8_0:8) keep=1 ;; esac
+        done
+        [ "$keep" = 1 ] || rm -rf "$MODELS/llama-3.1-8b-${bits}bit"
+      done
+      df -h /tmp | tail -1
       ;;
     probe)  # the block kernels against MLX ops, MLX 4-bit and dense float16 per decode shape
       ensure_lib
       python3 benchmarks/profile/probe_gguf_blocks.py --out "$OUT/probe" 2>&1 | tee "$OUT/probe.log" || echo "!!! probe failed"
       ;;
-    bench-1b) bench bench-1b --shapes llama-3.2-1b --matvec-off --drop-source ${BENCH_1B_ARGS:-} ;;
+    bench-1b)
+      bench bench-1b --shapes llama-3.2-1b --formats q4_0 q4_k_m q6_k q8_0 --matvec-off --drop-source ${BENCH_1B_ARGS:-}
+      ;;
     bench-8b)
       for _ in $(seq 1 100); do [ -f "$STATE/prep-8b.done" ] && break; sleep 5; done
-      tail -5 "$STATE/prep-8b.log"; df -h /tmp | tail -1
-      bench bench-8b --shapes llama-3.1-8b --formats q4_0 q4_k_m --rounds 3 --matvec-off
+      tail -5 "$STATE/prep-8b.log" 2>/dev/null || true; df -h /tmp | tail -1
+      # shellcheck disable=SC2086
+      bench "bench-8b-${FORMATS_8B// /-}" --shapes llama-3.1-8b --formats $FORMATS_8B --rounds 3 --matvec-off
       ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac

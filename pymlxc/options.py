@@ -143,7 +143,7 @@ class LoadConfig:
     distributed: str | None = None
     # The dtype the model computes in (the metal backend): "auto" keeps a checkpoint's own (a
     # quantized GGUF file: float16 where its architecture is safe in it, docs/gguf.md), or every
-    # floating tensor but half-precision quantization scales is cast to the one named.
+    # floating tensor is cast to the one named (half-precision quantization scales stay so under float32).
     dtype: str = "auto"
 
     def __post_init__(self) -> None:

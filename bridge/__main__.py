@@ -12,7 +12,9 @@ else:
 
     here = Path(__file__).resolve().parent
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
-    spec = importlib.util.spec_from_file_location("_pymlxc_bridge", here / "__init__.py", submodule_search_locations=[str(here)])
+    spec = importlib.util.spec_from_file_location(
+        "_pymlxc_bridge", here / "__init__.py", submodule_search_locations=[str(here)]
+    )
     assert spec is not None and spec.loader is not None
     package = importlib.util.module_from_spec(spec)
     sys.modules["_pymlxc_bridge"] = package

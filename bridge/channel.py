@@ -69,7 +69,7 @@ class LineReader(threading.Thread):
     """Reads lines of at most `max_bytes`; an `intercept(line)` returning True keeps it out of the queue."""
 
     def __init__(
-        self, stream: BinaryIO, max_bytes: int, inbox: "queue.Queue[Line | None]", intercept: Callable[[Line], bool]
+        self, stream: BinaryIO, max_bytes: int, inbox: queue.Queue[Line | None], intercept: Callable[[Line], bool]
     ) -> None:
         super().__init__(name="bridge-stdin", daemon=True)
         self._stream, self._max, self._inbox, self._intercept = stream, max_bytes, inbox, intercept
@@ -84,7 +84,9 @@ class LineReader(threading.Thread):
                 seq += 1
                 if len(data) > self._max and not data.endswith(b"\n"):
                     size = len(data) + self._skip_rest()
-                    problem = ProtocolError("line_too_long", f"line of {size}+ bytes is longer than the limit of {self._max}")
+                    problem = ProtocolError(
+                        "line_too_long", f"line of {size}+ bytes is longer than the limit of {self._max}"
+                    )
                     self._inbox.put(Line(seq, problem=problem))
                     continue
                 line = Line(seq, data)

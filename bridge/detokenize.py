@@ -61,7 +61,7 @@ class TextStream:
     character shows as a trailing U+FFFD (so such a tokenizer's stray bytes wait for the next text).
     """
 
-    def __init__(self, table: "TokenBytes") -> None:
+    def __init__(self, table: TokenBytes) -> None:
         self._table = table
         self._pending = b""
         self._started = False  # whether any text (even a trimmed space) has come out yet
@@ -137,7 +137,9 @@ class TokenBytes:
             self._use(table)
 
     @classmethod
-    def from_table(cls, table: Sequence[bytes], decode: Callable[[Sequence[int]], str], *, trim_space: bool) -> "TokenBytes":
+    def from_table(
+        cls, table: Sequence[bytes], decode: Callable[[Sequence[int]], str], *, trim_space: bool
+    ) -> TokenBytes:
         """A table given directly: token id -> its bytes."""
         made = cls(None, decode)
         made.trim_space = trim_space

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import mlx_lm
 import numpy as np
-import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
@@ -65,7 +65,9 @@ class _recording_queries:
             return
         sink = self.sink
         for name, module in list(sys.modules.items()):
-            original = getattr(module, "scaled_dot_product_attention", None) if name.startswith("mlx_lm.models.") else None
+            original = (
+                getattr(module, "scaled_dot_product_attention", None) if name.startswith("mlx_lm.models.") else None
+            )
             if original is None:
                 continue
 
@@ -120,8 +122,11 @@ class Engine:
         self.vocab_size = rows if rows is not None else self.info()["vocab_size"]
         tokens = len(self.tokenizer._tokenizer)
         if tokens > self.vocab_size:
-            raise CommandError("load_failed", f"the tokenizer of {path!r} has {tokens} tokens but the model's embedding "
-                                              f"has {self.vocab_size} rows: ids from {self.vocab_size} on have no embedding")
+            raise CommandError(
+                "load_failed",
+                f"the tokenizer of {path!r} has {tokens} tokens but the model's embedding "
+                f"has {self.vocab_size} rows: ids from {self.vocab_size} on have no embedding",
+            )
         self.token_bytes = TokenBytes(self.tokenizer.detokenizer, self.tokenizer.decode)
 
     # ---- facts ----------------------------------------------------------------------------------
@@ -136,7 +141,9 @@ class Engine:
         return {
             "architecture": self.model_type,
             "vocab_size": int(_config_value(self.config, "vocab_size") or len(self.tokenizer.get_vocab())),
-            "num_layers": len(layers) if layers is not None else int(_config_value(self.config, "num_hidden_layers") or 0),
+            "num_layers": (
+                len(layers) if layers is not None else int(_config_value(self.config, "num_hidden_layers") or 0)
+            ),
             "hidden_size": int(_config_value(self.config, "hidden_size") or 0),
             "quant_bits": int(quant.get("bits", 0)),
             "quant_group": int(quant.get("group_size", 0)),
@@ -171,8 +178,11 @@ class Engine:
         """`tokens`, after checking that each has an embedding row (every id passes here before MLX sees it)."""
         bad = [t for t in tokens if not 0 <= t < self.vocab_size]
         if bad:
-            raise CommandError("bad_field", f"{cmd}: token id {bad[0]} is outside the vocabulary of {self.vocab_size} "
-                                            f"(the embedding's rows)" + (f"; {len(bad)} such ids" if len(bad) > 1 else ""))
+            raise CommandError(
+                "bad_field",
+                f"{cmd}: token id {bad[0]} is outside the vocabulary of {self.vocab_size} "
+                f"(the embedding's rows)" + (f"; {len(bad)} such ids" if len(bad) > 1 else ""),
+            )
         return tokens
 
     def prompt_tokens(self, prompt: str, cmd: str = "generate") -> list[int]:
@@ -283,17 +293,31 @@ class Engine:
         for i, c in enumerate(cache):
             # One chunk into empty KVCache / RotatingKVCache buffers: positions 0..offset-1 in order.
             k = getattr(c, "keys", None)
-            if getattr(c, "offset", None) != len(tokens) or not isinstance(k, mx.array) or k.ndim != 4 or k.shape[2] < len(tokens):
+            if (
+                getattr(c, "offset", None) != len(tokens)
+                or not isinstance(k, mx.array)
+                or k.ndim != 4
+                or k.shape[2] < len(tokens)
+            ):
                 raise CommandError("failed", f"inspect_attention: layer {i}'s cache ({type(c).__name__}) does not hold "
                                    f"one key per token; this architecture is not supported")
             keys.append(k[..., : len(tokens), :])
         if include_queries and len(queries) != len(keys):
-            raise CommandError("failed", f"inspect_attention: {len(queries)} attention calls seen for {len(keys)} layers; "
-                               "this architecture's attention is not supported")
+            raise CommandError(
+                "failed",
+                f"inspect_attention: {len(queries)} attention calls seen for {len(keys)} layers; "
+                "this architecture's attention is not supported",
+            )
         mx.eval(keys, queries)
         layers = []
         for i, k in enumerate(keys):
-            layer: dict[str, Any] = {"kv_heads": k.shape[1], "head_dim": k.shape[3], "keys": _b64(k), "query_heads": None, "queries": None}
+            layer: dict[str, Any] = {
+                "kv_heads": k.shape[1],
+                "head_dim": k.shape[3],
+                "keys": _b64(k),
+                "query_heads": None,
+                "queries": None,
+            }
             if include_queries:
                 layer.update(query_heads=queries[i].shape[1], queries=_b64(queries[i]))
             layers.append(layer)
@@ -313,7 +337,12 @@ class Engine:
     # ---- batches --------------------------------------------------------------------------------
 
     def _run_batch(
-        self, prompts: list[list[int]], opts: dict[str, Any], max_tokens: int, stops: list[list[int]], cancelled: Callable[[], bool],
+        self,
+        prompts: list[list[int]],
+        opts: dict[str, Any],
+        max_tokens: int,
+        stops: list[list[int]],
+        cancelled: Callable[[], bool],
         first_logits: list[Any] | None = None,
     ) -> tuple[dict[int, list[tuple[int, Any]]], dict[int, str], dict[str, Any]]:
         """Run mlx-lm's BatchGenerator; per prompt index: (token, logprobs) pairs and a finish reason.
@@ -368,7 +397,9 @@ class Engine:
         }
         return steps, finish, metrics
 
-    def classify(self, prompts: list[str], opts: dict[str, Any], cancelled: Callable[[], bool]) -> tuple[list[Event], dict[str, Any]]:
+    def classify(
+        self, prompts: list[str], opts: dict[str, Any], cancelled: Callable[[], bool]
+    ) -> tuple[list[Event], dict[str, Any]]:
         """One prefill per prompt, batched, and the token sampled after it (with its raw logits if asked)."""
         mx.reset_peak_memory()
         if not prompts:
@@ -394,7 +425,9 @@ class Engine:
             results.append(item)
         return results, metrics
 
-    def batch_generate(self, prompts: list[str], opts: dict[str, Any], cancelled: Callable[[], bool]) -> tuple[list[Event], dict[str, Any]]:
+    def batch_generate(
+        self, prompts: list[str], opts: dict[str, Any], cancelled: Callable[[], bool]
+    ) -> tuple[list[Event], dict[str, Any]]:
         """Generate for every prompt at once; each result has tokens, a finish reason and maybe an error."""
         mx.reset_peak_memory()
         results: list[Event] = [{"tokens": [], "finish_reason": "length", "error": None} for _ in prompts]

@@ -100,7 +100,7 @@ class Worker:
 
     # ---- the main loop ----------------------------------------------------------------------------
 
-    def serve(self, inbox: "queue.Queue[Line | None]") -> int:
+    def serve(self, inbox: queue.Queue[Line | None]) -> int:
         while True:
             line = inbox.get()
             if line is EOF:
@@ -189,7 +189,11 @@ class Worker:
         from .engine import Hooks
 
         a = request.args
-        tokens = engine.prompt_tokens(a["prompt"]) if request.cmd == "generate" else engine.chat_tokens(a["messages"], a.get("chat_template_kwargs"))
+        tokens = (
+            engine.prompt_tokens(a["prompt"])
+            if request.cmd == "generate"
+            else engine.chat_tokens(a["messages"], a.get("chat_template_kwargs"))
+        )
         hooks = Hooks(
             cancelled=lambda: self.control.stopped(seq),
             progress=lambda done, total: self.out.send(P.progress(request.id, done, total)),
@@ -201,11 +205,15 @@ class Worker:
         raise RuntimeError("the generation ended without its summary")  # engine.generate always yields one
 
     def classify(self, request: P.Request, seq: int) -> dict[str, Any]:
-        results, metrics = self._engine().classify(request.args["prompts"], request.args, lambda: self.control.stopped(seq))
+        results, metrics = self._engine().classify(
+            request.args["prompts"], request.args, lambda: self.control.stopped(seq)
+        )
         return P.result("classify", request.id, results=results, **metrics)
 
     def batch_generate(self, request: P.Request, seq: int) -> dict[str, Any]:
-        results, metrics = self._engine().batch_generate(request.args["prompts"], request.args, lambda: self.control.stopped(seq))
+        results, metrics = self._engine().batch_generate(
+            request.args["prompts"], request.args, lambda: self.control.stopped(seq)
+        )
         return P.result("batch_generate", request.id, results=results, **metrics)
 
 
@@ -219,7 +227,9 @@ class Worker:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pymlxc.bridge", description="mlx-lm over JSON Lines on stdin/stdout")
+    parser = argparse.ArgumentParser(
+        prog="python -m pymlxc.bridge", description="mlx-lm over JSON Lines on stdin/stdout"
+    )
     parser.add_argument("--max-line-bytes", type=int, default=P.MAX_LINE_BYTES, help="longest request line accepted")
     args = parser.parse_args(argv)
     writer = LineWriter(claim_stdout())

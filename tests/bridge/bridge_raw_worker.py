@@ -19,7 +19,10 @@ class RawWorker:
 
     def __init__(self, *args: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(BRIDGE_DIR), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            [sys.executable, str(BRIDGE_DIR), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
         self.stderr: collections.deque[str] = collections.deque(maxlen=50)
         self._lines: queue.Queue[bytes] = queue.Queue()
@@ -54,7 +57,14 @@ class RawWorker:
         assert raw, f"worker stdout closed (rc={self.proc.poll()}); stderr: {''.join(self.stderr)[-2000:]}"
         assert raw.endswith(b"\n")
         message = json.loads(raw)  # stdout carries nothing but protocol lines
-        assert isinstance(message, dict) and message.get("type") in ("hello", "progress", "token", "done", "result", "error")
+        assert isinstance(message, dict) and message.get("type") in (
+            "hello",
+            "progress",
+            "token",
+            "done",
+            "result",
+            "error",
+        )
         return message
 
     def until_terminal(self, rid: Any = None, timeout: float = 30.0) -> list[dict[str, Any]]:

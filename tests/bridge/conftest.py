@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from bridge_raw_worker import RawWorker  # type: ignore[import-not-found]
 
 

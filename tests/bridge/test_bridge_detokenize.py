@@ -33,8 +33,11 @@ def _stream(chunks: list[bytes], trim_space: bool = False) -> tuple[list[str], s
     return pieces, text.finish()
 
 
-byte_chunks = st.lists(st.binary(min_size=0, max_size=4) | st.sampled_from(["€".encode(), "😀".encode(), b"\xe2", b"\x82\xac", b"\xf0\x9f", b"\xff", b"\xed\xa0"]),
-                       max_size=12)
+byte_chunks = st.lists(
+    st.binary(min_size=0, max_size=4)
+    | st.sampled_from(["€".encode(), "😀".encode(), b"\xe2", b"\x82\xac", b"\xf0\x9f", b"\xff", b"\xed\xa0"]),
+    max_size=12,
+)
 
 
 @settings(max_examples=400, deadline=None)

@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from bridge_raw_worker import BRIDGE_DIR, RawWorker  # type: ignore[import-not-found]
 
-EXAMPLES = {"node": ["node", str(BRIDGE_DIR / "examples" / "generate.mjs")], "jq": ["bash", str(BRIDGE_DIR / "examples" / "generate.sh")]}
+EXAMPLES = {
+    "node": ["node", str(BRIDGE_DIR / "examples" / "generate.mjs")],
+    "jq": ["bash", str(BRIDGE_DIR / "examples" / "generate.sh")],
+}
 RUNNABLE = [name for name in EXAMPLES if shutil.which(name)]
 PROMPT = "The baker counted"
 
@@ -35,6 +37,8 @@ def test_example_streams_what_the_worker_streams(name: str, loaded_worker: RawWo
 @pytest.mark.parametrize("name", RUNNABLE)
 def test_example_fails_loudly_on_a_worker_error(name: str, tmp_path: Path) -> None:
     env: dict[str, Any] = {**os.environ, "PYTHON": sys.executable}
-    done = subprocess.run([*EXAMPLES[name], str(tmp_path / "missing"), "x", "3"], capture_output=True, env=env, timeout=120)
+    done = subprocess.run(
+        [*EXAMPLES[name], str(tmp_path / "missing"), "x", "3"], capture_output=True, env=env, timeout=120
+    )
     assert done.returncode != 0
     assert b"load_failed" in done.stderr

@@ -31,6 +31,10 @@ def test_inspect_attention_refusals(loaded_worker: Any) -> None:
     for fields in ({}, {"prompt": "x", "tokens": [1]}, {"tokens": [10**7]}):
         reply = loaded_worker.request(cmd="inspect_attention", id="r", **fields)
         assert reply["type"] == "error" and reply["error"] == "bad_field", reply
-    for fields, code in (({"tokens": []}, "bad_field"), ({"include_queries": 1}, "bad_field"), ({"layers": [0]}, "unknown_field")):
+    for fields, code in (
+        ({"tokens": []}, "bad_field"),
+        ({"include_queries": 1}, "bad_field"),
+        ({"layers": [0]}, "unknown_field"),
+    ):
         reply = loaded_worker.request(cmd="inspect_attention", id="r", **fields)
         assert reply["error"] == code, reply

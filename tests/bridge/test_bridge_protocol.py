@@ -11,7 +11,11 @@ from hypothesis import strategies as st
 from pymlxc.bridge import protocol as P
 
 json_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text()
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4), max_leaves=20)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20,
+)
 json_objects = st.dictionaries(st.text(), json_values, max_size=6)
 
 
@@ -39,13 +43,22 @@ sampling = st.fixed_dictionaries(
         "return_logits": st.booleans(),
     },
 )
-messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": st.text()}), min_size=1, max_size=3)
+messages = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": st.text()}),
+    min_size=1,
+    max_size=3,
+)
 requests = st.one_of(
     st.builds(lambda p, s: {"cmd": "generate", "prompt": p, **s}, st.text(), sampling),
     st.builds(lambda m, s: {"cmd": "chat", "messages": m, **s}, messages, sampling),
     st.builds(lambda ps, s: {"cmd": "classify", "prompts": ps, **s}, st.lists(st.text(), max_size=3), sampling),
     st.builds(lambda ps, s: {"cmd": "batch_generate", "prompts": ps, **s}, st.lists(st.text(), max_size=3), sampling),
-    st.builds(lambda p, a, c: {"cmd": "load", "path": p, "adapter_path": a, "context_len": c}, st.text(), st.none() | st.text(), st.none() | st.integers(1, 10**6)),
+    st.builds(
+        lambda p, a, c: {"cmd": "load", "path": p, "adapter_path": a, "context_len": c},
+        st.text(),
+        st.none() | st.text(),
+        st.none() | st.integers(1, 10**6),
+    ),
     st.builds(lambda t, a: {"cmd": "encode", "text": t, "add_special_tokens": a}, st.text(), st.booleans()),
     st.builds(lambda t: {"cmd": "decode", "tokens": t}, st.lists(st.integers(0, 10**6), max_size=5)),
     st.sampled_from([{"cmd": "info"}, {"cmd": "cancel"}, {"cmd": "quit"}]),
@@ -146,5 +159,5 @@ def test_replies_refuse_non_finite_numbers_and_check_their_type() -> None:
 
 @given(st.floats(min_value=-2.2e-308, max_value=2.2e-308, allow_subnormal=True).filter(lambda v: v != 0.0))
 def test_subnormal_numbers_are_refused_naming_the_field(value: float) -> None:
-    with pytest.raises(P.ProtocolError, match="temperature .*subnormal"):
+    with pytest.raises(P.ProtocolError, match=r"temperature .*subnormal"):
         P.parse_request({"cmd": "generate", "prompt": "x", "temperature": abs(value)})

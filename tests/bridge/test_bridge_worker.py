@@ -11,12 +11,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from bridge_raw_worker import BRIDGE_DIR, RawWorker  # type: ignore[import-not-found]
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from pymlxc.bridge import protocol as P
-
-from bridge_raw_worker import BRIDGE_DIR, RawWorker  # type: ignore[import-not-found]
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -58,7 +57,8 @@ json_values = st.recursive(
     max_leaves=10,
 )
 near_requests = st.dictionaries(
-    st.sampled_from(["cmd", "id", "prompt", "prompts", "max_tokens", "tokens", "text", "messages", "path"]) | st.text(max_size=8),
+    st.sampled_from(["cmd", "id", "prompt", "prompts", "max_tokens", "tokens", "text", "messages", "path"])
+    | st.text(max_size=8),
     json_values | st.sampled_from(list(P.COMMANDS)),
     max_size=5,
 )
@@ -82,7 +82,11 @@ def test_an_oversized_line_is_refused_and_the_next_line_served(idle_worker: RawW
     reply = idle_worker.read()
     assert reply["type"] == "error" and reply["error"] == "line_too_long"
     assert idle_worker.request(cmd="encode", id=9, text="hi") == {
-        "type": "error", "id": 9, "cmd": "encode", "error": "no_model", "message": "no model is loaded; send a load command first",
+        "type": "error",
+        "id": 9,
+        "cmd": "encode",
+        "error": "no_model",
+        "message": "no model is loaded; send a load command first",
     }
 
 
@@ -164,7 +168,12 @@ def test_cancel_stops_a_running_stream_and_queued_requests_only(loaded_worker: R
 
 
 def test_cancel_when_idle_is_answered_and_harmless(loaded_worker: RawWorker) -> None:
-    assert loaded_worker.request(cmd="cancel", id="c0") == {"type": "result", "id": "c0", "cmd": "cancel", "active": False}
+    assert loaded_worker.request(cmd="cancel", id="c0") == {
+        "type": "result",
+        "id": "c0",
+        "cmd": "cancel",
+        "active": False,
+    }
     assert loaded_worker.request(cmd="generate", id="g", prompt="x", max_tokens=2)["finish_reason"] == "length"
 
 
@@ -205,8 +214,12 @@ sampling_values = st.fixed_dictionaries(
 
 @FUZZ
 @given(st.sampled_from(["generate", "chat", "classify", "batch_generate"]), sampling_values)
-def test_sampling_fields_of_any_value_get_a_stream_or_an_error(loaded_worker: RawWorker, cmd: str, fields: dict[str, Any]) -> None:
-    body = {"generate": {"prompt": "ab"}, "chat": {"messages": [{"role": "user", "content": "ab"}]}}.get(cmd, {"prompts": ["ab", "c"]})
+def test_sampling_fields_of_any_value_get_a_stream_or_an_error(
+    loaded_worker: RawWorker, cmd: str, fields: dict[str, Any]
+) -> None:
+    body = {"generate": {"prompt": "ab"}, "chat": {"messages": [{"role": "user", "content": "ab"}]}}.get(
+        cmd, {"prompts": ["ab", "c"]}
+    )
     if type(fields.get("max_tokens")) is int:  # a valid count runs that many steps: keep the run short
         fields["max_tokens"] = min(fields["max_tokens"], 2 if cmd in ("classify", "batch_generate") else 4)
     loaded_worker.send(cmd=cmd, id="f", **body, **fields)
@@ -241,19 +254,25 @@ def test_recover_repairs_the_random_state_a_failed_compiled_sampler_leaves() -> 
     ("temperature", 10**400, "finite"),  # float() of it overflows: that exception once ended the worker
     ("top_p", -(10**400), "finite"),
 ])
-def test_numbers_a_sampler_cannot_use_are_refused_and_the_worker_lives(idle_worker: RawWorker, field: str, value: Any, says: str) -> None:
+def test_numbers_a_sampler_cannot_use_are_refused_and_the_worker_lives(
+    idle_worker: RawWorker, field: str, value: Any, says: str
+) -> None:
     reply = idle_worker.request(cmd="generate", id="n", prompt="x", **{field: value})
     assert reply["type"] == "error" and reply["error"] == "bad_field"
     assert field in reply["message"] and says in reply["message"]
     assert idle_worker.request(cmd="cancel", id="alive")["type"] == "result"
 
 
-def test_a_model_that_needs_custom_tokenizer_code_is_refused_at_once(start_worker: Any, tiny_model: Path, tmp_path: Path) -> None:
+def test_a_model_that_needs_custom_tokenizer_code_is_refused_at_once(
+    start_worker: Any, tiny_model: Path, tmp_path: Path
+) -> None:
     """transformers would ask "run the custom code? [y/N]" on stdin (the protocol pipe) and wait."""
     model = tmp_path / "custom"
     shutil.copytree(tiny_model, model)
     config = json.loads((model / "tokenizer_config.json").read_text())
-    config.update(tokenizer_class="CustomTokenizer", auto_map={"AutoTokenizer": ["tokenization_custom.CustomTokenizer", None]})
+    config.update(
+        tokenizer_class="CustomTokenizer", auto_map={"AutoTokenizer": ["tokenization_custom.CustomTokenizer", None]}
+    )
     (model / "tokenizer_config.json").write_text(json.dumps(config))
     (model / "tokenization_custom.py").write_text("raise SystemExit('the custom code ran')\n")
     worker = start_worker()
@@ -268,7 +287,7 @@ def test_a_model_that_needs_custom_tokenizer_code_is_refused_at_once(start_worke
 def test_a_library_reading_stdin_gets_end_of_input_not_the_protocol_pipe(start_worker: Any) -> None:
     """Runs the worker's main with a request after the line it would have stolen; input() sees EOF."""
     code = (
-        "import sys; sys.path.insert(0, %r)\n" % str(BRIDGE_DIR.parent)
+        f"import sys; sys.path.insert(0, {str(BRIDGE_DIR.parent)!r})\n"
         + "from bridge import worker\n"
         "seen = []\n"
         "def steal():\n"
@@ -282,8 +301,12 @@ def test_a_library_reading_stdin_gets_end_of_input_not_the_protocol_pipe(start_w
         "worker.Worker.info = info\n"
         "worker.main([])\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], input=b'{"cmd":"info","id":1}\n{"cmd":"cancel","id":2}\n{"cmd":"quit"}\n',
-                          capture_output=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        input=b'{"cmd":"info","id":1}\n{"cmd":"cancel","id":2}\n{"cmd":"quit"}\n',
+        capture_output=True,
+        timeout=60,
+    )
     replies = [json.loads(line) for line in proc.stdout.splitlines()]
     errors = [r for r in replies if r["type"] == "error"]
     assert len(errors) == 1 and errors[0]["message"] == "['EOF']", proc.stderr[-2000:]
@@ -297,7 +320,9 @@ def test_ids_outside_the_embedding_are_refused_naming_the_id_and_its_rows(loaded
         assert "token id 600 is outside the vocabulary of 512 (the embedding's rows)" in reply["message"]
 
 
-def test_a_tokenizer_larger_than_the_embedding_is_refused_at_load(start_worker: Any, tiny_model: Path, tmp_path: Path) -> None:
+def test_a_tokenizer_larger_than_the_embedding_is_refused_at_load(
+    start_worker: Any, tiny_model: Path, tmp_path: Path
+) -> None:
     model = tmp_path / "big-tokenizer"
     shutil.copytree(tiny_model, model)
     tokenizer = json.loads((model / "tokenizer.json").read_text())

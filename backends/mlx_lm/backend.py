@@ -39,7 +39,7 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def probe(python: str) -> tuple[str | None, str | None]:
     """(mlx-lm version, None) when `python` can import mlx-lm, else (None, the reason). Cached per Python."""
     try:
@@ -93,7 +93,9 @@ class MlxLmBackend:
         from pymlxc.hub import resolve
 
         if config.dtype != "auto":  # mlx-lm computes in the checkpoint's dtype: refused, not ignored
-            raise ValueError(f"dtype={config.dtype!r} is not supported by the mlx_lm backend (the metal backend takes it)")
+            raise ValueError(
+                f"dtype={config.dtype!r} is not supported by the mlx_lm backend (the metal backend takes it)"
+            )
 
         model_dir = resolve(path).resolve()  # a repo id is fetched here: the worker gets a local directory
         if not model_dir.is_dir():

@@ -3,6 +3,7 @@ timeouts, keep the tail of its stderr for error messages, and end it without lea
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import queue
@@ -159,10 +160,8 @@ class WorkerProcess:
     def kill(self) -> None:
         """End the process now and reap it."""
         if self._proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 self._proc.kill()
-            except ProcessLookupError:
-                pass
         self._proc.wait()
         self._cleanup()
 
@@ -175,10 +174,8 @@ class WorkerProcess:
                 self._stdin.close()  # end of input also ends the worker, once it is idle
             except (OSError, ValueError):
                 pass
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self._proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                pass
         self.kill()
 
     def _cleanup(self) -> None:

@@ -316,8 +316,10 @@ class MlxLmModel:
                 with self._lock:
                     if self._holders.get(me, 0) >= len(self._slots):
                         # Only this thread could free a slot, and it is waiting here: it would wait forever.
-                        raise RuntimeError(f"all {len(self._slots)} parallel_slots are held by this thread's unfinished "
-                                           "streams; finish or close them before another call") from None
+                        raise RuntimeError(
+                            f"all {len(self._slots)} parallel_slots are held by this thread's unfinished "
+                            "streams; finish or close them before another call"
+                        ) from None
                 continue
             with self._lock:
                 self._holders[me] = self._holders.get(me, 0) + 1
@@ -331,7 +333,9 @@ class MlxLmModel:
             else:
                 self._holders.pop(thread, None)
 
-    def _exchange(self, cmd: str, args: dict[str, Any], stop: _Stop, stopped: list[BaseException]) -> Iterator[dict[str, Any]]:
+    def _exchange(
+        self, cmd: str, args: dict[str, Any], stop: _Stop, stopped: list[BaseException]
+    ) -> Iterator[dict[str, Any]]:
         """Send one request on a free worker; yield its reply lines up to and including the terminal one.
 
         When the call must stop early, a `cancel` is sent, the reason is appended to `stopped`, and the
@@ -413,7 +417,9 @@ class MlxLmModel:
         finally:
             self._free.put(slot)
 
-    def _call(self, cmd: str, args: dict[str, Any], config: GenerateConfig) -> tuple[dict[str, Any], BaseException | None]:
+    def _call(
+        self, cmd: str, args: dict[str, Any], config: GenerateConfig
+    ) -> tuple[dict[str, Any], BaseException | None]:
         """A request with a single reply: the reply, and why it stopped early if it did. Errors raise
         (and are kept in err()), a stop that got no reply in time included."""
         stopped: list[BaseException] = []
@@ -429,7 +435,7 @@ class MlxLmModel:
                 raise stopped[0]
             raise WorkerError(f"the worker ended {cmd} without a result")
         except (WorkerError, WorkerReplyError, GenerationCancelled, ModelClosedError) as e:
-            raise self._fail(e)
+            raise self._fail(e)  # noqa: B904 - _fail sets __cause__ when it wraps e
 
     def _is_closed(self) -> bool:
         return self._closed
@@ -468,7 +474,9 @@ class MlxLmModel:
                     ended = True
                     self._set_metrics(line)
                     if line.get("finish_reason") == "cancelled":
-                        self._fail(stopped[0] if stopped else GenerationCancelled("the worker cancelled the generation"))
+                        self._fail(
+                            stopped[0] if stopped else GenerationCancelled("the worker cancelled the generation")
+                        )
                 elif kind == "error":
                     ended = True
                     raise reply_error(str(line.get("error")), str(line.get("message")))
@@ -553,7 +561,7 @@ class MlxLmModel:
         for slot in self._slots:
             slot.close()
 
-    def __enter__(self) -> "MlxLmModel":
+    def __enter__(self) -> MlxLmModel:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -35,11 +35,20 @@ def tiny_adapter(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> 
             weights[f"{prefix}.lora_a"] = rng.normal(0, 0.5, (hidden, rank)).astype(np.float32)
             weights[f"{prefix}.lora_b"] = rng.normal(0, 0.5, (rank, out)).astype(np.float32)
     save_file(weights, str(path / "adapters.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps({
-        "fine_tune_type": "lora",
-        "num_layers": config["num_hidden_layers"],
-        "lora_parameters": {"rank": rank, "scale": 4.0, "dropout": 0.0, "keys": ["self_attn.q_proj", "self_attn.v_proj"]},
-    }))
+    (path / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "fine_tune_type": "lora",
+                "num_layers": config["num_hidden_layers"],
+                "lora_parameters": {
+                    "rank": rank,
+                    "scale": 4.0,
+                    "dropout": 0.0,
+                    "keys": ["self_attn.q_proj", "self_attn.v_proj"],
+                },
+            }
+        )
+    )
     return path
 
 

@@ -20,7 +20,14 @@ def send(**message: object) -> None:
 def main() -> None:
     mode = sys.argv[1]
     send(type="hello", protocol=999 if mode == "protocol" else 1, pid=0)
-    info = {"architecture": "fake", "vocab_size": 10, "num_layers": 1, "hidden_size": 4, "quant_bits": 0, "quant_group": 0}
+    info = {
+        "architecture": "fake",
+        "vocab_size": 10,
+        "num_layers": 1,
+        "hidden_size": 4,
+        "quant_bits": 0,
+        "quant_group": 0,
+    }
     for line in sys.stdin:
         request = json.loads(line)
         rid, cmd = request.get("id"), request.get("cmd")

@@ -25,7 +25,9 @@ def test_available_with_this_python_which_has_mlx_lm() -> None:
 
 def test_unavailable_with_the_reason_when_the_python_lacks_mlx_lm(tmp_path: Path) -> None:
     log = tmp_path / "runs"
-    python = _fake_python(tmp_path / "python", f'echo run >> "{log}"; echo "ModuleNotFoundError: No module named \'mlx_lm\'" >&2; exit 1')
+    python = _fake_python(
+        tmp_path / "python", f'echo run >> "{log}"; echo "ModuleNotFoundError: No module named \'mlx_lm\'" >&2; exit 1'
+    )
     backend = MlxLmBackend(python)
     assert not backend.available()
     reason = backend.unavailable_reason()

@@ -29,7 +29,9 @@ def test_shapes_and_agreement_with_the_metal_backend(model: Any, tiny_model: Pat
                                config["num_attention_heads"], n, config["head_dim"])
     assert [len(layer) for layer in snap.keys] == [snap.num_kv_heads] * snap.num_layers
     assert [len(layer) for layer in snap.queries] == [snap.num_query_heads] * snap.num_layers
-    assert {(a.dtype, a.shape) for layer in snap.keys + snap.queries for a in layer} == {(np.dtype(np.float32), (n, snap.head_dim))}
+    assert {(a.dtype, a.shape) for layer in snap.keys + snap.queries for a in layer} == {
+        (np.dtype(np.float32), (n, snap.head_dim))
+    }
     with pymlxc.load_model(str(tiny_model), backend="metal") as metal:
         ours = metal.inspect_attention(PROMPT, include_queries=True)
     assert ours.token_ids == snap.token_ids
@@ -44,7 +46,7 @@ def test_token_ids_and_bad_prompts(model: Any) -> None:
     by_ids = model.inspect_attention(ids)
     by_text = model.inspect_attention(PROMPT)
     assert by_ids.queries is None and list(by_ids.token_ids) == ids
-    assert all(np.array_equal(a, b) for a, b in zip(by_ids.keys[0], by_text.keys[0]))
+    assert all(np.array_equal(a, b) for a, b in zip(by_ids.keys[0], by_text.keys[0], strict=True))
     with pytest.raises(WorkerReplyError, match="vocabulary") as caught:
         model.inspect_attention([10**6])
     assert caught.value.code == "bad_field"

@@ -48,7 +48,10 @@ def test_greedy_tokens_equal_mlx_lm_in_process(model: MlxLmModel, reference: tup
 
 
 def test_chat_equals_mlx_lm_on_the_chat_template(model: MlxLmModel, reference: tuple[Any, Any]) -> None:
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
     prompt = reference[1].apply_chat_template(messages, add_generation_prompt=True)
     assert _ours(model, model.chat(messages, max_tokens=16)) == _mlx_lm_stream(reference, prompt, 16)
 
@@ -58,7 +61,9 @@ def test_seeded_sampling_equals_mlx_lm_with_the_same_options(model: MlxLmModel, 
     ids, _ = _ours(model, model.generate(PROMPTS[0], max_tokens=20, **options))
     mx.random.seed(11)
     sampler = make_sampler(0.9, top_p=0.95, min_p=0.02, top_k=40)
-    expected, _ = _mlx_lm_stream(reference, PROMPTS[0], 20, sampler=sampler, logits_processors=make_logits_processors(repetition_penalty=1.3))
+    expected, _ = _mlx_lm_stream(
+        reference, PROMPTS[0], 20, sampler=sampler, logits_processors=make_logits_processors(repetition_penalty=1.3)
+    )
     assert ids == expected
     again, _ = _ours(model, model.generate(PROMPTS[0], max_tokens=20, **options))
     assert again == ids  # the seed makes it repeatable
@@ -68,20 +73,24 @@ def test_batch_generate_equals_mlx_lm_batch_generate(model: MlxLmModel, referenc
     results = model.batch_generate(PROMPTS, max_tokens=10)
     assert model.err() is None
     ref_model, tokenizer = reference
-    expected = mlx_lm.batch_generate(ref_model, tokenizer, [tokenizer.encode(p) for p in PROMPTS], max_tokens=10, return_token_ids=True)
+    expected = mlx_lm.batch_generate(
+        ref_model, tokenizer, [tokenizer.encode(p) for p in PROMPTS], max_tokens=10, return_token_ids=True
+    )
     assert [[t.id for t in r.tokens] for r in results] == expected.token_ids
     assert [r.text for r in results] == expected.texts
 
 
 def test_classify_picks_the_greedy_next_token(model: MlxLmModel, reference: tuple[Any, Any]) -> None:
     results = model.classify(PROMPTS, return_logits=True)
-    for prompt, result in zip(PROMPTS, results):
+    for prompt, result in zip(PROMPTS, results, strict=True):
         first_ids, _ = _mlx_lm_stream(reference, prompt, 1)
         assert result.token.id == first_ids[0]
         assert result.logits is not None and len(result.logits) == model.info().vocab_size
 
 
-def test_adapter_path_reaches_mlx_lm(backend: MlxLmBackend, tiny_model: Path, tiny_adapter: Path, reference: tuple[Any, Any]) -> None:
+def test_adapter_path_reaches_mlx_lm(
+    backend: MlxLmBackend, tiny_model: Path, tiny_adapter: Path, reference: tuple[Any, Any]
+) -> None:
     from pymlxc import registry
 
     registry.register(backend)

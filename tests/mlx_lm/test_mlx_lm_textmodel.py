@@ -10,13 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from mlx_lm_procs import children  # type: ignore[import-not-found]
 
 from pymlxc.backends.mlx_lm import MlxLmBackend, MlxLmModel, WorkerDied, WorkerError, WorkerReplyError, WorkerTimeout
 from pymlxc.model import GenerationCancelled, ModelClosedError, TextModel
 from pymlxc.options import LoadConfig
 from pymlxc.types import BatchResult, ClassifyResult, ModelInfo, Token
-
-from mlx_lm_procs import children  # type: ignore[import-not-found]
 
 LONG = 100_000  # a budget no test waits for: the tiny model never picks EOS, so only a stop ends it
 
@@ -126,7 +125,9 @@ def test_concurrent_callers_are_serialised(model: MlxLmModel) -> None:
     assert got == expected
 
 
-def test_parallel_slots_run_calls_on_separate_workers_and_close_reaps_them(backend: MlxLmBackend, tiny_model: Path) -> None:
+def test_parallel_slots_run_calls_on_separate_workers_and_close_reaps_them(
+    backend: MlxLmBackend, tiny_model: Path
+) -> None:
     before = children()
     two = backend.load(str(tiny_model), LoadConfig(parallel_slots=2))
     pids = set(two.worker_pids())
@@ -214,7 +215,9 @@ def test_a_silent_worker_is_killed_after_the_response_timeout(fake_backend: Any,
     assert children() == before
 
 
-def test_an_error_reply_is_raised_from_the_stream_and_for_single_replies_and_kept(fake_backend: Any, tmp_path: Path) -> None:
+def test_an_error_reply_is_raised_from_the_stream_and_for_single_replies_and_kept(
+    fake_backend: Any, tmp_path: Path
+) -> None:
     with fake_backend("error").load(str(tmp_path), LoadConfig()) as m:
         with pytest.raises(WorkerReplyError, match="fake failure"):
             list(m.generate("x"))

@@ -68,7 +68,9 @@ class BodyLimit:
             return
         for name, value in scope.get("headers", []):
             if name == b"content-length" and value.isdigit() and int(value) > self.limit:
-                await _error(413, f"request body over {self.limit} bytes", code="request_too_large")(scope, receive, send)
+                await _error(413, f"request body over {self.limit} bytes", code="request_too_large")(
+                    scope, receive, send
+                )
                 return
         seen = 0
 
@@ -93,9 +95,11 @@ def _engine_for(model: Any, config: ServerConfig) -> BatchEngine | SlotEngine:
                       context_len=getattr(model, "_context_len", None))
 
 
-def create_app(model: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
-    """The API serving `model` (a loaded `TextModel`); the caller owns the model's lifetime."""
-    engine = _engine_for(model, config)
+def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any = None) -> FastAPI:
+    """The API serving `model` (a loaded `TextModel`); the caller owns the model's lifetime.
+    `engine`: what generates (default: the model's batch or slot engine; rank 0 of a distributed
+    model passes its `ranks.RankEngine`)."""
+    engine = engine if engine is not None else _engine_for(model, config)
     tokenizer = engine.tokenizer
     grammars: GrammarFactory | None = None
     tool_fmt = toolcalls.HERMES
@@ -127,7 +131,9 @@ def create_app(model: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "server_error")
+        return _error(
+            exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "server_error"
+        )
 
     async def authorize(request: Request) -> None:
         if config.api_key is None:
@@ -151,7 +157,9 @@ def create_app(model: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         if feature not in engine.features:
             raise ApiError(400, f"{param} is not supported by this model's backend", param=param)
 
-    def sampling(body: Sampling, prompt_len: int, max_tokens: int | None, logprobs: int | None) -> batching.SamplingParams:
+    def sampling(
+        body: Sampling, prompt_len: int, max_tokens: int | None, logprobs: int | None
+    ) -> batching.SamplingParams:
         limit = config.max_tokens_limit
         if max_tokens is not None and max_tokens > limit:
             raise ApiError(400, f"max_tokens is {max_tokens}, over this server's limit of {limit}", param="max_tokens")
@@ -169,7 +177,9 @@ def create_app(model: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
                 raise ApiError(400, "logit_bias keys must be token ids", param="logit_bias") from None
             vocab = getattr(engine, "vocab_size", 0)
             if any(not 0 <= k < vocab for k, _ in bias):
-                raise ApiError(400, f"logit_bias names a token id outside the vocabulary of {vocab}", param="logit_bias")
+                raise ApiError(
+                    400, f"logit_bias names a token id outside the vocabulary of {vocab}", param="logit_bias"
+                )
         if body.presence_penalty or body.frequency_penalty:
             need("penalties", "presence_penalty")
         if logprobs is not None:
@@ -379,7 +389,7 @@ def create_app(model: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
                         if piece_text or lps:
                             yield chunk({"content": piece_text}, None, lps)
                 if holding:
-                    content, calls = toolcalls.parse_tool_calls(held, tool_fmt)
+                    _, calls = toolcalls.parse_tool_calls(held, tool_fmt)
                     if calls:
                         finish = "tool_calls"
                         yield chunk({"tool_calls": [c.to_openai(i) for i, c in enumerate(calls)]}, None)

@@ -48,7 +48,7 @@ class GrammarFactory:
                     raise ConstraintError(f"llguidance cannot use this tokenizer: {exc}") from exc
             return self._tokenizer
 
-    def json_schema(self, schema: Mapping[str, Any]) -> "GrammarConstraint":
+    def json_schema(self, schema: Mapping[str, Any]) -> GrammarConstraint:
         llg = _llguidance()
         try:
             grammar = llg.LLMatcher.grammar_from_json_schema(_compact(schema))
@@ -56,10 +56,10 @@ class GrammarFactory:
             raise ConstraintError(f"unusable JSON schema: {exc}") from exc
         return self._matcher(grammar)
 
-    def lark(self, source: str) -> "GrammarConstraint":
+    def lark(self, source: str) -> GrammarConstraint:
         return self._matcher(_llguidance().LLMatcher.grammar_from_lark(source))
 
-    def _matcher(self, grammar: str) -> "GrammarConstraint":
+    def _matcher(self, grammar: str) -> GrammarConstraint:
         llg = _llguidance()
         tokenizer = self._lltokenizer()
         problem = llg.LLMatcher.validate_grammar(grammar, tokenizer)

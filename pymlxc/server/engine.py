@@ -9,6 +9,7 @@ away) cancels the generation and frees its cache.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -106,10 +107,8 @@ class BatchEngine:
         events: asyncio.Queue[batching.Event] = asyncio.Queue()
 
         def emit(event: batching.Event) -> None:
-            try:
+            with contextlib.suppress(RuntimeError):  # the event loop is gone (server shutting down)
                 loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:  # the event loop is gone (server shutting down)
-                pass
 
         request = batching.Request(job.prompt_ids, job.params, emit, job.constraint)
         self.scheduler.submit(request)
@@ -128,7 +127,9 @@ class BatchEngine:
                 if event.finish == "error":
                     raise event.error if event.error is not None else RuntimeError("generation failed")
                 tail, hit = stops.feed(detokenizer.finish())
-                yield Piece(tail + ("" if hit else stops.flush()), finish="stop" if event.finish != "length" else "length")
+                yield Piece(
+                    tail + ("" if hit else stops.flush()), finish="stop" if event.finish != "length" else "length"
+                )
                 return
         finally:
             request.cancel()
@@ -166,10 +167,8 @@ class SlotEngine:
         done = object()
 
         def put(item: Any) -> None:
-            try:
+            with contextlib.suppress(RuntimeError):  # the event loop is gone (server shutting down)
                 loop.call_soon_threadsafe(items.put_nowait, item)
-            except RuntimeError:
-                pass
 
         def work() -> None:
             try:

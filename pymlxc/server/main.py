@@ -6,6 +6,7 @@ import ipaddress
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
@@ -28,6 +29,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="the largest request body")
     parser.add_argument("--cors-origin", action="append", default=[],
                         help="allow browser requests from this origin (repeatable; default: CORS off)")
+    parser.add_argument("--distributed", choices=("tensor", "pipeline"), default=None,
+                        help="split the model over the ranks of `pymlxc launch`: rank 0 serves, one request at a "
+                             "time, the others follow (docs/distributed.md)")
 
 
 def _positive(name: str, value: int | None) -> None:
@@ -62,12 +66,37 @@ def run(args: argparse.Namespace) -> int:
         options["context_len"] = args.context_len
     if args.adapter is not None:
         options["adapter_path"] = args.adapter
+    if args.distributed is not None:
+        options["distributed"] = args.distributed
     config = ServerConfig(model_id=args.model_id or args.model, api_key=api_key, max_concurrency=args.max_concurrency,
                           max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                           max_tokens_limit=args.max_tokens_limit, cors_origins=tuple(args.cors_origin))
     with pymlxc.load_model(args.model, backend=args.backend, **options) as model:
+        if args.distributed is not None:
+            return _serve_ranks(model, config, args)
         app = create_app(model, config)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    return 0
+
+
+def _serve_ranks(model: Any, config: Any, args: argparse.Namespace) -> int:
+    """A distributed model: rank 0 serves HTTP, the other ranks follow its calls (ranks.py)."""
+    import uvicorn
+
+    import pymlxc.core as mx
+
+    from .app import create_app
+    from .ranks import RankEngine, follow
+
+    if mx.distributed.init().rank() != 0:
+        follow(model)
+        return 0
+    engine = RankEngine(model, max_queue=args.max_queue, context_len=getattr(model, "_context_len", None))
+    try:
+        app = create_app(model, config, engine=engine)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    finally:
+        engine.close()
     return 0
 
 

@@ -51,8 +51,13 @@ def _free_port() -> int:
 def start_server(model_dir: Path, *args: str, log: Path) -> Server:
     port = _free_port()
     out = open(log, "wb")  # noqa: SIM115 - closed with the process
-    process = subprocess.Popen([sys.executable, "-m", "pymlxc.server", str(model_dir), "--port", str(port), *args],
-                               cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pymlxc.server", str(model_dir), "--port", str(port), *args],
+        cwd=ROOT,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

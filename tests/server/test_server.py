@@ -161,8 +161,8 @@ def test_tool_call_is_parsed(client: openai.OpenAI) -> None:
     assert [c.function.name for c in calls] == ["get_weather"]
     assert streamed[-1].choices[0].finish_reason == "tool_calls"
     # The answer goes back to the model through its template (tool results included).
-    follow = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                         {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    follow = [*messages, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+              {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
     assert client.chat.completions.create(model="m", messages=follow, tools=TOOLS, max_tokens=4,
                                           temperature=0).choices[0].finish_reason in ("length", "stop", "tool_calls")
 
@@ -192,16 +192,18 @@ def test_disconnect_mid_stream_frees_its_row(server: Server) -> None:
     headers = {"Authorization": f"Bearer {API_KEY}"}
     before = server.health()
     body = {"model": "m", "prompt": PROMPTS[6], "max_tokens": 8000, "temperature": 0, "stream": True}
-    with httpx.Client(timeout=60) as http:
-        with http.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers) as response:
-            assert response.status_code == 200
-            seen = 0
-            for line in response.iter_lines():
-                seen += line.startswith("data:")
-                if seen >= 5:
-                    during = server.health()  # before leaving the iterator: that closes the response
-                    break
-            assert during["running"] == 1
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers) as response,
+    ):
+        assert response.status_code == 200
+        seen = 0
+        for line in response.iter_lines():
+            seen += line.startswith("data:")
+            if seen >= 5:
+                during = server.health()  # before leaving the iterator: that closes the response
+                break
+        assert during["running"] == 1
     deadline = time.monotonic() + 30
     while (now := server.health())["running"] and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -248,14 +250,16 @@ def test_full_queue_answers_429(model_dir, tmp_path) -> None:
                          log=tmp_path / "small.log")
     try:
         body = {"model": "m", "prompt": "x", "max_tokens": 8000, "stream": True}
-        with httpx.Client(timeout=60) as http:
-            with http.stream("POST", f"{small.url}/v1/completions", json=body) as busy:
-                assert busy.status_code == 200
-                lines = busy.iter_lines()
-                next(lines)
-                second = http.post(f"{small.url}/v1/completions", json={"prompt": "y", "max_tokens": 2})
-                assert second.status_code == 429
-                assert second.json()["error"]["type"] == "rate_limit_error"
+        with (
+            httpx.Client(timeout=60) as http,
+            http.stream("POST", f"{small.url}/v1/completions", json=body) as busy,
+        ):
+            assert busy.status_code == 200
+            lines = busy.iter_lines()
+            next(lines)
+            second = http.post(f"{small.url}/v1/completions", json={"prompt": "y", "max_tokens": 2})
+            assert second.status_code == 429
+            assert second.json()["error"]["type"] == "rate_limit_error"
         deadline = time.monotonic() + 30
         while small.health()["running"] and time.monotonic() < deadline:
             time.sleep(0.1)

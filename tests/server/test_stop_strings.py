@@ -2,6 +2,8 @@
 up to the first stop string, and nothing that could still start one is sent early."""
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,7 +18,7 @@ alphabet = st.sampled_from("abc\n")
        cuts=st.lists(st.integers(0, 40), max_size=12))
 def test_pieces_up_to_the_first_stop(text: str, stops: list[str], cuts: list[int]) -> None:
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
-    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
     finder = StopStrings(stops)
     sent, hit = "", False
     for piece in pieces:

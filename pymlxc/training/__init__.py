@@ -12,7 +12,7 @@ from .config import Encoder, LoRAAdapter, LoRAConfig, SupportsTraining, Trainabl
 from .data import DatasetError, iterate_batches, load_records, make_batch, read_jsonl, tokenize, tokenize_all
 from .losses import cross_entropy, masked_cross_entropy, mse
 from .optim import AdamW, clip_grad_norm, cosine_schedule, global_norm
-from .trainer import TrainReport, TrainResult, Trainer, train
+from .trainer import Trainer, TrainReport, TrainResult, train
 from .trees import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [

@@ -306,7 +306,9 @@ def write_peft_adapter(path: str | Path, tensors: Mapping[str, Array], scales: M
     return path
 
 
-def check_shapes(adapter: AdapterWeights, expected: Mapping[str, tuple[int, int]], model_name: str = "the model") -> None:
+def check_shapes(
+    adapter: AdapterWeights, expected: Mapping[str, tuple[int, int]], model_name: str = "the model"
+) -> None:
     """Every adapted module must exist in the model with (in, out) dims matching lora_a / lora_b."""
     errors = []
     for module in adapter.modules:

@@ -18,7 +18,6 @@ import numpy as np
 
 import pymlxc.core as mx
 from pymlxc.core import Array
-
 from pymlxc.files import read_text
 
 from .config import Encoder
@@ -117,7 +116,7 @@ def load_records(data: str | Path, valid_split: float | None = None,
         raise DatasetError(f"no such data directory or file: {data}")
     if not valid_split:
         return train, []
-    n_valid = max(1, int(round(len(train) * valid_split)))
+    n_valid = max(1, round(len(train) * valid_split))
     if n_valid >= len(train):
         raise DatasetError(f"{data}: {len(train)} record(s) are too few to hold out {valid_split:.0%} for validation")
     order = np.random.default_rng(seed).permutation(len(train))
@@ -207,7 +206,7 @@ def make_batch(examples: Sequence[Example], max_seq_length: int, pad_id: int = 0
     width = max(lengths)
     tokens = np.full((len(examples), width), pad_id, dtype=np.int32)
     mask = np.zeros((len(examples), width - 1), dtype=bool)
-    for i, (e, n) in enumerate(zip(examples, lengths)):
+    for i, (e, n) in enumerate(zip(examples, lengths, strict=True)):
         tokens[i, :n] = e.tokens[:n]
         mask[i, max(e.offset, 1) - 1:n - 1] = True
     return Batch(mx.array(tokens[:, :-1]), mx.array(tokens[:, 1:]), mx.array(mask), int(mask.sum()))

@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from tqdm import tqdm
+
 import pymlxc.core as mx
 from pymlxc.core import Array
 from pymlxc.files import read_json
-from tqdm import tqdm
 
 from .adapters import MLX_WEIGHTS
 from .config import LoRAConfig, SupportsTraining, TrainableModel, TrainConfig
@@ -321,7 +322,9 @@ def _run(model: Any, data: str | Path, adapter: Any, adapter_dir: Path, resume_s
                 val = trainer.evaluate(valid_set, config.val_batches)
                 adapter.set_training(True)
                 result.val_losses.append((step, val))
-                r = r or TrainReport(step, learning_rate=trainer.optimizer.lr_at(step), peak_memory=mx.get_peak_memory())
+                r = r or TrainReport(
+                    step, learning_rate=trainer.optimizer.lr_at(step), peak_memory=mx.get_peak_memory()
+                )
                 r.val_loss = val
             if r is not None:
                 report(r)

@@ -47,24 +47,28 @@ def test_adapter_with_wrong_shapes_or_names(llama_adapter: Path, llama_dir: Path
     bad = _copy(llama_adapter, tmp_path / "bad_rank")
     name = "model.layers.0.self_attn.q_proj.lora_b"
     mx.save_safetensors(bad / "adapters.safetensors", {**tensors, name: mx.zeros((3, 64))})
-    with load(llama_dir) as model:
-        with pytest.raises(AdapterError, match="has lora_a .* and lora_b"):
-            model.load_adapter(bad)
+    with load(llama_dir) as model, pytest.raises(AdapterError, match=r"has lora_a .* and lora_b"):
+        model.load_adapter(bad)
     mx.save_safetensors(bad / "adapters.safetensors",
                         {**tensors, "model.layers.7.self_attn.q_proj.lora_a": mx.zeros((64, 4)),
                          "model.layers.7.self_attn.q_proj.lora_b": mx.zeros((4, 64))})
-    with load(llama_dir) as model:
-        with pytest.raises(AdapterError, match=r"model\.layers\.7\.self_attn\.q_proj: no such linear layer"):
-            model.load_adapter(bad)
-    mx.save_safetensors(bad / "adapters.safetensors", {**tensors, "model.layers.0.self_attn.q_proj.weight": mx.zeros((1,))})
-    with load(llama_dir) as model:
-        with pytest.raises(AdapterError, match="is not a LoRA weight"):
-            model.load_adapter(bad)
+    with (
+        load(llama_dir) as model,
+        pytest.raises(AdapterError, match=r"model\.layers\.7\.self_attn\.q_proj: no such linear layer"),
+    ):
+        model.load_adapter(bad)
+    mx.save_safetensors(
+        bad / "adapters.safetensors", {**tensors, "model.layers.0.self_attn.q_proj.weight": mx.zeros((1,))}
+    )
+    with load(llama_dir) as model, pytest.raises(AdapterError, match="is not a LoRA weight"):
+        model.load_adapter(bad)
     only_a = {k: v for k, v in tensors.items() if not k.endswith("layers.1.self_attn.v_proj.lora_b")}
     mx.save_safetensors(bad / "adapters.safetensors", only_a)
-    with load(llama_dir) as model:
-        with pytest.raises(AdapterError, match="'model.layers.1.self_attn.v_proj' has no lora_b"):
-            model.load_adapter(bad)
+    with (
+        load(llama_dir) as model,
+        pytest.raises(AdapterError, match=r"'model\.layers\.1\.self_attn\.v_proj' has no lora_b"),
+    ):
+        model.load_adapter(bad)
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -81,9 +85,8 @@ def test_mlx_adapter_config_errors(llama_adapter: Path, llama_dir: Path, tmp_pat
     config = json.loads((ad / "adapter_config.json").read_text())
     edit(config)
     (ad / "adapter_config.json").write_text(json.dumps(config))
-    with load(llama_dir) as model:
-        with pytest.raises(AdapterError, match=message):
-            model.load_adapter(ad)
+    with load(llama_dir) as model, pytest.raises(AdapterError, match=message):
+        model.load_adapter(ad)
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -100,9 +103,8 @@ def test_peft_adapter_config_errors(llama_adapter: Path, llama_dir: Path, tmp_pa
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     edit(config)
     (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps(config))
-    with load(llama_dir) as model:
-        with pytest.raises(AdapterError, match=message):
-            model.load_adapter(tmp_path / "peft")
+    with load(llama_dir) as model, pytest.raises(AdapterError, match=message):
+        model.load_adapter(tmp_path / "peft")
 
 
 def test_adapter_directory_problems(llama_dir: Path, tmp_path: Path) -> None:
@@ -110,14 +112,14 @@ def test_adapter_directory_problems(llama_dir: Path, tmp_path: Path) -> None:
         with pytest.raises(AdapterError, match="no such adapter directory"):
             model.load_adapter(tmp_path / "missing")
         (tmp_path / "empty").mkdir()
-        with pytest.raises(AdapterError, match="neither adapters.safetensors"):
+        with pytest.raises(AdapterError, match=r"neither adapters\.safetensors"):
             model.load_adapter(tmp_path / "empty")
         (tmp_path / "noconf").mkdir()
         mx.save_safetensors(tmp_path / "noconf" / "adapters.safetensors", {"a.lora_a": mx.zeros((1, 1))})
-        with pytest.raises(AdapterError, match="no adapter_config.json"):
+        with pytest.raises(AdapterError, match=r"no adapter_config\.json"):
             model.load_adapter(tmp_path / "noconf")
         (tmp_path / "noconf" / "adapter_config.json").write_text("{not json")
-        with pytest.raises(AdapterError, match="adapter_config.json: malformed JSON"):
+        with pytest.raises(AdapterError, match=r"adapter_config\.json: malformed JSON"):
             model.load_adapter(tmp_path / "noconf")
     with pytest.raises(AdapterError, match="no such adapter directory"):
         pymlxc.load_model(str(llama_dir), backend="metal", adapter_path=str(tmp_path / "missing"))
@@ -167,7 +169,7 @@ def test_bad_datasets_through_train(llama_dir: Path, tmp_path: Path) -> None:
             pymlxc.train(model, data, tmp_path / "ad", iters=1, progress=False)
         with pytest.raises(FileNotFoundError, match="cannot resume"):
             pymlxc.train(model, data, tmp_path / "nothing", iters=1, resume=True, progress=False)
-        with pytest.raises(TypeError, match="unexpected keyword|got an unexpected"):
+        with pytest.raises(TypeError, match=r"unexpected keyword|got an unexpected"):
             pymlxc.train(model, data, tmp_path / "ad", iterations=1)
 
 

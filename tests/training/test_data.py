@@ -1,6 +1,7 @@
 """JSON Lines datasets: formats, errors naming file and line, splits, batching and masks."""
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -24,7 +25,7 @@ def _encoder(chat: bool = True) -> Encoder:
         text = "".join(f"<{m['role']}>{m['content']}|" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
-    return Encoder(encode=lambda t: [255] + plain(t), encode_plain=plain, eos_token_id=EOS,
+    return Encoder(encode=lambda t: [255, *plain(t)], encode_plain=plain, eos_token_id=EOS,
                    render_chat=render if chat else None)
 
 
@@ -87,7 +88,7 @@ def test_wrong_value_types_name_the_line(tmp_path: Path) -> None:
 
 
 def test_data_directory_and_split(tmp_path: Path) -> None:
-    with pytest.raises(DatasetError, match="has no train.jsonl"):
+    with pytest.raises(DatasetError, match=r"has no train\.jsonl"):
         load_records(tmp_path)
     with pytest.raises(DatasetError, match="no such data directory"):
         load_records(tmp_path / "nope")
@@ -118,12 +119,14 @@ def test_batch_padding_and_mask() -> None:
 
 def test_batch_order_is_seeded_and_resumable() -> None:
     examples = [Example(tuple(range(2 + i % 5)), 0, f"x:{i}") for i in range(10)]
-    first = [ix for _, (_, ix) in zip(range(12), batch_order(examples, 3, seed=4))]
-    again = [ix for _, (_, ix) in zip(range(12), batch_order(examples, 3, seed=4))]
+    first = [ix for _, ix in itertools.islice(batch_order(examples, 3, seed=4), 12)]
+    again = [ix for _, ix in itertools.islice(batch_order(examples, 3, seed=4), 12)]
     assert first == again
     assert all(len(ix) == 3 for ix in first)  # the short remainder is dropped
-    resumed = [np.array(b.inputs).tolist() for _, (_, b) in zip(range(3), iterate_batches(examples, 3, 64, seed=4, skip=5))]
-    full = [np.array(b.inputs).tolist() for _, (_, b) in zip(range(8), iterate_batches(examples, 3, 64, seed=4))]
+    resumed = [
+        np.array(b.inputs).tolist() for _, b in itertools.islice(iterate_batches(examples, 3, 64, seed=4, skip=5), 3)
+    ]
+    full = [np.array(b.inputs).tolist() for _, b in itertools.islice(iterate_batches(examples, 3, 64, seed=4), 8)]
     assert resumed == full[5:8]
     once = list(iterate_batches(examples, 3, 64, shuffle=False, loop=False, drop_last=False))
     assert sum(b.inputs.shape[0] for _, b in once) == 10

@@ -85,7 +85,9 @@ def test_fused_quantized_model_requantizes_or_saves_dense(qllama_dir: Path, tmp_
     np.testing.assert_allclose(np.array(dense(M.array([ids]))), adapted, rtol=1e-4, atol=1e-4)
 
 
-def test_cli_lora_then_fuse(llama_dir: Path, repeat_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_lora_then_fuse(
+    llama_dir: Path, repeat_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     rc = main(["lora", str(llama_dir), "--data", str(repeat_data), "--adapter-path", str(tmp_path / "ad"),
                "--iters", "4", "--batch-size", "2", "--learning-rate", "1e-3", "--rank", "4", "--steps-per-report", "2",
                "--export-peft", str(tmp_path / "peft")])
@@ -93,7 +95,9 @@ def test_cli_lora_then_fuse(llama_dir: Path, repeat_data: Path, tmp_path: Path, 
     err = capsys.readouterr().err
     # Off a terminal the progress bar is silent; the closing line still reports the run.
     assert "done: 4 steps" in err and "trained tok/s" in err and "\r" not in err
-    assert (tmp_path / "ad" / "adapters.safetensors").is_file() and (tmp_path / "peft" / "adapter_model.safetensors").is_file()
+    assert (tmp_path / "ad" / "adapters.safetensors").is_file() and (
+        tmp_path / "peft" / "adapter_model.safetensors"
+    ).is_file()
     rc = main(["fuse", str(llama_dir), "--adapter-path", str(tmp_path / "ad"), "--save-path", str(tmp_path / "fused"),
                "--quiet"])
     assert rc == 0 and (tmp_path / "fused" / "model.safetensors").is_file()

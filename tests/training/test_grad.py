@@ -13,6 +13,7 @@ from pymlxc.training.data import Example, make_batch
 
 from .conftest import load
 
+
 def f64(x: np.ndarray) -> mx.Array:
     return mx.array(x, mx.float64)
 
@@ -115,16 +116,16 @@ def test_value_and_grad_agrees_with_vjp_and_jvp(llama_dir: Path) -> None:
     value, grads = mx.value_and_grad(loss)(params)
 
     def flat(*arrays: mx.Array) -> mx.Array:
-        return loss(dict(zip(names, arrays)))
+        return loss(dict(zip(names, arrays, strict=True)))
 
     outs, vjps = mx.vjp(flat, [params[n] for n in names], [mx.array(1.0, mx.float64)])
     assert outs[0].item() == pytest.approx(value.item(), rel=1e-12)
-    for n, v in zip(names, vjps):
+    for n, v in zip(names, vjps, strict=True):
         np.testing.assert_allclose(np.array(v), np.array(grads[n]), rtol=1e-10, atol=1e-14)
     rng = np.random.default_rng(3)
     tangents = [f64(rng.standard_normal(params[n].shape)) for n in names]
     _, jvps = mx.jvp(flat, [params[n] for n in names], tangents)
-    directional = sum(float((np.array(grads[n]) * np.array(t)).sum()) for n, t in zip(names, tangents))
+    directional = sum(float((np.array(grads[n]) * np.array(t)).sum()) for n, t in zip(names, tangents, strict=True))
     assert jvps[0].item() == pytest.approx(directional, rel=1e-6)
 
 
@@ -141,7 +142,9 @@ def test_gradient_checkpointing_gives_the_same_gradients(llama_dir: Path) -> Non
     assert v2.item() == pytest.approx(v1.item(), rel=1e-12)
     for k in g1:
         np.testing.assert_allclose(np.array(g2[k]), np.array(g1[k]), rtol=1e-9, atol=1e-14)
-    assert type(model.model.layers[0]).__call__ is not None and not hasattr(type(model.model.layers[0]), "_checkpoint_base")
+    assert type(model.model.layers[0]).__call__ is not None and not hasattr(
+        type(model.model.layers[0]), "_checkpoint_base"
+    )
 
 
 def test_qlora_trains_only_the_adapter(qllama_dir: Path) -> None:

@@ -31,7 +31,9 @@ def _ours(model, ids: list[int]) -> np.ndarray:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("quantized", [False, True])
-def test_adapter_saved_here_serves_in_mlx_lm(llama_dir: Path, qllama_dir: Path, tmp_path: Path, quantized: bool) -> None:
+def test_adapter_saved_here_serves_in_mlx_lm(
+    llama_dir: Path, qllama_dir: Path, tmp_path: Path, quantized: bool
+) -> None:
     import mlx.core as M
     import mlx_lm
 

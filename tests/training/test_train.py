@@ -74,9 +74,8 @@ def test_resume_continues_exactly(llama_dir: Path, repeat_data: Path, tmp_path: 
     with load(llama_dir) as model:  # a fresh process would look like this: no adapter yet
         tail = pymlxc.train(model, repeat_data, tmp_path / "resumed", config=config, resume=True).step_losses
     assert tail == straight[4:]
-    with pytest.raises(ValueError, match="checkpoint is at step 8"):
-        with load(llama_dir) as model:
-            pymlxc.train(model, repeat_data, tmp_path / "resumed", config=config, resume=True)
+    with pytest.raises(ValueError, match="checkpoint is at step 8"), load(llama_dir) as model:
+        pymlxc.train(model, repeat_data, tmp_path / "resumed", config=config, resume=True)
 
 
 def test_bfloat16_adapters_with_dropout_and_checkpointing_train(llama_dir: Path, repeat_data: Path,

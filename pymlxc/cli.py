@@ -115,7 +115,9 @@ def load(args: argparse.Namespace) -> Any:
     config = make_config(LoadConfig, backend=args.backend, **options)
     backend = registry.default_backend() if config.backend is None else registry.get(config.backend)
     if not backend.available():
-        raise registry.BackendUnavailableError(f"backend {backend.name!r} is unavailable: {backend.unavailable_reason()}")
+        raise registry.BackendUnavailableError(
+            f"backend {backend.name!r} is unavailable: {backend.unavailable_reason()}"
+        )
     name, args.model = args.model, str(hub.resolve(args.model, progress=not args.quiet))
     if args.quiet or "progress" not in inspect.signature(backend.load).parameters:
         return backend.load(str(args.model), config)
@@ -289,7 +291,7 @@ def load_extensions() -> list[str]:
         for info in pkgutil.iter_modules(package.__path__):
             try:
                 module = importlib.import_module(f"pymlxc.commands.{info.name}")
-                getattr(module, "register_commands")(register_command)
+                module.register_commands(register_command)
             except Exception as exc:  # noqa: BLE001 - one broken extension must not break the CLI
                 failures.append(f"pymlxc.commands.{info.name}: {type(exc).__name__}: {exc}")
     except ImportError:

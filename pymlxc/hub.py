@@ -322,8 +322,13 @@ def _tqdm_class(progress: bool) -> Any:
 
 def _download(ref: ModelReference, cache: Path, progress: bool) -> Path:
     from huggingface_hub import HfApi, snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, RepositoryNotFoundError,
-                                        RevisionNotFoundError, RevisionResolutionError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+        RevisionResolutionError,
+    )
 
     endpoint = os.environ.get("HF_ENDPOINT") or None
     token = os.environ.get("HF_TOKEN") or None  # None: huggingface_hub's own lookup (a saved login)

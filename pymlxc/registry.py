@@ -42,7 +42,9 @@ def _describe() -> str:
     parts = []
     for name in list_backends():
         backend = get(name)
-        parts.append(f"{name} (available)" if backend.available() else f"{name} (unavailable: {backend.unavailable_reason()})")
+        parts.append(
+            f"{name} (available)" if backend.available() else f"{name} (unavailable: {backend.unavailable_reason()})"
+        )
     return "; ".join(parts) or "none registered"
 
 

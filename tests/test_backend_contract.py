@@ -29,7 +29,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _load(backend: str, path: Path) -> TextModel:
     if backend == "mlx_lm":
-        return MlxLmBackend(sys.executable, response_timeout=30.0, load_timeout=120.0).load(str(path), LoadConfig(context_len=1024))
+        return MlxLmBackend(sys.executable, response_timeout=30.0, load_timeout=120.0).load(
+            str(path), LoadConfig(context_len=1024)
+        )
     return pymlxc.load_model(str(path), backend="metal", context_len=1024)
 
 
@@ -100,7 +102,7 @@ def test_streamed_texts_join_into_the_decoded_text(model: TextModel) -> None:
     assert len(tokens) == 16
     text = "".join(t.text for t in tokens)
     decoded = model.decode([t.id for t in tokens])  # type: ignore[attr-defined]
-    assert text == decoded or text == decoded[1:] and decoded.startswith(" ")
+    assert text == decoded or (text == decoded[1:] and decoded.startswith(" "))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

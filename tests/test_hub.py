@@ -347,7 +347,7 @@ class Hub:
         self.requests.append((h.command, path, h.headers.get("Authorization")))
         parts = path.strip("/").split("/")
         status, headers, data = 404, {"X-Error-Code": "RepoNotFound"}, b'{"error": "Repository not found"}'
-        if parts[:2] == ["api", "models"] and len(parts) in (4, 6) or len(parts) > 6 and parts[4] == "tree":
+        if (parts[:2] == ["api", "models"] and len(parts) in (4, 6)) or (len(parts) > 6 and parts[4] == "tree"):
             repo = "/".join(parts[2:4])
             if repo in self.repos:
                 commit, files = self.repos[repo]

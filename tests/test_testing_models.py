@@ -13,8 +13,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file
 
-from pymlxc.testing import (ARCHITECTURES, LLAMA3_ROPE_SCALING, QUANTIZE_BITS, SPECS, ArchSpec, quantize_affine, tokenizer,
-                            write_tiny_model)
+from pymlxc.testing import (
+    ARCHITECTURES,
+    LLAMA3_ROPE_SCALING,
+    QUANTIZE_BITS,
+    SPECS,
+    ArchSpec,
+    quantize_affine,
+    tokenizer,
+    write_tiny_model,
+)
 from pymlxc.testing.specs import block_weights
 from pymlxc.testing.transformer import llama_fields, tensors
 
@@ -169,7 +177,7 @@ def test_quantize_affine_matches_our_binding() -> None:
     pmx = pytest.importorskip("pymlxc.core")
     w = np.random.default_rng(7).normal(size=(5, 128)).astype(np.float32)
     ours = quantize_affine(w, 64, 3)
-    for got, want in zip(pmx.quantize(pmx.array(w), 64, 3), ours):
+    for got, want in zip(pmx.quantize(pmx.array(w), 64, 3), ours, strict=True):
         np.testing.assert_array_equal(np.asarray(got), want)
 
 
@@ -235,7 +243,7 @@ def test_tiny_models_keep_their_bytes(tmp_path: Path, arch: str, bits: int | Non
 
 
 def test_every_architecture_is_one_spec() -> None:
-    assert ARCHITECTURES == tuple(SPECS)
+    assert tuple(SPECS) == ARCHITECTURES
     assert all(name == spec.name for name, spec in SPECS.items())
 
 

@@ -158,7 +158,7 @@ def bench(model: Any, *, prompt: str, max_tokens: int, runs: int, warmup: int = 
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": "bench",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "model": info,
         "backend": type(model).__module__.split(".")[-2] if "." in type(model).__module__ else type(model).__module__,
         "device": str(mx.default_device()),
@@ -191,12 +191,17 @@ def _print_text(record: dict[str, Any]) -> None:
           + (f", {model['quant_bits']}-bit/{model['quant_group']}" if model.get("quant_bits") else ""))
     print(f"backend: {record['backend']} on {record['device']}; loaded in {record['load_seconds']:.2f} s"
           if record["load_seconds"] is not None else f"backend: {record['backend']} on {record['device']}")
-    print(f"prompt: {record['prompt_tokens']} tokens; generated {record['generated_tokens']} (max {record['max_tokens']}) "
-          f"over {record['runs']} runs")
+    print(
+        f"prompt: {record['prompt_tokens']} tokens; generated {record['generated_tokens']} "
+        f"(max {record['max_tokens']}) over {record['runs']} runs"
+    )
     print(f"prefill: {rate(record['prefill_tokens_per_sec'])}")
     print(f"decode:  {rate(record['decode_tokens_per_sec'])}")
     print(f"time to first token: {rate(record['ttft_seconds'], 'ms', 1e3)}")
-    print(f"memory: peak {record['peak_memory_bytes'] / 2**20:.1f} MB, active {record['active_memory_bytes'] / 2**20:.1f} MB")
+    print(
+        f"memory: peak {record['peak_memory_bytes'] / 2**20:.1f} MB, "
+        f"active {record['active_memory_bytes'] / 2**20:.1f} MB"
+    )
     pc = record["prompt_cache"]
     if pc.get("enabled"):
         print(f"prompt cache: hit rate {pc['hit_rate']:.2f} ({pc['hit_tokens']} tokens restored in "
@@ -205,12 +210,14 @@ def _print_text(record: dict[str, Any]) -> None:
     else:
         print("prompt cache: off")
     for name, result in record["checks"].items():
-        print(f"check {name}: {'ok' if result['ok'] else 'FAILED'}" + (f" ({result['error']})" if "error" in result else ""))
+        print(
+            f"check {name}: {'ok' if result['ok'] else 'FAILED'}"
+            + (f" ({result['error']})" if "error" in result else "")
+        )
 
 
 def _run_bench(args: argparse.Namespace) -> int:
     from pymlxc.cli import load
-
     from pymlxc.hub import resolve
 
     quiet = args.quiet

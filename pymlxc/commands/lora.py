@@ -38,7 +38,9 @@ def _configure_lora(p: argparse.ArgumentParser) -> None:
     t.add_argument("--max-seq-length", type=int, default=2048)
     t.add_argument("--no-mask-prompt", action="store_true", help="let prompt tokens count in the loss too")
     t.add_argument("--grad-checkpoint", action="store_true", help="recompute block activations in backward")
-    t.add_argument("--valid-split", type=float, default=None, help="hold out this fraction when there is no valid.jsonl")
+    t.add_argument(
+        "--valid-split", type=float, default=None, help="hold out this fraction when there is no valid.jsonl"
+    )
     t.add_argument("--steps-per-report", type=int, default=10)
     t.add_argument("--steps-per-eval", type=int, default=200)
     t.add_argument("--val-batches", type=int, default=25)
@@ -62,8 +64,11 @@ def _run_lora(args: argparse.Namespace) -> int:
         seed=args.seed, resume=args.resume, progress=not args.quiet)
     with load(args) as model:
         if not args.quiet:
-            print(f"training a LoRA adapter (rank {lora.rank}, alpha {lora.alpha:g}, keys {' '.join(lora.target_keys)}) "
-                  f"for {config.iters} steps", file=sys.stderr)
+            print(
+                f"training a LoRA adapter (rank {lora.rank}, alpha {lora.alpha:g}, keys {' '.join(lora.target_keys)}) "
+                f"for {config.iters} steps",
+                file=sys.stderr,
+            )
         result = train(model, args.data, args.adapter_path, lora=lora, config=config)
         if args.export_peft:
             model.adapter.save(args.export_peft, format="peft")

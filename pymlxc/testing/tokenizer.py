@@ -53,7 +53,8 @@ class TokenFamily:
 _LLAMA3_TEMPLATE = (
     "{{- bos_token }}\n"
     "{%- for message in messages %}\n"
-    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}\n"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}\n"
     "{%- endfor %}\n"
     "{%- if add_generation_prompt %}\n"
     "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n"

@@ -263,7 +263,7 @@ def read_tensors(reader: GGUFReader, arch: str, config: Mapping[str, Any], dtype
 
 
 def _split_gate_up(out: GGUFWeights, raw: np.ndarray, qtype: QType, shape: tuple[int, ...], target: str, name: str,
-                   cast: "_Cast | None") -> None:
+                   cast: _Cast | None) -> None:
     """llama.cpp's fused experts [E, 2 * ff, hidden] (gate rows first) -> gate_proj and up_proj."""
     if len(shape) != 3 or shape[1] % 2:
         raise TensorError(f"tensor {name!r} has shape {shape}, not [experts, 2 * ff, hidden]")

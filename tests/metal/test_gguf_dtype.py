@@ -73,7 +73,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[Path,
                 sources[arch] = write_tiny_model(root / "src" / arch, arch, seed=3, **tiny_dims(arch))  # type: ignore[arg-type]
             folder = root / f"{arch}-{qtype.name}-{len(cache)}"
             (folder / "gguf").mkdir(parents=True)
-            path = export_gguf(sources[arch], folder / "gguf" / "m.gguf", qtype, extra_types=extra, twin=folder / "twin")
+            path = export_gguf(sources[arch], folder / "gguf" / "m.gguf", qtype, extra_types=extra,
+                               twin=folder / "twin")
             cache[key] = path, folder / "twin"
         return cache[key]
 
@@ -146,7 +147,7 @@ def check_greedy(ids: list[int], twin_ids: list[int], twin: Path, dtype: str, to
                  prompt: list[int] = IDS[0]) -> None:
     """The same greedy tokens, except where the twin's own logits at a step rank its pick and the
     GGUF model's within `tol` of each other (a tie that rounding decides; the sequences part there)."""
-    for i, (a, b) in enumerate(zip(ids, twin_ids)):
+    for i, (a, b) in enumerate(zip(ids, twin_ids, strict=False)):
         if a != b:
             with load_weights_and_config(twin, dtype=dtype) as loaded:
                 last = loaded.model(mx.array([prompt + twin_ids[:i]]))[0, -1].astype(mx.float32)
@@ -191,7 +192,7 @@ def test_the_option_is_checked_by_name(bad: Any) -> None:
 def test_the_loader_checks_it_before_reading(files: Callable[..., tuple[Path, Path]]) -> None:
     path, twin = files("llama", Q.Q4_0)
     for p in (path, twin):
-        with pytest.raises(ValueError, match="dtype must be one of 'auto'.*not 'float64'"):
+        with pytest.raises(ValueError, match=r"dtype must be one of 'auto'.*not 'float64'"):
             load_weights_and_config(p, dtype="float64")
 
 

@@ -14,7 +14,7 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -236,9 +236,9 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
             return Job(sampling(body, 0, max_tokens, None), messages=messages, stop=stop), False
         from pymlxc.backends.metal.chat_template import ChatTemplateError, render_chat
 
+        template_args: dict[str, Any] = {"tools": tools} if use_tools else {}
         try:
-            text = await asyncio.to_thread(render_chat, messages, tokenizer, True,
-                                           **({"tools": tools} if use_tools else {}))
+            text = await asyncio.to_thread(render_chat, messages, tokenizer, True, **template_args)
         except (ChatTemplateError, TypeError, ValueError) as exc:
             raise ApiError(400, f"messages: {exc}", param="messages") from None
         ids = await asyncio.to_thread(tokenizer.encode, text, False)
@@ -248,7 +248,7 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
         constraint = None
         fmt = body.response_format
         try:
-            if use_tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
+            if tools is not None and use_tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
                 chosen = tools
                 if isinstance(choice, NamedToolChoice):
                     chosen = [t for t in tools if t["function"]["name"] == choice.function.name]
@@ -277,12 +277,14 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
         return tokenizer.decode([token]) if tokenizer is not None else ""
 
     def chat_logprob(piece: Piece) -> dict[str, Any]:
+        if piece.token is None:
+            raise ValueError("a logprob entry needs the piece's token")
         text = token_text(piece.token)
         return {"token": text, "logprob": piece.logprob, "bytes": list(text.encode()),
                 "top_logprobs": [{"token": token_text(t), "logprob": lp, "bytes": list(token_text(t).encode())}
                                  for t, lp in piece.top_logprobs]}
 
-    async def pieces(job: Job, request: Request) -> AsyncIterator[Piece]:
+    async def pieces(job: Job, request: Request) -> AsyncGenerator[Piece, None]:
         try:
             async with contextlib.aclosing(engine.stream(job)) as stream:
                 async for piece in stream:
@@ -292,7 +294,7 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
         except BadRequest as exc:
             raise ApiError(400, str(exc), param=exc.param, code=exc.code) from None
 
-    async def first_then(stream: AsyncIterator[Piece]) -> tuple[Piece | None, AsyncIterator[Piece]]:
+    async def first_then(stream: AsyncGenerator[Piece, None]) -> tuple[Piece | None, AsyncGenerator[Piece, None]]:
         """Start the stream before the response does, so that a full queue is a 429, not a broken stream."""
         try:
             first = await stream.__anext__()
@@ -322,7 +324,7 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
                     "choices": [choice]}
 
         if body.stream:
-            async def events() -> AsyncIterator[str]:
+            async def events() -> AsyncGenerator[str, None]:
                 count, finish = 0, "length"
                 async with contextlib.aclosing(_chain(first, stream)) as chained:
                     async for piece in chained:
@@ -370,7 +372,7 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
                                             "logprobs": {"content": logprobs} if logprobs is not None else None}]})
 
         if body.stream:
-            async def events() -> AsyncIterator[str]:
+            async def events() -> AsyncGenerator[str, None]:
                 count, finish = 0, "length"
                 held, holding = "", use_tools
                 yield chunk({"role": "assistant", "content": ""}, None)
@@ -410,7 +412,7 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
                     count += 1
                     if want_lp:
                         lps.append(chat_logprob(piece))
-        content: str | None = "".join(texts)
+        content = "".join(texts)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if use_tools:
             rest, calls = toolcalls.parse_tool_calls(content, tool_fmt)
@@ -442,7 +444,7 @@ class _BodyLimitMiddleware(BodyLimit):
             await _error(exc.status, str(exc), exc.kind, exc.param, exc.code)(scope, receive, send)
 
 
-async def _chain(first: Piece | None, rest: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
+async def _chain(first: Piece | None, rest: AsyncGenerator[Piece, None]) -> AsyncGenerator[Piece, None]:
     """`first`, then the rest; closing this closes `rest` (its generation is cancelled)."""
     try:
         if first is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -92,12 +93,24 @@ def _serve_ranks(model: Any, config: Any, args: argparse.Namespace) -> int:
         follow(model)
         return 0
     engine = RankEngine(model, max_queue=args.max_queue, context_len=getattr(model, "_context_len", None))
+
+    def stopped(signum: int, frame: object) -> None:
+        raise _Stopped  # uvicorn re-raises the SIGTERM it shut down on: end here, the other ranks told
+
+    previous = signal.signal(signal.SIGTERM, stopped)
     try:
         app = create_app(model, config, engine=engine)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    except _Stopped:
+        pass
     finally:
-        engine.close()
+        signal.signal(signal.SIGTERM, previous)
+        engine.close()  # the other ranks end with this one
     return 0
+
+
+class _Stopped(Exception):
+    """SIGTERM reached rank 0 of a distributed server."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

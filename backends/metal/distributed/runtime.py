@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import secrets
 
+import numpy as np
+
 import pymlxc.core as mx
 from pymlxc.core import MLXError
 from pymlxc.core import distributed as dist
@@ -54,4 +56,24 @@ def agree_options(options: GenerateConfig) -> GenerateConfig:
     return dataclasses.replace(options, seed=(int(agreed[0]) << 31) | int(agreed[1]))
 
 
-__all__ = ["MODES", "agree_options", "join_group"]
+def from_rank0(code: int, payload: bytes = b"", group: dist.Group | None = None) -> tuple[int, bytes]:
+    """Rank 0's (code, payload) on every rank of `group` (a collective: every rank calls it, the
+    others' arguments are ignored): the way rank 0 hands the others the work they follow. A code
+    and a length first (int32), then the bytes, as sums over the group where only rank 0 adds."""
+    group = group if group is not None else dist.init()
+    mine = group.rank() == 0
+    head = dist.all_sum(mx.array([code, len(payload)] if mine else [0, 0], mx.int32), group=group).tolist()
+    code, n = int(head[0]), int(head[1])
+    if n == 0:
+        return code, b""
+    data = mx.array(np.frombuffer(payload, np.uint8) if mine else np.zeros(n, np.uint8))
+    return code, np.asarray(dist.all_sum(data, group=group)).tobytes()
+
+
+def ranks_agreeing(flag: bool, group: dist.Group | None = None) -> int:
+    """How many ranks of `group` pass a true `flag` (a collective: every rank calls it)."""
+    group = group if group is not None else dist.init()
+    return int(dist.all_sum(mx.array([1 if flag else 0], mx.int32), group=group).tolist()[0])
+
+
+__all__ = ["MODES", "agree_options", "from_rank0", "join_group", "ranks_agreeing"]

@@ -71,6 +71,11 @@ class Settings:
     lib_dir: Path | None = field(default=None, metadata=_doc("path", (
         "The folder of libmlxc and its cdef (default: `pymlxc/_lib` of the installed package). "
         "Read when `pymlxc.core` is first imported.")))
+    cache_dir: str | None = field(default=None, metadata=_doc("path", (
+        "Where pymlxc keeps what a process would otherwise redo at every start: the binding's parsed "
+        "C declarations and the verdicts of the kernels' checks (`pymlxc/user_cache.py`). Default: "
+        "`$XDG_CACHE_HOME/pymlxc`, else `~/.cache/pymlxc`; `off` keeps nothing. Read when "
+        "`pymlxc.core` is first imported.")))
     mlx_lm_python: str | None = field(default=None, metadata=_doc("path", (
         "The Python that runs the mlx_lm backend's worker (default: this interpreter), for an "
         "mlx-lm installed in another environment.")))

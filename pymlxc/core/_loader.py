@@ -10,13 +10,16 @@ import importlib.util
 import json
 import re
 import sys
+import tempfile
 import threading
+import types
 from pathlib import Path
 from typing import Any
 
+import _cffi_backend
 import cffi
 
-from .. import settings
+from .. import settings, user_cache
 
 REBUILD_HINT = "python build_mlxc.py --force   (or reinstall: pip install --no-build-isolation -e .)"
 
@@ -70,12 +73,48 @@ def _preload_libmlx(stamp: dict[str, Any]) -> None:
     raise LibraryNotBuiltError(f"{name} not found under {', '.join(map(str, prefixes))}")
 
 
-def _open() -> tuple[cffi.FFI, Any, dict[str, Any], dict[str, Any], Path]:
+def declared_ffi(cdef: str, name: str, store: user_cache.Store | None = None) -> Any:
+    """An FFI with `cdef` declared, in cffi's out-of-line ABI mode: cffi writes the parsed
+    declarations as a Python module, kept in the user cache (`user_cache.py`) under a key of the
+    declarations, cffi's and Python's versions, so that later processes skip parsing them (about
+    0.1 s for mlx-c's). A cache that is off, unwritable or holds a bad entry costs the parse, never
+    an error; every process gets the same kind of FFI either way."""
+    store = store if store is not None else user_cache.Store("cffi")
+    key = {"name": name, "cdef_sha256": user_cache.digest(cdef), "cffi": cffi.__version__,
+           "cffi_backend": _cffi_backend.__version__, "python": list(sys.version_info[:2])}
+    module_name = f"_pymlxc_{name}_ffi"
+    entry = store.get(key)
+    if isinstance(entry, dict) and isinstance(entry.get("source"), str):
+        try:
+            return _exec_ffi_module(module_name, entry["source"])
+        except Exception:  # noqa: BLE001 - a bad entry (checksum-valid but not loadable): rebuilt below
+            pass
+    builder = cffi.FFI()
+    builder.set_source(module_name, None)  # None: ABI mode, no C compiler involved
+    builder.cdef(cdef)
+    with tempfile.TemporaryDirectory(prefix="pymlxc-cffi-") as tmp:
+        out = Path(tmp) / f"{module_name}.py"
+        builder.emit_python_code(str(out))
+        source = out.read_text()
+    ffi = _exec_ffi_module(module_name, source)
+    store.put(key, {"source": source})
+    return ffi
+
+
+def _exec_ffi_module(module_name: str, source: str) -> Any:
+    module = types.ModuleType(module_name)
+    exec(compile(source, f"<pymlxc cached {module_name}>", "exec"), module.__dict__)  # noqa: S102 - checksummed
+    ffi = module.__dict__.get("ffi")
+    if not isinstance(ffi, _cffi_backend.FFI):
+        raise TypeError(f"{module_name} defines no FFI")
+    return ffi
+
+
+def _open() -> tuple[Any, Any, dict[str, Any], dict[str, Any], Path]:
     lib_dir = _lib_dir()
     stamp = _read_stamp(lib_dir)
     _preload_libmlx(stamp)
-    ffi = cffi.FFI()
-    ffi.cdef((lib_dir / "cdef.h").read_text())
+    ffi = declared_ffi((lib_dir / "cdef.h").read_text(), "mlxc")
     lib_path = lib_dir / stamp["library"]
     try:
         lib = ffi.dlopen(str(lib_path))
@@ -127,8 +166,7 @@ def _fast_cdef(signatures: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-fast_ffi = cffi.FFI()
-fast_ffi.cdef(_fast_cdef(SIGNATURES))
+fast_ffi = declared_ffi(_fast_cdef(SIGNATURES), "mlxc_fast")
 fast = fast_ffi.dlopen(str(_LIB_PATH))
 
 # In ABI mode cffi resolves `lib.<name>` lazily, under its own non-reentrant lock. A destructor run by
@@ -139,11 +177,10 @@ for _library in (lib, fast):
         getattr(_library, _name)
 del _name, _library
 
-# `ffi.new(ctype, init)` and `ffi.gc(cdata, destructor)` are Python methods around these two builtins
-# of cffi's backend; the per-op paths call the builtins directly (a Python frame less each, about a
-# fifth of an op's cost). They take a ctype object (`ffi.typeof(...)`), never a string.
-new_cdata: Any = getattr(ffi._backend, "newp", ffi.new)
-gc_cdata: Any = getattr(ffi._backend, "gcp", ffi.gc)
+# The per-op paths call these with a ctype object (`ffi.typeof(...)`), never a string. The
+# out-of-line FFI's `new` and `gc` are builtins already (no Python frame, unlike in-line mode's).
+new_cdata: Any = ffi.new
+gc_cdata: Any = ffi.gc
 
 # ---------------------------------------------------------------------------- errors
 # mlx-c's default handler calls exit(); ours keeps the message for the calling thread, and the
@@ -151,7 +188,7 @@ gc_cdata: Any = getattr(ffi._backend, "gcp", ffi.gc)
 error_state = threading.local()
 
 
-@ffi.callback("void(const char *, void *)")
+@ffi.callback("void(*)(const char *, void *)")
 def _error_handler(msg: Any, _data: Any) -> None:
     try:
         error_state.message = ffi.string(msg).decode("utf-8", "replace") if msg != ffi.NULL else "unknown MLX error"

@@ -71,7 +71,7 @@ _pending = threading.local()
 _alive: dict[int, Any] = {}
 
 
-@ffi.callback("int(mlx_vector_array *, const mlx_vector_array, void *)")
+@ffi.callback("int(*)(mlx_vector_array *, const mlx_vector_array, void *)")
 def _trampoline(res: Any, inputs: Any, payload: Any) -> int:
     try:
         fn = ffi.from_handle(payload)
@@ -85,7 +85,7 @@ def _trampoline(res: Any, inputs: Any, payload: Any) -> int:
         return 1
 
 
-@ffi.callback("void(void *)")
+@ffi.callback("void(*)(void *)")
 def _release(payload: Any) -> None:
     _alive.pop(int(ffi.cast("uintptr_t", payload)), None)
 

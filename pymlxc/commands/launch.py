@@ -21,7 +21,8 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace", type=float, default=10.0,
                    help="seconds the other ranks get to end on their own after one fails")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
-                   help="the pymlxc command every rank runs, e.g. -- generate MODEL 'Hello'")
+                   help="the pymlxc command every rank runs, e.g. -- generate MODEL 'Hello', or -- serve MODEL "
+                        "(rank 0 serves HTTP, the others follow)")
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 
 import _cffi_backend
 import cffi
+from cffi.recompiler import make_py_source
 
 from .. import settings, user_cache
 
@@ -90,11 +91,12 @@ def declared_ffi(cdef: str, name: str, store: user_cache.Store | None = None) ->
         except Exception:  # noqa: BLE001 - a bad entry (checksum-valid but not loadable): rebuilt below
             pass
     builder = cffi.FFI()
-    builder.set_source(module_name, None)  # None: ABI mode, no C compiler involved
     builder.cdef(cdef)
     with tempfile.TemporaryDirectory(prefix="pymlxc-cffi-") as tmp:
         out = Path(tmp) / f"{module_name}.py"
-        builder.emit_python_code(str(out))
+        # What `emit_python_code` runs, without its "generating ..." line on stdout (the bridge's
+        # worker speaks JSON Lines there).
+        make_py_source(builder, module_name, str(out), verbose=False)
         source = out.read_text()
     ffi = _exec_ffi_module(module_name, source)
     store.put(key, {"source": source})

@@ -198,11 +198,7 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
         return ids
 
     async def completion_job(body: CompletionRequest) -> Job:
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise ApiError(400, "prompt: one prompt per request", param="prompt")
-            prompt = prompt[0]
+        prompt = _one_prompt(body.prompt)
         stop = body.stop_strings()
         if tokenizer is None:
             if not isinstance(prompt, str):
@@ -215,7 +211,7 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
                 raise ApiError(400, "prompt is empty", param="prompt")
             ids = await asyncio.to_thread(tokenizer.encode, prompt)
         else:
-            ids = encode_ids(list(prompt), "prompt")
+            ids = encode_ids(prompt, "prompt")
         return Job(sampling(body, len(ids), body.max_tokens, body.logprobs), prompt_ids=ids, stop=stop)
 
     async def chat_job(body: ChatRequest) -> tuple[Job, bool]:
@@ -444,6 +440,18 @@ class _BodyLimitMiddleware(BodyLimit):
             await _error(exc.status, str(exc), exc.kind, exc.param, exc.code)(scope, receive, send)
 
 
+def _one_prompt(prompt: str | list[int] | list[str]) -> str | list[int]:
+    """A completion request's prompt: a string, token ids, or a list of one string."""
+    if isinstance(prompt, str):
+        return prompt
+    ids = [t for t in prompt if isinstance(t, int)]
+    if len(ids) == len(prompt):
+        return ids
+    if len(prompt) != 1:
+        raise ApiError(400, "prompt: one prompt per request", param="prompt")
+    return str(prompt[0])
+
+
 async def _chain(first: Piece | None, rest: AsyncGenerator[Piece, None]) -> AsyncGenerator[Piece, None]:
     """`first`, then the rest; closing this closes `rest` (its generation is cancelled)."""
     try:
@@ -456,7 +464,7 @@ async def _chain(first: Piece | None, rest: AsyncGenerator[Piece, None]) -> Asyn
             if piece.finish is not None:
                 return
     finally:
-        await rest.aclose()  # type: ignore[attr-defined]
+        await rest.aclose()
 
 
 Handler = Callable[[Request], Awaitable[Any]]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,7 +101,7 @@ class BatchEngine:
 
         return {**self.scheduler.stats(), "active_memory_bytes": mx.get_active_memory()}
 
-    async def stream(self, job: Job) -> AsyncIterator[Piece]:
+    async def stream(self, job: Job) -> AsyncGenerator[Piece, None]:
         assert job.prompt_ids is not None
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[batching.Event] = asyncio.Queue()
@@ -152,7 +152,7 @@ class SlotEngine:
     def stats(self) -> dict[str, int]:
         return {"running": self._inflight}
 
-    async def stream(self, job: Job) -> AsyncIterator[Piece]:
+    async def stream(self, job: Job) -> AsyncGenerator[Piece, None]:
         with self._lock:
             if self._inflight >= self.limit:
                 raise QueueFull(f"{self._inflight} requests are running or waiting already")

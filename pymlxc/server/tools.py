@@ -107,16 +107,16 @@ def parse_tool_calls(text: str, fmt: str) -> tuple[str, list[ToolCall]]:
         except json.JSONDecodeError:
             return text, []
         items = items if isinstance(items, list) else [items]
-        calls = [_from_object(i) for i in items]
-        return ("", [c for c in calls if c is not None]) if calls and all(calls) else (text, [])
+        parsed = [_from_object(i) for i in items]
+        return ("", [c for c in parsed if c is not None]) if parsed and all(parsed) else (text, [])
     body = stripped.removeprefix("<|python_tag|>").strip()
     try:
         obj = json.loads(body)
     except json.JSONDecodeError:
         return text, []
     items = obj if isinstance(obj, list) else [obj]
-    calls = [_from_object(i) for i in items]
-    return ("", [c for c in calls if c is not None]) if calls and all(calls) else (text, [])
+    parsed = [_from_object(i) for i in items]
+    return ("", [c for c in parsed if c is not None]) if parsed and all(parsed) else (text, [])
 
 
 def may_be_tool_call(text: str, fmt: str) -> bool:

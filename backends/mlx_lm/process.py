@@ -22,7 +22,6 @@ log = logging.getLogger("pymlxc.mlx_lm.worker")
 
 BRIDGE_DIR = Path(P.__file__).resolve().parent  # run as `python <dir>`: works where pymlxc is not installed
 STDERR_LINES = 40
-_DEAD = object()  # what the stdout queue yields once the worker's stdout closes
 
 
 class WorkerProcess:
@@ -34,7 +33,8 @@ class WorkerProcess:
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.python = python
         self._stderr: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
-        self._lines: queue.Queue[Any] = queue.Queue()
+        # Reply lines, a WorkerError per line outside the protocol, and None once stdout closes.
+        self._lines: queue.Queue[dict[str, Any] | WorkerError | None] = queue.Queue()
         try:
             self._proc = subprocess.Popen(
                 [python, str(BRIDGE_DIR), *extra_args],
@@ -87,7 +87,7 @@ class WorkerProcess:
         except (OSError, ValueError):
             pass
         finally:
-            self._lines.put(_DEAD)
+            self._lines.put(None)
 
     def _read_stderr(self, stream: IO[bytes]) -> None:
         try:
@@ -119,8 +119,8 @@ class WorkerProcess:
             item = self._lines.get(timeout=timeout)
         except queue.Empty:
             return None
-        if item is _DEAD:
-            self._lines.put(_DEAD)  # later calls see the same death
+        if item is None:
+            self._lines.put(None)  # later calls see the same death
             raise self._died(doing)
         if isinstance(item, WorkerError):
             raise item

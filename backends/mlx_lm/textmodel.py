@@ -23,7 +23,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -292,7 +292,7 @@ class MlxLmModel:
         one GenerateConfig both backends validate with, before anything reaches a worker), reset err()."""
         if self._closed:
             raise ModelClosedError("the model is closed")
-        cfg = make_config(GenerateConfig, **(config or {}))
+        cfg: GenerateConfig = make_config(GenerateConfig, **(config or {}))
         self._set_err(None)
         return cfg
 
@@ -335,7 +335,7 @@ class MlxLmModel:
 
     def _exchange(
         self, cmd: str, args: dict[str, Any], stop: _Stop, stopped: list[BaseException]
-    ) -> Iterator[dict[str, Any]]:
+    ) -> Generator[dict[str, Any], None, None]:
         """Send one request on a free worker; yield its reply lines up to and including the terminal one.
 
         When the call must stop early, a `cancel` is sent, the reason is appended to `stopped`, and the

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 import mlx_lm
 import numpy as np
+from mlx.nn.layers.embedding import Embedding  # the defining modules: mlx.nn re-exports them implicitly
+from mlx.nn.layers.quantized import QuantizedEmbedding
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
@@ -51,6 +52,10 @@ def _b64(a: Any) -> str:
     return base64.b64encode(np.asarray(a[0].astype(mx.float32), dtype="<f4").tobytes()).decode("ascii")
 
 
+# The function each mlx-lm model module imports and calls; patched by name on modules typed as ModuleType.
+_SDPA = "scaled_dot_product_attention"
+
+
 class _recording_queries:
     """Within the block, mlx-lm's attention calls append their queries (after RoPE, before the scale)
     to `sink`: each loaded mlx-lm model module's `scaled_dot_product_attention` is wrapped, and put
@@ -66,7 +71,7 @@ class _recording_queries:
         sink = self.sink
         for name, module in list(sys.modules.items()):
             original = (
-                getattr(module, "scaled_dot_product_attention", None) if name.startswith("mlx_lm.models.") else None
+                getattr(module, _SDPA, None) if name.startswith("mlx_lm.models.") else None
             )
             if original is None:
                 continue
@@ -76,17 +81,17 @@ class _recording_queries:
                 return _original(queries, *args, **kwargs)
 
             self.patched.append((module, original))
-            module.scaled_dot_product_attention = recording
+            setattr(module, _SDPA, recording)
 
     def __exit__(self, *exc: object) -> None:
         for module, original in self.patched:
-            module.scaled_dot_product_attention = original
+            setattr(module, _SDPA, original)
         self.patched.clear()
 
 
 def _embedding_rows(model: Any) -> int | None:
     """Rows of the model's token embedding: the ids it can look up (a gather past them reads out of bounds)."""
-    found = [(name, m) for name, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))]
+    found = [(name, m) for name, m in model.named_modules() if isinstance(m, (Embedding, QuantizedEmbedding))]
     found.sort(key=lambda item: (not item[0].endswith("embed_tokens"), len(item[0])))
     return int(found[0][1].weight.shape[0]) if found else None
 
@@ -111,11 +116,16 @@ class Engine:
         if device == "cpu":
             mx.set_default_device(mx.cpu)
         try:
-            self.model, self.tokenizer, self.config = mlx_lm.load(
+            loaded = mlx_lm.load(
                 path, adapter_path=adapter_path, return_config=True,
                 tokenizer_config={"trust_remote_code": False}, trust_remote_code=False)
         except Exception as e:  # mlx-lm raises several kinds (ValueError, KeyError, FileNotFoundError...)
             raise CommandError("load_failed", f"mlx-lm could not load {path!r}: {type(e).__name__}: {e}") from e
+        if len(loaded) != 3:  # its annotation allows two results; return_config=True asks for three
+            raise CommandError(
+                "load_failed", f"mlx-lm's load returned {len(loaded)} values, not (model, tokenizer, config)"
+            )
+        self.model, self.tokenizer, self.config = loaded
         self.path, self.adapter_path, self.context_len = path, adapter_path, context_len
         # Ids are checked against the embedding's rows: the config's vocab_size may say otherwise.
         rows = _embedding_rows(self.model)
@@ -196,7 +206,9 @@ class Engine:
     def chat_tokens(self, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None) -> list[int]:
         if not self.tokenizer.has_chat_template:
             raise CommandError("no_chat_template", "the model's tokenizer has no chat template")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(template_kwargs or {}))
+        ids = self.tokenizer.apply_chat_template(  # type: ignore[no-untyped-call]  # unannotated in mlx-lm
+            messages, add_generation_prompt=True, **(template_kwargs or {})
+        )
         return self.check_tokens(list(ids), "chat")
 
     # ---- sampling -------------------------------------------------------------------------------
@@ -373,7 +385,7 @@ class Engine:
                 while len(finish) < len(prompts):
                     if cancelled():
                         break
-                    responses = gen.next_generated()
+                    responses = gen.next_generated()  # type: ignore[no-untyped-call]  # unannotated in mlx-lm
                     if not responses:
                         break
                     for r in responses:
@@ -382,7 +394,7 @@ class Engine:
                         if r.finish_reason is not None:
                             finish[i] = r.finish_reason
         finally:
-            gen.close()
+            gen.close()  # type: ignore[no-untyped-call]  # unannotated in mlx-lm
         for i in range(len(prompts)):
             finish.setdefault(i, "cancelled")
         metrics = {

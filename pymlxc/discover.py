@@ -30,7 +30,8 @@ def _safetensors_model(path: Path, files: list[str]) -> DiscoveredModel | None:
     # Bounded, regular files only: a FIFO or a link to /dev/zero named config.json is skipped.
     config = read_json(path / "config.json", what="config file")
     quant = config.get("quantization") or config.get("quantization_config") or {}
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    text = config.get("text_config")
+    text = text if isinstance(text, dict) else {}
     model_type = config.get("model_type") or text.get("model_type")
     return DiscoveredModel(
         path=path,
@@ -45,9 +46,9 @@ def _safetensors_model(path: Path, files: list[str]) -> DiscoveredModel | None:
 def _describe_gguf(file: Path) -> tuple[str | None, int, int]:
     check_regular_file(file, what="GGUF file")  # its reader opens it by name
     try:
-        from .backends.metal.gguf import describe_gguf  # type: ignore[import-not-found]
+        from .backends.metal.gguf import describe_gguf
 
-        return describe_gguf(file)  # type: ignore[no-any-return]
+        return describe_gguf(file)
     except ImportError:
         return None, 0, 0
 

@@ -17,7 +17,7 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 MiB = 1 << 20
 JSON_LIMIT = 64 * MiB  # config.json & co. are kilobytes; an index of a huge checkpoint a few MB
@@ -99,6 +99,12 @@ def read_text(path: str | os.PathLike[str], *, what: str = "file", max_bytes: in
         raise error(f"{path}: not UTF-8 text: {exc}") from exc
 
 
+@overload
+def read_json(path: str | os.PathLike[str], *, what: str = ..., max_bytes: int = ...,
+              error: type[Exception] = ..., expect_object: Literal[True] = ...) -> dict[str, Any]: ...
+@overload
+def read_json(path: str | os.PathLike[str], *, what: str = ..., max_bytes: int = ...,
+              error: type[Exception] = ..., expect_object: bool) -> Any: ...
 def read_json(path: str | os.PathLike[str], *, what: str = "file", max_bytes: int = JSON_LIMIT,
               error: type[Exception] = FileFormatError, expect_object: bool = True) -> Any:
     """The JSON value of the regular file at `path` (an object unless `expect_object` is False).

@@ -123,7 +123,7 @@ def parse_reference(text: str) -> ModelReference:
     """Split and check `org/name[@revision][:pattern]` (or `org/name:pattern@revision`) with
     huggingface_hub's repo id validator; raises `HubReferenceError` naming the bad part."""
     from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
+    from huggingface_hub.utils import validate_repo_id  # type: ignore[attr-defined]  # a lazy export
 
     # Repo ids, revisions (git refs) and patterns cannot hold ':'; repo ids and patterns cannot hold '@'.
     head, colon, pattern = text.partition(":")
@@ -297,13 +297,10 @@ def _read_ref(path: Path) -> str:
 
 def _transport_errors() -> tuple[type[BaseException], ...]:
     """What huggingface_hub raises when the Hub cannot be reached (it catches the same ones)."""
-    from huggingface_hub.utils import OfflineModeIsEnabled
+    import httpx2  # huggingface_hub's HTTP client since 2.0 (the dependency's floor is 2.4)
+    from huggingface_hub.errors import OfflineModeIsEnabled
 
-    try:
-        import httpx2 as http  # huggingface_hub >= 2
-    except ImportError:  # pragma: no cover - older huggingface_hub on httpx
-        import httpx as http  # type: ignore[no-redef]
-    return (http.TransportError, OfflineModeIsEnabled)
+    return (httpx2.TransportError, OfflineModeIsEnabled)
 
 
 def _tqdm_class(progress: bool) -> Any:
@@ -312,10 +309,10 @@ def _tqdm_class(progress: bool) -> Any:
     if progress:
         return hf_tqdm
 
-    class Silent(hf_tqdm):  # type: ignore[misc, valid-type]
+    class Silent(hf_tqdm):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             kwargs["disable"] = True
-            super().__init__(*args, **kwargs)
+            super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]  # huggingface_hub's is unannotated
 
     return Silent
 

@@ -311,11 +311,12 @@ def _run(model: Any, data: str | Path, adapter: Any, adapter_dir: Path, resume_s
             result.steps = step
             r: TrainReport | None = None
             if step % config.steps_per_report == 0 or step == config.iters:
-                r = TrainReport(step, train_loss=window_loss / window_steps,
+                train_loss = window_loss / window_steps
+                r = TrainReport(step, train_loss=train_loss,
                                 learning_rate=trainer.optimizer.lr_at(step),
                                 tokens_per_sec=window_tokens / max(window_seconds, 1e-9),
                                 trained_tokens=result.trained_tokens, peak_memory=mx.get_peak_memory())
-                result.train_losses.append((step, r.train_loss))
+                result.train_losses.append((step, train_loss))
                 window_loss, window_tokens, window_steps, window_seconds = 0.0, 0, 0, 0.0
             if valid_set and (step % config.steps_per_eval == 0 or step == config.iters):
                 adapter.set_training(False)

@@ -169,6 +169,10 @@ def test_bad_datasets_through_train(llama_dir: Path, tmp_path: Path) -> None:
             pymlxc.train(model, data, tmp_path / "ad", iters=1, progress=False)
         with pytest.raises(FileNotFoundError, match="cannot resume"):
             pymlxc.train(model, data, tmp_path / "nothing", iters=1, resume=True, progress=False)
+        (tmp_path / "listed").mkdir()
+        (tmp_path / "listed" / "training_state.json").write_text("[1, 2]")
+        with pytest.raises(ValueError, match=r"listed/training_state\.json: expected a JSON object, got list"):
+            pymlxc.train(model, data, tmp_path / "listed", iters=1, resume=True, progress=False)
         with pytest.raises(TypeError, match=r"unexpected keyword|got an unexpected"):
             pymlxc.train(model, data, tmp_path / "ad", iterations=1)
 

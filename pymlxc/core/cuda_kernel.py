@@ -12,6 +12,7 @@ CUDA raises an MLXError (MLX's own message), never crashes.
 """
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +32,14 @@ def _strings(values: Sequence[str]) -> Any:
     return vec
 
 
+def mlx_kernel_name(name: str, source: str, header: str = "") -> str:
+    """The name MLX gets for a kernel: `name` and a hash of its source. MLX keeps a kernel's
+    compiled PTX on disk (MLX_PTX_CACHE_DIR, else /tmp/mlx/<version>/ptx) under its name and
+    template arguments alone and loads it back by that name in later processes; with the source in
+    the name, an edited kernel is compiled again instead of running the old binary."""
+    return f"{name}_{hashlib.sha256((header + chr(0) + source).encode()).hexdigest()[:16]}"
+
+
 class CudaKernel:
     """A named kernel body with its input and output names; call it to apply it to arrays."""
 
@@ -43,11 +52,12 @@ class CudaKernel:
             if not n.isidentifier():
                 raise ValueError(f"kernel argument name {n!r} is not an identifier")
         self.name = name
+        self.mlx_name = mlx_kernel_name(name, source, header)
         self.input_names = tuple(input_names)
         self.output_names = tuple(output_names)
         ins, outs = _strings(self.input_names), _strings(self.output_names)
         try:
-            self._h = lib.mlx_fast_cuda_kernel_new(name.encode(), ins, outs, source.encode(), header.encode(),
+            self._h = lib.mlx_fast_cuda_kernel_new(self.mlx_name.encode(), ins, outs, source.encode(), header.encode(),
                                                    bool(ensure_row_contiguous), int(shared_memory))
         finally:
             lib.mlx_vector_string_free(ins)

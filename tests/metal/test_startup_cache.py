@@ -279,3 +279,15 @@ def test_binding_imports_from_a_fresh_warm_corrupt_or_unwritable_cache(tmp_path:
     assert unwritable.returncode == 0 and unwritable.stdout.strip() == "9.0" and not unwritable.stderr
     off = _run("off")
     assert off.returncode == 0 and off.stdout.strip() == "9.0" and not off.stderr
+
+
+def test_cuda_kernel_names_carry_their_source() -> None:
+    """MLX's on-disk PTX cache is keyed on the name it is given: pymlxc's names include the source."""
+    from pymlxc.core.cuda_kernel import mlx_kernel_name
+
+    body = "out[0] = inp[0];"
+    a = mlx_kernel_name("copy_one", body)
+    assert a.startswith("copy_one_") and a.isidentifier() and a == mlx_kernel_name("copy_one", body)
+    assert len({a, mlx_kernel_name("copy_one", body + " // edited"),
+                mlx_kernel_name("copy_one", body, header="#define X 1"),
+                mlx_kernel_name("copy_one", "", header=body)}) == 4

@@ -251,12 +251,15 @@ def timed_run(side: Side, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     tokens: list[int] = []
     start = time.perf_counter()
     first = None
+    cpu_first = 0.0
     stream = side.stream(prompt, max_tokens)
     for token in stream:
         if first is None:
             first = time.perf_counter()
+            cpu_first = time.process_time()
         tokens.append(token)
     end = time.perf_counter()
+    cpu_end = time.process_time()
     peak = mlx.get_peak_memory()
     first = first if first is not None else end
     decode_s = end - first
@@ -265,6 +268,9 @@ def timed_run(side: Side, prompt: list[int], max_tokens: int) -> dict[str, Any]:
         "prefill_tps": len(prompt) / (first - start),
         "decode_tps": (len(tokens) - 1) / decode_s if decode_s > 0 and len(tokens) > 1 else 0.0,
         "generated": len(tokens),
+        # The process's CPU time per decoded token, all threads: on a shared machine it moves less
+        # than the wall clock (time other processes hold the cores is not counted).
+        "decode_cpu_ms": 1e3 * (cpu_end - cpu_first) / (len(tokens) - 1) if len(tokens) > 1 else 0.0,
         # The run's transient peak above what was resident (both models), plus this side's weights.
         "peak_memory_bytes": max(peak - active, 0) + side.weights,
         "tokens": tokens,
@@ -370,6 +376,7 @@ def run_case(shape: str, quant: str, args: argparse.Namespace, sides: list[Side]
                 "prefill_tps": summary([x["prefill_tps"] for x in rs]),
                 "decode_tps": decode,
                 "ttft_s": summary([x["ttft_s"] for x in rs]),
+                "decode_cpu_ms": summary([x["decode_cpu_ms"] for x in rs]),
                 "peak_memory_bytes": summary([float(x["peak_memory_bytes"]) for x in rs]),
                 "generated": rs[0]["generated"],
                 "bandwidth_fraction": decode["median"] * per_token / bandwidth if bandwidth else None,
@@ -389,6 +396,8 @@ def run_case(shape: str, quant: str, args: argparse.Namespace, sides: list[Side]
             "prefill": ours["prefill_tps"]["median"] / theirs["prefill_tps"]["median"],
             "peak_memory": ours["peak_memory_bytes"]["median"] / theirs["peak_memory_bytes"]["median"],
             "load": ours["load_s"]["median"] / theirs["load_s"]["median"],
+            # CPU time per token, theirs over ours (above 1: pymlxc spends less).
+            "decode_cpu": theirs["decode_cpu_ms"]["median"] / max(ours["decode_cpu_ms"]["median"], 1e-9),
         }
         for name in case["sides"]:
             if name.startswith("pymlxc_") and name != "pymlxc_uncompiled":  # a variant: its own ratios
@@ -415,16 +424,19 @@ def _gb(n: float) -> str:
 
 
 def print_case(case: dict[str, Any], names: list[str]) -> None:
-    print(f"    {'side':<18} {'prefill tok/s':>13} {'decode tok/s':>12} {'ttft ms':>8} {'peak':>7} {'load s':>7} {'bw frac':>7}")
+    print(f"    {'side':<18} {'prefill tok/s':>13} {'decode tok/s':>12} {'cpu ms/tok':>10} {'ttft ms':>8} {'peak':>7} "
+          f"{'load s':>7} {'bw frac':>7}")
     for name in names:
         s = case["sides"][name]
         bw = s["bandwidth_fraction"]
-        print(f"    {name:<18} {s['prefill_tps']['median']:>13.1f} {s['decode_tps']['median']:>12.1f} "
+        cpu = s.get("decode_cpu_ms", {}).get("median", float("nan"))
+        print(f"    {name:<18} {s['prefill_tps']['median']:>13.1f} {s['decode_tps']['median']:>12.1f} {cpu:>10.2f} "
               f"{1e3 * s['ttft_s']['median']:>8.1f} {_gb(s['peak_memory_bytes']['median']):>7} "
               f"{s['load_s']['median']:>7.2f} {bw if bw is None else f'{bw:.3f}':>7}")
     r = case["ratio"]
     print(f"    ratio pymlxc/mlx-lm: decode {r['decode']:.2f}x, prefill {r['prefill']:.2f}x, "
-          f"peak memory {r['peak_memory']:.3f}, load {r['load']:.2f}; tokens agree for {case['tokens_agree']}"
+          f"peak memory {r['peak_memory']:.3f}, load {r['load']:.2f}, decode CPU time {r.get('decode_cpu', 0):.2f}x; "
+          f"tokens agree for {case['tokens_agree']}"
           f"/{case['sides']['pymlxc']['generated']}", flush=True)
     for key, r in case.items():
         if key.startswith("ratio_"):

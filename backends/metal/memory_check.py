@@ -89,12 +89,15 @@ def device_memory() -> int:
 
 # ---------------------------------------------------------------------- what a model's caches hold
 
-def _out_dtype(linear: Any) -> Any:
+def _out_dtype(linear: Any, compute: Any = None) -> Any:
     """The dtype of a projection's output: a quantized layer's scales, else its weight (through
-    a LoRA wrapper's `linear`)."""
+    a LoRA wrapper's `linear`); for a layer of raw GGUF blocks (uint8), the model's compute dtype."""
     while hasattr(linear, "linear"):
         linear = linear.linear
-    return getattr(linear, "scales", linear.weight).dtype
+    dtype = getattr(linear, "scales", linear.weight).dtype
+    if dtype == mx.uint8:
+        return compute if compute is not None else mx.float32
+    return dtype
 
 
 @dataclass(frozen=True)
@@ -111,11 +114,11 @@ class LayerShape:
     state_bytes: int = 0
 
 
-def _linear_shape(attn: Any) -> LayerShape:
+def _linear_shape(attn: Any, compute: Any = None) -> LayerShape:
     """A Gated DeltaNet layer's cache per row: (K - 1) inputs of the convolution in the projection's
     dtype, and the float32 state [Hv, Dv, Dk]."""
     qkv = attn.in_proj_qkv if "in_proj_qkv" in vars(attn) else attn.in_proj_qkvz
-    conv = (attn.conv_kernel_size - 1) * attn.conv_dim * _out_dtype(qkv).size
+    conv = (attn.conv_kernel_size - 1) * attn.conv_dim * _out_dtype(qkv, compute).size
     return LayerShape(0, 0, 0, 0, 4, conv + attn.num_v_heads * attn.head_v_dim * attn.head_k_dim * 4)
 
 
@@ -125,14 +128,15 @@ def layer_shapes(model: Any, cache: Sequence[Any]) -> list[LayerShape] | None:
     layers = getattr(model, "layers", None)
     if not isinstance(layers, (list, tuple)) or len(layers) < len(cache):
         return None
+    compute = getattr(model, "compute_dtype", None)
     out = []
     for layer, _ in zip(layers, cache):
         attn = getattr(layer, "self_attn", None)
         try:
             if attn is None and getattr(layer, "linear_attn", None) is not None:
-                out.append(_linear_shape(layer.linear_attn))
+                out.append(_linear_shape(layer.linear_attn, compute))
                 continue
-            itemsize = _out_dtype(attn.k_proj).size
+            itemsize = _out_dtype(attn.k_proj, compute).size
             out.append(LayerShape(2 * attn.n_kv_heads * attn.head_dim * itemsize, attn.n_heads, attn.n_kv_heads,
                                   attn.head_dim, itemsize))
         except AttributeError:

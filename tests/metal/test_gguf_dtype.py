@@ -323,3 +323,20 @@ def test_the_4bit_matvec_kernel_takes_the_repacked_layers_in_float16(
                 takes = kernel_choice.kernel_takes(x, m.weight, m.scales, m.biases, m.group_size, m.bits)
                 assert m.group_size == 32
                 assert takes == (m.bits == 4 and dtype == "auto"), name
+
+
+def test_the_memory_estimate_of_block_projections_counts_the_compute_dtype(
+        files: Callable[..., tuple[Path, Path]]) -> None:
+    # Q6_K k/v projections hold raw uint8 blocks: the keys and values they write are in the
+    # model's compute dtype (2 bytes in float16), which is what the memory check must count.
+    from pymlxc.backends.metal import memory_check
+
+    path, _ = files("llama", Q.Q6_K)
+    with load_weights_and_config(path) as loaded:
+        model = loaded.model
+        assert model.compute_dtype == mx.float16
+        cache = model.make_cache(None)
+        shapes = memory_check.layer_shapes(model, cache)
+        assert shapes is not None and all(s.itemsize == 2 for s in shapes)
+        list(loops.generate_ids(model, IDS[0], cache=cache, sampler=greedy, max_tokens=3))
+        assert all(c.keys.dtype == mx.float16 for c in cache)

@@ -14,6 +14,7 @@ ids, such as logprobs and constrained output, are refused with a 400).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import queue
@@ -111,10 +112,8 @@ class RankEngine:
         items: asyncio.Queue[Any] = asyncio.Queue()
 
         def put(item: Any) -> None:
-            try:
+            with contextlib.suppress(RuntimeError):  # the event loop is gone (shutting down)
                 loop.call_soon_threadsafe(items.put_nowait, item)
-            except RuntimeError:  # the event loop is gone (shutting down)
-                pass
 
         work = _Work(_call_of(job), put)
         try:
@@ -174,10 +173,8 @@ class RankEngine:
                 from_rank0(END)
         except Exception as exc:  # noqa: BLE001 - the client hears it; the ranks cannot go on
             work.put(exc)
-            try:
+            with contextlib.suppress(Exception):  # a peer already gone: ending is all that is left
                 from_rank0(FAILED)
-            except Exception:  # noqa: BLE001, S110 - a peer already gone: ending is all that is left
-                pass
             _fatal(0, f"a call failed: {type(exc).__name__}: {exc}")
         work.put(count)
 

@@ -1,7 +1,8 @@
 """GGUF files split over 2 ranks after loading: the block layers (Q2_K, Q3_K, Q6_K) by whole rows
 (column parallel) and whole blocks (row parallel), the types repacked as MLX affine layers (Q4_0,
-Q4_K, ...) at group boundaries, experts alike, and pipeline stages; the same greedy tokens as one process, logits within half precision (GGUF
-quantized models compute in float16, and a sum of two partial products rounds differently)."""
+Q4_K, ...) at group boundaries, experts alike, and pipeline stages; the same greedy tokens as one
+process, logits within half precision (GGUF quantized models compute in float16, and a sum of two
+partial products rounds differently)."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -4,6 +4,7 @@ stop string and requests sent together keep the ranks in step; a request every r
 400 and the server goes on; SIGTERM to rank 0 ends both ranks cleanly."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -41,15 +42,21 @@ def alone(model: Path) -> dict[str, str]:
                 "chat": "".join(t.text for t in m.chat(CHAT, max_tokens=8))}
 
 
+Served = tuple[openai.OpenAI, list[subprocess.Popen[bytes]]]
+
+
 @pytest.fixture(scope="module")
-def served(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[openai.OpenAI, list[subprocess.Popen[bytes]]]]:
+def served(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     port = free_ports(1)[0]
     logs = tmp_path_factory.mktemp("logs")
     procs = []
-    for r, env in enumerate(rank_environments(2, "ring", logs)):
-        procs.append(subprocess.Popen(
-            [sys.executable, "-c", CLI, "serve", str(model), "--port", str(port), "--distributed", "tensor"],
-            env={**os.environ, **env}, stdout=open(logs / f"{r}.out", "wb"), stderr=open(logs / f"{r}.err", "wb")))
+    with contextlib.ExitStack() as files:
+        for r, env in enumerate(rank_environments(2, "ring", logs)):
+            out = files.enter_context(open(logs / f"{r}.out", "wb"))
+            err = files.enter_context(open(logs / f"{r}.err", "wb"))
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", CLI, "serve", str(model), "--port", str(port), "--distributed", "tensor"],
+                env={**os.environ, **env}, stdout=out, stderr=err))
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -70,7 +77,7 @@ def served(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
             p.wait()
 
 
-def test_rank0_answers_as_one_process(served: tuple[openai.OpenAI, list], alone: dict[str, str], model: Path) -> None:
+def test_rank0_answers_as_one_process(served: Served, alone: dict[str, str], model: Path) -> None:
     client, _ = served
     got = client.completions.create(model=str(model), prompt=PROMPT, max_tokens=8, temperature=0)
     assert got.choices[0].text == alone["text"] and alone["text"]
@@ -80,7 +87,7 @@ def test_rank0_answers_as_one_process(served: tuple[openai.OpenAI, list], alone:
     assert chat.choices[0].message.content == alone["chat"]
 
 
-def test_a_stream_cut_short_keeps_the_ranks_in_step(served: tuple[openai.OpenAI, list], alone: dict[str, str],
+def test_a_stream_cut_short_keeps_the_ranks_in_step(served: Served, alone: dict[str, str],
                                                     model: Path) -> None:
     client, _ = served
     stop = alone["text"][3:6]
@@ -93,7 +100,7 @@ def test_a_stream_cut_short_keeps_the_ranks_in_step(served: tuple[openai.OpenAI,
     assert texts == [alone["text"]] * 3
 
 
-def test_a_refused_request_is_an_error_and_the_server_goes_on(served: tuple[openai.OpenAI, list],
+def test_a_refused_request_is_an_error_and_the_server_goes_on(served: Served,
                                                               alone: dict[str, str], model: Path) -> None:
     client, _ = served
     with pytest.raises(openai.BadRequestError, match="response_format is not supported"):
@@ -110,7 +117,7 @@ def test_a_refused_request_is_an_error_and_the_server_goes_on(served: tuple[open
     assert again.choices[0].text == alone["text"]
 
 
-def test_sigterm_to_rank0_ends_both(served: tuple[openai.OpenAI, list]) -> None:
+def test_sigterm_to_rank0_ends_both(served: Served) -> None:
     _, procs = served
     procs[0].send_signal(signal.SIGTERM)
     assert [p.wait(timeout=60) for p in procs] == [0, 0]

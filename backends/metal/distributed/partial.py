@@ -4,9 +4,10 @@ keeps, so that loading a model split over N ranks costs each about 1/N of the sh
 The model is split before its weights go in (`shard_before_load`), so every parameter already has
 its per-rank shape; `narrow_weights` then gives each parameter the part of its checkpoint tensor
 that matches: the one axis whose length differs is cut in `size` equal parts and rank r takes the
-r-th (of each section where the split named the axis's sections, `tensor.Layouts`). A tensor that the model's `sanitize` passed through unchanged is read from its safetensors
-file at the part's byte ranges only (`read_part`); one that sanitize computed (experts stacked from
-per-expert tensors, say) is cut from MLX's lazy result, which reads that tensor whole once.
+r-th (of each section where the split named the axis's sections, `tensor.Layouts`). A tensor
+that the model's `sanitize` passed through unchanged is read from its safetensors file at the
+part's byte ranges only (`read_part`); one that sanitize computed (experts stacked from per-expert
+tensors, say) is cut from MLX's lazy result, which reads that tensor whole once.
 
 safetensors' own numpy reader (`safe_open(...).get_slice`) refuses bfloat16, the dtype of most
 checkpoints, so the part is read through `numpy.memmap` at the offsets the file's header gives:
@@ -18,6 +19,7 @@ import json
 import struct
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -50,10 +52,10 @@ class Source:
 Sources = dict[int, Source]  # id(Array) -> where it was read from
 
 
-_headers: dict[Path, tuple[int, dict[str, dict[str, object]]]] = {}
+_headers: dict[Path, tuple[int, dict[str, Any]]] = {}
 
 
-def _header(file: Path) -> tuple[int, dict[str, dict[str, object]]]:
+def _header(file: Path) -> tuple[int, dict[str, Any]]:
     """(offset of the data, the header's tensor entries) of a safetensors file, read once."""
     cached = _headers.get(file)
     if cached is None:
@@ -84,8 +86,8 @@ def read_part(source: Source, axis: int, rank: int, size: int, sections: tuple[i
     if dtype is None:
         raise ShardingError(f"{source.file}: tensor {source.name!r} has dtype {entry.get('dtype')!r}, which "
                             f"cannot be read in parts (known: {', '.join(_DTYPES)})")
-    shape = tuple(int(d) for d in entry["shape"])  # type: ignore[union-attr]
-    begin, end = (int(o) for o in entry["data_offsets"])  # type: ignore[union-attr]
+    shape = tuple(int(d) for d in entry["shape"])
+    begin, end = (int(o) for o in entry["data_offsets"])
     np_type, mx_type = dtype
     if end - begin != int(np.prod(shape, dtype=np.int64)) * np.dtype(np_type).itemsize:
         raise ShardingError(f"{source.file}: tensor {source.name!r}: its byte range does not hold shape {shape}")
@@ -107,8 +109,11 @@ def read_part(source: Source, axis: int, rank: int, size: int, sections: tuple[i
 def split_axis(name: str, full: tuple[int, ...], mine: tuple[int, ...], size: int) -> int:
     """The axis along which a parameter of shape `mine` is this rank's 1/size of a checkpoint
     tensor of shape `full`; an error names the tensor when the shapes are not so related."""
-    diff = [i for i, (a, b) in enumerate(zip(full, mine)) if a != b]
-    if len(full) != len(mine) or len(diff) != 1 or full[diff[0]] != mine[diff[0]] * size:
+    if len(full) != len(mine):
+        raise ShardingError(f"tensor {name!r}: shape {full} in the checkpoint is not {size} parts of this rank's "
+                            f"{mine} along one axis")
+    diff = [i for i, (a, b) in enumerate(zip(full, mine, strict=True)) if a != b]
+    if len(diff) != 1 or full[diff[0]] != mine[diff[0]] * size:
         raise ShardingError(f"tensor {name!r}: shape {full} in the checkpoint is not {size} parts of this rank's "
                             f"{mine} along one axis")
     return diff[0]

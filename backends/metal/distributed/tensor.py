@@ -158,7 +158,7 @@ def _row_form(layer: nn.Module) -> type | None:
     return form
 
 
-def split_columns(layer: nn.Module, name: str, rank: int, size: int, unit: int = 1,
+def split_columns(layer: Any, name: str, rank: int, size: int, unit: int = 1,
                   sections: tuple[int, ...] | None = None, layouts: Layouts | None = None) -> None:
     """Keep this rank's output rows of `layer` (column parallel): weight, quantization data and
     bias. `unit`: rows that must stay together (a head's head_dim); `sections`: row groups split
@@ -237,7 +237,7 @@ def _check_heads(model: Any, size: int) -> None:
                             f"({args.linear_num_value_heads} value heads)")
 
 
-def _shard_attention(attn: nn.Module, name: str, group: dist.Group) -> None:
+def _shard_attention(attn: Any, name: str, group: dist.Group) -> None:
     rank, size = group.rank(), group.size()
     hd = int(attn.head_dim)
     split_columns(attn.q_proj, f"{name}.q_proj", rank, size, hd)
@@ -249,7 +249,7 @@ def _shard_attention(attn: nn.Module, name: str, group: dist.Group) -> None:
     attn.n_kv_heads //= size
 
 
-def _shard_linear_attention(la: nn.Module, name: str, group: dist.Group, layouts: Layouts) -> None:
+def _shard_linear_attention(la: Any, name: str, group: dist.Group, layouts: Layouts) -> None:
     """A Gated DeltaNet layer: this rank's key heads and the value heads they serve."""
     rank, size = group.rank(), group.size()
     kd, vd = int(la.key_dim), int(la.value_dim)
@@ -279,7 +279,7 @@ def _shard_mlp(mlp: nn.Module, name: str, group: dist.Group) -> None:
     split_rows(mlp, "down_proj", f"{name}.down_proj", group)
 
 
-def _shard_layer(layer: nn.Module, name: str, group: dist.Group, layouts: Layouts) -> None:
+def _shard_layer(layer: Any, name: str, group: dist.Group, layouts: Layouts) -> None:
     """One block: its attention (or linear attention) and its feed-forward part(s)."""
     if isinstance(getattr(layer, "linear_attn", None), nn.Module):
         _shard_linear_attention(layer.linear_attn, f"{name}.linear_attn", group, layouts)

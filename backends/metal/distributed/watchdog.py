@@ -19,6 +19,7 @@ watchdog (a warning says so), rather than one side ending a healthy run.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import selectors
@@ -27,6 +28,7 @@ import sys
 import threading
 import time
 import warnings
+from typing import cast
 
 import pymlxc.core as mx
 from pymlxc.core import distributed as dist
@@ -118,10 +120,9 @@ class Watchdog:
     # ------------------------------------------------------------------ the thread
     def _send_all(self, what: bytes) -> None:
         for s in list(self._peers):
-            try:
+            # A full buffer or a closed peer: its silence or its goodbye speak for it.
+            with contextlib.suppress(OSError):
                 s.send(what)
-            except OSError:
-                pass  # a full buffer or a closed peer: its silence or its goodbye speak for it
 
     def _run(self) -> None:
         sel = selectors.DefaultSelector()
@@ -137,10 +138,10 @@ class Watchdog:
                     self._send_all(_BEAT)
                     next_beat = now + INTERVAL
             for key, _ in sel.select(timeout=INTERVAL / 4):
-                s = key.fileobj
-                peer = self._peers[s]  # type: ignore[index]
+                s = cast(socket.socket, key.fileobj)
+                peer = self._peers[s]
                 try:
-                    data = s.recv(4096)  # type: ignore[union-attr]
+                    data = s.recv(4096)
                 except (BlockingIOError, InterruptedError):
                     continue
                 except OSError:
@@ -149,7 +150,7 @@ class Watchdog:
                     sel.unregister(s)
                     continue
                 if _STALLED in data:
-                    self._end(f"rank 0 ended the run: another rank stopped answering (see rank 0's error)")
+                    self._end("rank 0 ended the run: another rank stopped answering (see rank 0's error)")
                 if _BYE in data:
                     self._done.add(peer)
                 self._heard[peer] = time.monotonic()

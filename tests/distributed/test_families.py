@@ -35,6 +35,15 @@ def test_two_ranks_match_one_process(tmp_path: Path, arch: str, bits: int | None
     _check(ranks(2, model, "tensor", "--tokens", TOKENS), reference(model, "--tokens", TOKENS))
 
 
+def test_four_ranks_match_one_process(tmp_path: Path) -> None:
+    # Qwen 3.5 MoE, 4-bit, every head count and MLP width a multiple of 4 (of whole groups of 32).
+    model = write_tiny_model(tmp_path / "q4", "qwen3_5_moe", quantize_bits=4, seed=3, hidden_size=128,
+                             num_kv_heads=4, extra_config={"linear_num_key_heads": 4, "linear_num_value_heads": 8,
+                                                           "moe_intermediate_size": 128,
+                                                           "shared_expert_intermediate_size": 128})
+    _check(ranks(4, model, "tensor", "--tokens", TOKENS), reference(model, "--tokens", TOKENS))
+
+
 def test_batch_and_chat_with_linear_attention(tmp_path: Path) -> None:
     model = _model(tmp_path, "qwen3_5", 4)
     want = reference(model, "--tokens", TOKENS, "--batch")

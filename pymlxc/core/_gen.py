@@ -15,11 +15,18 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import dtypes as _dt
-from . import device as _device
+from . import device as _device, dtypes as _dt
 from ._loader import SIGNATURES, MLXError, check, fast, ffi, gc_cdata, last_error, lib, new_cdata
 from .array import (
-    RESULT_SLOT, Array, FreedArrayError, asarray, freed, new_handle, release_failed, release_failed_result, weak_handle,
+    RESULT_SLOT,
+    Array,
+    FreedArrayError,
+    asarray,
+    freed,
+    new_handle,
+    release_failed,
+    release_failed_result,
+    weak_handle,
     wrap,
 )
 from .device import current_stream, resolve_stream
@@ -163,9 +170,10 @@ FFT_NORM = {"backward": "MLX_FFT_NORM_BACKWARD", "ortho": "MLX_FFT_NORM_ORTHO", 
 
 def fft_norm(v: str) -> int:
     try:
-        return getattr(lib, FFT_NORM[v])
+        value: int = getattr(lib, FFT_NORM[v])
     except KeyError:
         raise ValueError(f"fft norm must be one of {sorted(FFT_NORM)}, not {v!r}") from None
+    return value
 
 
 def cstr(v: str) -> bytes:
@@ -244,6 +252,8 @@ def _build(cname: str, sig: dict[str, Any]) -> Callable[..., Any] | None:
     if not results:
         return None
     py_params: list[str] = []
+    # The parameters' types, as the names of _generated.pyi spell them (see _stubgen).
+    ann: dict[str, str] = {}
     pre: list[str] = []
     call: list[str] = []
     body_params = params[i:-1]
@@ -258,41 +268,52 @@ def _build(cname: str, sig: dict[str, Any]) -> Callable[..., Any] | None:
             weak_from = [n for n in WEAK_FROM.get(name, ()) if n in array_names]
             if name in nullable:
                 py_params.append(f"{name}=None")
-                pre.append(f"_k_{name}, _h_{name} = opt_handle({', '.join([name] + weak_from)})")
+                ann[name] = "ArrayLike | None"
+                pre.append(f"_k_{name}, _h_{name} = opt_handle({', '.join([name, *weak_from])})")
             else:
                 py_params.append(name)
+                ann[name] = "ArrayLike"
                 pre += array_arg(name, weak_from)
             call.append(f"_h_{name}")
         elif ctype in ("const int *", "const int64_t *") and nxt and nxt[0] == "size_t":
             py_params.append(name)
-            fn = "int_list" if ctype == "const int *" else "int64_list"
-            pre.append(f"_c_{name}, _n_{name} = {fn}({name})")
+            to_list = "int_list" if ctype == "const int *" else "int64_list"
+            ann[name] = "int | Sequence[int]" if ctype == "const int *" else "Sequence[int]"
+            pre.append(f"_c_{name}, _n_{name} = {to_list}({name})")
             call += [f"_c_{name}", f"_n_{name}"]
             j += 1
         elif ctype == "const mlx_vector_array":
             py_params.append(name)
+            ann[name] = "Sequence[ArrayLike]"
             pre.append(f"_k_{name}, _v_{name} = vector_of({name})")
             call.append(f"_v_{name}[0].ctx")
         elif ctype in ("int", "bool", "float", "double", "uint64_t", "size_t"):
             py_params.append(name + (f"={DEFAULTS[name]}" if name in DEFAULTS else ""))
+            ann[name] = {"bool": "bool", "float": "float", "double": "float"}.get(ctype, "int")
             call.append(name)
         elif ctype == "mlx_optional_int":
             py_params.append(f"{name}=None")
+            ann[name] = "int | None"
             call.append(f"opt_int({name})")
         elif ctype == "mlx_optional_float":
             py_params.append(f"{name}=None")
+            ann[name] = "float | None"
             call.append(f"opt_float({name})")
         elif ctype == "mlx_optional_dtype":
             py_params.append(f"{name}=None")
+            ann[name] = "DtypeLike | None"
             call.append(f"opt_dtype({name})")
         elif ctype == "mlx_dtype":
             py_params.append(name)
+            ann[name] = "DtypeLike"
             call.append(f"dtype_value({name})")
         elif ctype == "const char *":
             py_params.append(name)
+            ann[name] = "str"
             call.append(f"cstr({name})")
         elif ctype == "mlx_fft_norm":
             py_params.append(f"{name}='backward'")
+            ann[name] = "str"
             call.append(f"fft_norm({name})")
         else:
             return None  # kernels, distributed groups, readers: wrapped by hand where needed
@@ -302,6 +323,9 @@ def _build(cname: str, sig: dict[str, Any]) -> Callable[..., Any] | None:
     optional = [p for p in py_params if "=" in p]
     py_params = required + optional
     py_params.append("stream=None")
+    ann["stream"] = "StreamLike"
+    kinds = ["Array" if rtype == "mlx_array *" else "list[Array]" for rtype, _ in results]
+    ann["return"] = kinds[0] if len(kinds) == 1 else f"tuple[{', '.join(kinds)}]"
     res_decl: list[str] = []
     res_args: list[str] = []
     res_out: list[str] = []
@@ -332,9 +356,10 @@ def _build(cname: str, sig: dict[str, Any]) -> Callable[..., Any] | None:
         exec(compile(src, f"<pymlxc generated {cname}>", "exec"), GENERATED_ENV)
     except SyntaxError as exc:  # pragma: no cover - a signature we cannot express
         raise RuntimeError(f"cannot generate wrapper for {cname}: {exc}\n{src}") from exc
-    fn = GENERATED_ENV.pop(cname)
+    fn: Callable[..., Any] = GENERATED_ENV.pop(cname)
     fn.__doc__ = f"mlx-c `{cname}` ({', '.join(n for _, n in sig['params'])})."
-    fn.__source__ = src  # type: ignore[attr-defined]  # for debugging: the generated code
+    fn.__source__ = src  # type: ignore[attr-defined]  # a function attribute, for debugging: the generated code
+    fn.__annotations__ = ann  # strings: the stub writer (_stubgen) and help() read them
     return fn
 
 

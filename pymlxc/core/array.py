@@ -4,14 +4,18 @@ from __future__ import annotations
 import math
 import numbers
 import struct
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import dtypes as _dt
 from ._loader import MLXError, check, fast, ffi, gc_cdata, last_error, lib, new_cdata
 from .device import current_stream
+
+if TYPE_CHECKING:  # the methods `operators` attaches are the functions of `ops`, which imports this module
+    from . import ops as _ops
+    from .device import StreamLike
 
 _NULL = ffi.NULL
 # Bound once: these run for every op (and `lib.<name>` lookups cost a dict lookup each).
@@ -23,7 +27,7 @@ _array_free = fast.mlx_array_free
 _object_new = object.__new__
 
 
-def adopt(h: Any) -> "Array":
+def adopt(h: Any) -> Array:
     """An Array owning `h`, an array handle (`void *`, an `mlx_array`'s ctx) taken at +1. It gets
     `mlx_array_free` as its collector destructor: a plain C call, so collecting an array runs no
     Python code."""
@@ -32,7 +36,7 @@ def adopt(h: Any) -> "Array":
     return a
 
 
-def wrap(p: Any) -> "Array":
+def wrap(p: Any) -> Array:
     """Adopt a freshly filled `mlx_array *` slot of a `lib` call (taken at +1). Call after check()."""
     a = _object_new(Array)
     a._h = _gc(p[0].ctx, _array_free)
@@ -58,7 +62,7 @@ def release_failed_result(r: Any) -> None:
         r[0] = _NULL
 
 
-def _own_op(fn: Any, *args: Any) -> "Array":
+def _own_op(fn: Any, *args: Any) -> Array:
     """One op of the `fast` view whose result is one array, on this thread's stream. The Array's own
     conversions (astype, contiguous, view, a host copy) call mlx-c here rather than through `ops`,
     which is built on this module (so this module never imports it)."""
@@ -69,26 +73,26 @@ def _own_op(fn: Any, *args: Any) -> "Array":
     return adopt(r[0])
 
 
-def _ctx(a: "Array") -> Any:
+def _ctx(a: Array) -> Any:
     h = a._h
     if h is None:
         raise FreedArrayError("array used after free()")
     return h
 
 
-def _astype(a: "Array", dtype: _dt.Dtype) -> "Array":
+def _astype(a: Array, dtype: _dt.Dtype) -> Array:
     return _own_op(fast.mlx_astype, _ctx(a), dtype.value)
 
 
-def _contiguous(a: "Array") -> "Array":
+def _contiguous(a: Array) -> Array:
     return _own_op(fast.mlx_contiguous, _ctx(a), False)
 
 
-def _view(a: "Array", dtype: _dt.Dtype) -> "Array":
+def _view(a: Array, dtype: _dt.Dtype) -> Array:
     return _own_op(fast.mlx_view, _ctx(a), dtype.value)
 
 
-def _host_copy(a: "Array") -> "Array":
+def _host_copy(a: Array) -> Array:
     """A fresh row-major copy: a + zeros_like(a), as MLX writes a new buffer for it."""
     zeros = _own_op(fast.mlx_zeros_like, _ctx(a))
     return _own_op(fast.mlx_add, _ctx(a), _ctx(zeros))
@@ -113,6 +117,9 @@ class Array:
     # `_h`: the owned handle, `void *` (None once freed). `_shape`/`_dtype`: filled on first use; an
     # MLX array never changes either (in-place assignment keeps both).
     __slots__ = ("_h", "_shape", "_dtype", "__weakref__")
+    _h: Any
+    _shape: tuple[int, ...]
+    _dtype: _dt.Dtype
     __array_priority__ = 100
 
     def __init__(self, value: Any, dtype: _dt.Dtype | str | None = None) -> None:
@@ -145,13 +152,13 @@ class Array:
     def is_freed(self) -> bool:
         return self._h is None
 
-    def __enter__(self) -> "Array":
+    def __enter__(self) -> Array:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.free()
 
-    def _take(self, other: "Array") -> None:
+    def _take(self, other: Array) -> None:
         """Become `other` (in-place update): take over its handle; `other` is left empty."""
         h = other._h
         if h is None:
@@ -214,12 +221,13 @@ class Array:
         s = ffi.new("mlx_string *")
         check(lib.mlx_array_tostring(s, as_struct(h)))
         try:
-            return ffi.string(lib.mlx_string_data(s[0])).decode()
+            text: str = ffi.string(lib.mlx_string_data(s[0])).decode()
+            return text
         finally:
             lib.mlx_string_free(s[0])
 
     # ------------------------------------------------------------------ evaluation and export
-    def eval(self) -> "Array":
+    def eval(self) -> Array:
         h = self._h
         if h is None:
             freed()
@@ -253,7 +261,7 @@ class Array:
             raise TypeError("only integer arrays can be used as an index")
         return int(self.item())
 
-    def __iter__(self) -> Iterable["Array"]:
+    def __iter__(self) -> Iterator[Array]:
         for i in range(len(self)):
             yield self[i]
 
@@ -262,6 +270,102 @@ class Array:
 
     def __getstate__(self) -> Any:
         raise TypeError("Array cannot be pickled; convert with numpy.asarray first")
+
+    if TYPE_CHECKING:
+        # Attached by `operators` at import (the operators are generated flat functions, the methods
+        # are the functions of `ops`): declared here for type checkers.
+        def __add__(self, other: ArrayLike) -> Array: ...
+        def __radd__(self, other: ArrayLike) -> Array: ...
+        def __sub__(self, other: ArrayLike) -> Array: ...
+        def __rsub__(self, other: ArrayLike) -> Array: ...
+        def __mul__(self, other: ArrayLike) -> Array: ...
+        def __rmul__(self, other: ArrayLike) -> Array: ...
+        def __truediv__(self, other: ArrayLike) -> Array: ...
+        def __rtruediv__(self, other: ArrayLike) -> Array: ...
+        def __floordiv__(self, other: ArrayLike) -> Array: ...
+        def __rfloordiv__(self, other: ArrayLike) -> Array: ...
+        def __mod__(self, other: ArrayLike) -> Array: ...
+        def __rmod__(self, other: ArrayLike) -> Array: ...
+        def __pow__(self, other: ArrayLike) -> Array: ...
+        def __rpow__(self, other: ArrayLike) -> Array: ...
+        def __matmul__(self, other: ArrayLike) -> Array: ...
+        def __rmatmul__(self, other: ArrayLike) -> Array: ...
+        def __xor__(self, other: ArrayLike) -> Array: ...
+        def __rxor__(self, other: ArrayLike) -> Array: ...
+        def __lshift__(self, other: ArrayLike) -> Array: ...
+        def __rlshift__(self, other: ArrayLike) -> Array: ...
+        def __rshift__(self, other: ArrayLike) -> Array: ...
+        def __rrshift__(self, other: ArrayLike) -> Array: ...
+        def __and__(self, other: ArrayLike) -> Array: ...
+        def __rand__(self, other: ArrayLike) -> Array: ...
+        def __or__(self, other: ArrayLike) -> Array: ...
+        def __ror__(self, other: ArrayLike) -> Array: ...
+        # Elementwise comparisons, as in numpy and mlx.core: object's `-> bool` does not hold.
+        def __eq__(self, other: object) -> Array: ...  # type: ignore[override]  # elementwise, not bool
+        def __ne__(self, other: object) -> Array: ...  # type: ignore[override]  # elementwise, not bool
+        def __lt__(self, other: ArrayLike) -> Array: ...
+        def __le__(self, other: ArrayLike) -> Array: ...
+        def __gt__(self, other: ArrayLike) -> Array: ...
+        def __ge__(self, other: ArrayLike) -> Array: ...
+        def __neg__(self) -> Array: ...
+        def __pos__(self) -> Array: ...
+        def __abs__(self) -> Array: ...
+        def __invert__(self) -> Array: ...
+        def __getitem__(self, index: Any) -> Array: ...
+        def __setitem__(self, index: Any, value: ArrayLike) -> None: ...
+        def reshape(self, *shape: int | Sequence[int], stream: StreamLike = None) -> Array: ...
+        @property
+        def T(self) -> Array: ...
+
+        def sum(self, axis: int | Sequence[int] | None = None, keepdims: bool = False, *,
+                   stream: StreamLike = None) -> Array: ...
+        def mean(self, axis: int | Sequence[int] | None = None, keepdims: bool = False, *,
+                    stream: StreamLike = None) -> Array: ...
+        def max(self, axis: int | Sequence[int] | None = None, keepdims: bool = False, *,
+                   stream: StreamLike = None) -> Array: ...
+        def min(self, axis: int | Sequence[int] | None = None, keepdims: bool = False, *,
+                   stream: StreamLike = None) -> Array: ...
+        def prod(self, axis: int | Sequence[int] | None = None, keepdims: bool = False, *,
+                    stream: StreamLike = None) -> Array: ...
+        def all(self, axis: int | Sequence[int] | None = None, keepdims: bool = False, *,
+                   stream: StreamLike = None) -> Array: ...
+        def any(self, axis: int | Sequence[int] | None = None, keepdims: bool = False, *,
+                   stream: StreamLike = None) -> Array: ...
+        def logsumexp(self, axis: int | Sequence[int] | None = None, keepdims: bool = False, *,
+                         stream: StreamLike = None) -> Array: ...
+        var = _ops.var
+        std = _ops.std
+        argmax = _ops.argmax
+        argmin = _ops.argmin
+        transpose = _ops.transpose
+        squeeze = _ops.squeeze
+        flatten = _ops.flatten
+        swapaxes = _ops.swapaxes
+        moveaxis = _ops.moveaxis
+        cumsum = _ops.cumsum
+        cumprod = _ops.cumprod
+        round = _ops.round
+        diagonal = _ops.diagonal
+        split = _ops.split
+        astype = _ops.astype
+        abs = _ops.abs
+        exp = _ops.exp
+        log = _ops.log
+        sqrt = _ops.sqrt
+        square = _ops.square
+        sin = _ops.sin
+        cos = _ops.cos
+        reciprocal = _ops.reciprocal
+        rsqrt = _ops.rsqrt
+        conjugate = _ops.conjugate
+        sort = _ops.sort
+        argsort = _ops.argsort
+        softmax = _ops.softmax
+
+
+# What an array argument accepts: an Array, a numpy array or scalar, a Python scalar (int, float and
+# bool are complex to a type checker) or a nested list (see `asarray`).
+ArrayLike = Array | np.ndarray[Any, Any] | np.generic | complex | Sequence[Any]
 
 
 def copy_handle(a: Array) -> Array:
@@ -303,7 +407,7 @@ def _half_bits(value: float, dtype: _dt.Dtype) -> int:
             return int.from_bytes(_F16_PACK.pack(x), "little")
         except OverflowError:
             return 0xFC00 if x < 0 else 0x7C00
-    bits = _U32_UNPACK.unpack(f32)[0]
+    bits: int = _U32_UNPACK.unpack(f32)[0]
     if (bits & 0x7F800000) == 0x7F800000 and bits & 0x007FFFFF:
         return ((bits >> 16) & 0x8000) | 0x7FC0  # NaN stays a quiet NaN
     return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # round to nearest even
@@ -368,7 +472,7 @@ def weak_handle(value: Any, dtype: _dt.Dtype) -> Any:
     if isinstance(value, Array):
         return value._h
     if isinstance(value, (bool, int, float, complex)):  # np.float64 is a float, numpy bools are not
-        base = bool if isinstance(value, bool) else int if isinstance(value, int) else \
+        base: type[Any] = bool if isinstance(value, bool) else int if isinstance(value, int) else \
             float if isinstance(value, float) else complex
         return scalar_handle(base(value), weak_dtype(dtype, base))
     if isinstance(value, np.generic) and value.dtype.kind in "biufc":
@@ -465,7 +569,8 @@ def asarray(value: Any, dtype: _dt.Dtype | str | None = None) -> Array:
     t = type(value)
     if dtype is None:
         if t is Array:
-            return value
+            same: Array = value
+            return same
         if t is float:  # the common mx.array(0.5): one C call
             a = _object_new(Array)
             a._h = _gc(_new_float32(value), _array_free)
@@ -497,7 +602,7 @@ def _from_list(value: Sequence[Any], dtype: _dt.Dtype | None) -> Array:
     if arr.dtype.kind in "USOV":
         raise ValueError("nested lists must be rectangular and hold numbers only")
     if dtype is None and arr.dtype == np.int64:  # MLX: int32 unless a value needs int64
-        fits = arr.size == 0 or (-(2**31) <= int(arr.min()) and int(arr.max()) < 2**31)
+        fits = arr.size == 0 or (int(arr.min()) >= -(2**31) and int(arr.max()) < 2**31)
         dtype = _dt.int32 if fits else _dt.int64
     return _from_numpy(arr, dtype)
 
@@ -514,7 +619,7 @@ _DATA_FN = {
 }
 
 
-def to_numpy(a: Array) -> np.ndarray:
+def to_numpy(a: Array) -> np.ndarray[Any, Any]:
     """Copy an array's values into a new numpy array (row-major; bfloat16 widens to float32)."""
     h = a.handle
     flag = ffi.new("bool *")
@@ -542,6 +647,7 @@ def to_numpy(a: Array) -> np.ndarray:
     if ptr == _NULL:
         raise MLXError("array data is not available on the host")
     raw = ffi.buffer(ptr, size * dtype.size)
+    out: np.ndarray[Any, Any]
     if dtype is _dt.bfloat16:
         bits = np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16
         out = bits.view(np.float32).reshape(shape)
@@ -553,7 +659,8 @@ def to_numpy(a: Array) -> np.ndarray:
 
 
 __all__ = [
-    "Array", "asarray", "scalar", "scalar_handle", "weak_dtype", "weak_handle", "to_numpy", "wrap", "adopt",
+    "Array", "ArrayLike", "asarray", "scalar", "scalar_handle", "weak_dtype", "weak_handle", "to_numpy", "wrap",
+    "adopt",
     "new_handle", "release_failed", "release_failed_result", "as_struct",
     "freed", "FreedArrayError", "current_stream", "copy_handle", "RESULT_SLOT", "INEXACT_DTYPES",
 ]

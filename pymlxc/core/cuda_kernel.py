@@ -80,7 +80,7 @@ class CudaKernel:
                              "output_shapes and output_dtypes")
         config = lib.mlx_fast_cuda_kernel_config_new()
         try:
-            for shape, dtype in zip(output_shapes, output_dtypes):
+            for shape, dtype in zip(output_shapes, output_dtypes, strict=True):  # lengths checked above
                 dims = [int(d) for d in shape]
                 check(lib.mlx_fast_cuda_kernel_config_add_output_arg(
                     config, ffi.new("int[]", dims), len(dims), _dt.as_dtype(dtype).value))

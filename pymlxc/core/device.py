@@ -82,7 +82,7 @@ def is_available(device: Device) -> bool:
 def device_count(type: str) -> int:
     count = ffi.new("int *")
     check(lib.mlx_device_count(count, lib.MLX_CPU if type == "cpu" else lib.MLX_GPU))
-    return count[0]
+    return int(count[0])
 
 
 _state = threading.local()
@@ -115,7 +115,7 @@ def _drop_cache() -> None:
 
 
 def default_device() -> Device:
-    override = getattr(_state, "device", None)
+    override: Device | None = getattr(_state, "device", None)
     if override is not None:
         return override
     with _default_lock:
@@ -171,13 +171,17 @@ def _thread_stream(device: Device) -> Stream:
 def default_stream(device: Device | None = None) -> Stream:
     """This thread's stream: a `stream_scope` override, else the thread's default for the device."""
     if device is None:
-        override = getattr(_state, "stream", None)
+        override: Stream | None = getattr(_state, "stream", None)
         if override is not None:
             return override
     return _thread_stream(device or default_device())
 
 
-def resolve_stream(stream: "Stream | Device | str | None") -> Any:
+# What a `stream=` argument accepts: a Stream, a Device, "cpu"/"gpu", or None for this thread's stream.
+StreamLike = Stream | Device | str | None
+
+
+def resolve_stream(stream: StreamLike) -> Any:
     """The handle (`void *`, for `fast` calls) for a `stream=` argument: None, a Stream, a Device, or
     "cpu"/"gpu"."""
     if stream is None:
@@ -192,7 +196,7 @@ def resolve_stream(stream: "Stream | Device | str | None") -> Any:
 
 
 @contextlib.contextmanager
-def stream_scope(target: "Stream | Device | str") -> Iterator[Stream]:
+def stream_scope(target: Stream | Device | str) -> Iterator[Stream]:
     """Run the ops of this thread inside the block on `target` (a stream, a device, or "cpu"/"gpu")."""
     if isinstance(target, str):
         target = Device(target)
@@ -205,10 +209,8 @@ def stream_scope(target: "Stream | Device | str") -> Iterator[Stream]:
         yield stream
     finally:
         _state.stream, _state.device = previous_stream, previous_device
-        try:
+        with contextlib.suppress(AttributeError):
             del _cache.c  # recomputed on the next op, from the restored scope
-        except AttributeError:
-            pass
 
 
 def synchronize(stream: Stream | None = None) -> None:

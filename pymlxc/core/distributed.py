@@ -80,7 +80,7 @@ class Group:
     def size(self) -> int:
         return self._size
 
-    def split(self, color: int, key: int = -1) -> "Group":
+    def split(self, color: int, key: int = -1) -> Group:
         """The subgroup of the processes that pass the same `color`, ordered by `key` (-1: by rank).
         Every process of this group must call it. (Not every backend can split: the ring cannot.)"""
         for name, value in (("color", color), ("key", key)):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -78,7 +79,11 @@ def from_numpy(dtype: np.dtype) -> Dtype:
         raise TypeError(f"numpy dtype {dtype} has no MLX equivalent") from None
 
 
-def as_dtype(value: "Dtype | str | np.dtype | type") -> Dtype:
+# What a `dtype=` argument accepts: a Dtype, its name, a numpy dtype, or bool/int/float.
+DtypeLike = Dtype | str | np.dtype[Any] | type
+
+
+def as_dtype(value: DtypeLike) -> Dtype:
     if isinstance(value, Dtype):
         return value
     if isinstance(value, str) and value in BY_NAME:

@@ -20,7 +20,8 @@ def _collect(args: tuple[Any, ...]) -> list[Array]:
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
         elif item is not None:
-            raise TypeError(f"eval takes arrays and (nested) lists, tuples or dicts of arrays, not {type(item).__name__}")
+            raise TypeError(
+                f"eval takes arrays and (nested) lists, tuples or dicts of arrays, not {type(item).__name__}")
     return out
 
 

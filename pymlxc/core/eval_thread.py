@@ -84,6 +84,7 @@ class EvalThread:
             job = self._jobs.get()
             if job is None:
                 return
+            arrays: list[Any] | None
             arrays, ticket = job
             job = None
             try:

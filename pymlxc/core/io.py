@@ -73,7 +73,8 @@ def load_safetensors(path: str | os.PathLike[str]) -> tuple[dict[str, Array], di
         lib.mlx_map_string_to_string_free(meta[0])
 
 
-def save_safetensors(path: str | os.PathLike[str], arrays: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> None:
+def save_safetensors(path: str | os.PathLike[str], arrays: Mapping[str, Any], metadata: Mapping[str,
+                     str] | None = None) -> None:
     amap = lib.mlx_map_string_to_array_new()
     smap = lib.mlx_map_string_to_string_new()
     keep = []
@@ -146,7 +147,8 @@ class GGUFFile:
             s = ffi.new("mlx_string *")
             check(lib.mlx_io_gguf_get_metadata_string(s, h, k))
             try:
-                return ffi.string(lib.mlx_string_data(s[0])).decode("utf-8", "replace")
+                text: str = ffi.string(lib.mlx_string_data(s[0])).decode("utf-8", "replace")
+                return text
             finally:
                 lib.mlx_string_free(s[0])
         check(lib.mlx_io_gguf_has_metadata_vector_string(flag, h, k))
@@ -174,7 +176,7 @@ class GGUFFile:
             lib.mlx_io_gguf_free(self._h[0])
             self._h = None
 
-    def __enter__(self) -> "GGUFFile":
+    def __enter__(self) -> GGUFFile:
         return self
 
     def __exit__(self, *exc: object) -> None:

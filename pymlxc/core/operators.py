@@ -7,14 +7,21 @@ from typing import Any
 
 import numpy as np
 
-from . import dtypes as _dt
-from . import ops
-from ._gen import GENERATED_ENV, RAW, fail, result_lines
+from . import _generated as _g, device as _device, dtypes as _dt, ops
+from ._gen import GENERATED_ENV, fail, result_lines
 from ._loader import fast, ffi, gc_cdata, new_cdata
 from .array import (
-    INEXACT_DTYPES, RESULT_SLOT, Array, copy_handle, adopt, asarray, freed, scalar, scalar_handle, weak_dtype, weak_handle,
+    INEXACT_DTYPES,
+    RESULT_SLOT,
+    Array,
+    asarray,
+    copy_handle,
+    freed,
+    scalar,
+    scalar_handle,
+    weak_dtype,
+    weak_handle,
 )
-from . import device as _device
 from .device import current_stream
 
 # ---------------------------------------------------------------------- arithmetic operators
@@ -71,7 +78,8 @@ def _binary_method(cname: str, reverse: bool) -> Callable[[Array, Any], Array]:
     GENERATED_ENV["_c_" + cname] = getattr(fast, cname)
     GENERATED_ENV["_other_handle"] = other_handle
     exec(compile("\n".join(lines), f"<pymlxc operator {cname}{' reversed' if reverse else ''}>", "exec"), GENERATED_ENV)
-    return GENERATED_ENV.pop("method")
+    method: Callable[[Array, Any], Array] = GENERATED_ENV.pop("method")
+    return method
 
 
 for _dunder, _cname in [
@@ -99,28 +107,29 @@ def _operand(self: Array, other: Any) -> Array:
 def _and(self: Array, other: Any) -> Array:
     b = _operand(self, other)
     if self.dtype is _dt.bool_ and b.dtype is _dt.bool_:
-        return RAW["logical_and"](self, b)
-    return RAW["bitwise_and"](self, b)
+        return _g.logical_and(self, b)
+    return _g.bitwise_and(self, b)
 
 
 def _or(self: Array, other: Any) -> Array:
     b = _operand(self, other)
     if self.dtype is _dt.bool_ and b.dtype is _dt.bool_:
-        return RAW["logical_or"](self, b)
-    return RAW["bitwise_or"](self, b)
+        return _g.logical_or(self, b)
+    return _g.bitwise_or(self, b)
 
 
-Array.__and__ = _and  # type: ignore[method-assign]
-Array.__rand__ = _and  # type: ignore[method-assign]
-Array.__or__ = _or  # type: ignore[method-assign]
-Array.__ror__ = _or  # type: ignore[method-assign]
-Array.__neg__ = lambda self: RAW["negative"](self)  # type: ignore[method-assign]
-Array.__pos__ = lambda self: copy_handle(self)  # type: ignore[method-assign]
-Array.__abs__ = lambda self: RAW["abs"](self)  # type: ignore[method-assign]
-Array.__invert__ = lambda self: (  # type: ignore[method-assign]
-    RAW["logical_not"](self) if self.dtype is _dt.bool_ else RAW["bitwise_invert"](self)
-)
-Array.__hash__ = lambda self: id(self)  # type: ignore[method-assign]
+def _invert(self: Array) -> Array:
+    return _g.logical_not(self) if self.dtype is _dt.bool_ else _g.bitwise_invert(self)
+
+
+# Attached by name (Array declares their types for type checkers, see its class body).
+_UNARY_AND_LOGICAL: dict[str, Callable[..., Any]] = {
+    "__and__": _and, "__rand__": _and, "__or__": _or, "__ror__": _or,
+    "__neg__": lambda self: _g.negative(self), "__pos__": lambda self: copy_handle(self),
+    "__abs__": lambda self: _g.abs(self), "__invert__": _invert, "__hash__": lambda self: id(self),
+}
+for _dunder_name, _method in _UNARY_AND_LOGICAL.items():
+    setattr(Array, _dunder_name, _method)
 
 
 # ---------------------------------------------------------------------- methods mirroring mlx.core.array
@@ -132,23 +141,23 @@ for _name in ["sum", "mean", "max", "min", "prod", "all", "any", "var", "std", "
               "rsqrt", "conjugate", "sort", "argsort", "softmax"]:
     setattr(Array, _name, getattr(ops, _name))
 
-_raw_reshape = RAW["reshape"]
+_raw_reshape = _g.reshape
 
 
-def _reshape(self: Array, *shape: Any, stream: Any = None) -> Array:
+def _reshape_method(self: Array, *shape: Any, stream: Any = None) -> Array:
     if len(shape) == 1 and type(shape[0]) is not int:
         shape = shape[0]
     return _raw_reshape(self, shape, stream)
 
 
-Array.reshape = _reshape  # type: ignore[attr-defined]
-Array.T = property(lambda self: RAW["transpose"](self))  # type: ignore[attr-defined]
+for _name, _attribute in [("reshape", _reshape_method), ("T", property(lambda self: _g.transpose(self)))]:
+    setattr(Array, _name, _attribute)
 
 
 # ---------------------------------------------------------------------- indexing
 
-_slice = RAW["slice"]
-_reshape = RAW["reshape"]
+_slice = _g.slice
+_reshape = _g.reshape
 
 #
 # An index is first normalised to one entry per axis (Ellipsis expanded) plus None entries. Ints and
@@ -248,12 +257,12 @@ def _basic(a: Array, entries: list[Any]) -> tuple[Array, list[int]]:
         axis += 1
     if sizes == list(shape) and not any(starts) and all(step == 1 for step in steps):
         return a, sizes
-    return RAW["slice"](a, starts, stops, steps), sizes
+    return _g.slice(a, starts, stops, steps), sizes
 
 
 _c_slice = fast.mlx_slice
 _INT_ARRAY = ffi.typeof("int[]")
-_squeeze0 = RAW["squeeze_axis"]
+_squeeze0 = _g.squeeze_axis
 
 
 _object_new = object.__new__
@@ -263,7 +272,7 @@ _SLICES: dict[tuple[int, ...], tuple[Any, Any, Any]] = {}  # bounds -> (starts, 
 def _slice_first_axis(a: Array, start: int, stop: int, step: int, rest: tuple[int, ...]) -> Array:
     """`slice` of the first axis. Its three int lists live in one buffer, kept by value for reuse
     (the same slices recur in every layer and step; mlx-c only reads them)."""
-    key = (start, stop, step) + rest
+    key = (start, stop, step, *rest)
     bufs = _SLICES.get(key)
     if bufs is None:
         n = len(rest) + 1
@@ -343,24 +352,25 @@ def _advanced(a: Array, entries: list[Any]) -> Array:
         axis += 1
     perm = adv_axes + rest_axes
     if perm != list(range(len(perm))):
-        view = RAW["transpose_axes"](view, perm)
+        view = _g.transpose_axes(view, perm)
     if len(indices) > 1:
-        indices = RAW["broadcast_arrays"](indices)
+        indices = _g.broadcast_arrays(indices)
     adv_sizes = [sizes[ax] for ax in adv_axes]
     wide = math.prod(adv_sizes) >= 2**31
     flat = None
-    for n, idx in zip(adv_sizes, indices):
+    for n, idx in zip(adv_sizes, indices, strict=True):  # one size per index array
         if idx.dtype.kind == "i" or wide:  # negative indices count from the end
-            idx = RAW["remainder"](idx, asarray(n, idx.dtype if not wide else _dt.int64))
+            idx = _g.remainder(idx, asarray(n, idx.dtype if not wide else _dt.int64))
         if len(indices) == 1:
             flat = idx
         else:
             idx = ops.astype(idx, _dt.int64 if wide else _dt.int32)
-            flat = idx if flat is None else RAW["add"](RAW["multiply"](flat, asarray(n, idx.dtype)), idx)
+            flat = idx if flat is None else _g.add(_g.multiply(flat, asarray(n, idx.dtype)), idx)
     rest_sizes = [sizes[ax] for ax in rest_axes]
     if len(indices) > 1:  # the index axes lead: merge them, `flat` indexes the merged axis
-        view = RAW["reshape"](view, [math.prod(adv_sizes)] + rest_sizes)
-    out = RAW["take_axis"](view, flat, 0)
+        view = _g.reshape(view, [math.prod(adv_sizes), *rest_sizes])
+    assert flat is not None  # there is at least one index array: `indices` is not empty
+    out = _g.take_axis(view, flat, 0)
     # `out` is (broadcast index dims..., rest dims...): move the index block in place and add Nones.
     b_ndim = out.ndim - len(rest_sizes)
     order: list[int] = []  # output axes, as positions in `out`; -1 for a None
@@ -379,11 +389,11 @@ def _advanced(a: Array, entries: list[Any]) -> Array:
             order.append(next(rest))
     axes = [k for k in order if k >= 0]
     if axes != list(range(out.ndim)):
-        out = RAW["transpose_axes"](out, axes)
+        out = _g.transpose_axes(out, axes)
     if -1 in order:
         shape = out.shape
         it = iter(shape)
-        out = RAW["reshape"](out, [1 if k < 0 else next(it) for k in order])
+        out = _g.reshape(out, [1 if k < 0 else next(it) for k in order])
     return out
 
 
@@ -420,8 +430,8 @@ def setitem(self: Array, index: Any, value: Any) -> None:
         # numpy semantics: the value broadcasts against what the index selects.
         update = _broadcast_value(value, indexed_shape)
         if slice_shape != indexed_shape:
-            update = RAW["reshape"](update, slice_shape)
-        updated = RAW["slice_update"](self, update, starts, stops, steps)
+            update = _g.reshape(update, slice_shape)
+        updated = _g.slice_update(self, update, starts, stops, steps)
     self._take(updated)
 
 
@@ -430,9 +440,9 @@ def _broadcast_value(value: Array, shape: list[int]) -> Array:
     while len(vshape) > len(shape) and vshape[0] == 1:  # numpy drops leading 1s of the value
         vshape = vshape[1:]
     if vshape != value.shape:
-        value = RAW["reshape"](value, list(vshape))
+        value = _g.reshape(value, list(vshape))
     if list(vshape) != shape:
-        value = RAW["broadcast_to"](value, shape)
+        value = _g.broadcast_to(value, shape)
     return value
 
 
@@ -442,13 +452,13 @@ def _scatter_update(self: Array, index: Any, value: Array) -> Array:
     shape = list(self.shape)
     size = math.prod(shape)
     pos_dtype = _dt.int32 if size < 2**31 else _dt.int64
-    positions = RAW["reshape"](ops.arange(0, size, 1, pos_dtype), shape)
+    positions = _g.reshape(ops.arange(0, size, 1, pos_dtype), shape)
     picked = getitem(positions, index)
     count = picked.size
-    flat_idx = RAW["reshape"](picked, [count])
-    updates = RAW["reshape"](_broadcast_value(value, list(picked.shape)), [count, 1])
-    flat = RAW["reshape"](self, [size])
-    return RAW["reshape"](RAW["scatter_single"](flat, flat_idx, updates, 0), shape)
+    flat_idx = _g.reshape(picked, [count])
+    updates = _g.reshape(_broadcast_value(value, list(picked.shape)), [count, 1])
+    flat = _g.reshape(self, [size])
+    return _g.reshape(_g.scatter_single(flat, flat_idx, updates, 0), shape)
 
 
 Array.__getitem__ = getitem  # type: ignore[method-assign]

@@ -6,9 +6,10 @@ the exception, returns non-zero, and the Python caller re-raises it.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ._gen import ARRAY_ARRAY_TYPE, new_vector, unpack_vector, vector_of
@@ -20,47 +21,42 @@ from .array import Array, FreedArrayError, asarray
 TreeDef = Any
 
 
+# The walks are module functions taking their state as arguments: a nested closure that reaches
+# itself would form a cycle keeping the caller's arrays alive until a garbage collection.
+def _flatten_into(node: Any, leaves: list[Array]) -> TreeDef:
+    if isinstance(node, Array):
+        leaves.append(node)
+        return None
+    if isinstance(node, dict):
+        return ("dict", tuple((k, _flatten_into(v, leaves)) for k, v in node.items()))
+    if isinstance(node, (list, tuple)):
+        return ("list" if isinstance(node, list) else "tuple", tuple(_flatten_into(v, leaves) for v in node))
+    if isinstance(node, (bool, int, float)):
+        leaves.append(asarray(node))
+        return None
+    raise TypeError(
+        f"transforms take arrays and (nested) dicts, lists or tuples of arrays, not {type(node).__name__}")
+
+
 def tree_flatten(tree: Any) -> tuple[list[Array], TreeDef]:
     """Arrays of a nested dict/list/tuple (leaves that are scalars become arrays), and its structure."""
     leaves: list[Array] = []
+    treedef = _flatten_into(tree, leaves)
+    return leaves, treedef
 
-    def walk(node: Any) -> TreeDef:
-        if isinstance(node, Array):
-            leaves.append(node)
-            return None
-        if isinstance(node, dict):
-            return ("dict", tuple((k, walk(v)) for k, v in node.items()))
-        if isinstance(node, (list, tuple)):
-            return ("list" if isinstance(node, list) else "tuple", tuple(walk(v) for v in node))
-        if isinstance(node, (bool, int, float)):
-            leaves.append(asarray(node))
-            return None
-        raise TypeError(f"transforms take arrays and (nested) dicts, lists or tuples of arrays, not {type(node).__name__}")
 
-    try:
-        return leaves, walk(tree)
-    finally:
-        # `walk` reaches itself through its closure: without this the cycle would keep `leaves`
-        # (the caller's arrays) alive until a garbage collection.
-        del walk
+def _unflatten_from(d: TreeDef, it: Iterator[Array]) -> Any:
+    if d is None:
+        return next(it)
+    kind, items = d
+    if kind == "dict":
+        return {k: _unflatten_from(v, it) for k, v in items}
+    seq = [_unflatten_from(v, it) for v in items]
+    return seq if kind == "list" else tuple(seq)
 
 
 def tree_unflatten(leaves: Sequence[Array], treedef: TreeDef) -> Any:
-    it = iter(leaves)
-
-    def build(d: TreeDef) -> Any:
-        if d is None:
-            return next(it)
-        kind, items = d
-        if kind == "dict":
-            return {k: build(v) for k, v in items}
-        seq = [build(v) for v in items]
-        return seq if kind == "list" else tuple(seq)
-
-    try:
-        return build(treedef)
-    finally:
-        del build  # a self-referencing closure, as in tree_flatten
+    return _unflatten_from(treedef, iter(leaves))
 
 
 # ---------------------------------------------------------------------- closures
@@ -71,8 +67,8 @@ _pending = threading.local()
 _alive: dict[int, Any] = {}
 
 
-@ffi.callback("int(*)(mlx_vector_array *, const mlx_vector_array, void *)")
-def _trampoline(res: Any, inputs: Any, payload: Any) -> int:
+def _call_host(res: Any, inputs: Any, payload: Any) -> int:
+    """Run the Python function of a closure for MLX (through `_trampoline`)."""
     try:
         fn = ffi.from_handle(payload)
         outputs = fn(unpack_vector(inputs))
@@ -85,9 +81,14 @@ def _trampoline(res: Any, inputs: Any, payload: Any) -> int:
         return 1
 
 
-@ffi.callback("void(*)(void *)")
-def _release(payload: Any) -> None:
+def _forget(payload: Any) -> None:
     _alive.pop(int(ffi.cast("uintptr_t", payload)), None)
+
+
+# The C callbacks, kept alive at module level for as long as MLX may call them (ffi.callback returns
+# an untyped object, hence the calls rather than decorators).
+_trampoline: Any = ffi.callback("int(*)(mlx_vector_array *, const mlx_vector_array, void *)")(_call_host)
+_release: Any = ffi.callback("void(*)(void *)")(_forget)
 
 
 def _raise_failure() -> None:
@@ -176,7 +177,7 @@ class Compiled:
         out = closure.apply(leaves)
         return tree_unflatten(out, out_defs[0])
 
-    def call_flat(self, inputs: Sequence[Array], tail: "FixedArrays | None" = None) -> list[Array]:
+    def call_flat(self, inputs: Sequence[Array], tail: FixedArrays | None = None) -> list[Array]:
         """Call with one flat list of arrays (the function takes and returns a list of arrays):
         no tree handling, for callers that replay a compiled step many times. `tail`: arrays
         passed after `inputs` in every call (weights, say), converted once instead of per call."""
@@ -235,10 +236,8 @@ class FixedArrays:
                 lib.mlx_array_free(handles[i])
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown
             self.release()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
 
 def compile(fn: Callable[..., Any], shapeless: bool = False) -> Compiled:  # noqa: A001
@@ -276,7 +275,7 @@ def _argnum_leaves(args: tuple[Any, ...], argnums: Sequence[int]) -> tuple[list[
     leaves, in_def = tree_flatten(args)
     spans: list[tuple[int, int]] = []
     start = 0
-    for i, arg in enumerate(args):
+    for arg in args:
         n = len(tree_flatten(arg)[0])
         spans.append((start, start + n))
         start += n
@@ -324,7 +323,8 @@ def grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0) -> Callable[.
     return lambda *args: vg(*args)[1]
 
 
-def vjp(fn: Callable[..., Any], primals: Sequence[Array], cotangents: Sequence[Array]) -> tuple[list[Array], list[Array]]:
+def vjp(fn: Callable[..., Any], primals: Sequence[Array], cotangents: Sequence[Array]) -> tuple[list[Array],
+        list[Array]]:
     """(outputs, vector-Jacobian products) of `fn(*primals)` for the given output cotangents."""
     closure = _Closure(lambda xs: _as_list(fn(*xs)))
     _k1, p = vector_of(primals)

@@ -8,6 +8,7 @@ float32 (bfloat16 adapters) get a float32 master copy: a bfloat16 weight cannot 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,7 +139,7 @@ class AdamW:
                 "bias_correction": self.bias_correction}
 
 
-def cosine_schedule(peak: float, total_steps: int, warmup: int = 0, end: float = 0.0):  # noqa: ANN201
+def cosine_schedule(peak: float, total_steps: int, warmup: int = 0, end: float = 0.0) -> Callable[[int], float]:
     """A learning rate schedule: linear warmup to `peak`, then cosine decay to `end` at `total_steps`."""
     def lr(step: int) -> float:
         if warmup and step <= warmup:

@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import device as _device, dtypes as _dt
+from . import device as _device
+from . import dtypes as _dt
 from ._loader import SIGNATURES, MLXError, check, fast, ffi, gc_cdata, last_error, lib, new_cdata
 from .array import (
     RESULT_SLOT,

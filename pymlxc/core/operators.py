@@ -7,7 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from . import _generated as _g, device as _device, dtypes as _dt, ops
+from . import _generated as _g
+from . import device as _device
+from . import dtypes as _dt
+from . import ops
 from ._gen import GENERATED_ENV, fail, result_lines
 from ._loader import fast, ffi, gc_cdata, new_cdata
 from .array import (

@@ -10,9 +10,11 @@ import builtins as _builtins
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from . import _generated as _g, dtypes as _dt
+from . import _generated as _g
+from . import dtypes as _dt
 from ._gen import RAW, arr
-from .array import Array, asarray, copy_handle as _copy_handle
+from .array import Array, asarray
+from .array import copy_handle as _copy_handle
 
 if TYPE_CHECKING:
     # The same re-exports as typed in _generated.pyi, whose __all__ lists exactly those of the loop below.

@@ -4,7 +4,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from . import _generated as _g, dtypes as _dt
+from . import _generated as _g
+from . import dtypes as _dt
 from ._loader import check, lib
 from .array import Array, new_handle, wrap
 

@@ -9,6 +9,9 @@ These wrappers are the per-op hot path, so each is generated as one flat functio
 kept as `__source__`): it calls mlx-c through the `fast` view (handles as `void *`, see _loader),
 reads the thread's stream from a cache, and adopts the result without further calls. A Python or
 numpy scalar next to an array operand is weakly typed against it, as in mlx.core (`WEAK_FROM`).
+
+Each wrapper also carries its parameters' types in `__annotations__` (strings): `_stubgen` writes
+them into `_generated.pyi`, which is how type checkers see these functions.
 """
 from __future__ import annotations
 

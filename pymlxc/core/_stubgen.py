@@ -79,7 +79,8 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pymlxc.core._stubgen", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pymlxc.core._stubgen",
+                                     description="Write the typed declarations of the generated wrappers.")
     parser.add_argument("--check", action="store_true", help="exit 1 when the committed stub differs")
     args = parser.parse_args(argv)
     text = render()

@@ -35,7 +35,7 @@ class MetalBackend:
     def available(self) -> bool:
         return self.unavailable_reason() is None
 
-    def load(self, path: str, config: LoadConfig | None = None, *, progress: Progress | None = None) -> "MetalTextModel":
+    def load(self, path: str, config: LoadConfig | None = None, *, progress: Progress | None = None) -> MetalTextModel:
         """Load the model directory (or GGUF file) at `path`. `progress(done, total)` is called while weights load."""
         config = config or LoadConfig()
         if config.gpu_layers not in (-1, 0):
@@ -49,7 +49,7 @@ class MetalBackend:
         return _load(path, config, progress)
 
 
-def _load(path: str, config: LoadConfig, progress: Progress | None) -> "MetalTextModel":
+def _load(path: str, config: LoadConfig, progress: Progress | None) -> MetalTextModel:
     # The loader, the models and the generation loops load here, not when pymlxc registers the backend.
     from .loader import gguf_file_of, load_gguf_model, load_weights_and_config  # noqa: PLC0415
     from .textmodel import MetalTextModel  # noqa: PLC0415
@@ -117,7 +117,7 @@ def check_vocab(tokenizer: Any, args: Any, source: str) -> None:
                       f"{'them' if len(beyond) > 1 else 'it'} cannot be run", UserWarning, stacklevel=3)
 
 
-def _model_info(loaded: Any) -> "ModelInfo":
+def _model_info(loaded: Any) -> ModelInfo:
     from pymlxc.types import ModelInfo  # noqa: PLC0415 - loaded with the model (see _load)
 
     args = loaded.model.args
@@ -135,7 +135,8 @@ def _config_eos_ids(config: Any) -> frozenset[int]:
     """eos_token_id of config.json (an id or a list), in case the tokenizer files lack it."""
     if not isinstance(config, dict):
         return frozenset()
-    sources = [config, config.get("text_config") if isinstance(config.get("text_config"), dict) else {}]
+    text_config = config.get("text_config")
+    sources: list[dict[str, Any]] = [config, text_config if isinstance(text_config, dict) else {}]
     ids: set[int] = set()
     for source in sources:
         value = source.get("eos_token_id")

@@ -63,7 +63,7 @@ def create_causal_mask(n: int, offset: int = 0, window_size: int | None = None) 
     return mask
 
 
-def make_prompt_mask(n: int, cache: "Cache | None" = None, window_size: int | None = None) -> Mask:
+def make_prompt_mask(n: int, cache: Cache | None = None, window_size: int | None = None) -> Mask:
     """The attention mask for a chunk of `n` tokens: None (one token, nothing to hide), "causal"
     (the fused kernel's own causal mask), or a boolean array when a sliding window cuts in."""
     if cache is not None:
@@ -98,7 +98,13 @@ class _KeyValueBuffers:
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        return 0 if self.keys is None or self.values is None else self.keys.nbytes + self.values.nbytes
+
+    def _held(self) -> tuple[Array, Array]:
+        """The keys and values, which are set and released together: both exist past the first update."""
+        if self.keys is None or self.values is None:
+            raise RuntimeError(f"the {type(self).__name__} holds no keys and values (empty, or its buffers released)")
+        return self.keys, self.values
 
     def snapshot(self) -> dict[str, object]:
         """The cache's state now (arrays are immutable: nothing is copied), for `restore`."""
@@ -136,7 +142,7 @@ class KVCache(_KeyValueBuffers):
             n_steps = (self.step + s - 1) // self.step
             new_k = mx.zeros((b, h, n_steps * self.step, dk), keys.dtype)
             new_v = mx.zeros((b, h, n_steps * self.step, dv), values.dtype)
-            if self.keys is not None:
+            if self.keys is not None and self.values is not None:
                 if prev < self._capacity:  # drop the unused tail before growing
                     self.keys = _slice(self.keys, [0, 0, 0, 0], [b, h, prev, dk], [1, 1, 1, 1])
                     self.values = _slice(self.values, [0, 0, 0, 0], [b, h, prev, dv], [1, 1, 1, 1])
@@ -147,8 +153,9 @@ class KVCache(_KeyValueBuffers):
             self._capacity = prev + n_steps * self.step
             self._dims = (b, h, dk, dv)
         _, _, dk, dv = self._dims
-        self.keys = _slice_update(self.keys, keys, [0, 0, prev, 0], [b, h, end, dk], [1, 1, 1, 1])
-        self.values = _slice_update(self.values, values, [0, 0, prev, 0], [b, h, end, dv], [1, 1, 1, 1])
+        held_k, held_v = self._held()
+        self.keys = _slice_update(held_k, keys, [0, 0, prev, 0], [b, h, end, dk], [1, 1, 1, 1])
+        self.values = _slice_update(held_v, values, [0, 0, prev, 0], [b, h, end, dv], [1, 1, 1, 1])
         self.offset = end
         if end < self._capacity:
             return (_slice(self.keys, [0, 0, 0, 0], [b, h, end, dk], [1, 1, 1, 1]),
@@ -166,14 +173,14 @@ class KVCache(_KeyValueBuffers):
 
     @property
     def state(self) -> tuple[Array, ...]:
-        return () if self.keys is None else (self.keys, self.values)
+        return () if self.keys is None or self.values is None else (self.keys, self.values)
 
     @property
     def meta_state(self) -> tuple[int, ...]:
         return (self.offset,)
 
     @classmethod
-    def from_state(cls, state: tuple[Array, ...], meta_state: tuple[int, ...]) -> "KVCache":
+    def from_state(cls, state: tuple[Array, ...], meta_state: tuple[int, ...]) -> KVCache:
         c = cls()
         (c.offset,) = meta_state
         if state:
@@ -183,13 +190,13 @@ class KVCache(_KeyValueBuffers):
             c._dims = (b, h, dk, c.values.shape[3])
         return c
 
-    def copy(self) -> "KVCache":
+    def copy(self) -> KVCache:
         """An independent cache with the same contents (arrays are immutable: no data is copied)."""
         c = KVCache()
         c.__dict__.update(self.__dict__)
         return c
 
-    def prefix(self, n: int) -> "KVCache | None":
+    def prefix(self, n: int) -> KVCache | None:
         """A copy holding only the first `n` tokens (for the prompt cache), or None when this cache
         holds fewer. Arrays are shared: updates of the copy write new arrays, never this cache's."""
         if self.keys is None or not 0 < n <= self.offset:
@@ -228,7 +235,7 @@ class KVCache(_KeyValueBuffers):
     def decode_buffers(self, ring: int) -> tuple[Array, Array]:
         """The keys and values as a decode buffer of `ring` slots (slot = position; `ring` covers
         every position written), zeros past the tokens held."""
-        k, v = self.keys, self.values
+        k, v = self._held()
         length = k.shape[2]
         if length == ring:
             return k, v
@@ -308,7 +315,7 @@ class RotatingKVCache(_KeyValueBuffers):
 
     def _grow(self, keys: Array, values: Array, new_len: int) -> None:
         b, h, dk, dv = self._b, self._h, self._dk, self._dv
-        if self.keys is not None and self._idx < self._len:
+        if self.keys is not None and self.values is not None and self._idx < self._len:
             # Unwrapped buffer with an unused tail: keep the valid part only.
             self.keys = self._cut(self.keys, 0, self._idx, dk)
             self.values = self._cut(self.values, 0, self._idx, dv)
@@ -316,7 +323,7 @@ class RotatingKVCache(_KeyValueBuffers):
         extra = new_len - self._len
         new_k = mx.zeros((b, h, extra, dk), keys.dtype)
         new_v = mx.zeros((b, h, extra, dv), values.dtype)
-        if self.keys is None:
+        if self.keys is None or self.values is None:
             self.keys, self.values = new_k, new_v
         else:
             self.keys = _concat([self.keys, new_k], axis=2)
@@ -325,13 +332,15 @@ class RotatingKVCache(_KeyValueBuffers):
 
     def _write(self, keys: Array, values: Array, at: int, s: int) -> None:
         b, h = self._b, self._h
-        self.keys = _slice_update(self.keys, keys, [0, 0, at, 0], [b, h, at + s, self._dk], [1, 1, 1, 1])
-        self.values = _slice_update(self.values, values, [0, 0, at, 0], [b, h, at + s, self._dv], [1, 1, 1, 1])
+        held_k, held_v = self._held()
+        self.keys = _slice_update(held_k, keys, [0, 0, at, 0], [b, h, at + s, self._dk], [1, 1, 1, 1])
+        self.values = _slice_update(held_v, values, [0, 0, at, 0], [b, h, at + s, self._dv], [1, 1, 1, 1])
 
     def _valid(self) -> tuple[Array, Array]:
+        k, v = self._held()
         if self.offset < self._len:
-            return self._cut(self.keys, 0, self.offset, self._dk), self._cut(self.values, 0, self.offset, self._dv)
-        return self.keys, self.values
+            return self._cut(k, 0, self.offset, self._dk), self._cut(v, 0, self.offset, self._dv)
+        return k, v
 
     def _append_in_place(self, keys: Array, values: Array, s: int) -> tuple[Array, Array]:
         # Nothing evicted yet and the chunk fits: same contents as mlx-lm's concatenation, no copy.
@@ -343,7 +352,7 @@ class RotatingKVCache(_KeyValueBuffers):
         return self._valid()
 
     def _update_concat(self, keys: Array, values: Array, s: int) -> tuple[Array, Array]:
-        if self.keys is None:
+        if self.keys is None or self.values is None:
             self.keys, self.values = keys, values
             self._len = s
         else:
@@ -368,8 +377,9 @@ class RotatingKVCache(_KeyValueBuffers):
             self._idx = prev
         trim_size = self._len - self.max_size
         if trim_size > 0:  # after an overflowing chunk: drop the oldest, back to max_size
-            self.keys = self._trim_front(trim_size, self.keys, self._dk)
-            self.values = self._trim_front(trim_size, self.values, self._dv)
+            held_k, held_v = self._held()
+            self.keys = self._trim_front(trim_size, held_k, self._dk)
+            self.values = self._trim_front(trim_size, held_v, self._dv)
             self._len = self.max_size
             self._idx = self.max_size
         if self._idx == self.max_size:
@@ -451,14 +461,14 @@ class RotatingKVCache(_KeyValueBuffers):
     # ------------------------------------------------------------------ protocol rest
     @property
     def state(self) -> tuple[Array, ...]:
-        return () if self.keys is None else (self.keys, self.values)
+        return () if self.keys is None or self.values is None else (self.keys, self.values)
 
     @property
     def meta_state(self) -> tuple[int, ...]:
         return (self.keep, self.max_size, self.offset, self._idx)
 
     @classmethod
-    def from_state(cls, state: tuple[Array, ...], meta_state: tuple[int, ...]) -> "RotatingKVCache":
+    def from_state(cls, state: tuple[Array, ...], meta_state: tuple[int, ...]) -> RotatingKVCache:
         keep, max_size, offset, idx = meta_state
         c = cls(max_size, keep)
         c.offset, c._idx = offset, idx
@@ -468,12 +478,12 @@ class RotatingKVCache(_KeyValueBuffers):
             c._set_dims(c.keys, c.values)
         return c
 
-    def copy(self) -> "RotatingKVCache":
+    def copy(self) -> RotatingKVCache:
         c = RotatingKVCache(self.max_size, self.keep)
         c.__dict__.update(self.__dict__)
         return c
 
-    def prefix(self, n: int) -> "RotatingKVCache | None":
+    def prefix(self, n: int) -> RotatingKVCache | None:
         """A cache in the state this one had after its first `n` tokens, as far as any later update
         can tell, or None when that state is gone (for the prompt cache; arrays are shared).
 
@@ -493,13 +503,14 @@ class RotatingKVCache(_KeyValueBuffers):
             if len(found) != n - lo:
                 return None
             slots = found[np.argsort(held[found])]
+        buffers = self._held()
         if len(slots) > 1 and not np.all(np.diff(slots) == 1):
             index = mx.array(slots.astype(np.int32))
-            keys, values = mx.take(self.keys, index, axis=2), mx.take(self.values, index, axis=2)
+            keys, values = mx.take(buffers[0], index, axis=2), mx.take(buffers[1], index, axis=2)
         else:
             start, stop = int(slots[0]), int(slots[-1]) + 1
             keys, values = (_slice(v, [0, 0, start, 0], [v.shape[0], v.shape[1], stop, v.shape[3]], [1, 1, 1, 1])
-                            for v in (self.keys, self.values))
+                            for v in buffers)
         return RotatingKVCache.from_state((keys, values), (self.keep, self.max_size, n, n - lo))
 
     def is_trimmable(self) -> bool:
@@ -534,15 +545,16 @@ class RotatingKVCache(_KeyValueBuffers):
         """The keys and values as a ring of `ring` slots, position p in slot p % ring (every
         position the ring can hold must still be here: `keep` == 0 or nothing evicted)."""
         offset = self.offset
+        held_k, held_v = self._held()
         if self._idx == offset and self._len == ring and offset <= ring:
-            return self.keys, self.values  # in temporal order, nothing evicted, `ring` long: the ring
+            return held_k, held_v  # in temporal order, nothing evicted, `ring` long: the ring
         # Otherwise pick, for every slot, the buffer entry holding its latest position.
         where = {int(p): i for i, p in enumerate(self._slot_positions()) if p >= 0}
         index = np.zeros(ring, dtype=np.int32)
         for s in range(min(ring, offset)):
             index[s] = where[s + ring * ((offset - 1 - s) // ring)]
         idx = mx.array(index)
-        return mx.take(self.keys, idx, axis=2), mx.take(self.values, idx, axis=2)
+        return mx.take(held_k, idx, axis=2), mx.take(held_v, idx, axis=2)
 
     def release_buffers(self) -> None:
         """Let go of the buffers while a decode session owns them; `take_back` returns them."""

@@ -64,7 +64,7 @@ class ChatTokenizer(Protocol):
 class _GenerationTag(Extension):
     # `{% generation %}...{% endgeneration %}` marks assistant text for training masks in some
     # templates; rendering a prompt only needs the body, unchanged.
-    tags = {"generation"}
+    tags = {"generation"}  # noqa: RUF012 - jinja2 declares Extension.tags a plain (not ClassVar) set
 
     def parse(self, parser: Any) -> nodes.Node:
         lineno = next(parser.stream).lineno
@@ -300,7 +300,7 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
     """The immutable sandbox with the bounds of the module doc."""
 
     intercepted_binops = frozenset({"*", "**", "+", "%"})
-    concat = staticmethod(_bounded_concat)  # type: ignore[assignment]
+    concat = staticmethod(_bounded_concat)
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
@@ -324,7 +324,8 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
                     if len(seq) * max(n, 0) > MAX_ITEMS:
                         raise _too_big("a repetition", len(seq) * n, MAX_ITEMS, "items")
                     _check_size((_weight(seq) - 1) * max(n, 0) + 1, "a repetition")  # the container counts once
-            if isinstance(left, int) and isinstance(right, int) and left.bit_length() + right.bit_length() > MAX_INT_BITS:
+            if (isinstance(left, int) and isinstance(right, int)
+                    and left.bit_length() + right.bit_length() > MAX_INT_BITS):
                 raise _too_big("a product", left.bit_length() + right.bit_length(), MAX_INT_BITS, "bits")
         elif operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
             if abs(left) > 1 and right * left.bit_length() > MAX_INT_BITS:
@@ -354,7 +355,8 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
                 _check_format(fmt, (), args[0] if args and isinstance(args[0], Mapping) else {})
             else:
                 _check_format(fmt, args, kwargs)
-            return _check_value(wrapped(*args, **kwargs), "a formatted string")
+            text: str = _check_value(wrapped(*args, **kwargs), "a formatted string")
+            return text
 
         return checked
 
@@ -382,7 +384,8 @@ class _Namespace(jinja2.utils.Namespace):
     @staticmethod
     def _check(name: Any) -> None:
         if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore names on a namespace: {name!r}")
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates cannot set underscore names on a namespace: {name!r}")
 
 
 @functools.lru_cache(maxsize=16)

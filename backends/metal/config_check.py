@@ -185,7 +185,8 @@ def check_params(cls: type, params: Any, prefix: str = "") -> dict[str, Any]:
 def check_args(args: Any, prefix: str = "") -> None:
     """The resolved arguments (after `__post_init__`): every field again, the RoPE entries, and the
     fields that must agree with each other."""
-    hints = _hints(type(args))
+    cls: type = type(args)
+    hints = _hints(cls)
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
     for name, value in values.items():
         check_value(prefix + name, hints[name], value)

@@ -21,7 +21,7 @@ import pymlxc.core as mx
 from pymlxc.types import AttentionSnapshot
 
 from . import memory_check
-from .cache import Mask
+from .cache import Cache, Mask
 from .generate import PREFILL_STEP
 from .models.base import recording_queries
 from .recurrent_cache import RecurrentCache
@@ -31,7 +31,7 @@ class _Recorded:
     """A layer's cache that keeps the keys of each `update_and_fetch` (the `Cache` protocol's
     other members are the wrapped cache's)."""
 
-    def __init__(self, cache: Any) -> None:
+    def __init__(self, cache: Cache) -> None:
         self.cache = cache
         self.keys: list[mx.Array] = []
 
@@ -53,7 +53,8 @@ class _Recorded:
 
 def _per_head(a: mx.Array) -> np.ndarray:
     """[1, heads, L, D] -> float32 [heads, L, D]."""
-    return np.asarray(mx.astype(a, mx.float32))[0]
+    heads: np.ndarray = np.asarray(mx.astype(a, mx.float32))[0]
+    return heads
 
 
 def _output_bytes(model: Any, cache: Sequence[Any], n: int, include_queries: bool) -> int:

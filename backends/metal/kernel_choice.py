@@ -1,26 +1,27 @@
-"""Which kernel multiplies a few rows of x by a 4-bit weight on CUDA: MLX's `quantized_matmul` or
-pymlxc's matrix-vector kernel (`kernels/matvec.py`).
+"""Which kernel multiplies a few rows of x by a 4-bit weight on CUDA: MLX's `quantized_matmul` or pymlxc's
+matrix-vector kernel (`kernels/matvec.py`).
 
 pymlxc's 4-bit kernel reads the weights at about 1.8x the bandwidth of MLX's (H100,
-`benchmarks/profile/probe_matvec.py`), but on small matrices a call of it costs more host time (10 against
-6 us per call, as if MLX took longer to encode a custom-kernel node than its own). So it pays where the device bounds a decode step: many weight bytes per layer, whose encoding costs the
-same whatever their size. Measured on an H100 (decode tok/s, MLX's kernel -> pymlxc's):
-Llama-3.1-8B 4-bit 171 -> 262, Llama-3.2-1B 4-bit 677 -> 789, Qwen3-0.6B 4-bit 411 -> 398.
+`benchmarks/profile/probe_matvec.py`), but on small matrices a call of it costs more host time (10 against 6
+us per call, as if MLX took longer to encode a custom-kernel node than its own). So it pays where the device
+bounds a decode step: many weight bytes per layer, whose encoding costs the same whatever their size. Measured
+on an H100 (decode tok/s, MLX's kernel -> pymlxc's): Llama-3.1-8B 4-bit 171 -> 262, Llama-3.2-1B 4-bit 677 ->
+789, Qwen3-0.6B 4-bit 411 -> 398.
 
-`nn.choose_cuda_matvec(model, setting)` decides once, at load, for the device in use then, and
-marks the model's layers (`use_cuda_matvec`). It runs the kernel once there: NVRTC compiles it then (about 1.5 s on an H100,
-once per process), not in the first generation, and a kernel that cannot run on this machine
-leaves the model on MLX's kernel with a warning instead of failing a generation. `PYMLXC_CUDA_MATVEC` sets it: `auto` (the default: when the model has at least
-`AUTO_MIN_BYTES_PER_LAYER` of 4-bit weights per transformer block, its head and embedding
-included), `1` (any size) or `0` (never).
+`nn.choose_cuda_matvec(model, setting)` decides once, at load, for the device in use then, and marks the
+model's layers (`use_cuda_matvec`). It runs the kernel once there: NVRTC compiles it then (about 1.5 s on an
+H100, once per process), not in the first generation, and a kernel that cannot run on this machine leaves the
+model on MLX's kernel with a warning instead of failing a generation. `PYMLXC_CUDA_MATVEC` sets it: `auto`
+(the default: when the model has at least `AUTO_MIN_BYTES_PER_LAYER` of 4-bit weights per transformer block,
+its head and embedding included), `1` (any size) or `0` (never).
 
-GGUF files: Q4_0, Q4_1 and Q4_K layers are repacked as 4 bits at group 32, which the kernel takes
-when x is in the scales' float16, as in quantized files computing in float16 (`gguf_tensors.compute_dtype`);
-5- and 8-bit layers (Q5_0, Q5_1, Q5_K, Q8_0) stay on MLX's kernel (this one unpacks nibbles only),
-and Q2_K/Q3_K/Q6_K are read by `kernels/gguf_blocks.py`. `kernel_takes` says which.
+GGUF files: Q4_0, Q4_1 and Q4_K layers are repacked as 4 bits at group 32, which the kernel takes when x is in
+the scales' float16, as in quantized files computing in float16 (`gguf_tensors.compute_dtype`); 5- and 8-bit
+layers (Q5_0, Q5_1, Q5_K, Q8_0) stay on MLX's kernel (this one unpacks nibbles only), and Q2_K/Q3_K/Q6_K are
+read by `kernels/gguf_blocks.py`. `kernel_takes` says which.
 
-Inside `mlx_kernels_only()` every product goes to MLX: a shapeless trace (the compiled prefill)
-must not bake in a row count, and gradients (training) need MLX's own transposes.
+Inside `mlx_kernels_only()` every product goes to MLX: a shapeless trace (the compiled prefill) must not bake
+in a row count, and gradients (training) need MLX's own transposes.
 """
 from __future__ import annotations
 
@@ -32,15 +33,16 @@ from typing import Any
 
 import pymlxc.core as mx
 from pymlxc.core import Array
+from pymlxc.core.cuda_kernel import SharedKernel
 
 from .kernels import matvec as matvec_kernel
 
 # 4-bit bytes per block: Llama-3.1-8B 140 MB, Llama-3.2-1B 43 MB, Gemma-3-1B 22 MB, Qwen3-0.6B 12 MB.
 AUTO_MIN_BYTES_PER_LAYER = 30_000_000
 _state = threading.local()
-_the_kernel = mx.fast.SharedKernel(matvec_kernel.QUANTIZED_NAME, matvec_kernel.QUANTIZED_INPUTS,
-                                   matvec_kernel.OUTPUT_NAMES, matvec_kernel.QUANTIZED_SOURCE,
-                                   header=matvec_kernel.HEADER)
+_the_kernel = SharedKernel(matvec_kernel.QUANTIZED_NAME, matvec_kernel.QUANTIZED_INPUTS,
+                           matvec_kernel.OUTPUT_NAMES, matvec_kernel.QUANTIZED_SOURCE,
+                           header=matvec_kernel.HEADER)
 
 
 def _use(cuda_matvec: bool) -> bool:

@@ -16,8 +16,8 @@ from typing import Any
 import pymlxc.core as mx
 from pymlxc.core import Array
 
-from .kernel_choice import mlx_kernels_only
 from . import nn as _nn
+from .kernel_choice import mlx_kernels_only
 from .nn import Embedding, Linear, Module, QuantizedEmbedding, QuantizedLinear
 
 _DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
@@ -216,7 +216,8 @@ def attach(model: Module, specs: Sequence[LoRASpec], *, dropout: float = 0.0, dt
             raise ValueError(f"the model has no layer {spec.path!r}") from None
         if isinstance(base, LoRALinear):
             raise ValueError(f"{spec.path!r} already has a LoRA adapter; remove it first")
-        linear_dims(base)  # type check with a clear message
+        if not isinstance(base, Linear | QuantizedLinear):
+            raise TypeError(f"LoRA wraps Linear and QuantizedLinear layers, not {type(base).__name__} ({spec.path!r})")
         layer = LoRALinear(base, spec.rank, spec.scale, dropout=dropout, dtype=_DTYPES[dtype], key=keys[i],
                            dropout_keys=dropout_keys)
         set_module(model, spec.path, layer)
@@ -254,10 +255,11 @@ def dequantize_model(model: Module) -> int:
     for path, module in list(model.named_modules()):
         if isinstance(module, QuantizedLinear):
             out_dims, in_dims = module.output_dims, module.input_dims
-            dense: Module = Linear(in_dims, out_dims, bias="bias" in vars(module))
-            dense.weight = mx.dequantize(module.weight, module.scales, module.biases, module.group_size, module.bits)
+            linear = Linear(in_dims, out_dims, bias="bias" in vars(module))
+            linear.weight = mx.dequantize(module.weight, module.scales, module.biases, module.group_size, module.bits)
             if "bias" in vars(module):
-                dense.bias = module.bias
+                linear.bias = vars(module)["bias"]
+            dense: Module = linear
         elif isinstance(module, QuantizedEmbedding):
             n = module.weight.shape[0]
             dense = Embedding(n, module.scales.shape[1] * module.group_size)
@@ -289,7 +291,7 @@ def _checkpointed(cls: type) -> type:
         def inner(p: dict[str, Array], pos: list[Array], kw: dict[str, Array]) -> Any:
             self.update(p)
             full = list(args)
-            for i, a in zip(array_pos, pos):
+            for i, a in zip(array_pos, pos, strict=True):
                 full[i] = a
             with mlx_kernels_only():  # traced again in the backward pass, where gradients are taken
                 return cls.__call__(self, *full, **{**kwargs, **kw})

@@ -21,6 +21,7 @@ it does not promise that one that passes fits on a machine that is nearly full.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,10 +46,8 @@ def _cpu_memory() -> list[int]:
     """What bounds this process on the host: physical memory, a cgroup limit, an address-space or
     data-segment rlimit (each where the platform reports it)."""
     out: list[int] = []
-    try:
+    with contextlib.suppress(ValueError, OSError, AttributeError):
         out.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):
-        pass
     for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
         try:
             with open(path, encoding="ascii") as f:
@@ -130,12 +129,14 @@ def layer_shapes(model: Any, cache: Sequence[Any]) -> list[LayerShape] | None:
         return None
     compute = getattr(model, "compute_dtype", None)
     out = []
-    for layer, _ in zip(layers, cache):
+    for layer, _ in zip(layers, cache, strict=False):
         attn = getattr(layer, "self_attn", None)
         try:
             if attn is None and getattr(layer, "linear_attn", None) is not None:
                 out.append(_linear_shape(layer.linear_attn, compute))
                 continue
+            if attn is None:  # neither attention nor linear attention: not a layer this estimate knows
+                return None
             itemsize = _out_dtype(attn.k_proj, compute).size
             out.append(LayerShape(2 * attn.n_kv_heads * attn.head_dim * itemsize, attn.n_heads, attn.n_kv_heads,
                                   attn.head_dim, itemsize))
@@ -179,7 +180,7 @@ def estimate(model: Any, cache: Sequence[Any], *, batch: int, prompt_len: int, n
     unfused = mx.default_device().type == "cpu"  # MLX's CPU attention materializes its scores
     chunk = min(step, prompt_len)
     chunks = -(-prompt_len // step) if step > 0 else 1
-    for c, shape in zip(cache, shapes):
+    for c, shape in zip(cache, shapes, strict=False):
         if shape.state_bytes:  # the state now, and a snapshot per multi-token chunk (the latest few)
             copies = 1 + min(MAX_SNAPSHOTS, chunks)
             now = c.nbytes if isinstance(c, RecurrentCache) else 0

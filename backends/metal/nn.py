@@ -53,7 +53,7 @@ class Module:
         self._frozen: set[str] = set()
 
     # ------------------------------------------------------------------ traversal
-    def children(self) -> Iterator[tuple[str, "Module"]]:
+    def children(self) -> Iterator[tuple[str, Module]]:
         """Direct child modules as (name, module); list items are named `name.i`."""
         for name, value in vars(self).items():
             if name.startswith("_"):
@@ -65,7 +65,7 @@ class Module:
                     if isinstance(item, Module):
                         yield f"{name}.{i}", item
 
-    def named_modules(self, prefix: str = "") -> Iterator[tuple[str, "Module"]]:
+    def named_modules(self, prefix: str = "") -> Iterator[tuple[str, Module]]:
         """This module (named `prefix`) and every descendant, depth first, with flat names."""
         # A stack rather than nested generators: every load, update and free walks the tree.
         stack: list[tuple[str, Module]] = [(prefix, self)]
@@ -121,18 +121,18 @@ class Module:
                     else:
                         module._frozen.discard(name)
 
-    def freeze(self, keys: str | Iterable[str] | None = None, *, recurse: bool = True) -> "Module":
+    def freeze(self, keys: str | Iterable[str] | None = None, *, recurse: bool = True) -> Module:
         """Exclude parameters from training: all, or those whose local name (e.g. "bias") or flat
         name (e.g. "layers.0.mlp.up_proj.weight") is in `keys`."""
         self._set_frozen(keys, recurse, True)
         return self
 
-    def unfreeze(self, keys: str | Iterable[str] | None = None, *, recurse: bool = True) -> "Module":
+    def unfreeze(self, keys: str | Iterable[str] | None = None, *, recurse: bool = True) -> Module:
         self._set_frozen(keys, recurse, False)
         return self
 
     # ------------------------------------------------------------------ updating
-    def _owners(self) -> Callable[[str], tuple["Module", str]]:
+    def _owners(self) -> Callable[[str], tuple[Module, str]]:
         """`resolve(flat name)` -> (owning module, local name), KeyError when no such module. The
         modules of every prefix are kept: a checkpoint's names share their prefixes
         ("model.layers.3.self_attn"), so each module is reached by one step from its parent."""
@@ -160,7 +160,7 @@ class Module:
 
         return resolve
 
-    def update(self, weights: Mapping[str, Array], *, strict: bool = False) -> "Module":
+    def update(self, weights: Mapping[str, Array], *, strict: bool = False) -> Module:
         """Set parameters by flat name. With `strict`, unknown names raise WeightsError."""
         resolve = self._owners()
         for path, value in weights.items():
@@ -175,7 +175,7 @@ class Module:
             setattr(module, leaf, value)
         return self
 
-    def load_weights(self, weights: Mapping[str, Array], *, strict: bool = True) -> "Module":
+    def load_weights(self, weights: Mapping[str, Array], *, strict: bool = True) -> Module:
         """Replace parameters from a flat dict. With `strict` (the default) every parameter must be
         given with its shape, and no other tensor may be: errors name the tensor(s)."""
         if strict:
@@ -184,10 +184,12 @@ class Module:
             unexpected = sorted(set(weights) - set(params))
             if missing:
                 raise WeightsError(f"missing tensor{'s' if len(missing) > 1 else ''} in checkpoint: "
-                                   + ", ".join(missing[:10]) + (f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""))
+                                   + ", ".join(missing[:10])
+                                   + (f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""))
             if unexpected:
                 raise WeightsError(f"unexpected tensor{'s' if len(unexpected) > 1 else ''} in checkpoint: "
-                                   + ", ".join(unexpected[:10]) + (f" (and {len(unexpected) - 10} more)" if len(unexpected) > 10 else ""))
+                                   + ", ".join(unexpected[:10])
+                                   + (f" (and {len(unexpected) - 10} more)" if len(unexpected) > 10 else ""))
             for name, value in weights.items():
                 want, got = params[name].shape, value.shape
                 if want != got:
@@ -218,6 +220,9 @@ class Module:
 class Linear(Module):
     """y = x W^T (+ b), W of shape (out, in) as in HF checkpoints."""
 
+    weight: Array
+    _wT: Array  # set with `weight`, by __setattr__
+
     def __init__(self, input_dims: int, output_dims: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = mx.zeros((output_dims, input_dims))
@@ -231,7 +236,7 @@ class Linear(Module):
             super().__setattr__("_wT", _T(value))
 
     def __call__(self, x: Array) -> Array:
-        b = self.__dict__.get("bias")
+        b: Array | None = self.__dict__.get("bias")
         if b is None:
             return _matmul(x, self._wT)
         if getattr(_trace_state, "shapeless", False):
@@ -278,7 +283,7 @@ class QuantizedLinear(Module):
         return self.weight.shape[0]
 
     @classmethod
-    def from_linear(cls, linear: Linear, group_size: int = 64, bits: int = 4) -> "QuantizedLinear":
+    def from_linear(cls, linear: Linear, group_size: int = 64, bits: int = 4) -> QuantizedLinear:
         out_dims, in_dims = linear.weight.shape
         b = linear.__dict__.get("bias")
         q = cls(in_dims, out_dims, b is not None, group_size=group_size, bits=bits, dtype=linear.weight.dtype)
@@ -299,6 +304,9 @@ class QuantizedLinear(Module):
 
 class Embedding(Module):
     """Token id -> row of `weight` (vocab, dims)."""
+
+    weight: Array
+    _wT: Array  # set with `weight`, by __setattr__
 
     def __init__(self, num_embeddings: int, dims: int) -> None:
         super().__init__()
@@ -342,7 +350,7 @@ class QuantizedEmbedding(Module):
         self._cuda_matvec = bool(on)
 
     @classmethod
-    def from_embedding(cls, emb: Embedding, group_size: int = 64, bits: int = 4) -> "QuantizedEmbedding":
+    def from_embedding(cls, emb: Embedding, group_size: int = 64, bits: int = 4) -> QuantizedEmbedding:
         n, dims = emb.weight.shape
         q = cls(n, dims, group_size=group_size, bits=bits, dtype=emb.weight.dtype)
         q.weight, q.scales, q.biases = mx.quantize(emb.weight, group_size, bits)
@@ -375,6 +383,9 @@ class OffsetRMSNorm(Module):
     weight is set (loading), not in every call, and so never inside a traced function. The initial
     zeros get no sum (a model has hundreds of these norms, and loading replaces them all); a norm
     whose weight was never set forms it in each call."""
+
+    weight: Array
+    _scale: Array | None  # 1 + weight, set with `weight` by __setattr__
 
     def __init__(self, dims: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -420,15 +431,16 @@ def quantize(model: Module, predicate: QuantPredicate, *, group_size: int = 64, 
             new: Module
             if isinstance(choice, dict):
                 params.update({k: int(v) for k, v in choice.items() if k in params})
-            dtype = child.weight.dtype
             if form is not None:
                 new = form(child, **params)
             elif isinstance(child, Linear):
                 out_dims, in_dims = child.weight.shape
-                new = QuantizedLinear(in_dims, out_dims, "bias" in vars(child), dtype=dtype, **params)
-            else:
+                new = QuantizedLinear(in_dims, out_dims, "bias" in vars(child), dtype=child.weight.dtype, **params)
+            elif isinstance(child, Embedding):
                 n, dims = child.weight.shape
-                new = QuantizedEmbedding(n, dims, dtype=dtype, **params)
+                new = QuantizedEmbedding(n, dims, dtype=child.weight.dtype, **params)
+            else:  # not reached: the test above lets only these through
+                continue
             _replace(module, name, new)
             changed += 1
     return changed

@@ -169,7 +169,8 @@ class PromptCache:
         fewer of them): caches made with other weights would give other results."""
         params = list(params)
         with self._lock:
-            same = len(params) == len(self._weights) and all(r() is p for r, p in zip(self._weights, params))
+            same = len(params) == len(self._weights) and all(
+                r() is p for r, p in zip(self._weights, params, strict=True))
             if not same:
                 self._entries.clear()
                 self._weights = [weakref.ref(p) for p in params]
@@ -252,10 +253,10 @@ def model_identity(model: Any, model_type: str) -> dict[str, str]:
     samples = [mx.astype(mx.reshape(params[n], (-1,))[:_SAMPLE], mx.float32) for n in names]
     mx.eval(samples)
     args = getattr(model, "args", None)
-    config = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else {}
+    config = dataclasses.asdict(args) if dataclasses.is_dataclass(args) and not isinstance(args, type) else {}
     digest = hashlib.sha256()
     digest.update(json.dumps({"model_type": model_type, "config": config}, sort_keys=True, default=str).encode())
-    for name, sample in zip(names, samples):
+    for name, sample in zip(names, samples, strict=True):
         a = params[name]
         digest.update(f"{name}:{tuple(a.shape)}:{_dtype_name(a)}:".encode())
         digest.update(np.asarray(sample, dtype=np.float32).tobytes())

@@ -74,7 +74,7 @@ class RecurrentCache:
 
     @property
     def state(self) -> tuple[Array, ...]:
-        arrays = [] if self.conv is None else [self.conv, self.recurrent]
+        arrays: list[Array] = [] if self.conv is None or self.recurrent is None else [self.conv, self.recurrent]
         for conv, rec in self._snapshots.values():
             arrays += [conv, rec]
         return tuple(arrays)
@@ -104,7 +104,7 @@ class RecurrentCache:
         self.offset = 0
 
     # ------------------------------------------------------------------ copies and prefixes
-    def copy(self) -> "RecurrentCache":
+    def copy(self) -> RecurrentCache:
         c = RecurrentCache()
         c.offset, c.conv, c.recurrent, c.left_padding = self.offset, self.conv, self.recurrent, self.left_padding
         c._snapshots = OrderedDict(self._snapshots)
@@ -116,7 +116,7 @@ class RecurrentCache:
             return self.offset
         return max((m for m in self._snapshots if m <= n), default=0)
 
-    def prefix(self, n: int) -> "RecurrentCache | None":
+    def prefix(self, n: int) -> RecurrentCache | None:
         """A cache in this one's state after its first `n` tokens, or None where that state was
         not kept. Arrays are shared; later updates of either write new arrays."""
         if self.conv is None or self.left_padding is not None or not 0 < n <= self.offset:
@@ -151,7 +151,7 @@ class RecurrentCache:
 
     @classmethod
     def from_file(cls, convs: Array, states: Array, meta: Sequence[int], tokens: int,
-                  like: "RecurrentCache") -> "RecurrentCache":
+                  like: RecurrentCache) -> RecurrentCache:
         """A cache from a prompt cache file's arrays (see `file_state`), checked against `like` (a
         cache the model has written one token into): the same batch, window, channels, heads and
         dtypes, one array per kept state, the kept states before the tokens seen, in order."""
@@ -176,7 +176,7 @@ class RecurrentCache:
     # ------------------------------------------------------------------ compiled decode
     def decode_buffers(self) -> tuple[Array, Array]:
         """The arrays a compiled decode step takes and returns in place of keys and values."""
-        if self.conv is None:
+        if self.conv is None or self.recurrent is None:
             raise RecurrentCacheError("the compiled decode needs a prefilled recurrent cache")
         return self.conv, self.recurrent
 

@@ -60,7 +60,7 @@ class StepQueue:
         if self._thread is None:
             mx.async_eval(list(arrays))
             return None
-        ticket = self._thread.submit(arrays)
+        ticket = self._thread.submit(list(arrays))
         self._pending.append(ticket)
         return ticket
 

@@ -21,7 +21,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import pymlxc.core as mx
@@ -29,9 +29,7 @@ from pymlxc.model import GenerationCancelled, ModelClosedError
 from pymlxc.options import GenerateConfig, LoadConfig, check_template_kwargs, make_config
 from pymlxc.types import AttentionSnapshot, BatchResult, ClassifyResult, GenerateMetrics, Message, ModelInfo, Token
 
-from . import batching
-from . import generate as loops
-from . import prompt_cache as pcache
+from . import batching, generate as loops, prompt_cache as pcache
 from .decode.decoder import CompiledDecoder
 from .distributed.runtime import agree_options
 from .sample import Sampler, make_logits_processors, make_sampler
@@ -70,9 +68,7 @@ def _tokens(ids: Iterator[int], detokenizer: Detokenizer, last: int | None = Non
     reaches it also carries what `finish()` releases, so that the texts add up to the decode. A
     stream that ends earlier (a stop id, an error) drops an unfinished character at its end.
     """
-    count = 0
-    for token_id in ids:
-        count += 1
+    for count, token_id in enumerate(ids, 1):
         piece = detokenizer.add(token_id)
         if count == last:
             piece += detokenizer.finish()
@@ -111,6 +107,8 @@ class MetalTextModel(TrainableMixin):
     at each of its calls, so concurrent callers do not see one another's errors. It is a copy
     without traceback (see `_detached`).
     """
+
+    _tokenizer: TokenizerLike
 
     def __init__(self, model: Any, tokenizer: TokenizerLike, *, model_type: str, info: ModelInfo,
                  release: Callable[[], None] | None = None, config: LoadConfig | None = None,
@@ -454,7 +452,7 @@ class MetalTextModel(TrainableMixin):
             self._model = None
             mx.clear_cache()
 
-    def __enter__(self) -> "MetalTextModel":
+    def __enter__(self) -> MetalTextModel:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -505,7 +503,7 @@ class MetalTextModel(TrainableMixin):
     def _begin(self, config: dict[str, Any]) -> GenerateConfig:
         """Start a call: check the model and options (raising at once) and reset err()."""
         self._check_open()
-        options = make_config(GenerateConfig, **config)
+        options: GenerateConfig = make_config(GenerateConfig, **config)
         if self._distributed:  # every rank must run the same steps: one seed, no timeout (distributed/runtime.py)
             options = agree_options(options)
         self._errors[threading.get_ident()] = None
@@ -604,7 +602,8 @@ class MetalTextModel(TrainableMixin):
             metrics.prompt_cache_restore_duration = use.restore_duration
             # Prefill speed counts the tokens that went through the model, not those restored.
             prefilled = metrics.prompt_tokens - use.hit_tokens
-            metrics.prefill_tokens_per_sec = prefilled / metrics.prefill_duration if metrics.prefill_duration > 0 else 0.0
+            metrics.prefill_tokens_per_sec = (prefilled / metrics.prefill_duration
+                                              if metrics.prefill_duration > 0 else 0.0)
         self._metrics = metrics
 
     def _stream(self, model: Any, ids: list[int], options: GenerateConfig,
@@ -617,7 +616,7 @@ class MetalTextModel(TrainableMixin):
         return self._reporting(self._token_stream(model, ids, options, guard), owner)
 
     def _token_stream(self, model: Any, ids: list[int], options: GenerateConfig,
-                      guard: loops.Guard | None = None) -> Iterator[Token]:
+                      guard: loops.Guard | None = None) -> Generator[Token, None, None]:
         if guard is None:
             guard = loops.Guard.make(options.cancel, options.timeout, self._is_closed)
         timings = loops.Timings()
@@ -636,12 +635,13 @@ class MetalTextModel(TrainableMixin):
                 try:
                     yield from _tokens(id_stream, self._tokenizer.detokenizer(), last=options.max_tokens)
                 finally:
-                    id_stream.close()
+                    if isinstance(id_stream, Generator):  # generate_ids is one; its cleanup runs here
+                        id_stream.close()
                     self._keep_prompt_cache(ids + sampled, cache)
         finally:
             self._finish(timings, use)
 
-    def _reporting(self, tokens: Iterator[Token], owner: int) -> Iterator[Token]:
+    def _reporting(self, tokens: Generator[Token, None, None], owner: int) -> Iterator[Token]:
         """Run each step of `tokens` as a counted step on the model's device. An error is kept for
         err() (of the thread that made the call); cancellation, timeout and close() end the stream
         quietly, any other error is raised as well."""

@@ -40,8 +40,8 @@ def _token_text(value: Any) -> str | None:
     # tokenizer_config.json stores a special token as a string or as a serialized AddedToken.
     if isinstance(value, str):
         return value
-    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
-        return value["content"]
+    if isinstance(value, Mapping) and isinstance(content := value.get("content"), str):
+        return content
     return None
 
 
@@ -76,7 +76,8 @@ class Tokenizer:
             except (json.JSONDecodeError, RecursionError) as bad:
                 raise TokenizerLoadError(f"{tokenizer_file}: not valid JSON: {bad}") from exc
             if not isinstance(value, dict):
-                raise TokenizerLoadError(f"{tokenizer_file}: expected a JSON object, got {type(value).__name__}") from exc
+                raise TokenizerLoadError(
+                    f"{tokenizer_file}: expected a JSON object, got {type(value).__name__}") from exc
             raise TokenizerLoadError(f"{tokenizer_file}: not a valid tokenizers file: {exc}") from exc
         del text
 
@@ -89,7 +90,7 @@ class Tokenizer:
     @classmethod
     def from_parts(cls, backend: tokenizers.Tokenizer, *, tok_config: Mapping[str, Any] | None = None,
                    special_map: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None,
-                   gen_config: Mapping[str, Any] | None = None) -> "Tokenizer":
+                   gen_config: Mapping[str, Any] | None = None) -> Tokenizer:
         """A tokenizer from a ready pipeline and the contents of the HF files as dicts, for models
         that are not a directory of those files (GGUF: see `gguf_tokenizer.py`)."""
         self = cls.__new__(cls)
@@ -99,7 +100,8 @@ class Tokenizer:
 
     def _configure(self, root: Path | None, tok_config: Mapping[str, Any], special_map: Mapping[str, Any],
                    config: Mapping[str, Any], gen_config: Mapping[str, Any]) -> None:
-        text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+        nested = config.get("text_config")
+        text_config: Mapping[str, Any] = nested if isinstance(nested, dict) else {}
 
         self.model_type: str | None = config.get("model_type")
         self.chat_template: str | None = self._template(root, tok_config)
@@ -346,7 +348,10 @@ class StreamingDetokenizer:
         self._prefix_text = ""
 
     def _byte(self, token_id: int) -> int:
-        return int(self._backend.id_to_token(token_id)[3:5], 16)  # "<0xNN>"
+        token = self._backend.id_to_token(token_id)
+        if token is None:
+            raise ValueError(f"token id {token_id} is not in the vocabulary")
+        return int(token[3:5], 16)  # "<0xNN>"
 
     def _settle(self, *, final: bool) -> str:
         """Move the pending byte-fallback ids that form whole characters into the window, and turn

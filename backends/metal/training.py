@@ -8,17 +8,23 @@ and `_model_type`.
 from __future__ import annotations
 
 import contextlib
-from contextlib import AbstractContextManager
 import json
 import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import pymlxc.core as mx
 from pymlxc.core import Array
+from pymlxc.settings import Settings
 from pymlxc.training.adapters import (
-    AdapterError, AdapterWeights, check_shapes, read_adapter, write_mlx_adapter, write_peft_adapter,
+    AdapterError,
+    AdapterWeights,
+    check_shapes,
+    read_adapter,
+    write_mlx_adapter,
+    write_peft_adapter,
 )
 from pymlxc.training.config import Encoder, LoRAConfig
 
@@ -145,6 +151,7 @@ class TrainableMixin:
     _adapter: MetalLoRAAdapter | None = None
     # MetalTextModel's counted step: close() frees nothing while one runs, and refuses new ones.
     _step: Callable[[], AbstractContextManager[None]]
+    settings: Settings  # the PYMLXC_* switches the model runs with
 
     # ------------------------------------------------------------------ TrainableModel
     def apply_lora(self, config: LoRAConfig | None = None, *, seed: int = 0) -> MetalLoRAAdapter:
@@ -176,7 +183,8 @@ class TrainableMixin:
             weights = read_adapter(path)
             saved_type = weights.config.get("model_type")
             if isinstance(saved_type, str) and _family(saved_type) != _family(self._model_type):
-                raise AdapterError(f"{path}: the adapter was trained on a {saved_type!r} model, this is {self._model_type!r}")
+                raise AdapterError(
+                    f"{path}: the adapter was trained on a {saved_type!r} model, this is {self._model_type!r}")
             weights = _rename_modules(weights, model)
             dims = {p: lora.linear_dims(lora.get_module(model, p)) for p in _linear_paths(model)}
             check_shapes(weights, dims, f"this {self._model_type} model")
@@ -244,9 +252,12 @@ class TrainableMixin:
     def logits(self, inputs: Array) -> Array:
         """Logits [B, L, V] of a [B, L] token array, without a cache (causal attention), through
         MLX's kernels only: their gradients are defined."""
-        with self._step():
-            with mlx_kernels_only():
-                return self._net()(inputs)
+        with self._step(), mlx_kernels_only():
+            net = self._net()
+            if not callable(net):
+                raise TypeError(f"{type(net).__name__} is a module, not a language model: it cannot be called")
+            logits: Array = net(inputs)
+            return logits
 
     def training_encoder(self) -> Encoder:
         from .chat_template import builtin_template, render_chat
@@ -285,7 +296,7 @@ class TrainableMixin:
 
     # ------------------------------------------------------------------ helpers
     def _net(self) -> Module:
-        model = self._model
+        model: Module | None = self._model
         if model is None:
             from pymlxc.model import ModelClosedError
 

@@ -25,6 +25,7 @@ import numpy as np
 
 import pymlxc.core as mx
 from pymlxc.core import Array
+from pymlxc.core.cuda_kernel import SharedKernel
 
 from .check import CheckedOnce
 
@@ -115,14 +116,17 @@ def applies(d: int, dtype: Any) -> bool:
     return dtype.size == 2 and dtype in (mx.bfloat16, mx.float16) and geometry(d) is not None
 
 
-_the_kernel = mx.fast.SharedKernel(NAME, INPUTS, OUTPUTS, SOURCE, header=HEADER)
+_the_kernel = SharedKernel(NAME, INPUTS, OUTPUTS, SOURCE, header=HEADER)
 
 
 def add_rms_norm(a: Array, b: Array, weight: Array, eps: float) -> tuple[Array, Array]:
     """(a + b, rms_norm(a + b) * weight) in one kernel; `applies(a.shape[-1], a.dtype)` must hold,
     a, b of one shape and dtype, weight [D] of that dtype."""
     d = a.shape[-1]
-    block, chunks = geometry(d)  # type: ignore[misc] - the caller checked applies()
+    shape = geometry(d)
+    if shape is None:  # callers check applies() first
+        raise ValueError(f"add_rms_norm has no kernel geometry for rows of {d} values; check applies() first")
+    block, chunks = shape
     rows = a.size // d
     outs = _the_kernel()([a, b, weight, mx.array([eps], dtype=mx.float32)],
                          output_shapes=[tuple(a.shape), tuple(a.shape)], output_dtypes=[a.dtype, a.dtype],
@@ -150,7 +154,7 @@ def _compare(d: int, dtype: Any) -> str | None:
     rng = np.random.default_rng(0)
     a, b, w = (mx.astype(mx.array(rng.standard_normal(s).astype(np.float32)), dtype) for s in [(3, d), (3, d), (d,)])
     got, want = add_rms_norm(a, b, w, 1e-5), unfused(a, b, w, 1e-5)
-    if all(bool(mx.array_equal(g, e).item()) for g, e in zip(got, want)):
+    if all(bool(mx.array_equal(g, e).item()) for g, e in zip(got, want, strict=True)):
         return None
     return "its results differ from MLX's add and rms_norm"
 

@@ -23,6 +23,7 @@ import numpy as np
 
 import pymlxc.core as mx
 from pymlxc.core import Array
+from pymlxc.core.cuda_kernel import SharedKernel
 
 from .check import CheckedOnce
 
@@ -100,9 +101,9 @@ __device__ __forceinline__ void pymlxc_reduce_block(float* best_v, int* best_i, 
 }
 """
 
-_partial = mx.fast.SharedKernel("pymlxc_argmax_partial", ("logits",), ("values", "indices"), PARTIAL_SOURCE,
-                                header=HEADER)
-_final = mx.fast.SharedKernel("pymlxc_argmax_final", ("values", "indices"), ("out",), FINAL_SOURCE, header=HEADER)
+_partial = SharedKernel("pymlxc_argmax_partial", ("logits",), ("values", "indices"), PARTIAL_SOURCE,
+                        header=HEADER)
+_final = SharedKernel("pymlxc_argmax_final", ("values", "indices"), ("out",), FINAL_SOURCE, header=HEADER)
 
 FLOAT_TYPES = ("bfloat16", "float16", "float32")
 

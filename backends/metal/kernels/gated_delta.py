@@ -23,6 +23,7 @@ import numpy as np
 
 import pymlxc.core as mx
 from pymlxc.core import Array
+from pymlxc.core.cuda_kernel import SharedKernel
 
 from .check import CheckedOnce
 from .metal_kernel import SharedMetalKernel
@@ -144,7 +145,7 @@ METAL_SOURCE = r"""
   }
 """
 
-_cuda = mx.fast.SharedKernel("pymlxc_gated_delta", INPUTS, OUTPUTS, CUDA_SOURCE)
+_cuda = SharedKernel("pymlxc_gated_delta", INPUTS, OUTPUTS, CUDA_SOURCE)
 _metal = SharedMetalKernel("pymlxc_gated_delta", INPUTS, OUTPUTS, METAL_SOURCE)
 
 Ops = Callable[..., tuple[Array, Array]]
@@ -202,7 +203,8 @@ def compare(kind: str, dims: tuple[int, int, int, int, int], dtype: Any, ops: Op
 
     def unit(shape: tuple[int, ...]) -> np.ndarray:
         x = rng.normal(size=shape).astype(np.float32)
-        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+        normed: np.ndarray = x / np.linalg.norm(x, axis=-1, keepdims=True)
+        return normed
 
     q = mx.array(unit((b, t, hk, dk)) * dk**-0.5).astype(dtype)
     k = mx.array(unit((b, t, hk, dk))).astype(dtype)

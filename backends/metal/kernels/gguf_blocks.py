@@ -40,6 +40,7 @@ from gguf.constants import GGML_QUANT_SIZES
 
 import pymlxc.core as mx
 from pymlxc.core import Array
+from pymlxc.core.cuda_kernel import SharedKernel
 
 from .check import CheckedOnce
 from .metal_kernel import SharedMetalKernel
@@ -299,15 +300,17 @@ METAL_DEQUANT_SOURCE = r"""
   }
 """
 
-_cuda_matvec = mx.fast.SharedKernel("pymlxc_gguf_matvec", ("x", "w", "idx"), ("out",), CUDA_MATVEC_SOURCE,
-                                    header=CUDA_HEADER)
-_cuda_dequant = mx.fast.SharedKernel("pymlxc_gguf_dequant", ("w",), ("out",), CUDA_DEQUANT_SOURCE,
-                                     header=CUDA_HEADER)
+_cuda_matvec = SharedKernel("pymlxc_gguf_matvec", ("x", "w", "idx"), ("out",), CUDA_MATVEC_SOURCE,
+                            header=CUDA_HEADER)
+_cuda_dequant = SharedKernel("pymlxc_gguf_dequant", ("w",), ("out",), CUDA_DEQUANT_SOURCE,
+                             header=CUDA_HEADER)
 _metal_matvec = SharedMetalKernel("pymlxc_gguf_matvec", ("x", "w", "idx"), ("out",), METAL_MATVEC_SOURCE,
                                   header=METAL_HEADER)
 _metal_dequant = SharedMetalKernel("pymlxc_gguf_dequant", ("w",), ("out",), METAL_DEQUANT_SOURCE,
                                    header=METAL_HEADER)
-_KERNELS = {"cuda": (_cuda_matvec, _cuda_dequant), "metal": (_metal_matvec, _metal_dequant)}
+# Per device kind: (matvec, dequantize); both kinds' kernels take the same call.
+_KERNELS: dict[str, tuple[SharedKernel | SharedMetalKernel, SharedKernel | SharedMetalKernel]] = {
+    "cuda": (_cuda_matvec, _cuda_dequant), "metal": (_metal_matvec, _metal_dequant)}
 
 
 def device_kind() -> str | None:

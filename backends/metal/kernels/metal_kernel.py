@@ -65,7 +65,7 @@ class MetalKernel:
                              "output_shapes and output_dtypes")
         config = lib.mlx_fast_metal_kernel_config_new()
         try:
-            for shape, dtype in zip(output_shapes, output_dtypes):
+            for shape, dtype in zip(output_shapes, output_dtypes, strict=True):
                 dims = [int(d) for d in shape]
                 check(lib.mlx_fast_metal_kernel_config_add_output_arg(
                     config, ffi.new("int[]", dims), len(dims), _dt.as_dtype(dtype).value))

@@ -41,6 +41,7 @@ import numpy as np
 
 import pymlxc.core as mx
 from pymlxc.core import Array
+from pymlxc.core.cuda_kernel import SharedKernel
 
 from .check import CheckedOnce
 
@@ -97,8 +98,8 @@ SOURCE = r"""
   }
 """
 
-_the_kernel = mx.fast.SharedKernel("pymlxc_rope_write_kv", ("qk", "v", "pos", "rope", "scale", "kcache", "vcache"),
-                                   ("q",), SOURCE, ensure_row_contiguous=False)
+_the_kernel = SharedKernel("pymlxc_rope_write_kv", ("qk", "v", "pos", "rope", "scale", "kcache", "vcache"),
+                           ("q",), SOURCE, ensure_row_contiguous=False)
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ class Rope:
                             offset=offset, freqs=self.table if self.with_freqs else None)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _log2f(x: float) -> float:
     """log2 of a float32 as MLX's host code computes it (std::log2 of a float: the C library's
     log2f), for the kernel's base; Python's own where that library is not found."""
@@ -184,7 +185,7 @@ def reference(qk: Array, v: Array, pos: Array, keys: Array, values: Array, apply
 
 
 def _slice_update_at(buffer: Array, update: Array, start: Array) -> Array:
-    return mx.RAW["slice_update_dynamic"](buffer, update, start, [2])
+    return mx.slice_update_dynamic(buffer, update, start, [2])
 
 
 def private_copy(a: Array) -> Array:
@@ -226,7 +227,7 @@ def _compare(dtype: Any, hq: int, hkv: int, d: int, dv: int, rope: Rope, apply_r
         want_q, want_k, want_v = reference(qk, v, pos, want_k, want_v, apply_rope, hq)
         same = [bool(mx.array_equal(a, e).item()) for a, e in ((q, want_q), (keys, want_k), (values, want_v))]
         if not all(same):
-            what = ", ".join(n for n, s in zip(("queries", "keys", "values"), same) if not s)
+            what = ", ".join(n for n, s in zip(("queries", "keys", "values"), same, strict=True) if not s)
             return f"its {what} at position {p} differ from MLX's RoPE and slice updates ({dtype}, head size {d})"
     return None
 

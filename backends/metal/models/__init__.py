@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from types import ModuleType
+from typing import Any
 
 from . import gemma2, gemma3, gemma4, llama, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next
 
@@ -57,7 +58,7 @@ ARCHITECTURES: dict[str, str] = {
 }
 
 
-def infer_model_type(config: dict, weight_names: Iterable[str] = ()) -> str | None:
+def infer_model_type(config: dict[str, Any], weight_names: Iterable[str] = ()) -> str | None:
     """The model_type of a config that lacks one: Qwen 3 if the weights have a per-head `q_norm`
     (the only way to tell it from Qwen 2), else from `architectures`, else Qwen 2 if the q
     projection has a bias."""

@@ -15,8 +15,8 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 
 from .. import nn
+from ..cache import CONTEXT_KEEP, Cache, KVCache, Mask, RotatingKVCache, create_causal_mask, make_prompt_mask
 from ..config_check import ConfigError, check_args, check_params
-from ..cache import Cache, KVCache, Mask, RotatingKVCache, create_causal_mask, make_prompt_mask, CONTEXT_KEEP
 
 _sdpa = mx.fast.scaled_dot_product_attention
 _rope = mx.fast.rope
@@ -24,6 +24,15 @@ _matmul = mx.matmul
 _tanh = mx.tanh
 
 A = TypeVar("A", bound="BaseModelArgs")
+V = TypeVar("V")
+
+
+def resolved(value: V | None, field: str) -> V:
+    """A ModelArgs field that may be absent from config.json and that `__post_init__` then fills in
+    (num_key_value_heads, head_dim, ...): set in every constructed ModelArgs."""
+    if value is None:
+        raise ConfigError(f"{field} is unset: its ModelArgs was made without __post_init__")
+    return value
 
 
 # ---------------------------------------------------------------------- per-layer listener
@@ -288,4 +297,5 @@ def drop_keys(weights: dict[str, Array], *substrings: str) -> dict[str, Array]:
 
 
 def head_dim_of(config: Any) -> int:
-    return config.head_dim if config.head_dim else config.hidden_size // config.num_attention_heads
+    dims: int = config.head_dim if config.head_dim else config.hidden_size // config.num_attention_heads
+    return dims

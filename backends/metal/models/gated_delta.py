@@ -27,6 +27,8 @@ Padding (left-padded batches): a token whose `mask` entry is False leaves the st
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import pymlxc.core as mx
 from pymlxc.core import Array
@@ -45,14 +47,15 @@ def _log_decay(A_log: Array, a: Array, dt_bias: Array) -> Array:
 
 
 @functools.cache
-def _compiled_decay() -> object:
+def _compiled_decay() -> Callable[..., Any]:
     # Compiled, shapeless, as mlx-lm's compute_g: the fused CPU kernel then rounds as its does.
     return mx.compile(lambda A_log, a, dt_bias: mx.exp(_log_decay(A_log, a, dt_bias)), shapeless=True)
 
 
 def decay(A_log: Array, a: Array, dt_bias: Array) -> Array:
     """g = exp(-exp(A_log) * softplus(a + dt_bias)) in float32, [B, T, Hv]."""
-    return _compiled_decay()(A_log, a, dt_bias)  # type: ignore[operator]
+    g: Array = _compiled_decay()(A_log, a, dt_bias)
+    return g
 
 
 def log_decay(A_log: Array, a: Array, dt_bias: Array) -> Array:
@@ -92,7 +95,7 @@ def _masked_step_ops(q: Array, k: Array, v: Array, g: Array, beta: Array, state:
 
 
 @functools.cache
-def _compiled_step(masked: bool) -> object:
+def _compiled_step(masked: bool) -> Callable[..., Any]:
     return mx.compile(_masked_step_ops if masked else _step_ops)
 
 
@@ -100,9 +103,12 @@ def step(q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array,
          mask: Array | None = None) -> tuple[Array, Array]:
     """One token: q, k [B, Hv, Dk] (heads repeated), v [B, Hv, Dv], g, beta [B, Hv], state [B, Hv,
     Dv, Dk] float32 -> y [B, Hv, Dv] (q's dtype), the new state. `mask` [B]: False keeps the state."""
+    out: tuple[Array, Array]
     if mask is None:
-        return _compiled_step(False)(q, k, v, g, beta, state)  # type: ignore[operator]
-    return _compiled_step(True)(q, k, v, g, beta, state, mask)  # type: ignore[operator]
+        out = _compiled_step(False)(q, k, v, g, beta, state)
+    else:
+        out = _compiled_step(True)(q, k, v, g, beta, state, mask)
+    return out
 
 
 def recurrent(q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array,

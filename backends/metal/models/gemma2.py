@@ -11,8 +11,18 @@ from pymlxc.core import Array
 from .. import nn
 from ..cache import Cache, Mask
 from .base import (
-    BaseModelArgs, LayerMasks, RoPE, TiedHead, attention, drop_keys, last_query, make_layer_caches, softcap,
-    softcapped_attention, after_layer,
+    BaseModelArgs,
+    LayerMasks,
+    RoPE,
+    TiedHead,
+    after_layer,
+    attention,
+    drop_keys,
+    last_query,
+    make_layer_caches,
+    resolved,
+    softcap,
+    softcapped_attention,
 )
 
 _reshape = mx.reshape
@@ -58,9 +68,9 @@ class Attention(nn.Module):
         super().__init__()
         dim = args.hidden_size
         self.n_heads = n_heads = args.num_attention_heads
-        self.n_kv_heads = n_kv_heads = args.num_key_value_heads
-        self.head_dim = head_dim = args.head_dim
-        self.scale = float(args.query_pre_attn_scalar) ** -0.5
+        self.n_kv_heads = n_kv_heads = resolved(args.num_key_value_heads, "num_key_value_heads")
+        self.head_dim = head_dim = resolved(args.head_dim, "head_dim")
+        self.scale = float(resolved(args.query_pre_attn_scalar, "query_pre_attn_scalar")) ** -0.5
         self.cap = args.attn_logit_softcapping
         self.q_proj = nn.Linear(dim, n_heads * head_dim)
         self.k_proj = nn.Linear(dim, n_kv_heads * head_dim)
@@ -149,7 +159,7 @@ class Model(TiedHead, nn.Module):
         masks = self._masks(inputs.shape[1], cache, mask)
         caches = cache if cache is not None else [None] * len(masks)
         last = len(inner.layers) - 1
-        for i, (layer, m, c) in enumerate(zip(inner.layers, masks, caches)):
+        for i, (layer, m, c) in enumerate(zip(inner.layers, masks, caches, strict=False)):
             # The last layer's queries, attention output and MLP on the last position alone.
             h = layer(h, m, c, last_only and i == last)
             after_layer(h, c)

@@ -4,8 +4,9 @@ no soft-capping, and a 5:1 mix of sliding-window layers (RoPE base `rope_local_b
 global layers (RoPE base `rope_theta`, with the checkpoint's `rope_scaling`)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import pymlxc.core as mx
 from pymlxc.core import Array
@@ -13,8 +14,17 @@ from pymlxc.core import Array
 from .. import nn
 from ..cache import Cache, Mask
 from .base import (
-    BaseModelArgs, LayerMasks, TiedHead, attention, drop_keys, initialize_rope, last_query, make_layer_caches,
-    softcap, softcapped_attention, after_layer,
+    BaseModelArgs,
+    LayerMasks,
+    TiedHead,
+    after_layer,
+    attention,
+    drop_keys,
+    initialize_rope,
+    last_query,
+    make_layer_caches,
+    softcap,
+    softcapped_attention,
 )
 
 _reshape = mx.reshape
@@ -47,7 +57,7 @@ class ModelArgs(BaseModelArgs):
     tie_word_embeddings: bool | None = None
 
     @classmethod
-    def from_dict(cls, params: Mapping[str, Any], prefix: str = "") -> "ModelArgs":
+    def from_dict(cls, params: Mapping[str, Any], prefix: str = "") -> ModelArgs:
         """Also takes the multimodal config: the text model's fields are under `text_config`."""
         if isinstance(params.get("text_config"), Mapping):
             text = dict(params["text_config"])
@@ -187,7 +197,7 @@ class Model(TiedHead, nn.Module):
         masks = self._masks(inputs.shape[1], cache, mask)
         caches = cache if cache is not None else [None] * len(masks)
         last = len(inner.layers) - 1
-        for i, (layer, m, c) in enumerate(zip(inner.layers, masks, caches)):
+        for i, (layer, m, c) in enumerate(zip(inner.layers, masks, caches, strict=False)):
             # The last layer's queries, attention output and MLP on the last position alone.
             h = layer(h, m, c, last_only and i == last)
             after_layer(h, c)

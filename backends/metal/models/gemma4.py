@@ -20,17 +20,27 @@ and audio towers are dropped on load). Config names, defaults and numerics are m
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import pymlxc.core as mx
 from pymlxc.core import Array
 
 from .. import nn
 from ..cache import Cache, Mask
+from ..config_check import ConfigError
 from .base import (
-    BaseModelArgs, ConfigError, LayerMasks, RoPE, TiedHead, attention, initialize_rope, make_layer_caches,
-    rope_scaling_type, softcap, after_layer,
+    BaseModelArgs,
+    LayerMasks,
+    RoPE,
+    TiedHead,
+    after_layer,
+    attention,
+    initialize_rope,
+    make_layer_caches,
+    rope_scaling_type,
+    softcap,
 )
 from .switch_layers import SwitchGLU, geglu
 
@@ -81,7 +91,7 @@ class ModelArgs(BaseModelArgs):
     tie_word_embeddings: bool = True
 
     @classmethod
-    def from_dict(cls, params: Mapping[str, Any], prefix: str = "") -> "ModelArgs":
+    def from_dict(cls, params: Mapping[str, Any], prefix: str = "") -> ModelArgs:
         """Also takes the multimodal `gemma4` config: the text model's fields are under `text_config`
         (with mlx-lm's fallbacks: the top-level vocab_size, 8 heads, 1 kv head)."""
         if params.get("model_type") == "gemma4" or isinstance(params.get("text_config"), Mapping):
@@ -343,7 +353,8 @@ class Model(TiedHead, nn.Module):
         n = len(inner.layers)
         caches: list[Cache | None] = [None] * n if cache is None else list(cache) + [None] * (n - len(cache))
         kvs: list[tuple[tuple[Array, Array] | None, int]] = [(None, 0)] * n
-        for i, (layer, m, c, src, pli) in enumerate(zip(inner.layers, masks, caches, self._sources, per_layer)):
+        layer_inputs = zip(inner.layers, masks, caches, self._sources, per_layer, strict=False)
+        for i, (layer, m, c, src, pli) in enumerate(layer_inputs):
             shared, offset = kvs[src] if src != i else (None, 0)
             h, kv, offset = layer(h, m, c, pli, shared, offset)
             kvs[i] = (kv, offset)

@@ -11,8 +11,18 @@ from pymlxc.core import Array
 
 from .. import nn
 from ..cache import Cache, Mask
-from .base import (BaseModelArgs, after_layer, LayerMasks, TiedHead, attention, drop_keys, initialize_rope,
-                   last_query, make_layer_caches)
+from .base import (
+    BaseModelArgs,
+    LayerMasks,
+    TiedHead,
+    after_layer,
+    attention,
+    drop_keys,
+    initialize_rope,
+    last_query,
+    make_layer_caches,
+    resolved,
+)
 
 _reshape = mx.reshape
 _transpose = mx.transpose
@@ -74,8 +84,8 @@ class Attention(nn.Module):
         super().__init__()
         dim = args.hidden_size
         self.n_heads = n_heads = args.num_attention_heads
-        self.n_kv_heads = n_kv_heads = args.num_key_value_heads
-        self.head_dim = head_dim = args.head_dim
+        self.n_kv_heads = n_kv_heads = resolved(args.num_key_value_heads, "num_key_value_heads")
+        self.head_dim = head_dim = resolved(args.head_dim, "head_dim")
         self.scale = head_dim**-0.5
         bias = args.attention_bias
         self.q_proj = nn.Linear(dim, n_heads * head_dim, bias=bias)
@@ -149,10 +159,11 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, attention_cls: type[nn.Module] = Attention) -> None:
+    def __init__(self, args: ModelArgs, attention_cls: type[Attention] = Attention) -> None:
         super().__init__()
         self.self_attn = attention_cls(args)
-        self.mlp = MLP(args.hidden_size, args.intermediate_size, args.mlp_bias)
+        # MoE subclasses put a block here that takes x alone.
+        self.mlp: MLP | Callable[[Array], Array] = MLP(args.hidden_size, args.intermediate_size, args.mlp_bias)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
@@ -173,11 +184,16 @@ class TransformerBlock(nn.Module):
         else:
             h = x + attn_out
             normed = self.post_attention_layernorm(h)
-        return h, (self.mlp(normed) if gate_up is None else self.mlp(normed, gate_up))  # a MoE block's takes x alone
+        mlp = self.mlp
+        if gate_up is None:
+            return h, mlp(normed)
+        if not isinstance(mlp, MLP):  # fused gate/up weights exist for dense blocks only
+            raise TypeError(f"fused gate/up projections need a dense MLP, not {type(mlp).__name__}")
+        return h, mlp(normed, gate_up)
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, args: ModelArgs, attention_cls: type[nn.Module] = Attention) -> None:
+    def __init__(self, args: ModelArgs, attention_cls: type[Attention] = Attention) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [TransformerBlock(args, attention_cls) for _ in range(args.num_hidden_layers)]
@@ -192,7 +208,7 @@ class Model(TiedHead, nn.Module):
     # these (MoE) says False.
     segmented_decode: ClassVar[bool] = True
 
-    def __init__(self, args: ModelArgs, attention_cls: type[nn.Module] = Attention) -> None:
+    def __init__(self, args: ModelArgs, attention_cls: type[Attention] = Attention) -> None:
         super().__init__()
         self.args = args
         self.model_type = args.model_type
@@ -215,10 +231,10 @@ class Model(TiedHead, nn.Module):
         masks = self._masks(inputs.shape[1], cache, mask)
         last = len(inner.layers) - 1
         if cache is None:
-            for i, (layer, m) in enumerate(zip(inner.layers, masks)):
+            for i, (layer, m) in enumerate(zip(inner.layers, masks, strict=False)):
                 h = layer(h, m, None, last_only and i == last)
         else:
-            for i, (layer, m, c) in enumerate(zip(inner.layers, masks, cache)):
+            for i, (layer, m, c) in enumerate(zip(inner.layers, masks, cache, strict=False)):
                 # The last layer's queries, attention output and MLP on the last position alone.
                 h = layer(h, m, c, last_only and i == last)
                 after_layer(h, c)

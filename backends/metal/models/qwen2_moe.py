@@ -10,8 +10,8 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 
 from .. import nn
+from ..config_check import ConfigError
 from . import llama, qwen2
-from .base import ConfigError
 from .qwen3_moe import stack_experts
 from .switch_layers import SwitchGLU
 
@@ -62,6 +62,7 @@ class SparseMoeBlock(nn.Module):
 
 class Model(llama.Model):
     segmented_decode = False  # MoE blocks: the whole-step graph decodes them
+    args: ModelArgs
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args, qwen2.Attention)

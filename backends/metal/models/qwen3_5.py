@@ -18,8 +18,8 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 
 from .. import nn
+from ..config_check import ConfigError
 from . import qwen3_next
-from .base import ConfigError
 
 _reshape = mx.reshape
 TOWERS = ("model.visual.", "visual.", "vision_tower.", "model.vision_tower.")
@@ -37,7 +37,7 @@ class ModelArgs(qwen3_next.ModelArgs):
     norm_topk_prob: bool = True
 
     @classmethod
-    def from_dict(cls, params: Mapping[str, Any], prefix: str = "") -> "ModelArgs":
+    def from_dict(cls, params: Mapping[str, Any], prefix: str = "") -> ModelArgs:
         """Also takes the multimodal config: the text model's fields under `text_config` (with
         the top level's tie_word_embeddings where the text part has none)."""
         text = params.get("text_config")

@@ -15,8 +15,8 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 
 from .. import nn
+from ..config_check import ConfigError
 from . import llama, qwen3
-from .base import ConfigError
 from .switch_layers import SwitchGLU
 
 
@@ -91,6 +91,7 @@ def stack_experts(weights: dict[str, Array], num_layers: int, num_experts: int) 
 
 class Model(llama.Model):
     segmented_decode = False  # MoE blocks: the whole-step graph decodes them
+    args: ModelArgs
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args, qwen3.Attention)

@@ -24,11 +24,22 @@ from pymlxc.core import Array
 
 from .. import nn
 from ..cache import Cache, Mask
+from ..config_check import ConfigError
 from ..kernels import gated_delta as kernels
 from ..recurrent_cache import RecurrentCache
 from . import gated_delta, llama
-from .base import (BaseModelArgs, ConfigError, LayerMasks, TiedHead, after_layer, attention, initialize_rope,
-                   last_query, make_layer_caches, rope_scaling_type)
+from .base import (
+    BaseModelArgs,
+    LayerMasks,
+    TiedHead,
+    after_layer,
+    attention,
+    initialize_rope,
+    last_query,
+    make_layer_caches,
+    resolved,
+    rope_scaling_type,
+)
 from .qwen3_moe import combine, stack_experts, top_k_routing
 from .switch_layers import SwitchGLU
 
@@ -124,7 +135,8 @@ class RMSNormGated(nn.Module):
         self.eps = eps
 
     def __call__(self, x: Array, gate: Array) -> Array:
-        return _gated_silu()(x, gate, mx.fast.rms_norm(x, self.weight, self.eps))
+        out: Array = _gated_silu()(x, gate, mx.fast.rms_norm(x, self.weight, self.eps))
+        return out
 
 
 class Attention(nn.Module):
@@ -134,8 +146,8 @@ class Attention(nn.Module):
         super().__init__()
         dim, bias = args.hidden_size, args.attention_bias
         self.n_heads = args.num_attention_heads
-        self.n_kv_heads = args.num_key_value_heads
-        self.head_dim = hd = args.head_dim
+        self.n_kv_heads = resolved(args.num_key_value_heads, "num_key_value_heads")
+        self.head_dim = hd = resolved(args.head_dim, "head_dim")
         self.scale = hd**-0.5
         self.q_proj = nn.Linear(dim, self.n_heads * hd * 2, bias=bias)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=bias)
@@ -307,10 +319,7 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, x: Array, mask: Mask, cache: Any, last_only: bool = False) -> Array:
         h = self.input_layernorm(x)
-        if self.is_linear:
-            r = self.linear_attn(h, cache, last_only)
-        else:
-            r = self.self_attn(h, mask, cache, last_only)
+        r = self.linear_attn(h, cache, last_only) if self.is_linear else self.self_attn(h, mask, cache, last_only)
         h = (x[:, -1:] if last_only else x) + r
         return h + self.mlp(self.post_attention_layernorm(h))
 

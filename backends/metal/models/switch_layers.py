@@ -62,7 +62,7 @@ class QuantizedSwitchLinear(nn.Module):
         return self.weight.shape[0]
 
     @classmethod
-    def from_switch_linear(cls, layer: SwitchLinear, group_size: int = 64, bits: int = 4) -> "QuantizedSwitchLinear":
+    def from_switch_linear(cls, layer: SwitchLinear, group_size: int = 64, bits: int = 4) -> QuantizedSwitchLinear:
         e, out_dims, in_dims = layer.weight.shape
         b = layer.__dict__.get("bias")
         q = cls(in_dims, out_dims, e, b is not None, group_size=group_size, bits=bits, dtype=layer.weight.dtype)

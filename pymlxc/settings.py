@@ -46,7 +46,7 @@ class Settings:
     decode: str = field(default="auto", metadata=_doc("auto|graph|segmented", (
         "How the compiled step is built: `graph` (the whole step as one traced graph over masked "
         "rings) or `segmented` (compiled segments around MLX's fused attention; models that declare "
-        "the block halves, the Llama family). `auto`: segmented on a GPU, graph on a CPU.")))
+        "the block halves, the Llama family). `auto`: segmented where the model has them, else graph.")))
     fuse_projections: bool = field(default=True, metadata=_doc("bool", (
         "Segmented decode: run each block's q/k/v and gate/up projections as one matmul each "
         "(their weights concatenated once, the linears keep views).")))

@@ -86,15 +86,20 @@ def decode_mode(setting: str = "auto") -> str:
     """How a compiled step is built. "graph": the whole step as one compiled graph over masked
     rings. "segmented" (models whose blocks declare their halves, see segments.py): compiled
     segments around MLX's fused attention on exact-length keys.
-    `setting` (PYMLXC_DECODE) decides unless `auto`: then "segmented" on a GPU, "graph" on a CPU,
-    where its lower host cost per token wins. On an H100 the segments beat the graph in every
-    Llama/Qwen case (MLX's CUDA decode attention takes no mask, so the graph's masked attention runs
-    unfused). Models that segments.plan() does not cover (Gemma, MoE) use the graph either way."""
+    `setting` (PYMLXC_DECODE) decides unless `auto`: then "segmented" on every device. On an H100
+    the segments beat the graph in every Llama/Qwen case (MLX's CUDA decode attention takes no mask,
+    so the graph's masked attention runs unfused). On a CPU they do less work on both threads:
+    the graph attends over its whole masked ring (the decode buffer, up to twice the tokens held)
+    where the segments attend over the keys held, and their fused q/k/v and gate/up products are
+    fewer calls; for the float32 Llama of hidden 512, intermediate 128, vocabulary 400 (the
+    2-core VM of BENCHMARKS.md), MLX's compute thread spent 4.72 ms per token on the graph, 4.00 on the segments and 4.40
+    in mlx-lm (BENCHMARKS.md). Models that segments.plan() does not cover (Gemma, MoE) use the
+    graph either way."""
     if setting in DECODE_MODES:
         return setting
     if setting != "auto":
         raise ValueError(f"the decode setting must be auto or one of {', '.join(DECODE_MODES)}, not {setting!r}")
-    return "segmented" if mx.default_device().type == "gpu" else "graph"
+    return "segmented"
 
 
 # ---------------------------------------------------------------------- caches seen by the traced forward

@@ -43,9 +43,11 @@ def decode_capacity(prompt_len: int, max_tokens: int) -> int:
 
 
 def first_capacity(prompt_len: int, max_tokens: int) -> int:
-    """Slots a full-attention layer starts a generation with: the prompt and the first token (all of
-    the generation where that is less)."""
-    return min(decode_capacity(prompt_len, min(max_tokens, 1)), decode_capacity(prompt_len, max_tokens))
+    """Slots a full-attention layer starts a generation with: the prompt's (its last token is the
+    first step's input; BUFFER_PAD leaves room for the tokens after it), all of the generation's
+    where that is less. Room for one more token here cost a whole BUFFER_STEP more whenever
+    `prompt_len` was a multiple of it."""
+    return min(decode_capacity(prompt_len, 0), decode_capacity(prompt_len, max_tokens))
 
 
 def grown_capacity(capacity: int, needed: int, full: int) -> int:

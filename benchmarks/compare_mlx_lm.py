@@ -562,6 +562,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="add pymlxc without the evaluation thread (PYMLXC_EVAL_THREAD=0)")
     p.add_argument("--segmented", action="store_true",
                    help="add pymlxc with the segmented decode step (PYMLXC_DECODE=segmented; Llama family)")
+    p.add_argument("--graph", action="store_true",
+                   help="add pymlxc with the whole-step graph (PYMLXC_DECODE=graph; the CPU's default before "
+                        "the segments)")
     p.add_argument("--cuda-matvec", choices=["0", "1"], default=None,
                    help="add pymlxc with PYMLXC_CUDA_MATVEC set (0: MLX's 4-bit matvec only; 1: pymlxc's at "
                         "any size)")
@@ -722,6 +725,8 @@ def main(argv: list[str] | None = None) -> int:
         sides.append(Pymlxc(False))
     if args.segmented:
         sides.append(Pymlxc(True, "segmented"))
+    if args.graph:
+        sides.append(Pymlxc(True, "graph"))
     if args.cuda_matvec is not None:
         sides.append(Pymlxc(True, cuda_matvec=args.cuda_matvec))
     if args.fused_norm is not None:

@@ -26,7 +26,7 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -190,7 +190,7 @@ class BatchKVCache:
                 mx.slice(self.values, [0, 0, 0, 0], [b, h, end, dv], [1, 1, 1, 1]))
 
     def _grow(self) -> None:
-        b, h, cap, dk = self.keys.shape
+        b, h, _, dk = self.keys.shape
         dv = self.values.shape[3]
         self.keys = mx.concatenate([self.keys, mx.zeros((b, h, GROW, dk), self.keys.dtype)], axis=2)
         self.values = mx.concatenate([self.values, mx.zeros((b, h, GROW, dv), self.values.dtype)], axis=2)
@@ -261,14 +261,15 @@ class Batch:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def add(self, row: "_Row", layer_caches: Sequence[Any]) -> None:
+    def add(self, row: _Row, layer_caches: Sequence[Any]) -> None:
         parts = [_row_kv(c) for c in layer_caches]
         positions = parts[0][2]
         idx = self.caches[0].idx if self.caches else 0
         shift = max(0, max(k.shape[2] for k, _, _ in parts) - idx, positions - idx)
         if self.caches and shift:
             for c in self.caches:
-                c.keys = mx.concatenate([mx.zeros((*c.keys.shape[:2], shift, c.keys.shape[3]), c.keys.dtype), c.keys], 2)
+                pad = mx.zeros((*c.keys.shape[:2], shift, c.keys.shape[3]), c.keys.dtype)
+                c.keys = mx.concatenate([pad, c.keys], 2)
                 c.values = mx.concatenate([mx.zeros((*c.values.shape[:2], shift, c.values.shape[3]), c.values.dtype),
                                            c.values], 2)
                 c.idx += shift
@@ -307,7 +308,7 @@ class Batch:
         mx.eval([c.state for c in self.caches])
         self.rows.append(row)
 
-    def remove(self, gone: Sequence["_Row"]) -> None:
+    def remove(self, gone: Sequence[_Row]) -> None:
         """Drop rows, and the leading columns no row needs any more."""
         if not gone:
             return
@@ -373,9 +374,9 @@ class _Row:
             seen = mx.take_along_axis(logits, index, axis=-1)
             logits = mx.put_along_axis(logits, index, seen - mx.array(amounts[None, :]).astype(logits.dtype), axis=-1)
         if self.bias is not None:
-            index, amounts = self.bias
-            seen = mx.take_along_axis(logits, index, axis=-1)
-            logits = mx.put_along_axis(logits, index, seen + amounts.astype(logits.dtype), axis=-1)
+            bias_ids, bias_amounts = self.bias
+            seen = mx.take_along_axis(logits, bias_ids, axis=-1)
+            logits = mx.put_along_axis(logits, bias_ids, seen + bias_amounts.astype(logits.dtype), axis=-1)
         constraint = self.request.constraint
         if constraint is not None:
             allowed = constraint.allowed()
@@ -527,23 +528,28 @@ class Scheduler:
             if not row.started:
                 row.started = True
                 row.cache, row.done_tokens = host.restore_prefix(ids)
+            cache = row.cache
+            if cache is None:  # set at the row's first chunk, released once it joins the batch
+                raise RuntimeError("a row still in prefill has no cache")
             start = row.done_tokens
             stop = min((start // self.prefill_step + 1) * self.prefill_step, len(ids))
             last = stop == len(ids)
             tokens = mx.array([ids[:stop]], dtype=mx.int32)
             first_chunk = not row.checked
             row.checked = True
-            logits = loops.prefill(model, tokens, row.cache, step=self.prefill_step, start=start,
+            logits = loops.prefill(model, tokens, cache, step=self.prefill_step, start=start,
                                    finish=(lambda x: x) if last else None,
                                    new_tokens=row.max_tokens if first_chunk else None)
             row.done_tokens = stop
             if not last:
                 return
+            if logits is None:
+                raise RuntimeError("the prefill of a prompt's last chunk returned no logits")
             self._prefilling.popleft()
-            host.keep_prefix(ids, row.cache)
+            host.keep_prefix(ids, cache)
             token, logprob, top = self._sample([row], logits)[0]
             if self._record(row, token, logprob, top):
-                self._batch.add(row, row.cache)
+                self._batch.add(row, cache)
                 self.peak_rows = max(self.peak_rows, len(self._batch))
             row.cache = None
         except (ModelClosedError, GenerationCancelled):
@@ -561,10 +567,12 @@ class Scheduler:
         logits = model(inputs, cache=self._batch.caches)[:, -1, :]
         results = self._sample(rows, logits)
         self.steps += 1
-        finished = [row for row, (token, logprob, top) in zip(rows, results) if not self._record(row, token, logprob, top)]
+        finished = [row for row, (token, logprob, top) in zip(rows, results, strict=True)
+                    if not self._record(row, token, logprob, top)]
         self._batch.remove(finished)
 
-    def _sample(self, rows: Sequence[_Row], logits: mx.Array) -> list[tuple[int, float | None, tuple[tuple[int, float], ...]]]:
+    def _sample(self, rows: Sequence[_Row],
+                logits: mx.Array) -> list[tuple[int, float | None, tuple[tuple[int, float], ...]]]:
         """Each row's next id (and log-probabilities where asked) from logits [B, V]."""
         plain = [i for i, r in enumerate(rows) if r.plain()]
         outputs: list[Any] = [None] * len(rows)
@@ -574,7 +582,8 @@ class Scheduler:
             ids = sampled.tolist()
             return [(int(t), None, ()) for t in ids]
         if plain:
-            chosen = mx.argmax(mx.take(logits, mx.array(np.array(plain, dtype=np.int32)), axis=0), axis=-1).astype(mx.int32)
+            plain_logits = mx.take(logits, mx.array(np.array(plain, dtype=np.int32)), axis=0)
+            chosen = mx.argmax(plain_logits, axis=-1).astype(mx.int32)
         parts = []
         for i, row in enumerate(rows):
             if i in plain:
@@ -594,7 +603,7 @@ class Scheduler:
         mx.eval(evaluated + [v for e in extras.values() for v in e] + ([chosen] if plain else []))
         result: list[tuple[int, float | None, tuple[tuple[int, float], ...]]] = [(0, None, ())] * len(rows)
         if plain:
-            for i, t in zip(plain, chosen.tolist()):
+            for i, t in zip(plain, chosen.tolist(), strict=True):
                 result[i] = (int(t), None, ())
         for i, token in enumerate(outputs):
             if token is None:
@@ -602,7 +611,8 @@ class Scheduler:
             t = int(token.tolist()[0])
             if i in extras:
                 picked, top, top_lp = extras[i]
-                pairs = tuple(zip((int(x) for x in top.tolist()[0]), (float(x) for x in top_lp.tolist()[0])))
+                pairs = tuple(zip((int(x) for x in top.tolist()[0]), (float(x) for x in top_lp.tolist()[0]),
+                                  strict=True))
                 result[i] = (t, float(picked.tolist()[0][0]), pairs)
             else:
                 result[i] = (t, None, ())
@@ -682,7 +692,7 @@ def run_all(scheduler: Scheduler, requests: Sequence[tuple[Request, Collector]],
     for request, _ in requests:
         scheduler.submit(request, bounded=False)
     try:
-        for request, collector in requests:
+        for _, collector in requests:
             while not collector.wait(0.05):
                 guard.check()
     except BaseException:

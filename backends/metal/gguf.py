@@ -36,8 +36,16 @@ try:
 except ImportError as exc:  # an optional dependency: pip install 'pymlxc[gguf]'
     raise ImportError("GGUF models need the `gguf` package: pip install 'pymlxc[gguf]' (or pip install gguf)") from exc
 
-from .gguf_config import (ARCHITECTURES, GGUFError, architecture, gguf_config, llama3_rope_scaling, metadata,
-                          model_type_of, scalar)
+from .gguf_config import (
+    ARCHITECTURES,
+    GGUFError,
+    architecture,
+    gguf_config,
+    llama3_rope_scaling,
+    metadata,
+    model_type_of,
+    scalar,
+)
 from .gguf_quants import AFFINE_BITS, GROUP, use_block_layers
 from .gguf_tensors import TensorError, compute_dtype, hf_name, read_tensors
 
@@ -107,7 +115,9 @@ class _CheckedReader(GGUFReader):
             raise _Corrupt(f"truncated or corrupt: {dt.itemsize * count} bytes at offset {offset} go past the end "
                            f"of the file ({plain.shape[0]} bytes)")
         arr = plain[offset:end].view(dt)
-        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+        order = self.byte_order if override_order is None else override_order
+        ordered: np.ndarray = arr.view(arr.dtype.newbyteorder(order))
+        return ordered
 
     def _get_str(self, offset: int) -> tuple[np.ndarray, np.ndarray]:
         slen = self._get(offset, np.uint64)
@@ -141,7 +151,7 @@ class _CheckedReader(GGUFReader):
                 if off + 8 > size:
                     raise _Corrupt(f"truncated or corrupt: a string array at offset {orig_offs} runs past the end "
                                    "of the file")
-                (length,) = unpack(plain, off)
+                (length,) = unpack(plain, off)  # type: ignore[arg-type]  # an ndarray is a buffer; numpy's stubs omit it
                 off += 8
                 if length > size - off:
                     raise _Corrupt(f"a string at offset {off - 8} claims {length} bytes, but only {size - off} remain "

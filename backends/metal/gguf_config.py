@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 from gguf import GGMLQuantizationType as QType
@@ -48,6 +48,13 @@ def scalar(reader: GGUFReader, key: str, default: Any = None) -> Any:
     return default if isinstance(value, list) else value
 
 
+# An int default or `required` makes the result an int.
+@overload
+def _int(reader: GGUFReader, key: str, default: int, *, required: bool = False) -> int: ...
+@overload
+def _int(reader: GGUFReader, key: str, default: None = None, *, required: Literal[True]) -> int: ...
+@overload
+def _int(reader: GGUFReader, key: str, default: None = None, *, required: bool = False) -> int | None: ...
 def _int(reader: GGUFReader, key: str, default: int | None = None, *, required: bool = False) -> int | None:
     """An integer key; a per-layer list is accepted when all its entries agree."""
     value = metadata(reader, key)
@@ -65,6 +72,10 @@ def _int(reader: GGUFReader, key: str, default: int | None = None, *, required: 
     return int(value)
 
 
+@overload
+def _float(reader: GGUFReader, key: str, default: float) -> float: ...
+@overload
+def _float(reader: GGUFReader, key: str, default: None = None) -> float | None: ...
 def _float(reader: GGUFReader, key: str, default: float | None = None) -> float | None:
     value = scalar(reader, key)
     if value is None:
@@ -336,7 +347,7 @@ def llama3_rope_scaling(factors: np.ndarray, head_dim: int, base: float) -> dict
     return scaling
 
 
-def _llama3_factors(scaling: Mapping[str, float], wavelen: np.ndarray) -> np.ndarray:
+def _llama3_factors(scaling: Mapping[str, Any], wavelen: np.ndarray) -> np.ndarray:
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     original = scaling["original_max_position_embeddings"]
     smooth = (original / wavelen - low) / (high - low)
@@ -476,7 +487,8 @@ def _per_layer(reader: GGUFReader, key: str, layers: int, default: int | None = 
     return [int(v) for v in values]
 
 
-def _gemma4_config(reader: GGUFReader, shapes: Mapping[str, tuple[int, ...]], hidden: int, heads: int) -> dict[str, Any]:
+def _gemma4_config(reader: GGUFReader, shapes: Mapping[str, tuple[int, ...]], hidden: int,
+                   heads: int) -> dict[str, Any]:
     """Gemma 4 as llama.cpp's converter writes it: `key_length` is the full-attention head size and
     `key_length_swa` the sliding one; `head_count_kv` and `feed_forward_length` may be per layer
     (the full layers' kv heads, the double-wide MLP of the shared-KV tail); the sliding pattern is a
@@ -516,7 +528,8 @@ def _gemma4_config(reader: GGUFReader, shapes: Mapping[str, tuple[int, ...]], hi
     swa_rot = _int(reader, key("rope.dimension_count_swa"), swa_head)
     rope = {"full_attention": {"rope_type": "proportional", "rope_theta": full_theta,
                                "partial_rotary_factor": _gemma4_rotated(reader, full_head)},
-            "sliding_attention": {"rope_type": "default", "rope_theta": _float(reader, key("rope.freq_base_swa"), 10000.0),
+            "sliding_attention": {"rope_type": "default",
+                                  "rope_theta": _float(reader, key("rope.freq_base_swa"), 10000.0),
                                   "partial_rotary_factor": swa_rot / swa_head}}
     per_layer = _int(reader, key("embedding_length_per_layer_input"), 0)
     full_layers = [i for i in range(first_shared) if not sliding[i]]
@@ -566,5 +579,5 @@ def _gemma4_rotated(reader: GGUFReader, head_dim: int) -> float:
     return 2 * rotated / head_dim
 
 
-__all__ = ["GGUFError", "ARCHITECTURES", "GATED_DELTA", "model_layers", "metadata", "scalar", "architecture", "model_type_of", "gguf_config",
-           "llama3_rope_scaling"]
+__all__ = ["GGUFError", "ARCHITECTURES", "GATED_DELTA", "model_layers", "metadata", "scalar", "architecture",
+           "model_type_of", "gguf_config", "llama3_rope_scaling"]

@@ -376,5 +376,5 @@ def use_block_layers(model: nn.Module, types: dict[str, Any], dtype: mx.Dtype = 
 
 
 __all__ = ["GROUP", "AFFINE_BITS", "EXACT_AFFINE", "BLOCK_TYPES", "QuantError", "affine_parts", "pack_bits",
-           "repack_affine", "dequantize_blocks", "dequantize_rows", "block_matmul", "BlockLinear", "BlockEmbedding", "BlockSwitchLinear", "block_form",
-           "use_block_layers"]
+           "repack_affine", "dequantize_blocks", "dequantize_rows", "block_matmul", "BlockLinear", "BlockEmbedding",
+           "BlockSwitchLinear", "block_form", "use_block_layers"]

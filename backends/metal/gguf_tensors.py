@@ -34,11 +34,10 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader
 from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize
 
 import pymlxc.core as mx
 from pymlxc.core import Array
-
-from gguf.quants import dequantize
 
 from .gguf_config import GATED_DELTA
 from .gguf_quants import AFFINE_BITS, BLOCK_TYPES, GROUP, QuantError, repack_affine

@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 import json
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -121,9 +121,10 @@ _CONTROL_LOOKING = frozenset((*END_OF_TURN, "<|fim_prefix|>", "<fim-prefix>", "<
 def token_types(tokens: Sequence[str], types: Sequence[int]) -> list[int]:
     """The token types llama.cpp tokenizes with: control-looking tokens made control, and Gemma 4's
     "</s>" (a vocabulary with "<|tool_response>") made normal text."""
-    out = [CONTROL if t in _CONTROL_LOOKING and k not in (CONTROL, UNKNOWN) else k for t, k in zip(tokens, types)]
+    out = [CONTROL if t in _CONTROL_LOOKING and k not in (CONTROL, UNKNOWN) else k
+           for t, k in zip(tokens, types, strict=False)]
     if "<|tool_response>" in tokens:
-        out = [NORMAL if t == "</s>" else k for t, k in zip(tokens, out)]
+        out = [NORMAL if t == "</s>" else k for t, k in zip(tokens, out, strict=False)]
     return out
 
 
@@ -166,7 +167,7 @@ def _unicode_ranges() -> dict[str, str] | None:
     by_major: dict[str, list[int]] = {"L": [], "N": [], "M": [], "P": []}
     # Planes 4-13 hold no assigned code point and 15-16 only private use (category Co).
     points = [*range(0x40000), *range(0xE0000, 0xF0000)]
-    for c, category in zip(points, map(unicodedata2.category, map(chr, points))):
+    for c, category in zip(points, map(unicodedata2.category, map(chr, points)), strict=True):
         group = by_major.get(category[0])
         if group is not None:
             group.append(c)
@@ -209,7 +210,7 @@ def _unreachable(vocab: dict[str, int], pairs: list[tuple[str, str]], pieces: Se
         return []
     probe = tokenizers.Tokenizer(_bpe_model(vocab, pairs, ignore_merges=False, byte_fallback=True))
     found = probe.encode_batch(list(pieces), add_special_tokens=False)
-    return [p for p, enc in zip(pieces, found) if enc.ids != [vocab[p]]]
+    return [p for p, enc in zip(pieces, found, strict=True) if enc.ids != [vocab[p]]]
 
 
 def _gemma4_newlines(vocab: dict[str, int], pairs: list[tuple[str, str]], tokens: Sequence[str],
@@ -227,7 +228,7 @@ def _gemma4_newlines(vocab: dict[str, int], pairs: list[tuple[str, str]], tokens
     # Only a merge of two newline runs can act on a run (pieces never mix newlines with other text).
     if not any(not a.strip("\n") and not b.strip("\n") for a, b in pairs):
         lengths = sorted({len(r) for r in runs if len(r) > 1}, reverse=True)
-        whole = "|".join(r"\n{%d}" % k for k in lengths)
+        whole = "|".join(rf"\n{{{k}}}" for k in lengths)
         pattern = r"[^\n]+|" + (r"(?<!\n)(?:" + whole + r")(?!\n)|" if lengths else "") + r"\n"
         joins = [(r[:k], r[k:]) for r in runs for k in range(1, len(r)) if r[:k] in vocab and r[k:] in vocab]
         merged = [*pairs, *joins]
@@ -236,7 +237,8 @@ def _gemma4_newlines(vocab: dict[str, int], pairs: list[tuple[str, str]], tokens
     # A run token neither the file's merges nor added ones build: take every piece that is a token
     # whole, which is wrong only for a piece (not a run) that is a token no merge builds.
     added = (CONTROL, UNKNOWN, USER_DEFINED)  # split off before the merges
-    pieces = [t for t, k in zip(tokens, types) if k not in added and "\n" not in t and vocab.get(t) is not None]
+    pieces = [t for t, k in zip(tokens, types, strict=False)
+              if k not in added and "\n" not in t and vocab.get(t) is not None]
     bad = _unreachable(vocab, pairs, pieces)
     if bad:
         warnings.warn(f"this Gemma 4 vocabulary has {len(bad)} token(s) its merges cannot build (e.g. "
@@ -287,7 +289,7 @@ def spm_merges(tokens: Sequence[str], scores: Sequence[float], types: Sequence[i
     joined text is a token of any type, so user-defined and control tokens take part too; only byte
     tokens (`<0x41>`) stay out, as they stand for bytes, not for their text."""
     ids: dict[str, int] = {}
-    for i, (t, kind) in enumerate(zip(tokens, types)):
+    for i, (t, kind) in enumerate(zip(tokens, types, strict=False)):
         if kind != BYTE:
             ids.setdefault(t, i)
     ranked: list[tuple[float, int, int, int, str, str]] = []
@@ -369,8 +371,10 @@ def pipeline_from_metadata(reader: GGUFReader) -> tokenizers.Tokenizer:
     else:
         raise GGUFError(f"tokenizer model {kind!r} (tokenizer.ggml.model) is not supported (supported: gpt2, "
                         "gemma4, llama); put the model's tokenizer.json beside the GGUF file")
-    special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k in (CONTROL, UNKNOWN)]
-    plain = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
+    special = [AddedToken(t, special=True, normalized=False)
+               for t, k in zip(tokens, types, strict=False) if k in (CONTROL, UNKNOWN)]
+    plain = [AddedToken(t, special=False, normalized=False)
+             for t, k in zip(tokens, types, strict=False) if k == USER_DEFINED]
     if special:
         tok.add_special_tokens(special)
     if plain:
@@ -415,7 +419,7 @@ def settings_from_metadata(reader: GGUFReader, model_type: str | None) -> tuple[
     stop = [i for i in (eos_id, token("tokenizer.ggml.eot_token_id")[0], token("tokenizer.ggml.eom_token_id")[0])
             if i is not None]
     if len(types) == n:
-        stop += [i for i, (t, k) in enumerate(zip(tokens, token_types(tokens, types)))
+        stop += [i for i, (t, k) in enumerate(zip(tokens, token_types(tokens, types), strict=False))
                  if k == CONTROL and t in END_OF_TURN]
         if "<|tool_response>" in tokens:
             stop = [i for i in stop if tokens[i] != "</s>"]  # Gemma 4's "</s>" is text, as llama.cpp has it

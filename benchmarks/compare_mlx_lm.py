@@ -398,6 +398,10 @@ def run_case(shape: str, quant: str, args: argparse.Namespace, sides: list[Side]
             "load": ours["load_s"]["median"] / theirs["load_s"]["median"],
             # CPU time per token, theirs over ours (above 1: pymlxc spends less).
             "decode_cpu": theirs["decode_cpu_ms"]["median"] / max(ours["decode_cpu_ms"]["median"], 1e-9),
+            # The median of each round's own ratio: the two sides of a round ran back to back, so a
+            # machine that speeds up or slows down between rounds moves both (a shared machine).
+            "decode_paired": statistics.median(
+                a / b for a, b in zip(ours["decode_tps"]["runs"], theirs["decode_tps"]["runs"]) if b > 0),
         }
         for name in case["sides"]:
             if name.startswith("pymlxc_") and name != "pymlxc_uncompiled":  # a variant: its own ratios
@@ -435,7 +439,8 @@ def print_case(case: dict[str, Any], names: list[str]) -> None:
               f"{s['load_s']['median']:>7.2f} {bw if bw is None else f'{bw:.3f}':>7}")
     r = case["ratio"]
     print(f"    ratio pymlxc/mlx-lm: decode {r['decode']:.2f}x, prefill {r['prefill']:.2f}x, "
-          f"peak memory {r['peak_memory']:.3f}, load {r['load']:.2f}, decode CPU time {r.get('decode_cpu', 0):.2f}x; "
+          f"peak memory {r['peak_memory']:.3f}, load {r['load']:.2f}, decode CPU time {r.get('decode_cpu', 0):.2f}x, "
+          f"decode per round {r.get('decode_paired', 0):.2f}x; "
           f"tokens agree for {case['tokens_agree']}"
           f"/{case['sides']['pymlxc']['generated']}", flush=True)
     for key, r in case.items():

@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--batch", action="store_true", help="also run batch_generate and classify")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--load-only", action="store_true", help="report the load's MLX peak memory and stop")
+    ap.add_argument("--long-prompt", type=int, default=0, help="a prompt of about this many tokens instead")
     a = ap.parse_args()
     distributed = None if a.mode == "none" else a.mode
     out: dict[str, object] = {}
@@ -50,7 +51,9 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGSTOP)
         started = time.monotonic()
         try:
-            tokens = list(model.generate("Hello there, general", max_tokens=a.tokens, temperature=a.temperature))
+            prompt = " ".join(f"w{i % 97}" for i in range(a.long_prompt // 2)) if a.long_prompt else "Hello there, general"
+            tokens = list(model.generate(prompt, max_tokens=a.tokens, temperature=a.temperature))
+            out["prompt_tokens"] = len(model.encode(prompt))
         except Exception as exc:  # the killed-rank case: the survivors report how they ended
             out["error"] = f"{type(exc).__name__}: {exc}"
             out["after_s"] = time.monotonic() - started

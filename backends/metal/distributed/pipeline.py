@@ -8,6 +8,11 @@ hold no weights and pass the hidden state through; they still advance their laye
 positions seen (with key/value tensors of no heads, no memory), so cache offsets, masks, trimming
 and prompt-cache reuse stay the same on every rank. The weights of the other ranks' blocks are
 dropped at once (all ranks read the checkpoint's embedding and head).
+
+Qwen3-Next and Qwen 3.5 mix linear-attention blocks (a RecurrentCache each: a conv window and a
+state) with attention blocks: a stand-in keeps its block's `is_linear`, so every rank makes the
+same caches, and advances a recurrent cache with empty arrays; it answers its block's kernel
+dimensions (`kernel_dims`), which the model checks its decode kernel against once.
 """
 from __future__ import annotations
 
@@ -19,10 +24,12 @@ from pymlxc.core import distributed as dist
 
 from .. import nn
 from ..cache import Cache, Mask
+from ..recurrent_cache import RecurrentCache
 from .errors import ShardingError
 
-# Families whose blocks are called `block(h, mask, cache, last_only)` with a KV cache per block.
-PIPELINE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "qwen2_moe", "qwen3_moe")
+# Families whose blocks are called `block(h, mask, cache, last_only)` with a KV or recurrent cache each.
+PIPELINE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "qwen2_moe", "qwen3_moe",
+                     "qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 
 def layer_ranges(num_layers: int, size: int) -> list[range]:
@@ -39,17 +46,45 @@ def layer_ranges(num_layers: int, size: int) -> list[range]:
     return out
 
 
-def _advance(cache: Cache | None, x: Array) -> None:
-    """Move `cache` on by x's positions without storing anything (keys of zero heads)."""
-    if cache is not None:
+def _advance(cache: Cache | RecurrentCache | None, x: Array) -> None:
+    """Move `cache` on by x's positions without storing anything (keys of zero heads; a recurrent
+    cache's window and state of zero channels)."""
+    if isinstance(cache, RecurrentCache):
+        b = x.shape[0]
+        cache.update(mx.zeros((b, 0, 0), x.dtype), mx.zeros((b, 0, 0, 0), mx.float32), x.shape[1])
+        mx.async_eval(cache.conv, cache.recurrent)
+    elif cache is not None:
         empty = mx.zeros((x.shape[0], 0, x.shape[1], 1), x.dtype)
         # Nothing the step computes depends on these: scheduled now, or they would stay lazy until
         # another thread (the batch scheduler reusing a prompt cache) evaluates them on this one's stream.
         mx.async_eval(cache.update_and_fetch(empty, empty))
 
 
+class _KernelDims:
+    """What a linear-attention block's stand-in tells the model's one-time kernel check."""
+
+    def __init__(self, dims: tuple[int, int, int, int, int]) -> None:
+        self._dims = dims
+
+    def kernel_dims(self) -> tuple[int, int, int, int, int]:
+        return self._dims
+
+
+def _linear_of(block: Any) -> tuple[bool, Any]:
+    """(is_linear, its linear attention or None) of a model's block (False for the families
+    without linear attention)."""
+    is_linear = bool(getattr(block, "is_linear", False))
+    return is_linear, (block.linear_attn if is_linear else None)
+
+
 class RemoteBlock(nn.Module):
     """The stand-in for a block another rank runs: the hidden state passes through unchanged."""
+
+    def __init__(self, like: Any = None) -> None:
+        super().__init__()
+        self.is_linear, attn = _linear_of(like)
+        if attn is not None:
+            self.linear_attn = _KernelDims(attn.kernel_dims())
 
     def __call__(self, x: Array, mask: Mask, cache: Cache | None, last_only: bool = False) -> Array:
         _advance(cache, x)
@@ -61,9 +96,12 @@ class StageBlock(nn.Module):
     first block, send after its last, gather the last rank's output after the model's last."""
 
     def __init__(self, inner: nn.Module | None, group: dist.Group, *, receive: bool, send: bool,
-                 gather: bool) -> None:
+                 gather: bool, like: Any = None) -> None:
         super().__init__()
         self.inner = inner
+        self.is_linear, attn = _linear_of(inner if inner is not None else like)
+        if attn is not None:
+            self.linear_attn = attn if isinstance(attn, _KernelDims) else _KernelDims(attn.kernel_dims())
         self._group = group
         self._receive, self._send, self._gather = receive, send, gather
 
@@ -79,6 +117,9 @@ class StageBlock(nn.Module):
             h = self.inner(x, mask, cache, last_only)
         if self._send:
             h = dist.send(h, rank + 1, group=g)
+            # Sent now even where nothing this rank evaluates later needs it (a prefill chunk whose
+            # output only fills caches): the next stage's caches wait on it.
+            mx.async_eval(h)
         if self._gather:
             n = h.shape[0]
             h = dist.all_gather(h, group=g)[(g.size() - 1) * n:]
@@ -98,7 +139,7 @@ def drop_remote_layers(model: Any, group: dist.Group) -> set[str]:
     for i in range(len(layers)):
         if i not in mine:
             layers[i].free()
-            layers[i] = RemoteBlock()
+            layers[i] = RemoteBlock(layers[i])
     return before - set(model.parameters())
 
 
@@ -122,10 +163,10 @@ def shard_pipeline(model: Any, group: dist.Group) -> range:
             if not owned:
                 layers[i].free()
             layers[i] = StageBlock(layers[i] if owned else None, group, receive=first_of_stage,
-                                   send=last_of_stage, gather=i == last)
+                                   send=last_of_stage, gather=i == last, like=layers[i])
         else:
             layers[i].free()
-            layers[i] = RemoteBlock()
+            layers[i] = RemoteBlock(layers[i])
     return mine
 
 

@@ -51,7 +51,9 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGSTOP)
         started = time.monotonic()
         try:
-            prompt = " ".join(f"w{i % 97}" for i in range(a.long_prompt // 2)) if a.long_prompt else "Hello there, general"
+            prompt = "Hello there, general"
+            if a.long_prompt:  # about two tokens a word
+                prompt = " ".join(f"w{i % 97}" for i in range(a.long_prompt // 2))
             tokens = list(model.generate(prompt, max_tokens=a.tokens, temperature=a.temperature))
             out["prompt_tokens"] = len(model.encode(prompt))
         except Exception as exc:  # the killed-rank case: the survivors report how they ended
@@ -62,7 +64,8 @@ def main() -> None:
         out["ids"] = [t.id for t in tokens]
         out["logits"] = [r.logits for r in model.classify(["Hello there", "a b c d"], return_logits=True)]
         if a.batch:
-            out["batch"] = [r.text if r.error is None else "error: " + r.error for r in model.batch_generate(["one two", "three four five"], max_tokens=4)]
+            batch = model.batch_generate(["one two", "three four five"], max_tokens=4)
+            out["batch"] = [r.text if r.error is None else "error: " + r.error for r in batch]
             out["chat"] = "".join(t.text for t in model.chat([{"role": "user", "content": "hi"}], max_tokens=4))
     print("RESULT " + json.dumps(out), flush=True)
 

@@ -36,7 +36,8 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 
 from .cache import KVCache, RotatingKVCache
-from .recurrent_cache import KIND as RECURRENT, RecurrentCache, RecurrentCacheError
+from .recurrent_cache import KIND as RECURRENT
+from .recurrent_cache import RecurrentCache, RecurrentCacheError
 
 FORMAT = "pymlxc-prompt-cache"
 FORMAT_VERSION = "1"

@@ -29,7 +29,9 @@ from pymlxc.model import GenerationCancelled, ModelClosedError
 from pymlxc.options import GenerateConfig, LoadConfig, check_template_kwargs, make_config
 from pymlxc.types import AttentionSnapshot, BatchResult, ClassifyResult, GenerateMetrics, Message, ModelInfo, Token
 
-from . import batching, generate as loops, prompt_cache as pcache
+from . import batching
+from . import generate as loops
+from . import prompt_cache as pcache
 from .decode.decoder import CompiledDecoder
 from .distributed.runtime import agree_options
 from .sample import Sampler, make_logits_processors, make_sampler

@@ -539,7 +539,9 @@ class Scheduler:
             row.checked = True
             logits = loops.prefill(model, tokens, cache, step=self.prefill_step, start=start,
                                    finish=(lambda x: x) if last else None,
-                                   new_tokens=row.max_tokens if first_chunk else None)
+                                   # the caller's max_tokens: the check caps the caches at context_len
+                                   # itself, and its message names what the caller asked for
+                                   new_tokens=request.params.max_tokens if first_chunk else None)
             row.done_tokens = stop
             if not last:
                 return

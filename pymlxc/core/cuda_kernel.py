@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from . import dtypes as _dt
 from ._gen import new_vector, unpack_vector, vector_of
@@ -40,78 +40,111 @@ def mlx_kernel_name(name: str, source: str, header: str = "") -> str:
     return f"{name}_{hashlib.sha256((header + chr(0) + source).encode()).hexdigest()[:16]}"
 
 
-class CudaKernel:
-    """A named kernel body with its input and output names; call it to apply it to arrays."""
+class FastKernel:
+    """What `CudaKernel` and the Metal backend's `MetalKernel` share: mlx-c has the same kernel
+    calls under two prefixes, `mlx_fast_cuda_kernel_*` and `mlx_fast_metal_kernel_*`; a subclass
+    names its prefix in `api` and its label for messages in `label`."""
 
-    def __init__(self, name: str, input_names: Sequence[str], output_names: Sequence[str], source: str,
-                 header: str = "", ensure_row_contiguous: bool = True, shared_memory: int = 0) -> None:
+    api: ClassVar[str]
+    label: ClassVar[str]
+
+    def __init__(self, name: str, mlx_name: str, input_names: Sequence[str], output_names: Sequence[str],
+                 source: str, header: str, ensure_row_contiguous: bool, last_arg: int | bool) -> None:
+        """`last_arg`: mlx-c's last argument of `..._kernel_new`, shared memory bytes (CUDA) or
+        atomic outputs (Metal)."""
         self._h: Any = None
         if not output_names:
-            raise ValueError("a CUDA kernel needs at least one output")
+            raise ValueError(f"a {self.label} kernel needs at least one output")
         for n in (*input_names, *output_names):
             if not n.isidentifier():
                 raise ValueError(f"kernel argument name {n!r} is not an identifier")
         self.name = name
-        self.mlx_name = mlx_kernel_name(name, source, header)
+        self.mlx_name = mlx_name
         self.input_names = tuple(input_names)
         self.output_names = tuple(output_names)
+        # Resolved once here, not on every call: kernels are applied on the decode path.
+        self._c = {op: getattr(lib, f"mlx_fast_{self.api}_kernel_{op}") for op in _OPS}
         ins, outs = _strings(self.input_names), _strings(self.output_names)
         try:
-            self._h = lib.mlx_fast_cuda_kernel_new(self.mlx_name.encode(), ins, outs, source.encode(), header.encode(),
-                                                   bool(ensure_row_contiguous), int(shared_memory))
+            self._h = self._c["new"](mlx_name.encode(), ins, outs, source.encode(), header.encode(),
+                                     bool(ensure_row_contiguous), last_arg)
         finally:
             lib.mlx_vector_string_free(ins)
             lib.mlx_vector_string_free(outs)
         if self._h.ctx == ffi.NULL:
             self._h = None
-            raise MLXError(f"could not create CUDA kernel {name!r}: {last_error()}")
+            raise MLXError(f"could not create {self.label} kernel {name!r}: {last_error()}")
 
-    def __call__(self, inputs: Sequence[Array], *, output_shapes: Sequence[Sequence[int]],
-                 output_dtypes: Sequence[Any], grid: tuple[int, int, int], threadgroup: tuple[int, int, int],
-                 template: Sequence[tuple[str, TemplateValue]] = (), init_value: float | None = None,
-                 stream: Any = None) -> list[Array]:
+    def _apply(self, inputs: Sequence[Array], output_shapes: Sequence[Sequence[int]],
+               output_dtypes: Sequence[Any], grid: tuple[int, int, int], threadgroup: tuple[int, int, int],
+               template: Sequence[tuple[str, TemplateValue]], init_value: float | None, stream: Any) -> list[Array]:
+        """Apply the kernel on `stream` (a stream or device; None: the default stream)."""
         if self._h is None:
-            raise MLXError(f"CUDA kernel {self.name!r} was closed")
+            raise MLXError(f"{self.label} kernel {self.name!r} was closed")
         if len(inputs) != len(self.input_names):
             raise ValueError(f"kernel {self.name!r} takes {len(self.input_names)} inputs "
                              f"({', '.join(self.input_names)}), got {len(inputs)}")
         if len(output_shapes) != len(self.output_names) or len(output_dtypes) != len(self.output_names):
             raise ValueError(f"kernel {self.name!r} has {len(self.output_names)} outputs; give as many "
                              "output_shapes and output_dtypes")
-        config = lib.mlx_fast_cuda_kernel_config_new()
+        c = self._c
+        config = c["config_new"]()
         try:
             for shape, dtype in zip(output_shapes, output_dtypes, strict=True):  # lengths checked above
                 dims = [int(d) for d in shape]
-                check(lib.mlx_fast_cuda_kernel_config_add_output_arg(
-                    config, ffi.new("int[]", dims), len(dims), _dt.as_dtype(dtype).value))
-            check(lib.mlx_fast_cuda_kernel_config_set_grid(config, *(int(g) for g in grid)))
-            check(lib.mlx_fast_cuda_kernel_config_set_thread_group(config, *(int(t) for t in threadgroup)))
+                check(c["config_add_output_arg"](config, ffi.new("int[]", dims), len(dims),
+                                                 _dt.as_dtype(dtype).value))
+            check(c["config_set_grid"](config, *(int(g) for g in grid)))
+            check(c["config_set_thread_group"](config, *(int(t) for t in threadgroup)))
             for key, value in template:
                 name = key.encode()
                 if isinstance(value, bool):
-                    check(lib.mlx_fast_cuda_kernel_config_add_template_arg_bool(config, name, value))
+                    check(c["config_add_template_arg_bool"](config, name, value))
                 elif isinstance(value, int):
-                    check(lib.mlx_fast_cuda_kernel_config_add_template_arg_int(config, name, value))
+                    check(c["config_add_template_arg_int"](config, name, value))
                 else:
-                    check(lib.mlx_fast_cuda_kernel_config_add_template_arg_dtype(
-                        config, name, _dt.as_dtype(value).value))
+                    check(c["config_add_template_arg_dtype"](config, name, _dt.as_dtype(value).value))
             if init_value is not None:
-                check(lib.mlx_fast_cuda_kernel_config_set_init_value(config, float(init_value)))
+                check(c["config_set_init_value"](config, float(init_value)))
             _keep, vec = vector_of(inputs)
             out = new_vector()
             s = default_stream()._c if stream is None else ffi.new("mlx_stream *", [resolve_stream(stream)])[0]
-            check(lib.mlx_fast_cuda_kernel_apply(out, self._h, vec[0], config, s))
+            check(c["apply"](out, self._h, vec[0], config, s))
             return unpack_vector(out[0])
         finally:
-            lib.mlx_fast_cuda_kernel_config_free(config)
+            c["config_free"](config)
 
     def close(self) -> None:
         h, self._h = self._h, None
         if h is not None and lib is not None:
-            lib.mlx_fast_cuda_kernel_free(h)
+            self._c["free"](h)
 
     def __del__(self) -> None:
         self.close()
+
+
+# The `mlx_fast_<api>_kernel_<op>` calls a FastKernel makes.
+_OPS = ("new", "free", "apply", "config_new", "config_free", "config_add_output_arg", "config_set_grid",
+        "config_set_thread_group", "config_add_template_arg_bool", "config_add_template_arg_int",
+        "config_add_template_arg_dtype", "config_set_init_value")
+
+
+class CudaKernel(FastKernel):
+    """A named kernel body with its input and output names; call it to apply it to arrays."""
+
+    api = "cuda"
+    label = "CUDA"
+
+    def __init__(self, name: str, input_names: Sequence[str], output_names: Sequence[str], source: str,
+                 header: str = "", ensure_row_contiguous: bool = True, shared_memory: int = 0) -> None:
+        super().__init__(name, mlx_kernel_name(name, source, header), input_names, output_names, source, header,
+                         ensure_row_contiguous, int(shared_memory))
+
+    def __call__(self, inputs: Sequence[Array], *, output_shapes: Sequence[Sequence[int]],
+                 output_dtypes: Sequence[Any], grid: tuple[int, int, int], threadgroup: tuple[int, int, int],
+                 template: Sequence[tuple[str, TemplateValue]] = (), init_value: float | None = None,
+                 stream: Any = None) -> list[Array]:
+        return self._apply(inputs, output_shapes, output_dtypes, grid, threadgroup, template, init_value, stream)
 
 
 def cuda_kernel(name: str, input_names: Sequence[str], output_names: Sequence[str], source: str,
@@ -137,4 +170,4 @@ class SharedKernel:
             return self._kernel
 
 
-__all__ = ["CudaKernel", "SharedKernel", "cuda_kernel"]
+__all__ = ["CudaKernel", "FastKernel", "SharedKernel", "cuda_kernel"]

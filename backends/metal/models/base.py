@@ -169,6 +169,17 @@ def last_query(q: Array, mask: Mask) -> tuple[Array, Mask]:
     return q[:, :, -1:], None if mask is None or isinstance(mask, str) else mask[..., -1:, :]
 
 
+def rope_and_cache(rope: Any, q: Array, k: Array, v: Array, cache: Cache | None) -> tuple[Array, Array, Array]:
+    """q, k, v [B, heads, L, D] ready for attention: RoPE on q and k from the cache's offset (0
+    without a cache), then k and v through the cache (every position's keys and values so far)."""
+    if cache is None:
+        return rope(q), rope(k), v
+    offset = cache.offset
+    q, k = rope(q, offset), rope(k, offset)
+    k, v = cache.update_and_fetch(k, v)
+    return q, k, v
+
+
 def attention(q: Array, k: Array, v: Array, *, scale: float, mask: Mask) -> Array:
     """softmax(q k^T * scale + mask) v over [B, heads, L, head_dim]; kv heads may be fewer (GQA)."""
     if _QUERY_SINKS:

@@ -23,6 +23,7 @@ from .base import (
     initialize_rope,
     last_query,
     make_layer_caches,
+    rope_and_cache,
     softcap,
     softcapped_attention,
 )
@@ -109,12 +110,7 @@ class Attention(nn.Module):
         q = self.q_norm(_transpose(_reshape(self.q_proj(x), (b, L, self.n_heads, self.head_dim)), (0, 2, 1, 3)))
         k = self.k_norm(_transpose(_reshape(self.k_proj(x), (b, L, self.n_kv_heads, self.head_dim)), (0, 2, 1, 3)))
         v = _transpose(_reshape(self.v_proj(x), (b, L, self.n_kv_heads, self.head_dim)), (0, 2, 1, 3))
-        if cache is not None:
-            offset = cache.offset
-            q, k = self.rope(q, offset), self.rope(k, offset)
-            k, v = cache.update_and_fetch(k, v)
-        else:
-            q, k = self.rope(q), self.rope(k)
+        q, k, v = rope_and_cache(self.rope, q, k, v, cache)
         if last_only:
             (q, mask), L = last_query(q, mask), 1
         if self.cap:

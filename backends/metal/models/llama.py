@@ -22,6 +22,7 @@ from .base import (
     last_query,
     make_layer_caches,
     resolved,
+    rope_and_cache,
 )
 
 _reshape = mx.reshape
@@ -134,12 +135,7 @@ class Attention(nn.Module):
     def attend(self, q: Array, k: Array, v: Array, mask: Mask, cache: Cache | None, last_only: bool) -> Array:
         """RoPE, the cache update and attention of q, k, v [B, heads, L, D], then o_proj. `last_only`:
         every position's keys and values, but the last query's output alone [B, 1, dim]."""
-        if cache is not None:
-            offset = cache.offset
-            q, k = self.rope(q, offset), self.rope(k, offset)
-            k, v = cache.update_and_fetch(k, v)
-        else:
-            q, k = self.rope(q), self.rope(k)
+        q, k, v = rope_and_cache(self.rope, q, k, v, cache)
         if last_only:
             q, mask = last_query(q, mask)
         return self.output(attention(q, k, v, scale=self.scale, mask=mask))

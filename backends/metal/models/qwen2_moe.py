@@ -5,19 +5,19 @@ Per-expert HF tensors are stacked on load as for Qwen 3 MoE."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import pymlxc.core as mx
 from pymlxc.core import Array
 
 from .. import nn
-from ..config_check import ConfigError
 from . import llama, qwen2
-from .qwen3_moe import stack_experts
+from .qwen3_moe import ExpertLayers, stack_experts
 from .switch_layers import SwitchGLU
 
 
 @dataclass
-class ModelArgs(qwen2.ModelArgs):
+class ModelArgs(qwen2.ModelArgs, ExpertLayers):
     model_type: str = "qwen2_moe"
     num_experts: int = 0
     num_experts_per_tok: int = 1
@@ -29,16 +29,22 @@ class ModelArgs(qwen2.ModelArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ConfigError(f"num_experts_per_tok must be in 1..{self.num_experts}, got {self.num_experts_per_tok}")
+        self.check_experts()
 
-    def is_moe_layer(self, i: int) -> bool:
-        return (i not in self.mlp_only_layers and self.num_experts > 0
-                and (i + 1) % max(self.decoder_sparse_step, 1) == 0)
+
+class SharedExpertArgs(Protocol):
+    """The ModelArgs fields a MoE block with a shared expert reads (Qwen 2 MoE, Qwen3-Next)."""
+
+    hidden_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: SharedExpertArgs) -> None:
         super().__init__()
         dim = args.hidden_size
         self.top_k = args.num_experts_per_tok

@@ -20,8 +20,26 @@ from . import llama, qwen3
 from .switch_layers import SwitchGLU
 
 
+class ExpertLayers:
+    """What the MoE ModelArgs share (Qwen 2 MoE, Qwen 3 MoE, Qwen3-Next): the router's k checked
+    against the experts, and which layers are sparse. A mixin: each dataclass declares the fields."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    decoder_sparse_step: int
+    mlp_only_layers: list[int]
+
+    def check_experts(self) -> None:
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(f"num_experts_per_tok must be in 1..{self.num_experts}, got {self.num_experts_per_tok}")
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (i not in self.mlp_only_layers and self.num_experts > 0
+                and (i + 1) % max(self.decoder_sparse_step, 1) == 0)
+
+
 @dataclass
-class ModelArgs(qwen3.ModelArgs):
+class ModelArgs(qwen3.ModelArgs, ExpertLayers):
     model_type: str = "qwen3_moe"
     num_experts: int = 0
     num_experts_per_tok: int = 1
@@ -33,12 +51,7 @@ class ModelArgs(qwen3.ModelArgs):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.rope_scaling = None  # mlx-lm's qwen3_moe rotates with the plain base
-        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ConfigError(f"num_experts_per_tok must be in 1..{self.num_experts}, got {self.num_experts_per_tok}")
-
-    def is_moe_layer(self, i: int) -> bool:
-        return (i not in self.mlp_only_layers and self.num_experts > 0
-                and (i + 1) % max(self.decoder_sparse_step, 1) == 0)
+        self.check_experts()
 
 
 def top_k_routing(gates: Array, k: int, *, normalize: bool) -> tuple[Array, Array]:

@@ -27,7 +27,7 @@ from ..cache import Cache, Mask
 from ..config_check import ConfigError
 from ..kernels import gated_delta as kernels
 from ..recurrent_cache import RecurrentCache
-from . import gated_delta, llama
+from . import gated_delta, llama, qwen2_moe
 from .base import (
     BaseModelArgs,
     LayerMasks,
@@ -38,10 +38,10 @@ from .base import (
     last_query,
     make_layer_caches,
     resolved,
+    rope_and_cache,
     rope_scaling_type,
 )
-from .qwen3_moe import combine, stack_experts, top_k_routing
-from .switch_layers import SwitchGLU
+from .qwen3_moe import ExpertLayers, combine, stack_experts, top_k_routing
 
 _reshape = mx.reshape
 _transpose = mx.transpose
@@ -50,7 +50,7 @@ NORM_SUFFIXES = (".input_layernorm.weight", ".post_attention_layernorm.weight", 
 
 
 @dataclass
-class ModelArgs(BaseModelArgs):
+class ModelArgs(BaseModelArgs, ExpertLayers):
     hidden_size: int
     num_hidden_layers: int
     intermediate_size: int
@@ -104,17 +104,12 @@ class ModelArgs(BaseModelArgs):
                               f"linear_num_key_heads {self.linear_num_key_heads}")
         if not 0 < self.partial_rotary_factor <= 1:
             raise ConfigError(f"partial_rotary_factor: expected a number in (0, 1], got {self.partial_rotary_factor}")
-        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ConfigError(f"num_experts_per_tok must be in 1..{self.num_experts}, got {self.num_experts_per_tok}")
+        self.check_experts()
         if self.num_experts and self.moe_intermediate_size < 1:
             raise ConfigError(f"moe_intermediate_size: {self.num_experts} experts need a size of at least 1")
 
     def is_linear(self, i: int) -> bool:
         return (i + 1) % self.full_attention_interval != 0
-
-    def is_moe_layer(self, i: int) -> bool:
-        return (i not in self.mlp_only_layers and self.num_experts > 0
-                and (i + 1) % self.decoder_sparse_step == 0)
 
 
 # ---------------------------------------------------------------------- blocks
@@ -164,12 +159,7 @@ class Attention(nn.Module):
         q = _transpose(self.q_norm(q), (0, 2, 1, 3))
         k = _transpose(self.k_norm(_reshape(self.k_proj(x), (b, L, self.n_kv_heads, self.head_dim))), (0, 2, 1, 3))
         v = _transpose(_reshape(self.v_proj(x), (b, L, self.n_kv_heads, self.head_dim)), (0, 2, 1, 3))
-        if cache is not None:
-            offset = cache.offset
-            q, k = self.rope(q, offset), self.rope(k, offset)
-            k, v = cache.update_and_fetch(k, v)
-        else:
-            q, k = self.rope(q), self.rope(k)
+        q, k, v = rope_and_cache(self.rope, q, k, v, cache)
         if last_only:
             q, mask = last_query(q, mask)
             gate = gate[:, -1:]
@@ -282,19 +272,9 @@ class Conv1d(nn.Module):
         return mx.conv1d(x, self.weight, 1, 0, 1, self.weight.shape[0])
 
 
-class SparseMoeBlock(nn.Module):
-    """Softmax router, top-k experts (renormalised when `norm_topk_prob`) plus a shared expert
-    scaled by sigmoid(shared_expert_gate)."""
-
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        dim = args.hidden_size
-        self.top_k = args.num_experts_per_tok
-        self.norm_topk_prob = args.norm_topk_prob
-        self.gate = nn.Linear(dim, args.num_experts)
-        self.switch_mlp = SwitchGLU(dim, args.moe_intermediate_size, args.num_experts)
-        self.shared_expert = llama.MLP(dim, args.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(dim, 1)
+class SparseMoeBlock(qwen2_moe.SparseMoeBlock):
+    """Qwen 2 MoE's block (softmax router, top-k experts renormalised when `norm_topk_prob`, a
+    shared expert scaled by sigmoid(shared_expert_gate)) with Qwen 3 MoE's order of the k, as mlx-lm."""
 
     def __call__(self, x: Array) -> Array:
         gates = mx.softmax(self.gate(x), axis=-1, precise=True)

@@ -635,16 +635,15 @@ def header(report: dict[str, Any]) -> str:
 
 def reproduce_command(settings: dict[str, Any], case: dict[str, Any]) -> str:
     """The command line that measures `case` again with the settings of the run that measured it."""
-    parts = ["python benchmarks/compare_mlx_lm.py"]
-    if settings.get("shape_json"):
-        parts.append("--shape-json " + " ".join(settings["shape_json"]))
-    parts += [f"--shapes {case['shape']}", f"--quant {case['quant']}",
+    parts = ["python benchmarks/compare_mlx_lm.py", f"--shapes {case['shape']}", f"--quant {case['quant']}",
              "--prompt-lengths " + " ".join(map(str, settings["prompt_lengths"])), f"--max-tokens {settings['max_tokens']}",
              f"--runs {settings['runs']}", f"--load-runs {settings.get('load_runs', 3)}"]
     if settings.get("layers"):
         parts.append(f"--layers {settings['layers']}")
     if settings.get("cpu"):
         parts.append("--cpu")
+    if settings.get("shape_json"):  # last: the page's commands start with the shape
+        parts.append("--shape-json " + " ".join(settings["shape_json"]))
     return " ".join(parts)
 
 

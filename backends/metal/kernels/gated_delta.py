@@ -26,11 +26,71 @@ from pymlxc.core import Array
 from pymlxc.core.cuda_kernel import SharedKernel
 
 from .check import CheckedOnce
-from .metal_kernel import SharedMetalKernel
+from .metal_kernel import SharedMetalKernel, device_kind
 
 ROWS = 4  # state rows (warps) per block / threadgroup
 INPUTS = ("q", "k", "v", "g", "beta", "state_in")
 OUTPUTS = ("y", "state_out")
+
+# The token loop both kernels run (a thread's P entries of one state row), in the dialect that
+# `_dialect` writes out: `UNROLL` lines become CUDA's `#pragma unroll`, `WARP_SUM x` sums x over
+# the warp / SIMD group.
+_LOOP = r"""
+  float s[P];
+  UNROLL
+  for (int i = 0; i < P; ++i) {
+    s[i] = state_in[at + i];
+  }
+  for (int t = 0; t < T; ++t) {
+    const float gt = g_[0];
+    float recall = 0.0f;
+    UNROLL
+    for (int i = 0; i < P; ++i) {
+      s[i] *= gt;
+      recall += s[i] * static_cast<float>(k_[i]);
+    }
+    WARP_SUM recall
+    const float delta = (static_cast<float>(v_[row]) - recall) * beta_[0];
+    float out = 0.0f;
+    UNROLL
+    for (int i = 0; i < P; ++i) {
+      s[i] += static_cast<float>(k_[i]) * delta;
+      out += s[i] * static_cast<float>(q_[i]);
+    }
+    WARP_SUM out
+    if (lane == 0) {
+      y_[row] = static_cast<InT>(out);
+    }
+    q_ += Hk * Dk;
+    k_ += Hk * Dk;
+    v_ += Hv * Dv;
+    y_ += Hv * Dv;
+    g_ += Hv;
+    beta_ += Hv;
+  }
+  UNROLL
+  for (int i = 0; i < P; ++i) {
+    state_out[at + i] = s[i];
+  }
+"""
+
+
+def _dialect(loop: str, cuda: bool) -> str:
+    """`_LOOP` in CUDA (`cuda`) or Metal."""
+    lines = []
+    for line in loop.splitlines(keepends=True):
+        indent, word = line[:len(line) - len(line.lstrip())], line.split()
+        if word == ["UNROLL"]:
+            lines += [f"{indent}#pragma unroll\n"] if cuda else []
+        elif word[:1] == ["WARP_SUM"]:
+            x = word[1]
+            lines += ([f"{indent}#pragma unroll\n", f"{indent}for (int off = 16; off > 0; off >>= 1) {{\n",
+                       f"{indent}  {x} += __shfl_xor_sync(0xffffffffu, {x}, off);\n", f"{indent}}}\n"]
+                      if cuda else [f"{indent}{x} = simd_sum({x});\n"])
+        else:
+            lines.append(line)
+    return "".join(lines)
+
 
 # Template arguments: InT (q, k, v, y), Dk, Dv, Hk, Hv, T.
 CUDA_SOURCE = r"""
@@ -50,50 +110,7 @@ CUDA_SOURCE = r"""
   InT* y_ = y + ((size_t)b * T * Hv + hv) * Dv;
   const float* g_ = g + (size_t)b * T * Hv + hv;
   const float* beta_ = beta + (size_t)b * T * Hv + hv;
-  const size_t at = ((size_t)n * Dv + row) * Dk + lane * P;
-  float s[P];
-  #pragma unroll
-  for (int i = 0; i < P; ++i) {
-    s[i] = state_in[at + i];
-  }
-  for (int t = 0; t < T; ++t) {
-    const float gt = g_[0];
-    float recall = 0.0f;
-    #pragma unroll
-    for (int i = 0; i < P; ++i) {
-      s[i] *= gt;
-      recall += s[i] * static_cast<float>(k_[i]);
-    }
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      recall += __shfl_xor_sync(0xffffffffu, recall, off);
-    }
-    const float delta = (static_cast<float>(v_[row]) - recall) * beta_[0];
-    float out = 0.0f;
-    #pragma unroll
-    for (int i = 0; i < P; ++i) {
-      s[i] += static_cast<float>(k_[i]) * delta;
-      out += s[i] * static_cast<float>(q_[i]);
-    }
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      out += __shfl_xor_sync(0xffffffffu, out, off);
-    }
-    if (lane == 0) {
-      y_[row] = static_cast<InT>(out);
-    }
-    q_ += Hk * Dk;
-    k_ += Hk * Dk;
-    v_ += Hv * Dv;
-    y_ += Hv * Dv;
-    g_ += Hv;
-    beta_ += Hv;
-  }
-  #pragma unroll
-  for (int i = 0; i < P; ++i) {
-    state_out[at + i] = s[i];
-  }
-"""
+  const size_t at = ((size_t)n * Dv + row) * Dk + lane * P;""" + _dialect(_LOOP, cuda=True)
 
 # The same in Metal; MLX adds the attributes the body names (thread_position_in_grid, ...).
 METAL_SOURCE = r"""
@@ -110,54 +127,12 @@ METAL_SOURCE = r"""
   auto y_ = y + (b * T * Hv + hv) * Dv;
   auto g_ = g + b * T * Hv + hv;
   auto beta_ = beta + b * T * Hv + hv;
-  const uint at = (n * Dv + row) * Dk + lane * P;
-  float s[P];
-  for (int i = 0; i < P; ++i) {
-    s[i] = state_in[at + i];
-  }
-  for (int t = 0; t < T; ++t) {
-    const float gt = g_[0];
-    float recall = 0.0f;
-    for (int i = 0; i < P; ++i) {
-      s[i] *= gt;
-      recall += s[i] * static_cast<float>(k_[i]);
-    }
-    recall = simd_sum(recall);
-    const float delta = (static_cast<float>(v_[row]) - recall) * beta_[0];
-    float out = 0.0f;
-    for (int i = 0; i < P; ++i) {
-      s[i] += static_cast<float>(k_[i]) * delta;
-      out += s[i] * static_cast<float>(q_[i]);
-    }
-    out = simd_sum(out);
-    if (lane == 0) {
-      y_[row] = static_cast<InT>(out);
-    }
-    q_ += Hk * Dk;
-    k_ += Hk * Dk;
-    v_ += Hv * Dv;
-    y_ += Hv * Dv;
-    g_ += Hv;
-    beta_ += Hv;
-  }
-  for (int i = 0; i < P; ++i) {
-    state_out[at + i] = s[i];
-  }
-"""
+  const uint at = (n * Dv + row) * Dk + lane * P;""" + _dialect(_LOOP, cuda=False)
 
 _cuda = SharedKernel("pymlxc_gated_delta", INPUTS, OUTPUTS, CUDA_SOURCE)
 _metal = SharedMetalKernel("pymlxc_gated_delta", INPUTS, OUTPUTS, METAL_SOURCE)
 
 Ops = Callable[..., tuple[Array, Array]]
-
-
-def device_kind() -> str | None:
-    """"cuda" or "metal" where MLX's default device is that GPU, else None (the CPU: MLX ops)."""
-    if mx.default_device().type != "gpu":
-        return None
-    if mx.cuda_available():
-        return "cuda"
-    return "metal" if mx.metal_available() else None
 
 
 def applies(dk: int, dv: int, hk: int, hv: int) -> bool:

@@ -43,7 +43,7 @@ from pymlxc.core import Array
 from pymlxc.core.cuda_kernel import SharedKernel
 
 from .check import CheckedOnce
-from .metal_kernel import SharedMetalKernel
+from .metal_kernel import SharedMetalKernel, device_kind
 
 QK_K = 256
 TYPE_IDS = {QType.Q2_K: 10, QType.Q3_K: 11, QType.Q6_K: 14}  # ggml's type numbers: the template's Q
@@ -311,15 +311,6 @@ _metal_dequant = SharedMetalKernel("pymlxc_gguf_dequant", ("w",), ("out",), META
 # Per device kind: (matvec, dequantize); both kinds' kernels take the same call.
 _KERNELS: dict[str, tuple[SharedKernel | SharedMetalKernel, SharedKernel | SharedMetalKernel]] = {
     "cuda": (_cuda_matvec, _cuda_dequant), "metal": (_metal_matvec, _metal_dequant)}
-
-
-def device_kind() -> str | None:
-    """"cuda" or "metal" where MLX's default device is that GPU, else None (the CPU: MLX ops)."""
-    if mx.default_device().type != "gpu":
-        return None
-    if mx.cuda_available():
-        return "cuda"
-    return "metal" if mx.metal_available() else None
 
 
 def matvec(x: Array, w: Array, idx: Array, qtype: QType, kind: str,

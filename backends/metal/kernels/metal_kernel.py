@@ -13,6 +13,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import pymlxc.core as mx
 from pymlxc.core.array import Array
 from pymlxc.core.cuda_kernel import FastKernel, TemplateValue
 
@@ -33,6 +34,15 @@ class MetalKernel(FastKernel):
         return self._apply(inputs, output_shapes, output_dtypes, grid, threadgroup, template, None, None)
 
 
+def device_kind() -> str | None:
+    """"cuda" or "metal" where MLX's default device is that GPU, else None (the CPU: MLX ops)."""
+    if mx.default_device().type != "gpu":
+        return None
+    if mx.cuda_available():
+        return "cuda"
+    return "metal" if mx.metal_available() else None
+
+
 class SharedMetalKernel:
     """A Metal kernel made on first use and kept for the process (as `mx.fast.SharedKernel`)."""
 
@@ -49,4 +59,4 @@ class SharedMetalKernel:
             return self._kernel
 
 
-__all__ = ["MetalKernel", "SharedMetalKernel"]
+__all__ = ["MetalKernel", "SharedMetalKernel", "device_kind"]

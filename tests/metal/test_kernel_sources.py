@@ -1,21 +1,51 @@
-"""The kernel sources written from one shared loop in two dialects (gated_delta._dialect) and the
-device kind every kernel family asks (metal_kernel.device_kind)."""
+"""Kernel bodies shared by a family's CUDA and Metal kernels, written out per dialect
+(metal_kernel.dialect), and the device kind every kernel family asks (metal_kernel.device_kind)."""
 from __future__ import annotations
+
+import pytest
 
 import pymlxc.core as mx
 from pymlxc.backends.metal.kernels import gated_delta, gguf_blocks, metal_kernel
+from pymlxc.backends.metal.kernels.metal_kernel import dialect
+
+BODY = """  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const DEVICE T* p = x + i;
+    s = fmaf(p[0], 2.f, s);
+  }
+  WARP_SUM s
+"""
 
 
-def test_gated_delta_sources_are_written_out_in_their_dialect() -> None:
-    cuda, metal = gated_delta.CUDA_SOURCE, gated_delta.METAL_SOURCE
+def test_dialect_writes_cuda_and_metal() -> None:
+    assert dialect(BODY, cuda=True) == """  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const T* p = x + i;
+    s = fmaf(p[0], 2.f, s);
+  }
+  for (int off = 16; off > 0; off >>= 1) {
+    s += __shfl_xor_sync(0xffffffffu, s, off);
+  }
+"""
+    assert dialect(BODY, cuda=False) == """  float s = 0.f;
+  for (int i = 0; i < 8; ++i) {
+    const device T* p = x + i;
+    s = fma(p[0], 2.f, s);
+  }
+  s = simd_sum(s);
+"""
+
+
+@pytest.mark.parametrize(("cuda", "metal"), [(gated_delta.CUDA_SOURCE, gated_delta.METAL_SOURCE),
+                                             (gguf_blocks.CUDA_MATVEC_SOURCE, gguf_blocks.METAL_MATVEC_SOURCE)])
+def test_family_sources_hold_no_marker_of_the_other_dialect(cuda: str, metal: str) -> None:
     for source in (cuda, metal):
-        assert "UNROLL" not in source and "WARP_SUM" not in source
-        assert source.count("state_out[at + i] = s[i];") == 1
-    assert cuda.count("__shfl_xor_sync(0xffffffffu, recall, off)") == 1
-    assert cuda.count("__shfl_xor_sync(0xffffffffu, out, off)") == 1
-    assert cuda.count("#pragma unroll") == 6 and "simd_sum" not in cuda
-    assert metal.count("recall = simd_sum(recall);") == 1 and metal.count("out = simd_sum(out);") == 1
-    assert "#pragma" not in metal and "__shfl" not in metal
+        assert "WARP_SUM" not in source and "DEVICE" not in source
+    assert "__shfl_xor_sync" in cuda and "simd_sum" not in cuda and "device " not in cuda
+    assert "simd_sum" in metal and "#pragma" not in metal and "__shfl" not in metal and "fmaf" not in metal
+    assert cuda.count("__shfl_xor_sync") == metal.count("simd_sum")
 
 
 def test_kernel_families_share_one_device_kind() -> None:

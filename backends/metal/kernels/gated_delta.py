@@ -26,37 +26,38 @@ from pymlxc.core import Array
 from pymlxc.core.cuda_kernel import SharedKernel
 
 from .check import CheckedOnce
-from .metal_kernel import SharedMetalKernel, device_kind
+from .metal_kernel import SharedMetalKernel, device_kind, dialect
 
 ROWS = 4  # state rows (warps) per block / threadgroup
 INPUTS = ("q", "k", "v", "g", "beta", "state_in")
 OUTPUTS = ("y", "state_out")
 
-# The token loop both kernels run (a thread's P entries of one state row), in the dialect that
-# `_dialect` writes out: `UNROLL` lines become CUDA's `#pragma unroll`, `WARP_SUM x` sums x over
-# the warp / SIMD group.
+# The token loop both kernels run (a thread's P entries of one state row), written out for each
+# by `metal_kernel.dialect`.
 _LOOP = r"""
   float s[P];
-  UNROLL
+  #pragma unroll
   for (int i = 0; i < P; ++i) {
     s[i] = state_in[at + i];
   }
   for (int t = 0; t < T; ++t) {
     const float gt = g_[0];
     float recall = 0.0f;
-    UNROLL
+    #pragma unroll
     for (int i = 0; i < P; ++i) {
       s[i] *= gt;
       recall += s[i] * static_cast<float>(k_[i]);
     }
+    #pragma unroll
     WARP_SUM recall
     const float delta = (static_cast<float>(v_[row]) - recall) * beta_[0];
     float out = 0.0f;
-    UNROLL
+    #pragma unroll
     for (int i = 0; i < P; ++i) {
       s[i] += static_cast<float>(k_[i]) * delta;
       out += s[i] * static_cast<float>(q_[i]);
     }
+    #pragma unroll
     WARP_SUM out
     if (lane == 0) {
       y_[row] = static_cast<InT>(out);
@@ -68,28 +69,11 @@ _LOOP = r"""
     g_ += Hv;
     beta_ += Hv;
   }
-  UNROLL
+  #pragma unroll
   for (int i = 0; i < P; ++i) {
     state_out[at + i] = s[i];
   }
 """
-
-
-def _dialect(loop: str, cuda: bool) -> str:
-    """`_LOOP` in CUDA (`cuda`) or Metal."""
-    lines = []
-    for line in loop.splitlines(keepends=True):
-        indent, word = line[:len(line) - len(line.lstrip())], line.split()
-        if word == ["UNROLL"]:
-            lines += [f"{indent}#pragma unroll\n"] if cuda else []
-        elif word[:1] == ["WARP_SUM"]:
-            x = word[1]
-            lines += ([f"{indent}#pragma unroll\n", f"{indent}for (int off = 16; off > 0; off >>= 1) {{\n",
-                       f"{indent}  {x} += __shfl_xor_sync(0xffffffffu, {x}, off);\n", f"{indent}}}\n"]
-                      if cuda else [f"{indent}{x} = simd_sum({x});\n"])
-        else:
-            lines.append(line)
-    return "".join(lines)
 
 
 # Template arguments: InT (q, k, v, y), Dk, Dv, Hk, Hv, T.
@@ -110,7 +94,7 @@ CUDA_SOURCE = r"""
   InT* y_ = y + ((size_t)b * T * Hv + hv) * Dv;
   const float* g_ = g + (size_t)b * T * Hv + hv;
   const float* beta_ = beta + (size_t)b * T * Hv + hv;
-  const size_t at = ((size_t)n * Dv + row) * Dk + lane * P;""" + _dialect(_LOOP, cuda=True)
+  const size_t at = ((size_t)n * Dv + row) * Dk + lane * P;""" + dialect(_LOOP, cuda=True)
 
 # The same in Metal; MLX adds the attributes the body names (thread_position_in_grid, ...).
 METAL_SOURCE = r"""
@@ -127,7 +111,7 @@ METAL_SOURCE = r"""
   auto y_ = y + (b * T * Hv + hv) * Dv;
   auto g_ = g + b * T * Hv + hv;
   auto beta_ = beta + b * T * Hv + hv;
-  const uint at = (n * Dv + row) * Dk + lane * P;""" + _dialect(_LOOP, cuda=False)
+  const uint at = (n * Dv + row) * Dk + lane * P;""" + dialect(_LOOP, cuda=False)
 
 _cuda = SharedKernel("pymlxc_gated_delta", INPUTS, OUTPUTS, CUDA_SOURCE)
 _metal = SharedMetalKernel("pymlxc_gated_delta", INPUTS, OUTPUTS, METAL_SOURCE)

@@ -43,7 +43,7 @@ from pymlxc.core import Array
 from pymlxc.core.cuda_kernel import SharedKernel
 
 from .check import CheckedOnce
-from .metal_kernel import SharedMetalKernel, device_kind
+from .metal_kernel import SharedMetalKernel, device_kind, dialect
 
 QK_K = 256
 TYPE_IDS = {QType.Q2_K: 10, QType.Q3_K: 11, QType.Q6_K: 14}  # ggml's type numbers: the template's Q
@@ -103,22 +103,9 @@ __device__ __forceinline__ void values8(const uint8_t* b, int p0, float* v) {
 }  // namespace pymlxc_gguf
 """
 
-# Template arguments: T (x and out), M (rows of x per pair), Q (ggml type), S (bytes a block),
-# R (output rows per warp). x [P, M, K], w [E, N, NB, S] uint8, idx [P] int32 (the matrix of each
-# pair: 0 for a plain linear, the expert for a switch layer) -> out [P, M, N]. Grid: warps across,
-# pairs down. Sizes come from w's shape at run time, so a model's layers share one compiled kernel.
-CUDA_MATVEC_SOURCE = r"""
-  const int N = w_shape[1];
-  const int NB = w_shape[2];
-  const int K = NB * 256;
-  const int pair = blockIdx.y;
-  const int lane = threadIdx.x & 31;
-  const int row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
-  if (row0 >= N) {
-    return;
-  }
-  const uint8_t* wm = w + static_cast<size_t>(idx[pair]) * N * NB * S;
-  const T* xp = x + static_cast<size_t>(pair) * M * K;
+# The matvec's loop over blocks (after each kernel's own indexing), for both kernels
+# (`metal_kernel.dialect`): a lane's 8 values of R rows times M rows of x, then the warp's sums.
+_MATVEC_LOOP = r"""
   float acc[M][R];
 #pragma unroll
   for (int m = 0; m < M; ++m) {
@@ -137,7 +124,7 @@ CUDA_MATVEC_SOURCE = r"""
     }
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-      const T* xm = xp + static_cast<size_t>(m) * K + blk * 256 + lane * 8;
+      const DEVICE T* xm = xp + static_cast<size_t>(m) * K + blk * 256 + lane * 8;
       float xf[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
@@ -160,15 +147,30 @@ CUDA_MATVEC_SOURCE = r"""
     for (int r = 0; r < R; ++r) {
       float s = acc[m][r];
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        s += __shfl_xor_sync(0xffffffffu, s, off);
-      }
+      WARP_SUM s
       if (lane == 0 && row0 + r < N) {
         out[(static_cast<size_t>(pair) * M + m) * N + row0 + r] = static_cast<T>(s);
       }
     }
   }
 """
+
+# Template arguments: T (x and out), M (rows of x per pair), Q (ggml type), S (bytes a block),
+# R (output rows per warp). x [P, M, K], w [E, N, NB, S] uint8, idx [P] int32 (the matrix of each
+# pair: 0 for a plain linear, the expert for a switch layer) -> out [P, M, N]. Grid: warps across,
+# pairs down. Sizes come from w's shape at run time, so a model's layers share one compiled kernel.
+CUDA_MATVEC_SOURCE = r"""
+  const int N = w_shape[1];
+  const int NB = w_shape[2];
+  const int K = NB * 256;
+  const int pair = blockIdx.y;
+  const int lane = threadIdx.x & 31;
+  const int row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
+  if (row0 >= N) {
+    return;
+  }
+  const uint8_t* wm = w + static_cast<size_t>(idx[pair]) * N * NB * S;
+  const T* xp = x + static_cast<size_t>(pair) * M * K;""" + dialect(_MATVEC_LOOP, cuda=True)
 
 # Template arguments: T (out), Q, S. w [rows, NB, S] -> out [rows, NB * 256]; thread t writes the
 # 8 values 8 (t % 32) of block (t / 32) % NB of row t / (32 NB).
@@ -246,43 +248,7 @@ METAL_MATVEC_SOURCE = r"""
     return;
   }
   const device uint8_t* wm = w + size_t(idx[pair]) * N * NB * S;
-  const device T* xp = x + size_t(pair) * M * K;
-  float acc[M][R];
-  for (int m = 0; m < M; ++m) {
-    for (int r = 0; r < R; ++r) {
-      acc[m][r] = 0.f;
-    }
-  }
-  for (int blk = 0; blk < NB; ++blk) {
-    float v[R][8];
-    for (int r = 0; r < R; ++r) {
-      const size_t row = size_t(min(row0 + r, N - 1));
-      pymlxc_gguf::values8<Q>(wm + (row * NB + blk) * S, lane * 8, v[r]);
-    }
-    for (int m = 0; m < M; ++m) {
-      const device T* xm = xp + size_t(m) * K + blk * 256 + lane * 8;
-      float xf[8];
-      for (int i = 0; i < 8; ++i) {
-        xf[i] = float(xm[i]);
-      }
-      for (int r = 0; r < R; ++r) {
-        float d = 0.f;
-        for (int i = 0; i < 8; ++i) {
-          d = fma(xf[i], v[r][i], d);
-        }
-        acc[m][r] += d;
-      }
-    }
-  }
-  for (int m = 0; m < M; ++m) {
-    for (int r = 0; r < R; ++r) {
-      const float s = simd_sum(acc[m][r]);
-      if (lane == 0 && row0 + r < N) {
-        out[(size_t(pair) * M + m) * N + row0 + r] = T(s);
-      }
-    }
-  }
-"""
+  const device T* xp = x + size_t(pair) * M * K;""" + dialect(_MATVEC_LOOP, cuda=False)
 
 METAL_DEQUANT_SOURCE = r"""
   const size_t rows = w_shape[0];

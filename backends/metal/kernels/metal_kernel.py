@@ -34,6 +34,26 @@ class MetalKernel(FastKernel):
         return self._apply(inputs, output_shapes, output_dtypes, grid, threadgroup, template, None, None)
 
 
+def dialect(body: str, cuda: bool) -> str:
+    """A kernel body shared by the CUDA and Metal kernels of a family, written out for one of them:
+    `WARP_SUM x` lines sum x over the warp (shuffles) / SIMD group (`simd_sum`), `DEVICE ` marks
+    Metal's address space of a pointer; Metal drops the `#pragma unroll` lines and writes `fma`
+    for CUDA's `fmaf`. The rest is C++ that both compilers take."""
+    lines = []
+    for line in body.splitlines(keepends=True):
+        indent, words = line[:len(line) - len(line.lstrip())], line.split()
+        if words[:1] == ["WARP_SUM"]:
+            x = words[1]
+            lines += ([f"{indent}for (int off = 16; off > 0; off >>= 1) {{\n",
+                       f"{indent}  {x} += __shfl_xor_sync(0xffffffffu, {x}, off);\n", f"{indent}}}\n"]
+                      if cuda else [f"{indent}{x} = simd_sum({x});\n"])
+        elif cuda:
+            lines.append(line.replace("DEVICE ", ""))
+        elif words != ["#pragma", "unroll"]:
+            lines.append(line.replace("DEVICE ", "device ").replace("fmaf(", "fma("))
+    return "".join(lines)
+
+
 def device_kind() -> str | None:
     """"cuda" or "metal" where MLX's default device is that GPU, else None (the CPU: MLX ops)."""
     if mx.default_device().type != "gpu":
@@ -59,4 +79,4 @@ class SharedMetalKernel:
             return self._kernel
 
 
-__all__ = ["MetalKernel", "SharedMetalKernel", "device_kind"]
+__all__ = ["MetalKernel", "SharedMetalKernel", "device_kind", "dialect"]

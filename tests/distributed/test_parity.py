@@ -14,14 +14,17 @@ from pymlxc.testing import write_tiny_model
 from .helpers import ranks, reference, result_of
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe")
-QUANTIZED = ("llama", "gemma3", "qwen3_moe")
+QUANTIZED = FAMILIES
 TOKENS = "6"
 
 
 def _model(root: Path, arch: str, bits: int | None, *, width: int = 64, kv_heads: int = 2, layers: int = 2) -> Path:
     extra: dict[str, Any] = {}
     if arch.endswith("_moe"):
-        extra["moe_intermediate_size"] = 64  # a 4-bit expert's half of it is one whole group of 32
+        # each rank's share of a 4-bit expert is whole groups of 32 (2 ranks at width 64, 4 at 128)
+        extra["moe_intermediate_size"] = width
+        if arch == "qwen2_moe":
+            extra["shared_expert_intermediate_size"] = 2 * width
     return write_tiny_model(root / f"{arch}-{bits or 'dense'}-{width}-{layers}", arch, quantize_bits=bits, seed=3,
                             hidden_size=width, num_kv_heads=kv_heads, num_layers=layers, extra_config=extra)
 
@@ -57,9 +60,11 @@ def test_batch_and_chat_on_two_ranks(tmp_path_factory: pytest.TempPathFactory, m
 
 
 @pytest.mark.parametrize("mode", ["tensor", "pipeline"])
-def test_four_ranks_match_one_process(tmp_path_factory: pytest.TempPathFactory, mode: str) -> None:
+@pytest.mark.parametrize("arch,bits", CASES, ids=[f"{a}-{b or 'dense'}" for a, b in CASES])
+def test_four_ranks_match_one_process(tmp_path_factory: pytest.TempPathFactory, arch: str, bits: int | None,
+                                      mode: str) -> None:
     # 4 key/value heads and 128 wide: each rank's o_proj columns are whole groups of 32; 4 layers.
-    model = _model(tmp_path_factory.getbasetemp() / "models", "qwen3", 4, width=128, kv_heads=4, layers=4)
+    model = _model(tmp_path_factory.getbasetemp() / "models", arch, bits, width=128, kv_heads=4, layers=4)
     _check(ranks(4, model, mode, "--tokens", TOKENS), reference(model, "--tokens", TOKENS))
 
 

@@ -262,18 +262,25 @@ def _gemma_config(reader: GGUFReader, arch: str, base: Mapping[str, Any]) -> dic
         return out
     # Gemma 3: every sixth layer is global unless the file says otherwise (a period, or a per-layer
     # list of booleans, true for sliding-window layers).
-    pattern = metadata(reader, key("attention.sliding_window_pattern"))
-    if isinstance(pattern, list):
-        if len(pattern) != layers:
-            raise GGUFError(f"{key('attention.sliding_window_pattern')} has {len(pattern)} entries for {layers} layers")
-        sliding = [bool(v) for v in pattern]
-    else:
-        period = int(pattern) if isinstance(pattern, int) and pattern > 0 else 6
-        sliding = [(i + 1) % period != 0 for i in range(layers)]
+    sliding, period = _sliding_layers(reader, key("attention.sliding_window_pattern"), layers, 6)
+    if period is not None:
         out["sliding_window_pattern"] = period
     out["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
     out["rope_local_base_freq"] = _float(reader, key("rope.freq_base_swa"), 10000.0)
     return out
+
+
+def _sliding_layers(reader: GGUFReader, key: str, layers: int, default_period: int) -> tuple[list[bool], int | None]:
+    """Which layers use the sliding window, from `key`: a per-layer list of booleans (true for
+    sliding layers), else a period (`default_period` when absent or not positive) whose every last
+    layer is global. Also the period, None where the file gave a list."""
+    pattern = metadata(reader, key)
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise GGUFError(f"{key} has {len(pattern)} entries for {layers} layers")
+        return [bool(v) for v in pattern], None
+    period = int(pattern) if isinstance(pattern, int) and pattern > 0 else default_period
+    return [(i + 1) % period != 0 for i in range(layers)], period
 
 
 def _rope_scaling(reader: GGUFReader, arch: str, head_dim: int, base: float) -> dict[str, Any] | None:
@@ -498,14 +505,7 @@ def _gemma4_config(reader: GGUFReader, shapes: Mapping[str, tuple[int, ...]], hi
         return f"gemma4.{name}"
 
     layers = _int(reader, key("block_count"), required=True)
-    pattern = metadata(reader, key("attention.sliding_window_pattern"))
-    if isinstance(pattern, list):
-        if len(pattern) != layers:
-            raise GGUFError(f"{key('attention.sliding_window_pattern')} has {len(pattern)} entries for {layers} layers")
-        sliding = [bool(v) for v in pattern]
-    else:
-        period = int(pattern) if isinstance(pattern, int) and pattern > 0 else 5
-        sliding = [(i + 1) % period != 0 for i in range(layers)]
+    sliding, _ = _sliding_layers(reader, key("attention.sliding_window_pattern"), layers, 5)
     full_head = _int(reader, key("attention.key_length"), hidden // heads) or hidden // heads
     swa_head = _int(reader, key("attention.key_length_swa"), full_head) or full_head
     kv = _per_layer(reader, key("attention.head_count_kv"), layers, heads)

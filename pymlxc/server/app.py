@@ -205,7 +205,8 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
                 raise ApiError(400, "prompt: token ids are not supported by this model's backend", param="prompt")
             if not prompt:
                 raise ApiError(400, "prompt is empty", param="prompt")
-            return Job(sampling(body, 0, body.max_tokens, None), prompt_text=prompt, stop=stop)
+            # logprobs passed on, so that an engine without them answers 400 instead of dropping them
+            return Job(sampling(body, 0, body.max_tokens, body.logprobs), prompt_text=prompt, stop=stop)
         if isinstance(prompt, str):
             if not prompt:
                 raise ApiError(400, "prompt is empty", param="prompt")

@@ -106,6 +106,8 @@ def test_a_refused_request_is_an_error_and_the_server_goes_on(served: Served,
     with pytest.raises(openai.BadRequestError, match="response_format is not supported"):
         client.chat.completions.create(model=str(model), messages=CHAT, max_tokens=4,  # type: ignore[arg-type]
                                        response_format={"type": "json_object"})
+    with pytest.raises(openai.BadRequestError, match="logprobs"):  # refused, not silently dropped
+        client.completions.create(model=str(model), prompt=PROMPT, max_tokens=4, logprobs=2)
     # Refused by the model's own checks (not Unicode text), on every rank alike.
     # (Sent as escaped JSON by hand: the client cannot encode a lone surrogate.)
     body = json.dumps({"model": "m", "prompt": "a\ud800b", "max_tokens": 4}).encode()

@@ -25,7 +25,6 @@ in a row count, and gradients (training) need MLX's own transposes.
 """
 from __future__ import annotations
 
-import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,10 +35,11 @@ from pymlxc.core import Array
 from pymlxc.core.cuda_kernel import SharedKernel
 
 from .kernels import matvec as matvec_kernel
+from .thread_setting import ThreadSetting
 
 # 4-bit bytes per block: Llama-3.1-8B 140 MB, Llama-3.2-1B 43 MB, Gemma-3-1B 22 MB, Qwen3-0.6B 12 MB.
 AUTO_MIN_BYTES_PER_LAYER = 30_000_000
-_state = threading.local()
+_mlx_only = ThreadSetting(False)
 _the_kernel = SharedKernel(matvec_kernel.QUANTIZED_NAME, matvec_kernel.QUANTIZED_INPUTS,
                            matvec_kernel.OUTPUT_NAMES, matvec_kernel.QUANTIZED_SOURCE,
                            header=matvec_kernel.HEADER)
@@ -52,18 +52,14 @@ def _use(cuda_matvec: bool) -> bool:
 def kernels_allowed() -> bool:
     """False inside `mlx_kernels_only()` (on this thread): pymlxc's row-count-specialized kernels
     stay out of shapeless traces and gradients (GGUF block layers ask this too)."""
-    return not getattr(_state, "mlx_only", False)
+    return not _mlx_only.get()
 
 
 @contextmanager
 def mlx_kernels_only() -> Iterator[None]:
     """Within (on this thread): MLX's `quantized_matmul` for every product."""
-    before = getattr(_state, "mlx_only", False)
-    _state.mlx_only = True
-    try:
+    with _mlx_only.set(True):
         yield
-    finally:
-        _state.mlx_only = before
 
 
 def quantized_matmul(x: Array, weight: Array, scales: Array, biases: Array, group_size: int, bits: int,

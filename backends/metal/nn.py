@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -23,6 +22,7 @@ from pymlxc.settings import SWITCH
 
 from .kernel_choice import AUTO_MIN_BYTES_PER_LAYER, quantized_matmul, runs_on
 from .kernels.check import on_cuda
+from .thread_setting import ThreadSetting
 
 _matmul = mx.matmul
 _addmm = mx.addmm
@@ -239,7 +239,7 @@ class Linear(Module):
         b: Array | None = self.__dict__.get("bias")
         if b is None:
             return _matmul(x, self._wT)
-        if getattr(_trace_state, "shapeless", False):
+        if _shapeless.get():
             return _matmul(x, self._wT) + b  # see `shapeless_trace`
         return _addmm(b, x, self._wT, 1.0, 1.0)
 
@@ -248,7 +248,22 @@ def _packed_dims(dims: int, bits: int) -> int:
     return dims * bits // 32
 
 
-class QuantizedLinear(Module):
+class CudaMatvecChoice:
+    """The mark `choose_cuda_matvec` sets on a 4-bit layer (each layer sets `_cuda_matvec` in its
+    __init__): whether its products of few rows go through pymlxc's CUDA kernel."""
+
+    _cuda_matvec: bool
+
+    @property
+    def cuda_matvec(self) -> bool:
+        """Whether products of few rows go through pymlxc's CUDA kernel (choose_cuda_matvec)."""
+        return self._cuda_matvec
+
+    def use_cuda_matvec(self, on: bool) -> None:
+        self._cuda_matvec = bool(on)
+
+
+class QuantizedLinear(CudaMatvecChoice, Module):
     """A Linear with an affine-quantized weight: packed uint32 `weight`, per-group `scales`, `biases`."""
 
     def __init__(self, input_dims: int, output_dims: int, bias: bool = False, *, group_size: int = 64,
@@ -265,14 +280,6 @@ class QuantizedLinear(Module):
             self.bias = mx.zeros((output_dims,), dtype)
         self.freeze(["weight", "scales", "biases"], recurse=False)
         self._cuda_matvec = False  # set by choose_cuda_matvec
-
-    @property
-    def cuda_matvec(self) -> bool:
-        """Whether products of few rows go through pymlxc's CUDA kernel (choose_cuda_matvec)."""
-        return self._cuda_matvec
-
-    def use_cuda_matvec(self, on: bool) -> None:
-        self._cuda_matvec = bool(on)
 
     @property
     def input_dims(self) -> int:
@@ -325,7 +332,7 @@ class Embedding(Module):
         return _matmul(x, self._wT)
 
 
-class QuantizedEmbedding(Module):
+class QuantizedEmbedding(CudaMatvecChoice, Module):
     """An Embedding with an affine-quantized table; rows are dequantized after the gather."""
 
     def __init__(self, num_embeddings: int, dims: int, *, group_size: int = 64, bits: int = 4,
@@ -340,14 +347,6 @@ class QuantizedEmbedding(Module):
         self.biases = mx.zeros((num_embeddings, dims // group_size), dtype)
         self.freeze(recurse=False)
         self._cuda_matvec = False  # set by choose_cuda_matvec
-
-    @property
-    def cuda_matvec(self) -> bool:
-        """Whether products of few rows go through pymlxc's CUDA kernel (choose_cuda_matvec)."""
-        return self._cuda_matvec
-
-    def use_cuda_matvec(self, on: bool) -> None:
-        self._cuda_matvec = bool(on)
 
     @classmethod
     def from_embedding(cls, emb: Embedding, group_size: int = 64, bits: int = 4) -> QuantizedEmbedding:
@@ -517,19 +516,15 @@ class Cloner:
         return new
 
 
-_trace_state = threading.local()
+_shapeless = ThreadSetting(False)
 
 
 @contextlib.contextmanager
 def shapeless_trace() -> Iterator[None]:
     """Within (on this thread): a dense Linear adds its bias after the matmul instead of MLX's fused
     `addmm`, which fixes the row count in a shapeless trace (the compiled prefill)."""
-    before = getattr(_trace_state, "shapeless", False)
-    _trace_state.shapeless = True
-    try:
+    with _shapeless.set(True):
         yield
-    finally:
-        _trace_state.shapeless = before
 
 
 # ---------------------------------------------------------------------- kernel choice

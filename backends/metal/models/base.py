@@ -17,6 +17,7 @@ from pymlxc.core import Array
 from .. import nn
 from ..cache import CONTEXT_KEEP, Cache, KVCache, Mask, RotatingKVCache, create_causal_mask, make_prompt_mask
 from ..config_check import ConfigError, check_args, check_params
+from ..thread_setting import ThreadSetting
 
 _sdpa = mx.fast.scaled_dot_product_attention
 _rope = mx.fast.rope
@@ -37,14 +38,14 @@ def resolved(value: V | None, field: str) -> V:
 
 # ---------------------------------------------------------------------- per-layer listener
 
-_layer_listener = threading.local()
+_layer_listener: ThreadSetting[Any] = ThreadSetting(None)
 
 
 def after_layer(h: Array, cache: Any) -> None:
     """Every architecture calls this after each block of its forward pass: a listener (see
     `layer_listener`) may schedule the block's work at once, so the device (or the evaluation
     thread) starts on it while Python builds the next block."""
-    fn = getattr(_layer_listener, "fn", None)
+    fn = _layer_listener.get()
     if fn is not None:
         fn(h, cache)
 
@@ -52,12 +53,8 @@ def after_layer(h: Array, cache: Any) -> None:
 @contextlib.contextmanager
 def layer_listener(fn: Any) -> Iterator[None]:
     """Call `fn(h, cache)` after each block of the forward passes run on this thread in the block."""
-    previous = getattr(_layer_listener, "fn", None)
-    _layer_listener.fn = fn
-    try:
+    with _layer_listener.set(fn):
         yield
-    finally:
-        _layer_listener.fn = previous
 
 
 @dataclasses.dataclass

@@ -5,14 +5,22 @@
 """
 from __future__ import annotations
 
-from . import core
+from . import core, training
 from .core import MLXError
 from .discover import DiscoveredModel, discover
-from .memory import clear_cache, get_active_memory, get_cache_memory, get_peak_memory, reset_peak_memory, set_cache_limit, set_memory_limit, set_wired_limit
+from .memory import (
+    clear_cache,
+    get_active_memory,
+    get_cache_memory,
+    get_peak_memory,
+    reset_peak_memory,
+    set_cache_limit,
+    set_memory_limit,
+    set_wired_limit,
+)
 from .model import Backend, GenerationCancelled, ModelClosedError, TextModel
 from .options import GenerateConfig, LoadConfig
 from .registry import BackendUnavailableError, default_backend, get, list_backends, load_model, register
-from . import training
 from .training import LoRAAdapter, LoRAConfig, TrainableModel, TrainConfig, train
 from .types import AttentionSnapshot, BatchResult, ClassifyResult, GenerateMetrics, Message, ModelInfo, Token
 
@@ -37,7 +45,8 @@ _register_builtin_backends()
 __all__ = [
     "core", "MLXError", "discover", "DiscoveredModel", "Backend", "TextModel", "GenerationCancelled",
     "ModelClosedError", "GenerateConfig", "LoadConfig", "BackendUnavailableError", "default_backend", "get",
-    "list_backends", "load_model", "register", "AttentionSnapshot", "BatchResult", "ClassifyResult", "GenerateMetrics", "Message",
+    "list_backends", "load_model", "register", "AttentionSnapshot", "BatchResult", "ClassifyResult", "GenerateMetrics",
+    "Message",
     "ModelInfo", "Token", "clear_cache", "get_active_memory", "get_cache_memory", "get_peak_memory",
     "reset_peak_memory", "set_cache_limit", "set_memory_limit", "set_wired_limit",
     "training", "train", "LoRAConfig", "LoRAAdapter", "TrainConfig", "TrainableModel",

@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 LAUNCH_BACKENDS = ("ring", "nccl")
 
@@ -29,7 +30,7 @@ class LaunchError(RuntimeError):
     """A rank failed, or the run outlived its timeout; the message names the rank and its end.
     `results`: every rank's result (returncode None: killed by the launcher)."""
 
-    def __init__(self, message: str, results: "list[RankResult]") -> None:
+    def __init__(self, message: str, results: list[RankResult]) -> None:
         super().__init__(message)
         self.results = results
 
@@ -107,7 +108,7 @@ def run_local(n: int, command: Sequence[str], *, backend: str = "ring", timeout:
                     p.kill()
                     p.wait()
         results = []
-        for r, (p, (out, err)) in enumerate(zip(procs, logs)):
+        for r, (p, (out, err)) in enumerate(zip(procs, logs, strict=True)):
             out.seek(0)
             err.seek(0)
             results.append(RankResult(r, None if r in killed else p.returncode,
@@ -121,7 +122,7 @@ def run_local(n: int, command: Sequence[str], *, backend: str = "ring", timeout:
     return results
 
 
-def _watch(procs: list[subprocess.Popen[bytes]], echo_file, timeout: float | None,
+def _watch(procs: list[subprocess.Popen[bytes]], echo_file: IO[bytes] | None, timeout: float | None,
            grace: float) -> tuple[tuple[int, str] | None, set[int]]:
     start = time.monotonic()
     failed: tuple[int, str] | None = None

@@ -45,23 +45,23 @@ def _integer(name: str, value: Any, *, low: int | None = None, high: int | None 
     """`value` as an int when it is an integer (not a bool) within [low, high)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, not {type(value).__name__} {value!r}")
-    value = int(value)
-    if (low is not None and value < low) or (high is not None and value >= high):
+    number = int(value)
+    if (low is not None and number < low) or (high is not None and number >= high):
         bounds = f">= {low}" if high is None else f"in [{low}, {high})"
-        raise ValueError(f"{name} must be {bounds}, not {value}")
-    return value
+        raise ValueError(f"{name} must be {bounds}, not {number}")
+    return number
 
 
 def _real(name: str, value: Any) -> float:
     """`value` as a float when it is a finite, non-subnormal real number (not a bool)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, not {type(value).__name__} {value!r}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, not {value}")
-    if value != 0.0 and abs(value) < _FLOAT32_TINY:
-        raise ValueError(f"{name} must be 0 or at least {_FLOAT32_TINY:g} in size (a subnormal float), not {value!r}")
-    return value
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be finite, not {number}")
+    if number != 0.0 and abs(number) < _FLOAT32_TINY:
+        raise ValueError(f"{name} must be 0 or at least {_FLOAT32_TINY:g} in size (a subnormal float), not {number!r}")
+    return number
 
 
 def _in_range(name: str, value: float, low: float, high: float, extra: str = "") -> None:

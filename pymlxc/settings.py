@@ -84,7 +84,7 @@ class Settings:
         "`--api-key` option takes precedence).")))
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         """The settings the environment (`os.environ` by default) asks for; an unset or empty
         variable keeps its default."""
         env = os.environ if environ is None else environ

@@ -10,9 +10,9 @@ import pytest
 
 from pymlxc.launch import LaunchError, run_local
 from pymlxc.testing import write_tiny_model
+from tests.reliability.subproc import run_case
 
 from .helpers import WORKER, ranks, result_of
-from tests.reliability.subproc import run_case
 
 
 @pytest.fixture(scope="module")

@@ -335,26 +335,20 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
                                       "choices": [], "usage": usage(prompt_len(job), count)})
                 yield "[DONE]"
             return EventSourceResponse(events(), ping=15)
-        texts, count, finish = [], 0, "length"
+        text, finish, tokens = await _whole(first, stream)
         lp: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         offset = 0
-        async with contextlib.aclosing(_chain(first, stream)) as chained:
-            async for piece in chained:
-                texts.append(piece.text)
-                finish = piece.finish or finish
-                if piece.token is not None:
-                    count += 1
-                    if job.params.logprobs is not None:
-                        t = token_text(piece.token)
-                        lp["tokens"].append(t)
-                        lp["token_logprobs"].append(piece.logprob)
-                        lp["top_logprobs"].append({token_text(i): v for i, v in piece.top_logprobs})
-                        lp["text_offset"].append(offset)
-                        offset += len(t)
+        for token, piece in tokens if job.params.logprobs is not None else ():
+            t = token_text(token)
+            lp["tokens"].append(t)
+            lp["token_logprobs"].append(piece.logprob)
+            lp["top_logprobs"].append({token_text(i): v for i, v in piece.top_logprobs})
+            lp["text_offset"].append(offset)
+            offset += len(t)
         return {"id": rid, "object": "text_completion", "created": now, "model": config.model_id,
-                "choices": [{"index": 0, "text": "".join(texts), "finish_reason": finish,
+                "choices": [{"index": 0, "text": text, "finish_reason": finish,
                              "logprobs": lp if job.params.logprobs is not None else None}],
-                "usage": usage(prompt_len(job), count)}
+                "usage": usage(prompt_len(job), len(tokens))}
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(body: ChatRequest, request: Request) -> Any:
@@ -400,16 +394,8 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
                                       "model": config.model_id, "choices": [], "usage": usage(prompt_len(job), count)})
                 yield "[DONE]"
             return EventSourceResponse(events(), ping=15)
-        texts, count, finish, lps = [], 0, "length", []
-        async with contextlib.aclosing(_chain(first, stream)) as chained:
-            async for piece in chained:
-                texts.append(piece.text)
-                finish = piece.finish or finish
-                if piece.token is not None:
-                    count += 1
-                    if want_lp:
-                        lps.append(chat_logprob(piece))
-        content = "".join(texts)
+        content, finish, tokens = await _whole(first, stream)
+        lps = [chat_logprob(piece) for _, piece in tokens] if want_lp else []
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if use_tools:
             rest, calls = toolcalls.parse_tool_calls(content, tool_fmt)
@@ -420,7 +406,7 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
         return {"id": rid, "object": "chat.completion", "created": now, "model": config.model_id,
                 "choices": [{"index": 0, "message": message, "finish_reason": finish,
                              "logprobs": {"content": lps} if want_lp else None}],
-                "usage": usage(prompt_len(job), count)}
+                "usage": usage(prompt_len(job), len(tokens))}
 
     if config.cors_origins:
         from starlette.middleware.cors import CORSMiddleware
@@ -451,6 +437,19 @@ def _one_prompt(prompt: str | list[int] | list[str]) -> str | list[int]:
     if len(prompt) != 1:
         raise ApiError(400, "prompt: one prompt per request", param="prompt")
     return str(prompt[0])
+
+
+async def _whole(first: Piece | None, rest: AsyncGenerator[Piece, None]) -> tuple[str, str, list[tuple[int, Piece]]]:
+    """A non-streamed answer: its text, its finish reason ("length" where no piece gave one) and
+    each generated token with its piece (for the usage count and the logprobs)."""
+    texts, finish, tokens = [], "length", []
+    async with contextlib.aclosing(_chain(first, rest)) as chained:
+        async for piece in chained:
+            texts.append(piece.text)
+            finish = piece.finish or finish
+            if piece.token is not None:
+                tokens.append((piece.token, piece))
+    return "".join(texts), finish, tokens
 
 
 async def _chain(first: Piece | None, rest: AsyncGenerator[Piece, None]) -> AsyncGenerator[Piece, None]:

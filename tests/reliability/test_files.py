@@ -180,6 +180,27 @@ def test_read_json_round_trips(tmp_path_factory: pytest.TempPathFactory, value: 
     assert read_json(file) == value
 
 
+def _read_each(imports: str, calls: list[tuple[str, Path]]) -> object:
+    """In a child (a FIFO read would block it): each `fn(path)` of `calls` (a function that
+    `imports` brings in, by name) -> "read" or [its exception's type, message]."""
+    pairs = ", ".join(f"({fn}, {str(path)!r})" for fn, path in calls)
+    return run_case(f"""
+{imports}
+out = []
+for fn, arg in ({pairs},):
+    try:
+        fn(arg)
+        out.append("read")
+    except Exception as exc:
+        out.append([type(exc).__name__, str(exc)])
+report(out)
+""", timeout=120)
+
+
+def _fifo_refused(what: str, path: Path) -> list[str]:
+    return ["UnsafeFileError", f"{what} {path} is a FIFO (named pipe), not a regular file"]
+
+
 def test_adapter_and_safetensors_readers_refuse_fifos(tmp_path: Path) -> None:
     """Adapters and prompt caches are read through the same door: `pymlxc.core.load_safetensors`
     (which MLX opens by name) and `pymlxc.files` for their JSON."""
@@ -188,22 +209,10 @@ def test_adapter_and_safetensors_readers_refuse_fifos(tmp_path: Path) -> None:
     (adapter / "adapters.safetensors").write_bytes(b"")
     os.mkfifo(adapter / "adapter_config.json")
     os.mkfifo(tmp_path / "cache.safetensors")
-    result = run_case(f"""
-import pymlxc.core as mx
-from pymlxc.training.adapters import read_adapter
-out = []
-for fn, arg in ((read_adapter, {str(adapter)!r}), (mx.load_safetensors, {str(tmp_path / "cache.safetensors")!r})):
-    try:
-        fn(arg)
-        out.append("read")
-    except Exception as exc:
-        out.append([type(exc).__name__, str(exc)])
-report(out)
-""", timeout=120)
-    assert result == [["UnsafeFileError", f"adapter config {adapter / 'adapter_config.json'} is a FIFO (named pipe), "
-                                          "not a regular file"],
-                      ["UnsafeFileError", f"file {tmp_path / 'cache.safetensors'} is a FIFO (named pipe), "
-                                          "not a regular file"]]
+    result = _read_each("import pymlxc.core as mx\nfrom pymlxc.training.adapters import read_adapter",
+                        [("read_adapter", adapter), ("mx.load_safetensors", tmp_path / "cache.safetensors")])
+    assert result == [_fifo_refused("adapter config", adapter / "adapter_config.json"),
+                      _fifo_refused("file", tmp_path / "cache.safetensors")]
 
 
 def test_training_readers_refuse_fifos(tmp_path: Path) -> None:
@@ -212,19 +221,7 @@ def test_training_readers_refuse_fifos(tmp_path: Path) -> None:
     data.mkdir()
     os.mkfifo(data / "train.jsonl")
     os.mkfifo(tmp_path / "state.json")
-    result = run_case(f"""
-from pymlxc.files import read_json
-from pymlxc.training.data import read_jsonl
-out = []
-for fn, arg in ((read_jsonl, {str(data / "train.jsonl")!r}), (read_json, {str(tmp_path / "state.json")!r})):
-    try:
-        fn(arg)
-        out.append("read")
-    except Exception as exc:
-        out.append([type(exc).__name__, str(exc)])
-report(out)
-""", timeout=120)
-    assert result == [["UnsafeFileError", f"dataset file {data / 'train.jsonl'} is a FIFO (named pipe), "
-                                          "not a regular file"],
-                      ["UnsafeFileError", f"file {tmp_path / 'state.json'} is a FIFO (named pipe), "
-                                          "not a regular file"]]
+    result = _read_each("from pymlxc.files import read_json\nfrom pymlxc.training.data import read_jsonl",
+                        [("read_jsonl", data / "train.jsonl"), ("read_json", tmp_path / "state.json")])
+    assert result == [_fifo_refused("dataset file", data / "train.jsonl"),
+                      _fifo_refused("file", tmp_path / "state.json")]

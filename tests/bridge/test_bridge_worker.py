@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -263,17 +264,22 @@ def test_numbers_a_sampler_cannot_use_are_refused_and_the_worker_lives(
     assert idle_worker.request(cmd="cancel", id="alive")["type"] == "result"
 
 
+def _edited_copy(model: Path, to: Path, name: str, edit: Callable[[dict[str, Any]], object]) -> Path:
+    """A copy of `model` at `to` whose JSON file `name` went through `edit` (which changes it in place)."""
+    shutil.copytree(model, to)
+    data = json.loads((to / name).read_text())
+    edit(data)
+    (to / name).write_text(json.dumps(data))
+    return to
+
+
 def test_a_model_that_needs_custom_tokenizer_code_is_refused_at_once(
     start_worker: Any, tiny_model: Path, tmp_path: Path
 ) -> None:
     """transformers would ask "run the custom code? [y/N]" on stdin (the protocol pipe) and wait."""
-    model = tmp_path / "custom"
-    shutil.copytree(tiny_model, model)
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    config.update(
+    model = _edited_copy(tiny_model, tmp_path / "custom", "tokenizer_config.json", lambda config: config.update(
         tokenizer_class="CustomTokenizer", auto_map={"AutoTokenizer": ["tokenization_custom.CustomTokenizer", None]}
-    )
-    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    ))
     (model / "tokenization_custom.py").write_text("raise SystemExit('the custom code ran')\n")
     worker = start_worker()
     start = time.monotonic()
@@ -323,12 +329,9 @@ def test_ids_outside_the_embedding_are_refused_naming_the_id_and_its_rows(loaded
 def test_a_tokenizer_larger_than_the_embedding_is_refused_at_load(
     start_worker: Any, tiny_model: Path, tmp_path: Path
 ) -> None:
-    model = tmp_path / "big-tokenizer"
-    shutil.copytree(tiny_model, model)
-    tokenizer = json.loads((model / "tokenizer.json").read_text())
-    tokenizer["added_tokens"].append({"id": 512, "content": "<|extra|>", "single_word": False, "lstrip": False,
-                                      "rstrip": False, "normalized": False, "special": True})
-    (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+    model = _edited_copy(tiny_model, tmp_path / "big-tokenizer", "tokenizer.json", lambda tokenizer: tokenizer[
+        "added_tokens"].append({"id": 512, "content": "<|extra|>", "single_word": False, "lstrip": False,
+                                "rstrip": False, "normalized": False, "special": True}))
     reply = start_worker().request(cmd="load", id="L", path=str(model))
     assert reply["error"] == "load_failed"
     assert "has 513 tokens but the model's embedding has 512 rows" in reply["message"]

@@ -30,7 +30,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,7 +58,7 @@ def first_output(cmd: list[str], env: dict[str, str], skip_line: bytes | None, t
             if first is None:
                 text = seen
                 if skip_line is not None:
-                    head, sep, text = seen.partition(skip_line + b"\n")
+                    _, sep, text = seen.partition(skip_line + b"\n")
                     if not sep:
                         text = b""
                 if text:
@@ -113,23 +112,25 @@ def main(argv: list[str] | None = None) -> int:
 
         for i in range(args.runs):
             cache = work / f"cache-{i}"  # a new empty cache each run: every cold run is a first run
-            cases = [
-                ("pymlxc cold", lambda: run("pymlxc cold", ours, dict(base, PYMLXC_CACHE_DIR=str(cache)), None)),
-                ("pymlxc warm", lambda: run("pymlxc warm", ours, dict(base, PYMLXC_CACHE_DIR=str(cache)), None)),
-                ("pymlxc no cache", lambda: run("pymlxc no cache", ours, dict(base, PYMLXC_CACHE_DIR="off"), None)),
-                ("mlx_lm", lambda: run("mlx_lm", theirs, base, b"==========")),
-            ]
+            cases = {
+                "pymlxc cold": (ours, dict(base, PYMLXC_CACHE_DIR=str(cache)), None),
+                "pymlxc warm": (ours, dict(base, PYMLXC_CACHE_DIR=str(cache)), None),
+                "pymlxc no cache": (ours, dict(base, PYMLXC_CACHE_DIR="off"), None),
+                "mlx_lm": (theirs, base, b"=========="),
+            }
             # The cold run must come before the warm one; the other two swap places run by run.
-            order = [cases[0], cases[1], cases[2], cases[3]] if i % 2 == 0 else [cases[3], cases[2], cases[0], cases[1]]
-            for _, fn in order:
-                fn()
+            order = (["pymlxc cold", "pymlxc warm", "pymlxc no cache", "mlx_lm"] if i % 2 == 0
+                     else ["mlx_lm", "pymlxc no cache", "pymlxc cold", "pymlxc warm"])
+            for name in order:
+                run(name, *cases[name])
             print(f"run {i + 1}/{args.runs}: " + ", ".join(
                 f"{n} {results[n]['first_token_s'][-1]:.2f}s" for n in results), flush=True)
         summary = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in results.items()}
         ref = summary["mlx_lm"]["first_token_s"]
-        print(f"\nprocess start to first token, medians of {args.runs} runs ({platform.processor() or platform.machine()}, "
+        where = platform.processor() or platform.machine()
+        print(f"\nprocess start to first token, medians of {args.runs} runs ({where}, "
               f"{'CPU' if args.cpu else 'default device'}):")
-        print(f"| side | first token s | minus mlx-lm s | exit s |\n|---|---:|---:|---:|")
+        print("| side | first token s | minus mlx-lm s | exit s |\n|---|---:|---:|---:|")
         for n, s in summary.items():
             print(f"| {n} | {s['first_token_s']:.2f} | {s['first_token_s'] - ref:+.2f} | {s['exit_s']:.2f} |")
         if args.json is not None:

@@ -15,6 +15,7 @@ uses it before anything else is loaded.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -56,7 +57,7 @@ def digest(text: str) -> str:
 class Store:
     """The entries of one kind (a subfolder of the cache root), each named by a hash of its key."""
 
-    def __init__(self, kind: str, root: Path | None | str = "default") -> None:
+    def __init__(self, kind: str, root: Path | str | None = "default") -> None:
         """`root`: the cache root; "default" resolves it from the settings at each use (so that
         `settings.override(cache_dir=...)` applies), None means no cache."""
         if not kind or "/" in kind or kind.startswith("."):
@@ -127,10 +128,8 @@ class Store:
             return False
         finally:
             if tmp is not None:
-                try:
+                with contextlib.suppress(OSError):
                     os.unlink(tmp)
-                except OSError:
-                    pass
 
     def entries(self) -> Iterator[Path]:
         folder = self.folder
@@ -141,10 +140,8 @@ class Store:
     def clear(self) -> None:
         """Remove every entry of this kind (best effort)."""
         for path in self.entries():
-            try:
+            with contextlib.suppress(OSError):
                 path.unlink()
-            except OSError:
-                pass
 
 
 __all__ = ["FORMAT", "Store", "canonical", "digest", "directory"]

@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import compare_mlx_lm  # noqa: E402
+
 from pymlxc.testing.shapes import SHAPES, shape_config  # noqa: E402
 
 
@@ -45,6 +46,6 @@ def test_bad_shape_files_name_the_problem(tmp_path: Path, content: str, message:
 
 
 def test_missing_shape_file(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match="missing.json"):
+    with pytest.raises(SystemExit, match=r"missing\.json"):
         compare_mlx_lm.add_shapes_from_json([tmp_path / "missing.json"])
     json.dumps(SHAPES)  # the registry stays plain data

@@ -129,7 +129,7 @@ def test_concurrent_writers_leave_one_whole_entry(tmp_path: Path) -> None:
     procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(n)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in (1, 2)]
     for p in procs:
-        out, err = p.communicate(timeout=300)
+        _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err
     got = user_cache.Store("race", root=tmp_path).get({"shared": True})
     assert got["writer"] in (1, 2) and got["payload"] == "x" * (1000 * got["writer"])

@@ -11,6 +11,7 @@ thread, memory), and checking again only costs time, while a wrong "yes" would c
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import re
@@ -52,10 +53,8 @@ def environment() -> dict[str, Any]:
                 info = {}
             builds = {}
             for dist in ("mlx", "mlx-cuda", "mlx-cuda-12", "mlx-cuda-13", "mlx-metal"):
-                try:
+                with contextlib.suppress(importlib.metadata.PackageNotFoundError):
                     builds[dist] = importlib.metadata.version(dist)
-                except importlib.metadata.PackageNotFoundError:
-                    pass
             _environment = {"device": str(device), "device_info": info, "driver": _nvidia_driver(),
                             "mlx": builds, "mlx_c": mx.mlx_c_version(), "platform": sys.platform}
         return _environment
@@ -93,7 +92,7 @@ class CheckedOnce:
     (default: the user cache's "checks" folder; None: this process only)."""
 
     def __init__(self, kernel: str, source: str | None = None,
-                 store: user_cache.Store | None | str = "default") -> None:
+                 store: user_cache.Store | str | None = "default") -> None:
         self.kernel = kernel  # how the warning names it
         self._known: dict[Hashable, bool] = {}
         self._lock = threading.Lock()  # held while checking: a second asker waits for the verdict

@@ -11,7 +11,6 @@ bfloat16 carries 8 bits of mantissa: 5e-2 there.
 from __future__ import annotations
 
 import importlib
-
 import json
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import pytest
 import pymlxc.core as mx
 from pymlxc.backends.metal.cache import KVCache, RotatingKVCache
 from pymlxc.backends.metal.loader import LoadedModel, load_weights_and_config
+from pymlxc.backends.metal.recurrent_cache import RecurrentCache
 from pymlxc.testing import LLAMA3_ROPE_SCALING, write_tiny_model
 
 mlx = importlib.import_module("mlx.core")
@@ -59,10 +59,13 @@ def prompt_ids(n: int, batch: int = 1, seed: int = 1) -> np.ndarray:
 
 
 def mirror(caches: list[Any]) -> list[Any]:
-    """mlx-lm caches of the same kinds and sizes as ours."""
-    out = []
+    """mlx-lm caches of the same kinds and sizes as ours (a linear-attention layer's RecurrentCache:
+    mlx-lm's ArraysCache of its two arrays)."""
+    out: list[Any] = []
     for c in caches:
-        if isinstance(c, RotatingKVCache):
+        if isinstance(c, RecurrentCache):
+            out.append(mlx_cache.ArraysCache(size=2))
+        elif isinstance(c, RotatingKVCache):
             out.append(mlx_cache.RotatingKVCache(max_size=c.max_size, keep=c.keep))
         else:
             assert isinstance(c, KVCache)
@@ -70,8 +73,9 @@ def mirror(caches: list[Any]) -> list[Any]:
     return out
 
 
-def run_both(ours: LoadedModel, ref: Any, prompt: np.ndarray, *, context_len: int | None, chunk: int | None,
-             steps: int) -> tuple[list[np.ndarray], list[np.ndarray], list[int], list[int]]:
+def run_both(ours: LoadedModel, ref: Any, prompt: np.ndarray, *, context_len: int | None = None,
+             chunk: int | None = None,
+             steps: int = STEPS) -> tuple[list[np.ndarray], list[np.ndarray], list[int], list[int]]:
     """Prefill (in chunks) then greedy single-token steps, on both models; logits of every step."""
     cache = ours.model.make_cache(context_len)
     ref_cache = mirror(cache)

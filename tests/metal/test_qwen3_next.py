@@ -21,17 +21,18 @@ import pytest
 
 import pymlxc.core as mx
 from pymlxc.backends.metal import nn
-from pymlxc.backends.metal.cache import KVCache, RotatingKVCache
+from pymlxc.backends.metal.cache import RotatingKVCache
 from pymlxc.backends.metal.loader import LoadedModel, load_weights_and_config
 from pymlxc.backends.metal.models import qwen3_5, qwen3_next
 from pymlxc.backends.metal.models.base import ConfigError
-from pymlxc.backends.metal.recurrent_cache import RecurrentCache
 from pymlxc.backends.metal.models.switch_layers import QuantizedSwitchLinear
+from pymlxc.backends.metal.recurrent_cache import RecurrentCache
 from pymlxc.testing import write_tiny_model
+
+from .test_models_parity import prompt_ids, run_both
 
 mlx = importlib.import_module("mlx.core")
 mlx_utils = importlib.import_module("mlx_lm.utils")
-mlx_cache = importlib.import_module("mlx_lm.models.cache")
 
 ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 CASES = [(a, b) for a in ARCHS for b in (None, 4)]
@@ -65,45 +66,6 @@ def models(tmp_path_factory: pytest.TempPathFactory):
     for ours, _, _ in _loaded.values():
         ours.free()
     _loaded.clear()
-
-
-def prompt_ids(n: int, batch: int = 1, seed: int = 1) -> np.ndarray:
-    return np.random.default_rng(seed).integers(16, 500, size=(batch, n)).astype(np.int32)
-
-
-def mirror(caches: list[Any]) -> list[Any]:
-    """mlx-lm caches of the kinds and sizes of ours."""
-    out: list[Any] = []
-    for c in caches:
-        if isinstance(c, RecurrentCache):
-            out.append(mlx_cache.ArraysCache(size=2))
-        elif isinstance(c, RotatingKVCache):
-            out.append(mlx_cache.RotatingKVCache(max_size=c.max_size, keep=c.keep))
-        else:
-            assert isinstance(c, KVCache)
-            out.append(mlx_cache.KVCache())
-    return out
-
-
-def run_both(ours: LoadedModel, ref: Any, prompt: np.ndarray, *, context_len: int | None = None,
-             chunk: int | None = None, steps: int = STEPS) -> tuple[np.ndarray, np.ndarray, list[int], list[int]]:
-    """Prefill (in chunks) then greedy one-token steps on both models; every step's logits."""
-    cache = ours.model.make_cache(context_len)
-    ref_cache = mirror(cache)
-    chunk = chunk or prompt.shape[1]
-    for s in range(0, prompt.shape[1], chunk):
-        la = ours.model(mx.array(prompt[:, s:s + chunk]), cache)
-        lb = ref(mlx.array(prompt[:, s:s + chunk]), cache=ref_cache)
-    logits_a, logits_b, toks_a, toks_b = [], [], [], []
-    for _ in range(steps):
-        a, b = np.asarray(la)[:, -1], np.array(lb[:, -1].astype(mlx.float32))
-        logits_a.append(a)
-        logits_b.append(b)
-        toks_a.append(int(a[0].argmax()))
-        toks_b.append(int(b[0].argmax()))
-        la = ours.model(mx.array([[toks_a[-1]]], mx.int32), cache)
-        lb = ref(mlx.array([[toks_b[-1]]], dtype=mlx.int32), cache=ref_cache)
-    return np.stack(logits_a), np.stack(logits_b), toks_a, toks_b
 
 
 # ---------------------------------------------------------------------- parity with mlx-lm

@@ -12,6 +12,7 @@ weight at once.
 """
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -75,7 +76,7 @@ class LoadedModel:
 
     close = free
 
-    def __enter__(self) -> "LoadedModel":
+    def __enter__(self) -> LoadedModel:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -217,7 +218,9 @@ def _quant_params(path: str, module: nn.Module, weights: Mapping[str, Array], de
     packed = weights.get(f"{path}.weight")
     if scales is None or packed is None:
         return False
-    in_dims = module.weight.shape[-1]  # (out, in), or (experts, out, in) for a SwitchLinear
+    # Every layer quantize offers (Linear, Embedding, SwitchLinear) holds its weight as a parameter.
+    weight: Array = vars(module)["weight"]
+    in_dims = weight.shape[-1]  # (out, in), or (experts, out, in) for a SwitchLinear
     bits = packed.shape[-1] * 32 // in_dims
     group_size = in_dims // scales.shape[-1] if scales.shape[-1] else 0
     if bits not in SUPPORTED_BITS or not group_size or in_dims % group_size:
@@ -273,7 +276,7 @@ def _evaluate(params: dict[str, Array], origin: Mapping[str, Path], progress: Pr
         if progress is not None:
             progress(done, total)
 
-    for (name, a), size in zip(items, sizes):
+    for (name, a), size in zip(items, sizes, strict=True):
         batch.append((name, a))
         batch_bytes += size
         if batch_bytes >= _EVAL_CHUNK_BYTES:
@@ -342,7 +345,8 @@ def load_gguf_model(path: str | os.PathLike[str], *, context_len: int = 131072, 
     """(tokenizer, LoadedModel) of the GGUF file at `path`, reading its metadata once. The tokenizer
     comes first, so that a file without one fails before the weights are read."""
     # gguf.py and gguf_tokenizer.py need the optional `gguf` package: imported for GGUF files only.
-    from .gguf import architecture, model_type_of, naming, read_gguf  # noqa: PLC0415
+    from .gguf import naming, read_gguf  # noqa: PLC0415
+    from .gguf_config import architecture, model_type_of  # noqa: PLC0415
     from .gguf_tokenizer import load_gguf_tokenizer  # noqa: PLC0415
 
     file = Path(path)
@@ -418,13 +422,15 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
     quant = _quantization_of(config, file)
     quantized = layers(model) if layers is not None else 0
     if quant is not None or any(k.endswith(".scales") for k in weights):
-        defaults = {k: quant[k] for k in ("group_size", "bits") if quant and k in quant}
+        defaults: dict[str, Any] = {k: quant[k] for k in ("group_size", "bits") if quant and k in quant}
         overrides = {canonical_name(k): v for k, v in (quant or {}).items()
                      if k not in ("group_size", "bits", "mode") and (isinstance(v, Mapping) or v is False)}
         overrides = {("model." + k if k not in module_paths and f"model.{k}" in module_paths else k): v
                      for k, v in overrides.items()}
-        quantized += nn.quantize(model, lambda p, m: _quant_params(p, m, weights, defaults, overrides),
-                                group_size=int(defaults.get("group_size", 64)), bits=int(defaults.get("bits", 4)))
+        # Bound now: `weights` is rebound and deleted below, and quantize calls the predicate only here.
+        predicate = functools.partial(_quant_params, weights=weights, defaults=defaults, overrides=overrides)
+        quantized += nn.quantize(model, predicate, group_size=int(defaults.get("group_size", 64)),
+                                bits=int(defaults.get("bits", 4)))
         if quant is None and quantized:
             first = next(m for _, m in model.named_modules()
                          if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)))
@@ -457,7 +463,8 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
     model.compute_dtype = compute_dtype or dtype or _embedding_dtype(model)
     cuda_matvec = False
     if quantized:  # no quantized layer: nothing to choose
-        cuda_matvec = nn.choose_cuda_matvec(model, (settings if settings is not None else current_settings()).cuda_matvec)
+        chosen = (settings if settings is not None else current_settings()).cuda_matvec
+        cuda_matvec = nn.choose_cuda_matvec(model, chosen)
     return LoadedModel(model=model, config=config, model_type=str(model_type), path=root,
                        quantization={"group_size": int(quant.get("group_size", 64)), "bits": int(quant.get("bits", 4))}
                        if quant else None,

@@ -16,6 +16,7 @@ import tracemalloc
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -211,15 +212,21 @@ def test_mixed_recipes(arch: str, main: Q, extra: dict[str, Q], tiny: Callable[[
 
 # ---------------------------------------------------------------------- architectures
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
-def test_moe_from_metadata(arch: str, tiny: Callable[[str], Path], tmp_path: Path) -> None:
-    src = tiny(arch)
+def _f32_round_trip(src: Path, tmp_path: Path, atol: float) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    """`src` exported as an F32 GGUF file, whose logits match the source's within `atol`; with the
+    config read from the file and the source's config.json (its text_config where it has one)."""
     path, _ = export(src, tmp_path / "f32", Q.F32)
     got, _, _ = logits_and_model(path)
     want, _, _ = logits_and_model(src)
-    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
-    config = gguf_config(read_gguf(path))
+    np.testing.assert_allclose(got, want, atol=atol, rtol=0)
     original = json.loads((src / "config.json").read_text())
+    return path, gguf_config(read_gguf(path)), original.get("text_config", original)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+def test_moe_from_metadata(arch: str, tiny: Callable[[str], Path], tmp_path: Path) -> None:
+    src = tiny(arch)
+    path, config, original = _f32_round_trip(src, tmp_path, atol=1e-4)
     for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers",
                 "shared_expert_intermediate_size"):
         if key in original:
@@ -248,13 +255,7 @@ def test_gemma4_from_metadata(arch: str, tiny: Callable[[str], Path], tmp_path: 
     """gemma4_text: per-layer inputs, shared-KV layers, the double-wide MLP; gemma4: the MoE block
     beside the MLP, K = V full layers with their own kv heads, the vision tower dropped."""
     src = tiny(arch)
-    path, _ = export(src, tmp_path / "f32", Q.F32)
-    got, _, _ = logits_and_model(path)
-    want, _, _ = logits_and_model(src)
-    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
-    config = gguf_config(read_gguf(path))
-    original = json.loads((src / "config.json").read_text())
-    original = original.get("text_config", original)
+    path, config, original = _f32_round_trip(src, tmp_path, atol=1e-5)
     for key in ("layer_types", "head_dim", "global_head_dim", "num_key_value_heads", "num_kv_shared_layers",
                 "hidden_size_per_layer_input", "use_double_wide_mlp", "attention_k_eq_v", "enable_moe_block",
                 "sliding_window", "final_logit_softcapping"):

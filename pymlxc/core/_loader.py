@@ -22,7 +22,7 @@ from cffi.recompiler import make_py_source
 
 from .. import settings, user_cache
 
-REBUILD_HINT = "python build_mlxc.py --force   (or reinstall: pip install --no-build-isolation -e .)"
+REBUILD_HINT = "python build_mlxc.py --force   (or reinstall: pip install -e '.[cpu]', or .[cuda13] on NVIDIA)"
 
 
 class MLXError(RuntimeError):
@@ -49,7 +49,8 @@ def _read_stamp(lib_dir: Path) -> dict[str, Any]:
         installed = importlib.metadata.version("mlx")
     except importlib.metadata.PackageNotFoundError as exc:
         raise LibraryNotBuiltError(
-            "MLX is not installed; install it (pip install 'mlx[cpu]>=0.32,<0.33' on Linux) "
+            "MLX is not installed; install pymlxc with the extra for your machine (pip install 'pymlxc[cpu]' on "
+            "Linux, 'pymlxc[cuda13]' on NVIDIA, plain 'pymlxc' on macOS), which pins the MLX it was built for, "
             f"and rebuild: {REBUILD_HINT}"
         ) from exc
     if installed != stamp["mlx_version"]:

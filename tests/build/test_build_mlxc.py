@@ -113,9 +113,11 @@ def test_generated_declarations_cover_the_api() -> None:
 def test_stamp_mismatch_names_the_rebuild_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from pymlxc.core import _loader
 
+    from pymlxc import settings
+
     (tmp_path / "stamp.json").write_text(json.dumps({"mlx_version": "0.0.1", "mlx_prefix": "/x", "library": "libmlxc.so"}))
-    monkeypatch.setenv("PYMLXC_LIB_DIR", str(tmp_path))
-    with pytest.raises(_loader.LibraryNotBuiltError, match="build_mlxc.py --force"):
+    # PYMLXC_LIB_DIR is read once, at import, into the settings: the override stands for it here.
+    with settings.override(lib_dir=tmp_path), pytest.raises(_loader.LibraryNotBuiltError, match="build_mlxc.py --force"):
         _loader._read_stamp(_loader._lib_dir())
     with pytest.raises(_loader.LibraryNotBuiltError, match="has not been built"):
         _loader._read_stamp(tmp_path / "missing")

@@ -32,7 +32,7 @@ BUFFER_STEP = 256  # decode buffers are sized in steps of this many tokens (mlx-
 # ...plus a few slots, so that a buffer's length is never a multiple of 256. MLX's CUDA backend
 # sends one-token attention over a prefix of a buffer whose length is such a multiple to cuDNN
 # (`use_cudnn_for_decoding`), which measured 20.8 against 6.7 us per call for its own kernel at 300
-# keys, and 36.7 against 23.3 at 2048 (H100, benchmarks/h100/probe).
+# keys, and 36.7 against 23.3 at 2048 (H100; docs/performance.md, "Measurements behind these choices").
 BUFFER_PAD = 8
 
 

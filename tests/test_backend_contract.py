@@ -17,9 +17,9 @@ from pymlxc.backends.mlx_lm import MlxLmBackend
 from pymlxc.model import GenerationCancelled, ModelClosedError, TextModel
 from pymlxc.options import LoadConfig
 from pymlxc.testing import write_tiny_model
+from tests.streams import LONG, cancel_after
 
 BACKENDS = ("metal", "mlx_lm")
-LONG = 100_000  # the tiny model never picks EOS (its special tokens are muted): only a stop ends a stream
 
 
 @pytest.fixture(scope="module")
@@ -72,12 +72,7 @@ def test_bad_arguments_raise_at_the_call(model: TextModel, what: str, call: Call
 
 
 def test_a_stream_that_finishes_leaves_err_none_and_a_cancelled_one_sets_it(model: TextModel) -> None:
-    cancel = threading.Event()
-    got = []
-    for token in model.generate("Once upon a time", max_tokens=LONG, cancel=cancel):
-        got.append(token)
-        if len(got) == 3:
-            cancel.set()
+    got = cancel_after(model, 3)
     assert 3 <= len(got) < 50
     assert isinstance(model.err(), GenerationCancelled)
     assert len(list(model.generate("x", max_tokens=4))) == 4

@@ -16,8 +16,7 @@ from pymlxc.backends.mlx_lm import MlxLmBackend, MlxLmModel, WorkerDied, WorkerE
 from pymlxc.model import GenerationCancelled, ModelClosedError, TextModel
 from pymlxc.options import LoadConfig
 from pymlxc.types import BatchResult, ClassifyResult, ModelInfo, Token
-
-LONG = 100_000  # a budget no test waits for: the tiny model never picks EOS, so only a stop ends it
+from tests.streams import LONG, cancel_after
 
 
 def test_is_a_text_model_with_info_type_and_metrics(model: MlxLmModel) -> None:
@@ -69,13 +68,7 @@ def test_invalid_arguments_raise_at_the_call_not_at_iteration(model: MlxLmModel,
 
 
 def test_cancel_after_a_few_tokens_stops_the_stream(model: MlxLmModel) -> None:
-    cancel = threading.Event()
-    got = []
-    for token in model.generate("Once upon a time", max_tokens=LONG, cancel=cancel):
-        got.append(token)
-        if len(got) == 3:
-            cancel.set()
-    assert len(got) == 3
+    assert len(cancel_after(model, 3)) == 3
     assert isinstance(model.err(), GenerationCancelled)
     assert model.metrics().generated_tokens < 1000
     assert len(list(model.generate("x", max_tokens=5))) == 5 and model.err() is None  # err reset, worker in step

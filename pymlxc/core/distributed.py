@@ -14,7 +14,7 @@ A lost peer makes the evaluation that waits on it raise `MLXError` (the ring bac
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from . import dtypes as _dt
 from ._gen import arr, int_list
@@ -149,7 +149,11 @@ def _run(name: str, fn: Any, *args: Any) -> Array:
     return wrap(res)
 
 
-def _collective(cname: str, doc: str) -> Any:
+class _Collective(Protocol):
+    def __call__(self, x: Any, *, group: Group | None = None, stream: Any = None) -> Array: ...
+
+
+def _collective(cname: str, doc: str) -> _Collective:
     fn = getattr(lib, f"mlx_distributed_{cname}")
 
     def op(x: Any, *, group: Group | None = None, stream: Any = None) -> Array:

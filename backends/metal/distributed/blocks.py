@@ -42,7 +42,9 @@ class AllSumBlockSwitchLinear(BlockSwitchLinear):
         return y if bias is None else y + mx.expand_dims(mx.take(bias, indices, axis=0), -2)
 
 
-ROW_FORMS: dict[type, type] = {BlockLinear: AllSumBlockLinear, BlockSwitchLinear: AllSumBlockSwitchLinear}
+ROW_FORMS: dict[type[nn.Module], type[nn.Module]] = {
+    BlockLinear: AllSumBlockLinear, BlockSwitchLinear: AllSumBlockSwitchLinear,
+}
 BLOCK_TYPES: tuple[type, ...] = (BlockLinear, BlockSwitchLinear)
 
 

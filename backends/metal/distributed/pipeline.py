@@ -16,7 +16,7 @@ dimensions (`kernel_dims`), which the model checks its decode kernel against onc
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import pymlxc.core as mx
 from pymlxc.core import Array
@@ -60,6 +60,12 @@ def _advance(cache: Cache | RecurrentCache | None, x: Array) -> None:
         mx.async_eval(cache.update_and_fetch(empty, empty))
 
 
+class _Block(Protocol):
+    """A model's decoder block (a Module) as a stage calls it."""
+
+    def __call__(self, x: Array, mask: Mask, cache: Cache | None, last_only: bool = False) -> Array: ...
+
+
 class _KernelDims:
     """What a linear-attention block's stand-in tells the model's one-time kernel check."""
 
@@ -95,7 +101,7 @@ class StageBlock(nn.Module):
     """A block of this rank, with the stage's hand-overs around it: receive before the stage's
     first block, send after its last, gather the last rank's output after the model's last."""
 
-    def __init__(self, inner: nn.Module | None, group: dist.Group, *, receive: bool, send: bool,
+    def __init__(self, inner: _Block | None, group: dist.Group, *, receive: bool, send: bool,
                  gather: bool, like: Any = None) -> None:
         super().__init__()
         self.inner = inner

@@ -123,7 +123,7 @@ class AllSumQuantizedSwitchLinear(QuantizedSwitchLinear):
         return y if b is None else y + mx.expand_dims(mx.take(b, indices, axis=0), -2)
 
 
-_ROW_FORMS: dict[type, type] = {
+_ROW_FORMS: dict[type[nn.Module], type[nn.Module]] = {
     nn.Linear: AllSumLinear, nn.QuantizedLinear: AllSumQuantizedLinear,
     SwitchLinear: AllSumSwitchLinear, QuantizedSwitchLinear: AllSumQuantizedSwitchLinear,
 }
@@ -146,10 +146,11 @@ def _is_block(layer: nn.Module) -> bool:
 
 def _out_axis(layer: nn.Module) -> int:
     # (out, in) or (experts, out, in); block layers (out, blocks, bytes) or (experts, out, blocks, bytes)
-    return layer.weight.ndim - (3 if _is_block(layer) else 2)
+    weight: Array = vars(layer)["weight"]  # every splittable layer holds its weight as a parameter
+    return weight.ndim - (3 if _is_block(layer) else 2)
 
 
-def _row_form(layer: nn.Module) -> type | None:
+def _row_form(layer: nn.Module) -> type[nn.Module] | None:
     form = _ROW_FORMS.get(type(layer))
     if form is None and _is_block(layer):
         from .blocks import ROW_FORMS  # noqa: PLC0415 - see _is_block
@@ -212,8 +213,8 @@ def split_rows(parent: nn.Module, attr: str, name: str, group: dist.Group) -> No
             raise ShardingError(f"{name}: {in_dims} inputs cannot be split in {size} equal parts")
         updates = {"weight": part(layer.weight, layer.weight.ndim - 1, rank, size)}
     new = form.__new__(form)
-    new.__dict__.update(vars(layer))  # the same parameters, names and flags: only the call differs
-    new._group = group
+    # The same parameters, names and flags, and the group the call sums over: only the call differs.
+    new.__dict__.update(vars(layer), _group=group)
     for key, value in updates.items():
         setattr(new, key, value)  # through __setattr__: a Linear re-derives its W^T
     setattr(parent, attr, new)
@@ -272,7 +273,7 @@ def _shard_linear_attention(la: Any, name: str, group: dist.Group, layouts: Layo
     la.conv_dim = la.key_dim * 2 + la.value_dim
 
 
-def _shard_mlp(mlp: nn.Module, name: str, group: dist.Group) -> None:
+def _shard_mlp(mlp: Any, name: str, group: dist.Group) -> None:
     rank, size = group.rank(), group.size()
     split_columns(mlp.gate_proj, f"{name}.gate_proj", rank, size)
     split_columns(mlp.up_proj, f"{name}.up_proj", rank, size)
@@ -288,7 +289,7 @@ def _shard_layer(layer: Any, name: str, group: dist.Group, layouts: Layouts) -> 
     _shard_ffn(layer.mlp, f"{name}.mlp", group)
     experts = getattr(layer, "experts", None)  # Gemma 4's MoE beside its dense MLP; the router stays whole
     if isinstance(experts, nn.Module):
-        _shard_mlp(experts.switch_glu, f"{name}.experts.switch_glu", group)
+        _shard_mlp(layer.experts.switch_glu, f"{name}.experts.switch_glu", group)
 
 
 def _shard_ffn(mlp: nn.Module, name: str, group: dist.Group) -> None:

@@ -153,7 +153,7 @@ def _extra_name(stem: str) -> str | None:
 def _unstack_experts(name: str, w: np.ndarray) -> dict[str, np.ndarray]:
     parts = name.split(".")
     if len(parts) > 5 and parts[4] == "experts" and w.ndim == 3:
-        return {".".join(parts[:5] + [str(e)] + parts[5:]): w[e] for e in range(w.shape[0])}
+        return {".".join([*parts[:5], str(e), *parts[5:]]): w[e] for e in range(w.shape[0])}
     return {name: w}
 
 
@@ -373,13 +373,13 @@ def export_gguf(model_dir: str | Path, out: str | Path, qtype: QType = QType.F32
     weights = {k.removeprefix("language_model."): v for k, v in _load_weights(model_dir).items()}
     weights, stacked = _stack_experts(weights)
     if gated:
-        reference = _write_gated_delta(writer, weights, stacked, text, model_type, layers, names, qtype,
-                                       extra_types or {}, skip)
-        _finish(writer, model_dir, twin, reference)
+        _finish(writer, model_dir, twin, _write_gated_delta(writer, weights, stacked, text, model_type, layers, names,
+                                                            qtype, extra_types or {}, skip))
         return out
     gemma = model_type in ("gemma2", "gemma3", "gemma3_text")  # norms stored as 1 + w (not Gemma 4's)
     reference: dict[str, np.ndarray] = {}
     for hf, w in weights.items():
+        name: str | None
         if gemma4:
             full = _gemma4_name(hf, names)
             if full is None:  # the vision and audio towers
@@ -413,8 +413,8 @@ def export_gguf(model_dir: str | Path, out: str | Path, qtype: QType = QType.F32
     if gemma4:  # the full layers' proportional RoPE: 1 for rotated pairs, 1e30 for fixed ones
         full = text["rope_parameters"]["full_attention"]
         rotated = int(text["global_head_dim"] * full.get("partial_rotary_factor", 1.0) / 2)
-        writer.add_tensor("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (text["global_head_dim"] // 2 - rotated),
-                                                        np.float32))
+        fixed = text["global_head_dim"] // 2 - rotated
+        writer.add_tensor("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * fixed, np.float32))
     _finish(writer, model_dir, twin, reference)
     return out
 
@@ -455,15 +455,17 @@ def _write_gated_delta(writer: gguf.GGUFWriter, weights: Mapping[str, np.ndarray
 
 
 def write_spm_gguf(out: str | Path, spm_dir: str | Path, *, add_space_prefix: bool = True,
-                   user_defined: Sequence[str] = (), arch: str = "llama", extra: Mapping[str, Any] | None = None) -> Path:
+                   user_defined: Sequence[str] = (), arch: str = "llama",
+                   extra: Mapping[str, Any] | None = None) -> Path:
     """A tokenizer-only GGUF (tiny dummy tensor) from a SentencePiece `tokenizer.model` in `spm_dir`."""
     import sentencepiece as spm
 
     proc = spm.SentencePieceProcessor(model_file=str(Path(spm_dir) / "tokenizer.model"))
     vocab = gguf.vocab.SentencePieceVocab(Path(spm_dir))
-    tokens, scores, types = (list(x) for x in zip(*vocab.all_tokens()))
+    tokens, scores, types = (list(x) for x in zip(*vocab.all_tokens(), strict=True))
     # SentencePieceVocab leaves user-defined pieces NORMAL; llama.cpp's converter marks them.
-    types = [gguf.TokenType.USER_DEFINED if t.decode() in user_defined else k for t, k in zip(tokens, types)]
+    types = [gguf.TokenType.USER_DEFINED if t.decode() in user_defined else k
+             for t, k in zip(tokens, types, strict=True)]
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_tokenizer_model("llama")
     writer.add_token_list([t.decode("utf-8") for t in tokens])
@@ -503,7 +505,8 @@ def _f16_bytes(x: np.ndarray) -> np.ndarray:
 def _crumbs(q: np.ndarray) -> np.ndarray:
     """256 2-bit values -> 64 bytes: value 128h + 32s + j at bits 2s of byte 32h + j."""
     q = q.reshape(-1, 2, 4, 32).astype(np.uint8)
-    return (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(-1, 64)
+    packed: np.ndarray = (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(-1, 64)
+    return packed
 
 
 def _k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
@@ -543,7 +546,8 @@ def encode_k(w: np.ndarray, qtype: QType) -> np.ndarray:
         scale = amax / -32
         d = (np.abs(scale).max(-1, keepdims=True) / 127).astype(np.float16).astype(np.float32)
         sc = _q(scale, d, -128, 127)
-        q = (_q(sub, (d * sc)[..., None], -32, 31) + 32).astype(np.uint8).reshape(n, 2, 128)
+        # One name for each branch's quantized values, whose shape differs by branch.
+        q: np.ndarray = (_q(sub, (d * sc)[..., None], -32, 31) + 32).astype(np.uint8).reshape(n, 2, 128)
         ql = (q[:, :, :64] & 0x0F) | ((q[:, :, 64:] & 0x0F) << 4)
         qh = _crumbs((q >> 4).reshape(n, 256))
         blocks = np.concatenate([ql.reshape(n, 128), qh, sc.astype(np.int8).view(np.uint8), _f16_bytes(d)], -1)
@@ -558,8 +562,9 @@ def encode_k(w: np.ndarray, qtype: QType) -> np.ndarray:
         for s in range(8):
             hmask |= (q[:, 32 * s:32 * (s + 1)] >> 2) << s
         s6 = (sc + 32).astype(np.uint8)
+        shifts = np.array([0, 2, 4, 6], np.uint8)[:, None]
         scales = np.concatenate([(s6[:, :8] & 0x0F) | ((s6[:, 8:] & 0x0F) << 4),
-                                 ((s6 >> 4).reshape(n, 4, 4) << np.array([0, 2, 4, 6], np.uint8)[:, None]).sum(1, dtype=np.uint8)], -1)
+                                 ((s6 >> 4).reshape(n, 4, 4) << shifts).sum(1, dtype=np.uint8)], -1)
         blocks = np.concatenate([hmask, _crumbs(q & 3), scales, _f16_bytes(d)], -1)
     elif qtype == QType.Q2_K:
         d, dmin, sc, m, q = _min_max_blocks(x, 16, 4, 16)

@@ -4,6 +4,7 @@ Every other module imports `ffi`, `lib`, `check` and `MLXError` from here.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.metadata
 import importlib.util
@@ -44,7 +45,7 @@ def _read_stamp(lib_dir: Path) -> dict[str, Any]:
         raise LibraryNotBuiltError(
             f"libmlxc has not been built ({stamp_path} is missing). Build it with: {REBUILD_HINT}"
         )
-    stamp = json.loads(stamp_path.read_text())
+    stamp: dict[str, Any] = json.loads(stamp_path.read_text())
     try:
         installed = importlib.metadata.version("mlx")
     except importlib.metadata.PackageNotFoundError as exc:
@@ -145,7 +146,9 @@ _FAST_SAME = {
     "int", "bool", "float", "double", "size_t", "uint64_t", "const int *", "const int64_t *", "const char *",
     "const void *", "mlx_optional_int", "mlx_optional_float", "mlx_optional_dtype",
 }
-_FAST_RETURN = {"int": "int", "size_t": "size_t", "mlx_array": "void *", "mlx_dtype": "int", "const int *": "const int *"}
+_FAST_RETURN = {
+    "int": "int", "size_t": "size_t", "mlx_array": "void *", "mlx_dtype": "int", "const int *": "const int *",
+}
 _FAST_TYPEDEFS = """
 typedef struct { int value; bool has_value; } mlx_optional_int;
 typedef struct { float value; bool has_value; } mlx_optional_float;
@@ -191,14 +194,13 @@ gc_cdata: Any = ffi.gc
 error_state = threading.local()
 
 
-@ffi.callback("void(*)(const char *, void *)")
-def _error_handler(msg: Any, _data: Any) -> None:
-    try:
+def _keep_error(msg: Any, _data: Any) -> None:
+    with contextlib.suppress(BaseException):  # never let anything cross into C
         error_state.message = ffi.string(msg).decode("utf-8", "replace") if msg != ffi.NULL else "unknown MLX error"
-    except BaseException:  # pragma: no cover - never let anything cross into C
-        pass
 
 
+# Kept at module level: MLX calls it for the life of the process.
+_error_handler: Any = ffi.callback("void(*)(const char *, void *)")(_keep_error)
 lib.mlx_set_error_handler(_error_handler, ffi.NULL, ffi.NULL)
 
 
@@ -223,6 +225,7 @@ def mlx_c_version() -> str:
     s = ffi.new("mlx_string *")
     check(lib.mlx_version(s))
     try:
-        return ffi.string(lib.mlx_string_data(s[0])).decode()
+        version: str = ffi.string(lib.mlx_string_data(s[0])).decode()
+        return version
     finally:
         lib.mlx_string_free(s[0])

@@ -49,7 +49,7 @@ class LanguageModel(Protocol):
 
     def output(self, h: mx.Array) -> mx.Array: ...
 
-    def make_cache(self, context_len: int) -> list[Any]: ...
+    def make_cache(self, context_len: int | None = None) -> list[Any]: ...
 
 
 # ---------------------------------------------------------------------- stopping and timing
@@ -65,7 +65,7 @@ class Guard:
 
     @classmethod
     def make(cls, cancel: threading.Event | None, timeout: float | None,
-             closed: Callable[[], bool] | None = None) -> "Guard":
+             closed: Callable[[], bool] | None = None) -> Guard:
         deadline = time.perf_counter() + timeout if timeout is not None else None
         return cls(cancel, deadline, timeout, closed)
 
@@ -178,7 +178,7 @@ def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, ste
         stop = min((start // step + 1) * step, length)
         logits = forward(tokens[:, start:stop], cache, start, None, finish is not None and stop == length)
         state = _cache_state(cache)
-        if logits is not None:
+        if logits is not None and finish is not None:
             result = finish(logits)
         mx.async_eval([state, result] if result is not None else state)
         if running:
@@ -247,7 +247,7 @@ def _prefill_threaded(forward: Callable[..., mx.Array | None], tokens: mx.Array,
             logits = forward(tokens[:, start:stop], cache, start, submit_layer, finish is not None and stop == length)
             state = _cache_state(cache)
             marker = [queue.readable(c[0]) for c in state[-1:] if c]  # one array: waits for the whole submission
-            if logits is not None:
+            if logits is not None and finish is not None:
                 result = queue.readable(finish(logits))
         handle = queue.submit([state, marker] if result is None else [state, marker, result])
         if previous is not None:
@@ -271,18 +271,19 @@ def make_step(model: LanguageModel, cache: Sequence[Any], sampler: Sampler,
     `history` [B, T] holds the recent ids the logits processors look at; each step appends its
     inputs. `mask(offset)` gives the mask for the query at `offset` (for padded batches).
     """
-    state = {"history": history, "offset": offset}
+    seen_ids = history
+    at = offset
 
     def step(inputs: mx.Array) -> mx.Array:
-        step_mask = mask(state["offset"]) if mask is not None else None
-        state["offset"] += inputs.shape[1]
+        nonlocal seen_ids, at
+        step_mask = mask(at) if mask is not None else None
+        at += inputs.shape[1]
         logits = model(inputs, cache=cache, mask=step_mask)[:, -1, :]
         if processors:
-            seen = state["history"]
-            seen = inputs if seen is None else mx.concatenate([seen, inputs], axis=1)
+            seen = inputs if seen_ids is None else mx.concatenate([seen_ids, inputs], axis=1)
             if seen.shape[1] > DEFAULT_PENALTY_CONTEXT:
                 seen = seen[:, -DEFAULT_PENALTY_CONTEXT:]
-            state["history"] = seen
+            seen_ids = seen
             logits = apply_processors(processors, seen, logits)
         return sampler(logits)
 
@@ -365,7 +366,7 @@ def generate_ids(model: LanguageModel, prompt: Sequence[int], *, cache: Sequence
     history = _history([prompt]) if processors else None
 
     def sample_first(logits: mx.Array) -> mx.Array:
-        return sampler(apply_processors(processors, history, logits) if processors else logits)
+        return sampler(apply_processors(processors, history, logits) if history is not None else logits)
 
     def emit(token: int) -> bool:
         """Record a read token; False where it stops the generation."""
@@ -445,7 +446,7 @@ def batch_generate_ids(model: LanguageModel, prompts: Sequence[Sequence[int]], *
     width = max(len(p) for p in prompts)
     pad_counts = [width - len(p) for p in prompts]
     # Padding repeats the row's first id: any id would do, since padded keys are masked out.
-    padded = mx.array([[p[0]] * pad + list(p) for p, pad in zip(prompts, pad_counts)], dtype=mx.int32)
+    padded = mx.array([[p[0]] * pad + list(p) for p, pad in zip(prompts, pad_counts, strict=True)], dtype=mx.int32)
     pads = mx.array(pad_counts, dtype=mx.int32)
     check_memory(model, cache, len(prompts), width, max_tokens, prefill_step)
     set_left_padding(cache, pads)  # linear-attention layers skip the padding by position, not by mask
@@ -465,7 +466,7 @@ def batch_generate_ids(model: LanguageModel, prompts: Sequence[Sequence[int]], *
         for sampled in decode(step, padded[:, -1:], max_tokens, queue):
             ids = sampled.tolist()
             timings.mark_first_token()
-            for row, token in zip(rows, ids):
+            for row, token in zip(rows, ids, strict=True):
                 if row.done or token in stop_ids:
                     row.done = True
                     continue
@@ -502,7 +503,7 @@ def classify_ids(model: LanguageModel, prompts: Sequence[Sequence[int]], *, samp
         members = [prompts[i] for i in group]
         width = max(len(p) for p in members)
         pad_counts = [width - len(p) for p in members]
-        tokens = mx.array([[p[0]] * pad + list(p) for p, pad in zip(members, pad_counts)], dtype=mx.int32)
+        tokens = mx.array([[p[0]] * pad + list(p) for p, pad in zip(members, pad_counts, strict=True)], dtype=mx.int32)
         mask = None
         if any(pad_counts):
             pads = mx.array(pad_counts, dtype=mx.int32)
@@ -511,6 +512,7 @@ def classify_ids(model: LanguageModel, prompts: Sequence[Sequence[int]], *, samp
         if any(pad_counts):
             set_left_padding(cache, pads)
         last = prefill(model, tokens, cache, step=step, mask=mask, guard=guard, finish=lambda logits: logits)
+        assert last is not None  # the prompt's last chunk always builds `finish`
         mx.eval(last)  # before the caches go: only the [rows, V] logits stay
         del cache
         for j, i in enumerate(group):

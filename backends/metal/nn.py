@@ -455,10 +455,11 @@ def _replace(parent: Module, name: str, new: Module) -> None:
 
 # ---------------------------------------------------------------------- the module tree as arrays
 
-def arrays_of(model: Module, with_classes: bool = False) -> Any:
+def arrays_of(model: object, with_classes: bool = False) -> Any:
     """Every Array the module tree holds (parameters and private constants), each once, in a fixed
-    order for a given tree structure; with `with_classes`, also the module classes in walk order
-    (what a trace depends on besides shapes: an attached or fused LoRA adapter changes them).
+    order for a given tree structure (none in an object outside Modules, lists, tuples and dicts);
+    with `with_classes`, also the module classes in walk order (what a trace depends on besides
+    shapes: an attached or fused LoRA adapter changes them).
     (Iterative: recursive closures would make reference cycles that keep the weights alive until a
     garbage collection.)"""
     out: list[Array] = []

@@ -316,7 +316,7 @@ class CompiledDecoder:
                                          on_fail=lambda exc: self._mark_failed(seg_key, exc))
 
     def prefill_runner(self, fuse_greedy: bool, walk: tuple[list[Array], tuple[str, ...]] | None = None
-                       ) -> Callable[..., None] | None:
+                       ) -> Callable[..., Array] | None:
         """`run(tokens, cache, on_layer)`: a prefill chunk through shapeless compiled segments (see
         prefill.py), on the plan the segmented decode that follows will use; None where the
         decode is not segmented (or the model not of the Llama family)."""

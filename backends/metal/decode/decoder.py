@@ -92,8 +92,8 @@ def decode_mode(setting: str = "auto") -> str:
     the graph attends over its whole masked ring (the decode buffer, up to twice the tokens held)
     where the segments attend over the keys held, and their fused q/k/v and gate/up products are
     fewer calls; for the float32 Llama of hidden 512, intermediate 128, vocabulary 400 (the
-    2-core VM of BENCHMARKS.md), MLX's compute thread spent 4.72 ms per token on the graph, 4.00 on the segments and 4.40
-    in mlx-lm (BENCHMARKS.md). Models that segments.plan() does not cover (Gemma, MoE) use the
+    2-core VM of BENCHMARKS.md), MLX's compute thread spent 4.72 ms per token on the graph, 4.00 on
+    the segments and 4.40 in mlx-lm (BENCHMARKS.md). Models that segments.plan() does not cover (Gemma, MoE) use the
     graph either way."""
     if setting in DECODE_MODES:
         return setting
@@ -273,10 +273,12 @@ class CompiledDecoder:
         signature = tuple(map(id, weights))
         with self._lock:
             recent = self._recent_plan
+            seg_key: tuple[Any, ...] | None
+            seg_plan: segments.SegmentPlan | None
             if recent is not None and recent[0] == (signature, fuse_greedy, self.fuse_projections):
                 seg_key, seg_plan = recent[1], self._plans.get(recent[1])
             else:
-                seg_key = seg_plan = None
+                seg_key, seg_plan = None, None
         if seg_plan is None:
             blocks = segments.plan(model)
             if blocks is None:
@@ -299,6 +301,7 @@ class CompiledDecoder:
                                                     fused_norm, argmax, rope)
                     self._plans[seg_key] = seg_plan
                 self._recent_plan = ((signature, fuse_greedy, self.fuse_projections), seg_key)
+        assert seg_key is not None and seg_plan is not None  # found or made together above
         if seg_key in self._failed:
             return None
         return seg_key, seg_plan
@@ -320,7 +323,7 @@ class CompiledDecoder:
         """`run(tokens, cache, on_layer)`: a prefill chunk through shapeless compiled segments (see
         prefill.py), on the plan the segmented decode that follows will use; None where the
         decode is not segmented (or the model not of the Llama family)."""
-        model = self._model
+        model: Any = self._model  # a Llama-family model where a plan is found: it has `layers`
         if model is None or decode_mode(self.mode) != "segmented":
             return None
         weights, classes = walk if walk is not None else arrays_of(model, with_classes=True)
@@ -332,8 +335,7 @@ class CompiledDecoder:
         if key in self._failed:
             return None
         fns = self._function(key, prefill.PrefillFunctions)
-        return prefill.PrefillRunner(seg_plan, list(model.layers), fns,
-                                              on_fail=lambda exc: self._mark_failed(key, exc))
+        return prefill.PrefillRunner(seg_plan, list(model.layers), fns, on_fail=lambda exc: self._mark_failed(key, exc))
 
     def reserve(self, cache: Sequence[Any], prompt_len: int, max_tokens: int) -> None:
         """Call before prefill: size the empty caches' first allocation as the decode's first buffers."""
@@ -360,9 +362,10 @@ class CompiledDecoder:
                 session = self.start(cache, first_position, max_tokens, sampler=sampler, processors=processors,
                                      history=history, batch=first_inputs.shape[0], walk=walk)
             if session is not None:
-                stream = session.decode(first_inputs, max_tokens, queue)
+                started = session.decode(first_inputs, max_tokens, queue)
+                stream: Iterator[Array] | None = started
                 try:
-                    first = next(stream, None)
+                    first = next(started, None)
                 except CompileUnavailable:
                     first, stream = None, None
                 if stream is not None:

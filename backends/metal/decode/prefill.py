@@ -39,7 +39,8 @@ from .trace import spec as traced_spec
 def _finish(block: Any, attn_out: Array, h: Array) -> Array:
     """The block's output after its attention (the block's own `finish`)."""
     h, mlp_out = block.finish(h, block.self_attn.output(attn_out))
-    return h + mlp_out
+    out: Array = h + mlp_out
+    return out
 
 
 def _trace_first(inputs: list[Array]) -> list[Array]:
@@ -65,12 +66,14 @@ class PrefillFunctions:
     """The three shapeless segments of one model structure, per batch size (a reshape keeps it)."""
 
     def __init__(self) -> None:
-        self._by_batch: dict[int, tuple[Any, Any, Any]] = {}
+        self._by_batch: dict[int, tuple[Any, ...]] = {}
 
-    def for_batch(self, b: int) -> tuple[Any, Any, Any]:
+    def for_batch(self, b: int) -> tuple[Any, ...]:
+        """(first, mid, last) compiled."""
         fns = self._by_batch.get(b)
         if fns is None:
-            fns = self._by_batch[b] = tuple(mx.compile(f, shapeless=True) for f in (_trace_first, _trace_mid, _trace_last))
+            fns = self._by_batch[b] = tuple(mx.compile(f, shapeless=True)
+                                            for f in (_trace_first, _trace_mid, _trace_last))
         return fns
 
     def clear(self) -> None:
@@ -104,7 +107,7 @@ class PrefillRunner:
             with mlx_kernels_only(), nn.shapeless_trace():  # a trace here serves every chunk length
                 return self._run(tokens, cache, on_layer, first, mid, last)
         except Exception as exc:
-            for c, state in zip(cache, saved):
+            for c, state in zip(cache, saved, strict=True):
                 c.restore(state)
             self._on_fail(exc)
             raise CompileUnavailable(str(exc)) from exc
@@ -112,7 +115,8 @@ class PrefillRunner:
     def _run(self, tokens: Array, cache: Sequence[Any], on_layer: Callable[[Array, Any], None] | None,
              first: Any, mid: Any, last: Any) -> Array:
         plan, blocks = self._plan, self._blocks
-        h = plan.first.modules[0](tokens)  # the embedding (a quantized table's gather fixes its shape)
+        embed: Any = plan.first.modules[0]
+        h: Array = embed(tokens)  # the embedding (a quantized table's gather fixes its shape)
         q, k, v = call_segment(first, plan.first, [h])
         length = tokens.shape[1]
         for i, block in enumerate(blocks):

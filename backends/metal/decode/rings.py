@@ -104,9 +104,9 @@ def plan_rings(cache: Sequence[Any], capacity: int, last_position: int) -> list[
 
 def ring_buffers(layer: RingLayer) -> tuple[Array, Array]:
     """The layer's keys and values laid out as its ring (slot = position % ring)."""
-    if layer.ring == 0:
-        return layer.cache.decode_buffers()
-    return layer.cache.decode_buffers(layer.ring)
+    buffers: tuple[Array, Array] = (layer.cache.decode_buffers() if layer.ring == 0
+                                    else layer.cache.decode_buffers(layer.ring))
+    return buffers
 
 
 def take_buffers(layers: Sequence[RingLayer]) -> list[Array]:
@@ -152,7 +152,7 @@ class Rings:
         if layers is None:  # the same caches planned before: cannot happen unless they changed type
             raise RuntimeError("the decode caches changed during the generation")
         out = list(buffers)
-        for i, (old, new) in enumerate(zip(self.layers, layers)):
+        for i, (old, new) in enumerate(zip(self.layers, layers, strict=True)):
             extra = new.ring - old.ring
             for j in (2 * i, 2 * i + 1) if extra > 0 else ():
                 a = out[j]

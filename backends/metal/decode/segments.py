@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import pymlxc.core as mx
 from pymlxc.core import Array
@@ -113,8 +113,9 @@ def use_rope_kv(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple[Fusio
     if setting == "0" or (setting == "auto" and not kernel_check.on_cuda()) or not fusions:
         return None
     attns = [b.self_attn for b in blocks]
-    joint = [f[0].fused for f in fusions]
-    if any(a.qk_norms() and f.qk_norm_weight is None for a, f in zip(attns, joint)):
+    joint = [f[0].fused for f in fusions if f[0] is not None]
+    if len(joint) != len(attns) or any(a.qk_norms() and f.qk_norm_weight is None
+                                       for a, f in zip(attns, joint, strict=True)):
         return None
     first = attns[0]
     shape = (first.n_heads, first.n_kv_heads, first.head_dim)
@@ -159,8 +160,9 @@ class FusedProjection(Module):
         """The linears' outputs side by side on the last axis (one matmul)."""
         if self._wT is not None:
             return mx.matmul(x, self._wT) if self._bias is None else mx.addmm(self._bias, x, self._wT, 1.0, 1.0)
-        y = quantized_matmul(x, self._weight, self._scales, self._biases, self._group_size, self._bits,
-                             self._cuda_matvec)
+        weight, scales, biases = self._weight, self._scales, self._biases
+        assert weight is not None and scales is not None and biases is not None  # given where weight_t is not
+        y = quantized_matmul(x, weight, scales, biases, self._group_size, self._bits, self._cuda_matvec)
         return y if self._bias is None else y + self._bias
 
     def __call__(self, x: Array) -> list[Array]:
@@ -168,9 +170,17 @@ class FusedProjection(Module):
         outs, start = [], 0
         lead = list(y.shape[:-1])
         for n in self._sizes:
-            outs.append(mx.slice(y, [0] * len(lead) + [start], lead + [start + n], [1] * (len(lead) + 1)))
+            outs.append(mx.slice(y, [0] * len(lead) + [start], [*lead, start + n], [1] * (len(lead) + 1)))
             start += n
         return outs
+
+
+@runtime_checkable
+class _Norm(Protocol):
+    """An RMS norm as `_join_qk_norms` reads it."""
+
+    weight: Array
+    eps: float
 
 
 @dataclass
@@ -182,7 +192,7 @@ class Fusion:
     given: tuple[tuple[Array | None, ...], ...]
 
     def valid(self) -> bool:
-        return all(_held(m) == g for m, g in zip(self.linears, self.given))
+        return all(_held(m) == g for m, g in zip(self.linears, self.given, strict=True))
 
 
 def _held(m: Module) -> tuple[Any, ...]:
@@ -197,27 +207,30 @@ def fuse(linears: Sequence[Module], qk_norms: Sequence[Module] = ()) -> Fusion |
     kinds = {type(m) for m in linears}
     if len(linears) < 2 or len(kinds) != 1 or kinds.pop() not in (nn.Linear, nn.QuantizedLinear):
         return None
+    # All of them (one exact type, checked above); the lists narrow the type for the checker.
+    layers = [m for m in linears if isinstance(m, (nn.Linear, nn.QuantizedLinear))]
+    quantized = [m for m in layers if isinstance(m, nn.QuantizedLinear)]
     with_bias = [m.__dict__.get("bias") is not None for m in linears]
     if any(with_bias) and not all(with_bias):
         return None
-    sizes = [m.weight.shape[0] for m in linears]
-    bias = mx.concatenate([m.bias for m in linears], axis=0) if with_bias[0] else None
-    if type(linears[0]) is nn.Linear:
-        weight = mx.concatenate([m.weight for m in linears], axis=0)
+    sizes = [m.weight.shape[0] for m in layers]
+    bias = mx.concatenate([m.bias for m in layers], axis=0) if with_bias[0] else None
+    if not quantized:
+        weight = mx.concatenate([m.weight for m in layers], axis=0)
         parts = {"weight": weight}
         fused = FusedProjection(sizes, weight_t=mx.transpose(weight), bias=bias)
     else:
-        if len({(m.group_size, m.bits, m.scales.dtype) for m in linears}) != 1:
+        if len({(m.group_size, m.bits, m.scales.dtype) for m in quantized}) != 1:
             return None
-        parts = {k: mx.concatenate([getattr(m, k) for m in linears], axis=0) for k in ("weight", "scales", "biases")}
+        parts = {k: mx.concatenate([getattr(m, k) for m in quantized], axis=0) for k in ("weight", "scales", "biases")}
         fused = FusedProjection(sizes, weight=parts["weight"], scales=parts["scales"], biases=parts["biases"],
-                                bias=bias, group_size=linears[0].group_size, bits=linears[0].bits,
-                                cuda_matvec=all(m.cuda_matvec for m in linears))
+                                bias=bias, group_size=quantized[0].group_size, bits=quantized[0].bits,
+                                cuda_matvec=all(m.cuda_matvec for m in quantized))
     if bias is not None:
         parts["bias"] = bias
     mx.eval(list(parts.values()))
     start = 0
-    for m, n in zip(linears, sizes):
+    for m, n in zip(linears, sizes, strict=True):
         for name, whole in parts.items():
             setattr(m, name, whole[start:start + n])  # a view of the rows: no copy
         start += n
@@ -232,10 +245,13 @@ def _join_qk_norms(fused: FusedProjection, norms: Sequence[Module], sizes: Seque
     """Give `fused` the q and k norms' weights side by side, one row per head, where both norms
     have one eps and one dtype (else it keeps none and the norms run apart)."""
     q_norm, k_norm = norms
+    if not (isinstance(q_norm, _Norm) and isinstance(k_norm, _Norm)):
+        return  # a norm without one weight and one eps cannot be joined
     d = q_norm.weight.shape[0]
     if q_norm.eps != k_norm.eps or q_norm.weight.dtype != k_norm.weight.dtype or k_norm.weight.shape[0] != d:
         return
-    rows = [mx.broadcast_to(mx.reshape(n.weight, (1, 1, d)), (size // d, 1, d)) for n, size in zip(norms, sizes)]
+    rows = [mx.broadcast_to(mx.reshape(n.weight, (1, 1, d)), (size // d, 1, d))
+            for n, size in zip((q_norm, k_norm), sizes[:2], strict=True)]
     fused.qk_norm_weight = mx.concatenate(rows, axis=0)
     fused.qk_norm_eps = q_norm.eps
 
@@ -250,7 +266,7 @@ def fusions_for(blocks: Sequence[Any], known: dict[int, tuple[Any, Fusion | None
         groups = ((attn.q_proj, attn.k_proj, attn.v_proj, *norms), (mlp.gate_proj, mlp.up_proj))
         entry = known.get(id(block))
         if entry is not None and entry[0] is block and all(
-                f is not None and f.linears == g and f.valid() for f, g in zip(entry[1:], groups)):
+                f is not None and f.linears == g and f.valid() for f, g in zip(entry[1:], groups, strict=True)):
             out.append((entry[1], entry[2]))
             continue
         qkv = fuse(groups[0][:3], norms)
@@ -291,13 +307,16 @@ def joint_qk_norm(qk: Array, qkv: FusedProjection) -> Array:
     normalized value to the array's type before it multiplies by the weight in that type (read in
     MLX's rms_norm kernels), and each row's sum runs alike. Two kernels instead of two norms and a
     second RoPE."""
-    return mx.fast.rms_norm(qk, None, qkv.qk_norm_eps) * qkv.qk_norm_weight
+    weight = qkv.qk_norm_weight
+    assert weight is not None  # called only where the norms were joined
+    return mx.fast.rms_norm(qk, None, qkv.qk_norm_eps) * weight
 
 
 def _add_norm(h: Array, out: Array, norm: Any, fused: bool) -> tuple[Array, Array]:
     """(h + out, norm(h + out)): one CUDA kernel when `fused` (`kernels/add_rms_norm.py`), else MLX's two."""
     if fused and h.dtype == out.dtype == norm.weight.dtype:
-        return norm_kernel.add_rms_norm(h, out, norm.weight, norm.eps)
+        both: tuple[Array, Array] = norm_kernel.add_rms_norm(h, out, norm.weight, norm.eps)
+        return both
     h = h + out
     return h, norm(h)
 
@@ -307,10 +326,11 @@ def _finish_block(block: Any, attn_out: Array, h: Array, gate_up: FusedProjectio
     """The block after its attention (its own `finish`): (h after the attention's residual, the
     MLP's output). The caller adds the two, with the norm that follows."""
     o = block.self_attn.output(attn_out, one_token=True)  # [B, heads, 1, D]: one token, no transpose
-    return block.finish(h, o, gate_up, lambda x, out, norm: _add_norm(x, out, norm, fused_norm))
+    both: tuple[Array, Array] = block.finish(h, o, gate_up, lambda x, out, norm: _add_norm(x, out, norm, fused_norm))
+    return both
 
 
-def _heads(group: "SegmentGroup", attn: Any, x: Array, pos: Array, qkv: FusedProjection | None,
+def _heads(group: SegmentGroup, attn: Any, x: Array, pos: Array, qkv: FusedProjection | None,
            kv_inputs: list[Array]) -> list[Array]:
     """The layer's [q, k, v] RoPE'd; with the plan's RoPE kernel [q RoPE'd, keys, values], its key
     and value written into the buffers `kv_inputs` [keys, values, RoPE table, RoPE scale] (in place:
@@ -485,6 +505,7 @@ class SegmentedSession:
             else:
                 out, pos = call_segment(fns.last, self._last, [attn, h, pos])
         self._position += 1
+        assert out is not None  # the last layer's segment always runs (a plan has at least one block)
         return out, pos
 
     def _kv_inputs(self, i: int) -> list[Array]:

@@ -41,7 +41,7 @@ def spec() -> Any:
 
 def clone_modules(modules: Sequence[Module | None], arrays: Sequence[Array], tracers: Sequence[Array]) -> list[Any]:
     """Copies of `modules` whose `arrays` are the traced inputs `tracers` (None stays None)."""
-    cloner = Cloner({id(a): t for a, t in zip(arrays, tracers)})
+    cloner = Cloner({id(a): t for a, t in zip(arrays, tracers, strict=True)})
     return [cloner.clone(m) if m is not None else None for m in modules]
 
 

@@ -10,10 +10,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pymlxc.files import FileFormatError, UnsafeFileError, check_regular_file, read_bytes, read_json
 from pymlxc.testing import write_tiny_model
+
 from .subproc import run_case
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs (POSIX)")

@@ -131,7 +131,7 @@ def test_close_while_another_thread_trains(model_dir: Path, tmp_path: Path) -> N
     # Training runs as one counted step: close() waits for it, and the run's next step raises
     # ModelClosedError instead of using weights that close() is about to free.
     data = tmp_path / "train.jsonl"
-    data.write_text("".join('{"text": "Once upon a time there was a tiny model %d"}\n' % i for i in range(8)))
+    data.write_text("".join(f'{{"text": "Once upon a time there was a tiny model {i}"}}\n' for i in range(8)))
     result = run_case(f"""
         import threading, time
         import pymlxc

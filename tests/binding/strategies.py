@@ -20,7 +20,7 @@ FEWER = settings(FAST, max_examples=15)
 
 FLOAT_DTYPES = ["float32", "float16", "bfloat16"]
 INT_DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
-ALL_NAMES = ["bool"] + INT_DTYPES + ["float16", "bfloat16", "float32", "float64", "complex64"]
+ALL_NAMES = ["bool", *INT_DTYPES, "float16", "bfloat16", "float32", "float64", "complex64"]
 
 shapes = hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5)
 nonempty_shapes = hnp.array_shapes(min_dims=1, max_dims=4, min_side=1, max_side=5)

@@ -24,7 +24,7 @@ def test_call_flat_with_and_without_tail() -> None:
     plain = f.call_flat([x, state, w1, w2])
     tail = FixedArrays([w1, w2])
     with_tail = f.call_flat([x, state], tail)
-    for a, b, c in zip(want, plain, with_tail):
+    for a, b, c in zip(want, plain, with_tail, strict=True):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-6)
         np.testing.assert_allclose(np.array(a), np.array(c), rtol=1e-6)
     # Replayed with new per-call inputs, the same tail.
@@ -42,7 +42,7 @@ def test_tail_holds_its_own_references() -> None:
     want = [np.array(a) for a in f.call_flat(inputs, tail)]
     w2.free()
     got = [np.array(a) for a in f.call_flat(inputs, tail)]
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
     with pytest.raises(FreedArrayError):
         FixedArrays([w1, w2])

@@ -16,7 +16,6 @@ import pymlxc.core as mx
 from pymlxc.core import MLXError
 from pymlxc.core import distributed as dist
 from pymlxc.launch import run_local
-
 from tests.distributed.helpers import result_of
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import importlib
-
 import math
 
 import mlx.core as mlx
@@ -55,7 +54,8 @@ def test_views_read_back_with_their_values(name: str, data: st.DataObject) -> No
             "slice": (a[::step, 1:, ::-1], x[::step, 1:, ::-1]),
             "broadcast": (mx.broadcast_to(a[:, :1], (x.shape[0], 3, x.shape[2])),
                           np.broadcast_to(x[:, :1], (x.shape[0], 3, x.shape[2]))),
-            "broadcast+transpose": (mx.broadcast_to(a[:1], (3,) + x.shape[1:]).T, np.broadcast_to(x[:1], (3,) + x.shape[1:]).T),
+            "broadcast+transpose": (mx.broadcast_to(a[:1], (3, *x.shape[1:])).T,
+                                    np.broadcast_to(x[:1], (3, *x.shape[1:])).T),
             "swapaxes of slice": (mx.swapaxes(a[..., ::2], 0, 1), np.swapaxes(x[..., ::2], 0, 1)),
         }
         for label, (view, ref) in views.items():

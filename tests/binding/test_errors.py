@@ -21,9 +21,12 @@ def mlx_message(fn) -> str:  # noqa: ANN001
 
 
 CASES = {
-    "broadcast mismatch": (lambda m: m.add(m.ones((2, 3)), m.ones((4,))), "[broadcast_shapes] Shapes (2,3) and (4) cannot be broadcast."),
-    "bad reshape": (lambda m: m.reshape(m.ones((2, 3)), (4,)), "[reshape] Cannot reshape array of size 6 into shape (4)."),
-    "matmul of ints": (lambda m: m.matmul(m.ones((2, 2), m.int32), m.ones((2, 2), m.int32)), "[matmul] Only inexact types"),
+    "broadcast mismatch": (lambda m: m.add(m.ones((2, 3)), m.ones((4,))),
+                           "[broadcast_shapes] Shapes (2,3) and (4) cannot be broadcast."),
+    "bad reshape": (lambda m: m.reshape(m.ones((2, 3)), (4,)),
+                    "[reshape] Cannot reshape array of size 6 into shape (4)."),
+    "matmul of ints": (lambda m: m.matmul(m.ones((2, 2), m.int32), m.ones((2, 2), m.int32)),
+                       "[matmul] Only inexact types"),
     "quantize an int array": (lambda m: m.quantize(m.ones((32, 64), m.int32)), "[quantize] Only real floating types"),
     "matmul shapes": (lambda m: m.matmul(m.ones((2, 3)), m.ones((2, 3))), "[matmul]"),
     "concatenate shapes": (lambda m: m.concatenate([m.ones((2, 3)), m.ones((2, 4))], axis=0), "[concatenate]"),

@@ -126,7 +126,7 @@ def test_slice_assignment_matches_numpy(data: st.DataObject) -> None:
     elif kind == "full" or not target:
         value = -np.arange(int(np.prod(target)), dtype=np.float32).reshape(target) - 1
     else:
-        value = np.full((1, 1) + target, -3.0, np.float32)
+        value = np.full((1, 1, *target), -3.0, np.float32)
     y = x.copy()
     y[index] = value
     a = mx.array(x)

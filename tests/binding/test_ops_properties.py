@@ -6,13 +6,13 @@ import math
 import mlx.core as mlx
 import numpy as np
 import pytest
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import pymlxc.core as mx
 
-from .strategies import FAST, FEWER, FLOAT_DTYPES, INT_DTYPES, np_arrays, np_dtype, shapes, to_mx, to_np
+from .strategies import FAST, FEWER, FLOAT_DTYPES, INT_DTYPES, np_arrays, np_dtype, to_mx, to_np
 
 TOL = {"float32": (2e-5, 2e-5), "float16": (2e-3, 2e-3), "bfloat16": (1e-2, 1e-2)}
 
@@ -30,7 +30,8 @@ def close(ours: mx.Array, ref: np.ndarray, name: str = "float32", scale: float =
     rtol, atol = TOL.get(name, (0, 0))
     out = to_np(ours)
     assert out.shape == np.shape(ref)
-    np.testing.assert_allclose(out.astype(np.float64), np.asarray(ref, np.float64), rtol=rtol * scale, atol=atol * scale)
+    np.testing.assert_allclose(out.astype(np.float64), np.asarray(ref, np.float64), rtol=rtol * scale,
+                               atol=atol * scale)
 
 
 # ---------------------------------------------------------------------- elementwise unary
@@ -49,7 +50,8 @@ UNARY = {
     "tan": (np.tan, (-1.2, 1.2), 5), "tanh": (np.tanh, (-10, 10), 2), "sinh": (np.sinh, (-5, 5), 2),
     "cosh": (np.cosh, (-5, 5), 2), "arctan": (np.arctan, (-10, 10), 1), "arcsin": (np.arcsin, (-1, 1), 2),
     "arccos": (np.arccos, (-1, 1), 2), "expm1": (np.expm1, (-5, 5), 2), "floor": (np.floor, (-50, 50), 1),
-    "ceil": (np.ceil, (-50, 50), 1), "sigmoid": (_sigmoid, (-20, 20), 2), "erf": (np.vectorize(math.erf, otypes=[np.float64]), (-3, 3), 5),
+    "ceil": (np.ceil, (-50, 50), 1), "sigmoid": (_sigmoid, (-20, 20), 2),
+    "erf": (np.vectorize(math.erf, otypes=[np.float64]), (-3, 3), 5),
 }
 
 
@@ -108,7 +110,8 @@ def test_binary_float_ops_broadcast(op: str, data: st.DataObject, shapes2: hnp.B
     a, b = to_mx(x, name), to_mx(y, name)
     out = getattr(mx, op)(a, b)
     assert out.shape == shapes2.result_shape
-    assert same_dtype(out, getattr(mlx, op)(mlx.array(x).astype(getattr(mlx, name)), mlx.array(y).astype(getattr(mlx, name))))
+    dtype = getattr(mlx, name)
+    assert same_dtype(out, getattr(mlx, op)(mlx.array(x).astype(dtype), mlx.array(y).astype(dtype)))
     xs, ys = to_np(a).astype(np.float64), to_np(b).astype(np.float64)
     ref = np.power(xs, ys) if op == "power" else BINARY_FLOAT[op](xs, ys)
     if ref.dtype == bool:
@@ -142,7 +145,7 @@ def test_binary_int_ops_broadcast(op: str, data: st.DataObject, shapes2: hnp.Bro
 @FAST
 @given(data=st.data())
 def test_mixed_dtype_promotion_matches_mlx(data: st.DataObject) -> None:
-    names = ["bool"] + INT_DTYPES + ["float16", "bfloat16", "float32", "complex64"]
+    names = ["bool", *INT_DTYPES, "float16", "bfloat16", "float32", "complex64"]
     na, nb = data.draw(st.sampled_from(names)), data.draw(st.sampled_from(names))
     x = data.draw(np_arrays(na, shape=st.just((3,)), lo=0, hi=5))
     y = data.draw(np_arrays(nb, shape=st.just((2, 1)), lo=0, hi=5))
@@ -156,7 +159,7 @@ def test_mixed_dtype_promotion_matches_mlx(data: st.DataObject) -> None:
 SCALARS = [True, 3, -2, 1.5, 2j]
 
 
-@pytest.mark.parametrize("name", ["bool"] + INT_DTYPES + ["float16", "bfloat16", "float32", "complex64"])
+@pytest.mark.parametrize("name", ["bool", *INT_DTYPES, "float16", "bfloat16", "float32", "complex64"])
 def test_python_scalars_are_weakly_typed_like_mlx(name: str) -> None:
     """float32 array + 1.5 stays float32, int8 array + 3 stays int8, bool array + 3 is int32..."""
     x = np.array([1, 0, 1]).astype(np_dtype(name))
@@ -205,7 +208,8 @@ def test_operators_match_functions(data: st.DataObject) -> None:
     a, b = mx.array(x), mx.array(y)
     for ours, ref in [(a + b, x + y), (a - b, x - y), (a * b, x * y), (a / b, x / y), (a ** b, x ** y),
                       (a // b, x // y), (a % b, np.mod(x, y)), (y - a, y - x), (2.0 / a, 2.0 / x), (-a, -x),
-                      (abs(-a), x), (a @ mx.array(y[:, None] * np.ones((3, 2), np.float32)), x @ (y[:, None] * np.ones((3, 2))))]:
+                      (abs(-a), x),
+                      (a @ mx.array(y[:, None] * np.ones((3, 2), np.float32)), x @ (y[:, None] * np.ones((3, 2))))]:
         np.testing.assert_allclose(to_np(ours), ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(to_np(a > b), x > y)
     np.testing.assert_array_equal(to_np((a > 1) & (b < 2)), (x > 1) & (y < 2))
@@ -263,8 +267,10 @@ def test_arg_reductions_and_int_reductions(data: st.DataObject) -> None:
     axis = data.draw(st.integers(-x.ndim, x.ndim - 1))
     keepdims = data.draw(st.booleans())
     a = mx.array(x)
-    np.testing.assert_array_equal(to_np(mx.argmax(a, axis=axis, keepdims=keepdims)), np.argmax(x, axis=axis, keepdims=keepdims))
-    np.testing.assert_array_equal(to_np(mx.argmin(a, axis=axis, keepdims=keepdims)), np.argmin(x, axis=axis, keepdims=keepdims))
+    np.testing.assert_array_equal(to_np(mx.argmax(a, axis=axis, keepdims=keepdims)),
+                                  np.argmax(x, axis=axis, keepdims=keepdims))
+    np.testing.assert_array_equal(to_np(mx.argmin(a, axis=axis, keepdims=keepdims)),
+                                  np.argmin(x, axis=axis, keepdims=keepdims))
     assert mx.argmax(a).item() == int(np.argmax(x))
     s = mx.sum(a, axis=axis)
     assert same_dtype(s, mlx.sum(mlx.array(x), axis=axis))
@@ -283,11 +289,11 @@ def test_matmul_with_batch_broadcasting(data: st.DataObject) -> None:
     batch = data.draw(hnp.mutually_broadcastable_shapes(num_shapes=2, min_dims=0, max_dims=2, max_side=3))
     sa, sb = batch.input_shapes
     name = data.draw(st.sampled_from(FLOAT_DTYPES))
-    x = data.draw(np_arrays(name, shape=st.just(sa + (n, k)), lo=-2, hi=2))
-    y = data.draw(np_arrays(name, shape=st.just(sb + (k, m)), lo=-2, hi=2))
+    x = data.draw(np_arrays(name, shape=st.just((*sa, n, k)), lo=-2, hi=2))
+    y = data.draw(np_arrays(name, shape=st.just((*sb, k, m)), lo=-2, hi=2))
     a, b = to_mx(x, name), to_mx(y, name)
     out = mx.matmul(a, b)
-    assert out.shape == batch.result_shape + (n, m) and out.dtype.name == name
+    assert out.shape == (*batch.result_shape, n, m) and out.dtype.name == name
     ref = np.matmul(to_np(a).astype(np.float64), to_np(b).astype(np.float64))
     close(out, ref, name, scale=50 * k)
     # vectors: (k,) @ (k, m) and (n, k) @ (k,)
@@ -335,17 +341,18 @@ def test_concatenate_stack_split(data: st.DataObject) -> None:
     np.testing.assert_array_equal(to_np(mx.concatenate(arrays, axis=None)), np.concatenate([p.ravel() for p in parts]))
     same = [data.draw(np_arrays("float32", shape=st.just(base))) for _ in range(count)]
     stack_axis = data.draw(st.integers(-len(base) - 1, len(base)))
-    np.testing.assert_array_equal(to_np(mx.stack([mx.array(s) for s in same], axis=stack_axis)), np.stack(same, axis=stack_axis))
+    np.testing.assert_array_equal(to_np(mx.stack([mx.array(s) for s in same], axis=stack_axis)),
+                                  np.stack(same, axis=stack_axis))
     whole = np.concatenate(parts, axis=axis)
     n = whole.shape[axis]
     sections = data.draw(st.sampled_from([d for d in range(1, 5) if n % d == 0] or [1]))
     ours = mx.split(mx.array(whole), sections, axis=axis)
     ref = np.split(whole, sections, axis=axis)
     assert len(ours) == len(ref)
-    for o, r in zip(ours, ref):
+    for o, r in zip(ours, ref, strict=True):
         np.testing.assert_array_equal(to_np(o), r)
     cuts = sorted(data.draw(st.lists(st.integers(0, n), max_size=3)))
-    for o, r in zip(mx.split(mx.array(whole), cuts, axis=axis), np.split(whole, cuts, axis=axis)):
+    for o, r in zip(mx.split(mx.array(whole), cuts, axis=axis), np.split(whole, cuts, axis=axis), strict=True):
         np.testing.assert_array_equal(to_np(o), r)
 
 

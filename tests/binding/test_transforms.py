@@ -110,7 +110,8 @@ def test_compile_equals_uncompiled(name: str, data: st.DataObject) -> None:
             if f is None:
                 continue
             got = f(a, b)
-            for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,),
+                            strict=True):
                 assert g.shape == w.shape
                 np.testing.assert_allclose(to_np(g), to_np(w), rtol=1e-5, atol=1e-6)
 
@@ -138,7 +139,8 @@ def test_checkpoint_equals_plain() -> None:
         return mx.tanh(x @ w) * 2.0
 
     rng = np.random.default_rng(1)
-    x, w = mx.array(rng.standard_normal((4, 3)).astype(np.float32)), mx.array(rng.standard_normal((3, 3)).astype(np.float32))
+    x = mx.array(rng.standard_normal((4, 3)).astype(np.float32))
+    w = mx.array(rng.standard_normal((3, 3)).astype(np.float32))
     ck = mx.checkpoint(block)
     np.testing.assert_allclose(to_np(ck(x, w)), to_np(block(x, w)), rtol=1e-6)
     plain = mx.grad(lambda v: mx.sum(block(x, v) ** 2))(w)

@@ -46,7 +46,7 @@ def _safetensors_model(path: Path, files: list[str]) -> DiscoveredModel | None:
 def _describe_gguf(file: Path) -> tuple[str | None, int, int]:
     check_regular_file(file, what="GGUF file")  # its reader opens it by name
     try:
-        from .backends.metal.gguf import describe_gguf
+        from .backends.metal.formats.gguf import describe_gguf
 
         return describe_gguf(file)
     except ImportError:

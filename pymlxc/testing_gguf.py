@@ -3,7 +3,7 @@ tests (tiny models) and for `benchmarks/compare_llama_cpp.py` (random real-shape
 llama.cpp's own tools then quantize). Needs the `gguf` extra.
 
 The names come from the `gguf` package's own `TensorNameMap` and the special ids, merges and chat
-template from its `SpecialVocab`, so the reader in `backends/metal/gguf.py` is checked against an
+template from its `SpecialVocab`, so the reader in `backends/metal/formats/gguf.py` is checked against an
 independent writer. The converter's conventions are applied here on purpose:
 Llama's q/k rows permuted for interleaved RoPE, Gemma's norms stored as 1 + w, Llama 3's RoPE scaling
 as a `rope_freqs` tensor, 1-D tensors kept in F32; for Qwen3-Next and Qwen 3.5 those of

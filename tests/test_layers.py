@@ -7,6 +7,8 @@ Checked over `pymlxc/`, `backends/` and `bridge/` (installed as `pymlxc.backends
   imports under `if TYPE_CHECKING:` are left out (they never run);
 * no `from X import _name` of a private name from another module of the project (a private
   submodule of the importer's own package, such as `pymlxc.core._loader`, is fine);
+* `backends/metal/formats/` (a checkpoint -> config and tensors) imports nothing of the project
+  outside itself but `pymlxc.core` and `pymlxc.files`: no model, layer, kernel or setting;
 * `unexplained_lazy_imports` lists the imports inside functions without a comment on their line
   or the line above (`python tests/test_layers.py` prints them; the cycle check counts them anyway).
 
@@ -27,11 +29,8 @@ from graphlib import CycleError, TopologicalSorter
 ROOT = Path(__file__).resolve().parents[1]
 # Source folder -> the package name it installs as.
 PACKAGES = {"pymlxc": "pymlxc", "backends": "pymlxc.backends", "bridge": "pymlxc.bridge"}
-# The GGUF block kernels' check against gguf_quants' reference dequantization (gguf_quants imports
-# the kernels; the kernels import the reference inside the check).
-KNOWN_CYCLES = {
-    frozenset({"pymlxc.backends.metal.gguf_quants", "pymlxc.backends.metal.kernels.gguf_blocks"}),
-}
+# Cycles still open: none left.
+KNOWN_CYCLES: set[frozenset[str]] = set()
 # Private names taken from another module of the project: none left.
 KNOWN_PRIVATE: set[str] = set()
 
@@ -173,6 +172,22 @@ def private_imports(modules: dict[str, ModuleInfo]) -> list[str]:
     return sorted(out)
 
 
+FORMATS = "pymlxc.backends.metal.formats"
+FORMATS_MAY_IMPORT = ("pymlxc.core", "pymlxc.files")  # with their submodules; third-party packages too
+
+
+def formats_imports_above(modules: dict[str, ModuleInfo]) -> list[str]:
+    """'importer:line imports X' for each project module X that a module of formats/ imports (inside
+    functions too) outside formats/ and FORMATS_MAY_IMPORT."""
+    def inside(name: str, package: str) -> bool:
+        return name == package or name.startswith(package + ".")
+
+    return sorted(f"{info.name}:{imp.line} imports {imp.target}" for info in modules.values()
+                  if inside(info.name, FORMATS) for imp in info.imports
+                  if inside(imp.target, "pymlxc") and not inside(imp.target, FORMATS)
+                  and not any(inside(imp.target, ok) for ok in FORMATS_MAY_IMPORT))
+
+
 def unexplained_lazy_imports(modules: dict[str, ModuleInfo]) -> list[str]:
     return sorted(f"{info.name}:{imp.line} import {imp.target}" for info in modules.values()
                   for imp in info.imports if imp.in_function and not imp.commented)
@@ -207,6 +222,12 @@ def test_no_private_name_across_modules() -> None:
     assert found == KNOWN_PRIVATE
 
 
+def test_formats_import_nothing_above_them() -> None:
+    _, modules = import_graph()
+    assert any(name.startswith(FORMATS + ".") for name in modules)  # the folder is where the check looks
+    assert formats_imports_above(modules) == []
+
+
 def test_the_checks_see_what_they_look_for(tmp_path: Path) -> None:
     """The reader on a small made-up package: a cycle through an import inside a function, a
     private name and a silent lazy import are all found."""
@@ -226,6 +247,22 @@ def test_the_checks_see_what_they_look_for(tmp_path: Path) -> None:
     assert depth({"x": {"y", "z"}, "y": {"z"}, "z": set()}) == (2, ["x", "y", "z"])
 
 
+def test_the_formats_check_sees_an_import_above(tmp_path: Path) -> None:
+    """A formats module importing a layer module (inside a function too) is named; one importing
+    pymlxc.core, pymlxc.files, a sibling or a third-party package is not."""
+    names = ["pymlxc.backends.metal.formats.x", "pymlxc.backends.metal.formats.y", "pymlxc.backends.metal.nn",
+             "pymlxc.backends.metal.kernels.check", "pymlxc.core.io", "pymlxc.files"]
+    modules = {n: ModuleInfo(n, tmp_path / f"{i}.py", False) for i, n in enumerate(names)}
+    modules[names[0]].path.write_text("import numpy\nimport pymlxc.core.io\nfrom pymlxc.files import read_json\n"
+                                      "from .y import z\nfrom .. import nn\n"
+                                      "def f():\n    from ..kernels.check import CheckedOnce\n")
+    for info in list(modules.values())[1:]:
+        info.path.write_text("")
+    for info in modules.values():
+        read_imports(info, modules)
+    assert formats_imports_above(modules) == [f"{names[0]}:5 imports {names[2]}", f"{names[0]}:7 imports {names[3]}"]
+
+
 if __name__ == "__main__":
     g, mods = import_graph()
     found = cycles(g)
@@ -240,4 +277,6 @@ if __name__ == "__main__":
         print("private:", line)
     for line in unexplained_lazy_imports(mods):
         print("lazy, unexplained:", line)
+    for line in formats_imports_above(mods):
+        print("formats/ imports above it:", line)
     sys.exit(0)

@@ -20,6 +20,8 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .formats.errors import ConfigError
+
 MAX_DIM = 2**31 - 1  # MLX shapes are 32-bit integers
 
 # Sizes and counts that must be at least 1 when given (other integers may be 0, e.g. num_experts).
@@ -39,10 +41,6 @@ _repr = reprlib.Repr()
 _repr.maxstring = 60
 _repr.maxother = 60
 _repr.maxlevel = 2
-
-
-class ConfigError(ValueError):
-    """config.json lacks a field the architecture needs, or holds an unusable value."""
 
 
 def _show(value: Any) -> str:

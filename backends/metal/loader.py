@@ -1,4 +1,6 @@
-"""Load a Hugging Face / mlx-lm model directory into a native model: config, shards, quantization.
+"""Load a Hugging Face / mlx-lm model directory or a GGUF file into a native model: the single entry
+that chooses the format (`formats/` reads a checkpoint into a config and tensors under HF names),
+builds the model, swaps in quantized layers and chooses the kernels.
 
 `load_weights_and_config(path)` reads `config.json`, picks the architecture, builds the model with
 placeholder parameters, swaps in quantized layers where the checkpoint is quantized (mlx-lm's
@@ -21,26 +23,22 @@ from typing import Any
 
 import pymlxc.core as mx
 from pymlxc.core import Array, MLXError
-from pymlxc.files import check_regular_file, read_json
+from pymlxc.files import check_regular_file
 from pymlxc.settings import Settings
 from pymlxc.settings import current as current_settings
 
 from . import nn
-from .config_check import ConfigError, check_against_tensors
+from .config_check import check_against_tensors
+from .formats.errors import ConfigError, WeightsFileError
+from .formats.safetensors import SUPPORTED_BITS, canonical_name, quantization_of, read_config, read_shards, weight_files
 from .models import UnsupportedModelError, get_model_module, infer_model_type
 from .models.switch_layers import QuantizedSwitchLinear
+from .tokenizer import load_gguf_tokenizer
 
 Progress = Callable[[int, int], None]
 
-SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
-SUPPORTED_GROUP_SIZES = (32, 64, 128)  # those MLX's affine quantization takes
 _EVAL_CHUNK_BYTES = 256 << 20  # weights evaluated per batch: enough to keep the reader busy
-_ADAPTER_FILES = ("adapters.safetensors", "adapter_model.safetensors")
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}  # LoadConfig.dtype, "auto" aside
-
-
-class WeightsFileError(ValueError):
-    """A safetensors file is missing, truncated or corrupt; the message names the file."""
 
 
 @dataclass
@@ -81,112 +79,6 @@ class LoadedModel:
 
     def __exit__(self, *exc: object) -> None:
         self.free()
-
-
-# ---------------------------------------------------------------------- config
-
-def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """config.json of a model directory as a dict; errors name the file and what is wrong."""
-    root = Path(path)
-    if not root.is_dir():
-        raise FileNotFoundError(f"model directory not found: {root}")
-    file = root / "config.json"
-    if not file.exists():
-        raise FileNotFoundError(f"config.json not found in {root} (expected {file})")
-    return read_json(file, what="config file", error=ConfigError)
-
-
-def _check_quant_entry(entry: Mapping[str, Any], field: str, file: Path) -> None:
-    """bits and group_size of a `quantization` entry, when given, are values MLX can unpack."""
-    for key, allowed in (("bits", SUPPORTED_BITS), ("group_size", SUPPORTED_GROUP_SIZES)):
-        value = entry.get(key)
-        if value is not None and (isinstance(value, bool) or value not in allowed):
-            raise ConfigError(f"{file}: {field}.{key}: expected one of {', '.join(map(str, allowed))}, got {value!r}")
-
-
-def _quantization_of(config: Mapping[str, Any], file: Path) -> dict[str, Any] | None:
-    """mlx-lm's `quantization` entry (or the same under `quantization_config`); other methods
-    (GPTQ, AWQ, bitsandbytes, fp8, ...) are not supported here."""
-    q = config.get("quantization")
-    if q is None:
-        q = config.get("quantization_config")
-        if q is None and isinstance(config.get("text_config"), Mapping):
-            q = config["text_config"].get("quantization")
-        if q is not None and isinstance(q, Mapping) and ("quant_method" in q and "bits" not in q):
-            raise ConfigError(f"{file}: quantization method {q.get('quant_method')!r} is not supported "
-                              "(only MLX affine quantization: 'bits' and 'group_size')")
-    if q is None:
-        return None
-    if not isinstance(q, Mapping):
-        raise ConfigError(f"{file}: 'quantization' must be an object, got {type(q).__name__}")
-    mode = q.get("mode", "affine")
-    if mode != "affine":
-        raise ConfigError(f"{file}: quantization mode {mode!r} is not supported (only 'affine')")
-    _check_quant_entry(q, "quantization", file)
-    for key, entry in q.items():  # per-module overrides: {"model.layers.0.mlp.up_proj": {"bits": 8, ...}}
-        if isinstance(entry, Mapping):
-            _check_quant_entry(entry, f"quantization.{key}", file)
-    return dict(q)
-
-
-# ---------------------------------------------------------------------- weights
-
-def weight_files(root: Path) -> list[Path]:
-    """The checkpoint's safetensors shards: those that `model.safetensors.index.json` lists, else
-    `model*.safetensors`, else every `*.safetensors` but LoRA adapter files. (Repositories such as
-    Mistral's also hold the same weights in another layout, `consolidated.safetensors`.)"""
-    index = root / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = read_json(index, what="safetensors index", error=WeightsFileError).get("weight_map")
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise WeightsFileError(f"{index}: not a safetensors index (no 'weight_map' of tensor -> file name)")
-        files = [root / _shard_name(n, index) for n in sorted(set(weight_map.values()))]
-        for f in files:
-            if not f.exists():
-                raise WeightsFileError(f"weights file {f} listed in {index} is missing")
-        return files
-    files = sorted(root.glob("model*.safetensors"))
-    if not files:
-        files = sorted(p for p in root.glob("*.safetensors") if p.name not in _ADAPTER_FILES)
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weight files in {root}")
-    return files
-
-
-def _shard_name(name: str, index: Path) -> str:
-    """A file name of the index's weight_map, refused unless it names a file inside the model
-    directory: no absolute path, no `..` (links the directory itself holds are followed, as the
-    Hugging Face cache needs)."""
-    parts = name.replace("\\", "/").split("/")
-    if not name or name.startswith(("/", "\\")) or ".." in parts or "" in parts or (len(name) > 1 and name[1] == ":"):
-        raise WeightsFileError(f"{index}: weight_map names {name!r}, which is not a file inside the model "
-                               "directory (absolute paths and '..' are refused)")
-    return name
-
-
-def _read_shards(files: list[Path]) -> tuple[dict[str, Array], dict[str, Path]]:
-    weights: dict[str, Array] = {}
-    origin: dict[str, Path] = {}
-    for f in files:
-        check_regular_file(f, what="weights file")  # MLX opens it by name: no FIFO, no device
-        try:
-            arrays, _ = mx.load_safetensors(f)
-        except MLXError as exc:
-            raise WeightsFileError(f"cannot read weights file {f}: {exc}") from exc
-        for k, v in arrays.items():
-            weights[k] = v
-            origin[k] = f
-    return weights, origin
-
-
-def canonical_name(name: str) -> str:
-    """Drop the multimodal wrappers: `language_model.model.x` and `model.language_model.x` -> `model.x`,
-    `language_model.lm_head.x` -> `lm_head.x`."""
-    if name.startswith("model.language_model."):
-        return "model." + name[len("model.language_model."):]
-    if name.startswith("language_model."):
-        return name[len("language_model."):]
-    return name
 
 
 def _resolve_names(weights: dict[str, Array], module_paths: set[str]) -> dict[str, Array]:
@@ -322,7 +214,7 @@ def gguf_file_of(path: str | os.PathLike[str]) -> Path | None:
         return None
     if p.suffix.lower() == ".gguf" and p.exists():
         check_regular_file(p, what="GGUF file")  # a FIFO or device named *.gguf: said so, not "no directory"
-    from .gguf import find_gguf  # noqa: PLC0415 - gguf.py needs the optional `gguf` package
+    from .formats.gguf import find_gguf  # noqa: PLC0415 - gguf.py needs the optional `gguf` package
 
     return find_gguf(p)
 
@@ -331,12 +223,16 @@ def load_gguf_weights(path: str | os.PathLike[str], *, context_len: int = 131072
                       reader: Any = None, settings: Settings | None = None, dtype: str = "auto") -> LoadedModel:
     """The LoadedModel of the GGUF file at `path` (see gguf.py); `reader`: its GGUFReader, where read already;
     `dtype`: "auto" (gguf_tensors.compute_dtype decides) or the dtype to compute in."""
-    from .gguf import read_gguf_checkpoint  # noqa: PLC0415 - gguf.py needs the optional `gguf` package
+    # formats/gguf.py and gguf_layers.py need the optional `gguf` package: imported for GGUF files only.
+    from .formats.gguf import read_gguf_checkpoint  # noqa: PLC0415
+    from .gguf_layers import use_block_layers  # noqa: PLC0415
 
     check_regular_file(Path(path), what="GGUF file")
     ckpt = read_gguf_checkpoint(path, reader, dtype=requested_dtype(dtype))
+    blocks, compute = ckpt.blocks, ckpt.dtype
+    layers = (lambda model: use_block_layers(model, blocks, compute)) if blocks else None
     return build_model(ckpt.config, ckpt.arrays, dict.fromkeys(ckpt.arrays, ckpt.file), source=ckpt.file,
-                       root=ckpt.file, context_len=context_len, progress=progress, layers=ckpt.layers,
+                       root=ckpt.file, context_len=context_len, progress=progress, layers=layers,
                        settings=settings, compute_dtype=ckpt.dtype)
 
 
@@ -344,10 +240,9 @@ def load_gguf_model(path: str | os.PathLike[str], *, context_len: int = 131072, 
                     settings: Settings | None = None, dtype: str = "auto") -> tuple[Any, LoadedModel]:
     """(tokenizer, LoadedModel) of the GGUF file at `path`, reading its metadata once. The tokenizer
     comes first, so that a file without one fails before the weights are read."""
-    # gguf.py and gguf_tokenizer.py need the optional `gguf` package: imported for GGUF files only.
-    from .gguf import naming, read_gguf  # noqa: PLC0415
-    from .gguf_config import architecture, model_type_of  # noqa: PLC0415
-    from .gguf_tokenizer import load_gguf_tokenizer  # noqa: PLC0415
+    # formats/gguf.py needs the optional `gguf` package: imported for GGUF files only.
+    from .formats.gguf import naming, read_gguf  # noqa: PLC0415
+    from .formats.gguf_config import architecture, model_type_of  # noqa: PLC0415
 
     file = Path(path)
     check_regular_file(file, what="GGUF file")  # no FIFO or device handed to the reader
@@ -367,7 +262,7 @@ def _load(root: Path, context_len: int, progress: Progress | None, settings: Set
                                  dtype=dtype)
     config = read_config(root)
     files = weight_files(root)
-    raw, origin = _read_shards(files)  # lazy: nothing is read before evaluation
+    raw, origin = read_shards(files)  # lazy: nothing is read before evaluation
     return build_model(config, raw, origin, source=root / "config.json", root=root, context_len=context_len,
                        progress=progress, settings=settings, distributed=distributed, dtype=cast)
 
@@ -419,7 +314,7 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
     if getattr(model, "lm_head", None) is not None and "lm_head.weight" not in weights:
         model.tie_embeddings()
 
-    quant = _quantization_of(config, file)
+    quant = quantization_of(config, file)
     quantized = layers(model) if layers is not None else 0
     if quant is not None or any(k.endswith(".scales") for k in weights):
         defaults: dict[str, Any] = {k: quant[k] for k in ("group_size", "bits") if quant and k in quant}

@@ -92,7 +92,7 @@ class Tokenizer:
                    special_map: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None,
                    gen_config: Mapping[str, Any] | None = None) -> Tokenizer:
         """A tokenizer from a ready pipeline and the contents of the HF files as dicts, for models
-        that are not a directory of those files (GGUF: see `gguf_tokenizer.py`)."""
+        that are not a directory of those files (GGUF: see `load_gguf_tokenizer`)."""
         self = cls.__new__(cls)
         self._backend = backend
         self._configure(None, tok_config or {}, special_map or {}, config or {}, gen_config or {})
@@ -434,3 +434,23 @@ class StreamingDetokenizer:
             self._prefix_text = text
         self._read = len(self._window)
         return piece
+
+
+def load_gguf_tokenizer(gguf_path: str | Path, reader: Any, model_type: str | None) -> Tokenizer:
+    """The tokenizer of the GGUF model at `gguf_path` (`reader`: its GGUFReader), built from the
+    sources `formats/gguf_tokenizer.py` reads."""
+    # formats/gguf_tokenizer.py needs the optional `gguf` package: imported for GGUF files only.
+    from .formats.gguf_tokenizer import tokenizer_sources  # noqa: PLC0415
+
+    src = tokenizer_sources(gguf_path, reader, model_type)
+    if src.file is not None:
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(src.file))
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exception
+            raise TokenizerLoadError(f"{src.file}: not a valid tokenizers file: {exc}") from exc
+    elif src.pipeline is not None:
+        backend = src.pipeline
+    else:  # tokenizer_sources gives one of the two
+        raise TokenizerLoadError(f"{gguf_path}: neither a tokenizer.json beside it nor a tokenizer in its metadata")
+    return Tokenizer.from_parts(backend, tok_config=src.tok_config, special_map=src.special_map, config=src.config,
+                                gen_config=src.gen_config)

@@ -28,7 +28,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 import pymlxc.core as mx
-from pymlxc.backends.metal.gguf_quants import dequantize_blocks
+from pymlxc.backends.metal.formats.gguf_quants import dequantize_blocks
 from pymlxc.backends.metal.kernels import gguf_blocks
 
 SHAPES = {  # name: (K, N)

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from pymlxc.backends.metal.gguf import read_gguf
-from pymlxc.backends.metal.gguf_tokenizer import load_gguf_tokenizer
+from pymlxc.backends.metal.formats.gguf import read_gguf
+from pymlxc.backends.metal.tokenizer import load_gguf_tokenizer
 from pymlxc.testing import shapes, write_tiny_model
 from pymlxc.testing_gguf import export_gguf
 

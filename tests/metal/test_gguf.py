@@ -20,10 +20,9 @@ from hypothesis import strategies as st
 import pymlxc
 import pymlxc.core as mx
 from pymlxc.backends.metal import nn
-from pymlxc.backends.metal.gguf import GGUFError, describe_gguf, find_gguf, gguf_config, read_gguf
-from pymlxc.backends.metal.gguf_tokenizer import load_gguf_tokenizer
+from pymlxc.backends.metal.formats.gguf import GGUFError, describe_gguf, find_gguf, gguf_config, read_gguf
 from pymlxc.backends.metal.loader import load_weights_and_config
-from pymlxc.backends.metal.tokenizer import Tokenizer
+from pymlxc.backends.metal.tokenizer import Tokenizer, load_gguf_tokenizer
 from pymlxc.testing import CORPUS, LLAMA3_ROPE_SCALING, write_tiny_model
 
 from .gguf_export import export_gguf, write_spm_gguf

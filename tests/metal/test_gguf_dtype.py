@@ -35,9 +35,10 @@ import pymlxc.core as mx
 from pymlxc.backends.metal import generate as loops
 from pymlxc.backends.metal import kernel_choice, nn
 from pymlxc.backends.metal.decode import segments
-from pymlxc.backends.metal.gguf import GGUFError
-from pymlxc.backends.metal.gguf_quants import AFFINE_BITS, BlockEmbedding
-from pymlxc.backends.metal.gguf_tensors import FLOAT16_MAX, TensorError, _Cast
+from pymlxc.backends.metal.formats.gguf import GGUFError
+from pymlxc.backends.metal.formats.gguf_quants import AFFINE_BITS
+from pymlxc.backends.metal.formats.gguf_tensors import FLOAT16_MAX, TensorError, _Cast
+from pymlxc.backends.metal.gguf_layers import BlockEmbedding
 from pymlxc.backends.metal.kernels import argmax as argmax_kernel
 from pymlxc.backends.metal.kernels import rope_kv as rope_kv_kernel
 from pymlxc.backends.metal.loader import load_weights_and_config

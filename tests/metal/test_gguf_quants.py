@@ -29,10 +29,17 @@ from hypothesis import strategies as st
 import pymlxc
 import pymlxc.core as mx
 from pymlxc.backends.metal import nn
-from pymlxc.backends.metal.gguf import GGUFError, gguf_config, read_gguf
-from pymlxc.backends.metal.gguf_quants import (AFFINE_BITS, BLOCK_TYPES, EXACT_AFFINE, BlockEmbedding, BlockLinear,
-                                               BlockSwitchLinear, QuantError, affine_parts, dequantize_blocks,
-                                               repack_affine)
+from pymlxc.backends.metal.formats.gguf import GGUFError, gguf_config, read_gguf
+from pymlxc.backends.metal.formats.gguf_quants import (
+    AFFINE_BITS,
+    BLOCK_TYPES,
+    EXACT_AFFINE,
+    QuantError,
+    affine_parts,
+    dequantize_blocks,
+    repack_affine,
+)
+from pymlxc.backends.metal.gguf_layers import BlockEmbedding, BlockLinear, BlockSwitchLinear
 from pymlxc.backends.metal.loader import load_weights_and_config
 from pymlxc.backends.metal.models.switch_layers import QuantizedSwitchLinear
 from pymlxc.testing import write_tiny_model
@@ -333,7 +340,7 @@ def test_overflowing_scale_in_a_file_names_file_and_tensor(tiny: Callable[[str],
 def test_loading_streams_tensor_by_tensor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Python-side memory while loading stays a fraction of the file (each tensor converted in
     chunks from the read-only map, then freed), and MLX's peak is the loaded model's size."""
-    from pymlxc.backends.metal import gguf_quants
+    from pymlxc.backends.metal.formats import gguf_quants
 
     monkeypatch.setattr(gguf_quants, "_CHUNK_WEIGHTS", 1 << 16)
     src = write_tiny_model(tmp_path / "src", "llama", seed=1, hidden_size=512, intermediate_size=2048, num_layers=4,

@@ -31,9 +31,10 @@ import pymlxc
 import pymlxc.core as mx
 from pymlxc.backends.metal import generate as loops
 from pymlxc.backends.metal import nn
-from pymlxc.backends.metal.gguf import GGUFError, gguf_config, read_gguf
-from pymlxc.backends.metal.gguf_quants import BlockLinear, dequantize_blocks
-from pymlxc.backends.metal.gguf_tensors import _value_order
+from pymlxc.backends.metal.formats.gguf import GGUFError, gguf_config, read_gguf
+from pymlxc.backends.metal.formats.gguf_quants import dequantize_blocks
+from pymlxc.backends.metal.formats.gguf_tensors import _value_order
+from pymlxc.backends.metal.gguf_layers import BlockLinear
 from pymlxc.backends.metal.loader import load_weights_and_config
 from pymlxc.backends.metal.sample import greedy
 from pymlxc.testing import write_tiny_model

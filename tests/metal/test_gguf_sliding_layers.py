@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pymlxc.backends.metal.gguf_config import GGUFError, _sliding_layers
+from pymlxc.backends.metal.formats.gguf_config import GGUFError, _sliding_layers
 
 KEY = "gemma3.attention.sliding_window_pattern"
 

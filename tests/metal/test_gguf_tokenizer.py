@@ -14,12 +14,23 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from pymlxc.backends.metal.gguf import GGUFError, read_gguf
-from pymlxc.backends.metal.gguf_tokenizer import PRE_TOKENIZERS, load_gguf_tokenizer
-from pymlxc.backends.metal.tokenizer import Tokenizer
+from pymlxc.backends.metal.formats.gguf import GGUFError, read_gguf
+from pymlxc.backends.metal.formats.gguf_tokenizer import PRE_TOKENIZERS
+from pymlxc.backends.metal.tokenizer import Tokenizer, load_gguf_tokenizer
 
-from .gguf_vocab import (BPE_SPECIALS, CONTROL, GEMMA_SPECIALS, NORMAL, TEXT, LlamaCppVocab, byte_level_vocab,
-                         byte_pair_vocab, gemma4_vocab, sentencepiece_gguf, write_vocab_gguf)
+from .gguf_vocab import (
+    BPE_SPECIALS,
+    CONTROL,
+    GEMMA_SPECIALS,
+    NORMAL,
+    TEXT,
+    LlamaCppVocab,
+    byte_level_vocab,
+    byte_pair_vocab,
+    gemma4_vocab,
+    sentencepiece_gguf,
+    write_vocab_gguf,
+)
 
 BYTE_LEVEL = ("llama-bpe", "qwen2", "qwen35", "gpt-2", "default")
 PAIRS = tuple(f"pairs-{pre}" for pre in BYTE_LEVEL)  # every byte pair merges: ids show each split boundary
@@ -238,7 +249,7 @@ def test_without_llama_cpps_unicode_tables_loading_says_so(tmp_path: Path, monke
     Unicode 16 then splits otherwise than in llama.cpp, and loading warns instead of staying silent."""
     import sys
 
-    from pymlxc.backends.metal import gguf_tokenizer
+    from pymlxc.backends.metal.formats import gguf_tokenizer
 
     path = _write("pairs-qwen2", tmp_path)
     text = "A\U00013460:"  # U+13460: a letter since Unicode 16, unassigned in llama.cpp's tables

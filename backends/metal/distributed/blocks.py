@@ -1,4 +1,4 @@
-"""Tensor parallelism for the GGUF block layers (`gguf_quants.py`: weights as rows of llama.cpp
+"""Tensor parallelism for the GGUF block layers (`gguf_layers.py`: weights as rows of llama.cpp
 blocks, [out, in/block, bytes], experts [E, out, in/block, bytes]). A column-parallel split keeps
 whole rows, so any row count splits; a row-parallel one keeps this rank's blocks of every row, so
 each rank's inputs must be whole blocks (256 weights for the K-quants, 32 for Q4_0 and its kin).
@@ -11,7 +11,7 @@ from pymlxc.core import Array
 from pymlxc.core import distributed as dist
 
 from .. import nn
-from ..gguf_quants import BlockLinear, BlockSwitchLinear, block_matmul
+from ..gguf_layers import BlockLinear, BlockSwitchLinear, block_matmul
 
 
 class AllSumBlockLinear(BlockLinear):

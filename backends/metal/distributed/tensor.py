@@ -137,7 +137,7 @@ def _is_quantized(layer: nn.Module) -> bool:
 
 def _is_block(layer: nn.Module) -> bool:
     """A GGUF block layer (weights as rows of llama.cpp blocks: one more trailing axis)."""
-    if not type(layer).__module__.endswith("gguf_quants") and not hasattr(layer, "qtype"):
+    if not type(layer).__module__.endswith("gguf_layers") and not hasattr(layer, "qtype"):
         return False
     from .blocks import is_block  # noqa: PLC0415 - needs the optional gguf package: GGUF models only
 

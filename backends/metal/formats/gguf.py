@@ -22,7 +22,7 @@ import contextlib
 import math
 import os
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +46,7 @@ from .gguf_config import (
     model_type_of,
     scalar,
 )
-from .gguf_quants import AFFINE_BITS, GROUP, use_block_layers
+from .gguf_quants import AFFINE_BITS, GROUP
 from .gguf_tensors import TensorError, compute_dtype, hf_name, read_tensors
 
 GGUF_MAGIC = b"GGUF"
@@ -269,13 +269,13 @@ def _model_config(reader: GGUFReader) -> dict[str, Any]:
 @dataclass
 class GGUFCheckpoint:
     """What `loader.build_model` needs from a GGUF file: the HF-style config, the tensors under HF
-    names, `layers(model)` swapping in llama.cpp's block layers (None where there are none), and
-    the dtype the model computes in."""
+    names, `blocks`: the layers kept as llama.cpp's blocks (module path -> type, for
+    `gguf_layers.use_block_layers`; empty where there are none), and the dtype the model computes in."""
 
     file: Path
     config: dict[str, Any]
     arrays: dict[str, Any]
-    layers: Callable[[Any], int] | None
+    blocks: dict[str, Any]
     dtype: Any
 
 
@@ -291,9 +291,7 @@ def read_gguf_checkpoint(path: str | os.PathLike[str], reader: GGUFReader | None
         arch = architecture(reader)
         compute = compute_dtype(reader, arch, dtype)
         weights = read_tensors(reader, arch, config, compute, explicit=dtype is not None)
-    blocks = weights.block_layers
-    return GGUFCheckpoint(file, config, weights.arrays,
-                          (lambda model: use_block_layers(model, blocks, compute)) if blocks else None, compute)
+    return GGUFCheckpoint(file, config, weights.arrays, dict(weights.block_layers), compute)
 
 
 # ---------------------------------------------------------------------- description

@@ -439,30 +439,37 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def load_gguf_tokenizer(gguf_path: str | Path, reader: GGUFReader, model_type: str | None) -> Any:
-    """The `tokenizer.Tokenizer` of the GGUF model at `gguf_path` (see the module doc for sources)."""
-    from .tokenizer import Tokenizer, TokenizerLoadError
+@dataclass(frozen=True)
+class TokenizerSources:
+    """What a `tokenizer.Tokenizer` of a GGUF model is built from: `file`, a `tokenizer.json` beside
+    the GGUF file (its settings files merged into `tok_config`), else `pipeline`, the tokenizer the
+    file's metadata describes; `config` and `gen_config` as config.json and generation_config.json."""
 
+    file: Path | None
+    pipeline: tokenizers.Tokenizer | None
+    tok_config: dict[str, Any]
+    special_map: dict[str, Any]
+    config: dict[str, Any]
+    gen_config: dict[str, Any]
+
+
+def tokenizer_sources(gguf_path: str | Path, reader: GGUFReader, model_type: str | None) -> TokenizerSources:
+    """The sources of the tokenizer of the GGUF model at `gguf_path` (see the module doc)."""
     beside = Path(gguf_path).parent
     tok_config, config = settings_from_metadata(reader, model_type)
     special_map: dict[str, Any] = {}
     file = beside / "tokenizer.json"
     if file.is_file():
-        try:
-            backend = tokenizers.Tokenizer.from_file(str(file))
-        except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exception
-            raise TokenizerLoadError(f"{file}: not a valid tokenizers file: {exc}") from exc
         hf_config = _read_json(beside / "tokenizer_config.json")
         if hf_config is not None:
             tok_config = {**({"chat_template": tok_config["chat_template"]} if "chat_template" in tok_config else {}),
                           **hf_config}
             special_map = _read_json(beside / "special_tokens_map.json") or {}
-    else:
-        backend = pipeline_from_metadata(reader)
-    gen_config = _read_json(beside / "generation_config.json") or {}
-    return Tokenizer.from_parts(backend, tok_config=tok_config, special_map=special_map, config=config,
-                                gen_config=gen_config)
+        return TokenizerSources(file, None, tok_config, special_map, config,
+                                _read_json(beside / "generation_config.json") or {})
+    return TokenizerSources(None, pipeline_from_metadata(reader), tok_config, special_map, config,
+                            _read_json(beside / "generation_config.json") or {})
 
 
 __all__ = ["PRE_TOKENIZERS", "END_OF_TURN", "LLAMA_CPP_UNICODE", "token_types", "pipeline_from_metadata",
-           "settings_from_metadata", "spm_merges", "load_gguf_tokenizer"]
+           "settings_from_metadata", "spm_merges", "TokenizerSources", "tokenizer_sources"]

@@ -1,5 +1,5 @@
 """Kernels that read llama.cpp's Q2_K, Q3_K and Q6_K blocks as they lie in the file, for
-`gguf_quants.BlockLinear` and friends: a matrix-vector product for a few rows of x (decode) and a
+`gguf_layers.BlockLinear` and friends: a matrix-vector product for a few rows of x (decode) and a
 dequantization of whole rows (prefill: chunks of rows dequantized, then MLX's matmul).
 
 Without them a block layer dequantizes its whole matrix with MLX ops at every call (a Q6_K output
@@ -42,6 +42,7 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 from pymlxc.core.cuda_kernel import SharedKernel
 
+from ..formats.gguf_quants import dequantize_blocks
 from .check import CheckedOnce
 from .metal_kernel import SharedMetalKernel, device_kind, dialect
 
@@ -346,8 +347,6 @@ def _compare(kind: str, qtype: QType, dtype: Any) -> str | None:
     """None where both kernels agree with MLX ops on random blocks (the dequantization bit for bit in
     float32, the product within float32 summation error plus `dtype`'s output rounding), else why not.
     Raises where a kernel cannot run here."""
-    from ..gguf_quants import dequantize_blocks  # noqa: PLC0415 - gguf_quants imports this module
-
     rng = np.random.default_rng(0)
     n, nb, m, e = 37, 3, 1, 2  # N not a multiple of the rows per warp; two matrices, three pairs
     blocks = mx.array(random_blocks(rng, (e, n, nb), qtype))

@@ -43,8 +43,8 @@ def test_text_output(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["bench", str(model_dir), "--prompt", "The baker counted the boats", "--max-tokens", "6",
                  "--runs", "3"]) == 0
     out = capsys.readouterr().out
-    for line in ("model: qwen3", "prefill:", "decode:", "time to first token:", "memory: peak", "prompt cache: hit rate",
-                 "check greedy_reproducible: ok", "check stop_tokens_respected: ok"):
+    for line in ("model: qwen3", "prefill:", "decode:", "time to first token:", "memory: peak",
+                 "prompt cache: hit rate", "check greedy_reproducible: ok", "check stop_tokens_respected: ok"):
         assert line in out, out
 
 
@@ -57,7 +57,7 @@ def test_failed_check_sets_the_status(model_dir: Path, monkeypatch: pytest.Monke
     def flaky(model, prompt, **options):  # a different first token on every other run
         ids, ttft, metrics = real(model, prompt, **options)
         calls["n"] += 1
-        return ([ids[0] + calls["n"] % 2] + ids[1:]), ttft, metrics
+        return ([ids[0] + calls["n"] % 2, *ids[1:]]), ttft, metrics
 
     monkeypatch.setattr(bench_command, "_run", flaky)
     assert main(["bench", str(model_dir), "--json", "--max-tokens", "4", "--runs", "3"]) == 1

@@ -78,7 +78,7 @@ def test_classify_gives_each_prompt_its_own_prefill(models, lengths: list[int], 
     prompts = [ids_of(n, seed=i) for i, n in enumerate(lengths)]
     ids, logits = loops.classify_ids(model, prompts, sampler=greedy, return_logits=True, context_len=context_len,
                                      step=step)
-    for p, row, token in zip(prompts, logits, ids):
+    for p, row, token in zip(prompts, logits, ids, strict=True):
         want = alone(model, p, context_len, step)
         np.testing.assert_allclose(row, want, rtol=2e-4, atol=2e-4)
         assert token == int(np.argmax(row))
@@ -155,8 +155,8 @@ def test_inspect_attention_in_chunks_equals_one_pass(models, arch: str) -> None:
     chunked = inspect_attention(model, prompt, architecture=arch, include_queries=True, step=8)
     assert chunked.seq_len == 45 and chunked.num_layers == whole.num_layers
     for got, want in ((chunked.keys, whole.keys), (chunked.queries, whole.queries)):
-        for layer_got, layer_want in zip(got, want):
-            for a, b in zip(layer_got, layer_want):
+        for layer_got, layer_want in zip(got, want, strict=True):
+            for a, b in zip(layer_got, layer_want, strict=True):
                 assert a.shape == (45, chunked.head_dim)
                 np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4)
     keys_only = inspect_attention(model, prompt, architecture=arch, step=8)
@@ -233,7 +233,8 @@ def test_short_generation_peak_does_not_depend_on_max_tokens(models) -> None:
 @settings(max_examples=10, deadline=None)
 @given(arch=st.sampled_from(["llama", "qwen3", "gemma3_text"]), prompt=st.integers(1, 300),
        new=st.integers(0, 300), context_len=st.sampled_from([None, 100]))
-def test_the_estimate_is_what_the_caches_hold(models, arch: str, prompt: int, new: int, context_len: int | None) -> None:
+def test_the_estimate_is_what_the_caches_hold(models, arch: str, prompt: int, new: int,
+                                              context_len: int | None) -> None:
     """The caches after a generation hold the estimated bytes, up to their 256-position steps."""
     model = models(arch).model
     cache = model.make_cache(context_len)

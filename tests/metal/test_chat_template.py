@@ -2,11 +2,10 @@
 templates, for Jinja features templates use, and for the built-in templates of template-less models."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import json
 
 import pytest
 from hypothesis import given, settings
@@ -91,7 +90,8 @@ def test_builtin_templates_match_the_family_templates(tmp_path: Path, hf: dict[s
 
 def test_builtin_mistral_uses_llama3_headers() -> None:
     text = render_chat([{"role": "user", "content": " x "}], FakeTokenizer(None, "mistral"))
-    assert text == "<s><|start_header_id|>user<|end_header_id|>\n\nx<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    assert text == ("<s><|start_header_id|>user<|end_header_id|>\n\nx<|eot_id|>"
+                    "<|start_header_id|>assistant<|end_header_id|>\n\n")
 
 
 def test_no_template_and_unknown_family_lists_the_families() -> None:
@@ -119,7 +119,8 @@ FEATURE_TEMPLATES = {
         "{% endif %}{% set ns.n = ns.n + 1 %}{% set ns.last = m.content %}{% if ns.n > 1 %}{% break %}{% endif %}"
         "{% endfor %}{{ ns.n }}:{{ ns.last }}"
     ),
-    "whitespace control": "{% for m in messages %}\n  {% if m.role %}\n    [{{ m.role }}]\n  {% endif %}\n{% endfor %}\n",
+    "whitespace control": ("{% for m in messages %}\n  {% if m.role %}\n    [{{ m.role }}]\n  {% endif %}\n"
+                           "{% endfor %}\n"),
     "generation blocks": "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
                          "{% endgeneration %}{% else %}{{ m.content }}{% endif %}|{% endfor %}",
     "special tokens and undefined": "{{ bos_token }}{{ eos_token }}{{ pad_token }}{{ tools is none }}"
@@ -135,7 +136,7 @@ def test_jinja_features_match_transformers(dirs: dict[str, Path], hf: dict[str, 
     template = FEATURE_TEMPLATES[name]
     tok = Tokenizer(dirs["qwen2"])
     fake = FakeTokenizer(template, special_tokens=tok.special_tokens)
-    conversations = CONVERSATIONS + [[{"role": "user", "content": None},
+    conversations = [*CONVERSATIONS, [{"role": "user", "content": None},
                                       {"role": "assistant", "content": "ok", "reasoning": "hmm"}]]
     for messages in conversations:
         ours = render_chat(messages, fake)
@@ -208,7 +209,7 @@ def test_tojson_indent_and_integer_powers_are_bounded(indent: int, exponent: int
 
 def test_a_long_render_stops_at_its_deadline_and_at_the_guard() -> None:
     slow = FakeTokenizer("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
-    with pytest.raises(ChatTemplateError, match="longer than 0.2 s"):
+    with pytest.raises(ChatTemplateError, match=r"longer than 0\.2 s"):
         render_chat(USER, slow, seconds=0.2)
     calls = []
 

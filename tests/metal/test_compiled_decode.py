@@ -467,9 +467,9 @@ def test_last_only_forward_is_the_full_forward_last_row(models, arch: str) -> No
     last = model(ids, cache=last_cache, last_only=True)
     assert last.shape == (1, 1, full.shape[-1])
     np.testing.assert_allclose(np.asarray(last[0, 0]), np.asarray(full[0, -1]), rtol=1e-5, atol=1e-5)
-    for a, b in zip(full_cache, last_cache):
+    for a, b in zip(full_cache, last_cache, strict=True):
         assert a.offset == b.offset
-        for x, y in zip(a.state, b.state):
+        for x, y in zip(a.state, b.state, strict=True):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     # An explicit mask (left-padded rows of a batch): the last query keeps its own row of it.
     ids2 = mx.array([prompt(23, seed=5), prompt(23, seed=6)], dtype=mx.int32)

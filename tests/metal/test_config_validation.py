@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
 import pymlxc
@@ -225,8 +226,8 @@ LLAMA = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "n
 
 
 @settings(max_examples=200, deadline=None)
-@given(field=st.sampled_from(sorted(LLAMA) + ["head_dim", "num_key_value_heads", "rms_norm_eps", "rope_theta",
-                                              "sliding_window", "rope_scaling", "layer_types", "attention_bias"]),
+@given(field=st.sampled_from([*sorted(LLAMA), "head_dim", "num_key_value_heads", "rms_norm_eps", "rope_theta",
+                              "sliding_window", "rope_scaling", "layer_types", "attention_bias"]),
        value=st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floats(), st.text(max_size=4),
                        st.lists(st.integers(0, 3), max_size=3),
                        st.dictionaries(st.sampled_from(["factor", "rope_type", "type", "low_freq_factor"]),

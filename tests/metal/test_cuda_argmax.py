@@ -18,14 +18,23 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pymlxc.core as mx
-from pymlxc.backends.metal.decode import segments
 from pymlxc.backends.metal import generate as loops
+from pymlxc.backends.metal.decode import segments
 from pymlxc.backends.metal.decode.decoder import CompiledDecoder
 from pymlxc.backends.metal.kernels import argmax as cuda_argmax
 from pymlxc.backends.metal.sample import greedy
 
-from .cuda_decode_helpers import (ON_CUDA, check_a_forced_setting_keeps_mlx_kernels, check_the_setting_is_read_by_name,
-                                  cuda_only, greedy_ids, plan_flags, stood_in_decoder, tiny_models)
+from .cuda_decode_helpers import (
+    ON_CUDA,
+    check_a_forced_setting_keeps_mlx_kernels,
+    check_the_setting_is_read_by_name,
+    cuda_only,
+    greedy_ids,
+    plan_flags,
+    stood_in_decoder,
+    tiny_models,
+)
+
 
 @pytest.fixture
 def tiny(tmp_path: Path):

@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pymlxc.core as mx
-from pymlxc.backends.metal import kernel_choice, nn, training
 from pymlxc.backends.metal import generate as loops
+from pymlxc.backends.metal import kernel_choice, nn, training
 from pymlxc.backends.metal.decode.decoder import CompiledDecoder
 from pymlxc.backends.metal.kernels import matvec as cuda_matvec
 from pymlxc.backends.metal.loader import load_weights_and_config
@@ -69,7 +69,8 @@ def _replay(x: np.ndarray, w: np.ndarray, s: np.ndarray, b: np.ndarray, group: i
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(m=st.integers(1, 8), chunks=st.integers(1, 40), n=st.integers(1, 70), group=st.sampled_from([32, 64, 128]),
        seed=st.integers(0, 2**16))
-def test_the_kernel_arithmetic_gives_the_dequantized_product(m: int, chunks: int, n: int, group: int, seed: int) -> None:
+def test_the_kernel_arithmetic_gives_the_dequantized_product(m: int, chunks: int, n: int, group: int,
+                                                              seed: int) -> None:
     k = ((chunks * 32 + group - 1) // group) * group
     rng = np.random.default_rng(seed)
     w, s, b, deq = _quantized(rng, n, k, group, mx.float32)
@@ -248,7 +249,8 @@ def test_marked_models_keep_their_tokens_in_every_decode_mode(tiny, monkeypatch:
 
 
 @cuda_only
-def test_the_compiled_prefill_serves_short_and_long_chunks(tiny, monkeypatch: pytest.MonkeyPatch, switches: Any) -> None:
+def test_the_compiled_prefill_serves_short_and_long_chunks(tiny, monkeypatch: pytest.MonkeyPatch,
+                                                            switches: Any) -> None:
     switches.env("PYMLXC_CUDA_MATVEC", "1")
     model = tiny().model
     decoder = CompiledDecoder(model, "segmented")
@@ -260,7 +262,7 @@ def test_the_compiled_prefill_serves_short_and_long_chunks(tiny, monkeypatch: py
         for start, stop in ((0, 3), (3, 45)):  # traced on 3 rows (the kernel's range), replayed on 42
             runner(tokens[:, start:stop], ours)
             model(tokens[:, start:stop], cache=theirs)
-    for c, d in zip(ours, theirs):
+    for c, d in zip(ours, theirs, strict=True):
         assert c.offset == d.offset == 45
         np.testing.assert_array_equal(np.asarray(c.keys[:, :, :45].astype(mx.float32)),
                                       np.asarray(d.keys[:, :, :45].astype(mx.float32)))
@@ -287,7 +289,8 @@ def test_lora_gradients_through_a_marked_model(tmp_path: Path, monkeypatch: pyte
     assert any(not np.array_equal(before[k], after[k]) for k in before)
 
 
-def test_fused_adapter_layers_choose_their_kernel_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, switches: Any) -> None:
+def test_fused_adapter_layers_choose_their_kernel_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        switches: Any) -> None:
     """Fusing requantizes the adapted layers into new modules; they are marked like the rest."""
     import pymlxc
     from pymlxc.training import LoRAConfig

@@ -26,8 +26,15 @@ from pymlxc.backends.metal.decode import segments
 from pymlxc.backends.metal.decode.decoder import CompiledDecoder
 from pymlxc.backends.metal.kernels import add_rms_norm as cuda_norm
 
-from .cuda_decode_helpers import (ON_CUDA, check_the_setting_is_read_by_name, cuda_only, greedy_ids, plan_flags,
-                                  stood_in_decoder, tiny_models)
+from .cuda_decode_helpers import (
+    ON_CUDA,
+    check_the_setting_is_read_by_name,
+    cuda_only,
+    greedy_ids,
+    plan_flags,
+    stood_in_decoder,
+    tiny_models,
+)
 
 # Row lengths MLX's aligned rms_norm_small serves, with its (threads, 16-byte loads per thread).
 ALIGNED = {512: (64, 1), 1024: (128, 1), 1536: (64, 3), 2048: (128, 2), 2560: (64, 5), 3072: (128, 3),
@@ -109,7 +116,7 @@ def test_the_kernel_equals_mlx_add_and_rms_norm_bit_for_bit(d: int, rows: int, d
     w = mx.array(rng.standard_normal(d).astype(np.float32)).astype(t)
     got = cuda_norm.add_rms_norm(a, b, w, eps)
     want = cuda_norm.unfused(a, b, w, eps)
-    for g, e in zip(got, want):
+    for g, e in zip(got, want, strict=True):
         assert g.shape == e.shape and g.dtype == e.dtype
         np.testing.assert_array_equal(np.asarray(g.astype(mx.float32)), np.asarray(e.astype(mx.float32)))
 

@@ -26,8 +26,16 @@ from pymlxc.backends.metal.kernels import rope_kv as cuda_rope_kv
 from pymlxc.backends.metal.models.base import RoPE, llama3_freqs
 from pymlxc.testing import LLAMA3_ROPE_SCALING
 
-from .cuda_decode_helpers import (ON_CUDA, check_a_forced_setting_keeps_mlx_kernels, check_the_setting_is_read_by_name,
-                                  cuda_only, greedy_ids, plan_flags, stood_in_decoder, tiny_models)
+from .cuda_decode_helpers import (
+    ON_CUDA,
+    check_a_forced_setting_keeps_mlx_kernels,
+    check_the_setting_is_read_by_name,
+    cuda_only,
+    greedy_ids,
+    plan_flags,
+    stood_in_decoder,
+    tiny_models,
+)
 
 
 @pytest.fixture
@@ -151,7 +159,7 @@ def test_heads_of_another_type_than_the_buffers_skip_the_kernel(tiny, monkeypatc
     monkeypatch.setattr(cuda_rope_kv, "rope_write_kv", _stand_in(calls))
     for dtype, kernel in ((mx.float32, False), (mx.float16, True)):
         keys, values = (mx.zeros((1, attn.n_kv_heads, 8, attn.head_dim), dtype) for _ in range(2))
-        q, k, v = segments._heads(group, attn, x, pos, qkv.fused, [keys, values, spec.table, spec.scale])  # noqa: SLF001
+        _q, k, v = segments._heads(group, attn, x, pos, qkv.fused, [keys, values, spec.table, spec.scale])  # noqa: SLF001
         assert bool(calls) == kernel and k.dtype == v.dtype == dtype
         assert bool(mx.any(k[:, :, 4] != 0).item()) and not bool(mx.any(k[:, :, 5:] != 0).item())
 
@@ -196,15 +204,17 @@ def test_the_kernel_is_mlx_rope_and_slice_updates(hq: int, group: int, d: int, d
     spec = segments.rope_of(rope, d)
     rng = np.random.default_rng(seed)
     t = getattr(mx, dtype)
-    qk, v = (mx.astype(mx.array(rng.standard_normal(s).astype(np.float32)), t) for s in [(1, hq + hkv, 1, d), (1, hkv, 1, d)])
+    qk, v = (mx.astype(mx.array(rng.standard_normal(s).astype(np.float32)), t)
+             for s in [(1, hq + hkv, 1, d), (1, hkv, 1, d)])
     slots = position + 3
-    keys, values = (mx.astype(mx.array(rng.standard_normal((1, hkv, slots, d)).astype(np.float32)), t) for _ in range(2))
+    keys, values = (mx.astype(mx.array(rng.standard_normal((1, hkv, slots, d)).astype(np.float32)), t)
+                    for _ in range(2))
     pos = mx.array(position, dtype=mx.int32)
     want = cuda_rope_kv.reference(qk, v, pos, keys, values, rope, hq)
     got = cuda_rope_kv.rope_write_kv(qk, v, pos, cuda_rope_kv.private_copy(keys), cuda_rope_kv.private_copy(values),
                                      spec, hq)
     mx.eval(got[0])
-    for name, g, w in zip(("queries", "keys", "values"), got, want):
+    for name, g, w in zip(("queries", "keys", "values"), got, want, strict=True):
         assert bool(mx.array_equal(g, w).item()), name
 
 

@@ -19,11 +19,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pymlxc.core as mx
+from pymlxc.backends.metal.cache import KVCache
 from pymlxc.backends.metal.kernels import gated_delta as kernels
 from pymlxc.backends.metal.models import gated_delta as gd
 from pymlxc.backends.metal.prompt_cache import PromptCache, restorable
 from pymlxc.backends.metal.recurrent_cache import MAX_SNAPSHOTS, RecurrentCache, RecurrentCacheError
-from pymlxc.backends.metal.cache import KVCache
 
 mlx = importlib.import_module("mlx.core")
 ref_gd = importlib.import_module("mlx_lm.models.gated_delta")
@@ -121,7 +121,7 @@ def test_padding_leaves_the_state_alone(shape: tuple[int, ...], t: int, data: st
     mine["state"] = mx.zeros(mine["state"].shape)
     pads = data.draw(st.lists(st.integers(0, t - 1), min_size=b, max_size=b))
     mask = mx.array(np.arange(t)[None, :] >= np.array(pads)[:, None])
-    y1, y2, s1, s2 = both(mine, mask)
+    _y1, y2, s1, s2 = both(mine, mask)
     np.testing.assert_allclose(s2, s1, atol=2e-5, rtol=1e-4)
     for row, pad in enumerate(pads):
         alone = {k: (v[row:row + 1, pad:] if k != "state" else v[row:row + 1]) for k, v in mine.items()}
@@ -213,10 +213,10 @@ def test_prompt_cache_restores_at_the_longest_kept_state() -> None:
     tokens = list(range(18))
     assert restorable([rec, kv], 17) == 16 and restorable([kv], 17) == 17
     assert pc.store(tokens, [rec, kv])
-    found = pc.lookup(tokens[:12] + [99, 98], limit=13)
+    found = pc.lookup([*tokens[:12], 99, 98], limit=13)
     assert found is not None and found[1] == 8
     assert [c.offset for c in found[0]] == [8, 8]
-    assert pc.lookup([99] + tokens, limit=10) is None
+    assert pc.lookup([99, *tokens], limit=10) is None
 
 
 # ---------------------------------------------------------------------- kernels

@@ -92,7 +92,7 @@ def test_classify_equals_first_generated_token(model) -> None:
 def test_batch_generate_equals_single_generations(model) -> None:
     batch = model.batch_generate(PROMPTS, max_tokens=20)
     assert [r.error for r in batch] == [None] * len(PROMPTS)
-    for result, prompt in zip(batch, PROMPTS):
+    for result, prompt in zip(batch, PROMPTS, strict=True):
         single = list(model.generate(prompt, max_tokens=20))
         assert ids(result.tokens) == ids(single)
         assert result.text == "".join(t.text for t in single)
@@ -182,7 +182,7 @@ def test_batch_cancel_reports_on_rows(model) -> None:
 # ---------------------------------------------------------------------- threads and slots
 
 def test_threads_generate_their_own_tokens(model) -> None:
-    prompts = PROMPTS + ["Numbers matter too"]
+    prompts = [*PROMPTS, "Numbers matter too"]
     want = {p: ids(model.generate(p, max_tokens=16)) for p in prompts}
     got: dict[str, list[int]] = {}
     errors: dict[str, object] = {}

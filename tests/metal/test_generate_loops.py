@@ -5,11 +5,11 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-import pymlxc.core as mx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import pymlxc.core as mx
 from pymlxc.backends.metal import generate as loops
 from pymlxc.backends.metal.sample import make_logits_processors, make_sampler
 from pymlxc.model import GenerationCancelled
@@ -87,7 +87,7 @@ def test_batch_rows_stop_on_their_own() -> None:
     stop = alone[0][2]
     rows = loops.batch_generate_ids(MODEL, batch, cache=MODEL.make_cache(), sampler=make_sampler(0.0),
                                     max_tokens=10, stop_ids=frozenset({stop}))
-    for row, ids in zip(rows, alone):
+    for row, ids in zip(rows, alone, strict=True):
         expected = ids[: ids.index(stop)] if stop in ids else ids
         assert row.ids == expected
 
@@ -98,7 +98,7 @@ def test_classify_equals_first_generated_token(batch: list[list[int]]) -> None:
     ids, logits = loops.classify_ids(MODEL, batch, sampler=make_sampler(0.0), return_logits=True)
     assert ids == [reference(p, 1)[0] for p in batch]
     assert logits is not None and len(logits) == len(batch) and all(len(row) == 64 for row in logits)
-    for p, row in zip(batch, logits):
+    for p, row in zip(batch, logits, strict=True):
         full = np.asarray(MODEL(mx.array([p], dtype=mx.int32)))[0, -1]
         np.testing.assert_allclose(row, full, rtol=1e-4, atol=1e-4)
 

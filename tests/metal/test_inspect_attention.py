@@ -64,7 +64,7 @@ def test_keys_and_queries_of_layer_0_equal_numpy_by_hand(dirs) -> None:
         # Token ids in, the same snapshot out; keys alone when queries are not asked for.
         again = m.inspect_attention(ids)
         assert again.queries is None
-        assert all(np.array_equal(a, b) for a, b in zip(again.keys[1], snap.keys[1]))
+        assert all(np.array_equal(a, b) for a, b in zip(again.keys[1], snap.keys[1], strict=True))
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

@@ -9,9 +9,8 @@ tolerances (see test_models_parity) only admit a different summation order.
 """
 from __future__ import annotations
 
-import importlib
-
 import dataclasses
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +45,7 @@ def test_prompt_logits_match_mlx_lm(models, arch: str, bits: int | None) -> None
     np.testing.assert_allclose(a, np.array(ref(mlx.array(ids))), atol=ATOL[bits], rtol=0)
 
 
-@pytest.mark.parametrize("arch,bits", CASES + [("gemma4_text", "all")])
+@pytest.mark.parametrize("arch,bits", [*CASES, ("gemma4_text", "all")])
 def test_greedy_decode_matches_mlx_lm(models, arch: str, bits: Any) -> None:
     ours, ref = models(arch, extra_config=EVERYTHING) if bits == "all" else models(arch, bits)
     la, lb, ta, tb = run_both(ours, ref, prompt_ids(PROMPT_LEN), context_len=None, chunk=None, steps=STEPS)
@@ -230,9 +229,10 @@ def test_switch_glu_sorted_equals_unsorted() -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_load_model_generates_as_mlx_lm(tmp_path: Path, arch: str) -> None:
-    import pymlxc
     from mlx_lm import load
     from mlx_lm.generate import generate_step
+
+    import pymlxc
 
     path = write_tiny_model(tmp_path / arch, arch, seed=1)
     with pymlxc.load_model(str(path), backend="metal") as model:

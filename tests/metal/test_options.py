@@ -48,7 +48,8 @@ ACCEPTS = {
 
 values = st.one_of(
     st.none(), st.booleans(), st.integers(-2**70, 2**70), st.sampled_from([0, 1, 2, 5, 100]),
-    st.floats(allow_nan=True, allow_infinity=True), st.floats(0, 1), st.sampled_from([5e-324, 1e-300, 1e-40, 2.5, 1e300]),
+    st.floats(allow_nan=True, allow_infinity=True), st.floats(0, 1),
+    st.sampled_from([5e-324, 1e-300, 1e-40, 2.5, 1e300]),
     st.text(max_size=3), st.lists(st.integers(-3, 10), max_size=3), st.lists(st.booleans(), max_size=2),
     st.just(threading.Event()), st.just(object()),
 )
@@ -63,7 +64,7 @@ def test_every_option_takes_exactly_its_values_and_a_refusal_names_it(name: str,
         if name == "stop_tokens":
             assert got == tuple(value)
         elif name != "cancel":
-            assert got == value and type(got) is type(value) or (isinstance(value, int) and got == float(value))
+            assert (got == value and type(got) is type(value)) or (isinstance(value, int) and got == float(value))
     else:
         with pytest.raises((TypeError, ValueError), match=name):
             make_config(GenerateConfig, **{name: value})

@@ -7,7 +7,6 @@ caches as they were and the prefill goes on with the model's forward.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -62,7 +61,7 @@ def test_caches_equal_the_model_forward(models, arch: str, bits: int | None) -> 
         runner(tokens[:, start:stop], ours, lambda h, c: layers_seen.append(c))
         model(tokens[:, start:stop], cache=theirs)
     assert [c.offset for c in ours] == [c.offset for c in theirs] == [61] * 3
-    for a, b in zip(filled(ours), filled(theirs)):
+    for a, b in zip(filled(ours), filled(theirs), strict=True):
         np.testing.assert_array_equal(a, b)
     assert layers_seen == list(ours) * 4
     decoder.close()

@@ -89,7 +89,7 @@ def test_rotating_prefix_restores_a_state_later_chunks_cannot_tell_apart(max_siz
         reference = RotatingKVCache(max_size, keep)
         _run(reference, 0, [n], window)
         assert got == _run(reference, n, then, window)
-    assert all(np.array_equal(a, b) for a, b in zip(before, (np.asarray(x) for x in source.state)))
+    assert all(np.array_equal(a, b) for a, b in zip(before, (np.asarray(x) for x in source.state), strict=True))
 
 
 # ---------------------------------------------------------------------- models
@@ -141,7 +141,7 @@ def ids(stream) -> list[int]:
 def test_the_prompts_cross_the_window_and_the_context_bound(models) -> None:
     m, _ = models("llama")
     prefix = m.encode(PREFIX)
-    assert WINDOW < len(prefix) and CTX < len(prefix)
+    assert len(prefix) > WINDOW and len(prefix) > CTX
     assert m.encode(PREFIX + REST)[: len(prefix)] == prefix  # REST starts a new word: the tokens add up
 
 
@@ -201,8 +201,8 @@ def test_chat_reuses_the_conversation_so_far(models) -> None:
     first = list(m.chat(history, max_tokens=10))
     assert m.metrics().prompt_cache_hits == 1
     assert [t.id for t in first] == ids(plain.chat(history, max_tokens=10))
-    follow = history + [{"role": "assistant", "content": "".join(t.text for t in first)},
-                        {"role": "user", "content": "And three plus three?"}]
+    follow = [*history, {"role": "assistant", "content": "".join(t.text for t in first)},
+              {"role": "user", "content": "And three plus three?"}]
     assert ids(m.chat(follow, max_tokens=10)) == ids(plain.chat(follow, max_tokens=10))
     assert m.metrics().prompt_cache_hit_tokens > len(m.encode(PREFIX))
 

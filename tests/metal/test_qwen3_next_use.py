@@ -71,7 +71,7 @@ def test_batch_generate_rows_equal_generating_alone(paths: dict[str, Path], arch
         prompts = [model.encode(p) for p in ("A", "Once upon a time", TEXT[:60])]
         assert [len(p) for p in prompts] == [1, 6, 22]
         rows = loops.batch_generate_ids(inner, prompts, cache=inner.make_cache(None), sampler=greedy, max_tokens=16)
-        for prompt, row in zip(prompts, rows):
+        for prompt, row in zip(prompts, rows, strict=True):
             alone = list(loops.generate_ids(inner, prompt, cache=inner.make_cache(None), sampler=greedy,
                                             max_tokens=16))
             assert row.ids == alone, prompt
@@ -81,7 +81,7 @@ def test_classify_equals_the_first_generated_token(paths: dict[str, Path]) -> No
     with pymlxc.load_model(paths["qwen3_5"]) as model:
         prompts = ["Numbers matter", TEXT, "A programmer writes"]
         got = model.classify(prompts, return_logits=True)
-        for prompt, result in zip(prompts, got):
+        for prompt, result in zip(prompts, got, strict=True):
             first = ids_of(model.generate(prompt, max_tokens=1))
             assert [result.token.id] == first
             assert int(np.argmax(result.logits)) == first[0]

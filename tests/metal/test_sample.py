@@ -4,14 +4,20 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import pymlxc.core as mx
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+import pymlxc.core as mx
 from pymlxc.backends.metal.sample import (
-    apply_min_p, apply_processors, apply_top_k, apply_top_p, greedy, make_logits_processors, make_repeat_penalty,
+    apply_min_p,
+    apply_processors,
+    apply_top_k,
+    apply_top_p,
+    greedy,
+    make_logits_processors,
+    make_repeat_penalty,
     make_sampler,
 )
 
@@ -45,7 +51,7 @@ def test_greedy_is_argmax(logits: np.ndarray) -> None:
 @given(logit_arrays, st.integers(1, 50))
 def test_top_k_keeps_at_most_k_of_the_largest(logits: np.ndarray, k: int) -> None:
     keep = kept(apply_top_k(mx.array(logits), k))
-    for row, mask in zip(logits, keep):
+    for row, mask in zip(logits, keep, strict=True):
         assert mask.sum() == min(k, row.size)
         if not mask.all():
             assert row[mask].min() >= row[~mask].max()
@@ -56,7 +62,7 @@ def test_top_k_keeps_at_most_k_of_the_largest(logits: np.ndarray, k: int) -> Non
 def test_top_p_keeps_the_argmax_and_enough_mass(logits: np.ndarray, top_p: float) -> None:
     keep = kept(apply_top_p(mx.array(logits), top_p))
     probs = softmax(logits)
-    for row, mask, p in zip(logits, keep, probs):
+    for row, mask, p in zip(logits, keep, probs, strict=True):
         assert mask[np.argmax(row)]
         assert p[mask].sum() >= top_p - 1e-5
         if not mask.all():
@@ -70,7 +76,7 @@ def test_top_p_keeps_the_argmax_and_enough_mass(logits: np.ndarray, top_p: float
 def test_min_p_keeps_the_argmax_and_the_tokens_above_the_bar(logits: np.ndarray, min_p: float) -> None:
     keep = kept(apply_min_p(mx.array(logits), min_p))
     probs = softmax(logits.astype(np.float64))
-    for row, mask, p in zip(logits, keep, probs):
+    for row, mask, p in zip(logits, keep, probs, strict=True):
         assert mask[np.argmax(row)]
         ratio = p / p.max()
         clear = np.abs(np.log(ratio) - math.log(min_p)) > 1e-4  # leave float borderline cases out
@@ -131,7 +137,8 @@ def test_bad_settings_raise(bad: dict) -> None:
 @given(logit_arrays.filter(lambda a: a.shape[1] >= 2), st.floats(0.5, 3.0), st.integers(1, 8), st.data())
 def test_repeat_penalty_matches_llama_cpp(logits: np.ndarray, penalty: float, context: int, data) -> None:
     batch, vocab = logits.shape
-    history = data.draw(hnp.arrays(np.int32, (batch, data.draw(st.integers(1, 12))), elements=st.integers(0, vocab - 1)))
+    width = data.draw(st.integers(1, 12))
+    history = data.draw(hnp.arrays(np.int32, (batch, width), elements=st.integers(0, vocab - 1)))
     process = make_repeat_penalty(penalty, context)  # (penalty 1 included: then nothing changes)
     out = np.asarray(apply_processors([process], mx.array(history), mx.array(logits)))
     want = logits.copy()

@@ -3,7 +3,6 @@ streaming detokenization (hypothesis: pieces add up to the full decode, no broke
 from __future__ import annotations
 
 import importlib
-
 import json
 import shutil
 from pathlib import Path
@@ -213,7 +212,7 @@ def spm(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 def _stream(tok: Tokenizer, ids: list[int], skip: bool) -> list[str]:
     detok = tok.detokenizer(skip_special_tokens=skip)
     pieces = [detok.add(i) for i in ids]
-    return pieces + [detok.finish()]
+    return [*pieces, detok.finish()]
 
 
 def _lenient_decode(tok: Tokenizer, ids: list[int], skip: bool) -> str:
@@ -236,7 +235,7 @@ def _lenient_decode(tok: Tokenizer, ids: list[int], skip: bool) -> str:
                 out.extend(run[pos:])
                 break
             except UnicodeDecodeError as exc:
-                out.extend(run[pos:pos + exc.start] + [unk])
+                out.extend([*run[pos:pos + exc.start], unk])
                 pos += exc.end
         run.clear()
 
@@ -309,7 +308,7 @@ def test_window_stays_small(qwen: Tokenizer, monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_spm_keeps_inner_spaces_when_skipping_specials(spm: Tokenizer) -> None:
-    ids = spm.encode("hello world") + [spm.token_to_id("</s>")] + spm.encode("again", add_special_tokens=False)
+    ids = [*spm.encode("hello world"), spm.token_to_id("</s>"), *spm.encode("again", add_special_tokens=False)]
     assert "".join(_stream(spm, ids, skip=True)) == spm.decode(ids, skip_special_tokens=True)
 
 

@@ -329,6 +329,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="fewer layers than the real shape (quick runs)")
     p.add_argument("--models-dir", type=Path, default=Path("/tmp/pymlxc-llama-cpp-models"))
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/compare_llama_cpp"))
+    p.add_argument("--git-rev", help="the commit to record when this copy's git metadata is stale (a lent machine)")
     p.add_argument("--llama-cpp", type=Path, default=None, help="llama.cpp build folder (llama-bench, llama-quantize)")
     p.add_argument("--llama-cpp-src", type=Path, default=None, help="llama.cpp source tarball to build from")
     p.add_argument("--no-llama-cpp", action="store_true", help="pymlxc only (files from pymlxc's writer)")
@@ -374,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         "schema": SCHEMA_VERSION, "kind": "compare_llama_cpp",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "device": device_facts(args.cpu), "versions": versions(), "bandwidth": bandwidth,
+        "device": device_facts(args.cpu), "versions": versions(args.git_rev), "bandwidth": bandwidth,
         "settings": {"prompt_lengths": args.prompt_lengths, "max_tokens": args.max_tokens, "rounds": args.rounds,
                      "formats": args.formats, "llama_cpp": str(tools) if tools else None},
         "cases": []}

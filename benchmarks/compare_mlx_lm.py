@@ -80,7 +80,9 @@ def device_facts(cpu: bool) -> dict[str, Any]:
     return facts
 
 
-def versions() -> dict[str, str]:
+def versions(git_rev: str | None = None) -> dict[str, str]:
+    """Package versions and the commit measured: `git_rev` (--git-rev) where the copy's git metadata
+    is not the checkout's (a lent machine's copy), else git's own answer."""
     from importlib import metadata
 
     out = {"python": platform.python_version()}
@@ -89,8 +91,8 @@ def versions() -> dict[str, str]:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             pass
-    if os.environ.get("PYMLXC_GIT_REV"):  # a copy whose git metadata is not the checkout's (a lent machine)
-        out["pymlxc_git"] = os.environ["PYMLXC_GIT_REV"]
+    if git_rev:
+        out["pymlxc_git"] = git_rev
         return out
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_path.ROOT, capture_output=True, text=True,
@@ -585,6 +587,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--models-dir", type=Path, default=None,
                    help="where the random models are written and reused (default: a temporary folder)")
     p.add_argument("--out", type=Path, default=Path("."), help="folder for compare_mlx_lm.json and .png")
+    p.add_argument("--git-rev", help="the commit to record when this copy's git metadata is stale (a lent machine)")
     p.add_argument("--bandwidth-mb", type=int, default=None, help="buffer for the bandwidth measurement")
     p.add_argument("--memory-headroom", type=float, default=2.6,
                    help="run a case only if the device holds this many times its weights (both sides + work)")
@@ -744,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION, "kind": "compare_mlx_lm",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": device_facts(args.cpu), "versions": versions(), "bandwidth": bandwidth,
+        "device": device_facts(args.cpu), "versions": versions(args.git_rev), "bandwidth": bandwidth,
         "settings": {"shapes": args.shapes, "quant": args.quant, "prompt_lengths": args.prompt_lengths,
                      "max_tokens": args.max_tokens, "runs": args.runs, "load_runs": args.load_runs,
                      "layers": args.layers, "cpu": args.cpu, "greedy": True, "eos_ignored": True,

@@ -26,7 +26,7 @@
 # block kernels and MLX's 8-bit kernel; the earlier float32 runs are BENCHMARKS.md's 160 tok/s row.
 # probe: benchmarks/profile/probe_gguf_blocks.py (the block kernels' time per decode shape).
 # Results go to $OUT: tests.txt, probe.log, <stage>/compare_llama_cpp.{json,md,png}, <stage>.log.
-# Set PYMLXC_GIT_REV=<commit> in front when the lent copy's git metadata is stale.
+# Pass --git-rev <commit> to the benchmark scripts when the lent copy's git metadata is stale.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"

@@ -18,8 +18,8 @@
 #   python benchmarks/compare_mlx_lm.py --merge benchmarks/results/h100.json <part>/compare_mlx_lm.json ... \
 #       --out benchmarks/results/h100.json
 #
-# The lent machine's copy of the checkout may carry stale git metadata: prefix the command with
-# PYMLXC_GIT_REV=<this checkout's commit> so that the JSON names the code that ran.
+# The lent machine's copy of the checkout may carry stale git metadata: give compare_mlx_lm.py
+# --git-rev <this checkout's commit> so that the JSON names the code that ran.
 #
 # Stages:
 #   setup, smoke, tests   build libmlxc, a binding smoke test, the binding and model parity tests

@@ -312,21 +312,15 @@ class StreamingDetokenizer:
         self._skipped = tokenizer.special_ids if skip_special_tokens else frozenset()
         self._kind = _decoder_kind(tokenizer.backend)
         self._byte_ids = tokenizer.byte_fallback_ids if self._kind == "byte_fallback" else frozenset()
-        self._ids: list[int] = []
         self._window: list[int] = []  # ids decoded together: the last piece's, then the unsettled ones
         self._read = 0  # window[:_read] is context already emitted in full
         self._prefix_text = ""  # the part of decode(window) already emitted
         self._pending: list[int] = []  # byte-fallback ids of a character still incomplete
         self._anchor: int | None = None  # a plain token, context after invalid bytes at the start
 
-    @property
-    def token_ids(self) -> tuple[int, ...]:
-        return tuple(self._ids)
-
     def add(self, token_id: int) -> str:
         """Take one more id; return the text it completes (often "", never a broken character)."""
         token_id = int(token_id)
-        self._ids.append(token_id)
         if token_id in self._skipped:
             return ""  # decode drops it before its decoders run: it changes no neighbour's text
         if token_id in self._byte_ids:
@@ -339,13 +333,6 @@ class StreamingDetokenizer:
     def finish(self) -> str:
         """Return whatever is held back (an incomplete character comes out as U+FFFD here)."""
         return self._settle(final=True) + self._emit(final=True)
-
-    def reset(self) -> None:
-        self._ids.clear()
-        self._window.clear()
-        self._pending.clear()
-        self._read = 0
-        self._prefix_text = ""
 
     def _byte(self, token_id: int) -> int:
         token = self._backend.id_to_token(token_id)

@@ -62,15 +62,10 @@ SHAPES: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 32768, "attn_logit_softcapping": None, "final_logit_softcapping": None,
         "hidden_activation": "gelu_pytorch_tanh", "bos_token_id": 2, "eos_token_id": [1, 106],
     },
-    "llama-3.1-8b": {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-        "intermediate_size": 14336, "vocab_size": 128256, "tie_word_embeddings": False, "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0, "rope_scaling": LLAMA31_ROPE, "max_position_embeddings": 131072,
-        "attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
-        "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
-    },
 }
+# Llama 3.1 8B: Llama 3.2 1B's config with its widths, depth, untied head and RoPE factor.
+SHAPES["llama-3.1-8b"] = {**SHAPES["llama-3.2-1b"], "hidden_size": 4096, "num_hidden_layers": 32, "head_dim": 128,
+                          "intermediate_size": 14336, "tie_word_embeddings": False, "rope_scaling": LLAMA31_ROPE}
 
 # The same layer counts and layer kinds with small widths and vocabularies: per-token time is then
 # the host's and the framework's per-operation cost (what bounds small models on a fast GPU), which

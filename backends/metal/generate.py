@@ -504,12 +504,11 @@ def classify_ids(model: LanguageModel, prompts: Sequence[Sequence[int]], *, samp
         width = max(len(p) for p in members)
         pad_counts = [width - len(p) for p in members]
         tokens = mx.array([[p[0]] * pad + list(p) for p, pad in zip(members, pad_counts, strict=True)], dtype=mx.int32)
+        cache = model.make_cache(context_len)
         mask = None
         if any(pad_counts):
             pads = mx.array(pad_counts, dtype=mx.int32)
             mask = lambda offset, length, pads=pads: left_padded_mask(pads, offset, length)  # noqa: E731
-        cache = model.make_cache(context_len)
-        if any(pad_counts):
             set_left_padding(cache, pads)
         last = prefill(model, tokens, cache, step=step, mask=mask, guard=guard, finish=lambda logits: logits)
         assert last is not None  # the prompt's last chunk always builds `finish`

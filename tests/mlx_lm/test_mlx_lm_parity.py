@@ -111,8 +111,6 @@ def test_quantized_model_matches_and_reports_its_bits(backend: MlxLmBackend, tmp
 
 
 def test_matches_metal_backend(model: MlxLmModel, tiny_model: Path) -> None:
-    # Guard until the metal backend lands; the lead removes it then.
-    pytest.importorskip("pymlxc.backends.metal.textmodel")
     import pymlxc
 
     with pymlxc.load_model(str(tiny_model), backend="metal") as metal:

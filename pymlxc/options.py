@@ -75,6 +75,28 @@ def _token_ids(name: str, value: Any) -> tuple[int, ...]:
     return tuple(_integer(f"{name}[{i}]", t, low=0) for i, t in enumerate(value))
 
 
+def check_sampling(options: Any, penalty: str) -> dict[str, Any]:
+    """The sampling options of `options` (its max_tokens, temperature, top_k, top_p, min_p, seed and
+    its repeat penalty, the attribute named `penalty`) checked and normalized, by name: what
+    `GenerateConfig` and the batching scheduler's `SamplingParams` both take."""
+    checked: dict[str, Any] = {
+        "max_tokens": _integer("max_tokens", options.max_tokens, low=0),
+        "top_k": _integer("top_k", options.top_k, low=0),
+    }
+    temperature = _real("temperature", options.temperature)
+    if temperature != 0.0:
+        _in_range("temperature", temperature, MIN_TEMPERATURE, MAX_TEMPERATURE, "0 (greedy) or ")
+    checked["temperature"] = temperature
+    for name in ("top_p", "min_p"):
+        checked[name] = _real(name, getattr(options, name))
+        _in_range(name, checked[name], 0.0, 1.0)
+    checked[penalty] = _real(penalty, getattr(options, penalty))
+    _in_range(penalty, checked[penalty], MIN_REPEAT_PENALTY, MAX_REPEAT_PENALTY)
+    if options.seed is not None:
+        checked["seed"] = _integer("seed", options.seed, low=0, high=SEED_LIMIT)
+    return checked
+
+
 @dataclass(frozen=True)
 class GenerateConfig:
     """How to generate. temperature 0 means greedy; 0 for top_k/top_p/min_p means off."""
@@ -93,24 +115,11 @@ class GenerateConfig:
 
     def __post_init__(self) -> None:
         put = object.__setattr__
-        put(self, "max_tokens", _integer("max_tokens", self.max_tokens, low=0))
-        put(self, "top_k", _integer("top_k", self.top_k, low=0))
-        temperature = _real("temperature", self.temperature)
-        if temperature != 0.0:
-            _in_range("temperature", temperature, MIN_TEMPERATURE, MAX_TEMPERATURE, "0 (greedy) or ")
-        put(self, "temperature", temperature)
-        for name in ("top_p", "min_p"):
-            value = _real(name, getattr(self, name))
-            _in_range(name, value, 0.0, 1.0)
+        for name, value in check_sampling(self, penalty="repeat_penalty").items():
             put(self, name, value)
-        penalty = _real("repeat_penalty", self.repeat_penalty)
-        _in_range("repeat_penalty", penalty, MIN_REPEAT_PENALTY, MAX_REPEAT_PENALTY)
-        put(self, "repeat_penalty", penalty)
         put(self, "stop_tokens", _token_ids("stop_tokens", self.stop_tokens))
         if not isinstance(self.return_logits, bool):
             raise TypeError(f"return_logits must be a bool, not {type(self.return_logits).__name__}")
-        if self.seed is not None:
-            put(self, "seed", _integer("seed", self.seed, low=0, high=SEED_LIMIT))
         if self.timeout is not None:
             timeout = _real("timeout", self.timeout)
             # threading's waits refuse longer timeouts; a timeout that never fires is None.

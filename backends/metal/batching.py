@@ -34,6 +34,7 @@ import numpy as np
 
 import pymlxc.core as mx
 from pymlxc.model import GenerationCancelled, ModelClosedError
+from pymlxc.options import check_sampling
 
 from . import generate as loops
 from .cache import KVCache, RotatingKVCache
@@ -82,13 +83,11 @@ class SamplingParams:
     stop_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, not {self.max_tokens}")
+        # The checks of GenerateConfig (pymlxc/options.py), with OpenAI's name of the penalty.
+        for name, value in check_sampling(self, penalty="repetition_penalty").items():
+            object.__setattr__(self, name, value)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], not {self.logprobs}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, not {self.repetition_penalty}")
-        make_sampler(self.temperature, self.top_k, self.top_p, self.min_p)  # raises on bad values
 
 
 @dataclass(frozen=True)

@@ -184,12 +184,15 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
             need("penalties", "presence_penalty")
         if logprobs is not None:
             need("logprobs", "logprobs")
-        return batching.SamplingParams(
-            max_tokens=room if max_tokens is None else min(max_tokens, room), temperature=body.temperature,
-            top_p=body.top_p if body.top_p < 1.0 else 0.0, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
-            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty, logit_bias=bias, logprobs=logprobs,
-            stop_ids=engine.stop_ids)
+        try:
+            return batching.SamplingParams(
+                max_tokens=room if max_tokens is None else min(max_tokens, room), temperature=body.temperature,
+                top_p=body.top_p if body.top_p < 1.0 else 0.0, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
+                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty, logit_bias=bias, logprobs=logprobs,
+                stop_ids=engine.stop_ids)
+        except (TypeError, ValueError) as exc:  # the message names the option (pymlxc/options.py)
+            raise ApiError(400, str(exc)) from None
 
     def encode_ids(ids: list[int], param: str) -> list[int]:
         vocab = getattr(engine, "vocab_size", 0)

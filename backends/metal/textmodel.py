@@ -278,8 +278,7 @@ class MetalTextModel(TrainableMixin):
                 error = end.error
         if error is not None:
             self._errors[threading.get_ident()] = _detached(error)
-        first = [c.events[0] for _, c in requests if c.events]
-        if first:
+        if any(c.events for _, c in requests):
             timings.mark_first_token()
         timings.generated_tokens = sum(len(c.tokens()) for _, c in requests)
         self._finish(timings)
@@ -569,18 +568,20 @@ class MetalTextModel(TrainableMixin):
                     f"all {self._parallel_slots} generation slots (parallel_slots) are held by unfinished "
                     "streams of this thread; a call here would wait for them forever: finish or close() "
                     "those iterators first, or load the model with more parallel_slots")
+        counted = False  # a guard that fires before the count leaves this thread's other slots counted
         try:
             guard.check()
             with self._state_lock:
                 self._held[me] = self._held.get(me, 0) + 1
                 self._active += 1
+                counted = True
                 if self._active == 1:
                     # Peak memory is process-wide: only reset it when no other call is measuring.
                     mx.reset_peak_memory()
             yield
         finally:
-            with self._state_lock:
-                if me in self._held:
+            if counted:
+                with self._state_lock:
                     self._active -= 1
                     self._held[me] -= 1
                     if not self._held[me]:

@@ -36,6 +36,11 @@ def _doc(kind: str, text: str) -> dict[str, str]:
     return {"kind": kind, "doc": text}
 
 
+def _switch(text: str) -> Any:
+    """A field of an `auto|0|1` lever (`SWITCH`), `auto` by default."""
+    return field(default="auto", metadata=_doc("|".join(SWITCH), text))
+
+
 @dataclass(frozen=True)
 class Settings:
     """The process's switches. Each field is `PYMLXC_<FIELD NAME IN CAPITALS>` in the environment."""
@@ -50,24 +55,24 @@ class Settings:
     fuse_projections: bool = field(default=True, metadata=_doc("bool", (
         "Segmented decode: run each block's q/k/v and gate/up projections as one matmul each "
         "(their weights concatenated once, the linears keep views).")))
-    fused_norm: str = field(default="auto", metadata=_doc("auto|0|1", (
+    fused_norm: str = _switch(
         "Segmented decode: each residual add and the RMSNorm after it as one CUDA kernel "
         "(`kernels/add_rms_norm.py`). `auto`: on CUDA; `1`: also elsewhere (the kernel then fails its check "
-        "and MLX's kernels run).")))
-    cuda_argmax: str = field(default="auto", metadata=_doc("auto|0|1", (
+        "and MLX's kernels run).")
+    cuda_argmax: str = _switch(
         "Segmented greedy decode: the argmax over the vocabulary as two CUDA kernels "
-        "(`kernels/argmax.py`). `auto`: on CUDA.")))
-    cuda_rope_kv: str = field(default="auto", metadata=_doc("auto|0|1", (
+        "(`kernels/argmax.py`). `auto`: on CUDA.")
+    cuda_rope_kv: str = _switch(
         "Segmented decode: each layer's RoPE and key/value writes as one CUDA kernel "
-        "(`kernels/rope_kv.py`). `auto`: on CUDA.")))
-    cuda_matvec: str = field(default="auto", metadata=_doc("auto|0|1", (
+        "(`kernels/rope_kv.py`). `auto`: on CUDA.")
+    cuda_matvec: str = _switch(
         "4-bit quantized products of few rows through pymlxc's CUDA kernel (`kernels/matvec.py`), "
         "chosen at load. `auto`: on CUDA for models whose layers are large enough for it to pay; "
-        "`1`: for every 4-bit model on CUDA.")))
-    eval_thread: str = field(default="auto", metadata=_doc("auto|0|1", (
+        "`1`: for every 4-bit model on CUDA.")
+    eval_thread: str = _switch(
         "Generation loops encode each step on an evaluation thread while Python builds the next "
         "(`pymlxc/core/eval_thread.py`). `auto`: on a GPU, not on a CPU (where the cores are "
-        "the compute).")))
+        "the compute).")
     lib_dir: Path | None = field(default=None, metadata=_doc("path", (
         "The folder of libmlxc and its cdef (default: `pymlxc/_lib` of the installed package). "
         "Read when `pymlxc.core` is first imported.")))

@@ -363,7 +363,7 @@ class _Row:
         """This row's logits [1, V] after its penalties, bias and constraint."""
         p = self.params
         if p.repetition_penalty != 1.0:
-            recent = (self.request.prompt + self.generated)[-DEFAULT_PENALTY_CONTEXT:]
+            recent = (self.request.prompt[-DEFAULT_PENALTY_CONTEXT:] + self.generated)[-DEFAULT_PENALTY_CONTEXT:]
             logits = self.repeat(mx.array([recent], dtype=mx.int32), logits)
         if (p.presence_penalty or p.frequency_penalty) and self.counts:
             ids = np.fromiter(self.counts.keys(), dtype=np.int32)
@@ -585,9 +585,9 @@ class Scheduler:
         if plain:
             plain_logits = mx.take(logits, mx.array(np.array(plain, dtype=np.int32)), axis=0)
             chosen = mx.argmax(plain_logits, axis=-1).astype(mx.int32)
-        parts = []
+        plain_rows = set(plain)
         for i, row in enumerate(rows):
-            if i in plain:
+            if i in plain_rows:
                 continue
             row_logits = row.process(logits[i:i + 1])
             token = row.sampler(row_logits)
@@ -599,7 +599,6 @@ class Scheduler:
                 picked = mx.take_along_axis(logp, mx.expand_dims(token, 1), axis=-1)
                 top = mx.argsort(-logp, axis=-1)[:, :k] if k else mx.zeros((1, 0), mx.int32)
                 extras[i] = (picked, top, mx.take_along_axis(logp, top, axis=-1) if k else top)
-            parts.append(token)
         evaluated = [outputs[i] for i in range(len(rows)) if outputs[i] is not None]
         mx.eval(evaluated + [v for e in extras.values() for v in e] + ([chosen] if plain else []))
         result: list[tuple[int, float | None, tuple[tuple[int, float], ...]]] = [(0, None, ())] * len(rows)

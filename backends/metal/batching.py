@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import threading
 import time
@@ -352,8 +353,9 @@ class _Row:
     def params(self) -> SamplingParams:
         return self.request.params
 
+    @functools.cached_property
     def plain(self) -> bool:
-        """Greedy with nothing to apply: the batch's argmax serves it."""
+        """Greedy with nothing to apply: the batch's argmax serves it (fixed for the row's life)."""
         p = self.params
         return (self.sampler is greedy and self.request.constraint is None and p.logprobs is None
                 and not p.presence_penalty and not p.frequency_penalty and p.repetition_penalty == 1.0
@@ -575,7 +577,7 @@ class Scheduler:
     def _sample(self, rows: Sequence[_Row],
                 logits: mx.Array) -> list[tuple[int, float | None, tuple[tuple[int, float], ...]]]:
         """Each row's next id (and log-probabilities where asked) from logits [B, V]."""
-        plain = [i for i, r in enumerate(rows) if r.plain()]
+        plain = [i for i, r in enumerate(rows) if r.plain]
         outputs: list[Any] = [None] * len(rows)
         extras: dict[int, tuple[mx.Array, mx.Array, mx.Array]] = {}
         if len(plain) == len(rows):

@@ -128,7 +128,6 @@ class MetalTextModel(TrainableMixin):
         self._slots = threading.BoundedSemaphore(config.parallel_slots)
         self._state_lock = threading.Lock()
         self._idle = threading.Condition(self._state_lock)  # notified when the last step ends
-        self._active = 0
         self._closed = False
         self._steps: dict[int, int] = {}  # thread id -> steps it is running now
         self._held: dict[int, int] = {}  # thread id -> slots held by streams it started
@@ -573,16 +572,14 @@ class MetalTextModel(TrainableMixin):
             guard.check()
             with self._state_lock:
                 self._held[me] = self._held.get(me, 0) + 1
-                self._active += 1
                 counted = True
-                if self._active == 1:
+                if sum(self._held.values()) == 1:
                     # Peak memory is process-wide: only reset it when no other call is measuring.
                     mx.reset_peak_memory()
             yield
         finally:
             if counted:
                 with self._state_lock:
-                    self._active -= 1
                     self._held[me] -= 1
                     if not self._held[me]:
                         del self._held[me]

@@ -33,9 +33,9 @@ if side == "pymlxc":
     import pymlxc
     with pymlxc.load_model(model, distributed=None if mode == "single" else mode) as m:
         list(m.generate(prompt, max_tokens=4))  # warm-up
-        list(m.generate(prompt, max_tokens=n_gen))
+        ids = [t.id for t in m.generate(prompt, max_tokens=n_gen)]
         r = m.metrics()
-        out = dict(prefill=r.prefill_tokens_per_sec, decode=r.decode_tokens_per_sec)
+        out = dict(prefill=r.prefill_tokens_per_sec, decode=r.decode_tokens_per_sec, tokens=ids)
 else:
     import mlx.core as mx
     from mlx_lm import stream_generate
@@ -48,10 +48,10 @@ else:
                                tensor_group=g if mode == "tensor" else None)
     for _ in stream_generate(lm, tok, prompt, max_tokens=4):
         pass
-    last = None
+    last, ids = None, []
     for last in stream_generate(lm, tok, prompt, max_tokens=n_gen):
-        pass
-    out = dict(prefill=last.prompt_tps, decode=last.generation_tps)
+        ids.append(int(last.token))
+    out = dict(prefill=last.prompt_tps, decode=last.generation_tps, tokens=ids)
 print("RESULT " + json.dumps(out), flush=True)
 """
 
@@ -94,14 +94,22 @@ def main() -> int:
         if not models:
             ap.error("name a model, or --tiny")
         for model in models:
+            single: dict[str, object] = {}  # side -> the one-rank run's greedy tokens
             for n in args.ranks:
                 for side in args.sides:
                     for mode in (["single"] if n == 1 else args.modes):
                         row = measure(side, model, mode, n, args.backend, args.prompt_tokens, args.max_tokens,
                                       args.timeout)
+                        if mode == "single" and "tokens" in row:
+                            single[side] = row["tokens"]
+                        elif "tokens" in row and side in single:
+                            # Greedy tokens of the split run against the one-rank run of the same side.
+                            row["tokens_equal_single"] = row["tokens"] == single[side]
                         print(json.dumps(row), flush=True)
                         got = (f"prefill {row['prefill']:9.1f} tok/s  decode {row['decode']:8.1f} tok/s"
                                if "error" not in row else f"error: {row['error']}")
+                        if "tokens_equal_single" in row:
+                            got += f"  tokens {'equal' if row['tokens_equal_single'] else 'DIFFER'} to one rank's"
                         print(f"{Path(model).name:>24} {side:>7} {mode:>8} x{n}  {got}", file=sys.stderr)
     return 0
 

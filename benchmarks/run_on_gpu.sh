@@ -31,6 +31,10 @@
 #   matvec, matvec-bench  the 4-bit CUDA matvec kernel (backends/metal/kernels/matvec.py): its GPU tests,
 #                         benchmarks/profile/probe_matvec.py, the 8B shape without it and the 1B shapes forced onto it
 #   graphs                CUDA kernels per decode step of both sides (benchmarks/profile/probe_cuda_graphs.py)
+#   cuda-tests            every CUDA kernel's test against its MLX-ops version, bounded by CUDA_TESTS_TIMEOUT
+#   qwen35                the Qwen3.5-35B-A3B shape in 4-bit against mlx-lm (decode, prefill of 2048)
+#   serve                 benchmarks/serve_load.py against mlx_lm.server (SERVE_SHAPES, SERVE_CLIENTS)
+#   distributed           benchmarks/compare_distributed.py over NCCL on 1..all GPUs (DIST_QUANTS: 4 and/or 16)
 #   report                merge this call's bench results;  all = setup smoke tests bench-1b bench-gemma bench-8b report
 # Options: --dry-run (print the commands only), --cpu-check (run every stage on this machine's CPU
 # with tiny shapes: checks the plumbing, not the numbers).
@@ -49,9 +53,9 @@ for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
     --cpu-check) CPU=1 ;;
-    setup|smoke|tests|bench-1b|bench-gemma|bench-8b|variants|profile|probe|matvec|matvec-bench|targets|graphs|report) stages+=("$arg") ;;
+    setup|smoke|tests|cuda-tests|bench-1b|bench-gemma|bench-8b|variants|profile|probe|matvec|matvec-bench|targets|qwen35|serve|distributed|graphs|report) stages+=("$arg") ;;
     all) stages+=(setup smoke tests bench-1b bench-gemma bench-8b report) ;;
-    -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
     *) echo "run_on_gpu.sh: unknown stage or option: $arg" >&2; exit 2 ;;
   esac
 done
@@ -204,6 +208,52 @@ PY
           run "$PY" benchmarks/profile/probe_cuda_graphs.py --side "$side" --shape "$shape" --quant bf16 \
             --models-dir "$MODELS" --out "$OUT/graphs" 2>&1 | tee -a "$OUT/graphs/log.txt" || echo "!!! graphs $side $shape failed"
         done
+      done
+      ;;
+    cuda-tests)
+      # The CUDA kernels (matvec, argmax, add+norm, RoPE+KV, the GGUF block kernels, gated delta) against
+      # their MLX-ops versions, the compiled and segmented decode paths, and Qwen3-Next/3.5 parity;
+      # bounded, so that a hang cannot take the call's later stages with it.
+      ensure_lib
+      mkdir -p "$OUT/cuda-tests"
+      run timeout "${CUDA_TESTS_TIMEOUT:-240}" "$PY" -m pytest tests/metal/test_cuda_matvec.py \
+        tests/metal/test_cuda_argmax.py tests/metal/test_cuda_norm.py tests/metal/test_cuda_rope_kv.py \
+        tests/metal/test_gguf_kernels.py tests/metal/test_gated_delta.py tests/metal/test_compiled_decode.py \
+        tests/metal/test_prefill_segments.py tests/metal/test_qwen3_next.py -q -p no:cacheprovider \
+        2>&1 | tee "$OUT/cuda-tests/pytest.txt" || echo "!!! cuda tests failed or timed out (see $OUT/cuda-tests/pytest.txt)"
+      ;;
+    qwen35)
+      # The Qwen3.5-35B-A3B shape in 4-bit (Gated DeltaNet + 256 experts): decode and 2048-token prefill.
+      if [ "$CPU" = 1 ]; then bench qwen35 --shapes qwen3.5-35b-a3b-narrow --quant 4bit
+      else bench qwen35 --shapes qwen3.5-35b-a3b --quant 4bit --prompt-lengths 128 2048 --load-runs 1; fi
+      ;;
+    serve)
+      # benchmarks/serve_load.py: streaming clients against pymlxc serve and mlx_lm.server, per shape in
+      # SERVE_SHAPES (4-bit, with a byte-level tokenizer so that both servers take text).
+      ensure_lib
+      mkdir -p "$OUT/serve"
+      if [ "$CPU" = 1 ]; then serve_shapes=(llama-3.2-1b-narrow); serve_extra=(--layers 2)
+      else read -r -a serve_shapes <<< "${SERVE_SHAPES:-llama-3.2-1b llama-3.1-8b}"; serve_extra=(); fi
+      for shape in "${serve_shapes[@]}"; do
+        dir="$MODELS/serve-$shape-4bit"
+        [ -f "$dir/config.json" ] || run "$PY" -m pymlxc.testing.shapes "$shape" "$dir" --bits 4 --tokenizer "${serve_extra[@]}"
+        run "$PY" benchmarks/serve_load.py --model "$dir" --clients "${SERVE_CLIENTS:-1,4,16,64}" \
+          --out "$OUT/serve/serve_load-$shape.json" 2>&1 | tee -a "$OUT/serve/log.txt" || echo "!!! serve $shape failed"
+      done
+      ;;
+    distributed)
+      # benchmarks/compare_distributed.py over NCCL on this machine's GPUs (one rank a GPU): the
+      # Llama-3.1-8B shape, tensor and pipeline, against mlx-lm's sharded generation.
+      ensure_lib
+      mkdir -p "$OUT/distributed"
+      gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+      ranks=(1); for n in 2 4 8; do [ "$gpus" -ge "$n" ] && ranks+=("$n"); done
+      for q in ${DIST_QUANTS:-4}; do
+        dir="$MODELS/dist-llama-3.1-8b-${q}bit"
+        [ -f "$dir/config.json" ] || run "$PY" -m pymlxc.testing.shapes llama-3.1-8b "$dir" --bits "$q" --tokenizer
+        run "$PY" benchmarks/compare_distributed.py "$dir" --ranks "${ranks[@]}" --backend nccl --timeout 400 \
+          > "$OUT/distributed/compare_distributed-${q}bit.jsonl" 2> >(tee -a "$OUT/distributed/log.txt" >&2) \
+          || echo "!!! distributed ${q}bit failed"
       done
       ;;
     report)

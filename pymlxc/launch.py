@@ -65,8 +65,10 @@ def rank_environments(n: int, backend: str, workdir: Path) -> list[dict[str, str
         return [{"MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)} for r in range(n)]
     if backend == "nccl":
         port = free_ports(1)[0]
+        # NCCL_NVLS_ENABLE=0: no NVLink multicast (NVLS), which on shared hosts can take every GPU of the
+        # host out of service; plain all-reduce over NVLink/PCIe is what tensor parallelism needs here.
         return [{"MLX_RANK": str(r), "MLX_WORLD_SIZE": str(n), "NCCL_HOST_IP": "127.0.0.1", "NCCL_PORT": str(port),
-                 "CUDA_VISIBLE_DEVICES": str(r)} for r in range(n)]
+                 "CUDA_VISIBLE_DEVICES": str(r), "NCCL_NVLS_ENABLE": "0"} for r in range(n)]
     raise ValueError(f"backend must be one of {', '.join(LAUNCH_BACKENDS)}, not {backend!r}")
 
 

@@ -62,6 +62,7 @@ bench() {  # bench <name> <compare_llama_cpp arguments...>
   ensure_lib
   wait_build
   python3 benchmarks/compare_llama_cpp.py --llama-cpp "$LCP" --models-dir "$MODELS" --out "$OUT/$name" "$@" \
+    ${GIT_REV:+--git-rev "$GIT_REV"} \
     2>&1 | tee "$OUT/$name.log" || echo "!!! $name failed (see $name.log)"
 }
 

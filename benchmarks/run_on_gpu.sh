@@ -19,7 +19,7 @@
 #       --out benchmarks/results/h100.json
 #
 # The lent machine's copy of the checkout may carry stale git metadata: give compare_mlx_lm.py
-# --git-rev <this checkout's commit> so that the JSON names the code that ran.
+# --git-rev <this checkout's commit> (GIT_REV=<commit> for the stages) so that the JSON names the code that ran.
 #
 # Stages:
 #   setup, smoke, tests   build libmlxc, a binding smoke test, the binding and model parity tests
@@ -98,6 +98,7 @@ bench() {  # bench <stage name> <compare_mlx_lm arguments...>
   mkdir -p "$OUT/$name"
   # A failed part does not stop the later ones (their device minutes are not wasted); its log says why.
   run "$PY" benchmarks/compare_mlx_lm.py --models-dir "$MODELS" --out "$OUT/$name" "$@" "${bench_args[@]}" \
+    ${GIT_REV:+--git-rev "$GIT_REV"} \
     2>&1 | tee "$OUT/$name/log.txt" || echo "!!! $name failed (see $OUT/$name/log.txt)"
 }
 
@@ -224,8 +225,11 @@ PY
       ;;
     qwen35)
       # The Qwen3.5-35B-A3B shape in 4-bit (Gated DeltaNet + 256 experts): decode and 2048-token prefill.
-      if [ "$CPU" = 1 ]; then bench qwen35 --shapes qwen3.5-35b-a3b-narrow --quant 4bit
-      else bench qwen35 --shapes qwen3.5-35b-a3b --quant 4bit --prompt-lengths 128 2048 --load-runs 1; fi
+      # Two runs, so that the decode numbers survive a prefill run cut short by the call's limit.
+      if [ "$CPU" = 1 ]; then q35=(--shapes qwen3.5-35b-a3b-narrow --quant 4bit)
+      else q35=(--shapes qwen3.5-35b-a3b --quant 4bit --load-runs 1); fi
+      bench qwen35-decode "${q35[@]}" --prompt-lengths 128
+      bench qwen35-prefill "${q35[@]}" --prompt-lengths 2048
       ;;
     serve)
       # benchmarks/serve_load.py: streaming clients against pymlxc serve and mlx_lm.server, per shape in

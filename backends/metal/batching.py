@@ -16,6 +16,13 @@ tokens it would decode alone. Each row samples with its own sampler, penalties, 
 ids and constraint (`Constraint`: a grammar's allowed-token mask), and reports each token through
 its own `emit` callback, on the scheduler's thread.
 
+While every running row is greedy with nothing to apply and no prompt is being prefilled, the
+loop looks one step ahead: step k+1's forward pass takes step k's argmax as a lazy array and is
+queued on the device (`async_eval`) before step k's ids are read back and reported, so the host's
+work (building the next graph, reporting, stop rules) overlaps the device's. A row that finishes at
+step k has had step k+1 computed for nothing; that token is dropped with the row. Anything that
+changes the batch (a prompt to prefill, a cancelled row) settles the step in flight first.
+
 Every step runs as a counted step of the model (`host.counted_step()`), so `close()` waits for the
 running step and then stops the loop; the requests left get a `ModelClosedError` event.
 """
@@ -423,6 +430,9 @@ class Scheduler:
         self._prefilling: collections.deque[_Row] = collections.deque()
         self._batch = Batch()
         self._thread: threading.Thread | None = None
+        # The ids of the last decode step, one per batch row, queued on the device and not yet read
+        # back (the look-ahead: see the module doc).
+        self._ahead: mx.Array | None = None
         self.steps = 0  # decode steps run (for tests and metrics)
         self.peak_rows = 0
 
@@ -480,6 +490,8 @@ class Scheduler:
 
     def _turn(self) -> None:
         self._admit()
+        if self._ahead is not None and (self._prefilling or any(r.request.cancelled for r in self._batch.rows)):
+            self._settle()
         self._drop_cancelled()
         if self._prefilling:
             self._prefill_chunk(self._prefilling[0])
@@ -564,15 +576,50 @@ class Scheduler:
             request.emit(Event(finish="error", error=exc))
 
     def _decode_step(self) -> None:
+        look_ahead = not self._prefilling and all(r.plain for r in self._batch.rows)
+        if self._ahead is not None and not look_ahead:
+            self._settle()
+            if not len(self._batch):
+                return
         rows = list(self._batch.rows)
         model = self._host.language_model
-        inputs = mx.array([[r.generated[-1]] for r in rows], dtype=mx.int32)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            inputs = mx.expand_dims(ahead, 1)
+        else:
+            inputs = mx.array([[r.generated[-1]] for r in rows], dtype=mx.int32)
         logits = model(inputs, cache=self._batch.caches)[:, -1, :]
-        results = self._sample(rows, logits)
         self.steps += 1
+        if look_ahead:
+            following = mx.argmax(logits, axis=-1).astype(mx.int32)
+            mx.async_eval(following)
+            if ahead is not None:
+                keep = self._report(rows, ahead.tolist())
+                if len(keep) < len(rows) and keep:
+                    following = mx.take(following, mx.array(np.array(keep, dtype=np.int32)), axis=0)
+                if not keep:
+                    return
+            self._ahead = following
+            return
+        results = self._sample(rows, logits)
         finished = [row for row, (token, logprob, top) in zip(rows, results, strict=True)
                     if not self._record(row, token, logprob, top)]
         self._batch.remove(finished)
+
+    def _settle(self) -> None:
+        """Read back and report the step in flight (the look-ahead's ids)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            self._report(list(self._batch.rows), ahead.tolist())
+
+    def _report(self, rows: Sequence[_Row], ids: Sequence[int]) -> list[int]:
+        """Record each row's greedy id; drop the rows that finished; return the kept rows' indices."""
+        keep = [i for i, (row, token) in enumerate(zip(rows, ids, strict=True))
+                if self._record(row, int(token), None, ())]
+        if len(keep) < len(rows):
+            kept = set(keep)
+            self._batch.remove([row for i, row in enumerate(rows) if i not in kept])
+        return keep
 
     def _sample(self, rows: Sequence[_Row],
                 logits: mx.Array) -> list[tuple[int, float | None, tuple[tuple[int, float], ...]]]:
@@ -654,6 +701,7 @@ class Scheduler:
         rows = list(self._prefilling) + list(self._batch.rows)
         self._prefilling.clear()
         self._batch = Batch()
+        self._ahead = None
         for request in queued + [r.request for r in rows]:
             request.emit(Event(finish="error", error=exc))
 

@@ -171,6 +171,33 @@ def test_timeout_stops_generation(model) -> None:
     assert isinstance(model.err(), GenerationCancelled) and "timed out" in str(model.err())
 
 
+def test_scheduler_rows_leaving_and_joining_a_looked_ahead_batch(model) -> None:
+    """Greedy rows run with the scheduler's look-ahead (step k+1 queued before step k's ids are read):
+    rows that stop at different steps, and a row that joins while the others decode, each give the
+    tokens of a single generation."""
+    from backends.metal.batching import Collector, Request, SamplingParams
+
+    scheduler = model.scheduler()
+    lengths = [3, 9, 17, 6]
+    texts = [*PROMPTS, "a late arrival"]
+    prompts = [model.encode(p) for p in texts]
+    jobs = [(Request(ids, SamplingParams(max_tokens=n), c := Collector()), c)
+            for ids, n in zip(prompts[:3], lengths[:3], strict=True)]
+    for request, _ in jobs:
+        scheduler.submit(request)
+    steps = scheduler.steps
+    late = Request(prompts[3], SamplingParams(max_tokens=lengths[3]), late_collector := Collector())
+    while scheduler.steps < steps + 2 and not jobs[2][1].finished:
+        time.sleep(0.001)
+    scheduler.submit(late)
+    for _, collector in [*jobs, (late, late_collector)]:
+        assert collector.wait(60)
+    for (_, collector), text, n in zip([*jobs, (late, late_collector)], texts, lengths, strict=True):
+        single = list(model.generate(text, max_tokens=n))
+        assert collector.tokens() == ids(single)
+        assert collector.finish() is not None and collector.finish().finish == "length"
+
+
 def test_batch_cancel_reports_on_rows(model) -> None:
     cancel = threading.Event()
     cancel.set()

@@ -317,23 +317,30 @@ def model_dir(root: Path, shape: str, quant: str, layers: int | None) -> Path:
 
 
 def bytes_per_token(path: Path, config: dict[str, Any]) -> int:
-    """Weight bytes decode reads per token: everything but an untied embedding table (one row of it)."""
+    """Weight bytes decode reads per token: everything but an untied embedding table (one row of it)
+    and, in a mixture of experts, the experts a token does not pick (num_experts_per_tok of
+    num_experts of each stacked `switch_mlp` tensor)."""
     total = weight_bytes(path)
-    if config.get("tie_word_embeddings"):
+    experts = config.get("num_experts", 0)
+    untied = not config.get("tie_word_embeddings")
+    if not untied and not experts:
         return total
     index = json.loads((path / "model.safetensors.index.json").read_text())
-    names = [n for n in index["weight_map"] if n.startswith("model.embed_tokens.")]
     from safetensors import safe_open
 
-    embed = 0
-    for name in names:
+    def nbytes(name: str) -> int:
         with safe_open(str(path / index["weight_map"][name]), framework="numpy") as f:
             info = f.get_slice(name)
-            shape = info.get_shape()
-            dtype = info.get_dtype()
-            itemsize = {"BF16": 2, "F16": 2, "F32": 4, "U32": 4}.get(dtype, 2)
-            embed += int(np.prod(shape)) * itemsize
-    return total - embed
+            itemsize = {"BF16": 2, "F16": 2, "F32": 4, "U32": 4}.get(info.get_dtype(), 2)
+            return int(np.prod(info.get_shape())) * itemsize
+
+    skipped = 0.0
+    for name in index["weight_map"]:
+        if untied and (name.startswith("model.embed_tokens.") or ".model.embed_tokens." in name):
+            skipped += nbytes(name)
+        elif experts and ".switch_mlp." in name:
+            skipped += nbytes(name) * (1 - config["num_experts_per_tok"] / experts)
+    return total - int(skipped)
 
 
 def run_case(shape: str, quant: str, args: argparse.Namespace, sides: list[Side], bandwidth: float,

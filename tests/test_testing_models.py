@@ -264,9 +264,27 @@ def test_real_shapes_draw_the_tiny_writers_tensor_list() -> None:
     from pymlxc.testing import shapes  # imports mlx.core, which the module skips without
     for shape in shapes.SHAPES:
         config = shapes.shape_config(shape, layers=2)
+        if config["model_type"] == "qwen3_5_moe":  # listed in mlx-lm's converted layout: below
+            continue
         assert list(shapes.tensor_shapes(config)) == list(tensors(config, SPECS[config["model_type"]]))
     names = [n for n, _, _ in shapes.tensor_shapes(shapes.shape_config("qwen3-0.6b", layers=1))]
     assert "model.layers.0.self_attn.q_norm.weight" in names and "lm_head.weight" not in names
+
+
+@pytest.mark.parametrize("shape", ["qwen3.5-35b-a3b", "qwen3.5-35b-a3b-narrow"])
+def test_qwen35_moe_shapes_list_the_tiny_writers_converted_tensors(shape: str) -> None:
+    """Qwen 3.5 MoE's real shapes list the tensors the tiny writer's conversion to mlx-lm's layout
+    gives (names and shapes), for one linear-attention and one full-attention layer."""
+    from pymlxc.testing import shapes
+    from pymlxc.testing.qwen_next import next_to_mlx_layout
+    config = shapes.shape_config(shape, layers=4)
+    config["full_attention_interval"] = 2
+    if shape == "qwen3.5-35b-a3b":  # the tiny writer draws float64 with numpy: keep the widths, shrink the rest
+        config.update(vocab_size=512, num_experts=4)
+    spec = SPECS["qwen3_5_moe"]
+    tiny = {spec.rename(k): v for k, v in spec.weights(config, spec, np.random.default_rng(0)).items()}
+    expected = {name: value.shape for name, value in next_to_mlx_layout(tiny, "qwen3_5_moe").items()}
+    assert {name: shp for name, shp, _ in shapes.tensor_shapes(config)} == expected
 
 
 def test_a_new_architecture_is_one_spec_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,7 +2,7 @@
 mlx-lm's layout and quantization of them."""
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -160,4 +160,55 @@ def quantize_next(weights: dict[str, np.ndarray], arch: str, group_size: int,
     return out, overrides
 
 
-__all__ = ["next_config", "next_multimodal_config", "next_to_mlx_layout", "next_weights", "quantize_next"]
+def next_tensors(config: Mapping[str, Any]) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, kind) of every tensor of a Qwen 3.5 MoE text config in what mlx-lm's conversion
+    writes (`next_to_mlx_layout`'s names and shapes, for the real-shape writer, which draws them one
+    by one). Kinds: "embedding", "linear" (expert stacks [E, out, in] too), "router" (8-bit when
+    quantized), "norm" (stored with the + 1, so around 1), "conv" ([C, K, 1], never quantized),
+    "dt_bias" and "a_log"."""
+    hidden, heads, hd = config["hidden_size"], config["num_attention_heads"], config["head_dim"]
+    kv_heads, n = config["num_key_value_heads"], config["num_experts"]
+    nk, nv = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    dk, dv, width = config["linear_key_head_dim"], config["linear_value_head_dim"], config["linear_conv_kernel_dim"]
+    key_dim, value_dim = nk * dk, nv * dv
+    moe_inter, shared = config["moe_intermediate_size"], config["shared_expert_intermediate_size"]
+    m = "language_model.model."
+    yield m + "embed_tokens.weight", (config["vocab_size"], hidden), "embedding"
+    for i in range(config["num_hidden_layers"]):
+        p = f"{m}layers.{i}."
+        if (i + 1) % config["full_attention_interval"]:
+            a = p + "linear_attn."
+            yield a + "in_proj_qkv.weight", (2 * key_dim + value_dim, hidden), "linear"
+            yield a + "in_proj_z.weight", (value_dim, hidden), "linear"
+            yield a + "in_proj_b.weight", (nv, hidden), "linear"
+            yield a + "in_proj_a.weight", (nv, hidden), "linear"
+            yield a + "conv1d.weight", (2 * key_dim + value_dim, width, 1), "conv"
+            yield a + "dt_bias", (nv,), "dt_bias"
+            yield a + "A_log", (nv,), "a_log"
+            yield a + "norm.weight", (dv,), "norm"
+            yield a + "out_proj.weight", (hidden, value_dim), "linear"
+        else:
+            s = p + "self_attn."
+            yield s + "q_proj.weight", (2 * heads * hd, hidden), "linear"  # the query and its gate
+            yield s + "k_proj.weight", (kv_heads * hd, hidden), "linear"
+            yield s + "v_proj.weight", (kv_heads * hd, hidden), "linear"
+            yield s + "o_proj.weight", (hidden, heads * hd), "linear"
+            yield s + "q_norm.weight", (hd,), "norm"
+            yield s + "k_norm.weight", (hd,), "norm"
+        yield p + "mlp.gate.weight", (n, hidden), "router"
+        yield p + "mlp.switch_mlp.gate_proj.weight", (n, moe_inter, hidden), "linear"
+        yield p + "mlp.switch_mlp.up_proj.weight", (n, moe_inter, hidden), "linear"
+        yield p + "mlp.switch_mlp.down_proj.weight", (n, hidden, moe_inter), "linear"
+        yield p + "mlp.shared_expert.gate_proj.weight", (shared, hidden), "linear"
+        yield p + "mlp.shared_expert.up_proj.weight", (shared, hidden), "linear"
+        yield p + "mlp.shared_expert.down_proj.weight", (hidden, shared), "linear"
+        yield p + "mlp.shared_expert_gate.weight", (1, hidden), "router"
+        yield p + "input_layernorm.weight", (hidden,), "norm"
+        yield p + "post_attention_layernorm.weight", (hidden,), "norm"
+    yield m + "norm.weight", (hidden,), "norm"
+    if not config["tie_word_embeddings"]:
+        yield "language_model.lm_head.weight", (config["vocab_size"], hidden), "linear"
+
+
+__all__ = ["next_config", "next_multimodal_config", "next_tensors", "next_to_mlx_layout", "next_weights",
+           "quantize_next"]

@@ -9,6 +9,12 @@ architecture (`specs.SPECS`, `transformer.tensors`). The benchmarks feed token i
 `write_byte_tokenizer` adds a byte-level BPE `tokenizer.json` of the shape's vocabulary where a file
 format needs one (GGUF files carry their vocabulary, and llama.cpp's tools load it).
 
+Qwen 3.5 MoE (`qwen3.5-35b-a3b`: Gated DeltaNet linear attention and 256 experts) is written as an
+mlx-community checkpoint after mlx-lm's conversion instead: the multimodal config with the text
+fields under `text_config`, tensors under `language_model.` in mlx-lm's layout (stacked experts,
+conv1d [C, K, 1] kept dense, norms with the + 1 applied, `qwen_next.next_tensors`), the routers at
+8 bits as per-layer entries of `quantization`.
+
 Weights are drawn tensor by tensor with mlx.core's generator directly in bfloat16 (or --dtype; std
 1/sqrt(fan_in), so activations stay O(1) through the layers), quantized right away and written in
 shards of about 1 GB, so that an 8B model never needs more than a shard of memory and is written in
@@ -28,6 +34,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from .quantize import ROUTER_QUANT
+from .qwen_next import next_multimodal_config, next_tensors
 from .specs import ArchSpec, spec_of
 from .tokenizer import write_byte_tokenizer
 from .transformer import Tensor, tensors
@@ -67,6 +75,24 @@ SHAPES: dict[str, dict[str, Any]] = {
 SHAPES["llama-3.1-8b"] = {**SHAPES["llama-3.2-1b"], "hidden_size": 4096, "num_hidden_layers": 32, "head_dim": 128,
                           "intermediate_size": 14336, "tie_word_embeddings": False, "rope_scaling": LLAMA31_ROPE}
 
+# Qwen 3.5 MoE (Gated DeltaNet linear attention, full attention every 4th layer, 256 experts top 8
+# and a shared expert): the published Qwen3.5-35B-A3B text config. Kept flat here (the harness reads
+# the text fields); the writer nests it as the checkpoint does (`text_config`, model_type
+# qwen3_5_moe_text). intermediate_size is unused (every layer is MoE) but the harness asks for it.
+QWEN35_ROPE = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+               "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+SHAPES["qwen3.5-35b-a3b"] = {
+    "model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"], "hidden_size": 2048,
+    "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+    "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "intermediate_size": 512, "vocab_size": 248320, "tie_word_embeddings": False, "rms_norm_eps": 1e-6,
+    "rope_parameters": QWEN35_ROPE, "max_position_embeddings": 262144, "attention_bias": False,
+    "hidden_act": "silu", "bos_token_id": 248044, "eos_token_id": 248046,
+}
+
 # The same layer counts and layer kinds with small widths and vocabularies: per-token time is then
 # the host's and the framework's per-operation cost (what bounds small models on a fast GPU), which
 # a slow CPU can measure; the real shapes on a CPU are bound by its memory bandwidth instead.
@@ -76,6 +102,13 @@ for _name in ("llama-3.2-1b", "qwen3-0.6b", "gemma-3-1b"):
     SHAPES[_name + "-narrow"] = {**SHAPES[_name], **NARROW, "bos_token_id": 1, "eos_token_id": 2}
     if SHAPES[_name]["model_type"] == "gemma3_text":
         SHAPES[_name + "-narrow"].update(num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64)
+# Fewer layers too (8: two full-attention ones), for checks on a CPU.
+SHAPES["qwen3.5-35b-a3b-narrow"] = {
+    **SHAPES["qwen3.5-35b-a3b"], **NARROW, "num_hidden_layers": 8, "num_experts": 8, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128, "intermediate_size": 128,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+    "bos_token_id": 1, "eos_token_id": 2,
+}
 
 SHARD_BYTES = 1 << 30
 
@@ -95,7 +128,10 @@ def shape_config(shape: str, layers: int | None = None) -> dict[str, Any]:
 
 
 def tensor_shapes(config: dict[str, Any]) -> Iterator[Tensor]:
-    """(HF name, shape, kind) of every tensor of a real-shape config."""
+    """(name, shape, kind) of every tensor of a real-shape config: HF names for the standard block,
+    mlx-lm's converted layout for Qwen 3.5 MoE (`qwen_next.next_tensors`)."""
+    if config["model_type"] in ("qwen3_5_moe", "qwen3_5_moe_text"):
+        return next_tensors(config)
     return tensors(config, spec_of(config["model_type"]))
 
 
@@ -105,6 +141,12 @@ DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 def _draw(shape: tuple[int, ...], kind: str, spec: ArchSpec, key: mx.array, dtype: mx.Dtype) -> mx.array:
     if kind == "norm":
         return (spec.norm_center + 0.05 * mx.random.normal(shape, key=key)).astype(dtype)
+    if kind == "a_log":  # the decay rates' log, kept float32 as mlx-lm keeps it (cast_predicate)
+        return mx.log(mx.random.uniform(1.0, 16.0, shape, key=key))
+    if kind == "dt_bias":
+        return (0.5 * mx.random.normal(shape, key=key)).astype(dtype)
+    if kind == "conv":  # [C, K, 1]: std 1/sqrt(K)
+        return mx.random.normal(shape, dtype=dtype, scale=1.0 / math.sqrt(shape[1]), key=key)
     if kind == "bias":
         return (0.02 * mx.random.normal(shape, key=key)).astype(dtype)
     # Linears and the (tied) embedding alike: std 1/sqrt(fan_in) keeps outputs and logits O(1).
@@ -119,12 +161,18 @@ def write_random_model(path: str | Path, shape: str, *, bits: int | None = None,
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    config = shape_config(shape, layers)
-    config["torch_dtype"] = dtype
+    text = shape_config(shape, layers)
+    text["torch_dtype"] = dtype
+    spec = spec_of(text["model_type"])
+    if text["model_type"] == "qwen3_5_moe":  # nested as the multimodal checkpoint is
+        text["model_type"] = "qwen3_5_moe_text"
+        ids = {k: text[k] for k in ("bos_token_id", "eos_token_id")}
+        config = next_multimodal_config(spec.name, text, ids, dtype)
+    else:
+        config = text
+    quant: dict[str, Any] = {"group_size": group_size, "bits": bits, "mode": "affine"}
     if bits is not None:
-        config["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine"}
-        config["quantization_config"] = dict(config["quantization"])
-    spec = spec_of(config["model_type"])
+        config["quantization"] = quant  # the routers' 8-bit overrides are added as they are written
     key = mx.random.key(seed)
     shard: dict[str, mx.array] = {}
     shard_bytes = 0
@@ -142,13 +190,18 @@ def write_random_model(path: str | Path, shape: str, *, bits: int | None = None,
         shard, shard_bytes = {}, 0
 
     total = 0
-    for name, shp, kind in tensors(config, spec):
+    for name, shp, kind in tensor_shapes(text):
         key, sub = mx.random.split(key)
         w = _draw(shp, kind, spec, sub, DTYPES[dtype])
-        if bits is not None and kind in ("linear", "embedding") and shp[-1] % group_size == 0:
-            q, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+        # mlx-lm's quant_predicate: the MoE routers at 8 bits, recorded per layer
+        params = dict(ROUTER_QUANT) if kind == "router" else {"group_size": group_size, "bits": bits or 0}
+        if (bits is not None and kind in ("linear", "embedding", "router")
+                and shp[-1] % params["group_size"] == 0):
+            q, scales, biases = mx.quantize(w, group_size=params["group_size"], bits=params["bits"])
             stem = name[: -len(".weight")]
             parts = {name: q, stem + ".scales": scales, stem + ".biases": biases}
+            if kind == "router":
+                quant[stem] = params
         else:
             parts = {name: w}
         mx.eval(list(parts.values()))
@@ -159,6 +212,8 @@ def write_random_model(path: str | Path, shape: str, *, bits: int | None = None,
         if shard_bytes >= SHARD_BYTES:
             flush()
     flush()
+    if bits is not None:
+        config["quantization_config"] = dict(quant)
     (root / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

@@ -358,6 +358,7 @@ def run_case(shape: str, quant: str, args: argparse.Namespace, sides: list[Side]
             t = time.perf_counter()
             side.load(path)
             load_times[side.name].append(time.perf_counter() - t)
+            print(f"    loaded {side.name} in {load_times[side.name][-1]:.1f}s", flush=True)
     results = []
     rng = np.random.default_rng(args.seed)
     vocab = config["vocab_size"]
@@ -371,7 +372,11 @@ def run_case(shape: str, quant: str, args: argparse.Namespace, sides: list[Side]
         for r in range(args.runs):
             order = sides if r % 2 == 0 else sides[::-1]
             for side in order:
-                runs[side.name].append(timed_run(side, prompt, args.max_tokens))
+                run = timed_run(side, prompt, args.max_tokens)
+                runs[side.name].append(run)
+                # Each run as it ends: a case cut short by a time limit still shows what it measured.
+                print(f"    run {r + 1} {side.name}: prefill {run['prefill_tps']:.1f} tok/s, "
+                      f"decode {run['decode_tps']:.1f} tok/s", flush=True)
         case: dict[str, Any] = {
             "shape": shape, "quant": quant, "layers": config["num_hidden_layers"], "model_type": config["model_type"],
             "weight_bytes": weight_bytes(path), "bytes_per_token": per_token, "prompt_tokens": prompt_len,

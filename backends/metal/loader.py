@@ -356,6 +356,9 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
 
         finish_after_load(model, str(distributed), group)
     model.compute_dtype = compute_dtype or dtype or _embedding_dtype(model)
+    check_kernels = getattr(model, "check_kernels", None)
+    if callable(check_kernels):  # a model's own kernels are checked here, on the loading thread
+        check_kernels(model.compute_dtype)
     cuda_matvec = False
     if quantized:  # no quantized layer: nothing to choose
         chosen = (settings if settings is not None else current_settings()).cuda_matvec

@@ -342,7 +342,7 @@ class Model(TiedHead, nn.Module):
         inner = self.model
         h = inner.embed_tokens(inputs)
         if cache is not None and inputs.shape[1] > 1:
-            self._check_kernels(h.dtype)
+            self.check_kernels(h.dtype)
         at = self._attention_at
         attn_mask: Mask = None
         if at is not None:
@@ -355,9 +355,11 @@ class Model(TiedHead, nn.Module):
                 after_layer(h, c)
         return self.output(h[:, -1:] if last_only else h)
 
-    def _check_kernels(self, dtype: Any) -> None:
-        """Run the decode kernel's one-time check at prefill, before any layer is built: never
-        inside a compiled step's trace, nor between the layers the evaluation thread runs."""
+    def check_kernels(self, dtype: Any) -> None:
+        """Run the decode kernel's one-time check: at load (the loader calls this on its thread
+        with the compute dtype) and again at prefill, before any layer is built, where the verdict
+        is then known. Never inside a compiled step's trace, nor between the layers the evaluation
+        thread runs (whose stream the check's arrays would not be on)."""
         for layer in self.layers:
             if layer.is_linear:
                 kernels.ready(layer.linear_attn.kernel_dims(), dtype, _ops_one_token)

@@ -36,10 +36,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# `python -m pymlxc.server` where the checkout is not pip-installed (a GPU machine): the server's
+# process imports the checkout as installed first (benchmarks/_path.py).
+SERVER = ("import sys; sys.path.insert(0, {here!r}); import _path; "
+          "from pymlxc.server.main import main; sys.exit(main(sys.argv[1:]))")
+
+
 def _command(kind: str, model: str, port: int, clients: int) -> list[str]:
     if kind == "pymlxc":
-        return [sys.executable, "-m", "pymlxc.server", model, "--port", str(port), "--max-concurrency", str(clients),
-                "--max-queue", str(clients), "--max-tokens-limit", "100000"]
+        return [sys.executable, "-c", SERVER.format(here=str(Path(__file__).resolve().parent)), model,
+                "--port", str(port), "--max-concurrency", str(clients), "--max-queue", str(clients),
+                "--max-tokens-limit", "100000"]
     return [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--port", str(port),
             "--decode-concurrency", str(clients), "--prompt-concurrency", str(clients)]
 
@@ -111,6 +118,9 @@ def main() -> int:
     parser.add_argument("--prompt-words", type=int, default=32)
     parser.add_argument("--servers", default="pymlxc,mlx_lm")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--warm-rounds", type=int, choices=(0, 1), default=1,
+                        help="1: an untimed round at each client count before its timed one (its rate and TTFT "
+                             "are kept as first_round)")
     args = parser.parse_args()
     if args.tiny:
         from pymlxc.testing import write_tiny_model
@@ -126,15 +136,24 @@ def main() -> int:
             asyncio.run(_round(url, 1, 8, 8))  # warm-up: compiled paths, allocator
             for n in counts:
                 try:
+                    first = None
+                    if args.warm_rounds:
+                        # The first round at a client count pays what a server does once per batch
+                        # size (compilations, allocations): reported apart, then the timed round.
+                        first = asyncio.run(_round(url, n, args.max_tokens, args.prompt_words))
                     row = {"server": kind, **asyncio.run(_round(url, n, args.max_tokens, args.prompt_words))}
+                    if first is not None:
+                        row["first_round"] = {k: first[k] for k in ("tok_per_s", "ttft_p50_ms", "ttft_p99_ms")}
                 except (httpx.HTTPError, RuntimeError) as exc:  # a server that drops connections under load
                     rows.append({"server": kind, "clients": n, "error": f"{type(exc).__name__}: {exc}"})
                     print(f"{kind:7s} N={n:3d}  failed: {type(exc).__name__}: {exc}", flush=True)
                     continue
                 rows.append(row)
+                cold = (f"  (first round {first['tok_per_s']:.1f} tok/s, TTFT p99 {first['ttft_p99_ms']:.0f} ms)"
+                        if first is not None else "")
                 print(f"{kind:7s} N={n:3d}  {row['tok_per_s']:8.1f} tok/s  TTFT p50 {row['ttft_p50_ms']:7.1f} ms "
                       f"p99 {row['ttft_p99_ms']:7.1f} ms  ITL p50 {row['itl_p50_ms']:6.1f} ms "
-                      f"p99 {row['itl_p99_ms']:6.1f} ms", flush=True)
+                      f"p99 {row['itl_p99_ms']:6.1f} ms{cold}", flush=True)
         finally:
             process.terminate()
             try:

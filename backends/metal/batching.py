@@ -46,6 +46,7 @@ from pymlxc.options import check_sampling
 
 from . import generate as loops
 from .cache import KVCache, RotatingKVCache
+from .kernels.matvec import MAX_X_ROWS as WARM_ROWS  # batch sizes with a kernel compiled per size
 from .sample import DEFAULT_PENALTY_CONTEXT, greedy, make_repeat_penalty, make_sampler
 
 _NEG_INF = float("-inf")
@@ -395,6 +396,10 @@ class _Row:
         return logits
 
 
+# The row `Scheduler.warm` puts in its throwaway batch (a batch only keeps its rows in a list).
+_WARM_ROW: Any = object()
+
+
 def _make_row(request: Request, vocab: int) -> _Row:
     p = request.params
     row = _Row(request, make_sampler(p.temperature, p.top_k, p.top_p, p.min_p, key=p.seed))
@@ -451,6 +456,23 @@ class Scheduler:
                 self._thread = threading.Thread(target=self._run, name="pymlxc-batch", daemon=True)
                 self._thread.start()
             self._lock.notify_all()
+
+    def warm(self, rows: int) -> None:
+        """Run one decode step at each batch size 1..`rows` (at most `max_batch`) on throwaway rows,
+        so that what the device builds once per batch size (pymlxc's CUDA matvec kernel is compiled
+        per row count of x, up to `WARM_ROWS`) is built now, not while the first requests that
+        reach that size wait. A server calls it before it listens."""
+        model = self._host.language_model
+        sizes = range(1, min(rows, self.max_batch) + 1)
+        with self._host.counted_step():
+            batch = Batch()
+            for size in sizes:
+                while len(batch) < size:
+                    caches = model.make_cache(self.context_len)
+                    mx.eval(model(mx.zeros((1, 1), mx.int32), cache=caches))
+                    batch.add(_WARM_ROW, caches)
+                logits = model(mx.zeros((size, 1), mx.int32), cache=batch.caches)[:, -1, :]
+                mx.eval(mx.argmax(logits, axis=-1))
 
     def running(self) -> int:
         """Rows decoding or prefilling now."""

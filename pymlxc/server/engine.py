@@ -89,6 +89,9 @@ class BatchEngine:
     def __init__(self, model: Any, *, max_concurrency: int, max_queue: int) -> None:
         self.model = model
         self.scheduler = model.scheduler(max_batch=max_concurrency, max_queue=max_queue)
+        # Before the server listens: the first requests at each batch size would otherwise wait
+        # for what the device compiles once per size (seconds each on CUDA).
+        self.scheduler.warm(batching.WARM_ROWS)
         self.tokenizer = model.tokenizer
         self.vocab_size = model.info().vocab_size
         self.stop_ids = model.stop_ids

@@ -175,7 +175,7 @@ def test_scheduler_rows_leaving_and_joining_a_looked_ahead_batch(model) -> None:
     """Greedy rows run with the scheduler's look-ahead (step k+1 queued before step k's ids are read):
     rows that stop at different steps, and a row that joins while the others decode, each give the
     tokens of a single generation."""
-    from backends.metal.batching import Collector, Request, SamplingParams
+    from pymlxc.backends.metal.batching import Collector, Request, SamplingParams
 
     scheduler = model.scheduler()
     lengths = [3, 9, 17, 6]
@@ -196,6 +196,26 @@ def test_scheduler_rows_leaving_and_joining_a_looked_ahead_batch(model) -> None:
         single = list(model.generate(text, max_tokens=n))
         assert collector.tokens() == ids(single)
         assert collector.finish() is not None and collector.finish().finish == "length"
+
+
+def test_scheduler_warm_steps_each_batch_size_and_leaves_nothing_behind(model, monkeypatch) -> None:
+    from pymlxc.backends.metal import batching
+
+    scheduler = model.scheduler()
+    sizes: list[int] = []
+    real_add = batching.Batch.add
+
+    def add(self, row, caches) -> None:
+        real_add(self, row, caches)
+        sizes.append(len(self))
+
+    monkeypatch.setattr(batching.Batch, "add", add)
+    scheduler.warm(3)
+    assert sizes == [1, 2, 3]
+    assert scheduler.running() == 0
+    batch = model.batch_generate(PROMPTS, max_tokens=8)
+    for result, prompt in zip(batch, PROMPTS, strict=True):
+        assert ids(result.tokens) == ids(model.generate(prompt, max_tokens=8))
 
 
 def test_batch_cancel_reports_on_rows(model) -> None:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -27,7 +27,7 @@ try:
 except ImportError:  # the openai client's HTTP library under its newer name
     import httpx2 as httpx  # type: ignore[no-redef]
 
-WORDS = "the quick brown fox jumps over a lazy dog while rivers run to the sea under grey skies".split()
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "rivers", "run", "to", "the", "sea", "under", "grey", "skies"]
 
 
 def _free_port() -> int:
@@ -83,20 +83,22 @@ async def _client(http: Any, url: str, prompt: str, max_tokens: int) -> dict[str
             if chunk.get("choices") and chunk["choices"][0].get("finish_reason") is None:
                 stamps.append(time.perf_counter())
     return {"ttft": stamps[0] - start if stamps else float("nan"), "tokens": len(stamps),
-            "gaps": [b - a for a, b in zip(stamps, stamps[1:])]}
+            "gaps": [b - a for a, b in itertools.pairwise(stamps)]}
 
 
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
-async def _round(url: str, clients: int, max_tokens: int, prompt_words: int) -> dict[str, Any]:
+async def _round(url: str, clients: int, max_tokens: int, prompt_words: int, tag: str) -> dict[str, Any]:
+    """One round of `clients` streams at once; `tag` starts every prompt, so that no round reuses
+    another's prompts from a server's prompt cache."""
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
-        prompts = [f"Client {i}: " + " ".join(WORDS[(i + j) % len(WORDS)] for j in range(prompt_words))
+        prompts = [f"{tag} client {i}: " + " ".join(WORDS[(i + j) % len(WORDS)] for j in range(prompt_words))
                    for i in range(clients)]
         start = time.perf_counter()
         results = await asyncio.gather(*(_client(http, url, p, max_tokens) for p in prompts))
@@ -133,15 +135,16 @@ def main() -> int:
     for kind in args.servers.split(","):
         process, url = _start(kind, args.model, max(counts), logs / f"serve_load_{kind}.log")
         try:
-            asyncio.run(_round(url, 1, 8, 8))  # warm-up: compiled paths, allocator
+            asyncio.run(_round(url, 1, 8, 8, "Warm-up"))  # warm-up: compiled paths, allocator
             for n in counts:
                 try:
                     first = None
                     if args.warm_rounds:
                         # The first round at a client count pays what a server does once per batch
                         # size (compilations, allocations): reported apart, then the timed round.
-                        first = asyncio.run(_round(url, n, args.max_tokens, args.prompt_words))
-                    row = {"server": kind, **asyncio.run(_round(url, n, args.max_tokens, args.prompt_words))}
+                        first = asyncio.run(_round(url, n, args.max_tokens, args.prompt_words, f"First round of {n}"))
+                    row = {"server": kind, **asyncio.run(_round(url, n, args.max_tokens, args.prompt_words,
+                                                                 f"Timed round of {n}"))}
                     if first is not None:
                         row["first_round"] = {k: first[k] for k in ("tok_per_s", "ttft_p50_ms", "ttft_p99_ms")}
                 except (httpx.HTTPError, RuntimeError) as exc:  # a server that drops connections under load

@@ -46,11 +46,12 @@ from pymlxc.options import check_sampling
 
 from . import generate as loops
 from .cache import KVCache, RotatingKVCache
-from .kernels.matvec import MAX_X_ROWS as WARM_ROWS  # batch sizes with a kernel compiled per size
+from .kernels.matvec import MAX_X_ROWS
 from .sample import DEFAULT_PENALTY_CONTEXT, greedy, make_repeat_penalty, make_sampler
 
 _NEG_INF = float("-inf")
 GROW = 256  # columns added to a batch cache at a time
+WARM_ROWS = MAX_X_ROWS  # batch sizes a server warms up: pymlxc's CUDA matvec kernel compiles one per size
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 
 

@@ -27,7 +27,8 @@ try:
 except ImportError:  # the openai client's HTTP library under its newer name
     import httpx2 as httpx  # type: ignore[no-redef]
 
-WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "rivers", "run", "to", "the", "sea", "under", "grey", "skies"]
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "rivers", "run", "to",
+         "the", "sea", "under", "grey", "skies"]
 
 
 def _free_port() -> int:

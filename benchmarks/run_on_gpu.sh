@@ -10,6 +10,10 @@
 #                                                                          carry [".device-stage/b"]
 #   device call 3:  source .device-stage/b/install.sh --no-install && bash benchmarks/run_on_gpu.sh targets
 #
+# The cuda-tests and serve stages need wheels the machine lacks (gguf; FastAPI and its stack):
+# `bash benchmarks/stage_gpu_wheels.sh` puts them in .whl/; carry ".whl" with call 2 and install them
+# right after install.sh: python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+#
 # A stage that needs libmlxc builds it first when the machine went cold (about a minute); the random
 # models stay in /tmp/pymlxc-bench-models while the machine is warm. Results go to $OUT:
 # $OUT/<stage>/compare_mlx_lm.{json,png} and log.txt, $OUT/tests/pytest.txt. `report` merges the
@@ -217,7 +221,11 @@ PY
       # bounded, so that a hang cannot take the call's later stages with it.
       ensure_lib
       mkdir -p "$OUT/cuda-tests"
-      run timeout "${CUDA_TESTS_TIMEOUT:-240}" "$PY" -m pytest tests/metal/test_cuda_matvec.py \
+      # Compiling a kernel template (NVRTC) takes a second or more, and the matvec tests compile one per
+      # row count, group and dtype: give the stage minutes, and each test a bound (pytest-timeout is on
+      # the GPU machine) so that one slow test is named rather than stopping the stage.
+      run timeout "${CUDA_TESTS_TIMEOUT:-480}" "$PY" -m pytest --timeout "${CUDA_TEST_TIMEOUT:-180}" -rfE \
+        tests/metal/test_cuda_matvec.py \
         tests/metal/test_cuda_argmax.py tests/metal/test_cuda_norm.py tests/metal/test_cuda_rope_kv.py \
         tests/metal/test_gguf_kernels.py tests/metal/test_gated_delta.py tests/metal/test_compiled_decode.py \
         tests/metal/test_prefill_segments.py tests/metal/test_qwen3_next.py -q -p no:cacheprovider \

@@ -14,6 +14,12 @@
 # `bash benchmarks/stage_gpu_wheels.sh` puts them in .whl/; carry ".whl" with call 2 and install them
 # right after install.sh: python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 #
+# What the stages took on one H100 (MLX 0.32.4), for sizing calls: wheel install 20 s; libmlxc 15 s;
+# the Qwen3.5-35B-A3B model written in 20-30 s, loaded in 21 s (pymlxc) and 26 s (mlx-lm); its
+# 128-token case about 3 minutes; serve for one shape and both servers at 1,4,16,64 clients about
+# 2 minutes; llama.cpp's CUDA build (gpu_llama_cpp.sh build) 188 s on 32 cores. The machine goes
+# back 30 s after a call: have the next command ready.
+#
 # A stage that needs libmlxc builds it first when the machine went cold (about a minute); the random
 # models stay in /tmp/pymlxc-bench-models while the machine is warm. Results go to $OUT:
 # $OUT/<stage>/compare_mlx_lm.{json,png} and log.txt, $OUT/tests/pytest.txt. `report` merges the

@@ -240,10 +240,13 @@ PY
     qwen35)
       # The Qwen3.5-35B-A3B shape in 4-bit (Gated DeltaNet + 256 experts): decode and 2048-token prefill.
       # Two runs, so that the decode numbers survive a prefill run cut short by the call's limit.
-      if [ "$CPU" = 1 ]; then q35=(--shapes qwen3.5-35b-a3b-narrow --quant 4bit)
+      saved=("${bench_args[@]}")
+      if [ "$CPU" = 1 ]; then  # 4 layers: one of them full attention (every fourth), as mlx-lm needs
+        q35=(--shapes qwen3.5-35b-a3b-narrow); bench_args=("${bench_args[@]}" --layers 4)
       else q35=(--shapes qwen3.5-35b-a3b --quant 4bit --load-runs 1); fi
       bench qwen35-decode "${q35[@]}" --prompt-lengths 128
       bench qwen35-prefill "${q35[@]}" --prompt-lengths 2048
+      bench_args=("${saved[@]}")
       ;;
     serve)
       # benchmarks/serve_load.py: streaming clients against pymlxc serve and mlx_lm.server, per shape in

@@ -21,7 +21,7 @@ import _cffi_backend
 import cffi
 from cffi.recompiler import make_py_source
 
-from .. import settings, user_cache
+from .. import ptx_cache, settings, user_cache
 
 REBUILD_HINT = "python build_mlxc.py --force   (or reinstall: pip install -e '.[cpu]', or .[cuda13] on NVIDIA)"
 
@@ -117,6 +117,7 @@ def _exec_ffi_module(module_name: str, source: str) -> Any:
 def _open() -> tuple[Any, Any, dict[str, Any], dict[str, Any], Path]:
     lib_dir = _lib_dir()
     stamp = _read_stamp(lib_dir)
+    ptx_cache.configure()  # before MLX compiles anything: it reads the folder's name once
     _preload_libmlx(stamp)
     ffi = declared_ffi((lib_dir / "cdef.h").read_text(), "mlxc")
     lib_path = lib_dir / stamp["library"]

@@ -8,7 +8,10 @@ boot on many systems and keyed on MLX's version alone. `configure()` sets `MLX_P
 the user has not) to `<user cache>/mlx-ptx/<key>`, so compiled code outlives reboots and is never
 read back by another driver, GPU model or MLX build. It runs before the binding's library is loaded.
 
-MLX reads and writes that folder itself; pymlxc only names it. MLX 0.32 writes no entries for
+MLX reads and writes that folder itself, and writes an entry (`<name>.ptx`, the compiled code,
+and `<name>.txt`, its kernels' names) without a rename, so a process stopped while writing leaves
+half an entry that MLX would load and fail on. `configure()` therefore removes every entry of the
+folder that is not whole (`whole()`) before MLX sees it. MLX 0.32 writes no entries for
 `fast.cuda_kernel`s (pymlxc's own CUDA kernels), so those are still compiled once per process
 (`docs/performance.md`).
 
@@ -56,6 +59,39 @@ def device_key(proc: Path = Path("/proc/driver/nvidia")) -> dict[str, object] | 
     return {"driver": version.strip().splitlines()[0], "gpus": models}
 
 
+def whole(ptx: Path) -> bool:
+    """Whether the entry `<name>.ptx` + `<name>.txt` was written to the end: a non-empty .txt of
+    `name<TAB>mangled` lines each ended by a newline, and a .ptx that is PTX text ending with the
+    closing brace of its last function, or an ELF image (cubin) as long as its section headers say."""
+    names = _read(ptx.with_suffix(".txt"))
+    if not names or not names.endswith("\n") or any("\t" not in line for line in names.splitlines()):
+        return False
+    try:
+        if not ptx.is_file():
+            return False
+        data = ptx.read_bytes()
+    except OSError:
+        return False
+    if data.startswith(b"\x7fELF"):
+        if len(data) < 64 or data[4] != 2:  # ELF64 header
+            return False
+        shoff = int.from_bytes(data[0x28:0x30], "little")
+        shentsize = int.from_bytes(data[0x3A:0x3C], "little")
+        shnum = int.from_bytes(data[0x3C:0x3E], "little")
+        return shoff > 0 and shoff + shentsize * shnum <= len(data)
+    return data.rstrip().endswith(b"}")
+
+
+def _remove_partial(folder: Path) -> None:
+    """Delete the entries of `folder` that are not whole (and their .txt and .cu beside them)."""
+    with contextlib.suppress(OSError):
+        for ptx in folder.rglob("*.ptx"):
+            if not whole(ptx):
+                for suffix in (".ptx", ".txt", ".cu"):
+                    with contextlib.suppress(OSError):
+                        ptx.with_suffix(suffix).unlink()
+
+
 def _builds() -> dict[str, str]:
     found = {}
     for dist in _BUILDS:
@@ -85,8 +121,9 @@ def configure(environ: MutableMapping[str, str] | None = None, *, proc: Path = P
         return None
     if not os.access(folder, os.W_OK):
         return None
+    _remove_partial(folder)
     env[VARIABLE] = str(folder)
     return folder
 
 
-__all__ = ["VARIABLE", "configure", "device_key"]
+__all__ = ["VARIABLE", "configure", "device_key", "whole"]

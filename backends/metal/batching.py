@@ -46,6 +46,7 @@ from pymlxc.options import check_sampling
 
 from . import generate as loops
 from .cache import KVCache, RotatingKVCache
+from .kernels.check import on_cuda
 from .kernels.matvec import MAX_X_ROWS
 from .sample import DEFAULT_PENALTY_CONTEXT, greedy, make_repeat_penalty, make_sampler
 
@@ -397,6 +398,13 @@ class _Row:
         return logits
 
 
+def warm_rows() -> int:
+    """The batch sizes worth a warm-up step before serving here: WARM_ROWS on MLX's CUDA device,
+    where a kernel is compiled per size in every process; none elsewhere (nothing is compiled per
+    batch size, and a large model's steps on a CPU would only delay the start)."""
+    return WARM_ROWS if on_cuda() else 0
+
+
 # The row `Scheduler.warm` puts in its throwaway batch (a batch only keeps its rows in a list).
 _WARM_ROW: Any = object()
 
@@ -463,8 +471,10 @@ class Scheduler:
         so that what the device builds once per batch size (pymlxc's CUDA matvec kernel is compiled
         per row count of x, up to `WARM_ROWS`) is built now, not while the first requests that
         reach that size wait. A server calls it before it listens."""
-        model = self._host.language_model
         sizes = range(1, min(rows, self.max_batch) + 1)
+        if not sizes:
+            return
+        model = self._host.language_model
         with self._host.counted_step():
             batch = Batch()
             for size in sizes:

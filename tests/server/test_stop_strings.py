@@ -1,5 +1,6 @@
-"""Stop strings over streamed pieces: however the text is cut into tokens, what is sent is the text
-up to the first stop string, and nothing that could still start one is sent early."""
+"""Stop strings over streamed pieces: generation stops at the first piece after which the text
+holds a stop string, what is sent is the text up to the earliest stop it then holds, and nothing
+that could still start one is sent early."""
 from __future__ import annotations
 
 import itertools
@@ -30,9 +31,13 @@ def test_pieces_up_to_the_first_stop(text: str, stops: list[str], cuts: list[int
             break
     if not hit:
         sent += finder.flush()
-    first = min((text.find(s) for s in stops if s in text), default=-1)
+    # The text when generation stops: up to the first piece's end at which it holds a stop string
+    # (a longer stop that starts earlier but would end later is never completed: 'ac' + 'a' with
+    # stops 'c' and 'aca' stops at 'c').
+    seen = next((text[:b] for b in bounds if any(s in text[:b] for s in stops)), text)
+    first = min((seen.find(s) for s in stops if s in seen), default=-1)
     assert hit == (first >= 0)
-    assert sent == (text[:first] if first >= 0 else text)
+    assert sent == (seen[:first] if first >= 0 else text)
 
 
 def test_tool_calls_parse_back() -> None:

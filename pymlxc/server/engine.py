@@ -83,6 +83,30 @@ class StopStrings:
         return held
 
 
+@dataclass(frozen=True)
+class Finished:
+    """A generating thread's last item for its request: how many tokens the call gave."""
+
+    tokens: int
+
+
+async def token_pieces(items: asyncio.Queue[Any], stop: Sequence[str], max_tokens: int) -> AsyncGenerator[Piece, None]:
+    """The pieces of what a generating thread puts in `items` (tokens with `.id` and `.text`, then
+    `Finished`, or the exception that stopped it), with the stop strings found across tokens."""
+    stops = StopStrings(stop)
+    while True:
+        item = await items.get()
+        if isinstance(item, BaseException):
+            raise item
+        if isinstance(item, Finished):
+            yield Piece(stops.flush(), finish="length" if item.tokens >= max_tokens else "stop")
+            return
+        text, hit = stops.feed(item.text)
+        yield Piece(text, item.id, finish="stop" if hit else None)
+        if hit:
+            return
+
+
 class BatchEngine:
     """Requests into the metal model's scheduler."""
 
@@ -167,8 +191,6 @@ class SlotEngine:
         config: dict[str, Any] = {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_k": p.top_k,
                                   "top_p": p.top_p if p.top_p < 1.0 else 0.0, "min_p": p.min_p, "seed": p.seed,
                                   "repeat_penalty": p.repetition_penalty, "cancel": cancel}
-        done = object()
-
         def put(item: Any) -> None:
             with contextlib.suppress(RuntimeError):  # the event loop is gone (server shutting down)
                 loop.call_soon_threadsafe(items.put_nowait, item)
@@ -182,25 +204,16 @@ class SlotEngine:
                     count += 1
                     put(token)
                 error = self.model.err()
-                put(error if error is not None and not cancel.is_set() else (done, count))
+                put(error if error is not None and not cancel.is_set() else Finished(count))
             except BaseException as exc:  # noqa: BLE001 - handed to the request's coroutine
                 put(exc)
 
         thread = threading.Thread(target=work, name="pymlxc-slot", daemon=True)
         thread.start()
-        stops = StopStrings(job.stop)
         try:
-            while True:
-                item = await items.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if isinstance(item, tuple) and item and item[0] is done:
-                    yield Piece(stops.flush(), finish="length" if item[1] >= p.max_tokens else "stop")
-                    return
-                text, hit = stops.feed(item.text)
-                yield Piece(text, item.id, finish="stop" if hit else None)
-                if hit:
-                    return
+            async with contextlib.aclosing(token_pieces(items, job.stop, p.max_tokens)) as pieces:
+                async for piece in pieces:
+                    yield piece
         finally:
             cancel.set()
             with self._lock:

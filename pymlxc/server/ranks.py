@@ -27,7 +27,7 @@ from typing import Any
 
 from pymlxc.backends.metal.distributed.runtime import from_rank0, ranks_agreeing
 
-from .engine import BadRequest, Job, Piece, QueueFull, StopStrings
+from .engine import BadRequest, Finished, Job, Piece, QueueFull, token_pieces
 
 # The codes rank 0 sends (every exchange is rank 0's code; the others only listen).
 CALL, GO_ON, STOP, END, FAILED, SHUTDOWN = 1, 2, 3, 4, 5, 6
@@ -120,20 +120,10 @@ class RankEngine:
             self._queue.put_nowait(work)
         except queue.Full:
             raise QueueFull(f"{self._queue.qsize()} requests are waiting already") from None
-        stops = StopStrings(job.stop)
-        max_tokens = job.params.max_tokens
         try:
-            while True:
-                item = await items.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if isinstance(item, int):  # the call's end: how many tokens it gave
-                    yield Piece(stops.flush(), finish="length" if item >= max_tokens else "stop")
-                    return
-                text, hit = stops.feed(item.text)
-                yield Piece(text, item.id, finish="stop" if hit else None)
-                if hit:
-                    return
+            async with contextlib.aclosing(token_pieces(items, job.stop, job.params.max_tokens)) as pieces:
+                async for piece in pieces:
+                    yield piece
         finally:
             work.cancel.set()  # the other ranks stop with rank 0 at the next token
 
@@ -176,7 +166,7 @@ class RankEngine:
             with contextlib.suppress(Exception):  # a peer already gone: ending is all that is left
                 from_rank0(FAILED)
             _fatal(0, f"a call failed: {type(exc).__name__}: {exc}")
-        work.put(count)
+        work.put(Finished(count))
 
     def close(self) -> None:
         """Tell the other ranks to end (after the calls queued), once."""

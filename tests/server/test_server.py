@@ -266,3 +266,24 @@ def test_full_queue_answers_429(model_dir, tmp_path) -> None:
         assert httpx.post(f"{small.url}/v1/completions", json={"prompt": "y", "max_tokens": 2}).status_code == 200
     finally:
         stop_server(small)
+
+
+def test_a_recurrent_model_is_served_through_its_slots(tmp_path) -> None:
+    """Qwen3-Next's recurrent caches cannot join the batch: the server runs each request in a slot
+    (SlotEngine), with the same answers, stop strings and finish reasons as the batch engine."""
+    from pymlxc.testing import write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path / "next", "qwen3_next", seed=3)
+    with pymlxc.load_model(str(model_dir), backend="metal") as model:
+        want = "".join(t.text for t in model.generate(PROMPTS[1], max_tokens=10))
+    server = start_server(model_dir, log=tmp_path / "next.log")
+    try:
+        slots = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        got = slots.completions.create(model="m", prompt=PROMPTS[1], max_tokens=10, temperature=0)
+        assert (got.choices[0].text, got.choices[0].finish_reason) == (want, "length")
+        stop = want[len(want) // 2:][:3]
+        assert stop.strip()  # seed 3's answer has text there
+        cut = slots.completions.create(model="m", prompt=PROMPTS[1], max_tokens=10, temperature=0, stop=[stop])
+        assert (cut.choices[0].text, cut.choices[0].finish_reason) == (want[:want.find(stop)], "stop")
+    finally:
+        stop_server(server)

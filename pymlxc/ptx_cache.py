@@ -30,7 +30,7 @@ from . import user_cache
 
 VARIABLE = "MLX_PTX_CACHE_DIR"
 _MAX_BYTES = 1 << 16  # the driver's /proc files are a few hundred bytes
-_BUILDS = ("mlx", "mlx-cuda", "mlx-cuda-12", "mlx-cuda-13")
+_BUILDS = ("mlx", "mlx-cuda", "mlx-cuda-12", "mlx-cuda-13", "mlx-metal")
 
 
 def _read(path: Path) -> str | None:
@@ -44,11 +44,17 @@ def _read(path: Path) -> str | None:
         return None
 
 
+def nvidia_driver(proc: Path = Path("/proc/driver/nvidia")) -> str | None:
+    """The NVIDIA driver's version line, or None where there is no NVIDIA driver."""
+    version = _read(proc / "version")
+    return version.strip().splitlines()[0] if version and version.strip() else None
+
+
 def device_key(proc: Path = Path("/proc/driver/nvidia")) -> dict[str, object] | None:
     """The NVIDIA driver's version line and the model of each GPU, from the driver's /proc files
     (without starting CUDA), or None where there is no NVIDIA driver."""
-    version = _read(proc / "version")
-    if not version or not version.strip():
+    driver = nvidia_driver(proc)
+    if driver is None:
         return None
     models = []
     gpus = proc / "gpus"
@@ -56,7 +62,7 @@ def device_key(proc: Path = Path("/proc/driver/nvidia")) -> dict[str, object] | 
         for info in sorted(gpus.iterdir()) if gpus.is_dir() else []:
             text = _read(info / "information") or ""
             models += [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Model:")]
-    return {"driver": version.strip().splitlines()[0], "gpus": models}
+    return {"driver": driver, "gpus": models}
 
 
 def whole(ptx: Path) -> bool:
@@ -97,7 +103,9 @@ def _remove_partial(folder: Path) -> None:
                         ptx.with_suffix(suffix).unlink()
 
 
-def _builds() -> dict[str, str]:
+def mlx_builds() -> dict[str, str]:
+    """The installed MLX distributions (the Python package and its CUDA or Metal companion) and
+    their versions: what compiled code and kernel verdicts were made with."""
     found = {}
     for dist in _BUILDS:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
@@ -117,7 +125,7 @@ def configure(environ: MutableMapping[str, str] | None = None, *, proc: Path = P
     device = device_key(proc)
     if root is None or device is None:
         return None
-    builds = _builds()
+    builds = mlx_builds()
     key = user_cache.digest(user_cache.canonical({"device": device, "builds": builds}))
     folder = root / "mlx-ptx" / f"mlx-{builds.get('mlx', 'unknown')}-{key[:16]}"
     try:
@@ -131,4 +139,4 @@ def configure(environ: MutableMapping[str, str] | None = None, *, proc: Path = P
     return folder
 
 
-__all__ = ["VARIABLE", "configure", "device_key", "whole"]
+__all__ = ["VARIABLE", "configure", "device_key", "mlx_builds", "nvidia_driver", "whole"]

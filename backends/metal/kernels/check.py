@@ -11,9 +11,7 @@ thread, memory), and checking again only costs time, while a wrong "yes" would c
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import importlib.metadata
 import re
 import sys
 import threading
@@ -23,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pymlxc.core as mx
-from pymlxc import user_cache
+from pymlxc import ptx_cache, user_cache
 
 CHECKS_FORMAT = 1  # bump when what a verdict means changes: older verdicts are then checked again
 # device_info keys whose values change while a machine runs (they would never let a verdict hit).
@@ -51,20 +49,9 @@ def environment() -> dict[str, Any]:
                 info = {k: v for k, v in mx.device_info().items() if not _VOLATILE.search(k)}
             except mx.MLXError:
                 info = {}
-            builds = {}
-            for dist in ("mlx", "mlx-cuda", "mlx-cuda-12", "mlx-cuda-13", "mlx-metal"):
-                with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-                    builds[dist] = importlib.metadata.version(dist)
-            _environment = {"device": str(device), "device_info": info, "driver": _nvidia_driver(),
-                            "mlx": builds, "mlx_c": mx.mlx_c_version(), "platform": sys.platform}
+            _environment = {"device": str(device), "device_info": info, "driver": ptx_cache.nvidia_driver(),
+                            "mlx": ptx_cache.mlx_builds(), "mlx_c": mx.mlx_c_version(), "platform": sys.platform}
         return _environment
-
-
-def _nvidia_driver() -> str | None:
-    try:
-        return Path("/proc/driver/nvidia/version").read_text().splitlines()[0].strip()
-    except (OSError, IndexError):
-        return None
 
 
 def _source_digest(path: str | None) -> str | None:

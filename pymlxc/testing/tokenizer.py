@@ -78,7 +78,8 @@ _MISTRAL_TEMPLATE = (
 )
 
 
-_CHATML_TEMPLATE = (
+# ChatML turns, then the generation prompt; with thinking off, an empty thinking block.
+_CHATML_HEAD = (
     "{%- for message in messages %}\n"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}\n"
     "{%- endfor %}\n"
@@ -86,23 +87,10 @@ _CHATML_TEMPLATE = (
     "{{- '<|im_start|>assistant\\n' }}\n"
     "{%- if enable_thinking is defined and enable_thinking is false %}\n"
     "{{- '<think>\\n\\n</think>\\n\\n' }}\n"
-    "{%- endif %}\n"
-    "{%- endif %}\n"
 )
-# Qwen 3.5's generation prompt opens the thinking block, or writes it empty when thinking is off.
-_QWEN35_TEMPLATE = (
-    "{%- for message in messages %}\n"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}\n"
-    "{%- endfor %}\n"
-    "{%- if add_generation_prompt %}\n"
-    "{{- '<|im_start|>assistant\\n' }}\n"
-    "{%- if enable_thinking is defined and enable_thinking is false %}\n"
-    "{{- '<think>\\n\\n</think>\\n\\n' }}\n"
-    "{%- else %}\n"
-    "{{- '<think>\\n' }}\n"
-    "{%- endif %}\n"
-    "{%- endif %}\n"
-)
+_CHATML_TEMPLATE = _CHATML_HEAD + "{%- endif %}\n{%- endif %}\n"
+# Qwen 3.5's generation prompt opens the thinking block unless thinking is off.
+_QWEN35_TEMPLATE = _CHATML_HEAD + "{%- else %}\n{{- '<think>\\n' }}\n{%- endif %}\n{%- endif %}\n"
 _GEMMA_TEMPLATE = (
     "{{ bos_token }}\n"
     "{%- if messages[0]['role'] == 'system' -%}\n"

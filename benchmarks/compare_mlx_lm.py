@@ -367,7 +367,10 @@ def run_case(shape: str, quant: str, args: argparse.Namespace, sides: list[Side]
         prompt = [int(i) for i in rng.integers(margin, vocab - margin, size=prompt_len)]
         print(f"  {shape} {quant} prompt {prompt_len}, {args.max_tokens} tokens", flush=True)
         for side in sides:
+            t = time.perf_counter()
             warm_up(side, prompt, args.max_tokens)
+            # Printed as it ends: a warm-up that outlasts a call's limit shows which side it was.
+            print(f"    warm-up {side.name}: {time.perf_counter() - t:.1f}s", flush=True)
         runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in sides}
         for r in range(args.runs):
             order = sides if r % 2 == 0 else sides[::-1]

@@ -43,7 +43,8 @@
 #   graphs                CUDA kernels per decode step of both sides (benchmarks/profile/probe_cuda_graphs.py)
 #   cuda-tests            every CUDA kernel's test against its MLX-ops version, bounded by CUDA_TESTS_TIMEOUT
 #   qwen35                the Qwen3.5-35B-A3B shape in 4-bit against mlx-lm (decode, prefill of 2048)
-#   serve                 benchmarks/serve_load.py against mlx_lm.server (SERVE_SHAPES, SERVE_CLIENTS)
+#   serve                 benchmarks/serve_load.py against mlx_lm.server (SERVE_SHAPES, SERVE_CLIENTS), after
+#                         benchmarks/profile/probe_batch_step.py (the batch's decode step without HTTP)
 #   distributed           benchmarks/compare_distributed.py over NCCL on 1..all GPUs (DIST_QUANTS: 4 and/or 16)
 #   report                merge this call's bench results;  all = setup smoke tests bench-1b bench-gemma bench-8b report
 # Options: --dry-run (print the commands only), --cpu-check (run every stage on this machine's CPU
@@ -247,7 +248,8 @@ PY
         q35=(--shapes qwen3.5-35b-a3b-narrow); bench_args=("${bench_args[@]}" --layers 4)
       else q35=(--shapes qwen3.5-35b-a3b --quant 4bit --load-runs 1); fi
       bench qwen35-decode "${q35[@]}" --prompt-lengths 128
-      bench qwen35-prefill "${q35[@]}" --prompt-lengths 2048
+      # 1024 beside 2048, few tokens (prefill is timed to the first token): how prefill grows with the prompt.
+      bench qwen35-prefill "${q35[@]}" --prompt-lengths 1024 2048 --max-tokens 16
       bench_args=("${saved[@]}")
       ;;
     serve)
@@ -260,6 +262,9 @@ PY
       for shape in "${serve_shapes[@]}"; do
         dir="$MODELS/serve-$shape-4bit"
         [ -f "$dir/config.json" ] || run "$PY" -m pymlxc.testing.shapes "$shape" "$dir" --bits 4 --tokenizer "${serve_extra[@]}"
+        # The batch's decode step without HTTP, per batch size: what serve_load's latencies build on.
+        run "$PY" benchmarks/profile/probe_batch_step.py "$dir" --batch 1 4 8 16 32 64 \
+          --out "$OUT/serve/probe_batch_step-$shape.json" 2>&1 | tee -a "$OUT/serve/log.txt" || echo "!!! probe $shape failed"
         run "$PY" benchmarks/serve_load.py --model "$dir" --clients "${SERVE_CLIENTS:-1,4,16,64}" \
           --out "$OUT/serve/serve_load-$shape.json" 2>&1 | tee -a "$OUT/serve/log.txt" || echo "!!! serve $shape failed"
       done

@@ -115,7 +115,8 @@ for stage in "$@"; do
       python3 benchmarks/profile/probe_gguf_blocks.py --out "$OUT/probe" 2>&1 | tee "$OUT/probe.log" || echo "!!! probe failed"
       ;;
     bench-1b)
-      bench bench-1b --shapes llama-3.2-1b --formats q4_0 q4_k_m q6_k q8_0 --matvec-off --drop-source ${BENCH_1B_ARGS:-}
+      # shellcheck disable=SC2086  # FORMATS_1B is a list of words
+      bench bench-1b --shapes llama-3.2-1b --formats ${FORMATS_1B:-q4_0 q4_k_m q6_k q8_0} --matvec-off --drop-source ${BENCH_1B_ARGS:-}
       ;;
     bench-8b)
       for _ in $(seq 1 100); do [ -f "$STATE/prep-8b.done" ] && break; sleep 5; done

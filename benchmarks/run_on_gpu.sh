@@ -263,7 +263,8 @@ PY
         dir="$MODELS/serve-$shape-4bit"
         [ -f "$dir/config.json" ] || run "$PY" -m pymlxc.testing.shapes "$shape" "$dir" --bits 4 --tokenizer "${serve_extra[@]}"
         # The batch's decode step without HTTP, per batch size: what serve_load's latencies build on.
-        run "$PY" benchmarks/profile/probe_batch_step.py "$dir" --batch 1 4 8 16 32 64 \
+        # shellcheck disable=SC2086  # SERVE_PROBE_BATCH is a list of words
+        run "$PY" benchmarks/profile/probe_batch_step.py "$dir" --batch ${SERVE_PROBE_BATCH:-1 4 8 16 32 64} \
           --out "$OUT/serve/probe_batch_step-$shape.json" 2>&1 | tee -a "$OUT/serve/log.txt" || echo "!!! probe $shape failed"
         run "$PY" benchmarks/serve_load.py --model "$dir" --clients "${SERVE_CLIENTS:-1,4,16,64}" \
           --out "$OUT/serve/serve_load-$shape.json" 2>&1 | tee -a "$OUT/serve/log.txt" || echo "!!! serve $shape failed"

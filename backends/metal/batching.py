@@ -157,6 +157,56 @@ class Host(Protocol):
 
 # ---------------------------------------------------------------------- the batch's caches
 
+class Columns:
+    """What every layer cache of one batch shares: the columns' RoPE positions and masks as device
+    arrays, made once per step rather than once per layer. From one step to the next the positions
+    are the last step's plus one, computed on the device, and a mask is built from the first valid
+    column of each row (uploaded once per change of the rows) and a device `arange`: nothing goes
+    from host to device per step while the rows stay."""
+
+    def __init__(self) -> None:
+        self._offset: mx.Array | None = None
+        self._offset_key: tuple[int, bytes] = (-1, b"")
+        self._valid: mx.Array | None = None
+        self._valid_key = b""
+        self._masks: dict[tuple[int, int | None], mx.Array | None] = {}
+
+    def offset(self, idx: int, starts: np.ndarray) -> mx.Array:
+        """Each row's next position (idx - starts), int32 [B]."""
+        key = starts.tobytes()
+        last_idx, last_key = self._offset_key
+        if self._offset is None or last_key != key or idx not in (last_idx, last_idx + 1):
+            self._offset = mx.array((idx - starts).astype(np.int32))
+        elif idx == last_idx + 1:
+            self._offset = self._offset + 1
+        self._offset_key = (idx, key)
+        return self._offset
+
+    def mask(self, idx: int, valid: np.ndarray, window: int | None) -> mx.Array | None:
+        """[B, 1, 1, idx + 1] booleans, True where a row may attend (its valid columns, inside
+        the window), or None where every row may attend to every column."""
+        key = valid.tobytes()
+        if key != self._valid_key:
+            self._valid, self._valid_key = None, key
+            self._masks = {}
+        key_mask = (idx, window)
+        if key_mask in self._masks:
+            return self._masks[key_mask]
+        # A window cuts in only once the columns outnumber it.
+        cut = window if window is not None and idx + 1 > window else None
+        m: mx.Array | None = None
+        if cut is not None or valid.any():
+            if self._valid is None:
+                self._valid = mx.array(valid.astype(np.int32)[:, None])
+            cols = mx.arange(idx + 1, dtype=mx.int32)[None, :]
+            visible = cols >= self._valid
+            if cut is not None:
+                visible = mx.logical_and(visible, cols > idx - cut)
+            m = mx.reshape(visible, (valid.shape[0], 1, 1, idx + 1))
+        self._masks = {key_mask: m, **{k: v for k, v in self._masks.items() if k[0] == idx}}
+        return m
+
+
 class BatchKVCache:
     """One attention layer's keys and values for every row of the decode batch (the `Cache`
     protocol, for one-token steps).
@@ -167,18 +217,17 @@ class BatchKVCache:
     and, with a window, what is older than it.
     """
 
-    def __init__(self, keys: mx.Array, values: mx.Array, idx: int, starts: np.ndarray, valid: np.ndarray) -> None:
+    def __init__(self, keys: mx.Array, values: mx.Array, idx: int, starts: np.ndarray, valid: np.ndarray,
+                 columns: Columns | None = None) -> None:
         self.keys, self.values = keys, values
         self.idx = idx
         self.starts = starts
         self.valid = valid
-        self._offset: mx.Array | None = None
+        self.columns = columns if columns is not None else Columns()
 
     @property
     def offset(self) -> mx.Array:
-        if self._offset is None:
-            self._offset = mx.array((self.idx - self.starts).astype(np.int32))
-        return self._offset
+        return self.columns.offset(self.idx, self.starts)
 
     @property
     def capacity(self) -> int:
@@ -195,7 +244,6 @@ class BatchKVCache:
         self.keys = mx.slice_update(self.keys, keys, [0, 0, self.idx, 0], [b, h, end, dk], [1, 1, 1, 1])
         self.values = mx.slice_update(self.values, values, [0, 0, self.idx, 0], [b, h, end, dv], [1, 1, 1, 1])
         self.idx = end
-        self._offset = None
         return (mx.slice(self.keys, [0, 0, 0, 0], [b, h, end, dk], [1, 1, 1, 1]),
                 mx.slice(self.values, [0, 0, 0, 0], [b, h, end, dv], [1, 1, 1, 1]))
 
@@ -208,13 +256,7 @@ class BatchKVCache:
     def make_mask(self, n: int, window_size: int | None = None) -> mx.Array | None:
         if n != 1:
             raise ValueError(f"a batch cache takes one-token steps, not {n} tokens")
-        cols = np.arange(self.idx + 1)
-        visible = cols[None, :] >= self.valid[:, None]
-        if window_size is not None:
-            visible &= (self.idx - cols)[None, :] < window_size
-        if visible.all():
-            return None
-        return mx.array(visible[:, None, None, :])
+        return self.columns.mask(self.idx, self.valid, window_size)
 
     @property
     def state(self) -> tuple[mx.Array, ...]:
@@ -267,6 +309,7 @@ class Batch:
     def __init__(self) -> None:
         self.rows: list[_Row] = []
         self.caches: list[BatchKVCache] = []
+        self.columns = Columns()  # the layers' shared positions and masks
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -285,7 +328,6 @@ class Batch:
                 c.idx += shift
                 c.starts = c.starts + shift
                 c.valid = c.valid + shift
-                c._offset = None
         idx += shift
         new_caches = []
         for n, (keys, values, _) in enumerate(parts):
@@ -310,9 +352,9 @@ class Batch:
                 c.values = mx.concatenate([c.values, row_v], 0)
                 c.starts = np.append(c.starts, start)
                 c.valid = np.append(c.valid, valid)
-                c._offset = None
             else:
-                new_caches.append(BatchKVCache(row_k, row_v, idx, np.array([start]), np.array([valid])))
+                new_caches.append(BatchKVCache(row_k, row_v, idx, np.array([start]), np.array([valid]),
+                                               self.columns))
         if not self.caches:
             self.caches = new_caches
         mx.eval([c.state for c in self.caches])
@@ -337,7 +379,6 @@ class Batch:
             c.idx -= first
             c.starts = c.starts[keep] - first
             c.valid = c.valid[keep] - first
-            c._offset = None
         mx.eval([c.state for c in self.caches])
 
 

@@ -28,6 +28,7 @@ _matmul = mx.matmul
 _addmm = mx.addmm
 _take = mx.take
 _T = mx.transpose
+_reshape = mx.reshape
 _qmm = mx.quantized_matmul
 _dequantize = mx.dequantize
 _rms_norm = mx.fast.rms_norm
@@ -263,6 +264,22 @@ class CudaMatvecChoice:
         self._cuda_matvec = bool(on)
 
 
+def fold_decode_batch(x: Array) -> tuple[Array, int]:
+    """A decode batch's activations [B, 1, K] (B > 1) as one product's rows [1, B, K], and B;
+    anything else as it is, and 0. MLX's CUDA quantized product takes [B, 1, K] as B products of
+    one row each (its batched tensor-core kernel), every one reading all the weights, so a batch's
+    step grew with its rows; as B rows of one product the weights are read once."""
+    shape = x.shape
+    if len(shape) == 3 and shape[1] == 1 and shape[0] > 1:
+        return _reshape(x, (1, shape[0], shape[2])), shape[0]
+    return x, 0
+
+
+def unfold_decode_batch(y: Array, rows: int) -> Array:
+    """`fold_decode_batch`'s inverse on the product: [1, B, N] -> [B, 1, N] (rows = 0: unchanged)."""
+    return _reshape(y, (rows, 1, y.shape[-1])) if rows else y
+
+
 class QuantizedLinear(CudaMatvecChoice, Module):
     """A Linear with an affine-quantized weight: packed uint32 `weight`, per-group `scales`, `biases`."""
 
@@ -300,11 +317,13 @@ class QuantizedLinear(CudaMatvecChoice, Module):
         return q
 
     def __call__(self, x: Array) -> Array:
+        x, rows = fold_decode_batch(x)
         # Unmarked layers call MLX directly: no extra Python call on the uncompiled per-token path.
         if self._cuda_matvec:
             y = quantized_matmul(x, self.weight, self.scales, self.biases, self.group_size, self.bits, True)
         else:
             y = _qmm(x, self.weight, self.scales, self.biases, True, self.group_size, self.bits)
+        y = unfold_decode_batch(y, rows)
         b = self.__dict__.get("bias")
         return y if b is None else y + b
 
@@ -360,9 +379,12 @@ class QuantizedEmbedding(CudaMatvecChoice, Module):
                            _take(self.biases, x, axis=0), self.group_size, self.bits)
 
     def as_linear(self, x: Array) -> Array:
+        x, rows = fold_decode_batch(x)
         if self._cuda_matvec:
-            return quantized_matmul(x, self.weight, self.scales, self.biases, self.group_size, self.bits, True)
-        return _qmm(x, self.weight, self.scales, self.biases, True, self.group_size, self.bits)
+            y = quantized_matmul(x, self.weight, self.scales, self.biases, self.group_size, self.bits, True)
+        else:
+            y = _qmm(x, self.weight, self.scales, self.biases, True, self.group_size, self.bits)
+        return unfold_decode_batch(y, rows)
 
 
 class RMSNorm(Module):

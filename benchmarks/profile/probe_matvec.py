@@ -13,6 +13,9 @@ Llama-3.2-1B and Llama-3.1-8B decode steps (fused q/k/v, o, fused gate/up, down,
 * `stacked`: the same weights as one product with that many more rows, which measures the device
   alone (one host encode for many bytes), as GB/s.
 
+`--x-rows` above the kernel's MAX_X_ROWS compares MLX with the kernel run on slices of that many
+rows (`ours_slices`): a continuous batch's decode step has as many rows as running requests.
+
     python benchmarks/profile/probe_matvec.py --out DIR
 """
 from __future__ import annotations
@@ -52,6 +55,12 @@ def _ours(kernel: Any, x: Any, q: Any, rows_per_warp: int) -> Any:
     return kernel(inputs=[x, *q], output_shapes=[(x.shape[0], n)], output_dtypes=[x.dtype], **geo)[0]
 
 
+def _ours_slices(kernel: Any, x: Any, q: Any) -> Any:
+    step = kernels.MAX_X_ROWS
+    return mx.concatenate([_ours(kernel, x[i:i + step], q, kernels.ROWS_PER_WARP)
+                           for i in range(0, x.shape[0], step)], axis=0)
+
+
 def _mlx(x: Any, q: Any) -> Any:
     return mx.quantized_matmul(x, *q, transpose=True, group_size=64, bits=4)
 
@@ -77,8 +86,11 @@ def probe(shape: str, kernel: Any, min_bytes: int, x_rows: int, repeats: int) ->
     scale = float(np.abs(ref).max())
     out: dict[str, Any] = {"K": k, "N": n, "x_rows": x_rows, "error": {}}
     variants = {"mlx": lambda xx, qq: _mlx(xx, qq)}
-    for r in (1, 2, 4):
-        variants[f"ours_r{r}"] = lambda xx, qq, r=r: _ours(kernel, xx, qq, r)
+    if x_rows <= kernels.MAX_X_ROWS:
+        for r in (1, 2, 4):
+            variants[f"ours_r{r}"] = lambda xx, qq, r=r: _ours(kernel, xx, qq, r)
+    else:  # more rows than the kernel takes: in slices of MAX_X_ROWS rows, one launch each
+        variants["ours_slices"] = lambda xx, qq: _ours_slices(kernel, xx, qq)
     for name, fn in variants.items():
         got = np.array(fn(x, q).astype(mx.float32))
         out["error"][name] = float(np.abs(got - ref).max() / scale)

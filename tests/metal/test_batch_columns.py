@@ -1,0 +1,72 @@
+"""The decode batch's shared positions and masks (`batching.Columns`) and the folding of a decode
+batch's rows into one quantized product (`nn.fold_decode_batch`)."""
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pymlxc.core as mx
+from pymlxc.backends.metal import batching
+from pymlxc.backends.metal import nn
+
+
+def _reference_mask(idx: int, valid: np.ndarray, window: int | None) -> np.ndarray | None:
+    cols = np.arange(idx + 1)
+    visible = cols[None, :] >= valid[:, None]
+    if window is not None:
+        visible &= (idx - cols)[None, :] < window
+    return None if visible.all() else visible[:, None, None, :]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=5), st.integers(6, 12), st.integers(1, 6),
+       st.sampled_from([None, 2, 5, 40]))
+def test_positions_and_masks_follow_the_columns(valid_list: list[int], idx: int, steps: int,
+                                               window: int | None) -> None:
+    """Step by step (positions carried on the device) and after the rows change, the shared arrays
+    equal the numpy definitions that each layer used to rebuild."""
+    columns = batching.Columns()
+    valid = np.array(valid_list)
+    starts = valid - np.arange(len(valid_list))  # rows of different lengths
+    for step in range(steps):
+        at = idx + step
+        for _layer in range(3):  # every layer asks; the arrays are the same
+            offset = columns.offset(at, starts)
+            assert offset.tolist() == (at - starts).tolist()
+            got = columns.mask(at, valid, window)
+            want = _reference_mask(at, valid, window)
+            if want is None:
+                assert got is None
+            else:
+                assert got is not None and np.array_equal(np.array(got.tolist()), want)
+    # A row leaves: the columns shift, and nothing of the old rows' arrays is reused.
+    keep = np.arange(len(valid_list))[:-1] if len(valid_list) > 1 else np.arange(1)
+    starts, valid = starts[keep] - 1, np.maximum(valid[keep] - 1, 0)
+    at = idx + steps - 1
+    assert columns.offset(at, starts).tolist() == (at - starts).tolist()
+    want = _reference_mask(at, valid, window)
+    got = columns.mask(at, valid, window)
+    assert (got is None) == (want is None)
+    if want is not None and got is not None:
+        assert np.array_equal(np.array(got.tolist()), want)
+
+
+def test_a_decode_batch_is_one_product_of_its_rows() -> None:
+    """[B, 1, K] through a quantized layer gives each row's own product (folded into [1, B, K])."""
+    layer = nn.QuantizedLinear(64, 32, bias=True, group_size=32, bits=4)
+    w = mx.random.normal((32, 64), key=mx.random.key(1))
+    layer.weight, layer.scales, layer.biases = mx.quantize(w, 32, 4)
+    layer.bias = mx.random.normal((32,), key=mx.random.key(2))
+    x = mx.random.normal((5, 1, 64), key=mx.random.key(3))
+    folded, rows = nn.fold_decode_batch(x)
+    assert rows == 5 and folded.shape == (1, 5, 64)
+    batch = np.array(layer(x).tolist())
+    assert batch.shape == (5, 1, 32)
+    for b in range(5):
+        alone = np.array(layer(x[b:b + 1]).tolist())
+        np.testing.assert_allclose(batch[b], alone[0], rtol=1e-5, atol=1e-5)
+    # One token of one row, and prompts, are left as they are.
+    for shape in ((1, 1, 64), (1, 7, 64), (3, 64)):
+        same, n = nn.fold_decode_batch(mx.zeros(shape))
+        assert n == 0 and same.shape == shape

@@ -16,8 +16,9 @@ tokens it would decode alone. Each row samples with its own sampler, penalties, 
 ids and constraint (`Constraint`: a grammar's allowed-token mask), and reports each token through
 its own `emit` callback, on the scheduler's thread.
 
-While every running row is greedy with nothing to apply and no prompt is being prefilled, the
-loop looks one step ahead: step k+1's forward pass takes step k's argmax as a lazy array and is
+While every running row is greedy with nothing to apply but a fixed logit bias (the batch's
+biases go in as [B, K] id and amount arrays, made when the rows change) and no prompt is being
+prefilled, the loop looks one step ahead: step k+1's forward pass takes step k's argmax as a lazy array and is
 queued on the device (`async_eval`) before step k's ids are read back and reported, so the host's
 work (building the next graph, reporting, stop rules) overlaps the device's. A row that finishes at
 step k has had step k+1 computed for nothing; that token is dropped with the row. Anything that
@@ -406,11 +407,11 @@ class _Row:
 
     @functools.cached_property
     def plain(self) -> bool:
-        """Greedy with nothing to apply: the batch's argmax serves it (fixed for the row's life)."""
+        """Greedy with nothing to apply but a fixed logit bias: the batch's argmax serves it (after
+        the batch's biases, `Scheduler._greedy`); fixed for the row's life."""
         p = self.params
         return (self.sampler is greedy and self.request.constraint is None and p.logprobs is None
-                and not p.presence_penalty and not p.frequency_penalty and p.repetition_penalty == 1.0
-                and not p.logit_bias)
+                and not p.presence_penalty and not p.frequency_penalty and p.repetition_penalty == 1.0)
 
     def process(self, logits: mx.Array) -> mx.Array:
         """This row's logits [1, V] after its penalties, bias and constraint."""
@@ -448,6 +449,22 @@ def warm_rows() -> int:
 
 # The row `Scheduler.warm` puts in its throwaway batch (a batch only keeps its rows in a list).
 _WARM_ROW: Any = object()
+
+
+def _batch_bias(rows: Sequence[_Row]) -> tuple[mx.Array, mx.Array] | None:
+    """The rows' logit biases as ids and amounts [B, K] (see `Scheduler._greedy`), or None."""
+    pairs: list[tuple[tuple[int, float], ...]] = [r.params.logit_bias or () for r in rows]
+    width = max((len(p) for p in pairs), default=0)
+    if not width:
+        return None
+    ids = np.zeros((len(rows), width), dtype=np.int32)
+    amounts = np.zeros((len(rows), width), dtype=np.float32)
+    for b, row_pairs in enumerate(pairs):
+        if row_pairs:
+            padded = list(row_pairs) + [row_pairs[0]] * (width - len(row_pairs))
+            ids[b] = [i for i, _ in padded]
+            amounts[b] = [a for _, a in padded]
+    return mx.array(ids), mx.array(amounts)
 
 
 def _make_row(request: Request, vocab: int) -> _Row:
@@ -488,6 +505,9 @@ class Scheduler:
         # The ids of the last decode step, one per batch row, queued on the device and not yet read
         # back (the look-ahead: see the module doc).
         self._ahead: mx.Array | None = None
+        # The plain rows last seen by `_greedy`, and their logit biases.
+        self._bias_rows: tuple[_Row, ...] = ()
+        self._bias: tuple[mx.Array, mx.Array] | None = None
         self.steps = 0  # decode steps run (for tests and metrics)
         self.peak_rows = 0
 
@@ -665,7 +685,7 @@ class Scheduler:
         logits = model(inputs, cache=self._batch.caches)[:, -1, :]
         self.steps += 1
         if look_ahead:
-            following = mx.argmax(logits, axis=-1).astype(mx.int32)
+            following = self._greedy(rows, logits)
             mx.async_eval(following)
             if ahead is not None:
                 keep = self._report(rows, ahead.tolist())
@@ -679,6 +699,21 @@ class Scheduler:
         finished = [row for row, (token, logprob, top) in zip(rows, results, strict=True)
                     if not self._record(row, token, logprob, top)]
         self._batch.remove(finished)
+
+    def _greedy(self, rows: Sequence[_Row], logits: mx.Array) -> mx.Array:
+        """The argmax ids [B] (int32, lazy) of plain rows' logits [B, V], each after its own logit
+        bias: the rows' biased ids and amounts as [B, K] arrays (a row with fewer repeats its first
+        pair, which writes the same value again; a row with none adds 0 to id 0), uploaded once per
+        set of rows, not per step."""
+        last = self._bias_rows  # held, so no id of theirs is reused by a later row
+        if len(last) != len(rows) or any(a is not b for a, b in zip(last, rows, strict=False)):
+            self._bias_rows = tuple(rows)
+            self._bias = _batch_bias(rows)
+        if self._bias is not None:
+            ids, amounts = self._bias
+            seen = mx.take_along_axis(logits, ids, axis=-1)
+            logits = mx.put_along_axis(logits, ids, seen + amounts.astype(logits.dtype), axis=-1)
+        return mx.argmax(logits, axis=-1).astype(mx.int32)
 
     def _settle(self) -> None:
         """Read back and report the step in flight (the look-ahead's ids)."""
@@ -702,12 +737,11 @@ class Scheduler:
         outputs: list[Any] = [None] * len(rows)
         extras: dict[int, tuple[mx.Array, mx.Array, mx.Array]] = {}
         if len(plain) == len(rows):
-            sampled = mx.argmax(logits, axis=-1).astype(mx.int32)
-            ids = sampled.tolist()
+            ids = self._greedy(rows, logits).tolist()
             return [(int(t), None, ()) for t in ids]
         if plain:
             plain_logits = mx.take(logits, mx.array(np.array(plain, dtype=np.int32)), axis=0)
-            chosen = mx.argmax(plain_logits, axis=-1).astype(mx.int32)
+            chosen = self._greedy([rows[i] for i in plain], plain_logits)
         plain_rows = set(plain)
         for i, row in enumerate(rows):
             if i in plain_rows:

@@ -198,6 +198,38 @@ def test_scheduler_rows_leaving_and_joining_a_looked_ahead_batch(model) -> None:
         assert collector.finish() is not None and collector.finish().finish == "length"
 
 
+def test_scheduler_greedy_rows_with_logit_bias_keep_the_look_ahead(model) -> None:
+    """Greedy rows with a fixed logit bias decode on the batch's argmax (with the look-ahead): a row
+    whose bias forces a token gives only it, a row that bans the tokens it would pick gives the
+    per-row path's tokens (logprobs make that row go through it), and a row without a bias gives a
+    single generation's tokens."""
+    from pymlxc.backends.metal.batching import Collector, Request, SamplingParams
+
+    scheduler = model.scheduler()
+    text = PROMPTS[0]
+    prompt = model.encode(text)
+    free = ids(list(model.generate(text, max_tokens=8)))
+    banned = tuple((t, -100.0) for t in sorted(set(free)))
+    forced = ((free[0] + 1) % 50 + 5, 100.0)
+    params = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, logit_bias=(forced,)),
+              SamplingParams(max_tokens=8, logit_bias=banned),
+              SamplingParams(max_tokens=8, logit_bias=banned, logprobs=0)]
+    jobs = [(Request(prompt, p, c := Collector()), c) for p in params]
+    steps = scheduler.steps
+    for request, _ in jobs[:3]:  # plain rows only: the look-ahead runs
+        scheduler.submit(request)
+    for _, collector in jobs[:3]:
+        assert collector.wait(60)
+    scheduler.submit(jobs[3][0])  # the per-row path, alone
+    assert jobs[3][1].wait(60)
+    got = [collector.tokens() for _, collector in jobs]
+    assert got[0] == free
+    assert got[1] == [forced[0]] * 8
+    assert not set(got[2]) & set(free)
+    assert got[2] == got[3]
+    assert scheduler.steps > steps
+
+
 def test_scheduler_warm_steps_each_batch_size_and_leaves_nothing_behind(model, monkeypatch) -> None:
     from pymlxc.backends.metal import batching
 

@@ -2,8 +2,12 @@
 
 For each server (`pymlxc serve` and `mlx_lm.server` on the same model, started here one after the
 other) and each N, every client streams one `/v1/completions` request (greedy, its own prompt,
-`--max-tokens` tokens) at once; reported: total generated tok/s over the wall time, time to first
-token (p50/p99) and inter-token latency (p50/p99, the gaps between a request's streamed tokens).
+`--max-tokens` tokens) at once; reported: total generated tok/s over the wall time (tokens as each
+server's `usage` counts them), time to first token (p50/p99) and inter-token latency (p50/p99, the
+gaps between a request's streamed chunks; `tokens_per_chunk` says how many tokens a chunk held).
+Every request bans the model's end-of-sequence ids (logit_bias -100; `--allow-eos` does not), so
+both servers generate the same number of tokens: on random weights each side reaches the end of
+sequence at its own steps, and a round whose requests end early is a lighter load.
 
     python benchmarks/serve_load.py --model DIR [--clients 1,4,16,64] [--max-tokens 64] [--out results.json]
     python benchmarks/serve_load.py --model DIR --tiny   # writes a tiny random llama to DIR first
@@ -70,10 +74,29 @@ def _start(kind: str, model: str, clients: int, log: Path) -> tuple[subprocess.P
     raise RuntimeError(f"{kind} server did not start")
 
 
-async def _client(http: Any, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    body = {"model": "default_model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+def end_of_sequence_ids(model: str) -> list[int]:
+    """The model folder's end-of-sequence ids (config.json and generation_config.json), [] where
+    it names none (a repo id, a GGUF file)."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model) / name
+        if not path.is_file():
+            continue
+        value = json.loads(path.read_text()).get("eos_token_id")
+        for i in value if isinstance(value, list) else [value]:
+            if isinstance(i, int):
+                ids.add(i)
+    return sorted(ids)
+
+
+async def _client(http: Any, url: str, prompt: str, max_tokens: int, bias: dict[str, float]) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "default_model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                            "stream": True, "stream_options": {"include_usage": True}}
+    if bias:
+        body["logit_bias"] = bias
     start = time.perf_counter()
     stamps: list[float] = []
+    usage = None
     async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
@@ -81,9 +104,15 @@ async def _client(http: Any, url: str, prompt: str, max_tokens: int) -> dict[str
             if not line.startswith("data:") or line.strip() == "data: [DONE]":
                 continue
             chunk = json.loads(line[5:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
             if chunk.get("choices") and chunk["choices"][0].get("finish_reason") is None:
                 stamps.append(time.perf_counter())
-    return {"ttft": stamps[0] - start if stamps else float("nan"), "tokens": len(stamps),
+    # Tokens as the server counts them (usage): a server may hold a token's bytes back until they
+    # decode to whole characters and send several tokens in one chunk (random weights pick byte
+    # tokens that split characters), so chunks undercount its tokens.
+    tokens = int(usage["completion_tokens"]) if usage and "completion_tokens" in usage else len(stamps)
+    return {"ttft": stamps[0] - start if stamps else float("nan"), "tokens": tokens, "chunks": len(stamps),
             "gaps": [b - a for a, b in itertools.pairwise(stamps)]}
 
 
@@ -94,20 +123,23 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
-async def _round(url: str, clients: int, max_tokens: int, prompt_words: int, tag: str) -> dict[str, Any]:
+async def _round(url: str, clients: int, max_tokens: int, prompt_words: int, tag: str,
+                 bias: dict[str, float] | None = None) -> dict[str, Any]:
     """One round of `clients` streams at once; `tag` starts every prompt, so that no round reuses
-    another's prompts from a server's prompt cache."""
+    another's prompts from a server's prompt cache. `bias`: every request's logit_bias."""
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
         prompts = [f"{tag} client {i}: " + " ".join(WORDS[(i + j) % len(WORDS)] for j in range(prompt_words))
                    for i in range(clients)]
         start = time.perf_counter()
-        results = await asyncio.gather(*(_client(http, url, p, max_tokens) for p in prompts))
+        results = await asyncio.gather(*(_client(http, url, p, max_tokens, bias or {}) for p in prompts))
         wall = time.perf_counter() - start
     tokens = sum(r["tokens"] for r in results)
     ttfts = [r["ttft"] for r in results]
     gaps = [g for r in results for g in r["gaps"]]
-    return {"clients": clients, "tokens": tokens, "wall_s": wall, "tok_per_s": tokens / wall,
+    # TTFT and ITL are per chunk (what a client sees); tokens_per_chunk above 1 says chunks merged tokens.
+    return {"clients": clients, "tokens": tokens, "tokens_per_chunk": tokens / max(1, sum(r["chunks"] for r in results)),
+            "wall_s": wall, "tok_per_s": tokens / wall,
             "ttft_p50_ms": 1e3 * _pct(ttfts, 0.5), "ttft_p99_ms": 1e3 * _pct(ttfts, 0.99),
             "itl_p50_ms": 1e3 * _pct(gaps, 0.5), "itl_p99_ms": 1e3 * _pct(gaps, 0.99)}
 
@@ -124,6 +156,10 @@ def main() -> int:
     parser.add_argument("--warm-rounds", type=int, choices=(0, 1), default=1,
                         help="1: an untimed round at each client count before its timed one (its rate and TTFT "
                              "are kept as first_round)")
+    parser.add_argument("--allow-eos", action="store_true",
+                        help="let requests end at the end-of-sequence token (by default every request bans it "
+                             "with logit_bias -100, so that both servers generate --max-tokens for every client: "
+                             "random weights reach it at different steps on each side)")
     args = parser.parse_args()
     if args.tiny:
         from pymlxc.testing import write_tiny_model
@@ -131,21 +167,25 @@ def main() -> int:
         write_tiny_model(args.model, "llama", seed=0, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
                          intermediate_size=512, vocab_size=1024)
     counts = [int(n) for n in args.clients.split(",")]
+    bias = {} if args.allow_eos else {str(i): -100.0 for i in end_of_sequence_ids(args.model)}
+    if bias:
+        print(f"every request bans the end-of-sequence ids {sorted(map(int, bias))} (logit_bias -100)", flush=True)
     rows = []
     logs = Path(os.environ.get("TMPDIR", "/tmp"))
     for kind in args.servers.split(","):
         process, url = _start(kind, args.model, max(counts), logs / f"serve_load_{kind}.log")
         try:
-            asyncio.run(_round(url, 1, 8, 8, "Warm-up"))  # warm-up: compiled paths, allocator
+            asyncio.run(_round(url, 1, 8, 8, "Warm-up", bias))  # warm-up: compiled paths, allocator
             for n in counts:
                 try:
                     first = None
                     if args.warm_rounds:
                         # The first round at a client count pays what a server does once per batch
                         # size (compilations, allocations): reported apart, then the timed round.
-                        first = asyncio.run(_round(url, n, args.max_tokens, args.prompt_words, f"First round of {n}"))
+                        first = asyncio.run(_round(url, n, args.max_tokens, args.prompt_words, f"First round of {n}",
+                                                   bias))
                     row = {"server": kind, **asyncio.run(_round(url, n, args.max_tokens, args.prompt_words,
-                                                                 f"Timed round of {n}"))}
+                                                                 f"Timed round of {n}", bias))}
                     if first is not None:
                         row["first_round"] = {k: first[k] for k in ("tok_per_s", "ttft_p50_ms", "ttft_p99_ms")}
                 except (httpx.HTTPError, RuntimeError) as exc:  # a server that drops connections under load
@@ -157,7 +197,7 @@ def main() -> int:
                         if first is not None else "")
                 print(f"{kind:7s} N={n:3d}  {row['tok_per_s']:8.1f} tok/s  TTFT p50 {row['ttft_p50_ms']:7.1f} ms "
                       f"p99 {row['ttft_p99_ms']:7.1f} ms  ITL p50 {row['itl_p50_ms']:6.1f} ms "
-                      f"p99 {row['itl_p99_ms']:6.1f} ms{cold}", flush=True)
+                      f"p99 {row['itl_p99_ms']:6.1f} ms  {row['tokens_per_chunk']:.2f} tok/chunk{cold}", flush=True)
         finally:
             process.terminate()
             try:

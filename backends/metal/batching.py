@@ -47,6 +47,7 @@ from pymlxc.options import check_sampling
 
 from . import generate as loops
 from .cache import KVCache, RotatingKVCache
+from .decode.batch_step import BatchStep
 from .kernels.check import on_cuda
 from .kernels.matvec import MAX_X_ROWS
 from .sample import DEFAULT_PENALTY_CONTEXT, greedy, make_repeat_penalty, make_sampler
@@ -155,6 +156,9 @@ class Host(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
+    @property
+    def batch_step(self) -> BatchStep | None: ...
+
 
 # ---------------------------------------------------------------------- the batch's caches
 
@@ -171,6 +175,10 @@ class Columns:
         self._valid: mx.Array | None = None
         self._valid_key = b""
         self._masks: dict[tuple[int, int | None], mx.Array | None] = {}
+        self._column: mx.Array | None = None
+        self._column_idx = -1
+        self._rows: mx.Array | None = None
+        self._rows_key = b""
 
     def offset(self, idx: int, starts: np.ndarray) -> mx.Array:
         """Each row's next position (idx - starts), int32 [B]."""
@@ -182,6 +190,22 @@ class Columns:
             self._offset = self._offset + 1
         self._offset_key = (idx, key)
         return self._offset
+
+    def column(self, idx: int) -> mx.Array:
+        """The column this step writes, int32 [1] (the compiled step's input), carried like `offset`."""
+        if self._column is None or self._column_idx not in (idx, idx - 1):
+            self._column = mx.array(np.array([idx], dtype=np.int32))
+        elif self._column_idx == idx - 1:
+            self._column = self._column + 1
+        self._column_idx = idx
+        return self._column
+
+    def first_valid(self, valid: np.ndarray) -> mx.Array:
+        """Each row's first valid column, int32 [B], uploaded once per change of the rows."""
+        key = valid.tobytes()
+        if self._rows is None or self._rows_key != key:
+            self._rows, self._rows_key = mx.array(valid.astype(np.int32)), key
+        return self._rows
 
     def mask(self, idx: int, valid: np.ndarray, window: int | None) -> mx.Array | None:
         """[B, 1, 1, idx + 1] booleans, True where a row may attend (its valid columns, inside
@@ -239,7 +263,7 @@ class BatchKVCache:
         if s != 1:
             raise ValueError(f"a batch cache takes one-token steps, not {s} tokens")
         if self.idx + 1 > self.capacity:
-            self._grow()
+            self.grow()
         dv = values.shape[3]
         end = self.idx + 1
         self.keys = mx.slice_update(self.keys, keys, [0, 0, self.idx, 0], [b, h, end, dk], [1, 1, 1, 1])
@@ -248,7 +272,19 @@ class BatchKVCache:
         return (mx.slice(self.keys, [0, 0, 0, 0], [b, h, end, dk], [1, 1, 1, 1]),
                 mx.slice(self.values, [0, 0, 0, 0], [b, h, end, dv], [1, 1, 1, 1]))
 
-    def _grow(self) -> None:
+    def round_capacity(self) -> None:
+        """Zero columns at the end up to a multiple of GROW: the batch's buffer sizes stay few, so
+        the compiled step is traced once per size and batch size."""
+        have = self.keys.shape[2]
+        want = max(GROW, -(-have // GROW) * GROW)
+        if want > have:
+            b, h, _, dk = self.keys.shape
+            dv = self.values.shape[3]
+            self.keys = mx.concatenate([self.keys, mx.zeros((b, h, want - have, dk), self.keys.dtype)], axis=2)
+            self.values = mx.concatenate([self.values, mx.zeros((b, h, want - have, dv), self.values.dtype)], axis=2)
+
+    def grow(self) -> None:
+        """GROW more columns at the end."""
         b, h, _, dk = self.keys.shape
         dv = self.values.shape[3]
         self.keys = mx.concatenate([self.keys, mx.zeros((b, h, GROW, dk), self.keys.dtype)], axis=2)
@@ -304,6 +340,9 @@ def check_batchable(caches: Sequence[Any]) -> None:
                                       "attention layers only (KVCache, RotatingKVCache)")
 
 
+_versions = itertools.count()
+
+
 class Batch:
     """The running rows and their `BatchKVCache`s (one per layer, all with the same columns)."""
 
@@ -311,6 +350,7 @@ class Batch:
         self.rows: list[_Row] = []
         self.caches: list[BatchKVCache] = []
         self.columns = Columns()  # the layers' shared positions and masks
+        self.version = next(_versions)  # new at every change of the rows (BatchStep looks again at the weights)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -329,6 +369,7 @@ class Batch:
                 c.idx += shift
                 c.starts = c.starts + shift
                 c.valid = c.valid + shift
+                c.round_capacity()
         idx += shift
         new_caches = []
         for n, (keys, values, _) in enumerate(parts):
@@ -360,6 +401,29 @@ class Batch:
             self.caches = new_caches
         mx.eval([c.state for c in self.caches])
         self.rows.append(row)
+        self.version = next(_versions)
+
+    def logits(self, model: Any, ids: mx.Array, step: BatchStep | None) -> mx.Array:
+        """The next logits [B, V] of every row from their last ids [B, 1], the caches moved one column
+        on: on the compiled step where it applies, else built op by op (the same tokens)."""
+        caches = self.caches
+        if step is not None and caches:
+            first = caches[0]
+            if first.idx + 1 > first.capacity:
+                for c in caches:
+                    c.grow()
+            cols = self.columns
+            got = step.logits(ids, cols.column(first.idx), cols.offset(first.idx, first.starts),
+                              cols.first_valid(first.valid), [a for c in caches for a in (c.keys, c.values)],
+                              self.version)
+            if got is not None:
+                logits, buffers = got
+                for i, c in enumerate(caches):
+                    c.keys, c.values = buffers[2 * i], buffers[2 * i + 1]
+                    c.idx += 1
+                return logits
+        out: mx.Array = model(ids, cache=caches)[:, -1, :]
+        return out
 
     def remove(self, gone: Sequence[_Row]) -> None:
         """Drop rows, and the leading columns no row needs any more."""
@@ -367,6 +431,7 @@ class Batch:
             return
         keep = [i for i, r in enumerate(self.rows) if r not in gone]
         self.rows = [self.rows[i] for i in keep]
+        self.version = next(_versions)
         if not keep:
             self.caches = []
             return
@@ -380,6 +445,7 @@ class Batch:
             c.idx -= first
             c.starts = c.starts[keep] - first
             c.valid = c.valid[keep] - first
+            c.round_capacity()
         mx.eval([c.state for c in self.caches])
 
 
@@ -440,11 +506,12 @@ class _Row:
         return logits
 
 
-def warm_rows() -> int:
-    """The batch sizes worth a warm-up step before serving here: WARM_ROWS on MLX's CUDA device,
-    where a kernel is compiled per size in every process; none elsewhere (nothing is compiled per
-    batch size, and a large model's steps on a CPU would only delay the start)."""
-    return WARM_ROWS if on_cuda() else 0
+def warm_rows(limit: int) -> int:
+    """The batch sizes worth a warm-up step before serving up to `limit` rows here: all of them on
+    MLX's CUDA device, where a kernel is compiled per size up to WARM_ROWS and the compiled batch
+    step is traced per size, in every process; none elsewhere (a large model's steps on a CPU would
+    only delay the start)."""
+    return limit if on_cuda() else 0
 
 
 # The row `Scheduler.warm` puts in its throwaway batch (a batch only keeps its rows in a list).
@@ -543,7 +610,7 @@ class Scheduler:
                     caches = model.make_cache(self.context_len)
                     mx.eval(model(mx.zeros((1, 1), mx.int32), cache=caches))
                     batch.add(_WARM_ROW, caches)
-                logits = model(mx.zeros((size, 1), mx.int32), cache=batch.caches)[:, -1, :]
+                logits = batch.logits(model, mx.zeros((size, 1), mx.int32), self._host.batch_step)
                 mx.eval(mx.argmax(logits, axis=-1))
 
     def running(self) -> int:
@@ -682,7 +749,7 @@ class Scheduler:
             inputs = mx.expand_dims(ahead, 1)
         else:
             inputs = mx.array([[r.generated[-1]] for r in rows], dtype=mx.int32)
-        logits = model(inputs, cache=self._batch.caches)[:, -1, :]
+        logits = self._batch.logits(model, inputs, self._host.batch_step)
         self.steps += 1
         if look_ahead:
             following = self._greedy(rows, logits)

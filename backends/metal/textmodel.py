@@ -32,6 +32,7 @@ from pymlxc.types import AttentionSnapshot, BatchResult, ClassifyResult, Generat
 from . import batching
 from . import generate as loops
 from . import prompt_cache as pcache
+from .decode.batch_step import BatchStep, batch_compile_on
 from .decode.decoder import CompiledDecoder
 from .distributed.runtime import agree_options
 from .sample import Sampler, make_logits_processors, make_sampler
@@ -144,6 +145,9 @@ class MetalTextModel(TrainableMixin):
         self.settings = config.settings  # the PYMLXC_* switches this model runs with (pymlxc/settings.py)
         self._decoder = CompiledDecoder(model, settings=config.settings)
         self._resources.callback(self._decoder.close)
+        # The continuous batch's compiled step (decode/batch_step.py), under the same switch.
+        self._batch_step = BatchStep(model, enabled=batch_compile_on(config.settings))
+        self._resources.callback(self._batch_step.close)
         self.compiled_decode = True
         self._scheduler: batching.Scheduler | None = None  # made by scheduler()
 
@@ -683,6 +687,11 @@ class _BatchHost:
     @property
     def vocab_size(self) -> int:
         return self._owner.info().vocab_size
+
+    @property
+    def batch_step(self) -> BatchStep | None:
+        owner = self._owner
+        return owner._batch_step if owner.compiled_decode and owner._batch_step.enabled else None
 
     @contextlib.contextmanager
     def counted_step(self) -> Iterator[None]:

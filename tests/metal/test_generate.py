@@ -252,6 +252,33 @@ def test_scheduler_warm_steps_each_batch_size_and_leaves_nothing_behind(model, m
         assert ids(result.tokens) == ids(model.generate(prompt, max_tokens=8))
 
 
+def test_compiled_batch_step_gives_the_tokens_of_single_generations(model_dirs: dict[str, Path], arch: str) -> None:
+    """The continuous batch's compiled step (forced here; `auto` takes it on a GPU only): rows that
+    join, leave and stop at different steps give a single generation's tokens, and the steps ran
+    compiled, one trace per batch size."""
+    from pymlxc import settings
+
+    with settings.override(batch_compile="1"), \
+            pymlxc.load_model(str(model_dirs[arch]), backend="metal") as compiled:
+        lengths = [5, 12, 3]
+        results = compiled.batch_generate(PROMPTS, max_tokens=12)
+        stats = compiled._batch_step.stats  # noqa: SLF001 - the step's own counters
+        assert stats["compiled"] > 0 and stats["fallback"] == 0
+        assert stats["traces"] <= len(PROMPTS) * 2  # per batch size (and buffer size), not per step
+        for result, prompt in zip(results, PROMPTS, strict=True):
+            assert ids(result.tokens) == ids(compiled.generate(prompt, max_tokens=12))
+        from pymlxc.backends.metal.batching import Collector, Request, SamplingParams
+
+        scheduler = compiled.scheduler()
+        jobs = [(Request(compiled.encode(p), SamplingParams(max_tokens=n), c := Collector()), c)
+                for p, n in zip(PROMPTS, lengths, strict=True)]
+        for request, _ in jobs:
+            scheduler.submit(request)
+        for (_, collector), prompt, n in zip(jobs, PROMPTS, lengths, strict=True):
+            assert collector.wait(60)
+            assert collector.tokens() == ids(compiled.generate(prompt, max_tokens=n))
+
+
 def test_batch_cancel_reports_on_rows(model) -> None:
     cancel = threading.Event()
     cancel.set()

@@ -1,0 +1,188 @@
+"""The continuous batch's decode step as one compiled graph (`batching.Scheduler`'s step).
+
+Built op by op, a step of the batch costs the binding a few hundred calls and MLX as many graph
+nodes, every step, whatever the batch size: on an H100 that host work, not the device, set the
+step's time for a 1B model. Here the step is traced once per batch size and buffer size and
+replayed: the inputs are the rows' last ids [B, 1], the column written this step, each row's
+position (RoPE) and first valid column, and every layer's key/value buffers of the batch
+(`BatchKVCache`, [B, H, capacity, D]); the outputs are the logits [B, V] and the buffers with this
+step's column written (`slice_update_dynamic`). Attention runs over the whole buffer with a mask
+made inside the graph (a row sees its valid columns up to this step's, within a layer's window),
+so shapes do not change from step to step; the weights are inputs, not constants the trace keeps.
+
+`BatchStep.logits` says None where the step cannot be traced (the caller then builds it op by op,
+which gives the same tokens); a structure that failed once is not traced again.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import pymlxc.core as mx
+from pymlxc.core import Array
+from pymlxc.core.transforms import FixedArrays
+from pymlxc.settings import Settings
+
+from ..nn import Module, arrays_of
+from .trace import call_traced, clone_modules
+from .trace import spec as traced_spec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Spec:
+    """What a trace of the batch step needs; handed to `_trace_batch_step` through `call_traced`."""
+
+    model: Module
+    weights: list[Array]
+    stats: dict[str, int]
+
+
+class _Masks:
+    """The step's boolean masks [B, 1, 1, capacity], one per window, made inside the trace."""
+
+    def __init__(self, column: Array, valid: Array, capacity: int) -> None:
+        self._column = column
+        self._cols = mx.reshape(mx.arange(capacity, dtype=mx.int32), (1, capacity))
+        self._seen = mx.logical_and(self._cols >= mx.reshape(valid, (-1, 1)), self._cols <= column)
+        self._by_window: dict[int | None, Array] = {}
+
+    def get(self, window: int | None) -> Array:
+        m = self._by_window.get(window)
+        if m is None:
+            seen = self._seen
+            if window is not None:
+                seen = mx.logical_and(seen, self._cols > self._column - window)
+            m = self._by_window[window] = mx.expand_dims(seen, (1, 2))
+        return m
+
+
+class _TracedCache:
+    """The `Cache` protocol over one layer's batch buffers inside the trace (one-token steps)."""
+
+    def __init__(self, keys: Array, values: Array, column: Array, offset: Array, masks: _Masks) -> None:
+        self.keys, self.values = keys, values
+        self._column = column
+        self.offset = offset  # each row's position: RoPE takes the array
+        self._masks = masks
+
+    def update_and_fetch(self, keys: Array, values: Array) -> tuple[Array, Array]:
+        self.keys = mx.slice_update_dynamic(self.keys, keys, self._column, [2])
+        self.values = mx.slice_update_dynamic(self.values, values, self._column, [2])
+        return self.keys, self.values
+
+    def make_mask(self, n: int, window_size: int | None = None) -> Array:
+        return self._masks.get(window_size)
+
+    @property
+    def state(self) -> tuple[Array, Array]:
+        return self.keys, self.values
+
+
+def _trace_batch_step(inputs: list[Array]) -> list[Array]:
+    """The function MLX traces: [ids [B, 1], column [1], positions [B], first valid columns [B],
+    k0, v0, k1, v1, ..., *weights] -> [logits [B, V], k0', v0', ...]."""
+    spec: _Spec = traced_spec()
+    spec.stats["traces"] += 1
+    ids, column, positions, valid = inputs[:4]
+    n = (len(inputs) - 4 - len(spec.weights)) // 2
+    buffers = inputs[4:4 + 2 * n]
+    model = clone_modules([spec.model], spec.weights, inputs[4 + 2 * n:])[0]
+    masks = _Masks(column, valid, buffers[0].shape[2])
+    caches = [_TracedCache(buffers[2 * i], buffers[2 * i + 1], column, positions, masks) for i in range(n)]
+    logits = model(ids, cache=caches)
+    out = [mx.reshape(logits, (ids.shape[0], logits.shape[-1]))]
+    for c in caches:
+        out += list(c.state)
+    return out
+
+
+def batch_compile_on(settings: Settings) -> bool:
+    """Whether a model loaded with `settings` takes the compiled batch step (`Settings.batch_compile`)."""
+    if not settings.compile or settings.batch_compile == "0":
+        return False
+    return settings.batch_compile == "1" or mx.default_device().type == "gpu"
+
+
+class BatchStep:
+    """The compiled batch step of one model. Thread-safe; `close()` drops the traces."""
+
+    def __init__(self, model: Module, enabled: bool = True) -> None:
+        self._model: Module | None = model
+        self.enabled = enabled
+        self._fn: Any = None
+        self._structure: tuple[Any, ...] | None = None
+        self._spec: _Spec | None = None
+        self._fixed: FixedArrays | None = None
+        self._failed: set[tuple[Any, ...]] = set()
+        self._version = -1
+        self._prepared: tuple[Any, _Spec, FixedArrays, tuple[Any, ...]] | None = None
+        self._lock = threading.Lock()
+        self.stats = {"compiled": 0, "traces": 0, "fallback": 0}
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fn is not None:
+                self._fn.clear()
+            if self._fixed is not None:
+                self._fixed.release()
+            self._fn = self._spec = self._fixed = self._prepared = None
+            self._model = None
+
+    def _prepare(self, version: int) -> tuple[Any, _Spec, FixedArrays, tuple[Any, ...]] | None:
+        """The compiled function and the model's arrays as they are now (made again after the
+        model's arrays change: an adapter, fused projections), or None where this structure failed.
+        The arrays are looked at again only when `version` (the batch's rows) changed."""
+        model = self._model
+        if model is None:
+            return None
+        with self._lock:
+            if version == self._version and self._prepared is not None:
+                return self._prepared
+        weights, classes = arrays_of(model, with_classes=True)
+        structure = (classes, tuple(map(id, weights)))
+        with self._lock:
+            self._version, self._prepared = version, None
+            if structure in self._failed:
+                return None
+            if self._structure != structure or self._fn is None or self._spec is None or self._fixed is None:
+                if self._fn is not None:
+                    self._fn.clear()
+                if self._fixed is not None:
+                    self._fixed.release()
+                self._fn = mx.compile(_trace_batch_step)
+                self._spec = _Spec(model, list(weights), self.stats)
+                self._fixed = FixedArrays(weights)
+                self._structure = structure
+            self._prepared = (self._fn, self._spec, self._fixed, structure)
+            return self._prepared
+
+    def logits(self, ids: Array, column: Array, positions: Array, valid: Array, buffers: list[Array],
+               version: int) -> tuple[Array, list[Array]] | None:
+        """(logits [B, V], the buffers after this step) on the compiled step, or None where it does
+        not apply (disabled, or the model's forward could not be traced: then logged once).
+        `version`: the batch's (`Batch.version`), new whenever its rows changed."""
+        if not self.enabled:
+            return None
+        prepared = self._prepare(version)
+        if prepared is None:
+            self.stats["fallback"] += 1
+            return None
+        fn, spec, fixed, structure = prepared
+        try:
+            out = call_traced(fn, spec, [ids, column, positions, valid, *buffers], fixed)
+        except Exception as exc:  # noqa: BLE001 - the op-by-op step gives the same tokens
+            with self._lock:
+                self._failed.add(structure)
+                self._prepared = None
+            log.warning("the batch decode step could not be compiled (%s); it is built op by op", exc)
+            self.stats["fallback"] += 1
+            return None
+        self.stats["compiled"] += 1
+        return out[0], out[1:]
+
+
+__all__ = ["BatchStep"]

@@ -506,8 +506,10 @@ def chart(report: dict[str, Any], path: Path) -> bool:
     for ax, metric, title in ((axes[0], "decode_tps", "decode tok/s"), (axes[1], "prefill_tps", "prefill tok/s")):
         for k, name in enumerate(names):
             values = [c["sides"][name][metric]["median"] for c in cases]
-            lows = [c["sides"][name][metric]["median"] - c["sides"][name][metric]["min"] for c in cases]
-            highs = [c["sides"][name][metric]["max"] - c["sides"][name][metric]["median"] for c in cases]
+            # Error bars from the median to the runs' extremes (never negative: a hand-edited or
+            # partial record may hold a median outside them).
+            lows = [max(0.0, c["sides"][name][metric]["median"] - c["sides"][name][metric]["min"]) for c in cases]
+            highs = [max(0.0, c["sides"][name][metric]["max"] - c["sides"][name][metric]["median"]) for c in cases]
             xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(cases))]
             ax.bar(xs, values, width, label=name, yerr=[lows, highs], capsize=2)
         for i, c in enumerate(cases):

@@ -100,11 +100,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"N={n:3d}  step {row['step_ms']:.2f} ms (min {row['step_ms_min']:.2f})  scheduler "
                   f"{run['scheduler_ms']:.2f} ms/step, {run['tok_per_s']:.1f} tok/s over {run['steps']} steps",
                   flush=True)
+        stats = dict(model._batch_step.stats)  # noqa: SLF001 - whether the compiled batch step ran
+        print(f"compiled batch step: {stats}", flush=True)
     finally:
         model.close()
     if args.out is not None:
         args.out.write_text(json.dumps({"model": str(args.model), "device": str(mx.default_device()),
-                                        "generate_tok_per_s": single, "rows": rows}, indent=2))
+                                        "generate_tok_per_s": single, "batch_step": stats, "rows": rows}, indent=2))
     return 0
 
 

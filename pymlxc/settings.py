@@ -69,11 +69,11 @@ class Settings:
         "4-bit quantized products of few rows through pymlxc's CUDA kernel (`kernels/matvec.py`), "
         "chosen at load. `auto`: on CUDA for models whose layers are large enough for it to pay; "
         "`1`: for every 4-bit model on CUDA.")
-    batch_compile: str = _switch(
+    batch_compile: bool = field(default=False, metadata=_doc("bool", (
         "The continuous batch's decode step (the server, `batch_generate`) as one compiled graph per batch "
-        "size and buffer size (`backends/metal/decode/batch_step.py`). `auto`: on a GPU, where the step "
-        "built op by op is bound by host time; not on a CPU, where the compiled step attends over the whole "
-        "buffer and measured no faster. Off whenever `compile` is `0`.")
+        "size and buffer size (`backends/metal/decode/batch_step.py`); off by default: on this machine's CPU "
+        "it measured no faster, and on an H200 a probe of it did not finish its first batch sizes within two "
+        "minutes (not yet understood). Off whenever `compile` is `0`.")))
     eval_thread: str = _switch(
         "Generation loops encode each step on an evaluation thread while Python builds the next "
         "(`pymlxc/core/eval_thread.py`). `auto`: on a GPU, not on a CPU (where the cores are "

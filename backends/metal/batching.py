@@ -506,12 +506,14 @@ class _Row:
         return logits
 
 
-def warm_rows(limit: int) -> int:
-    """The batch sizes worth a warm-up step before serving up to `limit` rows here: all of them on
-    MLX's CUDA device, where a kernel is compiled per size up to WARM_ROWS and the compiled batch
-    step is traced per size, in every process; none elsewhere (a large model's steps on a CPU would
-    only delay the start)."""
-    return limit if on_cuda() else 0
+def warm_rows(limit: int, traced: bool = False) -> int:
+    """The batch sizes worth a warm-up step before serving up to `limit` rows here: on MLX's CUDA
+    device those up to WARM_ROWS (pymlxc's matvec kernel is compiled per row count in every
+    process), all of them where the batch step is `traced` (compiled per batch size); none
+    elsewhere (a large model's steps on a CPU would only delay the start)."""
+    if not on_cuda():
+        return 0
+    return limit if traced else min(limit, WARM_ROWS)
 
 
 # The row `Scheduler.warm` puts in its throwaway batch (a batch only keeps its rows in a list).
@@ -612,6 +614,11 @@ class Scheduler:
                     batch.add(_WARM_ROW, caches)
                 logits = batch.logits(model, mx.zeros((size, 1), mx.int32), self._host.batch_step)
                 mx.eval(mx.argmax(logits, axis=-1))
+
+    @property
+    def traced(self) -> bool:
+        """Whether decode steps run on the compiled batch step (`decode/batch_step.py`)."""
+        return self._host.batch_step is not None
 
     def running(self) -> int:
         """Rows decoding or prefilling now."""

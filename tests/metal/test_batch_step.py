@@ -1,5 +1,5 @@
-"""The continuous batch's compiled step (`decode/batch_step.py`, forced on here: `auto` takes it on a
-GPU only) on the architectures whose layers differ from the Llama family's: sliding windows that
+"""The continuous batch's compiled step (`decode/batch_step.py`, `PYMLXC_BATCH_COMPILE`, on
+here) on the architectures whose layers differ from the Llama family's: sliding windows that
 cut in during the generation (Gemma 3's window of 16), experts (Qwen 3 MoE) and Gemma 4."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ PROMPTS = ["Once upon a time", "The baker counted the coins in her drawer before
 @pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_moe", "gemma4_text"])
 def test_compiled_batch_step_matches_single_generations(tmp_path: Path, arch: str) -> None:
     path = write_tiny_model(tmp_path / arch, arch, seed=3)
-    with settings.override(batch_compile="1"), pymlxc.load_model(str(path), backend="metal") as model:
+    with settings.override(batch_compile=True), pymlxc.load_model(str(path), backend="metal") as model:
         results = model.batch_generate(PROMPTS, max_tokens=24)
         stats = model._batch_step.stats  # noqa: SLF001 - the step's own counters
         assert stats["compiled"] > 0 and stats["fallback"] == 0
@@ -36,7 +36,7 @@ def test_compiled_batch_step_logits_equal_the_op_by_op_step(tmp_path: Path, arch
     from pymlxc.backends.metal import batching
 
     path = write_tiny_model(tmp_path / arch, arch, seed=5)
-    with settings.override(batch_compile="1"), pymlxc.load_model(str(path), backend="metal") as model:
+    with settings.override(batch_compile=True), pymlxc.load_model(str(path), backend="metal") as model:
         lm, step = model.model, model._batch_step  # noqa: SLF001 - the step under test
         batches = []
         for _ in range(2):

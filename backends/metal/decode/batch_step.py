@@ -11,7 +11,11 @@ made inside the graph (a row sees its valid columns up to this step's, within a 
 so shapes do not change from step to step; the weights are inputs, not constants the trace keeps.
 
 `BatchStep.logits` says None where the step cannot be traced (the caller then builds it op by op,
-which gives the same tokens); a structure that failed once is not traced again.
+which gives the same tokens); a structure that failed once is not traced again. It is off unless
+`PYMLXC_BATCH_COMPILE=1` (`Settings.batch_compile`): on this machine's CPU it measured no faster
+(it attends over the whole buffer), and on an H200 a probe did not get past its first batch sizes
+within two minutes, a cost not yet understood (each new batch size is a new trace, and MLX may
+compile kernels for it).
 """
 from __future__ import annotations
 
@@ -102,9 +106,7 @@ def _trace_batch_step(inputs: list[Array]) -> list[Array]:
 
 def batch_compile_on(settings: Settings) -> bool:
     """Whether a model loaded with `settings` takes the compiled batch step (`Settings.batch_compile`)."""
-    if not settings.compile or settings.batch_compile == "0":
-        return False
-    return settings.batch_compile == "1" or mx.default_device().type == "gpu"
+    return settings.compile and settings.batch_compile
 
 
 class BatchStep:

@@ -72,8 +72,8 @@ class Settings:
     batch_compile: bool = field(default=False, metadata=_doc("bool", (
         "The continuous batch's decode step (the server, `batch_generate`) as one compiled graph per batch "
         "size and buffer size (`backends/metal/decode/batch_step.py`); off by default: on this machine's CPU "
-        "it measured no faster, and on an H200 a probe of it did not finish its first batch sizes within two "
-        "minutes (not yet understood). Off whenever `compile` is `0`.")))
+        "it measured no faster, and on a fresh H200 a probe of it was stopped at its time limit in the warm-up "
+        "of its batch sizes (not yet measured). Off whenever `compile` is `0`.")))
     eval_thread: str = _switch(
         "Generation loops encode each step on an evaluation thread while Python builds the next "
         "(`pymlxc/core/eval_thread.py`). `auto`: on a GPU, not on a CPU (where the cores are "

@@ -13,9 +13,9 @@ so shapes do not change from step to step; the weights are inputs, not constants
 `BatchStep.logits` says None where the step cannot be traced (the caller then builds it op by op,
 which gives the same tokens); a structure that failed once is not traced again. It is off unless
 `PYMLXC_BATCH_COMPILE=1` (`Settings.batch_compile`): on this machine's CPU it measured no faster
-(it attends over the whole buffer), and on an H200 a probe did not get past its first batch sizes
-within two minutes, a cost not yet understood (each new batch size is a new trace, and MLX may
-compile kernels for it).
+(it attends over the whole buffer), and on a fresh H200 a probe was stopped at its time limit in
+the warm-up of its batch sizes, a cost not yet measured (each new batch size is a new trace, and
+MLX may compile kernels for it).
 """
 from __future__ import annotations
 

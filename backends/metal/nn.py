@@ -264,13 +264,18 @@ class CudaMatvecChoice:
         self._cuda_matvec = bool(on)
 
 
+FOLD_MIN_ROWS = 8  # MLX's CUDA quantized product goes batched-tensor-core from B * M = 8 rows
+
+
 def fold_decode_batch(x: Array) -> tuple[Array, int]:
-    """A decode batch's activations [B, 1, K] (B > 1) as one product's rows [1, B, K], and B;
-    anything else as it is, and 0. MLX's CUDA quantized product takes [B, 1, K] as B products of
-    one row each (its batched tensor-core kernel), every one reading all the weights, so a batch's
-    step grew with its rows; as B rows of one product the weights are read once."""
+    """A decode batch's activations [B, 1, K] (B >= FOLD_MIN_ROWS) as one product's rows [1, B, K],
+    and B; anything else as it is, and 0. MLX's CUDA quantized product takes [B, 1, K] as B
+    products of one row each (its batched tensor-core kernel), every one reading all the weights,
+    so a batch's step grew with its rows; as B rows of one product the weights are read once.
+    Below 8 rows MLX's matrix-vector kernel takes either layout alike (and pymlxc's CUDA kernel
+    reads any), so the two reshapes per layer are not spent there."""
     shape = x.shape
-    if len(shape) == 3 and shape[1] == 1 and shape[0] > 1:
+    if len(shape) == 3 and shape[1] == 1 and shape[0] >= FOLD_MIN_ROWS:
         return _reshape(x, (1, shape[0], shape[2])), shape[0]
     return x, 0
 

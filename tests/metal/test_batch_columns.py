@@ -58,15 +58,15 @@ def test_a_decode_batch_is_one_product_of_its_rows() -> None:
     w = mx.random.normal((32, 64), key=mx.random.key(1))
     layer.weight, layer.scales, layer.biases = mx.quantize(w, 32, 4)
     layer.bias = mx.random.normal((32,), key=mx.random.key(2))
-    x = mx.random.normal((5, 1, 64), key=mx.random.key(3))
+    x = mx.random.normal((9, 1, 64), key=mx.random.key(3))
     folded, rows = nn.fold_decode_batch(x)
-    assert rows == 5 and folded.shape == (1, 5, 64)
+    assert rows == 9 and folded.shape == (1, 9, 64)
     batch = np.array(layer(x).tolist())
-    assert batch.shape == (5, 1, 32)
-    for b in range(5):
+    assert batch.shape == (9, 1, 32)
+    for b in range(9):
         alone = np.array(layer(x[b:b + 1]).tolist())
         np.testing.assert_allclose(batch[b], alone[0], rtol=1e-5, atol=1e-5)
     # One token of one row, and prompts, are left as they are.
-    for shape in ((1, 1, 64), (1, 7, 64), (3, 64)):
+    for shape in ((1, 1, 64), (7, 1, 64), (1, 7, 64), (3, 64)):
         same, n = nn.fold_decode_batch(mx.zeros(shape))
         assert n == 0 and same.shape == shape

@@ -267,22 +267,24 @@ class CudaMatvecChoice:
 FOLD_MIN_ROWS = 8  # MLX's CUDA quantized product goes batched-tensor-core from B * M = 8 rows
 
 
-def fold_decode_batch(x: Array) -> tuple[Array, int]:
-    """A decode batch's activations [B, 1, K] (B >= FOLD_MIN_ROWS) as one product's rows [1, B, K],
-    and B; anything else as it is, and 0. MLX's CUDA quantized product takes [B, 1, K] as B
-    products of one row each (its batched tensor-core kernel), every one reading all the weights,
-    so a batch's step grew with its rows; as B rows of one product the weights are read once.
-    Below 8 rows MLX's matrix-vector kernel takes either layout alike (and pymlxc's CUDA kernel
-    reads any), so the two reshapes per layer are not spent there."""
+def _quantized_product(layer: Any, x: Array) -> Array:
+    """`x @ dequantize(layer's weight).T` for a QuantizedLinear or a QuantizedEmbedding's head:
+    pymlxc's CUDA kernel where the layer is marked for it, else MLX directly (no further Python
+    call on the uncompiled per-token path).
+
+    A decode batch's activations [B, 1, K] with B >= FOLD_MIN_ROWS go in as one product's rows
+    [1, B, K]: MLX's CUDA quantized product takes [B, 1, K] as B products of one row each (its
+    batched tensor-core kernel), every one reading all the weights, so a batch's step grew with its
+    rows. Below 8 rows MLX's matrix-vector kernel takes either layout alike (and pymlxc's kernel
+    reads any), so the two reshapes are not spent there."""
     shape = x.shape
     if len(shape) == 3 and shape[1] == 1 and shape[0] >= FOLD_MIN_ROWS:
-        return _reshape(x, (1, shape[0], shape[2])), shape[0]
-    return x, 0
-
-
-def unfold_decode_batch(y: Array, rows: int) -> Array:
-    """`fold_decode_batch`'s inverse on the product: [1, B, N] -> [B, 1, N] (rows = 0: unchanged)."""
-    return _reshape(y, (rows, 1, y.shape[-1])) if rows else y
+        y = _quantized_product(layer, _reshape(x, (1, shape[0], shape[2])))
+        return _reshape(y, (shape[0], 1, y.shape[-1]))
+    if layer._cuda_matvec:
+        return quantized_matmul(x, layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits, True)
+    out: Array = _qmm(x, layer.weight, layer.scales, layer.biases, True, layer.group_size, layer.bits)
+    return out
 
 
 class QuantizedLinear(CudaMatvecChoice, Module):
@@ -322,13 +324,7 @@ class QuantizedLinear(CudaMatvecChoice, Module):
         return q
 
     def __call__(self, x: Array) -> Array:
-        x, rows = fold_decode_batch(x)
-        # Unmarked layers call MLX directly: no extra Python call on the uncompiled per-token path.
-        if self._cuda_matvec:
-            y = quantized_matmul(x, self.weight, self.scales, self.biases, self.group_size, self.bits, True)
-        else:
-            y = _qmm(x, self.weight, self.scales, self.biases, True, self.group_size, self.bits)
-        y = unfold_decode_batch(y, rows)
+        y = _quantized_product(self, x)
         b = self.__dict__.get("bias")
         return y if b is None else y + b
 
@@ -384,12 +380,7 @@ class QuantizedEmbedding(CudaMatvecChoice, Module):
                            _take(self.biases, x, axis=0), self.group_size, self.bits)
 
     def as_linear(self, x: Array) -> Array:
-        x, rows = fold_decode_batch(x)
-        if self._cuda_matvec:
-            y = quantized_matmul(x, self.weight, self.scales, self.biases, self.group_size, self.bits, True)
-        else:
-            y = _qmm(x, self.weight, self.scales, self.biases, True, self.group_size, self.bits)
-        return unfold_decode_batch(y, rows)
+        return _quantized_product(self, x)
 
 
 class RMSNorm(Module):

@@ -1,5 +1,5 @@
 """The decode batch's shared positions and masks (`batching.Columns`) and the folding of a decode
-batch's rows into one quantized product (`nn.fold_decode_batch`)."""
+batch's rows into one quantized product (`nn._quantized_product`)."""
 from __future__ import annotations
 
 import numpy as np
@@ -52,21 +52,29 @@ def test_positions_and_masks_follow_the_columns(valid_list: list[int], idx: int,
         assert np.array_equal(np.array(got.tolist()), want)
 
 
-def test_a_decode_batch_is_one_product_of_its_rows() -> None:
-    """[B, 1, K] through a quantized layer gives each row's own product (folded into [1, B, K])."""
+def test_a_decode_batch_is_one_product_of_its_rows(monkeypatch) -> None:
+    """[B, 1, K] with B >= 8 reaches MLX's quantized product as [1, B, K] (one product of B rows),
+    and gives each row its own product; fewer rows, one token of one row, and prompts reach it as
+    they are."""
+    seen: list[tuple[int, ...]] = []
+    real = nn._qmm
+
+    def spy(x, *args):
+        seen.append(tuple(x.shape))
+        return real(x, *args)
+
+    monkeypatch.setattr(nn, "_qmm", spy)
     layer = nn.QuantizedLinear(64, 32, bias=True, group_size=32, bits=4)
     w = mx.random.normal((32, 64), key=mx.random.key(1))
     layer.weight, layer.scales, layer.biases = mx.quantize(w, 32, 4)
     layer.bias = mx.random.normal((32,), key=mx.random.key(2))
     x = mx.random.normal((9, 1, 64), key=mx.random.key(3))
-    folded, rows = nn.fold_decode_batch(x)
-    assert rows == 9 and folded.shape == (1, 9, 64)
     batch = np.array(layer(x).tolist())
-    assert batch.shape == (9, 1, 32)
+    assert seen == [(1, 9, 64)] and batch.shape == (9, 1, 32)
     for b in range(9):
         alone = np.array(layer(x[b:b + 1]).tolist())
         np.testing.assert_allclose(batch[b], alone[0], rtol=1e-5, atol=1e-5)
-    # One token of one row, and prompts, are left as they are.
+    seen.clear()
     for shape in ((1, 1, 64), (7, 1, 64), (1, 7, 64), (3, 64)):
-        same, n = nn.fold_decode_batch(mx.zeros(shape))
-        assert n == 0 and same.shape == shape
+        assert layer(mx.zeros(shape)).shape == (*shape[:-1], 32)
+    assert seen == [(1, 1, 64), (7, 1, 64), (1, 7, 64), (3, 64)]

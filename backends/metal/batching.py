@@ -162,73 +162,71 @@ class Host(Protocol):
 
 # ---------------------------------------------------------------------- the batch's caches
 
+class _Stepping:
+    """A device array that moves by one with the batch's column: uploaded from the host when the
+    rows change (or a step is skipped), else the last one plus one, computed on the device."""
+
+    def __init__(self) -> None:
+        self._array: mx.Array | None = None
+        self._at: tuple[int, bytes] = (-1, b"")
+
+    def at(self, idx: int, key: bytes, values: Callable[[], np.ndarray]) -> mx.Array:
+        last_idx, last_key = self._at
+        if self._array is None or key != last_key or idx not in (last_idx, last_idx + 1):
+            self._array = mx.array(values().astype(np.int32))
+        elif idx == last_idx + 1:
+            self._array = self._array + 1
+        self._at = (idx, key)
+        return self._array
+
+
 class Columns:
     """What every layer cache of one batch shares: the columns' RoPE positions and masks as device
     arrays, made once per step rather than once per layer. From one step to the next the positions
-    are the last step's plus one, computed on the device, and a mask is built from the first valid
-    column of each row (uploaded once per change of the rows) and a device `arange`: nothing goes
-    from host to device per step while the rows stay."""
+    (and the column written) are the last step's plus one, computed on the device, and a mask is
+    built from the first valid column of each row (uploaded once per change of the rows) and a
+    device `arange`: nothing goes from host to device per step while the rows stay."""
 
     def __init__(self) -> None:
-        self._offset: mx.Array | None = None
-        self._offset_key: tuple[int, bytes] = (-1, b"")
-        self._valid: mx.Array | None = None
-        self._valid_key = b""
+        self._positions = _Stepping()
+        self._column = _Stepping()
+        self._first: mx.Array | None = None
+        self._first_key = b""
         self._masks: dict[tuple[int, int | None], mx.Array | None] = {}
-        self._column: mx.Array | None = None
-        self._column_idx = -1
-        self._rows: mx.Array | None = None
-        self._rows_key = b""
 
     def offset(self, idx: int, starts: np.ndarray) -> mx.Array:
         """Each row's next position (idx - starts), int32 [B]."""
-        key = starts.tobytes()
-        last_idx, last_key = self._offset_key
-        if self._offset is None or last_key != key or idx not in (last_idx, last_idx + 1):
-            self._offset = mx.array((idx - starts).astype(np.int32))
-        elif idx == last_idx + 1:
-            self._offset = self._offset + 1
-        self._offset_key = (idx, key)
-        return self._offset
+        return self._positions.at(idx, starts.tobytes(), lambda: idx - starts)
 
     def column(self, idx: int) -> mx.Array:
-        """The column this step writes, int32 [1] (the compiled step's input), carried like `offset`."""
-        if self._column is None or self._column_idx not in (idx, idx - 1):
-            self._column = mx.array(np.array([idx], dtype=np.int32))
-        elif self._column_idx == idx - 1:
-            self._column = self._column + 1
-        self._column_idx = idx
-        return self._column
+        """The column this step writes, int32 [1] (the compiled step's input)."""
+        return self._column.at(idx, b"", lambda: np.array([idx]))
 
     def first_valid(self, valid: np.ndarray) -> mx.Array:
         """Each row's first valid column, int32 [B], uploaded once per change of the rows."""
         key = valid.tobytes()
-        if self._rows is None or self._rows_key != key:
-            self._rows, self._rows_key = mx.array(valid.astype(np.int32)), key
-        return self._rows
+        if self._first is None or self._first_key != key:
+            self._first, self._first_key = mx.array(valid.astype(np.int32)), key
+            self._masks = {}
+        return self._first
 
     def mask(self, idx: int, valid: np.ndarray, window: int | None) -> mx.Array | None:
         """[B, 1, 1, idx + 1] booleans, True where a row may attend (its valid columns, inside
         the window), or None where every row may attend to every column."""
-        key = valid.tobytes()
-        if key != self._valid_key:
-            self._valid, self._valid_key = None, key
-            self._masks = {}
-        key_mask = (idx, window)
-        if key_mask in self._masks:
-            return self._masks[key_mask]
+        first = self.first_valid(valid)
+        key = (idx, window)
+        if key in self._masks:
+            return self._masks[key]
         # A window cuts in only once the columns outnumber it.
         cut = window if window is not None and idx + 1 > window else None
         m: mx.Array | None = None
         if cut is not None or valid.any():
-            if self._valid is None:
-                self._valid = mx.array(valid.astype(np.int32)[:, None])
             cols = mx.arange(idx + 1, dtype=mx.int32)[None, :]
-            visible = cols >= self._valid
+            visible = cols >= mx.expand_dims(first, 1)
             if cut is not None:
                 visible = mx.logical_and(visible, cols > idx - cut)
             m = mx.reshape(visible, (valid.shape[0], 1, 1, idx + 1))
-        self._masks = {key_mask: m, **{k: v for k, v in self._masks.items() if k[0] == idx}}
+        self._masks = {key: m, **{k: v for k, v in self._masks.items() if k[0] == idx}}
         return m
 
 

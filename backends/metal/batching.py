@@ -504,16 +504,6 @@ class _Row:
         return logits
 
 
-def warm_rows(limit: int, traced: bool = False) -> int:
-    """The batch sizes worth a warm-up step before serving up to `limit` rows here: on MLX's CUDA
-    device those up to WARM_ROWS (pymlxc's matvec kernel is compiled per row count in every
-    process), all of them where the batch step is `traced` (compiled per batch size); none
-    elsewhere (a large model's steps on a CPU would only delay the start)."""
-    if not on_cuda():
-        return 0
-    return limit if traced else min(limit, WARM_ROWS)
-
-
 # The row `Scheduler.warm` puts in its throwaway batch (a batch only keeps its rows in a list).
 _WARM_ROW: Any = object()
 
@@ -594,11 +584,16 @@ class Scheduler:
                 self._thread.start()
             self._lock.notify_all()
 
-    def warm(self, rows: int) -> None:
+    def warm(self, rows: int | None = None) -> None:
         """Run one decode step at each batch size 1..`rows` (at most `max_batch`) on throwaway rows,
-        so that what the device builds once per batch size (pymlxc's CUDA matvec kernel is compiled
-        per row count of x, up to `WARM_ROWS`) is built now, not while the first requests that
-        reach that size wait. A server calls it before it listens."""
+        so that what the device builds once per batch size is built now, not while the first
+        requests that reach that size wait. A server calls it before it listens. `rows` None: the
+        sizes worth it here: on MLX's CUDA device those up to WARM_ROWS (pymlxc's matvec kernel
+        is compiled per row count of x in every process), every size where the batch step is
+        compiled (traced per size); none elsewhere (a large model's steps on a CPU would only
+        delay the start)."""
+        if rows is None:
+            rows = (self.max_batch if self._host.batch_step is not None else WARM_ROWS) if on_cuda() else 0
         sizes = range(1, min(rows, self.max_batch) + 1)
         if not sizes:
             return
@@ -612,11 +607,6 @@ class Scheduler:
                     batch.add(_WARM_ROW, caches)
                 logits = batch.logits(model, mx.zeros((size, 1), mx.int32), self._host.batch_step)
                 mx.eval(mx.argmax(logits, axis=-1))
-
-    @property
-    def traced(self) -> bool:
-        """Whether decode steps run on the compiled batch step (`decode/batch_step.py`)."""
-        return self._host.batch_step is not None
 
     def running(self) -> int:
         """Rows decoding or prefilling now."""

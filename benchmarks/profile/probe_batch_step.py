@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         single = generated / (time.perf_counter() - t)
         print(f"generate, one stream: {single:.1f} tok/s (prefill included)", flush=True)
         scheduler = model.scheduler(max_batch=max(args.batch), max_queue=max(args.batch))
-        scheduler.warm(batching.warm_rows(max(args.batch), scheduler.traced))
+        scheduler.warm()
         lm = model.model
         for n in args.batch:
             times = step_times(lm, n, args.steps)

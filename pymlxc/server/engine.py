@@ -115,7 +115,7 @@ class BatchEngine:
         self.scheduler = model.scheduler(max_batch=max_concurrency, max_queue=max_queue)
         # Before the server listens: the first requests at each batch size would otherwise wait
         # for what the device compiles once per size (seconds each on CUDA).
-        self.scheduler.warm(batching.warm_rows(max_concurrency, self.scheduler.traced))
+        self.scheduler.warm()
         self.tokenizer = model.tokenizer
         self.vocab_size = model.info().vocab_size
         self.stop_ids = model.stop_ids

@@ -242,7 +242,7 @@ def test_scheduler_warm_steps_each_batch_size_and_leaves_nothing_behind(model, m
         sizes.append(len(self))
 
     monkeypatch.setattr(batching.Batch, "add", add)
-    scheduler.warm(0)  # what a server asks off CUDA (batching.warm_rows)
+    scheduler.warm()  # what a server asks: no size off CUDA
     assert sizes == []
     scheduler.warm(3)
     assert sizes == [1, 2, 3]

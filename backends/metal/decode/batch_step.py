@@ -30,6 +30,7 @@ from pymlxc.core.transforms import FixedArrays
 from pymlxc.settings import Settings
 
 from ..nn import Module, arrays_of
+from .decoder import RingCache
 from .trace import call_traced, clone_modules
 from .trace import spec as traced_spec
 
@@ -45,16 +46,22 @@ class _Spec:
     stats: dict[str, int]
 
 
-class _Masks:
-    """The step's boolean masks [B, 1, 1, capacity], one per window, made inside the trace."""
+class _BatchState:
+    """The `RingState` of one batch step inside the trace: each row's position (RoPE), this step's
+    column as the slot of every layer's buffer, and boolean masks [B, 1, 1, capacity], one per
+    window: a row sees its valid columns up to this step's, within the window."""
 
-    def __init__(self, column: Array, valid: Array, capacity: int) -> None:
+    def __init__(self, positions: Array, column: Array, valid: Array, capacity: int) -> None:
+        self.pos = positions
         self._column = column
         self._cols = mx.reshape(mx.arange(capacity, dtype=mx.int32), (1, capacity))
         self._seen = mx.logical_and(self._cols >= mx.reshape(valid, (-1, 1)), self._cols <= column)
         self._by_window: dict[int | None, Array] = {}
 
-    def get(self, window: int | None) -> Array:
+    def slot(self, ring: int) -> Array:
+        return self._column
+
+    def mask(self, ring: int, window: int | None) -> Array:
         m = self._by_window.get(window)
         if m is None:
             seen = self._seen
@@ -62,28 +69,6 @@ class _Masks:
                 seen = mx.logical_and(seen, self._cols > self._column - window)
             m = self._by_window[window] = mx.expand_dims(seen, (1, 2))
         return m
-
-
-class _TracedCache:
-    """The `Cache` protocol over one layer's batch buffers inside the trace (one-token steps)."""
-
-    def __init__(self, keys: Array, values: Array, column: Array, offset: Array, masks: _Masks) -> None:
-        self.keys, self.values = keys, values
-        self._column = column
-        self.offset = offset  # each row's position: RoPE takes the array
-        self._masks = masks
-
-    def update_and_fetch(self, keys: Array, values: Array) -> tuple[Array, Array]:
-        self.keys = mx.slice_update_dynamic(self.keys, keys, self._column, [2])
-        self.values = mx.slice_update_dynamic(self.values, values, self._column, [2])
-        return self.keys, self.values
-
-    def make_mask(self, n: int, window_size: int | None = None) -> Array:
-        return self._masks.get(window_size)
-
-    @property
-    def state(self) -> tuple[Array, Array]:
-        return self.keys, self.values
 
 
 def _trace_batch_step(inputs: list[Array]) -> list[Array]:
@@ -95,8 +80,9 @@ def _trace_batch_step(inputs: list[Array]) -> list[Array]:
     n = (len(inputs) - 4 - len(spec.weights)) // 2
     buffers = inputs[4:4 + 2 * n]
     model = clone_modules([spec.model], spec.weights, inputs[4 + 2 * n:])[0]
-    masks = _Masks(column, valid, buffers[0].shape[2])
-    caches = [_TracedCache(buffers[2 * i], buffers[2 * i + 1], column, positions, masks) for i in range(n)]
+    capacity = buffers[0].shape[2]
+    state = _BatchState(positions, column, valid, capacity)
+    caches = [RingCache(buffers[2 * i], buffers[2 * i + 1], capacity, None, state) for i in range(n)]
     logits = model(ids, cache=caches)
     out = [mx.reshape(logits, (ids.shape[0], logits.shape[-1]))]
     for c in caches:

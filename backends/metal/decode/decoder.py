@@ -41,7 +41,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import pymlxc.core as mx
 from pymlxc.core import Array
@@ -104,6 +104,17 @@ def decode_mode(setting: str = "auto") -> str:
 
 # ---------------------------------------------------------------------- caches seen by the traced forward
 
+class RingState(Protocol):
+    """What the layers of one traced step share (`RingCache` reads it): each row's position, the
+    slot a ring of a given size writes to, and the mask over such a ring."""
+
+    pos: Array
+
+    def slot(self, ring: int) -> Array: ...
+
+    def mask(self, ring: int, window: int | None) -> Array: ...
+
+
 class _StepState:
     """Per-step values shared by the layers of one traced forward: the position, the slot each
     ring size writes to, and one mask per (ring size, window)."""
@@ -137,10 +148,11 @@ class _StepState:
         return m
 
 
-class _RingCache:
-    """The `Cache` protocol over one layer's fixed ring, inside the traced forward (one token)."""
+class RingCache:
+    """The `Cache` protocol over one layer's fixed ring, inside the traced forward (one token); the
+    compiled batch step (batch_step.py) uses it too, with the batch's column and masks."""
 
-    def __init__(self, keys: Array, values: Array, ring: int, window: int | None, state: _StepState) -> None:
+    def __init__(self, keys: Array, values: Array, ring: int, window: int | None, state: RingState) -> None:
         self.keys, self.values = keys, values
         self.ring, self.window = ring, window
         self._state = state
@@ -416,7 +428,7 @@ def _trace_step(inputs: list[Array]) -> list[Array]:
     model = clone_modules([spec.model], spec.weights, weights)[0]
     state = _StepState(pos, buffers[0].dtype)
     caches = [StepRecurrentCache(buffers[2 * i], buffers[2 * i + 1], pos) if layer.ring == 0
-              else _RingCache(buffers[2 * i], buffers[2 * i + 1], layer.ring, layer.window, state)
+              else RingCache(buffers[2 * i], buffers[2 * i + 1], layer.ring, layer.window, state)
               for i, layer in enumerate(spec.layers)]
     b = tokens.shape[0]
     logits = model(mx.reshape(tokens, (b, 1)), cache=caches)

@@ -6,8 +6,8 @@ other) and each N, every client streams one `/v1/completions` request (greedy, i
 server's `usage` counts them), time to first token (p50/p99) and inter-token latency (p50/p99, the
 gaps between a request's streamed chunks; `tokens_per_chunk` says how many tokens a chunk held).
 Every request bans the model's end-of-sequence ids (logit_bias -100; `--allow-eos` does not), so
-both servers generate the same number of tokens: on random weights each side reaches the end of
-sequence at its own steps, and a round whose requests end early is a lighter load.
+every request runs to `--max-tokens` on both servers, whatever the two sides' numerics pick: a
+round whose requests end early would be a lighter load.
 
     python benchmarks/serve_load.py --model DIR [--clients 1,4,16,64] [--max-tokens 64] [--out results.json]
     python benchmarks/serve_load.py --model DIR --tiny   # writes a tiny random llama to DIR first
@@ -158,8 +158,7 @@ def main() -> int:
                              "are kept as first_round)")
     parser.add_argument("--allow-eos", action="store_true",
                         help="let requests end at the end-of-sequence token (by default every request bans it "
-                             "with logit_bias -100, so that both servers generate --max-tokens for every client: "
-                             "random weights reach it at different steps on each side)")
+                             "with logit_bias -100, so that both servers generate --max-tokens for every client)")
     args = parser.parse_args()
     if args.tiny:
         from pymlxc.testing import write_tiny_model

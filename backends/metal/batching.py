@@ -532,7 +532,8 @@ def _make_row(request: Request, vocab: int) -> _Row:
         if ids.min() < 0 or ids.max() >= vocab:
             raise ValueError(f"logit_bias names token id {int(ids[(ids < 0) | (ids >= vocab)][0])}, outside "
                              f"the vocabulary of {vocab}")
-        row.bias = (mx.array(ids[None, :]), mx.array(np.array([[b for _, b in p.logit_bias]], dtype=np.float32)))
+        if not row.plain:  # a plain row's bias goes in with the batch's (`Scheduler._greedy`)
+            row.bias = (mx.array(ids[None, :]), mx.array(np.array([[b for _, b in p.logit_bias]], dtype=np.float32)))
     if p.repetition_penalty != 1.0:
         row.repeat = make_repeat_penalty(p.repetition_penalty)
     return row

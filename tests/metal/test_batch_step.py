@@ -54,3 +54,25 @@ def test_compiled_batch_step_logits_equal_the_op_by_op_step(tmp_path: Path, arch
             np.testing.assert_allclose(np.array(a.tolist()), np.array(b.tolist()), rtol=1e-4, atol=1e-4)
             ids = mx.expand_dims(mx.argmax(b, axis=-1).astype(mx.int32), 1)
         assert step.stats["compiled"] == 24 and step.stats["fallback"] == 0
+
+
+def test_a_step_that_cannot_be_traced_is_built_op_by_op_and_not_traced_again(tmp_path: Path, monkeypatch) -> None:
+    """A forward that fails to trace: the batch decodes op by op with the same tokens, and that
+    structure is tried once, not at every step."""
+    from pymlxc.backends.metal.decode import batch_step
+
+    tries = []
+
+    def untraceable(inputs):
+        tries.append(1)
+        raise RuntimeError("cannot trace this forward")
+
+    monkeypatch.setattr(batch_step, "_trace_batch_step", untraceable)
+    path = write_tiny_model(tmp_path / "llama", "llama", seed=3)
+    with settings.override(batch_compile=True), pymlxc.load_model(str(path), backend="metal") as model:
+        results = model.batch_generate(PROMPTS, max_tokens=6)
+        for result, prompt in zip(results, PROMPTS, strict=True):
+            assert [t.id for t in result.tokens] == [t.id for t in model.generate(prompt, max_tokens=6)]
+        stats = model._batch_step.stats  # noqa: SLF001 - the step's own counters
+        assert stats["compiled"] == 0 and stats["fallback"] > 1
+        assert len(tries) == 1

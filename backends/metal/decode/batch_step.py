@@ -95,32 +95,40 @@ def batch_compile_on(settings: Settings) -> bool:
     return settings.compile and settings.batch_compile
 
 
+@dataclass
+class _Trace:
+    """The compiled function of one model structure, with the arrays it is handed."""
+
+    fn: Any
+    spec: _Spec
+    fixed: FixedArrays
+    structure: tuple[Any, ...]
+
+    def release(self) -> None:
+        self.fn.clear()
+        self.fixed.release()
+
+
 class BatchStep:
     """The compiled batch step of one model. Thread-safe; `close()` drops the traces."""
 
     def __init__(self, model: Module, enabled: bool = True) -> None:
         self._model: Module | None = model
         self.enabled = enabled
-        self._fn: Any = None
-        self._structure: tuple[Any, ...] | None = None
-        self._spec: _Spec | None = None
-        self._fixed: FixedArrays | None = None
+        self._trace: _Trace | None = None
+        self._version = -1  # the batch version `_trace` was last checked against the model for
         self._failed: set[tuple[Any, ...]] = set()
-        self._version = -1
-        self._prepared: tuple[Any, _Spec, FixedArrays, tuple[Any, ...]] | None = None
         self._lock = threading.Lock()
         self.stats = {"compiled": 0, "traces": 0, "fallback": 0}
 
     def close(self) -> None:
         with self._lock:
-            if self._fn is not None:
-                self._fn.clear()
-            if self._fixed is not None:
-                self._fixed.release()
-            self._fn = self._spec = self._fixed = self._prepared = None
+            if self._trace is not None:
+                self._trace.release()
+            self._trace = None
             self._model = None
 
-    def _prepare(self, version: int) -> tuple[Any, _Spec, FixedArrays, tuple[Any, ...]] | None:
+    def _prepare(self, version: int) -> _Trace | None:
         """The compiled function and the model's arrays as they are now (made again after the
         model's arrays change: an adapter, fused projections), or None where this structure failed.
         The arrays are looked at again only when `version` (the batch's rows) changed."""
@@ -128,25 +136,20 @@ class BatchStep:
         if model is None:
             return None
         with self._lock:
-            if version == self._version and self._prepared is not None:
-                return self._prepared
+            if version == self._version and self._trace is not None:
+                return self._trace
         weights, classes = arrays_of(model, with_classes=True)
         structure = (classes, tuple(map(id, weights)))
         with self._lock:
-            self._version, self._prepared = version, None
+            self._version = version
             if structure in self._failed:
                 return None
-            if self._structure != structure or self._fn is None or self._spec is None or self._fixed is None:
-                if self._fn is not None:
-                    self._fn.clear()
-                if self._fixed is not None:
-                    self._fixed.release()
-                self._fn = mx.compile(_trace_batch_step)
-                self._spec = _Spec(model, list(weights), self.stats)
-                self._fixed = FixedArrays(weights)
-                self._structure = structure
-            self._prepared = (self._fn, self._spec, self._fixed, structure)
-            return self._prepared
+            if self._trace is None or self._trace.structure != structure:
+                if self._trace is not None:
+                    self._trace.release()
+                self._trace = _Trace(mx.compile(_trace_batch_step), _Spec(model, list(weights), self.stats),
+                                     FixedArrays(weights), structure)
+            return self._trace
 
     def logits(self, ids: Array, column: Array, positions: Array, valid: Array, buffers: list[Array],
                version: int) -> tuple[Array, list[Array]] | None:
@@ -155,17 +158,18 @@ class BatchStep:
         `version`: the batch's (`Batch.version`), new whenever its rows changed."""
         if not self.enabled:
             return None
-        prepared = self._prepare(version)
-        if prepared is None:
+        trace = self._prepare(version)
+        if trace is None:
             self.stats["fallback"] += 1
             return None
-        fn, spec, fixed, structure = prepared
         try:
-            out = call_traced(fn, spec, [ids, column, positions, valid, *buffers], fixed)
+            out = call_traced(trace.fn, trace.spec, [ids, column, positions, valid, *buffers], trace.fixed)
         except Exception as exc:  # noqa: BLE001 - the op-by-op step gives the same tokens
             with self._lock:
-                self._failed.add(structure)
-                self._prepared = None
+                self._failed.add(trace.structure)
+                if self._trace is trace:
+                    trace.release()
+                    self._trace = None
             log.warning("the batch decode step could not be compiled (%s); it is built op by op", exc)
             self.stats["fallback"] += 1
             return None
@@ -173,4 +177,4 @@ class BatchStep:
         return out[0], out[1:]
 
 
-__all__ = ["BatchStep"]
+__all__ = ["BatchStep", "batch_compile_on"]

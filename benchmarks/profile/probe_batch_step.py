@@ -2,7 +2,7 @@
 
 For a model directory and each batch size N this measures, in one process:
 
-* `step_ms`: one decode step of N rows as the scheduler builds it (`model(ids, cache=batch.caches)`,
+* `step_ms`: one decode step of N rows as the scheduler builds it op by op (`Batch.logits`),
   then the argmax read back), uncompiled, median over `--steps` steps after a warm-up;
 * `scheduler_ms`: N greedy requests through `Scheduler` (prefill one by one, then the running
   batch with its look-ahead), wall time over decode steps, and its tok/s;
@@ -43,7 +43,7 @@ def step_times(lm: Any, n: int, steps: int) -> list[float]:
     ids = mx.zeros((n, 1), mx.int32)
     for k in range(steps + 3):
         t = time.perf_counter()
-        logits = lm(ids, cache=batch.caches)[:, -1, :]
+        logits = batch.logits(lm, ids, None)  # the scheduler's step, built op by op
         ids = mx.expand_dims(mx.argmax(logits, axis=-1).astype(mx.int32), 1)
         ids.tolist()
         if k >= 3:

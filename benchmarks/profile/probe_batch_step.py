@@ -3,7 +3,7 @@
 For a model directory and each batch size N this measures, in one process:
 
 * `step_ms`: one decode step of N rows as the scheduler builds it op by op (`Batch.logits`),
-  then the argmax read back), uncompiled, median over `--steps` steps after a warm-up;
+  then the argmax read back, median over `--steps` steps after a warm-up;
 * `scheduler_ms`: N greedy requests through `Scheduler` (prefill one by one, then the running
   batch with its look-ahead), wall time over decode steps, and its tok/s;
 

@@ -54,6 +54,7 @@ from .sample import DEFAULT_PENALTY_CONTEXT, greedy, make_repeat_penalty, make_s
 
 _NEG_INF = float("-inf")
 GROW = 256  # columns added to a batch cache at a time
+GROUP_CHUNKS = 2  # a group of prompts prefilled together holds at most this many chunks' tokens
 WARM_ROWS = MAX_X_ROWS  # batch sizes a server warms up: pymlxc's CUDA matvec kernel compiles one per size
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 
@@ -159,6 +160,9 @@ class Host(Protocol):
     @property
     def batch_step(self) -> BatchStep | None: ...
 
+    @property
+    def keeps_prefixes(self) -> bool: ...
+
 
 # ---------------------------------------------------------------------- the batch's caches
 
@@ -229,10 +233,24 @@ class Columns:
         self._masks = {key: m, **{k: v for k, v in self._masks.items() if k[0] == idx}}
         return m
 
+    @staticmethod
+    def prompt_mask(idx: int, n: int, valid: np.ndarray, window: int | None) -> mx.Array:
+        """[B, 1, n, idx + n] booleans for `n` queries in columns idx..: causal, inside the window,
+        and no column before a row's first valid one, except that a query in a row's padding sees
+        itself (a query with nothing to see would make NaN, and padded keys must stay finite)."""
+        queries = mx.arange(idx, idx + n, dtype=mx.int32)[:, None]
+        cols = mx.arange(idx + n, dtype=mx.int32)[None, :]
+        visible = cols <= queries
+        if window is not None:
+            visible = mx.logical_and(visible, cols > queries - window)
+        first = mx.array(valid.astype(np.int32))[:, None, None]
+        real = mx.logical_or(mx.expand_dims(cols, 0) >= first, mx.expand_dims(cols == queries, 0))
+        return mx.expand_dims(mx.logical_and(mx.expand_dims(visible, 0), real), 1)
+
 
 class BatchKVCache:
     """One attention layer's keys and values for every row of the decode batch (the `Cache`
-    protocol, for one-token steps).
+    protocol: one-token steps, and the left-padded prompts of a group prefilled together).
 
     Columns are shared: column c of row b holds position c - starts[b]; columns before
     `valid[b]` are padding (or keys a sliding window dropped before the row joined). `offset` is
@@ -252,18 +270,29 @@ class BatchKVCache:
     def offset(self) -> mx.Array:
         return self.columns.offset(self.idx, self.starts)
 
+    @classmethod
+    def for_prompts(cls, pads: np.ndarray, columns: Columns) -> BatchKVCache:
+        """An empty cache for left-padded prompts (`pads[b]` padding columns before row b's first
+        token, which is at position 0): its buffers are made at the first update, shaped as the
+        keys and values given."""
+        empty = mx.zeros((0,), mx.float32)
+        return cls(empty, empty, 0, pads.copy(), pads.copy(), columns)
+
     @property
     def capacity(self) -> int:
-        return self.keys.shape[2]
+        return self.keys.shape[2] if self.keys.ndim == 4 else 0
 
     def update_and_fetch(self, keys: mx.Array, values: mx.Array) -> tuple[mx.Array, mx.Array]:
         b, h, s, dk = keys.shape
-        if s != 1:
-            raise ValueError(f"a batch cache takes one-token steps, not {s} tokens")
-        if self.idx + 1 > self.capacity:
-            self.grow()
         dv = values.shape[3]
-        end = self.idx + 1
+        end = self.idx + s
+        if end > self.capacity:
+            if self.keys.ndim != 4:  # made by for_prompts: the buffers take the first chunk's shape
+                want = max(GROW, -(-end // GROW) * GROW)
+                self.keys = mx.zeros((b, h, want, dk), keys.dtype)
+                self.values = mx.zeros((b, h, want, dv), values.dtype)
+            while end > self.capacity:
+                self.grow()
         self.keys = mx.slice_update(self.keys, keys, [0, 0, self.idx, 0], [b, h, end, dk], [1, 1, 1, 1])
         self.values = mx.slice_update(self.values, values, [0, 0, self.idx, 0], [b, h, end, dv], [1, 1, 1, 1])
         self.idx = end
@@ -273,13 +302,28 @@ class BatchKVCache:
     def round_capacity(self) -> None:
         """Zero columns at the end up to a multiple of GROW: the batch's buffer sizes stay few, so
         the compiled step is traced once per size and batch size."""
-        have = self.keys.shape[2]
-        want = max(GROW, -(-have // GROW) * GROW)
-        if want > have:
+        have = self.capacity
+        self.pad_to(max(GROW, -(-have // GROW) * GROW))
+
+    def shift(self, n: int) -> None:
+        """`n` empty columns in front (every row's positions move by n columns)."""
+        b, h, _, dk = self.keys.shape
+        dv = self.values.shape[3]
+        self.keys = mx.concatenate([mx.zeros((b, h, n, dk), self.keys.dtype), self.keys], 2)
+        self.values = mx.concatenate([mx.zeros((b, h, n, dv), self.values.dtype), self.values], 2)
+        self.idx += n
+        self.starts = self.starts + n
+        self.valid = self.valid + n
+        self.round_capacity()
+
+    def pad_to(self, capacity: int) -> None:
+        """Empty columns at the end up to `capacity`."""
+        have = self.capacity
+        if capacity > have:
             b, h, _, dk = self.keys.shape
             dv = self.values.shape[3]
-            self.keys = mx.concatenate([self.keys, mx.zeros((b, h, want - have, dk), self.keys.dtype)], axis=2)
-            self.values = mx.concatenate([self.values, mx.zeros((b, h, want - have, dv), self.values.dtype)], axis=2)
+            self.keys = mx.concatenate([self.keys, mx.zeros((b, h, capacity - have, dk), self.keys.dtype)], 2)
+            self.values = mx.concatenate([self.values, mx.zeros((b, h, capacity - have, dv), self.values.dtype)], 2)
 
     def grow(self) -> None:
         """GROW more columns at the end."""
@@ -290,7 +334,7 @@ class BatchKVCache:
 
     def make_mask(self, n: int, window_size: int | None = None) -> mx.Array | None:
         if n != 1:
-            raise ValueError(f"a batch cache takes one-token steps, not {n} tokens")
+            return Columns.prompt_mask(self.idx, n, self.valid, window_size)
         return self.columns.mask(self.idx, self.valid, window_size)
 
     @property
@@ -331,6 +375,19 @@ def _row_kv(cache: Any) -> tuple[mx.Array, mx.Array, int]:
     return keys[:, :, :offset], values[:, :, :offset], offset
 
 
+def _row_caches(fresh: list[Any], caches: Sequence[BatchKVCache], b: int, pad: int) -> list[Any]:
+    """Row `b` of a prefilled group as the caches it would have from a prefill alone: its keys and
+    values (past its `pad` padding columns) written into `fresh` (the model's `make_cache`) as one
+    chunk, as that prefill writes them."""
+    for cache, group in zip(fresh, caches, strict=True):
+        end = group.idx
+        _, h, _, dk = group.keys.shape
+        dv = group.values.shape[3]
+        cache.update_and_fetch(mx.slice(group.keys, [b, 0, pad, 0], [b + 1, h, end, dk], [1, 1, 1, 1]),
+                               mx.slice(group.values, [b, 0, pad, 0], [b + 1, h, end, dv], [1, 1, 1, 1]))
+    return fresh
+
+
 def check_batchable(caches: Sequence[Any]) -> None:
     for i, c in enumerate(caches):
         if not isinstance(c, (KVCache, RotatingKVCache)):
@@ -354,51 +411,46 @@ class Batch:
         return len(self.rows)
 
     def add(self, row: _Row, layer_caches: Sequence[Any]) -> None:
+        """Add a row from its own caches (a prefill alone), right-aligned at the batch's column."""
         parts = [_row_kv(c) for c in layer_caches]
-        positions = parts[0][2]
-        idx = self.caches[0].idx if self.caches else 0
-        shift = max(0, max(k.shape[2] for k, _, _ in parts) - idx, positions - idx)
-        if self.caches and shift:
-            for c in self.caches:
-                pad = mx.zeros((*c.keys.shape[:2], shift, c.keys.shape[3]), c.keys.dtype)
-                c.keys = mx.concatenate([pad, c.keys], 2)
-                c.values = mx.concatenate([mx.zeros((*c.values.shape[:2], shift, c.values.shape[3]), c.values.dtype),
-                                           c.values], 2)
-                c.idx += shift
-                c.starts = c.starts + shift
-                c.valid = c.valid + shift
-                c.round_capacity()
-        idx += shift
-        new_caches = []
-        for n, (keys, values, _) in enumerate(parts):
+        positions = parts[0][2]  # the row's next position; a layer may hold fewer keys (a window)
+        one = Batch()
+        for keys, values, _ in parts:
             m = keys.shape[2]
-            b, h, _, dk = keys.shape
-            capacity = self.caches[n].capacity if self.caches else ((idx + GROW) // GROW) * GROW
-            pad_front, pad_back = idx - m, capacity - idx
-            pieces_k = [keys]
-            pieces_v = [values]
-            if pad_front:
-                pieces_k.insert(0, mx.zeros((b, h, pad_front, dk), keys.dtype))
-                pieces_v.insert(0, mx.zeros((b, h, pad_front, values.shape[3]), values.dtype))
-            if pad_back:
-                pieces_k.append(mx.zeros((b, h, pad_back, dk), keys.dtype))
-                pieces_v.append(mx.zeros((b, h, pad_back, values.shape[3]), values.dtype))
-            row_k = mx.concatenate(pieces_k, 2) if len(pieces_k) > 1 else keys
-            row_v = mx.concatenate(pieces_v, 2) if len(pieces_v) > 1 else values
-            start, valid = idx - positions, idx - m
-            if self.caches:
-                c = self.caches[n]
-                c.keys = mx.concatenate([c.keys, row_k], 0)
-                c.values = mx.concatenate([c.values, row_v], 0)
-                c.starts = np.append(c.starts, start)
-                c.valid = np.append(c.valid, valid)
+            cache = BatchKVCache(keys, values, m, np.array([m - positions]), np.array([0]), one.columns)
+            if m < positions:  # the row's last key goes in column `positions - 1`
+                cache.shift(positions - m)
             else:
-                new_caches.append(BatchKVCache(row_k, row_v, idx, np.array([start]), np.array([valid]),
-                                               self.columns))
-        if not self.caches:
-            self.caches = new_caches
+                cache.round_capacity()
+            one.caches.append(cache)
+        one.rows.append(row)
+        self.extend(one)
+
+    def extend(self, other: Batch) -> None:
+        """Take `other`'s rows (after this batch's): the batch whose last column is earlier gets
+        empty columns in front, so that both end at the same column, then each layer's buffers
+        are joined along the rows."""
+        if not other.rows:
+            return
+        if not self.rows:
+            self.caches = other.caches
+            for c in self.caches:
+                c.columns = self.columns
+        else:
+            shift = other.caches[0].idx - self.caches[0].idx
+            for c in self.caches if shift > 0 else other.caches if shift < 0 else ():
+                c.shift(abs(shift))
+            for mine, theirs in zip(self.caches, other.caches, strict=True):
+                capacity = max(mine.capacity, theirs.capacity)
+                mine.pad_to(capacity)
+                theirs.pad_to(capacity)
+                mine.keys = mx.concatenate([mine.keys, theirs.keys], 0)
+                mine.values = mx.concatenate([mine.values, theirs.values], 0)
+                mine.starts = np.append(mine.starts, theirs.starts)
+                mine.valid = np.append(mine.valid, theirs.valid)
         mx.eval([c.state for c in self.caches])
-        self.rows.append(row)
+        self.rows.extend(other.rows)
+        other.rows, other.caches = [], []
         self.version = next(_versions)
 
     def logits(self, model: Any, ids: mx.Array, step: BatchStep | None) -> mx.Array:
@@ -425,9 +477,11 @@ class Batch:
 
     def remove(self, gone: Sequence[_Row]) -> None:
         """Drop rows, and the leading columns no row needs any more."""
-        if not gone:
-            return
-        keep = [i for i, r in enumerate(self.rows) if r not in gone]
+        if gone:
+            self.take([i for i, r in enumerate(self.rows) if r not in gone])
+
+    def take(self, keep: Sequence[int]) -> None:
+        """Keep the rows at `keep` (in that order), and drop the leading columns none of them needs."""
         self.rows = [self.rows[i] for i in keep]
         self.version = next(_versions)
         if not keep:
@@ -567,6 +621,7 @@ class Scheduler:
         self._bias_rows: tuple[_Row, ...] = ()
         self._bias: tuple[mx.Array, mx.Array] | None = None
         self.steps = 0  # decode steps run (for tests and metrics)
+        self.grouped = 0  # rows whose prompts were prefilled together with others
         self.peak_rows = 0
 
     # ------------------------------------------------------------------ the caller's side
@@ -615,7 +670,7 @@ class Scheduler:
 
     def stats(self) -> dict[str, int]:
         return {"running": len(self._batch), "prefilling": len(self._prefilling), "queued": len(self._queue),
-                "steps": self.steps, "peak_rows": self.peak_rows}
+                "steps": self.steps, "peak_rows": self.peak_rows, "grouped": self.grouped}
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the loop (after its running step); requests left get ModelClosedError."""
@@ -650,7 +705,10 @@ class Scheduler:
         if self._ahead is not None and (self._prefilling or any(r.request.cancelled for r in self._batch.rows)):
             self._settle()
         self._drop_cancelled()
-        if self._prefilling:
+        group = self._group()
+        if len(group) > 1:
+            self._prefill_group(group)
+        elif self._prefilling:
             self._prefill_chunk(self._prefilling[0])
         if len(self._batch):
             self._decode_step()
@@ -688,6 +746,72 @@ class Scheduler:
             self._batch.remove(gone)
             for row in gone:
                 row.request.emit(Event(finish="cancelled"))
+
+    def _group(self) -> list[_Row]:
+        """The waiting prompts that go through the model together this turn: from the oldest on,
+        those that start from nothing (no prompt-cache prefix) and fit one chunk, while the group,
+        left-padded to its longest prompt, holds at most GROUP_CHUNKS chunks' tokens. A prompt
+        with a cached prefix or a longer one is prefilled alone, a chunk a turn."""
+        group: list[_Row] = []
+        width = 0
+        for row in self._prefilling:
+            n = len(row.request.prompt)
+            if n > self.prefill_step or max(width, n) * (len(group) + 1) > GROUP_CHUNKS * self.prefill_step:
+                continue
+            if not row.started:
+                row.started = True
+                row.cache, row.done_tokens = self._host.restore_prefix(row.request.prompt)
+            if row.done_tokens or row.checked:
+                continue
+            group.append(row)
+            width = max(width, n)
+        return group
+
+    def _prefill_group(self, rows: list[_Row]) -> None:
+        """Prefill `rows` in one forward pass: their prompts left-padded into one [B, width] chunk,
+        each row at its own positions (RoPE from each row's position 0, padding masked out), into
+        a batch of their own that then joins the running one. Their first tokens are sampled from
+        the last column's logits, as a prefill alone samples them. Where it cannot run (the
+        memory check, an error), the rows go back to being prefilled one by one."""
+        host, model = self._host, self._host.language_model
+        prompts = [r.request.prompt for r in rows]
+        width = max(len(p) for p in prompts)
+        pads = np.array([width - len(p) for p in prompts])
+        tokens = mx.array([[p[0]] * (width - len(p)) + p for p in prompts], dtype=mx.int32)
+        group = Batch()
+        group.caches = [BatchKVCache.for_prompts(pads, group.columns) for _ in range(len(rows[0].cache or ()))]
+        try:
+            logits = loops.prefill(model, tokens, group.caches, step=width, finish=lambda x: x,
+                                   new_tokens=max(r.request.params.max_tokens for r in rows))
+            if logits is None:
+                raise RuntimeError("the prefill of a group's prompts returned no logits")
+            mx.eval(logits, [c.state for c in group.caches])
+        except (ModelClosedError, GenerationCancelled):
+            raise
+        except Exception:  # noqa: BLE001 - each prompt alone then meets its own check and error
+            for row in rows:
+                row.checked = True
+            return
+        group.rows = list(rows)
+        self.grouped += len(rows)
+        for row in rows:
+            self._prefilling.remove(row)
+            row.checked = True
+        if host.keeps_prefixes:
+            kept = [_row_caches(model.make_cache(self.context_len), group.caches, b, int(pads[b]))
+                    for b in range(len(rows))]
+            mx.eval([c.state for caches in kept for c in caches])  # no lazy graph outlives this thread
+            for row, caches in zip(rows, kept, strict=True):
+                host.keep_prefix(row.request.prompt, caches)
+        results = self._sample(rows, logits)
+        keep = [b for b, (row, (token, logprob, top)) in enumerate(zip(rows, results, strict=True))
+                if self._record(row, token, logprob, top)]
+        for row in rows:
+            row.cache = None
+        if len(keep) < len(rows):
+            group.take(keep)
+        self._batch.extend(group)
+        self.peak_rows = max(self.peak_rows, len(self._batch))
 
     def _prefill_chunk(self, row: _Row) -> None:
         """One chunk of `row`'s prompt; after the last, its first token and its place in the batch."""

@@ -705,3 +705,7 @@ class _BatchHost:
 
     def keep_prefix(self, ids: list[int], cache: list[Any]) -> None:
         self._owner._keep_prompt_cache(ids, cache)
+
+    @property
+    def keeps_prefixes(self) -> bool:
+        return self._owner._prompt_cache.enabled

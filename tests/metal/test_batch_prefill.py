@@ -1,0 +1,117 @@
+"""Prompts that arrive together are prefilled together (`Scheduler._prefill_group`): one
+left-padded forward pass, each row at its own positions. Each row's first token's log-probabilities
+equal those of its prompt prefilled alone, through sliding windows (Gemma 3's 16, prompts longer
+than it) and experts; the rows keep decoding as single generations do; their caches reach the
+prompt cache; a group that cannot run falls back to one prompt at a time."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pymlxc
+from pymlxc.backends.metal import batching
+from pymlxc.backends.metal.batching import Collector, Request, SamplingParams
+from pymlxc.testing import write_tiny_model
+
+TOP = 5
+
+
+def _submit_together(scheduler: batching.Scheduler, prompts: list[list[int]],
+                     params: SamplingParams) -> list[Collector]:
+    """Queue every prompt before the loop's next turn (the scheduler's lock is reentrant, so the
+    loop waits for it while the requests go in), then wait for all."""
+    collectors = [Collector() for _ in prompts]
+    with scheduler._lock:  # noqa: SLF001 - holds the loop back until every request is queued
+        for prompt, collector in zip(prompts, collectors, strict=True):
+            scheduler.submit(Request(prompt, params, collector), bounded=False)
+    for collector in collectors:
+        assert collector.wait(120)
+    return collectors
+
+
+def _first_top(collector: Collector) -> list[tuple[int, float]]:
+    first = next(e for e in collector.events if e.token is not None)
+    return list(first.top_logprobs)
+
+
+def _alone(scheduler: batching.Scheduler, prompt: list[int], params: SamplingParams) -> Collector:
+    (collector,) = _submit_together(scheduler, [prompt], params)
+    return collector
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3_text", "qwen3_moe"])
+def tiny(request, tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp(request.param) / request.param, request.param, seed=7)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(st.integers(1, 40), min_size=2, max_size=6), seed=st.integers(0, 1000))
+def test_a_group_gives_each_row_its_prefill_alone(tiny: Path, lengths: list[int], seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    prompts = [[int(t) for t in rng.integers(3, 200, n)] for n in lengths]
+    params = SamplingParams(max_tokens=6, logprobs=TOP)
+    with pymlxc.load_model(str(tiny), backend="metal", prompt_cache_entries=0) as model:
+        scheduler = model.scheduler()
+        together = _submit_together(scheduler, prompts, params)
+        assert scheduler.grouped == len(prompts)
+        for prompt, collector in zip(prompts, together, strict=True):
+            alone = _alone(scheduler, prompt, params)
+            got, want = _first_top(collector), _first_top(alone)
+            np.testing.assert_allclose([lp for _, lp in got], [lp for _, lp in want], atol=1e-4)
+            assert collector.tokens() == alone.tokens()
+        assert scheduler.grouped == len(prompts)  # one at a time: no group
+
+
+def test_grouped_rows_reach_the_prompt_cache_and_decode_as_single_generations(tmp_path: Path) -> None:
+    path = write_tiny_model(tmp_path / "gemma3_text", "gemma3_text", seed=11)
+    with pymlxc.load_model(str(path), backend="metal") as model:
+        texts = ["Once upon a time there was a baker", "hi", "The coins in her drawer were counted twice over"]
+        prompts = [model.encode(t) for t in texts]
+        scheduler = model.scheduler()
+        together = _submit_together(scheduler, prompts, SamplingParams(max_tokens=20))
+        assert scheduler.grouped == len(prompts)
+        assert len(model.prompt_cache) == len(prompts)
+        for text, collector in zip(texts, together, strict=True):
+            assert collector.tokens() == [t.id for t in model.generate(text, max_tokens=20)]
+        # A prompt whose prefix is cached is prefilled alone, from that prefix.
+        again = _submit_together(scheduler, [prompts[0] + prompts[1], prompts[2] + prompts[1]],
+                                 SamplingParams(max_tokens=8))
+        assert scheduler.grouped == len(prompts)
+        model.prompt_cache.clear()
+        for prompt, collector in zip([prompts[0] + prompts[1], prompts[2] + prompts[1]], again, strict=True):
+            assert collector.tokens() == _alone(scheduler, prompt, SamplingParams(max_tokens=8)).tokens()
+
+
+def test_a_group_that_cannot_run_is_prefilled_one_by_one(tmp_path: Path, monkeypatch) -> None:
+    path = write_tiny_model(tmp_path / "llama", "llama", seed=13)
+    real = batching.loops.prefill
+
+    def refuse_groups(model, tokens, cache, **kw):
+        if tokens.shape[0] > 1:
+            raise MemoryError("no room for the group")
+        return real(model, tokens, cache, **kw)
+
+    monkeypatch.setattr(batching.loops, "prefill", refuse_groups)
+    with pymlxc.load_model(str(path), backend="metal") as model:
+        texts = ["Once upon a time", "The baker counted", "hi there"]
+        scheduler = model.scheduler()
+        got = _submit_together(scheduler, [model.encode(t) for t in texts], SamplingParams(max_tokens=10))
+        assert scheduler.grouped == 0
+        for text, collector in zip(texts, got, strict=True):
+            assert collector.finish() is not None and collector.finish().finish == "length"
+            assert collector.tokens() == [t.id for t in model.generate(text, max_tokens=10)]
+
+
+def test_prompt_mask_hides_padding_and_keeps_padded_queries_finite() -> None:
+    valid = np.array([0, 3])
+    got = np.array(batching.Columns.prompt_mask(0, 5, valid, 2).tolist())[:, 0]
+    q = np.arange(5)[:, None]
+    k = np.arange(5)[None, :]
+    causal = (k <= q) & (k > q - 2)
+    want = np.stack([causal & ((k >= v) | (k == q)) for v in valid])
+    assert np.array_equal(got, want)
+    assert got.any(axis=-1).all()  # every query sees at least itself

@@ -46,6 +46,7 @@ from pymlxc.model import GenerationCancelled, ModelClosedError
 from pymlxc.options import check_sampling
 
 from . import generate as loops
+from . import prompt_cache as pcache
 from .cache import KVCache, RotatingKVCache
 from .decode.batch_step import BatchStep
 from .kernels.check import on_cuda
@@ -375,17 +376,49 @@ def _row_kv(cache: Any) -> tuple[mx.Array, mx.Array, int]:
     return keys[:, :, :offset], values[:, :, :offset], offset
 
 
-def _row_caches(fresh: list[Any], caches: Sequence[BatchKVCache], b: int, pad: int) -> list[Any]:
-    """Row `b` of a prefilled group as the caches it would have from a prefill alone: its keys and
-    values (past its `pad` padding columns) written into `fresh` (the model's `make_cache`) as one
-    chunk, as that prefill writes them."""
-    for cache, group in zip(fresh, caches, strict=True):
+def _prefix_caches(prefixes: Sequence[Sequence[Any]], held: Sequence[int], pads: np.ndarray,
+                   columns: Columns) -> list[BatchKVCache]:
+    """A group's layer caches before its chunk: row b's cached prefix (`held[b]` tokens, the
+    caches in `prefixes[b]`; none for a padded row) ends at the common column max(held), so that
+    the chunk's columns follow every row's prefix; a padded row's first token comes `pads[b]`
+    columns into the chunk."""
+    idx = max(held)
+    out = []
+    for layer in range(len(prefixes[0])):
+        parts = [_row_kv(p[layer]) if n else None for p, n in zip(prefixes, held, strict=True)]
+        like = next(part for part in parts if part is not None)
+        _, h, _, dk = like[0].shape
+        dv, dtype = like[1].shape[3], like[0].dtype
+        keys, values, starts, valid = [], [], [], []
+        for part, pad in zip(parts, pads, strict=True):
+            k, v, positions = part if part is not None else (mx.zeros((1, h, 0, dk), dtype),
+                                                             mx.zeros((1, h, 0, dv), dtype), 0)
+            m = k.shape[2]
+            if idx > m:
+                k = mx.concatenate([mx.zeros((1, h, idx - m, dk), dtype), k], 2)
+                v = mx.concatenate([mx.zeros((1, h, idx - m, dv), dtype), v], 2)
+            keys.append(k)
+            values.append(v)
+            starts.append(idx - positions + int(pad))
+            valid.append(idx - m + int(pad))
+        cache = BatchKVCache(mx.concatenate(keys, 0), mx.concatenate(values, 0), idx, np.array(starts),
+                             np.array(valid), columns)
+        cache.round_capacity()
+        out.append(cache)
+    return out
+
+
+def _row_caches(prefix: list[Any], caches: Sequence[BatchKVCache], b: int, first: int) -> list[Any]:
+    """Row `b` of a prefilled group as the caches a prefill alone leaves: `prefix` (its cached
+    prefix, or the model's `make_cache`) given the row's chunk (columns `first`.. of the group's
+    caches) as one update, as that prefill gives it."""
+    for cache, group in zip(prefix, caches, strict=True):
         end = group.idx
         _, h, _, dk = group.keys.shape
         dv = group.values.shape[3]
-        cache.update_and_fetch(mx.slice(group.keys, [b, 0, pad, 0], [b + 1, h, end, dk], [1, 1, 1, 1]),
-                               mx.slice(group.values, [b, 0, pad, 0], [b + 1, h, end, dv], [1, 1, 1, 1]))
-    return fresh
+        cache.update_and_fetch(mx.slice(group.keys, [b, 0, first, 0], [b + 1, h, end, dk], [1, 1, 1, 1]),
+                               mx.slice(group.values, [b, 0, first, 0], [b + 1, h, end, dv], [1, 1, 1, 1]))
+    return prefix
 
 
 def check_batchable(caches: Sequence[Any]) -> None:
@@ -749,37 +782,53 @@ class Scheduler:
 
     def _group(self) -> list[_Row]:
         """The waiting prompts that go through the model together this turn: from the oldest on,
-        those that start from nothing (no prompt-cache prefix) and fit one chunk, while the group,
-        left-padded to its longest prompt, holds at most GROUP_CHUNKS chunks' tokens. A prompt
-        with a cached prefix or a longer one is prefilled alone, a chunk a turn."""
+        those whose uncached part (past the prompt cache's prefix) fits one chunk, while the group,
+        left-padded to its longest uncached part, holds at most GROUP_CHUNKS chunks' tokens. A
+        longer prompt is prefilled alone, a chunk a turn."""
         group: list[_Row] = []
         width = 0
         for row in self._prefilling:
-            n = len(row.request.prompt)
-            if n > self.prefill_step or max(width, n) * (len(group) + 1) > GROUP_CHUNKS * self.prefill_step:
-                continue
             if not row.started:
                 row.started = True
                 row.cache, row.done_tokens = self._host.restore_prefix(row.request.prompt)
-            if row.done_tokens or row.checked:
+            rest = len(row.request.prompt) - row.done_tokens
+            if row.checked or rest > self.prefill_step \
+                    or max(width, rest) * (len(group) + 1) > GROUP_CHUNKS * self.prefill_step:
                 continue
             group.append(row)
-            width = max(width, n)
+            width = max(width, rest)
         return group
 
     def _prefill_group(self, rows: list[_Row]) -> None:
-        """Prefill `rows` in one forward pass: their prompts left-padded into one [B, width] chunk,
-        each row at its own positions (RoPE from each row's position 0, padding masked out), into
-        a batch of their own that then joins the running one. Their first tokens are sampled from
-        the last column's logits, as a prefill alone samples them. Where it cannot run (the
-        memory check, an error), the rows go back to being prefilled one by one."""
+        """Prefill `rows` in one forward pass of `width` columns (their longest uncached part):
+        each row feeds its last `width` prompt tokens (all of a shorter prompt, left-padded) on
+        top of its cached prefix of the tokens before them (the prompt cache's, cut to that
+        length), in a batch of their own whose columns line up the rows' ends, each row at its
+        own RoPE positions and padding masked out; that batch then joins the running one. Their
+        first tokens are sampled from the last column's logits, as a prefill alone samples them.
+        Where the group cannot run (the memory check, an error), its rows go back to being
+        prefilled one by one."""
         host, model = self._host, self._host.language_model
         prompts = [r.request.prompt for r in rows]
-        width = max(len(p) for p in prompts)
-        pads = np.array([width - len(p) for p in prompts])
-        tokens = mx.array([[p[0]] * (width - len(p)) + p for p in prompts], dtype=mx.int32)
+        width = max(len(p) - r.done_tokens for p, r in zip(prompts, rows, strict=True))
+        prefixes: list[list[Any]] = []
+        for prompt, row in zip(prompts, rows, strict=True):
+            before = max(0, len(prompt) - width)
+            cut = pcache.restore(row.cache or (), before) if before else None
+            prefixes.append(cut if cut is not None and before else model.make_cache(self.context_len))
+        held = [max(0, len(p) - width) for p in prompts]
+        if any(n and pcache.consistent_offset(prefix) != n for prefix, n in zip(prefixes, held, strict=True)):
+            self._ungroup(rows)  # a cached prefix that cannot be cut at that length
+            return
+        pads = np.array([max(0, width - len(p)) for p in prompts])
+        tokens = mx.array([[p[0]] * int(pad) + p[-width:] for p, pad in zip(prompts, pads, strict=True)],
+                          dtype=mx.int32)
         group = Batch()
-        group.caches = [BatchKVCache.for_prompts(pads, group.columns) for _ in range(len(rows[0].cache or ()))]
+        if any(held):
+            group.caches = _prefix_caches(prefixes, held, pads, group.columns)
+        else:
+            group.caches = [BatchKVCache.for_prompts(pads, group.columns) for _ in prefixes[0]]
+        start = group.caches[0].idx
         try:
             logits = loops.prefill(model, tokens, group.caches, step=width, finish=lambda x: x,
                                    new_tokens=max(r.request.params.max_tokens for r in rows))
@@ -789,29 +838,32 @@ class Scheduler:
         except (ModelClosedError, GenerationCancelled):
             raise
         except Exception:  # noqa: BLE001 - each prompt alone then meets its own check and error
-            for row in rows:
-                row.checked = True
+            self._ungroup(rows)
             return
         group.rows = list(rows)
         self.grouped += len(rows)
         for row in rows:
             self._prefilling.remove(row)
             row.checked = True
+            row.cache = None
         if host.keeps_prefixes:
-            kept = [_row_caches(model.make_cache(self.context_len), group.caches, b, int(pads[b]))
-                    for b in range(len(rows))]
+            kept = [_row_caches(prefix, group.caches, b, start + int(pads[b])) for b, prefix in enumerate(prefixes)]
             mx.eval([c.state for caches in kept for c in caches])  # no lazy graph outlives this thread
-            for row, caches in zip(rows, kept, strict=True):
-                host.keep_prefix(row.request.prompt, caches)
+            for prompt, caches in zip(prompts, kept, strict=True):
+                host.keep_prefix(prompt, caches)
         results = self._sample(rows, logits)
         keep = [b for b, (row, (token, logprob, top)) in enumerate(zip(rows, results, strict=True))
                 if self._record(row, token, logprob, top)]
-        for row in rows:
-            row.cache = None
         if len(keep) < len(rows):
             group.take(keep)
         self._batch.extend(group)
         self.peak_rows = max(self.peak_rows, len(self._batch))
+
+    @staticmethod
+    def _ungroup(rows: Sequence[_Row]) -> None:
+        """Send `rows` to the prefill alone (their restored caches are untouched)."""
+        for row in rows:
+            row.checked = True
 
     def _prefill_chunk(self, row: _Row) -> None:
         """One chunk of `row`'s prompt; after the last, its first token and its place in the batch."""

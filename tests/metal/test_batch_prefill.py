@@ -77,13 +77,18 @@ def test_grouped_rows_reach_the_prompt_cache_and_decode_as_single_generations(tm
         assert len(model.prompt_cache) == len(prompts)
         for text, collector in zip(texts, together, strict=True):
             assert collector.tokens() == [t.id for t in model.generate(text, max_tokens=20)]
-        # A prompt whose prefix is cached is prefilled alone, from that prefix.
-        again = _submit_together(scheduler, [prompts[0] + prompts[1], prompts[2] + prompts[1]],
-                                 SamplingParams(max_tokens=8))
-        assert scheduler.grouped == len(prompts)
+        # Prompts whose prefixes are cached (of different lengths, one longer than the other's
+        # whole prompt) go together too, each on top of its prefix; a new prompt pads.
+        longer = [prompts[0] + prompts[1], prompts[2] + prompts[1] + prompts[1], prompts[1][:1] + [5, 6]]
+        params = SamplingParams(max_tokens=8, logprobs=TOP)
+        again = _submit_together(scheduler, longer, params)
+        assert scheduler.grouped == len(prompts) + len(longer)
         model.prompt_cache.clear()
-        for prompt, collector in zip([prompts[0] + prompts[1], prompts[2] + prompts[1]], again, strict=True):
-            assert collector.tokens() == _alone(scheduler, prompt, SamplingParams(max_tokens=8)).tokens()
+        for prompt, collector in zip(longer, again, strict=True):
+            alone = _alone(scheduler, prompt, params)
+            np.testing.assert_allclose([lp for _, lp in _first_top(collector)], [lp for _, lp in _first_top(alone)],
+                                       atol=1e-4)
+            assert collector.tokens() == alone.tokens()
 
 
 def test_a_group_that_cannot_run_is_prefilled_one_by_one(tmp_path: Path, monkeypatch) -> None:

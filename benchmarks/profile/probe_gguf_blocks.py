@@ -76,6 +76,12 @@ def probe(qtype: Q, k: int, n: int, rows: int, min_bytes: int, repeats: int) -> 
         out[name] = {"us": t * 1e6, "GBps": nbytes / t / 1e9, "error": float(np.abs(got - want).max()) / scale}
     t = timed(lambda: [mx.quantized_matmul(x, *w, True, 64, 4) for w in q4], repeats) / copies
     out["mlx_4bit_g64"] = {"us": t * 1e6, "GBps": (q.nbytes + s.nbytes + b.nbytes) / t / 1e9}
+    # Group 32: what GGUF's Q4_0 and Q4_K layers are repacked to.
+    q32 = mx.quantize(dense, 32, 4)
+    mx.eval(q32)
+    q32s = [q32] + [tuple(a + 0 for a in q32) for _ in range(copies - 1)]
+    t = timed(lambda: [mx.quantized_matmul(x, *w, True, 32, 4) for w in q32s], repeats) / copies
+    out["mlx_4bit_g32"] = {"us": t * 1e6, "GBps": sum(a.nbytes for a in q32) / t / 1e9}
     t = timed(lambda: [mx.matmul(x, mx.swapaxes(w, 0, 1)) for w in d16], repeats) / copies
     out["dense_f16"] = {"us": t * 1e6, "GBps": dense.nbytes / t / 1e9}
     return out
@@ -85,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--types", nargs="+", default=["Q6_K", "Q3_K", "Q2_K"], choices=["Q6_K", "Q3_K", "Q2_K"])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--rows", type=int, default=1, help="rows of x (decode: 1)")
+    p.add_argument("--rows", type=int, nargs="+", default=[1], help="rows of x (decode: 1; prefill: the prompt's)")
     p.add_argument("--bytes", type=int, default=1 << 30, help="weight bytes per evaluation (beyond the L2 cache)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--cpu", action="store_true")
@@ -97,14 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     for t in args.types:
         if gguf_blocks.device_kind() is not None:
             gguf_blocks.ready(Q[t], mx.float16)  # compile and check first, as a model's load does
-        for shape in args.shapes:
+        for shape, rows in ((s, m) for m in args.rows for s in args.shapes):
             k, n = SHAPES[shape]
-            r = probe(Q[t], k, n, args.rows, args.bytes, args.repeats)
+            r = probe(Q[t], k, n, rows, args.bytes, args.repeats)
             r["shape"] = shape
             results.append(r)
-            cols = "  ".join(f"{side} {r[side]['us']:8.1f} us {r[side]['GBps']:7.1f} GB/s"
-                             for side in ("kernel", "mlx_ops", "mlx_4bit_g64", "dense_f16") if side in r)
-            print(f"{t:5s} {shape:11s} {cols}", flush=True)
+            sides = ("kernel", "mlx_ops", "mlx_4bit_g64", "mlx_4bit_g32", "dense_f16")
+            cols = "  ".join(f"{side} {r[side]['us']:8.1f} us {r[side]['GBps']:7.1f} GB/s" for side in sides if side in r)
+            print(f"{t:5s} {shape:11s} m={rows:<5d} {cols}", flush=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "probe_gguf_blocks.json").write_text(json.dumps(results, indent=1) + "\n")

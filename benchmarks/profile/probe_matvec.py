@@ -42,6 +42,8 @@ SHAPES = {  # name: (K, N)
     "8b.qkv": (4096, 6144), "8b.o": (4096, 4096), "8b.gate_up": (4096, 28672), "8b.down": (14336, 4096),
     "8b.head": (4096, 128256),
 }
+GROUP = 64  # --group-size: MLX's default; GGUF's Q4_0 / Q4_K repack to 32
+DTYPE = mx.bfloat16  # --dtype: x and the scales (GGUF files compute in float16)
 
 
 def _kernel() -> Any:
@@ -51,7 +53,7 @@ def _kernel() -> Any:
 
 def _ours(kernel: Any, x: Any, q: Any, rows_per_warp: int) -> Any:
     n, k = q[0].shape[0], x.shape[-1]
-    geo = kernels.launch(x.shape[0], k, n, x.dtype, 64, rows_per_warp)
+    geo = kernels.launch(x.shape[0], k, n, x.dtype, GROUP, rows_per_warp)
     return kernel(inputs=[x, *q], output_shapes=[(x.shape[0], n)], output_dtypes=[x.dtype], **geo)[0]
 
 
@@ -62,7 +64,7 @@ def _ours_slices(kernel: Any, x: Any, q: Any) -> Any:
 
 
 def _mlx(x: Any, q: Any) -> Any:
-    return mx.quantized_matmul(x, *q, transpose=True, group_size=64, bits=4)
+    return mx.quantized_matmul(x, *q, transpose=True, group_size=GROUP, bits=4)
 
 
 def _time(make_outputs: Any, repeats: int) -> float:
@@ -78,11 +80,11 @@ def _time(make_outputs: Any, repeats: int) -> float:
 def probe(shape: str, kernel: Any, min_bytes: int, x_rows: int, repeats: int) -> dict[str, Any]:
     k, n = SHAPES[shape]
     mx.random.seed(0)
-    x = (mx.random.normal((x_rows, k)) * 0.5).astype(mx.bfloat16)
-    dense = (mx.random.normal((n, k)) * 0.02).astype(mx.bfloat16)
-    q = mx.quantize(dense, 64, 4)
+    x = (mx.random.normal((x_rows, k)) * 0.5).astype(DTYPE)
+    dense = (mx.random.normal((n, k)) * 0.02).astype(DTYPE)
+    q = mx.quantize(dense, GROUP, 4)
     mx.eval(x, *q)
-    ref = np.array(x.astype(mx.float32) @ mx.dequantize(*q, group_size=64, bits=4).astype(mx.float32).T)
+    ref = np.array(x.astype(mx.float32) @ mx.dequantize(*q, group_size=GROUP, bits=4).astype(mx.float32).T)
     scale = float(np.abs(ref).max())
     out: dict[str, Any] = {"K": k, "N": n, "x_rows": x_rows, "error": {}}
     variants = {"mlx": lambda xx, qq: _mlx(xx, qq)}
@@ -120,9 +122,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--x-rows", type=int, nargs="+", default=[1])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    parser.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     args = parser.parse_args()
+    global GROUP, DTYPE
+    GROUP, DTYPE = args.group_size, getattr(mx, args.dtype)
     kernel = _kernel()
-    results = {"device": str(mx.default_device()), "mlx": mx.__version__, "probes": {}}
+    results = {"device": str(mx.default_device()), "mlx": mx.__version__, "group_size": GROUP,
+               "dtype": args.dtype, "probes": {}}
     for rows in args.x_rows:
         for shape in args.shapes:
             key = f"{shape}.m{rows}"
@@ -132,7 +139,7 @@ def main() -> None:
             gb = " ".join(f"{k}={v}" for k, v in r["stacked_gbps"].items())
             print(f"{key:16s} err {errs}\n{'':16s} us {us}\n{'':16s} GB/s {gb}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "probe_quantized.json").write_text(json.dumps(results, indent=1))
+    (args.out / f"probe_quantized_g{GROUP}.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -393,8 +393,9 @@ class CompiledDecoder:
             unreserve(cache)  # back to the classes' growth steps (see `reserve`)
 
     def _mark_failed(self, key: tuple[Any, ...], exc: BaseException) -> None:
-        log.warning("compiled decode is not available for this model (%s: %s); using the uncompiled path",
-                    type(exc).__name__, exc)
+        what = "compiled prefill" if key and key[0] == "prefill" else "compiled decode"
+        log.warning("%s is not available for this model (%s: %s); using the uncompiled path",
+                    what, type(exc).__name__, exc)
         with self._lock:
             self._failed.add(key)
             self._plans.pop(key, None)

@@ -101,11 +101,40 @@ __device__ __forceinline__ void values8(const uint8_t* b, int p0, float* v) {
   }
 }
 
+// values8<14> with fewer instructions: the lane's 8 low and 8 high bytes in 2-byte loads (a block
+// is only 2-byte aligned), the 6-bit codes of 4 values at once in a 32-bit word; the same values.
+__device__ __forceinline__ void q6k_values8(const uint8_t* b, int p0, float* v) {
+  const int n = p0 >> 7, k = (p0 & 127) >> 5, l = p0 & 31, s = p0 >> 4;
+  const float dl = half_at(b + 208) * static_cast<float>(static_cast<int8_t>(b[192 + s]));
+  const unsigned short* ql = reinterpret_cast<const unsigned short*>(b + 64 * n + 32 * (k & 1) + l);
+  const unsigned short* qh = reinterpret_cast<const unsigned short*>(b + 128 + 32 * n + l);
+  const int sl = 4 * (k >> 1), sh = 2 * k;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const unsigned lo = static_cast<unsigned>(ql[2 * h]) | (static_cast<unsigned>(ql[2 * h + 1]) << 16);
+    const unsigned hi = static_cast<unsigned>(qh[2 * h]) | (static_cast<unsigned>(qh[2 * h + 1]) << 16);
+    const unsigned q4 = ((lo >> sl) & 0x0F0F0F0Fu) | (((hi >> sh) & 0x03030303u) << 4);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[4 * h + i] = __fmul_rn(dl, static_cast<float>((q4 >> (8 * i)) & 0xFFu) - 32.f);
+    }
+  }
+}
+
+template <int Q>
+__device__ __forceinline__ void lane_values(const uint8_t* b, int p0, float* v) {
+  if (Q == 14) {
+    q6k_values8(b, p0, v);
+  } else {
+    values8<Q>(b, p0, v);
+  }
+}
+
 }  // namespace pymlxc_gguf
 """
 
-# The matvec's loop over blocks (after each kernel's own indexing), for both kernels
-# (`metal_kernel.dialect`): a lane's 8 values of R rows times M rows of x, then the warp's sums.
+# The Metal matvec's loop over blocks (a simdgroup walks all of a row's blocks): a lane's 8 values
+# of R rows times M rows of x, then the simdgroup's sums.
 _MATVEC_LOOP = r"""
   float acc[M][R];
 #pragma unroll
@@ -157,21 +186,86 @@ _MATVEC_LOOP = r"""
 """
 
 # Template arguments: T (x and out), M (rows of x per pair), Q (ggml type), S (bytes a block),
-# R (output rows per warp). x [P, M, K], w [E, N, NB, S] uint8, idx [P] int32 (the matrix of each
-# pair: 0 for a plain linear, the expert for a switch layer) -> out [P, M, N]. Grid: warps across,
-# pairs down. Sizes come from w's shape at run time, so a model's layers share one compiled kernel.
+# R (output rows per thread block). x [P, M, K], w [E, N, NB, S] uint8, idx [P] int32 (the matrix of
+# each pair: 0 for a plain linear, the expert for a switch layer) -> out [P, M, N]. Grid: blocks of
+# THREADS across (R rows each), pairs down. The block's warps split a row's blocks between them
+# (warp j takes blocks j, j + WARPS, ...) and their sums meet in shared memory: a narrow matrix
+# (2048 or 4096 rows of 8192 or 14336 weights) still keeps every SM's warps busy, where a warp per
+# row pair walked all of a row alone. Sizes come from w's shape at run time, so a model's layers
+# share one compiled kernel.
 CUDA_MATVEC_SOURCE = r"""
+  constexpr int WARPS = """ + str(THREADS // 32) + r""";
+  __shared__ float part[WARPS][M][R];
   const int N = w_shape[1];
   const int NB = w_shape[2];
   const int K = NB * 256;
   const int pair = blockIdx.y;
+  const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
-  const int row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
-  if (row0 >= N) {
-    return;
-  }
+  const int row0 = blockIdx.x * R;
   const uint8_t* wm = w + static_cast<size_t>(idx[pair]) * N * NB * S;
-  const T* xp = x + static_cast<size_t>(pair) * M * K;""" + dialect(_MATVEC_LOOP, cuda=True)
+  const T* xp = x + static_cast<size_t>(pair) * M * K;
+  float acc[M][R];
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      acc[m][r] = 0.f;
+    }
+  }
+  for (int blk = warp; blk < NB; blk += WARPS) {
+    float v[R][8];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      // Rows past N (the last block) read row N - 1 again; their sums are never written.
+      const size_t row = static_cast<size_t>(min(row0 + r, N - 1));
+      pymlxc_gguf::lane_values<Q>(wm + (row * NB + blk) * S, lane * 8, v[r]);
+    }
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const T* xm = xp + static_cast<size_t>(m) * K + blk * 256 + lane * 8;
+      float xf[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        xf[i] = static_cast<float>(xm[i]);
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float d = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          d = fmaf(xf[i], v[r][i], d);
+        }
+        acc[m][r] += d;
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float s = acc[m][r];
+      for (int off = 16; off > 0; off >>= 1) {
+        s += __shfl_xor_sync(0xffffffffu, s, off);
+      }
+      if (lane == 0) {
+        part[warp][m][r] = s;
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < M * R) {
+    const int m = threadIdx.x / R, r = threadIdx.x % R;
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < WARPS; ++j) {
+      s += part[j][m][r];
+    }
+    if (row0 + r < N) {
+      out[(static_cast<size_t>(pair) * M + m) * N + row0 + r] = static_cast<T>(s);
+    }
+  }
+"""
 
 # Template arguments: T (out), Q, S. w [rows, NB, S] -> out [rows, NB * 256]; thread t writes the
 # 8 values 8 (t % 32) of block (t / 32) % NB of row t / (32 NB).
@@ -286,9 +380,12 @@ def matvec(x: Array, w: Array, idx: Array, qtype: QType, kind: str,
     and idx [P] int32, through the `kind` ("cuda" / "metal") kernel; M at most MAX_X_ROWS."""
     p, m, _ = x.shape
     n, size = w.shape[1], w.shape[3]
-    warps = -(-n // rows_per_warp)
+    # CUDA: a thread block of THREADS per `rows_per_warp` rows (its warps split each row's
+    # blocks); Metal: a simdgroup per `rows_per_warp` rows.
+    groups = -(-n // rows_per_warp)
+    width = groups * (THREADS if kind == "cuda" else 32)
     (out,) = _KERNELS[kind][0]()([x, w, idx], output_shapes=[(p, m, n)], output_dtypes=[x.dtype],
-                                 grid=(warps * 32, p, 1), threadgroup=(THREADS, 1, 1),
+                                 grid=(width, p, 1), threadgroup=(THREADS, 1, 1),
                                  template=[("T", x.dtype), ("M", m), ("Q", TYPE_IDS[qtype]), ("S", size),
                                            ("R", rows_per_warp)])
     return out

@@ -1,0 +1,56 @@
+"""Prefill alone, per model file and decode mode: time to the first token of a greedy generation
+(`compare_mlx_lm.timed_run`, one token) after prompts of each length, medians of --repeats runs
+after a warm-up, for the compiled decoder in each --modes (its prefill runner applies in
+"segmented") and without it ("off": the model's forward op by op).
+
+What it answers: where a GGUF file's prefill loses against the native format of the same shape (the
+block layers, the group-32 products, or the compiled segments that do not trace for them).
+
+    python benchmarks/profile/probe_prefill.py MODEL [MODEL ...] [--lengths 128 2048] [--modes segmented off]
+"""
+from __future__ import annotations
+
+import _path  # noqa: F401 - the checkout as installed
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from compare_mlx_lm import Pymlxc, timed_run  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("models", nargs="+", type=Path)
+    p.add_argument("--lengths", nargs="+", type=int, default=[128, 2048])
+    p.add_argument("--modes", nargs="+", default=["segmented", "off"], choices=["segmented", "graph", "off"])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    rows: list[dict[str, Any]] = []
+    for path in args.models:
+        for mode in args.modes:
+            side = Pymlxc(compiled=mode != "off", mode=None if mode == "off" else mode)
+            side.load(path)
+            try:
+                for n in args.lengths:
+                    prompt = [(7 * i) % 1000 + 10 for i in range(n)]
+                    timed_run(side, prompt, 1)  # warm-up: traces and kernels for this length
+                    times = [timed_run(side, prompt, 1)["ttft_s"] for _ in range(args.repeats)]
+                    ms = 1e3 * statistics.median(times)
+                    rows.append({"model": str(path), "mode": mode, "prompt": n, "ttft_ms": ms, "prefill_tps": n / ms * 1e3})
+                    print(f"{path.name:40s} {mode:9s} {n:5d} tokens  {ms:8.2f} ms  {n / ms * 1e3:9.0f} tok/s", flush=True)
+            finally:
+                side.free()
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

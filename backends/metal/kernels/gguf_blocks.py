@@ -42,7 +42,7 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 from pymlxc.core.cuda_kernel import SharedKernel
 
-from ..formats.gguf_quants import dequantize_blocks
+from ..formats.gguf_quants import dequantize_blocks, stored_blocks
 from .check import CheckedOnce
 from .metal_kernel import SharedMetalKernel, device_kind, dialect
 
@@ -101,19 +101,34 @@ __device__ __forceinline__ void values8(const uint8_t* b, int p0, float* v) {
   }
 }
 
-// values8<14> with fewer instructions: the lane's 8 low and 8 high bytes in 2-byte loads (a block
-// is only 2-byte aligned), the 6-bit codes of 4 values at once in a 32-bit word; the same values.
-__device__ __forceinline__ void q6k_values8(const uint8_t* b, int p0, float* v) {
+// values8<14> with fewer instructions: the lane's 8 low and 8 high bytes as two 32-bit words each
+// (8-byte loads where the block is 8-byte aligned: blocks padded to STORED_SIZE; else 2-byte
+// loads, the file's 210-byte blocks being only 2-byte aligned), the 6-bit codes of 4 values at once
+// in a word; the same values as values8<14>.
+__device__ __forceinline__ void q6k_values8(const uint8_t* b, int p0, bool wide, float* v) {
   const int n = p0 >> 7, k = (p0 & 127) >> 5, l = p0 & 31, s = p0 >> 4;
-  const float dl = half_at(b + 208) * static_cast<float>(static_cast<int8_t>(b[192 + s]));
-  const unsigned short* ql = reinterpret_cast<const unsigned short*>(b + 64 * n + 32 * (k & 1) + l);
-  const unsigned short* qh = reinterpret_cast<const unsigned short*>(b + 128 + 32 * n + l);
+  const float dl = __half2float(*reinterpret_cast<const __half*>(b + 208))
+      * static_cast<float>(static_cast<int8_t>(b[192 + s]));
+  const uint8_t* qlp = b + 64 * n + 32 * (k & 1) + l;
+  const uint8_t* qhp = b + 128 + 32 * n + l;
+  unsigned lo[2], hi[2];
+  if (wide) {
+    const uint2 a = *reinterpret_cast<const uint2*>(qlp);
+    const uint2 c = *reinterpret_cast<const uint2*>(qhp);
+    lo[0] = a.x; lo[1] = a.y; hi[0] = c.x; hi[1] = c.y;
+  } else {
+    const unsigned short* ql = reinterpret_cast<const unsigned short*>(qlp);
+    const unsigned short* qh = reinterpret_cast<const unsigned short*>(qhp);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      lo[h] = static_cast<unsigned>(ql[2 * h]) | (static_cast<unsigned>(ql[2 * h + 1]) << 16);
+      hi[h] = static_cast<unsigned>(qh[2 * h]) | (static_cast<unsigned>(qh[2 * h + 1]) << 16);
+    }
+  }
   const int sl = 4 * (k >> 1), sh = 2 * k;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const unsigned lo = static_cast<unsigned>(ql[2 * h]) | (static_cast<unsigned>(ql[2 * h + 1]) << 16);
-    const unsigned hi = static_cast<unsigned>(qh[2 * h]) | (static_cast<unsigned>(qh[2 * h + 1]) << 16);
-    const unsigned q4 = ((lo >> sl) & 0x0F0F0F0Fu) | (((hi >> sh) & 0x03030303u) << 4);
+    const unsigned q4 = ((lo[h] >> sl) & 0x0F0F0F0Fu) | (((hi[h] >> sh) & 0x03030303u) << 4);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       v[4 * h + i] = __fmul_rn(dl, static_cast<float>((q4 >> (8 * i)) & 0xFFu) - 32.f);
@@ -122,11 +137,34 @@ __device__ __forceinline__ void q6k_values8(const uint8_t* b, int p0, float* v) 
 }
 
 template <int Q>
-__device__ __forceinline__ void lane_values(const uint8_t* b, int p0, float* v) {
+__device__ __forceinline__ void lane_values(const uint8_t* b, int p0, bool wide, float* v) {
   if (Q == 14) {
-    q6k_values8(b, p0, v);
+    q6k_values8(b, p0, wide, v);
   } else {
     values8<Q>(b, p0, v);
+  }
+}
+
+// The 8 values of x from xm as float: one or two 16-byte loads where xm is 16-byte aligned.
+template <typename T>
+__device__ __forceinline__ void x8(const T* xm, bool wide, float* xf) {
+  if (wide) {
+    constexpr int W = sizeof(T) * 8 / 16;
+    uint4 raw[W];
+#pragma unroll
+    for (int j = 0; j < W; ++j) {
+      raw[j] = reinterpret_cast<const uint4*>(xm)[j];
+    }
+    const T* xs = reinterpret_cast<const T*>(raw);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      xf[i] = static_cast<float>(xs[i]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      xf[i] = static_cast<float>(xm[i]);
+    }
   }
 }
 
@@ -205,6 +243,10 @@ CUDA_MATVEC_SOURCE = r"""
   const int row0 = blockIdx.x * R;
   const uint8_t* wm = w + static_cast<size_t>(idx[pair]) * N * NB * S;
   const T* xp = x + static_cast<size_t>(pair) * M * K;
+  // Wide loads only where every block and every lane's x start is aligned for them (checked here,
+  // once: a misaligned wide load would fault).
+  const bool wide_w = S % 8 == 0 && (reinterpret_cast<uintptr_t>(wm) & 7) == 0;
+  const bool wide_x = (reinterpret_cast<uintptr_t>(xp) & 15) == 0;
   float acc[M][R];
 #pragma unroll
   for (int m = 0; m < M; ++m) {
@@ -219,16 +261,12 @@ CUDA_MATVEC_SOURCE = r"""
     for (int r = 0; r < R; ++r) {
       // Rows past N (the last block) read row N - 1 again; their sums are never written.
       const size_t row = static_cast<size_t>(min(row0 + r, N - 1));
-      pymlxc_gguf::lane_values<Q>(wm + (row * NB + blk) * S, lane * 8, v[r]);
+      pymlxc_gguf::lane_values<Q>(wm + (row * NB + blk) * S, lane * 8, wide_w, v[r]);
     }
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-      const T* xm = xp + static_cast<size_t>(m) * K + blk * 256 + lane * 8;
       float xf[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        xf[i] = static_cast<float>(xm[i]);
-      }
+      pymlxc_gguf::x8<T>(xp + static_cast<size_t>(m) * K + blk * 256 + lane * 8, wide_x, xf);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         float d = 0.f;
@@ -420,8 +458,9 @@ def ready(qtype: QType, dtype: Any) -> str | None:
 
 
 def random_blocks(rng: np.random.Generator, shape: tuple[int, ...], qtype: QType, scale: float = 0.02) -> np.ndarray:
-    """Random valid blocks [*shape, S] uint8 of `qtype`: random bytes, with the float16 super-block
-    scales set to finite values near `scale` (random bytes would hold NaN and huge ones)."""
+    """Random valid blocks [*shape, S] uint8 of `qtype` as the file holds them (S its type size;
+    `gguf_quants.stored_blocks` pads them as a model keeps them): random bytes, with the float16
+    super-block scales set to finite values near `scale` (random bytes would hold NaN and huge ones)."""
     size = GGML_QUANT_SIZES[qtype][1]
     b = rng.integers(0, 256, (*shape, size), dtype=np.uint8)
     fields = {QType.Q6_K: (208,), QType.Q3_K: (108,), QType.Q2_K: (80, 82)}[qtype]
@@ -446,7 +485,7 @@ def _compare(kind: str, qtype: QType, dtype: Any) -> str | None:
     Raises where a kernel cannot run here."""
     rng = np.random.default_rng(0)
     n, nb, m, e = 37, 3, 1, 2  # N not a multiple of the rows per warp; two matrices, three pairs
-    blocks = mx.array(random_blocks(rng, (e, n, nb), qtype))
+    blocks = mx.array(stored_blocks(random_blocks(rng, (e, n, nb), qtype), qtype))  # as a model keeps them
     x = mx.array(rng.standard_normal((3, m, nb * QK_K)).astype(np.float32)).astype(dtype)
     idx = mx.array(np.array([1, 0, 1], np.int32))
     got_w = np.asarray(dequantize(mx.reshape(blocks, (e * n, nb, -1)), qtype, mx.float32, kind))

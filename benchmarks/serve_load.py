@@ -59,14 +59,16 @@ def _command(kind: str, model: str, port: int, clients: int) -> list[str]:
 def _start(kind: str, model: str, clients: int, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     out = open(log, "wb")  # noqa: SIM115 - lives as long as the process
+    started = time.monotonic()
     process = subprocess.Popen(_command(kind, model, port, clients), stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    deadline = started + 300
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"{kind} server exited: {log.read_text()[-2000:]}")
         try:
             if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                print(f"{kind} server answered after {time.monotonic() - started:.1f} s (load and warm-up)", flush=True)
                 return process, url
         except httpx.HTTPError:
             time.sleep(0.3)

@@ -69,11 +69,12 @@ class Settings:
         "4-bit quantized products of few rows through pymlxc's CUDA kernel (`kernels/matvec.py`), "
         "chosen at load. `auto`: on CUDA for models whose layers are large enough for it to pay; "
         "`1`: for every 4-bit model on CUDA.")
-    batch_compile: bool = field(default=False, metadata=_doc("bool", (
+    batch_compile: str = _switch(
         "The continuous batch's decode step (the server, `batch_generate`) as one compiled graph per batch "
-        "size and buffer size (`backends/metal/decode/batch_step.py`); off by default: on this machine's CPU "
-        "it measured no faster, and on a fresh H200 a probe of it was stopped at its time limit in the warm-up "
-        "of its batch sizes (not yet measured). Off whenever `compile` is `0`.")))
+        "size and buffer size (`backends/metal/decode/batch_step.py`) instead of op by op. `auto`: on CUDA "
+        "(an H200 serving Llama-3.2-1B 4-bit: 236 / 683 / 1505 tok/s at 1 / 4 / 16 clients against 131 / "
+        "328 / 1127 op by op, its server answering 0.8 s later); not on a CPU, where it measured no faster. "
+        "Off whenever `compile` is `0`.")
     eval_thread: str = _switch(
         "Generation loops encode each step on an evaluation thread while Python builds the next "
         "(`pymlxc/core/eval_thread.py`). `auto`: on a GPU, not on a CPU (where the cores are "

@@ -17,7 +17,7 @@ PROMPTS = ["Once upon a time", "The baker counted the coins in her drawer before
 @pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_moe", "gemma4_text"])
 def test_compiled_batch_step_matches_single_generations(tmp_path: Path, arch: str) -> None:
     path = write_tiny_model(tmp_path / arch, arch, seed=3)
-    with settings.override(batch_compile=True), pymlxc.load_model(str(path), backend="metal") as model:
+    with settings.override(batch_compile="1"), pymlxc.load_model(str(path), backend="metal") as model:
         results = model.batch_generate(PROMPTS, max_tokens=24)
         stats = model._batch_step.stats  # noqa: SLF001 - the step's own counters
         assert stats["compiled"] > 0 and stats["fallback"] == 0
@@ -36,7 +36,7 @@ def test_compiled_batch_step_logits_equal_the_op_by_op_step(tmp_path: Path, arch
     from pymlxc.backends.metal import batching
 
     path = write_tiny_model(tmp_path / arch, arch, seed=5)
-    with settings.override(batch_compile=True), pymlxc.load_model(str(path), backend="metal") as model:
+    with settings.override(batch_compile="1"), pymlxc.load_model(str(path), backend="metal") as model:
         lm, step = model.model, model._batch_step  # noqa: SLF001 - the step under test
         batches = []
         for _ in range(2):
@@ -69,7 +69,7 @@ def test_a_step_that_cannot_be_traced_is_built_op_by_op_and_not_traced_again(tmp
 
     monkeypatch.setattr(batch_step, "_trace_batch_step", untraceable)
     path = write_tiny_model(tmp_path / "llama", "llama", seed=3)
-    with settings.override(batch_compile=True), pymlxc.load_model(str(path), backend="metal") as model:
+    with settings.override(batch_compile="1"), pymlxc.load_model(str(path), backend="metal") as model:
         results = model.batch_generate(PROMPTS, max_tokens=6)
         for result, prompt in zip(results, PROMPTS, strict=True):
             assert [t.id for t in result.tokens] == [t.id for t in model.generate(prompt, max_tokens=6)]

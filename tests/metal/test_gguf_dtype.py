@@ -341,3 +341,28 @@ def test_the_memory_estimate_of_block_projections_counts_the_compute_dtype(
         assert shapes is not None and all(s.itemsize == 2 for s in shapes)
         list(loops.generate_ids(model, IDS[0], cache=cache, sampler=greedy, max_tokens=3))
         assert all(c.keys.dtype == mx.float16 for c in cache)
+
+
+def test_block_layers_prefill_op_by_op_without_a_failed_trace(
+        files: Callable[..., tuple[Path, Path]], caplog: pytest.LogCaptureFixture) -> None:
+    """A Q4_K_M-like file (Q6_K down projection and embedding): the compiled prefill is not tried
+    (its shapeless trace cannot take the blocks' slices), so no trace fails and warns, and the
+    compiled decode still runs, with the uncompiled loop's tokens."""
+    from pymlxc.backends.metal.decode.decoder import CompiledDecoder
+
+    path, _ = files("llama", Q.Q4_K, {"blk.0.ffn_down.weight": Q.Q6_K, "token_embd.weight": Q.Q6_K})
+    with load_weights_and_config(path) as loaded:
+        model = loaded.model
+        decoder = CompiledDecoder(model, "segmented")
+        try:
+            assert decoder.prefill_runner(False) is None
+            with caplog.at_level("WARNING"):
+                compiled = list(loops.generate_ids(model, list(IDS[0]), cache=model.make_cache(None), sampler=greedy,
+                                                   max_tokens=6, decoder=decoder))
+            assert not [r for r in caplog.records if "not available" in r.getMessage()]
+            assert decoder.stats["compiled"] == 1
+            plain = list(loops.generate_ids(model, list(IDS[0]), cache=model.make_cache(None), sampler=greedy,
+                                            max_tokens=6))
+            assert compiled == plain
+        finally:
+            decoder.close()

@@ -11,11 +11,11 @@ made inside the graph (a row sees its valid columns up to this step's, within a 
 so shapes do not change from step to step; the weights are inputs, not constants the trace keeps.
 
 `BatchStep.logits` says None where the step cannot be traced (the caller then builds it op by op,
-which gives the same tokens); a structure that failed once is not traced again. It is off unless
-`PYMLXC_BATCH_COMPILE=1` (`Settings.batch_compile`): on this machine's CPU it measured no faster
-(it attends over the whole buffer), and on a fresh H200 a probe was stopped at its time limit in
-the warm-up of its batch sizes, a cost not yet measured (each new batch size is a new trace, and
-MLX may compile kernels for it).
+which gives the same tokens); a structure that failed once is not traced again. It is on by default
+on CUDA (`PYMLXC_BATCH_COMPILE`, `Settings.batch_compile`): on an H200 serving Llama-3.2-1B in 4
+bits its inter-token latency was 4.0 ms at one client against 6.8 ms op by op, and a server that
+warms every batch size up to 16 answered 0.8 s later. Not on a CPU: there it measured no faster
+(it attends over the whole buffer).
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from pymlxc.core import Array
 from pymlxc.core.transforms import FixedArrays
 from pymlxc.settings import Settings
 
+from ..kernels.check import on_cuda
 from ..nn import Module, arrays_of
 from .decoder import RingCache
 from .trace import call_traced, clone_modules
@@ -91,8 +92,9 @@ def _trace_batch_step(inputs: list[Array]) -> list[Array]:
 
 
 def batch_compile_on(settings: Settings) -> bool:
-    """Whether a model loaded with `settings` takes the compiled batch step (`Settings.batch_compile`)."""
-    return settings.compile and settings.batch_compile
+    """Whether a model loaded with `settings` takes the compiled batch step (`Settings.batch_compile`:
+    `auto` on CUDA)."""
+    return settings.compile and settings.switch_on("batch_compile", on_cuda())
 
 
 @dataclass

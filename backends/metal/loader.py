@@ -361,8 +361,9 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
         check_kernels(model.compute_dtype)
     cuda_matvec = False
     if quantized:  # no quantized layer: nothing to choose
-        chosen = (settings if settings is not None else current_settings()).cuda_matvec
-        cuda_matvec = nn.choose_cuda_matvec(model, chosen)
+        chosen_settings = settings if settings is not None else current_settings()
+        cuda_matvec = nn.choose_cuda_matvec(model, chosen_settings.cuda_matvec)
+        nn.choose_dense_products(model, chosen_settings.dense_prefill)
     return LoadedModel(model=model, config=config, model_type=str(model_type), path=root,
                        quantization={"group_size": int(quant.get("group_size", 64)), "bits": int(quant.get("bits", 4))}
                        if quant else None,

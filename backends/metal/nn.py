@@ -20,7 +20,7 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 from pymlxc.settings import SWITCH
 
-from .kernel_choice import AUTO_MIN_BYTES_PER_LAYER, quantized_matmul, runs_on
+from .kernel_choice import AUTO_MIN_BYTES_PER_LAYER, kernels_allowed, quantized_matmul, runs_on
 from .kernels.check import on_cuda
 from .thread_setting import ThreadSetting
 
@@ -31,6 +31,8 @@ _T = mx.transpose
 _reshape = mx.reshape
 _qmm = mx.quantized_matmul
 _dequantize = mx.dequantize
+_concat = mx.concatenate
+_swapaxes = mx.swapaxes
 _rms_norm = mx.fast.rms_norm
 
 
@@ -265,6 +267,23 @@ class CudaMatvecChoice:
 
 
 FOLD_MIN_ROWS = 8  # MLX's CUDA quantized product goes batched-tensor-core from B * M = 8 rows
+DENSE_MIN_ROWS = 128  # from this many rows of x (a prefill chunk) a marked layer dequantizes for a dense matmul
+DENSE_CHUNK_WEIGHTS = 1 << 24  # weights dequantized at once (32 MiB in half precision)
+
+
+def _dense_product(layer: Any, x: Array) -> Array:
+    """`x @ dequantize(W).T` as chunks of W's rows dequantized to x's dtype, each for its own dense
+    matmul (no whole dense copy of W): on an H100/H200 MLX's quantized product of 128+ rows reached
+    150-300 GB/s where its dense matmul of the same shape ran at 0.7-1.6 TB/s
+    (`benchmarks/profile/probe_gguf_blocks.py --rows 128`)."""
+    n, k = layer.weight.shape[0], x.shape[-1]
+    step = max(1, DENSE_CHUNK_WEIGHTS // max(k, 1))
+    parts = []
+    for r in range(0, n, step):
+        w = _dequantize(layer.weight[r:r + step], layer.scales[r:r + step], layer.biases[r:r + step],
+                        layer.group_size, layer.bits).astype(x.dtype)
+        parts.append(_matmul(x, _swapaxes(w, -1, -2)))
+    return parts[0] if len(parts) == 1 else _concat(parts, -1)
 
 
 def _quantized_product(layer: Any, x: Array) -> Array:
@@ -281,6 +300,9 @@ def _quantized_product(layer: Any, x: Array) -> Array:
     if len(shape) == 3 and shape[1] == 1 and shape[0] >= FOLD_MIN_ROWS:
         y = _quantized_product(layer, _reshape(x, (1, shape[0], shape[2])))
         return _reshape(y, (shape[0], 1, y.shape[-1]))
+    if layer._dense_rows and x.size >= layer._dense_rows * shape[-1] and not _shapeless.get() \
+            and kernels_allowed():
+        return _dense_product(layer, x)
     if layer._cuda_matvec:
         return quantized_matmul(x, layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits, True)
     out: Array = _qmm(x, layer.weight, layer.scales, layer.biases, True, layer.group_size, layer.bits)
@@ -304,6 +326,7 @@ class QuantizedLinear(CudaMatvecChoice, Module):
             self.bias = mx.zeros((output_dims,), dtype)
         self.freeze(["weight", "scales", "biases"], recurse=False)
         self._cuda_matvec = False  # set by choose_cuda_matvec
+        self._dense_rows = 0  # set by choose_dense_products: 0, or the rows of x from which to go dense
 
     @property
     def input_dims(self) -> int:
@@ -367,6 +390,7 @@ class QuantizedEmbedding(CudaMatvecChoice, Module):
         self.biases = mx.zeros((num_embeddings, dims // group_size), dtype)
         self.freeze(recurse=False)
         self._cuda_matvec = False  # set by choose_cuda_matvec
+        self._dense_rows = 0  # set by choose_dense_products: 0, or the rows of x from which to go dense
 
     @classmethod
     def from_embedding(cls, emb: Embedding, group_size: int = 64, bits: int = 4) -> QuantizedEmbedding:
@@ -563,6 +587,19 @@ def choose_cuda_matvec(model: Any, setting: str) -> bool:
     chosen = {id(m) for m in four_bit} if use else set()
     for m in layers:
         m.use_cuda_matvec(id(m) in chosen)
+    return use
+
+
+def choose_dense_products(model: Any, setting: str) -> bool:
+    """Mark `model`'s quantized layers to take products of DENSE_MIN_ROWS or more rows (prefill)
+    as dequantized chunks and dense matmuls (`_dense_product`) where `setting` (PYMLXC_DENSE_PREFILL:
+    `auto`: on CUDA, `1`, `0`) says so; returns whether it did. Decided once, at load."""
+    if setting not in SWITCH:
+        raise ValueError(f"the dense_prefill setting must be one of {', '.join(SWITCH)}, not {setting!r}")
+    use = setting == "1" or (setting == "auto" and on_cuda())
+    for _, m in model.named_modules():
+        if isinstance(m, (QuantizedLinear, QuantizedEmbedding)):
+            m._dense_rows = DENSE_MIN_ROWS if use else 0
     return use
 
 

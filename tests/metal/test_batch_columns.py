@@ -1,8 +1,9 @@
 """The decode batch's shared positions and masks (`batching.Columns`) and the folding of a decode
-batch's rows into one quantized product (`nn._quantized_product`)."""
+batch's rows into one quantized product, and a prefill's many rows as dense products (`nn._quantized_product`)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -78,3 +79,34 @@ def test_a_decode_batch_is_one_product_of_its_rows(monkeypatch) -> None:
     for shape in ((1, 1, 64), (7, 1, 64), (1, 7, 64), (3, 64)):
         assert layer(mx.zeros(shape)).shape == (*shape[:-1], 32)
     assert seen == [(1, 1, 64), (7, 1, 64), (1, 7, 64), (3, 64)]
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, 64)])
+def test_many_rows_go_dense_in_chunks_with_the_quantized_product(monkeypatch, bits: int, group: int) -> None:
+    """A layer marked for dense products (PYMLXC_DENSE_PREFILL) takes DENSE_MIN_ROWS rows or more as
+    chunks of dequantized rows and dense matmuls, the quantized product's values; fewer rows, a
+    shapeless trace and a gradient's kernels-only scope keep MLX's quantized product."""
+    from pymlxc.backends.metal import kernel_choice
+
+    calls: list[tuple[int, ...]] = []
+    real = nn._qmm
+    monkeypatch.setattr(nn, "_qmm", lambda x, *a: calls.append(tuple(x.shape)) or real(x, *a))
+    monkeypatch.setattr(nn, "DENSE_CHUNK_WEIGHTS", 40 * 128)  # 40 rows of W a chunk: 3 chunks of 96
+    layer = nn.QuantizedLinear(128, 96, group_size=group, bits=bits)
+    w = mx.random.normal((96, 128), key=mx.random.key(4))
+    layer.weight, layer.scales, layer.biases = mx.quantize(w, group, bits)
+    assert nn.choose_dense_products(layer, "1")
+    x = mx.random.normal((2, nn.DENSE_MIN_ROWS // 2, 128), key=mx.random.key(5))
+    dense = np.array(layer(x).tolist())
+    assert calls == []
+    assert nn.choose_dense_products(layer, "0") is False
+    want = np.array(layer(x).tolist())
+    np.testing.assert_allclose(dense, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+    nn.choose_dense_products(layer, "1")
+    calls.clear()
+    layer(x[:, :3])
+    with nn.shapeless_trace():
+        layer(x)
+    with kernel_choice.mlx_kernels_only():
+        layer(x)
+    assert len(calls) == 3

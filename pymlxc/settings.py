@@ -70,9 +70,9 @@ class Settings:
         "chosen at load. `auto`: on CUDA for models whose layers are large enough for it to pay; "
         "`1`: for every 4-bit model on CUDA.")
     dense_prefill: str = _switch(
-        "Quantized products of 128 or more rows of x (prefill chunks) as the weights dequantized in chunks "
-        "of rows and dense matmuls (`nn._dense_product`), chosen at load. `auto`: on CUDA, where MLX's "
-        "quantized product of that many rows ran at a fraction of its dense matmul's rate.")
+        "Quantized products of 512 or more rows of x (prefill chunks) as the weights dequantized in chunks "
+        "of rows and dense matmuls (`nn._dense_product`), chosen at load; such chunks skip the compiled "
+        "prefill. `auto`: on CUDA (an H200's 2048-token prefill of Llama-3.2-1B 4-bit: 16.5 ms against 34.1).")
     batch_compile: str = _switch(
         "The continuous batch's decode step (the server, `batch_generate`) as one compiled graph per batch "
         "size and buffer size (`backends/metal/decode/batch_step.py`) instead of op by op. `auto`: on CUDA "

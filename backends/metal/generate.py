@@ -207,10 +207,13 @@ def _chunk_forward(model: LanguageModel, mask: Callable[[int, int], mx.Array | N
     from .decode.decoder import CompileUnavailable  # noqa: PLC0415
 
     use = [runner if mask is None else None]
+    # A chunk of this many rows or more goes op by op where the model's quantized layers take it as
+    # dense products (nn.choose_dense_products), which the runner's shapeless trace cannot hold.
+    dense_rows = getattr(model, "dense_rows", 0)
 
     def forward(chunk: mx.Array, cache: Sequence[Any], offset: int, on_layer: Callable[..., None] | None,
                 logits: bool = False) -> mx.Array | None:
-        if use[0] is not None:
+        if use[0] is not None and not (dense_rows and chunk.shape[0] * chunk.shape[1] >= dense_rows):
             try:
                 h = use[0](chunk, cache, on_layer)
                 return model.output(h)[:, -1, :] if logits else None

@@ -267,14 +267,17 @@ class CudaMatvecChoice:
 
 
 FOLD_MIN_ROWS = 8  # MLX's CUDA quantized product goes batched-tensor-core from B * M = 8 rows
-DENSE_MIN_ROWS = 128  # from this many rows of x (a prefill chunk) a marked layer dequantizes for a dense matmul
+# From this many rows of x (a prefill chunk) a marked layer dequantizes for a dense matmul: on an
+# H200 a 2048-token prefill of Llama-3.2-1B 4-bit took 16.5 ms against 34.1 ms through MLX's
+# quantized product; at 128 tokens neither was clearly faster (`benchmarks/profile/probe_prefill.py`).
+DENSE_MIN_ROWS = 512
 DENSE_CHUNK_WEIGHTS = 1 << 24  # weights dequantized at once (32 MiB in half precision)
 
 
 def _dense_product(layer: Any, x: Array) -> Array:
     """`x @ dequantize(W).T` as chunks of W's rows dequantized to x's dtype, each for its own dense
-    matmul (no whole dense copy of W): on an H100/H200 MLX's quantized product of 128+ rows reached
-    150-300 GB/s where its dense matmul of the same shape ran at 0.7-1.6 TB/s
+    matmul (no whole dense copy of W): on an H200 MLX's quantized product of 128 rows reached 150-300
+    GB/s of weights where its dense matmul of the same shape ran at 0.7-1.6 TB/s
     (`benchmarks/profile/probe_gguf_blocks.py --rows 128`)."""
     n, k = layer.weight.shape[0], x.shape[-1]
     step = max(1, DENSE_CHUNK_WEIGHTS // max(k, 1))
@@ -597,9 +600,13 @@ def choose_dense_products(model: Any, setting: str) -> bool:
     if setting not in SWITCH:
         raise ValueError(f"the dense_prefill setting must be one of {', '.join(SWITCH)}, not {setting!r}")
     use = setting == "1" or (setting == "auto" and on_cuda())
+    marked = False
     for _, m in model.named_modules():
         if isinstance(m, (QuantizedLinear, QuantizedEmbedding)):
             m._dense_rows = DENSE_MIN_ROWS if use else 0
+            marked = True
+    # The prefill reads it (generate._chunk_forward): such chunks skip the compiled prefill.
+    model.dense_rows = DENSE_MIN_ROWS if use and marked else 0
     return use
 
 

@@ -548,6 +548,7 @@ class _Row:
     done_tokens: int = 0  # prompt tokens in `cache`
     started: bool = False
     checked: bool = False  # the memory check of its prefill was made
+    alone: bool = False  # prefilled on its own (its group could not run)
     max_tokens: int = 0
     bias: tuple[mx.Array, mx.Array] | None = None
     repeat: Any = None
@@ -792,7 +793,7 @@ class Scheduler:
                 row.started = True
                 row.cache, row.done_tokens = self._host.restore_prefix(row.request.prompt)
             rest = len(row.request.prompt) - row.done_tokens
-            if row.checked or rest > self.prefill_step \
+            if row.checked or row.alone or rest > self.prefill_step \
                     or max(width, rest) * (len(group) + 1) > GROUP_CHUNKS * self.prefill_step:
                 continue
             group.append(row)
@@ -861,9 +862,10 @@ class Scheduler:
 
     @staticmethod
     def _ungroup(rows: Sequence[_Row]) -> None:
-        """Send `rows` to the prefill alone (their restored caches are untouched)."""
+        """Send `rows` to the prefill alone (their restored caches are untouched), which makes each
+        one's own memory check and meets its own errors."""
         for row in rows:
-            row.checked = True
+            row.alone = True
 
     def _prefill_chunk(self, row: _Row) -> None:
         """One chunk of `row`'s prompt; after the last, its first token and its place in the batch."""

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 import pymlxc.core as mx
 from pymlxc.backends.metal import generate as loops
 from pymlxc.backends.metal import gguf_layers, kernel_choice
-from pymlxc.backends.metal.formats.gguf_quants import block_shape, dequantize_blocks, stored_blocks
+from pymlxc.backends.metal.formats.gguf_quants import dequantize_blocks
 from pymlxc.backends.metal.gguf_layers import BlockEmbedding, BlockLinear, BlockSwitchLinear
 from pymlxc.backends.metal.kernels import gguf_blocks
 from pymlxc.backends.metal.loader import load_weights_and_config
@@ -93,8 +93,7 @@ def test_lane_arithmetic_is_the_reference(qtype: Q, seed: int, scale: float) -> 
 def _layer(qtype: Q, n: int, nb: int, seed: int) -> tuple[BlockLinear, np.ndarray]:
     layer = BlockLinear(nb * 256, n, qtype)
     blocks = gguf_blocks.random_blocks(np.random.default_rng(seed), (n, nb), qtype)
-    layer.weight = mx.array(stored_blocks(blocks, qtype))  # as a model keeps them
-    assert layer.weight.shape == (n, *block_shape(qtype, nb * 256))
+    layer.weight = mx.array(blocks)
     dense = gguf.quants.dequantize(blocks.reshape(n, -1), qtype).astype(np.float64)
     return layer, dense
 
@@ -163,9 +162,8 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
         for qtype in TYPES:
             q, s = g.TYPE_IDS[qtype], gguf.constants.GGML_QUANT_SIZES[qtype][1]
             for m in (1, 8):
-                for size in {s, block_shape(qtype, 256)[1]}:  # the file's block and the kept (padded) one
-                    lines.append(f"template __global__ void mv<{t},{m},{q},{size},2>(const {t}*, const uint8_t*, "
-                                 f"const int32_t*, const int32_t*, {t}*);")
+                lines.append(f"template __global__ void mv<{t},{m},{q},{s},2>(const {t}*, const uint8_t*, "
+                             f"const int32_t*, const int32_t*, {t}*);")
             lines.append(f"template __global__ void dq<{t},{q},{s}>(const uint8_t*, const int32_t*, {t}*);")
     src = tmp_path / "k.cu"
     src.write_text("\n".join(lines) + "\n")
@@ -182,32 +180,25 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
 def test_dequantization_kernel_is_the_reference(qtype: Q, dtype: Any) -> None:
     blocks = gguf_blocks.random_blocks(np.random.default_rng(7), (33, 3), qtype)
     want = gguf.quants.dequantize(blocks.reshape(33, -1), qtype).astype(np.float32)
-    for kept in (blocks, stored_blocks(blocks, qtype)):  # the file's layout and the padded one
-        got = gguf_blocks.dequantize(mx.array(kept), qtype, dtype, "cuda")
-        np.testing.assert_array_equal(np.asarray(got.astype(mx.float32)),
-                                      np.asarray(mx.array(want).astype(dtype).astype(mx.float32)))
+    got = gguf_blocks.dequantize(mx.array(blocks), qtype, dtype, "cuda")
+    np.testing.assert_array_equal(np.asarray(got.astype(mx.float32)), np.asarray(mx.array(want).astype(dtype)
+                                                                                  .astype(mx.float32)))
 
 
 @cuda_only
 # Few row counts: NVRTC compiles the kernel once per (dtype, rows, type), about a second each.
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(qtype=st.sampled_from(TYPES), n=st.integers(1, 300), nb=st.integers(1, 9), m=st.sampled_from([1, 4, 8]),
-       pairs=st.integers(1, 3), dtype=st.sampled_from(["float32", "float16", "bfloat16"]), seed=st.integers(0, 1000),
-       padded=st.booleans(), x_offset=st.sampled_from([0, 1]))
-def test_matvec_kernel_against_float64(qtype: Q, n: int, nb: int, m: int, pairs: int, dtype: str, seed: int,
-                                       padded: bool, x_offset: int) -> None:
-    """Blocks as the file holds them (Q6_K: 2-byte aligned, 2-byte loads) or padded as a model keeps
-    them (8-byte loads); x at an aligned start or one element past it (its loads narrow then)."""
+       pairs=st.integers(1, 3), dtype=st.sampled_from(["float32", "float16", "bfloat16"]), seed=st.integers(0, 1000))
+def test_matvec_kernel_against_float64(qtype: Q, n: int, nb: int, m: int, pairs: int, dtype: str, seed: int) -> None:
     rng = np.random.default_rng(seed)
     dt = getattr(mx, dtype)
     experts = 2
     blocks = gguf_blocks.random_blocks(rng, (experts, n, nb), qtype)
     dense = gguf.quants.dequantize(blocks.reshape(experts * n, -1), qtype).reshape(experts, n, -1).astype(np.float64)
-    whole = mx.array(rng.standard_normal(pairs * m * nb * 256 + x_offset).astype(np.float32)).astype(dt)
-    x = mx.reshape(whole[x_offset:], (pairs, m, nb * 256))
+    x = mx.array(rng.standard_normal((pairs, m, nb * 256)).astype(np.float32)).astype(dt)
     idx = rng.integers(0, experts, pairs).astype(np.int32)
-    kept = stored_blocks(blocks, qtype) if padded else blocks
-    got = np.asarray(gguf_blocks.matvec(x, mx.array(kept), mx.array(idx), qtype, "cuda").astype(mx.float32))
+    got = np.asarray(gguf_blocks.matvec(x, mx.array(blocks), mx.array(idx), qtype, "cuda").astype(mx.float32))
     xf = np.asarray(x.astype(mx.float32)).astype(np.float64)
     want = np.einsum("pmk,pnk->pmn", xf, dense[idx])
     bound = np.einsum("pmk,pnk->pmn", np.abs(xf), np.abs(dense[idx]))
@@ -227,7 +218,7 @@ def test_layers_on_the_kernels_equal_mlx_ops(qtype: Q) -> None:
     np.testing.assert_array_equal(np.asarray(emb(ids).astype(mx.float32)).reshape(3, -1),
                                   want_rows.reshape(3, -1).astype(np.float16).astype(np.float32))
     switch = BlockSwitchLinear(512, 130, 4, qtype)
-    switch.weight = mx.array(stored_blocks(gguf_blocks.random_blocks(rng, (4, 130, 2), qtype), qtype))
+    switch.weight = mx.array(gguf_blocks.random_blocks(rng, (4, 130, 2), qtype))
     x = mx.array(rng.standard_normal((1, 2, 1, 1, 512)).astype(np.float32))
     indices = mx.array(np.array([[[3, 1], [0, 3]]], np.int32).reshape(1, 2, 2))[:, :, :1]
     kernel = np.asarray(switch(x, indices))

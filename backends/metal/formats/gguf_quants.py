@@ -39,10 +39,6 @@ AFFINE_BITS: dict[QType, int] = {QType.Q4_0: 4, QType.Q4_1: 4, QType.Q5_0: 5, QT
                                  QType.Q4_K: 4, QType.Q5_K: 5}
 EXACT_AFFINE = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0)  # float16 scales lose nothing
 BLOCK_TYPES = (QType.Q2_K, QType.Q3_K, QType.Q6_K)  # kept as the file's blocks
-# Bytes a kept block takes in memory where it differs from the file's: a Q6_K block (210 bytes, so
-# only 2-byte aligned one after another) gets 14 zero bytes at its end, so that every block starts
-# 16-byte aligned and the GPU kernels read its fields in 8-byte words (1.067x the file's bytes).
-STORED_SIZE = {QType.Q6_K: 224}
 SCALE_DTYPE = np.float16
 _CHUNK_WEIGHTS = 1 << 22  # rows repacked per step: bounded temporaries whatever the tensor size
 
@@ -160,8 +156,7 @@ def _half(raw: Array) -> Array:
 
 
 def dequantize_blocks(b: Array, qtype: QType) -> Array:
-    """Rows of Q2_K/Q3_K/Q6_K blocks (..., n_blocks, type_size or STORED_SIZE: the padding is not
-    read) uint8 -> float32 (..., n_blocks * 256),
+    """Rows of Q2_K/Q3_K/Q6_K blocks (..., n_blocks, type_size) uint8 -> float32 (..., n_blocks * 256),
     with the float32 operations of `gguf.quants.dequantize` in its order (so bit for bit equal)."""
     lead, nb = tuple(b.shape[:-2]), b.shape[-2]
     shape = (*lead, nb)
@@ -195,27 +190,12 @@ def dequantize_blocks(b: Array, qtype: QType) -> Array:
 
 
 def block_shape(qtype: QType, cols: int) -> tuple[int, int]:
-    """(blocks, bytes a block in memory) of a row of `cols` weights: the trailing dimensions of a
-    block weight (`STORED_SIZE` where a block is padded)."""
+    """(blocks, bytes a block) of a row of `cols` weights: the trailing dimensions of a block weight."""
     block, size = GGML_QUANT_SIZES[qtype]
     if cols % block:
         raise QuantError(f"{cols} inputs are not a multiple of {qtype.name}'s block of {block}")
-    return cols // block, STORED_SIZE.get(qtype, size)
-
-
-def stored_blocks(blocks: np.ndarray, qtype: QType) -> np.ndarray:
-    """Blocks (..., the file's bytes a block) uint8 -> as kept in memory (..., `block_shape`'s bytes):
-    the same bytes, zero-padded at each block's end where `STORED_SIZE` says so."""
-    size = GGML_QUANT_SIZES[qtype][1]
-    stored = STORED_SIZE.get(qtype, size)
-    if blocks.shape[-1] != size:
-        raise QuantError(f"{qtype.name} blocks have {size} bytes, not {blocks.shape[-1]}")
-    if stored == size:
-        return np.ascontiguousarray(blocks)
-    out = np.zeros((*blocks.shape[:-1], stored), np.uint8)
-    out[..., :size] = blocks
-    return out
+    return cols // block, size
 
 
 __all__ = ["GROUP", "QK_K", "AFFINE_BITS", "EXACT_AFFINE", "BLOCK_TYPES", "SCALE_DTYPE", "QuantError", "affine_parts",
-           "pack_bits", "repack_affine", "dequantize_blocks", "block_shape", "stored_blocks", "STORED_SIZE"]
+           "pack_bits", "repack_affine", "dequantize_blocks", "block_shape"]

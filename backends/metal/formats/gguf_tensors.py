@@ -40,7 +40,7 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 
 from .gguf_config import GATED_DELTA
-from .gguf_quants import AFFINE_BITS, BLOCK_TYPES, GROUP, QuantError, repack_affine, stored_blocks
+from .gguf_quants import AFFINE_BITS, BLOCK_TYPES, GROUP, QuantError, repack_affine
 
 # Quantized files of these compute in float16 by default. Gemma's residual stream grows past
 # float16's range (HF refuses float16 for Gemma 2 and 3; llama.cpp keeps activations in F32), and
@@ -423,7 +423,7 @@ def _convert(out: GGUFWeights, raw: np.ndarray, qtype: QType, shape: tuple[int, 
         return
     if qtype in BLOCK_TYPES:
         size = GGML_QUANT_SIZES[qtype][1]
-        out.arrays[target] = mx.array(stored_blocks(np.ascontiguousarray(raw).reshape(*shape[:-1], -1, size), qtype))
+        out.arrays[target] = mx.array(np.ascontiguousarray(raw).reshape(*shape[:-1], -1, size))
         out.block_layers[module] = qtype
         return
     dtype = {QType.F32: np.float32, QType.F16: np.float16, QType.BF16: np.uint16}[qtype]

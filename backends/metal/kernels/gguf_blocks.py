@@ -42,7 +42,7 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 from pymlxc.core.cuda_kernel import SharedKernel
 
-from ..formats.gguf_quants import dequantize_blocks, stored_blocks
+from ..formats.gguf_quants import dequantize_blocks
 from .check import CheckedOnce
 from .metal_kernel import SharedMetalKernel, device_kind, dialect
 
@@ -101,82 +101,42 @@ __device__ __forceinline__ void values8(const uint8_t* b, int p0, float* v) {
   }
 }
 
-// values8<14> with fewer instructions: the lane's 8 low and 8 high bytes as two 32-bit words each
-// (8-byte loads where the block is 8-byte aligned: blocks padded to STORED_SIZE; else 2-byte
-// loads, the file's 210-byte blocks being only 2-byte aligned), the 6-bit codes of 4 values at once
-// in a word; the same values as values8<14>.
-__device__ __forceinline__ void q6k_values8(const uint8_t* b, int p0, bool wide, float* v) {
+// values8<14> with fewer instructions: the lane's 8 low and 8 high bytes in 2-byte loads (a block
+// is only 2-byte aligned), the 6-bit codes of 4 values at once in a 32-bit word; the same values.
+__device__ __forceinline__ void q6k_values8(const uint8_t* b, int p0, float* v) {
   const int n = p0 >> 7, k = (p0 & 127) >> 5, l = p0 & 31, s = p0 >> 4;
-  const float dl = __half2float(*reinterpret_cast<const __half*>(b + 208))
-      * static_cast<float>(static_cast<int8_t>(b[192 + s]));
-  const uint8_t* qlp = b + 64 * n + 32 * (k & 1) + l;
-  const uint8_t* qhp = b + 128 + 32 * n + l;
-  unsigned lo[2], hi[2];
-  if (wide) {
-    const uint2 a = *reinterpret_cast<const uint2*>(qlp);
-    const uint2 c = *reinterpret_cast<const uint2*>(qhp);
-    lo[0] = a.x; lo[1] = a.y; hi[0] = c.x; hi[1] = c.y;
-  } else {
-    const unsigned short* ql = reinterpret_cast<const unsigned short*>(qlp);
-    const unsigned short* qh = reinterpret_cast<const unsigned short*>(qhp);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      lo[h] = static_cast<unsigned>(ql[2 * h]) | (static_cast<unsigned>(ql[2 * h + 1]) << 16);
-      hi[h] = static_cast<unsigned>(qh[2 * h]) | (static_cast<unsigned>(qh[2 * h + 1]) << 16);
-    }
-  }
+  const float dl = half_at(b + 208) * static_cast<float>(static_cast<int8_t>(b[192 + s]));
+  const unsigned short* ql = reinterpret_cast<const unsigned short*>(b + 64 * n + 32 * (k & 1) + l);
+  const unsigned short* qh = reinterpret_cast<const unsigned short*>(b + 128 + 32 * n + l);
   const int sl = 4 * (k >> 1), sh = 2 * k;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const unsigned q4 = ((lo[h] >> sl) & 0x0F0F0F0Fu) | (((hi[h] >> sh) & 0x03030303u) << 4);
+    const unsigned lo = static_cast<unsigned>(ql[2 * h]) | (static_cast<unsigned>(ql[2 * h + 1]) << 16);
+    const unsigned hi = static_cast<unsigned>(qh[2 * h]) | (static_cast<unsigned>(qh[2 * h + 1]) << 16);
+    const unsigned q4 = ((lo >> sl) & 0x0F0F0F0Fu) | (((hi >> sh) & 0x03030303u) << 4);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      // q - 32 as a float without an int-to-float conversion (a quarter-rate instruction): byte i
-      // of q4 as the low mantissa bits of 2^23, less 2^23 + 32; exact, as the reference's value.
-      const unsigned bits = __byte_perm(q4, 0x4B000000u, static_cast<unsigned>(i) | 0x7540u);
-      v[4 * h + i] = __fmul_rn(dl, __int_as_float(static_cast<int>(bits)) - 8388640.f);
+      v[4 * h + i] = __fmul_rn(dl, static_cast<float>((q4 >> (8 * i)) & 0xFFu) - 32.f);
     }
   }
 }
 
 template <int Q>
-__device__ __forceinline__ void lane_values(const uint8_t* b, int p0, bool wide, float* v) {
+__device__ __forceinline__ void lane_values(const uint8_t* b, int p0, float* v) {
   if (Q == 14) {
-    q6k_values8(b, p0, wide, v);
+    q6k_values8(b, p0, v);
   } else {
     values8<Q>(b, p0, v);
-  }
-}
-
-// The 8 values of x from xm as float: one or two 16-byte loads where xm is 16-byte aligned.
-template <typename T>
-__device__ __forceinline__ void x8(const T* xm, bool wide, float* xf) {
-  if (wide) {
-    constexpr int W = sizeof(T) * 8 / 16;
-    uint4 raw[W];
-#pragma unroll
-    for (int j = 0; j < W; ++j) {
-      raw[j] = reinterpret_cast<const uint4*>(xm)[j];
-    }
-    const T* xs = reinterpret_cast<const T*>(raw);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      xf[i] = static_cast<float>(xs[i]);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      xf[i] = static_cast<float>(xm[i]);
-    }
   }
 }
 
 }  // namespace pymlxc_gguf
 """
 
-# The Metal matvec's loop over blocks (a simdgroup walks all of a row's blocks): a lane's 8 values
-# of R rows times M rows of x, then the simdgroup's sums.
-_MATVEC_LOOP = r"""
+# The matvecs' loop over blocks, for both kernels (`metal_kernel.dialect`): the blocks FIRST_BLOCK,
+# FIRST_BLOCK + BLOCK_STEP, ... of R rows, a lane's 8 values of each times M rows of x, summed per
+# lane into acc[M][R] (each kernel then reduces them its way).
+_MATVEC_BLOCKS = r"""
   float acc[M][R];
 #pragma unroll
   for (int m = 0; m < M; ++m) {
@@ -185,13 +145,13 @@ _MATVEC_LOOP = r"""
       acc[m][r] = 0.f;
     }
   }
-  for (int blk = 0; blk < NB; ++blk) {
+  for (int blk = FIRST_BLOCK; blk < NB; blk += BLOCK_STEP) {
     float v[R][8];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      // Rows past N (the last warp) read row N - 1 again; their sums are never written.
+      // Rows past N (the last rows) read row N - 1 again; their sums are never written.
       const size_t row = static_cast<size_t>(min(row0 + r, N - 1));
-      pymlxc_gguf::values8<Q>(wm + (row * NB + blk) * S, lane * 8, v[r]);
+      pymlxc_gguf::lane_values<Q>(wm + (row * NB + blk) * S, lane * 8, v[r]);
     }
 #pragma unroll
     for (int m = 0; m < M; ++m) {
@@ -212,19 +172,12 @@ _MATVEC_LOOP = r"""
       }
     }
   }
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      float s = acc[m][r];
-#pragma unroll
-      WARP_SUM s
-      if (lane == 0 && row0 + r < N) {
-        out[(static_cast<size_t>(pair) * M + m) * N + row0 + r] = static_cast<T>(s);
-      }
-    }
-  }
 """
+
+
+def _blocks(first: str, step: str, cuda: bool) -> str:
+    return dialect(_MATVEC_BLOCKS.replace("FIRST_BLOCK", first).replace("BLOCK_STEP", step), cuda=cuda)
+
 
 # Template arguments: T (x and out), M (rows of x per pair), Q (ggml type), S (bytes a block),
 # R (output rows per thread block). x [P, M, K], w [E, N, NB, S] uint8, idx [P] int32 (the matrix of
@@ -245,42 +198,7 @@ CUDA_MATVEC_SOURCE = r"""
   const int lane = threadIdx.x & 31;
   const int row0 = blockIdx.x * R;
   const uint8_t* wm = w + static_cast<size_t>(idx[pair]) * N * NB * S;
-  const T* xp = x + static_cast<size_t>(pair) * M * K;
-  // Wide loads only where every block and every lane's x start is aligned for them (checked here,
-  // once: a misaligned wide load would fault).
-  const bool wide_w = S % 8 == 0 && (reinterpret_cast<uintptr_t>(wm) & 7) == 0;
-  const bool wide_x = (reinterpret_cast<uintptr_t>(xp) & 15) == 0;
-  float acc[M][R];
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      acc[m][r] = 0.f;
-    }
-  }
-  for (int blk = warp; blk < NB; blk += WARPS) {
-    float v[R][8];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      // Rows past N (the last block) read row N - 1 again; their sums are never written.
-      const size_t row = static_cast<size_t>(min(row0 + r, N - 1));
-      pymlxc_gguf::lane_values<Q>(wm + (row * NB + blk) * S, lane * 8, wide_w, v[r]);
-    }
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float xf[8];
-      pymlxc_gguf::x8<T>(xp + static_cast<size_t>(m) * K + blk * 256 + lane * 8, wide_x, xf);
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        float d = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          d = fmaf(xf[i], v[r][i], d);
-        }
-        acc[m][r] += d;
-      }
-    }
-  }
+  const T* xp = x + static_cast<size_t>(pair) * M * K;""" + _blocks("warp", "WARPS", cuda=True) + r"""
 #pragma unroll
   for (int m = 0; m < M; ++m) {
 #pragma unroll
@@ -370,6 +288,12 @@ inline void values8(const device uint8_t* b, int p0, thread float* v) {
   }
 }
 
+// The matvec's per-lane values (CUDA's has a faster Q6_K form; the Metal one is values8).
+template <int Q>
+inline void lane_values(const device uint8_t* b, int p0, thread float* v) {
+  values8<Q>(b, p0, v);
+}
+
 }  // namespace pymlxc_gguf
 """
 
@@ -384,7 +308,16 @@ METAL_MATVEC_SOURCE = r"""
     return;
   }
   const device uint8_t* wm = w + size_t(idx[pair]) * N * NB * S;
-  const device T* xp = x + size_t(pair) * M * K;""" + dialect(_MATVEC_LOOP, cuda=False)
+  const device T* xp = x + size_t(pair) * M * K;""" + _blocks("0", "1", cuda=False) + r"""
+  for (int m = 0; m < M; ++m) {
+    for (int r = 0; r < R; ++r) {
+      const float s = simd_sum(acc[m][r]);
+      if (lane == 0 && row0 + r < N) {
+        out[(size_t(pair) * M + m) * N + row0 + r] = T(s);
+      }
+    }
+  }
+"""
 
 METAL_DEQUANT_SOURCE = r"""
   const size_t rows = w_shape[0];
@@ -461,9 +394,8 @@ def ready(qtype: QType, dtype: Any) -> str | None:
 
 
 def random_blocks(rng: np.random.Generator, shape: tuple[int, ...], qtype: QType, scale: float = 0.02) -> np.ndarray:
-    """Random valid blocks [*shape, S] uint8 of `qtype` as the file holds them (S its type size;
-    `gguf_quants.stored_blocks` pads them as a model keeps them): random bytes, with the float16
-    super-block scales set to finite values near `scale` (random bytes would hold NaN and huge ones)."""
+    """Random valid blocks [*shape, S] uint8 of `qtype`: random bytes, with the float16 super-block
+    scales set to finite values near `scale` (random bytes would hold NaN and huge ones)."""
     size = GGML_QUANT_SIZES[qtype][1]
     b = rng.integers(0, 256, (*shape, size), dtype=np.uint8)
     fields = {QType.Q6_K: (208,), QType.Q3_K: (108,), QType.Q2_K: (80, 82)}[qtype]
@@ -488,7 +420,7 @@ def _compare(kind: str, qtype: QType, dtype: Any) -> str | None:
     Raises where a kernel cannot run here."""
     rng = np.random.default_rng(0)
     n, nb, m, e = 37, 3, 1, 2  # N not a multiple of the rows per warp; two matrices, three pairs
-    blocks = mx.array(stored_blocks(random_blocks(rng, (e, n, nb), qtype), qtype))  # as a model keeps them
+    blocks = mx.array(random_blocks(rng, (e, n, nb), qtype))
     x = mx.array(rng.standard_normal((3, m, nb * QK_K)).astype(np.float32)).astype(dtype)
     idx = mx.array(np.array([1, 0, 1], np.int32))
     got_w = np.asarray(dequantize(mx.reshape(blocks, (e * n, nb, -1)), qtype, mx.float32, kind))

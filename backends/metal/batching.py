@@ -234,20 +234,6 @@ class Columns:
         self._masks = {key: m, **{k: v for k, v in self._masks.items() if k[0] == idx}}
         return m
 
-    @staticmethod
-    def prompt_mask(idx: int, n: int, valid: np.ndarray, window: int | None) -> mx.Array:
-        """[B, 1, n, idx + n] booleans for `n` queries in columns idx..: causal, inside the window,
-        and no column before a row's first valid one, except that a query in a row's padding sees
-        itself (a query with nothing to see would make NaN, and padded keys must stay finite)."""
-        queries = mx.arange(idx, idx + n, dtype=mx.int32)[:, None]
-        cols = mx.arange(idx + n, dtype=mx.int32)[None, :]
-        visible = cols <= queries
-        if window is not None:
-            visible = mx.logical_and(visible, cols > queries - window)
-        first = mx.array(valid.astype(np.int32))[:, None, None]
-        real = mx.logical_or(mx.expand_dims(cols, 0) >= first, mx.expand_dims(cols == queries, 0))
-        return mx.expand_dims(mx.logical_and(mx.expand_dims(visible, 0), real), 1)
-
 
 class BatchKVCache:
     """One attention layer's keys and values for every row of the decode batch (the `Cache`
@@ -334,8 +320,8 @@ class BatchKVCache:
         self.values = mx.concatenate([self.values, mx.zeros((b, h, GROW, dv), self.values.dtype)], axis=2)
 
     def make_mask(self, n: int, window_size: int | None = None) -> mx.Array | None:
-        if n != 1:
-            return Columns.prompt_mask(self.idx, n, self.valid, window_size)
+        if n != 1:  # a group's prompts: `valid` is each row's padding
+            return loops.left_padded_mask(mx.array(self.valid.astype(np.int32)), self.idx, n, window_size)
         return self.columns.mask(self.idx, self.valid, window_size)
 
     @property
@@ -812,15 +798,14 @@ class Scheduler:
         host, model = self._host, self._host.language_model
         prompts = [r.request.prompt for r in rows]
         width = max(len(p) - r.done_tokens for p, r in zip(prompts, rows, strict=True))
+        held = [max(0, len(p) - width) for p in prompts]  # each row's tokens before its chunk
         prefixes: list[list[Any]] = []
-        for prompt, row in zip(prompts, rows, strict=True):
-            before = max(0, len(prompt) - width)
-            cut = pcache.restore(row.cache or (), before) if before else None
-            prefixes.append(cut if cut is not None and before else model.make_cache(self.context_len))
-        held = [max(0, len(p) - width) for p in prompts]
-        if any(n and pcache.consistent_offset(prefix) != n for prefix, n in zip(prefixes, held, strict=True)):
-            self._ungroup(rows)  # a cached prefix that cannot be cut at that length
-            return
+        for row, n in zip(rows, held, strict=True):
+            cut = pcache.restore(row.cache or (), n) if n else model.make_cache(self.context_len)
+            if cut is None:  # a cached prefix that cannot be cut at that length
+                self._ungroup(rows)
+                return
+            prefixes.append(cut)
         pads = np.array([max(0, width - len(p)) for p in prompts])
         tokens = mx.array([[p[0]] * int(pad) + p[-width:] for p, pad in zip(prompts, pads, strict=True)],
                           dtype=mx.int32)

@@ -125,12 +125,16 @@ def _positions(start: int, stop: int) -> mx.Array:
     return mx.arange(start, stop, dtype=mx.int32)
 
 
-def left_padded_mask(pads: mx.Array, offset: int, length: int) -> mx.Array:
+def left_padded_mask(pads: mx.Array, offset: int, length: int, window: int | None = None) -> mx.Array:
     """Mask for `length` queries at positions offset.. of left-padded rows (`pads` [B] int32):
-    causal, and no key inside a row's padding except the query itself."""
+    causal (within `window` keys of each query, if given), and no key inside a row's padding
+    except the query itself (a query with nothing to see would make NaN, and padded keys must stay
+    finite)."""
     queries = _positions(offset, offset + length)[:, None]  # [L, 1]
     keys = _positions(0, offset + length)[None, :]  # [1, S]
     causal = keys <= queries
+    if window is not None:
+        causal = causal & (keys > queries - window)
     real = keys[None] >= pads[:, None, None]  # [B, 1, S]
     mask = causal[None] & (real | (keys == queries)[None])  # [B, L, S]
     return mx.expand_dims(mask, 1)

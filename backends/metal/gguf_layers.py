@@ -45,10 +45,7 @@ def block_matmul(x: Array, weight: Array, qtype: QType) -> Array:
             y = gguf_blocks.matvec(mx.reshape(x, (1, rows, k)), mx.expand_dims(weight, 0),
                                    mx.zeros((1,), mx.int32), qtype, kind)
             return mx.reshape(y, (*x.shape[:-1], n))
-    step = max(1, CHUNK_WEIGHTS // max(nb * QK_K, 1))
-    parts = [mx.matmul(x, mx.swapaxes(dequantize_rows(weight[r:r + step], qtype, x.dtype), -1, -2))
-             for r in range(0, n, step)]
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+    return nn.product_in_row_chunks(x, n, CHUNK_WEIGHTS, lambda r, stop: dequantize_rows(weight[r:stop], qtype, x.dtype))
 
 
 class BlockLinear(nn.Module):

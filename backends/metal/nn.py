@@ -274,19 +274,23 @@ DENSE_MIN_ROWS = 512
 DENSE_CHUNK_WEIGHTS = 1 << 24  # weights dequantized at once (32 MiB in half precision)
 
 
-def _dense_product(layer: Any, x: Array) -> Array:
-    """`x @ dequantize(W).T` as chunks of W's rows dequantized to x's dtype, each for its own dense
-    matmul (no whole dense copy of W): on an H200 MLX's quantized product of 128 rows reached 150-300
-    GB/s of weights where its dense matmul of the same shape ran at 0.7-1.6 TB/s
-    (`benchmarks/profile/probe_gguf_blocks.py --rows 128`)."""
-    n, k = layer.weight.shape[0], x.shape[-1]
-    step = max(1, DENSE_CHUNK_WEIGHTS // max(k, 1))
-    parts = []
-    for r in range(0, n, step):
-        w = _dequantize(layer.weight[r:r + step], layer.scales[r:r + step], layer.biases[r:r + step],
-                        layer.group_size, layer.bits).astype(x.dtype)
-        parts.append(_matmul(x, _swapaxes(w, -1, -2)))
+def product_in_row_chunks(x: Array, rows: int, chunk_weights: int, dequantize: Callable[[int, int], Array]) -> Array:
+    """x @ W.T for a W of `rows` rows kept compressed: `dequantize(r, stop)` gives rows r..stop of W
+    [stop - r, K] in x's dtype, at most `chunk_weights` weights at a time, each for its own dense
+    matmul, so no dense copy of the whole of W is made."""
+    step = max(1, chunk_weights // max(x.shape[-1], 1))
+    parts = [_matmul(x, _swapaxes(dequantize(r, min(r + step, rows)), -1, -2)) for r in range(0, rows, step)]
     return parts[0] if len(parts) == 1 else _concat(parts, -1)
+
+
+def _dense_product(layer: Any, x: Array) -> Array:
+    """`x @ dequantize(W).T` through `product_in_row_chunks`: on an H200 MLX's quantized product of
+    128 rows reached 150-300 GB/s of weights where its dense matmul of the same shape ran at 0.7-1.6
+    TB/s (`benchmarks/profile/probe_gguf_blocks.py --rows 128`)."""
+    w, s, b = layer.weight, layer.scales, layer.biases
+    return product_in_row_chunks(
+        x, w.shape[0], DENSE_CHUNK_WEIGHTS,
+        lambda r, stop: _dequantize(w[r:stop], s[r:stop], b[r:stop], layer.group_size, layer.bits).astype(x.dtype))
 
 
 def _quantized_product(layer: Any, x: Array) -> Array:
@@ -303,7 +307,7 @@ def _quantized_product(layer: Any, x: Array) -> Array:
     if len(shape) == 3 and shape[1] == 1 and shape[0] >= FOLD_MIN_ROWS:
         y = _quantized_product(layer, _reshape(x, (1, shape[0], shape[2])))
         return _reshape(y, (shape[0], 1, y.shape[-1]))
-    if layer._dense_rows and x.size >= layer._dense_rows * shape[-1] and not _shapeless.get() \
+    if layer._dense_rows and math.prod(shape[:-1]) >= layer._dense_rows and not _shapeless.get() \
             and kernels_allowed():
         return _dense_product(layer, x)
     if layer._cuda_matvec:

@@ -13,7 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pymlxc
+import pymlxc.core as mx
 from pymlxc.backends.metal import batching
+from pymlxc.backends.metal import generate as loops
 from pymlxc.backends.metal.batching import Collector, Request, SamplingParams
 from pymlxc.testing import write_tiny_model
 
@@ -111,12 +113,16 @@ def test_a_group_that_cannot_run_is_prefilled_one_by_one(tmp_path: Path, monkeyp
             assert collector.tokens() == [t.id for t in model.generate(text, max_tokens=10)]
 
 
-def test_prompt_mask_hides_padding_and_keeps_padded_queries_finite() -> None:
-    valid = np.array([0, 3])
-    got = np.array(batching.Columns.prompt_mask(0, 5, valid, 2).tolist())[:, 0]
-    q = np.arange(5)[:, None]
-    k = np.arange(5)[None, :]
-    causal = (k <= q) & (k > q - 2)
+@pytest.mark.parametrize("offset", [0, 3])
+@pytest.mark.parametrize("window", [None, 2])
+def test_prompt_mask_hides_padding_and_keeps_padded_queries_finite(offset: int, window: int | None) -> None:
+    """The group's chunk mask (`left_padded_mask` with the batch's first valid columns): causal,
+    within the window, no column before a row's first valid one, except a query's own."""
+    valid = np.array([0, 3, 6])
+    got = np.array(loops.left_padded_mask(mx.array(valid.astype(np.int32)), offset, 5, window).tolist())[:, 0]
+    q = np.arange(offset, offset + 5)[:, None]
+    k = np.arange(offset + 5)[None, :]
+    causal = (k <= q) & ((k > q - window) if window else True)
     want = np.stack([causal & ((k >= v) | (k == q)) for v in valid])
     assert np.array_equal(got, want)
     assert got.any(axis=-1).all()  # every query sees at least itself

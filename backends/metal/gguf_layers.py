@@ -153,6 +153,15 @@ def _gather_mm(x: Array, w: Array, indices: Array, sorted_indices: bool) -> Arra
     return mx.gather_mm(x, mx.swapaxes(w, -1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
 
 
+BLOCK_LAYERS = (BlockLinear, BlockEmbedding, BlockSwitchLinear)
+
+
+def holds_blocks(model: nn.Module) -> bool:
+    """Whether `model` has GGUF block layers (their dequantization slices the blocks, which a
+    shapeless trace cannot re-shape: the compiled prefill does not take them)."""
+    return any(isinstance(m, BLOCK_LAYERS) for _, m in model.named_modules())
+
+
 def block_form(layer: nn.Module, qtype: QType, dtype: mx.Dtype) -> nn.Module:
     """The placeholder block layer that replaces `layer` (Linear, Embedding or SwitchLinear)."""
     if isinstance(layer, nn.Linear):
@@ -186,5 +195,5 @@ def use_block_layers(model: nn.Module, types: dict[str, Any], dtype: mx.Dtype = 
     return swapped
 
 
-__all__ = ["CHUNK_WEIGHTS", "dequantize_rows", "block_matmul", "BlockLinear", "BlockEmbedding",
-           "BlockSwitchLinear", "block_form", "use_block_layers"]
+__all__ = ["BLOCK_LAYERS", "CHUNK_WEIGHTS", "dequantize_rows", "block_matmul", "BlockLinear", "BlockEmbedding",
+           "BlockSwitchLinear", "block_form", "holds_blocks", "use_block_layers"]

@@ -50,6 +50,7 @@ from pymlxc.settings import Settings
 from pymlxc.settings import current as current_settings
 
 from ..cache import KVCache
+from ..gguf_layers import holds_blocks
 from ..nn import Module, arrays_of
 from ..recurrent_cache import StepRecurrentCache
 from ..sample import (
@@ -80,9 +81,6 @@ from .trace import spec as traced_spec
 log = logging.getLogger(__name__)
 
 DECODE_MODES = ("graph", "segmented")
-# The GGUF block layers (gguf_layers.py), by class name: the compiled prefill does not take them.
-BLOCK_LAYERS = frozenset({"BlockLinear", "BlockEmbedding", "BlockSwitchLinear", "AllSumBlockLinear",
-                          "AllSumBlockSwitchLinear"})
 
 
 def decode_mode(setting: str = "auto") -> str:
@@ -194,6 +192,7 @@ class CompiledDecoder:
             raise ValueError(f"decode mode must be one of {', '.join(DECODE_MODES)}, not {mode!r}")
         settings = settings if settings is not None else current_settings()
         self._model: Module | None = model
+        self._holds_blocks = model is not None and holds_blocks(model)  # GGUF block layers: no compiled prefill
         self.enabled = settings.compile  # False: every generation takes the uncompiled loop
         self.mode = mode if mode is not None else settings.decode  # "auto": by the device at each generation
         # Segmented mode: run q/k/v and gate/up as one matmul each (weights fused, see segments.py).
@@ -342,10 +341,9 @@ class CompiledDecoder:
         if model is None or decode_mode(self.mode) != "segmented":
             return None
         weights, classes = walk if walk is not None else arrays_of(model, with_classes=True)
-        if any(name in BLOCK_LAYERS for name in classes):
-            # GGUF blocks dequantize through slices, which a shapeless trace cannot re-shape: the
-            # trace would fail (and a failed trace on an H200 cost a Q4_K_M file's 128-token prefill
-            # 14.0 ms against 9.5 ms op by op).
+        if self._holds_blocks:
+            # The trace would fail (and a failed trace on an H200 cost a Q4_K_M file's 128-token
+            # prefill 14.0 ms against 9.5 ms op by op).
             return None
         found = self._segment_plan(model, (classes, len(weights)), weights, fuse_greedy)
         if found is None:

@@ -48,12 +48,21 @@ def agree_options(options: GenerateConfig) -> GenerateConfig:
     group = dist.init()
     if group.size() == 1:
         return options
-    mine = secrets.randbits(62) if group.rank() == 0 else 0
-    halves = [mine >> 31, mine & 0x7FFFFFFF] if options.seed is None else [0, 0]
-    agreed = dist.all_sum(mx.array(halves, mx.int32), group=group).tolist()
+    # Rank 0's 60 random bits as three 20-bit parts (exact in any dtype a backend may sum in); the
+    # masks keep the seed in range whatever comes back (two 31-bit parts once gave a negative seed
+    # on the CPU ring backend, which the seed check refused; the cause was not found).
+    mine = secrets.randbits(60) if group.rank() == 0 else 0
+    parts = [(mine >> shift) & _PART for shift in (40, 20, 0)] if options.seed is None else [0, 0, 0]
+    agreed = dist.all_sum(mx.array(parts, mx.int32), group=group).tolist()
     if options.seed is not None:
         return options
-    return dataclasses.replace(options, seed=(int(agreed[0]) << 31) | int(agreed[1]))
+    seed = 0
+    for part in agreed:
+        seed = (seed << 20) | (int(part) & _PART)
+    return dataclasses.replace(options, seed=seed)
+
+
+_PART = (1 << 20) - 1
 
 
 def from_rank0(code: int, payload: bytes = b"", group: dist.Group | None = None) -> tuple[int, bytes]:

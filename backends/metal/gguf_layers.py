@@ -45,7 +45,8 @@ def block_matmul(x: Array, weight: Array, qtype: QType) -> Array:
             y = gguf_blocks.matvec(mx.reshape(x, (1, rows, k)), mx.expand_dims(weight, 0),
                                    mx.zeros((1,), mx.int32), qtype, kind)
             return mx.reshape(y, (*x.shape[:-1], n))
-    return nn.product_in_row_chunks(x, n, CHUNK_WEIGHTS, lambda r, stop: dequantize_rows(weight[r:stop], qtype, x.dtype))
+    return nn.product_in_row_chunks(x, n, CHUNK_WEIGHTS,
+                                    lambda r, stop: dequantize_rows(weight[r:stop], qtype, x.dtype))
 
 
 class BlockLinear(nn.Module):

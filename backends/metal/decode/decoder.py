@@ -50,7 +50,6 @@ from pymlxc.settings import Settings
 from pymlxc.settings import current as current_settings
 
 from ..cache import KVCache
-from ..gguf_layers import holds_blocks
 from ..nn import Module, arrays_of
 from ..recurrent_cache import StepRecurrentCache
 from ..sample import (
@@ -81,6 +80,16 @@ from .trace import spec as traced_spec
 log = logging.getLogger(__name__)
 
 DECODE_MODES = ("graph", "segmented")
+
+
+def _holds_blocks(model: Module) -> bool:
+    """gguf_layers.holds_blocks, imported here: it needs the `gguf` package (the `gguf` extra),
+    without which no model has GGUF block layers."""
+    try:
+        from ..gguf_layers import holds_blocks  # noqa: PLC0415
+    except ImportError:
+        return False
+    return holds_blocks(model)
 
 
 def decode_mode(setting: str = "auto") -> str:
@@ -192,7 +201,7 @@ class CompiledDecoder:
             raise ValueError(f"decode mode must be one of {', '.join(DECODE_MODES)}, not {mode!r}")
         settings = settings if settings is not None else current_settings()
         self._model: Module | None = model
-        self._holds_blocks = model is not None and holds_blocks(model)  # GGUF block layers: no compiled prefill
+        self._holds_blocks = model is not None and _holds_blocks(model)  # GGUF block layers: no compiled prefill
         self.enabled = settings.compile  # False: every generation takes the uncompiled loop
         self.mode = mode if mode is not None else settings.decode  # "auto": by the device at each generation
         # Segmented mode: run q/k/v and gate/up as one matmul each (weights fused, see segments.py).

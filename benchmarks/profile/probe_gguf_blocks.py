@@ -29,6 +29,7 @@ from gguf import GGMLQuantizationType as Q
 
 import pymlxc.core as mx
 from pymlxc.backends.metal.formats.gguf_quants import dequantize_blocks
+from pymlxc.backends.metal import kernel_choice
 from pymlxc.backends.metal.kernels import gguf_blocks
 
 SHAPES = {  # name: (K, N)
@@ -63,8 +64,13 @@ def probe(qtype: Q, k: int, n: int, rows: int, min_bytes: int, repeats: int) -> 
         "mlx_ops": (lambda w: mx.matmul(x, mx.swapaxes(dequantize_blocks(w, qtype).astype(x.dtype), -1, -2)), block_bytes)}
     if kind is not None:
         zero = mx.zeros((1,), mx.int32)
-        sides["kernel"] = (lambda w: mx.reshape(gguf_blocks.matvec(mx.reshape(x, (1, rows, k)), mx.expand_dims(w, 0),
-                                                                    zero, qtype, kind), (rows, n)), block_bytes)
+        forms: dict[str, dict[str, Any]] = {"kernel": {}}
+        if kind == "cuda" and qtype == Q.Q6_K:  # its own kernel: each split of a row, and the generic one
+            forms.update({f"kernel_w{w}": {"warps": w} for w in (1, 2, 4)})
+            forms["kernel_generic"] = {"generic": True}
+        for name, form in forms.items():
+            sides[name] = (lambda w, form=form: mx.reshape(gguf_blocks.matvec(
+                mx.reshape(x, (1, rows, k)), mx.expand_dims(w, 0), zero, qtype, kind, **form), (rows, n)), block_bytes)
     dense = mx.array(dense64.astype(np.float16))
     q, s, b = mx.quantize(dense, 64, 4)
     mx.eval(q, s, b)
@@ -76,6 +82,10 @@ def probe(qtype: Q, k: int, n: int, rows: int, min_bytes: int, repeats: int) -> 
         out[name] = {"us": t * 1e6, "GBps": nbytes / t / 1e9, "error": float(np.abs(got - want).max()) / scale}
     t = timed(lambda: [mx.quantized_matmul(x, *w, True, 64, 4) for w in q4], repeats) / copies
     out["mlx_4bit_g64"] = {"us": t * 1e6, "GBps": (q.nbytes + s.nbytes + b.nbytes) / t / 1e9}
+    if kind == "cuda" and rows <= 8:  # pymlxc's own 4-bit kernel, which the native 4-bit format decodes with
+        t = timed(lambda: [kernel_choice.quantized_matmul(x, *w, 64, 4, cuda_matvec=True) for w in q4],
+                  repeats) / copies
+        out["pymlxc_4bit_g64"] = {"us": t * 1e6, "GBps": (q.nbytes + s.nbytes + b.nbytes) / t / 1e9}
     # Group 32: what GGUF's Q4_0 and Q4_K layers are repacked to.
     q32 = mx.quantize(dense, 32, 4)
     mx.eval(q32)
@@ -108,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             r = probe(Q[t], k, n, rows, args.bytes, args.repeats)
             r["shape"] = shape
             results.append(r)
-            sides = ("kernel", "mlx_ops", "mlx_4bit_g64", "mlx_4bit_g32", "dense_f16")
+            sides = ("kernel", "kernel_w1", "kernel_w2", "kernel_w4", "kernel_generic", "mlx_ops", "mlx_4bit_g64",
+                     "pymlxc_4bit_g64", "mlx_4bit_g32", "dense_f16")
             cols = "  ".join(f"{side} {r[side]['us']:8.1f} us {r[side]['GBps']:7.1f} GB/s" for side in sides if side in r)
             print(f"{t:5s} {shape:11s} m={rows:<5d} {cols}", flush=True)
     if args.out is not None:

@@ -157,8 +157,14 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
              "template <typename T, int M, int Q, int S, int R> __global__ void mv(const T* x, const uint8_t* w, "
              "const int32_t* w_shape, const int32_t* idx, T* out) {", g.CUDA_MATVEC_SOURCE, "}",
              "template <typename T, int Q, int S> __global__ void dq(const uint8_t* w, const int32_t* w_shape, T* out) {",
-             g.CUDA_DEQUANT_SOURCE, "}"]
+             g.CUDA_DEQUANT_SOURCE, "}",
+             g.CUDA_Q6K_MATVEC_HEADER.replace(g.CUDA_HEADER, ""),
+             "template <typename T, int M, int R, int W> __global__ void q6(const T* x, const uint8_t* w, "
+             "const int32_t* w_shape, const int32_t* idx, T* out) {", g.CUDA_Q6K_MATVEC_SOURCE, "}"]
     for t in ("__half", "__nv_bfloat16", "float"):
+        for m, w in ((1, 1), (1, 2), (8, 4)):
+            lines.append(f"template __global__ void q6<{t},{m},2,{w}>(const {t}*, const uint8_t*, "
+                         f"const int32_t*, const int32_t*, {t}*);")
         for qtype in TYPES:
             q, s = g.TYPE_IDS[qtype], gguf.constants.GGML_QUANT_SIZES[qtype][1]
             for m in (1, 8):
@@ -189,8 +195,11 @@ def test_dequantization_kernel_is_the_reference(qtype: Q, dtype: Any) -> None:
 # Few row counts: NVRTC compiles the kernel once per (dtype, rows, type), about a second each.
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(qtype=st.sampled_from(TYPES), n=st.integers(1, 300), nb=st.integers(1, 9), m=st.sampled_from([1, 4, 8]),
-       pairs=st.integers(1, 3), dtype=st.sampled_from(["float32", "float16", "bfloat16"]), seed=st.integers(0, 1000))
-def test_matvec_kernel_against_float64(qtype: Q, n: int, nb: int, m: int, pairs: int, dtype: str, seed: int) -> None:
+       pairs=st.integers(1, 3), dtype=st.sampled_from(["float32", "float16", "bfloat16"]), seed=st.integers(0, 1000),
+       warps=st.sampled_from([None, 1, 2, 4]))
+def test_matvec_kernel_against_float64(qtype: Q, n: int, nb: int, m: int, pairs: int, dtype: str, seed: int,
+                                       warps: int | None) -> None:
+    """Every type's kernel (Q6_K's own CUDA kernel with each split of a row between warps)."""
     rng = np.random.default_rng(seed)
     dt = getattr(mx, dtype)
     experts = 2
@@ -198,7 +207,8 @@ def test_matvec_kernel_against_float64(qtype: Q, n: int, nb: int, m: int, pairs:
     dense = gguf.quants.dequantize(blocks.reshape(experts * n, -1), qtype).reshape(experts, n, -1).astype(np.float64)
     x = mx.array(rng.standard_normal((pairs, m, nb * 256)).astype(np.float32)).astype(dt)
     idx = rng.integers(0, experts, pairs).astype(np.int32)
-    got = np.asarray(gguf_blocks.matvec(x, mx.array(blocks), mx.array(idx), qtype, "cuda").astype(mx.float32))
+    got = np.asarray(gguf_blocks.matvec(x, mx.array(blocks), mx.array(idx), qtype, "cuda", warps=warps)
+                     .astype(mx.float32))
     xf = np.asarray(x.astype(mx.float32)).astype(np.float64)
     want = np.einsum("pmk,pnk->pmn", xf, dense[idx])
     bound = np.einsum("pmk,pnk->pmn", np.abs(xf), np.abs(dense[idx]))

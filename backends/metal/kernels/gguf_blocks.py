@@ -226,6 +226,154 @@ CUDA_MATVEC_SOURCE = r"""
   }
 """
 
+# Q6_K on CUDA, with more of a block per lane: 8 lanes share a block, lane j taking the 32 values
+# 128 (j / 4) + 32 k + 8 (j % 4) + i (k = 0..3, i = 0..7). Those are exactly the values whose low
+# nibbles lie in 2 x 8 bytes of ql and whose high bits lie in 8 bytes of qh, so a lane reads them
+# with a few 32-bit loads (a block is only 2-byte aligned: 3 words and a funnel shift per 8 bytes),
+# and a warp has 4 blocks per row in flight per step where the per-8-values loop above had one.
+# Codes become floats through the mantissa (2^23 + q, no integer conversion), and each 8 values of
+# one scale are summed before it is applied: sum x d sc (q - 32) = d sc sum x (q - 32), equal to the
+# reference's values up to float32 rounding. Template arguments: T, M, R as above, W (warps per R
+# rows: they split the row's blocks). A thread block has 4 warps, so 4 / W groups of R rows.
+CUDA_Q6K_MATVEC_HEADER = CUDA_HEADER + r"""
+namespace pymlxc_gguf {
+
+// 8 bytes at p (2-byte aligned) as two words, through the 4-byte-aligned words around them.
+__device__ __forceinline__ void load8_aligned2(const uint8_t* p, uint32_t& lo, uint32_t& hi) {
+  const uint32_t* a = reinterpret_cast<const uint32_t*>(reinterpret_cast<size_t>(p) & ~size_t(3));
+  const unsigned shift = (reinterpret_cast<size_t>(p) & 3u) * 8u;
+  // The third word only when the 8 bytes straddle it, so no read goes past a block's last byte.
+  const uint32_t w0 = a[0], w1 = a[1], w2 = shift ? a[2] : 0u;
+  lo = __funnelshift_r(w0, w1, shift);
+  hi = __funnelshift_r(w1, w2, shift);
+}
+
+// Byte i of q (0..63) minus 32, as a float: 2^23 + q is the float with q in its low mantissa.
+__device__ __forceinline__ float code_minus_32(uint32_t q, int i) {
+  return __uint_as_float(__byte_perm(q, 0x4B000000u, 0x7440u + i)) - 8388640.f;
+}
+
+template <typename T>
+__device__ __forceinline__ void load_x8(const T* p, float* f) {
+  if (sizeof(T) == 2) {
+    uint4 u = *reinterpret_cast<const uint4*>(p);
+    const T* h = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      f[i] = static_cast<float>(h[i]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      f[i] = static_cast<float>(p[i]);
+    }
+  }
+}
+
+}  // namespace pymlxc_gguf
+"""
+
+CUDA_Q6K_MATVEC_SOURCE = r"""
+  __shared__ float part[4][M][R];
+  const int N = w_shape[1];
+  const int NB = w_shape[2];
+  const int K = NB * 256;
+  const int pair = blockIdx.y;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int group = warp / W, split = warp % W;
+  const int row0 = (blockIdx.x * (4 / W) + group) * R;
+  const uint8_t* wm = w + static_cast<size_t>(idx[pair]) * N * NB * 210;
+  const T* xp = x + static_cast<size_t>(pair) * M * K;
+  const int sub = lane & 7, half = sub >> 2, l0 = (sub & 3) * 8;
+  float acc[M][R];
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      acc[m][r] = 0.f;
+    }
+  }
+  for (int blk = split * 4 + (lane >> 3); blk < NB; blk += 4 * W) {
+    uint32_t a[R][2], b[R][2], c[R][2], s[R][2];
+    float d[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      // Rows past N (the last group) read row N - 1 again; their sums are never written.
+      const uint8_t* q = wm + (static_cast<size_t>(min(row0 + r, N - 1)) * NB + blk) * 210;
+      pymlxc_gguf::load8_aligned2(q + 64 * half + l0, a[r][0], a[r][1]);
+      pymlxc_gguf::load8_aligned2(q + 64 * half + 32 + l0, b[r][0], b[r][1]);
+      pymlxc_gguf::load8_aligned2(q + 128 + 32 * half + l0, c[r][0], c[r][1]);
+      pymlxc_gguf::load8_aligned2(q + 192 + 8 * half, s[r][0], s[r][1]);
+      d[r] = pymlxc_gguf::half_at(q + 208);
+    }
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const T* xm = xp + static_cast<size_t>(m) * K + blk * 256 + 128 * half + l0;
+      float xf[4][8];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        pymlxc_gguf::load_x8<T>(xm + 32 * k, xf[k]);
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float part_k[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t q0 = (a[r][h] & 0x0F0F0F0Fu) | ((c[r][h] << 4) & 0x30303030u);
+          const uint32_t q1 = (b[r][h] & 0x0F0F0F0Fu) | ((c[r][h] << 2) & 0x30303030u);
+          const uint32_t q2 = ((a[r][h] >> 4) & 0x0F0F0F0Fu) | (c[r][h] & 0x30303030u);
+          const uint32_t q3 = ((b[r][h] >> 4) & 0x0F0F0F0Fu) | ((c[r][h] >> 2) & 0x30303030u);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            part_k[0] = fmaf(xf[0][4 * h + i], pymlxc_gguf::code_minus_32(q0, i), part_k[0]);
+            part_k[1] = fmaf(xf[1][4 * h + i], pymlxc_gguf::code_minus_32(q1, i), part_k[1]);
+            part_k[2] = fmaf(xf[2][4 * h + i], pymlxc_gguf::code_minus_32(q2, i), part_k[2]);
+            part_k[3] = fmaf(xf[3][4 * h + i], pymlxc_gguf::code_minus_32(q3, i), part_k[3]);
+          }
+        }
+        // The scale of value 128 half + 32 k + l0 + i is sc[8 half + 2 k + l0 / 16]: byte
+        // 2 k + l0 / 16 of the 8 scale bytes loaded above.
+        float sum = 0.f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int byte = 2 * k + (l0 >> 4);
+          const uint32_t word = s[r][byte >> 2];
+          const float sc = static_cast<float>(static_cast<int8_t>((word >> (8 * (byte & 3))) & 0xFFu));
+          sum = fmaf(sc, part_k[k], sum);
+        }
+        acc[m][r] = fmaf(d[r], sum, acc[m][r]);
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float v = acc[m][r];
+      for (int off = 16; off > 0; off >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, off);
+      }
+      if (lane == 0) {
+        part[warp][m][r] = v;
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < (4 / W) * M * R) {
+    const int g = threadIdx.x / (M * R), m = (threadIdx.x / R) % M, r = threadIdx.x % R;
+    const int row = (blockIdx.x * (4 / W) + g) * R + r;
+    float v = 0.f;
+#pragma unroll
+    for (int j = 0; j < W; ++j) {
+      v += part[g * W + j][m][r];
+    }
+    if (row < N) {
+      out[(static_cast<size_t>(pair) * M + m) * N + row] = static_cast<T>(v);
+    }
+  }
+"""
+
 # Template arguments: T (out), Q, S. w [rows, NB, S] -> out [rows, NB * 256]; thread t writes the
 # 8 values 8 (t % 32) of block (t / 32) % NB of row t / (32 NB).
 CUDA_DEQUANT_SOURCE = r"""
@@ -337,6 +485,8 @@ METAL_DEQUANT_SOURCE = r"""
 
 _cuda_matvec = SharedKernel("pymlxc_gguf_matvec", ("x", "w", "idx"), ("out",), CUDA_MATVEC_SOURCE,
                             header=CUDA_HEADER)
+_cuda_q6k_matvec = SharedKernel("pymlxc_gguf_q6k_matvec", ("x", "w", "idx"), ("out",), CUDA_Q6K_MATVEC_SOURCE,
+                                header=CUDA_Q6K_MATVEC_HEADER)
 _cuda_dequant = SharedKernel("pymlxc_gguf_dequant", ("w",), ("out",), CUDA_DEQUANT_SOURCE,
                              header=CUDA_HEADER)
 _metal_matvec = SharedMetalKernel("pymlxc_gguf_matvec", ("x", "w", "idx"), ("out",), METAL_MATVEC_SOURCE,
@@ -348,12 +498,29 @@ _KERNELS: dict[str, tuple[SharedKernel | SharedMetalKernel, SharedKernel | Share
     "cuda": (_cuda_matvec, _cuda_dequant), "metal": (_metal_matvec, _metal_dequant)}
 
 
+def q6k_warps(n: int, blocks: int) -> int:
+    """Warps per row group of the CUDA Q6_K matvec for n rows of `blocks` blocks: one where the rows
+    alone fill the device (an output head), else enough that each warp has a few blocks' steps."""
+    if n >= 16384:
+        return 1
+    steps = -(-blocks // 4)  # a warp's steps over a row when it works alone
+    return 4 if steps >= 8 else 2 if steps >= 2 else 1
+
+
 def matvec(x: Array, w: Array, idx: Array, qtype: QType, kind: str,
-           rows_per_warp: int = ROWS_PER_WARP) -> Array:
+           rows_per_warp: int = ROWS_PER_WARP, warps: int | None = None, generic: bool = False) -> Array:
     """out [P, M, N] = x [P, M, K] @ dequantize(w[idx[p]]).T for blocks w [E, N, K/256, S] uint8
-    and idx [P] int32, through the `kind` ("cuda" / "metal") kernel; M at most MAX_X_ROWS."""
+    and idx [P] int32, through the `kind` ("cuda" / "metal") kernel; M at most MAX_X_ROWS. Q6_K on
+    CUDA takes its own kernel (`warps` per row group, `q6k_warps` by default) unless `generic`."""
     p, m, _ = x.shape
     n, size = w.shape[1], w.shape[3]
+    if kind == "cuda" and qtype == QType.Q6_K and not generic:
+        w_per = warps or q6k_warps(n, w.shape[2])
+        groups = -(-n // (rows_per_warp * (4 // w_per)))
+        (out,) = _cuda_q6k_matvec()([x, w, idx], output_shapes=[(p, m, n)], output_dtypes=[x.dtype],
+                                  grid=(groups * THREADS, p, 1), threadgroup=(THREADS, 1, 1),
+                                  template=[("T", x.dtype), ("M", m), ("R", rows_per_warp), ("W", w_per)])
+        return out
     # CUDA: a thread block of THREADS per `rows_per_warp` rows (its warps split each row's
     # blocks); Metal: a simdgroup per `rows_per_warp` rows.
     groups = -(-n // rows_per_warp)
@@ -419,12 +586,15 @@ def _compare(kind: str, qtype: QType, dtype: Any) -> str | None:
     float32, the product within float32 summation error plus `dtype`'s output rounding), else why not.
     Raises where a kernel cannot run here."""
     rng = np.random.default_rng(0)
-    n, nb, m, e = 37, 3, 1, 2  # N not a multiple of the rows per warp; two matrices, three pairs
+    # N not a multiple of the rows per thread block; two matrices, three pairs; 9 blocks a row, so
+    # that the Q6_K kernel's warps (up to 4, each 4 blocks a step) split rows unevenly.
+    n, nb, m, e = 37, 9, 1, 2
     blocks = mx.array(random_blocks(rng, (e, n, nb), qtype))
     x = mx.array(rng.standard_normal((3, m, nb * QK_K)).astype(np.float32)).astype(dtype)
     idx = mx.array(np.array([1, 0, 1], np.int32))
     got_w = np.asarray(dequantize(mx.reshape(blocks, (e * n, nb, -1)), qtype, mx.float32, kind))
-    got = np.asarray(matvec(x, blocks, idx, qtype, kind).astype(mx.float32))
+    forms: list[int | None] = [1, 2, 4] if kind == "cuda" and qtype == QType.Q6_K else [None]  # warps
+    gots = [np.asarray(matvec(x, blocks, idx, qtype, kind, warps=f).astype(mx.float32)) for f in forms]
     want_w = np.asarray(dequantize_blocks(blocks, qtype)).reshape(e * n, -1)
     if not np.array_equal(got_w, want_w):
         bad = np.argwhere(got_w != want_w)[0]
@@ -434,9 +604,10 @@ def _compare(kind: str, qtype: QType, dtype: Any) -> str | None:
     want = np.einsum("pmk,pnk->pmn", xf, dense)
     bound = np.einsum("pmk,pnk->pmn", np.abs(xf), np.abs(dense))
     tol = bound * 2.0 ** -20 + np.abs(want) * (2.0 ** -7 if dtype.size == 2 else 2.0 ** -22) + 1e-30
-    if not np.all(np.abs(got - want) <= tol):
-        return (f"{kind} matvec of {qtype.name} with {dtype} x differs from MLX ops by "
-                f"{float(np.max(np.abs(got - want) - tol)):.3g} beyond its bound")
+    for form, got in zip(forms, gots, strict=True):
+        if not np.all(np.abs(got - want) <= tol):
+            return (f"{kind} matvec of {qtype.name} with {dtype} x (warps {form}) differs from MLX ops by "
+                    f"{float(np.max(np.abs(got - want) - tol)):.3g} beyond its bound")
     return None
 
 

@@ -28,8 +28,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 import pymlxc.core as mx
-from pymlxc.backends.metal.formats.gguf_quants import dequantize_blocks
 from pymlxc.backends.metal import kernel_choice
+from pymlxc.backends.metal.formats.gguf_quants import dequantize_blocks
 from pymlxc.backends.metal.kernels import gguf_blocks
 
 SHAPES = {  # name: (K, N)
@@ -39,7 +39,8 @@ SHAPES = {  # name: (K, N)
 
 
 def timed(fn: Callable[[], list[Any]], repeats: int) -> float:
-    mx.eval(fn())
+    for _ in range(3):  # the first side of a shape came after the CPU's float64 reference: clocks ramp up
+        mx.eval(fn())
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
@@ -67,6 +68,7 @@ def probe(qtype: Q, k: int, n: int, rows: int, min_bytes: int, repeats: int) -> 
         forms: dict[str, dict[str, Any]] = {"kernel": {}}
         if kind == "cuda" and qtype == Q.Q6_K:  # its own kernel: each split of a row, and the generic one
             forms.update({f"kernel_w{w}": {"warps": w} for w in (1, 2, 4)})
+            forms["kernel_w1_r4"] = {"warps": 1, "rows_per_warp": 4}
             forms["kernel_generic"] = {"generic": True}
         for name, form in forms.items():
             sides[name] = (lambda w, form=form: mx.reshape(gguf_blocks.matvec(
@@ -118,9 +120,11 @@ def main(argv: list[str] | None = None) -> int:
             r = probe(Q[t], k, n, rows, args.bytes, args.repeats)
             r["shape"] = shape
             results.append(r)
-            sides = ("kernel", "kernel_w1", "kernel_w2", "kernel_w4", "kernel_generic", "mlx_ops", "mlx_4bit_g64",
-                     "pymlxc_4bit_g64", "mlx_4bit_g32", "dense_f16")
-            cols = "  ".join(f"{side} {r[side]['us']:8.1f} us {r[side]['GBps']:7.1f} GB/s" for side in sides if side in r)
+            sides = ("kernel", "kernel_w1", "kernel_w2", "kernel_w4", "kernel_w1_r4", "kernel_generic", "mlx_ops",
+                     "mlx_4bit_g64", "pymlxc_4bit_g64", "mlx_4bit_g32", "dense_f16")
+            cols = "  ".join(f"{side} {r[side]['us']:.1f} us {r[side]['GBps']:.0f} GB/s"
+                             + (f" err {r[side]['error']:.1e}" if "error" in r[side] else "")
+                             for side in sides if side in r)
             print(f"{t:5s} {shape:11s} m={rows:<5d} {cols}", flush=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

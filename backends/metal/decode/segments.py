@@ -147,7 +147,7 @@ class FusedProjection(Module):
 
     def __init__(self, sizes: Sequence[int], *, weight_t: Array | None = None, weight: Array | None = None,
                  scales: Array | None = None, biases: Array | None = None, bias: Array | None = None,
-                 group_size: int = 0, bits: int = 0, cuda_matvec: bool = False) -> None:
+                 group_size: int = 0, bits: int = 0, cuda_matvec: bool = False, tail: Any = None) -> None:
         super().__init__()
         self._sizes = tuple(sizes)
         self._wT, self._weight, self._scales, self._biases, self._bias = weight_t, weight, scales, biases, bias
@@ -155,9 +155,16 @@ class FusedProjection(Module):
         # Qwen3's q and k norms as one (see `joint_qk_norm`): the weights [q heads + k heads, 1, D].
         self.qk_norm_weight: Array | None = None
         self.qk_norm_eps = 0.0
+        # A linear applied apart, its output last (`fuse`'s `tail`); private: the model holds it.
+        self._tail = tail
+
+    @property
+    def tail(self) -> Any:
+        """The linear applied apart (a model's layer: any Module with `__call__`), or None."""
+        return self._tail
 
     def joint(self, x: Array) -> Array:
-        """The linears' outputs side by side on the last axis (one matmul)."""
+        """The fused linears' outputs side by side on the last axis (one matmul; not the tail's)."""
         if self._wT is not None:
             return mx.matmul(x, self._wT) if self._bias is None else mx.addmm(self._bias, x, self._wT, 1.0, 1.0)
         weight, scales, biases = self._weight, self._scales, self._biases
@@ -172,6 +179,8 @@ class FusedProjection(Module):
         for n in self._sizes:
             outs.append(mx.slice(y, [0] * len(lead) + [start], [*lead, start + n], [1] * (len(lead) + 1)))
             start += n
+        if self.tail is not None:
+            outs.append(self.tail(x))
         return outs
 
 
@@ -200,10 +209,12 @@ def _held(m: Module) -> tuple[Any, ...]:
     return tuple(id(d.get(k)) for k in ("weight", "scales", "biases", "bias"))
 
 
-def fuse(linears: Sequence[Module], qk_norms: Sequence[Module] = ()) -> Fusion | None:
+def fuse(linears: Sequence[Module], qk_norms: Sequence[Module] = (), tail: Module | None = None) -> Fusion | None:
     """Concatenate the weights of `linears` (all nn.Linear, or all nn.QuantizedLinear of one
     format; biases on all or none) into one array and give each linear a view of its rows.
-    `qk_norms`: the q and k RMSNorms after q/k/v projections (Qwen3), joined too where they can be."""
+    `qk_norms`: the q and k RMSNorms after q/k/v projections (Qwen3), joined too where they can be.
+    `tail`: a last linear that stays apart, its output after theirs (a GGUF value projection in
+    another type than q and k, as llama.cpp's K-quant recipes make it: q and k still run as one)."""
     kinds = {type(m) for m in linears}
     if len(linears) < 2 or len(kinds) != 1 or kinds.pop() not in (nn.Linear, nn.QuantizedLinear):
         return None
@@ -218,14 +229,14 @@ def fuse(linears: Sequence[Module], qk_norms: Sequence[Module] = ()) -> Fusion |
     if not quantized:
         weight = mx.concatenate([m.weight for m in layers], axis=0)
         parts = {"weight": weight}
-        fused = FusedProjection(sizes, weight_t=mx.transpose(weight), bias=bias)
+        fused = FusedProjection(sizes, weight_t=mx.transpose(weight), bias=bias, tail=tail)
     else:
         if len({(m.group_size, m.bits, m.scales.dtype) for m in quantized}) != 1:
             return None
         parts = {k: mx.concatenate([getattr(m, k) for m in quantized], axis=0) for k in ("weight", "scales", "biases")}
         fused = FusedProjection(sizes, weight=parts["weight"], scales=parts["scales"], biases=parts["biases"],
                                 bias=bias, group_size=quantized[0].group_size, bits=quantized[0].bits,
-                                cuda_matvec=all(m.cuda_matvec for m in quantized))
+                                cuda_matvec=all(m.cuda_matvec for m in quantized), tail=tail)
     if bias is not None:
         parts["bias"] = bias
     mx.eval(list(parts.values()))
@@ -237,7 +248,8 @@ def fuse(linears: Sequence[Module], qk_norms: Sequence[Module] = ()) -> Fusion |
     if qk_norms:
         _join_qk_norms(fused, qk_norms, sizes)
     mx.eval([a for m in linears for a in m.arrays()] + list(fused.arrays()))
-    held = (*linears, *qk_norms)  # a norm given new weights remakes the fusion too
+    # A norm or the tail given new weights remakes the fusion too.
+    held = (*linears, *qk_norms, *([tail] if tail is not None else []))
     return Fusion(fused, held, tuple(_held(m) for m in held))
 
 
@@ -269,7 +281,7 @@ def fusions_for(blocks: Sequence[Any], known: dict[int, tuple[Any, Fusion | None
                 f is not None and f.linears == g and f.valid() for f, g in zip(entry[1:], groups, strict=True)):
             out.append((entry[1], entry[2]))
             continue
-        qkv = fuse(groups[0][:3], norms)
+        qkv = fuse(groups[0][:3], norms) or fuse(groups[0][:2], norms, tail=attn.v_proj)
         gate_up = fuse(groups[1])
         known[id(block)] = (block, qkv, gate_up)
         out.append((qkv, gate_up))
@@ -287,9 +299,13 @@ def _project(attn: Any, x: Array, pos: Array, qkv: FusedProjection | None, rope_
         # One RoPE call for q and k: their heads are adjacent in the joint output [B, 1, heads * D].
         b = x.shape[0]
         hq, hkv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        heads = mx.reshape(qkv.joint(x), (b, hq + 2 * hkv, 1, d))
-        qk = mx.slice(heads, [0, 0, 0, 0], [b, hq + hkv, 1, d], [1, 1, 1, 1])
-        v = mx.slice(heads, [0, hq + hkv, 0, 0], [b, hq + 2 * hkv, 1, d], [1, 1, 1, 1])
+        if qkv.tail is not None:  # v apart: q and k are the joint output
+            qk = mx.reshape(qkv.joint(x), (b, hq + hkv, 1, d))
+            v = mx.reshape(qkv.tail(x), (b, hkv, 1, d))
+        else:
+            heads = mx.reshape(qkv.joint(x), (b, hq + 2 * hkv, 1, d))
+            qk = mx.slice(heads, [0, 0, 0, 0], [b, hq + hkv, 1, d], [1, 1, 1, 1])
+            v = mx.slice(heads, [0, hq + hkv, 0, 0], [b, hq + 2 * hkv, 1, d], [1, 1, 1, 1])
         if qk_norm:
             qk = joint_qk_norm(qk, qkv)
         if rope_kv:

@@ -226,23 +226,25 @@ CUDA_MATVEC_SOURCE = r"""
   }
 """
 
-# Q6_K on CUDA, with more of a block per lane: 8 lanes share a block, lane j taking the 32 values
-# 128 (j / 4) + 32 k + 8 (j % 4) + i (k = 0..3, i = 0..7). Those are exactly the values whose low
-# nibbles lie in 2 x 8 bytes of ql and whose high bits lie in 8 bytes of qh, so a lane reads them
-# with a few 32-bit loads (a block is only 2-byte aligned: 3 words and a funnel shift per 8 bytes),
-# and a warp has 4 blocks per row in flight per step where the per-8-values loop above had one.
-# Codes become floats through the mantissa (2^23 + q, no integer conversion), and each 8 values of
-# one scale are summed before it is applied: sum x d sc (q - 32) = d sc sum x (q - 32), equal to the
-# reference's values up to float32 rounding. Template arguments: T, M, R as above, W (warps per R
-# rows: they split the row's blocks). A thread block has 4 warps, so 4 / W groups of R rows.
+# Q6_K on CUDA. A warp's step is 4 consecutive blocks of each of its R rows (840 bytes a row): it
+# copies them into shared memory with 16-byte loads from the 16-byte boundary below them (whole
+# lines per load instruction: the blocks are only 2-byte aligned, and reading them in place cost
+# several cache lines per instruction), and loads the next step's bytes before working on these.
+# Then 8 lanes share a block, lane j taking the 32 values 128 (j / 4) + 32 k + 8 (j % 4) + i
+# (k = 0..3, i = 0..7): exactly the values whose low nibbles lie in 2 x 8 bytes of ql and whose
+# high bits lie in 8 bytes of qh. Codes become floats through the mantissa (2^23 + q, no integer
+# conversion), and each 8 values of one scale are summed before it is applied:
+# sum x d sc (q - 32) = d sc sum x (q - 32), equal to the reference's values up to float32 rounding.
+# Template arguments: T, M, R as above, W (warps per R rows: they split the row's steps). A thread
+# block has 4 warps, so 4 / W groups of R rows.
 CUDA_Q6K_MATVEC_HEADER = CUDA_HEADER + r"""
 namespace pymlxc_gguf {
 
-// 8 bytes at p (2-byte aligned) as two words, through the 4-byte-aligned words around them.
+// 8 bytes at p (2-byte aligned) as two words, through the 4-byte-aligned words around them; the
+// third word only when the 8 bytes straddle it.
 __device__ __forceinline__ void load8_aligned2(const uint8_t* p, uint32_t& lo, uint32_t& hi) {
   const uint32_t* a = reinterpret_cast<const uint32_t*>(reinterpret_cast<size_t>(p) & ~size_t(3));
   const unsigned shift = (reinterpret_cast<size_t>(p) & 3u) * 8u;
-  // The third word only when the 8 bytes straddle it, so no read goes past a block's last byte.
   const uint32_t w0 = a[0], w1 = a[1], w2 = shift ? a[2] : 0u;
   lo = __funnelshift_r(w0, w1, shift);
   hi = __funnelshift_r(w1, w2, shift);
@@ -274,6 +276,8 @@ __device__ __forceinline__ void load_x8(const T* p, float* f) {
 """
 
 CUDA_Q6K_MATVEC_SOURCE = r"""
+  constexpr int CHUNKS = 54;  // 16-byte chunks that hold 840 bytes starting anywhere in the first one
+  __shared__ uint4 stage[4][R][CHUNKS];
   __shared__ float part[4][M][R];
   const int N = w_shape[1];
   const int NB = w_shape[2];
@@ -285,7 +289,8 @@ CUDA_Q6K_MATVEC_SOURCE = r"""
   const int row0 = (blockIdx.x * (4 / W) + group) * R;
   const uint8_t* wm = w + static_cast<size_t>(idx[pair]) * N * NB * 210;
   const T* xp = x + static_cast<size_t>(pair) * M * K;
-  const int sub = lane & 7, half = sub >> 2, l0 = (sub & 3) * 8;
+  const int sub = lane & 7, half = sub >> 2, l0 = (sub & 3) * 8, bq = lane >> 3;
+  const int steps = (NB + 3) / 4;
   float acc[M][R];
 #pragma unroll
   for (int m = 0; m < M; ++m) {
@@ -294,18 +299,60 @@ CUDA_Q6K_MATVEC_SOURCE = r"""
       acc[m][r] = 0.f;
     }
   }
-  for (int blk = split * 4 + (lane >> 3); blk < NB; blk += 4 * W) {
-    uint32_t a[R][2], b[R][2], c[R][2], s[R][2];
-    float d[R];
+  // The next step's chunks (lane, lane + 32) of each row, and where its first block starts in them.
+  uint4 held[R][2];
+  int held_at[R];
+  int q = split;
+  if (q < steps) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       // Rows past N (the last group) read row N - 1 again; their sums are never written.
-      const uint8_t* q = wm + (static_cast<size_t>(min(row0 + r, N - 1)) * NB + blk) * 210;
-      pymlxc_gguf::load8_aligned2(q + 64 * half + l0, a[r][0], a[r][1]);
-      pymlxc_gguf::load8_aligned2(q + 64 * half + 32 + l0, b[r][0], b[r][1]);
-      pymlxc_gguf::load8_aligned2(q + 128 + 32 * half + l0, c[r][0], c[r][1]);
-      pymlxc_gguf::load8_aligned2(q + 192 + 8 * half, s[r][0], s[r][1]);
-      d[r] = pymlxc_gguf::half_at(q + 208);
+      const uint8_t* p = wm + (static_cast<size_t>(min(row0 + r, N - 1)) * NB + 4 * q) * 210;
+      const uint4* a = reinterpret_cast<const uint4*>(reinterpret_cast<size_t>(p) & ~size_t(15));
+      held_at[r] = static_cast<int>(reinterpret_cast<size_t>(p) & 15u);
+      const int need = (held_at[r] + min(4, NB - 4 * q) * 210 + 15) >> 4;
+      held[r][0] = lane < need ? a[lane] : make_uint4(0u, 0u, 0u, 0u);
+      held[r][1] = lane + 32 < need ? a[lane + 32] : make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+  while (q < steps) {
+    int at[R];
+    __syncwarp();
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      stage[warp][r][lane] = held[r][0];
+      if (lane + 32 < CHUNKS) {
+        stage[warp][r][lane + 32] = held[r][1];
+      }
+      at[r] = held_at[r];
+    }
+    __syncwarp();
+    const int blk = 4 * q + bq;
+    q += W;
+    if (q < steps) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* p = wm + (static_cast<size_t>(min(row0 + r, N - 1)) * NB + 4 * q) * 210;
+        const uint4* a = reinterpret_cast<const uint4*>(reinterpret_cast<size_t>(p) & ~size_t(15));
+        held_at[r] = static_cast<int>(reinterpret_cast<size_t>(p) & 15u);
+        const int need = (held_at[r] + min(4, NB - 4 * q) * 210 + 15) >> 4;
+        held[r][0] = lane < need ? a[lane] : make_uint4(0u, 0u, 0u, 0u);
+        held[r][1] = lane + 32 < need ? a[lane + 32] : make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+    if (blk >= NB) {
+      continue;
+    }
+    uint32_t va[R][2], vb[R][2], vc[R][2], vs[R][2];
+    float d[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* b = reinterpret_cast<const uint8_t*>(stage[warp][r]) + at[r] + 210 * bq;
+      pymlxc_gguf::load8_aligned2(b + 64 * half + l0, va[r][0], va[r][1]);
+      pymlxc_gguf::load8_aligned2(b + 64 * half + 32 + l0, vb[r][0], vb[r][1]);
+      pymlxc_gguf::load8_aligned2(b + 128 + 32 * half + l0, vc[r][0], vc[r][1]);
+      pymlxc_gguf::load8_aligned2(b + 192 + 8 * half, vs[r][0], vs[r][1]);
+      d[r] = pymlxc_gguf::half_at(b + 208);
     }
 #pragma unroll
     for (int m = 0; m < M; ++m) {
@@ -320,10 +367,10 @@ CUDA_Q6K_MATVEC_SOURCE = r"""
         float part_k[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const uint32_t q0 = (a[r][h] & 0x0F0F0F0Fu) | ((c[r][h] << 4) & 0x30303030u);
-          const uint32_t q1 = (b[r][h] & 0x0F0F0F0Fu) | ((c[r][h] << 2) & 0x30303030u);
-          const uint32_t q2 = ((a[r][h] >> 4) & 0x0F0F0F0Fu) | (c[r][h] & 0x30303030u);
-          const uint32_t q3 = ((b[r][h] >> 4) & 0x0F0F0F0Fu) | ((c[r][h] >> 2) & 0x30303030u);
+          const uint32_t q0 = (va[r][h] & 0x0F0F0F0Fu) | ((vc[r][h] << 4) & 0x30303030u);
+          const uint32_t q1 = (vb[r][h] & 0x0F0F0F0Fu) | ((vc[r][h] << 2) & 0x30303030u);
+          const uint32_t q2 = ((va[r][h] >> 4) & 0x0F0F0F0Fu) | (vc[r][h] & 0x30303030u);
+          const uint32_t q3 = ((vb[r][h] >> 4) & 0x0F0F0F0Fu) | ((vc[r][h] >> 2) & 0x30303030u);
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             part_k[0] = fmaf(xf[0][4 * h + i], pymlxc_gguf::code_minus_32(q0, i), part_k[0]);
@@ -338,7 +385,7 @@ CUDA_Q6K_MATVEC_SOURCE = r"""
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           const int byte = 2 * k + (l0 >> 4);
-          const uint32_t word = s[r][byte >> 2];
+          const uint32_t word = vs[r][byte >> 2];
           const float sc = static_cast<float>(static_cast<int8_t>((word >> (8 * (byte & 3))) & 0xFFu));
           sum = fmaf(sc, part_k[k], sum);
         }

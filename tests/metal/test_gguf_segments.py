@@ -1,0 +1,63 @@
+"""GGUF models in the segmented decode. llama.cpp's K-quant recipes give some layers' value
+projections another type than their q and k (Q4_K_M: Q6_K in about half the layers); those layers'
+q and k still run as one product, with v apart, so that every layer keeps the joint q/k heads (and
+CUDA's RoPE + cache-write kernel, which needs them in every layer)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+import pymlxc.core as mx
+from pymlxc.backends.metal import generate as loops
+from pymlxc.backends.metal.decode.decoder import CompiledDecoder
+from pymlxc.backends.metal.gguf_layers import BlockLinear
+from pymlxc.backends.metal.loader import load_weights_and_config
+from pymlxc.backends.metal.sample import greedy
+from pymlxc.testing import write_tiny_model
+
+from .gguf_export import export_gguf
+
+
+def _tokens(model: Any, ids: list[int], decoder: CompiledDecoder | None, steps: int = 20) -> list[int]:
+    return list(loops.generate_ids(model, ids, cache=model.make_cache(None), max_tokens=steps, decoder=decoder,
+                                   sampler=greedy))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_value_projection_of_another_type_runs_apart_from_the_joint_q_and_k(
+        tmp_path: Path, switches: Any, arch: str) -> None:
+    switches(decode="segmented")
+    model_dir = write_tiny_model(tmp_path / "hf", arch, seed=3, hidden_size=256, intermediate_size=512,
+                                 num_layers=3)
+    path = export_gguf(model_dir, tmp_path / "m.gguf", Q.Q4_K,
+                       extra_types={"blk.0.attn_v.weight": Q.Q6_K, "blk.2.attn_v.weight": Q.Q8_0})
+    loaded = load_weights_and_config(path)
+    model = loaded.model
+    attns = [layer.self_attn for layer in model.layers]
+    assert isinstance(attns[0].v_proj, BlockLinear) and not isinstance(attns[1].v_proj, BlockLinear)
+    ids = [int(i) for i in np.random.default_rng(1).integers(16, 500, size=19)]
+    want = _tokens(model, ids, None)
+    decoder = CompiledDecoder(model)
+    assert _tokens(model, ids, decoder) == want
+    joint = [decoder._fusions[id(layer)][1] for layer in model.layers]  # noqa: SLF001
+    assert all(f is not None for f in joint)
+    tails = [f.fused.tail if f is not None else None for f in joint]
+    assert tails[0] is attns[0].v_proj and tails[1] is None and tails[2] is attns[2].v_proj
+    # The projections' outputs: the joint q/k rows, then v, as the three linears give them.
+    x = mx.array(np.random.default_rng(2).standard_normal((1, 1, 256)).astype(np.float32)).astype(model.compute_dtype)
+    fused = joint[0].fused if joint[0] is not None else None
+    assert fused is not None
+    got = fused(x)
+    expect = [attns[0].q_proj(x), attns[0].k_proj(x), attns[0].v_proj(x)]
+    for g, e in zip(got, expect, strict=True):
+        np.testing.assert_array_equal(np.asarray(g.astype(mx.float32)), np.asarray(e.astype(mx.float32)))
+    # A new value weight makes that layer's fusion stale, and it is made again.
+    attns[0].v_proj.weight = attns[0].v_proj.weight + 0
+    assert joint[0] is not None and not joint[0].valid()
+    assert _tokens(model, ids, decoder) == want
+    decoder.close()
+    loaded.free()

@@ -7,6 +7,7 @@ What it answers: where a GGUF file's prefill loses against the native format of 
 block layers, the group-32 products, or the compiled segments that do not trace for them).
 
     python benchmarks/profile/probe_prefill.py MODEL [MODEL ...] [--lengths 128 2048] [--modes segmented off]
+        [--dense-min-rows 512 128]   # each threshold of the dense prefill products (nn.DENSE_MIN_ROWS)
 """
 from __future__ import annotations
 
@@ -29,23 +30,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", nargs="+", type=int, default=[128, 2048])
     p.add_argument("--modes", nargs="+", default=["segmented", "off"], choices=["segmented", "graph", "off"])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dense-min-rows", nargs="+", type=int, default=[0],
+                   help="rows of x from which quantized layers take dense products, each (0: the library's)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    from pymlxc.backends.metal import nn
+
+    default_rows = nn.DENSE_MIN_ROWS
     rows: list[dict[str, Any]] = []
-    for path in args.models:
-        for mode in args.modes:
-            side = Pymlxc(compiled=mode != "off", mode=None if mode == "off" else mode)
-            side.load(path)
-            try:
-                for n in args.lengths:
-                    prompt = [(7 * i) % 1000 + 10 for i in range(n)]
-                    timed_run(side, prompt, 1)  # warm-up: traces and kernels for this length
-                    times = [timed_run(side, prompt, 1)["ttft_s"] for _ in range(args.repeats)]
-                    ms = 1e3 * statistics.median(times)
-                    rows.append({"model": str(path), "mode": mode, "prompt": n, "ttft_ms": ms, "prefill_tps": n / ms * 1e3})
-                    print(f"{path.name:40s} {mode:9s} {n:5d} tokens  {ms:8.2f} ms  {n / ms * 1e3:9.0f} tok/s", flush=True)
-            finally:
-                side.free()
+    for path, mode, dense in ((p, m, d) for p in args.models for m in args.modes for d in args.dense_min_rows):
+        nn.DENSE_MIN_ROWS = dense or default_rows  # read when a model loads (choose_dense_products)
+        side = Pymlxc(compiled=mode != "off", mode=None if mode == "off" else mode)
+        side.load(path)
+        try:
+            for n in args.lengths:
+                prompt = [(7 * i) % 1000 + 10 for i in range(n)]
+                timed_run(side, prompt, 1)  # warm-up: traces and kernels for this length
+                times = [timed_run(side, prompt, 1)["ttft_s"] for _ in range(args.repeats)]
+                ms = 1e3 * statistics.median(times)
+                rows.append({"model": str(path), "mode": mode, "dense_min_rows": nn.DENSE_MIN_ROWS, "prompt": n,
+                             "ttft_ms": ms, "prefill_tps": n / ms * 1e3})
+                print(f"{path.name:40s} {mode:9s} dense>={nn.DENSE_MIN_ROWS:<5d} {n:5d} tokens  {ms:8.2f} ms  "
+                      f"{n / ms * 1e3:9.0f} tok/s", flush=True)
+        finally:
+            side.free()
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(rows, indent=1) + "\n")

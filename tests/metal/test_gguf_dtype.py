@@ -366,3 +366,30 @@ def test_block_layers_prefill_op_by_op_without_a_failed_trace(
             assert compiled == plain
         finally:
             decoder.close()
+
+
+def test_blocks_only_in_the_embedding_keep_the_compiled_prefill(files: Callable[..., tuple[Path, Path]]) -> None:
+    """llama.cpp's Q4_0 recipe keeps only the tied embedding / head in Q6_K: both run outside the
+    compiled prefill's trace, so the layers still prefill through it, with the plain loop's tokens."""
+    from pymlxc.backends.metal.decode.decoder import CompiledDecoder
+
+    path, _ = files("llama", Q.Q4_0, {"token_embd.weight": Q.Q6_K})
+    with load_weights_and_config(path) as loaded:
+        model = loaded.model
+        decoder = CompiledDecoder(model, "segmented")
+        try:
+            runner = decoder.prefill_runner(False)
+            assert runner is not None
+            cache = model.make_cache(None)
+            prompt = list(IDS[0])
+            h = runner(mx.array([prompt]), cache)
+            plain_cache = model.make_cache(None)
+            want = model(mx.array([prompt]), cache=plain_cache)[:, -1]
+            np.testing.assert_allclose(np.asarray(model.output(h)[:, -1].astype(mx.float32)),
+                                       np.asarray(want.astype(mx.float32)), rtol=2e-2, atol=2e-2)
+            compiled = list(loops.generate_ids(model, prompt, cache=model.make_cache(None), sampler=greedy,
+                                               max_tokens=6, decoder=decoder))
+            plain = list(loops.generate_ids(model, prompt, cache=model.make_cache(None), sampler=greedy, max_tokens=6))
+            assert compiled == plain
+        finally:
+            decoder.close()

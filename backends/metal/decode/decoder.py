@@ -82,14 +82,17 @@ log = logging.getLogger(__name__)
 DECODE_MODES = ("graph", "segmented")
 
 
-def _holds_blocks(model: Module) -> bool:
-    """gguf_layers.holds_blocks, imported here: it needs the `gguf` package (the `gguf` extra),
-    without which no model has GGUF block layers."""
+def _layers_hold_blocks(model: Module) -> bool:
+    """Whether the transformer layers of `model` (what the compiled prefill traces) have GGUF block
+    layers: gguf_layers.holds_blocks, imported here, as it needs the `gguf` package (the `gguf`
+    extra), without which no model has them. The embedding and the head run outside the trace, so
+    llama.cpp's Q4_0 recipe (Q6_K only there) keeps the compiled prefill."""
     try:
         from ..gguf_layers import holds_blocks  # noqa: PLC0415
     except ImportError:
         return False
-    return holds_blocks(model)
+    layers = getattr(model, "layers", None)
+    return holds_blocks(model) if not isinstance(layers, list) else any(holds_blocks(layer) for layer in layers)
 
 
 def decode_mode(setting: str = "auto") -> str:
@@ -201,7 +204,7 @@ class CompiledDecoder:
             raise ValueError(f"decode mode must be one of {', '.join(DECODE_MODES)}, not {mode!r}")
         settings = settings if settings is not None else current_settings()
         self._model: Module | None = model
-        self._holds_blocks = model is not None and _holds_blocks(model)  # GGUF block layers: no compiled prefill
+        self._holds_blocks = model is not None and _layers_hold_blocks(model)  # GGUF blocks: no compiled prefill
         self.enabled = settings.compile  # False: every generation takes the uncompiled loop
         self.mode = mode if mode is not None else settings.decode  # "auto": by the device at each generation
         # Segmented mode: run q/k/v and gate/up as one matmul each (weights fused, see segments.py).

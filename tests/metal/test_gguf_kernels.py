@@ -88,6 +88,72 @@ def test_lane_arithmetic_is_the_reference(qtype: Q, seed: int, scale: float) -> 
         np.testing.assert_array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
 
 
+def _q6k_row_dot(row: np.ndarray, x: np.ndarray, align: int) -> float:
+    """The CUDA Q6_K matvec's sum for one row of blocks [NB, 210] and x [NB * 256], replayed: each
+    step's 4 blocks staged from the 16-byte boundary below them (the row starting `align` bytes past
+    one), lane j of a block's 8 taking values 128 (j / 4) + 32 k + 8 (j % 4) + i from 32-bit words
+    (two per 8 bytes, through the aligned words around them), codes and scales as the source forms them."""
+    nb = row.shape[0]
+    flat = np.concatenate([np.zeros(align, np.uint8), row.reshape(-1), np.zeros(16, np.uint8)])
+    total = 0.0
+    for step in range((nb + 3) // 4):
+        start = align + step * 4 * 210
+        base = start & ~15
+        need = ((start - base) + min(4, nb - 4 * step) * 210 + 15) >> 4
+        stage = np.zeros(54 * 16, np.uint8)
+        stage[:need * 16] = flat[base:base + need * 16]
+        at = start - base
+
+        def word8(off: int, stage: np.ndarray = stage) -> tuple[int, int]:
+            a = off & ~3
+            w = [int(stage[a + 4 * j:a + 4 * j + 4].view(np.uint32)[0]) for j in range(3)]
+            shift = (off & 3) * 8
+            lo = ((w[0] | (w[1] << 32)) >> shift) & 0xFFFFFFFF
+            hi = ((w[1] | (w[2] << 32)) >> shift) & 0xFFFFFFFF
+            return lo, hi
+
+        for lane in range(32):
+            blk = 4 * step + (lane >> 3)
+            if blk >= nb:
+                continue
+            sub = lane & 7
+            half, l0 = sub >> 2, (sub & 3) * 8
+            b = at + 210 * (lane >> 3)
+            va, vb, vc, vs = (word8(b + 64 * half + l0), word8(b + 64 * half + 32 + l0),
+                              word8(b + 128 + 32 * half + l0), word8(b + 192 + 8 * half))
+            d = float(stage[b + 208:b + 210].view(np.float16)[0])
+            xm = x[blk * 256 + 128 * half + l0:]
+            parts = [0.0] * 4
+            for h in range(2):
+                a_, b_, c_ = va[h], vb[h], vc[h]
+                codes = [(a_ & 0x0F0F0F0F) | ((c_ << 4) & 0x30303030), (b_ & 0x0F0F0F0F) | ((c_ << 2) & 0x30303030),
+                         ((a_ >> 4) & 0x0F0F0F0F) | (c_ & 0x30303030),
+                         ((b_ >> 4) & 0x0F0F0F0F) | ((c_ >> 2) & 0x30303030)]
+                for k in range(4):
+                    for i in range(4):
+                        parts[k] += float(xm[32 * k + 4 * h + i]) * (((codes[k] >> (8 * i)) & 0xFF) - 32)
+            total_lane = 0.0
+            for k in range(4):
+                byte = 2 * k + (l0 >> 4)
+                sc = (vs[byte >> 2] >> (8 * (byte & 3))) & 0xFF
+                total_lane += (sc - 256 if sc >= 128 else sc) * parts[k]
+            total += d * total_lane
+    return total
+
+
+@settings(max_examples=8, deadline=None)
+@given(nb=st.integers(1, 9), align=st.sampled_from([0, 2, 4, 14]), seed=st.integers(0, 2**32 - 1))
+def test_q6k_kernel_staging_and_lanes_are_the_reference(nb: int, align: int, seed: int) -> None:
+    """The CUDA Q6_K kernel's reading of a row (staged steps of 4 blocks from any 2-byte offset,
+    a step short of 4 blocks at the row's end) gives the reference dequantization's product."""
+    rng = np.random.default_rng(seed)
+    row = gguf_blocks.random_blocks(rng, (nb,), Q.Q6_K)
+    x = rng.standard_normal(nb * 256)
+    want = float(x @ gguf.quants.dequantize(row.reshape(1, -1), Q.Q6_K).reshape(-1).astype(np.float64))
+    got = _q6k_row_dot(row, x, align)
+    assert abs(got - want) <= 1e-9 * (1 + float(np.abs(x).sum()))
+
+
 # ---------------------------------------------------------------------- the layers, on any device
 
 def _layer(qtype: Q, n: int, nb: int, seed: int) -> tuple[BlockLinear, np.ndarray]:

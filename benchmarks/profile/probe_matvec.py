@@ -46,6 +46,34 @@ GROUP = 64  # --group-size: MLX's default; GGUF's Q4_0 / Q4_K repack to 32
 DTYPE = mx.bfloat16  # --dtype: x and the scales (GGUF files compute in float16)
 
 
+# The kernel's loads without its arithmetic (a diagnostic, `ours_loads`): the same grid, the same
+# 16-byte weight loads, scales, biases and x loads, folded by an xor and one fma per row, so the
+# rate it reaches is what the access pattern allows; the difference to `ours_r2` is the nibble math.
+LOADS_SOURCE = kernels.QUANTIZED_SOURCE[:kernels.QUANTIZED_SOURCE.index("#pragma unroll\n    for (int m = 0; m < M; ++m) {\n      float xf[32];")] + r"""
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const T* xp = x + static_cast<size_t>(m) * K + c * 32;
+      uint4 xu[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        xu[j] = *reinterpret_cast<const uint4*>(xp + 8 * j);
+      }
+      const uint32_t xw = xu[0].x ^ xu[1].y ^ xu[2].z ^ xu[3].w;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const uint32_t bits = (q[r].x ^ q[r].y ^ q[r].z ^ q[r].w ^ xw) & 0x007FFFFFu;
+        acc[m][r] = fmaf(__uint_as_float(bits | 0x3F800000u), sc[r], acc[m][r] + bi[r]);
+      }
+    }
+  }
+""" + kernels.QUANTIZED_SOURCE[kernels.QUANTIZED_SOURCE.index("#pragma unroll\n  for (int m = 0; m < M; ++m) {\n#pragma unroll\n    for (int r = 0; r < R; ++r) {\n      float v = acc[m][r];"):]
+
+
+def _loads_kernel() -> Any:
+    return mx.fast.cuda_kernel("pymlxc_qmv4_loads", list(kernels.QUANTIZED_INPUTS), list(kernels.OUTPUT_NAMES),
+                               LOADS_SOURCE, header=kernels.HEADER)
+
+
 def _kernel() -> Any:
     return mx.fast.cuda_kernel(kernels.QUANTIZED_NAME, list(kernels.QUANTIZED_INPUTS), list(kernels.OUTPUT_NAMES),
                                kernels.QUANTIZED_SOURCE, header=kernels.HEADER)
@@ -91,6 +119,8 @@ def probe(shape: str, kernel: Any, min_bytes: int, x_rows: int, repeats: int) ->
     if x_rows <= kernels.MAX_X_ROWS:
         for r in (1, 2, 4):
             variants[f"ours_r{r}"] = lambda xx, qq, r=r: _ours(kernel, xx, qq, r)
+        loads = _loads_kernel()
+        variants["ours_loads"] = lambda xx, qq: _ours(loads, xx, qq, kernels.ROWS_PER_WARP)
     else:  # more rows than the kernel takes: in slices of MAX_X_ROWS rows, one launch each
         variants["ours_slices"] = lambda xx, qq: _ours_slices(kernel, xx, qq)
     for name, fn in variants.items():

@@ -119,8 +119,12 @@ def run_local(n: int, command: Sequence[str], *, backend: str = "ring", timeout:
             err.close()
     if failed is not None:
         rank, why = failed
-        tail = results[rank].stderr[-3000:] if rank >= 0 else ""
-        raise LaunchError(f"{why}" + (f"\n--- rank {rank} stderr ---\n{tail}" if tail else ""), results)
+        # The first rank seen failing may only have lost a peer that failed first: every failed
+        # rank's stderr ends the message (the first one's longest).
+        shown = [rank] if rank >= 0 else []
+        shown += [r.rank for r in results if r.rank != rank and r.returncode not in (0, None)]
+        tails = [(r, results[r].stderr[-(3000 if i == 0 else 1500):]) for i, r in enumerate(shown)]
+        raise LaunchError(why + "".join(f"\n--- rank {r} stderr ---\n{tail}" for r, tail in tails if tail), results)
     return results
 
 

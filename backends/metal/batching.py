@@ -648,13 +648,20 @@ class Scheduler:
     def submit(self, request: Request, bounded: bool = True) -> None:
         """Queue `request`; QueueFull when `max_queue` requests wait already for a free row
         (`bounded=False`: queued whatever the length, for a caller that waits for them all)."""
+        self.submit_all([request], bounded)
+
+    def submit_all(self, requests: Sequence[Request], bounded: bool = True) -> None:
+        """Queue `requests` at once: the loop sees all of them or none, so what it runs (which
+        prompts are prefilled together) does not depend on when its thread woke. The ranks of a
+        distributed model rely on it: each runs the same steps only if each sees the same queue.
+        QueueFull (none queued) where `bounded` and they do not fit beside those waiting."""
         with self._lock:
             if self._stopping:
                 raise ModelClosedError("the model is closed")
             free = max(0, self.max_batch - self.running())
-            if bounded and len(self._queue) >= self.max_queue + free:
+            if bounded and len(self._queue) + len(requests) > self.max_queue + free:
                 raise QueueFull(f"{len(self._queue)} requests are waiting already (max_queue={self.max_queue})")
-            self._queue.append(request)
+            self._queue.extend(requests)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="pymlxc-batch", daemon=True)
                 self._thread.start()
@@ -1073,8 +1080,7 @@ class Collector:
 def run_all(scheduler: Scheduler, requests: Sequence[tuple[Request, Collector]], guard: loops.Guard) -> None:
     """Submit every request and wait for all, cancelling them where `guard` trips (it raises then)."""
     guard.check()
-    for request, _ in requests:
-        scheduler.submit(request, bounded=False)
+    scheduler.submit_all([request for request, _ in requests], bounded=False)
     try:
         for _, collector in requests:
             while not collector.wait(0.05):

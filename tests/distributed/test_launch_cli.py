@@ -33,3 +33,17 @@ def test_launch_reports_the_failing_rank(tmp_path: Path) -> None:
     launched = _cli("launch", "-n", "2", "--", "generate", str(tmp_path / "missing"), "hi", "-q")
     assert launched.returncode == 1
     assert "pymlxc launch: rank 0 exited with status" in launched.stderr or "rank 1 exited" in launched.stderr
+
+
+def test_a_launch_error_shows_every_failed_rank() -> None:
+    """Where several ranks fail, the error shows each one's stderr: the first seen failing may only
+    have lost a peer that failed for the real reason."""
+    from pymlxc.launch import LaunchError, run_local
+
+    code = ("import os, sys, time; r = int(os.environ['MLX_RANK']); time.sleep(0.3 * (1 - r)); "
+            "sys.stderr.write(f'the reason of rank {r}\\n'); sys.exit(3 + r)")
+    with pytest.raises(LaunchError) as caught:
+        run_local(2, [sys.executable, "-c", code], timeout=60, grace=5)
+    message = str(caught.value)
+    assert "the reason of rank 0" in message and "the reason of rank 1" in message
+    assert message.startswith("rank 1 exited")  # rank 1 ended first

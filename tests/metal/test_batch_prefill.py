@@ -24,12 +24,10 @@ TOP = 5
 
 def _submit_together(scheduler: batching.Scheduler, prompts: list[list[int]],
                      params: SamplingParams) -> list[Collector]:
-    """Queue every prompt before the loop's next turn (the scheduler's lock is reentrant, so the
-    loop waits for it while the requests go in), then wait for all."""
+    """Queue every prompt at once (`submit_all`: the loop's next turn sees all), then wait for all."""
     collectors = [Collector() for _ in prompts]
-    with scheduler._lock:  # noqa: SLF001 - holds the loop back until every request is queued
-        for prompt, collector in zip(prompts, collectors, strict=True):
-            scheduler.submit(Request(prompt, params, collector), bounded=False)
+    scheduler.submit_all([Request(prompt, params, collector) for prompt, collector in zip(prompts, collectors,
+                                                                                          strict=True)], bounded=False)
     for collector in collectors:
         assert collector.wait(120)
     return collectors
@@ -48,6 +46,33 @@ def _alone(scheduler: batching.Scheduler, prompt: list[int], params: SamplingPar
 @pytest.fixture(scope="module", params=["llama", "gemma3_text", "qwen3_moe"])
 def tiny(request, tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp(request.param) / request.param, request.param, seed=7)
+
+
+def test_batch_generate_queues_its_prompts_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """batch_generate hands its prompts to the loop in one step, so the loop prefills them as one
+    group whenever its thread wakes: the ranks of a distributed model each run batch_generate and
+    must run the same steps (before, a rank whose loop woke between two submissions prefilled the
+    first prompt alone, and the ranks' collectives fell out of step)."""
+    path = write_tiny_model(tmp_path / "m", "llama", seed=7)
+    queued: list[int] = []
+    groups: list[int] = []
+    submit_all, prefill_group = batching.Scheduler.submit_all, batching.Scheduler._prefill_group
+
+    def spy_submit(self: batching.Scheduler, requests, bounded: bool = True) -> None:
+        queued.append(len(requests))
+        submit_all(self, requests, bounded)
+
+    def spy_group(self: batching.Scheduler, group) -> None:
+        groups.append(len(group))
+        prefill_group(self, group)
+
+    monkeypatch.setattr(batching.Scheduler, "submit_all", spy_submit)
+    monkeypatch.setattr(batching.Scheduler, "_prefill_group", spy_group)
+    with pymlxc.load_model(path, backend="metal") as model:
+        for _ in range(3):
+            results = model.batch_generate(["one two", "three four five", "six"], max_tokens=3, temperature=0)
+            assert all(r.error is None and len(r.tokens) == 3 for r in results)
+    assert queued == [3, 3, 3] and groups == [3, 3, 3]
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

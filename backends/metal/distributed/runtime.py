@@ -50,7 +50,8 @@ def agree_options(options: GenerateConfig) -> GenerateConfig:
         return options
     # Rank 0's 60 random bits as three 20-bit parts (exact in any dtype a backend may sum in); the
     # masks keep the seed in range whatever comes back (two 31-bit parts once gave a negative seed
-    # on the CPU ring backend, which the seed check refused; the cause was not found).
+    # on the CPU ring backend, likely summed with another step's data by ranks out of step: see
+    # batching.Scheduler.submit_all).
     mine = secrets.randbits(60) if group.rank() == 0 else 0
     parts = [(mine >> shift) & _PART for shift in (40, 20, 0)] if options.seed is None else [0, 0, 0]
     agreed = dist.all_sum(mx.array(parts, mx.int32), group=group).tolist()

@@ -18,8 +18,9 @@ l = p % 32 and s = p / 16 (the 16-value sub-block):
     Q2_K  scales[16] qs[64] d dmin            w = d (scales[s] & 15) q - dmin (scales[s] >> 4),
           q = (qs[32n + l] >> 2k) & 3
 
-Each lane of a warp (CUDA) or simdgroup (Metal) takes 8 consecutive values of a block (one
-sub-block half, one scale), so a warp covers one block per step; it accumulates x . w in float32
+In the matvec, each lane of a warp (CUDA) or simdgroup (Metal) takes 8 consecutive values of a block
+(one sub-block half, one scale), so a warp covers one block per step (Q6_K on CUDA has a kernel of
+its own, `CUDA_Q6K_MATVEC_SOURCE`, which reads 4 blocks a step); it accumulates x . w in float32
 for `R` output rows at once (each x load serves them), and the lanes' sums are reduced with
 shuffles / `simd_sum`. The values are computed with the reference's float32 operations in its
 order (rounding each product: `__fmul_rn` keeps CUDA from fusing Q2_K's d*q - m into one fma), so
@@ -101,35 +102,6 @@ __device__ __forceinline__ void values8(const uint8_t* b, int p0, float* v) {
   }
 }
 
-// values8<14> with fewer instructions: the lane's 8 low and 8 high bytes in 2-byte loads (a block
-// is only 2-byte aligned), the 6-bit codes of 4 values at once in a 32-bit word; the same values.
-__device__ __forceinline__ void q6k_values8(const uint8_t* b, int p0, float* v) {
-  const int n = p0 >> 7, k = (p0 & 127) >> 5, l = p0 & 31, s = p0 >> 4;
-  const float dl = half_at(b + 208) * static_cast<float>(static_cast<int8_t>(b[192 + s]));
-  const unsigned short* ql = reinterpret_cast<const unsigned short*>(b + 64 * n + 32 * (k & 1) + l);
-  const unsigned short* qh = reinterpret_cast<const unsigned short*>(b + 128 + 32 * n + l);
-  const int sl = 4 * (k >> 1), sh = 2 * k;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const unsigned lo = static_cast<unsigned>(ql[2 * h]) | (static_cast<unsigned>(ql[2 * h + 1]) << 16);
-    const unsigned hi = static_cast<unsigned>(qh[2 * h]) | (static_cast<unsigned>(qh[2 * h + 1]) << 16);
-    const unsigned q4 = ((lo >> sl) & 0x0F0F0F0Fu) | (((hi >> sh) & 0x03030303u) << 4);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      v[4 * h + i] = __fmul_rn(dl, static_cast<float>((q4 >> (8 * i)) & 0xFFu) - 32.f);
-    }
-  }
-}
-
-template <int Q>
-__device__ __forceinline__ void lane_values(const uint8_t* b, int p0, float* v) {
-  if (Q == 14) {
-    q6k_values8(b, p0, v);
-  } else {
-    values8<Q>(b, p0, v);
-  }
-}
-
 }  // namespace pymlxc_gguf
 """
 
@@ -151,7 +123,7 @@ _MATVEC_BLOCKS = r"""
     for (int r = 0; r < R; ++r) {
       // Rows past N (the last rows) read row N - 1 again; their sums are never written.
       const size_t row = static_cast<size_t>(min(row0 + r, N - 1));
-      pymlxc_gguf::lane_values<Q>(wm + (row * NB + blk) * S, lane * 8, v[r]);
+      pymlxc_gguf::values8<Q>(wm + (row * NB + blk) * S, lane * 8, v[r]);
     }
 #pragma unroll
     for (int m = 0; m < M; ++m) {
@@ -481,12 +453,6 @@ inline void values8(const device uint8_t* b, int p0, thread float* v) {
       v[i] = dl * float((qs[i] >> (2 * k)) & 3) - ml;
     }
   }
-}
-
-// The matvec's per-lane values (CUDA's has a faster Q6_K form; the Metal one is values8).
-template <int Q>
-inline void lane_values(const device uint8_t* b, int p0, thread float* v) {
-  values8<Q>(b, p0, v);
 }
 
 }  // namespace pymlxc_gguf

@@ -1,23 +1,25 @@
 #!/usr/bin/env bash
 # The GPU runs behind BENCHMARKS.md's llama.cpp table: the GGUF GPU tests and
 # benchmarks/compare_llama_cpp.py, Llama-3.2-1B and Llama-3.1-8B on Q4_0, Q4_K_M, Q6_K and Q8_0,
-# in five device calls of at most 10 minutes (the machine has no network: MLX's CUDA wheel comes in
+# in four device calls of at most 10 minutes (the machine has no network: MLX's CUDA wheel comes in
 # .device-stage/, llama.cpp's source as .lcp/llama.cpp-src.tar.gz; the machine must stay warm
 # between calls, its /tmp holds the build and the 8B files):
 #
 #   call 1: bash .device-stage/a/stash.sh && bash benchmarks/gpu_llama_cpp.sh build
 #                                                       carry [".device-stage/a", ".lcp"]
-#   call 2: source .device-stage/b/install.sh && bash benchmarks/gpu_llama_cpp.sh prep-8b-bg tests bench-1b
+#   call 2: source .device-stage/b/install.sh && bash benchmarks/gpu_llama_cpp.sh tests prep-8b
 #                                                       carry [".device-stage/b"]
 #   call 3: source .device-stage/b/install.sh --no-install && bash benchmarks/gpu_llama_cpp.sh bench-8b
-#   call 4: source .device-stage/b/install.sh --no-install && FORMATS_8B="q6_k q8_0" \
-#             bash benchmarks/gpu_llama_cpp.sh clean-8b prep-8b
-#   call 5: source .device-stage/b/install.sh --no-install && FORMATS_8B="q6_k q8_0" \
-#             bash benchmarks/gpu_llama_cpp.sh bench-8b
+#   call 4: source .device-stage/b/install.sh --no-install && BENCH_1B_ARGS="--rounds 9" \
+#             bash benchmarks/gpu_llama_cpp.sh bench-1b
+#   then, for Q6_K and Q8_0: FORMATS_8B="q6_k q8_0" ... clean-8b prep-8b, then bench-8b.
 #
+# Keep the benchmarks apart from the CPU work of the build and of prep-8b: pymlxc's 1B decode is
+# bound by host work, and a run beside them (prep-8b-bg during bench-1b) moved it by 20% and more.
+# Export GIT_REV=<commit> in each call where the lent copy's git metadata is stale.
 # build starts llama.cpp's CUDA build in the background (a few minutes; bench-* wait for it);
-# prep-8b-bg writes the 8B files of FORMATS_8B in the background (niced; its CPU work overlaps the
-# 1B runs, which alternate the sides, so it slows them alike), and bench-8b waits for it. The 8B
+# prep-8b-bg writes the 8B files of FORMATS_8B in the background (niced, for a call that only
+# tests: a benchmark beside it is slowed, see above), and bench-8b waits for it. The 8B
 # files come two formats at a time (disk: 64 GiB): the float16 source goes once its F16 GGUF is
 # written, which later formats are quantized from; clean-8b removes the formats benchmarked before.
 # What the runs measure since the compute-dtype change: quantized GGUF files of Llama compute in

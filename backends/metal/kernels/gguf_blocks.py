@@ -45,6 +45,7 @@ from pymlxc.core.cuda_kernel import SharedKernel
 
 from ..formats.gguf_quants import dequantize_blocks
 from .check import CheckedOnce
+from .matvec import HEADER as MATVEC_HEADER
 from .metal_kernel import SharedMetalKernel, device_kind, dialect
 
 QK_K = 256
@@ -151,6 +152,43 @@ def _blocks(first: str, step: str, cuda: bool) -> str:
     return dialect(_MATVEC_BLOCKS.replace("FIRST_BLOCK", first).replace("BLOCK_STEP", step), cuda=cuda)
 
 
+# The CUDA matvecs' end: each warp's lane sums meet by shuffles, then in shared memory `part`
+# [warps][M][R], where the `split` warps of each of the thread block's `groups` row groups (R rows
+# each, group g of block b holding rows (b groups + g) R ..) add up and write their rows.
+_CUDA_REDUCE = r"""
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float s = acc[m][r];
+      for (int off = 16; off > 0; off >>= 1) {
+        s += __shfl_xor_sync(0xffffffffu, s, off);
+      }
+      if (lane == 0) {
+        part[warp][m][r] = s;
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < GROUPS * M * R) {
+    const int g = threadIdx.x / (M * R), m = (threadIdx.x / R) % M, r = threadIdx.x % R;
+    const int row = (blockIdx.x * GROUPS + g) * R + r;
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < SPLIT; ++j) {
+      s += part[g * SPLIT + j][m][r];
+    }
+    if (row < N) {
+      out[(static_cast<size_t>(pair) * M + m) * N + row] = static_cast<T>(s);
+    }
+  }
+"""
+
+
+def _cuda_reduce(groups: str, split: str) -> str:
+    return _CUDA_REDUCE.replace("GROUPS", groups).replace("SPLIT", split)
+
+
 # Template arguments: T (x and out), M (rows of x per pair), Q (ggml type), S (bytes a block),
 # R (output rows per thread block). x [P, M, K], w [E, N, NB, S] uint8, idx [P] int32 (the matrix of
 # each pair: 0 for a plain linear, the expert for a switch layer) -> out [P, M, N]. Grid: blocks of
@@ -170,33 +208,8 @@ CUDA_MATVEC_SOURCE = r"""
   const int lane = threadIdx.x & 31;
   const int row0 = blockIdx.x * R;
   const uint8_t* wm = w + static_cast<size_t>(idx[pair]) * N * NB * S;
-  const T* xp = x + static_cast<size_t>(pair) * M * K;""" + _blocks("warp", "WARPS", cuda=True) + r"""
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      float s = acc[m][r];
-      for (int off = 16; off > 0; off >>= 1) {
-        s += __shfl_xor_sync(0xffffffffu, s, off);
-      }
-      if (lane == 0) {
-        part[warp][m][r] = s;
-      }
-    }
-  }
-  __syncthreads();
-  if (threadIdx.x < M * R) {
-    const int m = threadIdx.x / R, r = threadIdx.x % R;
-    float s = 0.f;
-#pragma unroll
-    for (int j = 0; j < WARPS; ++j) {
-      s += part[j][m][r];
-    }
-    if (row0 + r < N) {
-      out[(static_cast<size_t>(pair) * M + m) * N + row0 + r] = static_cast<T>(s);
-    }
-  }
-"""
+  const T* xp = x + static_cast<size_t>(pair) * M * K;""" + _blocks("warp", "WARPS", cuda=True) \
+    + _cuda_reduce(groups="1", split="WARPS")
 
 # Q6_K on CUDA. A warp's step is 4 consecutive blocks of each of its R rows (840 bytes a row): it
 # copies them into shared memory with 16-byte loads from the 16-byte boundary below them (whole
@@ -208,8 +221,8 @@ CUDA_MATVEC_SOURCE = r"""
 # conversion), and each 8 values of one scale are summed before it is applied:
 # sum x d sc (q - 32) = d sc sum x (q - 32), equal to the reference's values up to float32 rounding.
 # Template arguments: T, M, R as above, W (warps per R rows: they split the row's steps). A thread
-# block has 4 warps, so 4 / W groups of R rows.
-CUDA_Q6K_MATVEC_HEADER = CUDA_HEADER + r"""
+# block has THREADS / 32 warps, so THREADS / 32 / W groups of R rows.
+CUDA_Q6K_MATVEC_HEADER = CUDA_HEADER + MATVEC_HEADER + r"""
 namespace pymlxc_gguf {
 
 // 8 bytes at p (2-byte aligned) as two words, through the 4-byte-aligned words around them; the
@@ -227,15 +240,11 @@ __device__ __forceinline__ float code_minus_32(uint32_t q, int i) {
   return __uint_as_float(__byte_perm(q, 0x4B000000u, 0x7440u + i)) - 8388640.f;
 }
 
+// Eight values of x as floats: one 16-byte load for 2-byte floats (matvec.py's load8).
 template <typename T>
 __device__ __forceinline__ void load_x8(const T* p, float* f) {
   if (sizeof(T) == 2) {
-    uint4 u = *reinterpret_cast<const uint4*>(p);
-    const T* h = reinterpret_cast<const T*>(&u);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      f[i] = static_cast<float>(h[i]);
-    }
+    pymlxc_mv::load8<T>(p, f);
   } else {
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -248,9 +257,10 @@ __device__ __forceinline__ void load_x8(const T* p, float* f) {
 """
 
 CUDA_Q6K_MATVEC_SOURCE = r"""
+  constexpr int WARPS = """ + str(THREADS // 32) + r""";
   constexpr int CHUNKS = 54;  // 16-byte chunks that hold 840 bytes starting anywhere in the first one
-  __shared__ uint4 stage[4][R][CHUNKS];
-  __shared__ float part[4][M][R];
+  __shared__ uint4 stage[WARPS][R][CHUNKS];
+  __shared__ float part[WARPS][M][R];
   const int N = w_shape[1];
   const int NB = w_shape[2];
   const int K = NB * 256;
@@ -258,7 +268,7 @@ CUDA_Q6K_MATVEC_SOURCE = r"""
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int group = warp / W, split = warp % W;
-  const int row0 = (blockIdx.x * (4 / W) + group) * R;
+  const int row0 = (blockIdx.x * (WARPS / W) + group) * R;
   const uint8_t* wm = w + static_cast<size_t>(idx[pair]) * N * NB * 210;
   const T* xp = x + static_cast<size_t>(pair) * M * K;
   const int sub = lane & 7, half = sub >> 2, l0 = (sub & 3) * 8, bq = lane >> 3;
@@ -365,33 +375,7 @@ CUDA_Q6K_MATVEC_SOURCE = r"""
       }
     }
   }
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      float v = acc[m][r];
-      for (int off = 16; off > 0; off >>= 1) {
-        v += __shfl_xor_sync(0xffffffffu, v, off);
-      }
-      if (lane == 0) {
-        part[warp][m][r] = v;
-      }
-    }
-  }
-  __syncthreads();
-  if (threadIdx.x < (4 / W) * M * R) {
-    const int g = threadIdx.x / (M * R), m = (threadIdx.x / R) % M, r = threadIdx.x % R;
-    const int row = (blockIdx.x * (4 / W) + g) * R + r;
-    float v = 0.f;
-#pragma unroll
-    for (int j = 0; j < W; ++j) {
-      v += part[g * W + j][m][r];
-    }
-    if (row < N) {
-      out[(static_cast<size_t>(pair) * M + m) * N + row] = static_cast<T>(v);
-    }
-  }
-"""
+""" + _cuda_reduce(groups="(WARPS / W)", split="W")
 
 # Template arguments: T (out), Q, S. w [rows, NB, S] -> out [rows, NB * 256]; thread t writes the
 # 8 values 8 (t % 32) of block (t / 32) % NB of row t / (32 NB).
@@ -513,7 +497,9 @@ _KERNELS: dict[str, tuple[SharedKernel | SharedMetalKernel, SharedKernel | Share
 
 def q6k_warps(n: int, blocks: int) -> int:
     """Warps per row group of the CUDA Q6_K matvec for n rows of `blocks` blocks: one where the rows
-    alone fill the device (an output head), else enough that each warp has a few blocks' steps."""
+    alone fill the device (an output head: 153 us on the H100 for the 1B's, against 172 and 233 with
+    2 and 4), else enough that each warp has a few blocks' steps (the 8B down projection measured
+    62-65 us with 1, 2 or 4; narrower matrices were bound by the probe's host time, not measured)."""
     if n >= 16384:
         return 1
     steps = -(-blocks // 4)  # a warp's steps over a row when it works alone
@@ -529,7 +515,7 @@ def matvec(x: Array, w: Array, idx: Array, qtype: QType, kind: str,
     n, size = w.shape[1], w.shape[3]
     if kind == "cuda" and qtype == QType.Q6_K and not generic:
         w_per = warps or q6k_warps(n, w.shape[2])
-        groups = -(-n // (rows_per_warp * (4 // w_per)))
+        groups = -(-n // (rows_per_warp * (THREADS // 32 // w_per)))
         (out,) = _cuda_q6k_matvec()([x, w, idx], output_shapes=[(p, m, n)], output_dtypes=[x.dtype],
                                   grid=(groups * THREADS, p, 1), threadgroup=(THREADS, 1, 1),
                                   template=[("T", x.dtype), ("M", m), ("R", rows_per_warp), ("W", w_per)])

@@ -212,7 +212,7 @@ def _chunk_forward(model: LanguageModel, mask: Callable[[int, int], mx.Array | N
 
     use = [runner if mask is None else None]
     # A chunk of this many rows or more goes op by op where the model's quantized layers take it as
-    # dense products (nn.choose_dense_products), which the runner's shapeless trace cannot hold.
+    # dense products (nn.mark_dense_products), which the runner's shapeless trace cannot hold.
     dense_rows = getattr(model, "dense_rows", 0)
 
     def forward(chunk: mx.Array, cache: Sequence[Any], offset: int, on_layer: Callable[..., None] | None,

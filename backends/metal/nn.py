@@ -333,7 +333,7 @@ class QuantizedLinear(CudaMatvecChoice, Module):
             self.bias = mx.zeros((output_dims,), dtype)
         self.freeze(["weight", "scales", "biases"], recurse=False)
         self._cuda_matvec = False  # set by choose_cuda_matvec
-        self._dense_rows = 0  # set by choose_dense_products: 0, or the rows of x from which to go dense
+        self._dense_rows = 0  # set by mark_dense_products: 0, or the rows of x from which to go dense
 
     @property
     def input_dims(self) -> int:
@@ -397,7 +397,7 @@ class QuantizedEmbedding(CudaMatvecChoice, Module):
         self.biases = mx.zeros((num_embeddings, dims // group_size), dtype)
         self.freeze(recurse=False)
         self._cuda_matvec = False  # set by choose_cuda_matvec
-        self._dense_rows = 0  # set by choose_dense_products: 0, or the rows of x from which to go dense
+        self._dense_rows = 0  # set by mark_dense_products: 0, or the rows of x from which to go dense
 
     @classmethod
     def from_embedding(cls, emb: Embedding, group_size: int = 64, bits: int = 4) -> QuantizedEmbedding:
@@ -597,21 +597,16 @@ def choose_cuda_matvec(model: Any, setting: str) -> bool:
     return use
 
 
-def choose_dense_products(model: Any, setting: str) -> bool:
-    """Mark `model`'s quantized layers to take products of DENSE_MIN_ROWS or more rows (prefill)
-    as dequantized chunks and dense matmuls (`_dense_product`) where `setting` (PYMLXC_DENSE_PREFILL:
-    `auto`: on CUDA, `1`, `0`) says so; returns whether it did. Decided once, at load."""
-    if setting not in SWITCH:
-        raise ValueError(f"the dense_prefill setting must be one of {', '.join(SWITCH)}, not {setting!r}")
-    use = setting == "1" or (setting == "auto" and on_cuda())
-    marked = False
-    for _, m in model.named_modules():
-        if isinstance(m, (QuantizedLinear, QuantizedEmbedding)):
-            m._dense_rows = DENSE_MIN_ROWS if use else 0
-            marked = True
-    # The prefill reads it (generate._chunk_forward): such chunks skip the compiled prefill.
-    model.dense_rows = DENSE_MIN_ROWS if use and marked else 0
-    return use
+def mark_dense_products(model: Any, use: bool) -> None:
+    """Mark `model`'s quantized layers to take products of DENSE_MIN_ROWS or more rows (prefill) as
+    dequantized chunks and dense matmuls (`_dense_product`), or not: decided once, at load, by
+    `Settings.dense_prefill` (`switch_on`: `auto` on CUDA). The model's `dense_rows` tells the
+    prefill (generate._chunk_forward) which chunks skip the compiled prefill."""
+    rows = DENSE_MIN_ROWS if use else 0
+    marked = [m for _, m in model.named_modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))]
+    for m in marked:
+        m._dense_rows = rows
+    model.dense_rows = rows if marked else 0
 
 
 # ---------------------------------------------------------------------- activations

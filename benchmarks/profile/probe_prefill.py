@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     default_rows = nn.DENSE_MIN_ROWS
     rows: list[dict[str, Any]] = []
     for path, mode, dense in ((p, m, d) for p in args.models for m in args.modes for d in args.dense_min_rows):
-        nn.DENSE_MIN_ROWS = dense or default_rows  # read when a model loads (choose_dense_products)
+        nn.DENSE_MIN_ROWS = dense or default_rows  # read when a model loads (mark_dense_products)
         side = Pymlxc(compiled=mode != "off", mode=None if mode == "off" else mode)
         side.load(path)
         try:

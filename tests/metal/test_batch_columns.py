@@ -95,14 +95,14 @@ def test_many_rows_go_dense_in_chunks_with_the_quantized_product(monkeypatch, bi
     layer = nn.QuantizedLinear(128, 96, group_size=group, bits=bits)
     w = mx.random.normal((96, 128), key=mx.random.key(4))
     layer.weight, layer.scales, layer.biases = mx.quantize(w, group, bits)
-    assert nn.choose_dense_products(layer, "1")
+    nn.mark_dense_products(layer, True)
     x = mx.random.normal((2, nn.DENSE_MIN_ROWS // 2, 128), key=mx.random.key(5))
     dense = np.array(layer(x).tolist())
     assert calls == []
-    assert nn.choose_dense_products(layer, "0") is False
+    nn.mark_dense_products(layer, False)
     want = np.array(layer(x).tolist())
     np.testing.assert_allclose(dense, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
-    nn.choose_dense_products(layer, "1")
+    nn.mark_dense_products(layer, True)
     calls.clear()
     layer(x[:, :3])
     with nn.shapeless_trace():

@@ -204,7 +204,7 @@ class CompiledDecoder:
             raise ValueError(f"decode mode must be one of {', '.join(DECODE_MODES)}, not {mode!r}")
         settings = settings if settings is not None else current_settings()
         self._model: Module | None = model
-        self._holds_blocks = model is not None and _layers_hold_blocks(model)  # GGUF blocks: no compiled prefill
+        self._layers_hold_blocks = model is not None and _layers_hold_blocks(model)  # no compiled prefill
         self.enabled = settings.compile  # False: every generation takes the uncompiled loop
         self.mode = mode if mode is not None else settings.decode  # "auto": by the device at each generation
         # Segmented mode: run q/k/v and gate/up as one matmul each (weights fused, see segments.py).
@@ -353,7 +353,7 @@ class CompiledDecoder:
         if model is None or decode_mode(self.mode) != "segmented":
             return None
         weights, classes = walk if walk is not None else arrays_of(model, with_classes=True)
-        if self._holds_blocks:
+        if self._layers_hold_blocks:
             # The trace would fail (and a failed trace on an H200 cost a Q4_K_M file's 128-token
             # prefill 14.0 ms against 9.5 ms op by op).
             return None

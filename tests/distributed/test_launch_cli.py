@@ -40,7 +40,7 @@ def test_a_launch_error_shows_every_failed_rank() -> None:
     have lost a peer that failed for the real reason."""
     from pymlxc.launch import LaunchError, run_local
 
-    code = ("import os, sys, time; r = int(os.environ['MLX_RANK']); time.sleep(0.3 * (1 - r)); "
+    code = ("import os, sys, time; r = int(os.environ['MLX_RANK']); time.sleep(2.0 * (1 - r)); "
             "sys.stderr.write(f'the reason of rank {r}\\n'); sys.exit(3 + r)")
     with pytest.raises(LaunchError) as caught:
         run_local(2, [sys.executable, "-c", code], timeout=60, grace=5)

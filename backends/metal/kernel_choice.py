@@ -35,6 +35,8 @@ from pymlxc.core import Array
 from pymlxc.core.cuda_kernel import SharedKernel
 
 from .kernels import matvec as matvec_kernel
+from .kernels import qmm as qmm_kernel
+from .kernels.check import CheckedOnce
 from .thread_setting import ThreadSetting
 
 # 4-bit bytes per block: Llama-3.1-8B 140 MB, Llama-3.2-1B 43 MB, Gemma-3-1B 22 MB, Qwen3-0.6B 12 MB.
@@ -43,6 +45,11 @@ _mlx_only = ThreadSetting(False)
 _the_kernel = SharedKernel(matvec_kernel.QUANTIZED_NAME, matvec_kernel.QUANTIZED_INPUTS,
                            matvec_kernel.OUTPUT_NAMES, matvec_kernel.QUANTIZED_SOURCE,
                            header=matvec_kernel.HEADER)
+_the_qmm = SharedKernel(qmm_kernel.NAME, qmm_kernel.INPUTS, qmm_kernel.OUTPUT_NAMES, qmm_kernel.SOURCE,
+                        header=qmm_kernel.HEADER)
+# Verdicts of the prefill kernel's check, keyed on its source file (the check below is part of its key).
+qmm_checks = CheckedOnce("pymlxc's CUDA 4-bit prefill product", source=qmm_kernel.__file__)
+_QMM_CHECK_FORM = 1  # bump when qmm_ready's comparison changes
 
 
 def _use(cuda_matvec: bool) -> bool:
@@ -92,6 +99,61 @@ def _fits(x: Array, weight: Array, scales: Array, biases: Array, group_size: int
     k, n = x.shape[-1], weight.shape[0]
     return (x.dtype == scales.dtype and weight.ndim == 2 and weight.shape[1] * 8 == k
             and tuple(scales.shape) == (n, k // group_size) and tuple(biases.shape) == tuple(scales.shape))
+
+
+def qmm_product(x: Array, weight: Array, scales: Array, biases: Array, group_size: int,
+                split: int | None = None) -> Array:
+    """`x @ dequantize(weight).T` through pymlxc's tensor-core kernel (`kernels/qmm.py`), for x of
+    any rows in the scales' 2-byte dtype and 4-bit weights (`qmm_takes`). `split`: thread blocks
+    along K (default: `qmm.splits`); above 1 they write float32 partial sums added here."""
+    k, n = x.shape[-1], weight.shape[0]
+    m = x.size // k
+    s = qmm_kernel.splits(m, k, n) if split is None else split
+    out_dtype = x.dtype if s == 1 else mx.float32
+    (y,) = _the_qmm()([mx.reshape(x, (m, k)), weight, scales, biases],
+                      output_shapes=[(s, m, n) if s > 1 else (m, n)], output_dtypes=[out_dtype],
+                      **qmm_kernel.launch(m, k, n, x.dtype, out_dtype, group_size, s))
+    if s > 1:
+        y = mx.sum(y, axis=0).astype(x.dtype)
+    return mx.reshape(y, (*x.shape[:-1], n))
+
+
+def qmm_takes(x: Array, weight: Array, scales: Array, biases: Array, group_size: int, bits: int) -> bool:
+    """Whether the prefill kernel computes `x @ dequantize(weight).T`: 4 bits at group 32, 64 or
+    128, x in the scales' 2-byte dtype, K a multiple of 64."""
+    k = x.shape[-1]
+    rows = x.size // k if k else 0
+    return qmm_kernel.applies(rows, k, bits, group_size, x.dtype.size) and _fits(x, weight, scales, biases, group_size)
+
+
+def qmm_ready(dtype: Any, group_size: int) -> bool:
+    """Whether the prefill kernel runs here and agrees with MLX's quantized product for x of
+    `dtype` at `group_size` (checked once per machine and key, see kernels/check.py)."""
+    return qmm_checks.verdict(("qmm", _QMM_CHECK_FORM, str(dtype), group_size),
+                              lambda: _compare_qmm(dtype, group_size))
+
+
+def _compare_qmm(dtype: Any, group_size: int) -> str | None:
+    """None where the kernel's product agrees with float64 on MLX's dequantized weights, with K
+    split and not, for rows and outputs that are not whole tiles; else why not."""
+    import numpy as np  # noqa: PLC0415 - the check alone needs it
+
+    rng = np.random.default_rng(0)
+    m, k, n = 80, 512, 200  # 2 x 2 tiles, 8 steps of K: the default splits them in two
+    w32 = mx.array(rng.standard_normal((n, k)).astype(np.float32) * 0.05).astype(dtype)
+    weight, scales, biases = mx.quantize(w32, group_size, 4)
+    x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dtype)
+    dense = np.asarray(mx.dequantize(weight, scales, biases, group_size, 4).astype(mx.float32)).astype(np.float64)
+    xf = np.asarray(x.astype(mx.float32)).astype(np.float64)
+    want, bound = xf @ dense.T, np.abs(xf) @ np.abs(dense).T
+    tol = (bound + np.abs(want)) * 2.0 ** -7 + 1e-6
+    for split in (1, qmm_kernel.splits(m, k, n)):
+        got = np.asarray(qmm_product(x, weight, scales, biases, group_size, split).astype(mx.float32))
+        if not np.all(np.abs(got - want) <= tol):
+            bad = np.unravel_index(int(np.argmax(np.abs(got - want) - tol)), want.shape)
+            return (f"its product differs from MLX's dequantized weights at row {bad[0]}, column {bad[1]} "
+                    f"(split {split}: {got[bad]:.5g} against {want[bad]:.5g})")
+    return None
 
 
 def runs_on(layer: Any) -> bool:

@@ -31,7 +31,6 @@ from . import nn
 from .config_check import check_against_tensors
 from .formats.errors import ConfigError, WeightsFileError
 from .formats.safetensors import SUPPORTED_BITS, canonical_name, quantization_of, read_config, read_shards, weight_files
-from .kernels.check import on_cuda
 from .models import UnsupportedModelError, get_model_module, infer_model_type
 from .models.switch_layers import QuantizedSwitchLinear
 from .tokenizer import load_gguf_tokenizer
@@ -363,8 +362,7 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
     cuda_matvec = False
     if quantized:  # no quantized layer: nothing to choose
         chosen_settings = settings if settings is not None else current_settings()
-        cuda_matvec = nn.choose_cuda_matvec(model, chosen_settings.cuda_matvec)
-        nn.mark_dense_products(model, chosen_settings.switch_on("dense_prefill", on_cuda()))
+        cuda_matvec = nn.choose_kernels(model, chosen_settings, model.compute_dtype)
     return LoadedModel(model=model, config=config, model_type=str(model_type), path=root,
                        quantization={"group_size": int(quant.get("group_size", 64)), "bits": int(quant.get("bits", 4))}
                        if quant else None,

@@ -18,9 +18,18 @@ from typing import Any
 
 import pymlxc.core as mx
 from pymlxc.core import Array
-from pymlxc.settings import SWITCH
+from pymlxc.settings import SWITCH, Settings
 
-from .kernel_choice import AUTO_MIN_BYTES_PER_LAYER, kernels_allowed, quantized_matmul, runs_on
+from .kernel_choice import (
+    AUTO_MIN_BYTES_PER_LAYER,
+    kernels_allowed,
+    qmm_product,
+    qmm_ready,
+    qmm_takes,
+    quantized_matmul,
+    runs_on,
+)
+from .kernels import qmm as qmm_kernel
 from .kernels.check import on_cuda
 from .thread_setting import ThreadSetting
 
@@ -272,6 +281,9 @@ FOLD_MIN_ROWS = 8  # MLX's CUDA quantized product goes batched-tensor-core from 
 # quantized product; at 128 tokens neither was clearly faster (`benchmarks/profile/probe_prefill.py`).
 DENSE_MIN_ROWS = 512
 DENSE_CHUNK_WEIGHTS = 1 << 24  # weights dequantized at once (32 MiB in half precision)
+# From this many rows of x a marked 4-bit layer takes pymlxc's tensor-core kernel (kernels/qmm.py),
+# below DENSE_MIN_ROWS where the layer also goes dense.
+QMM_MIN_ROWS = 16
 
 
 def product_in_row_chunks(x: Array, rows: int, chunk_weights: int, dequantize: Callable[[int, int], Array]) -> Array:
@@ -310,6 +322,9 @@ def _quantized_product(layer: Any, x: Array) -> Array:
     if layer._dense_rows and math.prod(shape[:-1]) >= layer._dense_rows and not _shapeless.get() \
             and kernels_allowed():
         return _dense_product(layer, x)
+    if layer._qmm_rows and math.prod(shape[:-1]) >= layer._qmm_rows and not _shapeless.get() \
+            and kernels_allowed() and qmm_takes(x, layer.weight, layer.scales, layer.biases, layer.group_size, 4):
+        return qmm_product(x, layer.weight, layer.scales, layer.biases, layer.group_size)
     if layer._cuda_matvec:
         return quantized_matmul(x, layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits, True)
     out: Array = _qmm(x, layer.weight, layer.scales, layer.biases, True, layer.group_size, layer.bits)
@@ -334,6 +349,7 @@ class QuantizedLinear(CudaMatvecChoice, Module):
         self.freeze(["weight", "scales", "biases"], recurse=False)
         self._cuda_matvec = False  # set by choose_cuda_matvec
         self._dense_rows = 0  # set by mark_dense_products: 0, or the rows of x from which to go dense
+        self._qmm_rows = 0  # set by mark_qmm_products: 0, or the rows of x from which kernels/qmm.py computes
 
     @property
     def input_dims(self) -> int:
@@ -398,6 +414,7 @@ class QuantizedEmbedding(CudaMatvecChoice, Module):
         self.freeze(recurse=False)
         self._cuda_matvec = False  # set by choose_cuda_matvec
         self._dense_rows = 0  # set by mark_dense_products: 0, or the rows of x from which to go dense
+        self._qmm_rows = 0  # set by mark_qmm_products (a tied head's prefill rows)
 
     @classmethod
     def from_embedding(cls, emb: Embedding, group_size: int = 64, bits: int = 4) -> QuantizedEmbedding:
@@ -607,6 +624,45 @@ def mark_dense_products(model: Any, use: bool) -> None:
     for m in marked:
         m._dense_rows = rows
     model.dense_rows = rows if marked else 0
+
+
+def mark_qmm_products(model: Any, use: bool, dtype: Any) -> bool:
+    """Mark `model`'s 4-bit layers to take products of QMM_MIN_ROWS or more rows (prefill chunks)
+    through pymlxc's tensor-core kernel (`kernels/qmm.py`), where `use` (`Settings.cuda_qmm`) and
+    the kernel's check for x of `dtype` (the model's compute dtype) at the layers' group sizes pass;
+    returns whether any layer was marked. The model's `qmm_rows` tells the prefill which chunks skip
+    the compiled prefill (a custom kernel fixes its row count)."""
+    layers = [m for _, m in model.named_modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))]
+    for m in layers:
+        m._qmm_rows = 0
+    model.qmm_rows = 0
+    if not use:
+        return False
+    takes = [m for m in layers if m.bits == 4 and m.scales.dtype == dtype and dtype.size == 2
+             and m.group_size in qmm_kernel.GROUP_SIZES and (m.weight.shape[1] * 8) % qmm_kernel.TILE_K == 0]
+    ready = {g: qmm_ready(dtype, g) for g in sorted({m.group_size for m in takes})}
+    for m in takes:
+        if ready[m.group_size]:
+            m._qmm_rows = QMM_MIN_ROWS
+    model.qmm_rows = QMM_MIN_ROWS if any(m._qmm_rows for m in takes) else 0
+    return bool(model.qmm_rows)
+
+
+def choose_kernels(model: Any, settings: Settings, dtype: Any) -> bool:
+    """Every load-time kernel choice for `model`'s quantized layers, by `settings`: the matvec
+    kernel (returned: whether it was chosen), the dense prefill products and the tensor-core
+    prefill kernel for x of `dtype`. At load, and again where layers are replaced (a fused adapter)."""
+    cuda_matvec = choose_cuda_matvec(model, settings.cuda_matvec)
+    mark_dense_products(model, settings.switch_on("dense_prefill", on_cuda()))
+    mark_qmm_products(model, settings.switch_on("cuda_qmm", on_cuda()), dtype)
+    return cuda_matvec
+
+
+def eager_rows(model: Any) -> int:
+    """The rows of a prefill chunk from which it goes op by op instead of through the compiled
+    prefill (dense products or the tensor-core kernel, which a shapeless trace cannot hold); 0: never."""
+    marks = [r for r in (getattr(model, "dense_rows", 0), getattr(model, "qmm_rows", 0)) if r]
+    return min(marks) if marks else 0
 
 
 # ---------------------------------------------------------------------- activations

@@ -30,7 +30,7 @@ from pymlxc.training.config import Encoder, LoRAConfig
 
 from . import lora
 from .kernel_choice import mlx_kernels_only
-from .nn import Module, choose_cuda_matvec
+from .nn import Module, choose_kernels
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                     "tokenizer.model", "chat_template.jinja", "chat_template.json", "added_tokens.json")
@@ -228,8 +228,8 @@ class TrainableMixin:
             model = self._net()
             n = lora.fuse(model, dequantize=dequantize)
             mx.eval(list(model.parameters().values()))
-            # The fused layers are new modules: choose their kernel again, by the model's settings.
-            choose_cuda_matvec(model, self.settings.cuda_matvec)
+            # The fused layers are new modules: choose their kernels again, by the model's settings.
+            choose_kernels(model, self.settings, model.compute_dtype)
             self._adapter._detached()
             self._adapter = None
             return n

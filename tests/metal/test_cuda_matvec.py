@@ -297,13 +297,14 @@ def test_fused_adapter_layers_choose_their_kernel_again(tmp_path: Path, monkeypa
 
     path = write_tiny_model(tmp_path / "m", "qwen3", quantize_bits=4, num_layers=2, dtype="float16")
     switches.env("PYMLXC_CUDA_MATVEC", "1")
+    switches.env("PYMLXC_CUDA_QMM", "0")  # its check would run the kernel, which needs a real GPU
     monkeypatch.setattr(kernel_choice.mx, "cuda_available", lambda: True)  # the choice alone, as on CUDA
     monkeypatch.setattr(kernel_choice.mx, "default_device", lambda: mx.Device("gpu", 0))
     monkeypatch.setattr(nn, "runs_on", lambda layer: True)
     with pymlxc.load_model(str(path), backend="metal") as model:
         model.apply_lora(LoRAConfig(rank=4, alpha=8, target_keys=("q_proj", "v_proj")))
         calls: list[Any] = []
-        monkeypatch.setattr(training, "choose_cuda_matvec", _counting(choose_cuda_matvec, calls))
+        monkeypatch.setattr(training, "choose_kernels", _counting(nn.choose_kernels, calls))
         assert model.fuse_adapter() == 2 * 2
         net = model._net()  # noqa: SLF001 - the module tree behind the model
         layers = _quantized_layers(net)

@@ -1,0 +1,215 @@
+"""A 4-bit quantized matrix product on tensor cores for CUDA: `x @ dequantize(w).T` for a prompt
+chunk's rows of x (prefill), where `matvec.py` takes a few rows.
+
+MLX's CUDA `quantized_matmul` of 128 rows read Llama-3.2-1B's gate/up weights at about 300 GB/s on
+an H200, and 22% slower at group 32 (GGUF's Q4_0 and Q4_K) than at group 64. At 128 rows a 4-bit
+weight serves 256 multiply-adds, so the product is bound by the tensor cores, not by the weight
+bytes; this kernel spends the dequantization once per weight and thread block, out of the inner loop:
+
+    a thread block of 128 threads (4 warps) computes a 64 x 128 tile of the output;
+    per step of 64 along K it loads x's 64 x 64 tile and the weights' 128 x 64 tile (one row and
+    two 16-byte loads of packed weights per thread), writes the weights dequantized (scale * q +
+    bias, rounded to x's dtype as `mx.dequantize` gives them) into shared memory, and each warp
+    multiplies its 32 x 64 part with `mma.sync` m16n8k16 (float32 accumulators), its operands read
+    with `ldmatrix`; the next step's global loads are issued before the current step's products.
+
+Where the output has too few tiles to fill the GPU (a 2048-wide projection of 128 rows has 32),
+the K range is split over `gridDim.z` thread blocks, which write float32 partial sums [S, M, N]
+that the caller adds. The group size is any of 32, 64, 128: a thread's 32 consecutive weights lie
+in one group. The layout is MLX's affine quantization, as in `matvec.py`.
+
+This module holds only the source and the launch geometry; `kernel_choice.py` applies it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+NAME = "pymlxc_qmm4"
+INPUTS = ("x", "w", "scales", "biases")
+OUTPUT_NAMES = ("out",)
+THREADS = 128
+TILE_M, TILE_N, TILE_K = 64, 128, 64
+GROUP_SIZES = (32, 64, 128)
+TARGET_BLOCKS = 264  # thread blocks worth launching without a K split: 2 per SM of an H100
+MIN_SPLIT_STEPS = 4  # K steps per split at least
+
+HEADER = r"""
+namespace pymlxc_qmm {
+
+template <typename T> struct Mma;
+
+template <> struct Mma<__half> {
+  __device__ static __forceinline__ void run(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  __device__ static __forceinline__ unsigned pack(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
+  }
+};
+
+template <> struct Mma<__nv_bfloat16> {
+  __device__ static __forceinline__ void run(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  __device__ static __forceinline__ unsigned pack(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
+  }
+};
+
+// Four 8 x 8 matrices of 2-byte values from shared memory; lane i names row i % 8 of matrix i / 8.
+__device__ __forceinline__ void ldmatrix4(unsigned* r, const void* p) {
+  unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+// The integer 0..15 as a float without a conversion instruction: 2^23 + q has q in its mantissa.
+__device__ __forceinline__ float nibble(unsigned word, int shift) {
+  return __uint_as_float(0x4B000000u | ((word >> shift) & 15u)) - 8388608.f;
+}
+
+__device__ __forceinline__ void put(float* p, float v) { *p = v; }
+__device__ __forceinline__ void put(__half* p, float v) { *p = __float2half(v); }
+__device__ __forceinline__ void put(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
+
+}  // namespace pymlxc_qmm
+"""
+
+# Template arguments: T (x, scales and biases dtype), G (group size), O (the output dtype: T, or
+# float32 for split partial sums; named so that the two compile as different kernels).
+SOURCE = r"""
+  constexpr int BM = 64, BN = 128, BK = 64, LD = BK + 8;  // LD: padded row, ldmatrix without bank conflicts
+  __shared__ __align__(16) T xs[BM * LD];
+  __shared__ __align__(16) T ws[BN * LD];
+  const int M = x_shape[0];
+  const int K = x_shape[1];
+  const int N = w_shape[0];
+  const int GROUPS = K / G;
+  const int WORDS = K / 8;  // packed uint32 per weight row
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = (warp & 1) * 32, wn = (warp >> 1) * 64;  // the warp's part of the tile
+  const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+  const int steps = K / BK;
+  const int per = (steps + gridDim.z - 1) / gridDim.z;
+  const int first = blockIdx.z * per;
+  const int last = min(steps, first + per);
+
+  // This thread's weight row (rows past N read row N - 1; their sums are not written).
+  const size_t wrow = static_cast<size_t>(min(n0 + tid, N - 1));
+  const uint4* wp = reinterpret_cast<const uint4*>(w + wrow * WORDS);
+  float acc[2][8][4];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+
+  uint4 wq[2], xq[4];
+  float sc[2], bi[2];
+  auto fetch = [&](int s) {
+    const int k0 = s * BK;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      wq[h] = wp[(k0 + 32 * h) / 32];
+      const int g = (k0 + 32 * h) / G;
+      sc[h] = static_cast<float>(scales[wrow * GROUPS + g]);
+      bi[h] = static_cast<float>(biases[wrow * GROUPS + g]);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int idx = tid + THREADS_ * i, r = idx >> 3, c = (idx & 7) * 8;
+      xq[i] = (m0 + r < M) ? *reinterpret_cast<const uint4*>(x + static_cast<size_t>(m0 + r) * K + k0 + c)
+                           : make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
+  if (first < last) fetch(first);
+  for (int s = first; s < last; ++s) {
+    __syncthreads();  // the previous step's products are done with the tiles
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const unsigned q[4] = {wq[h].x, wq[h].y, wq[h].z, wq[h].w};
+      unsigned d[16];
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const unsigned word = q[j >> 2];
+        const int sh = (j & 3) * 8;
+        d[j] = pymlxc_qmm::Mma<T>::pack(fmaf(sc[h], pymlxc_qmm::nibble(word, sh), bi[h]),
+                                        fmaf(sc[h], pymlxc_qmm::nibble(word, sh + 4), bi[h]));
+      }
+      uint4* dst = reinterpret_cast<uint4*>(ws + tid * LD + 32 * h);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) dst[j] = make_uint4(d[4 * j], d[4 * j + 1], d[4 * j + 2], d[4 * j + 3]);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int idx = tid + THREADS_ * i, r = idx >> 3, c = (idx & 7) * 8;
+      *reinterpret_cast<uint4*>(xs + r * LD + c) = xq[i];
+    }
+    __syncthreads();
+    if (s + 1 < last) fetch(s + 1);  // in flight during the products below
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 16) {
+      unsigned a[2][4], b[4][4];
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        pymlxc_qmm::ldmatrix4(a[i], xs + (wm + 16 * i + (lane & 15)) * LD + kk + (lane >> 4) * 8);
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        pymlxc_qmm::ldmatrix4(b[j], ws + (wn + 16 * j + (lane & 7) + ((lane >> 4) << 3)) * LD + kk +
+                                        ((lane >> 3) & 1) * 8);
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          pymlxc_qmm::Mma<T>::run(acc[i][j], a[i], b[j >> 1][(j & 1) * 2], b[j >> 1][(j & 1) * 2 + 1]);
+    }
+  }
+
+  // Thread (g, t) of a warp holds rows g and g + 8, columns 2t and 2t + 1 of each 16 x 8 product.
+  const int g = lane >> 2, t = lane & 3;
+  const size_t base = static_cast<size_t>(blockIdx.z) * M;
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = m0 + wm + 16 * i + g + (e >> 1) * 8;
+        const int col = n0 + wn + 8 * j + 2 * t + (e & 1);
+        if (row < M && col < N) pymlxc_qmm::put(out + (base + row) * N + col, acc[i][j][e]);
+      }
+""".replace("THREADS_", str(THREADS))
+
+
+def applies(x_rows: int, k: int, bits: int, group_size: int, dtype_size: int) -> bool:
+    """Whether the kernel computes the product: 4-bit weights at a group size it takes, 2-byte
+    floats, K a multiple of the tile's 64."""
+    return bits == 4 and group_size in GROUP_SIZES and dtype_size == 2 and x_rows >= 1 and k % TILE_K == 0
+
+
+def splits(m: int, k: int, n: int) -> int:
+    """Thread blocks along K per output tile: a power of two that brings the launch towards
+    TARGET_BLOCKS, each with MIN_SPLIT_STEPS steps of K at least."""
+    tiles = -(-m // TILE_M) * -(-n // TILE_N)
+    s = 1
+    while tiles * s < TARGET_BLOCKS and (k // TILE_K) // (2 * s) >= MIN_SPLIT_STEPS:
+        s *= 2
+    return s
+
+
+def launch(m: int, k: int, n: int, dtype: Any, out_dtype: Any, group_size: int, split: int) -> dict[str, Any]:
+    """Keyword arguments of a kernel call for x (m, k) and weights of n rows, K split `split` ways."""
+    return {
+        "grid": (-(-n // TILE_N) * THREADS, -(-m // TILE_M), split),
+        "threadgroup": (THREADS, 1, 1),
+        "template": [("T", dtype), ("G", group_size), ("O", out_dtype)],
+    }

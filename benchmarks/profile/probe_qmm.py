@@ -1,0 +1,104 @@
+"""The 4-bit product of a prompt chunk's rows on this GPU: pymlxc's tensor-core kernel
+(`backends/metal/kernels/qmm.py`) against MLX's `quantized_matmul` at groups 64 and 32 (MLX 4-bit
+and GGUF's Q4_0 / Q4_K repacked) and a dense float16 matmul, for the projections of Llama-3.2-1B
+and Llama-3.1-8B (q/k/v and gate/up fused as the segmented decode fuses them).
+
+Per shape, row count and side: microseconds per product when distinct weights totalling at least
+--bytes are applied in one evaluation (so they come from memory, not the L2 cache), the tensor-core
+rate that means (2 x rows x K x N over the time), and the largest difference from a float64 product
+over the largest output.
+
+    python benchmarks/profile/probe_qmm.py [--rows 16 128 512] [--shapes 1b.gate_up 8b.down] [--out DIR]
+"""
+from __future__ import annotations
+
+import _path  # noqa: F401 - the checkout as installed
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import pymlxc.core as mx
+from pymlxc.backends.metal import kernel_choice
+
+SHAPES = {  # name: (K, N)
+    "1b.qkv": (2048, 3072), "1b.o": (2048, 2048), "1b.gate_up": (2048, 16384), "1b.down": (8192, 2048),
+    "8b.qkv": (4096, 6144), "8b.o": (4096, 4096), "8b.gate_up": (4096, 28672), "8b.down": (14336, 4096),
+}
+
+
+def timed(fn: Callable[[], list[Any]], repeats: int) -> float:
+    for _ in range(3):
+        mx.eval(fn())
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def probe(k: int, n: int, rows: int, min_bytes: int, repeats: int, dtype: Any) -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    dense = mx.array((rng.standard_normal((n, k)) * 0.02).astype(np.float32)).astype(dtype)
+    x = mx.array(rng.standard_normal((rows, k)).astype(np.float32)).astype(dtype)
+    xf = np.asarray(x.astype(mx.float32)).astype(np.float64)
+    out: dict[str, Any] = {"K": k, "N": n, "rows": rows, "dtype": str(dtype)}
+    flops = 2.0 * rows * k * n
+    for group in (64, 32):
+        w = mx.quantize(dense, group, 4)
+        mx.eval(w)
+        nbytes = sum(a.nbytes for a in w)
+        copies = max(1, -(-min_bytes // nbytes))
+        ws = [w] + [tuple(a + 0 for a in w) for _ in range(copies - 1)]
+        deq = np.asarray(mx.dequantize(*w, group, 4).astype(mx.float32)).astype(np.float64)
+        want = xf @ deq.T
+        scale = float(np.abs(want).max()) or 1.0
+        sides = {f"mlx_g{group}": lambda q, g=group: mx.quantized_matmul(x, *q, True, g, 4),
+                 f"pymlxc_g{group}": lambda q, g=group: kernel_choice.qmm_product(x, *q, g)}
+        for name, fn in sides.items():
+            got = np.asarray(fn(w).astype(mx.float32))
+            t = timed(lambda fn=fn: [fn(q) for q in ws], repeats) / copies
+            out[name] = {"us": t * 1e6, "TFLOPs": flops / t / 1e12, "GBps": nbytes / t / 1e9,
+                         "error": float(np.abs(got - want).max()) / scale}
+    copies = max(1, -(-min_bytes // dense.nbytes))
+    ds = [dense] + [dense + 0 for _ in range(copies - 1)]
+    t = timed(lambda: [mx.matmul(x, mx.swapaxes(d, 0, 1)) for d in ds], repeats) / copies
+    out["dense"] = {"us": t * 1e6, "TFLOPs": flops / t / 1e12}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--rows", type=int, nargs="+", default=[16, 128, 512])
+    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    p.add_argument("--bytes", type=int, default=300_000_000, help="weight bytes per evaluation (beyond the L2 cache)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    results = []
+    for rows in args.rows:
+        for name in args.shapes:
+            k, n = SHAPES[name]
+            r = probe(k, n, rows, args.bytes, args.repeats, getattr(mx, args.dtype))
+            r["shape"] = name
+            results.append(r)
+            sides = [s for s in r if isinstance(r[s], dict)]
+            print(f"{name:12s} rows {rows:4d}  " + "  ".join(
+                f"{s} {r[s]['us']:8.1f}us {r[s]['TFLOPs']:6.1f}TF" + (f" e{r[s]['error']:.1e}" if "error" in r[s] else "")
+                for s in sides), flush=True)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "probe_qmm.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,150 @@
+"""pymlxc's 4-bit tensor-core prefill product (backends/metal/kernels/qmm.py) and its choice at load.
+
+Everywhere: the K split is a power of two that keeps enough steps per thread block and stops once
+the launch has enough blocks; the launch covers every output tile; `mark_qmm_products` marks no
+layer where the kernel cannot run (a CPU), with a warning naming why, and marks none when told not to.
+
+On CUDA (MLX's CUDA build): the product matches a float64 reference on MLX's dequantized weights as
+closely as MLX's own `quantized_matmul`, for row counts, widths, depths, group sizes, dtypes and K
+splits that are not whole tiles; its load-time check passes; a model marked for it prefills into the
+same greedy tokens as with it off, with logits close.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pymlxc.core as mx
+from pymlxc.backends.metal import kernel_choice, nn
+from pymlxc.backends.metal.kernels import qmm
+from pymlxc.backends.metal.loader import load_weights_and_config
+from pymlxc.testing import write_tiny_model
+
+ON_CUDA = mx.cuda_available()
+cuda_only = pytest.mark.skipif(not ON_CUDA, reason="the kernel needs MLX's CUDA build (run on the GPU machine)")
+
+
+@settings(max_examples=200, deadline=None)
+@given(m=st.integers(1, 4096), steps=st.integers(1, 400), n=st.integers(1, 200_000))
+def test_the_k_split_is_a_bounded_power_of_two(m: int, steps: int, n: int) -> None:
+    k = steps * qmm.TILE_K
+    s = qmm.splits(m, k, n)
+    tiles = -(-m // qmm.TILE_M) * -(-n // qmm.TILE_N)
+    assert s >= 1 and s & (s - 1) == 0
+    if s > 1:
+        assert steps // s >= qmm.MIN_SPLIT_STEPS  # each split keeps enough steps
+        assert tiles * (s // 2) < qmm.TARGET_BLOCKS  # it only grew while the launch was short of blocks
+    if tiles >= qmm.TARGET_BLOCKS or steps < 2 * qmm.MIN_SPLIT_STEPS:
+        assert s == 1
+
+
+@pytest.mark.parametrize(("m", "k", "n", "split"), [(128, 2048, 2048, 8), (1, 64, 1, 1), (65, 4096, 129, 2)])
+def test_the_launch_covers_every_tile(m: int, k: int, n: int, split: int) -> None:
+    geo = qmm.launch(m, k, n, mx.float16, mx.float32, 32, split)
+    threads, rows, depth = geo["grid"]
+    assert geo["threadgroup"] == (qmm.THREADS, 1, 1)
+    assert (threads // qmm.THREADS) * qmm.TILE_N >= n > (threads // qmm.THREADS - 1) * qmm.TILE_N
+    assert rows * qmm.TILE_M >= m > (rows - 1) * qmm.TILE_M
+    assert depth == split
+    assert dict(geo["template"]) == {"T": mx.float16, "G": 32, "O": mx.float32}
+
+
+@pytest.mark.parametrize(("rows", "k", "bits", "group", "size", "takes"), [
+    (128, 2048, 4, 32, 2, True), (128, 2048, 4, 64, 2, True), (16, 4096, 4, 128, 2, True),
+    (128, 2048, 8, 64, 2, False), (128, 2048, 4, 64, 4, False), (128, 96, 4, 32, 2, False),
+    (128, 2048, 4, 16, 2, False), (0, 2048, 4, 64, 2, False)])
+def test_what_the_kernel_takes(rows: int, k: int, bits: int, group: int, size: int, takes: bool) -> None:
+    assert qmm.applies(rows, k, bits, group, size) is takes
+
+
+def _tiny(tmp_path: Any, group: int = 64) -> Any:
+    path = write_tiny_model(tmp_path / "tiny", quantize_bits=4, group_size=group, hidden_size=128,
+                            intermediate_size=256, num_layers=2, dtype="float16")
+    return load_weights_and_config(path)
+
+
+@pytest.mark.skipif(ON_CUDA, reason="the kernel runs on CUDA; this asks what happens where it cannot")
+def test_no_layer_is_marked_where_the_kernel_cannot_run(tmp_path: Any) -> None:
+    loaded = _tiny(tmp_path)
+    layers = [m for _, m in loaded.model.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    assert layers and not loaded.model.qmm_rows  # the loader's `auto` is off without CUDA
+    kernel_choice.qmm_checks.forget()
+    with pytest.warns(RuntimeWarning, match="prefill product is not used: it cannot run here"):
+        assert nn.mark_qmm_products(loaded.model, True, layers[0].scales.dtype) is False
+    assert not any(m._qmm_rows for m in layers) and nn.eager_rows(loaded.model) == loaded.model.dense_rows
+    assert nn.mark_qmm_products(loaded.model, False, layers[0].scales.dtype) is False
+
+
+# ---------------------------------------------------------------------- on CUDA
+
+def _case(rng: np.random.Generator, m: int, k: int, n: int, group: int, dtype: Any) -> tuple[Any, ...]:
+    dense = mx.array((rng.standard_normal((n, k)) * 0.05).astype(np.float32)).astype(dtype)
+    w, s, b = mx.quantize(dense, group, 4)
+    deq = np.asarray(mx.dequantize(w, s, b, group, 4).astype(mx.float32), dtype=np.float64)
+    x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dtype)
+    return x, w, s, b, np.asarray(x.astype(mx.float32), np.float64), deq
+
+
+@cuda_only
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(m=st.integers(1, 300), steps=st.integers(1, 40), n=st.integers(1, 700), group=st.sampled_from([32, 64, 128]),
+       dtype=st.sampled_from(["bfloat16", "float16"]), split=st.sampled_from([None, 1, 2, 3]),
+       seed=st.integers(0, 2**16))
+def test_the_product_is_as_close_to_float64_as_mlx(m: int, steps: int, n: int, group: int, dtype: str,
+                                                   split: int | None, seed: int) -> None:
+    k = steps * qmm.TILE_K
+    x, w, s, b, xf, deq = _case(np.random.default_rng(seed), m, k, n, group, getattr(mx, dtype))
+    want = xf @ deq.T
+    scale = float((np.abs(xf) @ np.abs(deq).T).max()) or 1.0
+    ours = np.asarray(kernel_choice.qmm_product(x, w, s, b, group, split).astype(mx.float32))
+    theirs = np.asarray(mx.quantized_matmul(x, w, s, b, True, group, 4).astype(mx.float32))
+    assert ours.shape == (m, n)
+    err_ours = float(np.abs(ours - want).max()) / scale
+    err_theirs = float(np.abs(theirs - want).max()) / scale
+    assert err_ours <= max(2 * err_theirs, 2.0 ** -9), (err_ours, err_theirs)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize(("m", "k", "n"), [(128, 2048, 2048), (128, 2048, 16384), (512, 4096, 1024), (16, 8192, 2048)])
+def test_prefill_shapes(m: int, k: int, n: int, dtype: str) -> None:
+    x, w, s, b, xf, deq = _case(np.random.default_rng(1), m, k, n, 64, getattr(mx, dtype))
+    want = xf @ deq.T
+    ours = np.asarray(kernel_choice.qmm_product(mx.reshape(x, (1, m, k)), w, s, b, 64).astype(mx.float32))
+    assert ours.shape == (1, m, n)
+    np.testing.assert_allclose(ours[0], want, rtol=0, atol=2.0 ** -7 * float((np.abs(xf) @ np.abs(deq).T).max()))
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_the_load_time_check_passes(dtype: str, group: int) -> None:
+    kernel_choice.qmm_checks.forget()
+    assert kernel_choice.qmm_ready(getattr(mx, dtype), group)
+
+
+@cuda_only
+@pytest.mark.parametrize("group", [32, 64])
+def test_a_marked_model_prefills_into_the_same_tokens(tmp_path: Any, group: int) -> None:
+    from pymlxc.backends.metal import generate as loops  # noqa: PLC0415
+    from pymlxc.backends.metal.sample import greedy  # noqa: PLC0415
+
+    loaded = _tiny(tmp_path, group)
+    model = loaded.model
+    prompt = [(7 * i) % 90 + 3 for i in range(100)]
+
+    def run(use: bool) -> tuple[list[int], np.ndarray]:
+        assert nn.mark_qmm_products(model, use, model.compute_dtype) is use
+        cache = model.make_cache()
+        logits = model(mx.array([prompt]), cache=cache)[0, -1].astype(mx.float32)
+        tokens = list(loops.generate_ids(model, prompt, cache=model.make_cache(), sampler=greedy, max_tokens=12))
+        return tokens, np.asarray(logits)
+
+    tokens_on, logits_on = run(True)
+    tokens_off, logits_off = run(False)
+    assert tokens_on == tokens_off
+    np.testing.assert_allclose(logits_on, logits_off, rtol=0, atol=0.05 * float(np.abs(logits_off).max()))

@@ -26,6 +26,7 @@ import numpy as np
 
 import pymlxc.core as mx
 from pymlxc.backends.metal import kernel_choice
+from pymlxc.backends.metal.kernels import qmm
 
 SHAPES = {  # name: (K, N)
     "1b.qkv": (2048, 3072), "1b.o": (2048, 2048), "1b.gate_up": (2048, 16384), "1b.down": (8192, 2048),
@@ -62,6 +63,8 @@ def probe(k: int, n: int, rows: int, min_bytes: int, repeats: int, dtype: Any) -
         scale = float(np.abs(want).max()) or 1.0
         sides = {f"mlx_g{group}": lambda q, g=group: mx.quantized_matmul(x, *q, True, g, 4),
                  f"pymlxc_g{group}": lambda q, g=group: kernel_choice.qmm_product(x, *q, g)}
+        if qmm.splits(rows, k, n) > 1:  # what the K split gives: the same kernel without it
+            sides[f"pymlxc_g{group}_s1"] = lambda q, g=group: kernel_choice.qmm_product(x, *q, g, 1)
         for name, fn in sides.items():
             got = np.asarray(fn(w).astype(mx.float32))
             t = timed(lambda fn=fn: [fn(q) for q in ws], repeats) / copies

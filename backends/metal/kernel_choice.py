@@ -101,20 +101,13 @@ def _fits(x: Array, weight: Array, scales: Array, biases: Array, group_size: int
             and tuple(scales.shape) == (n, k // group_size) and tuple(biases.shape) == tuple(scales.shape))
 
 
-def qmm_product(x: Array, weight: Array, scales: Array, biases: Array, group_size: int,
-                split: int | None = None) -> Array:
+def qmm_product(x: Array, weight: Array, scales: Array, biases: Array, group_size: int) -> Array:
     """`x @ dequantize(weight).T` through pymlxc's tensor-core kernel (`kernels/qmm.py`), for x of
-    any rows in the scales' 2-byte dtype and 4-bit weights (`qmm_takes`). `split`: thread blocks
-    along K (default: `qmm.splits`); above 1 they write float32 partial sums added here."""
+    any rows in the scales' 2-byte dtype and 4-bit weights (`qmm_takes`)."""
     k, n = x.shape[-1], weight.shape[0]
     m = x.size // k
-    s = qmm_kernel.splits(m, k, n) if split is None else split
-    out_dtype = x.dtype if s == 1 else mx.float32
-    (y,) = _the_qmm()([mx.reshape(x, (m, k)), weight, scales, biases],
-                      output_shapes=[(s, m, n) if s > 1 else (m, n)], output_dtypes=[out_dtype],
-                      **qmm_kernel.launch(m, k, n, x.dtype, out_dtype, group_size, s))
-    if s > 1:
-        y = mx.sum(y, axis=0).astype(x.dtype)
+    (y,) = _the_qmm()([mx.reshape(x, (m, k)), weight, scales, biases], output_shapes=[(m, n)],
+                      output_dtypes=[x.dtype], **qmm_kernel.launch(m, k, n, x.dtype, group_size))
     return mx.reshape(y, (*x.shape[:-1], n))
 
 
@@ -134,12 +127,12 @@ def qmm_ready(dtype: Any, group_size: int) -> bool:
 
 
 def _compare_qmm(dtype: Any, group_size: int) -> str | None:
-    """None where the kernel's product agrees with float64 on MLX's dequantized weights, with K
-    split and not, for rows and outputs that are not whole tiles; else why not."""
+    """None where the kernel's product agrees with float64 on MLX's dequantized weights, for rows
+    and outputs that are not whole tiles; else why not."""
     import numpy as np  # noqa: PLC0415 - the check alone needs it
 
     rng = np.random.default_rng(0)
-    m, k, n = 80, 512, 200  # 2 x 2 tiles, 8 steps of K: the default splits them in two
+    m, k, n = 80, 512, 200  # 2 x 2 tiles, neither whole; 8 steps of K
     w32 = mx.array(rng.standard_normal((n, k)).astype(np.float32) * 0.05).astype(dtype)
     weight, scales, biases = mx.quantize(w32, group_size, 4)
     x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dtype)
@@ -147,12 +140,11 @@ def _compare_qmm(dtype: Any, group_size: int) -> str | None:
     xf = np.asarray(x.astype(mx.float32)).astype(np.float64)
     want, bound = xf @ dense.T, np.abs(xf) @ np.abs(dense).T
     tol = (bound + np.abs(want)) * 2.0 ** -7 + 1e-6
-    for split in (1, qmm_kernel.splits(m, k, n)):
-        got = np.asarray(qmm_product(x, weight, scales, biases, group_size, split).astype(mx.float32))
-        if not np.all(np.abs(got - want) <= tol):
-            bad = np.unravel_index(int(np.argmax(np.abs(got - want) - tol)), want.shape)
-            return (f"its product differs from MLX's dequantized weights at row {bad[0]}, column {bad[1]} "
-                    f"(split {split}: {got[bad]:.5g} against {want[bad]:.5g})")
+    got = np.asarray(qmm_product(x, weight, scales, biases, group_size).astype(mx.float32))
+    if not np.all(np.abs(got - want) <= tol):
+        bad = np.unravel_index(int(np.argmax(np.abs(got - want) - tol)), want.shape)
+        return (f"its product differs from MLX's dequantized weights at row {bad[0]}, column {bad[1]} "
+                f"({got[bad]:.5g} against {want[bad]:.5g})")
     return None
 
 

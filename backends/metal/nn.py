@@ -636,7 +636,7 @@ def mark_qmm_products(model: Any, use: bool, dtype: Any) -> bool:
     for m in layers:
         m._qmm_rows = 0
     model.qmm_rows = 0
-    if not use:
+    if not use or dtype is None:  # no compute dtype (a model built outside the loader): MLX's product
         return False
     takes = [m for m in layers if m.bits == 4 and m.scales.dtype == dtype and dtype.size == 2
              and m.group_size in qmm_kernel.GROUP_SIZES and (m.weight.shape[1] * 8) % qmm_kernel.TILE_K == 0]

@@ -229,7 +229,7 @@ class TrainableMixin:
             n = lora.fuse(model, dequantize=dequantize)
             mx.eval(list(model.parameters().values()))
             # The fused layers are new modules: choose their kernels again, by the model's settings.
-            choose_kernels(model, self.settings, model.compute_dtype)
+            choose_kernels(model, self.settings, getattr(model, "compute_dtype", None))
             self._adapter._detached()
             self._adapter = None
             return n

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 import pymlxc.core as mx
+from pymlxc.core.cuda_kernel import SharedKernel
 from pymlxc.backends.metal import kernel_choice
 from pymlxc.backends.metal.kernels import qmm
 
@@ -45,6 +46,18 @@ def timed(fn: Callable[[], list[Any]], repeats: int) -> float:
     return statistics.median(times)
 
 
+assert "pymlxc_qmm::dequant8<T>(q[j], s2, b2, d + 4 * j);" in qmm.SOURCE, "probe_qmm's variant no longer applies"
+_NODEQUANT = SharedKernel("pymlxc_qmm4_nodequant", qmm.INPUTS, qmm.OUTPUT_NAMES, qmm.SOURCE.replace(
+    "pymlxc_qmm::dequant8<T>(q[j], s2, b2, d + 4 * j);", "d[4 * j] = d[4 * j + 1] = d[4 * j + 2] = d[4 * j + 3] = q[j];"),
+    header=qmm.HEADER)
+
+
+def _nodequant(x: mx.Array, w: mx.Array, s: mx.Array, b: mx.Array, group: int) -> mx.Array:
+    m, k = x.shape
+    return _NODEQUANT()([x, w, s, b], output_shapes=[(m, w.shape[0])], output_dtypes=[x.dtype],
+                        **qmm.launch(m, k, w.shape[0], x.dtype, group))[0]
+
+
 def probe(k: int, n: int, rows: int, min_bytes: int, repeats: int, dtype: Any) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     dense = mx.array((rng.standard_normal((n, k)) * 0.02).astype(np.float32)).astype(dtype)
@@ -63,8 +76,9 @@ def probe(k: int, n: int, rows: int, min_bytes: int, repeats: int, dtype: Any) -
         scale = float(np.abs(want).max()) or 1.0
         sides = {f"mlx_g{group}": lambda q, g=group: mx.quantized_matmul(x, *q, True, g, 4),
                  f"pymlxc_g{group}": lambda q, g=group: kernel_choice.qmm_product(x, *q, g)}
-        if qmm.splits(rows, k, n) > 1:  # what the K split gives: the same kernel without it
-            sides[f"pymlxc_g{group}_s1"] = lambda q, g=group: kernel_choice.qmm_product(x, *q, g, 1)
+        # The kernel with the weights' codes copied into shared memory undequantized: what the
+        # dequantization costs (its error is meaningless).
+        sides[f"pymlxc_g{group}_nodequant"] = lambda q, g=group: _nodequant(x, *q, g)
         for name, fn in sides.items():
             got = np.asarray(fn(w).astype(mx.float32))
             t = timed(lambda fn=fn, ws=ws: [fn(q) for q in ws], repeats) / copies

@@ -1,12 +1,11 @@
 """pymlxc's 4-bit tensor-core prefill product (backends/metal/kernels/qmm.py) and its choice at load.
 
-Everywhere: the K split is a power of two that keeps enough steps per thread block and stops once
-the launch has enough blocks; the launch covers every output tile; `mark_qmm_products` marks no
+Everywhere: the launch covers every output tile; `mark_qmm_products` marks no
 layer where the kernel cannot run (a CPU), with a warning naming why, and marks none when told not to.
 
 On CUDA (MLX's CUDA build): the product matches a float64 reference on MLX's dequantized weights as
-closely as MLX's own `quantized_matmul`, for row counts, widths, depths, group sizes, dtypes and K
-splits that are not whole tiles; its load-time check passes; a model marked for it prefills into the
+closely as MLX's own `quantized_matmul`, for row counts, widths, depths, group sizes and dtypes
+that are not whole tiles; its load-time check passes; a model marked for it prefills into the
 same greedy tokens as with it off, with logits close.
 """
 from __future__ import annotations
@@ -28,29 +27,15 @@ ON_CUDA = mx.cuda_available()
 cuda_only = pytest.mark.skipif(not ON_CUDA, reason="the kernel needs MLX's CUDA build (run on the GPU machine)")
 
 
-@settings(max_examples=200, deadline=None)
-@given(m=st.integers(1, 4096), steps=st.integers(1, 400), n=st.integers(1, 200_000))
-def test_the_k_split_is_a_bounded_power_of_two(m: int, steps: int, n: int) -> None:
-    k = steps * qmm.TILE_K
-    s = qmm.splits(m, k, n)
-    tiles = -(-m // qmm.TILE_M) * -(-n // qmm.TILE_N)
-    assert s >= 1 and s & (s - 1) == 0
-    if s > 1:
-        assert steps // s >= qmm.MIN_SPLIT_STEPS  # each split keeps enough steps
-        assert tiles * (s // 2) < qmm.TARGET_BLOCKS  # it only grew while the launch was short of blocks
-    if tiles >= qmm.TARGET_BLOCKS or steps < 2 * qmm.MIN_SPLIT_STEPS:
-        assert s == 1
-
-
-@pytest.mark.parametrize(("m", "k", "n", "split"), [(128, 2048, 2048, 8), (1, 64, 1, 1), (65, 4096, 129, 2)])
-def test_the_launch_covers_every_tile(m: int, k: int, n: int, split: int) -> None:
-    geo = qmm.launch(m, k, n, mx.float16, mx.float32, 32, split)
+@pytest.mark.parametrize(("m", "k", "n"), [(128, 2048, 2048), (1, 64, 1), (65, 4096, 129)])
+def test_the_launch_covers_every_tile(m: int, k: int, n: int) -> None:
+    geo = qmm.launch(m, k, n, mx.float16, 32)
     threads, rows, depth = geo["grid"]
     assert geo["threadgroup"] == (qmm.THREADS, 1, 1)
     assert (threads // qmm.THREADS) * qmm.TILE_N >= n > (threads // qmm.THREADS - 1) * qmm.TILE_N
     assert rows * qmm.TILE_M >= m > (rows - 1) * qmm.TILE_M
-    assert depth == split
-    assert dict(geo["template"]) == {"T": mx.float16, "G": 32, "O": mx.float32}
+    assert depth == 1
+    assert dict(geo["template"]) == {"T": mx.float16, "G": 32}
 
 
 @pytest.mark.parametrize(("rows", "k", "bits", "group", "size", "takes"), [
@@ -92,15 +77,14 @@ def _case(rng: np.random.Generator, m: int, k: int, n: int, group: int, dtype: A
 @cuda_only
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(m=st.integers(1, 300), steps=st.integers(1, 40), n=st.integers(1, 700), group=st.sampled_from([32, 64, 128]),
-       dtype=st.sampled_from(["bfloat16", "float16"]), split=st.sampled_from([None, 1, 2, 3]),
-       seed=st.integers(0, 2**16))
+       dtype=st.sampled_from(["bfloat16", "float16"]), seed=st.integers(0, 2**16))
 def test_the_product_is_as_close_to_float64_as_mlx(m: int, steps: int, n: int, group: int, dtype: str,
-                                                   split: int | None, seed: int) -> None:
+                                                   seed: int) -> None:
     k = -(-steps * qmm.TILE_K // group) * group  # a multiple of the tile and of the group
     x, w, s, b, xf, deq = _case(np.random.default_rng(seed), m, k, n, group, getattr(mx, dtype))
     want = xf @ deq.T
     scale = float((np.abs(xf) @ np.abs(deq).T).max()) or 1.0
-    ours = np.asarray(kernel_choice.qmm_product(x, w, s, b, group, split).astype(mx.float32))
+    ours = np.asarray(kernel_choice.qmm_product(x, w, s, b, group).astype(mx.float32))
     theirs = np.asarray(mx.quantized_matmul(x, w, s, b, True, group, 4).astype(mx.float32))
     assert ours.shape == (m, n)
     err_ours = float(np.abs(ours - want).max()) / scale

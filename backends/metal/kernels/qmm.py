@@ -8,17 +8,16 @@ bytes; this kernel spends the dequantization once per weight and thread block, o
 
     a thread block of 128 threads (4 warps) computes a 64 x 128 tile of the output;
     per step of 64 along K it takes x's 64 x 64 tile and the weights' 128 x 64 tile (one row and
-    two 16-byte loads of packed weights per thread), writes the weights dequantized (scale * q +
-    bias, rounded to x's dtype as `mx.dequantize` gives them) into shared memory, and each warp
+    two 16-byte loads of packed weights per thread), writes the weights dequantized into shared
+    memory (scale * q + bias as one fused multiply-add of x's 2-byte dtype, two weights an
+    instruction, the codes made floats through the mantissa), and each warp
     multiplies its 32 x 64 part with `mma.sync` m16n8k16 (float32 accumulators), its operands read
     with `ldmatrix`. Loads run two steps ahead: x's tiles by `cp.async` into three shared stages,
     the packed weights into two sets of registers (a first version that loaded one step ahead ran
     at 27-65 TFLOPs on Llama-3.2-1B's shapes against MLX's 64-128, H100).
 
-Where the output has too few tiles to fill the GPU (a 2048-wide projection of 128 rows has 32),
-the K range is split over `gridDim.z` thread blocks, which write float32 partial sums [S, M, N]
-that the caller adds. The group size is any of 32, 64, 128: a thread's 32 consecutive weights lie
-in one group. The layout is MLX's affine quantization, as in `matvec.py`.
+The group size is any of 32, 64, 128: a thread's 32 consecutive weights lie in one group. The
+layout is MLX's affine quantization, as in `matvec.py`.
 
 This module holds only the source and the launch geometry; `kernel_choice.py` applies it.
 """
@@ -32,8 +31,6 @@ OUTPUT_NAMES = ("out",)
 THREADS = 128
 TILE_M, TILE_N, TILE_K = 64, 128, 64
 GROUP_SIZES = (32, 64, 128)
-TARGET_BLOCKS = 264  # thread blocks worth launching without a K split: 2 per SM of an H100
-MIN_SPLIT_STEPS = 4  # K steps per split at least
 
 HEADER = r"""
 namespace pymlxc_qmm {
@@ -47,8 +44,16 @@ template <> struct Mma<__half> {
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
-  __device__ static __forceinline__ unsigned pack(float lo, float hi) {
-    __half2 h = __floats2half2_rn(lo, hi);
+  // Two codes q (0..15, one in the low 4 bits of each half) to scale * q + bias: a code placed in
+  // the mantissa of 1024.0 is the half 1024 + q, exactly.
+  __device__ static __forceinline__ unsigned dequant2(unsigned codes, unsigned scale2, unsigned bias2) {
+    const unsigned magic = 0x64006400u, placed = codes | magic;
+    const __half2 q = __hsub2(*reinterpret_cast<const __half2*>(&placed), *reinterpret_cast<const __half2*>(&magic));
+    __half2 w = __hfma2(q, *reinterpret_cast<const __half2*>(&scale2), *reinterpret_cast<const __half2*>(&bias2));
+    return *reinterpret_cast<unsigned*>(&w);
+  }
+  __device__ static __forceinline__ unsigned splat(__half v) {
+    __half2 h = __half2half2(v);
     return *reinterpret_cast<unsigned*>(&h);
   }
 };
@@ -60,8 +65,17 @@ template <> struct Mma<__nv_bfloat16> {
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
-  __device__ static __forceinline__ unsigned pack(float lo, float hi) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  // As for half, with 128.0, whose bfloat16 mantissa holds q exactly.
+  __device__ static __forceinline__ unsigned dequant2(unsigned codes, unsigned scale2, unsigned bias2) {
+    const unsigned magic = 0x43004300u, placed = codes | magic;
+    const __nv_bfloat162 q = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&placed),
+                                     *reinterpret_cast<const __nv_bfloat162*>(&magic));
+    __nv_bfloat162 w = __hfma2(q, *reinterpret_cast<const __nv_bfloat162*>(&scale2),
+                               *reinterpret_cast<const __nv_bfloat162*>(&bias2));
+    return *reinterpret_cast<unsigned*>(&w);
+  }
+  __device__ static __forceinline__ unsigned splat(__nv_bfloat16 v) {
+    __nv_bfloat162 h = __bfloat162bfloat162(v);
     return *reinterpret_cast<unsigned*>(&h);
   }
 };
@@ -73,9 +87,19 @@ __device__ __forceinline__ void ldmatrix4(unsigned* r, const void* p) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
 
-// The integer 0..15 as a float without a conversion instruction: 2^23 + q has q in its mantissa.
-__device__ __forceinline__ float nibble(unsigned word, int shift) {
-  return __uint_as_float(0x4B000000u | ((word >> shift) & 15u)) - 8388608.f;
+// The 8 weights of a packed word (element i in bits 4i..4i+3) dequantized, as 4 pairs in order.
+// A byte permute spreads bytes 0 and 1 (elements 0-3) into the two halves; the low nibbles are
+// then elements 0 and 2, the high ones 1 and 3, and a second permute puts each pair in order.
+template <typename T>
+__device__ __forceinline__ void dequant8(unsigned word, unsigned scale2, unsigned bias2, unsigned* d) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const unsigned spread = __byte_perm(word, 0u, half ? 0x4342u : 0x4140u);
+    const unsigned even = Mma<T>::dequant2(spread & 0x000F000Fu, scale2, bias2);
+    const unsigned odd = Mma<T>::dequant2((spread >> 4) & 0x000F000Fu, scale2, bias2);
+    d[2 * half] = __byte_perm(even, odd, 0x5410u);
+    d[2 * half + 1] = __byte_perm(even, odd, 0x7632u);
+  }
 }
 
 // A 16-byte copy from global to shared memory that does not hold a register; `valid` false fills
@@ -89,15 +113,10 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
 }
 
-__device__ __forceinline__ void put(float* p, float v) { *p = v; }
-__device__ __forceinline__ void put(__half* p, float v) { *p = __float2half(v); }
-__device__ __forceinline__ void put(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
-
 }  // namespace pymlxc_qmm
 """
 
-# Template arguments: T (x, scales and biases dtype), G (group size), O (the output dtype: T, or
-# float32 for split partial sums; named so that the two compile as different kernels).
+# Template arguments: T (x, scales, biases and output dtype), G (group size).
 SOURCE = r"""
   constexpr int BM = 64, BN = 128, BK = 64, LD = BK + 8;  // LD: padded row, ldmatrix without bank conflicts
   constexpr int STAGES = 3;  // x tiles in flight: this step's and the next two
@@ -111,11 +130,7 @@ SOURCE = r"""
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = (warp & 1) * 32, wn = (warp >> 1) * 64;  // the warp's part of the tile
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
-  const int steps = K / BK;
-  const int per = (steps + gridDim.z - 1) / gridDim.z;
-  const int first = blockIdx.z * per;
-  const int last = min(steps, first + per);
-
+  const int first = 0, last = K / BK;  // the steps along K
   // This thread's weight row (rows past N read row N - 1; their sums are not written).
   const size_t wrow = static_cast<size_t>(min(n0 + tid, N - 1));
   const uint4* wp = reinterpret_cast<const uint4*>(w + wrow * WORDS);
@@ -155,16 +170,11 @@ SOURCE = r"""
   auto store_w = [&](const Fetched& f) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float sc = static_cast<float>(f.sc[h]), bi = static_cast<float>(f.bi[h]);
+      const unsigned s2 = pymlxc_qmm::Mma<T>::splat(f.sc[h]), b2 = pymlxc_qmm::Mma<T>::splat(f.bi[h]);
       const unsigned q[4] = {f.q[h].x, f.q[h].y, f.q[h].z, f.q[h].w};
       unsigned d[16];
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const unsigned word = q[j >> 2];
-        const int sh = (j & 3) * 8;
-        d[j] = pymlxc_qmm::Mma<T>::pack(fmaf(sc, pymlxc_qmm::nibble(word, sh), bi),
-                                        fmaf(sc, pymlxc_qmm::nibble(word, sh + 4), bi));
-      }
+      for (int j = 0; j < 4; ++j) pymlxc_qmm::dequant8<T>(q[j], s2, b2, d + 4 * j);
       uint4* dst = reinterpret_cast<uint4*>(ws + tid * LD + 32 * h);
 #pragma unroll
       for (int j = 0; j < 4; ++j) dst[j] = make_uint4(d[4 * j], d[4 * j + 1], d[4 * j + 2], d[4 * j + 3]);
@@ -222,7 +232,6 @@ SOURCE = r"""
 
   // Thread (g, t) of a warp holds rows g and g + 8, columns 2t and 2t + 1 of each 16 x 8 product.
   const int g = lane >> 2, t = lane & 3;
-  const size_t base = static_cast<size_t>(blockIdx.z) * M;
 #pragma unroll
   for (int i = 0; i < 2; ++i)
 #pragma unroll
@@ -231,7 +240,7 @@ SOURCE = r"""
       for (int e = 0; e < 4; ++e) {
         const int row = m0 + wm + 16 * i + g + (e >> 1) * 8;
         const int col = n0 + wn + 8 * j + 2 * t + (e & 1);
-        if (row < M && col < N) pymlxc_qmm::put(out + (base + row) * N + col, acc[i][j][e]);
+        if (row < M && col < N) out[static_cast<size_t>(row) * N + col] = static_cast<T>(acc[i][j][e]);
       }
 """.replace("THREADS_", str(THREADS))
 
@@ -242,20 +251,10 @@ def applies(x_rows: int, k: int, bits: int, group_size: int, dtype_size: int) ->
     return bits == 4 and group_size in GROUP_SIZES and dtype_size == 2 and x_rows >= 1 and k % TILE_K == 0
 
 
-def splits(m: int, k: int, n: int) -> int:
-    """Thread blocks along K per output tile: a power of two that brings the launch towards
-    TARGET_BLOCKS, each with MIN_SPLIT_STEPS steps of K at least."""
-    tiles = -(-m // TILE_M) * -(-n // TILE_N)
-    s = 1
-    while tiles * s < TARGET_BLOCKS and (k // TILE_K) // (2 * s) >= MIN_SPLIT_STEPS:
-        s *= 2
-    return s
-
-
-def launch(m: int, k: int, n: int, dtype: Any, out_dtype: Any, group_size: int, split: int) -> dict[str, Any]:
-    """Keyword arguments of a kernel call for x (m, k) and weights of n rows, K split `split` ways."""
+def launch(m: int, k: int, n: int, dtype: Any, group_size: int) -> dict[str, Any]:
+    """Keyword arguments of a kernel call for x (m, k) and weights of n rows: grid, threads, template."""
     return {
-        "grid": (-(-n // TILE_N) * THREADS, -(-m // TILE_M), split),
+        "grid": (-(-n // TILE_N) * THREADS, -(-m // TILE_M), 1),
         "threadgroup": (THREADS, 1, 1),
-        "template": [("T", dtype), ("G", group_size), ("O", out_dtype)],
+        "template": [("T", dtype), ("G", group_size)],
     }

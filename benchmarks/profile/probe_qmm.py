@@ -4,7 +4,8 @@ and GGUF's Q4_0 / Q4_K repacked) and a dense float16 matmul, for the projections
 and Llama-3.1-8B (q/k/v and gate/up fused as the segmented decode fuses them).
 
 Per shape, row count and side: microseconds per product when distinct weights totalling at least
---bytes are applied in one evaluation (so they come from memory, not the L2 cache), the tensor-core
+--bytes are applied in one evaluation (so they come from memory, not the L2 cache; the clock covers
+the evaluation alone, not the Python calls that build it), the tensor-core
 rate that means (2 x rows x K x N over the time), and the largest difference from a float64 product
 over the largest output.
 
@@ -35,13 +36,16 @@ SHAPES = {  # name: (K, N)
 }
 
 
-def timed(fn: Callable[[], list[Any]], repeats: int) -> float:
+def timed(build: Callable[[], list[Any]], repeats: int) -> float:
+    """Median seconds to evaluate what `build` makes, the graph built before the clock starts: the
+    products' host calls (several for a custom kernel, one for MLX's) are not the device's time."""
     for _ in range(3):
-        mx.eval(fn())
+        mx.eval(build())
     times = []
     for _ in range(repeats):
+        outs = build()
         t = time.perf_counter()
-        mx.eval(fn())
+        mx.eval(outs)
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 

@@ -74,9 +74,9 @@ class Settings:
         "of rows and dense matmuls (`nn._dense_product`), chosen at load; such chunks skip the compiled "
         "prefill. `auto`: on CUDA (an H200's 2048-token prefill of Llama-3.2-1B 4-bit: 16.5 ms against 34.1).")
     cuda_qmm: str = _switch(
-        "4-bit quantized products of 16 to 511 rows of x (prefill chunks) through pymlxc's tensor-core CUDA "
-        "kernel (`kernels/qmm.py`), chosen at load once the kernel agrees with MLX's product; such chunks "
-        "skip the compiled prefill. `auto`: on CUDA.")
+        "4-bit quantized products of 16 to 511 rows of x that run op by op (prefill chunks outside the compiled "
+        "prefill: GGUF files whose layers hold Q6_K blocks, masked batches) through pymlxc's tensor-core CUDA "
+        "kernel (`kernels/qmm.py`), chosen at load once the kernel agrees with MLX's product. `auto`: on CUDA.")
     batch_compile: str = _switch(
         "The continuous batch's decode step (the server, `batch_generate`) as one compiled graph per batch "
         "size and buffer size (`backends/metal/decode/batch_step.py`) instead of op by op. `auto`: on CUDA "

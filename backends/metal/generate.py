@@ -24,7 +24,7 @@ from pymlxc.types import GenerateMetrics
 
 from . import memory_check
 from .models.base import layer_listener
-from .nn import arrays_of, eager_rows
+from .nn import arrays_of
 from .recurrent_cache import set_left_padding
 from .sample import DEFAULT_PENALTY_CONTEXT, LogitsProcessor, Sampler, apply_processors, greedy
 from .step_queue import StepQueue
@@ -212,12 +212,12 @@ def _chunk_forward(model: LanguageModel, mask: Callable[[int, int], mx.Array | N
 
     use = [runner if mask is None else None]
     # A chunk of this many rows or more goes op by op where the model's quantized layers take it as
-    # dense products or through the tensor-core kernel, which the runner's shapeless trace cannot hold.
-    rows_op_by_op = eager_rows(model)
+    # dense products (nn.mark_dense_products), which the runner's shapeless trace cannot hold.
+    dense_rows = getattr(model, "dense_rows", 0)
 
     def forward(chunk: mx.Array, cache: Sequence[Any], offset: int, on_layer: Callable[..., None] | None,
                 logits: bool = False) -> mx.Array | None:
-        if use[0] is not None and not (rows_op_by_op and chunk.shape[0] * chunk.shape[1] >= rows_op_by_op):
+        if use[0] is not None and not (dense_rows and chunk.shape[0] * chunk.shape[1] >= dense_rows):
             try:
                 h = use[0](chunk, cache, on_layer)
                 return model.output(h)[:, -1, :] if logits else None

@@ -349,7 +349,7 @@ class QuantizedLinear(CudaMatvecChoice, Module):
         self.freeze(["weight", "scales", "biases"], recurse=False)
         self._cuda_matvec = False  # set by choose_cuda_matvec
         self._dense_rows = 0  # set by mark_dense_products: 0, or the rows of x from which to go dense
-        self._qmm_rows = 0  # set by mark_qmm_products: 0, or the rows of x from which kernels/qmm.py computes
+        self._qmm_rows = 0  # set by mark_qmm_products: 0, or the rows of x (op by op) from which kernels/qmm.py computes
 
     @property
     def input_dims(self) -> int:
@@ -627,15 +627,19 @@ def mark_dense_products(model: Any, use: bool) -> None:
 
 
 def mark_qmm_products(model: Any, use: bool, dtype: Any) -> bool:
-    """Mark `model`'s 4-bit layers to take products of QMM_MIN_ROWS or more rows (prefill chunks)
-    through pymlxc's tensor-core kernel (`kernels/qmm.py`), where `use` (`Settings.cuda_qmm`) and
-    the kernel's check for x of `dtype` (the model's compute dtype) at the layers' group sizes pass;
-    returns whether any layer was marked. The model's `qmm_rows` tells the prefill which chunks skip
-    the compiled prefill (a custom kernel fixes its row count)."""
+    """Mark `model`'s 4-bit layers to take products of QMM_MIN_ROWS or more rows through pymlxc's
+    tensor-core kernel (`kernels/qmm.py`) where they run op by op (a prefill chunk outside the
+    compiled prefill: a GGUF file whose layers hold Q6_K blocks, a masked batch, a classification),
+    where `use` (`Settings.cuda_qmm`) and the kernel's check for x of `dtype` (the model's compute
+    dtype) at the layers' group sizes pass; returns whether any layer was marked.
+
+    It does not take chunks off the compiled prefill: on Llama-3.2-1B (H100) a 128-token prefill
+    op by op with the kernel took 10.0 ms where the compiled prefill with MLX's product took 8.3 ms,
+    the host's work per layer costing more than the kernel saves there
+    (`benchmarks/profile/probe_prefill.py`)."""
     layers = [m for _, m in model.named_modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))]
     for m in layers:
         m._qmm_rows = 0
-    model.qmm_rows = 0
     if not use or dtype is None:  # no compute dtype (a model built outside the loader): MLX's product
         return False
     takes = [m for m in layers if m.bits == 4 and m.scales.dtype == dtype and dtype.size == 2
@@ -644,8 +648,7 @@ def mark_qmm_products(model: Any, use: bool, dtype: Any) -> bool:
     for m in takes:
         if ready[m.group_size]:
             m._qmm_rows = QMM_MIN_ROWS
-    model.qmm_rows = QMM_MIN_ROWS if any(m._qmm_rows for m in takes) else 0
-    return bool(model.qmm_rows)
+    return any(m._qmm_rows for m in takes)
 
 
 def choose_kernels(model: Any, settings: Settings, dtype: Any) -> bool:
@@ -656,13 +659,6 @@ def choose_kernels(model: Any, settings: Settings, dtype: Any) -> bool:
     mark_dense_products(model, settings.switch_on("dense_prefill", on_cuda()))
     mark_qmm_products(model, settings.switch_on("cuda_qmm", on_cuda()), dtype)
     return cuda_matvec
-
-
-def eager_rows(model: Any) -> int:
-    """The rows of a prefill chunk from which it goes op by op instead of through the compiled
-    prefill (dense products or the tensor-core kernel, which a shapeless trace cannot hold); 0: never."""
-    marks = [r for r in (getattr(model, "dense_rows", 0), getattr(model, "qmm_rows", 0)) if r]
-    return min(marks) if marks else 0
 
 
 # ---------------------------------------------------------------------- activations

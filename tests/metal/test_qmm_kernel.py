@@ -56,12 +56,40 @@ def _tiny(tmp_path: Any, group: int = 64) -> Any:
 def test_no_layer_is_marked_where_the_kernel_cannot_run(tmp_path: Any) -> None:
     loaded = _tiny(tmp_path)
     layers = [m for _, m in loaded.model.named_modules() if isinstance(m, nn.QuantizedLinear)]
-    assert layers and not loaded.model.qmm_rows  # the loader's `auto` is off without CUDA
+    assert layers and not any(m._qmm_rows for m in layers)  # the loader's `auto` is off without CUDA
     kernel_choice.qmm_checks.forget()
     with pytest.warns(RuntimeWarning, match="prefill product is not used: it cannot run here"):
         assert nn.mark_qmm_products(loaded.model, True, layers[0].scales.dtype) is False
-    assert not any(m._qmm_rows for m in layers) and nn.eager_rows(loaded.model) == loaded.model.dense_rows
+    assert not any(m._qmm_rows for m in layers)
     assert nn.mark_qmm_products(loaded.model, False, layers[0].scales.dtype) is False
+
+
+def test_a_marked_layer_routes_op_by_op_chunks_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows from QMM_MIN_ROWS, outside a shapeless trace (the compiled prefill) and outside
+    `mlx_kernels_only()`, go to the kernel; fewer rows, a trace, or that scope keep MLX's product."""
+    layer = nn.QuantizedLinear.from_linear(_linear(128, 64), group_size=64, bits=4)
+    layer.scales, layer.biases = layer.scales.astype(mx.float16), layer.biases.astype(mx.float16)
+    layer._qmm_rows = nn.QMM_MIN_ROWS
+    calls: list[tuple[int, ...]] = []
+
+    def recorded(x: Any, *args: Any) -> Any:
+        calls.append(tuple(x.shape))
+        return mx.quantized_matmul(x, *args[:3], True, args[3], 4)
+
+    monkeypatch.setattr(nn, "qmm_product", recorded)
+    for rows in (1, nn.QMM_MIN_ROWS - 1, nn.QMM_MIN_ROWS, 100):
+        layer(mx.zeros((1, rows, 128), mx.float16))
+    with nn.shapeless_trace():
+        layer(mx.zeros((1, 100, 128), mx.float16))
+    with kernel_choice.mlx_kernels_only():
+        layer(mx.zeros((1, 100, 128), mx.float16))
+    assert calls == [(1, nn.QMM_MIN_ROWS, 128), (1, 100, 128)]
+
+
+def _linear(k: int, n: int) -> Any:
+    lin = nn.Linear(k, n)
+    lin.weight = mx.array(np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)).astype(mx.float16)
+    return lin
 
 
 # ---------------------------------------------------------------------- on CUDA

@@ -349,7 +349,7 @@ class QuantizedLinear(CudaMatvecChoice, Module):
         self.freeze(["weight", "scales", "biases"], recurse=False)
         self._cuda_matvec = False  # set by choose_cuda_matvec
         self._dense_rows = 0  # set by mark_dense_products: 0, or the rows of x from which to go dense
-        self._qmm_rows = 0  # set by mark_qmm_products: 0, or the rows of x (op by op) from which kernels/qmm.py computes
+        self._qmm_rows = 0  # set by mark_qmm_products: 0, or the rows of x (op by op) from which kernels/qmm.py runs
 
     @property
     def input_dims(self) -> int:

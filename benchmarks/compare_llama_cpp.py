@@ -240,6 +240,8 @@ def run_case(shape: str, fmt: str, files: dict[str, Path], args: argparse.Namesp
     for name, side in sides.items():
         result["memory_after_load"][name] = side.weights
         side.free()
+    if args.peak_memory:
+        result["peak_gpu_mib"] = peak_memory(files, tools, max(args.prompt_lengths), args.max_tokens)
     for name, rs in runs.items():
         entry: dict[str, Any] = {}
         for n in args.prompt_lengths:
@@ -258,6 +260,22 @@ def run_case(shape: str, fmt: str, files: dict[str, Path], args: argparse.Namesp
     return result
 
 
+def peak_memory(files: dict[str, Path], tools: Path | None, prompt_tokens: int, max_tokens: int
+                ) -> dict[str, int | None]:
+    """Each side's peak GPU memory (MiB, nvidia-smi) over one generation of `max_tokens` after
+    `prompt_tokens`, each in a process of its own (gpu_memory.py): llama.cpp's `llama-bench -pg`
+    on the GGUF file, pymlxc on the GGUF file and on the native checkpoint."""
+    from gpu_memory import llama_bench_command, peak_of, pymlxc_command
+
+    out: dict[str, int | None] = {}
+    if tools is not None:
+        out["llama_cpp"] = peak_of(llama_bench_command(tools, files["gguf"], prompt_tokens, max_tokens))[1]
+    for name, key in (("pymlxc_gguf", "gguf"), ("pymlxc_native", "native")):
+        out[name] = peak_of(pymlxc_command(files[key], prompt_tokens, max_tokens))[1]
+    print(f"    peak GPU memory (MiB) at {prompt_tokens} + {max_tokens} tokens: {out}", flush=True)
+    return out
+
+
 # ---------------------------------------------------------------------- report
 
 def table(report: dict[str, Any]) -> str:
@@ -270,6 +288,9 @@ def table(report: dict[str, Any]) -> str:
     matvec0 = any("pymlxc_gguf_matvec0" in c["sides"] for c in report["cases"])
     if matvec0:
         head.append(f"GGUF decode @{lengths[0]}, MLX's quantized_matmul")
+    peaks = any("peak_gpu_mib" in c for c in report["cases"])
+    if peaks:
+        head.append("peak GPU MiB: GGUF / native / llama.cpp (pymlxc GGUF / llama.cpp)")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def num(x: float | None) -> str:
@@ -290,6 +311,11 @@ def table(report: dict[str, Any]) -> str:
         row.append(f"{c['memory_after_load']['pymlxc_gguf'] / c['gguf_tensor_bytes']:.3f}")
         if matvec0:
             row.append(num(s.get("pymlxc_gguf_matvec0", {}).get(first, {}).get("decode_tps")))
+        if peaks:
+            pk = c.get("peak_gpu_mib", {})
+            mine, theirs = pk.get("pymlxc_gguf"), pk.get("llama_cpp")
+            row.append(" / ".join(num(pk.get(k)) for k in ("pymlxc_gguf", "pymlxc_native", "llama_cpp"))
+                       + (f" ({mine / theirs:.2f}x)" if mine and theirs else ""))
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
@@ -341,6 +367,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="delete the float16 source model (and an unused F16 GGUF) once the files are written")
     p.add_argument("--build-only", action="store_true", help="build llama.cpp's tools, then stop")
     p.add_argument("--prepare-only", action="store_true", help="write the models and files, then stop")
+    p.add_argument("--peak-memory", action="store_true",
+                   help="also each side's peak GPU memory (nvidia-smi) over a generation at the longest prompt, "
+                        "each side in a process of its own (gpu_memory.py)")
     args = p.parse_args(argv)
     if not args.no_llama_cpp and args.llama_cpp is None:
         p.error("name --llama-cpp (a build folder, or where to build with --llama-cpp-src) or pass --no-llama-cpp")

@@ -29,6 +29,8 @@
 # probe: benchmarks/profile/probe_gguf_blocks.py (the block kernels' time per decode shape).
 # Results go to $OUT: tests.txt, probe.log, <stage>/compare_llama_cpp.{json,md,png}, <stage>.log.
 # Pass --git-rev <commit> to the benchmark scripts when the lent copy's git metadata is stale.
+# PEAK_MEMORY=1: bench-* also measure each side's peak GPU memory (nvidia-smi) over one generation at
+# the longest prompt, each side in a process of its own (benchmarks/gpu_memory.py).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -64,7 +66,7 @@ bench() {  # bench <name> <compare_llama_cpp arguments...>
   ensure_lib
   wait_build
   python3 benchmarks/compare_llama_cpp.py --llama-cpp "$LCP" --models-dir "$MODELS" --out "$OUT/$name" "$@" \
-    ${GIT_REV:+--git-rev "$GIT_REV"} \
+    ${GIT_REV:+--git-rev "$GIT_REV"} ${PEAK_MEMORY:+--peak-memory} \
     2>&1 | tee "$OUT/$name.log" || echo "!!! $name failed (see $name.log)"
 }
 

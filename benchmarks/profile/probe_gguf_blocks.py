@@ -5,7 +5,8 @@ shapes of Llama-3.2-1B's and Llama-3.1-8B's decode steps (the Q6_K output head i
 matters: llama.cpp's default Q4_0 and Q4_K_M recipes keep it in Q6_K).
 
 Per shape and side: microseconds per call when distinct weights totalling at least --bytes are
-applied in one evaluation (so they come from memory, not the L2 cache), the weight bytes read per
+applied in one evaluation (so they come from memory, not the L2 cache; the clock on the evaluation
+alone, not the Python calls that build it), the weight bytes read per
 second, and the largest difference from a float64 product over its largest value.
 
     python benchmarks/profile/probe_gguf_blocks.py [--types Q6_K Q3_K Q2_K] [--rows 1] [--out DIR]
@@ -38,13 +39,16 @@ SHAPES = {  # name: (K, N)
 }
 
 
-def timed(fn: Callable[[], list[Any]], repeats: int) -> float:
+def timed(build: Callable[[], list[Any]], repeats: int) -> float:
+    """Median seconds to evaluate what `build` makes, the graph built before the clock starts (a
+    custom kernel costs several host calls per product, which are not the device's time)."""
     for _ in range(3):  # the first side of a shape came after the CPU's float64 reference: clocks ramp up
-        mx.eval(fn())
+        mx.eval(build())
     times = []
     for _ in range(repeats):
+        outs = build()
         t = time.perf_counter()
-        mx.eval(fn())
+        mx.eval(outs)
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 

@@ -13,8 +13,7 @@ bytes; this kernel spends the dequantization once per weight and thread block, o
     instruction, the codes made floats through the mantissa), and each warp
     multiplies its 32 x 64 part with `mma.sync` m16n8k16 (float32 accumulators), its operands read
     with `ldmatrix`. Loads run two steps ahead: x's tiles by `cp.async` into three shared stages,
-    the packed weights into two sets of registers (a first version that loaded one step ahead ran
-    at 27-65 TFLOPs on Llama-3.2-1B's shapes against MLX's 64-128, H100).
+    the packed weights into two sets of registers.
 
 The group size is any of 32, 64, 128: a thread's 32 consecutive weights lie in one group. The
 layout is MLX's affine quantization, as in `matvec.py`.

@@ -47,9 +47,8 @@ _the_kernel = SharedKernel(matvec_kernel.QUANTIZED_NAME, matvec_kernel.QUANTIZED
                            header=matvec_kernel.HEADER)
 _the_qmm = SharedKernel(qmm_kernel.NAME, qmm_kernel.INPUTS, qmm_kernel.OUTPUT_NAMES, qmm_kernel.SOURCE,
                         header=qmm_kernel.HEADER)
-# Verdicts of the prefill kernel's check, keyed on its source file (the check below is part of its key).
-qmm_checks = CheckedOnce("pymlxc's CUDA 4-bit prefill product", source=qmm_kernel.__file__)
-_QMM_CHECK_FORM = 1  # bump when qmm_ready's comparison changes
+# Verdicts of the prefill kernel's check, keyed on the kernel's source and on this file's (the check's).
+qmm_checks = CheckedOnce("pymlxc's CUDA 4-bit prefill product", source=(qmm_kernel.__file__, __file__))
 
 
 def _use(cuda_matvec: bool) -> bool:
@@ -122,7 +121,7 @@ def qmm_takes(x: Array, weight: Array, scales: Array, biases: Array, group_size:
 def qmm_ready(dtype: Any, group_size: int) -> bool:
     """Whether the prefill kernel runs here and agrees with MLX's quantized product for x of
     `dtype` at `group_size` (checked once per machine and key, see kernels/check.py)."""
-    return qmm_checks.verdict(("qmm", _QMM_CHECK_FORM, str(dtype), group_size),
+    return qmm_checks.verdict(("qmm", str(dtype), group_size),
                               lambda: _compare_qmm(dtype, group_size))
 
 

@@ -319,12 +319,14 @@ def _quantized_product(layer: Any, x: Array) -> Array:
     if len(shape) == 3 and shape[1] == 1 and shape[0] >= FOLD_MIN_ROWS:
         y = _quantized_product(layer, _reshape(x, (1, shape[0], shape[2])))
         return _reshape(y, (shape[0], 1, y.shape[-1]))
-    if layer._dense_rows and math.prod(shape[:-1]) >= layer._dense_rows and not _shapeless.get() \
-            and kernels_allowed():
-        return _dense_product(layer, x)
-    if layer._qmm_rows and math.prod(shape[:-1]) >= layer._qmm_rows and not _shapeless.get() \
-            and kernels_allowed() and qmm_takes(x, layer.weight, layer.scales, layer.biases, layer.group_size, 4):
-        return qmm_product(x, layer.weight, layer.scales, layer.biases, layer.group_size)
+    if layer._dense_rows or layer._qmm_rows:  # a prefill chunk's own products (marked at load)
+        rows = math.prod(shape[:-1])
+        dense = layer._dense_rows and rows >= layer._dense_rows
+        if (dense or (layer._qmm_rows and rows >= layer._qmm_rows)) and not _shapeless.get() and kernels_allowed():
+            if dense:
+                return _dense_product(layer, x)
+            if qmm_takes(x, layer.weight, layer.scales, layer.biases, layer.group_size, 4):
+                return qmm_product(x, layer.weight, layer.scales, layer.biases, layer.group_size)
     if layer._cuda_matvec:
         return quantized_matmul(x, layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits, True)
     out: Array = _qmm(x, layer.weight, layer.scales, layer.biases, True, layer.group_size, layer.bits)
@@ -596,13 +598,18 @@ def shapeless_trace() -> Iterator[None]:
 
 # ---------------------------------------------------------------------- kernel choice
 
+def quantized_layers(model: Any) -> list[Any]:
+    """`model`'s QuantizedLinear and QuantizedEmbedding modules, the layers the kernel choices mark."""
+    return [m for _, m in model.named_modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))]
+
+
 def choose_cuda_matvec(model: Any, setting: str) -> bool:
     """Mark `model`'s 4-bit layers to use pymlxc's matvec kernel (kernel_choice.py) where this process runs
     on CUDA and `setting` (PYMLXC_CUDA_MATVEC: `auto`, `1` or `0`) says so, and the kernel runs here;
     returns whether it did. Elsewhere, a no-op. Decided once, at load, for the device in use then."""
     if setting not in SWITCH:
         raise ValueError(f"the cuda_matvec setting must be one of {', '.join(SWITCH)}, not {setting!r}")
-    layers = [m for _, m in model.named_modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))]
+    layers = quantized_layers(model)
     four_bit = [m for m in layers if m.bits == 4 and m.scales.dtype.size == 2]  # what the kernel takes
     blocks = max(1, len(getattr(model, "layers", None) or ()))
     per_block = sum(m.weight.nbytes + m.scales.nbytes + m.biases.nbytes for m in four_bit) / blocks
@@ -620,7 +627,7 @@ def mark_dense_products(model: Any, use: bool) -> None:
     `Settings.dense_prefill` (`switch_on`: `auto` on CUDA). The model's `dense_rows` tells the
     prefill (generate._chunk_forward) which chunks skip the compiled prefill."""
     rows = DENSE_MIN_ROWS if use else 0
-    marked = [m for _, m in model.named_modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))]
+    marked = quantized_layers(model)
     for m in marked:
         m._dense_rows = rows
     model.dense_rows = rows if marked else 0
@@ -637,13 +644,13 @@ def mark_qmm_products(model: Any, use: bool, dtype: Any) -> bool:
     op by op with the kernel took 10.0 ms where the compiled prefill with MLX's product took 8.3 ms,
     the host's work per layer costing more than the kernel saves there
     (`benchmarks/profile/probe_prefill.py`)."""
-    layers = [m for _, m in model.named_modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))]
+    layers = quantized_layers(model)
     for m in layers:
         m._qmm_rows = 0
     if not use or dtype is None:  # no compute dtype (a model built outside the loader): MLX's product
         return False
-    takes = [m for m in layers if m.bits == 4 and m.scales.dtype == dtype and dtype.size == 2
-             and m.group_size in qmm_kernel.GROUP_SIZES and (m.weight.shape[1] * 8) % qmm_kernel.TILE_K == 0]
+    takes = [m for m in layers if m.scales.dtype == dtype
+             and qmm_kernel.applies(QMM_MIN_ROWS, m.weight.shape[1] * 32 // m.bits, m.bits, m.group_size, dtype.size)]
     ready = {g: qmm_ready(dtype, g) for g in sorted({m.group_size for m in takes})}
     for m in takes:
         if ready[m.group_size]:

@@ -164,10 +164,20 @@ def test_passing_verdict_is_kept_across_processes(tmp_path: Path) -> None:
     edited.write_text(Path(__file__).read_text() + "\n# edited\n")
     assert CheckedOnce("the test kernel", source=str(edited), store=store).verdict((64, "float32"), compare)
     assert len(calls) == 3
+    # A kernel whose check lives in another file: an edit of either file checks again.
+    check_file = tmp_path / "its_check.py"
+    check_file.write_text("def compare(): pass\n")
+    pair = (__file__, str(check_file))
+    assert CheckedOnce("the test kernel", source=pair, store=store).verdict((64, "float32"), compare)
+    assert CheckedOnce("the test kernel", source=pair, store=store).verdict((64, "float32"), compare)
+    assert len(calls) == 4
+    check_file.write_text("def compare(): return None\n")
+    assert CheckedOnce("the test kernel", source=pair, store=store).verdict((64, "float32"), compare)
+    assert len(calls) == 5
     # forget(): memory and cache both, the next asker checks again.
     again.forget()
     assert CheckedOnce("the test kernel", source=__file__, store=store).verdict((64, "float32"), compare)
-    assert len(calls) == 4
+    assert len(calls) == 6
 
 
 def test_failing_or_raising_verdicts_are_not_kept(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import re
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,14 +54,15 @@ def environment() -> dict[str, Any]:
         return _environment
 
 
-def _source_digest(path: str | None) -> str | None:
-    """SHA-256 of the file that defines a kernel (its source and its check both live there)."""
-    if path is None:
-        return None
+def _source_digest(paths: Sequence[str]) -> str | None:
+    """SHA-256 of the files that define a kernel and its check (most often one file holds both)."""
+    digest = hashlib.sha256()
     try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        for path in paths:
+            digest.update(Path(path).read_bytes())
     except OSError:
         return None
+    return digest.hexdigest() if paths else None
 
 
 def _slug(text: str) -> str:
@@ -74,18 +75,18 @@ class CheckedOnce:
     returns None where the kernel agrees with MLX, else why not; an exception it raises means the
     kernel cannot run here. A failed check warns once and the caller keeps MLX's kernels.
 
-    `source`: the file whose text keys the persisted verdicts (default: the module that makes
-    this object, where the kernel's source and its check are written). `store`: where they persist
+    `source`: the file, or files, whose text keys the persisted verdicts (default: the module that
+    makes this object, where the kernel's source and its check are written). `store`: where they persist
     (default: the user cache's "checks" folder; None: this process only)."""
 
-    def __init__(self, kernel: str, source: str | None = None,
+    def __init__(self, kernel: str, source: str | Sequence[str] | None = None,
                  store: user_cache.Store | str | None = "default") -> None:
         self.kernel = kernel  # how the warning names it
         self._known: dict[Hashable, bool] = {}
         self._lock = threading.Lock()  # held while checking: a second asker waits for the verdict
         if source is None:
             source = sys._getframe(1).f_globals.get("__file__")  # noqa: SLF001 - the defining module
-        self._source = _source_digest(source)
+        self._source = _source_digest([source] if isinstance(source, str) else list(source or ()))
         self._store = (user_cache.Store(f"checks-{_slug(kernel)}") if store == "default"
                        else store if isinstance(store, user_cache.Store) else None)
         self.checks_run = 0  # compare() calls in this process (the rest came from memory or the cache)

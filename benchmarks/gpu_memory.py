@@ -17,7 +17,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -95,7 +94,6 @@ def peak_of(cmd: Sequence[str], env: Mapping[str, str] | None = None, timeout: f
             proc.kill()
             proc.communicate()
             raise RuntimeError(f"{' '.join(cmd)} ran past {timeout:.0f} s") from None
-        time.sleep(2 * poller.interval)  # a last poll after the exit cannot list it; one before may
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {err[-2000:]}")
     if poller.error is not None:

@@ -58,13 +58,20 @@ def _sleeper(seconds: float = 0.6, code: int = 0) -> list[str]:
 
 
 def test_the_query_parses(fake_smi: Path) -> None:
-    listed = gpu_memory.process_memory()
-    assert listed == {}  # no matching process yet; the unmeasurable one is skipped
+    import subprocess
+
+    assert gpu_memory.process_memory() == {}  # nothing matches yet; the unmeasurable process is skipped
+    sleeper = subprocess.Popen(_sleeper(30))
+    try:
+        assert gpu_memory.process_memory() == {sleeper.pid: 1235}  # its two GPUs' lines summed
+    finally:
+        sleeper.kill()
+        sleeper.wait()
 
 
 def test_a_command_s_peak_is_found_by_its_pid(fake_smi: Path) -> None:
     out, peak = gpu_memory.peak_of(_sleeper())
-    assert out == "" and peak == 1235  # both GPUs' lines summed
+    assert out == "" and peak == 1235
 
 
 def test_errors_name_what_failed(fake_smi: Path, tmp_path: Path) -> None:

@@ -15,11 +15,10 @@ second, and the largest difference from a float64 product over its largest value
 from __future__ import annotations
 
 import _path  # noqa: F401 - the checkout as installed
+from _timing import timed_evaluation
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,20 +36,6 @@ SHAPES = {  # name: (K, N)
     "1b.o": (2048, 2048), "1b.gate_up": (2048, 16384), "1b.down": (8192, 2048), "1b.head": (2048, 128256),
     "8b.o": (4096, 4096), "8b.down": (14336, 4096), "8b.head": (4096, 128256),
 }
-
-
-def timed(build: Callable[[], list[Any]], repeats: int) -> float:
-    """Median seconds to evaluate what `build` makes, the graph built before the clock starts (a
-    custom kernel costs several host calls per product, which are not the device's time)."""
-    for _ in range(3):  # the first side of a shape came after the CPU's float64 reference: clocks ramp up
-        mx.eval(build())
-    times = []
-    for _ in range(repeats):
-        outs = build()
-        t = time.perf_counter()
-        mx.eval(outs)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def probe(qtype: Q, k: int, n: int, rows: int, min_bytes: int, repeats: int) -> dict[str, Any]:
@@ -84,21 +69,21 @@ def probe(qtype: Q, k: int, n: int, rows: int, min_bytes: int, repeats: int) -> 
     d16 = [dense] + [dense + 0 for _ in range(copies - 1)]
     for name, (fn, nbytes) in sides.items():
         got = np.asarray(fn(blocks[0]).astype(mx.float32))
-        t = timed(lambda: [fn(w) for w in blocks], repeats) / copies
+        t = timed_evaluation(lambda: [fn(w) for w in blocks], repeats) / copies
         out[name] = {"us": t * 1e6, "GBps": nbytes / t / 1e9, "error": float(np.abs(got - want).max()) / scale}
-    t = timed(lambda: [mx.quantized_matmul(x, *w, True, 64, 4) for w in q4], repeats) / copies
+    t = timed_evaluation(lambda: [mx.quantized_matmul(x, *w, True, 64, 4) for w in q4], repeats) / copies
     out["mlx_4bit_g64"] = {"us": t * 1e6, "GBps": (q.nbytes + s.nbytes + b.nbytes) / t / 1e9}
     if kind == "cuda" and rows <= 8:  # pymlxc's own 4-bit kernel, which the native 4-bit format decodes with
-        t = timed(lambda: [kernel_choice.quantized_matmul(x, *w, 64, 4, cuda_matvec=True) for w in q4],
+        t = timed_evaluation(lambda: [kernel_choice.quantized_matmul(x, *w, 64, 4, cuda_matvec=True) for w in q4],
                   repeats) / copies
         out["pymlxc_4bit_g64"] = {"us": t * 1e6, "GBps": (q.nbytes + s.nbytes + b.nbytes) / t / 1e9}
     # Group 32: what GGUF's Q4_0 and Q4_K layers are repacked to.
     q32 = mx.quantize(dense, 32, 4)
     mx.eval(q32)
     q32s = [q32] + [tuple(a + 0 for a in q32) for _ in range(copies - 1)]
-    t = timed(lambda: [mx.quantized_matmul(x, *w, True, 32, 4) for w in q32s], repeats) / copies
+    t = timed_evaluation(lambda: [mx.quantized_matmul(x, *w, True, 32, 4) for w in q32s], repeats) / copies
     out["mlx_4bit_g32"] = {"us": t * 1e6, "GBps": sum(a.nbytes for a in q32) / t / 1e9}
-    t = timed(lambda: [mx.matmul(x, mx.swapaxes(w, 0, 1)) for w in d16], repeats) / copies
+    t = timed_evaluation(lambda: [mx.matmul(x, mx.swapaxes(w, 0, 1)) for w in d16], repeats) / copies
     out["dense_f16"] = {"us": t * 1e6, "GBps": dense.nbytes / t / 1e9}
     return out
 

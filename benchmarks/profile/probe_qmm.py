@@ -14,12 +14,10 @@ over the largest output.
 from __future__ import annotations
 
 import _path  # noqa: F401 - the checkout as installed
+from _timing import timed_evaluation
 
 import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,20 +32,6 @@ SHAPES = {  # name: (K, N)
     "1b.qkv": (2048, 3072), "1b.o": (2048, 2048), "1b.gate_up": (2048, 16384), "1b.down": (8192, 2048),
     "8b.qkv": (4096, 6144), "8b.o": (4096, 4096), "8b.gate_up": (4096, 28672), "8b.down": (14336, 4096),
 }
-
-
-def timed(build: Callable[[], list[Any]], repeats: int) -> float:
-    """Median seconds to evaluate what `build` makes, the graph built before the clock starts: the
-    products' host calls (several for a custom kernel, one for MLX's) are not the device's time."""
-    for _ in range(3):
-        mx.eval(build())
-    times = []
-    for _ in range(repeats):
-        outs = build()
-        t = time.perf_counter()
-        mx.eval(outs)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 assert "pymlxc_qmm::dequant8<T>(q[j], s2, b2, d + 4 * j);" in qmm.SOURCE, "probe_qmm's variant no longer applies"
@@ -85,12 +69,12 @@ def probe(k: int, n: int, rows: int, min_bytes: int, repeats: int, dtype: Any) -
         sides[f"pymlxc_g{group}_nodequant"] = lambda q, g=group: _nodequant(x, *q, g)
         for name, fn in sides.items():
             got = np.asarray(fn(w).astype(mx.float32))
-            t = timed(lambda fn=fn, ws=ws: [fn(q) for q in ws], repeats) / copies
+            t = timed_evaluation(lambda fn=fn, ws=ws: [fn(q) for q in ws], repeats) / copies
             out[name] = {"us": t * 1e6, "TFLOPs": flops / t / 1e12, "GBps": nbytes / t / 1e9,
                          "error": float(np.abs(got - want).max()) / scale}
     copies = max(1, -(-min_bytes // dense.nbytes))
     ds = [dense] + [dense + 0 for _ in range(copies - 1)]
-    t = timed(lambda: [mx.matmul(x, mx.swapaxes(d, 0, 1)) for d in ds], repeats) / copies
+    t = timed_evaluation(lambda: [mx.matmul(x, mx.swapaxes(d, 0, 1)) for d in ds], repeats) / copies
     out["dense"] = {"us": t * 1e6, "TFLOPs": flops / t / 1e12}
     return out
 

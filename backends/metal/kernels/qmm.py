@@ -1,10 +1,11 @@
 """A 4-bit quantized matrix product on tensor cores for CUDA: `x @ dequantize(w).T` for a prompt
 chunk's rows of x (prefill), where `matvec.py` takes a few rows.
 
-MLX's CUDA `quantized_matmul` of 128 rows read Llama-3.2-1B's gate/up weights at about 300 GB/s on
-an H200, and 22% slower at group 32 (GGUF's Q4_0 and Q4_K) than at group 64. At 128 rows a 4-bit
-weight serves 256 multiply-adds, so the product is bound by the tensor cores, not by the weight
-bytes; this kernel spends the dequantization once per weight and thread block, out of the inner loop:
+MLX's CUDA `quantized_matmul` of 128 rows took 64 us for Llama-3.2-1B's gate/up weights at group 64
+and 95 us at group 32, GGUF's Q4_0 and Q4_K (H100, `benchmarks/profile/probe_qmm.py`). At 128 rows a
+4-bit weight (half a byte) serves 128 multiply-adds, so the product can be bound by the tensor cores
+rather than the weight bytes; this kernel spends the dequantization once per weight and thread block,
+out of the inner loop:
 
     a thread block of 128 threads (4 warps) computes a 64 x 128 tile of the output;
     per step of 64 along K it takes x's 64 x 64 tile and the weights' 128 x 64 tile (one row and

@@ -185,6 +185,21 @@ _CUDA_REDUCE = r"""
 """
 
 
+# The start of both CUDA matvecs: the warps of a thread block, the shared sums of their split rows,
+# the sizes from w's shape at run time, and this thread's place.
+_CUDA_WARPS = r"""
+  constexpr int WARPS = """ + str(THREADS // 32) + r""";
+"""
+_CUDA_ROWS = r"""  __shared__ float part[WARPS][M][R];
+  const int N = w_shape[1];
+  const int NB = w_shape[2];
+  const int K = NB * 256;
+  const int pair = blockIdx.y;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+"""
+
+
 def _cuda_reduce(groups: str, split: str) -> str:
     return _CUDA_REDUCE.replace("GROUPS", groups).replace("SPLIT", split)
 
@@ -197,16 +212,7 @@ def _cuda_reduce(groups: str, split: str) -> str:
 # (2048 or 4096 rows of 8192 or 14336 weights) still keeps every SM's warps busy, where a warp per
 # row pair walked all of a row alone. Sizes come from w's shape at run time, so a model's layers
 # share one compiled kernel.
-CUDA_MATVEC_SOURCE = r"""
-  constexpr int WARPS = """ + str(THREADS // 32) + r""";
-  __shared__ float part[WARPS][M][R];
-  const int N = w_shape[1];
-  const int NB = w_shape[2];
-  const int K = NB * 256;
-  const int pair = blockIdx.y;
-  const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
-  const int row0 = blockIdx.x * R;
+CUDA_MATVEC_SOURCE = _CUDA_WARPS + _CUDA_ROWS + r"""  const int row0 = blockIdx.x * R;
   const uint8_t* wm = w + static_cast<size_t>(idx[pair]) * N * NB * S;
   const T* xp = x + static_cast<size_t>(pair) * M * K;""" + _blocks("warp", "WARPS", cuda=True) \
     + _cuda_reduce(groups="1", split="WARPS")
@@ -256,18 +262,9 @@ __device__ __forceinline__ void load_x8(const T* p, float* f) {
 }  // namespace pymlxc_gguf
 """
 
-CUDA_Q6K_MATVEC_SOURCE = r"""
-  constexpr int WARPS = """ + str(THREADS // 32) + r""";
-  constexpr int CHUNKS = 54;  // 16-byte chunks that hold 840 bytes starting anywhere in the first one
-  __shared__ uint4 stage[WARPS][R][CHUNKS];
-  __shared__ float part[WARPS][M][R];
-  const int N = w_shape[1];
-  const int NB = w_shape[2];
-  const int K = NB * 256;
-  const int pair = blockIdx.y;
-  const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
-  const int group = warp / W, split = warp % W;
+CUDA_Q6K_MATVEC_SOURCE = _CUDA_WARPS + (
+    "  constexpr int CHUNKS = 54;  // 16-byte chunks that hold 840 bytes starting anywhere in the first one\n"
+    "  __shared__ uint4 stage[WARPS][R][CHUNKS];\n") + _CUDA_ROWS + r"""  const int group = warp / W, split = warp % W;
   const int row0 = (blockIdx.x * (WARPS / W) + group) * R;
   const uint8_t* wm = w + static_cast<size_t>(idx[pair]) * N * NB * 210;
   const T* xp = x + static_cast<size_t>(pair) * M * K;

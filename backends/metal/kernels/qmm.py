@@ -37,13 +37,18 @@ namespace pymlxc_qmm {
 
 template <typename T> struct Mma;
 
-template <> struct Mma<__half> {
-  __device__ static __forceinline__ void run(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+// c += a b: one mma.sync m16n8k16 over operands of the 2-byte type TY ("f16" or "bf16"), A in rows and
+// B in columns, float32 accumulators.
+#define PYMLXC_QMM_RUN(TY)                                                                          \
+  __device__ static __forceinline__ void run(float* c, const unsigned* a, unsigned b0, unsigned b1) { \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY ".f32 {%0,%1,%2,%3}, "          \
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                                          \
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                   \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                   \
   }
+
+template <> struct Mma<__half> {
+  PYMLXC_QMM_RUN("f16")
   // Two codes q (0..15, one in the low 4 bits of each half) to scale * q + bias: a code placed in
   // the mantissa of 1024.0 is the half 1024 + q, exactly.
   __device__ static __forceinline__ unsigned dequant2(unsigned codes, unsigned scale2, unsigned bias2) {
@@ -59,12 +64,7 @@ template <> struct Mma<__half> {
 };
 
 template <> struct Mma<__nv_bfloat16> {
-  __device__ static __forceinline__ void run(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
+  PYMLXC_QMM_RUN("bf16")
   // As for half, with 128.0, whose bfloat16 mantissa holds q exactly.
   __device__ static __forceinline__ unsigned dequant2(unsigned codes, unsigned scale2, unsigned bias2) {
     const unsigned magic = 0x43004300u, placed = codes | magic;
@@ -79,6 +79,8 @@ template <> struct Mma<__nv_bfloat16> {
     return *reinterpret_cast<unsigned*>(&h);
   }
 };
+
+#undef PYMLXC_QMM_RUN
 
 // Four 8 x 8 matrices of 2-byte values from shared memory; lane i names row i % 8 of matrix i / 8.
 __device__ __forceinline__ void ldmatrix4(unsigned* r, const void* p) {

@@ -39,7 +39,7 @@ template <typename T> struct Mma;
 
 // c += a b: one mma.sync m16n8k16 over operands of the 2-byte type TY ("f16" or "bf16"), A in rows and
 // B in columns, float32 accumulators.
-#define PYMLXC_QMM_RUN(TY)                                                                          \
+#define pymlxc_qmm_run(TY)                                                                          \
   __device__ static __forceinline__ void run(float* c, const unsigned* a, unsigned b0, unsigned b1) { \
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY ".f32 {%0,%1,%2,%3}, "          \
                  "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                                          \
@@ -48,7 +48,7 @@ template <typename T> struct Mma;
   }
 
 template <> struct Mma<__half> {
-  PYMLXC_QMM_RUN("f16")
+  pymlxc_qmm_run("f16")
   // Two codes q (0..15, one in the low 4 bits of each half) to scale * q + bias: a code placed in
   // the mantissa of 1024.0 is the half 1024 + q, exactly.
   __device__ static __forceinline__ unsigned dequant2(unsigned codes, unsigned scale2, unsigned bias2) {
@@ -64,7 +64,7 @@ template <> struct Mma<__half> {
 };
 
 template <> struct Mma<__nv_bfloat16> {
-  PYMLXC_QMM_RUN("bf16")
+  pymlxc_qmm_run("bf16")
   // As for half, with 128.0, whose bfloat16 mantissa holds q exactly.
   __device__ static __forceinline__ unsigned dequant2(unsigned codes, unsigned scale2, unsigned bias2) {
     const unsigned magic = 0x43004300u, placed = codes | magic;
@@ -80,7 +80,7 @@ template <> struct Mma<__nv_bfloat16> {
   }
 };
 
-#undef PYMLXC_QMM_RUN
+#undef pymlxc_qmm_run
 
 // Four 8 x 8 matrices of 2-byte values from shared memory; lane i names row i % 8 of matrix i / 8.
 __device__ __forceinline__ void ldmatrix4(unsigned* r, const void* p) {

@@ -74,20 +74,29 @@ def _loads_kernel() -> Any:
                                LOADS_SOURCE, header=kernels.HEADER)
 
 
-def _kernel() -> Any:
-    return mx.fast.cuda_kernel(kernels.QUANTIZED_NAME, list(kernels.QUANTIZED_INPUTS), list(kernels.OUTPUT_NAMES),
-                               kernels.QUANTIZED_SOURCE, header=kernels.HEADER)
+def _kernel(module: Any = kernels) -> Any:
+    return mx.fast.cuda_kernel(module.QUANTIZED_NAME, list(module.QUANTIZED_INPUTS), list(module.OUTPUT_NAMES),
+                               module.QUANTIZED_SOURCE, header=module.HEADER)
 
 
-def _ours(kernel: Any, x: Any, q: Any, rows_per_warp: int) -> Any:
+def _module(path: Path) -> Any:
+    """Another version of matvec.py (`--baseline`), e.g. `git show REV:backends/metal/kernels/matvec.py`."""
+    spec = importlib.util.spec_from_file_location("cuda_matvec_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _ours(kernel: Any, x: Any, q: Any, rows_per_warp: int | None = None, module: Any = kernels) -> Any:
     n, k = q[0].shape[0], x.shape[-1]
-    geo = kernels.launch(x.shape[0], k, n, x.dtype, GROUP, rows_per_warp)
+    chosen = () if rows_per_warp is None else (rows_per_warp,)  # None: the module's own choice
+    geo = module.launch(x.shape[0], k, n, x.dtype, GROUP, *chosen)
     return kernel(inputs=[x, *q], output_shapes=[(x.shape[0], n)], output_dtypes=[x.dtype], **geo)[0]
 
 
 def _ours_slices(kernel: Any, x: Any, q: Any) -> Any:
     step = kernels.MAX_X_ROWS
-    return mx.concatenate([_ours(kernel, x[i:i + step], q, kernels.ROWS_PER_WARP)
+    return mx.concatenate([_ours(kernel, x[i:i + step], q)
                            for i in range(0, x.shape[0], step)], axis=0)
 
 
@@ -105,7 +114,8 @@ def _time(make_outputs: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
-def probe(shape: str, kernel: Any, min_bytes: int, x_rows: int, repeats: int) -> dict[str, Any]:
+def probe(shape: str, kernel: Any, min_bytes: int, x_rows: int, repeats: int, rows_per_warp: list[int],
+          baseline: Any = None) -> dict[str, Any]:
     k, n = SHAPES[shape]
     mx.random.seed(0)
     x = (mx.random.normal((x_rows, k)) * 0.5).astype(DTYPE)
@@ -117,10 +127,13 @@ def probe(shape: str, kernel: Any, min_bytes: int, x_rows: int, repeats: int) ->
     out: dict[str, Any] = {"K": k, "N": n, "x_rows": x_rows, "error": {}}
     variants = {"mlx": lambda xx, qq: _mlx(xx, qq)}
     if x_rows <= kernels.MAX_X_ROWS:
-        for r in (1, 2, 4):
+        for r in rows_per_warp:
             variants[f"ours_r{r}"] = lambda xx, qq, r=r: _ours(kernel, xx, qq, r)
         loads = _loads_kernel()
-        variants["ours_loads"] = lambda xx, qq: _ours(loads, xx, qq, kernels.ROWS_PER_WARP)
+        variants["ours_loads"] = lambda xx, qq: _ours(loads, xx, qq)
+        if baseline is not None:
+            module, base_kernel = baseline
+            variants["baseline"] = lambda xx, qq: _ours(base_kernel, xx, qq, module=module)
     else:  # more rows than the kernel takes: in slices of MAX_X_ROWS rows, one launch each
         variants["ours_slices"] = lambda xx, qq: _ours_slices(kernel, xx, qq)
     for name, fn in variants.items():
@@ -154,16 +167,23 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
     parser.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    parser.add_argument("--rows-per-warp", type=int, nargs="+", default=[1, 2, 4],
+                        help="the kernel's output rows per warp to run (its own choice: matvec.rows_per_warp_for)")
+    parser.add_argument("--baseline", type=Path, help="another matvec.py to run beside this one")
     args = parser.parse_args()
     global GROUP, DTYPE
     GROUP, DTYPE = args.group_size, getattr(mx, args.dtype)
     kernel = _kernel()
+    baseline = None
+    if args.baseline is not None:
+        module = _module(args.baseline)
+        baseline = (module, _kernel(module))
     results = {"device": str(mx.default_device()), "mlx": mx.__version__, "group_size": GROUP,
                "dtype": args.dtype, "probes": {}}
     for rows in args.x_rows:
         for shape in args.shapes:
             key = f"{shape}.m{rows}"
-            results["probes"][key] = r = probe(shape, kernel, args.bytes, rows, args.repeats)
+            results["probes"][key] = r = probe(shape, kernel, args.bytes, rows, args.repeats, args.rows_per_warp, baseline)
             errs = " ".join(f"{k}={v:.1e}" for k, v in r["error"].items())
             us = " ".join(f"{k}={v}" for k, v in r["us_per_call"].items())
             gb = " ".join(f"{k}={v}" for k, v in r["stacked_gbps"].items())

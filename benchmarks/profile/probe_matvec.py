@@ -168,7 +168,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     parser.add_argument("--rows-per-warp", type=int, nargs="+", default=[1, 2, 4],
-                        help="the kernel's output rows per warp to run (its own choice: matvec.rows_per_warp_for)")
+                        help="the kernel's output rows per warp to run")
     parser.add_argument("--baseline", type=Path, help="another matvec.py to run beside this one")
     args = parser.parse_args()
     global GROUP, DTYPE

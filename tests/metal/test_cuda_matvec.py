@@ -93,16 +93,6 @@ def test_the_launch_covers_every_row_once(n: int, rows_per_warp: int, m: int) ->
     assert geo["threadgroup"][0] % 32 == 0
 
 
-@given(n=st.integers(1, 200_000), m=st.integers(1, 8))
-def test_one_row_of_x_takes_more_output_rows_per_warp(n: int, m: int) -> None:
-    geo = cuda_matvec.launch(m, 4096, n, mx.float16, 32)
-    rows_per_warp = dict(geo["template"])["R"]
-    assert rows_per_warp == (cuda_matvec.ROWS_PER_WARP_ONE_ROW if m == 1 else cuda_matvec.ROWS_PER_WARP)
-    assert rows_per_warp == cuda_matvec.rows_per_warp_for(m)
-    warps = geo["grid"][0] // 32
-    assert warps * rows_per_warp >= n > (warps - 1) * rows_per_warp
-
-
 def test_what_the_kernel_applies_to() -> None:
     q = cuda_matvec.quantized_applies
     assert q(1, 4096, 4, 64, 2) and q(8, 64, 4, 32, 2)

@@ -29,10 +29,6 @@ QUANTIZED_INPUTS = ("x", "w", "scales", "biases")
 OUTPUT_NAMES = ("out",)
 THREADS_PER_BLOCK = 128
 ROWS_PER_WARP = 2
-# One row of x (a decode step): 4 output rows per warp, so each load of x serves twice the rows. On an
-# H100 the 8B shapes' weights then read 3-13% faster (`probe_matvec.py --rows-per-warp 2 4`); with more
-# rows of x, 4 rows per warp would hold 4x as many sums in registers.
-ROWS_PER_WARP_ONE_ROW = 4
 MAX_X_ROWS = 8  # more rows of x than this go to MLX's tensor-core kernels
 GROUP_SIZES = (32, 64, 128)
 
@@ -149,16 +145,9 @@ def quantized_applies(x_rows: int, k: int, bits: int, group_size: int, dtype_siz
             and k % 32 == 0 and k % group_size == 0)
 
 
-def rows_per_warp_for(x_rows: int) -> int:
-    """Output rows per warp for x of `x_rows` rows."""
-    return ROWS_PER_WARP_ONE_ROW if x_rows == 1 else ROWS_PER_WARP
-
-
 def launch(x_rows: int, k: int, n: int, dtype: Any, group_size: int,
-           rows_per_warp: int | None = None) -> dict[str, Any]:
+           rows_per_warp: int = ROWS_PER_WARP) -> dict[str, Any]:
     """Keyword arguments of a kernel call for x (x_rows, k) and weights of n rows: grid, threads, template."""
-    if rows_per_warp is None:
-        rows_per_warp = rows_per_warp_for(x_rows)
     warps = -(-n // rows_per_warp)
     return {
         "grid": (warps * 32, 1, 1),

@@ -11,6 +11,7 @@ leak into later layers' keys and values).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import time
@@ -37,6 +38,12 @@ if TYPE_CHECKING:
 # mlx-lm's prefill for 2048-token prompts (H100, MLX 0.32.4) from smaller matmuls and more launches;
 # the chunk still bounds the attention scores' memory where the fused kernel is not used.
 PREFILL_STEP = 2048
+# Layers of a prefill chunk the host may hand over before the device has run them. MLX holds each
+# layer's temporaries until the device has run the layer, a dense product's dequantized weights (two
+# bytes a weight) among them, so a chunk built and encoded far ahead held every layer's at once: on
+# an H100, Llama-3.2-1B 4-bit peaked at 3.2 GiB over a 2048-token prompt, 1.9 GiB of it such
+# copies (`benchmarks/profile/probe_memory.py`). Two layers keep the device fed while one is built.
+PREFILL_LEAD_LAYERS = 2
 
 
 class LanguageModel(Protocol):
@@ -158,6 +165,8 @@ def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, ste
     scheduled and readable. Chunks are pipelined: a chunk is queued, then the previous one is
     waited for, so the host builds chunk n+1 while the device runs chunk n and at most two chunks'
     activations exist at a time; the last chunk is left running (what comes next builds on it).
+    Within a chunk each layer is queued as it is built, the host at most PREFILL_LEAD_LAYERS
+    layers ahead of the device (`LayerLead`).
     `mask(offset, length)` gives each chunk's mask. `start`: the first `start` tokens are in
     `cache` already (a prompt-cache hit); the chunks keep the boundaries of a prefill from 0,
     because a context-bounded cache's results depend on them. With a threaded `queue` (see
@@ -177,10 +186,12 @@ def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, ste
     length = tokens.shape[1]
     running: list[Any] = []
     result = None
+    lead = LayerLead(StepQueue(threaded=False))
     while start < length:
         guard.check()
         stop = min((start // step + 1) * step, length)
-        logits = forward(tokens[:, start:stop], cache, start, None, finish is not None and stop == length)
+        logits = forward(tokens[:, start:stop], cache, start, lead.on_layer, finish is not None and stop == length)
+        lead.clear()
         state = _cache_state(cache)
         if logits is not None and finish is not None:
             result = finish(logits)
@@ -190,6 +201,31 @@ def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, ste
         running = state
         start = stop
     return result
+
+
+class LayerLead:
+    """Hands a prefill chunk's layers over as they are built (`on_layer`) and keeps the host at most
+    `lead` layers ahead of the device: after handing over layer i it waits for layer i - lead to
+    finish. Through `queue` (threaded or not), so the waits read copies the evaluation thread made."""
+
+    def __init__(self, queue: StepQueue, lead: int = PREFILL_LEAD_LAYERS) -> None:
+        self._queue = queue
+        self._lead = lead
+        self._running: collections.deque[tuple[Any, mx.Array]] = collections.deque()
+
+    def on_layer(self, h: mx.Array, layer_cache: Any) -> None:
+        """After a layer is built: its output `h` [B, L, D] and its cache (None where it has none)."""
+        marker = self._queue.readable(h[:, -1:, :1])  # one value: its readiness is the layer's
+        arrays = [h, layer_cache.state, marker] if layer_cache is not None else [h, marker]
+        self._running.append((self._queue.submit(arrays), marker))
+        if len(self._running) > self._lead:
+            ticket, done = self._running.popleft()
+            self._queue.ready(ticket)
+            mx.eval(done)
+
+    def clear(self) -> None:
+        """Forget the layers handed over (their chunk is waited for as a whole)."""
+        self._running.clear()
 
 
 def check_memory(model: LanguageModel, cache: Sequence[Any], batch: int, prompt_len: int, new_tokens: int,
@@ -240,9 +276,7 @@ def _prefill_threaded(forward: Callable[..., mx.Array | None], tokens: mx.Array,
     wait for the previous chunk reads a copy of its state (see `StepQueue.readable`); `finish`'s
     result is returned as a readable copy, once the thread has scheduled it."""
     queue.hand_over([tokens, _cache_state(cache)])  # built here (a slice; a prompt-cache hit's caches)
-
-    def submit_layer(h: mx.Array, layer_cache: Any) -> None:
-        queue.submit([h, layer_cache.state] if layer_cache is not None else [h])
+    lead = LayerLead(queue)
 
     length = tokens.shape[1]
     previous: tuple[Any, list[Any]] | None = None
@@ -251,7 +285,8 @@ def _prefill_threaded(forward: Callable[..., mx.Array | None], tokens: mx.Array,
         guard.check()
         stop = min((start // step + 1) * step, length)
         with queue.building():
-            logits = forward(tokens[:, start:stop], cache, start, submit_layer, finish is not None and stop == length)
+            logits = forward(tokens[:, start:stop], cache, start, lead.on_layer, finish is not None and stop == length)
+            lead.clear()
             state = _cache_state(cache)
             marker = [queue.readable(c[0]) for c in state[-1:] if c]  # one array: waits for the whole submission
             if logits is not None and finish is not None:

@@ -188,3 +188,31 @@ def test_pipeline_queues_lookahead_steps_ahead_of_the_reader(lookahead: int) -> 
     queue.drain()
     assert seen == [1, 2, 4, 8]
     assert len(built) == min(3 + lookahead + 1, 6)
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+@pytest.mark.parametrize("lead", [1, 2, 3])
+def test_layer_lead_waits_for_the_layer_lead_layers_back(threaded: bool, lead: int, monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """After layer i is handed over, layer i - lead has finished (its marker reads its last value),
+    and no later one was waited for; `clear` forgets the rest."""
+    queue = StepQueue(threaded=threaded)
+    waited: list[Any] = []
+    real_ready = queue.ready
+    monkeypatch.setattr(queue, "ready", lambda handle: (waited.append(handle), real_ready(handle))[-1])
+    layer_lead = loops.LayerLead(queue, lead)
+    mx = pymlxc.core
+    h = mx.zeros((1, 3, 4))
+    queue.hand_over([h])  # built on this thread's stream, as a prompt's tokens are
+    outputs = []
+    for i in range(6):
+        with queue.building():
+            h = h + 1.0
+            layer_lead.on_layer(h, None)
+        outputs.append(h)
+        assert len(waited) == max(0, i + 1 - lead)
+    assert len(layer_lead._running) == lead
+    layer_lead.clear()
+    assert not layer_lead._running
+    queue.drain()
+    assert [float(o[0, -1, 0].item()) for o in outputs] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]

@@ -156,3 +156,38 @@ def test_rotating_cache_rejects_bad_sizes() -> None:
         RotatingKVCache(0)
     with pytest.raises(ValueError):
         RotatingKVCache(4, keep=4)
+
+
+def _row_contiguous(a: mx.Array) -> bool:
+    """Whether `a` (evaluated) is laid out row by row: for a cache buffer [B, H, slots, D], head by head."""
+    from pymlxc.core._loader import ffi, lib  # noqa: PLC0415 - the flag has no public accessor
+
+    flag = ffi.new("bool *")
+    lib._mlx_array_is_row_contiguous(flag, a.handle)
+    return bool(flag[0])
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(max_size=st.integers(2, 20), sizes=st.lists(st.integers(1, 12), min_size=1, max_size=8),
+       extra=st.integers(0, 8))
+def test_rotating_decode_buffers_hold_each_slots_latest_position_head_by_head(max_size: int, sizes: list[int],
+                                                                               extra: int) -> None:
+    """The ring a decode starts from: slot s holds the latest position p with p % ring == s, and the
+    buffers are laid out head by head (a view ordered position by position made every attention
+    read of the decode strided)."""
+    cache = RotatingKVCache(max_size)
+    for n in sizes:
+        k, v = chunk(cache.offset, n)
+        # As a model hands them over: views of [B, n, H, D] projections.
+        cache.update_and_fetch(mx.swapaxes(mx.array(k.transpose(0, 2, 1, 3).copy()), 1, 2),
+                               mx.swapaxes(mx.array(v.transpose(0, 2, 1, 3).copy()), 1, 2))
+    offset = cache.offset
+    ring = min(max_size, offset + extra) if offset <= max_size else max_size
+    keys, values = cache.decode_buffers(ring)
+    mx.eval(keys, values)
+    assert keys.shape == (B, H, ring, D) and values.shape == (B, H, ring, D)
+    assert _row_contiguous(keys) and _row_contiguous(values)
+    held = min(ring, offset)
+    want = [s + ring * ((offset - 1 - s) // ring) for s in range(held)]
+    np.testing.assert_array_equal(positions_of(np.asarray(keys))[:held], want)
+    np.testing.assert_array_equal(np.asarray(values)[:, :, :held], -np.asarray(keys)[:, :, :held])

@@ -82,6 +82,14 @@ def _first_slots(a: Array, length: int) -> Array:
     return _slice(a, [0, 0, 0, 0], [b, h, length, d], [1, 1, 1, 1])
 
 
+def _filling(update: Array, at: int, length: int) -> Array:
+    """`update` as written at slot `at` of a buffer of `length` slots. Where it fills the buffer, MLX
+    hands the update itself back as the new buffer: a chunk arrives as a view of the model's
+    [B, n, H, D] projection, so it is laid out head by head first (later writes keep a buffer's
+    layout, and the attention reads each head's keys in a row)."""
+    return mx.contiguous(update) if at == 0 and update.shape[2] == length else update
+
+
 def _pad_slots(a: Array, length: int) -> Array:
     b, h, have, d = a.shape
     return _concat([a, mx.zeros((b, h, length - have, d), a.dtype)], axis=2)
@@ -154,6 +162,7 @@ class KVCache(_KeyValueBuffers):
             self._dims = (b, h, dk, dv)
         _, _, dk, dv = self._dims
         held_k, held_v = self._held()
+        keys, values = _filling(keys, prev, self._capacity), _filling(values, prev, self._capacity)
         self.keys = _slice_update(held_k, keys, [0, 0, prev, 0], [b, h, end, dk], [1, 1, 1, 1])
         self.values = _slice_update(held_v, values, [0, 0, prev, 0], [b, h, end, dv], [1, 1, 1, 1])
         self.offset = end
@@ -333,6 +342,7 @@ class RotatingKVCache(_KeyValueBuffers):
     def _write(self, keys: Array, values: Array, at: int, s: int) -> None:
         b, h = self._b, self._h
         held_k, held_v = self._held()
+        keys, values = _filling(keys, at, self._len), _filling(values, at, self._len)
         self.keys = _slice_update(held_k, keys, [0, 0, at, 0], [b, h, at + s, self._dk], [1, 1, 1, 1])
         self.values = _slice_update(held_v, values, [0, 0, at, 0], [b, h, at + s, self._dv], [1, 1, 1, 1])
 
@@ -353,7 +363,7 @@ class RotatingKVCache(_KeyValueBuffers):
 
     def _update_concat(self, keys: Array, values: Array, s: int) -> tuple[Array, Array]:
         if self.keys is None or self.values is None:
-            self.keys, self.values = keys, values
+            self.keys, self.values = _filling(keys, 0, s), _filling(values, 0, s)
             self._len = s
         else:
             self.keys = self._temporal_order(self.keys, self._dk)

@@ -191,3 +191,32 @@ def test_rotating_decode_buffers_hold_each_slots_latest_position_head_by_head(ma
     want = [s + ring * ((offset - 1 - s) // ring) for s in range(held)]
     np.testing.assert_array_equal(positions_of(np.asarray(keys))[:held], want)
     np.testing.assert_array_equal(np.asarray(values)[:, :, :held], -np.asarray(keys)[:, :, :held])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(max_size=st.integers(2, 12), first=st.integers(1, 30), following=st.integers(0, 20))
+def test_rotating_cache_buffers_stay_head_by_head(max_size: int, first: int, following: int) -> None:
+    """A prompt longer than the cache (its first chunk held as is) and the tokens after it: the
+    buffers the attention reads stay laid out head by head, whatever view the model handed over."""
+    cache = RotatingKVCache(max_size)
+    for start, n in [(0, first)] + [(first + i, 1) for i in range(following)]:
+        k, v = chunk(start, n)
+        keys, _ = cache.update_and_fetch(mx.swapaxes(mx.array(k.transpose(0, 2, 1, 3).copy()), 1, 2),
+                                         mx.swapaxes(mx.array(v.transpose(0, 2, 1, 3).copy()), 1, 2))
+        mx.eval(cache.keys, cache.values)
+        assert _row_contiguous(cache.keys) and _row_contiguous(cache.values)
+        assert sorted(positions_of(np.asarray(keys))) == reference_positions(start, n, max_size, 0)
+
+
+@pytest.mark.parametrize("first", [KVCache.step, 2 * KVCache.step, KVCache.step - 1])
+def test_kv_cache_buffers_stay_head_by_head(first: int) -> None:
+    """A prompt that fills the cache's buffer exactly (the buffer is then the chunk itself) and the
+    tokens after it: laid out head by head, as the attention reads them."""
+    cache = KVCache()
+    for start, n in [(0, first), (first, 1), (first + 1, 1)]:
+        k, v = chunk(start, n)
+        keys, _ = cache.update_and_fetch(mx.swapaxes(mx.array(k.transpose(0, 2, 1, 3).copy()), 1, 2),
+                                         mx.swapaxes(mx.array(v.transpose(0, 2, 1, 3).copy()), 1, 2))
+        mx.eval(cache.keys, cache.values)
+        assert _row_contiguous(cache.keys) and _row_contiguous(cache.values)
+        np.testing.assert_array_equal(positions_of(np.asarray(keys)), np.arange(start + n))

@@ -78,16 +78,14 @@ class PeakPoller:
         return self._peaks.get(pid)
 
 
-def peak_of(cmd: Sequence[str], env: Mapping[str, str] | None = None, timeout: float = 1800,
-            nvidia_smi: str = "nvidia-smi") -> tuple[str, int | None]:
+def peak_of(cmd: Sequence[str], timeout: float = 1800, nvidia_smi: str = "nvidia-smi") -> tuple[str, int | None]:
     """Run `cmd` to its end under a PeakPoller: (its stdout, its peak MiB or None where nvidia-smi
     never listed it). Raises RuntimeError naming the command where it fails, or where nvidia-smi
     cannot be run."""
     if shutil.which(nvidia_smi) is None:
         raise RuntimeError(f"{nvidia_smi} is not on PATH: peak GPU memory needs NVIDIA's driver tools")
     with PeakPoller(nvidia_smi=nvidia_smi) as poller:
-        proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=dict(env) if env is not None else None)
+        proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -113,18 +111,23 @@ def pymlxc_command(model: Path, prompt_tokens: int, max_tokens: int) -> list[str
             "--prompt-tokens", str(prompt_tokens), "--max-tokens", str(max_tokens)]
 
 
+def prompt_ids(config: Mapping[str, Any], n: int) -> list[int]:
+    """The benchmark's prompt of `n` token ids for a model of `config` (seeded: the same every run)."""
+    import numpy as np  # noqa: PLC0415
+
+    vocab = int(config.get("vocab_size") or 32000)
+    return [int(i) for i in np.random.default_rng(0).integers(min(1000, vocab // 2), min(vocab, 100000), n)]
+
+
 def _generate(model: Path, prompt_tokens: int, max_tokens: int) -> int:
     """One greedy generation as compare_llama_cpp.py's pymlxc side runs it (compare_mlx_lm.Pymlxc)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import numpy as np  # noqa: PLC0415
     from compare_mlx_lm import Pymlxc  # noqa: PLC0415 - the checkout as installed, through its _path
 
     side = Pymlxc()
     side.load(model)
     try:
-        vocab = int(side.loaded.config.get("vocab_size") or 32000)
-        ids = np.random.default_rng(0).integers(min(1000, vocab // 2), min(vocab, 100000), prompt_tokens).tolist()
-        n = sum(1 for _ in side.stream(ids, max_tokens))
+        n = sum(1 for _ in side.stream(prompt_ids(side.loaded.config, prompt_tokens), max_tokens))
     finally:
         side.free()
     print(n, flush=True)

@@ -567,12 +567,11 @@ class RotatingKVCache(_KeyValueBuffers):
             for s in range(min(ring, offset)):
                 index[s] = where[s + ring * ((offset - 1 - s) // ring)]
             idx = mx.array(index)
-            k, v = mx.take(k, idx, axis=2), mx.take(v, idx, axis=2)
-        # Laid out head by head, as the decode reads them (no copy where they are already). A view
-        # ordered position by position (`take`'s result, or a first chunk held as the model handed
-        # it over) made every attention read of the decode strided: on a CPU, an attention over
-        # 1024 keys took twice as long.
-        return mx.contiguous(k), mx.contiguous(v)
+            # `take` gives a view ordered position by position, and the decode's every attention
+            # read of it was strided (on a CPU, an attention over 1024 keys took twice as long):
+            # laid out head by head, as the buffers above already are (`_filling`).
+            k, v = mx.contiguous(mx.take(k, idx, axis=2)), mx.contiguous(mx.take(v, idx, axis=2))
+        return k, v
 
     def release_buffers(self) -> None:
         """Let go of the buffers while a decode session owns them; `take_back` returns them."""

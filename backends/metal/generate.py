@@ -38,11 +38,11 @@ if TYPE_CHECKING:
 # mlx-lm's prefill for 2048-token prompts (H100, MLX 0.32.4) from smaller matmuls and more launches;
 # the chunk still bounds the attention scores' memory where the fused kernel is not used.
 PREFILL_STEP = 2048
-# Layers of a prefill chunk the host may hand over before the device has run them. MLX holds each
-# layer's temporaries until the device has run the layer, a dense product's dequantized weights (two
-# bytes a weight) among them, so a chunk built and encoded far ahead held every layer's at once: on
-# an H100, Llama-3.2-1B 4-bit peaked at 3.2 GiB over a 2048-token prompt, 1.9 GiB of it such
-# copies (`benchmarks/profile/probe_memory.py`). Two layers keep the device fed while one is built.
+# Layers of a prefill the host may hand over before the device has run them. MLX holds each layer's
+# temporaries until the device has run the layer, a dense product's dequantized weights (two bytes a
+# weight) among them, so a chunk built and encoded far ahead held every layer's at once: on an H100,
+# a 2048-token prompt took Llama-3.2-1B 4-bit's MLX peak to 3749 MiB, 1865 MiB with this lead
+# (`benchmarks/profile/probe_memory.py`). Two layers keep the device fed while one is built.
 PREFILL_LEAD_LAYERS = 2
 
 
@@ -186,12 +186,11 @@ def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, ste
     length = tokens.shape[1]
     running: list[Any] = []
     result = None
-    lead = LayerLead(StepQueue(threaded=False))
+    lead = LayerLead(queue if queue is not None else StepQueue(threaded=False))
     while start < length:
         guard.check()
         stop = min((start // step + 1) * step, length)
         logits = forward(tokens[:, start:stop], cache, start, lead.on_layer, finish is not None and stop == length)
-        lead.clear()
         state = _cache_state(cache)
         if logits is not None and finish is not None:
             result = finish(logits)
@@ -204,9 +203,10 @@ def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, ste
 
 
 class LayerLead:
-    """Hands a prefill chunk's layers over as they are built (`on_layer`) and keeps the host at most
-    `lead` layers ahead of the device: after handing over layer i it waits for layer i - lead to
-    finish. Through `queue` (threaded or not), so the waits read copies the evaluation thread made."""
+    """Hands a prefill's layers over as they are built (`on_layer`) and keeps the host at most `lead`
+    layers ahead of the device: after handing over layer i it waits for layer i - lead to finish
+    (counted across chunks: a chunk's first layers wait for the last of the one before). Through
+    `queue` (threaded or not), so the waits read copies the evaluation thread made."""
 
     def __init__(self, queue: StepQueue, lead: int = PREFILL_LEAD_LAYERS) -> None:
         self._queue = queue
@@ -222,10 +222,6 @@ class LayerLead:
             ticket, done = self._running.popleft()
             self._queue.ready(ticket)
             mx.eval(done)
-
-    def clear(self) -> None:
-        """Forget the layers handed over (their chunk is waited for as a whole)."""
-        self._running.clear()
 
 
 def check_memory(model: LanguageModel, cache: Sequence[Any], batch: int, prompt_len: int, new_tokens: int,
@@ -286,7 +282,6 @@ def _prefill_threaded(forward: Callable[..., mx.Array | None], tokens: mx.Array,
         stop = min((start // step + 1) * step, length)
         with queue.building():
             logits = forward(tokens[:, start:stop], cache, start, lead.on_layer, finish is not None and stop == length)
-            lead.clear()
             state = _cache_state(cache)
             marker = [queue.readable(c[0]) for c in state[-1:] if c]  # one array: waits for the whole submission
             if logits is not None and finish is not None:

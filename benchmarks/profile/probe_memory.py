@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import numpy as np  # noqa: E402
 from compare_mlx_lm import Pymlxc  # noqa: E402 - the checkout as installed, through its _path
+from gpu_memory import process_memory, prompt_ids  # noqa: E402
 
 import pymlxc.core as mx  # noqa: E402
 
@@ -31,16 +31,9 @@ MIB = 1 << 20
 def _smi_mib() -> int | None:
     """This process's GPU memory as nvidia-smi lists it (MiB), or None without nvidia-smi."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
+        return process_memory().get(os.getpid())
+    except (OSError, RuntimeError, subprocess.SubprocessError):
         return None
-    total = 0
-    for line in out.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 2 and parts[0] == str(os.getpid()) and parts[1].isdigit():
-            total += int(parts[1])
-    return total
 
 
 def _stage(name: str, rows: list[dict[str, Any]], started: float) -> None:
@@ -68,9 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     side = Pymlxc()
     side.load(args.model)
     _stage("loaded", rows, started)
-    vocab = int(side.loaded.config.get("vocab_size") or 32000)
-    ids = np.random.default_rng(0).integers(min(1000, vocab // 2), min(vocab, 100000), args.prompt_tokens).tolist()
-    stream = side.stream(ids, args.max_tokens)
+    stream = side.stream(prompt_ids(side.loaded.config, args.prompt_tokens), args.max_tokens)
     next(stream)
     _stage("prefilled", rows, started)
     n = 1 + sum(1 for _ in stream)

@@ -194,11 +194,13 @@ def test_pipeline_queues_lookahead_steps_ahead_of_the_reader(lookahead: int) -> 
 @pytest.mark.parametrize("lead", [1, 2, 3])
 def test_layer_lead_waits_for_the_layer_lead_layers_back(threaded: bool, lead: int, monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
-    """After layer i is handed over, layer i - lead has finished (its marker reads its last value),
-    and no later one was waited for; `clear` forgets the rest."""
+    """After layer i is handed over, the host has waited for layers up to i - lead and no later one,
+    the waits in the order of the layers; the values come out as built."""
     queue = StepQueue(threaded=threaded)
+    submitted: list[Any] = []
     waited: list[Any] = []
-    real_ready = queue.ready
+    real_submit, real_ready = queue.submit, queue.ready
+    monkeypatch.setattr(queue, "submit", lambda arrays: submitted.append(real_submit(arrays)) or submitted[-1])
     monkeypatch.setattr(queue, "ready", lambda handle: (waited.append(handle), real_ready(handle))[-1])
     layer_lead = loops.LayerLead(queue, lead)
     mx = pymlxc.core
@@ -210,9 +212,6 @@ def test_layer_lead_waits_for_the_layer_lead_layers_back(threaded: bool, lead: i
             h = h + 1.0
             layer_lead.on_layer(h, None)
         outputs.append(h)
-        assert len(waited) == max(0, i + 1 - lead)
-    assert len(layer_lead._running) == lead
-    layer_lead.clear()
-    assert not layer_lead._running
+        assert waited == submitted[:max(0, i + 1 - lead)]
     queue.drain()
     assert [float(o[0, -1, 0].item()) for o in outputs] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]

@@ -6,7 +6,7 @@ process's GPU memory as nvidia-smi lists it. The gap between nvidia-smi and MLX'
 what MLX does not count (the CUDA context, library kernels and handles' workspaces).
 
     python benchmarks/profile/probe_memory.py MODEL [--prompt-tokens 2048] [--max-tokens 256]
-        [--cache-limit BYTES] [--json OUT]
+        [--cache-limit BYTES] [--lead LAYERS] [--keep-cache] [--json OUT]
 """
 from __future__ import annotations
 
@@ -50,8 +50,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--cache-limit", type=int, help="mx.set_cache_limit before loading (bytes)")
+    p.add_argument("--lead", type=int, help="generate.PREFILL_LEAD_LAYERS (layers the host may run ahead)")
+    p.add_argument("--keep-cache", action="store_true",
+                   help="no clearing of MLX's buffer cache after a long prompt (generate.CLEAR_CACHE_PROMPT_TOKENS)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    from pymlxc.backends.metal import generate
+
+    if args.lead is not None:
+        generate.PREFILL_LEAD_LAYERS = args.lead
+    if args.keep_cache:
+        generate.CLEAR_CACHE_PROMPT_TOKENS = 1 << 62
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     if args.cache_limit is not None:
@@ -71,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps({"model": str(args.model), "prompt_tokens": args.prompt_tokens,
                                          "max_tokens": args.max_tokens, "cache_limit": args.cache_limit,
+                                         "lead_layers": generate.PREFILL_LEAD_LAYERS,
+                                         "clear_cache_prompt_tokens": generate.CLEAR_CACHE_PROMPT_TOKENS,
                                          "stages": rows}, indent=1))
     return 0
 

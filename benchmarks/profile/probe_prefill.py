@@ -8,6 +8,7 @@ block layers, the group-32 products, or the compiled segments that do not trace 
 
     python benchmarks/profile/probe_prefill.py MODEL [MODEL ...] [--lengths 128 2048] [--modes segmented off]
         [--dense-min-rows 512 128]   # each threshold of the dense prefill products (nn.DENSE_MIN_ROWS)
+        [--lead 1 2]                 # each lead of the host over the device (generate.PREFILL_LEAD_LAYERS)
 """
 from __future__ import annotations
 
@@ -32,14 +33,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dense-min-rows", nargs="+", type=int, default=[0],
                    help="rows of x from which quantized layers take dense products, each (0: the library's)")
+    p.add_argument("--lead", nargs="+", type=int, default=[0],
+                   help="layers the host may run ahead of the device in a prefill, each "
+                        "(generate.PREFILL_LEAD_LAYERS; 0: the library's)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    from pymlxc.backends.metal import nn
+    from pymlxc.backends.metal import generate, nn
 
     default_rows = nn.DENSE_MIN_ROWS
+    default_lead = generate.PREFILL_LEAD_LAYERS
     rows: list[dict[str, Any]] = []
-    for path, mode, dense in ((p, m, d) for p in args.models for m in args.modes for d in args.dense_min_rows):
+    for path, mode, dense, lead in ((p, m, d, ld) for p in args.models for m in args.modes
+                                    for d in args.dense_min_rows for ld in args.lead):
         nn.DENSE_MIN_ROWS = dense or default_rows  # read when a model loads (mark_dense_products)
+        generate.PREFILL_LEAD_LAYERS = lead or default_lead
         side = Pymlxc(compiled=mode != "off", mode=None if mode == "off" else mode)
         side.load(path)
         try:
@@ -48,10 +55,11 @@ def main(argv: list[str] | None = None) -> int:
                 timed_run(side, prompt, 1)  # warm-up: traces and kernels for this length
                 times = [timed_run(side, prompt, 1)["ttft_s"] for _ in range(args.repeats)]
                 ms = 1e3 * statistics.median(times)
-                rows.append({"model": str(path), "mode": mode, "dense_min_rows": nn.DENSE_MIN_ROWS, "prompt": n,
+                rows.append({"model": str(path), "mode": mode, "dense_min_rows": nn.DENSE_MIN_ROWS,
+                             "lead_layers": generate.PREFILL_LEAD_LAYERS, "prompt": n,
                              "ttft_ms": ms, "prefill_tps": n / ms * 1e3})
-                print(f"{path.name:40s} {mode:9s} dense>={nn.DENSE_MIN_ROWS:<5d} {n:5d} tokens  {ms:8.2f} ms  "
-                      f"{n / ms * 1e3:9.0f} tok/s", flush=True)
+                print(f"{path.name:40s} {mode:9s} dense>={nn.DENSE_MIN_ROWS:<5d} lead {generate.PREFILL_LEAD_LAYERS} "
+                      f"{n:5d} tokens  {ms:8.2f} ms  {n / ms * 1e3:9.0f} tok/s", flush=True)
         finally:
             side.free()
     if args.out is not None:

@@ -215,3 +215,45 @@ def test_layer_lead_waits_for_the_layer_lead_layers_back(threaded: bool, lead: i
         assert waited == submitted[:max(0, i + 1 - lead)]
     queue.drain()
     assert [float(o[0, -1, 0].item()) for o in outputs] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_long_prompt_gives_the_buffer_cache_back_after_the_first_token(models, monkeypatch: pytest.MonkeyPatch,
+                                                                         threaded: bool) -> None:
+    """A prompt of at least CLEAR_CACHE_PROMPT_TOKENS new tokens empties MLX's buffer cache once, after
+    the first token is out and before any decode step; shorter prompts, and the part a prompt
+    cache already holds, do not count, and the tokens do not change."""
+    model = models("llama").model
+    prompt = ids(40)
+    baseline = generate(model, prompt, "segmented", threaded, monkeypatch, steps=6)
+    events: list[tuple[str, int]] = []
+    real_clear = pymlxc.core.clear_cache
+
+    def clear() -> None:
+        events.append(("clear", pymlxc.core.get_cache_memory()))
+        real_clear()
+        assert pymlxc.core.get_cache_memory() == 0
+
+    monkeypatch.setattr(loops.mx, "clear_cache", clear)
+    monkeypatch.setattr(loops, "CLEAR_CACHE_PROMPT_TOKENS", 32)
+
+    def tokens(prompt: list[int], cached: int = 0, cache: Any = None) -> list[int]:
+        out = []
+        with settings.override(eval_thread="1" if threaded else "0"):
+            for token in loops.generate_ids(model, prompt, cache=cache if cache is not None else model.make_cache(None),
+                                            cached=cached, sampler=greedy, max_tokens=6):
+                events.append(("token", token))
+                out.append(token)
+        return out
+
+    assert tokens(prompt) == baseline
+    assert [e[0] for e in events] == ["token", "clear"] + ["token"] * 5
+    assert events[1][1] > 0  # the prefill's freed temporaries were there to give back
+    events.clear()
+    tokens(prompt[:31])
+    assert "clear" not in [e[0] for e in events]
+    cache = model.make_cache(None)
+    list(loops.generate_ids(model, prompt[:20], cache=cache, sampler=greedy, max_tokens=0))
+    events.clear()
+    tokens(prompt, cached=20, cache=cache)  # 20 new tokens: under the threshold
+    assert "clear" not in [e[0] for e in events]

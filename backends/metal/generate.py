@@ -44,6 +44,12 @@ PREFILL_STEP = 2048
 # a 2048-token prompt took Llama-3.2-1B 4-bit's MLX peak to 3749 MiB, 1865 MiB with this lead
 # (`benchmarks/profile/probe_memory.py`). Two layers keep the device fed while one is built.
 PREFILL_LEAD_LAYERS = 2
+# The lead is one layer where PREFILL_LEAD_LAYERS + 1 layers' dense-product weight copies
+# (`nn.mark_dense_products`) would pass PREFILL_DENSE_BYTES. On an H100, over a 2048-token prompt,
+# Llama-3.1-8B 4-bit (416 MiB a layer) peaked at 4866 against 5826 MiB with a lead of one, its
+# prefill 1% slower; Llama-3.2-1B (116 MiB a layer) at 1506 against 1762 MiB, but 9% slower, so it
+# keeps two (`probe_memory.py`, `probe_prefill.py --lead`).
+PREFILL_DENSE_BYTES = 1 << 30
 # Prompts of at least this many new tokens give MLX's buffer cache back once the first token is read.
 # The cache keeps a long chunk's freed temporaries (the dense products' weight copies, the 2048-row
 # activations) for reuse, and a decode allocates buffers of other sizes beside them: on an H100 the
@@ -186,13 +192,14 @@ def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, ste
     if new_tokens is not None:
         check_memory(model, cache, tokens.shape[0], tokens.shape[1], new_tokens, step)
     forward = _chunk_forward(model, mask, runner)
+    layers_ahead = prefill_lead(model, tokens.shape[0] * min(step - start % step, tokens.shape[1] - start))
     if queue is not None and queue.threaded:
         return _prefill_threaded(forward, tokens, cache, step=step, guard=guard, start=start, queue=queue,
-                                 finish=finish)
+                                 finish=finish, lead=layers_ahead)
     length = tokens.shape[1]
     running: list[Any] = []
     result = None
-    lead = LayerLead(queue if queue is not None else StepQueue(threaded=False))
+    lead = LayerLead(queue if queue is not None else StepQueue(threaded=False), layers_ahead)
     while start < length:
         guard.check()
         stop = min((start // step + 1) * step, length)
@@ -206,6 +213,17 @@ def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, ste
         running = state
         start = stop
     return result
+
+
+def prefill_lead(model: Any, rows: int) -> int:
+    """Layers the host may run ahead of the device in a prefill whose first chunk has `rows` rows:
+    PREFILL_LEAD_LAYERS, or one where the chunk's dense products would hold more than
+    PREFILL_DENSE_BYTES of weight copies over that many layers."""
+    dense_rows = getattr(model, "dense_rows", 0)
+    per_layer = getattr(model, "dense_block_bytes", 0)
+    if dense_rows and rows >= dense_rows and (PREFILL_LEAD_LAYERS + 1) * per_layer > PREFILL_DENSE_BYTES:
+        return 1
+    return PREFILL_LEAD_LAYERS
 
 
 class LayerLead:
@@ -273,12 +291,12 @@ def _chunk_forward(model: LanguageModel, mask: Callable[[int, int], mx.Array | N
 
 def _prefill_threaded(forward: Callable[..., mx.Array | None], tokens: mx.Array, cache: Sequence[Any], *,
                       step: int, guard: Guard, start: int, queue: StepQueue,
-                      finish: Callable[[mx.Array], mx.Array] | None) -> mx.Array | None:
+                      finish: Callable[[mx.Array], mx.Array] | None, lead: int | None = None) -> mx.Array | None:
     """`prefill` with the evaluation thread: the same chunks, each layer submitted when built. The
     wait for the previous chunk reads a copy of its state (see `StepQueue.readable`); `finish`'s
     result is returned as a readable copy, once the thread has scheduled it."""
     queue.hand_over([tokens, _cache_state(cache)])  # built here (a slice; a prompt-cache hit's caches)
-    lead = LayerLead(queue)
+    layer_lead = LayerLead(queue, lead)
 
     length = tokens.shape[1]
     previous: tuple[Any, list[Any]] | None = None
@@ -287,7 +305,8 @@ def _prefill_threaded(forward: Callable[..., mx.Array | None], tokens: mx.Array,
         guard.check()
         stop = min((start // step + 1) * step, length)
         with queue.building():
-            logits = forward(tokens[:, start:stop], cache, start, lead.on_layer, finish is not None and stop == length)
+            logits = forward(tokens[:, start:stop], cache, start, layer_lead.on_layer,
+                             finish is not None and stop == length)
             state = _cache_state(cache)
             marker = [queue.readable(c[0]) for c in state[-1:] if c]  # one array: waits for the whole submission
             if logits is not None and finish is not None:

@@ -257,3 +257,39 @@ def test_a_long_prompt_gives_the_buffer_cache_back_after_the_first_token(models,
     events.clear()
     tokens(prompt, cached=20, cache=cache)  # 20 new tokens: under the threshold
     assert "clear" not in [e[0] for e in events]
+
+
+def test_prefill_lead_is_one_layer_where_dense_copies_would_pass_the_budget(models) -> None:
+    """mark_dense_products records a block's dense copies (two bytes a weight of its quantized
+    linears); the lead drops to one layer only for chunks that go dense and whose copies over
+    PREFILL_LEAD_LAYERS + 1 layers pass PREFILL_DENSE_BYTES."""
+    from pymlxc.backends.metal import nn
+    from pymlxc.testing import write_tiny_model as write
+
+    class Model:
+        dense_rows = 512
+        dense_block_bytes = 416 << 20
+
+    model = Model()
+    assert loops.prefill_lead(model, 2048) == 1
+    assert loops.prefill_lead(model, 511) == loops.PREFILL_LEAD_LAYERS
+    model.dense_block_bytes = 116 << 20
+    assert loops.prefill_lead(model, 2048) == loops.PREFILL_LEAD_LAYERS
+    model.dense_rows = 0
+    model.dense_block_bytes = 416 << 20
+    assert loops.prefill_lead(model, 2048) == loops.PREFILL_LEAD_LAYERS
+
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        loaded = load_weights_and_config(write(Path(tmp) / "q", "llama", num_layers=3, quantize_bits=4))
+        try:
+            lm = loaded.model
+            nn.mark_dense_products(lm, True)
+            weights = sum(m.weight.shape[0] * m.weight.shape[1] * 8 for m in nn.quantized_layers(lm)
+                          if isinstance(m, nn.QuantizedLinear))
+            assert weights > 0
+            assert lm.dense_block_bytes == 2 * weights // len(lm.layers)
+            nn.mark_dense_products(lm, False)
+            assert lm.dense_block_bytes == 0 and loops.prefill_lead(lm, 4096) == loops.PREFILL_LEAD_LAYERS
+        finally:
+            loaded.free()

@@ -53,13 +53,26 @@ SOURCE = r"""
   uint4* n4 = reinterpret_cast<uint4*>(normed + row * D);
   const uint4* w4 = reinterpret_cast<const uint4*>(w);
 
+  // Every load is issued before any arithmetic (the weight's and eps too, which the normalization
+  // needs only after the reduction): one memory round trip per block rather than two.
   uint4 xs[CHUNKS];
+  uint4 av4[CHUNKS];
+  uint4 bv4[CHUNKS];
+  uint4 wv4[CHUNKS];
+#pragma unroll
+  for (int i = 0; i < CHUNKS; ++i) {
+    const int offset = BLOCK * i + tid;
+    av4[i] = a4[offset];
+    bv4[i] = b4[offset];
+    wv4[i] = w4[offset];
+  }
+  const float epsilon = eps[0];
   float normalizer = 0.f;
 #pragma unroll
   for (int i = 0; i < CHUNKS; ++i) {
     const int offset = BLOCK * i + tid;
-    uint4 av = a4[offset];
-    uint4 bv = b4[offset];
+    uint4 av = av4[i];
+    uint4 bv = bv4[i];
     const T* ae = reinterpret_cast<const T*>(&av);
     const T* be = reinterpret_cast<const T*>(&bv);
     T* xe = reinterpret_cast<T*>(&xs[i]);
@@ -81,11 +94,11 @@ SOURCE = r"""
     total = warp.thread_rank() < warp.meta_group_size() ? partial[warp.thread_rank()] : 0.f;
     total = cg::reduce(warp, total, cg::plus<float>());
   }
-  const float inv = rsqrt(total / static_cast<uint32_t>(D) + eps[0]);
+  const float inv = rsqrt(total / static_cast<uint32_t>(D) + epsilon);
 #pragma unroll
   for (int i = 0; i < CHUNKS; ++i) {
     const int offset = BLOCK * i + tid;
-    uint4 wv = w4[offset];
+    uint4 wv = wv4[i];
     const T* we = reinterpret_cast<const T*>(&wv);
     T* xe = reinterpret_cast<T*>(&xs[i]);
 #pragma unroll

@@ -45,11 +45,12 @@ PREFILL_STEP = 2048
 # (`benchmarks/profile/probe_memory.py`). Two layers keep the device fed while one is built.
 PREFILL_LEAD_LAYERS = 2
 # The lead is one layer where PREFILL_LEAD_LAYERS + 1 layers' dense-product weight copies
-# (`nn.mark_dense_products`) would pass PREFILL_DENSE_BYTES. On an H100, over a 2048-token prompt,
-# Llama-3.1-8B 4-bit (416 MiB a layer) peaked at 4866 against 5826 MiB with a lead of one, its
-# prefill 1% slower; Llama-3.2-1B (116 MiB a layer) at 1506 against 1762 MiB, but 9% slower, so it
-# keeps two (`probe_memory.py`, `probe_prefill.py --lead`).
-PREFILL_DENSE_BYTES = 1 << 30
+# (`nn.mark_dense_products`) would pass PREFILL_DENSE_BYTES. On an H100, over a 2048-token prompt
+# and 256 tokens after it, the process's peak as nvidia-smi lists it: Llama-3.1-8B 4-bit (416 MiB of
+# copies a layer) 4866 against 5826 MiB with a lead of one, its prefill 1% slower; Llama-3.2-1B's
+# Q4_0 GGUF file (116 MiB a layer) 1538 against 1766-1826 MiB, llama.cpp 1656 on the same file
+# (`probe_memory.py`, `probe_prefill.py --lead`, `benchmarks/results/h100-llama-cpp-*peak*.json`).
+PREFILL_DENSE_BYTES = 1 << 28
 # Prompts of at least this many new tokens give MLX's buffer cache back once the first token is read.
 # The cache keeps a long chunk's freed temporaries (the dense products' weight copies, the 2048-row
 # activations) for reuse, and a decode allocates buffers of other sizes beside them: on an H100 the

@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.lead is not None:
         generate.PREFILL_LEAD_LAYERS = args.lead
+        generate.PREFILL_DENSE_BYTES = 1 << 62  # the lead given, for every chunk
     if args.keep_cache:
         generate.CLEAR_CACHE_PROMPT_TOKENS = 1 << 62
     started = time.perf_counter()

@@ -266,17 +266,19 @@ def test_prefill_lead_is_one_layer_where_dense_copies_would_pass_the_budget(mode
     from pymlxc.backends.metal import nn
     from pymlxc.testing import write_tiny_model as write
 
+    budget, layers = loops.PREFILL_DENSE_BYTES, loops.PREFILL_LEAD_LAYERS + 1
+
     class Model:
         dense_rows = 512
-        dense_block_bytes = 416 << 20
+        dense_block_bytes = budget // layers + 1
 
     model = Model()
     assert loops.prefill_lead(model, 2048) == 1
     assert loops.prefill_lead(model, 511) == loops.PREFILL_LEAD_LAYERS
-    model.dense_block_bytes = 116 << 20
+    model.dense_block_bytes = budget // layers
     assert loops.prefill_lead(model, 2048) == loops.PREFILL_LEAD_LAYERS
     model.dense_rows = 0
-    model.dense_block_bytes = 416 << 20
+    model.dense_block_bytes = budget
     assert loops.prefill_lead(model, 2048) == loops.PREFILL_LEAD_LAYERS
 
     import tempfile

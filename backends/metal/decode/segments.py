@@ -85,7 +85,9 @@ def use_fused_norm(model: Any, blocks: Sequence[Any], setting: str) -> bool:
     if any(type(n) is not nn.RMSNorm for n in norms):
         return False
     kinds = {(n.weight.shape[-1], n.weight.dtype) for n in norms}
-    return len(kinds) == 1 and norm_kernel.applies(*next(iter(kinds))) and norm_kernel.check(*next(iter(kinds)))
+    if len(kinds) != 1 or not norm_kernel.applies(*next(iter(kinds))):
+        return False
+    return all(norm_kernel.check(*next(iter(kinds)), eps) for eps in sorted({float(n.eps) for n in norms}))
 
 
 def use_cuda_argmax(model: Any, setting: str) -> bool:
@@ -349,25 +351,37 @@ def _finish_block(block: Any, attn_out: Array, h: Array, gate_up: FusedProjectio
 def _heads(group: SegmentGroup, attn: Any, x: Array, pos: Array, qkv: FusedProjection | None,
            kv_inputs: list[Array]) -> list[Array]:
     """The layer's [q, k, v] RoPE'd; with the plan's RoPE kernel [q RoPE'd, keys, values], its key
-    and value written into the buffers `kv_inputs` [keys, values, RoPE table, RoPE scale] (in place:
+    and value written into the buffers `kv_inputs` [keys, values, RoPE table] (in place:
     the same buffers come back)."""
     heads = _project(attn, x, pos, qkv, group.rope is not None)
     if group.rope is None:
         return heads
-    keys, values, table, scale = kv_inputs
+    keys, values, table = kv_inputs
     (qk, v), dtype = heads, keys.dtype
     if not qk.dtype == v.dtype == dtype == values.dtype:
         # The kernel writes the heads' type into the buffers: where they differ (caches filled in
         # another type than the step computes in, say), MLX's RoPE and casting updates do it.
         return list(rope_kv_kernel.reference(qk, v, pos, keys, values, attn.rope, attn.n_heads))
-    rope = dataclasses.replace(group.rope, table=table, scale=scale)
+    rope = dataclasses.replace(group.rope, table=table)
     return list(rope_kv_kernel.rope_write_kv(qk, v, pos, keys, values, rope, attn.n_heads))
+
+
+# The step's position travels between the segments as int32 [POSITION_WIDTH] (every element the
+# position), of which the segments read the first as a view. MLX's CUDA allocator keeps arrays of 8
+# bytes or less (a scalar position) in managed memory the host reads at once, and every layer's RoPE
+# kernel then read it at about PCIe latency; 16 bytes come from device memory.
+POSITION_WIDTH = 4
+
+
+def _position(positions: Array) -> Array:
+    """The scalar position (a view of the first element) of the carried `positions`."""
+    return mx.reshape(mx.slice(positions, [0], [1], [1]), ())
 
 
 def _trace_first(inputs: list[Array]) -> list[Array]:
     group: SegmentGroup = traced_spec()
     group.stats["traces"] += 1
-    tokens, pos = inputs[0], inputs[1]
+    tokens, pos = inputs[0], _position(inputs[1])
     n = 2 + group.kv_inputs
     embed, norm, attn, qkv = clone_modules(group.modules, group.arrays, inputs[n:])
     h = embed(mx.reshape(tokens, (tokens.shape[0], 1)))
@@ -376,7 +390,7 @@ def _trace_first(inputs: list[Array]) -> list[Array]:
 
 def _trace_mid(inputs: list[Array]) -> list[Array]:
     group: SegmentGroup = traced_spec()
-    attn_out, h, pos = inputs[0], inputs[1], inputs[2]
+    attn_out, h, pos = inputs[0], inputs[1], _position(inputs[2])
     n = 3 + group.kv_inputs
     block, gate_up, norm, attn, qkv = clone_modules(group.modules, group.arrays, inputs[n:])
     h, mlp_out = _finish_block(block, attn_out, h, gate_up, group.fused_norm)
@@ -386,7 +400,7 @@ def _trace_mid(inputs: list[Array]) -> list[Array]:
 
 def _trace_last(inputs: list[Array]) -> list[Array]:
     group: SegmentGroup = traced_spec()
-    attn_out, h, pos = inputs[0], inputs[1], inputs[2]
+    attn_out, h, positions = inputs[0], inputs[1], inputs[2]
     block, gate_up, norm, embed, head = clone_modules(group.modules, group.arrays, inputs[3:])
     h, mlp_out = _finish_block(block, attn_out, h, gate_up, group.fused_norm)
     _, h = _add_norm(h, mlp_out, norm, group.fused_norm)
@@ -394,7 +408,7 @@ def _trace_last(inputs: list[Array]) -> list[Array]:
     logits = mx.reshape(logits, (logits.shape[0], logits.shape[-1]))
     if group.fuse_greedy:
         logits = argmax_kernel.argmax(logits) if group.cuda_argmax else greedy(logits)
-    return [logits, pos + 1]
+    return [logits, positions + 1]
 
 
 @dataclass
@@ -413,8 +427,8 @@ class SegmentGroup:
 
     @property
     def kv_inputs(self) -> int:
-        """Inputs after the segment's own for the RoPE kernel: keys, values, RoPE table and scale."""
-        return 0 if self.rope is None else 4
+        """Inputs after the segment's own for the RoPE kernel: keys, values and the RoPE table."""
+        return 0 if self.rope is None else 3
 
 
 def segment_group(modules: Sequence[Module | None], stats: dict[str, int], **flags: Any) -> SegmentGroup:
@@ -507,7 +521,8 @@ class SegmentedSession:
         self._on_fail = on_fail
 
     def _step(self, tokens: Array, pos: Array) -> tuple[Array, Array]:
-        """One token through every layer; returns (sampled ids or logits, pos + 1)."""
+        """One token through every layer at the positions `pos` (int32 [POSITION_WIDTH]); returns
+        (sampled ids or logits, pos + 1)."""
         grown = self._rings.grow_for(self._position, self._buffers)
         if grown is not None:  # longer buffers (with the RoPE kernel: its own, written in place)
             self._buffers = [rope_kv_kernel.private_copy(a) for a in grown] if self._rope is not None else grown
@@ -528,7 +543,7 @@ class SegmentedSession:
         """What a segment projecting layer i's heads takes for the RoPE kernel (`SegmentGroup.kv_inputs`)."""
         if self._rope is None:
             return []
-        return [self._buffers[2 * i], self._buffers[2 * i + 1], self._rope.table, self._rope.scale]
+        return [self._buffers[2 * i], self._buffers[2 * i + 1], self._rope.table]
 
     def _attend(self, i: int, heads: list[Array], scale: float) -> Array:
         """Layer i's key and value into its buffers at this step's position (unless the segment's
@@ -558,7 +573,8 @@ class SegmentedSession:
 
         def first() -> Array:
             try:  # the first call of each segment traces it
-                out, pos = self._step(mx.reshape(first_inputs, (b,)), mx.array(self._position, dtype=mx.int32))
+                out, pos = self._step(mx.reshape(first_inputs, (b,)),
+                                      mx.array([self._position] * POSITION_WIDTH, dtype=mx.int32))
             except Exception as exc:
                 self._on_fail(exc)
                 raise CompileUnavailable(str(exc)) from exc

@@ -30,7 +30,7 @@ from pymlxc.core.cuda_kernel import SharedKernel
 from .check import CheckedOnce
 
 NAME = "pymlxc_add_rms_norm"
-INPUTS = ("a", "b", "w", "eps")
+INPUTS = ("a", "b", "w")
 OUTPUTS = ("sum", "normed")
 READS = 8  # 2-byte elements per 16-byte load, as MLX's N_READS
 
@@ -39,7 +39,11 @@ HEADER = r"""
 """
 
 # Template arguments: T (the 2-byte float type), BLOCK (threads per row), CHUNKS (16-byte loads per
-# thread), D (the row length, READS * BLOCK * CHUNKS). One block per row.
+# thread), D (the row length, READS * BLOCK * CHUNKS), EPS_BITS (eps as float32 bits). One block per
+# row. eps is a compile-time constant, not an input: MLX's CUDA allocator keeps arrays of 8 bytes or
+# less in managed memory the host can read at once, and a kernel's read of one took about 2.5 us on
+# an H100 (Nsight Compute: this kernel went from 6.3 to 3.8 us when that read moved off its critical
+# path, benchmarks/results/h100-kernel-times-llama-cpp.json).
 SOURCE = r"""
   namespace cg = cooperative_groups;
   auto block = cg::this_thread_block();
@@ -53,8 +57,8 @@ SOURCE = r"""
   uint4* n4 = reinterpret_cast<uint4*>(normed + row * D);
   const uint4* w4 = reinterpret_cast<const uint4*>(w);
 
-  // Every load is issued before any arithmetic (the weight's and eps too, which the normalization
-  // needs only after the reduction): one memory round trip per block rather than two.
+  // Every load is issued before any arithmetic (the weight's too, which the normalization needs
+  // only after the reduction): one memory round trip per block rather than two.
   uint4 xs[CHUNKS];
   uint4 av4[CHUNKS];
   uint4 bv4[CHUNKS];
@@ -66,7 +70,7 @@ SOURCE = r"""
     bv4[i] = b4[offset];
     wv4[i] = w4[offset];
   }
-  const float epsilon = eps[0];
+  const float epsilon = __int_as_float(EPS_BITS);
   float normalizer = 0.f;
 #pragma unroll
   for (int i = 0; i < CHUNKS; ++i) {
@@ -141,11 +145,17 @@ def add_rms_norm(a: Array, b: Array, weight: Array, eps: float) -> tuple[Array, 
         raise ValueError(f"add_rms_norm has no kernel geometry for rows of {d} values; check applies() first")
     block, chunks = shape
     rows = a.size // d
-    outs = _the_kernel()([a, b, weight, mx.array([eps], dtype=mx.float32)],
+    outs = _the_kernel()([a, b, weight],
                          output_shapes=[tuple(a.shape), tuple(a.shape)], output_dtypes=[a.dtype, a.dtype],
                          grid=(rows * block, 1, 1), threadgroup=(block, 1, 1),
-                         template=[("T", a.dtype), ("BLOCK", block), ("CHUNKS", chunks), ("D", d)])
+                         template=[("T", a.dtype), ("BLOCK", block), ("CHUNKS", chunks), ("D", d),
+                                   ("EPS_BITS", float32_bits(eps))])
     return outs[0], outs[1]
+
+
+def float32_bits(x: float) -> int:
+    """The bits of `x` rounded to float32, as a signed int (a kernel template takes ints)."""
+    return int(np.array([x], dtype=np.float32).view(np.int32)[0])
 
 
 def unfused(a: Array, b: Array, weight: Array, eps: float) -> tuple[Array, Array]:
@@ -157,16 +167,16 @@ def unfused(a: Array, b: Array, weight: Array, eps: float) -> tuple[Array, Array
 checks = CheckedOnce("pymlxc's fused add + RMSNorm CUDA kernel")
 
 
-def check(d: int, dtype: Any) -> bool:
+def check(d: int, dtype: Any, eps: float = 1e-5) -> bool:
     """Whether the kernel runs here and equals MLX's add and rms_norm bit for bit on random rows of
-    `d` (once per process and shape); if not, a RuntimeWarning says why."""
-    return checks.verdict((str(dtype), d), lambda: _compare(d, dtype))
+    `d` with this `eps` (once per process and shape); if not, a RuntimeWarning says why."""
+    return checks.verdict((str(dtype), d, float32_bits(eps)), lambda: _compare(d, dtype, eps))
 
 
-def _compare(d: int, dtype: Any) -> str | None:
+def _compare(d: int, dtype: Any, eps: float) -> str | None:
     rng = np.random.default_rng(0)
     a, b, w = (mx.astype(mx.array(rng.standard_normal(s).astype(np.float32)), dtype) for s in [(3, d), (3, d), (d,)])
-    got, want = add_rms_norm(a, b, w, 1e-5), unfused(a, b, w, 1e-5)
+    got, want = add_rms_norm(a, b, w, eps), unfused(a, b, w, eps)
     if all(bool(mx.array_equal(g, e).item()) for g, e in zip(got, want, strict=True)):
         return None
     return "its results differ from MLX's add and rms_norm"

@@ -48,9 +48,12 @@ from .check import CheckedOnce
 THREADS = 128
 
 # Template arguments: T (the type of the heads and buffers), HQ and HKV (query and key/value
-# heads), D (head size, all of it rotated), DV (value size), FREQS (a frequency per pair, else
-# rope[0] is log2 of the base). One thread per rotated pair of every q and k head, then one per
-# value element.
+# heads), D (head size, all of it rotated), DV (value size), FREQS (a frequency per pair in `rope`,
+# else LOG2_BASE_BITS is log2 of the base), SCALE_BITS and LOG2_BASE_BITS (float32 bits). One thread
+# per rotated pair of every q and k head, then one per value element. The scale and the base are
+# compile-time constants rather than one-value inputs: MLX's CUDA allocator keeps arrays of 8 bytes
+# or less in managed memory, which a kernel reads at about PCIe latency (microseconds). `pos`, the
+# one input that changes every step, is read first so that its latency overlaps the others'.
 SOURCE = r"""
   constexpr int HALF = D / 2;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -66,9 +69,9 @@ SOURCE = r"""
       inv_freq = 1.0 / rope[i];
     } else {
       float d = static_cast<float>(i) / static_cast<float>(HALF);
-      inv_freq = exp2(-d * rope[0]);
+      inv_freq = exp2(-d * __int_as_float(LOG2_BASE_BITS));
     }
-    float L = scale[0] * static_cast<float>(p);
+    float L = __int_as_float(SCALE_BITS) * static_cast<float>(p);
     float theta = L * inv_freq;
     float costheta = cos(theta);
     float sintheta = sin(theta);
@@ -98,22 +101,23 @@ SOURCE = r"""
   }
 """
 
-_the_kernel = SharedKernel("pymlxc_rope_write_kv", ("qk", "v", "pos", "rope", "scale", "kcache", "vcache"),
+_the_kernel = SharedKernel("pymlxc_rope_write_kv", ("qk", "v", "pos", "rope", "kcache", "vcache"),
                            ("q",), SOURCE, ensure_row_contiguous=False)
 
 
 @dataclass(frozen=True)
 class Rope:
-    """A RoPE as the kernel takes it: `table` is the frequencies (float32 [D/2]) or log2 of the
-    base (float32 [1]), `scale` a float32 [1]; `key` tells RoPEs apart for `check`; `base` and
-    `scale_value` as the module has them."""
+    """A RoPE as the kernel takes it: `table` is the frequencies (float32 [D/2]; a placeholder the
+    kernel does not read where the base gives them), `log2_base` log2 of the base as float32 (0 with
+    frequencies); `key` tells RoPEs apart for `check`; `base` and `scale_value` as the module has
+    them."""
 
     table: Array
-    scale: Array
     with_freqs: bool
     key: tuple[Any, ...]
     base: float | None
     scale_value: float
+    log2_base: float = 0.0
 
     def mlx(self, x: Array, offset: Array) -> Array:
         """The same RoPE as MLX's kernel computes it (over the whole last axis of `x`)."""
@@ -142,17 +146,23 @@ def rope_table(*, dims: int, traditional: bool, base: float | None, scale: float
     the usual (non-traditional) layout; None for anything else (then MLX's kernels stay)."""
     if traditional or dims != head_dim or head_dim % 2:
         return None
-    scale_arr = mx.array([scale], dtype=mx.float32)
     if freqs is not None:
         if tuple(freqs.shape) != (head_dim // 2,):
             return None
         table = mx.astype(freqs, mx.float32)
         mx.eval(table)
-        return Rope(table, scale_arr, True, ("freqs", np.asarray(table).tobytes(), scale), None, scale)
+        return Rope(table, True, ("freqs", np.asarray(table).tobytes(), scale), None, scale)
     if base is None:
         return None
     log_base = _log2f(base)
-    return Rope(mx.array([log_base], dtype=mx.float32), scale_arr, False, ("base", log_base, scale), base, scale)
+    placeholder = mx.zeros((head_dim // 2,), dtype=mx.float32)
+    mx.eval(placeholder)
+    return Rope(placeholder, False, ("base", log_base, scale), base, scale, log_base)
+
+
+def _float32_bits(x: float) -> int:
+    """The bits of `x` rounded to float32, as a signed int (a kernel template takes ints)."""
+    return int(np.array([x], dtype=np.float32).view(np.int32)[0])
 
 
 def rope_write_kv(qk: Array, v: Array, pos: Array, keys: Array, values: Array, rope: Rope, n_heads: int
@@ -164,11 +174,12 @@ def rope_write_kv(qk: Array, v: Array, pos: Array, keys: Array, values: Array, r
     b, heads, _, d = qk.shape
     hkv, dv = heads - n_heads, v.shape[3]
     items = b * heads * (d // 2) + b * hkv * dv
-    (q,) = _the_kernel()([qk, v, pos, rope.table, rope.scale, keys, values],
+    (q,) = _the_kernel()([qk, v, pos, rope.table, keys, values],
                          output_shapes=[(b, n_heads, 1, d)], output_dtypes=[qk.dtype],
                          grid=(items, 1, 1), threadgroup=(THREADS, 1, 1),
                          template=[("T", qk.dtype), ("HQ", n_heads), ("HKV", hkv), ("D", d), ("DV", dv),
-                                   ("FREQS", rope.with_freqs)])
+                                   ("FREQS", rope.with_freqs), ("SCALE_BITS", _float32_bits(rope.scale_value)),
+                                   ("LOG2_BASE_BITS", 0 if rope.with_freqs else _float32_bits(rope.log2_base))])
     return q, keys, values
 
 

@@ -13,6 +13,7 @@ CUDA raises an MLXError (MLX's own message), never crashes.
 from __future__ import annotations
 
 import hashlib
+import struct
 import threading
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -30,6 +31,12 @@ def _strings(values: Sequence[str]) -> Any:
     keep = [ffi.new("char[]", v.encode()) for v in values]
     vec = lib.mlx_vector_string_new_data(ffi.new("const char *[]", keep), len(keep))
     return vec
+
+
+def float32_bits(x: float) -> int:
+    """`x` rounded to float32, as the signed int of its bits: a float constant as a template argument
+    (which takes ints), read back in the kernel with `__int_as_float`."""
+    return int.from_bytes(struct.pack("<f", x), "little", signed=True)
 
 
 def mlx_kernel_name(name: str, source: str, header: str = "") -> str:

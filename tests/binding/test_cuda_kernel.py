@@ -4,6 +4,8 @@ kernel that does not compile raises at evaluation, and a closed kernel refuses c
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pymlxc.core as mx
 
@@ -53,3 +55,15 @@ def test_shared_kernel_is_made_once_on_first_use() -> None:
     out = seen[0]([mx.zeros((4,))], output_shapes=[(4,)], output_dtypes=[mx.float32], grid=(4, 1, 1),
                   threadgroup=(4, 1, 1))
     assert out[0].tolist() == [1.0, 1.0, 1.0, 1.0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(min_value=-3.4e38, max_value=3.4e38, allow_nan=False, width=64))
+def test_float32_bits_are_numpys_float32_rounding(x: float) -> None:
+    """A float template constant's bits: `x` rounded to float32 as numpy rounds it, read as int32."""
+    import numpy as np
+
+    from pymlxc.core.cuda_kernel import float32_bits
+
+    want = int(np.array([x], dtype=np.float64).astype(np.float32).view(np.int32)[0])
+    assert float32_bits(x) == want

@@ -25,7 +25,7 @@ import numpy as np
 
 import pymlxc.core as mx
 from pymlxc.core import Array
-from pymlxc.core.cuda_kernel import SharedKernel
+from pymlxc.core.cuda_kernel import SharedKernel, float32_bits
 
 from .check import CheckedOnce
 
@@ -151,11 +151,6 @@ def add_rms_norm(a: Array, b: Array, weight: Array, eps: float) -> tuple[Array, 
                          template=[("T", a.dtype), ("BLOCK", block), ("CHUNKS", chunks), ("D", d),
                                    ("EPS_BITS", float32_bits(eps))])
     return outs[0], outs[1]
-
-
-def float32_bits(x: float) -> int:
-    """The bits of `x` rounded to float32, as a signed int (a kernel template takes ints)."""
-    return int(np.array([x], dtype=np.float32).view(np.int32)[0])
 
 
 def unfused(a: Array, b: Array, weight: Array, eps: float) -> tuple[Array, Array]:

@@ -41,7 +41,7 @@ import numpy as np
 
 import pymlxc.core as mx
 from pymlxc.core import Array
-from pymlxc.core.cuda_kernel import SharedKernel
+from pymlxc.core.cuda_kernel import SharedKernel, float32_bits
 
 from .check import CheckedOnce
 
@@ -160,11 +160,6 @@ def rope_table(*, dims: int, traditional: bool, base: float | None, scale: float
     return Rope(placeholder, False, ("base", log_base, scale), base, scale, log_base)
 
 
-def _float32_bits(x: float) -> int:
-    """The bits of `x` rounded to float32, as a signed int (a kernel template takes ints)."""
-    return int(np.array([x], dtype=np.float32).view(np.int32)[0])
-
-
 def rope_write_kv(qk: Array, v: Array, pos: Array, keys: Array, values: Array, rope: Rope, n_heads: int
                   ) -> tuple[Array, Array, Array]:
     """(queries of one token RoPE'd at `pos` [B, n_heads, 1, D], keys, values): its key (RoPE'd)
@@ -178,8 +173,8 @@ def rope_write_kv(qk: Array, v: Array, pos: Array, keys: Array, values: Array, r
                          output_shapes=[(b, n_heads, 1, d)], output_dtypes=[qk.dtype],
                          grid=(items, 1, 1), threadgroup=(THREADS, 1, 1),
                          template=[("T", qk.dtype), ("HQ", n_heads), ("HKV", hkv), ("D", d), ("DV", dv),
-                                   ("FREQS", rope.with_freqs), ("SCALE_BITS", _float32_bits(rope.scale_value)),
-                                   ("LOG2_BASE_BITS", 0 if rope.with_freqs else _float32_bits(rope.log2_base))])
+                                   ("FREQS", rope.with_freqs), ("SCALE_BITS", float32_bits(rope.scale_value)),
+                                   ("LOG2_BASE_BITS", 0 if rope.with_freqs else float32_bits(rope.log2_base))])
     return q, keys, values
 
 

@@ -14,7 +14,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import compare_mlx_lm  # noqa: E402
 
-DEVICES = sorted(p for p in RESULTS.glob("*.json") if json.loads(p.read_text()).get("kind") == "compare_mlx_lm")
+DEVICES = sorted(p for p in RESULTS.glob("*.json")
+                 if isinstance(report := json.loads(p.read_text()), dict) and report.get("kind") == "compare_mlx_lm")
 
 
 def test_there_are_results_for_the_gpu_and_this_cpu() -> None:

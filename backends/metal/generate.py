@@ -48,14 +48,16 @@ PREFILL_LEAD_LAYERS = 2
 # (`nn.mark_dense_products`) would pass PREFILL_DENSE_BYTES. On an H100, over a 2048-token prompt
 # and 256 tokens after it, the process's peak as nvidia-smi lists it: Llama-3.1-8B 4-bit (416 MiB of
 # copies a layer) 4866 against 5826 MiB with a lead of one, its prefill 1% slower; Llama-3.2-1B's
-# Q4_0 GGUF file (116 MiB a layer) 1538 against 1766-1826 MiB, llama.cpp 1656 on the same file
-# (`probe_memory.py`, `probe_prefill.py --lead`, `benchmarks/results/h100-llama-cpp-*peak*.json`).
+# Q4_0 GGUF file (116 MiB a layer) 1538 against 1766-1826 MiB, llama.cpp 1656 on the same file, its
+# 2048-token prefill 8-34% slower (`probe_memory.py`, `probe_prefill.py --lead`,
+# `benchmarks/results/h100-probe-memory.json`, `h100-llama-cpp-*-peak-memory.json`).
 PREFILL_DENSE_BYTES = 1 << 28
 # Prompts of at least this many new tokens give MLX's buffer cache back once the first token is read.
 # The cache keeps a long chunk's freed temporaries (the dense products' weight copies, the 2048-row
 # activations) for reuse, and a decode allocates buffers of other sizes beside them: on an H100 the
-# process grew by 164 MiB (Llama-3.2-1B 4-bit) and 618 MiB (Llama-3.1-8B 4-bit) while decoding after a
-# 2048-token prompt (`benchmarks/profile/probe_memory.py`). mlx-lm clears it after each prefill chunk.
+# process grew by 106 MiB (Llama-3.2-1B 4-bit) and 376 MiB (Llama-3.1-8B 4-bit) while decoding 256
+# tokens after a 2048-token prompt (`benchmarks/profile/probe_memory.py --keep-cache`). mlx-lm clears
+# it after each prefill chunk.
 CLEAR_CACHE_PROMPT_TOKENS = 512
 
 
@@ -193,7 +195,7 @@ def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, ste
     if new_tokens is not None:
         check_memory(model, cache, tokens.shape[0], tokens.shape[1], new_tokens, step)
     forward = _chunk_forward(model, mask, runner)
-    layers_ahead = prefill_lead(model, tokens.shape[0] * min(step - start % step, tokens.shape[1] - start))
+    layers_ahead = prefill_lead(model, tokens.shape[0] * _largest_chunk(tokens.shape[1], start, step))
     if queue is not None and queue.threaded:
         return _prefill_threaded(forward, tokens, cache, step=step, guard=guard, start=start, queue=queue,
                                  finish=finish, lead=layers_ahead)
@@ -216,8 +218,14 @@ def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, ste
     return result
 
 
+def _largest_chunk(length: int, start: int, step: int) -> int:
+    """The longest chunk of a prefill of positions start..length: chunks end on multiples of `step`."""
+    first = min(step - start % step, length - start)
+    return max(first, min(step, length - start - first))
+
+
 def prefill_lead(model: Any, rows: int) -> int:
-    """Layers the host may run ahead of the device in a prefill whose first chunk has `rows` rows:
+    """Layers the host may run ahead of the device in a prefill whose largest chunk has `rows` rows:
     PREFILL_LEAD_LAYERS, or one where the chunk's dense products would hold more than
     PREFILL_DENSE_BYTES of weight copies over that many layers."""
     dense_rows = getattr(model, "dense_rows", 0)

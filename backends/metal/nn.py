@@ -635,8 +635,7 @@ def mark_dense_products(model: Any, use: bool) -> None:
     # embedding run on one position): what the prefill holds per layer in flight (generate.prefill_lead).
     linears = [m for m in marked if isinstance(m, QuantizedLinear)]
     blocks = max(1, len(getattr(model, "layers", None) or ()))
-    model.dense_block_bytes = (2 * sum(m.weight.shape[0] * m.weight.shape[-1] * 32 // m.bits for m in linears)
-                               // blocks if rows else 0)
+    model.dense_block_bytes = 2 * sum(m.output_dims * m.input_dims for m in linears) // blocks if rows else 0
 
 
 def mark_qmm_products(model: Any, use: bool, dtype: Any) -> bool:

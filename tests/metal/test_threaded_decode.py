@@ -280,6 +280,10 @@ def test_prefill_lead_is_one_layer_where_dense_copies_would_pass_the_budget(mode
     model.dense_rows = 0
     model.dense_block_bytes = budget
     assert loops.prefill_lead(model, 2048) == loops.PREFILL_LEAD_LAYERS
+    # The largest chunk counts: after a prompt-cache hit the first one may be short.
+    assert loops._largest_chunk(4096, 2000, 2048) == 2048  # noqa: SLF001 - chunks 48, 2048
+    assert loops._largest_chunk(2100, 2000, 2048) == 52  # noqa: SLF001 - chunks 48, 52
+    assert loops._largest_chunk(600, 0, 2048) == 600  # noqa: SLF001
 
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
@@ -287,8 +291,9 @@ def test_prefill_lead_is_one_layer_where_dense_copies_would_pass_the_budget(mode
         try:
             lm = loaded.model
             nn.mark_dense_products(lm, True)
-            weights = sum(m.weight.shape[0] * m.weight.shape[1] * 8 for m in nn.quantized_layers(lm)
-                          if isinstance(m, nn.QuantizedLinear))
+            dense = [pymlxc.core.dequantize(m.weight, m.scales, m.biases, group_size=m.group_size, bits=m.bits)
+                     for m in nn.quantized_layers(lm) if isinstance(m, nn.QuantizedLinear)]
+            weights = sum(w.size for w in dense)
             assert weights > 0
             assert lm.dense_block_bytes == 2 * weights // len(lm.layers)
             nn.mark_dense_products(lm, False)

@@ -348,11 +348,14 @@ def _finish_block(block: Any, attn_out: Array, h: Array, gate_up: FusedProjectio
     return both
 
 
-def _heads(group: SegmentGroup, attn: Any, x: Array, pos: Array, qkv: FusedProjection | None,
+def _heads(group: SegmentGroup, attn: Any, x: Array, positions: Array, qkv: FusedProjection | None,
            kv_inputs: list[Array]) -> list[Array]:
     """The layer's [q, k, v] RoPE'd; with the plan's RoPE kernel [q RoPE'd, keys, values], its key
     and value written into the buffers `kv_inputs` [keys, values, RoPE table] (in place:
-    the same buffers come back)."""
+    the same buffers come back). `positions`: the step's position, as the session carries it."""
+    # MLX's ops take the scalar; the kernel reads the first element of the carried array itself, and
+    # on its path the trace holds no view (an unused one is not part of the compiled graph).
+    pos = rope_kv_kernel.scalar_position(positions) if group.rope is not None else positions
     heads = _project(attn, x, pos, qkv, group.rope is not None)
     if group.rope is None:
         return heads
@@ -363,25 +366,20 @@ def _heads(group: SegmentGroup, attn: Any, x: Array, pos: Array, qkv: FusedProje
         # another type than the step computes in, say), MLX's RoPE and casting updates do it.
         return list(rope_kv_kernel.reference(qk, v, pos, keys, values, attn.rope, attn.n_heads))
     rope = dataclasses.replace(group.rope, table=table)
-    return list(rope_kv_kernel.rope_write_kv(qk, v, pos, keys, values, rope, attn.n_heads))
+    return list(rope_kv_kernel.rope_write_kv(qk, v, positions, keys, values, rope, attn.n_heads))
 
 
-# The step's position travels between the segments as int32 [POSITION_WIDTH] (every element the
-# position), of which the segments read the first as a view. MLX's CUDA allocator keeps arrays of 8
-# bytes or less (a scalar position) in managed memory the host reads at once, and every layer's RoPE
-# kernel then read it at about PCIe latency; 16 bytes come from device memory.
+# With the RoPE kernel the step's position travels between the segments as int32 [POSITION_WIDTH]
+# (every element the position), else as a scalar. MLX's CUDA allocator keeps arrays of 8 bytes or
+# less in managed memory the host reads at once, and every layer's RoPE kernel then read the scalar
+# at about PCIe latency; 16 bytes come from device memory.
 POSITION_WIDTH = 4
-
-
-def _position(positions: Array) -> Array:
-    """The scalar position (a view of the first element) of the carried `positions`."""
-    return mx.reshape(mx.slice(positions, [0], [1], [1]), ())
 
 
 def _trace_first(inputs: list[Array]) -> list[Array]:
     group: SegmentGroup = traced_spec()
     group.stats["traces"] += 1
-    tokens, pos = inputs[0], _position(inputs[1])
+    tokens, pos = inputs[0], inputs[1]
     n = 2 + group.kv_inputs
     embed, norm, attn, qkv = clone_modules(group.modules, group.arrays, inputs[n:])
     h = embed(mx.reshape(tokens, (tokens.shape[0], 1)))
@@ -390,7 +388,7 @@ def _trace_first(inputs: list[Array]) -> list[Array]:
 
 def _trace_mid(inputs: list[Array]) -> list[Array]:
     group: SegmentGroup = traced_spec()
-    attn_out, h, pos = inputs[0], inputs[1], _position(inputs[2])
+    attn_out, h, pos = inputs[0], inputs[1], inputs[2]
     n = 3 + group.kv_inputs
     block, gate_up, norm, attn, qkv = clone_modules(group.modules, group.arrays, inputs[n:])
     h, mlp_out = _finish_block(block, attn_out, h, gate_up, group.fused_norm)
@@ -400,7 +398,7 @@ def _trace_mid(inputs: list[Array]) -> list[Array]:
 
 def _trace_last(inputs: list[Array]) -> list[Array]:
     group: SegmentGroup = traced_spec()
-    attn_out, h, positions = inputs[0], inputs[1], inputs[2]
+    attn_out, h, pos = inputs[0], inputs[1], inputs[2]
     block, gate_up, norm, embed, head = clone_modules(group.modules, group.arrays, inputs[3:])
     h, mlp_out = _finish_block(block, attn_out, h, gate_up, group.fused_norm)
     _, h = _add_norm(h, mlp_out, norm, group.fused_norm)
@@ -408,7 +406,7 @@ def _trace_last(inputs: list[Array]) -> list[Array]:
     logits = mx.reshape(logits, (logits.shape[0], logits.shape[-1]))
     if group.fuse_greedy:
         logits = argmax_kernel.argmax(logits) if group.cuda_argmax else greedy(logits)
-    return [logits, positions + 1]
+    return [logits, pos + 1]
 
 
 @dataclass
@@ -521,8 +519,8 @@ class SegmentedSession:
         self._on_fail = on_fail
 
     def _step(self, tokens: Array, pos: Array) -> tuple[Array, Array]:
-        """One token through every layer at the positions `pos` (int32 [POSITION_WIDTH]); returns
-        (sampled ids or logits, pos + 1)."""
+        """One token through every layer at position `pos` (`_first_positions`); returns (sampled ids
+        or logits, pos + 1)."""
         grown = self._rings.grow_for(self._position, self._buffers)
         if grown is not None:  # longer buffers (with the RoPE kernel: its own, written in place)
             self._buffers = [rope_kv_kernel.private_copy(a) for a in grown] if self._rope is not None else grown
@@ -538,6 +536,12 @@ class SegmentedSession:
         self._position += 1
         assert out is not None  # the last layer's segment always runs (a plan has at least one block)
         return out, pos
+
+    def _first_positions(self) -> Array:
+        """The first step's position as the segments carry it (see POSITION_WIDTH)."""
+        if self._rope is None:
+            return mx.array(self._position, dtype=mx.int32)
+        return mx.array([self._position] * POSITION_WIDTH, dtype=mx.int32)
 
     def _kv_inputs(self, i: int) -> list[Array]:
         """What a segment projecting layer i's heads takes for the RoPE kernel (`SegmentGroup.kv_inputs`)."""
@@ -573,8 +577,7 @@ class SegmentedSession:
 
         def first() -> Array:
             try:  # the first call of each segment traces it
-                out, pos = self._step(mx.reshape(first_inputs, (b,)),
-                                      mx.array([self._position] * POSITION_WIDTH, dtype=mx.int32))
+                out, pos = self._step(mx.reshape(first_inputs, (b,)), self._first_positions())
             except Exception as exc:
                 self._on_fail(exc)
                 raise CompileUnavailable(str(exc)) from exc

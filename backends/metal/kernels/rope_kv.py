@@ -52,8 +52,8 @@ THREADS = 128
 # else LOG2_BASE_BITS is log2 of the base), SCALE_BITS and LOG2_BASE_BITS (float32 bits). One thread
 # per rotated pair of every q and k head, then one per value element. The scale and the base are
 # compile-time constants rather than one-value inputs: MLX's CUDA allocator keeps arrays of 8 bytes
-# or less in managed memory, which a kernel reads at about PCIe latency (microseconds). `pos`, the
-# one input that changes every step, is read first so that its latency overlaps the others'.
+# or less in managed memory, which a kernel reads at about PCIe latency (microseconds). The kernel
+# reads the position as pos[0], so the decode passes an int32 [4] (16 bytes: device memory).
 SOURCE = r"""
   constexpr int HALF = D / 2;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -160,12 +160,19 @@ def rope_table(*, dims: int, traditional: bool, base: float | None, scale: float
     return Rope(placeholder, False, ("base", log_base, scale), base, scale, log_base)
 
 
+def scalar_position(pos: Array) -> Array:
+    """The position as MLX's ops take it: a scalar view of the first element of `pos` (a scalar or
+    int32 [N] whose elements are the position)."""
+    return mx.reshape(mx.slice(mx.reshape(pos, (-1,)), [0], [1], [1]), ())
+
+
 def rope_write_kv(qk: Array, v: Array, pos: Array, keys: Array, values: Array, rope: Rope, n_heads: int
                   ) -> tuple[Array, Array, Array]:
     """(queries of one token RoPE'd at `pos` [B, n_heads, 1, D], keys, values): its key (RoPE'd)
     and value go into `keys` [B, kv heads, slots, D] and `values` at slot `pos`, in place (the
     same arrays come back). `qk` is the joint q and k heads [B, n_heads + kv heads, 1, D], `v`
-    [B, kv heads, 1, DV], `pos` an int32 scalar array; heads and buffers of one type."""
+    [B, kv heads, 1, DV], `pos` int32 holding the position first (a scalar or [N]); heads and buffers
+    of one type."""
     b, heads, _, d = qk.shape
     hkv, dv = heads - n_heads, v.shape[3]
     items = b * heads * (d // 2) + b * hkv * dv
@@ -183,6 +190,7 @@ def reference(qk: Array, v: Array, pos: Array, keys: Array, values: Array, apply
     """What `rope_write_kv` computes, as MLX's kernels (`apply_rope(x, offset)`: the model's RoPE
     module), with new key and value arrays instead of writes in place."""
     b, heads, _, d = qk.shape
+    pos = scalar_position(pos)
     roped = apply_rope(qk, pos)
     q = mx.slice(roped, [0, 0, 0, 0], [b, n_heads, 1, d], [1, 1, 1, 1])
     k = mx.slice(roped, [0, n_heads, 0, 0], [b, heads, 1, d], [1, 1, 1, 1])
@@ -227,7 +235,7 @@ def _compare(dtype: Any, hq: int, hkv: int, d: int, dv: int, rope: Rope, apply_r
     mx.eval(keys, values, want_k, want_v)
     for p in (0, 1, 77, 1000, 4097, slots - 1):
         qk, v = rand(1, hq + hkv, 1, d), rand(1, hkv, 1, dv)
-        pos = mx.array(p, dtype=mx.int32)
+        pos = mx.array([p] * 4, dtype=mx.int32)  # as the decode segments carry it
         q, keys, values = rope_write_kv(qk, v, pos, keys, values, rope, hq)
         mx.eval(q)
         want_q, want_k, want_v = reference(qk, v, pos, want_k, want_v, apply_rope, hq)
@@ -238,4 +246,4 @@ def _compare(dtype: Any, hq: int, hkv: int, d: int, dv: int, rope: Rope, apply_r
     return None
 
 
-__all__ = ["Rope", "check", "checks", "private_copy", "reference", "rope_table", "rope_write_kv"]
+__all__ = ["Rope", "check", "checks", "private_copy", "reference", "rope_table", "rope_write_kv", "scalar_position"]

@@ -65,6 +65,15 @@ class Settings:
     cuda_rope_kv: str = _switch(
         "Segmented decode: each layer's RoPE and key/value writes as one CUDA kernel "
         "(`kernels/rope_kv.py`). `auto`: on CUDA.")
+    cuda_decode_attention: str = _switch(
+        "Segmented decode: the whole step as one compiled graph, each layer's attention as CUDA kernels that "
+        "read the position on the device (`kernels/decode_attention.py`, MLX's one-token kernels reproduced "
+        "bit for bit), instead of a compiled call and a sliced attention per layer. `auto`: on CUDA where "
+        "the RoPE kernel runs; `1`: also elsewhere, with MLX's attention over the masked buffer.")
+    cuda_gate_up: str = _switch(
+        "Segmented decode with pymlxc's 4-bit matvec kernel: each block's fused gate/up product and the "
+        "SiLU product after it as one kernel (`kernels/matvec.py`, its paired form; MLX's SiLU and "
+        "multiply reproduced bit for bit). `auto`: on CUDA.")
     cuda_matvec: str = _switch(
         "4-bit quantized products of few rows through pymlxc's CUDA kernel (`kernels/matvec.py`), "
         "chosen at load. `auto`: on CUDA for models whose layers are large enough for it to pay; "

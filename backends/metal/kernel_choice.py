@@ -81,6 +81,49 @@ def quantized_matmul(x: Array, weight: Array, scales: Array, biases: Array, grou
     return mx.quantized_matmul(x, weight, scales, biases, True, group_size, bits)
 
 
+def silu_product(x: Array, weight: Array, scales: Array, biases: Array, group_size: int, bits: int,
+                 cuda_matvec: bool) -> Array | None:
+    """silu(gate) * up for a fused 4-bit [gate; up] weight (gate rows first, as many as up's) as
+    pymlxc's kernel in its paired form (one kernel for the product and the SiLU product), or None
+    where the kernel does not compute this product (the caller then uses `quantized_matmul`)."""
+    if not _use(cuda_matvec) or weight.shape[0] % 2 or not kernel_takes(x, weight, scales, biases, group_size, bits):
+        return None
+    k, n = x.shape[-1], weight.shape[0]
+    rows = x.size // k
+    return _the_kernel()([x, weight, scales, biases], output_shapes=[(*x.shape[:-1], n // 2)],
+                         output_dtypes=[x.dtype], **matvec_kernel.launch(rows, k, n, x.dtype, group_size, pair=True))[0]
+
+
+# Verdicts of the paired kernel's check, keyed on the kernel's source and on this file's (the check's).
+pair_checks = CheckedOnce("pymlxc's CUDA gate/up + SiLU product", source=(matvec_kernel.__file__, __file__))
+
+
+def pair_ready(dtype: Any, group_size: int) -> bool:
+    """Whether the paired kernel runs here and gives, bit for bit, MLX's `silu(gate) * up` of the
+    unpaired kernel's two products (once per machine, type and group size)."""
+    return pair_checks.verdict(("pair", str(dtype), group_size), lambda: _compare_pair(dtype, group_size))
+
+
+def _compare_pair(dtype: Any, group_size: int) -> str | None:
+    import numpy as np  # noqa: PLC0415 - the check alone needs it
+
+    rng = np.random.default_rng(0)
+    k, half = 1024, 320
+    w32 = mx.array(rng.standard_normal((2 * half, k)).astype(np.float32) * 0.05).astype(dtype)
+    weight, scales, biases = mx.quantize(w32, group_size, 4)
+    for rows in (1, 3):
+        x = mx.array(rng.standard_normal((rows, k)).astype(np.float32)).astype(dtype)
+        got = silu_product(x, weight, scales, biases, group_size, 4, True)
+        if got is None:
+            return "it does not take these shapes"
+        both = quantized_matmul(x, weight, scales, biases, group_size, 4, True)
+        gate, up = mx.split(both, [half], axis=-1)
+        want = gate * mx.sigmoid(gate) * up
+        if not bool(mx.array_equal(got, want).item()):
+            return f"its output for {rows} row(s) differs from MLX's silu(gate) * up ({dtype}, group {group_size})"
+    return None
+
+
 def kernel_takes(x: Array, weight: Array, scales: Array, biases: Array, group_size: int, bits: int) -> bool:
     """Whether pymlxc's kernel computes `x @ dequantize(weight).T` (where it is chosen): 4 bits at
     group 32, 64 or 128 (GGUF's Q4_0, Q4_1 and Q4_K repack to group 32), x in the scales' 2-byte

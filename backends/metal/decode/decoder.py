@@ -215,6 +215,10 @@ class CompiledDecoder:
         self.cuda_argmax = settings.cuda_argmax
         # Segmented mode on CUDA: each layer's RoPE and key/value writes as one kernel (kernels/rope_kv.py).
         self.cuda_rope_kv = settings.cuda_rope_kv
+        # Segmented mode: the whole step as one graph, attention as CUDA kernels (kernels/decode_attention.py).
+        self.cuda_decode_attention = settings.cuda_decode_attention
+        # Segmented mode on CUDA: each gate/up product and the SiLU product as one kernel (kernels/matvec.py).
+        self.cuda_gate_up = settings.cuda_gate_up
         self._fusions: dict[int, Any] = {}
         self._plans: dict[tuple[Any, ...], Any] = {}  # segments.SegmentPlan per segmented key
         self._recent_plan: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None  # (signature and flags, key)
@@ -316,7 +320,10 @@ class CompiledDecoder:
             fused_norm = segments.use_fused_norm(model, blocks, self.fused_norm)
             argmax = fuse_greedy and segments.use_cuda_argmax(model, self.cuda_argmax)
             rope = segments.use_rope_kv(model, blocks, fusions, self.cuda_rope_kv)
-            seg_key = ("segmented", structure, fuse_greedy, fusions is not None, fused_norm, argmax, rope is not None)
+            attention = segments.use_decode_attention(model, blocks, rope, self.cuda_decode_attention)
+            pair_silu = segments.use_pair_silu(fusions, self.cuda_gate_up)
+            seg_key = ("segmented", structure, fuse_greedy, fusions is not None, fused_norm, argmax, rope is not None,
+                       attention, pair_silu)
             if seg_key in self._failed:
                 return None
             with self._lock:
@@ -324,7 +331,7 @@ class CompiledDecoder:
                 if seg_plan is None or seg_plan.signature != signature:
                     self._plans.pop(seg_key, None)  # an old plan's arrays go first
                     seg_plan = segments.SegmentPlan(model, blocks, fuse_greedy, self.stats, fusions, signature,
-                                                    fused_norm, argmax, rope)
+                                                    fused_norm, argmax, rope, attention, pair_silu)
                     self._plans[seg_key] = seg_plan
                 self._recent_plan = ((signature, fuse_greedy, self.fuse_projections), seg_key)
         assert seg_key is not None and seg_plan is not None  # found or made together above

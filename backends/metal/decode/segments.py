@@ -43,10 +43,12 @@ from pymlxc.core import Array
 from pymlxc.core.transforms import FixedArrays
 
 from .. import nn
-from ..kernel_choice import quantized_matmul
+from ..kernel_choice import pair_ready, quantized_matmul
+from ..kernel_choice import silu_product as kernel_silu_product
 from ..kernels import add_rms_norm as norm_kernel
 from ..kernels import argmax as argmax_kernel
 from ..kernels import check as kernel_check
+from ..kernels import decode_attention as attention_kernel
 from ..kernels import rope_kv as rope_kv_kernel
 from ..models import llama
 from ..models.base import RoPE
@@ -130,6 +132,44 @@ def use_rope_kv(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple[Fusio
     return ropes[0] if rope_kv_kernel.check(dtype, hq, hkv, d, d, ropes[0], first.rope) else None
 
 
+def use_pair_silu(fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None, setting: str) -> bool:
+    """Whether each block's gate/up product and the SiLU product after it run as one CUDA kernel
+    (`FusedProjection.silu_product`): `setting` (PYMLXC_CUDA_GATE_UP: auto = on CUDA, 1 = also
+    elsewhere, where the kernel then fails its check, or 0) allows it, every gate/up fusion is 4-bit
+    on pymlxc's matvec kernel with halves of one size, and the paired kernel passes its check."""
+    if setting == "0" or (setting == "auto" and not kernel_check.on_cuda()) or not fusions:
+        return False
+    fused = [f[1].fused for f in fusions if f[1] is not None]
+    if len(fused) != len(fusions) or not all(
+            f._cuda_matvec and f._bits == 4 and f._weight is not None and f._bias is None  # noqa: SLF001
+            and len(f._sizes) == 2 and f._sizes[0] == f._sizes[1] for f in fused):  # noqa: SLF001
+        return False
+    kinds = {(f._scales.dtype, f._group_size) for f in fused if f._scales is not None}  # noqa: SLF001
+    return len(kinds) == 1 and pair_ready(*next(iter(kinds)))
+
+
+def use_decode_attention(model: Any, blocks: Sequence[Any], rope: rope_kv_kernel.Rope | None, setting: str
+                         ) -> str | None:
+    """How the whole step runs as one graph (`_trace_whole`), or None to keep the segments:
+    "kernel" where `setting` (PYMLXC_CUDA_DECODE_ATTENTION: auto = on CUDA, 1 = everywhere, or 0)
+    allows it, the plan writes the keys with the RoPE kernel (the position is then on the device),
+    every layer has one head layout MLX's one-token kernels take, and `kernels/decode_attention.py`
+    passes its check; with `1` elsewhere "mlx" (MLX's attention over the whole buffer, masked: the
+    same tokens, for machines without the kernels)."""
+    if setting == "0" or (setting == "auto" and not kernel_check.on_cuda()):
+        return None
+    attns = [b.self_attn for b in blocks]
+    first = attns[0]
+    shape = (first.n_heads, first.n_kv_heads, first.head_dim)
+    dtype = model.compute_dtype
+    alike = all((a.n_heads, a.n_kv_heads, a.head_dim) == shape for a in attns)
+    if (rope is not None and kernel_check.on_cuda() and alike
+            and attention_kernel.applies(dtype, *shape, first.head_dim)
+            and all(attention_kernel.check(dtype, *shape, scale) for scale in sorted({float(a.scale) for a in attns}))):
+        return "kernel"
+    return "mlx" if setting == "1" else None
+
+
 # ---------------------------------------------------------------------- fused projections
 
 def rope_of(module: Any, head_dim: int) -> rope_kv_kernel.Rope | None:
@@ -159,6 +199,9 @@ class FusedProjection(Module):
         self.qk_norm_eps = 0.0
         # A linear applied apart, its output last (`fuse`'s `tail`); private: the model holds it.
         self._tail = tail
+        # [gate; up] whose product and SiLU product run as one CUDA kernel (`silu_product`); set by
+        # the decode plan where that kernel passed its check.
+        self.pair_silu = False
 
     @property
     def tail(self) -> Any:
@@ -173,6 +216,17 @@ class FusedProjection(Module):
         assert weight is not None and scales is not None and biases is not None  # given where weight_t is not
         y = quantized_matmul(x, weight, scales, biases, self._group_size, self._bits, self._cuda_matvec)
         return y if self._bias is None else y + self._bias
+
+    def silu_product(self, x: Array) -> Array | None:
+        """silu(gate) * up of a gate/up fusion as one kernel (`kernel_choice.silu_product`) where
+        `pair_silu` is set and the kernel takes x (a few rows); else None: the caller computes it
+        from `__call__`'s outputs."""
+        if (not self.pair_silu or self._weight is None or self._bias is not None or self.tail is not None
+                or len(self._sizes) != 2 or self._sizes[0] != self._sizes[1]):
+            return None
+        assert self._scales is not None and self._biases is not None  # quantized: given with the weight
+        return kernel_silu_product(x, self._weight, self._scales, self._biases, self._group_size, self._bits,
+                                   self._cuda_matvec)
 
     def __call__(self, x: Array) -> list[Array]:
         y = self.joint(x)
@@ -376,37 +430,121 @@ def _heads(group: SegmentGroup, attn: Any, x: Array, positions: Array, qkv: Fuse
 POSITION_WIDTH = 4
 
 
-def _trace_first(inputs: list[Array]) -> list[Array]:
-    group: SegmentGroup = traced_spec()
-    group.stats["traces"] += 1
-    tokens, pos = inputs[0], inputs[1]
-    n = 2 + group.kv_inputs
-    embed, norm, attn, qkv = clone_modules(group.modules, group.arrays, inputs[n:])
+def _first_body(group: SegmentGroup, mods: list[Any], tokens: Array, pos: Array, kv: list[Array]) -> list[Array]:
+    """The first segment: [*layer 0's heads (`_heads`), h]."""
+    embed, norm, attn, qkv = mods
     h = embed(mx.reshape(tokens, (tokens.shape[0], 1)))
-    return [*_heads(group, attn, norm(h), pos, qkv, inputs[2:n]), h]
+    return [*_heads(group, attn, norm(h), pos, qkv, kv), h]
 
 
-def _trace_mid(inputs: list[Array]) -> list[Array]:
-    group: SegmentGroup = traced_spec()
-    attn_out, h, pos = inputs[0], inputs[1], inputs[2]
-    n = 3 + group.kv_inputs
-    block, gate_up, norm, attn, qkv = clone_modules(group.modules, group.arrays, inputs[n:])
+def _mid_body(group: SegmentGroup, mods: list[Any], attn_out: Array, h: Array, pos: Array, kv: list[Array]
+              ) -> list[Array]:
+    """A middle segment: layer i after its attention, then [*layer i+1's heads, h]."""
+    block, gate_up, norm, attn, qkv = mods
     h, mlp_out = _finish_block(block, attn_out, h, gate_up, group.fused_norm)
     h, x = _add_norm(h, mlp_out, norm, group.fused_norm)
-    return [*_heads(group, attn, x, pos, qkv, inputs[3:n]), h]
+    return [*_heads(group, attn, x, pos, qkv, kv), h]
 
 
-def _trace_last(inputs: list[Array]) -> list[Array]:
-    group: SegmentGroup = traced_spec()
-    attn_out, h, pos = inputs[0], inputs[1], inputs[2]
-    block, gate_up, norm, embed, head = clone_modules(group.modules, group.arrays, inputs[3:])
+def _last_body(group: SegmentGroup, mods: list[Any], attn_out: Array, h: Array) -> Array:
+    """The last segment: the last layer after its attention, the final norm and the head; the
+    sampled ids where greedy is fused, else the logits [B, V]."""
+    block, gate_up, norm, embed, head = mods
     h, mlp_out = _finish_block(block, attn_out, h, gate_up, group.fused_norm)
     _, h = _add_norm(h, mlp_out, norm, group.fused_norm)
     logits = embed.as_linear(h) if group.tied else head(h)
     logits = mx.reshape(logits, (logits.shape[0], logits.shape[-1]))
     if group.fuse_greedy:
         logits = argmax_kernel.argmax(logits) if group.cuda_argmax else greedy(logits)
-    return [logits, pos + 1]
+    return logits
+
+
+def _trace_first(inputs: list[Array]) -> list[Array]:
+    group: SegmentGroup = traced_spec()
+    group.stats["traces"] += 1
+    n = 2 + group.kv_inputs
+    mods = clone_modules(group.modules, group.arrays, inputs[n:])
+    return _first_body(group, mods, inputs[0], inputs[1], inputs[2:n])
+
+
+def _trace_mid(inputs: list[Array]) -> list[Array]:
+    group: SegmentGroup = traced_spec()
+    n = 3 + group.kv_inputs
+    mods = clone_modules(group.modules, group.arrays, inputs[n:])
+    return _mid_body(group, mods, inputs[0], inputs[1], inputs[2], inputs[3:n])
+
+
+def _trace_last(inputs: list[Array]) -> list[Array]:
+    group: SegmentGroup = traced_spec()
+    mods = clone_modules(group.modules, group.arrays, inputs[3:])
+    return [_last_body(group, mods, inputs[0], inputs[1]), inputs[2] + 1]
+
+
+def _whole_attention(plan: SegmentPlan, i: int, q: Array, keys: Array, values: Array, pos: Array, single: bool
+                     ) -> Array:
+    """Layer i's attention inside the whole step: the CUDA kernels, which read the position on the
+    device, or (`plan.attention == "mlx"`) MLX's attention over the whole buffer, slots past the
+    position masked."""
+    scale = plan.scales[i]
+    if plan.attention == "kernel":
+        return attention_kernel.attend(q, keys, values, pos, scale, single)
+    slots = keys.shape[2]
+    visible = mx.less_equal(mx.arange(slots, dtype=mx.int32), rope_kv_kernel.scalar_position(pos))
+    return _sdpa(q, keys, values, scale=scale, mask=mx.reshape(visible, (1, 1, 1, slots)))
+
+
+def _write_kv(plan: SegmentPlan, heads: list[Array], keys: Array, values: Array, pos: Array) -> list[Array]:
+    """[q, keys, values] of a layer inside the whole step: as the RoPE kernel returns them (its
+    writes done in place), or with k and v written into new buffers at the position."""
+    if plan.rope is not None:
+        return heads
+    q, k, v = heads
+    start = mx.reshape(rope_kv_kernel.scalar_position(pos), (1,))
+    return [q, mx.slice_update_dynamic(keys, k, start, [2]), mx.slice_update_dynamic(values, v, start, [2])]
+
+
+@dataclass
+class WholeStep:
+    """What a trace of the whole step reads: the plan and which attention kernel the graph holds."""
+
+    plan: SegmentPlan
+    single: bool  # the one-pass attention kernel (up to decode_attention.ONE_PASS_KEYS keys)
+
+
+def _trace_whole(inputs: list[Array]) -> list[Array]:
+    """The whole step as one graph: inputs [tokens, pos, keys 0, values 0, ..., the RoPE kernel's
+    table (where the plan has the kernel), *the plan's arrays]; outputs [ids or logits, pos + 1,
+    keys 0, values 0, ...] (with the RoPE kernel the buffers themselves, written in place)."""
+    spec: WholeStep = traced_spec()
+    plan = spec.plan
+    plan.first.stats["traces"] += 1
+    layers = len(plan.scales)
+    tokens, pos = inputs[0], inputs[1]
+    buffers = inputs[2:2 + 2 * layers]
+    tables = 1 if plan.rope is not None else 0  # the RoPE kernel's table follows the buffers
+    table = inputs[2 + 2 * layers] if tables else None
+    arrays = inputs[2 + 2 * layers + tables:]
+    groups = [plan.first, *plan.mids, plan.last]
+
+    def mods(g: int) -> list[Any]:
+        return clone_modules(groups[g].modules, groups[g].arrays, [arrays[j] for j in plan.whole_index[g]])
+
+    def kv(i: int) -> list[Array]:
+        return [buffers[2 * i], buffers[2 * i + 1], table] if table is not None else []
+
+    *heads, h = _first_body(plan.first, mods(0), tokens, pos, kv(0))
+    written: list[Array] = []
+    out: Array | None = None
+    for i in range(layers):
+        q, keys, values = _write_kv(plan, heads, buffers[2 * i], buffers[2 * i + 1], pos)
+        written += [keys, values]
+        attn_out = _whole_attention(plan, i, q, keys, values, pos, spec.single)
+        if i + 1 < layers:
+            *heads, h = _mid_body(plan.mids[i], mods(i + 1), attn_out, h, pos, kv(i + 1))
+        else:
+            out = _last_body(plan.last, mods(i + 1), attn_out, h)
+    assert out is not None  # a plan has at least one block
+    return [out, pos + 1, *written]
 
 
 @dataclass
@@ -455,9 +593,11 @@ class SegmentFunctions:
         self.first = mx.compile(_trace_first)
         self.mid = mx.compile(_trace_mid)
         self.last = mx.compile(_trace_last)
+        # The whole step (a plan with `attention`): one graph per attention kernel, short and long.
+        self.whole = {True: mx.compile(_trace_whole), False: mx.compile(_trace_whole)}
 
     def clear(self) -> None:
-        for fn in (self.first, self.mid, self.last):
+        for fn in (self.first, self.mid, self.last, *self.whole.values()):
             fn.clear()
 
 
@@ -472,12 +612,17 @@ class SegmentPlan:
     def __init__(self, model: Any, blocks: list[Any], fuse_greedy: bool, stats: dict[str, int],
                  fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None, signature: tuple[int, ...],
                  fused_norm: bool = False, cuda_argmax: bool = False,
-                 rope: rope_kv_kernel.Rope | None = None) -> None:
+                 rope: rope_kv_kernel.Rope | None = None, attention: str | None = None,
+                 pair_silu: bool = False) -> None:
         inner = model.model
         tied = model.lm_head is None
         fusions = fusions or [(None, None)] * len(blocks)
         qkv = [f[0].fused if f[0] is not None else None for f in fusions]
         gate_up = [f[1].fused if f[1] is not None else None for f in fusions]
+        for g in gate_up:
+            if g is not None:
+                g.pair_silu = pair_silu
+        self.pair_silu = pair_silu
         self.signature = signature
         self.fuse_greedy = fuse_greedy
         self.rope = rope  # each layer's RoPE and key/value writes as `kernels/rope_kv.py`'s kernel
@@ -493,6 +638,21 @@ class SegmentPlan:
                            cuda_argmax=cuda_argmax and fuse_greedy)
         self.cuda_argmax = self.last.cuda_argmax
         self.scales = [float(b.self_attn.scale) for b in blocks]
+        # The whole step as one graph (`_trace_whole`): "kernel" (attention as
+        # `kernels/decode_attention.py`'s kernels), "mlx" (MLX's masked attention), or None (segments).
+        self.attention = attention
+        self.whole_fixed: FixedArrays | None = None
+        self.whole_index: list[list[int]] = []
+        if attention is not None:
+            union: list[Array] = []
+            where: dict[int, int] = {}
+            for group in (self.first, *self.mids, self.last):
+                for a in group.arrays:
+                    if id(a) not in where:
+                        where[id(a)] = len(union)
+                        union.append(a)
+                self.whole_index.append([where[id(a)] for a in group.arrays])
+            self.whole_fixed = FixedArrays(union)
 
     def arrays(self) -> list[list[Array]]:
         return [g.arrays for g in (self.first, *self.mids, self.last)]
@@ -524,6 +684,8 @@ class SegmentedSession:
         grown = self._rings.grow_for(self._position, self._buffers)
         if grown is not None:  # longer buffers (with the RoPE kernel: its own, written in place)
             self._buffers = [rope_kv_kernel.private_copy(a) for a in grown] if self._rope is not None else grown
+        if self._plan.attention is not None:
+            return self._whole_step(tokens, pos)
         fns = self._fns
         *heads, h = call_segment(fns.first, self._first, [tokens, pos, *self._kv_inputs(0)])
         out = None
@@ -535,6 +697,18 @@ class SegmentedSession:
                 out, pos = call_segment(fns.last, self._last, [attn, h, pos])
         self._position += 1
         assert out is not None  # the last layer's segment always runs (a plan has at least one block)
+        return out, pos
+
+    def _whole_step(self, tokens: Array, pos: Array) -> tuple[Array, Array]:
+        """`_step` as one call of the whole-step graph; the buffers it returns are the session's."""
+        plan = self._plan
+        single = attention_kernel.one_pass(self._position + 1)
+        table = [self._rope.table] if self._rope is not None else []
+        assert plan.whole_fixed is not None  # made with the plan's `attention`
+        out, pos, *buffers = call_traced(self._fns.whole[single], WholeStep(plan, single),
+                                         [tokens, pos, *self._buffers, *table], plan.whole_fixed)
+        self._buffers = buffers
+        self._position += 1
         return out, pos
 
     def _first_positions(self) -> Array:
@@ -598,5 +772,6 @@ class SegmentedSession:
                 self._buffers = []
 
 
-__all__ = ["plan", "rope_of", "fuse", "fusions_for", "FusedProjection", "Fusion", "SegmentFunctions", "SegmentGroup",
+__all__ = ["plan", "rope_of", "use_decode_attention", "use_pair_silu", "WholeStep",
+           "fuse", "fusions_for", "FusedProjection", "Fusion", "SegmentFunctions", "SegmentGroup",
            "SegmentPlan", "SegmentedSession", "call_segment", "segment_group"]

@@ -33,6 +33,9 @@ MAX_X_ROWS = 8  # more rows of x than this go to MLX's tensor-core kernels
 GROUP_SIZES = (32, 64, 128)
 
 HEADER = r"""
+#include "mlx/backend/cuda/device/binary_ops.cuh"
+#include "mlx/backend/cuda/device/unary_ops.cuh"
+
 namespace pymlxc_mv {
 
 // sum_i x[i] * (1 + q_i / 16) over the 8 nibbles of a word (nibble i in bits 4i..4i+3).
@@ -61,8 +64,11 @@ __device__ __forceinline__ void load8(const T* p, float* f) {
 """
 
 # Template arguments: T (x, scales, biases and out dtype), M (rows of x), G (group size), R (output
-# rows per warp). The weight's sizes are read from its shape at run time, so that a model's linears
-# share one compiled kernel per row count of x: NVRTC compiles each template once per process.
+# rows per warp), PAIR (a fused gate/up weight [gate; up] whose product the kernel returns as
+# silu(gate) * up, [M, N / 2]: warp j computes rows j and j + N / 2, the same sums as unpaired, and
+# one kernel replaces the product and MLX's SiLU-and-multiply kernel). The weight's sizes are read
+# from its shape at run time, so that a model's linears share one compiled kernel per row count of x:
+# NVRTC compiles each template once per process.
 QUANTIZED_SOURCE = r"""
   const int N = w_shape[0];
   const int CHUNKS = w_shape[1] / 4;  // 16-byte chunks of packed weights per row
@@ -70,8 +76,11 @@ QUANTIZED_SOURCE = r"""
   const int GROUPS = K / G;
   const int ITERS = (CHUNKS + 31) / 32;
   const int lane = threadIdx.x & 31;
-  const int row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
-  if (row0 >= N) {
+  const int HALF = N / 2;
+  const int warp_id = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  // PAIR: warp j takes rows j and j + N / 2 (gate and up of one hidden unit, R = 2).
+  const int row0 = PAIR ? warp_id : warp_id * R;
+  if (row0 >= (PAIR ? HALF : N)) {
     return;
   }
   float acc[M][R];
@@ -96,7 +105,7 @@ QUANTIZED_SOURCE = r"""
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       // Rows past N (the last warp) read row N - 1 again; their sums are never written.
-      const size_t row = static_cast<size_t>(min(row0 + r, N - 1));
+      const size_t row = static_cast<size_t>(PAIR ? row0 + r * HALF : min(row0 + r, N - 1));
       q[r] = wq[row * CHUNKS + c];
       sc[r] = static_cast<float>(scales[row * GROUPS + g]);
       bi[r] = static_cast<float>(biases[row * GROUPS + g]);
@@ -124,6 +133,7 @@ QUANTIZED_SOURCE = r"""
   }
 #pragma unroll
   for (int m = 0; m < M; ++m) {
+    T y[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       float v = acc[m][r];
@@ -131,9 +141,17 @@ QUANTIZED_SOURCE = r"""
       for (int off = 16; off > 0; off >>= 1) {
         v += __shfl_xor_sync(0xffffffffu, v, off);
       }
-      if (lane == 0 && row0 + r < N) {
-        out[static_cast<size_t>(m) * N + row0 + r] = static_cast<T>(v);
+      y[r] = static_cast<T>(v);
+      if (!PAIR && lane == 0 && row0 + r < N) {
+        out[static_cast<size_t>(m) * N + row0 + r] = y[r];
       }
+    }
+    if (PAIR && lane == 0) {
+      // silu(gate) * up as MLX's compiled kernel computes it from the two products: each operation
+      // in T, with MLX's own Sigmoid and Multiply.
+      T gate = y[0];
+      T silu = mlx::core::cu::Multiply{}(gate, mlx::core::cu::Sigmoid{}(gate));
+      out[static_cast<size_t>(m) * HALF + row0] = mlx::core::cu::Multiply{}(silu, y[R - 1]);
     }
   }
 """
@@ -146,11 +164,13 @@ def quantized_applies(x_rows: int, k: int, bits: int, group_size: int, dtype_siz
 
 
 def launch(x_rows: int, k: int, n: int, dtype: Any, group_size: int,
-           rows_per_warp: int = ROWS_PER_WARP) -> dict[str, Any]:
-    """Keyword arguments of a kernel call for x (x_rows, k) and weights of n rows: grid, threads, template."""
-    warps = -(-n // rows_per_warp)
+           rows_per_warp: int = ROWS_PER_WARP, pair: bool = False) -> dict[str, Any]:
+    """Keyword arguments of a kernel call for x (x_rows, k) and weights of n rows: grid, threads,
+    template. `pair`: the gate/up form (n even; output n / 2 per row of x)."""
+    warps = n // 2 if pair else -(-n // rows_per_warp)
     return {
         "grid": (warps * 32, 1, 1),
         "threadgroup": (THREADS_PER_BLOCK, 1, 1),
-        "template": [("T", dtype), ("M", x_rows), ("G", group_size), ("R", rows_per_warp)],
+        "template": [("T", dtype), ("M", x_rows), ("G", group_size), ("R", 2 if pair else rows_per_warp),
+                     ("PAIR", pair)],
     }

@@ -150,6 +150,12 @@ class MLP(nn.Module):
 
     def __call__(self, x: Array, gate_up: Callable[[Array], Sequence[Array]] | None = None) -> Array:
         """down(silu(gate(x)) * up(x)); `gate_up`: the two projections as one call (fused weights)."""
+        if gate_up is not None:
+            # A fused gate/up that computes silu(gate) * up itself (one CUDA kernel, the decode's).
+            paired = getattr(gate_up, "silu_product", None)
+            product = paired(x) if paired is not None else None
+            if product is not None:
+                return self.down_proj(product)
         g, u = gate_up(x) if gate_up is not None else (self.gate_proj(x), self.up_proj(x))
         return self.down_proj(nn.silu(g) * u)
 

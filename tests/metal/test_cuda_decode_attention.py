@@ -2,9 +2,9 @@
 read the position on the device (backends/metal/kernels/decode_attention.py, segments._trace_whole).
 
 Everywhere: the setting is read by name; off CUDA `auto` keeps the segments and `1` runs the whole
-step with MLX's masked attention, with the uncompiled loop's tokens on both sides of the one-pass
-kernel's 1024 keys (each side its own trace); the check rejects kernels that differ from MLX's
-attention in any bit.
+step with MLX's masked attention, with the segments' tokens on both sides of the one-pass kernel's
+1024 keys (each side its own trace); the check rejects kernels that differ from MLX's attention in
+any bit.
 
 On CUDA: the kernels equal MLX's attention bit for bit over head layouts, types, scales and
 lengths, and models decoded on them keep the uncompiled loop's greedy tokens past 1024 positions.
@@ -103,11 +103,19 @@ def test_the_whole_step_keeps_the_tokens(tiny, switches: Any, arch: str, bits: i
 
 def test_the_whole_step_past_the_one_pass_length(tiny, switches: Any) -> None:
     """A generation that crosses 1024 positions switches from the one-pass graph to the two-pass
-    one (a trace each, besides the buffer sizes) and keeps the uncompiled loop's tokens; a second
-    generation reuses the traces."""
+    one (a trace each, besides the buffer sizes) and keeps the tokens of the segments on MLX's
+    attention; a second generation reuses the traces. (On CUDA the uncompiled loop is no reference
+    this far: over its 256-slot caches MLX attends with cuDNN past 256 keys, and a tiny random
+    model's greedy tokens left the segments' at token 457.)"""
     model = tiny(**WIDE)
+    switches.env("PYMLXC_CUDA_DECODE_ATTENTION", "0")
+    segmented = CompiledDecoder(model, "segmented")
+    want = greedy_ids(model, segmented, n=1040)
+    assert _attention(segmented) == {None}
+    segmented.close()
+    if not ON_CUDA:
+        assert want == greedy_ids(model, None, n=1040)
     switches.env("PYMLXC_CUDA_DECODE_ATTENTION", "1")
-    want = greedy_ids(model, None, n=1040)
     decoder = CompiledDecoder(model, "segmented")
     assert greedy_ids(model, decoder, n=1040) == want
     traces = decoder.stats["traces"]

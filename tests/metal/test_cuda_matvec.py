@@ -89,8 +89,12 @@ def test_the_launch_covers_every_row_once(n: int, rows_per_warp: int, m: int) ->
     warps = geo["grid"][0] // 32
     assert geo["grid"][0] % 32 == 0 and geo["grid"][1:] == (1, 1)
     assert warps * rows_per_warp >= n > (warps - 1) * rows_per_warp
-    assert dict(geo["template"]) == {"T": mx.bfloat16, "M": m, "G": 64, "R": rows_per_warp}  # not K, N: one compile
+    assert dict(geo["template"]) == {"T": mx.bfloat16, "M": m, "G": 64, "R": rows_per_warp,
+                                     "PAIR": False}  # not K, N: one compile
     assert geo["threadgroup"][0] % 32 == 0
+    # The paired gate/up form: a warp per hidden unit (rows j and j + n / 2), whatever rows_per_warp.
+    paired = cuda_matvec.launch(m, 4096, 2 * n, mx.bfloat16, 64, rows_per_warp, pair=True)
+    assert paired["grid"][0] == 32 * n and dict(paired["template"])["R"] == 2 and dict(paired["template"])["PAIR"]
 
 
 def test_what_the_kernel_applies_to() -> None:

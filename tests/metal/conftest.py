@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,3 +32,15 @@ class Switches:
 def switches() -> Iterator[Switches]:
     with contextlib.ExitStack() as stack:
         yield Switches(stack)
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    """`tiny(arch="llama", bits=None, **kw)`: a 3-layer float16 model, quantized to `bits`
+    (write_tiny_model's `kw`), freed at the end (a test module may define its own `tiny`)."""
+    from .cuda_decode_helpers import tiny_models
+
+    models = tiny_models(tmp_path)
+    load = next(models)
+    yield lambda arch="llama", bits=None, **kw: load(arch, quantize_bits=bits, **kw)
+    next(models, None)

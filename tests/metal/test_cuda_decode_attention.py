@@ -12,7 +12,6 @@ lengths, and models decoded on them keep the uncompiled loop's greedy tokens pas
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,16 +29,7 @@ from .cuda_decode_helpers import (
     check_the_setting_is_read_by_name,
     cuda_only,
     greedy_ids,
-    tiny_models,
 )
-
-
-@pytest.fixture
-def tiny(tmp_path: Path):
-    models = tiny_models(tmp_path)
-    load = next(models)
-    yield lambda arch="llama", bits=None, **kw: load(arch, quantize_bits=bits, **kw)
-    next(models, None)
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,6 @@ group sizes, and 4-bit models decoded with it keep the uncompiled loop's greedy 
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,15 +20,7 @@ from pymlxc.backends.metal import kernel_choice
 from pymlxc.backends.metal.decode import segments
 from pymlxc.backends.metal.decode.decoder import CompiledDecoder
 
-from .cuda_decode_helpers import ON_CUDA, cuda_only, greedy_ids, plan_flags, tiny_models
-
-
-@pytest.fixture
-def tiny(tmp_path: Path):
-    models = tiny_models(tmp_path)
-    load = next(models)
-    yield lambda arch="llama", bits=None, **kw: load(arch, quantize_bits=bits, **kw)
-    next(models, None)
+from .cuda_decode_helpers import ON_CUDA, cuda_only, greedy_ids, plan_flags
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,6 @@ RoPEs and positions, and models decoded with it keep the uncompiled loop's greed
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,16 +33,7 @@ from .cuda_decode_helpers import (
     greedy_ids,
     plan_flags,
     stood_in_decoder,
-    tiny_models,
 )
-
-
-@pytest.fixture
-def tiny(tmp_path: Path):
-    models = tiny_models(tmp_path)
-    load = next(models)
-    yield lambda arch="llama", bits=None, **kw: load(arch, quantize_bits=bits, **kw)
-    next(models, None)
 
 
 @pytest.fixture(autouse=True)

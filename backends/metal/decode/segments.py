@@ -23,6 +23,11 @@ to MLX's two; `PYMLXC_FUSED_NORM`): a plan decides once, and its segments trace 
 Likewise each layer's RoPE and its key/value writes (`kernels/rope_kv.py`, `PYMLXC_CUDA_ROPE_KV`): the
 segments then return the joint q/k heads before RoPE, and the kernel writes the session's private
 buffers in place.
+Where each layer's attention can run as `kernels/decode_attention.py`'s CUDA kernels (they read the
+position on the device), the first, middle and last segments and those kernels are traced as one
+graph, `_trace_whole`, and a step is one call (`PYMLXC_CUDA_DECODE_ATTENTION`). Where the paired
+4-bit kernel passes its check, each block's gate/up product and SiLU product are one kernel
+(`FusedProjection.silu_product`, `PYMLXC_CUDA_GATE_UP`).
 The segments run the model's own block in halves (`llama.Attention.heads` before the attention
 step, `Attention.output` and `TransformerBlock.finish` after it): a model opts in by declaring
 `segmented_decode` (llama.Model does, so Mistral, Qwen 2 and Qwen 3 and any architecture built on

@@ -55,21 +55,8 @@ COMMON = r"""
   const float scale_log2 = __int_as_float(SCALE_LOG2_BITS);
 """
 
-# One block of 32 warps per (head, row); warp w takes keys w, w + 32, ...
-ONE_PASS = COMMON + r"""
-  constexpr int BN = 32;
-  __shared__ float outputs[BN][33];
-  __shared__ float max_scores[BN];
-  __shared__ float sum_exp_scores[BN];
-  const int b = blockIdx.z;
-  const int head = blockIdx.x;
-  const int kvh = head / (HQ / HKV);
-  const T* Q = q + (static_cast<int64_t>(b) * HQ + head) * D;
-  const T* K = keys + b * keys_strides[0] + kvh * keys_strides[1] + w * keys_strides[2];
-  const T* V = values + b * values_strides[0] + kvh * values_strides[1] + w * values_strides[2];
-  T* O = out + (static_cast<int64_t>(b) * HQ + head) * D;
-  const int k_step = BN * static_cast<int>(keys_strides[2]);
-  const int v_step = BN * static_cast<int>(values_strides[2]);
+# Both kernels' start: the query scaled by the scale's log2 e, the running output, max and sum.
+_SCALED_Q = r"""
   float qv[VPT], kv[VPT], o[VPT];
 #pragma unroll
   for (int i = 0; i < VPT; i++) qv[i] = scale_log2 * static_cast<float>(Q[VPT * lane + i]);
@@ -77,7 +64,11 @@ ONE_PASS = COMMON + r"""
   for (int i = 0; i < VPT; i++) o[i] = 0.f;
   float max_score = Limits<float>::finite_min();
   float sum_exp_score = 0.f;
-  for (int i = w; i < kL; i += BN) {
+"""
+
+# Both kernels' step over one key (after the loop's header, with its closing brace): the warp's
+# score, MLX's online softmax update in exp2, the output accumulated; then the pointers move.
+_KEY_LOOP = r"""
 #pragma unroll
     for (int j = 0; j < VPT; j++) kv[j] = K[VPT * lane + j];
     float score = 0.f;
@@ -94,7 +85,25 @@ ONE_PASS = COMMON + r"""
     K += k_step;
     V += v_step;
   }
-  if (lane == 0) {
+"""
+
+# One block of 32 warps per (head, row); warp w takes keys w, w + 32, ...
+ONE_PASS = COMMON + r"""
+  constexpr int BN = 32;
+  __shared__ float outputs[BN][33];
+  __shared__ float max_scores[BN];
+  __shared__ float sum_exp_scores[BN];
+  const int b = blockIdx.z;
+  const int head = blockIdx.x;
+  const int kvh = head / (HQ / HKV);
+  const T* Q = q + (static_cast<int64_t>(b) * HQ + head) * D;
+  const T* K = keys + b * keys_strides[0] + kvh * keys_strides[1] + w * keys_strides[2];
+  const T* V = values + b * values_strides[0] + kvh * values_strides[1] + w * values_strides[2];
+  T* O = out + (static_cast<int64_t>(b) * HQ + head) * D;
+  const int k_step = BN * static_cast<int>(keys_strides[2]);
+  const int v_step = BN * static_cast<int>(values_strides[2]);
+""" + _SCALED_Q + r"""  for (int i = w; i < kL; i += BN) {
+""" + _KEY_LOOP + r"""  if (lane == 0) {
     max_scores[w] = max_score;
     sum_exp_scores[w] = sum_exp_score;
   }
@@ -138,31 +147,8 @@ TWO_PASS_1 = COMMON + r"""
   float* P = partials + p_offset * D;
   const int k_step = NB * BN * static_cast<int>(keys_strides[2]);
   const int v_step = NB * BN * static_cast<int>(values_strides[2]);
-  float qv[VPT], kv[VPT], o[VPT];
-#pragma unroll
-  for (int i = 0; i < VPT; i++) qv[i] = scale_log2 * static_cast<float>(Q[VPT * lane + i]);
-#pragma unroll
-  for (int i = 0; i < VPT; i++) o[i] = 0.f;
-  float max_score = Limits<float>::finite_min();
-  float sum_exp_score = 0.f;
-  for (int i = first; i < kL; i += NB * BN) {
-#pragma unroll
-    for (int j = 0; j < VPT; j++) kv[j] = K[VPT * lane + j];
-    float score = 0.f;
-#pragma unroll
-    for (int j = 0; j < VPT; j++) score += qv[j] * kv[j];
-    score = cg::reduce(warp, score, cg::plus<float>());
-    float new_max = max(max_score, score);
-    float factor = exp2f(max_score - new_max);
-    float exp_score = exp2f(score - new_max);
-    max_score = new_max;
-    sum_exp_score = sum_exp_score * factor + exp_score;
-#pragma unroll
-    for (int j = 0; j < VPT; j++) o[j] = o[j] * factor + exp_score * static_cast<float>(V[VPT * lane + j]);
-    K += k_step;
-    V += v_step;
-  }
-  if (lane == 0) {
+""" + _SCALED_Q + r"""  for (int i = first; i < kL; i += NB * BN) {
+""" + _KEY_LOOP + r"""  if (lane == 0) {
     max_scores[w] = max_score;
     sum_exp_scores[w] = sum_exp_score;
   }

@@ -560,9 +560,10 @@ def _trace_whole(inputs: list[Array]) -> list[Array]:
     for i in range(layers):
         if len(heads) == 2:  # RoPE and the key/value writes inside the attention kernel
             assert plan.rope is not None and table is not None  # rope_attend is planned with the RoPE kernel
+            rope = dataclasses.replace(plan.rope, table=table)
             attn_out, keys, values = attention_kernel.rope_attend(
-                heads[0], heads[1], buffers[2 * i], buffers[2 * i + 1], pos, dataclasses.replace(plan.rope, table=table),
-                plan.n_heads[i], plan.scales[i], spec.single)
+                heads[0], heads[1], buffers[2 * i], buffers[2 * i + 1], pos, rope, plan.n_heads[i], plan.scales[i],
+                spec.single)
         else:
             q, keys, values = _write_kv(plan, heads, buffers[2 * i], buffers[2 * i + 1], pos)
             attn_out = _whole_attention(plan, i, q, keys, values, pos, spec.single)

@@ -36,8 +36,10 @@ from .cuda_decode_helpers import (
 @pytest.fixture(autouse=True)
 def fresh_checks():
     attention_kernel.checks.forget()  # each test sees its own verdicts
+    attention_kernel.rope_checks.forget()
     yield
     attention_kernel.checks.forget()
+    attention_kernel.rope_checks.forget()
 
 
 # Head size 64: a size MLX's one-token kernels (and so these) take.
@@ -213,6 +215,31 @@ def test_rope_inside_the_attention_keeps_the_tokens(tiny, monkeypatch: pytest.Mo
     decoder.close()
 
 
+@pytest.mark.parametrize("fault", ["output", "keys", "values", "none"])
+def test_the_rope_check_rejects_any_difference(monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
+    """The joint kernels stood in for by MLX's RoPE, slice updates and attention: a unit in the last
+    place off in the output or either buffer is rejected with a warning naming it; exact, it passes."""
+    from pymlxc.backends.metal.models.base import RoPE
+
+    rope = RoPE(64, base=10000.0)
+    spec = segments.rope_of(rope, 64)
+
+    def stand_in(qk: Any, v: Any, keys: Any, values: Any, pos: Any, s: Any, n_heads: int, scale: float,
+                 single: bool) -> Any:
+        out = list(attention_kernel.rope_reference(qk, v, pos, keys, values, rope, n_heads, scale))
+        if fault != "none":
+            i = ("output", "keys", "values").index(fault)
+            out[i] = mx.view(mx.view(out[i], mx.int16) + mx.array(1, dtype=mx.int16), mx.float16)
+        return tuple(out)
+
+    monkeypatch.setattr(attention_kernel, "rope_attend", stand_in)
+    if fault == "none":
+        assert attention_kernel.rope_check(mx.float16, 4, 2, 64, 0.125, spec, rope)
+    else:
+        with pytest.warns(RuntimeWarning, match=f"its {fault} over 1 keys differ"):
+            assert not attention_kernel.rope_check(mx.float16, 4, 2, 64, 0.125, spec, rope)
+
+
 @cuda_only
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(hq=st.sampled_from([4, 8, 32]), group=st.sampled_from([1, 4]), d=st.sampled_from([64, 128]),
@@ -235,7 +262,7 @@ def test_rope_attend_is_mlx_rope_updates_and_attention(hq: int, group: int, d: i
     slots = length + 7 if (length + 7) % 256 else length + 8
     qk, v, keys, values = rand(1, hq + hkv, 1, d), rand(1, hkv, 1, d), rand(1, hkv, slots, d), rand(1, hkv, slots, d)
     pos = mx.array([length - 1] * 4, dtype=mx.int32)
-    want = attention_kernel.rope_reference(qk, v, pos, keys, values, rope, hq, d ** -0.5)
+    want = attention_kernel.rope_reference(qk, v, pos, keys, values, rope, hq, d ** -0.5)  # rope_kv.reference's order
     got = attention_kernel.rope_attend(qk, v, cuda_rope_kv.private_copy(keys), cuda_rope_kv.private_copy(values), pos,
                                        spec, hq, d ** -0.5, attention_kernel.one_pass(length))
     mx.eval(got[0])

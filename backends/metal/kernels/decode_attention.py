@@ -392,10 +392,11 @@ def rope_attend(qk: Array, v: Array, keys: Array, values: Array, pos: Array, rop
     return out, keys, values
 
 
-def rope_reference(qk: Array, v: Array, keys: Array, values: Array, pos: Array, rope: Any, n_heads: int,
+def rope_reference(qk: Array, v: Array, pos: Array, keys: Array, values: Array, rope: Any, n_heads: int,
                    scale: float) -> tuple[Array, Array, Array]:
-    """What `rope_attend` computes, as MLX's kernels (`rope(x, offset)`: the model's RoPE module):
-    (attention output, keys, values), the buffers as new arrays."""
+    """What `rope_attend` computes, as MLX's kernels (`rope(x, offset)`: the model's RoPE module;
+    arguments in `rope_kv.reference`'s order): (attention output, keys, values), the buffers as new
+    arrays."""
     q, k, v2 = rope_kv.reference(qk, v, pos, keys, values, rope, n_heads)
     return reference(q, k, v2, pos, scale), k, v2
 

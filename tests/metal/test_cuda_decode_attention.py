@@ -23,7 +23,6 @@ import pymlxc.core as mx
 from pymlxc.backends.metal.decode import segments
 from pymlxc.backends.metal.decode.decoder import CompiledDecoder
 from pymlxc.backends.metal.kernels import decode_attention as attention_kernel
-from pymlxc.backends.metal.kernels import rope_kv as cuda_rope_kv
 
 from .cuda_decode_helpers import (
     ON_CUDA,
@@ -36,10 +35,8 @@ from .cuda_decode_helpers import (
 @pytest.fixture(autouse=True)
 def fresh_checks():
     attention_kernel.checks.forget()  # each test sees its own verdicts
-    attention_kernel.rope_checks.forget()
     yield
     attention_kernel.checks.forget()
-    attention_kernel.rope_checks.forget()
 
 
 # Head size 64: a size MLX's one-token kernels (and so these) take.
@@ -171,100 +168,4 @@ def test_decoding_on_the_kernels_keeps_the_tokens(tiny, arch: str, bits: int | N
         warnings.simplefilter("error", RuntimeWarning)  # every kernel passes its check here
         assert greedy_ids(model, decoder, n=40) == want
     assert decoder.stats["compiled"] == 1 and _attention(decoder) == {"kernel"}
-    assert {plan.rope_attend for plan in decoder._plans.values()} == {True}  # noqa: SLF001
     decoder.close()
-
-
-def _masked(q: Any, keys: Any, values: Any, pos: Any, scale: float) -> Any:
-    """MLX's attention over the whole buffer, slots past the position masked (a kernel's stand-in
-    inside a trace: no host read of the position)."""
-    slots = keys.shape[2]
-    visible = mx.less_equal(mx.arange(slots, dtype=mx.int32), cuda_rope_kv.scalar_position(pos))
-    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale,
-                                                mask=mx.reshape(visible, (1, 1, 1, slots)))
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_rope_inside_the_attention_keeps_the_tokens(tiny, monkeypatch: pytest.MonkeyPatch, arch: str) -> None:
-    """The kernels stood in for by MLX's operations (new buffers, masked attention): where RoPE and
-    the key/value writes are planned inside the attention, each layer hands `rope_attend` its joint
-    q/k heads before RoPE and v (once, at the trace), and the tokens are the uncompiled loop's."""
-    model = tiny(arch, **WIDE)
-    want = greedy_ids(model, None, n=30)
-    calls: list[tuple[int, ...]] = []
-
-    def rope_attend(qk: Any, v: Any, keys: Any, values: Any, pos: Any, spec: Any, n_heads: int, scale: float,
-                    single: bool) -> Any:
-        calls.append(tuple(qk.shape))
-        q, keys, values = cuda_rope_kv.reference(qk, v, pos, keys, values, spec.mlx, n_heads)
-        return _masked(q, keys, values, pos, scale), keys, values
-
-    monkeypatch.setattr(segments.kernel_check, "on_cuda", lambda: True)
-    monkeypatch.setattr(cuda_rope_kv, "check", lambda *a: True)
-    monkeypatch.setattr(attention_kernel, "check", lambda *a: True)
-    monkeypatch.setattr(attention_kernel, "rope_check", lambda *a: True)
-    monkeypatch.setattr(attention_kernel, "rope_attend", rope_attend)
-    decoder = CompiledDecoder(model, "segmented")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # the other CUDA kernels' checks fail here
-        assert greedy_ids(model, decoder, n=30) == want
-    plans = list(decoder._plans.values())  # noqa: SLF001
-    assert [(p.attention, p.rope_attend) for p in plans] == [("kernel", True)]
-    attn = model.layers[0].self_attn
-    assert calls == [(1, attn.n_heads + attn.n_kv_heads, 1, attn.head_dim)] * len(model.layers)
-    decoder.close()
-
-
-@pytest.mark.parametrize("fault", ["output", "keys", "values", "none"])
-def test_the_rope_check_rejects_any_difference(monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
-    """The joint kernels stood in for by MLX's RoPE, slice updates and attention: a unit in the last
-    place off in the output or either buffer is rejected with a warning naming it; exact, it passes."""
-    from pymlxc.backends.metal.models.base import RoPE
-
-    rope = RoPE(64, base=10000.0)
-    spec = segments.rope_of(rope, 64)
-
-    def stand_in(qk: Any, v: Any, keys: Any, values: Any, pos: Any, s: Any, n_heads: int, scale: float,
-                 single: bool) -> Any:
-        out = list(attention_kernel.rope_reference(qk, v, pos, keys, values, rope, n_heads, scale))
-        if fault != "none":
-            i = ("output", "keys", "values").index(fault)
-            out[i] = mx.view(mx.view(out[i], mx.int16) + mx.array(1, dtype=mx.int16), mx.float16)
-        return tuple(out)
-
-    monkeypatch.setattr(attention_kernel, "rope_attend", stand_in)
-    if fault == "none":
-        assert attention_kernel.rope_check(mx.float16, 4, 2, 64, 0.125, spec, rope)
-    else:
-        with pytest.warns(RuntimeWarning, match=f"its {fault} over 1 keys differ"):
-            assert not attention_kernel.rope_check(mx.float16, 4, 2, 64, 0.125, spec, rope)
-
-
-@cuda_only
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(hq=st.sampled_from([4, 8, 32]), group=st.sampled_from([1, 4]), d=st.sampled_from([64, 128]),
-       dtype=st.sampled_from(["bfloat16", "float16"]), llama3=st.booleans(), length=st.integers(1, 3000),
-       seed=st.integers(0, 2**16))
-def test_rope_attend_is_mlx_rope_updates_and_attention(hq: int, group: int, d: int, dtype: str, llama3: bool,
-                                                       length: int, seed: int) -> None:
-    from pymlxc.backends.metal.models.base import RoPE, llama3_freqs
-    from pymlxc.testing import LLAMA3_ROPE_SCALING
-
-    hkv = max(1, hq // group)
-    rope = RoPE(d, base=500000.0, freqs=llama3_freqs(d, 500000.0, LLAMA3_ROPE_SCALING) if llama3 else None)
-    spec = segments.rope_of(rope, d)
-    rng = np.random.default_rng(seed)
-    t = getattr(mx, dtype)
-
-    def rand(*shape: int) -> Any:
-        return mx.astype(mx.array(rng.standard_normal(shape).astype(np.float32)), t)
-
-    slots = length + 7 if (length + 7) % 256 else length + 8
-    qk, v, keys, values = rand(1, hq + hkv, 1, d), rand(1, hkv, 1, d), rand(1, hkv, slots, d), rand(1, hkv, slots, d)
-    pos = mx.array([length - 1] * 4, dtype=mx.int32)
-    want = attention_kernel.rope_reference(qk, v, pos, keys, values, rope, hq, d ** -0.5)  # rope_kv.reference's order
-    got = attention_kernel.rope_attend(qk, v, cuda_rope_kv.private_copy(keys), cuda_rope_kv.private_copy(values), pos,
-                                       spec, hq, d ** -0.5, attention_kernel.one_pass(length))
-    mx.eval(got[0])
-    for name, g, w in zip(("output", "keys", "values"), got, want, strict=True):
-        assert bool(mx.array_equal(g, w).item()), name

@@ -322,9 +322,8 @@ class CompiledDecoder:
             rope = segments.use_rope_kv(model, blocks, fusions, self.cuda_rope_kv)
             attention = segments.use_decode_attention(model, blocks, rope, self.cuda_decode_attention)
             pair_silu = segments.use_pair_silu(fusions, self.cuda_gate_up)
-            rope_attend = segments.use_rope_attend(model, blocks, rope, attention)
             seg_key = ("segmented", structure, fuse_greedy, fusions is not None, fused_norm, argmax, rope is not None,
-                       attention, pair_silu, rope_attend)
+                       attention, pair_silu)
             if seg_key in self._failed:
                 return None
             with self._lock:
@@ -332,7 +331,7 @@ class CompiledDecoder:
                 if seg_plan is None or seg_plan.signature != signature:
                     self._plans.pop(seg_key, None)  # an old plan's arrays go first
                     seg_plan = segments.SegmentPlan(model, blocks, fuse_greedy, self.stats, fusions, signature,
-                                                    fused_norm, argmax, rope, attention, pair_silu, rope_attend)
+                                                    fused_norm, argmax, rope, attention, pair_silu)
                     self._plans[seg_key] = seg_plan
                 self._recent_plan = ((signature, fuse_greedy, self.fuse_projections), seg_key)
         assert seg_key is not None and seg_plan is not None  # found or made together above

@@ -175,21 +175,6 @@ def use_decode_attention(model: Any, blocks: Sequence[Any], rope: rope_kv_kernel
     return "mlx" if setting == "1" else None
 
 
-def use_rope_attend(model: Any, blocks: Sequence[Any], rope: rope_kv_kernel.Rope | None, attention: str | None
-                    ) -> bool:
-    """Whether the whole step's attention kernels also rotate q and k and write the key and value
-    (`decode_attention.rope_attend`: one kernel a layer fewer): the attention runs as the kernels,
-    the plan has the RoPE kernel (whose switch, PYMLXC_CUDA_ROPE_KV, this follows), and the joint
-    kernels pass their check against MLX's RoPE, slice updates and attention."""
-    if attention != "kernel" or rope is None:
-        return False
-    first = blocks[0].self_attn
-    dtype = model.compute_dtype
-    shape = (first.n_heads, first.n_kv_heads, first.head_dim)
-    return all(attention_kernel.rope_check(dtype, *shape, scale, rope, first.rope)
-               for scale in sorted({float(b.self_attn.scale) for b in blocks}))
-
-
 # ---------------------------------------------------------------------- fused projections
 
 def rope_of(module: Any, head_dim: int) -> rope_kv_kernel.Rope | None:
@@ -439,8 +424,6 @@ def _heads(group: SegmentGroup, attn: Any, x: Array, positions: Array, qkv: Fuse
         # The kernel writes the heads' type into the buffers: where they differ (caches filled in
         # another type than the step computes in, say), MLX's RoPE and casting updates do it.
         return list(rope_kv_kernel.reference(qk, v, pos, keys, values, attn.rope, attn.n_heads))
-    if group.rope_attend:
-        return [qk, v]
     rope = dataclasses.replace(group.rope, table=table)
     return list(rope_kv_kernel.rope_write_kv(qk, v, positions, keys, values, rope, attn.n_heads))
 
@@ -558,16 +541,9 @@ def _trace_whole(inputs: list[Array]) -> list[Array]:
     written: list[Array] = []
     out: Array | None = None
     for i in range(layers):
-        if len(heads) == 2:  # RoPE and the key/value writes inside the attention kernel
-            assert plan.rope is not None and table is not None  # rope_attend is planned with the RoPE kernel
-            rope = dataclasses.replace(plan.rope, table=table)
-            attn_out, keys, values = attention_kernel.rope_attend(
-                heads[0], heads[1], buffers[2 * i], buffers[2 * i + 1], pos, rope, plan.n_heads[i], plan.scales[i],
-                spec.single)
-        else:
-            q, keys, values = _write_kv(plan, heads, buffers[2 * i], buffers[2 * i + 1], pos)
-            attn_out = _whole_attention(plan, i, q, keys, values, pos, spec.single)
+        q, keys, values = _write_kv(plan, heads, buffers[2 * i], buffers[2 * i + 1], pos)
         written += [keys, values]
+        attn_out = _whole_attention(plan, i, q, keys, values, pos, spec.single)
         if i + 1 < layers:
             *heads, h = _mid_body(plan.mids[i], mods(i + 1), attn_out, h, pos, kv(i + 1))
         else:
@@ -589,9 +565,6 @@ class SegmentGroup:
     fused_norm: bool = False  # residual adds and the norms after them in one kernel (`kernels/add_rms_norm.py`)
     cuda_argmax: bool = False  # greedy's argmax as `kernels/argmax.py`'s kernels
     rope: rope_kv_kernel.Rope | None = None  # RoPE and the key/value writes as `kernels/rope_kv.py`'s kernel
-    # With `rope`, in the whole step: those inside the attention kernel (`decode_attention.rope_attend`);
-    # the heads go out as [joint q/k heads before RoPE, v].
-    rope_attend: bool = False
 
     @property
     def kv_inputs(self) -> int:
@@ -645,7 +618,7 @@ class SegmentPlan:
                  fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None, signature: tuple[int, ...],
                  fused_norm: bool = False, cuda_argmax: bool = False,
                  rope: rope_kv_kernel.Rope | None = None, attention: str | None = None,
-                 pair_silu: bool = False, rope_attend: bool = False) -> None:
+                 pair_silu: bool = False) -> None:
         inner = model.model
         tied = model.lm_head is None
         fusions = fusions or [(None, None)] * len(blocks)
@@ -670,10 +643,6 @@ class SegmentPlan:
                            cuda_argmax=cuda_argmax and fuse_greedy)
         self.cuda_argmax = self.last.cuda_argmax
         self.scales = [float(b.self_attn.scale) for b in blocks]
-        self.n_heads = [int(b.self_attn.n_heads) for b in blocks]
-        self.rope_attend = rope_attend and attention == "kernel" and rope is not None
-        for group in (self.first, *self.mids):
-            group.rope_attend = self.rope_attend
         # The whole step as one graph (`_trace_whole`): "kernel" (attention as
         # `kernels/decode_attention.py`'s kernels), "mlx" (MLX's masked attention), or None (segments).
         self.attention = attention
@@ -808,6 +777,6 @@ class SegmentedSession:
                 self._buffers = []
 
 
-__all__ = ["plan", "rope_of", "use_decode_attention", "use_pair_silu", "use_rope_attend", "WholeStep",
+__all__ = ["plan", "rope_of", "use_decode_attention", "use_pair_silu", "WholeStep",
            "fuse", "fusions_for", "FusedProjection", "Fusion", "SegmentFunctions", "SegmentGroup",
            "SegmentPlan", "SegmentedSession", "call_segment", "segment_group"]

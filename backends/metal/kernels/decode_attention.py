@@ -30,9 +30,7 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 from pymlxc.core.cuda_kernel import SharedKernel, float32_bits
 
-from . import rope_kv
 from .check import CheckedOnce
-from .rope_kv import Rope
 
 ONE_PASS_KEYS = 1024  # MLX's one-pass kernel up to this many keys, the two-pass pair above
 BLOCKS = 32  # the two-pass kernel's blocks per head (MLX's)
@@ -70,12 +68,9 @@ _SCALED_Q = r"""
 
 # Both kernels' step over one key (after the loop's header, with its closing brace): the warp's
 # score, MLX's online softmax update in exp2, the output accumulated; then the pointers move.
-def _key_step(key: str, value: str) -> str:
-    """One key's step of the online softmax: the warp's score (element j of the key read as `key`,
-    of the value as `value`), MLX's update in exp2, the output accumulated."""
-    return r"""
+_KEY_LOOP = r"""
 #pragma unroll
-    for (int j = 0; j < VPT; j++) kv[j] = """ + key + r""";
+    for (int j = 0; j < VPT; j++) kv[j] = K[VPT * lane + j];
     float score = 0.f;
 #pragma unroll
     for (int j = 0; j < VPT; j++) score += qv[j] * kv[j];
@@ -86,12 +81,8 @@ def _key_step(key: str, value: str) -> str:
     max_score = new_max;
     sum_exp_score = sum_exp_score * factor + exp_score;
 #pragma unroll
-    for (int j = 0; j < VPT; j++) o[j] = o[j] * factor + exp_score * static_cast<float>(""" + value + r""");
-"""
-
-
-# Both kernels' step over a key of the buffer, then the pointers move (with the loop's closing brace).
-_KEY_LOOP = _key_step("K[VPT * lane + j]", "V[VPT * lane + j]") + r"""    K += k_step;
+    for (int j = 0; j < VPT; j++) o[j] = o[j] * factor + exp_score * static_cast<float>(V[VPT * lane + j]);
+    K += k_step;
     V += v_step;
   }
 """
@@ -230,96 +221,12 @@ TWO_PASS_2 = r"""
   }
 """
 
-# The RoPE kernel's work inside the attention (`rope_attend`): each block rotates its query head and
-# its key/value head's key at the position with `kernels/rope_kv.py`'s arithmetic (lane l holds
-# elements VPT * l .. VPT * l + VPT - 1, its rotation partner is lane l ^ 16), attends over the
-# buffer's keys before the position and then over the rotated key in registers (in the place of the
-# warp that would read it), and the first block of each key/value head writes the key and the value
-# into the buffers. Extra template arguments: FREQS, SCALE_BITS, LOG2_BASE_BITS (as the RoPE kernel's)
-# and WRITER (the condition under which a warp writes, besides being its head group's first).
-_ROPE_Q = r"""
-  const int p = kL - 1;
-  constexpr int HALF = D / 2;
-  float qv[VPT], kv[VPT], o[VPT], vp[VPT];
-  T kp[VPT];
-  const float L = __int_as_float(SCALE_BITS) * static_cast<float>(p);
-#pragma unroll
-  for (int i = 0; i < VPT; i++) {
-    const int e = VPT * lane + i;
-    const int ip = e % HALF;
-    float inv_freq;
-    if (FREQS) {
-      inv_freq = 1.0 / rope[ip];
-    } else {
-      float d = static_cast<float>(ip) / static_cast<float>(HALF);
-      inv_freq = exp2(-d * __int_as_float(LOG2_BASE_BITS));
-    }
-    float theta = L * inv_freq;
-    float costheta = cos(theta);
-    float sintheta = sin(theta);
-    const T* x = qk + b * qk_strides[0] + e * qk_strides[3];
-    float xq = static_cast<float>(x[head * qk_strides[1]]);
-    float xk = static_cast<float>(x[(HQ + kvh) * qk_strides[1]]);
-    float yq = __shfl_xor_sync(0xffffffffu, xq, 16);
-    float yk = __shfl_xor_sync(0xffffffffu, xk, 16);
-    float rq, rk;
-    if (e < HALF) {
-      float x1 = xq, x2 = yq;
-      rq = x1 * costheta - x2 * sintheta;
-      x1 = xk; x2 = yk;
-      rk = x1 * costheta - x2 * sintheta;
-    } else {
-      float x1 = yq, x2 = xq;
-      rq = x1 * sintheta + x2 * costheta;
-      x1 = yk; x2 = xk;
-      rk = x1 * sintheta + x2 * costheta;
-    }
-    qv[i] = scale_log2 * static_cast<float>(static_cast<T>(rq));
-    kp[i] = static_cast<T>(rk);
-    vp[i] = static_cast<float>(v[b * v_strides[0] + kvh * v_strides[1] + e * v_strides[3]]);
-    o[i] = 0.f;
-  }
-  if (WRITER && head % (HQ / HKV) == 0 && w == 0) {
-    T* kw = const_cast<T*>(keys) + b * keys_strides[0] + kvh * keys_strides[1] + static_cast<int64_t>(p) * keys_strides[2];
-    T* vw = const_cast<T*>(values) + b * values_strides[0] + kvh * values_strides[1] + static_cast<int64_t>(p) * values_strides[2];
-#pragma unroll
-    for (int i = 0; i < VPT; i++) {
-      kw[(VPT * lane + i) * keys_strides[3]] = kp[i];
-      vw[(VPT * lane + i) * values_strides[3]] = v[b * v_strides[0] + kvh * v_strides[1] + (VPT * lane + i) * v_strides[3]];
-    }
-  }
-  float max_score = Limits<float>::finite_min();
-  float sum_exp_score = 0.f;
-"""
-
-
-def _with_rope(source: str, loop: str, owner: str, writer: str) -> str:
-    """`source` (a kernel above) with the RoPE kernel's work inside: no query input, the loop over
-    the buffer's keys stopping before the position, the position's key from registers in the warp
-    `owner` names, the writes where `writer` holds."""
-    q_line = "  const T* Q = q + (static_cast<int64_t>(b) * HQ + head) * D;\n"
-    header = f"  for (int i = {loop}; i < kL; "
-    assert q_line in source and _SCALED_Q in source and header in source and _KEY_LOOP in source
-    source = source.replace(q_line, "").replace(_SCALED_Q, _ROPE_Q.replace("WRITER", writer))
-    source = source.replace(header, f"  for (int i = {loop}; i < p; ")
-    key_p = "  if (" + owner + ") {\n" + _key_step("static_cast<float>(kp[j])", "vp[j]") + "  }\n"
-    return source.replace(_KEY_LOOP, _KEY_LOOP + key_p)
-
-
-ROPE_ONE_PASS = _with_rope(ONE_PASS, "w", "p % BN == w", "true")
-ROPE_TWO_PASS_1 = _with_rope(TWO_PASS_1, "first", "p % (NB * BN) == first", "part == 0")
-
 _one_pass = SharedKernel("pymlxc_decode_attention", ("q", "keys", "values", "pos"), ("out",), ONE_PASS,
                          HEADER, ensure_row_contiguous=False)
 _two_pass_1 = SharedKernel("pymlxc_decode_attention_part", ("q", "keys", "values", "pos"),
                            ("partials", "sums", "maxs"), TWO_PASS_1, HEADER, ensure_row_contiguous=False)
 _two_pass_2 = SharedKernel("pymlxc_decode_attention_merge", ("partials", "sums", "maxs"), ("out",), TWO_PASS_2,
                            HEADER, ensure_row_contiguous=False)
-
-_rope_one_pass = SharedKernel("pymlxc_rope_attention", ("qk", "v", "keys", "values", "pos", "rope"), ("out",),
-                              ROPE_ONE_PASS, HEADER, ensure_row_contiguous=False)
-_rope_two_pass_1 = SharedKernel("pymlxc_rope_attention_part", ("qk", "v", "keys", "values", "pos", "rope"),
-                                ("partials", "sums", "maxs"), ROPE_TWO_PASS_1, HEADER, ensure_row_contiguous=False)
 
 HEAD_DIMS = (64, 96, 128)  # MLX's one-token kernels' head sizes
 
@@ -363,76 +270,6 @@ def attend(q: Array, keys: Array, values: Array, pos: Array, scale: float, singl
     (out,) = _two_pass_2()([partials, sums, maxs], output_shapes=[(b, hq, 1, d)], output_dtypes=[q.dtype],
                            grid=(hq * 1024, 1, b), threadgroup=(1024, 1, 1), template=template[:4])
     return out
-
-
-def rope_attend(qk: Array, v: Array, keys: Array, values: Array, pos: Array, rope: Rope, n_heads: int, scale: float,
-                single: bool) -> tuple[Array, Array, Array]:
-    """`kernels/rope_kv.py`'s `rope_write_kv` and `attend` as one kernel (two passes: two kernels):
-    `qk` the joint q and k heads before RoPE [B, n_heads + kv heads, 1, D], `v` [B, kv heads, 1, D];
-    the rotated key and the value go into `keys` and `values` at slot `pos[0]` in place. Returns
-    (the attention of the rotated queries over the first `pos[0] + 1` slots [B, n_heads, 1, D], keys,
-    values): the same buffers, as `rope_write_kv` returns them."""
-    b, heads, _, d = qk.shape
-    hkv = heads - n_heads
-    template = [("T", qk.dtype), ("HQ", n_heads), ("HKV", hkv), ("D", d),
-                ("SCALE_LOG2_BITS", _scale_bits(scale, single)), ("FREQS", rope.with_freqs),
-                ("SCALE_BITS", float32_bits(rope.scale_value)),
-                ("LOG2_BASE_BITS", 0 if rope.with_freqs else float32_bits(rope.log2_base))]
-    inputs = [qk, v, keys, values, pos, rope.table]
-    if single:
-        (out,) = _rope_one_pass()(inputs, output_shapes=[(b, n_heads, 1, d)], output_dtypes=[qk.dtype],
-                                  grid=(n_heads * 1024, 1, b), threadgroup=(1024, 1, 1), template=template)
-        return out, keys, values
-    partials, sums, maxs = _rope_two_pass_1()(
-        inputs, output_shapes=[(b, n_heads, BLOCKS, d), (b, n_heads, BLOCKS), (b, n_heads, BLOCKS)],
-        output_dtypes=[mx.float32] * 3, grid=(n_heads * 256, 1, b * BLOCKS), threadgroup=(256, 1, 1),
-        template=template)
-    (out,) = _two_pass_2()([partials, sums, maxs], output_shapes=[(b, n_heads, 1, d)], output_dtypes=[qk.dtype],
-                           grid=(n_heads * 1024, 1, b), threadgroup=(1024, 1, 1), template=template[:4])
-    return out, keys, values
-
-
-def rope_reference(qk: Array, v: Array, pos: Array, keys: Array, values: Array, rope: Any, n_heads: int,
-                   scale: float) -> tuple[Array, Array, Array]:
-    """What `rope_attend` computes, as MLX's kernels (`rope(x, offset)`: the model's RoPE module;
-    arguments in `rope_kv.reference`'s order): (attention output, keys, values), the buffers as new
-    arrays."""
-    q, k, v2 = rope_kv.reference(qk, v, pos, keys, values, rope, n_heads)
-    return reference(q, k, v2, pos, scale), k, v2
-
-
-rope_checks = CheckedOnce("pymlxc's RoPE + one-token attention CUDA kernels")
-
-
-def rope_check(dtype: Any, n_heads: int, n_kv_heads: int, d: int, scale: float, spec: Rope, module: Any) -> bool:
-    """Whether `rope_attend` runs here and equals MLX's RoPE, slice updates and attention bit for bit
-    (output and buffers) at CHECK_LENGTHS keys, once per process, shape, type, scale and RoPE."""
-    return rope_checks.verdict((str(dtype), n_heads, n_kv_heads, d, float(np.float32(scale)), spec.key),
-                               lambda: _compare_rope(dtype, n_heads, n_kv_heads, d, scale, spec, module))
-
-
-def _compare_rope(dtype: Any, hq: int, hkv: int, d: int, scale: float, spec: Rope, module: Any) -> str | None:
-    rng = np.random.default_rng(1)
-    slots = 4353
-
-    def rand(*shape: int) -> Array:
-        return mx.astype(mx.array(rng.standard_normal(shape).astype(np.float32)), dtype)
-
-    keys, values = rand(1, hkv, slots, d), rand(1, hkv, slots, d)
-    want_k, want_v = keys, values
-    keys, values = rope_kv.private_copy(keys), rope_kv.private_copy(values)
-    mx.eval(keys, values, want_k, want_v)
-    for n in CHECK_LENGTHS:
-        qk, v = rand(1, hq + hkv, 1, d), rand(1, hkv, 1, d)
-        pos = mx.array([n - 1] * 4, dtype=mx.int32)
-        got, keys, values = rope_attend(qk, v, keys, values, pos, spec, hq, scale, one_pass(n))
-        mx.eval(got)
-        want, want_k, want_v = rope_reference(qk, v, pos, want_k, want_v, module, hq, scale)
-        same = [bool(mx.array_equal(a, e).item()) for a, e in ((got, want), (keys, want_k), (values, want_v))]
-        if not all(same):
-            what = ", ".join(name for name, ok in zip(("output", "keys", "values"), same, strict=True) if not ok)
-            return f"its {what} over {n} keys differ from MLX's RoPE, slice updates and attention ({dtype}, head size {d})"
-    return None
 
 
 def reference(q: Array, keys: Array, values: Array, pos: Array, scale: float) -> Array:
@@ -479,5 +316,4 @@ def _compare(dtype: Any, hq: int, hkv: int, d: int, scale: float) -> str | None:
     return None
 
 
-__all__ = ["ONE_PASS_KEYS", "applies", "attend", "check", "checks", "one_pass", "reference", "rope_attend",
-           "rope_check", "rope_checks", "rope_reference"]
+__all__ = ["ONE_PASS_KEYS", "applies", "attend", "check", "checks", "one_pass", "reference"]

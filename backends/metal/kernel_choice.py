@@ -44,7 +44,7 @@ AUTO_MIN_BYTES_PER_LAYER = 30_000_000
 _mlx_only = ThreadSetting(False)
 _the_kernel = SharedKernel(matvec_kernel.QUANTIZED_NAME, matvec_kernel.QUANTIZED_INPUTS,
                            matvec_kernel.OUTPUT_NAMES, matvec_kernel.QUANTIZED_SOURCE,
-                           header=matvec_kernel.HEADER)
+                           header=matvec_kernel.QUANTIZED_HEADER)
 _the_qmm = SharedKernel(qmm_kernel.NAME, qmm_kernel.INPUTS, qmm_kernel.OUTPUT_NAMES, qmm_kernel.SOURCE,
                         header=qmm_kernel.HEADER)
 # Verdicts of the prefill kernel's check, keyed on the kernel's source and on this file's (the check's).

@@ -76,7 +76,7 @@ def _loads_kernel() -> Any:
 
 def _kernel(module: Any = kernels) -> Any:
     return mx.fast.cuda_kernel(module.QUANTIZED_NAME, list(module.QUANTIZED_INPUTS), list(module.OUTPUT_NAMES),
-                               module.QUANTIZED_SOURCE, header=module.HEADER)
+                               module.QUANTIZED_SOURCE, header=getattr(module, "QUANTIZED_HEADER", module.HEADER))
 
 
 def _module(path: Path) -> Any:

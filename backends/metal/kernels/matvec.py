@@ -33,9 +33,6 @@ MAX_X_ROWS = 8  # more rows of x than this go to MLX's tensor-core kernels
 GROUP_SIZES = (32, 64, 128)
 
 HEADER = r"""
-#include "mlx/backend/cuda/device/binary_ops.cuh"
-#include "mlx/backend/cuda/device/unary_ops.cuh"
-
 namespace pymlxc_mv {
 
 // sum_i x[i] * (1 + q_i / 16) over the 8 nibbles of a word (nibble i in bits 4i..4i+3).
@@ -62,6 +59,14 @@ __device__ __forceinline__ void load8(const T* p, float* f) {
 
 }  // namespace pymlxc_mv
 """
+
+# The quantized kernel's header: MLX's own elementwise operations (the paired form's SiLU product),
+# then the helpers above (which the GGUF block kernels share without MLX's headers).
+QUANTIZED_HEADER = r"""
+#include "mlx/backend/cuda/device/binary_ops.cuh"
+#include "mlx/backend/cuda/device/unary_ops.cuh"
+
+""" + HEADER[1:]
 
 # Template arguments: T (x, scales, biases and out dtype), M (rows of x), G (group size), R (output
 # rows per warp), PAIR (a fused gate/up weight [gate; up] whose product the kernel returns as

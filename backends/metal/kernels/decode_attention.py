@@ -87,6 +87,23 @@ _KEY_LOOP = r"""
   }
 """
 
+# The end of the one-pass kernel and of the second pass: warp w gathers element VPT * w + i of every
+# lane's part (through shared memory), sums them scaled by each part's factor, divides by the sum of
+# the exponentials and writes it.
+_MERGE = r"""#pragma unroll
+  for (int i = 0; i < VPT; i++) {
+    outputs[lane][w] = o[i];
+    block.sync();
+    float ot = outputs[w][lane] * factor;
+    o[i] = cg::reduce(warp, ot, cg::plus<float>()) * sum_exp_score;
+    block.sync();
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < VPT; i++) O[VPT * w + i] = static_cast<T>(o[i]);
+  }
+"""
+
 # One block of 32 warps per (head, row); warp w takes keys w, w + 32, ...
 ONE_PASS = COMMON + r"""
   constexpr int BN = 32;
@@ -113,19 +130,7 @@ ONE_PASS = COMMON + r"""
   float factor = exp2f(max_score - new_max);
   sum_exp_score = cg::reduce(warp, sum_exp_scores[lane] * factor, cg::plus<float>());
   sum_exp_score = sum_exp_score == 0 ? 0 : __frcp_rn(sum_exp_score);
-#pragma unroll
-  for (int i = 0; i < VPT; i++) {
-    outputs[lane][w] = o[i];
-    block.sync();
-    float ot = outputs[w][lane] * factor;
-    o[i] = cg::reduce(warp, ot, cg::plus<float>()) * sum_exp_score;
-    block.sync();
-  }
-  if (lane == 0) {
-#pragma unroll
-    for (int i = 0; i < VPT; i++) O[VPT * w + i] = static_cast<T>(o[i]);
-  }
-"""
+""" + _MERGE
 
 # First of two: BLOCKS blocks of 8 warps per (head, row); warp w of block k takes keys k * 8 + w,
 # then every 256th; each block writes its partial output, its sum and its max (float32).
@@ -207,19 +212,7 @@ TWO_PASS_2 = r"""
   sum_exp_score = sum_exp_score == 0 ? 0 : __frcp_rn(sum_exp_score);
 #pragma unroll
   for (int i = 0; i < VPT; i++) o[i] = P[VPT * lane + i];
-#pragma unroll
-  for (int i = 0; i < VPT; i++) {
-    outputs[lane][w] = o[i];
-    block.sync();
-    float ot = outputs[w][lane] * factor;
-    o[i] = cg::reduce(warp, ot, cg::plus<float>()) * sum_exp_score;
-    block.sync();
-  }
-  if (lane == 0) {
-#pragma unroll
-    for (int i = 0; i < VPT; i++) O[VPT * w + i] = static_cast<T>(o[i]);
-  }
-"""
+""" + _MERGE
 
 _one_pass = SharedKernel("pymlxc_decode_attention", ("q", "keys", "values", "pos"), ("out",), ONE_PASS,
                          HEADER, ensure_row_contiguous=False)

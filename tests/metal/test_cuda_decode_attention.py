@@ -137,7 +137,7 @@ def test_the_check_rejects_any_difference(monkeypatch: pytest.MonkeyPatch, fault
 # ---------------------------------------------------------------------- on CUDA
 
 @cuda_only
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(hq=st.sampled_from([1, 4, 8, 16, 32]), group=st.sampled_from([1, 2, 4, 8]), d=st.sampled_from([64, 96, 128]),
        dtype=st.sampled_from(["bfloat16", "float16", "float32"]), scale=st.sampled_from([0.125, 0.0883883, 1.0]),
        length=st.integers(1, 5000), seed=st.integers(0, 2**16))

@@ -81,7 +81,7 @@ def test_the_check_rejects_any_difference(monkeypatch: pytest.MonkeyPatch, fault
 # ---------------------------------------------------------------------- on CUDA
 
 @cuda_only
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rows=st.integers(1, 8), k=st.sampled_from([256, 1024, 2048]), half=st.sampled_from([64, 320, 1000]),
        group=st.sampled_from([32, 64, 128]), dtype=st.sampled_from(["bfloat16", "float16"]), seed=st.integers(0, 2**16))
 def test_the_paired_kernel_is_mlx_silu_of_the_products(rows: int, k: int, half: int, group: int, dtype: str,

@@ -48,13 +48,41 @@ def test_what_the_pairing_needs(tiny) -> None:
     fusions = segments.fusions_for(segments.plan(dense), {})
     assert not segments.use_pair_silu(fusions, "1") and not segments.use_pair_silu(None, "1")
     gate_up = fusions[0][1].fused
+    assert gate_up.pairable() is None
     x = mx.zeros((1, 1, dense.layers[0].mlp.gate_proj.weight.shape[1]), mx.float16)
     assert gate_up.silu_product(x) is None
     gate_up.pair_silu = True
     assert gate_up.silu_product(x) is None  # dense weights: no kernel
-    if not ON_CUDA:
-        quantized = tiny(bits=4)
-        assert not segments.use_pair_silu(segments.fusions_for(segments.plan(quantized), {}), "auto")
+    if not ON_CUDA:  # 4-bit, but MLX's kernel (pymlxc's cannot run here)
+        quantized = segments.fusions_for(segments.plan(tiny(bits=4)), {})
+        assert quantized[0][1].fused.pairable() is None
+        assert not segments.use_pair_silu(quantized, "auto") and not segments.use_pair_silu(quantized, "1")
+
+
+def test_the_segments_pair_their_own_copies(tiny, monkeypatch: pytest.MonkeyPatch, switches: Any) -> None:
+    """The paired kernel stood in for by MLX's operations: a plan that pairs hands every block's
+    gate/up (the trace's copy) to it at the traces, the tokens are the uncompiled loop's, and the model's
+    own fused projections are left unpaired (another plan, or the prefill, decides for itself)."""
+    model = tiny(bits=4)
+    want = greedy_ids(model, None)
+    calls: list[tuple[int, ...]] = []
+
+    def paired(x: Any, w: Any, s: Any, b: Any, group: int, bits: int, cuda_matvec: bool) -> Any:
+        calls.append(tuple(x.shape))
+        gate, up = mx.split(mx.quantized_matmul(x, w, s, b, True, group, bits), [w.shape[0] // 2], axis=-1)
+        return gate * mx.sigmoid(gate) * up
+
+    monkeypatch.setattr(segments.FusedProjection, "pairable", lambda self: (mx.float16, 32))
+    monkeypatch.setattr(segments, "pair_ready", lambda *a: True)
+    monkeypatch.setattr(segments, "kernel_silu_product", paired)
+    switches.env("PYMLXC_CUDA_GATE_UP", "1")
+    decoder = CompiledDecoder(model, "segmented")
+    assert greedy_ids(model, decoder) == want
+    assert plan_flags(decoder, "pair_silu") == {True}
+    assert calls == [(1, 1, model.args.hidden_size)] * 2  # one trace of the middle segment, one of the last
+    fusions = segments.fusions_for(segments.plan(model), decoder._fusions)  # noqa: SLF001 - the decoder's own
+    assert not any(gate_up.fused.pair_silu for _, gate_up in fusions)
+    decoder.close()
 
 
 @pytest.mark.parametrize("fault", [True, False])

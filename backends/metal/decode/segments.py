@@ -145,12 +145,9 @@ def use_pair_silu(fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None,
     if setting == "0" or (setting == "auto" and not kernel_check.on_cuda()) or not fusions:
         return False
     fused = [f[1].fused for f in fusions if f[1] is not None]
-    if len(fused) != len(fusions) or not all(
-            f._cuda_matvec and f._bits == 4 and f._weight is not None and f._bias is None  # noqa: SLF001
-            and len(f._sizes) == 2 and f._sizes[0] == f._sizes[1] for f in fused):  # noqa: SLF001
-        return False
-    kinds = {(f._scales.dtype, f._group_size) for f in fused if f._scales is not None}  # noqa: SLF001
-    return len(kinds) == 1 and pair_ready(*next(iter(kinds)))
+    kinds = {f.pairable() for f in fused}
+    kind = next(iter(kinds)) if len(kinds) == 1 and len(fused) == len(fusions) else None
+    return kind is not None and pair_ready(*kind)
 
 
 def use_decode_attention(model: Any, blocks: Sequence[Any], rope: rope_kv_kernel.Rope | None, setting: str
@@ -204,8 +201,8 @@ class FusedProjection(Module):
         self.qk_norm_eps = 0.0
         # A linear applied apart, its output last (`fuse`'s `tail`); private: the model holds it.
         self._tail = tail
-        # [gate; up] whose product and SiLU product run as one CUDA kernel (`silu_product`); set by
-        # the decode plan where that kernel passed its check.
+        # [gate; up] whose product and SiLU product run as one CUDA kernel (`silu_product`): set on a
+        # trace's own copy where the decode plan chose it (`SegmentGroup.pair_silu`), never here.
         self.pair_silu = False
 
     @property
@@ -222,14 +219,22 @@ class FusedProjection(Module):
         y = quantized_matmul(x, weight, scales, biases, self._group_size, self._bits, self._cuda_matvec)
         return y if self._bias is None else y + self._bias
 
+    def pairable(self) -> tuple[Any, int] | None:
+        """(the scales' dtype, the group size) where this fusion is a gate/up pair the paired 4-bit
+        kernel can take (two halves of one size on pymlxc's matvec kernel, no bias, no tail); else None."""
+        if (self._weight is None or self._scales is None or not self._cuda_matvec or self._bits != 4
+                or self._bias is not None or self.tail is not None or len(self._sizes) != 2
+                or self._sizes[0] != self._sizes[1]):
+            return None
+        return self._scales.dtype, self._group_size
+
     def silu_product(self, x: Array) -> Array | None:
         """silu(gate) * up of a gate/up fusion as one kernel (`kernel_choice.silu_product`) where
         `pair_silu` is set and the kernel takes x (a few rows); else None: the caller computes it
         from `__call__`'s outputs."""
-        if (not self.pair_silu or self._weight is None or self._bias is not None or self.tail is not None
-                or len(self._sizes) != 2 or self._sizes[0] != self._sizes[1]):
+        if not self.pair_silu or self.pairable() is None:
             return None
-        assert self._scales is not None and self._biases is not None  # quantized: given with the weight
+        assert self._weight is not None and self._scales is not None and self._biases is not None  # pairable
         return kernel_silu_product(x, self._weight, self._scales, self._biases, self._group_size, self._bits,
                                    self._cuda_matvec)
 
@@ -398,10 +403,14 @@ def _add_norm(h: Array, out: Array, norm: Any, fused: bool) -> tuple[Array, Arra
     return h, norm(h)
 
 
-def _finish_block(block: Any, attn_out: Array, h: Array, gate_up: FusedProjection | None,
-                  fused_norm: bool) -> tuple[Array, Array]:
+def _finish_block(group: SegmentGroup, block: Any, attn_out: Array, h: Array, gate_up: FusedProjection | None
+                  ) -> tuple[Array, Array]:
     """The block after its attention (its own `finish`): (h after the attention's residual, the
-    MLP's output). The caller adds the two, with the norm that follows."""
+    MLP's output). The caller adds the two, with the norm that follows. `gate_up` is the trace's
+    copy, which takes the group's choice of the paired gate/up kernel."""
+    fused_norm = group.fused_norm
+    if gate_up is not None:
+        gate_up.pair_silu = group.pair_silu
     o = block.self_attn.output(attn_out, one_token=True)  # [B, heads, 1, D]: one token, no transpose
     both: tuple[Array, Array] = block.finish(h, o, gate_up, lambda x, out, norm: _add_norm(x, out, norm, fused_norm))
     return both
@@ -446,7 +455,7 @@ def _mid_body(group: SegmentGroup, mods: list[Any], attn_out: Array, h: Array, p
               ) -> list[Array]:
     """A middle segment: layer i after its attention, then [*layer i+1's heads, h]."""
     block, gate_up, norm, attn, qkv = mods
-    h, mlp_out = _finish_block(block, attn_out, h, gate_up, group.fused_norm)
+    h, mlp_out = _finish_block(group, block, attn_out, h, gate_up)
     h, x = _add_norm(h, mlp_out, norm, group.fused_norm)
     return [*_heads(group, attn, x, pos, qkv, kv), h]
 
@@ -455,7 +464,7 @@ def _last_body(group: SegmentGroup, mods: list[Any], attn_out: Array, h: Array) 
     """The last segment: the last layer after its attention, the final norm and the head; the
     sampled ids where greedy is fused, else the logits [B, V]."""
     block, gate_up, norm, embed, head = mods
-    h, mlp_out = _finish_block(block, attn_out, h, gate_up, group.fused_norm)
+    h, mlp_out = _finish_block(group, block, attn_out, h, gate_up)
     _, h = _add_norm(h, mlp_out, norm, group.fused_norm)
     logits = embed.as_linear(h) if group.tied else head(h)
     logits = mx.reshape(logits, (logits.shape[0], logits.shape[-1]))
@@ -565,6 +574,7 @@ class SegmentGroup:
     fused_norm: bool = False  # residual adds and the norms after them in one kernel (`kernels/add_rms_norm.py`)
     cuda_argmax: bool = False  # greedy's argmax as `kernels/argmax.py`'s kernels
     rope: rope_kv_kernel.Rope | None = None  # RoPE and the key/value writes as `kernels/rope_kv.py`'s kernel
+    pair_silu: bool = False  # each gate/up product and SiLU product as the paired matvec kernel
 
     @property
     def kv_inputs(self) -> int:
@@ -624,9 +634,6 @@ class SegmentPlan:
         fusions = fusions or [(None, None)] * len(blocks)
         qkv = [f[0].fused if f[0] is not None else None for f in fusions]
         gate_up = [f[1].fused if f[1] is not None else None for f in fusions]
-        for g in gate_up:
-            if g is not None:
-                g.pair_silu = pair_silu
         self.pair_silu = pair_silu
         self.signature = signature
         self.fuse_greedy = fuse_greedy
@@ -636,11 +643,11 @@ class SegmentPlan:
                             rope=rope)
         self.fused_norm = fused_norm
         self.mids = [segment_group([blocks[i], gate_up[i], blocks[i + 1].input_layernorm, blocks[i + 1].self_attn,
-                             qkv[i + 1]], stats, fused_norm=fused_norm, rope=rope)
+                             qkv[i + 1]], stats, fused_norm=fused_norm, rope=rope, pair_silu=pair_silu)
                      for i in range(len(blocks) - 1)]
         self.last = segment_group([blocks[-1], gate_up[-1], inner.norm, inner.embed_tokens, model.lm_head], stats,
                            tied=tied, fuse_greedy=fuse_greedy, fused_norm=fused_norm,
-                           cuda_argmax=cuda_argmax and fuse_greedy)
+                           cuda_argmax=cuda_argmax and fuse_greedy, pair_silu=pair_silu)
         self.cuda_argmax = self.last.cuda_argmax
         self.scales = [float(b.self_attn.scale) for b in blocks]
         # The whole step as one graph (`_trace_whole`): "kernel" (attention as

@@ -494,17 +494,19 @@ def _trace_last(inputs: list[Array]) -> list[Array]:
     return [_last_body(group, mods, inputs[0], inputs[1]), inputs[2] + 1]
 
 
-def _whole_attention(plan: SegmentPlan, i: int, q: Array, keys: Array, values: Array, pos: Array, single: bool
-                     ) -> Array:
+def _whole_attention(plan: SegmentPlan, i: int, q: Array, keys: Array, values: Array, pos: Array, single: bool,
+                     masks: dict[int, Array]) -> Array:
     """Layer i's attention inside the whole step: the CUDA kernels, which read the position on the
     device, or (`plan.attention == "mlx"`) MLX's attention over the whole buffer, slots past the
-    position masked."""
+    position masked (`masks`: the step's masks by slot count, made once and shared by the layers)."""
     scale = plan.scales[i]
     if plan.attention == "kernel":
         return attention_kernel.attend(q, keys, values, pos, scale, single)
     slots = keys.shape[2]
-    visible = mx.less_equal(mx.arange(slots, dtype=mx.int32), rope_kv_kernel.scalar_position(pos))
-    return _sdpa(q, keys, values, scale=scale, mask=mx.reshape(visible, (1, 1, 1, slots)))
+    if slots not in masks:
+        visible = mx.less_equal(mx.arange(slots, dtype=mx.int32), rope_kv_kernel.scalar_position(pos))
+        masks[slots] = mx.reshape(visible, (1, 1, 1, slots))
+    return _sdpa(q, keys, values, scale=scale, mask=masks[slots])
 
 
 def _write_kv(plan: SegmentPlan, heads: list[Array], keys: Array, values: Array, pos: Array) -> list[Array]:
@@ -548,11 +550,12 @@ def _trace_whole(inputs: list[Array]) -> list[Array]:
 
     *heads, h = _first_body(plan.first, mods(0), tokens, pos, kv(0))
     written: list[Array] = []
+    masks: dict[int, Array] = {}
     out: Array | None = None
     for i in range(layers):
         q, keys, values = _write_kv(plan, heads, buffers[2 * i], buffers[2 * i + 1], pos)
         written += [keys, values]
-        attn_out = _whole_attention(plan, i, q, keys, values, pos, spec.single)
+        attn_out = _whole_attention(plan, i, q, keys, values, pos, spec.single, masks)
         if i + 1 < layers:
             *heads, h = _mid_body(plan.mids[i], mods(i + 1), attn_out, h, pos, kv(i + 1))
         else:

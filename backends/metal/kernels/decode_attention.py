@@ -3,9 +3,10 @@ device, as CUDA kernels: what lets a whole decode step be one compiled graph.
 
 MLX's attention takes keys of an exact length, so the decode segments slice each layer's buffer to
 `pos + 1` keys outside the compiled graph, and a step is 17 compiled calls and 48 operations built
-from Python for Llama-3.2-1B. On an H100 that build took about 0.9-1.1 ms a token against
-1.1-1.3 ms for MLX to encode the step, and the evaluation thread lost a fifth of its time waiting
-for the interpreter lock the building thread held (`benchmarks/profile/probe_host_split.py`). These
+from Python for Llama-3.2-1B. On an H100 that build took 0.9-1.3 ms a token against 1.1-1.5 ms for
+MLX to encode the step (`benchmarks/profile/probe_host_split.py`), and by a py-spy profile the
+evaluation thread spent about a fifth of its time waiting for the interpreter lock the building
+thread held. These
 kernels read the position from the int32 [4] the segments carry, so the whole step, attention
 included, is traced once per buffer size and replayed with one call.
 

@@ -42,21 +42,37 @@ def greedy_ids(model: Any, decoder: CompiledDecoder | None, n: int = 12) -> list
                                    decoder=decoder))
 
 
-def plan_flags(decoder: CompiledDecoder, flag: str) -> set[bool]:
-    """The values of a segment-plan flag (`fused_norm`, `cuda_argmax`) over the decoder's plans."""
+def plan_flags(decoder: CompiledDecoder, flag: str) -> set[Any]:
+    """The values of a segment-plan flag (`fused_norm`, `cuda_argmax`, `attention`) over the decoder's plans."""
     return {getattr(plan, flag) for plan in decoder._plans.values()}  # noqa: SLF001
 
 
-def check_the_setting_is_read_by_name(model: Any, switches: Any, variable: str, attribute: str, flag: str) -> None:
+def check_the_setting_is_read_by_name(model: Any, switches: Any, variable: str, attribute: str, flag: str,
+                                      off: Any = False) -> None:
     """A CUDA switch (`variable`) read by `CompiledDecoder` into `attribute`: a bad value is an error
-    naming it; `0` keeps MLX's kernels (no plan sets `flag`) and the uncompiled loop's tokens."""
+    naming it; `0` keeps MLX's kernels (every plan's `flag` is `off`) and the uncompiled loop's tokens."""
     with pytest.raises(ValueError, match=variable):
         switches.env(variable, "sometimes")
     switches.env(variable, " 0 ")
     decoder = CompiledDecoder(model, "segmented")
     assert getattr(decoder, attribute) == "0"
-    assert greedy_ids(model, decoder) == greedy_ids(model, None) and plan_flags(decoder, flag) == {False}
+    assert greedy_ids(model, decoder) == greedy_ids(model, None) and plan_flags(decoder, flag) == {off}
     decoder.close()
+
+
+def forget_verdicts(*checks: Any) -> Any:
+    """An autouse fixture for a kernel's test module (`fresh_checks = forget_verdicts(module.checks)`):
+    each test starts and ends with none of these checks' verdicts, in this process or the user cache."""
+
+    @pytest.fixture(autouse=True)
+    def fresh_checks() -> Iterator[None]:
+        for c in checks:
+            c.forget()
+        yield
+        for c in checks:
+            c.forget()
+
+    return fresh_checks
 
 
 def stood_in_decoder(model: Any, flag: str) -> CompiledDecoder:

@@ -28,15 +28,11 @@ from .cuda_decode_helpers import (
     ON_CUDA,
     check_the_setting_is_read_by_name,
     cuda_only,
+    forget_verdicts,
     greedy_ids,
 )
 
-
-@pytest.fixture(autouse=True)
-def fresh_checks():
-    attention_kernel.checks.forget()  # each test sees its own verdicts
-    yield
-    attention_kernel.checks.forget()
+fresh_checks = forget_verdicts(attention_kernel.checks)  # each test sees its own verdicts
 
 
 # Head size 64: a size MLX's one-token kernels (and so these) take.
@@ -48,14 +44,8 @@ def _attention(decoder: CompiledDecoder) -> set[Any]:
 
 
 def test_the_decoder_reads_the_setting_by_name(tiny, switches: Any) -> None:
-    model = tiny()
-    with pytest.raises(ValueError, match="PYMLXC_CUDA_DECODE_ATTENTION"):
-        switches.env("PYMLXC_CUDA_DECODE_ATTENTION", "sometimes")
-    switches.env("PYMLXC_CUDA_DECODE_ATTENTION", " 0 ")
-    decoder = CompiledDecoder(model, "segmented")
-    assert decoder.cuda_decode_attention == "0"
-    assert greedy_ids(model, decoder) == greedy_ids(model, None) and _attention(decoder) == {None}
-    decoder.close()
+    check_the_setting_is_read_by_name(tiny(), switches, "PYMLXC_CUDA_DECODE_ATTENTION", "cuda_decode_attention",
+                                      "attention", off=None)
 
 
 def test_the_kernels_take_mlx_one_token_shapes() -> None:

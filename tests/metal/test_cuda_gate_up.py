@@ -20,25 +20,20 @@ from pymlxc.backends.metal import kernel_choice
 from pymlxc.backends.metal.decode import segments
 from pymlxc.backends.metal.decode.decoder import CompiledDecoder
 
-from .cuda_decode_helpers import ON_CUDA, cuda_only, greedy_ids, plan_flags
+from .cuda_decode_helpers import (
+    ON_CUDA,
+    check_the_setting_is_read_by_name,
+    cuda_only,
+    forget_verdicts,
+    greedy_ids,
+    plan_flags,
+)
 
-
-@pytest.fixture(autouse=True)
-def fresh_checks():
-    kernel_choice.pair_checks.forget()
-    yield
-    kernel_choice.pair_checks.forget()
+fresh_checks = forget_verdicts(kernel_choice.pair_checks)  # each test sees its own verdicts
 
 
 def test_the_decoder_reads_the_setting_by_name(tiny, switches: Any) -> None:
-    model = tiny(bits=4)
-    with pytest.raises(ValueError, match="PYMLXC_CUDA_GATE_UP"):
-        switches.env("PYMLXC_CUDA_GATE_UP", "sometimes")
-    switches.env("PYMLXC_CUDA_GATE_UP", " 0 ")
-    decoder = CompiledDecoder(model, "segmented")
-    assert decoder.cuda_gate_up == "0"
-    assert greedy_ids(model, decoder) == greedy_ids(model, None) and plan_flags(decoder, "pair_silu") == {False}
-    decoder.close()
+    check_the_setting_is_read_by_name(tiny(bits=4), switches, "PYMLXC_CUDA_GATE_UP", "cuda_gate_up", "pair_silu")
 
 
 def test_what_the_pairing_needs(tiny) -> None:

@@ -30,17 +30,13 @@ from .cuda_decode_helpers import (
     check_a_forced_setting_keeps_mlx_kernels,
     check_the_setting_is_read_by_name,
     cuda_only,
+    forget_verdicts,
     greedy_ids,
     plan_flags,
     stood_in_decoder,
 )
 
-
-@pytest.fixture(autouse=True)
-def fresh_checks():
-    cuda_rope_kv.checks.forget()  # each test sees its own verdicts
-    yield
-    cuda_rope_kv.checks.forget()
+fresh_checks = forget_verdicts(cuda_rope_kv.checks)  # each test sees its own verdicts
 
 
 def test_the_ropes_the_kernel_takes() -> None:

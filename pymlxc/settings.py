@@ -53,10 +53,12 @@ class Settings:
         "rings) or `segmented` (compiled segments around MLX's fused attention; models that declare "
         "the block halves, the Llama family). `auto`: segmented where the model has them, else graph.")))
     fuse_projections: bool = field(default=True, metadata=_doc("bool", (
-        "Segmented decode: run each block's q/k/v and gate/up projections as one matmul each "
-        "(their weights concatenated once, the linears keep views).")))
+        "Segmented decode, and the whole-step graph of models that declare it (Gemma 3): run each "
+        "block's q/k/v and gate/up projections as one matmul each (their weights concatenated once, "
+        "the linears keep views).")))
     fused_norm: str = _switch(
-        "Segmented decode: each residual add and the RMSNorm after it as one CUDA kernel "
+        "Segmented decode and Gemma 3's whole-step graph: each residual add and the RMSNorm after it "
+        "as one CUDA kernel "
         "(`kernels/add_rms_norm.py`). `auto`: on CUDA; `1`: also elsewhere (the kernel then fails its check "
         "and MLX's kernels run).")
     cuda_argmax: str = _switch(

@@ -465,6 +465,11 @@ class OffsetRMSNorm(Module):
         if name == "weight":
             super().__setattr__("_scale", value + 1.0)
 
+    @property
+    def scale(self) -> Array | None:
+        """1 + weight as formed when the weight was set; None for a norm whose weight never was."""
+        return self._scale
+
     def __call__(self, x: Array) -> Array:
         scale = self._scale if self._scale is not None else self.weight + 1.0
         return _rms_norm(x, scale, self.eps)

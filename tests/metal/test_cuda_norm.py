@@ -1,11 +1,11 @@
 """The fused residual add + RMSNorm CUDA kernel (backends/metal/kernels/add_rms_norm.py) and its use in the
-segmented decode (backends/metal/decode/segments.py).
+segmented decode (backends/metal/decode/segments.py) and Gemma's whole-step graph (graph_fusions.py).
 
 Everywhere: the launch geometry follows MLX's `rms_norm` dispatch (the kernel reproduces MLX's
-aligned kernel, so it may only stand in where MLX would run that one); the setting is read by name;
-off CUDA the segments keep MLX's kernels, and a forced setting there warns and keeps them too; with
-the kernel replaced by MLX's two ops, the segments that use it give the uncompiled loop's tokens
-(the restructured residual stream is right).
+`rms_norm_small` in its aligned and unaligned forms, so it may only stand in where MLX would run
+that one); the setting is read by name; off CUDA the segments keep MLX's kernels, and a forced
+setting there warns and keeps them too; with the kernel replaced by MLX's two ops, the segments
+that use it give the uncompiled loop's tokens (the restructured residual stream is right).
 
 On CUDA: the kernel equals MLX's add and rms_norm bit for bit, and models decoded with it keep the
 uncompiled loop's greedy tokens.
@@ -39,6 +39,9 @@ from .cuda_decode_helpers import (
 # Row lengths MLX's aligned rms_norm_small serves, with its (threads, 16-byte loads per thread).
 ALIGNED = {512: (64, 1), 1024: (128, 1), 1536: (64, 3), 2048: (128, 2), 2560: (64, 5), 3072: (128, 3),
            4096: (128, 4), 5120: (128, 5), 8192: (128, 8)}
+# Row lengths its unaligned form serves (loads past the row read zeros): Gemma-3-1B's 1152 among them.
+UNALIGNED = {64: (64, 1), 256: (64, 1), 520: (128, 1), 1000: (128, 1), 1032: (128, 2), 1152: (128, 2),
+             6000: (128, 6)}
 
 
 @pytest.fixture
@@ -50,13 +53,14 @@ def tiny(tmp_path: Path):
 
 
 def test_geometry_follows_mlx_rms_norm_dispatch() -> None:
-    for d, want in ALIGNED.items():
+    for d, want in {**ALIGNED, **UNALIGNED}.items():
         assert cuda_norm.geometry(d) == want, d
-    # MLX's unaligned or large-row kernels: not ours to replace.
-    for d in (64, 256, 520, 1000, 1032, 9216, 10240, 16384):
+    # MLX's large-row kernel, and rows whose last 16-byte vector would be partial: not ours to replace.
+    for d in (9216, 10240, 16384, 1001, 2044):
         assert cuda_norm.geometry(d) is None, d
     assert cuda_norm.applies(2048, mx.bfloat16) and cuda_norm.applies(2048, mx.float16)
-    assert not cuda_norm.applies(2048, mx.float32) and not cuda_norm.applies(2000, mx.bfloat16)
+    assert cuda_norm.applies(1152, mx.bfloat16)
+    assert not cuda_norm.applies(2048, mx.float32) and not cuda_norm.applies(2001, mx.bfloat16)
 
 
 def test_the_decoder_reads_the_setting_by_name(tiny, monkeypatch: pytest.MonkeyPatch, switches: Any) -> None:
@@ -106,8 +110,9 @@ def test_segments_with_the_fused_step_keep_the_tokens(tiny, monkeypatch: pytest.
 
 @cuda_only
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(d=st.sampled_from(sorted(ALIGNED)), rows=st.integers(1, 5), dtype=st.sampled_from(["bfloat16", "float16"]),
-       eps=st.sampled_from([1e-5, 1e-6]), scale=st.sampled_from([0.01, 1.0, 30.0]), seed=st.integers(0, 2**16))
+@given(d=st.sampled_from(sorted({**ALIGNED, **UNALIGNED})), rows=st.integers(1, 5),
+       dtype=st.sampled_from(["bfloat16", "float16"]), eps=st.sampled_from([1e-5, 1e-6]),
+       scale=st.sampled_from([0.01, 1.0, 30.0]), seed=st.integers(0, 2**16))
 def test_the_kernel_equals_mlx_add_and_rms_norm_bit_for_bit(d: int, rows: int, dtype: str, eps: float, scale: float,
                                                              seed: int) -> None:
     rng = np.random.default_rng(seed)

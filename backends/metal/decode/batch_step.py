@@ -6,7 +6,7 @@ step's time for a 1B model. Here the step is traced once per batch size and buff
 replayed: the inputs are the rows' last ids [B, 1], the column written this step, each row's
 position (RoPE) and first valid column, and every layer's key/value buffers of the batch
 (`BatchKVCache`, [B, H, capacity, D]); the outputs are the logits [B, V] and the buffers with this
-step's column written (`slice_update_dynamic`). Attention runs over the whole buffer with a mask
+step's column written (a scatter at that column). Attention runs over the whole buffer with a mask
 made inside the graph (a row sees its valid columns up to this step's, within a layer's window),
 so shapes do not change from step to step; the weights are inputs, not constants the trace keeps.
 

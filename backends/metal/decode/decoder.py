@@ -17,7 +17,7 @@ fixed-size buffers instead of growing caches:
   what `prompt + max_tokens` needs. So the memory of a short generation does not depend on
   `max_tokens`, and a long one traces once per buffer size (log2 of its length in 256-token steps);
 * the position is an input array (`pos`), used for RoPE (`fast.rope` with an array offset), for
-  the slot written (`slice_update_dynamic`) and for an additive mask over the slots (a slot is
+  the slot written (a scatter at that slot) and for an additive mask over the slots (a slot is
   visible when it holds a position <= pos inside the layer's window);
 * the weights are inputs as well, not constants captured by the trace: the compiled graph then
   holds no weight, a LoRA adapter or an update is picked up without a retrace, and closing a
@@ -60,7 +60,7 @@ from ..sample import (
     greedy,
 )
 from ..step_queue import StepQueue
-from . import prefill, segments
+from . import graph_fusions, prefill, segments
 from .rings import (
     BUFFER_STEP,
     RingLayer,
@@ -172,9 +172,11 @@ class RingCache:
         self.offset = state.pos  # an Array: RoPE takes it as the position
 
     def update_and_fetch(self, keys: Array, values: Array) -> tuple[Array, Array]:
+        # A scatter at the slot: one CUDA kernel per buffer, where a dynamic slice update is two
+        # (its offset, then the copy); both write the donated buffer in place.
         slot = self._state.slot(self.ring)
-        self.keys = mx.slice_update_dynamic(self.keys, keys, slot, [2])
-        self.values = mx.slice_update_dynamic(self.values, values, slot, [2])
+        self.keys = mx.scatter(self.keys, [slot], mx.expand_dims(keys, 0), [2])
+        self.values = mx.scatter(self.values, [slot], mx.expand_dims(values, 0), [2])
         return self.keys, self.values
 
     def make_mask(self, n: int, window_size: int | None = None) -> Array:
@@ -207,9 +209,9 @@ class CompiledDecoder:
         self._layers_hold_blocks = model is not None and _layers_hold_blocks(model)  # no compiled prefill
         self.enabled = settings.compile  # False: every generation takes the uncompiled loop
         self.mode = mode if mode is not None else settings.decode  # "auto": by the device at each generation
-        # Segmented mode: run q/k/v and gate/up as one matmul each (weights fused, see segments.py).
+        # q/k/v and gate/up as one matmul each (weights fused: segments.py, graph_fusions.py).
         self.fuse_projections = settings.fuse_projections
-        # Segmented mode on CUDA: each residual add and the norm after it as one kernel (kernels/add_rms_norm.py).
+        # On CUDA: each residual add and the norm after it as one kernel (kernels/add_rms_norm.py).
         self.fused_norm = settings.fused_norm
         # Segmented mode on CUDA: greedy's argmax as two kernels over many blocks (kernels/argmax.py).
         self.cuda_argmax = settings.cuda_argmax
@@ -275,21 +277,38 @@ class CompiledDecoder:
             session = self._segmented(model, structure, weights, fuse_greedy, rings, sampler, first_position)
             if session is not None:
                 return session
-        key = (structure, fuse_greedy, rings.key())
+        graph, weights, classes = self._graph_fusions(model, weights, classes)
+        extra = graph.arrays(weights) if graph is not None else []
+        traced = (classes, len(weights) + len(extra), graph.key() if graph is not None else None)
+        key = (traced, fuse_greedy, rings.key())
         if key in self._failed:
             return None
-        spec = _Spec(model, weights, layers, fuse_greedy, self.stats)
+        spec = _Spec(model, weights + extra, layers, fuse_greedy, self.stats, graph)
         return DecodeSession(self, key, spec, sampler, processors, history, rings)
+
+    def _graph_fusions(self, model: Module, weights: list[Array], classes: tuple[str, ...]
+                       ) -> tuple[graph_fusions.GraphFusions | None, list[Array], tuple[str, ...]]:
+        """The whole-step graph's fusions for `model` (graph_fusions.py), made or remade, with the
+        model's arrays and classes walked again where fusing gave its linears new arrays."""
+        with self._lock:
+            before = dict(self._fusions)
+            graph = graph_fusions.plan(model, self._fusions, self.fuse_projections, self.fused_norm)
+            changed = any(before.get(k) is not v for k, v in self._fusions.items())
+        if changed:
+            weights, classes = arrays_of(model, with_classes=True)
+        return graph, weights, classes
 
     def prepare_weights(self) -> None:
         """Fuse the projections now where the segmented decode will (it swaps the linears' weights
         for views of the fused arrays): a caller that compares weight identities across generations
         (the prompt cache) then sees the final arrays from the first generation on. Without this
         call the first segmented generation fuses them (and the next one rebuilds its plan once)."""
-        model = self._model
-        if model is None or not self.fuse_projections or decode_mode(self.mode) != "segmented":
+        model: Any = self._model  # its blocks are read where the model declares decode_fusions
+        if model is None or not self.fuse_projections:
             return
-        blocks = segments.plan(model)
+        blocks = segments.plan(model) if decode_mode(self.mode) == "segmented" else None
+        if blocks is None and getattr(model, "decode_fusions", False) is True:
+            blocks = list(model.layers)  # the whole-step graph fuses them (graph_fusions.py)
         if blocks is not None:
             with self._lock:
                 segments.fusions_for(blocks, self._fusions)
@@ -438,6 +457,7 @@ class _Spec:
     layers: list[RingLayer]
     fuse_greedy: bool
     stats: dict[str, int]
+    graph: graph_fusions.GraphFusions | None = None  # fused parts installed on the trace's copy
 
 
 def _trace_step(inputs: list[Array]) -> list[Array]:
@@ -451,7 +471,11 @@ def _trace_step(inputs: list[Array]) -> list[Array]:
     tokens, pos = inputs[0], inputs[1]
     buffers = inputs[2:2 + 2 * n]
     weights = inputs[2 + 2 * n:]
-    model = clone_modules([spec.model], spec.weights, weights)[0]
+    graph = spec.graph
+    copies = clone_modules([spec.model, *(graph.modules() if graph is not None else [])], spec.weights, weights)
+    model = copies[0]
+    if graph is not None:
+        graph.install(model, copies[1:])
     state = _StepState(pos, buffers[0].dtype)
     caches = [StepRecurrentCache(buffers[2 * i], buffers[2 * i + 1], pos) if layer.ring == 0
               else RingCache(buffers[2 * i], buffers[2 * i + 1], layer.ring, layer.window, state)

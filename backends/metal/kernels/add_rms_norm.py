@@ -8,11 +8,11 @@ one: it writes `h + out` and its normalized form, 32 kernels fewer per step ther
 1 us of step time saved per kernel removed).
 
 It reproduces MLX's arithmetic exactly, so the tokens do not change: the add in the 2-byte type,
-then MLX's `rms_norm_small` for the aligned case (the same threads per block, the same elements per
-thread in the same order, the same warp and block reductions, `rsqrt(sum / D + eps)`, and
-`w * T(x * normalizer)`). So it applies only where MLX would use that kernel: a 2-byte float type
-and a row whose 16-byte vectors split evenly over 128 (else 64) threads, at most 8 per thread, or
-exactly 64 vectors (Llama-3.2-1B's 2048: 128 threads of 2). `check()` runs it once against MLX's
+then MLX's `rms_norm_small` (the same threads per block, the same elements per thread in the same
+order, the same warp and block reductions, `rsqrt(sum / D + eps)`, and `w * T(x * normalizer)`).
+So it applies only where MLX would use that kernel: a 2-byte float type and a row of whole 16-byte
+vectors, at most 8192 values (`geometry` gives MLX's threads and loads per thread: Llama-3.2-1B's
+2048 is 128 threads of 2). `check()` runs it once against MLX's
 two kernels on random rows and keeps MLX's where they differ in any bit, or where it cannot run.
 
 This module holds the source and the launch geometry; `segments.py` decides where to use it.
@@ -57,6 +57,9 @@ SOURCE = r"""
   uint4* s4 = reinterpret_cast<uint4*>(sum + row * D);
   uint4* n4 = reinterpret_cast<uint4*>(normed + row * D);
   const uint4* w4 = reinterpret_cast<const uint4*>(w);
+  // The row's 16-byte vectors: BLOCK * CHUNKS of them, or fewer where MLX runs its unaligned
+  // kernel, whose loads past the row give zeros (adding 0 to the sum changes no bit: skipped here).
+  constexpr int VECTORS = D / 8;
 
   // Every load is issued before any arithmetic (the weight's too, which the normalization needs
   // only after the reduction): one memory round trip per block rather than two.
@@ -67,6 +70,7 @@ SOURCE = r"""
 #pragma unroll
   for (int i = 0; i < CHUNKS; ++i) {
     const int offset = BLOCK * i + tid;
+    if (offset >= VECTORS) continue;
     av4[i] = a4[offset];
     bv4[i] = b4[offset];
     wv4[i] = w4[offset];
@@ -76,6 +80,7 @@ SOURCE = r"""
 #pragma unroll
   for (int i = 0; i < CHUNKS; ++i) {
     const int offset = BLOCK * i + tid;
+    if (offset >= VECTORS) continue;
     uint4 av = av4[i];
     uint4 bv = bv4[i];
     const T* ae = reinterpret_cast<const T*>(&av);
@@ -103,6 +108,7 @@ SOURCE = r"""
 #pragma unroll
   for (int i = 0; i < CHUNKS; ++i) {
     const int offset = BLOCK * i + tid;
+    if (offset >= VECTORS) continue;
     uint4 wv = wv4[i];
     const T* we = reinterpret_cast<const T*>(&wv);
     T* xe = reinterpret_cast<T*>(&xs[i]);
@@ -117,16 +123,21 @@ SOURCE = r"""
 
 
 def geometry(d: int) -> tuple[int, int] | None:
-    """(threads per row, 16-byte loads per thread) of MLX's aligned `rms_norm_small` for rows of
-    `d` 2-byte floats, or None where MLX uses another kernel (then so must we)."""
+    """(threads per row, 16-byte loads per thread) of MLX's `rms_norm_small` for rows of `d` 2-byte
+    floats (its `dispatch_num_chunks`), or None where MLX uses another kernel (then so must we) or a
+    vector would straddle the row's end. Where threads x loads x 8 exceeds `d`, MLX runs the kernel's
+    unaligned form (Gemma-3-1B's 1152: 128 threads of 2 loads), which this kernel reproduces by
+    skipping the vectors past the row."""
     if d % READS:
         return None
     vectors = d // READS
     if d <= READS * 64:
-        return (64, 1) if vectors == 64 else None
+        return 64, 1
     for block in (128, 64):  # MLX's order: 128 threads first
         if vectors % block == 0 and vectors // block <= 8:
             return block, vectors // block
+    if d <= READS * 128 * 8:
+        return 128, -(-vectors // 128)
     return None
 
 

@@ -4,15 +4,16 @@ no soft-capping, and a 5:1 mix of sliding-window layers (RoPE base `rope_local_b
 global layers (RoPE base `rope_theta`, with the checkpoint's `rope_scaling`)."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import pymlxc.core as mx
 from pymlxc.core import Array
 
 from .. import nn
 from ..cache import Cache, Mask
+from ..kernels import add_rms_norm as norm_kernel
 from .base import (
     BaseModelArgs,
     LayerMasks,
@@ -103,13 +104,23 @@ class Attention(nn.Module):
             self.rope = initialize_rope(head_dim, args.rope_local_base_freq)
         else:
             self.rope = initialize_rope(head_dim, args.rope_theta, scaling=args.rope_scaling)
+        # q/k/v as one matmul for one token: set on a decode trace's own copy (`Model.use_decode_fusions`).
+        self._qkv: Callable[[Array], list[Array]] | None = None
+
+    def qk_norms(self) -> tuple[nn.Module, ...]:
+        """The norms a fused q/k/v projection may join: none (these are offset norms, applied apart)."""
+        return ()
 
     def __call__(self, x: Array, mask: Mask, cache: Cache | None, last_only: bool = False) -> Array:
         """`last_only`: every position's keys and values into `cache`, the last query's output alone."""
         b, L, _ = x.shape
-        q = self.q_norm(_transpose(_reshape(self.q_proj(x), (b, L, self.n_heads, self.head_dim)), (0, 2, 1, 3)))
-        k = self.k_norm(_transpose(_reshape(self.k_proj(x), (b, L, self.n_kv_heads, self.head_dim)), (0, 2, 1, 3)))
-        v = _transpose(_reshape(self.v_proj(x), (b, L, self.n_kv_heads, self.head_dim)), (0, 2, 1, 3))
+        if self._qkv is not None and L == 1:
+            q, k, v = self._qkv(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = self.q_norm(_transpose(_reshape(q, (b, L, self.n_heads, self.head_dim)), (0, 2, 1, 3)))
+        k = self.k_norm(_transpose(_reshape(k, (b, L, self.n_kv_heads, self.head_dim)), (0, 2, 1, 3)))
+        v = _transpose(_reshape(v, (b, L, self.n_kv_heads, self.head_dim)), (0, 2, 1, 3))
         q, k, v = rope_and_cache(self.rope, q, k, v, cache)
         if last_only:
             (q, mask), L = last_query(q, mask), 1
@@ -126,9 +137,15 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden_dim)
         self.down_proj = nn.Linear(hidden_dim, dim)
         self.up_proj = nn.Linear(dim, hidden_dim)
+        # gate/up as one matmul for one token: set on a decode trace's own copy (`Model.use_decode_fusions`).
+        self._gate_up: Callable[[Array], list[Array]] | None = None
 
     def __call__(self, x: Array) -> Array:
-        return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
+        if self._gate_up is not None and x.shape[1] == 1:
+            gate, up = self._gate_up(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(nn.gelu_approx(gate) * up)
 
 
 _F16_MAX = 65504.0
@@ -141,6 +158,25 @@ def _residual(x: Array, y: Array) -> Array:
         return x + y
     s = mx.astype(x, mx.float32) + mx.astype(y, mx.float32)
     return mx.astype(mx.clip(s, -_F16_MAX, _F16_MAX), mx.float16)
+
+
+AddNorm = Callable[[Array, Array, Any], tuple[Array, Array]]
+
+
+def add_norm(x: Array, y: Array, norm: Any) -> tuple[Array, Array]:
+    """(x + y as Gemma adds a residual, norm of that sum)."""
+    h = _residual(x, y)
+    return h, norm(h)
+
+
+def kernel_add_norm(x: Array, y: Array, norm: Any) -> tuple[Array, Array]:
+    """`add_norm` as one CUDA kernel (`kernels/add_rms_norm.py`, the norm's 1 + w its weight: bit for
+    bit MLX's add and rms_norm) where the types agree and are not float16 (summed in float32)."""
+    scale = norm.scale
+    if x.dtype == y.dtype == scale.dtype and x.dtype != mx.float16:
+        both: tuple[Array, Array] = norm_kernel.add_rms_norm(x, y, scale, norm.eps)
+        return both
+    return add_norm(x, y, norm)
 
 
 class TransformerBlock(nn.Module):
@@ -156,9 +192,17 @@ class TransformerBlock(nn.Module):
 
     def __call__(self, x: Array, mask: Mask, cache: Cache | None, last_only: bool = False) -> Array:
         """`last_only`: as `Attention`, and the rest of the block on the last position alone."""
-        r = self.self_attn(self.input_layernorm(x), mask, cache, last_only)
-        h = _residual(x[:, -1:] if last_only else x, self.post_attention_layernorm(r))
-        return _residual(h, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))))
+        h, out = self.halves(x, self.input_layernorm(x), mask, cache, last_only, add_norm)
+        return _residual(h, out)
+
+    def halves(self, x: Array, normed: Array, mask: Mask, cache: Cache | None, last_only: bool,
+               add: AddNorm) -> tuple[Array, Array]:
+        """The block on `x` whose input norm is `normed`: (x after the attention's residual, the
+        MLP's normalized output). The caller adds the two with the norm that follows (`Model`), so
+        that each residual add and the norm after it can be one kernel (`add`)."""
+        r = self.self_attn(normed, mask, cache, last_only)
+        h, n = add(x[:, -1:] if last_only else x, self.post_attention_layernorm(r), self.pre_feedforward_layernorm)
+        return h, self.post_feedforward_layernorm(self.mlp(n))
 
 
 class Gemma3Model(nn.Module):
@@ -170,6 +214,10 @@ class Gemma3Model(nn.Module):
 
 
 class Model(TiedHead, nn.Module):
+    # The whole-step decode graph may fuse each block's projections and its residual adds with the
+    # norms after them (decode/graph_fusions.py).
+    decode_fusions: ClassVar[bool] = True
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
@@ -181,6 +229,7 @@ class Model(TiedHead, nn.Module):
         self._final_cap = args.final_logit_softcapping
         # sqrt(hidden) rounded to bfloat16 (the checkpoints' dtype), then cast to the activations'.
         self._embed_scale = float(mx.array(args.hidden_size**0.5, mx.bfloat16).item())
+        self._add_norm: AddNorm = add_norm  # a decode trace's copy may take a one-kernel form
 
     @property
     def layers(self) -> list[TransformerBlock]:
@@ -192,20 +241,43 @@ class Model(TiedHead, nn.Module):
         h = inner.embed_tokens(inputs) * self._embed_scale
         masks = self._masks(inputs.shape[1], cache, mask)
         caches = cache if cache is not None else [None] * len(masks)
-        last = len(inner.layers) - 1
-        for i, (layer, m, c) in enumerate(zip(inner.layers, masks, caches, strict=False)):
+        layers = inner.layers
+        if not layers:
+            return self.output(h[:, -1:] if last_only else h)
+        norms = [layer.input_layernorm for layer in layers[1:]] + [inner.norm]
+        normed = layers[0].input_layernorm(h)
+        for i, (layer, m, c) in enumerate(zip(layers, masks, caches, strict=False)):
             # The last layer's queries, attention output and MLP on the last position alone.
-            h = layer(h, m, c, last_only and i == last)
+            h, out = layer.halves(h, normed, m, c, last_only and i == len(layers) - 1, self._add_norm)
+            h, normed = self._add_norm(h, out, norms[i])
             after_layer(h, c)
-        return self.output(h[:, -1:] if last_only else h)
+        return self.head(normed)
 
     def output(self, h: Array) -> Array:
         """Hidden states after the last layer -> logits (the final norm, the head, the softcap)."""
+        return self.head(self.model.norm(h))
+
+    def head(self, h: Array) -> Array:
+        """Hidden states after the final norm -> logits (the head, the softcap)."""
         inner = self.model
-        h = inner.norm(h)
         head = self.lm_head
         out = inner.embed_tokens.as_linear(h) if head is None else head(h)
         return softcap(out, self._final_cap) if self._final_cap else out
+
+    def decode_add_norms(self) -> Sequence[nn.Module]:
+        """The norms that follow a residual add in the forward pass (`_add_norm`'s third argument)."""
+        layers = self.model.layers
+        return ([b.pre_feedforward_layernorm for b in layers] + [b.input_layernorm for b in layers[1:]]
+                + [self.model.norm])
+
+    def use_decode_fusions(self, pairs: Sequence[tuple[Any, Any]], fused_norm: bool) -> None:
+        """On a decode trace's own copy of the model, never on a model in use: each block's fused
+        (q/k/v, gate/up) projections (None: apart), and with `fused_norm` each residual add and the
+        norm after it as one CUDA kernel (`kernel_add_norm`; the caller checked that it applies)."""
+        for block, (qkv, gate_up) in zip(self.model.layers, pairs, strict=True):
+            block.self_attn._qkv = qkv  # noqa: SLF001 - the trace's copy, set by its owner
+            block.mlp._gate_up = gate_up  # noqa: SLF001
+        self._add_norm = kernel_add_norm if fused_norm else add_norm
 
     def make_cache(self, context_len: int | None = None) -> list[Cache]:
         return make_layer_caches(self._windows, context_len)

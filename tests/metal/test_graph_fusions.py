@@ -22,7 +22,7 @@ from pymlxc.backends.metal.kernels import add_rms_norm as cuda_norm
 from pymlxc.backends.metal.loader import load_weights_and_config
 from pymlxc.testing.tiny import write_tiny_model
 
-from .cuda_decode_helpers import cuda_only, greedy_ids
+from .cuda_decode_helpers import ON_CUDA, cuda_only, greedy_ids
 
 LAYERS = 3
 
@@ -57,7 +57,7 @@ def test_the_graph_fuses_the_projections_on_its_copy_and_keeps_the_tokens(gemma,
     assert greedy_ids(model, decoder) == want
     assert decoder.stats["compiled"] == 1
     pairs = tuple((True, True) for _ in range(LAYERS))
-    assert _traced_fusions(decoder) == {(pairs, False)}  # off CUDA: no add + norm kernel
+    assert _traced_fusions(decoder) == {(pairs, ON_CUDA)}  # the add + norm kernel on CUDA alone
     # The linears view the joint weight; the model itself holds no fused projection.
     for block in model.layers:
         attn, mlp = block.self_attn, block.mlp
@@ -76,7 +76,9 @@ def test_the_setting_keeps_the_projections_apart(gemma, switches: Any) -> None:
     switches.env("PYMLXC_FUSE_PROJECTIONS", "0")
     decoder = CompiledDecoder(model, "graph")
     assert greedy_ids(model, decoder) == greedy_ids(model, None)
-    assert _traced_fusions(decoder) == {None} and not decoder._fusions  # noqa: SLF001
+    apart = tuple((False, False) for _ in range(LAYERS))
+    assert _traced_fusions(decoder) == ({(apart, True)} if ON_CUDA else {None})  # the kernel still on CUDA
+    assert not decoder._fusions  # noqa: SLF001
     decoder.close()
 
 

@@ -307,8 +307,8 @@ class CompiledDecoder:
         if model is None or not self.fuse_projections:
             return
         blocks = segments.plan(model) if decode_mode(self.mode) == "segmented" else None
-        if blocks is None and getattr(model, "decode_fusions", False) is True:
-            blocks = list(model.layers)  # the whole-step graph fuses them (graph_fusions.py)
+        if blocks is None:
+            blocks = graph_fusions.blocks_of(model)  # the whole-step graph fuses them
         if blocks is not None:
             with self._lock:
                 segments.fusions_for(blocks, self._fusions)

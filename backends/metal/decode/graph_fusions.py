@@ -59,9 +59,9 @@ class GraphFusions:
 def plan(model: Any, known: dict[int, Any], fuse_projections: bool, fused_norm_setting: str) -> GraphFusions | None:
     """The fusions for `model`'s whole-step graph, made or remade (`known`: the decoder's fusions
     by block), or None where the model declares none or nothing applies."""
-    if getattr(model, "decode_fusions", False) is not True:
+    blocks = blocks_of(model)
+    if blocks is None:
         return None
-    blocks = list(model.layers)
     made: list[tuple[Fusion | None, Fusion | None]] = (fusions_for(blocks, known) if fuse_projections
                                                         else [(None, None)] * len(blocks))
     pairs = tuple((q.fused if q is not None else None, g.fused if g is not None else None) for q, g in made)
@@ -69,6 +69,15 @@ def plan(model: Any, known: dict[int, Any], fuse_projections: bool, fused_norm_s
     if not fused_norm and all(p == (None, None) for p in pairs):
         return None
     return GraphFusions(pairs, fused_norm)
+
+
+def blocks_of(model: Any) -> list[Any] | None:
+    """The blocks of a model that declares `decode_fusions`, where all of them are its own (a
+    pipeline's wrapped stages are not: None)."""
+    if getattr(model, "decode_fusions", False) is not True:
+        return None
+    blocks = list(model.layers)
+    return blocks if all(hasattr(b, "self_attn") and hasattr(b, "mlp") for b in blocks) else None
 
 
 def use_fused_norm(norms: Sequence[Any], setting: str) -> bool:
@@ -89,4 +98,4 @@ def use_fused_norm(norms: Sequence[Any], setting: str) -> bool:
     return all(norm_kernel.check(d, dtype, eps) for eps in sorted({float(n.eps) for n in norms}))
 
 
-__all__ = ["GraphFusions", "plan", "use_fused_norm"]
+__all__ = ["GraphFusions", "blocks_of", "plan", "use_fused_norm"]

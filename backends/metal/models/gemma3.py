@@ -242,13 +242,18 @@ class Model(TiedHead, nn.Module):
         masks = self._masks(inputs.shape[1], cache, mask)
         caches = cache if cache is not None else [None] * len(masks)
         layers = inner.layers
-        if not layers:
+        last = len(layers) - 1
+        if not layers or any(type(layer) is not TransformerBlock for layer in layers):
+            # Blocks another owner wrapped (a pipeline's stages) run whole, each norm inside its block.
+            for i, (layer, m, c) in enumerate(zip(layers, masks, caches, strict=False)):
+                h = layer(h, m, c, last_only and i == last)
+                after_layer(h, c)
             return self.output(h[:, -1:] if last_only else h)
         norms = [layer.input_layernorm for layer in layers[1:]] + [inner.norm]
         normed = layers[0].input_layernorm(h)
         for i, (layer, m, c) in enumerate(zip(layers, masks, caches, strict=False)):
             # The last layer's queries, attention output and MLP on the last position alone.
-            h, out = layer.halves(h, normed, m, c, last_only and i == len(layers) - 1, self._add_norm)
+            h, out = layer.halves(h, normed, m, c, last_only and i == last, self._add_norm)
             h, normed = self._add_norm(h, out, norms[i])
             after_layer(h, c)
         return self.head(normed)

@@ -49,7 +49,8 @@ DTYPE = mx.bfloat16  # --dtype: x and the scales (GGUF files compute in float16)
 # The kernel's loads without its arithmetic (a diagnostic, `ours_loads`): the same grid, the same
 # 16-byte weight loads, scales, biases and x loads, folded by an xor and one fma per row, so the
 # rate it reaches is what the access pattern allows; the difference to `ours_r2` is the nibble math.
-LOADS_SOURCE = kernels.QUANTIZED_SOURCE[:kernels.QUANTIZED_SOURCE.index("#pragma unroll\n    for (int m = 0; m < M; ++m) {\n      float xf[32];")] + r"""
+LOADS_SOURCE = kernels.QUANTIZED_SOURCE[:kernels.QUANTIZED_SOURCE.index(
+    "#pragma unroll\n    for (int m = 0; m < M; ++m) {\n      // x eight")] + r"""
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       const T* xp = x + static_cast<size_t>(m) * K + c * 32;
@@ -66,12 +67,13 @@ LOADS_SOURCE = kernels.QUANTIZED_SOURCE[:kernels.QUANTIZED_SOURCE.index("#pragma
       }
     }
   }
-""" + kernels.QUANTIZED_SOURCE[kernels.QUANTIZED_SOURCE.index("#pragma unroll\n  for (int m = 0; m < M; ++m) {\n#pragma unroll\n    for (int r = 0; r < R; ++r) {\n      float v = acc[m][r];"):]
+""" + kernels.QUANTIZED_SOURCE[kernels.QUANTIZED_SOURCE.index(
+    "#pragma unroll\n  for (int m = 0; m < M; ++m) {\n    T y[R];"):]
 
 
 def _loads_kernel() -> Any:
     return mx.fast.cuda_kernel("pymlxc_qmv4_loads", list(kernels.QUANTIZED_INPUTS), list(kernels.OUTPUT_NAMES),
-                               LOADS_SOURCE, header=kernels.HEADER)
+                               LOADS_SOURCE, header=kernels.QUANTIZED_HEADER)
 
 
 def _kernel(module: Any = kernels) -> Any:

@@ -50,7 +50,7 @@ DTYPE = mx.bfloat16  # --dtype: x and the scales (GGUF files compute in float16)
 # 16-byte weight loads, scales, biases and x loads, folded by an xor and one fma per row, so the
 # rate it reaches is what the access pattern allows; the difference to `ours_r2` is the nibble math.
 LOADS_SOURCE = kernels.QUANTIZED_SOURCE[:kernels.QUANTIZED_SOURCE.index(
-    "#pragma unroll\n    for (int m = 0; m < M; ++m) {\n      // x eight")] + r"""
+    "#pragma unroll\n    for (int m = 0; m < M; ++m) {\n      float xf[32];")] + r"""
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       const T* xp = x + static_cast<size_t>(m) * K + c * 32;

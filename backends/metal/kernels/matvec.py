@@ -3,13 +3,9 @@
 MLX's CUDA `quantized_matmul` for one token gives each output row one warp, which reads 8 bytes of
 packed weights per lane per step and accumulates in bfloat16. On an H100 the 8B shape's decode step
 reads its weights at about a quarter of the memory bandwidth with it. This kernel reads 16 bytes
-per lane per step (32 weights), keeps `ROWS_PER_WARP` output rows per warp so each load of x serves
-several rows (four; the paired gate/up form two), takes x eight values at a time (fewer live
-registers, more warps resident: in one probe run on an H100 the 8B shapes' products read 1.60-1.79
-TB/s against 1.48-1.66 for the earlier source with 32 values live and 2 rows, `probe_matvec.py
---baseline`, `benchmarks/results/h100-probe-matvec-x8.json`), accumulates in float32, and turns
-nibbles into floats without the slow integer conversion: a nibble q placed in the mantissa of 1.0
-is the float 1 + q/16, so
+per lane per step (32 weights), keeps `ROWS_PER_WARP` output rows per warp so each load of x serves several
+rows, accumulates in float32, and turns nibbles into floats without the slow integer conversion:
+a nibble q placed in the mantissa of 1.0 is the float 1 + q/16, so
 
     sum_i x_i * q_i = 16 * (sum_i x_i * (1 + q_i / 16) - sum_i x_i).
 
@@ -32,7 +28,7 @@ QUANTIZED_NAME = "pymlxc_qmv4"
 QUANTIZED_INPUTS = ("x", "w", "scales", "biases")
 OUTPUT_NAMES = ("out",)
 THREADS_PER_BLOCK = 128
-ROWS_PER_WARP = 4
+ROWS_PER_WARP = 2
 MAX_X_ROWS = 8  # more rows of x than this go to MLX's tensor-core kernels
 GROUP_SIZES = (32, 64, 128)
 
@@ -121,29 +117,22 @@ QUANTIZED_SOURCE = r"""
     }
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-      // x eight values at a time (fewer live registers, more warps per SM); the sums run in the
-      // order of one pass over all 32: d = dot8(x) + dot8(y) + dot8(z) + dot8(w), xs left to right.
+      float xf[32];
       const T* xp = x + static_cast<size_t>(m) * K + c * 32;
-      float xs = 0.f;
-      float d[R];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        float xf[8];
-        pymlxc_mv::load8(xp + 8 * j, xf);
+        pymlxc_mv::load8(xp + 8 * j, xf + 8 * j);
+      }
+      float xs = 0.f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          xs += xf[i];
-        }
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const uint32_t word = j == 0 ? q[r].x : j == 1 ? q[r].y : j == 2 ? q[r].z : q[r].w;
-          const float part = pymlxc_mv::biased_dot8(word, xf);
-          d[r] = j == 0 ? part : d[r] + part;
-        }
+      for (int i = 0; i < 32; ++i) {
+        xs += xf[i];
       }
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        acc[m][r] += 16.f * sc[r] * d[r] + (bi[r] - 16.f * sc[r]) * xs;
+        float d = pymlxc_mv::biased_dot8(q[r].x, xf) + pymlxc_mv::biased_dot8(q[r].y, xf + 8) +
+                  pymlxc_mv::biased_dot8(q[r].z, xf + 16) + pymlxc_mv::biased_dot8(q[r].w, xf + 24);
+        acc[m][r] += 16.f * sc[r] * d + (bi[r] - 16.f * sc[r]) * xs;
       }
     }
   }

@@ -13,6 +13,7 @@ import pytest
 import pymlxc.core as mx
 from pymlxc.backends.metal import generate as loops
 from pymlxc.backends.metal.decode.decoder import CompiledDecoder
+from pymlxc.backends.metal.kernels import add_rms_norm as cuda_norm
 from pymlxc.backends.metal.loader import load_weights_and_config
 from pymlxc.backends.metal.sample import greedy
 from pymlxc.testing import write_tiny_model
@@ -99,3 +100,16 @@ def check_a_forced_setting_keeps_mlx_kernels(model: Any, switches: Any, variable
 
 
 cuda_only = pytest.mark.skipif(not ON_CUDA, reason="the kernel needs MLX's CUDA build (run on the GPU machine)")
+
+
+def stand_in_for_add_norm(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """Replace the add + RMSNorm kernel by MLX's own two ops (`unfused`); the list returned gets the
+    shape of each call's first operand."""
+    calls: list[tuple[int, ...]] = []
+
+    def stand_in(a: Any, b: Any, w: Any, eps: float) -> tuple[Any, Any]:
+        calls.append(tuple(a.shape))
+        return cuda_norm.unfused(a, b, w, eps)
+
+    monkeypatch.setattr(cuda_norm, "add_rms_norm", stand_in)
+    return calls

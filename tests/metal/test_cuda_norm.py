@@ -32,6 +32,7 @@ from .cuda_decode_helpers import (
     cuda_only,
     greedy_ids,
     plan_flags,
+    stand_in_for_add_norm,
     stood_in_decoder,
     tiny_models,
 )
@@ -92,13 +93,7 @@ def test_segments_with_the_fused_step_keep_the_tokens(tiny, monkeypatch: pytest.
     the uncompiled loop, so the residual stream (the sum output kept, the normed one projected) is
     wired right. (A wrong wiring changes the tokens of these random models.)"""
     model = tiny(arch)
-    calls = []
-
-    def stand_in(a: Any, b: Any, w: Any, eps: float) -> tuple[Any, Any]:
-        calls.append(tuple(a.shape))
-        return cuda_norm.unfused(a, b, w, eps)
-
-    monkeypatch.setattr(cuda_norm, "add_rms_norm", stand_in)
+    calls = stand_in_for_add_norm(monkeypatch)
     monkeypatch.setattr(segments, "use_fused_norm", lambda *a: True)
     decoder = stood_in_decoder(model, "fused_norm")
     if plan_flags(decoder, "attention") == {"kernel"}:  # the whole step as one graph: twice per layer

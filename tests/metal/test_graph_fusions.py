@@ -18,11 +18,10 @@ import pytest
 
 from pymlxc.backends.metal.decode import graph_fusions
 from pymlxc.backends.metal.decode.decoder import CompiledDecoder
-from pymlxc.backends.metal.kernels import add_rms_norm as cuda_norm
 from pymlxc.backends.metal.loader import load_weights_and_config
 from pymlxc.testing.tiny import write_tiny_model
 
-from .cuda_decode_helpers import ON_CUDA, cuda_only, greedy_ids
+from .cuda_decode_helpers import ON_CUDA, cuda_only, greedy_ids, stand_in_for_add_norm
 
 LAYERS = 3
 
@@ -101,13 +100,7 @@ def test_the_add_norm_kernel_stood_in_keeps_the_tokens(gemma, monkeypatch: pytes
     the graph that calls it gives the uncompiled loop's tokens (a wrong wiring of the residual
     stream, or the raw w as the weight, changes the tokens of these random models)."""
     model = gemma(hidden=width)
-    calls = []
-
-    def stand_in(a: Any, b: Any, w: Any, eps: float) -> tuple[Any, Any]:
-        calls.append(tuple(a.shape))
-        return cuda_norm.unfused(a, b, w, eps)
-
-    monkeypatch.setattr(cuda_norm, "add_rms_norm", stand_in)
+    calls = stand_in_for_add_norm(monkeypatch)
     monkeypatch.setattr(graph_fusions, "use_fused_norm", lambda *a: True)
     want = greedy_ids(model, None)
     decoder = CompiledDecoder(model, "graph")

@@ -277,12 +277,14 @@ def _chunk_forward(model: LanguageModel, mask: Callable[[int, int], mx.Array | N
 
     use = [runner if mask is None else None]
     # A chunk of this many rows or more goes op by op where the model's quantized layers take it as
-    # dense products (nn.mark_dense_products), which the runner's shapeless trace cannot hold.
-    dense_rows = getattr(model, "dense_rows", 0)
+    # dense products (nn.mark_dense_products) or, in large blocks, through the tensor-core kernel
+    # (nn.mark_qmm_products): the runner's shapeless trace can hold neither.
+    op_by_op_rows = [r for r in (getattr(model, "dense_rows", 0), getattr(model, "qmm_rows", 0)) if r]
+    first_op_by_op = min(op_by_op_rows) if op_by_op_rows else 0
 
     def forward(chunk: mx.Array, cache: Sequence[Any], offset: int, on_layer: Callable[..., None] | None,
                 logits: bool = False) -> mx.Array | None:
-        if use[0] is not None and not (dense_rows and chunk.shape[0] * chunk.shape[1] >= dense_rows):
+        if use[0] is not None and not (first_op_by_op and chunk.shape[0] * chunk.shape[1] >= first_op_by_op):
             try:
                 h = use[0](chunk, cache, on_layer)
                 return model.output(h)[:, -1, :] if logits else None

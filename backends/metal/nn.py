@@ -284,6 +284,13 @@ DENSE_CHUNK_WEIGHTS = 1 << 24  # weights dequantized at once (32 MiB in half pre
 # From this many rows of x a marked 4-bit layer takes pymlxc's tensor-core kernel (kernels/qmm.py),
 # below DENSE_MIN_ROWS where the layer also goes dense.
 QMM_MIN_ROWS = 16
+# Blocks with at least this many bytes of such 4-bit layers (weights, scales, biases) prefill op by
+# op, through that kernel, instead of through the compiled prefill (MLX's product): on an H100 a
+# 128-token prefill of Llama-3.1-8B (about 118 MB a block) took 24.2 against 34.4 ms from its Q4_0
+# GGUF file and 25.9 against 30.6 ms from MLX 4-bit; Llama-3.2-1B's (33 MB a block) took 11.4
+# against 10.9 and 16.6 against 9.6 ms, the host's work op by op costing more there
+# (`benchmarks/profile/probe_prefill.py --modes segmented off`).
+QMM_OP_BY_OP_BLOCK_BYTES = 64 << 20
 
 
 def product_in_row_chunks(x: Array, rows: int, chunk_weights: int, dequantize: Callable[[int, int], Array]) -> Array:
@@ -650,13 +657,16 @@ def mark_qmm_products(model: Any, use: bool, dtype: Any) -> bool:
     where `use` (`Settings.cuda_qmm`) and the kernel's check for x of `dtype` (the model's compute
     dtype) at the layers' group sizes pass; returns whether any layer was marked.
 
-    It does not take chunks off the compiled prefill: on Llama-3.2-1B (H100) a 128-token prefill
-    op by op with the kernel took 10.0 ms where the compiled prefill with MLX's product took 8.3 ms,
-    the host's work per layer costing more than the kernel saves there
-    (`benchmarks/profile/probe_prefill.py`)."""
+    Where the marked layers hold QMM_OP_BY_OP_BLOCK_BYTES or more a block, the model's `qmm_rows`
+    also takes chunks of QMM_MIN_ROWS rows or more off the compiled prefill (the kernel cannot enter
+    its shapeless trace), so that they reach the kernel. Smaller blocks keep the compiled prefill: on
+    Llama-3.2-1B (H100) a 128-token prefill op by op with the kernel took 10.0 ms where the compiled
+    prefill with MLX's product took 8.3 ms, the host's work per layer costing more than the kernel
+    saves there (`benchmarks/profile/probe_prefill.py`)."""
     layers = quantized_layers(model)
     for m in layers:
         m._qmm_rows = 0
+    model.qmm_rows = 0
     if not use or dtype is None:  # no compute dtype (a model built outside the loader): MLX's product
         return False
     takes = [m for m in layers if m.scales.dtype == dtype
@@ -665,6 +675,11 @@ def mark_qmm_products(model: Any, use: bool, dtype: Any) -> bool:
     for m in takes:
         if ready[m.group_size]:
             m._qmm_rows = QMM_MIN_ROWS
+    marked = [m for m in takes if m._qmm_rows and isinstance(m, QuantizedLinear)]
+    blocks = max(1, len(getattr(model, "layers", None) or ()))
+    per_block = sum(m.weight.nbytes + m.scales.nbytes + m.biases.nbytes for m in marked) / blocks
+    # generate._chunk_forward: chunks of this many rows skip the compiled prefill (0: none do).
+    model.qmm_rows = QMM_MIN_ROWS if marked and per_block >= QMM_OP_BY_OP_BLOCK_BYTES else 0
     return any(m._qmm_rows for m in takes)
 
 

@@ -1,7 +1,8 @@
 """pymlxc's 4-bit tensor-core prefill product (backends/metal/kernels/qmm.py) and its choice at load.
 
 Everywhere: the launch covers every output tile; `mark_qmm_products` marks no
-layer where the kernel cannot run (a CPU), with a warning naming why, and marks none when told not to.
+layer where the kernel cannot run (a CPU), with a warning naming why, and marks none when told not to;
+large blocks take prompt chunks off the compiled prefill so that they reach the kernel, small ones not.
 
 On CUDA (MLX's CUDA build): the product matches a float64 reference on MLX's dequantized weights as
 closely as MLX's own `quantized_matmul`, for row counts, widths, depths, group sizes and dtypes
@@ -84,6 +85,41 @@ def test_a_marked_layer_routes_op_by_op_chunks_to_the_kernel(monkeypatch: pytest
     with kernel_choice.mlx_kernels_only():
         layer(mx.zeros((1, 100, 128), mx.float16))
     assert calls == [(1, nn.QMM_MIN_ROWS, 128), (1, 100, 128)]
+
+
+def test_large_blocks_take_prompt_chunks_off_the_compiled_prefill(tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+                                                                   ) -> None:
+    """Marked layers of QMM_OP_BY_OP_BLOCK_BYTES or more a block set the model's `qmm_rows`; smaller
+    blocks, or no marked layer, leave it 0."""
+    loaded = _tiny(tmp_path)
+    model = loaded.model
+    dtype = next(m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)).scales.dtype
+    monkeypatch.setattr(nn, "qmm_ready", lambda *a: True)  # the kernel's check stood in for (no CUDA here)
+    assert nn.mark_qmm_products(model, True, dtype) and model.qmm_rows == 0  # a tiny model's blocks
+    monkeypatch.setattr(nn, "QMM_OP_BY_OP_BLOCK_BYTES", 1)
+    assert nn.mark_qmm_products(model, True, dtype) and model.qmm_rows == nn.QMM_MIN_ROWS
+    assert not nn.mark_qmm_products(model, False, dtype) and model.qmm_rows == 0
+
+
+def test_chunks_from_the_models_qmm_rows_skip_the_compiled_prefill(tmp_path: Any) -> None:
+    """The prefill's chunk forward calls the compiled runner below the model's `qmm_rows` and runs
+    the model op by op from there (where the kernel can take the products)."""
+    from pymlxc.backends.metal import generate  # noqa: PLC0415
+
+    model = _tiny(tmp_path).model
+    model.qmm_rows = nn.QMM_MIN_ROWS  # the layers stay unmarked: op by op runs MLX's product here
+    runner_rows: list[int] = []
+
+    def runner(chunk: Any, cache: Any, on_layer: Any) -> Any:
+        runner_rows.append(chunk.shape[1])
+        return mx.zeros((chunk.shape[0], chunk.shape[1], 128), mx.float16)
+
+    forward = generate._chunk_forward(model, None, runner)
+    cache = model.make_cache(None)
+    for rows in (nn.QMM_MIN_ROWS - 1, nn.QMM_MIN_ROWS, 40):
+        forward(mx.zeros((1, rows), mx.int32), cache, 0, None)
+    assert runner_rows == [nn.QMM_MIN_ROWS - 1]
+    assert cache[0].offset == nn.QMM_MIN_ROWS + 40  # the op-by-op chunks wrote the cache
 
 
 def _linear(k: int, n: int) -> Any:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pymlxc.core as mx
@@ -615,6 +615,12 @@ def quantized_layers(model: Any) -> list[Any]:
     return [m for _, m in model.named_modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))]
 
 
+def bytes_per_block(model: Any, layers: Sequence[Any]) -> float:
+    """The bytes (weights, scales, biases) of these quantized `layers` per transformer block of `model`."""
+    blocks = max(1, len(getattr(model, "layers", None) or ()))
+    return float(sum(m.weight.nbytes + m.scales.nbytes + m.biases.nbytes for m in layers)) / blocks
+
+
 def choose_cuda_matvec(model: Any, setting: str) -> bool:
     """Mark `model`'s 4-bit layers to use pymlxc's matvec kernel (kernel_choice.py) where this process runs
     on CUDA and `setting` (PYMLXC_CUDA_MATVEC: `auto`, `1` or `0`) says so, and the kernel runs here;
@@ -623,10 +629,9 @@ def choose_cuda_matvec(model: Any, setting: str) -> bool:
         raise ValueError(f"the cuda_matvec setting must be one of {', '.join(SWITCH)}, not {setting!r}")
     layers = quantized_layers(model)
     four_bit = [m for m in layers if m.bits == 4 and m.scales.dtype.size == 2]  # what the kernel takes
-    blocks = max(1, len(getattr(model, "layers", None) or ()))
-    per_block = sum(m.weight.nbytes + m.scales.nbytes + m.biases.nbytes for m in four_bit) / blocks
     use = (setting != "0" and bool(four_bit) and on_cuda()
-           and (setting == "1" or per_block >= AUTO_MIN_BYTES_PER_LAYER) and runs_on(four_bit[0]))
+           and (setting == "1" or bytes_per_block(model, four_bit) >= AUTO_MIN_BYTES_PER_LAYER)
+           and runs_on(four_bit[0]))
     chosen = {id(m) for m in four_bit} if use else set()
     for m in layers:
         m.use_cuda_matvec(id(m) in chosen)
@@ -676,10 +681,8 @@ def mark_qmm_products(model: Any, use: bool, dtype: Any) -> bool:
         if ready[m.group_size]:
             m._qmm_rows = QMM_MIN_ROWS
     marked = [m for m in takes if m._qmm_rows and isinstance(m, QuantizedLinear)]
-    blocks = max(1, len(getattr(model, "layers", None) or ()))
-    per_block = sum(m.weight.nbytes + m.scales.nbytes + m.biases.nbytes for m in marked) / blocks
     # generate._chunk_forward: chunks of this many rows skip the compiled prefill (0: none do).
-    model.qmm_rows = QMM_MIN_ROWS if marked and per_block >= QMM_OP_BY_OP_BLOCK_BYTES else 0
+    model.qmm_rows = QMM_MIN_ROWS if marked and bytes_per_block(model, marked) >= QMM_OP_BY_OP_BLOCK_BYTES else 0
     return any(m._qmm_rows for m in takes)
 
 

@@ -16,8 +16,11 @@ from typing import Any
 
 import pytest
 
+import pymlxc.core as mx
+from pymlxc.backends.metal import nn
 from pymlxc.backends.metal.decode import graph_fusions
 from pymlxc.backends.metal.decode.decoder import CompiledDecoder
+from pymlxc.backends.metal.kernels import add_rms_norm as cuda_norm
 from pymlxc.backends.metal.loader import load_weights_and_config
 from pymlxc.testing.tiny import write_tiny_model
 
@@ -57,12 +60,14 @@ def test_the_graph_fuses_the_projections_on_its_copy_and_keeps_the_tokens(gemma,
     assert decoder.stats["compiled"] == 1
     pairs = tuple((True, True) for _ in range(LAYERS))
     assert _traced_fusions(decoder) == {(pairs, ON_CUDA)}  # the add + norm kernel on CUDA alone
-    # The linears view the joint weight; the model itself holds no fused projection.
+    # The fusions hold the linears' rows; the model itself holds no fused projection.
     for block in model.layers:
         attn, mlp = block.self_attn, block.mlp
         assert attn._qkv is None and mlp._gate_up is None  # noqa: SLF001
-        q, k = attn.q_proj.weight, attn.k_proj.weight
-        assert q.shape[0] + k.shape[0] + attn.v_proj.weight.shape[0] > q.shape[0]
+        qkv = decoder._fusions[id(block)][1].fused  # noqa: SLF001
+        x = mx.ones((1, 1, attn.q_proj.weight.shape[-1] * (8 if bits else 1)), mx.bfloat16)
+        for got, linear in zip(qkv(x), (attn.q_proj, attn.k_proj, attn.v_proj), strict=True):
+            assert mx.array_equal(got, linear(x)).item()
     assert len(decoder._fusions) == LAYERS  # noqa: SLF001
     # A second generation reuses the fusions and the trace.
     traces = decoder.stats["traces"]
@@ -82,15 +87,16 @@ def test_the_setting_keeps_the_projections_apart(gemma, switches: Any) -> None:
 
 
 def test_a_replaced_weight_is_fused_again(gemma) -> None:
-    import pymlxc.core as mx
-
     model = gemma()
     decoder = CompiledDecoder(model, "graph")
     greedy_ids(model, decoder)
-    attn = model.layers[1].self_attn
-    attn.k_proj.weight = mx.zeros_like(attn.k_proj.weight) + 0.01  # an update: the old fusion is stale
+    block = model.layers[1]
+    old = decoder._fusions[id(block)][1]  # noqa: SLF001
+    block.self_attn.k_proj.weight = mx.zeros_like(block.self_attn.k_proj.weight) + 0.01  # the fusion is stale
+    assert not old.valid()
     want = greedy_ids(model, None)
     assert greedy_ids(model, decoder) == want
+    assert decoder._fusions[id(block)][1] is not old  # noqa: SLF001
     decoder.close()
 
 
@@ -111,11 +117,16 @@ def test_the_add_norm_kernel_stood_in_keeps_the_tokens(gemma, monkeypatch: pytes
     decoder.close()
 
 
-def test_the_kernel_is_kept_off_where_it_cannot_serve(gemma) -> None:
-    """float16 Gemma adds its residuals in float32 (no kernel); no norms, a forced setting off CUDA."""
+def test_the_kernel_is_kept_off_where_it_cannot_serve(gemma, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the kernel's check passing: bfloat16 takes it; float16 (Gemma adds its float16 residuals in
+    float32), no norms, the setting 0, and a norm of another class do not."""
+    monkeypatch.setattr(cuda_norm, "check", lambda *a: True)
+    norms = list(gemma().decode_add_norms())
+    assert graph_fusions.use_fused_norm(norms, "1")
     assert not graph_fusions.use_fused_norm(gemma(dtype="float16").decode_add_norms(), "1")
     assert not graph_fusions.use_fused_norm([], "1")
-    assert not graph_fusions.use_fused_norm(gemma().decode_add_norms(), "0")
+    assert not graph_fusions.use_fused_norm(norms, "0")
+    assert not graph_fusions.use_fused_norm([*norms[:-1], nn.RMSNorm(64)], "1")
 
 
 @cuda_only

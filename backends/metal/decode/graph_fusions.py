@@ -87,15 +87,9 @@ def use_fused_norm(norms: Sequence[Any], setting: str) -> bool:
     float16: Gemma adds its float16 residuals in float32), and the kernel passes its check."""
     if setting == "0" or (setting == "auto" and not kernel_check.on_cuda()) or not norms:
         return False
-    if any(type(n) is not nn.OffsetRMSNorm or n.scale is None for n in norms):
+    if any(type(n) is not nn.OffsetRMSNorm or n.scale is None or n.scale.dtype == mx.float16 for n in norms):
         return False
-    kinds = {(n.scale.shape[-1], n.scale.dtype) for n in norms}
-    if len(kinds) != 1:
-        return False
-    d, dtype = next(iter(kinds))
-    if dtype == mx.float16 or not norm_kernel.applies(d, dtype):
-        return False
-    return all(norm_kernel.check(d, dtype, eps) for eps in sorted({float(n.eps) for n in norms}))
+    return norm_kernel.serves([n.scale for n in norms], [n.eps for n in norms])
 
 
 __all__ = ["GraphFusions", "blocks_of", "plan", "use_fused_norm"]

@@ -91,10 +91,7 @@ def use_fused_norm(model: Any, blocks: Sequence[Any], setting: str) -> bool:
     norms = [b.post_attention_layernorm for b in blocks] + [b.input_layernorm for b in blocks[1:]] + [model.model.norm]
     if any(type(n) is not nn.RMSNorm for n in norms):
         return False
-    kinds = {(n.weight.shape[-1], n.weight.dtype) for n in norms}
-    if len(kinds) != 1 or not norm_kernel.applies(*next(iter(kinds))):
-        return False
-    return all(norm_kernel.check(*next(iter(kinds)), eps) for eps in sorted({float(n.eps) for n in norms}))
+    return norm_kernel.serves([n.weight for n in norms], [n.eps for n in norms])
 
 
 def use_cuda_argmax(model: Any, setting: str) -> bool:

@@ -19,6 +19,7 @@ This module holds the source and the launch geometry; `segments.py` decides wher
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -180,6 +181,16 @@ def check(d: int, dtype: Any, eps: float = 1e-5) -> bool:
     return checks.verdict((str(dtype), d, float32_bits(eps)), lambda: _compare(d, dtype, eps))
 
 
+def serves(weights: Sequence[Array], epsilons: Sequence[float]) -> bool:
+    """Whether the kernel can stand in for every norm with these weights ([D], as the kernel takes
+    them) and eps values: one width and type the kernel applies to, and its check passes for each eps."""
+    kinds = {(w.shape[-1], w.dtype) for w in weights}
+    if len(kinds) != 1:
+        return False
+    d, dtype = next(iter(kinds))
+    return applies(d, dtype) and all(check(d, dtype, eps) for eps in sorted(set(map(float, epsilons))))
+
+
 def _compare(d: int, dtype: Any, eps: float) -> str | None:
     rng = np.random.default_rng(0)
     a, b, w = (mx.astype(mx.array(rng.standard_normal(s).astype(np.float32)), dtype) for s in [(3, d), (3, d), (d,)])
@@ -189,4 +200,4 @@ def _compare(d: int, dtype: Any, eps: float) -> str | None:
     return "its results differ from MLX's add and rms_norm"
 
 
-__all__ = ["add_rms_norm", "applies", "check", "checks", "geometry", "unfused"]
+__all__ = ["add_rms_norm", "applies", "check", "checks", "geometry", "serves", "unfused"]

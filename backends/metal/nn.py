@@ -286,9 +286,9 @@ DENSE_CHUNK_WEIGHTS = 1 << 24  # weights dequantized at once (32 MiB in half pre
 QMM_MIN_ROWS = 16
 # Blocks with at least this many bytes of such 4-bit layers (weights, scales, biases) prefill op by
 # op, through that kernel, instead of through the compiled prefill (MLX's product): on an H100 a
-# 128-token prefill of Llama-3.1-8B (about 118 MB a block) took 24.2 against 34.4 ms from its Q4_0
-# GGUF file and 25.9 against 30.6 ms from MLX 4-bit; Llama-3.2-1B's (33 MB a block) took 11.4
-# against 10.9 and 16.6 against 9.6 ms, the host's work op by op costing more there
+# 128-token prefill of Llama-3.1-8B (117-130 MiB a block at groups 64 and 32) took 24.2 against 34.4
+# ms from its Q4_0 GGUF file and 25.9 against 30.6 ms from MLX 4-bit; Llama-3.2-1B's (33-36 MiB)
+# took 11.4 against 10.9 and 16.6 against 9.6 ms, the host's work op by op costing more there
 # (`benchmarks/profile/probe_prefill.py --modes segmented off`).
 QMM_OP_BY_OP_BLOCK_BYTES = 64 << 20
 

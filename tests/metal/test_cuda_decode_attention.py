@@ -146,6 +146,9 @@ def test_the_kernels_are_mlx_attention(hq: int, group: int, d: int, dtype: str, 
     got = attention_kernel.attend(q, keys, values, pos, scale, attention_kernel.one_pass(length))
     want = attention_kernel.reference(q, keys, values, pos, scale)
     assert bool(mx.array_equal(got, want).item())
+    # The flat form o_proj takes [1, 1, heads * D]: the same values.
+    flat = attention_kernel.attend(q, keys, values, pos, scale, attention_kernel.one_pass(length), flat=True)
+    assert flat.shape == (1, 1, hq * d) and bool(mx.array_equal(flat, mx.reshape(want, (1, 1, hq * d))).item())
 
 
 @cuda_only

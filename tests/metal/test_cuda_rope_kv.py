@@ -112,9 +112,10 @@ def _stand_in(calls: list[tuple[int, ...]]) -> Any:
 def test_segments_calling_the_kernel_keep_the_tokens(tiny, monkeypatch: pytest.MonkeyPatch, switches: Any, arch: str,
                                                      bits: int | None, kw: dict[str, Any]) -> None:
     """The kernel stood in for by MLX's RoPE and slice updates: the first and the middle segment
-    (each traced once) hand it the joint q/k heads before RoPE [1, q + kv heads, 1, D], and the
-    tokens are the uncompiled loop's; the session's buffers are private copies (a cache's own
-    arrays are never handed over)."""
+    (each traced once) hand it the fused projection's output as it comes [1, 1, (q + 2 kv heads) *
+    D] (no views between them), or where q and k are normalized first (Qwen 3) the joint q/k heads
+    [1, q + kv heads, 1, D]; the tokens are the uncompiled loop's; the session's buffers are private
+    copies (a cache's own arrays are never handed over)."""
     model = tiny(arch, bits, **kw)
     calls: list[tuple[int, ...]] = []
     monkeypatch.setattr(cuda_rope_kv, "rope_write_kv", _stand_in(calls))
@@ -125,7 +126,9 @@ def test_segments_calling_the_kernel_keep_the_tokens(tiny, monkeypatch: pytest.M
     switches.env("PYMLXC_CUDA_ROPE_KV", "1")
     decoder = stood_in_decoder(model, "rope_kv")
     attn = model.layers[0].self_attn
-    assert calls == [(1, attn.n_heads + attn.n_kv_heads, 1, attn.head_dim)] * 2
+    heads = ((1, attn.n_heads + attn.n_kv_heads, 1, attn.head_dim) if attn.qk_norms()
+             else (1, 1, (attn.n_heads + 2 * attn.n_kv_heads) * attn.head_dim))
+    assert calls == [heads] * 2
     assert len(copied) == 2 * len(model.layers)
     decoder.close()
 
@@ -150,24 +153,26 @@ def test_heads_of_another_type_than_the_buffers_skip_the_kernel(tiny, monkeypatc
         assert bool(mx.any(k[:, :, 4] != 0).item()) and not bool(mx.any(k[:, :, 5:] != 0).item())
 
 
+@pytest.mark.parametrize("form", ["separate heads", "the fused projection's output"])
 @pytest.mark.parametrize("fault", ["queries", "keys", "values"])
-def test_the_check_rejects_any_difference(monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
-    """The check compares queries, keys and values with MLX's at every probed position: a kernel
-    off by one unit in the last place in any of them is rejected with a warning naming it; the
-    exact one (MLX's kernels themselves) passes."""
+def test_the_check_rejects_any_difference(monkeypatch: pytest.MonkeyPatch, fault: str, form: str) -> None:
+    """The check compares queries, keys and values with MLX's at every probed position, for both
+    forms the kernel takes its heads in (apart, or the fused projection's output with `v` None): a
+    kernel off by one unit in the last place in any of them, in either form, is rejected with a
+    warning naming it; the exact one (MLX's kernels themselves) passes."""
     rope = RoPE(16, base=10000.0)
     spec = segments.rope_of(rope, 16)
 
     def stand_in(qk: Any, v: Any, pos: Any, keys: Any, values: Any, s: Any, n_heads: int) -> Any:
         out = list(cuda_rope_kv.reference(qk, v, pos, keys, values, rope, n_heads))
-        if fault != "none":
+        if fault != "none" and (v is None) == (form != "separate heads"):
             i = ("queries", "keys", "values").index(fault)
             bits = mx.view(out[i], mx.int16)
             out[i] = mx.view(bits + mx.array(1, dtype=mx.int16), mx.float16)
         return tuple(out)
 
     monkeypatch.setattr(cuda_rope_kv, "rope_write_kv", stand_in)
-    with pytest.warns(RuntimeWarning, match=f"its {fault} at position 0 differ"):
+    with pytest.warns(RuntimeWarning, match=f"its {fault} at position 0 from {form} differ"):
         assert not cuda_rope_kv.check(mx.float16, 4, 2, 16, 16, spec, rope)
     fault = "none"
     cuda_rope_kv.checks.forget()
@@ -181,9 +186,13 @@ def test_the_check_rejects_any_difference(monkeypatch: pytest.MonkeyPatch, fault
 @given(hq=st.sampled_from([1, 2, 4, 8, 16, 32]), group=st.sampled_from([1, 2, 4, 8]),
        d=st.sampled_from([16, 64, 128, 256]), dtype=st.sampled_from(["bfloat16", "float16", "float32"]),
        base=st.sampled_from([10000.0, 500000.0, 1000000.0]), llama3=st.booleans(),
-       scale=st.sampled_from([1.0, 0.25]), position=st.integers(0, 131071), seed=st.integers(0, 2**16))
+       scale=st.sampled_from([1.0, 0.25]), position=st.integers(0, 131071), seed=st.integers(0, 2**16),
+       joint=st.booleans())
 def test_the_kernel_is_mlx_rope_and_slice_updates(hq: int, group: int, d: int, dtype: str, base: float,
-                                                  llama3: bool, scale: float, position: int, seed: int) -> None:
+                                                  llama3: bool, scale: float, position: int, seed: int,
+                                                  joint: bool) -> None:
+    """Bit for bit MLX's RoPE and slice updates, from separate heads or (`joint`) from the fused
+    projection's output [1, 1, (q + 2 kv heads) * D]."""
     hkv = max(1, hq // group)
     freqs = llama3_freqs(d, base, LLAMA3_ROPE_SCALING) if llama3 else None
     rope = RoPE(d, base=base, scale=1.0 if llama3 else scale, freqs=freqs)
@@ -192,6 +201,9 @@ def test_the_kernel_is_mlx_rope_and_slice_updates(hq: int, group: int, d: int, d
     t = getattr(mx, dtype)
     qk, v = (mx.astype(mx.array(rng.standard_normal(s).astype(np.float32)), t)
              for s in [(1, hq + hkv, 1, d), (1, hkv, 1, d)])
+    if joint:
+        qk, v = mx.reshape(mx.concatenate([mx.reshape(qk, (1, 1, -1)), mx.reshape(v, (1, 1, -1))], axis=2),
+                           (1, 1, (hq + 2 * hkv) * d)), None
     slots = position + 3
     keys, values = (mx.astype(mx.array(rng.standard_normal((1, hkv, slots, d)).astype(np.float32)), t)
                     for _ in range(2))

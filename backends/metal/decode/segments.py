@@ -355,8 +355,8 @@ def fusions_for(blocks: Sequence[Any], known: dict[int, tuple[Any, Fusion | None
 
 def _project(attn: Any, x: Array, pos: Array, qkv: FusedProjection | None, rope_kv: bool = False) -> list[Array]:
     """q, k, v [B, heads, 1, D] of one token, as the attention's `heads` makes them, RoPE'd at `pos`;
-    with `rope_kv` (the plan checked the fusions) [joint q and k heads before RoPE, v], for
-    `kernels/rope_kv.py`'s kernel."""
+    with `rope_kv` (the plan checked the fusions) [joint q and k heads before RoPE, v], or [the fused
+    q/k/v output as it comes] where v is part of it, for `kernels/rope_kv.py`'s kernel."""
     qk_norm = bool(attn.qk_norms())
     if qkv is not None and (not qk_norm or qkv.qk_norm_weight is not None):
         # One RoPE call for q and k: their heads are adjacent in the joint output [B, 1, heads * D].
@@ -365,6 +365,8 @@ def _project(attn: Any, x: Array, pos: Array, qkv: FusedProjection | None, rope_
         if qkv.tail is not None:  # v apart: q and k are the joint output
             qk = mx.reshape(qkv.joint(x), (b, hq + hkv, 1, d))
             v = mx.reshape(qkv.tail(x), (b, hkv, 1, d))
+        elif rope_kv and not qk_norm:
+            return [qkv.joint(x)]  # the kernel reads the heads where they are: no views in the graph
         else:
             heads = mx.reshape(qkv.joint(x), (b, hq + 2 * hkv, 1, d))
             qk = mx.slice(heads, [0, 0, 0, 0], [b, hq + hkv, 1, d], [1, 1, 1, 1])
@@ -425,8 +427,9 @@ def _heads(group: SegmentGroup, attn: Any, x: Array, positions: Array, qkv: Fuse
     if group.rope is None:
         return heads
     keys, values, table = kv_inputs
-    (qk, v), dtype = heads, keys.dtype
-    if not qk.dtype == v.dtype == dtype == values.dtype:
+    qk, v = heads if len(heads) == 2 else (heads[0], None)
+    dtype = keys.dtype
+    if not qk.dtype == (qk.dtype if v is None else v.dtype) == dtype == values.dtype:
         # The kernel writes the heads' type into the buffers: where they differ (caches filled in
         # another type than the step computes in, say), MLX's RoPE and casting updates do it.
         return list(rope_kv_kernel.reference(qk, v, pos, keys, values, attn.rope, attn.n_heads))
@@ -497,8 +500,8 @@ def _whole_attention(plan: SegmentPlan, i: int, q: Array, keys: Array, values: A
     device, or (`plan.attention == "mlx"`) MLX's attention over the whole buffer, slots past the
     position masked (`masks`: the step's masks by slot count, made once and shared by the layers)."""
     scale = plan.scales[i]
-    if plan.attention == "kernel":
-        return attention_kernel.attend(q, keys, values, pos, scale, single)
+    if plan.attention == "kernel":  # flat [B, 1, heads * D], as o_proj takes it: no reshape node
+        return attention_kernel.attend(q, keys, values, pos, scale, single, flat=True)
     slots = keys.shape[2]
     if slots not in masks:
         visible = mx.less_equal(mx.arange(slots, dtype=mx.int32), rope_kv_kernel.scalar_position(pos))

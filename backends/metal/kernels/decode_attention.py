@@ -246,22 +246,25 @@ def _scale_bits(scale: float, single: bool) -> int:
     return float32_bits(float(s * np.float32(1.44269504089)))
 
 
-def attend(q: Array, keys: Array, values: Array, pos: Array, scale: float, single: bool) -> Array:
+def attend(q: Array, keys: Array, values: Array, pos: Array, scale: float, single: bool, flat: bool = False
+           ) -> Array:
     """Attention of `q` [B, HQ, 1, D] over the first `pos[0] + 1` slots of `keys` [B, HKV, slots, D]
     and `values`, as MLX's one-token kernel: `single` the one-pass kernel (up to ONE_PASS_KEYS keys),
     else the two-pass pair. `pos` is int32 holding the position first ([4] in the segments); q is
-    row-major; the result [B, HQ, 1, D] has q's type."""
+    row-major; the result [B, HQ, 1, D] has q's type, or with `flat` the same values as [B, 1, HQ * D]
+    (the kernels write row-major either way)."""
     b, hq, _, d = q.shape
+    shape = (b, 1, hq * d) if flat else (b, hq, 1, d)
     hkv = keys.shape[1]
     template = [("T", q.dtype), ("HQ", hq), ("HKV", hkv), ("D", d), ("SCALE_LOG2_BITS", _scale_bits(scale, single))]
     if single:
-        (out,) = _one_pass()([q, keys, values, pos], output_shapes=[(b, hq, 1, d)], output_dtypes=[q.dtype],
+        (out,) = _one_pass()([q, keys, values, pos], output_shapes=[shape], output_dtypes=[q.dtype],
                              grid=(hq * 1024, 1, b), threadgroup=(1024, 1, 1), template=template)
         return out
     partials, sums, maxs = _two_pass_1()(
         [q, keys, values, pos], output_shapes=[(b, hq, BLOCKS, d), (b, hq, BLOCKS), (b, hq, BLOCKS)],
         output_dtypes=[mx.float32] * 3, grid=(hq * 256, 1, b * BLOCKS), threadgroup=(256, 1, 1), template=template)
-    (out,) = _two_pass_2()([partials, sums, maxs], output_shapes=[(b, hq, 1, d)], output_dtypes=[q.dtype],
+    (out,) = _two_pass_2()([partials, sums, maxs], output_shapes=[shape], output_dtypes=[q.dtype],
                            grid=(hq * 1024, 1, b), threadgroup=(1024, 1, 1), template=template[:4])
     return out
 

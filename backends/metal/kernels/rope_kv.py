@@ -48,7 +48,10 @@ from .check import CheckedOnce
 THREADS = 128
 
 # Template arguments: T (the type of the heads and buffers), HQ and HKV (query and key/value
-# heads), D (head size, all of it rotated), DV (value size), FREQS (a frequency per pair in `rope`,
+# heads), D (head size, all of it rotated), DV (value size), JOINT (`qk` is the fused q/k/v
+# projection's output as it comes, [B, 1, (HQ + 2 HKV) * D], and `v` is unread: the step's graph
+# then holds no reshape or slices between the projection and this kernel, nodes that MLX builds
+# and encodes each token like kernels), FREQS (a frequency per pair in `rope`,
 # else LOG2_BASE_BITS is log2 of the base), SCALE_BITS and LOG2_BASE_BITS (float32 bits). One thread
 # per rotated pair of every q and k head, then one per value element. The scale and the base are
 # compile-time constants rather than one-value inputs: MLX's CUDA allocator keeps arrays of 8 bytes
@@ -75,9 +78,12 @@ SOURCE = r"""
     float theta = L * inv_freq;
     float costheta = cos(theta);
     float sintheta = sin(theta);
-    const T* x = qk + b * qk_strides[0] + head * qk_strides[1];
-    float x1 = static_cast<float>(x[i * qk_strides[3]]);
-    float x2 = static_cast<float>(x[(i + HALF) * qk_strides[3]]);
+    // JOINT: `qk` is the q/k/v projection's whole output [B, 1, (HQ + 2 HKV) * D], heads in order.
+    const T* x = JOINT ? qk + b * qk_strides[0] + static_cast<int64_t>(head) * D * qk_strides[2]
+                       : qk + b * qk_strides[0] + head * qk_strides[1];
+    const int64_t step = JOINT ? qk_strides[2] : qk_strides[3];
+    float x1 = static_cast<float>(x[i * step]);
+    float x2 = static_cast<float>(x[(i + HALF) * step]);
     float rx1 = x1 * costheta - x2 * sintheta;
     float rx2 = x1 * sintheta + x2 * costheta;
     if (head < HQ) {
@@ -97,7 +103,9 @@ SOURCE = r"""
     const int64_t b = u / (DV * HKV);
     T* y = const_cast<T*>(vcache) + b * vcache_strides[0] + h * vcache_strides[1]
         + static_cast<int64_t>(p) * vcache_strides[2];
-    y[j * vcache_strides[3]] = v[b * v_strides[0] + h * v_strides[1] + j * v_strides[3]];
+    y[j * vcache_strides[3]] = JOINT
+        ? qk[b * qk_strides[0] + (static_cast<int64_t>(HQ + HKV) * D + h * DV + j) * qk_strides[2]]
+        : v[b * v_strides[0] + h * v_strides[1] + j * v_strides[3]];
   }
 """
 
@@ -166,29 +174,44 @@ def scalar_position(pos: Array) -> Array:
     return mx.reshape(mx.slice(mx.reshape(pos, (-1,)), [0], [1], [1]), ())
 
 
-def rope_write_kv(qk: Array, v: Array, pos: Array, keys: Array, values: Array, rope: Rope, n_heads: int
+def rope_write_kv(qk: Array, v: Array | None, pos: Array, keys: Array, values: Array, rope: Rope, n_heads: int
                   ) -> tuple[Array, Array, Array]:
     """(queries of one token RoPE'd at `pos` [B, n_heads, 1, D], keys, values): its key (RoPE'd)
     and value go into `keys` [B, kv heads, slots, D] and `values` at slot `pos`, in place (the
     same arrays come back). `qk` is the joint q and k heads [B, n_heads + kv heads, 1, D], `v`
-    [B, kv heads, 1, DV], `pos` int32 holding the position first (a scalar or [N]); heads and buffers
-    of one type."""
-    b, heads, _, d = qk.shape
-    hkv, dv = heads - n_heads, v.shape[3]
+    [B, kv heads, 1, DV]; or, with `v` None, `qk` is the fused projection's output [B, 1,
+    (n_heads + 2 kv heads) * D] (values of the keys' size). `pos` int32 holding the position first
+    (a scalar or [N]); heads and buffers of one type."""
+    joint = v is None
+    hkv, d, dv = keys.shape[1], keys.shape[3], values.shape[3]
+    b, heads = qk.shape[0], n_heads + hkv
     items = b * heads * (d // 2) + b * hkv * dv
-    (q,) = _the_kernel()([qk, v, pos, rope.table, keys, values],
+    (q,) = _the_kernel()([qk, qk if v is None else v, pos, rope.table, keys, values],
                          output_shapes=[(b, n_heads, 1, d)], output_dtypes=[qk.dtype],
                          grid=(items, 1, 1), threadgroup=(THREADS, 1, 1),
                          template=[("T", qk.dtype), ("HQ", n_heads), ("HKV", hkv), ("D", d), ("DV", dv),
-                                   ("FREQS", rope.with_freqs), ("SCALE_BITS", float32_bits(rope.scale_value)),
+                                   ("JOINT", joint), ("FREQS", rope.with_freqs),
+                                   ("SCALE_BITS", float32_bits(rope.scale_value)),
                                    ("LOG2_BASE_BITS", 0 if rope.with_freqs else float32_bits(rope.log2_base))])
     return q, keys, values
 
 
-def reference(qk: Array, v: Array, pos: Array, keys: Array, values: Array, apply_rope: Any, n_heads: int
+def split_joint(qkv: Array, n_heads: int, n_kv_heads: int, d: int, dv: int) -> tuple[Array, Array]:
+    """The fused projection's output [B, 1, (n_heads + n_kv_heads) * d + n_kv_heads * dv] as (joint q
+    and k heads [B, n_heads + n_kv_heads, 1, d], v [B, n_kv_heads, 1, dv]): views, as the segments
+    take them apart where the kernel does not."""
+    b, qk_size = qkv.shape[0], (n_heads + n_kv_heads) * d
+    qk = mx.slice(qkv, [0, 0, 0], [b, 1, qk_size], [1, 1, 1])
+    v = mx.slice(qkv, [0, 0, qk_size], [b, 1, qk_size + n_kv_heads * dv], [1, 1, 1])
+    return mx.reshape(qk, (b, n_heads + n_kv_heads, 1, d)), mx.reshape(v, (b, n_kv_heads, 1, dv))
+
+
+def reference(qk: Array, v: Array | None, pos: Array, keys: Array, values: Array, apply_rope: Any, n_heads: int
               ) -> tuple[Array, Array, Array]:
     """What `rope_write_kv` computes, as MLX's kernels (`apply_rope(x, offset)`: the model's RoPE
     module), with new key and value arrays instead of writes in place."""
+    if v is None:
+        qk, v = split_joint(qk, n_heads, keys.shape[1], keys.shape[3], values.shape[3])
     b, heads, _, d = qk.shape
     pos = scalar_position(pos)
     roped = apply_rope(qk, pos)
@@ -233,8 +256,12 @@ def _compare(dtype: Any, hq: int, hkv: int, d: int, dv: int, rope: Rope, apply_r
     want_k, want_v = keys, values
     keys, values = private_copy(keys), private_copy(values)
     mx.eval(keys, values, want_k, want_v)
-    for p in (0, 1, 77, 1000, 4097, slots - 1):
-        qk, v = rand(1, hq + hkv, 1, d), rand(1, hkv, 1, dv)
+    # Each position in both forms: the heads apart, and the fused projection's output as it comes.
+    for p, joint in ((p, joint) for p in (0, 1, 77, 1000, 4097, slots - 1) for joint in (False, True)):
+        if joint:
+            qk, v = rand(1, 1, (hq + hkv) * d + hkv * dv), None
+        else:
+            qk, v = rand(1, hq + hkv, 1, d), rand(1, hkv, 1, dv)
         pos = mx.array([p] * 4, dtype=mx.int32)  # as the decode segments carry it
         q, keys, values = rope_write_kv(qk, v, pos, keys, values, rope, hq)
         mx.eval(q)
@@ -242,8 +269,11 @@ def _compare(dtype: Any, hq: int, hkv: int, d: int, dv: int, rope: Rope, apply_r
         same = [bool(mx.array_equal(a, e).item()) for a, e in ((q, want_q), (keys, want_k), (values, want_v))]
         if not all(same):
             what = ", ".join(n for n, s in zip(("queries", "keys", "values"), same, strict=True) if not s)
-            return f"its {what} at position {p} differ from MLX's RoPE and slice updates ({dtype}, head size {d})"
+            form = "the fused projection's output" if joint else "separate heads"
+            return (f"its {what} at position {p} from {form} differ from MLX's RoPE and slice updates "
+                    f"({dtype}, head size {d})")
     return None
 
 
-__all__ = ["Rope", "check", "checks", "private_copy", "reference", "rope_table", "rope_write_kv", "scalar_position"]
+__all__ = ["Rope", "check", "checks", "private_copy", "reference", "rope_table", "rope_write_kv", "scalar_position",
+           "split_joint"]

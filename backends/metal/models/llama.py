@@ -123,10 +123,12 @@ class Attention(nn.Module):
         return ()
 
     def output(self, out: Array, one_token: bool = False) -> Array:
-        """o_proj of the attention's output [B, heads, L, D] -> [B, L, dim]."""
+        """o_proj of the attention's output [B, heads, L, D] -> [B, L, dim]; with `one_token` also
+        [B, 1, dim] as it is (a kernel's flat output: a reshape to the same shape would still be a
+        graph node)."""
         b = out.shape[0]
         if one_token:
-            return self.o_proj(_reshape(out, (b, 1, -1)))
+            return self.o_proj(out if out.ndim == 3 else _reshape(out, (b, 1, out.shape[1] * out.shape[3])))
         return self.o_proj(_reshape(_transpose(out, (0, 2, 1, 3)), (b, -1, self.n_heads * out.shape[3])))
 
     def __call__(self, x: Array, mask: Mask, cache: Cache | None, last_only: bool = False) -> Array:

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import stat
+import threading
 import tracemalloc
 import warnings
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ from hypothesis import strategies as st
 import pymlxc
 import pymlxc.core as mx
 from pymlxc.backends.metal import nn
+from pymlxc.backends.metal.formats import gguf_quants
 from pymlxc.backends.metal.formats.gguf import GGUFError, gguf_config, read_gguf
 from pymlxc.backends.metal.formats.gguf_quants import (
     AFFINE_BITS,
@@ -37,12 +40,14 @@ from pymlxc.backends.metal.formats.gguf_quants import (
     QuantError,
     affine_parts,
     dequantize_blocks,
+    pack_bits,
     repack_affine,
 )
 from pymlxc.backends.metal.gguf_layers import BlockEmbedding, BlockLinear, BlockSwitchLinear
 from pymlxc.backends.metal.loader import load_weights_and_config
 from pymlxc.backends.metal.models.switch_layers import QuantizedSwitchLinear
 from pymlxc.testing import write_tiny_model
+from pymlxc.testing_gguf import encode_k
 
 from .gguf_export import export_gguf
 
@@ -115,6 +120,140 @@ def test_a_scale_float16_cannot_hold_is_an_error() -> None:
     data[2, :2] = np.array([1000.0], np.float16).view(np.uint8)  # bias -128 d = -128000
     with pytest.raises(QuantError, match=r"tensor 'blk\.0\.x\.weight' \(Q8_0\): row 2, group 0 .*float16"):
         repack_affine(data, Q.Q8_0, "blk.0.x.weight")
+
+
+# ---------------------------------------------------------------------- parallel conversion
+
+PARALLEL_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K)
+
+
+def _small_chunks(monkeypatch: pytest.MonkeyPatch, weights: int) -> None:
+    """Chunks of `weights` weights at most (and no floor), so that small tensors split into several."""
+    monkeypatch.setattr(gguf_quants, "_MIN_CHUNK_WEIGHTS", 1)
+    monkeypatch.setattr(gguf_quants, "_CHUNK_WEIGHTS", weights)
+
+
+def _written(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Rows of blocks as the `gguf` package (legacy types) or the test writer (K-quants) encode them."""
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    return encode_k(w, qtype) if qtype in (Q.Q4_K, Q.Q5_K) else gguf.quants.quantize(w, qtype)
+
+
+def _stream_packed(q: np.ndarray, bits: int) -> np.ndarray:
+    """MLX's packing spelled out: each value's bits, low first, one stream per row, read as uint32."""
+    stream = ((q[..., None] >> np.arange(bits, dtype=np.uint8)) & 1).reshape(q.shape[0], -1)
+    return np.packbits(stream, axis=-1, bitorder="little").view("<u4")
+
+
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_pack_bits_is_the_bit_stream(bits: int) -> None:
+    q = np.random.default_rng(bits).integers(0, 1 << bits, (5, 96), dtype=np.uint8)
+    np.testing.assert_array_equal(pack_bits(q, bits), _stream_packed(q, bits))
+
+
+@pytest.mark.parametrize("qtype", PARALLEL_TYPES, ids=lambda q: q.name)
+def test_parallel_repack_is_bit_identical_to_serial(qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks repacked on a pool, 19 rows each (the last one 15: 300 is no multiple), give the bits
+    of one serial pass; so does a row order taken chunk by chunk against the rows copied first."""
+    data = _written(qtype, 300, 512, seed=int(qtype))
+    serial = repack_affine(data, qtype, "t")  # 300 x 512 weights: one chunk by default
+    order = np.random.default_rng(1).permutation(300)
+    reordered = repack_affine(np.ascontiguousarray(data[order]), qtype, "t")
+    _small_chunks(monkeypatch, 32 * 512)
+    threads: set[str] = set()
+    parts = gguf_quants.affine_parts
+
+    def recorded(*args: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        threads.add(threading.current_thread().name)
+        return parts(*args)
+
+    monkeypatch.setattr(gguf_quants, "affine_parts", recorded)
+    with ThreadPoolExecutor(max_workers=4, thread_name_prefix="chunks") as pool:
+        parallel = repack_affine(data, qtype, "t", pool=pool)
+        parallel_reordered = repack_affine(data, qtype, "t", rows=order, pool=pool)
+    assert threads and all(t.startswith("chunks") for t in threads), threads  # the pool did the chunks
+    for got, want in ((parallel, serial), (parallel_reordered, reordered)):
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            assert g.tobytes() == w.tobytes()
+    # Not equal by construction: the row order changes the result.
+    assert parallel_reordered[0].tobytes() != parallel[0].tobytes()
+
+
+def test_the_first_corrupt_block_in_row_order_is_named_whatever_the_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several chunks corrupt, each at once on the pool: the error is the one a serial pass raises
+    (the first bad row and group), also through a row order."""
+    data = _written(Q.Q8_0, 300, 256, seed=5)  # 8 blocks of 34 bytes a row
+    for row, block in ((250, 6), (97, 3), (98, 1), (40, 7)):
+        data[row, block * 34:block * 34 + 2] = np.array([30000.0], np.float16).view(np.uint8)
+    with pytest.raises(QuantError) as serial:
+        repack_affine(data, Q.Q8_0, "blk.3.ffn_up.weight")
+    assert "row 40, group 7" in str(serial.value)
+    order = np.arange(300)[::-1].copy()  # row 250 comes first: row 49 of the result
+    _small_chunks(monkeypatch, 16 * 256)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        for _ in range(5):  # whichever chunk finishes first
+            with pytest.raises(QuantError) as parallel:
+                repack_affine(data, Q.Q8_0, "blk.3.ffn_up.weight", pool=pool)
+            assert str(parallel.value) == str(serial.value)
+            with pytest.raises(QuantError, match=r"tensor 'blk\.3\.ffn_up\.weight' \(Q8_0\): row 49, group 6 "):
+                repack_affine(data, Q.Q8_0, "blk.3.ffn_up.weight", rows=order, pool=pool)
+
+
+def test_a_file_converted_in_parallel_loads_the_serial_arrays(tiny: Callable[[str], Path], tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole file (Llama's q/k rows re-ordered, every repacked type beside Q6_K blocks): the pool's
+    arrays, each tensor in several chunks, are the arrays of a serial read."""
+    from pymlxc.backends.metal.formats import gguf_tensors
+
+    extra = {"blk.0.attn_q.weight": Q.Q4_1, "blk.0.attn_k.weight": Q.Q5_0, "blk.1.attn_q.weight": Q.Q5_1,
+             "blk.1.attn_k.weight": Q.Q8_0, "blk.0.ffn_up.weight": Q.Q4_K, "blk.1.ffn_down.weight": Q.Q5_K,
+             "blk.0.ffn_gate.weight": Q.Q6_K}
+    path, _ = export(tiny("llama"), tmp_path, Q.Q4_0, extra)
+    reader = read_gguf(path)
+    config = gguf_config(reader)
+
+    def arrays(workers: int) -> dict[str, bytes]:
+        monkeypatch.setattr(gguf_tensors, "convert_workers", lambda: workers)
+        weights = gguf_tensors.read_tensors(reader, "llama", config, mx.float32)
+        return {k: np.array(v).tobytes() for k, v in weights.arrays.items()}
+
+    serial = arrays(1)
+    _small_chunks(monkeypatch, 12 * 256)  # 256 inputs a row: 12 rows a chunk, a 256-row matrix ends with 4
+    assert arrays(4) == serial
+
+
+def test_a_corrupt_tensor_is_named_before_later_ones_converted_at_once(tiny: Callable[[str], Path], tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two corrupt tensors one after the other, the second's chunks queued while the first is
+    finished: the error names the first, and its row in the loaded (q rows un-permuted) order."""
+    from pymlxc.backends.metal.formats import gguf_tensors
+
+    path, _ = export(tiny("llama"), tmp_path, Q.Q8_0)
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    names = [t.name for t in reader.tensors]
+    first = "blk.0.attn_q.weight"
+    later = names[names.index(first) + 1]
+    assert tensors[later].tensor_type == Q.Q8_0 and len(tensors[later].shape) == 2, later
+    data = bytearray(path.read_bytes())
+    spots = {first: (200, 5), later: (3, 0)}  # (file row, block)
+    for name, (row, block) in spots.items():
+        t = tensors[name]
+        at = int(t.data_offset) + row * int(t.n_bytes) // int(t.shape[1]) + block * 34
+        data[at:at + 2] = np.array([30000.0], np.float16).tobytes()
+    del reader, tensors
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    heads = json.loads((tiny("llama") / "config.json").read_text())["num_attention_heads"]
+    loaded_row = int(np.argsort(gguf_tensors.unpermute_order(256, heads))[200])
+    assert loaded_row != 200
+    monkeypatch.setattr(gguf_tensors, "convert_workers", lambda: 4)
+    _small_chunks(monkeypatch, 16 * 256)
+    for _ in range(3):
+        with pytest.raises(GGUFError, match=rf"{bad}: tensor 'blk\.0\.attn_q\.weight' \(Q8_0\): "
+                                            rf"row {loaded_row}, group 5 "):
+            load_weights_and_config(bad)
 
 
 # ---------------------------------------------------------------------- tiny models

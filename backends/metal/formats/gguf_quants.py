@@ -26,6 +26,10 @@ those passed their check, are in `gguf_layers.py`.
 """
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from concurrent.futures import Executor
+
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 from gguf.constants import GGML_QUANT_SIZES
@@ -40,7 +44,10 @@ AFFINE_BITS: dict[QType, int] = {QType.Q4_0: 4, QType.Q4_1: 4, QType.Q5_0: 5, QT
 EXACT_AFFINE = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0)  # float16 scales lose nothing
 BLOCK_TYPES = (QType.Q2_K, QType.Q3_K, QType.Q6_K)  # kept as the file's blocks
 SCALE_DTYPE = np.float16
-_CHUNK_WEIGHTS = 1 << 22  # rows repacked per step: bounded temporaries whatever the tensor size
+_CHUNK_WEIGHTS = 1 << 22  # most weights a chunk of rows repacked at once: bounded temporaries per worker
+_MIN_CHUNK_WEIGHTS = 1 << 20  # fewer would cost more in numpy's per-call overhead than they convert
+_MAX_WORKERS = 16  # most threads converting at once; a tensor is split into this many chunks where sizes allow
+_NIBBLE_MASK = np.uint64(0x0F0F0F0F0F0F0F0F)
 
 
 class QuantError(ValueError):
@@ -49,17 +56,29 @@ class QuantError(ValueError):
 
 # ---------------------------------------------------------------------- affine repacking (numpy)
 
-def _f16(raw: np.ndarray) -> np.ndarray:
-    """Two-byte fields (n, 2) of uint8 -> float32 (n, 1)."""
-    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The float16 field at byte `at` of each block (n, size) uint8 -> float32 (n, 1)."""
+    if blocks.flags.c_contiguous and blocks.shape[1] % 2 == 0 and at % 2 == 0:
+        # One strided pass over the blocks as 16-bit words, not a copy of n two-byte rows.
+        words = blocks.view("<u2")[:, at // 2]
+    else:
+        words = np.ascontiguousarray(blocks[:, at:at + 2]).view("<u2")[:, 0]
+    return words.view("<f2").astype(np.float32).reshape(-1, 1)
 
 
 def _nibbles(qs: np.ndarray, span: int) -> np.ndarray:
     """Bytes (n, k*span) whose low nibbles hold values [0, span) of each chunk of 2*span values and
     whose high nibbles hold [span, 2 span) -> uint8 (n, 2*k*span) in value order."""
-    n = qs.shape[0]
-    q = qs.reshape(n, -1, 1, span) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
-    return (q & np.uint8(0x0F)).reshape(n, -1)
+    n, width = qs.shape
+    words = span // 8  # span is 16 or 32: whole 64-bit words, each eight nibbles of either half
+    src = np.ascontiguousarray(qs).view("<u8").reshape(-1, words)
+    out = np.empty((src.shape[0], 2, words), "<u8")
+    # Word by word: long one-dimensional loops, where a (n, span) operation runs n loops of span bytes.
+    for j in range(words):
+        np.bitwise_and(src[:, j], _NIBBLE_MASK, out=out[:, 0, j])
+        np.right_shift(src[:, j], np.uint64(4), out=out[:, 1, j])
+        np.bitwise_and(out[:, 1, j], _NIBBLE_MASK, out=out[:, 1, j])
+    return out.view(np.uint8).reshape(n, 2 * width)
 
 
 def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -77,22 +96,22 @@ def affine_parts(blocks: np.ndarray, qtype: QType) -> tuple[np.ndarray, np.ndarr
     scale float32 (n, block/32), bias float32 (n, block/32)), exact: w = scale * q + bias."""
     n = blocks.shape[0]
     if qtype == QType.Q8_0:
-        d = _f16(blocks[:, :2])
-        q = (blocks[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        return q, d, -128 * d
+        d = _f16(blocks, 0)
+        # int8 q + 128 as uint8 is q's byte with its sign bit flipped.
+        return blocks[:, 2:] ^ np.uint8(0x80), d, -128 * d
     if qtype in (QType.Q4_0, QType.Q4_1):
-        d = _f16(blocks[:, :2])
+        d = _f16(blocks, 0)
         q = _nibbles(blocks[:, 2:] if qtype == QType.Q4_0 else blocks[:, 4:], 16)
-        return q, d, (-8 * d if qtype == QType.Q4_0 else _f16(blocks[:, 2:4]))
+        return q, d, (-8 * d if qtype == QType.Q4_0 else _f16(blocks, 2))
     if qtype in (QType.Q5_0, QType.Q5_1):
-        d = _f16(blocks[:, :2])
+        d = _f16(blocks, 0)
         at = 2 if qtype == QType.Q5_0 else 4
-        qh = np.ascontiguousarray(blocks[:, at:at + 4]).view("<u4")
-        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        # Bit i of the little-endian 32-bit qh is bit i % 8 of its byte i // 8.
+        high = np.unpackbits(blocks[:, at:at + 4], axis=-1, bitorder="little")
         q = _nibbles(blocks[:, at + 4:], 16) | (high << 4)
-        return q, d, (-16 * d if qtype == QType.Q5_0 else _f16(blocks[:, 2:4]))
+        return q, d, (-16 * d if qtype == QType.Q5_0 else _f16(blocks, 2))
     if qtype in (QType.Q4_K, QType.Q5_K):
-        d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+        d, dmin = _f16(blocks, 0), _f16(blocks, 2)
         sc, mn = _k_scale_min(blocks[:, 4:16])
         if qtype == QType.Q4_K:
             q = _nibbles(blocks[:, 16:], 32)
@@ -110,27 +129,69 @@ def pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
     if bits == 8:
         return np.ascontiguousarray(q).view("<u4")
     if bits == 4:
-        p = q.reshape(rows, -1, 2)
-        return np.ascontiguousarray(p[..., 0] | (p[..., 1] << 4)).view("<u4")
-    stream = ((q[..., None] >> np.arange(bits, dtype=np.uint8)) & 1).reshape(rows, cols * bits)
-    return np.packbits(stream, axis=-1, bitorder="little").view("<u4")
+        # Each 16-bit word holds a pair of values: its low byte, with the high one's bits shifted
+        # down, is the pair's packed byte (values < 16, so nothing else reaches it).
+        pairs = np.ascontiguousarray(q).view("<u2")
+        nibbles: np.ndarray = (pairs | (pairs >> np.uint16(4))).astype(np.uint8)
+        return nibbles.view("<u4").reshape(rows, -1)
+    # Eight values fill `bits` whole bytes: the low bytes of the little-endian 64-bit word holding them.
+    eight = np.ascontiguousarray(q).reshape(-1, 8)
+    word = eight[:, 0].astype("<u8")
+    for i in range(1, 8):
+        word |= eight[:, i].astype("<u8") << np.uint64(i * bits)
+    packed = np.ascontiguousarray(word.view(np.uint8).reshape(-1, 8)[:, :bits])
+    return packed.reshape(rows, cols * bits // 8).view("<u4")
 
 
-def repack_affine(data: np.ndarray, qtype: QType, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _chunk_rows(rows: int, cols: int) -> int:
+    """Rows repacked at once: the tensor in _MAX_WORKERS parts, unless that makes chunks smaller than
+    _MIN_CHUNK_WEIGHTS or larger than _CHUNK_WEIGHTS (the cap wins). Independent of the machine."""
+    cols = max(cols, 1)
+    even = -(-rows // _MAX_WORKERS)
+    return max(1, min(max(even, _MIN_CHUNK_WEIGHTS // cols), _CHUNK_WEIGHTS // cols))
+
+
+def convert_workers() -> int:
+    """Threads for converting a file's tensors: the CPUs this process may run on, at most _MAX_WORKERS."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity outside Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, _MAX_WORKERS))
+
+
+Repacked = tuple[np.ndarray, np.ndarray, np.ndarray]  # packed uint32, float16 scales, float16 biases
+
+
+def repack_affine(data: np.ndarray, qtype: QType, name: str, *, rows: np.ndarray | None = None,
+                  pool: Executor | None = None) -> Repacked:
     """A tensor's rows of blocks (rows, row_bytes) uint8 -> MLX affine (packed uint32, float16 scales,
-    float16 biases), in chunks of rows. `name` is the tensor named in errors."""
+    float16 biases), in chunks of rows. `name` is the tensor named in errors. `rows`: the rows to
+    take, in that order (`data[rows]`, without copying the tensor first); errors count rows in the
+    result's order. `pool`: threads that repack the chunks at once (numpy releases the GIL in its
+    loops), else this thread does; either way the result and the error raised (the first bad block
+    in row order) are the same."""
+    return start_repack(data, qtype, name, rows=rows, pool=pool)()
+
+
+def start_repack(data: np.ndarray, qtype: QType, name: str, *, rows: np.ndarray | None = None,
+                 pool: Executor | None = None) -> Callable[[], Repacked]:
+    """`repack_affine` begun: with a pool, the chunks are queued on it now; the function returned
+    waits for them (or, without one, repacks) and returns the result or raises its error."""
     block, size = GGML_QUANT_SIZES[qtype]
     bits = AFFINE_BITS[qtype]
-    rows, row_bytes = data.shape
-    cols = row_bytes // size * block
-    packed = np.empty((rows, cols * bits // 32), np.uint32)
-    scales = np.empty((rows, cols // GROUP), SCALE_DTYPE)
-    biases = np.empty((rows, cols // GROUP), SCALE_DTYPE)
-    step = max(1, _CHUNK_WEIGHTS // max(cols, 1))
-    for r in range(0, rows, step):
-        chunk = np.asarray(data[r:r + step])
-        n = chunk.shape[0]
-        q, s, b = affine_parts(chunk.reshape(-1, size), qtype)
+    n_rows = data.shape[0] if rows is None else rows.shape[0]
+    cols = data.shape[1] // size * block
+    packed = np.empty((n_rows, cols * bits // 32), np.uint32)
+    scales = np.empty((n_rows, cols // GROUP), SCALE_DTYPE)
+    biases = np.empty((n_rows, cols // GROUP), SCALE_DTYPE)
+    step = _chunk_rows(n_rows, cols)
+
+    def chunk(r: int) -> None:
+        # Each chunk writes its own rows of the outputs; its temporaries live only here.
+        part = np.asarray(data[r:r + step] if rows is None else data[rows[r:r + step]])
+        n = part.shape[0]
+        q, s, b = affine_parts(part.reshape(-1, size), qtype)
         packed[r:r + n] = pack_bits(q.reshape(n, cols), bits)
         with np.errstate(over="ignore"):
             s16, b16 = s.reshape(n, -1).astype(SCALE_DTYPE), b.reshape(n, -1).astype(SCALE_DTYPE)
@@ -141,7 +202,26 @@ def repack_affine(data: np.ndarray, qtype: QType, name: str) -> tuple[np.ndarray
                              f"{float(s.reshape(n, -1)[row, group])} and bias {float(b.reshape(n, -1)[row, group])}, "
                              "which float16 cannot hold (corrupt block scales?)")
         scales[r:r + n], biases[r:r + n] = s16, b16
-    return packed, scales, biases
+
+    starts = range(0, n_rows, step)
+    if pool is None:
+        def run() -> Repacked:
+            for r in starts:
+                chunk(r)
+            return packed, scales, biases
+        return run
+    futures = [pool.submit(chunk, r) for r in starts]
+
+    def wait() -> Repacked:
+        # In row order, so the first chunk in order that failed raises; those not started are dropped.
+        try:
+            for future in futures:
+                future.result()
+        finally:
+            for future in futures:
+                future.cancel()
+        return packed, scales, biases
+    return wait
 
 
 # ---------------------------------------------------------------------- the file's blocks (MLX ops)
@@ -198,4 +278,5 @@ def block_shape(qtype: QType, cols: int) -> tuple[int, int]:
 
 
 __all__ = ["GROUP", "QK_K", "AFFINE_BITS", "EXACT_AFFINE", "BLOCK_TYPES", "SCALE_DTYPE", "QuantError", "affine_parts",
-           "pack_bits", "repack_affine", "dequantize_blocks", "block_shape"]
+           "pack_bits", "convert_workers", "Repacked", "repack_affine", "start_repack", "dequantize_blocks",
+           "block_shape"]

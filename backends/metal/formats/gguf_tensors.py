@@ -3,7 +3,8 @@
 Each tensor is read on its own from the `gguf` reader's `np.memmap` (opened with mode "r", so a file
 the user may only read loads, and nothing is ever written through the map), converted, and copied
 into one MLX array; the file's pages are the page cache's, so the weights are in memory once, plus
-one tensor's conversion at a time. Types (see `gguf_quants.py`): F32, F16 and BF16 as stored; the
+two tensors' conversions at a time (a pool of threads repacks the next tensor's chunks of rows
+while this thread copies the last one into MLX). Types (see `gguf_quants.py`): F32, F16 and BF16 as stored; the
 affine-expressible quantizations as MLX's `weight`/`scales`/`biases`; Q2_K, Q3_K and Q6_K as the
 file's blocks, their layers swapped for block layers by `use_block_layers`.
 
@@ -26,7 +27,9 @@ files, float32 in F32 files; a LoadConfig.dtype names another.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +43,7 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 
 from .gguf_config import GATED_DELTA
-from .gguf_quants import AFFINE_BITS, BLOCK_TYPES, GROUP, QuantError, repack_affine
+from .gguf_quants import AFFINE_BITS, BLOCK_TYPES, GROUP, QuantError, Repacked, convert_workers, start_repack
 
 # Quantized files of these compute in float16 by default. Gemma's residual stream grows past
 # float16's range (HF refuses float16 for Gemma 2 and 3; llama.cpp keeps activations in F32), and
@@ -218,58 +221,100 @@ def compute_dtype(reader: GGUFReader, arch: str, requested: Any = None) -> Any:
 def read_tensors(reader: GGUFReader, arch: str, config: Mapping[str, Any], dtype: Any = mx.float32, *,
                  explicit: bool = False) -> GGUFWeights:
     """Every tensor of the file (already validated by `read_gguf`) under HF names, converted; float
-    tensors in `dtype` (`compute_dtype`'s) as `_convert` says, every one where `explicit` (asked for)."""
+    tensors in `dtype` (`compute_dtype`'s) as `_convert` says, every one where `explicit` (asked for).
+    A pool of `convert_workers()` threads repacks the quantized tensors' chunks of rows, the next
+    tensor's while this thread copies the last one into MLX: at most that many chunks' temporaries
+    and two tensors' results exist at once. Errors are raised in file order, as one by one."""
+    workers = convert_workers()
+    if workers == 1:
+        return _read_tensors(reader, arch, config, dtype, explicit, None)
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gguf-convert")
+    try:
+        return _read_tensors(reader, arch, config, dtype, explicit, pool)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # after an error, the chunks queued for nothing
+
+
+Finish = Callable[[], None]  # completes a tensor begun by `_read_tensors`, into its GGUFWeights
+
+
+def _read_tensors(reader: GGUFReader, arch: str, config: Mapping[str, Any], dtype: Any, explicit: bool,
+                  pool: Executor | None) -> GGUFWeights:
     heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
     shifted_norms = arch in ("gemma2", "gemma3")  # stored as 1 + w (Gemma 4's are stored as they are)
-    gated = _GatedDelta(config, dtype) if arch in GATED_DELTA else None
+    gated = _GatedDelta(config, dtype, pool) if arch in GATED_DELTA else None
     cast = _Cast(dtype, explicit)
     out = GGUFWeights()
-    for tensor in reader.tensors:
+
+    def begin(tensor: Any) -> Finish | None:
+        """A repacked tensor's chunks queued on the pool now; what completes it (all of the work,
+        for the others), or None for a tensor not loaded."""
         name, qtype = tensor.name, tensor.tensor_type
         if name in IGNORED:
-            continue
+            return None
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # MLX order
         raw = _raw(reader, tensor)
         if gated is not None:
-            if gated.skips(name):
-                continue
-            target = hf_name(name, arch)
-            raw, qtype, shape, cols, target = gated.convert(out, name, target, raw, qtype, shape)
-            if raw is None:
-                continue  # held until its partner comes (Qwen3-Next's attn_qkv and attn_gate)
-            if cols is not None and (qtype in BLOCK_TYPES or (qtype in AFFINE_BITS and cols.size % GROUP)):
-                # A column order that splits the type's blocks: the reference dequantization, dense.
-                dense = dequantize(raw, qtype)[:, cols]
-                out.arrays[target] = mx.array(dense).astype(gated.dense_dtype)
-                continue
-            _convert(out, raw, qtype, shape, target, name, cast=cast, cols=cols,
-                     half_2d=target.endswith(".conv1d.weight"))
-            continue
+            return functools.partial(_gated_tensor, out, gated, arch, name, raw, qtype, shape, cast, pool)
         target = hf_name(name, arch)
+        order = None
         if arch == "llama" and (".self_attn.q_proj." in target or ".self_attn.k_proj." in target):
             order = unpermute_order(raw.shape[0], heads if ".q_proj." in target else kv_heads)
-            raw = raw[order]
         if target.endswith(".mlp.shared_expert_gate.weight") and len(shape) == 1:
             shape = (1, shape[0])  # llama.cpp stores Qwen 2 MoE's shared-expert gate as a vector
         if target.endswith(FUSED_GATE_UP):
-            _split_gate_up(out, raw, qtype, shape, target, name, cast)
-            continue
-        _convert(out, raw, qtype, shape, target, name, cast=cast,
-                 shift=shifted_norms and target.endswith("norm.weight"))
+            return functools.partial(_split_gate_up, out, raw, qtype, shape, target, name, cast, pool)
+        return _start_convert(out, raw, qtype, shape, target, name, cast=cast,
+                              shift=shifted_norms and target.endswith("norm.weight"), rows=order, pool=pool)
+
+    previous: Finish | None = None
+    for tensor in reader.tensors:
+        error: Exception | None = None
+        try:
+            current = begin(tensor)
+        except Exception as exc:  # raised after the tensors before it are done: theirs come first
+            current, error = None, exc
+        if previous is not None:
+            previous()
+        if error is not None:
+            raise error
+        previous = current
+    if previous is not None:
+        previous()
     if gated is not None:
         gated.finish()
     return out
 
 
+def _gated_tensor(out: GGUFWeights, gated: _GatedDelta, arch: str, name: str, raw: np.ndarray, qtype: QType,
+                  shape: tuple[int, ...], cast: _Cast, pool: Executor | None) -> None:
+    """One tensor of a Qwen3-Next / Qwen 3.5 file into `out` (see `_GatedDelta`)."""
+    if gated.skips(name):
+        return
+    target = hf_name(name, arch)
+    converted, qtype, shape, cols, target = gated.convert(out, name, target, raw, qtype, shape)
+    if converted is None:
+        return  # held until its partner comes (Qwen3-Next's attn_qkv and attn_gate)
+    if cols is not None and (qtype in BLOCK_TYPES or (qtype in AFFINE_BITS and cols.size % GROUP)):
+        # A column order that splits the type's blocks: the reference dequantization, dense.
+        dense = dequantize(converted, qtype)[:, cols]
+        out.arrays[target] = mx.array(dense).astype(gated.dense_dtype)
+        return
+    _convert(out, converted, qtype, shape, target, name, cast=cast, cols=cols,
+             half_2d=target.endswith(".conv1d.weight"), pool=pool)
+
+
 def _split_gate_up(out: GGUFWeights, raw: np.ndarray, qtype: QType, shape: tuple[int, ...], target: str, name: str,
-                   cast: _Cast | None) -> None:
+                   cast: _Cast | None, pool: Executor | None) -> None:
     """llama.cpp's fused experts [E, 2 * ff, hidden] (gate rows first) -> gate_proj and up_proj."""
     if len(shape) != 3 or shape[1] % 2:
         raise TensorError(f"tensor {name!r} has shape {shape}, not [experts, 2 * ff, hidden]")
-    halves = raw.reshape(shape[0], 2, -1, raw.shape[-1])
+    per = shape[1] // 2
     for i, part in enumerate(("gate_proj", "up_proj")):
-        _convert(out, halves[:, i].reshape(-1, raw.shape[-1]), qtype, (shape[0], shape[1] // 2, shape[2]),
-                 target.replace("gate_up_proj", part), name, cast=cast)
+        # Half i's rows of every expert, taken by index (a repacked half is gathered chunk by chunk).
+        rows = (np.arange(shape[0])[:, None] * shape[1] + i * per + np.arange(per)).reshape(-1)
+        _convert(out, raw, qtype, (shape[0], per, shape[2]), target.replace("gate_up_proj", part), name, cast=cast,
+                 rows=rows, pool=pool)
 
 
 def _value_order(key_heads: int, value_heads: int, head: int) -> np.ndarray:
@@ -284,7 +329,7 @@ def _value_order(key_heads: int, value_heads: int, head: int) -> np.ndarray:
 class _GatedDelta:
     """Qwen3-Next / Qwen 3.5 tensors from llama.cpp's layout back to mlx-lm's (see the module doc)."""
 
-    def __init__(self, config: Mapping[str, Any], dtype: Any) -> None:
+    def __init__(self, config: Mapping[str, Any], dtype: Any, pool: Executor | None = None) -> None:
         self.layers = int(config["num_hidden_layers"])
         nk, nv = int(config["linear_num_key_heads"]), int(config["linear_num_value_heads"])
         self.nk, self.nv = nk, nv
@@ -294,6 +339,7 @@ class _GatedDelta:
         self.next = config["model_type"] == "qwen3_next"
         self.tiled = not self.next and nk != nv
         self.dense_dtype = dtype  # a dense fallback computes in the model's dtype, never widened per call
+        self.pool = pool  # repacks the fused experts' halves
         self._pending: dict[int, dict[str, tuple[np.ndarray, QType, str]]] = {}
 
     def skips(self, name: str) -> bool:
@@ -312,7 +358,7 @@ class _GatedDelta:
         if target.endswith(".mlp.shared_expert_gate.weight") and len(shape) == 1:
             return raw, qtype, (1, shape[0]), None, target
         if target.endswith(FUSED_GATE_UP[1]):
-            _split_gate_up(out, raw, qtype, shape, target, name, None)
+            _split_gate_up(out, raw, qtype, shape, target, name, None, self.pool)
             return None, qtype, shape, None, target
         if ".linear_attn." not in target:
             return raw, qtype, shape, None, target
@@ -401,26 +447,52 @@ class _Cast:
 
 
 def _convert(out: GGUFWeights, raw: np.ndarray, qtype: QType, shape: tuple[int, ...], target: str, name: str, *,
-             cast: _Cast | None, shift: bool = False, cols: np.ndarray | None = None, half_2d: bool = False) -> None:
+             cast: _Cast | None, shift: bool = False, cols: np.ndarray | None = None, half_2d: bool = False,
+             rows: np.ndarray | None = None, pool: Executor | None = None) -> None:
     """One tensor's rows of bytes into `out` under `target` (its type's arrays); `cast`: the cast
     of float tensors to the compute dtype; `shift`: a norm stored as 1 + w; `cols`: the order to take
     the columns in (whole groups of 32 when repacked); `half_2d`: a matrix llama.cpp keeps in F32
-    that is cast like the vectors."""
-    module = target.rpartition(".")[0]
+    that is cast like the vectors; `rows`: the order to take the rows in (`raw[rows]`); `pool`: the
+    threads that repack an affine tensor's chunks."""
+    _start_convert(out, raw, qtype, shape, target, name, cast=cast, shift=shift, cols=cols, half_2d=half_2d,
+                   rows=rows, pool=pool)()
+
+
+def _start_convert(out: GGUFWeights, raw: np.ndarray, qtype: QType, shape: tuple[int, ...], target: str, name: str,
+                   *, cast: _Cast | None, shift: bool = False, cols: np.ndarray | None = None, half_2d: bool = False,
+                   rows: np.ndarray | None = None, pool: Executor | None = None) -> Finish:
+    """`_convert` begun: an affine tensor's chunks queued on `pool`; the function returned does the rest."""
     if qtype in AFFINE_BITS:
-        try:
-            packed, scales, biases = repack_affine(raw, qtype, name)
-        except QuantError as exc:
-            raise TensorError(str(exc)) from None
-        if cols is not None:  # whole groups: each is `bits` words of the packed row
-            groups = cols.reshape(-1, GROUP)[:, 0] // GROUP
-            packed = packed.reshape(packed.shape[0], scales.shape[1], -1)[:, groups].reshape(packed.shape)
-            scales, biases = scales[:, groups], biases[:, groups]
-        lead = shape[:-1]
-        out.arrays[target] = mx.array(packed.reshape(*lead, packed.shape[-1]))
-        out.arrays[f"{module}.scales"] = mx.array(scales.reshape(*lead, scales.shape[-1]))
-        out.arrays[f"{module}.biases"] = mx.array(biases.reshape(*lead, biases.shape[-1]))
-        return
+        # The rows are gathered chunk by chunk: no copy of the whole tensor in the new order.
+        repacked = start_repack(raw, qtype, name, rows=rows, pool=pool)
+        return functools.partial(_finish_affine, out, repacked, shape, target, cols)
+    return functools.partial(_convert_now, out, raw, qtype, shape, target, name, cast, shift, cols, half_2d, rows)
+
+
+def _finish_affine(out: GGUFWeights, repacked: Callable[[], Repacked], shape: tuple[int, ...], target: str,
+                   cols: np.ndarray | None) -> None:
+    module = target.rpartition(".")[0]
+    try:
+        packed, scales, biases = repacked()
+    except QuantError as exc:
+        raise TensorError(str(exc)) from None
+    if cols is not None:  # whole groups: each is `bits` words of the packed row
+        groups = cols.reshape(-1, GROUP)[:, 0] // GROUP
+        packed = packed.reshape(packed.shape[0], scales.shape[1], -1)[:, groups].reshape(packed.shape)
+        scales, biases = scales[:, groups], biases[:, groups]
+    lead = shape[:-1]
+    out.arrays[target] = mx.array(packed.reshape(*lead, packed.shape[-1]))
+    out.arrays[f"{module}.scales"] = mx.array(scales.reshape(*lead, scales.shape[-1]))
+    out.arrays[f"{module}.biases"] = mx.array(biases.reshape(*lead, biases.shape[-1]))
+
+
+def _convert_now(out: GGUFWeights, raw: np.ndarray, qtype: QType, shape: tuple[int, ...], target: str, name: str,
+                 cast: _Cast | None, shift: bool, cols: np.ndarray | None, half_2d: bool,
+                 rows: np.ndarray | None) -> None:
+    """A tensor kept as the file's blocks or as floats (see `_convert`)."""
+    module = target.rpartition(".")[0]
+    if rows is not None:
+        raw = raw[rows]
     if qtype in BLOCK_TYPES:
         size = GGML_QUANT_SIZES[qtype][1]
         out.arrays[target] = mx.array(np.ascontiguousarray(raw).reshape(*shape[:-1], -1, size))

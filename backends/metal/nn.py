@@ -291,6 +291,13 @@ QMM_MIN_ROWS = 16
 # took 11.4 against 10.9 and 16.6 against 9.6 ms, the host's work op by op costing more there
 # (`benchmarks/profile/probe_prefill.py --modes segmented off`).
 QMM_OP_BY_OP_BLOCK_BYTES = 64 << 20
+# ... and only layers of these group sizes count. At group 32 (GGUF's Q4_0/Q4_K layouts) the kernel
+# takes an 8B block's four 128-row products in 417 us against MLX's 569; at group 64 (MLX's own
+# 4-bit) 464 against 497 (`probe_qmm.py`, BENCHMARKS.md), too little for the host's extra work op by
+# op: in the llama.cpp harness (H100, `2ed0fa4`) Llama-3.1-8B's Q4_0 file prefilled 128 tokens at
+# 3752-5009 tok/s op by op against 3690-3714 compiled in earlier runs, its MLX 4-bit form at 3281-4096
+# against 4094-4213 (`benchmarks/results/h100-llama-cpp-8b-qmm-prefill.json`).
+QMM_OP_BY_OP_GROUPS = (32,)
 
 
 def product_in_row_chunks(x: Array, rows: int, chunk_weights: int, dequantize: Callable[[int, int], Array]) -> Array:
@@ -662,7 +669,8 @@ def mark_qmm_products(model: Any, use: bool, dtype: Any) -> bool:
     where `use` (`Settings.cuda_qmm`) and the kernel's check for x of `dtype` (the model's compute
     dtype) at the layers' group sizes pass; returns whether any layer was marked.
 
-    Where the marked layers hold QMM_OP_BY_OP_BLOCK_BYTES or more a block, the model's `qmm_rows`
+    Where the marked layers of a group size in QMM_OP_BY_OP_GROUPS hold QMM_OP_BY_OP_BLOCK_BYTES or
+    more a block, the model's `qmm_rows`
     also takes chunks of QMM_MIN_ROWS rows or more off the compiled prefill (the kernel cannot enter
     its shapeless trace), so that they reach the kernel. Smaller blocks keep the compiled prefill: on
     Llama-3.2-1B (H100) a 128-token prefill op by op with the kernel took 10.0 ms where the compiled
@@ -680,7 +688,8 @@ def mark_qmm_products(model: Any, use: bool, dtype: Any) -> bool:
     for m in takes:
         if ready[m.group_size]:
             m._qmm_rows = QMM_MIN_ROWS
-    marked = [m for m in takes if m._qmm_rows and isinstance(m, QuantizedLinear)]
+    marked = [m for m in takes
+              if m._qmm_rows and isinstance(m, QuantizedLinear) and m.group_size in QMM_OP_BY_OP_GROUPS]
     # generate._chunk_forward: chunks of this many rows skip the compiled prefill (0: none do).
     model.qmm_rows = QMM_MIN_ROWS if marked and bytes_per_block(model, marked) >= QMM_OP_BY_OP_BLOCK_BYTES else 0
     return any(m._qmm_rows for m in takes)

@@ -89,16 +89,19 @@ def test_a_marked_layer_routes_op_by_op_chunks_to_the_kernel(monkeypatch: pytest
 
 def test_large_blocks_take_prompt_chunks_off_the_compiled_prefill(tmp_path: Any, monkeypatch: pytest.MonkeyPatch
                                                                    ) -> None:
-    """Marked layers of QMM_OP_BY_OP_BLOCK_BYTES or more a block set the model's `qmm_rows`; smaller
-    blocks, or no marked layer, leave it 0."""
-    loaded = _tiny(tmp_path)
-    model = loaded.model
-    dtype = next(m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)).scales.dtype
+    """Marked layers of a group size in QMM_OP_BY_OP_GROUPS (32: GGUF's layouts) holding
+    QMM_OP_BY_OP_BLOCK_BYTES or more a block set the model's `qmm_rows`; smaller blocks, group 64
+    (MLX's own 4-bit, marked all the same), or no marked layer, leave it 0."""
     monkeypatch.setattr(nn, "qmm_ready", lambda *a: True)  # the kernel's check stood in for (no CUDA here)
-    assert nn.mark_qmm_products(model, True, dtype) and model.qmm_rows == 0  # a tiny model's blocks
-    monkeypatch.setattr(nn, "QMM_OP_BY_OP_BLOCK_BYTES", 1)
-    assert nn.mark_qmm_products(model, True, dtype) and model.qmm_rows == nn.QMM_MIN_ROWS
-    assert not nn.mark_qmm_products(model, False, dtype) and model.qmm_rows == 0
+    for group, op_by_op in ((32, True), (64, False)):
+        model = _tiny(tmp_path / str(group), group).model
+        dtype = next(m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)).scales.dtype
+        monkeypatch.setattr(nn, "QMM_OP_BY_OP_BLOCK_BYTES", 64 << 20)
+        assert nn.mark_qmm_products(model, True, dtype) and model.qmm_rows == 0  # a tiny model's blocks
+        monkeypatch.setattr(nn, "QMM_OP_BY_OP_BLOCK_BYTES", 1)
+        assert nn.mark_qmm_products(model, True, dtype)  # the kernel takes op-by-op products either way
+        assert model.qmm_rows == (nn.QMM_MIN_ROWS if op_by_op else 0), group
+        assert not nn.mark_qmm_products(model, False, dtype) and model.qmm_rows == 0
 
 
 def test_chunks_from_the_models_qmm_rows_skip_the_compiled_prefill(tmp_path: Any) -> None:

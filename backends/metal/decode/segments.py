@@ -21,8 +21,9 @@ LoRA, run on its own).
 On CUDA each residual add and the RMSNorm after it run as one kernel (`kernels/add_rms_norm.py`, bit-identical
 to MLX's two; `PYMLXC_FUSED_NORM`): a plan decides once, and its segments trace with or without it.
 Likewise each layer's RoPE and its key/value writes (`kernels/rope_kv.py`, `PYMLXC_CUDA_ROPE_KV`): the
-segments then return the joint q/k heads before RoPE, and the kernel writes the session's private
-buffers in place.
+segments then hand it the fused q/k/v projection's output as it comes (the joint q/k heads and v
+where v is projected apart or Qwen 3 normalizes q and k), and the kernel writes the session's
+private buffers in place.
 Where each layer's attention can run as `kernels/decode_attention.py`'s CUDA kernels (they read the
 position on the device), the first, middle and last segments and those kernels are traced as one
 graph, `_trace_whole`, and a step is one call (`PYMLXC_CUDA_DECODE_ATTENTION`). Where the paired

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf.constants import GGML_QUANT_SIZES
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pymlxc
@@ -82,7 +82,8 @@ def random_blocks(qtype: Q, n: int, seed: int, exponent: int) -> np.ndarray:
 @settings(max_examples=60, deadline=None)
 @given(qtype=st.sampled_from(sorted(AFFINE_BITS)), seed=st.integers(0, 2**32 - 1), exponent=st.integers(-24, 1),
        rows=st.integers(1, 3), blocks_per_row=st.integers(1, 3))
-def test_affine_repack_against_the_reference(qtype: Q, seed: int, exponent: int, rows: int, blocks_per_row: int) -> None:
+def test_affine_repack_against_the_reference(qtype: Q, seed: int, exponent: int, rows: int,
+                                             blocks_per_row: int) -> None:
     """Legacy types bit-exact; Q4_K/Q5_K within the float16 rounding of their scales and biases:
     |w' - w| <= (2^-11 + 2^-22)(|scale| q + |bias|) + 2^-25 (q + 1)."""
     _, size = GGML_QUANT_SIZES[qtype]
@@ -306,7 +307,8 @@ def _expected_kind(qtype: Q) -> type:
 
 
 @pytest.mark.parametrize("qtype", QUANT_TYPES)
-def test_every_type_loads_quantized_with_the_reference_logits(qtype: Q, tiny: Callable[[str], Path], tmp_path: Path) -> None:
+def test_every_type_loads_quantized_with_the_reference_logits(qtype: Q, tiny: Callable[[str], Path],
+                                                             tmp_path: Path) -> None:
     path, twin = export(tiny("llama"), tmp_path, qtype)
     got, kinds, ratio = logits_and_model(path)
     want, _, _ = logits_and_model(twin)

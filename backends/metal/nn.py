@@ -670,8 +670,8 @@ def mark_qmm_products(model: Any, use: bool, dtype: Any) -> bool:
     dtype) at the layers' group sizes pass; returns whether any layer was marked.
 
     Where the marked layers of a group size in QMM_OP_BY_OP_GROUPS hold QMM_OP_BY_OP_BLOCK_BYTES or
-    more a block, the model's `qmm_rows`
-    also takes chunks of QMM_MIN_ROWS rows or more off the compiled prefill (the kernel cannot enter
+    more a block, the model's `qmm_rows` also takes chunks of QMM_MIN_ROWS rows or more off the
+    compiled prefill (the kernel cannot enter
     its shapeless trace), so that they reach the kernel. Smaller blocks keep the compiled prefill: on
     Llama-3.2-1B (H100) a 128-token prefill op by op with the kernel took 10.0 ms where the compiled
     prefill with MLX's product took 8.3 ms, the host's work per layer costing more than the kernel

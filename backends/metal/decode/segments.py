@@ -369,9 +369,7 @@ def _project(attn: Any, x: Array, pos: Array, qkv: FusedProjection | None, rope_
         elif rope_kv and not qk_norm:
             return [qkv.joint(x)]  # the kernel reads the heads where they are: no views in the graph
         else:
-            heads = mx.reshape(qkv.joint(x), (b, hq + 2 * hkv, 1, d))
-            qk = mx.slice(heads, [0, 0, 0, 0], [b, hq + hkv, 1, d], [1, 1, 1, 1])
-            v = mx.slice(heads, [0, hq + hkv, 0, 0], [b, hq + 2 * hkv, 1, d], [1, 1, 1, 1])
+            qk, v = rope_kv_kernel.split_joint(qkv.joint(x), hq, hkv, d)
         if qk_norm:
             qk = joint_qk_norm(qk, qkv)
         if rope_kv:
@@ -429,8 +427,7 @@ def _heads(group: SegmentGroup, attn: Any, x: Array, positions: Array, qkv: Fuse
         return heads
     keys, values, table = kv_inputs
     qk, v = heads if len(heads) == 2 else (heads[0], None)
-    dtype = keys.dtype
-    if not qk.dtype == (qk.dtype if v is None else v.dtype) == dtype == values.dtype:
+    if {h.dtype for h in heads} != {keys.dtype} or values.dtype != keys.dtype:
         # The kernel writes the heads' type into the buffers: where they differ (caches filled in
         # another type than the step computes in, say), MLX's RoPE and casting updates do it.
         return list(rope_kv_kernel.reference(qk, v, pos, keys, values, attn.rope, attn.n_heads))

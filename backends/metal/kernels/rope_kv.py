@@ -196,14 +196,14 @@ def rope_write_kv(qk: Array, v: Array | None, pos: Array, keys: Array, values: A
     return q, keys, values
 
 
-def split_joint(qkv: Array, n_heads: int, n_kv_heads: int, d: int, dv: int) -> tuple[Array, Array]:
-    """The fused projection's output [B, 1, (n_heads + n_kv_heads) * d + n_kv_heads * dv] as (joint q
-    and k heads [B, n_heads + n_kv_heads, 1, d], v [B, n_kv_heads, 1, dv]): views, as the segments
-    take them apart where the kernel does not."""
-    b, qk_size = qkv.shape[0], (n_heads + n_kv_heads) * d
-    qk = mx.slice(qkv, [0, 0, 0], [b, 1, qk_size], [1, 1, 1])
-    v = mx.slice(qkv, [0, 0, qk_size], [b, 1, qk_size + n_kv_heads * dv], [1, 1, 1])
-    return mx.reshape(qk, (b, n_heads + n_kv_heads, 1, d)), mx.reshape(v, (b, n_kv_heads, 1, dv))
+def split_joint(qkv: Array, n_heads: int, n_kv_heads: int, d: int) -> tuple[Array, Array]:
+    """The fused projection's output [B, 1, (n_heads + 2 n_kv_heads) * d] as (joint q and k heads
+    [B, n_heads + n_kv_heads, 1, d], v [B, n_kv_heads, 1, d]): a reshape and two slices, views, as
+    the segments take them apart where the kernel does not read the output as it is."""
+    b, heads = qkv.shape[0], n_heads + n_kv_heads
+    all_heads = mx.reshape(qkv, (b, heads + n_kv_heads, 1, d))
+    return (mx.slice(all_heads, [0, 0, 0, 0], [b, heads, 1, d], [1, 1, 1, 1]),
+            mx.slice(all_heads, [0, heads, 0, 0], [b, heads + n_kv_heads, 1, d], [1, 1, 1, 1]))
 
 
 def reference(qk: Array, v: Array | None, pos: Array, keys: Array, values: Array, apply_rope: Any, n_heads: int
@@ -211,7 +211,7 @@ def reference(qk: Array, v: Array | None, pos: Array, keys: Array, values: Array
     """What `rope_write_kv` computes, as MLX's kernels (`apply_rope(x, offset)`: the model's RoPE
     module), with new key and value arrays instead of writes in place."""
     if v is None:
-        qk, v = split_joint(qk, n_heads, keys.shape[1], keys.shape[3], values.shape[3])
+        qk, v = split_joint(qk, n_heads, keys.shape[1], keys.shape[3])
     b, heads, _, d = qk.shape
     pos = scalar_position(pos)
     roped = apply_rope(qk, pos)
@@ -256,10 +256,12 @@ def _compare(dtype: Any, hq: int, hkv: int, d: int, dv: int, rope: Rope, apply_r
     want_k, want_v = keys, values
     keys, values = private_copy(keys), private_copy(values)
     mx.eval(keys, values, want_k, want_v)
-    # Each position in both forms: the heads apart, and the fused projection's output as it comes.
-    for p, joint in ((p, joint) for p in (0, 1, 77, 1000, 4097, slots - 1) for joint in (False, True)):
+    # Each position in both forms: the heads apart, and (values of the keys' size) the fused
+    # projection's output as it comes.
+    forms = (False, True) if dv == d else (False,)
+    for p, joint in ((p, joint) for p in (0, 1, 77, 1000, 4097, slots - 1) for joint in forms):
         if joint:
-            qk, v = rand(1, 1, (hq + hkv) * d + hkv * dv), None
+            qk, v = rand(1, 1, (hq + 2 * hkv) * d), None
         else:
             qk, v = rand(1, hq + hkv, 1, d), rand(1, hkv, 1, dv)
         pos = mx.array([p] * 4, dtype=mx.int32)  # as the decode segments carry it

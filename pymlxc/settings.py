@@ -76,6 +76,11 @@ class Settings:
         "Segmented decode with pymlxc's 4-bit matvec kernel: each block's fused gate/up product and the "
         "SiLU product after it as one kernel (`kernels/matvec.py`, its paired form; MLX's SiLU and "
         "multiply reproduced bit for bit). `auto`: on CUDA.")
+    cuda_matvec_fusion: str = _switch(
+        "Segmented decode with pymlxc's 4-bit matvec kernel and the paired gate/up kernel: each residual add "
+        "inside the o_proj and down_proj products and each block's RMSNorm inside the q/k/v and gate/up products "
+        "(`kernels/matvec.py`'s residual and normalized forms; MLX's add and rms_norm reproduced bit for bit): "
+        "two kernels fewer per layer. `auto`: on CUDA.")
     cuda_matvec: str = _switch(
         "4-bit quantized products of few rows through pymlxc's CUDA kernel (`kernels/matvec.py`), "
         "chosen at load. `auto`: on CUDA for models whose layers are large enough for it to pay; "

@@ -32,8 +32,9 @@ from typing import Any
 
 import pymlxc.core as mx
 from pymlxc.core import Array
-from pymlxc.core.cuda_kernel import SharedKernel
+from pymlxc.core.cuda_kernel import SharedKernel, float32_bits
 
+from .kernels import add_rms_norm as norm_kernel
 from .kernels import matvec as matvec_kernel
 from .kernels import qmm as qmm_kernel
 from .kernels.check import CheckedOnce
@@ -45,6 +46,10 @@ _mlx_only = ThreadSetting(False)
 _the_kernel = SharedKernel(matvec_kernel.QUANTIZED_NAME, matvec_kernel.QUANTIZED_INPUTS,
                            matvec_kernel.OUTPUT_NAMES, matvec_kernel.QUANTIZED_SOURCE,
                            header=matvec_kernel.QUANTIZED_HEADER)
+_the_residual = SharedKernel(matvec_kernel.RESIDUAL_NAME, matvec_kernel.RESIDUAL_INPUTS, matvec_kernel.OUTPUT_NAMES,
+                             matvec_kernel.RESIDUAL_SOURCE, header=matvec_kernel.QUANTIZED_HEADER)
+_the_normed = SharedKernel(matvec_kernel.NORM_NAME, matvec_kernel.NORM_INPUTS, matvec_kernel.OUTPUT_NAMES,
+                           matvec_kernel.NORM_SOURCE, header=matvec_kernel.NORM_HEADER)
 _the_qmm = SharedKernel(qmm_kernel.NAME, qmm_kernel.INPUTS, qmm_kernel.OUTPUT_NAMES, qmm_kernel.SOURCE,
                         header=qmm_kernel.HEADER)
 # Verdicts of the prefill kernel's check, keyed on the kernel's source and on this file's (the check's).
@@ -121,6 +126,88 @@ def _compare_pair(dtype: Any, group_size: int) -> str | None:
         want = gate * mx.sigmoid(gate) * up
         if not bool(mx.array_equal(got, want).item()):
             return f"its output for {rows} row(s) differs from MLX's silu(gate) * up ({dtype}, group {group_size})"
+    return None
+
+
+def residual_product(x: Array, weight: Array, scales: Array, biases: Array, group_size: int, residual: Array
+                     ) -> Array:
+    """`residual + x @ dequantize(weight).T` as one kernel (the matvec kernel's residual form: a
+    decode step's o_proj or down_proj and the residual add after it), for 4-bit weights the kernel
+    takes (`kernel_takes`) and a residual of the product's shape and dtype."""
+    k, n = x.shape[-1], weight.shape[0]
+    rows = x.size // k
+    (y,) = _the_residual()([x, weight, scales, biases, residual], output_shapes=[tuple(residual.shape)],
+                           output_dtypes=[x.dtype], **matvec_kernel.launch(rows, k, n, x.dtype, group_size))
+    return y
+
+
+def normed_product(h: Array, weight: Array, scales: Array, biases: Array, group_size: int, norm_weight: Array,
+                   eps: float, pair: bool = False) -> Array:
+    """`rms_norm(h, norm_weight, eps) @ dequantize(weight).T` as one kernel (the matvec kernel's
+    normalized form: a decode step's RMSNorm and the q/k/v product after it), or with `pair` the
+    gate/up form's silu(gate) * up of the normalized h. `normed_takes` must hold."""
+    k, n = h.shape[-1], weight.shape[0]
+    rows = h.size // k
+    geometry = norm_kernel.geometry(k)
+    if geometry is None:  # callers check normed_takes() first
+        raise ValueError(f"MLX's rms_norm over rows of {k} values runs no kernel the normalized product reproduces")
+    norm = (*geometry, float32_bits(eps))
+    out = n // 2 if pair else n
+    (y,) = _the_normed()([h, weight, scales, biases, norm_weight], output_shapes=[(*h.shape[:-1], out)],
+                         output_dtypes=[h.dtype],
+                         **matvec_kernel.launch(rows, k, n, h.dtype, group_size, pair=pair, norm=norm))
+    return y
+
+
+def normed_takes(h: Array, weight: Array, scales: Array, biases: Array, group_size: int, bits: int) -> bool:
+    """Whether `normed_product` computes the normalized product of h: `kernel_takes`, and MLX's
+    rms_norm over rows of h runs a kernel the prologue reproduces on at most a block's threads."""
+    k = h.shape[-1]
+    geometry = norm_kernel.geometry(k) if norm_kernel.applies(k, h.dtype) else None
+    return (geometry is not None and kernel_takes(h, weight, scales, biases, group_size, bits)
+            and matvec_kernel.norm_applies(h.size // k, k, h.dtype.size, geometry[0]))
+
+
+# Verdicts of the residual and normalized forms' check, keyed on the kernel's source and this file's.
+fusion_checks = CheckedOnce("pymlxc's CUDA matvec with the residual add and the RMSNorm inside",
+                            source=(matvec_kernel.__file__, norm_kernel.__file__, __file__))
+
+
+def fusion_ready(dtype: Any, group_size: int, d: int, eps: float) -> bool:
+    """Whether the residual and normalized forms run here and give, bit for bit, the plain kernel's
+    products with MLX's add and rms_norm (rows of `d`, this eps) around them (once per machine and key)."""
+    return fusion_checks.verdict(("fusion", str(dtype), group_size, d, float32_bits(eps)),
+                                 lambda: _compare_fusion(dtype, group_size, d, eps))
+
+
+def _compare_fusion(dtype: Any, group_size: int, d: int, eps: float) -> str | None:
+    import numpy as np  # noqa: PLC0415 - the check alone needs it
+
+    rng = np.random.default_rng(0)
+
+    def random(*shape: int, scale: float = 1.0) -> Array:
+        return mx.array(rng.standard_normal(shape).astype(np.float32) * scale).astype(dtype)
+
+    half = 160
+    wo, so, bo = mx.quantize(random(d, 2 * d, scale=0.05), group_size, 4)  # o_proj / down_proj: 2d -> d
+    wi, si, bi = mx.quantize(random(2 * half, d, scale=0.05), group_size, 4)  # q/k/v or [gate; up]: d -> 2 half
+    norm_weight = random(d)
+    for rows in (1, 2):
+        x, h = random(rows, 2 * d), random(rows, d)
+        if not (kernel_takes(x, wo, so, bo, group_size, 4) and normed_takes(h, wi, si, bi, group_size, 4)):
+            return f"it does not take these shapes ({rows} row(s) of {d})"
+        both = quantized_matmul(mx.fast.rms_norm(h, norm_weight, eps), wi, si, bi, group_size, 4, True)
+        gate, up = mx.split(both, [half], axis=-1)
+        pairs = [
+            ("residual form", residual_product(x, wo, so, bo, group_size, h),
+             h + quantized_matmul(x, wo, so, bo, group_size, 4, True)),
+            ("normalized form", normed_product(h, wi, si, bi, group_size, norm_weight, eps), both),
+            ("normalized gate/up form", normed_product(h, wi, si, bi, group_size, norm_weight, eps, pair=True),
+             gate * mx.sigmoid(gate) * up),
+        ]
+        for name, got, want in pairs:
+            if not bool(mx.array_equal(got, want).item()):
+                return f"its {name} for {rows} row(s) differs from MLX's ({dtype}, group {group_size}, rows of {d})"
     return None
 
 

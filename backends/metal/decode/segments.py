@@ -49,7 +49,7 @@ from pymlxc.core import Array
 from pymlxc.core.transforms import FixedArrays
 
 from .. import nn
-from ..kernel_choice import pair_ready, quantized_matmul
+from ..kernel_choice import fusion_ready, normed_product, pair_ready, quantized_matmul, residual_product
 from ..kernel_choice import silu_product as kernel_silu_product
 from ..kernels import add_rms_norm as norm_kernel
 from ..kernels import argmax as argmax_kernel
@@ -148,6 +148,33 @@ def use_pair_silu(fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None,
     return kind is not None and pair_ready(*kind)
 
 
+def use_matvec_fusion(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None,
+                      pair_silu: bool, setting: str) -> bool:
+    """Whether each residual add runs inside the o_proj and down_proj products and each block's
+    RMSNorms inside the q/k/v and gate/up products (the matvec kernel's residual and normalized
+    forms, `kernel_choice.residual_product` / `normed_product`): `setting`
+    (PYMLXC_CUDA_MATVEC_FUSION: auto = on CUDA, 1 = also elsewhere, where the check then fails, or 0)
+    allows it, the gate/up products are paired (`pair_silu`), every q/k/v fusion and o/down
+    projection is 4-bit on pymlxc's matvec kernel in the model's type, every block norm is an
+    RMSNorm of that type, and the forms pass their check for each group size and eps."""
+    if setting == "0" or (setting == "auto" and not kernel_check.on_cuda()) or not fusions or not pair_silu:
+        return False
+    dtype = model.compute_dtype
+    norms = [n for b in blocks for n in (b.input_layernorm, b.post_attention_layernorm)]
+    if any(type(n) is not nn.RMSNorm or n.weight.dtype != dtype for n in norms):
+        return False
+    outs = [m for b in blocks for m in (b.self_attn.o_proj, b.mlp.down_proj)]
+    if any(type(m) is not nn.QuantizedLinear or not m.cuda_matvec or m.bits != 4 or m.scales.dtype != dtype
+           or m.__dict__.get("bias") is not None for m in outs):
+        return False
+    kinds = {f[0].fused.normable() if f[0] is not None else None for f in fusions}
+    if None in kinds or any(kind[0] != dtype for kind in kinds if kind is not None):
+        return False
+    groups = {m.group_size for m in outs} | {kind[1] for kind in kinds if kind is not None}
+    d = norms[0].weight.shape[0]
+    return all(fusion_ready(dtype, g, d, eps) for g in sorted(groups) for eps in sorted({float(n.eps) for n in norms}))
+
+
 def use_decode_attention(model: Any, blocks: Sequence[Any], rope: rope_kv_kernel.Rope | None, setting: str
                          ) -> str | None:
     """How the whole step runs as one graph (`_trace_whole`), or None to keep the segments:
@@ -208,8 +235,14 @@ class FusedProjection(Module):
         """The linear applied apart (a model's layer: any Module with `__call__`), or None."""
         return self._tail
 
-    def joint(self, x: Array) -> Array:
-        """The fused linears' outputs side by side on the last axis (one matmul; not the tail's)."""
+    def joint(self, x: Array, norm: Any = None) -> Array:
+        """The fused linears' outputs side by side on the last axis (one matmul; not the tail's).
+        `norm`: x is the residual stream and the product normalizes it first with this RMSNorm
+        (`kernel_choice.normed_product`; the plan checked `normable`)."""
+        if norm is not None:
+            assert self._weight is not None and self._scales is not None and self._biases is not None  # normable
+            y = normed_product(x, self._weight, self._scales, self._biases, self._group_size, norm.weight, norm.eps)
+            return y if self._bias is None else y + self._bias
         if self._wT is not None:
             return mx.matmul(x, self._wT) if self._bias is None else mx.addmm(self._bias, x, self._wT, 1.0, 1.0)
         weight, scales, biases = self._weight, self._scales, self._biases
@@ -226,13 +259,25 @@ class FusedProjection(Module):
             return None
         return self._scales.dtype, self._group_size
 
-    def silu_product(self, x: Array) -> Array | None:
+    def normable(self) -> tuple[Any, int] | None:
+        """(the scales' dtype, the group size) where the normalized form of pymlxc's matvec kernel
+        can compute this fusion's product (4-bit on that kernel, no tail); else None."""
+        if (self._weight is None or self._scales is None or not self._cuda_matvec or self._bits != 4
+                or self.tail is not None):
+            return None
+        return self._scales.dtype, self._group_size
+
+    def silu_product(self, x: Array, norm: Any = None) -> Array | None:
         """silu(gate) * up of a gate/up fusion as one kernel (`kernel_choice.silu_product`) where
         `pair_silu` is set and the kernel takes x (a few rows); else None: the caller computes it
-        from `__call__`'s outputs."""
+        from `__call__`'s outputs. `norm`: x is the residual stream, normalized inside the kernel
+        (`kernel_choice.normed_product`; the plan checked it)."""
         if not self.pair_silu or self.pairable() is None:
             return None
         assert self._weight is not None and self._scales is not None and self._biases is not None  # pairable
+        if norm is not None:
+            return normed_product(x, self._weight, self._scales, self._biases, self._group_size, norm.weight,
+                                  norm.eps, pair=True)
         return kernel_silu_product(x, self._weight, self._scales, self._biases, self._group_size, self._bits,
                                    self._cuda_matvec)
 
@@ -354,10 +399,14 @@ def fusions_for(blocks: Sequence[Any], known: dict[int, tuple[Any, Fusion | None
 
 # ---------------------------------------------------------------------- the segments (traced)
 
-def _project(attn: Any, x: Array, pos: Array, qkv: FusedProjection | None, rope_kv: bool = False) -> list[Array]:
+def _project(attn: Any, x: Array, pos: Array, qkv: FusedProjection | None, rope_kv: bool = False,
+             norm: Any = None) -> list[Array]:
     """q, k, v [B, heads, 1, D] of one token, as the attention's `heads` makes them, RoPE'd at `pos`;
     with `rope_kv` (the plan checked the fusions) [joint q and k heads before RoPE, v], or [the fused
-    q/k/v output as it comes] where v is part of it, for `kernels/rope_kv.py`'s kernel."""
+    q/k/v output as it comes] where v is part of it, for `kernels/rope_kv.py`'s kernel. `norm`: x
+    is the residual stream, which the fused product normalizes with it (the plan's `matvec_fusion`)."""
+    if norm is not None:
+        assert qkv is not None and qkv.tail is None  # use_matvec_fusion checked every fusion
     qk_norm = bool(attn.qk_norms())
     if qkv is not None and (not qk_norm or qkv.qk_norm_weight is not None):
         # One RoPE call for q and k: their heads are adjacent in the joint output [B, 1, heads * D].
@@ -367,9 +416,9 @@ def _project(attn: Any, x: Array, pos: Array, qkv: FusedProjection | None, rope_
             qk = mx.reshape(qkv.joint(x), (b, hq + hkv, 1, d))
             v = mx.reshape(qkv.tail(x), (b, hkv, 1, d))
         elif rope_kv and not qk_norm:
-            return [qkv.joint(x)]  # the kernel reads the heads where they are: no views in the graph
+            return [qkv.joint(x, norm)]  # the kernel reads the heads where they are: no views in the graph
         else:
-            qk, v = rope_kv_kernel.split_joint(qkv.joint(x), hq, hkv, d)
+            qk, v = rope_kv_kernel.split_joint(qkv.joint(x, norm), hq, hkv, d)
         if qk_norm:
             qk = joint_qk_norm(qk, qkv)
         if rope_kv:
@@ -414,15 +463,31 @@ def _finish_block(group: SegmentGroup, block: Any, attn_out: Array, h: Array, ga
     return both
 
 
+def _finish_block_in_products(block: Any, attn_out: Array, h: Array, gate_up: FusedProjection | None) -> Array:
+    """The block after its attention with the residual adds and the MLP's norm inside the products
+    (the plan's `matvec_fusion`): h + o_proj(attn_out), then that plus down(silu(gate) * up of its
+    norm): the block's output, which the next product normalizes itself. Three kernels."""
+    attn, mlp = block.self_attn, block.mlp
+    assert gate_up is not None  # use_matvec_fusion checked the fusions
+    b = attn_out.shape[0]
+    flat = attn_out if attn_out.ndim == 3 else mx.reshape(attn_out, (b, 1, attn_out.shape[1] * attn_out.shape[3]))
+    o, down = attn.o_proj, mlp.down_proj
+    h = residual_product(flat, o.weight, o.scales, o.biases, o.group_size, h)
+    gate_up.pair_silu = True
+    product = gate_up.silu_product(h, block.post_attention_layernorm)
+    assert product is not None  # paired (the plan's pair_silu)
+    return residual_product(product, down.weight, down.scales, down.biases, down.group_size, h)
+
+
 def _heads(group: SegmentGroup, attn: Any, x: Array, positions: Array, qkv: FusedProjection | None,
-           kv_inputs: list[Array]) -> list[Array]:
+           kv_inputs: list[Array], norm: Any = None) -> list[Array]:
     """The layer's [q, k, v] RoPE'd; with the plan's RoPE kernel [q RoPE'd, keys, values], its key
     and value written into the buffers `kv_inputs` [keys, values, RoPE table] (in place:
     the same buffers come back). `positions`: the step's position, as the session carries it."""
     # MLX's ops take the scalar; the kernel reads the first element of the carried array itself, and
     # on its path the trace holds no view (an unused one is not part of the compiled graph).
     pos = rope_kv_kernel.scalar_position(positions) if group.rope is not None else positions
-    heads = _project(attn, x, pos, qkv, group.rope is not None)
+    heads = _project(attn, x, pos, qkv, group.rope is not None, norm)
     if group.rope is None:
         return heads
     keys, values, table = kv_inputs
@@ -446,6 +511,8 @@ def _first_body(group: SegmentGroup, mods: list[Any], tokens: Array, pos: Array,
     """The first segment: [*layer 0's heads (`_heads`), h]."""
     embed, norm, attn, qkv = mods
     h = embed(mx.reshape(tokens, (tokens.shape[0], 1)))
+    if group.matvec_fusion:
+        return [*_heads(group, attn, h, pos, qkv, kv, norm), h]
     return [*_heads(group, attn, norm(h), pos, qkv, kv), h]
 
 
@@ -453,6 +520,9 @@ def _mid_body(group: SegmentGroup, mods: list[Any], attn_out: Array, h: Array, p
               ) -> list[Array]:
     """A middle segment: layer i after its attention, then [*layer i+1's heads, h]."""
     block, gate_up, norm, attn, qkv = mods
+    if group.matvec_fusion:
+        h = _finish_block_in_products(block, attn_out, h, gate_up)
+        return [*_heads(group, attn, h, pos, qkv, kv, norm), h]
     h, mlp_out = _finish_block(group, block, attn_out, h, gate_up)
     h, x = _add_norm(h, mlp_out, norm, group.fused_norm)
     return [*_heads(group, attn, x, pos, qkv, kv), h]
@@ -462,8 +532,11 @@ def _last_body(group: SegmentGroup, mods: list[Any], attn_out: Array, h: Array) 
     """The last segment: the last layer after its attention, the final norm and the head; the
     sampled ids where greedy is fused, else the logits [B, V]."""
     block, gate_up, norm, embed, head = mods
-    h, mlp_out = _finish_block(group, block, attn_out, h, gate_up)
-    _, h = _add_norm(h, mlp_out, norm, group.fused_norm)
+    if group.matvec_fusion:
+        h = norm(_finish_block_in_products(block, attn_out, h, gate_up))
+    else:
+        h, mlp_out = _finish_block(group, block, attn_out, h, gate_up)
+        _, h = _add_norm(h, mlp_out, norm, group.fused_norm)
     logits = embed.as_linear(h) if group.tied else head(h)
     logits = mx.reshape(logits, (logits.shape[0], logits.shape[-1]))
     if group.fuse_greedy:
@@ -576,6 +649,8 @@ class SegmentGroup:
     cuda_argmax: bool = False  # greedy's argmax as `kernels/argmax.py`'s kernels
     rope: rope_kv_kernel.Rope | None = None  # RoPE and the key/value writes as `kernels/rope_kv.py`'s kernel
     pair_silu: bool = False  # each gate/up product and SiLU product as the paired matvec kernel
+    # residual adds inside the o/down products, block norms inside the q/k/v and gate/up products
+    matvec_fusion: bool = False
 
     @property
     def kv_inputs(self) -> int:
@@ -629,26 +704,29 @@ class SegmentPlan:
                  fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None, signature: tuple[int, ...],
                  fused_norm: bool = False, cuda_argmax: bool = False,
                  rope: rope_kv_kernel.Rope | None = None, attention: str | None = None,
-                 pair_silu: bool = False) -> None:
+                 pair_silu: bool = False, matvec_fusion: bool = False) -> None:
         inner = model.model
         tied = model.lm_head is None
         fusions = fusions or [(None, None)] * len(blocks)
         qkv = [f[0].fused if f[0] is not None else None for f in fusions]
         gate_up = [f[1].fused if f[1] is not None else None for f in fusions]
         self.pair_silu = pair_silu
+        self.matvec_fusion = matvec_fusion
         self.signature = signature
         self.fuse_greedy = fuse_greedy
         self.rope = rope  # each layer's RoPE and key/value writes as `kernels/rope_kv.py`'s kernel
         self.rope_kv = rope is not None
         self.first = segment_group([inner.embed_tokens, blocks[0].input_layernorm, blocks[0].self_attn, qkv[0]], stats,
-                            rope=rope)
+                            rope=rope, matvec_fusion=matvec_fusion)
         self.fused_norm = fused_norm
         self.mids = [segment_group([blocks[i], gate_up[i], blocks[i + 1].input_layernorm, blocks[i + 1].self_attn,
-                             qkv[i + 1]], stats, fused_norm=fused_norm, rope=rope, pair_silu=pair_silu)
+                             qkv[i + 1]], stats, fused_norm=fused_norm, rope=rope, pair_silu=pair_silu,
+                                    matvec_fusion=matvec_fusion)
                      for i in range(len(blocks) - 1)]
         self.last = segment_group([blocks[-1], gate_up[-1], inner.norm, inner.embed_tokens, model.lm_head], stats,
                            tied=tied, fuse_greedy=fuse_greedy, fused_norm=fused_norm,
-                           cuda_argmax=cuda_argmax and fuse_greedy, pair_silu=pair_silu)
+                           cuda_argmax=cuda_argmax and fuse_greedy, pair_silu=pair_silu,
+                           matvec_fusion=matvec_fusion)
         self.cuda_argmax = self.last.cuda_argmax
         self.scales = [float(b.self_attn.scale) for b in blocks]
         # The whole step as one graph (`_trace_whole`): "kernel" (attention as
@@ -785,6 +863,6 @@ class SegmentedSession:
                 self._buffers = []
 
 
-__all__ = ["plan", "rope_of", "use_decode_attention", "use_pair_silu", "WholeStep",
+__all__ = ["plan", "rope_of", "use_decode_attention", "use_matvec_fusion", "use_pair_silu", "WholeStep",
            "fuse", "fusions_for", "FusedProjection", "Fusion", "SegmentFunctions", "SegmentGroup",
            "SegmentPlan", "SegmentedSession", "call_segment", "segment_group"]

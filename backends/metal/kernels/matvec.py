@@ -73,8 +73,10 @@ QUANTIZED_HEADER = r"""
 # silu(gate) * up, [M, N / 2]: warp j computes rows j and j + N / 2, the same sums as unpaired, and
 # one kernel replaces the product and MLX's SiLU-and-multiply kernel). The weight's sizes are read
 # from its shape at run time, so that a model's linears share one compiled kernel per row count of x:
-# NVRTC compiles each template once per process.
-QUANTIZED_SOURCE = r"""
+# NVRTC compiles each template once per process. The normalized form adds D (x's row length, K),
+# NB and NCH (MLX's rms_norm threads and 16-byte loads per thread for rows of D, at most this
+# kernel's THREADS_PER_BLOCK) and EPS_BITS (eps as float32 bits: a constant, see add_rms_norm.py).
+_SOURCE = r"""
   const int N = w_shape[0];
   const int CHUNKS = w_shape[1] / 4;  // 16-byte chunks of packed weights per row
   const int K = CHUNKS * 32;
@@ -85,9 +87,11 @@ QUANTIZED_SOURCE = r"""
   const int warp_id = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   // PAIR: warp j takes rows j and j + N / 2 (gate and up of one hidden unit, R = 2).
   const int row0 = PAIR ? warp_id : warp_id * R;
+//PROLOGUE
   if (row0 >= (PAIR ? HALF : N)) {
     return;
   }
+//RESIDUAL
   float acc[M][R];
 #pragma unroll
   for (int m = 0; m < M; ++m) {
@@ -118,7 +122,7 @@ QUANTIZED_SOURCE = r"""
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       float xf[32];
-      const T* xp = x + static_cast<size_t>(m) * K + c * 32;
+      const T* xp = X_ROWS + static_cast<size_t>(m) * K + c * 32;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         pymlxc_mv::load8(xp + 8 * j, xf + 8 * j);
@@ -148,7 +152,7 @@ QUANTIZED_SOURCE = r"""
       }
       y[r] = static_cast<T>(v);
       if (!PAIR && lane == 0 && row0 + r < N) {
-        out[static_cast<size_t>(m) * N + row0 + r] = y[r];
+        out[static_cast<size_t>(m) * N + row0 + r] = OUT_VALUE;
       }
     }
     if (PAIR && lane == 0) {
@@ -161,6 +165,127 @@ QUANTIZED_SOURCE = r"""
   }
 """
 
+# The residual form's additions: each output is residual + the product, the sum in T as MLX's add
+# (and `kernels/add_rms_norm.py`) takes it; lane 0 reads its rows' residuals first, so that the
+# read is not a round trip at the end.
+_RESIDUAL = r"""
+  T res[M][R];
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      res[m][r] = (lane == 0 && row0 + r < N) ? residual[static_cast<size_t>(m) * N + row0 + r] : T(0.f);
+    }
+  }
+"""
+
+# The normalized form's prologue: x is the residual stream h, and each block first computes
+# rms_norm(h) * norm into shared memory as `kernels/add_rms_norm.py` does (MLX's `rms_norm_small`:
+# NB threads of NCH 16-byte loads per row, the same sums in the same order, the same warp and block
+# reductions; threads past NB idle), so the products read bit for bit the values MLX's norm would
+# have written. Before that, each lane asks L2 for its rows' first chunks of weights: the norm's
+# round trip and the weights' then overlap.
+_PROLOGUE = r"""
+  namespace cg = cooperative_groups;
+  auto block = cg::this_thread_block();
+  auto warp = cg::tiled_partition<32>(block);
+  __shared__ __align__(16) uint16_t xn_bits[M * D];  // T has constructors: not a __shared__ type
+  T* xn = reinterpret_cast<T*>(xn_bits);
+  __shared__ float partial[32];
+  if (row0 < (PAIR ? HALF : N) && lane < CHUNKS) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const size_t row = static_cast<size_t>(PAIR ? row0 + r * HALF : min(row0 + r, N - 1));
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const uint4*>(w) + row * CHUNKS + lane));
+    }
+  }
+  {
+    constexpr int VECTORS = D / 8;
+    const int tid = threadIdx.x;
+    const uint4* w4 = reinterpret_cast<const uint4*>(norm);
+    const float epsilon = __int_as_float(EPS_BITS);
+#pragma unroll 1
+    for (int m = 0; m < M; ++m) {
+      const uint4* h4 = reinterpret_cast<const uint4*>(x + static_cast<size_t>(m) * D);
+      uint4 hv4[NCH];
+      uint4 wv4[NCH];
+      float normalizer = 0.f;
+      if (tid < NB) {
+#pragma unroll
+        for (int i = 0; i < NCH; ++i) {
+          const int offset = NB * i + tid;
+          if (offset >= VECTORS) continue;
+          hv4[i] = h4[offset];
+          wv4[i] = w4[offset];
+        }
+#pragma unroll
+        for (int i = 0; i < NCH; ++i) {
+          const int offset = NB * i + tid;
+          if (offset >= VECTORS) continue;
+          const T* he = reinterpret_cast<const T*>(&hv4[i]);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            float t = static_cast<float>(he[j]);
+            normalizer += t * t;
+          }
+        }
+      }
+      float total = cg::reduce(warp, normalizer, cg::plus<float>());
+      if (NB > 32) {
+        if (warp.thread_rank() == 0 && warp.meta_group_rank() < NB / 32) {
+          partial[warp.meta_group_rank()] = total;
+        }
+        block.sync();
+        total = warp.thread_rank() < NB / 32 ? partial[warp.thread_rank()] : 0.f;
+        total = cg::reduce(warp, total, cg::plus<float>());
+      }
+      const float inv = rsqrt(total / static_cast<uint32_t>(D) + epsilon);
+      if (tid < NB) {
+#pragma unroll
+        for (int i = 0; i < NCH; ++i) {
+          const int offset = NB * i + tid;
+          if (offset >= VECTORS) continue;
+          uint4 hv = hv4[i];
+          uint4 wv = wv4[i];
+          const T* we = reinterpret_cast<const T*>(&wv);
+          T* he = reinterpret_cast<T*>(&hv);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            float y = static_cast<float>(he[j]) * inv;
+            he[j] = we[j] * static_cast<T>(y);
+          }
+          reinterpret_cast<uint4*>(xn + static_cast<size_t>(m) * D)[offset] = hv;
+        }
+      }
+      block.sync();  // xn is whole, and `partial` free for the next row
+    }
+  }
+"""
+
+
+def _source(form: str) -> str:
+    """The kernel's body in one of its forms: "plain" (out = x @ w.T), "residual" (out = residual +
+    x @ w.T) or "norm" (out = (rms_norm(x) * norm) @ w.T)."""
+    prologue = _PROLOGUE if form == "norm" else ""
+    residual = _RESIDUAL if form == "residual" else ""
+    return (_SOURCE.replace("//PROLOGUE\n", prologue.lstrip("\n")).replace("//RESIDUAL\n", residual.lstrip("\n"))
+            .replace("X_ROWS", "xn" if form == "norm" else "x")
+            .replace("OUT_VALUE", "res[m][r] + y[r]" if form == "residual" else "y[r]"))
+
+
+QUANTIZED_SOURCE = _source("plain")
+# The forms with an epilogue and a prologue (the decode step's residual adds and RMSNorms inside the
+# products: `kernel_choice.residual_product` and `normed_product`): one more input each.
+RESIDUAL_NAME = "pymlxc_qmv4_residual"
+RESIDUAL_INPUTS = (*QUANTIZED_INPUTS, "residual")
+RESIDUAL_SOURCE = _source("residual")
+NORM_NAME = "pymlxc_qmv4_norm"
+NORM_INPUTS = (*QUANTIZED_INPUTS, "norm")
+NORM_SOURCE = _source("norm")
+NORM_HEADER = "#include <cooperative_groups/reduce.h>\n" + QUANTIZED_HEADER
+# The normalized form keeps M rows of normalized x in shared memory: 32 KB at most.
+NORM_MAX_BYTES = 32768
+
 
 def quantized_applies(x_rows: int, k: int, bits: int, group_size: int, dtype_size: int) -> bool:
     """Whether the quantized kernel computes the product: 4-bit weights, 2-byte floats, a few rows of x."""
@@ -168,14 +293,22 @@ def quantized_applies(x_rows: int, k: int, bits: int, group_size: int, dtype_siz
             and k % 32 == 0 and k % group_size == 0)
 
 
+def norm_applies(x_rows: int, k: int, dtype_size: int, norm_threads: int) -> bool:
+    """Whether the normalized form takes x (x_rows, k): its normalized rows fit the shared memory and
+    MLX's norm for rows of k runs on no more threads than a block of this kernel has."""
+    return x_rows * k * dtype_size <= NORM_MAX_BYTES and norm_threads <= THREADS_PER_BLOCK
+
+
 def launch(x_rows: int, k: int, n: int, dtype: Any, group_size: int,
-           rows_per_warp: int = ROWS_PER_WARP, pair: bool = False) -> dict[str, Any]:
+           rows_per_warp: int = ROWS_PER_WARP, pair: bool = False,
+           norm: tuple[int, int, int] | None = None) -> dict[str, Any]:
     """Keyword arguments of a kernel call for x (x_rows, k) and weights of n rows: grid, threads,
-    template. `pair`: the gate/up form (n even; output n / 2 per row of x)."""
+    template. `pair`: the gate/up form (n even; output n / 2 per row of x). `norm`: the normalized
+    form's (threads, loads per thread, eps as float32 bits) of MLX's rms_norm over rows of k."""
     warps = n // 2 if pair else -(-n // rows_per_warp)
-    return {
-        "grid": (warps * 32, 1, 1),
-        "threadgroup": (THREADS_PER_BLOCK, 1, 1),
-        "template": [("T", dtype), ("M", x_rows), ("G", group_size), ("R", 2 if pair else rows_per_warp),
-                     ("PAIR", pair)],
-    }
+    template: list[tuple[str, Any]] = [("T", dtype), ("M", x_rows), ("G", group_size),
+                                       ("R", 2 if pair else rows_per_warp), ("PAIR", pair)]
+    if norm is not None:
+        threads, loads, eps_bits = norm
+        template += [("D", k), ("NB", threads), ("NCH", loads), ("EPS_BITS", eps_bits)]
+    return {"grid": (warps * 32, 1, 1), "threadgroup": (THREADS_PER_BLOCK, 1, 1), "template": template}

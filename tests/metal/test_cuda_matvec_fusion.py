@@ -1,0 +1,208 @@
+"""The residual adds and block RMSNorms inside the 4-bit products of the segmented decode step
+(backends/metal/kernels/matvec.py's residual and normalized forms, `kernel_choice.residual_product`
+and `normed_product`, `segments.use_matvec_fusion`).
+
+Everywhere: the setting is read by name; off CUDA the plan keeps the separate kernels and a
+forced setting warns; what the plan needs of a model; the check rejects a form that differs from
+MLX's add or rms_norm around the plain products in any bit; with the two forms stood in for by
+MLX's operations the restructured step gives the uncompiled loop's tokens.
+On CUDA: each form equals MLX's operations around the plain kernel bit for bit over shapes, types
+and group sizes, and 4-bit models decoded with them keep the uncompiled loop's greedy tokens.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pymlxc.core as mx
+from pymlxc.backends.metal import kernel_choice, nn
+from pymlxc.backends.metal.decode import segments
+from pymlxc.backends.metal.decode.decoder import CompiledDecoder
+from pymlxc.backends.metal.kernels import add_rms_norm as cuda_norm
+
+from .cuda_decode_helpers import (
+    ON_CUDA,
+    check_the_setting_is_read_by_name,
+    cuda_only,
+    forget_verdicts,
+    greedy_ids,
+    plan_flags,
+)
+
+fresh_checks = forget_verdicts(kernel_choice.fusion_checks, kernel_choice.pair_checks)
+
+
+def _quantized(model: Any) -> list[Any]:
+    return [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
+
+
+def test_the_decoder_reads_the_setting_by_name(tiny, switches: Any) -> None:
+    check_the_setting_is_read_by_name(tiny(bits=4), switches, "PYMLXC_CUDA_MATVEC_FUSION", "cuda_matvec_fusion",
+                                      "matvec_fusion")
+
+
+@pytest.mark.skipif(ON_CUDA, reason="off CUDA only: there the kernel cannot run")
+def test_off_cuda_the_plan_keeps_the_separate_kernels(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`auto` and `0` leave it off; `1` with every other condition met runs the check, which cannot
+    run the kernel here: a warning, and off."""
+    model = tiny(bits=4)
+    blocks = segments.plan(model)
+    fusions = segments.fusions_for(blocks, {})
+    assert not segments.use_matvec_fusion(model, blocks, fusions, True, "auto")
+    assert not segments.use_matvec_fusion(model, blocks, fusions, True, "0")
+    for m in _quantized(model):
+        m.use_cuda_matvec(True)
+    fusions = segments.fusions_for(blocks, {})
+    with pytest.warns(RuntimeWarning, match="residual add and the RMSNorm inside"):
+        assert not segments.use_matvec_fusion(model, blocks, fusions, True, "1")
+
+
+def test_what_the_plan_needs(tiny) -> None:
+    """Paired gate/up products, 4-bit layers on pymlxc's kernel, q/k/v fusions without a tail,
+    RMSNorms: without any one of them the plan keeps the separate kernels (before any check runs)."""
+    dense = tiny()
+    blocks = segments.plan(dense)
+    assert not segments.use_matvec_fusion(dense, blocks, segments.fusions_for(blocks, {}), True, "1")
+    model = tiny(bits=4)
+    blocks = segments.plan(model)
+    fusions = segments.fusions_for(blocks, {})
+    assert not segments.use_matvec_fusion(model, blocks, fusions, True, "1")  # MLX's kernel marked
+    assert not segments.use_matvec_fusion(model, blocks, None, True, "1")
+    for m in _quantized(model):
+        m.use_cuda_matvec(True)
+    fusions = segments.fusions_for(blocks, {})
+    assert all(f[0].fused.normable() == (mx.float16, 32) for f in fusions)
+    assert not segments.use_matvec_fusion(model, blocks, fusions, False, "1")  # not paired
+    blocks[1].mlp.down_proj.use_cuda_matvec(False)
+    assert not segments.use_matvec_fusion(model, blocks, fusions, True, "1")
+    assert kernel_choice.fusion_checks.known() == {}
+
+
+def test_the_check_rejects_any_difference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forms stood in for by MLX's operations: exact, the check passes; one unit in the last
+    place off in either form is rejected with a warning naming it."""
+    def product(x: Any, w: Any, s: Any, b: Any, group: int, bits: int, cuda_matvec: bool = False) -> Any:
+        return mx.quantized_matmul(x, w, s, b, True, group, bits)
+
+    def residual(x: Any, w: Any, s: Any, b: Any, group: int, res: Any) -> Any:
+        return res + product(x, w, s, b, group, 4)
+
+    def normed(h: Any, w: Any, s: Any, b: Any, group: int, nw: Any, eps: float, pair: bool = False) -> Any:
+        y = product(mx.fast.rms_norm(h, nw, eps), w, s, b, group, 4)
+        if pair:
+            gate, up = mx.split(y, [w.shape[0] // 2], axis=-1)
+            y = gate * mx.sigmoid(gate) * up
+        return y
+
+    def off_by_one(fn: Any) -> Any:
+        return lambda *a, **k: mx.view(mx.view(fn(*a, **k), mx.int16) + mx.array(1, dtype=mx.int16), mx.float16)
+
+    monkeypatch.setattr(kernel_choice, "quantized_matmul", product)
+    monkeypatch.setattr(kernel_choice, "kernel_takes", lambda *a: True)
+    monkeypatch.setattr(kernel_choice, "normed_takes", lambda *a: True)
+    monkeypatch.setattr(kernel_choice, "residual_product", residual)
+    monkeypatch.setattr(kernel_choice, "normed_product", normed)
+    assert kernel_choice.fusion_ready(mx.float16, 64, 1024, 1e-5)
+    for name, fn, form in (("residual_product", residual, "residual form"), ("normed_product", normed,
+                                                                              "normalized form")):
+        kernel_choice.fusion_checks.forget()
+        with monkeypatch.context() as patch:
+            patch.setattr(kernel_choice, name, off_by_one(fn))
+            with pytest.warns(RuntimeWarning, match=f"its {form} for 1 row"):
+                assert not kernel_choice.fusion_ready(mx.float16, 64, 1024, 1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_restructured_step_keeps_the_tokens(tiny, monkeypatch: pytest.MonkeyPatch, switches: Any,
+                                                arch: str) -> None:
+    """The two forms and the paired product stood in for by MLX's operations: a plan with the fusion
+    gives the uncompiled loop's tokens (the residual stream through the products is right), and each
+    traced segment calls the forms as the step needs them: per layer a normalized q/k/v and gate/up
+    product and two residual products."""
+    model = tiny(arch, bits=4)
+    want = greedy_ids(model, None)
+    for m in _quantized(model):
+        m.use_cuda_matvec(True)
+    calls: list[str] = []
+
+    def product(x: Any, w: Any, s: Any, b: Any, group: int) -> Any:
+        return mx.quantized_matmul(x, w, s, b, True, group, 4)
+
+    def residual(x: Any, w: Any, s: Any, b: Any, group: int, res: Any) -> Any:
+        calls.append("residual")
+        return res + product(x, w, s, b, group)
+
+    def normed(h: Any, w: Any, s: Any, b: Any, group: int, nw: Any, eps: float, pair: bool = False) -> Any:
+        calls.append("pair" if pair else "normed")
+        y = product(mx.fast.rms_norm(h, nw, eps), w, s, b, group)
+        if pair:
+            gate, up = mx.split(y, [w.shape[0] // 2], axis=-1)
+            y = gate * mx.sigmoid(gate) * up
+        return y
+
+    monkeypatch.setattr(kernel_choice, "_use", lambda cuda_matvec: False)  # the plain products: MLX's
+    monkeypatch.setattr(segments, "residual_product", residual)
+    monkeypatch.setattr(segments, "normed_product", normed)
+    monkeypatch.setattr(segments, "fusion_ready", lambda *a: True)
+    monkeypatch.setattr(segments, "pair_ready", lambda *a: True)
+    switches.env("PYMLXC_CUDA_MATVEC_FUSION", "1")
+    switches.env("PYMLXC_CUDA_GATE_UP", "1")
+    decoder = CompiledDecoder(model, "segmented")
+    assert greedy_ids(model, decoder) == want
+    assert decoder.stats["compiled"] == 1 and plan_flags(decoder, "matvec_fusion") == {True}
+    # Traces: the first segment (one normalized q/k/v), the middle (a layer's end and the next's
+    # q/k/v), the last (a layer's end).
+    first, middle, last = ["normed"], ["residual", "pair", "residual", "normed"], ["residual", "pair", "residual"]
+    assert calls == first + middle + last
+    decoder.close()
+
+
+# ---------------------------------------------------------------------- on CUDA
+
+@cuda_only
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.integers(1, 4), d=st.sampled_from([64, 512, 1152, 2048, 4096]), n=st.sampled_from([64, 320, 1000]),
+       group=st.sampled_from([32, 64, 128]), dtype=st.sampled_from(["bfloat16", "float16"]),
+       eps=st.sampled_from([1e-5, 1e-6]), seed=st.integers(0, 2**16))
+def test_the_forms_are_mlx_around_the_plain_kernel(rows: int, d: int, n: int, group: int, dtype: str, eps: float,
+                                                   seed: int) -> None:
+    if d % group:
+        return
+    rng = np.random.default_rng(seed)
+    t = getattr(mx, dtype)
+
+    def random(*shape: int, scale: float = 1.0) -> Any:
+        return mx.array(rng.standard_normal(shape).astype(np.float32) * scale).astype(t)
+
+    w_in = mx.quantize(random(2 * n, d, scale=0.05), group, 4)
+    w_out = mx.quantize(random(d, 2 * n, scale=0.05), group, 4) if (2 * n) % group == 0 else None
+    h, nw = random(rows, 1, d), random(d)
+    assert kernel_choice.normed_takes(h, *w_in, group, 4) == cuda_norm.applies(d, t)
+    if not kernel_choice.normed_takes(h, *w_in, group, 4):
+        return
+    normed = mx.fast.rms_norm(h, nw, eps)
+    both = kernel_choice.quantized_matmul(normed, *w_in, group, 4, True)
+    assert mx.array_equal(kernel_choice.normed_product(h, *w_in, group, nw, eps), both).item()
+    gate, up = mx.split(both, [n], axis=-1)
+    paired = kernel_choice.normed_product(h, *w_in, group, nw, eps, pair=True)
+    assert mx.array_equal(paired, gate * mx.sigmoid(gate) * up).item()
+    if w_out is not None:
+        x = random(rows, 1, 2 * n)
+        want = h + kernel_choice.quantized_matmul(x, *w_out, group, 4, True)
+        assert mx.array_equal(kernel_choice.residual_product(x, *w_out, group, h), want).item()
+
+
+@cuda_only
+@pytest.mark.parametrize(("arch", "hidden"), [("llama", 1024), ("qwen3", 512), ("llama", 64)])
+def test_decoding_with_the_forms_keeps_the_tokens(tiny, switches: Any, arch: str, hidden: int) -> None:
+    switches.env("PYMLXC_CUDA_MATVEC", "1")
+    model = tiny(arch, bits=4, hidden_size=hidden, intermediate_size=2 * hidden)
+    want = greedy_ids(model, None, n=40)
+    decoder = CompiledDecoder(model, "segmented")
+    assert greedy_ids(model, decoder, n=40) == want
+    assert plan_flags(decoder, "matvec_fusion") == {True}
+    decoder.close()

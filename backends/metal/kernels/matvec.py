@@ -283,8 +283,10 @@ NORM_NAME = "pymlxc_qmv4_norm"
 NORM_INPUTS = (*QUANTIZED_INPUTS, "norm")
 NORM_SOURCE = _source("norm")
 NORM_HEADER = "#include <cooperative_groups/reduce.h>\n" + QUANTIZED_HEADER
-# The normalized form keeps M rows of normalized x in shared memory: 32 KB at most.
+# The normalized form keeps M rows of normalized x in shared memory: 32 KB at most. Each of its
+# blocks normalizes h before its products, so it runs blocks of more threads than the plain form.
 NORM_MAX_BYTES = 32768
+NORM_THREADS_PER_BLOCK = 128
 
 
 def quantized_applies(x_rows: int, k: int, bits: int, group_size: int, dtype_size: int) -> bool:
@@ -296,7 +298,7 @@ def quantized_applies(x_rows: int, k: int, bits: int, group_size: int, dtype_siz
 def norm_applies(x_rows: int, k: int, dtype_size: int, norm_threads: int) -> bool:
     """Whether the normalized form takes x (x_rows, k): its normalized rows fit the shared memory and
     MLX's norm for rows of k runs on no more threads than a block of this kernel has."""
-    return x_rows * k * dtype_size <= NORM_MAX_BYTES and norm_threads <= THREADS_PER_BLOCK
+    return x_rows * k * dtype_size <= NORM_MAX_BYTES and norm_threads <= min(THREADS_PER_BLOCK, NORM_THREADS_PER_BLOCK)
 
 
 def launch(x_rows: int, k: int, n: int, dtype: Any, group_size: int,
@@ -311,4 +313,5 @@ def launch(x_rows: int, k: int, n: int, dtype: Any, group_size: int,
     if norm is not None:
         threads, loads, eps_bits = norm
         template += [("D", k), ("NB", threads), ("NCH", loads), ("EPS_BITS", eps_bits)]
-    return {"grid": (warps * 32, 1, 1), "threadgroup": (THREADS_PER_BLOCK, 1, 1), "template": template}
+    threads = THREADS_PER_BLOCK if norm is None else NORM_THREADS_PER_BLOCK
+    return {"grid": (warps * 32, 1, 1), "threadgroup": (threads, 1, 1), "template": template}

@@ -82,6 +82,24 @@ def test_what_the_plan_needs(tiny) -> None:
     assert kernel_choice.fusion_checks.known() == {}
 
 
+def test_auto_takes_models_up_to_the_size_bound(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`auto` (as on CUDA, the check stood in for) takes a model of few 4-bit bytes a block, not one
+    past FUSION_MAX_BYTES_PER_LAYER (where the device bounds the step and the normalized form's
+    repeated norms cost more than the kernels it saves); `1` takes both."""
+    model = tiny(bits=4)
+    for m in _quantized(model):
+        m.use_cuda_matvec(True)
+    blocks = segments.plan(model)
+    fusions = segments.fusions_for(blocks, {})
+    monkeypatch.setattr(segments.kernel_check, "on_cuda", lambda: True)
+    monkeypatch.setattr(segments, "fusion_ready", lambda *a: True)
+    assert segments.use_matvec_fusion(model, blocks, fusions, True, "auto")
+    size = nn.bytes_per_block(model, _quantized(model))
+    monkeypatch.setattr(segments, "FUSION_MAX_BYTES_PER_LAYER", size - 1)
+    assert not segments.use_matvec_fusion(model, blocks, fusions, True, "auto")
+    assert segments.use_matvec_fusion(model, blocks, fusions, True, "1")
+
+
 def test_the_check_rejects_any_difference(monkeypatch: pytest.MonkeyPatch) -> None:
     """The forms stood in for by MLX's operations: exact, the check passes; one unit in the last
     place off in either form is rejected with a warning naming it."""

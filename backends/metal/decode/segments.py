@@ -49,7 +49,14 @@ from pymlxc.core import Array
 from pymlxc.core.transforms import FixedArrays
 
 from .. import nn
-from ..kernel_choice import fusion_ready, normed_product, pair_ready, quantized_matmul, residual_product
+from ..kernel_choice import (
+    FUSION_MAX_BYTES_PER_LAYER,
+    fusion_ready,
+    normed_product,
+    pair_ready,
+    quantized_matmul,
+    residual_product,
+)
 from ..kernel_choice import silu_product as kernel_silu_product
 from ..kernels import add_rms_norm as norm_kernel
 from ..kernels import argmax as argmax_kernel
@@ -153,11 +160,15 @@ def use_matvec_fusion(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple
     """Whether each residual add runs inside the o_proj and down_proj products and each block's
     RMSNorms inside the q/k/v and gate/up products (the matvec kernel's residual and normalized
     forms, `kernel_choice.residual_product` / `normed_product`): `setting`
-    (PYMLXC_CUDA_MATVEC_FUSION: auto = on CUDA, 1 = also elsewhere, where the check then fails, or 0)
-    allows it, the gate/up products are paired (`pair_silu`), every q/k/v fusion and o/down
+    (PYMLXC_CUDA_MATVEC_FUSION: auto = on CUDA for models of at most FUSION_MAX_BYTES_PER_LAYER of
+    4-bit layers a block, 1 = any size and also elsewhere, where the check then fails, or 0) allows
+    it, the gate/up products are paired (`pair_silu`), every q/k/v fusion and o/down
     projection is 4-bit on pymlxc's matvec kernel in the model's type, every block norm is an
     RMSNorm of that type, and the forms pass their check for each group size and eps."""
     if setting == "0" or (setting == "auto" and not kernel_check.on_cuda()) or not fusions or not pair_silu:
+        return False
+    if setting == "auto" and nn.bytes_per_block(model, [m for m in nn.quantized_layers(model) if m.bits == 4]
+                                                ) > FUSION_MAX_BYTES_PER_LAYER:
         return False
     dtype = model.compute_dtype
     norms = [n for b in blocks for n in (b.input_layernorm, b.post_attention_layernorm)]

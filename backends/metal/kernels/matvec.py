@@ -17,6 +17,12 @@ Dense (bfloat16) weights stay with MLX: the same loop over 16-byte chunks of 8 w
 faster than MLX's own matrix-vector kernel, about 2.0 against 2.1 TB/s on an H100 (commit 97ce951,
 `benchmarks/profile/probe_matvec.py`; docs/performance.md).
 
+Two more forms serve the decode step (`kernel_choice.residual_product`, `normed_product`): the
+residual form writes `residual + x @ w.T` (a block's o_proj or down_proj and the residual add after
+it), and the normalized form takes the residual stream h itself and first computes MLX's RMSNorm of
+it in every block, into shared memory, as `add_rms_norm.py` does (the q/k/v or paired gate/up
+product and the norm before it). Two kernels fewer per layer, for the same bits.
+
 This module holds only the source and the launch geometry, so that the probe can run the same
 kernel through MLX's own Python API; `kernel_choice.py` applies it through `pymlxc.core`.
 """

@@ -136,9 +136,12 @@ def _compare_pair(dtype: Any, group_size: int) -> str | None:
 
 def residual_product(x: Array, weight: Array, scales: Array, biases: Array, group_size: int, residual: Array
                      ) -> Array:
-    """`residual + x @ dequantize(weight).T` as one kernel (the matvec kernel's residual form: a
-    decode step's o_proj or down_proj and the residual add after it), for 4-bit weights the kernel
-    takes (`kernel_takes`) and a residual of the product's shape and dtype."""
+    """`residual + x @ dequantize(weight).T` for 4-bit weights: one kernel (the matvec kernel's
+    residual form: a decode step's o_proj or down_proj and the residual add after it) where the
+    kernel takes x (`kernel_takes`, a few rows), else the product and MLX's add (the same bits).
+    `residual` has the product's shape and dtype."""
+    if not kernel_takes(x, weight, scales, biases, group_size, 4):
+        return residual + quantized_matmul(x, weight, scales, biases, group_size, 4, True)
     k, n = x.shape[-1], weight.shape[0]
     rows = x.size // k
     (y,) = _the_residual()([x, weight, scales, biases, residual], output_shapes=[tuple(residual.shape)],
@@ -148,14 +151,24 @@ def residual_product(x: Array, weight: Array, scales: Array, biases: Array, grou
 
 def normed_product(h: Array, weight: Array, scales: Array, biases: Array, group_size: int, norm_weight: Array,
                    eps: float, pair: bool = False) -> Array:
-    """`rms_norm(h, norm_weight, eps) @ dequantize(weight).T` as one kernel (the matvec kernel's
-    normalized form: a decode step's RMSNorm and the q/k/v product after it), or with `pair` the
-    gate/up form's silu(gate) * up of the normalized h. `normed_takes` must hold."""
+    """`rms_norm(h, norm_weight, eps) @ dequantize(weight).T` for 4-bit weights, or with `pair` (a
+    [gate; up] weight) silu(gate) * up of it: one kernel (the matvec kernel's normalized form: a
+    decode step's RMSNorm and the product after it) where it takes h (`normed_takes`: a few rows),
+    else MLX's rms_norm and the products (the same bits)."""
+    if not normed_takes(h, weight, scales, biases, group_size, 4):
+        normed = mx.fast.rms_norm(h, norm_weight, eps)
+        if pair:
+            paired = silu_product(normed, weight, scales, biases, group_size, 4, True)
+            if paired is not None:
+                return paired
+            gate, up = mx.split(quantized_matmul(normed, weight, scales, biases, group_size, 4, True),
+                                [weight.shape[0] // 2], axis=-1)
+            return gate * mx.sigmoid(gate) * up
+        return quantized_matmul(normed, weight, scales, biases, group_size, 4, True)
     k, n = h.shape[-1], weight.shape[0]
     rows = h.size // k
     geometry = norm_kernel.geometry(k)
-    if geometry is None:  # callers check normed_takes() first
-        raise ValueError(f"MLX's rms_norm over rows of {k} values runs no kernel the normalized product reproduces")
+    assert geometry is not None  # normed_takes
     norm = (*geometry, float32_bits(eps))
     out = n // 2 if pair else n
     (y,) = _the_normed()([h, weight, scales, biases, norm_weight], output_shapes=[(*h.shape[:-1], out)],

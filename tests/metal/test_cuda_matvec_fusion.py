@@ -100,6 +100,29 @@ def test_auto_takes_models_up_to_the_size_bound(tiny, monkeypatch: pytest.Monkey
     assert segments.use_matvec_fusion(model, blocks, fusions, True, "1")
 
 
+@pytest.mark.parametrize("rows", [9, 16])
+def test_more_rows_than_the_kernel_serves_take_mlx_operations(rows: int) -> None:
+    """A batch past the kernel's rows (or its shared memory) gets the same results from MLX's norm,
+    add and products instead of a launch that cannot run."""
+    rng = np.random.default_rng(rows)
+    d, n, group = 256, 96, 64
+
+    def random(*shape: int, scale: float = 1.0) -> Any:
+        return mx.array(rng.standard_normal(shape).astype(np.float32) * scale).astype(mx.float16)
+
+    w, s, b = mx.quantize(random(2 * n, d, scale=0.05), group, 4)
+    wo, so, bo = mx.quantize(random(d, d, scale=0.05), group, 4)
+    h, x, nw = random(rows, 1, d), random(rows, 1, d), random(d)
+    assert not kernel_choice.normed_takes(h, w, s, b, group, 4)
+    product = mx.quantized_matmul(mx.fast.rms_norm(h, nw, 1e-5), w, s, b, True, group, 4)
+    gate, up = mx.split(product, [n], axis=-1)
+    assert mx.array_equal(kernel_choice.normed_product(h, w, s, b, group, nw, 1e-5), product).item()
+    assert mx.array_equal(kernel_choice.normed_product(h, w, s, b, group, nw, 1e-5, pair=True),
+                          gate * mx.sigmoid(gate) * up).item()
+    want = h + mx.quantized_matmul(x, wo, so, bo, True, group, 4)
+    assert mx.array_equal(kernel_choice.residual_product(x, wo, so, bo, group, h), want).item()
+
+
 def test_the_check_rejects_any_difference(monkeypatch: pytest.MonkeyPatch) -> None:
     """The forms stood in for by MLX's operations: exact, the check passes; one unit in the last
     place off in either form is rejected with a warning naming it."""

@@ -140,7 +140,8 @@ def residual_product(x: Array, weight: Array, scales: Array, biases: Array, grou
     residual form: a decode step's o_proj or down_proj and the residual add after it) where the
     kernel takes x (`kernel_takes`, a few rows), else the product and MLX's add (the same bits).
     `residual` has the product's shape and dtype."""
-    if not kernel_takes(x, weight, scales, biases, group_size, 4):
+    if (not kernel_takes(x, weight, scales, biases, group_size, 4) or residual.dtype != x.dtype
+            or tuple(residual.shape) != (*x.shape[:-1], weight.shape[0])):
         return residual + quantized_matmul(x, weight, scales, biases, group_size, 4, True)
     k, n = x.shape[-1], weight.shape[0]
     rows = x.size // k
@@ -155,7 +156,7 @@ def normed_product(h: Array, weight: Array, scales: Array, biases: Array, group_
     [gate; up] weight) silu(gate) * up of it: one kernel (the matvec kernel's normalized form: a
     decode step's RMSNorm and the product after it) where it takes h (`normed_takes`: a few rows),
     else MLX's rms_norm and the products (the same bits)."""
-    if not normed_takes(h, weight, scales, biases, group_size, 4):
+    if not normed_takes(h, weight, scales, biases, group_size, 4) or norm_weight.dtype != h.dtype:
         normed = mx.fast.rms_norm(h, norm_weight, eps)
         if pair:
             paired = silu_product(normed, weight, scales, biases, group_size, 4, True)

@@ -123,6 +123,23 @@ def test_more_rows_than_the_kernel_serves_take_mlx_operations(rows: int) -> None
     assert mx.array_equal(kernel_choice.residual_product(x, wo, so, bo, group, h), want).item()
 
 
+def test_a_residual_or_norm_of_another_type_takes_mlx_operations() -> None:
+    """One row (the kernel's shapes), but a float32 residual or norm weight beside float16 x: MLX's
+    add and norm with their type promotion, not the kernel (which writes x's type)."""
+    rng = np.random.default_rng(3)
+    d, group = 256, 64
+    w, s, b = mx.quantize(mx.array(rng.standard_normal((d, d)).astype(np.float32) * 0.05).astype(mx.float16), group, 4)
+    x = mx.array(rng.standard_normal((1, 1, d)).astype(np.float32)).astype(mx.float16)
+    h32 = mx.array(rng.standard_normal((1, 1, d)).astype(np.float32))
+    nw32 = mx.array(rng.standard_normal(d).astype(np.float32))
+    with kernel_choice.mlx_kernels_only():  # the plain products too: MLX's (this runs on CPU as well)
+        got = kernel_choice.residual_product(x, w, s, b, group, h32)
+        assert got.dtype == mx.float32
+        assert mx.array_equal(got, h32 + mx.quantized_matmul(x, w, s, b, True, group, 4)).item()
+        got = kernel_choice.normed_product(x, w, s, b, group, nw32, 1e-5)
+    assert mx.array_equal(got, mx.quantized_matmul(mx.fast.rms_norm(x, nw32, 1e-5), w, s, b, True, group, 4)).item()
+
+
 def test_the_check_rejects_any_difference(monkeypatch: pytest.MonkeyPatch) -> None:
     """The forms stood in for by MLX's operations: exact, the check passes; one unit in the last
     place off in either form is rejected with a warning naming it."""

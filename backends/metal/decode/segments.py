@@ -28,7 +28,11 @@ Where each layer's attention can run as `kernels/decode_attention.py`'s CUDA ker
 position on the device), the first, middle and last segments and those kernels are traced as one
 graph, `_trace_whole`, and a step is one call (`PYMLXC_CUDA_DECODE_ATTENTION`). Where the paired
 4-bit kernel passes its check, each block's gate/up product and SiLU product are one kernel
-(`FusedProjection.silu_product`, `PYMLXC_CUDA_GATE_UP`).
+(`FusedProjection.silu_product`, `PYMLXC_CUDA_GATE_UP`). Where the matvec kernel's residual and
+normalized forms pass their check (and the model is small enough for `auto`), each residual add runs
+inside the o_proj / down_proj product and each block norm inside the q/k/v / gate/up product that
+follows it (`_finish_block_in_products`, `PYMLXC_CUDA_MATVEC_FUSION`): the segments then carry h
+and never the normalized activations.
 The segments run the model's own block in halves (`llama.Attention.heads` before the attention
 step, `Attention.output` and `TransformerBlock.finish` after it): a model opts in by declaring
 `segmented_decode` (llama.Model does, so Mistral, Qwen 2 and Qwen 3 and any architecture built on

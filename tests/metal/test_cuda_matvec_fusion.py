@@ -79,6 +79,14 @@ def test_what_the_plan_needs(tiny) -> None:
     assert not segments.use_matvec_fusion(model, blocks, fusions, False, "1")  # not paired
     blocks[1].mlp.down_proj.use_cuda_matvec(False)
     assert not segments.use_matvec_fusion(model, blocks, fusions, True, "1")
+    qwen3 = tiny("qwen3", bits=4)  # q and k normalized: only where their norms joined the fusion
+    for m in _quantized(qwen3):
+        m.use_cuda_matvec(True)
+    blocks = segments.plan(qwen3)
+    fusions = segments.fusions_for(blocks, {})
+    assert all(f[0].fused.qk_norm_weight is not None for f in fusions)
+    fusions[1][0].fused.qk_norm_weight = None
+    assert not segments.use_matvec_fusion(qwen3, blocks, fusions, True, "1")
     assert kernel_choice.fusion_checks.known() == {}
 
 

@@ -185,6 +185,9 @@ def use_matvec_fusion(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple
     kinds = {f[0].fused.normable() if f[0] is not None else None for f in fusions}
     if None in kinds or any(kind[0] != dtype for kind in kinds if kind is not None):
         return False
+    if any(b.self_attn.qk_norms() and (f[0] is None or f[0].fused.qk_norm_weight is None)
+           for b, f in zip(blocks, fusions, strict=True)):
+        return False  # q and k normalized apart: `_project` would take the heads from h itself
     groups = {m.group_size for m in outs} | {kind[1] for kind in kinds if kind is not None}
     d = norms[0].weight.shape[0]
     return all(fusion_ready(dtype, g, d, eps) for g in sorted(groups) for eps in sorted({float(n.eps) for n in norms}))
@@ -420,9 +423,9 @@ def _project(attn: Any, x: Array, pos: Array, qkv: FusedProjection | None, rope_
     with `rope_kv` (the plan checked the fusions) [joint q and k heads before RoPE, v], or [the fused
     q/k/v output as it comes] where v is part of it, for `kernels/rope_kv.py`'s kernel. `norm`: x
     is the residual stream, which the fused product normalizes with it (the plan's `matvec_fusion`)."""
-    if norm is not None:
-        assert qkv is not None and qkv.tail is None  # use_matvec_fusion checked every fusion
     qk_norm = bool(attn.qk_norms())
+    if norm is not None:  # use_matvec_fusion checked every fusion: the branch below takes them
+        assert qkv is not None and qkv.tail is None and (not qk_norm or qkv.qk_norm_weight is not None)
     if qkv is not None and (not qk_norm or qkv.qk_norm_weight is not None):
         # One RoPE call for q and k: their heads are adjacent in the joint output [B, 1, heads * D].
         b = x.shape[0]

@@ -46,6 +46,7 @@ AUTO_MIN_BYTES_PER_LAYER = 30_000_000
 # many 4-bit bytes per block: alternated on an H200 (`probe_host_split.py`, BENCHMARKS.md) they took
 # Llama-3.2-1B's host-bound step (43 MB a block) from 849 to 1029 tok/s by the medians, and Llama-3.1-8B's
 # device-bound one (140 MB) from 314 to 304: each block of the normalized form normalizes h again.
+# The bound lies between those two sizes; no model in between was measured.
 FUSION_MAX_BYTES_PER_LAYER = 80_000_000
 _mlx_only = ThreadSetting(False)
 _the_kernel = SharedKernel(matvec_kernel.QUANTIZED_NAME, matvec_kernel.QUANTIZED_INPUTS,
@@ -54,7 +55,7 @@ _the_kernel = SharedKernel(matvec_kernel.QUANTIZED_NAME, matvec_kernel.QUANTIZED
 _the_residual = SharedKernel(matvec_kernel.RESIDUAL_NAME, matvec_kernel.RESIDUAL_INPUTS, matvec_kernel.OUTPUT_NAMES,
                              matvec_kernel.RESIDUAL_SOURCE, header=matvec_kernel.QUANTIZED_HEADER)
 _the_normed = SharedKernel(matvec_kernel.NORM_NAME, matvec_kernel.NORM_INPUTS, matvec_kernel.OUTPUT_NAMES,
-                           matvec_kernel.NORM_SOURCE, header=matvec_kernel.NORM_HEADER)
+                           matvec_kernel.NORM_SOURCE, header=norm_kernel.HEADER + matvec_kernel.QUANTIZED_HEADER)
 _the_qmm = SharedKernel(qmm_kernel.NAME, qmm_kernel.INPUTS, qmm_kernel.OUTPUT_NAMES, qmm_kernel.SOURCE,
                         header=qmm_kernel.HEADER)
 # Verdicts of the prefill kernel's check, keyed on the kernel's source and on this file's (the check's).

@@ -35,8 +35,61 @@ INPUTS = ("a", "b", "w")
 OUTPUTS = ("sum", "normed")
 READS = 8  # 2-byte elements per 16-byte load, as MLX's N_READS
 
+# MLX's `rms_norm_small` arithmetic, shared with the normalized form of the matvec kernel
+# (`kernels/matvec.py`), which normalizes its input the same way inside each of its blocks.
 HEADER = r"""
 #include <cooperative_groups/reduce.h>
+
+namespace pymlxc_rms {
+
+// 1 / sqrt(mean(x^2) + eps) of a row held by a block in 16-byte vectors of T: thread tid < NB holds
+// vectors NB * i + tid (i < NCH; none past the row's D / 8, which MLX's unaligned kernel reads as
+// zeros), threads from NB on hold none. MLX's order: each thread's squares in turn, a warp sum, then
+// the warps' sums (`partial`, NB / 32 floats of shared memory) summed by each warp.
+template <typename T, int NB, int NCH, int D>
+__device__ __forceinline__ float inverse_rms(const uint4 (&v)[NCH], float* partial, float eps) {
+  namespace cg = cooperative_groups;
+  auto block = cg::this_thread_block();
+  auto warp = cg::tiled_partition<32>(block);
+  const int tid = threadIdx.x;
+  float normalizer = 0.f;
+  if (tid < NB) {
+#pragma unroll
+    for (int i = 0; i < NCH; ++i) {
+      if (NB * i + tid >= D / 8) continue;
+      const T* e = reinterpret_cast<const T*>(&v[i]);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float t = static_cast<float>(e[j]);
+        normalizer += t * t;
+      }
+    }
+  }
+  float total = cg::reduce(warp, normalizer, cg::plus<float>());
+  if (NB > 32) {
+    if (warp.thread_rank() == 0 && warp.meta_group_rank() < NB / 32) {
+      partial[warp.meta_group_rank()] = total;
+    }
+    block.sync();
+    total = warp.thread_rank() < NB / 32 ? partial[warp.thread_rank()] : 0.f;
+    total = cg::reduce(warp, total, cg::plus<float>());
+  }
+  return rsqrt(total / static_cast<uint32_t>(D) + eps);
+}
+
+// w * T(x * inv) for the 8 values of a vector, in place: MLX's weighted normalization.
+template <typename T>
+__device__ __forceinline__ void scale_vector(uint4& x, const uint4& w, float inv) {
+  const T* we = reinterpret_cast<const T*>(&w);
+  T* xe = reinterpret_cast<T*>(&x);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    float y = static_cast<float>(xe[j]) * inv;
+    xe[j] = we[j] * static_cast<T>(y);
+  }
+}
+
+}  // namespace pymlxc_rms
 """
 
 # Template arguments: T (the 2-byte float type), BLOCK (threads per row), CHUNKS (16-byte loads per
@@ -47,9 +100,6 @@ HEADER = r"""
 # after the reduction, 3.8 us with both reads issued first, 3.2 us without the eps read
 # (benchmarks/results/h100-kernel-times-llama-cpp.json).
 SOURCE = r"""
-  namespace cg = cooperative_groups;
-  auto block = cg::this_thread_block();
-  auto warp = cg::tiled_partition<32>(block);
   __shared__ float partial[BLOCK / 32 > 0 ? BLOCK / 32 : 1];
   const size_t row = blockIdx.x;
   const int tid = threadIdx.x;
@@ -76,8 +126,6 @@ SOURCE = r"""
     bv4[i] = b4[offset];
     wv4[i] = w4[offset];
   }
-  const float epsilon = __int_as_float(EPS_BITS);
-  float normalizer = 0.f;
 #pragma unroll
   for (int i = 0; i < CHUNKS; ++i) {
     const int offset = BLOCK * i + tid;
@@ -90,34 +138,15 @@ SOURCE = r"""
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       xe[j] = ae[j] + be[j];
-      float t = static_cast<float>(xe[j]);
-      normalizer += t * t;
     }
     s4[offset] = xs[i];
   }
-  // MLX's BlockBroadcastReduce: a warp sum, then the warps' sums summed by each warp.
-  float total = cg::reduce(warp, normalizer, cg::plus<float>());
-  if (BLOCK > 32) {
-    if (warp.thread_rank() == 0) {
-      partial[warp.meta_group_rank()] = total;
-    }
-    block.sync();
-    total = warp.thread_rank() < warp.meta_group_size() ? partial[warp.thread_rank()] : 0.f;
-    total = cg::reduce(warp, total, cg::plus<float>());
-  }
-  const float inv = rsqrt(total / static_cast<uint32_t>(D) + epsilon);
+  const float inv = pymlxc_rms::inverse_rms<T, BLOCK, CHUNKS, D>(xs, partial, __int_as_float(EPS_BITS));
 #pragma unroll
   for (int i = 0; i < CHUNKS; ++i) {
     const int offset = BLOCK * i + tid;
     if (offset >= VECTORS) continue;
-    uint4 wv = wv4[i];
-    const T* we = reinterpret_cast<const T*>(&wv);
-    T* xe = reinterpret_cast<T*>(&xs[i]);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      float y = static_cast<float>(xe[j]) * inv;
-      xe[j] = we[j] * static_cast<T>(y);
-    }
+    pymlxc_rms::scale_vector<T>(xs[i], wv4[i], inv);
     n4[offset] = xs[i];
   }
 """

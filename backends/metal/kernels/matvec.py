@@ -93,8 +93,11 @@ _SOURCE = r"""
   const int warp_id = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   // PAIR: warp j takes rows j and j + N / 2 (gate and up of one hidden unit, R = 2).
   const int row0 = PAIR ? warp_id : warp_id * R;
+  const bool live = row0 < (PAIR ? HALF : N);
+  // Rows past N (the last warp's) read row N - 1 again; their sums are never written.
+  auto row_of = [&](int r) { return static_cast<size_t>(PAIR ? row0 + r * HALF : min(row0 + r, N - 1)); };
 //PROLOGUE
-  if (row0 >= (PAIR ? HALF : N)) {
+  if (!live) {
     return;
   }
 //RESIDUAL
@@ -119,8 +122,7 @@ _SOURCE = r"""
     float bi[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      // Rows past N (the last warp) read row N - 1 again; their sums are never written.
-      const size_t row = static_cast<size_t>(PAIR ? row0 + r * HALF : min(row0 + r, N - 1));
+      const size_t row = row_of(r);
       q[r] = wq[row * CHUNKS + c];
       sc[r] = static_cast<float>(scales[row * GROUPS + g]);
       bi[r] = static_cast<float>(biases[row * GROUPS + g]);
@@ -186,84 +188,45 @@ _RESIDUAL = r"""
 """
 
 # The normalized form's prologue: x is the residual stream h, and each block first computes
-# rms_norm(h) * norm into shared memory as `kernels/add_rms_norm.py` does (MLX's `rms_norm_small`:
-# NB threads of NCH 16-byte loads per row, the same sums in the same order, the same warp and block
-# reductions; threads past NB idle), so the products read bit for bit the values MLX's norm would
-# have written. Before that, each lane asks L2 for its rows' first chunks of weights: the norm's
-# round trip and the weights' then overlap.
+# rms_norm(h) * norm into shared memory with `add_rms_norm.py`'s MLX arithmetic (its HEADER, which
+# the form's header holds: NB threads of NCH 16-byte loads per row, threads past NB idle), so the
+# products read bit for bit the values MLX's norm would have written. Before that, each lane asks
+# L2 for its rows' first chunks of weights: the norm's round trip and the weights' then overlap.
 _PROLOGUE = r"""
-  namespace cg = cooperative_groups;
-  auto block = cg::this_thread_block();
-  auto warp = cg::tiled_partition<32>(block);
   __shared__ __align__(16) uint16_t xn_bits[M * D];  // T has constructors: not a __shared__ type
   T* xn = reinterpret_cast<T*>(xn_bits);
-  __shared__ float partial[32];
-  if (row0 < (PAIR ? HALF : N) && lane < CHUNKS) {
+  __shared__ float partial[NB / 32];
+  if (live && lane < CHUNKS) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const size_t row = static_cast<size_t>(PAIR ? row0 + r * HALF : min(row0 + r, N - 1));
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const uint4*>(w) + row * CHUNKS + lane));
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const uint4*>(w) + row_of(r) * CHUNKS + lane));
     }
   }
   {
-    constexpr int VECTORS = D / 8;
     const int tid = threadIdx.x;
     const uint4* w4 = reinterpret_cast<const uint4*>(norm);
-    const float epsilon = __int_as_float(EPS_BITS);
 #pragma unroll 1
     for (int m = 0; m < M; ++m) {
       const uint4* h4 = reinterpret_cast<const uint4*>(x + static_cast<size_t>(m) * D);
+      uint4* xn4 = reinterpret_cast<uint4*>(xn + static_cast<size_t>(m) * D);
       uint4 hv4[NCH];
       uint4 wv4[NCH];
-      float normalizer = 0.f;
-      if (tid < NB) {
 #pragma unroll
-        for (int i = 0; i < NCH; ++i) {
-          const int offset = NB * i + tid;
-          if (offset >= VECTORS) continue;
-          hv4[i] = h4[offset];
-          wv4[i] = w4[offset];
-        }
-#pragma unroll
-        for (int i = 0; i < NCH; ++i) {
-          const int offset = NB * i + tid;
-          if (offset >= VECTORS) continue;
-          const T* he = reinterpret_cast<const T*>(&hv4[i]);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            float t = static_cast<float>(he[j]);
-            normalizer += t * t;
-          }
+      for (int i = 0; i < NCH; ++i) {
+        if (tid < NB && NB * i + tid < D / 8) {
+          hv4[i] = h4[NB * i + tid];
+          wv4[i] = w4[NB * i + tid];
         }
       }
-      float total = cg::reduce(warp, normalizer, cg::plus<float>());
-      if (NB > 32) {
-        if (warp.thread_rank() == 0 && warp.meta_group_rank() < NB / 32) {
-          partial[warp.meta_group_rank()] = total;
-        }
-        block.sync();
-        total = warp.thread_rank() < NB / 32 ? partial[warp.thread_rank()] : 0.f;
-        total = cg::reduce(warp, total, cg::plus<float>());
-      }
-      const float inv = rsqrt(total / static_cast<uint32_t>(D) + epsilon);
-      if (tid < NB) {
+      const float inv = pymlxc_rms::inverse_rms<T, NB, NCH, D>(hv4, partial, __int_as_float(EPS_BITS));
 #pragma unroll
-        for (int i = 0; i < NCH; ++i) {
-          const int offset = NB * i + tid;
-          if (offset >= VECTORS) continue;
-          uint4 hv = hv4[i];
-          uint4 wv = wv4[i];
-          const T* we = reinterpret_cast<const T*>(&wv);
-          T* he = reinterpret_cast<T*>(&hv);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            float y = static_cast<float>(he[j]) * inv;
-            he[j] = we[j] * static_cast<T>(y);
-          }
-          reinterpret_cast<uint4*>(xn + static_cast<size_t>(m) * D)[offset] = hv;
+      for (int i = 0; i < NCH; ++i) {
+        if (tid < NB && NB * i + tid < D / 8) {
+          pymlxc_rms::scale_vector<T>(hv4[i], wv4[i], inv);
+          xn4[NB * i + tid] = hv4[i];
         }
       }
-      block.sync();  // xn is whole, and `partial` free for the next row
+      __syncthreads();  // xn is whole, and `partial` free for the next row
     }
   }
 """
@@ -287,12 +250,10 @@ RESIDUAL_INPUTS = (*QUANTIZED_INPUTS, "residual")
 RESIDUAL_SOURCE = _source("residual")
 NORM_NAME = "pymlxc_qmv4_norm"
 NORM_INPUTS = (*QUANTIZED_INPUTS, "norm")
-NORM_SOURCE = _source("norm")
-NORM_HEADER = "#include <cooperative_groups/reduce.h>\n" + QUANTIZED_HEADER
-# The normalized form keeps M rows of normalized x in shared memory: 32 KB at most. Each of its
-# blocks normalizes h before its products, so it runs blocks of more threads than the plain form.
+NORM_SOURCE = _source("norm")  # its header: `add_rms_norm.HEADER` before QUANTIZED_HEADER
+# The normalized form keeps M rows of normalized x in shared memory: 32 KB at most. (Blocks of 512
+# threads, a quarter as many norms, decoded Llama-3.1-8B slower on an H200: BENCHMARKS.md.)
 NORM_MAX_BYTES = 32768
-NORM_THREADS_PER_BLOCK = 128
 
 
 def quantized_applies(x_rows: int, k: int, bits: int, group_size: int, dtype_size: int) -> bool:
@@ -304,7 +265,7 @@ def quantized_applies(x_rows: int, k: int, bits: int, group_size: int, dtype_siz
 def norm_applies(x_rows: int, k: int, dtype_size: int, norm_threads: int) -> bool:
     """Whether the normalized form takes x (x_rows, k): its normalized rows fit the shared memory and
     MLX's norm for rows of k runs on no more threads than a block of this kernel has."""
-    return x_rows * k * dtype_size <= NORM_MAX_BYTES and norm_threads <= min(THREADS_PER_BLOCK, NORM_THREADS_PER_BLOCK)
+    return x_rows * k * dtype_size <= NORM_MAX_BYTES and norm_threads <= THREADS_PER_BLOCK
 
 
 def launch(x_rows: int, k: int, n: int, dtype: Any, group_size: int,
@@ -319,5 +280,4 @@ def launch(x_rows: int, k: int, n: int, dtype: Any, group_size: int,
     if norm is not None:
         threads, loads, eps_bits = norm
         template += [("D", k), ("NB", threads), ("NCH", loads), ("EPS_BITS", eps_bits)]
-    threads = THREADS_PER_BLOCK if norm is None else NORM_THREADS_PER_BLOCK
-    return {"grid": (warps * 32, 1, 1), "threadgroup": (threads, 1, 1), "template": template}
+    return {"grid": (warps * 32, 1, 1), "threadgroup": (THREADS_PER_BLOCK, 1, 1), "template": template}

@@ -268,22 +268,20 @@ class FusedProjection(Module):
         y = quantized_matmul(x, weight, scales, biases, self._group_size, self._bits, self._cuda_matvec)
         return y if self._bias is None else y + self._bias
 
-    def pairable(self) -> tuple[Any, int] | None:
-        """(the scales' dtype, the group size) where this fusion is a gate/up pair the paired 4-bit
-        kernel can take (two halves of one size on pymlxc's matvec kernel, no bias, no tail); else None."""
-        if (self._weight is None or self._scales is None or not self._cuda_matvec or self._bits != 4
-                or self._bias is not None or self.tail is not None or len(self._sizes) != 2
-                or self._sizes[0] != self._sizes[1]):
-            return None
-        return self._scales.dtype, self._group_size
-
     def normable(self) -> tuple[Any, int] | None:
-        """(the scales' dtype, the group size) where the normalized form of pymlxc's matvec kernel
-        can compute this fusion's product (4-bit on that kernel, no tail); else None."""
+        """(the scales' dtype, the group size) where pymlxc's 4-bit matvec kernel, plain or in its
+        normalized form, computes this fusion's product (4-bit on that kernel, no tail); else None."""
         if (self._weight is None or self._scales is None or not self._cuda_matvec or self._bits != 4
                 or self.tail is not None):
             return None
         return self._scales.dtype, self._group_size
+
+    def pairable(self) -> tuple[Any, int] | None:
+        """`normable`'s (dtype, group size) where this fusion is also a gate/up pair the paired
+        kernel can take (two halves of one size, no bias); else None."""
+        if self._bias is not None or len(self._sizes) != 2 or self._sizes[0] != self._sizes[1]:
+            return None
+        return self.normable()
 
     def silu_product(self, x: Array, norm: Any = None) -> Array | None:
         """silu(gate) * up of a gate/up fusion as one kernel (`kernel_choice.silu_product`) where
@@ -487,10 +485,8 @@ def _finish_block_in_products(block: Any, attn_out: Array, h: Array, gate_up: Fu
     norm): the block's output, which the next product normalizes itself. Three kernels."""
     attn, mlp = block.self_attn, block.mlp
     assert gate_up is not None  # use_matvec_fusion checked the fusions
-    b = attn_out.shape[0]
-    flat = attn_out if attn_out.ndim == 3 else mx.reshape(attn_out, (b, 1, attn_out.shape[1] * attn_out.shape[3]))
     o, down = attn.o_proj, mlp.down_proj
-    h = residual_product(flat, o.weight, o.scales, o.biases, o.group_size, h)
+    h = residual_product(llama.one_token_rows(attn_out), o.weight, o.scales, o.biases, o.group_size, h)
     gate_up.pair_silu = True
     product = gate_up.silu_product(h, block.post_attention_layernorm)
     assert product is not None  # paired (the plan's pair_silu)

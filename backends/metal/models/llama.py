@@ -124,11 +124,10 @@ class Attention(nn.Module):
 
     def output(self, out: Array, one_token: bool = False) -> Array:
         """o_proj of the attention's output [B, heads, L, D] -> [B, L, dim]; with `one_token` also
-        [B, 1, dim] as it is (a kernel's flat output: a reshape to the same shape would still be a
-        graph node)."""
-        b = out.shape[0]
+        a kernel's flat [B, 1, heads * D] (`one_token_rows`)."""
         if one_token:
-            return self.o_proj(out if out.ndim == 3 else _reshape(out, (b, 1, out.shape[1] * out.shape[3])))
+            return self.o_proj(one_token_rows(out))
+        b = out.shape[0]
         return self.o_proj(_reshape(_transpose(out, (0, 2, 1, 3)), (b, -1, self.n_heads * out.shape[3])))
 
     def __call__(self, x: Array, mask: Mask, cache: Cache | None, last_only: bool = False) -> Array:
@@ -141,6 +140,12 @@ class Attention(nn.Module):
         if last_only:
             q, mask = last_query(q, mask)
         return self.output(attention(q, k, v, scale=self.scale, mask=mask))
+
+
+def one_token_rows(out: Array) -> Array:
+    """One token's attention output [B, heads, 1, D] as o_proj takes it, [B, 1, heads * D] (a
+    kernel's flat output as it is: a reshape to the same shape would still be a graph node)."""
+    return out if out.ndim == 3 else _reshape(out, (out.shape[0], 1, out.shape[1] * out.shape[3]))
 
 
 class MLP(nn.Module):

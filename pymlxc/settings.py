@@ -83,6 +83,11 @@ class Settings:
         "two kernels fewer per layer. `auto`: on CUDA for models of at most 80 MB of 4-bit layers a block "
         "(`kernel_choice.FUSION_MAX_BYTES_PER_LAYER`: on an H200 Llama-3.2-1B 4-bit decoded 849 -> 1029 tok/s, "
         "Llama-3.1-8B 314 -> 304); `1`: any size.")
+    cuda_rope_in_product: str = _switch(
+        "Segmented decode with the normalized q/k/v product (`PYMLXC_CUDA_MATVEC_FUSION`) and the RoPE + "
+        "cache-write kernel: each layer's RoPE and key/value writes inside that product (`kernels/matvec.py`'s "
+        "RoPE form; `kernels/rope_kv.py`'s arithmetic reproduced bit for bit): one kernel fewer per layer. "
+        "`auto`: wherever the normalized products run.")
     cuda_matvec: str = _switch(
         "4-bit quantized products of few rows through pymlxc's CUDA kernel (`kernels/matvec.py`), "
         "chosen at load. `auto`: on CUDA for models whose layers are large enough for it to pay; "

@@ -37,6 +37,7 @@ from pymlxc.core.cuda_kernel import SharedKernel, float32_bits
 from .kernels import add_rms_norm as norm_kernel
 from .kernels import matvec as matvec_kernel
 from .kernels import qmm as qmm_kernel
+from .kernels import rope_kv as rope_kernel
 from .kernels.check import CheckedOnce
 from .thread_setting import ThreadSetting
 
@@ -54,8 +55,13 @@ _the_kernel = SharedKernel(matvec_kernel.QUANTIZED_NAME, matvec_kernel.QUANTIZED
                            header=matvec_kernel.QUANTIZED_HEADER)
 _the_residual = SharedKernel(matvec_kernel.RESIDUAL_NAME, matvec_kernel.RESIDUAL_INPUTS, matvec_kernel.OUTPUT_NAMES,
                              matvec_kernel.RESIDUAL_SOURCE, header=matvec_kernel.QUANTIZED_HEADER)
+# The normalized forms' header: add_rms_norm's device functions (MLX's norm arithmetic), then the matvec's.
+_NORM_HEADER = norm_kernel.HEADER + matvec_kernel.QUANTIZED_HEADER
 _the_normed = SharedKernel(matvec_kernel.NORM_NAME, matvec_kernel.NORM_INPUTS, matvec_kernel.OUTPUT_NAMES,
-                           matvec_kernel.NORM_SOURCE, header=norm_kernel.HEADER + matvec_kernel.QUANTIZED_HEADER)
+                           matvec_kernel.NORM_SOURCE, header=_NORM_HEADER)
+# Writes the key/value buffers in place through its inputs: they must reach it as they are (strided).
+_the_rope = SharedKernel(matvec_kernel.ROPE_NAME, matvec_kernel.ROPE_INPUTS, matvec_kernel.OUTPUT_NAMES,
+                         matvec_kernel.ROPE_SOURCE, header=_NORM_HEADER, ensure_row_contiguous=False)
 _the_qmm = SharedKernel(qmm_kernel.NAME, qmm_kernel.INPUTS, qmm_kernel.OUTPUT_NAMES, qmm_kernel.SOURCE,
                         header=qmm_kernel.HEADER)
 # Verdicts of the prefill kernel's check, keyed on the kernel's source and on this file's (the check's).
@@ -188,6 +194,35 @@ def normed_takes(h: Array, weight: Array, scales: Array, biases: Array, group_si
             and matvec_kernel.norm_applies(h.size // k, k, h.dtype.size, geometry[0]))
 
 
+def rope_takes(h: Array, weight: Array, scales: Array, biases: Array, group_size: int, keys: Array, values: Array,
+               n_heads: int) -> bool:
+    """Whether `normed_rope_product` computes this layer's step: `normed_takes`, the weight's rows
+    are q, k and v heads of the buffers' size (values of the keys' size), all of h's type."""
+    hkv, d = keys.shape[1], keys.shape[3]
+    return (normed_takes(h, weight, scales, biases, group_size, 4) and d % 2 == 0 and values.shape[3] == d
+            and keys.dtype == values.dtype == h.dtype and weight.shape[0] == (n_heads + 2 * hkv) * d)
+
+
+def normed_rope_product(h: Array, weight: Array, scales: Array, biases: Array, group_size: int,
+                        norm_weight: Array, eps: float, pos: Array, keys: Array, values: Array,
+                        rope: rope_kernel.Rope, n_heads: int) -> tuple[Array, Array, Array]:
+    """A layer's q/k/v step in one kernel: `normed_product`'s q/k/v of h, then what
+    `rope_kv.rope_write_kv` does with them (queries RoPE'd at `pos` [B, n_heads, 1, D] returned, the
+    key RoPE'd and the value written into `keys` / `values` at slot `pos` in place). `rope_takes` must
+    hold; returns (queries, keys, values), the buffers the same arrays."""
+    k, n = h.shape[-1], weight.shape[0]
+    rows = h.size // k
+    geometry = norm_kernel.geometry(k)
+    assert geometry is not None  # rope_takes
+    launch = matvec_kernel.launch(rows, k, n, h.dtype, group_size, norm=(*geometry, float32_bits(eps)))
+    launch["template"] = [*launch["template"], ("HQ", n_heads), ("HKV", keys.shape[1]), ("DH", keys.shape[3]),
+                          ("FREQS", rope.with_freqs), ("SCALE_BITS", float32_bits(rope.scale_value)),
+                          ("LOG2_BASE_BITS", 0 if rope.with_freqs else float32_bits(rope.log2_base))]
+    (q,) = _the_rope()([h, weight, scales, biases, norm_weight, pos, rope.table, keys, values],
+                       output_shapes=[(rows, n_heads, 1, keys.shape[3])], output_dtypes=[h.dtype], **launch)
+    return q, keys, values
+
+
 # Verdicts of the residual and normalized forms' check, keyed on the kernel's source and this file's.
 fusion_checks = CheckedOnce("pymlxc's CUDA matvec with the residual add and the RMSNorm inside",
                             source=(matvec_kernel.__file__, norm_kernel.__file__, __file__))
@@ -198,6 +233,48 @@ def fusion_ready(dtype: Any, group_size: int, d: int, eps: float) -> bool:
     products with MLX's add and rms_norm (rows of `d`, this eps) around them (once per machine and key)."""
     return fusion_checks.verdict(("fusion", str(dtype), group_size, d, float32_bits(eps)),
                                  lambda: _compare_fusion(dtype, group_size, d, eps))
+
+
+def rope_fusion_ready(dtype: Any, group_size: int, d: int, eps: float, n_heads: int, n_kv_heads: int, head_dim: int,
+                      rope: rope_kernel.Rope) -> bool:
+    """Whether the RoPE form runs here and gives, bit for bit, the normalized form's q/k/v with
+    `rope_kv.rope_write_kv` after it, at positions from 0 to 8191 (once per machine and key)."""
+    key = ("rope", str(dtype), group_size, d, float32_bits(eps), n_heads, n_kv_heads, head_dim, rope.key)
+    return fusion_checks.verdict(key, lambda: _compare_rope(dtype, group_size, d, eps, n_heads, n_kv_heads, head_dim,
+                                                            rope))
+
+
+def _compare_rope(dtype: Any, group_size: int, d: int, eps: float, hq: int, hkv: int, dh: int,
+                  rope: rope_kernel.Rope) -> str | None:
+    import numpy as np  # noqa: PLC0415 - the check alone needs it
+
+    rng = np.random.default_rng(0)
+    slots = 8192
+
+    def random(*shape: int, scale: float = 1.0) -> Array:
+        return mx.array(rng.standard_normal(shape).astype(np.float32) * scale).astype(dtype)
+
+    w, s, b = mx.quantize(random((hq + 2 * hkv) * dh, d, scale=0.05), group_size, 4)
+    norm_weight = random(d)
+    keys, values = random(1, hkv, slots, dh), random(1, hkv, slots, dh)
+    got_k, got_v = rope_kernel.private_copy(keys), rope_kernel.private_copy(values)
+    want_k, want_v = rope_kernel.private_copy(keys), rope_kernel.private_copy(values)
+    mx.eval(got_k, got_v, want_k, want_v)
+    for p in (0, 1, 77, 1000, 4097, slots - 1):
+        h = random(1, 1, d)
+        if not rope_takes(h, w, s, b, group_size, got_k, got_v, hq):
+            return f"it does not take these shapes ({hq} + {hkv} heads of {dh}, rows of {d})"
+        pos = mx.array([p] * 4, dtype=mx.int32)  # as the decode segments carry it
+        q, got_k, got_v = normed_rope_product(h, w, s, b, group_size, norm_weight, eps, pos, got_k, got_v, rope, hq)
+        mx.eval(q)
+        qkv = normed_product(h, w, s, b, group_size, norm_weight, eps)
+        want_q, want_k, want_v = rope_kernel.rope_write_kv(qkv, None, pos, want_k, want_v, rope, hq)
+        mx.eval(want_q)
+        same = [bool(mx.array_equal(a, e).item()) for a, e in ((q, want_q), (got_k, want_k), (got_v, want_v))]
+        if not all(same):
+            what = ", ".join(n for n, ok in zip(("queries", "keys", "values"), same, strict=True) if not ok)
+            return f"its RoPE form's {what} at position {p} differ ({dtype}, group {group_size}, head size {dh})"
+    return None
 
 
 def _compare_fusion(dtype: Any, group_size: int, d: int, eps: float) -> str | None:

@@ -23,6 +23,7 @@ from pymlxc.backends.metal import kernel_choice, nn
 from pymlxc.backends.metal.decode import segments
 from pymlxc.backends.metal.decode.decoder import CompiledDecoder
 from pymlxc.backends.metal.kernels import add_rms_norm as cuda_norm
+from pymlxc.backends.metal.kernels import rope_kv as cuda_rope_kv
 
 from .cuda_decode_helpers import (
     ON_CUDA,
@@ -227,6 +228,60 @@ def test_the_restructured_step_keeps_the_tokens(tiny, monkeypatch: pytest.Monkey
     decoder.close()
 
 
+@pytest.mark.parametrize("rope_setting", ["auto", "0"])
+def test_the_rope_form_keeps_the_tokens(tiny, monkeypatch: pytest.MonkeyPatch, switches: Any,
+                                        rope_setting: str) -> None:
+    """The forms, the RoPE kernel and the RoPE form stood in for by MLX's operations: with the RoPE
+    form each q/k/v step of the first and middle traces is one call of it (no separate normalized
+    product, no RoPE kernel), `0` keeps the normalized product and the RoPE kernel, and the tokens
+    are the uncompiled loop's either way."""
+    model = tiny(bits=4)
+    want = greedy_ids(model, None)
+    for m in _quantized(model):
+        m.use_cuda_matvec(True)
+    calls: list[str] = []
+
+    def product(x: Any, w: Any, s: Any, b: Any, group: int) -> Any:
+        return mx.quantized_matmul(x, w, s, b, True, group, 4)
+
+    def normed(h: Any, w: Any, s: Any, b: Any, group: int, nw: Any, eps: float, pair: bool = False) -> Any:
+        calls.append("pair" if pair else "normed")
+        y = product(mx.fast.rms_norm(h, nw, eps), w, s, b, group)
+        if pair:
+            gate, up = mx.split(y, [w.shape[0] // 2], axis=-1)
+            y = gate * mx.sigmoid(gate) * up
+        return y
+
+    def rope_form(h: Any, w: Any, s: Any, b: Any, group: int, nw: Any, eps: float, pos: Any, keys: Any,
+                  values: Any, rope: Any, n_heads: int) -> Any:
+        calls.append("rope form")
+        qkv = product(mx.fast.rms_norm(h, nw, eps), w, s, b, group)
+        return cuda_rope_kv.reference(qkv, None, pos, keys, values, rope.mlx, n_heads)
+
+    def rope_kernel(qk: Any, v: Any, pos: Any, keys: Any, values: Any, rope: Any, n_heads: int) -> Any:
+        calls.append("rope kernel")
+        return cuda_rope_kv.reference(qk, v, pos, keys, values, rope.mlx, n_heads)
+
+    monkeypatch.setattr(kernel_choice, "_use", lambda cuda_matvec: False)
+    monkeypatch.setattr(segments, "residual_product", lambda x, w, s, b, g, res: res + product(x, w, s, b, g))
+    monkeypatch.setattr(segments, "normed_product", normed)
+    monkeypatch.setattr(segments, "normed_rope_product", rope_form)
+    monkeypatch.setattr(segments, "fusion_ready", lambda *a: True)
+    monkeypatch.setattr(segments, "rope_fusion_ready", lambda *a: True)
+    monkeypatch.setattr(segments, "pair_ready", lambda *a: True)
+    monkeypatch.setattr(cuda_rope_kv, "check", lambda *a: True)
+    monkeypatch.setattr(cuda_rope_kv, "rope_write_kv", rope_kernel)
+    for variable in ("PYMLXC_CUDA_MATVEC_FUSION", "PYMLXC_CUDA_GATE_UP", "PYMLXC_CUDA_ROPE_KV"):
+        switches.env(variable, "1")
+    switches.env("PYMLXC_CUDA_ROPE_IN_PRODUCT", rope_setting)
+    decoder = CompiledDecoder(model, "segmented")
+    assert greedy_ids(model, decoder) == want
+    assert plan_flags(decoder, "rope_in_product") == {rope_setting == "auto"}
+    step = ["rope form"] if rope_setting == "auto" else ["normed", "rope kernel"]
+    assert calls == [*step, "pair", *step, "pair"]
+    decoder.close()
+
+
 # ---------------------------------------------------------------------- on CUDA
 
 @cuda_only
@@ -270,4 +325,21 @@ def test_decoding_with_the_forms_keeps_the_tokens(tiny, switches: Any, arch: str
     decoder = CompiledDecoder(model, "segmented")
     assert greedy_ids(model, decoder, n=40) == want
     assert plan_flags(decoder, "matvec_fusion") == {True}
+    assert plan_flags(decoder, "rope_in_product") == {arch == "llama"}  # Qwen 3 normalizes q and k first
     decoder.close()
+
+
+@cuda_only
+@pytest.mark.parametrize(("hq", "hkv", "dh", "d", "group"), [(32, 8, 64, 2048, 64), (8, 2, 128, 1024, 32),
+                                                            (4, 4, 64, 512, 128)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("freqs", [False, True])
+def test_the_rope_form_is_the_normalized_product_and_the_rope_kernel(hq: int, hkv: int, dh: int, d: int, group: int,
+                                                                     dtype: str, freqs: bool) -> None:
+    """The check itself (bit for bit at positions 0 to 8191) passes for Llama-like RoPEs, by base and
+    by a frequency table."""
+    table = mx.array((10000.0 ** (np.arange(0, dh, 2) / dh)).astype(np.float32)) if freqs else None
+    rope = cuda_rope_kv.rope_table(dims=dh, traditional=False, base=None if freqs else 500000.0, scale=1.0,
+                                   freqs=table, head_dim=dh)
+    assert rope is not None
+    assert kernel_choice.rope_fusion_ready(getattr(mx, dtype), group, d, 1e-5, hq, hkv, dh, rope)

@@ -223,6 +223,8 @@ class CompiledDecoder:
         self.cuda_gate_up = settings.cuda_gate_up
         # Segmented mode on CUDA: residual adds and block norms inside the 4-bit products (kernels/matvec.py).
         self.cuda_matvec_fusion = settings.cuda_matvec_fusion
+        # Segmented mode on CUDA: RoPE and the key/value writes inside the normalized q/k/v product.
+        self.cuda_rope_in_product = settings.cuda_rope_in_product
         self._fusions: dict[int, Any] = {}
         self._plans: dict[tuple[Any, ...], Any] = {}  # segments.SegmentPlan per segmented key
         self._recent_plan: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None  # (signature and flags, key)
@@ -344,8 +346,10 @@ class CompiledDecoder:
             attention = segments.use_decode_attention(model, blocks, rope, self.cuda_decode_attention)
             pair_silu = segments.use_pair_silu(fusions, self.cuda_gate_up)
             matvec_fusion = segments.use_matvec_fusion(model, blocks, fusions, pair_silu, self.cuda_matvec_fusion)
+            rope_in_product = segments.use_rope_in_product(model, blocks, fusions, rope, matvec_fusion,
+                                                           self.cuda_rope_in_product)
             seg_key = ("segmented", structure, fuse_greedy, fusions is not None, fused_norm, argmax, rope is not None,
-                       attention, pair_silu, matvec_fusion)
+                       attention, pair_silu, matvec_fusion, rope_in_product)
             if seg_key in self._failed:
                 return None
             with self._lock:
@@ -353,7 +357,8 @@ class CompiledDecoder:
                 if seg_plan is None or seg_plan.signature != signature:
                     self._plans.pop(seg_key, None)  # an old plan's arrays go first
                     seg_plan = segments.SegmentPlan(model, blocks, fuse_greedy, self.stats, fusions, signature,
-                                                    fused_norm, argmax, rope, attention, pair_silu, matvec_fusion)
+                                                    fused_norm, argmax, rope, attention, pair_silu, matvec_fusion,
+                                                    rope_in_product)
                     self._plans[seg_key] = seg_plan
                 self._recent_plan = ((signature, fuse_greedy, self.fuse_projections), seg_key)
         assert seg_key is not None and seg_plan is not None  # found or made together above

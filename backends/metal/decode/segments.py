@@ -57,9 +57,12 @@ from ..kernel_choice import (
     FUSION_MAX_BYTES_PER_LAYER,
     fusion_ready,
     normed_product,
+    normed_rope_product,
     pair_ready,
     quantized_matmul,
     residual_product,
+    rope_fusion_ready,
+    rope_takes,
 )
 from ..kernel_choice import silu_product as kernel_silu_product
 from ..kernels import add_rms_norm as norm_kernel
@@ -193,6 +196,30 @@ def use_matvec_fusion(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple
     return all(fusion_ready(dtype, g, d, eps) for g in sorted(groups) for eps in sorted({float(n.eps) for n in norms}))
 
 
+def use_rope_in_product(model: Any, blocks: Sequence[Any],
+                        fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None,
+                        rope: rope_kv_kernel.Rope | None, matvec_fusion: bool, setting: str) -> bool:
+    """Whether each layer's RoPE and key/value writes run inside its normalized q/k/v product (the
+    matvec kernel's RoPE form, `kernel_choice.normed_rope_product`) instead of as
+    `kernels/rope_kv.py`'s kernel after it: `setting` (PYMLXC_CUDA_ROPE_IN_PRODUCT: auto = with
+    `matvec_fusion`, or 0) allows it, the plan has both the normalized products (`matvec_fusion`)
+    and the RoPE kernel (`rope`), no block normalizes q and k (Qwen 3) or adds a q/k/v bias, and
+    the form passes its check for each group size and eps."""
+    if setting == "0" or not matvec_fusion or rope is None or not fusions:
+        return False
+    attns = [b.self_attn for b in blocks]
+    joint = [f[0].fused for f in fusions if f[0] is not None]
+    if any(a.qk_norms() for a in attns) or any(f.has_bias for f in joint):
+        return False
+    first = attns[0]
+    dtype = model.compute_dtype
+    norms = [b.input_layernorm for b in blocks]
+    d = norms[0].weight.shape[0]
+    groups = sorted({kind[1] for f in joint if (kind := f.normable()) is not None})
+    return all(rope_fusion_ready(dtype, g, d, eps, first.n_heads, first.n_kv_heads, first.head_dim, rope)
+               for g in groups for eps in sorted({float(n.eps) for n in norms}))
+
+
 def use_decode_attention(model: Any, blocks: Sequence[Any], rope: rope_kv_kernel.Rope | None, setting: str
                          ) -> str | None:
     """How the whole step runs as one graph (`_trace_whole`), or None to keep the segments:
@@ -267,6 +294,22 @@ class FusedProjection(Module):
         assert weight is not None and scales is not None and biases is not None  # given where weight_t is not
         y = quantized_matmul(x, weight, scales, biases, self._group_size, self._bits, self._cuda_matvec)
         return y if self._bias is None else y + self._bias
+
+    @property
+    def has_bias(self) -> bool:
+        return self._bias is not None
+
+    def rope_product(self, h: Array, norm: Any, positions: Array, keys: Array, values: Array,
+                     rope: rope_kv_kernel.Rope, n_heads: int) -> tuple[Array, Array, Array] | None:
+        """(queries RoPE'd, keys, values) of the layer's step as the RoPE form of the normalized
+        product (`kernel_choice.normed_rope_product`: the key and value written in place), or None
+        where it does not take these arrays (the caller then projects and runs the RoPE kernel)."""
+        weight, scales, biases = self._weight, self._scales, self._biases
+        if (weight is None or scales is None or biases is None or self._bias is not None
+                or not rope_takes(h, weight, scales, biases, self._group_size, keys, values, n_heads)):
+            return None
+        return normed_rope_product(h, weight, scales, biases, self._group_size, norm.weight, norm.eps, positions,
+                                   keys, values, rope, n_heads)
 
     def normable(self) -> tuple[Any, int] | None:
         """(the scales' dtype, the group size) where pymlxc's 4-bit matvec kernel, plain or in its
@@ -500,6 +543,12 @@ def _heads(group: SegmentGroup, attn: Any, x: Array, positions: Array, qkv: Fuse
     the same buffers come back). `positions`: the step's position, as the session carries it."""
     # MLX's ops take the scalar; the kernel reads the first element of the carried array itself, and
     # on its path the trace holds no view (an unused one is not part of the compiled graph).
+    if group.rope_in_product and norm is not None and qkv is not None:
+        keys, values, table = kv_inputs
+        done = qkv.rope_product(x, norm, positions, keys, values, dataclasses.replace(group.rope, table=table),
+                                attn.n_heads) if group.rope is not None else None
+        if done is not None:
+            return list(done)
     pos = rope_kv_kernel.scalar_position(positions) if group.rope is not None else positions
     heads = _project(attn, x, pos, qkv, group.rope is not None, norm)
     if group.rope is None:
@@ -665,6 +714,7 @@ class SegmentGroup:
     pair_silu: bool = False  # each gate/up product and SiLU product as the paired matvec kernel
     # residual adds inside the o/down products, block norms inside the q/k/v and gate/up products
     matvec_fusion: bool = False
+    rope_in_product: bool = False  # RoPE and the key/value writes inside the normalized q/k/v product
 
     @property
     def kv_inputs(self) -> int:
@@ -718,7 +768,7 @@ class SegmentPlan:
                  fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None, signature: tuple[int, ...],
                  fused_norm: bool = False, cuda_argmax: bool = False,
                  rope: rope_kv_kernel.Rope | None = None, attention: str | None = None,
-                 pair_silu: bool = False, matvec_fusion: bool = False) -> None:
+                 pair_silu: bool = False, matvec_fusion: bool = False, rope_in_product: bool = False) -> None:
         inner = model.model
         tied = model.lm_head is None
         fusions = fusions or [(None, None)] * len(blocks)
@@ -726,16 +776,17 @@ class SegmentPlan:
         gate_up = [f[1].fused if f[1] is not None else None for f in fusions]
         self.pair_silu = pair_silu
         self.matvec_fusion = matvec_fusion
+        self.rope_in_product = rope_in_product
         self.signature = signature
         self.fuse_greedy = fuse_greedy
         self.rope = rope  # each layer's RoPE and key/value writes as `kernels/rope_kv.py`'s kernel
         self.rope_kv = rope is not None
         self.first = segment_group([inner.embed_tokens, blocks[0].input_layernorm, blocks[0].self_attn, qkv[0]], stats,
-                            rope=rope, matvec_fusion=matvec_fusion)
+                            rope=rope, matvec_fusion=matvec_fusion, rope_in_product=rope_in_product)
         self.fused_norm = fused_norm
         self.mids = [segment_group([blocks[i], gate_up[i], blocks[i + 1].input_layernorm, blocks[i + 1].self_attn,
                              qkv[i + 1]], stats, fused_norm=fused_norm, rope=rope, pair_silu=pair_silu,
-                                    matvec_fusion=matvec_fusion)
+                                    matvec_fusion=matvec_fusion, rope_in_product=rope_in_product)
                      for i in range(len(blocks) - 1)]
         self.last = segment_group([blocks[-1], gate_up[-1], inner.norm, inner.embed_tokens, model.lm_head], stats,
                            tied=tied, fuse_greedy=fuse_greedy, fused_norm=fused_norm,
@@ -877,6 +928,7 @@ class SegmentedSession:
                 self._buffers = []
 
 
-__all__ = ["plan", "rope_of", "use_decode_attention", "use_matvec_fusion", "use_pair_silu", "WholeStep",
+__all__ = ["plan", "rope_of", "use_decode_attention", "use_matvec_fusion", "use_pair_silu", "use_rope_in_product",
+           "WholeStep",
            "fuse", "fusions_for", "FusedProjection", "Fusion", "SegmentFunctions", "SegmentGroup",
            "SegmentPlan", "SegmentedSession", "call_segment", "segment_group"]

@@ -91,11 +91,7 @@ _SOURCE = r"""
   const int lane = threadIdx.x & 31;
   const int HALF = N / 2;
   const int warp_id = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  // PAIR: warp j takes rows j and j + N / 2 (gate and up of one hidden unit, R = 2).
-  const int row0 = PAIR ? warp_id : warp_id * R;
-  const bool live = row0 < (PAIR ? HALF : N);
-  // Rows past N (the last warp's) read row N - 1 again; their sums are never written.
-  auto row_of = [&](int r) { return static_cast<size_t>(PAIR ? row0 + r * HALF : min(row0 + r, N - 1)); };
+//ROWS
 //PROLOGUE
   if (!live) {
     return;
@@ -232,13 +228,99 @@ _PROLOGUE = r"""
 """
 
 
+_ROWS = r"""
+  // PAIR: warp j takes rows j and j + N / 2 (gate and up of one hidden unit, R = 2).
+  const int row0 = PAIR ? warp_id : warp_id * R;
+  const bool live = row0 < (PAIR ? HALF : N);
+  // Rows past N (the last warp's) read row N - 1 again; their sums are never written.
+  auto row_of = [&](int r) { return static_cast<size_t>(PAIR ? row0 + r * HALF : min(row0 + r, N - 1)); };
+"""
+
+# The RoPE form's rows: warp j < PAIRS takes rows i and i + DH / 2 of q/k head h (j = h DH / 2 + i),
+# the two values one rotation mixes; the others take two adjacent value rows. N = (HQ + 2 HKV) DH.
+_ROPE_ROWS = r"""
+  constexpr int HALFD = DH / 2;
+  constexpr int PAIRS = (HQ + HKV) * HALFD;
+  const bool rot = warp_id < PAIRS;
+  const int head = warp_id / HALFD;
+  const int ii = warp_id % HALFD;
+  const int row0 = rot ? head * DH + ii : (HQ + HKV) * DH + 2 * (warp_id - PAIRS);
+  const int row_step = rot ? HALFD : 1;
+  const bool live = warp_id < N / 2;
+  auto row_of = [&](int r) { return static_cast<size_t>(row0 + r * row_step); };
+"""
+
+# The RoPE form's stores: the products rounded to T as the plain form writes them, then RoPE as
+# `rope_kv.py`'s kernel computes it from those values (its arithmetic, line for line): queries to
+# `out` [M, HQ, 1, DH], the key into `kcache` and the value into `vcache` at slot pos[0], in place.
+_ROPE_STORE = r"""
+  const int p = pos[0];
+  float costheta = 0.f;
+  float sintheta = 0.f;
+  if (rot) {
+    float inv_freq;
+    if (FREQS) {
+      inv_freq = 1.0 / rope[ii];
+    } else {
+      float d = static_cast<float>(ii) / static_cast<float>(HALFD);
+      inv_freq = exp2(-d * __int_as_float(LOG2_BASE_BITS));
+    }
+    float L = __int_as_float(SCALE_BITS) * static_cast<float>(p);
+    float theta = L * inv_freq;
+    costheta = cos(theta);
+    sintheta = sin(theta);
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    T y[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float v = acc[m][r];
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, off);
+      }
+      y[r] = static_cast<T>(v);
+    }
+    if (lane == 0) {
+      if (rot) {
+        float x1 = static_cast<float>(y[0]);
+        float x2 = static_cast<float>(y[1]);
+        float rx1 = x1 * costheta - x2 * sintheta;
+        float rx2 = x1 * sintheta + x2 * costheta;
+        if (head < HQ) {
+          T* dst = out + (static_cast<int64_t>(m) * HQ + head) * DH;
+          dst[ii] = static_cast<T>(rx1);
+          dst[ii + HALFD] = static_cast<T>(rx2);
+        } else {
+          T* dst = const_cast<T*>(kcache) + m * kcache_strides[0] + (head - HQ) * kcache_strides[1]
+              + static_cast<int64_t>(p) * kcache_strides[2];
+          dst[ii * kcache_strides[3]] = static_cast<T>(rx1);
+          dst[(ii + HALFD) * kcache_strides[3]] = static_cast<T>(rx2);
+        }
+      } else {
+        const int j = 2 * (warp_id - PAIRS);
+        T* dst = const_cast<T*>(vcache) + m * vcache_strides[0] + (j / DH) * vcache_strides[1]
+            + static_cast<int64_t>(p) * vcache_strides[2];
+        dst[(j % DH) * vcache_strides[3]] = y[0];
+        dst[(j % DH + 1) * vcache_strides[3]] = y[1];
+      }
+    }
+  }
+"""
+
+
 def _source(form: str) -> str:
     """The kernel's body in one of its forms: "plain" (out = x @ w.T), "residual" (out = residual +
-    x @ w.T) or "norm" (out = (rms_norm(x) * norm) @ w.T)."""
-    prologue = _PROLOGUE if form == "norm" else ""
-    residual = _RESIDUAL if form == "residual" else ""
-    return (_SOURCE.replace("//PROLOGUE\n", prologue.lstrip("\n")).replace("//RESIDUAL\n", residual.lstrip("\n"))
-            .replace("X_ROWS", "xn" if form == "norm" else "x")
+    x @ w.T), "norm" (out = (rms_norm(x) * norm) @ w.T) or "rope" (the normalized q/k/v product with
+    RoPE and the key/value writes of `rope_kv.py`'s kernel after it)."""
+    normed = form in ("norm", "rope")
+    head, store = _SOURCE.split("//STORE\n")
+    body = head + (_ROPE_STORE.lstrip("\n") if form == "rope" else store)
+    return (body.replace("//ROWS\n", (_ROPE_ROWS if form == "rope" else _ROWS).lstrip("\n"))
+            .replace("//PROLOGUE\n", _PROLOGUE.lstrip("\n") if normed else "")
+            .replace("//RESIDUAL\n", _RESIDUAL.lstrip("\n") if form == "residual" else "")
+            .replace("X_ROWS", "xn" if normed else "x")
             .replace("OUT_VALUE", "res[m][r] + y[r]" if form == "residual" else "y[r]"))
 
 
@@ -251,6 +333,9 @@ RESIDUAL_SOURCE = _source("residual")
 NORM_NAME = "pymlxc_qmv4_norm"
 NORM_INPUTS = (*QUANTIZED_INPUTS, "norm")
 NORM_SOURCE = _source("norm")  # its header: `add_rms_norm.HEADER` before QUANTIZED_HEADER
+ROPE_NAME = "pymlxc_qmv4_norm_rope"
+ROPE_INPUTS = (*NORM_INPUTS, "pos", "rope", "kcache", "vcache")
+ROPE_SOURCE = _source("rope")  # the normalized form's header
 # The normalized form keeps M rows of normalized x in shared memory: 32 KB at most. (Blocks of 512
 # threads, a quarter as many norms, decoded Llama-3.1-8B slower on an H200: BENCHMARKS.md.)
 NORM_MAX_BYTES = 32768

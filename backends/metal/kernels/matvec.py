@@ -144,6 +144,7 @@ _SOURCE = r"""
       }
     }
   }
+//STORE
 #pragma unroll
   for (int m = 0; m < M; ++m) {
     T y[R];

@@ -217,6 +217,7 @@ def test_the_restructured_step_keeps_the_tokens(tiny, monkeypatch: pytest.Monkey
     monkeypatch.setattr(segments, "fusion_ready", lambda *a: True)
     monkeypatch.setattr(segments, "pair_ready", lambda *a: True)
     switches.env("PYMLXC_CUDA_MATVEC_FUSION", "1")
+    switches.env("PYMLXC_CUDA_ROPE_IN_PRODUCT", "0")  # the q/k/v products as the normalized form alone
     switches.env("PYMLXC_CUDA_GATE_UP", "1")
     decoder = CompiledDecoder(model, "segmented")
     assert greedy_ids(model, decoder) == want

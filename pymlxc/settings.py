@@ -76,13 +76,15 @@ class Settings:
         "Segmented decode with pymlxc's 4-bit matvec kernel: each block's fused gate/up product and the "
         "SiLU product after it as one kernel (`kernels/matvec.py`, its paired form; MLX's SiLU and "
         "multiply reproduced bit for bit). `auto`: on CUDA.")
-    cuda_matvec_fusion: str = _switch(
+    cuda_matvec_fusion: str = field(default="auto", metadata=_doc("auto|0|1|ends", (
         "Segmented decode with pymlxc's 4-bit matvec kernel and the paired gate/up kernel: each residual add "
         "inside the o_proj and down_proj products and each block's RMSNorm inside the q/k/v and gate/up products "
         "(`kernels/matvec.py`'s residual and normalized forms; MLX's add and rms_norm reproduced bit for bit): "
-        "two kernels fewer per layer. `auto`: on CUDA for models of at most 80 MB of 4-bit layers a block "
-        "(`kernel_choice.FUSION_MAX_BYTES_PER_LAYER`: on an H200 Llama-3.2-1B 4-bit decoded 849 -> 1029 tok/s, "
-        "Llama-3.1-8B 314 -> 304); `1`: any size.")
+        "two kernels fewer per layer. `ends`: the norm inside the q/k/v product and the add inside down_proj's "
+        "only (the MLP's norm stays in the add + norm kernel, whose one pass over h the wide gate/up product's "
+        "blocks would each repeat): one kernel fewer. `auto`: on CUDA, `1` for models of at most 80 MB of 4-bit "
+        "layers a block (`kernel_choice.FUSION_MAX_BYTES_PER_LAYER`: on an H200 Llama-3.2-1B 4-bit decoded "
+        "849 -> 1029 tok/s, Llama-3.1-8B 314 -> 304), `ends` above; `1`: any size.")))
     cuda_rope_in_product: str = _switch(
         "Segmented decode with the normalized q/k/v product (`PYMLXC_CUDA_MATVEC_FUSION`) and the RoPE + "
         "cache-write kernel: each layer's RoPE and key/value writes inside that product (`kernels/matvec.py`'s "
@@ -171,10 +173,10 @@ def _parse(name: str, kind: str, raw: str) -> Any:
             return False
         raise SettingsError(f"{variable(name)} must be one of {', '.join(_TRUE + _FALSE)}, not {raw!r}")
     choices = kind.split("|")
-    if choices == list(SWITCH):  # the tri-state levers also take the boolean words
+    if choices[:3] == list(SWITCH):  # the tri-state levers also take the boolean words
         value = "1" if value in _TRUE else "0" if value in _FALSE else value
     if value not in choices:
-        aliases = " (or true/false, yes/no, on/off)" if choices == list(SWITCH) else ""
+        aliases = " (or true/false, yes/no, on/off)" if choices[:3] == list(SWITCH) else ""
         raise SettingsError(f"{variable(name)} must be one of {', '.join(choices)}{aliases}, not {raw!r}")
     return value
 

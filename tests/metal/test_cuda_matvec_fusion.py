@@ -43,7 +43,7 @@ def _quantized(model: Any) -> list[Any]:
 
 def test_the_decoder_reads_the_setting_by_name(tiny, switches: Any) -> None:
     check_the_setting_is_read_by_name(tiny(bits=4), switches, "PYMLXC_CUDA_MATVEC_FUSION", "cuda_matvec_fusion",
-                                      "matvec_fusion")
+                                      "matvec_fusion", off="")
 
 
 @pytest.mark.skipif(ON_CUDA, reason="off CUDA only: there the kernel cannot run")
@@ -92,9 +92,10 @@ def test_what_the_plan_needs(tiny) -> None:
 
 
 def test_auto_takes_models_up_to_the_size_bound(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`auto` (as on CUDA, the check stood in for) takes a model of few 4-bit bytes a block, not one
-    past FUSION_MAX_BYTES_PER_LAYER (where the device bounds the step and the normalized form's
-    repeated norms cost more than the kernels it saves); `1` takes both."""
+    """`auto` (as on CUDA, the check stood in for) takes every form for a model of few 4-bit bytes a
+    block, and past FUSION_MAX_BYTES_PER_LAYER (where the device bounds the step and the normalized
+    gate/up product's repeated norms cost more than the kernel it saves) the q/k/v and down_proj
+    forms only; `1` takes every form at both sizes, `ends` the two."""
     model = tiny(bits=4)
     for m in _quantized(model):
         m.use_cuda_matvec(True)
@@ -102,11 +103,12 @@ def test_auto_takes_models_up_to_the_size_bound(tiny, monkeypatch: pytest.Monkey
     fusions = segments.fusions_for(blocks, {})
     monkeypatch.setattr(segments.kernel_check, "on_cuda", lambda: True)
     monkeypatch.setattr(segments, "fusion_ready", lambda *a: True)
-    assert segments.use_matvec_fusion(model, blocks, fusions, True, "auto")
+    assert segments.use_matvec_fusion(model, blocks, fusions, True, "auto") == "all"
+    assert segments.use_matvec_fusion(model, blocks, fusions, True, "ends") == "ends"
     size = nn.bytes_per_block(model, _quantized(model))
     monkeypatch.setattr(segments, "FUSION_MAX_BYTES_PER_LAYER", size - 1)
-    assert not segments.use_matvec_fusion(model, blocks, fusions, True, "auto")
-    assert segments.use_matvec_fusion(model, blocks, fusions, True, "1")
+    assert segments.use_matvec_fusion(model, blocks, fusions, True, "auto") == "ends"
+    assert segments.use_matvec_fusion(model, blocks, fusions, True, "1") == "all"
 
 
 @pytest.mark.parametrize("rows", [9, 16])
@@ -183,13 +185,14 @@ def test_the_check_rejects_any_difference(monkeypatch: pytest.MonkeyPatch) -> No
                 assert not kernel_choice.fusion_ready(mx.float16, 64, 1024, 1e-5)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize(("arch", "setting"), [("llama", "1"), ("qwen3", "1"), ("llama", "ends"), ("qwen3", "ends")])
 def test_the_restructured_step_keeps_the_tokens(tiny, monkeypatch: pytest.MonkeyPatch, switches: Any,
-                                                arch: str) -> None:
+                                                arch: str, setting: str) -> None:
     """The two forms and the paired product stood in for by MLX's operations: a plan with the fusion
     gives the uncompiled loop's tokens (the residual stream through the products is right), and each
     traced segment calls the forms as the step needs them: per layer a normalized q/k/v and gate/up
-    product and two residual products."""
+    product and two residual products; with `ends` a normalized q/k/v product, the plain pair and
+    one residual product (down_proj)."""
     model = tiny(arch, bits=4)
     want = greedy_ids(model, None)
     for m in _quantized(model):
@@ -211,21 +214,28 @@ def test_the_restructured_step_keeps_the_tokens(tiny, monkeypatch: pytest.Monkey
             y = gate * mx.sigmoid(gate) * up
         return y
 
+    def plain_pair(x: Any, w: Any, s: Any, b: Any, group: int, bits: int, cuda_matvec: bool) -> Any:
+        calls.append("plain pair")
+        gate, up = mx.split(product(x, w, s, b, group), [w.shape[0] // 2], axis=-1)
+        return gate * mx.sigmoid(gate) * up
+
     monkeypatch.setattr(kernel_choice, "_use", lambda cuda_matvec: False)  # the plain products: MLX's
     monkeypatch.setattr(segments, "residual_product", residual)
     monkeypatch.setattr(segments, "normed_product", normed)
     monkeypatch.setattr(segments, "fusion_ready", lambda *a: True)
     monkeypatch.setattr(segments, "pair_ready", lambda *a: True)
-    switches.env("PYMLXC_CUDA_MATVEC_FUSION", "1")
+    monkeypatch.setattr(segments, "kernel_silu_product", plain_pair)
+    switches.env("PYMLXC_CUDA_MATVEC_FUSION", setting)
     switches.env("PYMLXC_CUDA_ROPE_IN_PRODUCT", "0")  # the q/k/v products as the normalized form alone
     switches.env("PYMLXC_CUDA_GATE_UP", "1")
     decoder = CompiledDecoder(model, "segmented")
     assert greedy_ids(model, decoder) == want
-    assert decoder.stats["compiled"] == 1 and plan_flags(decoder, "matvec_fusion") == {True}
+    mode = "all" if setting == "1" else "ends"
+    assert decoder.stats["compiled"] == 1 and plan_flags(decoder, "matvec_fusion") == {mode}
     # Traces: the first segment (one normalized q/k/v), the middle (a layer's end and the next's
     # q/k/v), the last (a layer's end).
-    first, middle, last = ["normed"], ["residual", "pair", "residual", "normed"], ["residual", "pair", "residual"]
-    assert calls == first + middle + last
+    end = ["residual", "pair", "residual"] if mode == "all" else ["plain pair", "residual"]
+    assert calls == ["normed"] + [*end, "normed"] + end
     decoder.close()
 
 
@@ -318,14 +328,16 @@ def test_the_forms_are_mlx_around_the_plain_kernel(rows: int, d: int, n: int, gr
 
 
 @cuda_only
-@pytest.mark.parametrize(("arch", "hidden"), [("llama", 1024), ("qwen3", 512), ("llama", 64)])
-def test_decoding_with_the_forms_keeps_the_tokens(tiny, switches: Any, arch: str, hidden: int) -> None:
+@pytest.mark.parametrize(("arch", "hidden", "setting"), [("llama", 1024, "auto"), ("qwen3", 512, "auto"),
+                                                        ("llama", 64, "auto"), ("llama", 1024, "ends")])
+def test_decoding_with_the_forms_keeps_the_tokens(tiny, switches: Any, arch: str, hidden: int, setting: str) -> None:
     switches.env("PYMLXC_CUDA_MATVEC", "1")
+    switches.env("PYMLXC_CUDA_MATVEC_FUSION", setting)
     model = tiny(arch, bits=4, hidden_size=hidden, intermediate_size=2 * hidden)
     want = greedy_ids(model, None, n=40)
     decoder = CompiledDecoder(model, "segmented")
     assert greedy_ids(model, decoder, n=40) == want
-    assert plan_flags(decoder, "matvec_fusion") == {True}
+    assert plan_flags(decoder, "matvec_fusion") == {"all" if setting == "auto" else "ends"}
     assert plan_flags(decoder, "rope_in_product") == {arch == "llama"}  # Qwen 3 normalizes q and k first
     decoder.close()
 

@@ -163,42 +163,47 @@ def use_pair_silu(fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None,
 
 
 def use_matvec_fusion(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None,
-                      pair_silu: bool, setting: str) -> bool:
-    """Whether each residual add runs inside the o_proj and down_proj products and each block's
-    RMSNorms inside the q/k/v and gate/up products (the matvec kernel's residual and normalized
-    forms, `kernel_choice.residual_product` / `normed_product`): `setting`
-    (PYMLXC_CUDA_MATVEC_FUSION: auto = on CUDA for models of at most FUSION_MAX_BYTES_PER_LAYER of
-    4-bit layers a block, 1 = any size and also elsewhere, where the check then fails, or 0) allows
-    it, the gate/up products are paired (`pair_silu`), every q/k/v fusion and o/down
-    projection is 4-bit on pymlxc's matvec kernel in the model's type, every block norm is an
-    RMSNorm of that type, and the forms pass their check for each group size and eps."""
+                      pair_silu: bool, setting: str) -> str:
+    """Which residual adds and block RMSNorms run inside the 4-bit products (the matvec kernel's
+    residual and normalized forms, `kernel_choice.residual_product` / `normed_product`): "all" (the
+    adds inside o_proj and down_proj, the norms inside q/k/v and gate/up), "ends" (the q/k/v norm
+    and down_proj's add only: every block of the normalized form normalizes h again, which the wide
+    gate/up product of a large model pays more for than the kernel it saves) or "" (none).
+    `setting` (PYMLXC_CUDA_MATVEC_FUSION: auto = on CUDA, "all" for models of at most
+    FUSION_MAX_BYTES_PER_LAYER of 4-bit layers a block and "ends" above; 1 = "all" at any size and
+    also elsewhere, where the check then fails; ends; or 0) allows it, the gate/up products are
+    paired (`pair_silu`), every q/k/v fusion and o/down projection is 4-bit on pymlxc's matvec
+    kernel in the model's type, every block norm is an RMSNorm of that type, and the forms pass
+    their check for each group size and eps."""
     if setting == "0" or (setting == "auto" and not kernel_check.on_cuda()) or not fusions or not pair_silu:
-        return False
+        return ""
+    mode = "ends" if setting == "ends" else "all"
     if setting == "auto" and nn.bytes_per_block(model, [m for m in nn.quantized_layers(model) if m.bits == 4]
                                                 ) > FUSION_MAX_BYTES_PER_LAYER:
-        return False
+        mode = "ends"
     dtype = model.compute_dtype
     norms = [n for b in blocks for n in (b.input_layernorm, b.post_attention_layernorm)]
     if any(type(n) is not nn.RMSNorm or n.weight.dtype != dtype for n in norms):
-        return False
+        return ""
     outs = [m for b in blocks for m in (b.self_attn.o_proj, b.mlp.down_proj)]
     if any(type(m) is not nn.QuantizedLinear or not m.cuda_matvec or m.bits != 4 or m.scales.dtype != dtype
            or m.__dict__.get("bias") is not None for m in outs):
-        return False
+        return ""
     kinds = {f[0].fused.normable() if f[0] is not None else None for f in fusions}
     if None in kinds or any(kind[0] != dtype for kind in kinds if kind is not None):
-        return False
+        return ""
     if any(b.self_attn.qk_norms() and (f[0] is None or f[0].fused.qk_norm_weight is None)
            for b, f in zip(blocks, fusions, strict=True)):
-        return False  # q and k normalized apart: `_project` would take the heads from h itself
+        return ""  # q and k normalized apart: `_project` would take the heads from h itself
     groups = {m.group_size for m in outs} | {kind[1] for kind in kinds if kind is not None}
     d = norms[0].weight.shape[0]
-    return all(fusion_ready(dtype, g, d, eps) for g in sorted(groups) for eps in sorted({float(n.eps) for n in norms}))
+    ready = all(fusion_ready(dtype, g, d, eps) for g in sorted(groups) for eps in sorted({float(n.eps) for n in norms}))
+    return mode if ready else ""
 
 
 def use_rope_in_product(model: Any, blocks: Sequence[Any],
                         fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None,
-                        rope: rope_kv_kernel.Rope | None, matvec_fusion: bool, setting: str) -> bool:
+                        rope: rope_kv_kernel.Rope | None, matvec_fusion: str, setting: str) -> bool:
     """Whether each layer's RoPE and key/value writes run inside its normalized q/k/v product (the
     matvec kernel's RoPE form, `kernel_choice.normed_rope_product`) instead of as
     `kernels/rope_kv.py`'s kernel after it: `setting` (PYMLXC_CUDA_ROPE_IN_PRODUCT: auto = with
@@ -522,16 +527,27 @@ def _finish_block(group: SegmentGroup, block: Any, attn_out: Array, h: Array, ga
     return both
 
 
-def _finish_block_in_products(block: Any, attn_out: Array, h: Array, gate_up: FusedProjection | None) -> Array:
+def _finish_block_in_products(group: SegmentGroup, block: Any, attn_out: Array, h: Array,
+                              gate_up: FusedProjection | None) -> Array:
     """The block after its attention with the residual adds and the MLP's norm inside the products
     (the plan's `matvec_fusion`): h + o_proj(attn_out), then that plus down(silu(gate) * up of its
-    norm): the block's output, which the next product normalizes itself. Three kernels."""
+    norm): the block's output, which the next product normalizes itself. Three kernels; with the
+    plan's `matvec_fusion` "ends" four: o_proj, the add + norm kernel, the plain gate/up pair and
+    the residual down_proj."""
     attn, mlp = block.self_attn, block.mlp
     assert gate_up is not None  # use_matvec_fusion checked the fusions
     o, down = attn.o_proj, mlp.down_proj
-    h = residual_product(llama.one_token_rows(attn_out), o.weight, o.scales, o.biases, o.group_size, h)
     gate_up.pair_silu = True
-    product = gate_up.silu_product(h, block.post_attention_layernorm)
+    if group.matvec_fusion == "ends":
+        h, normed = _add_norm(h, attn.output(attn_out, one_token=True), block.post_attention_layernorm,
+                              group.fused_norm)
+        product = gate_up.silu_product(normed)
+        if product is None:  # the kernel does not take these rows: MLX's products and SiLU
+            out: Array = h + mlp(normed, gate_up)
+            return out
+    else:
+        h = residual_product(llama.one_token_rows(attn_out), o.weight, o.scales, o.biases, o.group_size, h)
+        product = gate_up.silu_product(h, block.post_attention_layernorm)
     assert product is not None  # paired (the plan's pair_silu)
     return residual_product(product, down.weight, down.scales, down.biases, down.group_size, h)
 
@@ -584,7 +600,7 @@ def _mid_body(group: SegmentGroup, mods: list[Any], attn_out: Array, h: Array, p
     """A middle segment: layer i after its attention, then [*layer i+1's heads, h]."""
     block, gate_up, norm, attn, qkv = mods
     if group.matvec_fusion:
-        h = _finish_block_in_products(block, attn_out, h, gate_up)
+        h = _finish_block_in_products(group, block, attn_out, h, gate_up)
         return [*_heads(group, attn, h, pos, qkv, kv, norm), h]
     h, mlp_out = _finish_block(group, block, attn_out, h, gate_up)
     h, x = _add_norm(h, mlp_out, norm, group.fused_norm)
@@ -596,7 +612,7 @@ def _last_body(group: SegmentGroup, mods: list[Any], attn_out: Array, h: Array) 
     sampled ids where greedy is fused, else the logits [B, V]."""
     block, gate_up, norm, embed, head = mods
     if group.matvec_fusion:
-        h = norm(_finish_block_in_products(block, attn_out, h, gate_up))
+        h = norm(_finish_block_in_products(group, block, attn_out, h, gate_up))
     else:
         h, mlp_out = _finish_block(group, block, attn_out, h, gate_up)
         _, h = _add_norm(h, mlp_out, norm, group.fused_norm)
@@ -712,8 +728,9 @@ class SegmentGroup:
     cuda_argmax: bool = False  # greedy's argmax as `kernels/argmax.py`'s kernels
     rope: rope_kv_kernel.Rope | None = None  # RoPE and the key/value writes as `kernels/rope_kv.py`'s kernel
     pair_silu: bool = False  # each gate/up product and SiLU product as the paired matvec kernel
-    # residual adds inside the o/down products, block norms inside the q/k/v and gate/up products
-    matvec_fusion: bool = False
+    # "all": residual adds inside the o/down products, block norms inside the q/k/v and gate/up
+    # products; "ends": inside the q/k/v and down products only (`use_matvec_fusion`); "": neither
+    matvec_fusion: str = ""
     rope_in_product: bool = False  # RoPE and the key/value writes inside the normalized q/k/v product
 
     @property
@@ -768,7 +785,7 @@ class SegmentPlan:
                  fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None, signature: tuple[int, ...],
                  fused_norm: bool = False, cuda_argmax: bool = False,
                  rope: rope_kv_kernel.Rope | None = None, attention: str | None = None,
-                 pair_silu: bool = False, matvec_fusion: bool = False, rope_in_product: bool = False) -> None:
+                 pair_silu: bool = False, matvec_fusion: str = "", rope_in_product: bool = False) -> None:
         inner = model.model
         tied = model.lm_head is None
         fusions = fusions or [(None, None)] * len(blocks)

@@ -235,7 +235,7 @@ def test_the_restructured_step_keeps_the_tokens(tiny, monkeypatch: pytest.Monkey
     # Traces: the first segment (one normalized q/k/v), the middle (a layer's end and the next's
     # q/k/v), the last (a layer's end).
     end = ["residual", "pair", "residual"] if mode == "all" else ["plain pair", "residual"]
-    assert calls == ["normed"] + [*end, "normed"] + end
+    assert calls == ["normed", *end, "normed", *end]
     decoder.close()
 
 

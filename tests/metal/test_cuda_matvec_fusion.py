@@ -185,6 +185,56 @@ def test_the_check_rejects_any_difference(monkeypatch: pytest.MonkeyPatch) -> No
                 assert not kernel_choice.fusion_ready(mx.float16, 64, 1024, 1e-5)
 
 
+class StandIns:
+    """MLX's operations in place of the matvec kernel's forms, each call recorded by name in `calls`."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    @staticmethod
+    def product(x: Any, w: Any, s: Any, b: Any, group: int) -> Any:
+        return mx.quantized_matmul(x, w, s, b, True, group, 4)
+
+    @staticmethod
+    def silu_of_pair(y: Any, w: Any) -> Any:
+        gate, up = mx.split(y, [w.shape[0] // 2], axis=-1)
+        return gate * mx.sigmoid(gate) * up
+
+    def residual(self, x: Any, w: Any, s: Any, b: Any, group: int, res: Any) -> Any:
+        self.calls.append("residual")
+        return res + self.product(x, w, s, b, group)
+
+    def normed(self, h: Any, w: Any, s: Any, b: Any, group: int, nw: Any, eps: float, pair: bool = False) -> Any:
+        self.calls.append("pair" if pair else "normed")
+        y = self.product(mx.fast.rms_norm(h, nw, eps), w, s, b, group)
+        return self.silu_of_pair(y, w) if pair else y
+
+    def plain_pair(self, x: Any, w: Any, s: Any, b: Any, group: int, bits: int, cuda_matvec: bool) -> Any:
+        self.calls.append("plain pair")
+        return self.silu_of_pair(self.product(x, w, s, b, group), w)
+
+    def rope_form(self, h: Any, w: Any, s: Any, b: Any, group: int, nw: Any, eps: float, pos: Any, keys: Any,
+                  values: Any, rope: Any, n_heads: int) -> Any:
+        self.calls.append("rope form")
+        qkv = self.product(mx.fast.rms_norm(h, nw, eps), w, s, b, group)
+        return cuda_rope_kv.reference(qkv, None, pos, keys, values, rope.mlx, n_heads)
+
+    def rope_kernel(self, qk: Any, v: Any, pos: Any, keys: Any, values: Any, rope: Any, n_heads: int) -> Any:
+        self.calls.append("rope kernel")
+        return cuda_rope_kv.reference(qk, v, pos, keys, values, rope.mlx, n_heads)
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The forms and the paired kernels replaced, their checks passed, the plain products MLX's."""
+        monkeypatch.setattr(kernel_choice, "_use", lambda cuda_matvec: False)
+        monkeypatch.setattr(segments, "residual_product", self.residual)
+        monkeypatch.setattr(segments, "normed_product", self.normed)
+        monkeypatch.setattr(segments, "normed_rope_product", self.rope_form)
+        monkeypatch.setattr(segments, "kernel_silu_product", self.plain_pair)
+        monkeypatch.setattr(segments, "fusion_ready", lambda *a: True)
+        monkeypatch.setattr(segments, "rope_fusion_ready", lambda *a: True)
+        monkeypatch.setattr(segments, "pair_ready", lambda *a: True)
+
+
 @pytest.mark.parametrize(("arch", "setting"), [("llama", "1"), ("qwen3", "1"), ("llama", "ends"), ("qwen3", "ends")])
 def test_the_restructured_step_keeps_the_tokens(tiny, monkeypatch: pytest.MonkeyPatch, switches: Any,
                                                 arch: str, setting: str) -> None:
@@ -197,34 +247,8 @@ def test_the_restructured_step_keeps_the_tokens(tiny, monkeypatch: pytest.Monkey
     want = greedy_ids(model, None)
     for m in _quantized(model):
         m.use_cuda_matvec(True)
-    calls: list[str] = []
-
-    def product(x: Any, w: Any, s: Any, b: Any, group: int) -> Any:
-        return mx.quantized_matmul(x, w, s, b, True, group, 4)
-
-    def residual(x: Any, w: Any, s: Any, b: Any, group: int, res: Any) -> Any:
-        calls.append("residual")
-        return res + product(x, w, s, b, group)
-
-    def normed(h: Any, w: Any, s: Any, b: Any, group: int, nw: Any, eps: float, pair: bool = False) -> Any:
-        calls.append("pair" if pair else "normed")
-        y = product(mx.fast.rms_norm(h, nw, eps), w, s, b, group)
-        if pair:
-            gate, up = mx.split(y, [w.shape[0] // 2], axis=-1)
-            y = gate * mx.sigmoid(gate) * up
-        return y
-
-    def plain_pair(x: Any, w: Any, s: Any, b: Any, group: int, bits: int, cuda_matvec: bool) -> Any:
-        calls.append("plain pair")
-        gate, up = mx.split(product(x, w, s, b, group), [w.shape[0] // 2], axis=-1)
-        return gate * mx.sigmoid(gate) * up
-
-    monkeypatch.setattr(kernel_choice, "_use", lambda cuda_matvec: False)  # the plain products: MLX's
-    monkeypatch.setattr(segments, "residual_product", residual)
-    monkeypatch.setattr(segments, "normed_product", normed)
-    monkeypatch.setattr(segments, "fusion_ready", lambda *a: True)
-    monkeypatch.setattr(segments, "pair_ready", lambda *a: True)
-    monkeypatch.setattr(segments, "kernel_silu_product", plain_pair)
+    stand_ins = StandIns()
+    stand_ins.install(monkeypatch)
     switches.env("PYMLXC_CUDA_MATVEC_FUSION", setting)
     switches.env("PYMLXC_CUDA_ROPE_IN_PRODUCT", "0")  # the q/k/v products as the normalized form alone
     switches.env("PYMLXC_CUDA_GATE_UP", "1")
@@ -235,7 +259,7 @@ def test_the_restructured_step_keeps_the_tokens(tiny, monkeypatch: pytest.Monkey
     # Traces: the first segment (one normalized q/k/v), the middle (a layer's end and the next's
     # q/k/v), the last (a layer's end).
     end = ["residual", "pair", "residual"] if mode == "all" else ["plain pair", "residual"]
-    assert calls == ["normed", *end, "normed", *end]
+    assert stand_ins.calls == ["normed", *end, "normed", *end]
     decoder.close()
 
 
@@ -250,38 +274,10 @@ def test_the_rope_form_keeps_the_tokens(tiny, monkeypatch: pytest.MonkeyPatch, s
     want = greedy_ids(model, None)
     for m in _quantized(model):
         m.use_cuda_matvec(True)
-    calls: list[str] = []
-
-    def product(x: Any, w: Any, s: Any, b: Any, group: int) -> Any:
-        return mx.quantized_matmul(x, w, s, b, True, group, 4)
-
-    def normed(h: Any, w: Any, s: Any, b: Any, group: int, nw: Any, eps: float, pair: bool = False) -> Any:
-        calls.append("pair" if pair else "normed")
-        y = product(mx.fast.rms_norm(h, nw, eps), w, s, b, group)
-        if pair:
-            gate, up = mx.split(y, [w.shape[0] // 2], axis=-1)
-            y = gate * mx.sigmoid(gate) * up
-        return y
-
-    def rope_form(h: Any, w: Any, s: Any, b: Any, group: int, nw: Any, eps: float, pos: Any, keys: Any,
-                  values: Any, rope: Any, n_heads: int) -> Any:
-        calls.append("rope form")
-        qkv = product(mx.fast.rms_norm(h, nw, eps), w, s, b, group)
-        return cuda_rope_kv.reference(qkv, None, pos, keys, values, rope.mlx, n_heads)
-
-    def rope_kernel(qk: Any, v: Any, pos: Any, keys: Any, values: Any, rope: Any, n_heads: int) -> Any:
-        calls.append("rope kernel")
-        return cuda_rope_kv.reference(qk, v, pos, keys, values, rope.mlx, n_heads)
-
-    monkeypatch.setattr(kernel_choice, "_use", lambda cuda_matvec: False)
-    monkeypatch.setattr(segments, "residual_product", lambda x, w, s, b, g, res: res + product(x, w, s, b, g))
-    monkeypatch.setattr(segments, "normed_product", normed)
-    monkeypatch.setattr(segments, "normed_rope_product", rope_form)
-    monkeypatch.setattr(segments, "fusion_ready", lambda *a: True)
-    monkeypatch.setattr(segments, "rope_fusion_ready", lambda *a: True)
-    monkeypatch.setattr(segments, "pair_ready", lambda *a: True)
+    stand_ins = StandIns()
+    stand_ins.install(monkeypatch)
     monkeypatch.setattr(cuda_rope_kv, "check", lambda *a: True)
-    monkeypatch.setattr(cuda_rope_kv, "rope_write_kv", rope_kernel)
+    monkeypatch.setattr(cuda_rope_kv, "rope_write_kv", stand_ins.rope_kernel)
     for variable in ("PYMLXC_CUDA_MATVEC_FUSION", "PYMLXC_CUDA_GATE_UP", "PYMLXC_CUDA_ROPE_KV"):
         switches.env(variable, "1")
     switches.env("PYMLXC_CUDA_ROPE_IN_PRODUCT", rope_setting)
@@ -289,7 +285,8 @@ def test_the_rope_form_keeps_the_tokens(tiny, monkeypatch: pytest.MonkeyPatch, s
     assert greedy_ids(model, decoder) == want
     assert plan_flags(decoder, "rope_in_product") == {rope_setting == "auto"}
     step = ["rope form"] if rope_setting == "auto" else ["normed", "rope kernel"]
-    assert calls == [*step, "pair", *step, "pair"]
+    end = ["residual", "pair", "residual"]
+    assert stand_ins.calls == [*step, *end, *step, *end]
     decoder.close()
 
 

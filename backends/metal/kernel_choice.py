@@ -61,7 +61,8 @@ _the_normed = SharedKernel(matvec_kernel.NORM_NAME, matvec_kernel.NORM_INPUTS, m
                            matvec_kernel.NORM_SOURCE, header=_NORM_HEADER)
 # Writes the key/value buffers in place through its inputs: they must reach it as they are (strided).
 _the_rope = SharedKernel(matvec_kernel.ROPE_NAME, matvec_kernel.ROPE_INPUTS, matvec_kernel.OUTPUT_NAMES,
-                         matvec_kernel.ROPE_SOURCE, header=_NORM_HEADER, ensure_row_contiguous=False)
+                         matvec_kernel.ROPE_SOURCE, header=_NORM_HEADER + rope_kernel.HEADER,
+                         ensure_row_contiguous=False)
 _the_qmm = SharedKernel(qmm_kernel.NAME, qmm_kernel.INPUTS, qmm_kernel.OUTPUT_NAMES, qmm_kernel.SOURCE,
                         header=qmm_kernel.HEADER)
 # Verdicts of the prefill kernel's check, keyed on the kernel's source and on this file's (the check's).
@@ -225,7 +226,7 @@ def normed_rope_product(h: Array, weight: Array, scales: Array, biases: Array, g
 
 # Verdicts of the residual and normalized forms' check, keyed on the kernel's source and this file's.
 fusion_checks = CheckedOnce("pymlxc's CUDA matvec with the residual add and the RMSNorm inside",
-                            source=(matvec_kernel.__file__, norm_kernel.__file__, __file__))
+                            source=(matvec_kernel.__file__, norm_kernel.__file__, rope_kernel.__file__, __file__))
 
 
 def fusion_ready(dtype: Any, group_size: int, d: int, eps: float) -> bool:

@@ -63,6 +63,15 @@ __device__ __forceinline__ void load8(const T* p, float* f) {
   }
 }
 
+// The sum of v over the warp's 32 lanes, in every lane (the same butterfly order in each kernel).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    v += __shfl_xor_sync(0xffffffffu, v, off);
+  }
+  return v;
+}
+
 }  // namespace pymlxc_mv
 """
 
@@ -150,12 +159,7 @@ _SOURCE = r"""
     T y[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      float v = acc[m][r];
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        v += __shfl_xor_sync(0xffffffffu, v, off);
-      }
-      y[r] = static_cast<T>(v);
+      y[r] = static_cast<T>(pymlxc_mv::warp_sum(acc[m][r]));
       if (!PAIR && lane == 0 && row0 + r < N) {
         out[static_cast<size_t>(m) * N + row0 + r] = OUT_VALUE;
       }
@@ -252,43 +256,30 @@ _ROPE_ROWS = r"""
 """
 
 # The RoPE form's stores: the products rounded to T as the plain form writes them, then RoPE as
-# `rope_kv.py`'s kernel computes it from those values (its arithmetic, line for line): queries to
+# `rope_kv.py`'s kernel computes it from those values (its `pymlxc_rope` device functions, which the
+# form's header holds: `kernel_choice`): queries to
 # `out` [M, HQ, 1, DH], the key into `kcache` and the value into `vcache` at slot pos[0], in place.
 _ROPE_STORE = r"""
   const int p = pos[0];
   float costheta = 0.f;
   float sintheta = 0.f;
   if (rot) {
-    float inv_freq;
-    if (FREQS) {
-      inv_freq = 1.0 / rope[ii];
-    } else {
-      float d = static_cast<float>(ii) / static_cast<float>(HALFD);
-      inv_freq = exp2(-d * __int_as_float(LOG2_BASE_BITS));
-    }
-    float L = __int_as_float(SCALE_BITS) * static_cast<float>(p);
-    float theta = L * inv_freq;
-    costheta = cos(theta);
-    sintheta = sin(theta);
+    pymlxc_rope::angle<FREQS>(rope, ii, HALFD, p, __int_as_float(SCALE_BITS), __int_as_float(LOG2_BASE_BITS),
+                              costheta, sintheta);
   }
 #pragma unroll
   for (int m = 0; m < M; ++m) {
     T y[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      float v = acc[m][r];
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        v += __shfl_xor_sync(0xffffffffu, v, off);
-      }
-      y[r] = static_cast<T>(v);
+      y[r] = static_cast<T>(pymlxc_mv::warp_sum(acc[m][r]));
     }
     if (lane == 0) {
       if (rot) {
         float x1 = static_cast<float>(y[0]);
         float x2 = static_cast<float>(y[1]);
-        float rx1 = x1 * costheta - x2 * sintheta;
-        float rx2 = x1 * sintheta + x2 * costheta;
+        float rx1, rx2;
+        pymlxc_rope::rotate(x1, x2, costheta, sintheta, rx1, rx2);
         if (head < HQ) {
           T* dst = out + (static_cast<int64_t>(m) * HQ + head) * DH;
           dst[ii] = static_cast<T>(rx1);

@@ -47,6 +47,37 @@ from .check import CheckedOnce
 
 THREADS = 128
 
+# The rotation's arithmetic, MLX's RoPE kernel's (mlx/backend/cuda/rope.cu), as device functions:
+# this kernel and the matvec kernel's RoPE form (`matvec.py`) both call them.
+HEADER = r"""
+namespace pymlxc_rope {
+
+// cos and sin of the angle by which pair i of `half` turns at position p: 1 / rope[i] as the
+// frequency where FREQS (a table), else base ** (-i / half) from log2(base).
+template <bool FREQS>
+__device__ __forceinline__ void angle(const float* rope, int i, int half, int p, float scale, float log2_base,
+                                      float& costheta, float& sintheta) {
+  float inv_freq;
+  if (FREQS) {
+    inv_freq = 1.0 / rope[i];
+  } else {
+    float d = static_cast<float>(i) / static_cast<float>(half);
+    inv_freq = exp2(-d * log2_base);
+  }
+  float L = scale * static_cast<float>(p);
+  float theta = L * inv_freq;
+  costheta = cos(theta);
+  sintheta = sin(theta);
+}
+
+__device__ __forceinline__ void rotate(float x1, float x2, float costheta, float sintheta, float& rx1, float& rx2) {
+  rx1 = x1 * costheta - x2 * sintheta;
+  rx2 = x1 * sintheta + x2 * costheta;
+}
+
+}  // namespace pymlxc_rope
+"""
+
 # Template arguments: T (the type of the heads and buffers), HQ and HKV (query and key/value
 # heads), D (head size, all of it rotated), DV (value size), JOINT (`qk` is the fused q/k/v
 # projection's output as it comes, [B, 1, (HQ + 2 HKV) * D], and `v` is unread: the step's graph
@@ -67,25 +98,17 @@ SOURCE = r"""
     const int i = t % HALF;
     const int head = (t / HALF) % (HQ + HKV);
     const int64_t b = t / (HALF * (HQ + HKV));
-    float inv_freq;
-    if (FREQS) {
-      inv_freq = 1.0 / rope[i];
-    } else {
-      float d = static_cast<float>(i) / static_cast<float>(HALF);
-      inv_freq = exp2(-d * __int_as_float(LOG2_BASE_BITS));
-    }
-    float L = __int_as_float(SCALE_BITS) * static_cast<float>(p);
-    float theta = L * inv_freq;
-    float costheta = cos(theta);
-    float sintheta = sin(theta);
+    float costheta, sintheta;
+    pymlxc_rope::angle<FREQS>(rope, i, HALF, p, __int_as_float(SCALE_BITS), __int_as_float(LOG2_BASE_BITS),
+                              costheta, sintheta);
     // JOINT: `qk` is the q/k/v projection's whole output [B, 1, (HQ + 2 HKV) * D], heads in order.
     const T* x = JOINT ? qk + b * qk_strides[0] + static_cast<int64_t>(head) * D * qk_strides[2]
                        : qk + b * qk_strides[0] + head * qk_strides[1];
     const int64_t step = JOINT ? qk_strides[2] : qk_strides[3];
     float x1 = static_cast<float>(x[i * step]);
     float x2 = static_cast<float>(x[(i + HALF) * step]);
-    float rx1 = x1 * costheta - x2 * sintheta;
-    float rx2 = x1 * sintheta + x2 * costheta;
+    float rx1, rx2;
+    pymlxc_rope::rotate(x1, x2, costheta, sintheta, rx1, rx2);
     if (head < HQ) {
       T* y = q + (b * HQ + head) * D;
       y[i] = static_cast<T>(rx1);
@@ -110,7 +133,7 @@ SOURCE = r"""
 """
 
 _the_kernel = SharedKernel("pymlxc_rope_write_kv", ("qk", "v", "pos", "rope", "kcache", "vcache"),
-                           ("q",), SOURCE, ensure_row_contiguous=False)
+                           ("q",), SOURCE, header=HEADER, ensure_row_contiguous=False)
 
 
 @dataclass(frozen=True)

@@ -43,11 +43,12 @@ from .thread_setting import ThreadSetting
 
 # 4-bit bytes per block: Llama-3.1-8B 140 MB, Llama-3.2-1B 43 MB, Gemma-3-1B 22 MB, Qwen3-0.6B 12 MB.
 AUTO_MIN_BYTES_PER_LAYER = 30_000_000
-# The residual and normalized forms (`residual_product`, `normed_product`) by default only up to this
-# many 4-bit bytes per block: alternated on an H200 (`probe_host_split.py`, BENCHMARKS.md) they took
-# Llama-3.2-1B's host-bound step (43 MB a block) from 849 to 1029 tok/s by the medians, and Llama-3.1-8B's
-# device-bound one (140 MB) from 314 to 304: each block of the normalized form normalizes h again.
-# The bound lies between those two sizes; no model in between was measured.
+# Every residual and normalized form (`residual_product`, `normed_product`) by default only up to this
+# many 4-bit bytes per block, past it the q/k/v and down_proj ones alone (`segments.use_matvec_fusion`'s
+# "ends"): alternated on an H200 (`probe_host_split.py`, BENCHMARKS.md) all of them took Llama-3.2-1B's
+# host-bound step (43 MB a block) from 849 to 1029 tok/s by the medians, and Llama-3.1-8B's device-bound
+# one (140 MB) from 314 to 304 (each of the gate/up product's 3584 blocks normalizes h again), where
+# "ends" gave 318 against 310 off. The bound lies between those two sizes; none in between was measured.
 FUSION_MAX_BYTES_PER_LAYER = 80_000_000
 _mlx_only = ThreadSetting(False)
 _the_kernel = SharedKernel(matvec_kernel.QUANTIZED_NAME, matvec_kernel.QUANTIZED_INPUTS,

@@ -266,15 +266,14 @@ def _stored(linear: Any) -> list[Array]:
     return [a for a in (getattr(linear, n, None) for n in ("weight", "scales", "biases")) if isinstance(a, Array)]
 
 
-def prefetch_spans(block: Any, gate_up: FusedProjection | None, paired: bool, budget: int | None = None
+def prefetch_spans(block: Any, gate_up: FusedProjection | None, paired: bool, budget: int = L2_PREFETCH_BYTES
                    ) -> list[attention_kernel.Span]:
-    """The byte ranges of weights a block's attention kernel asks L2 for, at most `budget` bytes
-    (default L2_PREFETCH_BYTES, read at the call):
+    """The byte ranges of weights a block's attention kernel asks L2 for, at most `budget` bytes:
     o_proj's weights, then the front of each of the gate/up product's arrays in the order its kernel
     reads them (with `paired`, the paired kernel's, the first rows of the gate half and of the up
     half; else from the start), in equal shares of each array."""
     spans: list[attention_kernel.Span] = []
-    left = L2_PREFETCH_BYTES if budget is None else budget
+    left = budget
     for a in _stored(block.self_attn.o_proj):
         size = min(a.nbytes, left)
         if size > 0:

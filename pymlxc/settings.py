@@ -90,12 +90,6 @@ class Settings:
         "cache-write kernel: each layer's RoPE and key/value writes inside that product (`kernels/matvec.py`'s "
         "RoPE form; `kernels/rope_kv.py`'s arithmetic reproduced bit for bit): one kernel fewer per layer. "
         "`auto`: wherever the normalized products run.")
-    cuda_l2_prefetch: str = _switch(
-        "Segmented decode on the whole-step graph (`PYMLXC_CUDA_DECODE_ATTENTION`): each layer's attention "
-        "kernel asks the GPU's L2 cache for the weights of the products after it (o_proj's, then the front of "
-        "gate/up's, `segments.L2_PREFETCH_BYTES` in all) as bulk prefetches, so that those products read them "
-        "from L2 while the attention leaves the memory bus idle (sm_90 and later; nothing on older GPUs). "
-        "`auto` and `1`: wherever the whole step attends with the kernels.")
     cuda_matvec: str = _switch(
         "4-bit quantized products of few rows through pymlxc's CUDA kernel (`kernels/matvec.py`), "
         "chosen at load. `auto`: on CUDA for models whose layers are large enough for it to pay; "

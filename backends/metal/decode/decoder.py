@@ -225,8 +225,6 @@ class CompiledDecoder:
         self.cuda_matvec_fusion = settings.cuda_matvec_fusion
         # Segmented mode on CUDA: RoPE and the key/value writes inside the normalized q/k/v product.
         self.cuda_rope_in_product = settings.cuda_rope_in_product
-        # Segmented mode, whole step: each attention kernel asks L2 for the next products' weights.
-        self.cuda_l2_prefetch = settings.cuda_l2_prefetch
         self._fusions: dict[int, Any] = {}
         self._plans: dict[tuple[Any, ...], Any] = {}  # segments.SegmentPlan per segmented key
         self._recent_plan: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None  # (signature and flags, key)
@@ -350,9 +348,8 @@ class CompiledDecoder:
             matvec_fusion = segments.use_matvec_fusion(model, blocks, fusions, pair_silu, self.cuda_matvec_fusion)
             rope_in_product = segments.use_rope_in_product(model, blocks, fusions, rope, matvec_fusion,
                                                            self.cuda_rope_in_product)
-            l2_prefetch = segments.use_l2_prefetch(attention, self.cuda_l2_prefetch)
             seg_key = ("segmented", structure, fuse_greedy, fusions is not None, fused_norm, argmax, rope is not None,
-                       attention, pair_silu, matvec_fusion, rope_in_product, l2_prefetch)
+                       attention, pair_silu, matvec_fusion, rope_in_product)
             if seg_key in self._failed:
                 return None
             with self._lock:
@@ -361,7 +358,7 @@ class CompiledDecoder:
                     self._plans.pop(seg_key, None)  # an old plan's arrays go first
                     seg_plan = segments.SegmentPlan(model, blocks, fuse_greedy, self.stats, fusions, signature,
                                                     fused_norm, argmax, rope, attention, pair_silu, matvec_fusion,
-                                                    rope_in_product, l2_prefetch)
+                                                    rope_in_product)
                     self._plans[seg_key] = seg_plan
                 self._recent_plan = ((signature, fuse_greedy, self.fuse_projections), seg_key)
         assert seg_key is not None and seg_plan is not None  # found or made together above

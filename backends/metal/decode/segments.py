@@ -247,53 +247,6 @@ def use_decode_attention(model: Any, blocks: Sequence[Any], rope: rope_kv_kernel
     return "mlx" if setting == "1" else None
 
 
-def use_l2_prefetch(attention: str | None, setting: str) -> bool:
-    """Whether each layer's attention kernel asks L2 for the weights of the products after it
-    (`prefetch_spans`, `kernels/decode_attention.py`'s prefetching form): `setting`
-    (PYMLXC_CUDA_L2_PREFETCH: auto or 1, or 0) allows it and the whole step attends with the
-    kernels (`attention == "kernel"`, which they checked)."""
-    return attention == "kernel" and setting != "0"
-
-
-# How many bytes of weights each layer's attention kernel asks L2 for: o_proj's first, then the
-# front of the gate/up product's. An H100 or H200 has 50 MB of L2; the products after the attention
-# stream the rest of their weights through it, and the layer's other products read theirs after.
-L2_PREFETCH_BYTES = 24 << 20
-
-
-def _stored(linear: Any) -> list[Array]:
-    """The arrays a linear layer's product reads: its weight and, quantized, scales and biases."""
-    return [a for a in (getattr(linear, n, None) for n in ("weight", "scales", "biases")) if isinstance(a, Array)]
-
-
-def prefetch_spans(block: Any, gate_up: FusedProjection | None, paired: bool, budget: int = L2_PREFETCH_BYTES
-                   ) -> list[attention_kernel.Span]:
-    """The byte ranges of weights a block's attention kernel asks L2 for, at most `budget` bytes:
-    o_proj's weights, then the front of each of the gate/up product's arrays in the order its kernel
-    reads them (with `paired`, the paired kernel's, the first rows of the gate half and of the up
-    half; else from the start), in equal shares of each array."""
-    spans: list[attention_kernel.Span] = []
-    left = budget
-    for a in _stored(block.self_attn.o_proj):
-        size = min(a.nbytes, left)
-        if size > 0:
-            spans.append((a, 0, size))
-            left -= size
-    arrays = gate_up.quantized_arrays() if gate_up is not None else []
-    total = sum(a.nbytes for a in arrays)
-    if left <= 0 or total == 0:
-        return spans
-    share = min(1.0, left / total)
-    for a in arrays:
-        if paired:
-            half = a.nbytes // 2
-            size = int(half * share)
-            spans += [(a, 0, size), (a, half, size)] if size > 0 else []
-        elif (size := int(a.nbytes * share)) > 0:
-            spans.append((a, 0, size))
-    return spans
-
-
 # ---------------------------------------------------------------------- fused projections
 
 def rope_of(module: Any, head_dim: int) -> rope_kv_kernel.Rope | None:
@@ -350,12 +303,6 @@ class FusedProjection(Module):
     @property
     def has_bias(self) -> bool:
         return self._bias is not None
-
-    def quantized_arrays(self) -> list[Array]:
-        """[weight, scales, biases] of a quantized fusion (each [outputs, ...], the linears' rows in
-        order), or [] for a dense one."""
-        arrays = [self._weight, self._scales, self._biases]
-        return [a for a in arrays if a is not None] if self._weight is not None else []
 
     def rope_product(self, h: Array, norm: Any, positions: Array, keys: Array, values: Array,
                      rope: rope_kv_kernel.Rope, n_heads: int) -> tuple[Array, Array, Array] | None:
@@ -698,16 +645,13 @@ def _trace_last(inputs: list[Array]) -> list[Array]:
 
 
 def _whole_attention(plan: SegmentPlan, i: int, q: Array, keys: Array, values: Array, pos: Array, single: bool,
-                     masks: dict[int, Array], after: list[Any]) -> Array:
+                     masks: dict[int, Array]) -> Array:
     """Layer i's attention inside the whole step: the CUDA kernels, which read the position on the
     device, or (`plan.attention == "mlx"`) MLX's attention over the whole buffer, slots past the
-    position masked (`masks`: the step's masks by slot count, made once and shared by the layers).
-    `after`: the modules of the segment that follows ([block, gate/up fusion, ...]), whose weights
-    the kernel asks L2 for where the plan has `l2_prefetch`."""
+    position masked (`masks`: the step's masks by slot count, made once and shared by the layers)."""
     scale = plan.scales[i]
     if plan.attention == "kernel":  # flat [B, 1, heads * D], as o_proj takes it: no reshape node
-        spans = prefetch_spans(after[0], after[1], plan.pair_silu) if plan.l2_prefetch else []
-        return attention_kernel.attend(q, keys, values, pos, scale, single, flat=True, prefetch=spans)
+        return attention_kernel.attend(q, keys, values, pos, scale, single, flat=True)
     slots = keys.shape[2]
     if slots not in masks:
         visible = mx.less_equal(mx.arange(slots, dtype=mx.int32), rope_kv_kernel.scalar_position(pos))
@@ -761,12 +705,11 @@ def _trace_whole(inputs: list[Array]) -> list[Array]:
     for i in range(layers):
         q, keys, values = _write_kv(plan, heads, buffers[2 * i], buffers[2 * i + 1], pos)
         written += [keys, values]
-        after = mods(i + 1)
-        attn_out = _whole_attention(plan, i, q, keys, values, pos, spec.single, masks, after)
+        attn_out = _whole_attention(plan, i, q, keys, values, pos, spec.single, masks)
         if i + 1 < layers:
-            *heads, h = _mid_body(plan.mids[i], after, attn_out, h, pos, kv(i + 1))
+            *heads, h = _mid_body(plan.mids[i], mods(i + 1), attn_out, h, pos, kv(i + 1))
         else:
-            out = _last_body(plan.last, after, attn_out, h)
+            out = _last_body(plan.last, mods(i + 1), attn_out, h)
     assert out is not None  # a plan has at least one block
     return [out, pos + 1, *written]
 
@@ -842,8 +785,7 @@ class SegmentPlan:
                  fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None, signature: tuple[int, ...],
                  fused_norm: bool = False, cuda_argmax: bool = False,
                  rope: rope_kv_kernel.Rope | None = None, attention: str | None = None,
-                 pair_silu: bool = False, matvec_fusion: str = "", rope_in_product: bool = False,
-                 l2_prefetch: bool = False) -> None:
+                 pair_silu: bool = False, matvec_fusion: str = "", rope_in_product: bool = False) -> None:
         inner = model.model
         tied = model.lm_head is None
         fusions = fusions or [(None, None)] * len(blocks)
@@ -852,8 +794,6 @@ class SegmentPlan:
         self.pair_silu = pair_silu
         self.matvec_fusion = matvec_fusion
         self.rope_in_product = rope_in_product
-        # Each attention kernel of the whole step asks L2 for the next products' weights (`use_l2_prefetch`).
-        self.l2_prefetch = l2_prefetch and attention == "kernel"
         self.signature = signature
         self.fuse_greedy = fuse_greedy
         self.rope = rope  # each layer's RoPE and key/value writes as `kernels/rope_kv.py`'s kernel
@@ -1005,7 +945,7 @@ class SegmentedSession:
                 self._buffers = []
 
 
-__all__ = ["plan", "prefetch_spans", "rope_of", "use_decode_attention", "use_l2_prefetch", "use_matvec_fusion",
-           "use_pair_silu", "use_rope_in_product", "WholeStep",
+__all__ = ["plan", "rope_of", "use_decode_attention", "use_matvec_fusion", "use_pair_silu", "use_rope_in_product",
+           "WholeStep",
            "fuse", "fusions_for", "FusedProjection", "Fusion", "SegmentFunctions", "SegmentGroup",
            "SegmentPlan", "SegmentedSession", "call_segment", "segment_group"]

@@ -20,17 +20,9 @@ MLX's attention at lengths on both sides of 1024 and keeps MLX's attention where
 
 The caller picks the kernel by the step's length (`one_pass(keys)`): a graph holds one kind, and
 the decode traces one graph per kind.
-
-`attend(..., prefetch=spans)` also asks the GPU's L2 cache for byte ranges of other arrays (the
-weights of the products after the attention: `segments.prefetch_spans`) at the kernel's start, as
-bulk prefetches (sm_90 and later; nothing on older GPUs). The attention reads a few MB of keys and
-values and leaves the memory bus mostly idle for its 5-10 us; the products after it then read
-those weights from L2 instead of device memory. The prefetches change no value.
 """
 from __future__ import annotations
 
-import threading
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -48,34 +40,6 @@ LOG2E = 1.4426950408889634  # M_LOG2E
 HEADER = r"""
 #include <cooperative_groups/reduce.h>
 """
-
-PREFETCH_CHUNK = 4096  # bytes per bulk prefetch instruction
-
-# pymlxc_l2::prefetch(p, start, bytes, first, t, n): bytes [start, start + bytes) of p (trimmed to
-# 16-byte bounds, as the instruction requires) in PREFETCH_CHUNK-byte pieces; the pieces of all of
-# a kernel's ranges are numbered from 0 (this range's from `first`) and dealt round-robin to the
-# grid's n threads, this one being t, so that each thread issues about one instruction.
-PREFETCH_HEADER = r"""
-namespace pymlxc_l2 {
-constexpr long long CHUNK = %d;
-template <typename P>
-__device__ inline void prefetch(const P* p, long long start, long long bytes, long long first, long long t,
-                                long long n) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const unsigned long long a = reinterpret_cast<unsigned long long>(p) + start;
-  const unsigned long long lo = (a + 15) & ~15ull;
-  const unsigned long long hi = (a + bytes) & ~15ull;
-  if (hi <= lo) return;
-  const long long pieces = static_cast<long long>((hi - lo + CHUNK - 1) / CHUNK);
-  for (long long j = ((t - first) %% n + n) %% n; j < pieces; j += n) {
-    const unsigned long long c = lo + static_cast<unsigned long long>(j) * CHUNK;
-    const unsigned size = static_cast<unsigned>(hi - c < CHUNK ? hi - c : CHUNK);
-    asm volatile("cp.async.bulk.prefetch.L2.global [%%0], %%1;" :: "l"(c), "r"(size) : "memory");
-  }
-#endif
-}
-}  // namespace pymlxc_l2
-""" % PREFETCH_CHUNK
 
 # Template arguments: T (the type of q, the buffers and the output), HQ and HKV (query and key/value
 # heads), D (head size: 64, 96 or 128, values alike), SCALE_LOG2_BITS (float32 bits of the scale times
@@ -258,54 +222,6 @@ _two_pass_1 = SharedKernel("pymlxc_decode_attention_part", ("q", "keys", "values
 _two_pass_2 = SharedKernel("pymlxc_decode_attention_merge", ("partials", "sums", "maxs"), ("out",), TWO_PASS_2,
                            HEADER, ensure_row_contiguous=False)
 
-# A byte range of an array for the L2 cache: (array, first byte, bytes).
-Span = tuple[Array, int, int]
-
-
-def _prefetch_lines(spans: Sequence[tuple[int, int, int]]) -> str:
-    """The prefetching start of a kernel body for `spans` given as (input index, first byte, bytes):
-    input i is `pf<i>`, and each thread issues its share of the pieces (`PREFETCH_HEADER`)."""
-    lines = ["  {",
-             "    const long long pf_t = (static_cast<long long>(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x"
-             " + blockIdx.x) * blockDim.x + threadIdx.x;",
-             "    const long long pf_n = static_cast<long long>(gridDim.x) * gridDim.y * gridDim.z * blockDim.x;"]
-    first = 0
-    for index, start, size in spans:
-        lines.append(f"    pymlxc_l2::prefetch(pf{index}, {start}LL, {size}LL, {first}LL, pf_t, pf_n);")
-        first += -(-size // PREFETCH_CHUNK)
-    return "\n".join([*lines, "  }", ""])
-
-
-_variants: dict[tuple[str, str], SharedKernel] = {}
-_variants_lock = threading.Lock()
-
-
-def _with_prefetch(kind: str, spans: Sequence[Span]) -> tuple[SharedKernel, list[Array]]:
-    """The kernel `kind` ("one" or "part") with `spans` prefetched at its start, and the distinct
-    arrays it takes after its own inputs. One kernel per set of ranges (a model's layers share it)."""
-    arrays: list[Array] = []
-    index: dict[int, int] = {}
-    for a, _, _ in spans:
-        if id(a) not in index:
-            index[id(a)] = len(arrays)
-            arrays.append(a)
-    prologue = _prefetch_lines([(index[id(a)], start, size) for a, start, size in spans])
-    key = (kind, prologue)
-    with _variants_lock:
-        kernel = _variants.get(key)
-        if kernel is None:
-            names = ("q", "keys", "values", "pos", *(f"pf{i}" for i in range(len(arrays))))
-            header = HEADER + PREFETCH_HEADER
-            if kind == "one":
-                kernel = SharedKernel("pymlxc_decode_attention_pf", names, ("out",), prologue + ONE_PASS, header,
-                                      ensure_row_contiguous=False)
-            else:
-                kernel = SharedKernel("pymlxc_decode_attention_part_pf", names, ("partials", "sums", "maxs"),
-                                      prologue + TWO_PASS_1, header, ensure_row_contiguous=False)
-            _variants[key] = kernel
-    return kernel, arrays
-
-
 HEAD_DIMS = (64, 96, 128)  # MLX's one-token kernels' head sizes
 
 
@@ -330,33 +246,23 @@ def _scale_bits(scale: float, single: bool) -> int:
     return float32_bits(float(s * np.float32(1.44269504089)))
 
 
-def attend(q: Array, keys: Array, values: Array, pos: Array, scale: float, single: bool, flat: bool = False,
-           prefetch: Sequence[Span] = ()) -> Array:
+def attend(q: Array, keys: Array, values: Array, pos: Array, scale: float, single: bool, flat: bool = False
+           ) -> Array:
     """Attention of `q` [B, HQ, 1, D] over the first `pos[0] + 1` slots of `keys` [B, HKV, slots, D]
     and `values`, as MLX's one-token kernel: `single` the one-pass kernel (up to ONE_PASS_KEYS keys),
     else the two-pass pair. `pos` is int32 holding the position first ([4] in the segments); q is
     row-major; the result [B, HQ, 1, D] has q's type, or with `flat` the same values as [B, 1, HQ * D]
-    (the kernels write row-major either way). `prefetch`: byte ranges of other arrays the kernel (the
-    first of two) asks L2 for as it starts (each range inside its array's bytes, its array
-    row-contiguous, as a model's weights are)."""
+    (the kernels write row-major either way)."""
     b, hq, _, d = q.shape
     shape = (b, 1, hq * d) if flat else (b, hq, 1, d)
     hkv = keys.shape[1]
     template = [("T", q.dtype), ("HQ", hq), ("HKV", hkv), ("D", d), ("SCALE_LOG2_BITS", _scale_bits(scale, single))]
-    inputs = [q, keys, values, pos]
-    first = _one_pass if single else _two_pass_1
-    if prefetch:
-        for a, start, size in prefetch:
-            if start < 0 or size < 0 or start + size > a.nbytes:
-                raise ValueError(f"prefetch range {start}..{start + size} outside an array of {a.nbytes} bytes")
-        first, arrays = _with_prefetch("one" if single else "part", prefetch)
-        inputs += arrays
     if single:
-        (out,) = first()(inputs, output_shapes=[shape], output_dtypes=[q.dtype],
-                         grid=(hq * 1024, 1, b), threadgroup=(1024, 1, 1), template=template)
+        (out,) = _one_pass()([q, keys, values, pos], output_shapes=[shape], output_dtypes=[q.dtype],
+                             grid=(hq * 1024, 1, b), threadgroup=(1024, 1, 1), template=template)
         return out
-    partials, sums, maxs = first()(
-        inputs, output_shapes=[(b, hq, BLOCKS, d), (b, hq, BLOCKS), (b, hq, BLOCKS)],
+    partials, sums, maxs = _two_pass_1()(
+        [q, keys, values, pos], output_shapes=[(b, hq, BLOCKS, d), (b, hq, BLOCKS), (b, hq, BLOCKS)],
         output_dtypes=[mx.float32] * 3, grid=(hq * 256, 1, b * BLOCKS), threadgroup=(256, 1, 1), template=template)
     (out,) = _two_pass_2()([partials, sums, maxs], output_shapes=[shape], output_dtypes=[q.dtype],
                            grid=(hq * 1024, 1, b), threadgroup=(1024, 1, 1), template=template[:4])
@@ -404,11 +310,7 @@ def _compare(dtype: Any, hq: int, hkv: int, d: int, scale: float) -> str | None:
         want = reference(q, keys, values, pos, scale)
         if not bool(mx.array_equal(got, want).item()):
             return f"its output over {n} keys differs from MLX's attention ({dtype}, head size {d})"
-        # The prefetching form (ranges of the buffers: their bytes, uneven ends) gives the same bits.
-        spans = [(values, 0, values.nbytes), (keys, 20, keys.nbytes // 3 - 20)]
-        if not bool(mx.array_equal(attend(q, keys, values, pos, scale, one_pass(n), prefetch=spans), got).item()):
-            return f"its prefetching form's output over {n} keys differs from its plain form's ({dtype}, head size {d})"
     return None
 
 
-__all__ = ["ONE_PASS_KEYS", "PREFETCH_CHUNK", "Span", "applies", "attend", "check", "checks", "one_pass", "reference"]
+__all__ = ["ONE_PASS_KEYS", "applies", "attend", "check", "checks", "one_pass", "reference"]

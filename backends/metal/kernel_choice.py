@@ -45,7 +45,7 @@ from .thread_setting import ThreadSetting
 AUTO_MIN_BYTES_PER_LAYER = 30_000_000
 # Every residual and normalized form (`residual_product`, `normed_product`) by default only up to this
 # many 4-bit bytes per block, past it the q/k/v and down_proj ones alone (`segments.use_matvec_fusion`'s
-# "ends"): alternated on an H200 (`probe_host_split.py`, BENCHMARKS.md) all of them took Llama-3.2-1B's
+# "ends"): alternated on an H200 (`probe_host_split.py`, docs/performance.md) all of them took Llama-3.2-1B's
 # host-bound step (43 MB a block) from 849 to 1029 tok/s by the medians, and Llama-3.1-8B's device-bound
 # one (140 MB) from 314 to 304 (each of the gate/up product's 3584 blocks normalizes h again), where
 # "ends" gave 318 against 310 off. The bound lies between those two sizes; none in between was measured.

@@ -329,7 +329,7 @@ ROPE_NAME = "pymlxc_qmv4_norm_rope"
 ROPE_INPUTS = (*NORM_INPUTS, "pos", "rope", "kcache", "vcache")
 ROPE_SOURCE = _source("rope")  # the normalized form's header
 # The normalized form keeps M rows of normalized x in shared memory: 32 KB at most. (Blocks of 512
-# threads, a quarter as many norms, decoded Llama-3.1-8B slower on an H200: BENCHMARKS.md.)
+# threads, a quarter as many norms, decoded Llama-3.1-8B slower on an H200: docs/performance.md.)
 NORM_MAX_BYTES = 32768
 
 

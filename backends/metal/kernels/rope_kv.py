@@ -4,8 +4,8 @@ one CUDA kernel, for the decode segments.
 In a segmented Llama-family decode step each layer's attention takes three small kernels before
 MLX's attention kernel: RoPE over the joint q/k heads, then a slice update for the key and one for
 the value. On an H100 a Llama-3.2-1B bf16 step is bound by the device, and such kernels (a few
-kilobytes each) cost 2.8-4.8 us apiece timed alone, mostly launch and tail (BENCHMARKS.md, seventh
-session). This kernel does the three in one launch: 32 kernels fewer per step there.
+kilobytes each) cost 2.8-4.8 us apiece timed alone, mostly launch and tail (docs/performance.md,
+"Where a step's device time goes"). This kernel does the three in one launch: 32 kernels fewer per step there.
 
 It writes the key and the value into the buffers in place. MLX's custom kernels have no in-place
 outputs, so the buffers go in as inputs, and the kernel writes through them; what orders it:

@@ -9,6 +9,7 @@ lock back), and the time the caller waited for a step to be scheduled. A short h
 lets runs under different settings be compared for equal output.
 
     python benchmarks/profile/probe_host_split.py MODEL [--max-tokens 256] [--runs 3] [--switch-interval S]
+        [--json PATH]   # the runs as JSON too (what `ab.py` reads)
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import _path  # noqa: F401 - the checkout as installed (backends as pymlxc.backe
 import argparse
 import collections
 import hashlib
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -59,6 +61,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="the interpreter's thread switch interval (seconds; default: Python's)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the runs here as JSON")
     args = parser.parse_args()
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
@@ -67,6 +70,7 @@ def main() -> None:
     side.load(args.model)
     prompt = [(7 * i) % 1000 + 10 for i in range(128)]
     timed_run(side, prompt, min(32, args.max_tokens))
+    runs: list[dict[str, Any]] = []
     for _ in range(args.runs):
         totals.clear()
         calls.clear()
@@ -76,6 +80,10 @@ def main() -> None:
         digest = hashlib.sha1(str(r["tokens"]).encode()).hexdigest()[:8]
         print(f"decode {r['decode_tps']:.1f} tok/s, wall {1e6 / max(r['decode_tps'], 1e-9):.0f} us/token; {parts}; "
               f"tokens {digest}", flush=True)
+        runs.append({"decode_tps": r["decode_tps"], "generated": n, "tokens": digest,
+                     "us_per_token": {k: 1e6 * v / n for k, v in sorted(totals.items())}})
+        if args.json is not None:  # after every run: a process cut short keeps what it measured
+            args.json.write_text(json.dumps(runs, indent=1) + "\n")
     side.free()
 
 

@@ -117,6 +117,13 @@ def silu_product(x: Array, weight: Array, scales: Array, biases: Array, group_si
 pair_checks = CheckedOnce("pymlxc's CUDA gate/up + SiLU product", source=(matvec_kernel.__file__, __file__))
 
 
+def silu_of_pair(both: Array) -> Array:
+    """silu(gate) * up of a [gate; up] product [..., 2I] as MLX's operations compute it (`nn.silu`'s
+    arithmetic, the model's MLP): what the paired kernel and the forms' fallbacks give, bit for bit."""
+    gate, up = mx.split(both, [both.shape[-1] // 2], axis=-1)
+    return gate * mx.sigmoid(gate) * up
+
+
 def pair_ready(dtype: Any, group_size: int) -> bool:
     """Whether the paired kernel runs here and gives, bit for bit, MLX's `silu(gate) * up` of the
     unpaired kernel's two products (once per machine, type and group size)."""
@@ -135,9 +142,7 @@ def _compare_pair(dtype: Any, group_size: int) -> str | None:
         got = silu_product(x, weight, scales, biases, group_size, 4, True)
         if got is None:
             return "it does not take these shapes"
-        both = quantized_matmul(x, weight, scales, biases, group_size, 4, True)
-        gate, up = mx.split(both, [half], axis=-1)
-        want = gate * mx.sigmoid(gate) * up
+        want = silu_of_pair(quantized_matmul(x, weight, scales, biases, group_size, 4, True))
         if not bool(mx.array_equal(got, want).item()):
             return f"its output for {rows} row(s) differs from MLX's silu(gate) * up ({dtype}, group {group_size})"
     return None
@@ -171,9 +176,7 @@ def normed_product(h: Array, weight: Array, scales: Array, biases: Array, group_
             paired = silu_product(normed, weight, scales, biases, group_size, 4, True)
             if paired is not None:
                 return paired
-            gate, up = mx.split(quantized_matmul(normed, weight, scales, biases, group_size, 4, True),
-                                [weight.shape[0] // 2], axis=-1)
-            return gate * mx.sigmoid(gate) * up
+            return silu_of_pair(quantized_matmul(normed, weight, scales, biases, group_size, 4, True))
         return quantized_matmul(normed, weight, scales, biases, group_size, 4, True)
     k, n = h.shape[-1], weight.shape[0]
     rows = h.size // k
@@ -296,13 +299,12 @@ def _compare_fusion(dtype: Any, group_size: int, d: int, eps: float) -> str | No
         if not (kernel_takes(x, wo, so, bo, group_size, 4) and normed_takes(h, wi, si, bi, group_size, 4)):
             return f"it does not take these shapes ({rows} row(s) of {d})"
         both = quantized_matmul(mx.fast.rms_norm(h, norm_weight, eps), wi, si, bi, group_size, 4, True)
-        gate, up = mx.split(both, [half], axis=-1)
         pairs = [
             ("residual form", residual_product(x, wo, so, bo, group_size, h),
              h + quantized_matmul(x, wo, so, bo, group_size, 4, True)),
             ("normalized form", normed_product(h, wi, si, bi, group_size, norm_weight, eps), both),
             ("normalized gate/up form", normed_product(h, wi, si, bi, group_size, norm_weight, eps, pair=True),
-             gate * mx.sigmoid(gate) * up),
+             silu_of_pair(both)),
         ]
         for name, got, want in pairs:
             if not bool(mx.array_equal(got, want).item()):

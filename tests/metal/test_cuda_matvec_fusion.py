@@ -195,11 +195,6 @@ class StandIns:
     def product(x: Any, w: Any, s: Any, b: Any, group: int) -> Any:
         return mx.quantized_matmul(x, w, s, b, True, group, 4)
 
-    @staticmethod
-    def silu_of_pair(y: Any, w: Any) -> Any:
-        gate, up = mx.split(y, [w.shape[0] // 2], axis=-1)
-        return gate * mx.sigmoid(gate) * up
-
     def residual(self, x: Any, w: Any, s: Any, b: Any, group: int, res: Any) -> Any:
         self.calls.append("residual")
         return res + self.product(x, w, s, b, group)
@@ -207,11 +202,11 @@ class StandIns:
     def normed(self, h: Any, w: Any, s: Any, b: Any, group: int, nw: Any, eps: float, pair: bool = False) -> Any:
         self.calls.append("pair" if pair else "normed")
         y = self.product(mx.fast.rms_norm(h, nw, eps), w, s, b, group)
-        return self.silu_of_pair(y, w) if pair else y
+        return kernel_choice.silu_of_pair(y) if pair else y
 
     def plain_pair(self, x: Any, w: Any, s: Any, b: Any, group: int, bits: int, cuda_matvec: bool) -> Any:
         self.calls.append("plain pair")
-        return self.silu_of_pair(self.product(x, w, s, b, group), w)
+        return kernel_choice.silu_of_pair(self.product(x, w, s, b, group))
 
     def rope_form(self, h: Any, w: Any, s: Any, b: Any, group: int, nw: Any, eps: float, pos: Any, keys: Any,
                   values: Any, rope: Any, n_heads: int) -> Any:

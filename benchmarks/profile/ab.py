@@ -61,6 +61,11 @@ def run_case(model: Path, env: dict[str, str], runs: int, max_tokens: int, timeo
     return result
 
 
+def _spread(values: list[float]) -> list[float]:
+    """[least, most] of the runs that timed a part."""
+    return [min(values), max(values)]
+
+
 def summary(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Per case the median decode rate and the spread of host time per token; whether every run of
     every case gave the same tokens."""
@@ -73,8 +78,8 @@ def summary(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
         out["cases"][name] = {
             "decode_tps": rates,
             "median": statistics.median(rates) if rates else None,
-            "us_per_token": {k: [min(r["us_per_token"].get(k, 0.0) for r in runs),
-                                 max(r["us_per_token"].get(k, 0.0) for r in runs)] for k in parts},
+            "us_per_token": {k: _spread([r["us_per_token"][k] for r in runs if k in r["us_per_token"]])
+                             for k in parts},
             "failed_processes": sum(1 for p in c["processes"] if "error" in p),
         }
     return out

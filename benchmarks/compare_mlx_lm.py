@@ -160,6 +160,7 @@ class Side:
     def stream(self, prompt: list[int], max_tokens: int) -> Iterator[int]: ...
 
     weights = 0
+    vocab = 0  # the loaded model's vocabulary size
 
 
 class Pymlxc(Side):
@@ -191,6 +192,7 @@ class Pymlxc(Side):
         self.decoder = CompiledDecoder(self.loaded.model, self.mode, settings=chosen) if self.compiled else None
         self.cuda_matvec = self.loaded.cuda_matvec
         self.weights = self.loaded.nbytes
+        self.vocab = int(self.loaded.config["vocab_size"])
 
     def used(self, flag: str) -> bool:
         """Whether a segmented decode plan ran with `flag` set: `fused_norm` (the add and norm in one
@@ -209,6 +211,7 @@ class Pymlxc(Side):
 
     def stream(self, prompt: list[int], max_tokens: int) -> Iterator[int]:
         model = self.loaded.model
+        check_prompt(prompt, self.vocab)
         tokens = loops.generate_ids(model, prompt, cache=model.make_cache(self.context_len), sampler=greedy,
                                     max_tokens=max_tokens, decoder=self.decoder)
         return tokens if self.threaded is None else self._with_thread_setting(tokens)
@@ -231,6 +234,8 @@ class MlxLm(Side):
 
         self.model, _ = load_model(Path(path))
         self.weights = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+        config = json.loads((Path(path) / "config.json").read_text())
+        self.vocab = int(config.get("vocab_size") or config["text_config"]["vocab_size"])
 
     def free(self) -> None:
         self.model = None
@@ -240,8 +245,26 @@ class MlxLm(Side):
     def stream(self, prompt: list[int], max_tokens: int) -> Iterator[int]:
         from mlx_lm.generate import generate_step
 
+        check_prompt(prompt, self.vocab)
         for token, _ in generate_step(mlx.array(prompt), self.model, max_tokens=max_tokens):
             yield int(token)
+
+
+def probe_prompt(n: int, vocab: int) -> list[int]:
+    """The probes' fixed prompt of `n` ids: 7i mod 1000, plus 10 (clear of the special ids at the
+    front), folded into smaller vocabularies (a test's tiny model) so that every id has a row."""
+    span = min(1000, vocab - 10)
+    if span < 1:
+        raise ValueError(f"a vocabulary of {vocab} ids is too small for a probe prompt")
+    return [(7 * i) % span + 10 for i in range(n)]
+
+
+def check_prompt(prompt: list[int], vocab: int) -> None:
+    """The bench calls the generation loop below the model's own id check: an id past the
+    embedding's rows would read out of bounds (MLX's gather does not check) and time garbage."""
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt id {bad[0]} is outside the model's vocabulary of {vocab}")
 
 
 def timed_run(side: Side, prompt: list[int], max_tokens: int) -> dict[str, Any]:

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     path = bench.model_dir(args.models_dir, args.shape, args.quant, None)  # written on first use
     side: bench.Side = bench.Pymlxc() if args.side == "pymlxc" else bench.MlxLm()
     side.load(path)
-    prompt = [int(t) % 1000 + 10 for t in range(args.prompt_tokens)]
+    prompt = bench.probe_prompt(args.prompt_tokens, side.vocab)
     for _ in range(2):  # traces, compiles, caches
         _generate(side, prompt, args.short + args.extra)
     short_files, n_short = _generate(side, prompt, args.short)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from compare_mlx_lm import Pymlxc, timed_run
+from compare_mlx_lm import Pymlxc, probe_prompt, timed_run
 
 from pymlxc.backends.metal.decode import segments
 from pymlxc.core import eval_thread
@@ -68,7 +68,7 @@ def main() -> None:
     instrument()
     side = Pymlxc()
     side.load(args.model)
-    prompt = [(7 * i) % 1000 + 10 for i in range(128)]
+    prompt = probe_prompt(128, side.vocab)
     timed_run(side, prompt, min(32, args.max_tokens))
     runs: list[dict[str, Any]] = []
     for _ in range(args.runs):

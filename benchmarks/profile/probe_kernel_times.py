@@ -44,7 +44,7 @@ def run(side_name: str, shape: str, quant: str, prompt_tokens: int, steps: int, 
     path = bench.model_dir(models, shape, quant, None)
     side = bench.Pymlxc() if side_name == "pymlxc" else bench.MlxLm()
     side.load(path)
-    prompt = [t % 1000 + 10 for t in range(prompt_tokens)]
+    prompt = bench.probe_prompt(prompt_tokens, side.vocab)
     for _ in range(2):
         list(side.stream(prompt, 16))
     t = time.perf_counter()

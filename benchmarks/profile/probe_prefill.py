@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from compare_mlx_lm import Pymlxc, timed_run  # noqa: E402
+from compare_mlx_lm import Pymlxc, probe_prompt, timed_run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         side.load(path)
         try:
             for n in args.lengths:
-                prompt = [(7 * i) % 1000 + 10 for i in range(n)]
+                prompt = probe_prompt(n, side.vocab)
                 timed_run(side, prompt, 1)  # warm-up: traces and kernels for this length
                 times = [timed_run(side, prompt, 1)["ttft_s"] for _ in range(args.repeats)]
                 ms = 1e3 * statistics.median(times)

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     for (cls, name), original in zip(patched, originals, strict=True):
         setattr(cls, name, hooked(original))
     try:
-        prompt = [(7 * i) % 1000 + 10 for i in range(32)]
+        prompt = bench.probe_prompt(32, side.vocab)
         sum(1 for _ in side.stream(prompt, args.step + 4))
     finally:
         for (cls, name), original in zip(patched, originals, strict=True):

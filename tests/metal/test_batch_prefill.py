@@ -151,3 +151,18 @@ def test_prompt_mask_hides_padding_and_keeps_padded_queries_finite(offset: int, 
     want = np.stack([causal & ((k >= v) | (k == q)) for v in valid])
     assert np.array_equal(got, want)
     assert got.any(axis=-1).all()  # every query sees at least itself
+
+
+@pytest.mark.parametrize("bad", [-1, 512, 10**6])
+def test_a_prompt_id_past_the_embedding_fails_its_request_alone(tmp_path: Path, bad: int) -> None:
+    path = write_tiny_model(tmp_path / "llama", "llama", seed=3, vocab_size=512)
+    with pymlxc.load_model(str(path), backend="metal") as model:
+        good = model.encode("Once upon a time")
+        scheduler = model.scheduler()
+        wrong, right = _submit_together(scheduler, [[*good[:2], bad, *good[2:]], good], SamplingParams(max_tokens=6))
+        end = wrong.finish()
+        assert end is not None and end.finish == "error" and isinstance(end.error, ValueError)
+        assert f"token id {bad} (position 2 of the prompt) is outside the model's vocabulary of 512" in str(end.error)
+        assert wrong.tokens() == []
+        # The other request of the same turn decodes as it would alone.
+        assert right.tokens() == [t.id for t in model.generate("Once upon a time", max_tokens=6)]

@@ -213,7 +213,10 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
         if isinstance(prompt, str):
             if not prompt:
                 raise ApiError(400, "prompt is empty", param="prompt")
-            ids = await asyncio.to_thread(tokenizer.encode, prompt)
+            try:
+                ids = await asyncio.to_thread(tokenizer.encode, prompt)
+            except ValueError as exc:  # not Unicode text (a lone surrogate)
+                raise ApiError(400, f"prompt: {exc}", param="prompt") from None
         else:
             ids = encode_ids(prompt, "prompt")
         return Job(sampling(body, len(ids), body.max_tokens, body.logprobs), prompt_ids=ids, stop=stop)
@@ -241,7 +244,10 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
             text = await asyncio.to_thread(render_chat, messages, tokenizer, True, **template_args)
         except (ChatTemplateError, TypeError, ValueError) as exc:
             raise ApiError(400, f"messages: {exc}", param="messages") from None
-        ids = await asyncio.to_thread(tokenizer.encode, text, False)
+        try:
+            ids = await asyncio.to_thread(tokenizer.encode, text, False)
+        except ValueError as exc:  # not Unicode text (a lone surrogate in a message)
+            raise ApiError(400, f"messages: {exc}", param="messages") from None
         if not ids:
             raise ApiError(400, "messages render to no tokens", param="messages")
         params = sampling(body, len(ids), max_tokens, logprobs)

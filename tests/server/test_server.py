@@ -236,6 +236,13 @@ def test_bad_requests_get_openai_errors(server: Server) -> None:
                                        "response_format": {"type": "json_schema", "json_schema": {
                                            "name": "x", "schema": {"type": "no-such-type"}}}}, headers=headers)
     assert bad_schema.status_code == 400
+    # Not Unicode text (JSON may carry a lone surrogate): the field named, not a server error.
+    for endpoint, body, param in (("completions", '{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+                                  ("chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800b"}], '
+                                                       '"max_tokens": 2}', "messages")):
+        lone = httpx.post(f"{server.url}/v1/{endpoint}", content=body.encode(), headers=headers)
+        assert lone.status_code == 400, lone.text
+        assert lone.json()["error"]["param"] == param and "surrogate" in lone.json()["error"]["message"]
 
 
 def test_api_key_is_required(server: Server) -> None:

@@ -135,7 +135,11 @@ class MetalTextModel(TrainableMixin):
         self._free_at_idle = False  # close() gave up waiting: the last step to end frees
         self._errors: dict[int, BaseException | None] = {}
         self._metrics = GenerateMetrics()
-        self._prompt_cache = pcache.PromptCache(config.prompt_cache_entries, config.prompt_cache_bytes)
+        # Off for pipeline ranks: each holds other layers (other cache kinds and sizes), so whether an
+        # entry is kept, evicted or restorable could differ between ranks, and then their prefills
+        # (chunks, collectives) would. Tensor ranks hold every layer alike and decide alike.
+        entries = 0 if config.distributed == "pipeline" else config.prompt_cache_entries
+        self._prompt_cache = pcache.PromptCache(entries, config.prompt_cache_bytes)
         # Whatever owns memory registers its release here; close() runs them in reverse order.
         self._resources = contextlib.ExitStack()
         if release is not None:

@@ -42,6 +42,7 @@ def main() -> None:
         out["load_active"] = pymlxc.core.get_active_memory()
         rank = pymlxc.core.distributed.init().rank() if distributed else 0
         out["rank"] = rank
+        out["prompt_cache"] = model.prompt_cache.enabled
         if a.load_only:
             print("RESULT " + json.dumps(out), flush=True)
             return

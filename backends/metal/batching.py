@@ -639,6 +639,7 @@ class Scheduler:
         self._prefilling: collections.deque[_Row] = collections.deque()
         self._batch = Batch()
         self._thread: threading.Thread | None = None
+        self._driven = False  # run_turn's caller runs the loop (no thread of its own)
         # The ids of the last decode step, one per batch row, queued on the device and not yet read
         # back (the look-ahead: see the module doc).
         self._ahead: mx.Array | None = None
@@ -663,6 +664,8 @@ class Scheduler:
         with self._lock:
             if self._stopping:
                 raise ModelClosedError("the model is closed")
+            if self._driven:
+                raise RuntimeError("this scheduler is driven turn by turn (run_turn), not through submit")
             free = max(0, self.max_batch - self.running())
             if bounded and len(self._queue) + len(requests) > self.max_queue + free:
                 raise QueueFull(f"{len(self._queue)} requests are waiting already (max_queue={self.max_queue})")
@@ -695,6 +698,30 @@ class Scheduler:
                     batch.add(_WARM_ROW, caches)
                 logits = batch.logits(model, mx.zeros((size, 1), mx.int32), self._host.batch_step)
                 mx.eval(mx.argmax(logits, axis=-1))
+
+    def run_turn(self, requests: Sequence[Request] = ()) -> None:
+        """One turn of the loop on the caller's thread, `requests` queued first: for a scheduler
+        driven from outside, whose every turn must be the same on several processes (the ranks of a
+        distributed server: `pymlxc/server/ranks.py`), never beside `submit`'s own thread. A turn
+        that raises fails the requests it held (as the loop's own turns do), then raises."""
+        with self._lock:
+            if self._thread is not None:
+                raise RuntimeError("this scheduler runs its own loop (submit); run_turn would race it")
+            if self._stopping:
+                raise ModelClosedError("the model is closed")
+            self._driven = True
+            self._queue.extend(requests)
+        try:
+            with self._host.counted_step():
+                self._turn()
+        except Exception as exc:
+            self._fail_all(exc)
+            raise
+
+    def idle(self) -> bool:
+        """Nothing queued, prefilling or decoding."""
+        with self._lock:
+            return not self._queue and not self.running()
 
     def running(self) -> int:
         """Rows decoding or prefilling now."""

@@ -128,6 +128,10 @@ class BatchEngine:
 
         return {**self.scheduler.stats(), "active_memory_bytes": mx.get_active_memory()}
 
+    def submit(self, request: batching.Request) -> None:
+        """Hand `request` to the loop that runs it (QueueFull where too many wait)."""
+        self.scheduler.submit(request)
+
     async def stream(self, job: Job) -> AsyncGenerator[Piece, None]:
         assert job.prompt_ids is not None
         loop = asyncio.get_running_loop()
@@ -138,7 +142,7 @@ class BatchEngine:
                 loop.call_soon_threadsafe(events.put_nowait, event)
 
         request = batching.Request(job.prompt_ids, job.params, emit, job.constraint)
-        self.scheduler.submit(request)
+        self.submit(request)
         detokenizer = self.tokenizer.detokenizer()
         stops = StopStrings(job.stop)
         try:

@@ -81,18 +81,29 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve_ranks(model: Any, config: Any, args: argparse.Namespace) -> int:
-    """A distributed model: rank 0 serves HTTP, the other ranks follow its calls (ranks.py)."""
+    """A distributed model: rank 0 serves HTTP, the other ranks follow it (ranks.py): the
+    continuous batch in step where the model batches, else one call at a time."""
     import uvicorn
 
     import pymlxc.core as mx
+    from pymlxc.backends.metal.batching import BatchingUnsupported
 
     from .app import create_app
-    from .ranks import RankEngine, follow
+    from .ranks import BatchRankEngine, RankEngine, follow, follow_batch
 
+    try:  # the same answer on every rank: the model's layers decide
+        model.scheduler(max_batch=args.max_concurrency, max_queue=args.max_queue)
+        batches = True
+    except BatchingUnsupported:
+        batches = False
     if mx.distributed.init().rank() != 0:
-        follow(model)
+        if batches:
+            follow_batch(model, max_concurrency=args.max_concurrency, max_queue=args.max_queue)
+        else:
+            follow(model)
         return 0
-    engine = RankEngine(model, max_queue=args.max_queue, context_len=getattr(model, "_context_len", None))
+    engine: Any = (BatchRankEngine(model, max_concurrency=args.max_concurrency, max_queue=args.max_queue) if batches
+                   else RankEngine(model, max_queue=args.max_queue, context_len=getattr(model, "_context_len", None)))
 
     def stopped(signum: int, frame: object) -> None:
         raise _Stopped  # uvicorn re-raises the SIGTERM it shut down on: end here, the other ranks told

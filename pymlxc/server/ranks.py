@@ -1,39 +1,55 @@
 """`pymlxc serve` over the ranks of a distributed model (`pymlxc launch -n N -- serve MODEL`): rank 0
-runs the HTTP server with a `RankEngine`, every other rank runs `follow(model)`.
+runs the HTTP server, every other rank follows it.
 
-Every rank must run the same model calls, step for step. Rank 0 takes the requests one at a time
-(a queue; no continuous batching, whose steps depend on when requests arrive) and hands each to the
-others before running it (`from_rank0`: the call as JSON), so all ranks run the same
-`generate`/`chat`; after each token rank 0 says whether to go on (a client that left, or a stop
-string reached, ends the call on every rank at the same token). A rank that disagrees (more or
-fewer tokens than rank 0: a broken run) or whose call fails ends its process with an error, as the
-others then cannot stay in step; the launcher and the watchdog (backends/metal/distributed) end the
-rest. Requests are built as for the slot engine (text or messages; the features that need token
-ids, such as logprobs and constrained output, are refused with a 400).
+Every rank must run the same model calls, step for step. Where the model batches (`Scheduler`),
+rank 0 runs the continuous batch with a `BatchRankEngine` and the others `follow_batch`: the
+scheduler is driven turn by turn on every rank (`Scheduler.run_turn`), and before each turn rank 0
+hands the others what changes in it (`from_rank0`: the requests that arrived since the last turn,
+as token ids and sampling with a seed rank 0 picked where none was given, and those whose client
+left or reached a stop string), so that every rank admits, prefills, decodes and drops the same
+rows at the same turn; what rank 0's clients do between turns is seen only at the next one. After
+each turn the ranks compare whether it ran (a turn that failed on some ranks only leaves them out of
+step: they end). Constrained output is refused with a 400 (its grammar state lives on rank 0 only).
+
+A model that cannot batch (recurrent layers) is served one call at a time (`RankEngine` and
+`follow`): rank 0 hands each call to the others before running it (the call as JSON), so all ranks
+run the same `generate`/`chat`; after each token rank 0 says whether to go on (a client that left,
+or a stop string reached, ends the call on every rank at the same token). Those requests are built
+as for the slot engine (text or messages; logprobs and constrained output are refused with a 400).
+
+A rank that disagrees (more or fewer tokens than rank 0: a broken run) or whose call fails ends its
+process with an error, as the others then cannot stay in step; the launcher and the watchdog
+(backends/metal/distributed) end the rest.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import dataclasses
+import itertools
 import json
 import os
 import queue
+import secrets
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pymlxc.backends.metal import batching
 from pymlxc.backends.metal.distributed.runtime import from_rank0, ranks_agreeing
+from pymlxc.model import ModelClosedError
 
-from .engine import BadRequest, Finished, Job, Piece, QueueFull, token_pieces
+from .engine import BadRequest, BatchEngine, Finished, Job, Piece, QueueFull, token_pieces
 
 # The codes rank 0 sends (every exchange is rank 0's code; the others only listen).
-CALL, GO_ON, STOP, END, FAILED, SHUTDOWN = 1, 2, 3, 4, 5, 6
+CALL, GO_ON, STOP, END, FAILED, SHUTDOWN, TURN = 1, 2, 3, 4, 5, 6, 7
 _EXIT_DELAY = 0.5  # seconds for a failed call's error to reach its client before the rank ends
 _NAMES = {CALL: "a new call", GO_ON: "go on", STOP: "stop", END: "the call's end", FAILED: "a failed call",
-          SHUTDOWN: "shut down"}
+          SHUTDOWN: "shut down", TURN: "a batch turn"}
 
 
 class RankMismatch(RuntimeError):
@@ -211,4 +227,182 @@ def follow(model: Any) -> None:
             _fatal(rank, f"{type(exc).__name__}: {exc}")
 
 
-__all__ = ["RankEngine", "RankMismatch", "follow"]
+# ---------------------------------------------------------------------- the continuous batch in step
+
+def _params_json(p: batching.SamplingParams) -> dict[str, Any]:
+    fields = dataclasses.asdict(p)
+    fields["logit_bias"] = [list(pair) for pair in p.logit_bias]
+    fields["stop_ids"] = sorted(p.stop_ids)
+    return fields
+
+
+def _params_of(fields: dict[str, Any]) -> batching.SamplingParams:
+    bias = tuple((int(i), float(b)) for i, b in fields["logit_bias"])
+    return batching.SamplingParams(**{**fields, "logit_bias": bias, "stop_ids": frozenset(fields["stop_ids"])})
+
+
+class _Turns:
+    """A scheduler driven by turns that are the same on every rank: each turn's message (new
+    requests by key, keys cancelled) applied, then the turn run. `forward(key)` is where a
+    request's events go besides (rank 0: its client; the others: nowhere)."""
+
+    def __init__(self, scheduler: batching.Scheduler, forward: Callable[[int], Callable[[batching.Event], None]]
+                 ) -> None:
+        self.scheduler = scheduler
+        self._forward = forward
+        self.live: dict[int, batching.Request] = {}  # key -> this rank's request, until it finishes
+
+    def run(self, message: dict[str, Any]) -> None:
+        for key in message.get("cancel", ()):
+            request = self.live.get(key)
+            if request is not None:
+                request.cancel()
+        new = []
+        for key, prompt, params in message.get("new", ()):
+            request = batching.Request(prompt, _params_of(params), self._emitter(key, self._forward(key)))
+            self.live[key] = request
+            new.append(request)
+        self.scheduler.run_turn(new)
+
+    def _emitter(self, key: int, forward: Callable[[batching.Event], None]) -> Callable[[batching.Event], None]:
+        def emit(event: batching.Event) -> None:
+            if event.finish is not None:
+                self.live.pop(key, None)
+            forward(event)
+        return emit
+
+
+def _agree_on_turn(ok: bool, size: int, rank: int, error: BaseException | None) -> None:
+    """After every turn: each rank says whether it ran; a turn that failed on some ranks only ends
+    this rank (the steps after it would not match)."""
+    agreeing = ranks_agreeing(ok)
+    if agreeing not in (0, size):
+        why = f"{size - agreeing} of {size} ranks failed a batch turn"
+        _fatal(rank, why + (f" (here: {type(error).__name__}: {error})" if error is not None else ""))
+
+
+def _ignore(event: batching.Event) -> None:
+    """A following rank's events: rank 0 answers the clients."""
+
+
+class BatchRankEngine(BatchEngine):
+    """Rank 0's engine where the model batches: the continuous batch, its turns run in step with
+    the other ranks' `follow_batch` (the module doc)."""
+
+    features = frozenset({"logprobs", "logit_bias", "penalties", "tools"})
+
+    def __init__(self, model: Any, *, max_concurrency: int, max_queue: int) -> None:
+        import pymlxc.core as mx  # noqa: PLC0415 - the binding, loaded with the model already
+
+        super().__init__(model, max_concurrency=max_concurrency, max_queue=max_queue)
+        self._size = mx.distributed.init().size()
+        self._max_queue = max_queue
+        self._incoming: collections.deque[batching.Request] = collections.deque()
+        self._clients: dict[int, batching.Request] = {}  # key -> the client's request (events, cancel)
+        self._keys = itertools.count()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._turns = _Turns(self.scheduler, lambda key: self._clients[key].emit)
+        self._driver = threading.Thread(target=self._drive, name="pymlxc-rank0-batch", daemon=True)
+        self._driver.start()
+
+    def submit(self, request: batching.Request) -> None:
+        if request.constraint is not None:
+            raise BadRequest("constrained output (response_format, or tool_choice naming a tool) is not supported "
+                             "on a distributed model: its grammar state lives on rank 0 only", param="response_format")
+        with self._cond:
+            if self._closing:
+                raise ModelClosedError("the server is shutting down")
+            waiting = len(self._incoming) + self.scheduler.stats()["queued"]
+            free = max(0, self.scheduler.max_batch - self.scheduler.running())
+            if waiting + 1 > self._max_queue + free:
+                raise QueueFull(f"{waiting} requests are waiting already (max_queue={self._max_queue})")
+            self._incoming.append(request)
+            self._cond.notify_all()
+
+    def _next_message(self) -> dict[str, Any] | None:
+        """What changes in the next turn, once there is a turn to run; None when closed and idle."""
+        with self._cond:
+            while not self._incoming and self.scheduler.idle() and not self._closing:
+                self._cond.wait(0.5)
+            if self._closing and not self._incoming and self.scheduler.idle():
+                return None
+            arrived = list(self._incoming)
+            self._incoming.clear()
+            cancel = [key for key, mine in self._turns.live.items()
+                      if self._clients[key].cancelled and not mine.cancelled]
+            new = []
+            for client in arrived:
+                params = client.params
+                if params.seed is None:  # one draw for every rank's sampler of this row
+                    params = dataclasses.replace(params, seed=secrets.randbits(31))
+                key = next(self._keys)
+                self._clients[key] = client
+                new.append([key, client.prompt, _params_json(params)])
+        return {"new": new, "cancel": cancel}
+
+    def _drive(self) -> None:
+        try:
+            while True:
+                message = self._next_message()
+                if message is None:
+                    from_rank0(SHUTDOWN)
+                    return
+                payload = json.dumps(message).encode() if message["new"] or message["cancel"] else b""
+                from_rank0(TURN, payload)
+                error: BaseException | None = None
+                try:
+                    self._turns.run(message)
+                except Exception as exc:  # noqa: BLE001 - its requests failed with it; the ranks compare
+                    error = exc
+                _agree_on_turn(error is None, self._size, 0, error)
+                with self._cond:
+                    self._clients = {k: c for k, c in self._clients.items() if k in self._turns.live}
+        except Exception as exc:  # noqa: BLE001 - a lost peer: the clients hear it, the rank ends
+            with self._cond:
+                clients = list(self._clients.values()) + list(self._incoming)
+            for client in clients:
+                client.emit(batching.Event(finish="error", error=exc))
+            _fatal(0, f"the batch loop stopped: {type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        """Cancel what runs, fail what waits, then tell the other ranks to end (once)."""
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
+            left = list(self._incoming)
+            self._incoming.clear()
+            for client in self._clients.values():
+                client.cancel()
+            self._cond.notify_all()
+        for client in left:
+            client.emit(batching.Event(finish="error", error=ModelClosedError("the server is shutting down")))
+        self._driver.join()
+
+
+def follow_batch(model: Any, *, max_concurrency: int, max_queue: int) -> None:
+    """The other ranks' side of a batching model: run each turn rank 0 hands over, until it shuts
+    down. `max_concurrency` and `max_queue` as rank 0's engine has them (the rows a turn admits)."""
+    import pymlxc.core as mx  # noqa: PLC0415 - the binding, loaded with the model already
+
+    group = mx.distributed.init()
+    rank, size = group.rank(), group.size()
+    scheduler = model.scheduler(max_batch=max_concurrency, max_queue=max_queue)
+    scheduler.warm()  # as rank 0's engine does before it listens: the same steps on every rank
+    turns = _Turns(scheduler, lambda key: _ignore)
+    while True:
+        code, payload = from_rank0(0)
+        if code == SHUTDOWN:
+            return
+        if code != TURN:
+            _fatal(rank, f"expected a batch turn or shut down from rank 0, got {_NAMES.get(code, code)}")
+        error: BaseException | None = None
+        try:
+            turns.run(json.loads(payload) if payload else {})
+        except Exception as exc:  # noqa: BLE001 - compared with the other ranks below
+            error = exc
+        _agree_on_turn(error is None, size, rank, error)
+
+
+__all__ = ["BatchRankEngine", "RankEngine", "RankMismatch", "follow", "follow_batch"]

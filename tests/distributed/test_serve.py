@@ -1,7 +1,10 @@
 """`pymlxc serve --distributed` on 2 ranks over the ring (127.0.0.1): rank 0 answers the OpenAI
-client with what one process generates, the other rank follows each call; streams cut short by a
-stop string and requests sent together keep the ranks in step; a request every rank refuses is a
-400 and the server goes on; SIGTERM to rank 0 ends both ranks cleanly."""
+client with what one process generates. A model that batches runs the continuous batch on every
+rank in step: requests sent together share decode steps and each gets its one-process answer,
+streams cut short by a stop string and logprobs keep the ranks in step, and constrained output is a
+400. A model with recurrent layers is served one call at a time, each handed to the other rank. A
+request every rank refuses is a 400 and the server goes on; SIGTERM to rank 0 ends both ranks
+cleanly."""
 from __future__ import annotations
 
 import contextlib
@@ -17,6 +20,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import openai
 import pytest
 
@@ -45,10 +49,8 @@ def alone(model: Path) -> dict[str, str]:
 Served = tuple[openai.OpenAI, list[subprocess.Popen[bytes]]]
 
 
-@pytest.fixture(scope="module")
-def served(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def _serve(model: Path, logs: Path) -> Iterator[Served]:
     port = free_ports(1)[0]
-    logs = tmp_path_factory.mktemp("logs")
     procs = []
     with contextlib.ExitStack() as files:
         for r, env in enumerate(rank_environments(2, "ring", logs)):
@@ -77,6 +79,16 @@ def served(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
             p.wait()
 
 
+@pytest.fixture(scope="module")
+def served(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    yield from _serve(model, tmp_path_factory.mktemp("logs"))
+
+
+def _health(client: openai.OpenAI) -> dict[str, int]:
+    with urllib.request.urlopen(str(client.base_url).replace("/v1/", "/health"), timeout=10) as reply:
+        return json.loads(reply.read())
+
+
 def test_rank0_answers_as_one_process(served: Served, alone: dict[str, str], model: Path) -> None:
     client, _ = served
     got = client.completions.create(model=str(model), prompt=PROMPT, max_tokens=8, temperature=0)
@@ -94,27 +106,60 @@ def test_a_stream_cut_short_keeps_the_ranks_in_step(served: Served, alone: dict[
     pieces = [c.choices[0].text for c in client.completions.create(model=str(model), prompt=PROMPT, max_tokens=8,
                                                                     temperature=0, stream=True, stop=[stop])]
     assert "".join(pieces) == alone["text"][: alone["text"].index(stop)]
-    with ThreadPoolExecutor(3) as pool:  # queued on rank 0, one call at a time on every rank
-        texts = list(pool.map(lambda _: client.completions.create(model=str(model), prompt=PROMPT, max_tokens=8,
-                                                                   temperature=0).choices[0].text, range(3)))
-    assert texts == [alone["text"]] * 3
+    again = client.completions.create(model=str(model), prompt=PROMPT, max_tokens=8, temperature=0)
+    assert again.choices[0].text == alone["text"]
+
+
+def test_requests_sent_together_share_the_batch_in_step(served: Served, alone: dict[str, str], model: Path) -> None:
+    client, _ = served
+    prompts = [f"{PROMPT} {word}" for word in ("one", "two three", "four five six", "seven")]
+    with pymlxc.load_model(str(model)) as m:
+        want = ["".join(t.text for t in m.generate(p, max_tokens=40)) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda p: client.completions.create(model=str(model), prompt=p, max_tokens=40,
+                                                                temperature=0).choices[0].text, prompts))
+    assert got == want
+    # They ran as rows of one batch (on rank 0, and so on rank 1: its turns are rank 0's).
+    assert _health(client)["peak_rows"] >= 2
+    # Sampled with no seed given: rank 0 picks one for every rank, and the ranks stay in step.
+    sampled = client.completions.create(model=str(model), prompt=PROMPT, max_tokens=8, temperature=1.0)
+    assert sampled.choices[0].finish_reason == "length"
+    assert client.completions.create(model=str(model), prompt=PROMPT, max_tokens=8,
+                                     temperature=0).choices[0].text == alone["text"]
+
+
+def test_logprobs_come_from_the_batch_and_constraints_are_refused(served: Served, alone: dict[str, str],
+                                                                  model: Path) -> None:
+    client, _ = served
+    got = client.completions.create(model=str(model), prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    with pymlxc.load_model(str(model)) as m:
+        want = [m.classify([PROMPT], return_logits=True)[0]]
+    lp = got.choices[0].logprobs
+    assert lp is not None and len(lp.token_logprobs or []) == 4 and all(len(t) == 2 for t in lp.top_logprobs or [])
+    # The first token's log-probability as one process computes it from its logits.
+    logits = np.asarray(want[0].logits, dtype=np.float64)
+    first = int(np.argmax(logits))
+    expected = logits[first] - np.log(np.sum(np.exp(logits - logits.max()))) - logits.max()
+    assert (lp.token_logprobs or [0.0])[0] == pytest.approx(expected, abs=1e-3)
+    assert want[0].token.id == first
+    with pytest.raises(openai.BadRequestError, match="not supported on a distributed model"):
+        client.chat.completions.create(model=str(model), messages=CHAT, max_tokens=4,  # type: ignore[arg-type]
+                                       response_format={"type": "json_object"})
+    assert client.completions.create(model=str(model), prompt=PROMPT, max_tokens=8,
+                                     temperature=0).choices[0].text == alone["text"]
 
 
 def test_a_refused_request_is_an_error_and_the_server_goes_on(served: Served,
                                                               alone: dict[str, str], model: Path) -> None:
     client, _ = served
-    with pytest.raises(openai.BadRequestError, match="response_format is not supported"):
-        client.chat.completions.create(model=str(model), messages=CHAT, max_tokens=4,  # type: ignore[arg-type]
-                                       response_format={"type": "json_object"})
-    with pytest.raises(openai.BadRequestError, match="logprobs"):  # refused, not silently dropped
-        client.completions.create(model=str(model), prompt=PROMPT, max_tokens=4, logprobs=2)
-    # Refused by the model's own checks (not Unicode text), on every rank alike.
-    # (Sent as escaped JSON by hand: the client cannot encode a lone surrogate.)
+    with pytest.raises(openai.BadRequestError, match="token ids must be in"):
+        client.completions.create(model=str(model), prompt=[1, 2, 10**6], max_tokens=4)
+    # Not Unicode text. (Sent as escaped JSON by hand: the client cannot encode a lone surrogate.)
     body = json.dumps({"model": "m", "prompt": "a\ud800b", "max_tokens": 4}).encode()
     request = urllib.request.Request(f"{client.base_url}completions", body, {"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(request, timeout=60)
-    assert info.value.code == 400 and "lone surrogate" in info.value.read().decode()
+    assert info.value.code == 400
     again = client.completions.create(model=str(model), prompt=PROMPT, max_tokens=8, temperature=0)
     assert again.choices[0].text == alone["text"]
 
@@ -123,3 +168,34 @@ def test_sigterm_to_rank0_ends_both(served: Served) -> None:
     _, procs = served
     procs[0].send_signal(signal.SIGTERM)
     assert [p.wait(timeout=60) for p in procs] == [0, 0]
+
+
+# ---------------------------------------------------------------------- one call at a time
+
+@pytest.fixture(scope="module")
+def recurrent(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("serve") / "qwen3_next", "qwen3_next", seed=4,
+                            extra_config={"moe_intermediate_size": 64})
+
+
+def test_a_model_that_cannot_batch_serves_one_call_at_a_time(recurrent: Path,
+                                                             tmp_path_factory: pytest.TempPathFactory) -> None:
+    with pymlxc.load_model(str(recurrent)) as m:
+        want = "".join(t.text for t in m.generate(PROMPT, max_tokens=8))
+    serving = _serve(recurrent, tmp_path_factory.mktemp("logs"))
+    client, procs = next(serving)
+    try:
+        stop = want[3:6]
+        pieces = [c.choices[0].text for c in client.completions.create(model="m", prompt=PROMPT, max_tokens=8,
+                                                                        temperature=0, stream=True, stop=[stop])]
+        assert "".join(pieces) == want[: want.index(stop)]
+        with ThreadPoolExecutor(3) as pool:  # queued on rank 0, one call at a time on every rank
+            texts = list(pool.map(lambda _: client.completions.create(model="m", prompt=PROMPT, max_tokens=8,
+                                                                       temperature=0).choices[0].text, range(3)))
+        assert texts == [want] * 3
+        with pytest.raises(openai.BadRequestError, match="logprobs"):  # refused, not silently dropped
+            client.completions.create(model="m", prompt=PROMPT, max_tokens=4, logprobs=2)
+        procs[0].send_signal(signal.SIGTERM)
+        assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    finally:
+        serving.close()

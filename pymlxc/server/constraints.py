@@ -59,6 +59,11 @@ class GrammarFactory:
     def lark(self, source: str) -> GrammarConstraint:
         return self._matcher(_llguidance().LLMatcher.grammar_from_lark(source))
 
+    def from_grammar(self, grammar: str) -> GrammarConstraint:
+        """A new constraint of another's compiled grammar (`GrammarConstraint.grammar`): the same
+        masks step by step for the same tokens (a distributed server's ranks each hold one)."""
+        return self._matcher(grammar)
+
     def _matcher(self, grammar: str) -> GrammarConstraint:
         llg = _llguidance()
         tokenizer = self._lltokenizer()
@@ -68,7 +73,7 @@ class GrammarFactory:
         matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ConstraintError(f"unusable grammar: {matcher.get_error()}")
-        return GrammarConstraint(matcher, self._vocab)
+        return GrammarConstraint(matcher, self._vocab, grammar)
 
 
 # Compact JSON (", " and ": " between items, no other whitespace): with flexible whitespace a model
@@ -88,9 +93,10 @@ def json_lark_rule(schema: Mapping[str, Any]) -> str:
 class GrammarConstraint:
     """One request's grammar state (see `batching.Constraint`)."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, grammar: str) -> None:
         self._matcher = matcher
         self._vocab = vocab_size
+        self.grammar = grammar  # llguidance's grammar text, as compiled from the schema or Lark source
 
     def allowed(self) -> np.ndarray:
         mask = np.frombuffer(self._matcher.compute_logit_bias(), dtype=np.uint8)

@@ -9,7 +9,8 @@ as token ids and sampling with a seed rank 0 picked where none was given, and th
 left or reached a stop string), so that every rank admits, prefills, decodes and drops the same
 rows at the same turn; what rank 0's clients do between turns is seen only at the next one. After
 each turn the ranks compare whether it ran (a turn that failed on some ranks only leaves them out of
-step: they end). Constrained output is refused with a 400 (its grammar state lives on rank 0 only).
+step: they end). A constrained request's grammar travels as llguidance's grammar text, which every
+other rank compiles again: the masks, functions of the grammar and the tokens so far, agree.
 
 A model that cannot batch (recurrent layers) is served one call at a time (`RankEngine` and
 `follow`): rank 0 hands each call to the others before running it (the call as JSON), so all ranks
@@ -43,6 +44,7 @@ from pymlxc.backends.metal import batching
 from pymlxc.backends.metal.distributed.runtime import from_rank0, ranks_agreeing
 from pymlxc.model import ModelClosedError
 
+from .constraints import GrammarFactory
 from .engine import BadRequest, BatchEngine, Finished, Job, Piece, QueueFull, token_pieces
 
 # The codes rank 0 sends (every exchange is rank 0's code; the others only listen).
@@ -244,22 +246,28 @@ def _params_of(fields: dict[str, Any]) -> batching.SamplingParams:
 class _Turns:
     """A scheduler driven by turns that are the same on every rank: each turn's message (new
     requests by key, keys cancelled) applied, then the turn run. `forward(key)` is where a
-    request's events go besides (rank 0: its client; the others: nowhere)."""
+    request's events go besides (rank 0: its client; the others: nowhere); `constraint(key,
+    grammar)` gives a constrained request its grammar state (rank 0: the client's; the others: the
+    same grammar compiled again, whose masks then follow the same tokens)."""
 
-    def __init__(self, scheduler: batching.Scheduler, forward: Callable[[int], Callable[[batching.Event], None]]
-                 ) -> None:
+    def __init__(self, scheduler: batching.Scheduler, forward: Callable[[int], Callable[[batching.Event], None]],
+                 constraint: Callable[[int, str], batching.Constraint]) -> None:
         self.scheduler = scheduler
         self._forward = forward
+        self._constraint = constraint  # (key, grammar text) -> this rank's grammar state for the request
         self.live: dict[int, batching.Request] = {}  # key -> this rank's request, until it finishes
+        self.checksum = 0  # of the last turn's events (tokens and finishes, by key): the same on every rank
 
     def run(self, message: dict[str, Any]) -> None:
+        self.checksum = 0
         for key in message.get("cancel", ()):
             request = self.live.get(key)
             if request is not None:
                 request.cancel()
         new = []
-        for key, prompt, params in message.get("new", ()):
-            request = batching.Request(prompt, _params_of(params), self._emitter(key, self._forward(key)))
+        for key, prompt, params, grammar in message.get("new", ()):
+            constraint = self._constraint(key, grammar) if grammar is not None else None
+            request = batching.Request(prompt, _params_of(params), self._emitter(key, self._forward(key)), constraint)
             self.live[key] = request
             new.append(request)
         self.scheduler.run_turn(new)
@@ -268,17 +276,30 @@ class _Turns:
         def emit(event: batching.Event) -> None:
             if event.finish is not None:
                 self.live.pop(key, None)
+            what = event.token + 1 if event.token is not None else -_FINISHES.get(event.finish or "", 9)
+            self.checksum = (self.checksum * 1_000_003 + key * 65_537 + what) % (1 << 31)
             forward(event)
         return emit
 
 
-def _agree_on_turn(ok: bool, size: int, rank: int, error: BaseException | None) -> None:
-    """After every turn: each rank says whether it ran; a turn that failed on some ranks only ends
-    this rank (the steps after it would not match)."""
-    agreeing = ranks_agreeing(ok)
+_FINISHES = {"stop": 1, "length": 2, "cancelled": 3, "error": 4}
+
+
+def _agree_on_turn(ok: bool, checksum: int, size: int, rank: int, error: BaseException | None) -> None:
+    """After every turn: each rank says whether it ran and what it emitted (`_Turns.checksum`); a
+    turn that failed on some ranks only, or whose rows got other tokens on some ranks, ends this
+    rank (the steps after it would not match: another prompt's rows, another grammar state)."""
+    import numpy as np  # noqa: PLC0415
+
+    import pymlxc.core as mx  # noqa: PLC0415 - the binding, loaded with the model already
+
+    got = np.asarray(mx.distributed.all_gather(mx.array([1 if ok else 0, checksum], mx.int32))).reshape(size, 2)
+    agreeing = int(got[:, 0].sum())
     if agreeing not in (0, size):
         why = f"{size - agreeing} of {size} ranks failed a batch turn"
         _fatal(rank, why + (f" (here: {type(error).__name__}: {error})" if error is not None else ""))
+    if agreeing == size and len(set(got[:, 1].tolist())) > 1:
+        _fatal(rank, "the ranks' rows got different tokens in a batch turn")
 
 
 def _ignore(event: batching.Event) -> None:
@@ -289,7 +310,7 @@ class BatchRankEngine(BatchEngine):
     """Rank 0's engine where the model batches: the continuous batch, its turns run in step with
     the other ranks' `follow_batch` (the module doc)."""
 
-    features = frozenset({"logprobs", "logit_bias", "penalties", "tools"})
+    features = BatchEngine.features
 
     def __init__(self, model: Any, *, max_concurrency: int, max_queue: int) -> None:
         import pymlxc.core as mx  # noqa: PLC0415 - the binding, loaded with the model already
@@ -302,14 +323,19 @@ class BatchRankEngine(BatchEngine):
         self._keys = itertools.count()
         self._cond = threading.Condition()
         self._closing = False
-        self._turns = _Turns(self.scheduler, lambda key: self._clients[key].emit)
+        self._turns = _Turns(self.scheduler, lambda key: self._clients[key].emit, self._client_constraint)
         self._driver = threading.Thread(target=self._drive, name="pymlxc-rank0-batch", daemon=True)
         self._driver.start()
 
+    def _client_constraint(self, key: int, grammar: str) -> batching.Constraint:
+        constraint = self._clients[key].constraint
+        assert constraint is not None  # a grammar is sent only for a constrained request
+        return constraint
+
     def submit(self, request: batching.Request) -> None:
-        if request.constraint is not None:
-            raise BadRequest("constrained output (response_format, or tool_choice naming a tool) is not supported "
-                             "on a distributed model: its grammar state lives on rank 0 only", param="response_format")
+        if request.constraint is not None and not isinstance(getattr(request.constraint, "grammar", None), str):
+            raise BadRequest("a constraint without a grammar text cannot be repeated on the other ranks",
+                             param="response_format")
         with self._cond:
             if self._closing:
                 raise ModelClosedError("the server is shutting down")
@@ -338,7 +364,8 @@ class BatchRankEngine(BatchEngine):
                     params = dataclasses.replace(params, seed=secrets.randbits(31))
                 key = next(self._keys)
                 self._clients[key] = client
-                new.append([key, client.prompt, _params_json(params)])
+                grammar = getattr(client.constraint, "grammar", None) if client.constraint is not None else None
+                new.append([key, client.prompt, _params_json(params), grammar])
         return {"new": new, "cancel": cancel}
 
     def _drive(self) -> None:
@@ -355,7 +382,7 @@ class BatchRankEngine(BatchEngine):
                     self._turns.run(message)
                 except Exception as exc:  # noqa: BLE001 - its requests failed with it; the ranks compare
                     error = exc
-                _agree_on_turn(error is None, self._size, 0, error)
+                _agree_on_turn(error is None, self._turns.checksum, self._size, 0, error)
                 with self._cond:
                     self._clients = {k: c for k, c in self._clients.items() if k in self._turns.live}
         except Exception as exc:  # noqa: BLE001 - a lost peer: the clients hear it, the rank ends
@@ -390,7 +417,14 @@ def follow_batch(model: Any, *, max_concurrency: int, max_queue: int) -> None:
     rank, size = group.rank(), group.size()
     scheduler = model.scheduler(max_batch=max_concurrency, max_queue=max_queue)
     scheduler.warm()  # as rank 0's engine does before it listens: the same steps on every rank
-    turns = _Turns(scheduler, lambda key: _ignore)
+    grammars: list[GrammarFactory] = []
+
+    def constraint(key: int, grammar: str) -> batching.Constraint:
+        if not grammars:  # as the server builds rank 0's (app.create_app), at the first constrained request
+            grammars.append(GrammarFactory(model.tokenizer.backend.to_str(), model.info().vocab_size, model.stop_ids))
+        return grammars[0].from_grammar(grammar)
+
+    turns = _Turns(scheduler, lambda key: _ignore, constraint)
     while True:
         code, payload = from_rank0(0)
         if code == SHUTDOWN:
@@ -402,7 +436,7 @@ def follow_batch(model: Any, *, max_concurrency: int, max_queue: int) -> None:
             turns.run(json.loads(payload) if payload else {})
         except Exception as exc:  # noqa: BLE001 - compared with the other ranks below
             error = exc
-        _agree_on_turn(error is None, size, rank, error)
+        _agree_on_turn(error is None, turns.checksum, size, rank, error)
 
 
 __all__ = ["BatchRankEngine", "RankEngine", "RankMismatch", "follow", "follow_batch"]

@@ -1,10 +1,9 @@
 """`pymlxc serve --distributed` on 2 ranks over the ring (127.0.0.1): rank 0 answers the OpenAI
 client with what one process generates. A model that batches runs the continuous batch on every
-rank in step: requests sent together share decode steps and each gets its one-process answer,
-streams cut short by a stop string and logprobs keep the ranks in step, and constrained output is a
-400. A model with recurrent layers is served one call at a time, each handed to the other rank. A
-request every rank refuses is a 400 and the server goes on; SIGTERM to rank 0 ends both ranks
-cleanly."""
+rank in step: requests sent together share decode steps and each gets its one-process answer;
+streams cut short by a stop string, logprobs and constrained output keep the ranks in step. A model
+with recurrent layers is served one call at a time, each handed to the other rank. A request every
+rank refuses is a 400 and the server goes on; SIGTERM to rank 0 ends both ranks cleanly."""
 from __future__ import annotations
 
 import contextlib
@@ -128,7 +127,7 @@ def test_requests_sent_together_share_the_batch_in_step(served: Served, alone: d
                                      temperature=0).choices[0].text == alone["text"]
 
 
-def test_logprobs_come_from_the_batch_and_constraints_are_refused(served: Served, alone: dict[str, str],
+def test_logprobs_and_constrained_output_in_the_batch(served: Served, alone: dict[str, str],
                                                                   model: Path) -> None:
     client, _ = served
     got = client.completions.create(model=str(model), prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
@@ -142,9 +141,15 @@ def test_logprobs_come_from_the_batch_and_constraints_are_refused(served: Served
     expected = logits[first] - np.log(np.sum(np.exp(logits - logits.max()))) - logits.max()
     assert (lp.token_logprobs or [0.0])[0] == pytest.approx(expected, abs=1e-3)
     assert want[0].token.id == first
-    with pytest.raises(openai.BadRequestError, match="not supported on a distributed model"):
-        client.chat.completions.create(model=str(model), messages=CHAT, max_tokens=4,  # type: ignore[arg-type]
-                                       response_format={"type": "json_object"})
+    # Constrained output: rank 1 compiles the same grammar and masks the same ids, so they stay in step.
+    schema = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"], "additionalProperties": False}
+    with ThreadPoolExecutor(2) as pool:
+        replies = list(pool.map(lambda _: client.chat.completions.create(
+            model=str(model), messages=CHAT, max_tokens=24,  # type: ignore[arg-type]
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}), range(2)))
+    for reply in replies:
+        assert json.loads(reply.choices[0].message.content or "") in ({"a": 1}, {"a": 2})
+        assert reply.choices[0].finish_reason == "stop"
     assert client.completions.create(model=str(model), prompt=PROMPT, max_tokens=8,
                                      temperature=0).choices[0].text == alone["text"]
 

@@ -8,7 +8,10 @@ A `Scheduler` owns a thread and one decode batch. Each turn of its loop it
 4. runs one decode step for every running row.
 
 A request is prefilled alone, into the model's own caches (`make_cache`, or the prompt cache's
-longest prefix of its prompt: prefixes are shared across requests), exactly as `generate` prefills.
+longest prefix of its prompt: prefixes are shared across requests), exactly as `generate` prefills,
+or, where short prompts wait together, in a left-padded group (`_prefill_group`); a model with
+recurrent layers (Gated DeltaNet) prefills each prompt alone, and its rows' conv windows and states
+join the batch as `BatchRecurrentCache`s, row b in row b of each array.
 Its first token is sampled from the prefill's logits; its caches then join the batch's
 `BatchKVCache`s: each row right-aligned at the batch's current column, with its own RoPE positions
 (`offset` is an array, one position per row) and its own first valid column, so a row decodes the
@@ -51,6 +54,7 @@ from .cache import KVCache, RotatingKVCache
 from .decode.batch_step import BatchStep
 from .kernels.check import on_cuda
 from .kernels.matvec import MAX_X_ROWS
+from .recurrent_cache import RecurrentCache
 from .sample import DEFAULT_PENALTY_CONTEXT, greedy, make_repeat_penalty, make_sampler
 
 _NEG_INF = float("-inf")
@@ -339,6 +343,40 @@ class BatchKVCache:
         return 0
 
 
+class BatchRecurrentCache(RecurrentCache):
+    """One Gated DeltaNet layer's conv window and delta-rule state for every row of the decode
+    batch, row b's in row b of each array: a `RecurrentCache` (so the layer, and a pipeline rank
+    advancing a layer it does not hold, treat it as one) that rows join and leave. One-token steps
+    only: a prompt with such layers is prefilled alone, into the model's own `RecurrentCache`, whose
+    arrays then join here, so no column is padding and the layer needs no token mask."""
+
+    @classmethod
+    def of_row(cls, cache: RecurrentCache) -> BatchRecurrentCache:
+        if cache.conv is None or cache.recurrent is None:
+            raise ValueError("an empty recurrent cache cannot join the batch")
+        batch = cls()
+        batch.conv, batch.recurrent, batch.offset = cache.conv, cache.recurrent, cache.offset
+        return batch
+
+    def update(self, conv: mx.Array, recurrent: mx.Array, n: int) -> None:
+        if n != 1:
+            raise BatchingUnsupported("a batch's recurrent layers take one token a step (prompts are prefilled alone)")
+        self.conv, self.recurrent = conv, recurrent
+        self.offset += 1  # the rows' own positions differ: this counts steps only
+
+    def join(self, other: BatchRecurrentCache) -> None:
+        """`other`'s rows after these."""
+        assert self.conv is not None and self.recurrent is not None and other.conv is not None \
+            and other.recurrent is not None  # of_row made both
+        self.conv = mx.concatenate([self.conv, other.conv], 0)
+        self.recurrent = mx.concatenate([self.recurrent, other.recurrent], 0)
+
+    def select(self, index: mx.Array) -> None:
+        """Keep the rows at `index` (in that order)."""
+        assert self.conv is not None and self.recurrent is not None  # of_row made it
+        self.conv, self.recurrent = mx.take(self.conv, index, axis=0), mx.take(self.recurrent, index, axis=0)
+
+
 def _row_kv(cache: Any) -> tuple[mx.Array, mx.Array, int]:
     """A request's layer cache as keys and values [1, H, m, D] in position order, the last m of
     its `offset` positions (m < offset where a sliding window dropped the oldest)."""
@@ -407,22 +445,26 @@ def _row_caches(prefix: list[Any], caches: Sequence[BatchKVCache], b: int, first
     return prefix
 
 
-def check_batchable(caches: Sequence[Any]) -> None:
+def check_batchable(caches: Sequence[Any]) -> bool:
+    """Whether the model's layer caches can join a batch (else BatchingUnsupported, naming the
+    layer); True where some are recurrent (their prompts are then prefilled one by one)."""
     for i, c in enumerate(caches):
-        if not isinstance(c, (KVCache, RotatingKVCache)):
+        if not isinstance(c, (KVCache, RotatingKVCache, RecurrentCache)):
             raise BatchingUnsupported(f"layer {i} has a {type(c).__name__}: continuous batching takes "
-                                      "attention layers only (KVCache, RotatingKVCache)")
+                                      "KVCache, RotatingKVCache and RecurrentCache layers")
+    return any(isinstance(c, RecurrentCache) for c in caches)
 
 
 _versions = itertools.count()
 
 
 class Batch:
-    """The running rows and their `BatchKVCache`s (one per layer, all with the same columns)."""
+    """The running rows and their layer caches: a `BatchKVCache` per attention layer (all with the
+    same columns) and a `BatchRecurrentCache` per Gated DeltaNet layer."""
 
     def __init__(self) -> None:
         self.rows: list[_Row] = []
-        self.caches: list[BatchKVCache] = []
+        self.caches: list[Any] = []
         self.columns = Columns()  # the layers' shared positions and masks
         self.version = next(_versions)  # new at every change of the rows (BatchStep looks again at the weights)
 
@@ -431,10 +473,15 @@ class Batch:
 
     def add(self, row: _Row, layer_caches: Sequence[Any]) -> None:
         """Add a row from its own caches (a prefill alone), right-aligned at the batch's column."""
-        parts = [_row_kv(c) for c in layer_caches]
-        positions = parts[0][2]  # the row's next position; a layer may hold fewer keys (a window)
+        parts = [None if isinstance(c, RecurrentCache) else _row_kv(c) for c in layer_caches]
+        # The row's next position; a layer may hold fewer keys (a window).
+        positions = next((part[2] for part in parts if part is not None), 0)
         one = Batch()
-        for keys, values, _ in parts:
+        for c, part in zip(layer_caches, parts, strict=True):
+            if part is None:
+                one.caches.append(BatchRecurrentCache.of_row(c))
+                continue
+            keys, values, _ = part
             m = keys.shape[2]
             cache = BatchKVCache(keys, values, m, np.array([m - positions]), np.array([0]), one.columns)
             if m < positions:  # the row's last key goes in column `positions - 1`
@@ -444,6 +491,9 @@ class Batch:
             one.caches.append(cache)
         one.rows.append(row)
         self.extend(one)
+
+    def attention_caches(self) -> list[BatchKVCache]:
+        return [c for c in self.caches if isinstance(c, BatchKVCache)]
 
     def extend(self, other: Batch) -> None:
         """Take `other`'s rows (after this batch's): the batch whose last column is earlier gets
@@ -456,10 +506,14 @@ class Batch:
             for c in self.caches:
                 c.columns = self.columns
         else:
-            shift = other.caches[0].idx - self.caches[0].idx
-            for c in self.caches if shift > 0 else other.caches if shift < 0 else ():
+            kv, other_kv = self.attention_caches(), other.attention_caches()
+            shift = other_kv[0].idx - kv[0].idx if kv else 0
+            for c in kv if shift > 0 else other_kv if shift < 0 else ():
                 c.shift(abs(shift))
             for mine, theirs in zip(self.caches, other.caches, strict=True):
+                if isinstance(mine, BatchRecurrentCache):
+                    mine.join(theirs)
+                    continue
                 capacity = max(mine.capacity, theirs.capacity)
                 mine.pad_to(capacity)
                 theirs.pad_to(capacity)
@@ -476,7 +530,8 @@ class Batch:
         """The next logits [B, V] of every row from their last ids [B, 1], the caches moved one column
         on: on the compiled step where it applies, else built op by op (the same tokens)."""
         caches = self.caches
-        if step is not None and caches:
+        # The compiled step carries keys and values only: a batch with recurrent layers runs op by op.
+        if step is not None and caches and all(isinstance(c, BatchKVCache) for c in caches):
             first = caches[0]
             if first.idx + 1 > first.capacity:
                 for c in caches:
@@ -507,8 +562,12 @@ class Batch:
             self.caches = []
             return
         index = mx.array(np.array(keep, dtype=np.int32))
-        first = min(int(c.valid[keep].min()) for c in self.caches)
+        kv = self.attention_caches()
+        first = min((int(c.valid[keep].min()) for c in kv), default=0)
         for c in self.caches:
+            if isinstance(c, BatchRecurrentCache):
+                c.select(index)
+                continue
             keys, values = mx.take(c.keys, index, axis=0), mx.take(c.values, index, axis=0)
             if first:
                 keys, values = keys[:, :, first:], values[:, :, first:]
@@ -632,7 +691,9 @@ class Scheduler:
         self.max_queue = max_queue
         self.prefill_step = prefill_step
         self.context_len = context_len
-        check_batchable(host.language_model.make_cache(context_len))
+        # Recurrent layers: each prompt is prefilled alone (a group's left padding would need
+        # masked states), then joins the decode batch.
+        self._prefill_alone = check_batchable(host.language_model.make_cache(context_len))
         self._queue: collections.deque[Request] = collections.deque()
         self._lock = threading.Condition()
         self._stopping = False
@@ -812,6 +873,8 @@ class Scheduler:
         left-padded to its longest uncached part, holds at most GROUP_CHUNKS chunks' tokens. A
         longer prompt is prefilled alone, a chunk a turn."""
         group: list[_Row] = []
+        if self._prefill_alone:
+            return group
         width = 0
         for row in self._prefilling:
             if not row.started:

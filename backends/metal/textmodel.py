@@ -254,17 +254,13 @@ class MetalTextModel(TrainableMixin):
 
     def batch_generate(self, prompts: Sequence[str], **config: Any) -> list[BatchResult]:
         """Generate for every prompt at once: the prompts join the model's continuous batch
-        (`scheduler()`; one decode step for every running row), or, for a model whose caches cannot
-        join one (recurrent layers), one left-padded batch."""
+        (`scheduler()`; one decode step for every running row)."""
         options = self._begin(config)
         rows_in = self._encode_prompts(prompts)
         if options.max_tokens == 0:
             return [BatchResult() for _ in rows_in]
         guard = loops.Guard.make(options.cancel, options.timeout, self._is_closed)
-        try:
-            scheduler = self.scheduler()
-        except batching.BatchingUnsupported:
-            return self._batch_generate_padded(rows_in, options, guard)
+        scheduler = self.scheduler()
         timings = loops.Timings(prompt_tokens=sum(len(r) for r in rows_in))
         stop_ids = self._stop_ids | frozenset(options.stop_tokens)
         params = batching.SamplingParams(
@@ -296,37 +292,13 @@ class MetalTextModel(TrainableMixin):
             results.append(BatchResult(tokens, None if error is None else f"{type(error).__name__}: {error}"))
         return results
 
-    def _batch_generate_padded(self, rows_in: list[list[int]], options: GenerateConfig,
-                               guard: loops.Guard) -> list[BatchResult]:
-        model = self._model
-        timings = loops.Timings()
-        rows = [loops.BatchRow() for _ in rows_in]
-        error: Exception | None = None
-        try:
-            with self._slot(guard), self._step(), self._on_device():
-                rows = loops.batch_generate_ids(
-                    model, rows_in, cache=model.make_cache(self._context_len),
-                    sampler=self._sampler(options), processors=make_logits_processors(options.repeat_penalty),
-                    max_tokens=options.max_tokens,
-                    stop_ids=self._stop_ids | frozenset(options.stop_tokens), guard=guard, timings=timings,
-                    out=rows)
-        except Exception as exc:  # noqa: BLE001 - reported per row and in err()
-            error = exc
-            self._errors[threading.get_ident()] = _detached(exc)
-        finally:
-            self._finish(timings)
-        results = []
-        for row in rows:
-            tokens = list(_tokens(iter(row.ids), self._tokenizer.detokenizer(), last=len(row.ids)))
-            results.append(BatchResult(tokens, None if error is None else f"{type(error).__name__}: {error}"))
-        return results
-
     # ------------------------------------------------------------------ continuous batching
     def scheduler(self, *, max_batch: int | None = None, max_queue: int | None = None) -> batching.Scheduler:
         """The model's continuous-batching scheduler (`batching.py`), made at the first call; its
         thread runs each step as a counted step and stops at close(). `max_batch` (rows decoding
         at once) and `max_queue` (requests waiting beyond them) change it for later admissions.
-        BatchingUnsupported for a model with recurrent layers."""
+        Recurrent layers (Qwen3-Next, Qwen 3.5) join the batch's decode steps; their prompts are
+        prefilled one by one (no left-padded groups)."""
         self._check_open()
         with self._state_lock:
             if self._scheduler is None:

@@ -31,8 +31,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cors-origin", action="append", default=[],
                         help="allow browser requests from this origin (repeatable; default: CORS off)")
     parser.add_argument("--distributed", choices=("tensor", "pipeline"), default=None,
-                        help="split the model over the ranks of `pymlxc launch`: rank 0 serves, one request at a "
-                             "time, the others follow (docs/distributed.md)")
+                        help="split the model over the ranks of `pymlxc launch`: rank 0 serves, every rank runs "
+                             "the continuous batch in step (docs/distributed.md)")
 
 
 def _positive(name: str, value: int | None) -> None:
@@ -81,29 +81,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve_ranks(model: Any, config: Any, args: argparse.Namespace) -> int:
-    """A distributed model: rank 0 serves HTTP, the other ranks follow it (ranks.py): the
-    continuous batch in step where the model batches, else one call at a time."""
+    """A distributed model: rank 0 serves HTTP, the other ranks run its continuous batch in step (ranks.py)."""
     import uvicorn
 
     import pymlxc.core as mx
-    from pymlxc.backends.metal.batching import BatchingUnsupported
 
     from .app import create_app
-    from .ranks import BatchRankEngine, RankEngine, follow, follow_batch
+    from .ranks import BatchRankEngine, follow_batch
 
-    try:  # the same answer on every rank: the model's layers decide
-        model.scheduler(max_batch=args.max_concurrency, max_queue=args.max_queue)
-        batches = True
-    except BatchingUnsupported:
-        batches = False
     if mx.distributed.init().rank() != 0:
-        if batches:
-            follow_batch(model, max_concurrency=args.max_concurrency, max_queue=args.max_queue)
-        else:
-            follow(model)
+        follow_batch(model, max_concurrency=args.max_concurrency, max_queue=args.max_queue)
         return 0
-    engine: Any = (BatchRankEngine(model, max_concurrency=args.max_concurrency, max_queue=args.max_queue) if batches
-                   else RankEngine(model, max_queue=args.max_queue, context_len=getattr(model, "_context_len", None)))
+    engine = BatchRankEngine(model, max_concurrency=args.max_concurrency, max_queue=args.max_queue)
 
     def stopped(signum: int, frame: object) -> None:
         raise _Stopped  # uvicorn re-raises the SIGTERM it shut down on: end here, the other ranks told

@@ -4,6 +4,7 @@ decode (same tokens), chat with thinking on and off, batch_generate and classify
 equal cold ones), its files, and inspect_attention over the attention layers."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 import pymlxc
 import pymlxc.core as mx
 from pymlxc.backends.metal import generate as loops
+from pymlxc.backends.metal.batching import Collector, Request, SamplingParams
 from pymlxc.backends.metal.chat_template import render_chat
 from pymlxc.backends.metal.decode.decoder import CompiledDecoder
 from pymlxc.backends.metal.prompt_cache import PromptCacheError
@@ -63,9 +65,8 @@ def test_chat_thinking_on_and_off(paths: dict[str, Path]) -> None:
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
 def test_batch_generate_rows_equal_generating_alone(paths: dict[str, Path], arch: str) -> None:
-    """Rows of 1, 6 and 22 tokens in one left-padded batch (what `batch_generate` runs for models
-    whose recurrent layers cannot join continuous batching): the padding must not reach a row's
-    recurrent state."""
+    """Rows of 1, 6 and 22 tokens in one left-padded batch (the loop `batch_generate_ids`): the
+    padding must not reach a row's recurrent state."""
     with pymlxc.load_model(paths[arch]) as model:
         inner = model.model
         prompts = [model.encode(p) for p in ("A", "Once upon a time", TEXT[:60])]
@@ -75,6 +76,32 @@ def test_batch_generate_rows_equal_generating_alone(paths: dict[str, Path], arch
             alone = list(loops.generate_ids(inner, prompt, cache=inner.make_cache(None), sampler=greedy,
                                             max_tokens=16))
             assert row.ids == alone, prompt
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
+def test_rows_of_the_continuous_batch_equal_generating_alone(paths: dict[str, Path], arch: str) -> None:
+    """`batch_generate` and the scheduler: each prompt prefilled alone, the rows' recurrent states
+    side by side in the decode steps, rows joining while others decode (a second wave submitted
+    after the first has started) and leaving at different lengths."""
+    with pymlxc.load_model(paths[arch]) as model:
+        texts = ["A", "Once upon a time", TEXT[:60], "x y z"]
+        alone = [ids_of(model.generate(t, max_tokens=n)) for t, n in zip(texts, (16, 5, 12, 9), strict=True)]
+        got = model.batch_generate(texts[:2], max_tokens=16)
+        assert [[t.id for t in r.tokens] for r in got] == [alone[0], ids_of(model.generate(texts[1], max_tokens=16))]
+        scheduler = model.scheduler()
+        first = [Collector() for _ in texts[:2]]
+        scheduler.submit_all([Request(model.encode(t), SamplingParams(max_tokens=n), c)
+                              for t, n, c in zip(texts[:2], (16, 5), first, strict=True)], bounded=False)
+        deadline = time.monotonic() + 60
+        while not first[0].tokens() and not first[0].finished and time.monotonic() < deadline:
+            time.sleep(0.001)
+        later = [Collector() for _ in texts[2:]]
+        scheduler.submit_all([Request(model.encode(t), SamplingParams(max_tokens=n), c)
+                              for t, n, c in zip(texts[2:], (12, 9), later, strict=True)], bounded=False)
+        for c in first + later:
+            assert c.wait(60)
+        assert [c.tokens() for c in first + later] == alone
+        assert scheduler.peak_rows >= 2
 
 
 def test_classify_equals_the_first_generated_token(paths: dict[str, Path]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 try:
     import httpx
@@ -275,22 +276,26 @@ def test_full_queue_answers_429(model_dir, tmp_path) -> None:
         stop_server(small)
 
 
-def test_a_recurrent_model_is_served_through_its_slots(tmp_path) -> None:
-    """Qwen3-Next's recurrent caches cannot join the batch: the server runs each request in a slot
-    (SlotEngine), with the same answers, stop strings and finish reasons as the batch engine."""
+def test_a_recurrent_model_is_served_in_the_batch(tmp_path) -> None:
+    """Qwen3-Next's rows join the continuous batch (their recurrent states side by side): requests
+    sent together give each its one-process answer, with stop strings and finish reasons, and
+    share decode steps."""
     from pymlxc.testing import write_tiny_model
 
     model_dir = write_tiny_model(tmp_path / "next", "qwen3_next", seed=3)
     with pymlxc.load_model(str(model_dir), backend="metal") as model:
-        want = "".join(t.text for t in model.generate(PROMPTS[1], max_tokens=10))
+        want = ["".join(t.text for t in model.generate(p, max_tokens=10)) for p in PROMPTS[:4]]
     server = start_server(model_dir, log=tmp_path / "next.log")
     try:
-        slots = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-        got = slots.completions.create(model="m", prompt=PROMPTS[1], max_tokens=10, temperature=0)
-        assert (got.choices[0].text, got.choices[0].finish_reason) == (want, "length")
-        stop = want[len(want) // 2:][:3]
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: client.completions.create(model="m", prompt=p, max_tokens=10,
+                                                                    temperature=0).choices[0], PROMPTS[:4]))
+        assert [(c.text, c.finish_reason) for c in got] == [(w, "length") for w in want]
+        assert server.health()["peak_rows"] >= 2
+        stop = want[1][len(want[1]) // 2:][:3]
         assert stop.strip()  # seed 3's answer has text there
-        cut = slots.completions.create(model="m", prompt=PROMPTS[1], max_tokens=10, temperature=0, stop=[stop])
-        assert (cut.choices[0].text, cut.choices[0].finish_reason) == (want[:want.find(stop)], "stop")
+        cut = client.completions.create(model="m", prompt=PROMPTS[1], max_tokens=10, temperature=0, stop=[stop])
+        assert (cut.choices[0].text, cut.choices[0].finish_reason) == (want[1][:want[1].find(stop)], "stop")
     finally:
         stop_server(server)

@@ -11,6 +11,7 @@ round whose requests end early would be a lighter load.
 
     python benchmarks/serve_load.py --model DIR [--clients 1,4,16,64] [--max-tokens 64] [--out results.json]
     python benchmarks/serve_load.py --model DIR --tiny   # writes a tiny random llama to DIR first
+    python benchmarks/serve_load.py --model DIR --shape qwen3.5-35b-a3b-narrow   # a random model of that shape
 """
 from __future__ import annotations
 
@@ -150,6 +151,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
     parser.add_argument("--tiny", action="store_true", help="write a tiny random llama to --model first")
+    parser.add_argument("--shape", default=None,
+                        help="write a random model of this shape (pymlxc/testing/shapes.py, float32) with a byte-level "
+                             "tokenizer to --model first")
     parser.add_argument("--clients", default="1,4,16,64")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-words", type=int, default=32)
@@ -167,6 +171,11 @@ def main() -> int:
 
         write_tiny_model(args.model, "llama", seed=0, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
                          intermediate_size=512, vocab_size=1024)
+    if args.shape:
+        from pymlxc.testing.shapes import shape_config, write_byte_tokenizer, write_random_model
+
+        write_random_model(args.model, args.shape, dtype="float32")
+        write_byte_tokenizer(args.model, shape_config(args.shape))
     counts = [int(n) for n in args.clients.split(",")]
     bias = {} if args.allow_eos else {str(i): -100.0 for i in end_of_sequence_ids(args.model)}
     if bias:

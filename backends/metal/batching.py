@@ -9,8 +9,9 @@ A `Scheduler` owns a thread and one decode batch. Each turn of its loop it
 
 A request is prefilled alone, into the model's own caches (`make_cache`, or the prompt cache's
 longest prefix of its prompt: prefixes are shared across requests), exactly as `generate` prefills,
-or, where short prompts wait together, in a left-padded group (`_prefill_group`); a model with
-recurrent layers (Gated DeltaNet) prefills each prompt alone, and its rows' conv windows and states
+or, where short prompts wait together, in a left-padded group (`_prefill_group`). Recurrent layers
+(Gated DeltaNet) mask a group's padding out of their states, and group only prompts with no cached
+prefix (a state cannot be cut back to an earlier position); their rows' conv windows and states
 join the batch as `BatchRecurrentCache`s, row b in row b of each array.
 Its first token is sampled from the prefill's logits; its caches then join the batch's
 `BatchKVCache`s: each row right-aligned at the batch's current column, with its own RoPE positions
@@ -347,11 +348,13 @@ class BatchRecurrentCache(RecurrentCache):
     """One Gated DeltaNet layer's conv window and delta-rule state for every row of the decode
     batch, row b's in row b of each array: a `RecurrentCache` (so the layer, and a pipeline rank
     advancing a layer it does not hold, treat it as one) that rows join and leave. One-token steps
-    only: a prompt with such layers is prefilled alone, into the model's own `RecurrentCache`, whose
-    arrays then join here, so no column is padding and the layer needs no token mask."""
+    only: a prompt with such layers is prefilled into the model's own `RecurrentCache`, whose
+    arrays then join here (or a group's, prefilled left-padded with the padding masked out of its
+    states: `Scheduler._prefill_group`), so no step has padding and the layer needs no token mask."""
 
     @classmethod
-    def of_row(cls, cache: RecurrentCache) -> BatchRecurrentCache:
+    def of(cls, cache: RecurrentCache) -> BatchRecurrentCache:
+        """The rows of `cache` (a prompt prefilled alone, or a group's, its padding behind it)."""
         if cache.conv is None or cache.recurrent is None:
             raise ValueError("an empty recurrent cache cannot join the batch")
         batch = cls()
@@ -367,13 +370,13 @@ class BatchRecurrentCache(RecurrentCache):
     def join(self, other: BatchRecurrentCache) -> None:
         """`other`'s rows after these."""
         assert self.conv is not None and self.recurrent is not None and other.conv is not None \
-            and other.recurrent is not None  # of_row made both
+            and other.recurrent is not None  # `of` made both
         self.conv = mx.concatenate([self.conv, other.conv], 0)
         self.recurrent = mx.concatenate([self.recurrent, other.recurrent], 0)
 
     def select(self, index: mx.Array) -> None:
         """Keep the rows at `index` (in that order)."""
-        assert self.conv is not None and self.recurrent is not None  # of_row made it
+        assert self.conv is not None and self.recurrent is not None  # `of` made it
         self.conv, self.recurrent = mx.take(self.conv, index, axis=0), mx.take(self.recurrent, index, axis=0)
 
 
@@ -432,11 +435,16 @@ def _prefix_caches(prefixes: Sequence[Sequence[Any]], held: Sequence[int], pads:
     return out
 
 
-def _row_caches(prefix: list[Any], caches: Sequence[BatchKVCache], b: int, first: int) -> list[Any]:
+def _row_caches(prefix: list[Any], caches: Sequence[Any], b: int, first: int, tokens: int) -> list[Any]:
     """Row `b` of a prefilled group as the caches a prefill alone leaves: `prefix` (its cached
     prefix, or the model's `make_cache`) given the row's chunk (columns `first`.. of the group's
-    caches) as one update, as that prefill gives it."""
+    caches, `tokens` of them) as one update, as that prefill gives it; a recurrent layer its row
+    of the group's window and state."""
     for cache, group in zip(prefix, caches, strict=True):
+        if isinstance(group, RecurrentCache):  # a group without cached prefixes (`Scheduler._group`)
+            assert group.conv is not None and group.recurrent is not None  # prefilled
+            cache.update(group.conv[b:b + 1], group.recurrent[b:b + 1], tokens)
+            continue
         end = group.idx
         _, h, _, dk = group.keys.shape
         dv = group.values.shape[3]
@@ -445,9 +453,19 @@ def _row_caches(prefix: list[Any], caches: Sequence[BatchKVCache], b: int, first
     return prefix
 
 
+def _prompts_cache(like: Any, pads: np.ndarray, columns: Columns) -> Any:
+    """A layer cache for a group of left-padded prompts with no cached prefix, of `like`'s kind
+    (the model's own for the layer): a `BatchKVCache`, or a `RecurrentCache` told the padding."""
+    if isinstance(like, RecurrentCache):
+        cache = RecurrentCache()
+        cache.left_padding = mx.array(pads.astype(np.int32))
+        return cache
+    return BatchKVCache.for_prompts(pads, columns)
+
+
 def check_batchable(caches: Sequence[Any]) -> bool:
     """Whether the model's layer caches can join a batch (else BatchingUnsupported, naming the
-    layer); True where some are recurrent (their prompts are then prefilled one by one)."""
+    layer); True where some are recurrent (their prompts then group only from an empty cache)."""
     for i, c in enumerate(caches):
         if not isinstance(c, (KVCache, RotatingKVCache, RecurrentCache)):
             raise BatchingUnsupported(f"layer {i} has a {type(c).__name__}: continuous batching takes "
@@ -479,7 +497,7 @@ class Batch:
         one = Batch()
         for c, part in zip(layer_caches, parts, strict=True):
             if part is None:
-                one.caches.append(BatchRecurrentCache.of_row(c))
+                one.caches.append(BatchRecurrentCache.of(c))
                 continue
             keys, values, _ = part
             m = keys.shape[2]
@@ -691,9 +709,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.prefill_step = prefill_step
         self.context_len = context_len
-        # Recurrent layers: each prompt is prefilled alone (a group's left padding would need
-        # masked states), then joins the decode batch.
-        self._prefill_alone = check_batchable(host.language_model.make_cache(context_len))
+        self._recurrent = check_batchable(host.language_model.make_cache(context_len))
         self._queue: collections.deque[Request] = collections.deque()
         self._lock = threading.Condition()
         self._stopping = False
@@ -873,15 +889,15 @@ class Scheduler:
         left-padded to its longest uncached part, holds at most GROUP_CHUNKS chunks' tokens. A
         longer prompt is prefilled alone, a chunk a turn."""
         group: list[_Row] = []
-        if self._prefill_alone:
-            return group
         width = 0
         for row in self._prefilling:
             if not row.started:
                 row.started = True
                 row.cache, row.done_tokens = self._host.restore_prefix(row.request.prompt)
             rest = len(row.request.prompt) - row.done_tokens
-            if row.checked or row.alone or rest > self.prefill_step \
+            # A recurrent state cannot be cut back to an earlier position: such a model groups only
+            # prompts that start from nothing (a row with a cached prefix is prefilled alone).
+            if (self._recurrent and row.done_tokens) or row.checked or row.alone or rest > self.prefill_step \
                     or max(width, rest) * (len(group) + 1) > GROUP_CHUNKS * self.prefill_step:
                 continue
             group.append(row)
@@ -915,8 +931,8 @@ class Scheduler:
         if any(held):
             group.caches = _prefix_caches(prefixes, held, pads, group.columns)
         else:
-            group.caches = [BatchKVCache.for_prompts(pads, group.columns) for _ in prefixes[0]]
-        start = group.caches[0].idx
+            group.caches = [_prompts_cache(c, pads, group.columns) for c in prefixes[0]]
+        start = group.attention_caches()[0].idx if group.attention_caches() else 0
         try:
             logits = loops.prefill(model, tokens, group.caches, step=width, finish=lambda x: x,
                                    new_tokens=max(r.request.params.max_tokens for r in rows))
@@ -928,6 +944,8 @@ class Scheduler:
         except Exception:  # noqa: BLE001 - each prompt alone then meets its own check and error
             self._ungroup(rows)
             return
+        # The recurrent layers' windows and states (the padding masked out of them) join as the batch's.
+        group.caches = [BatchRecurrentCache.of(c) if isinstance(c, RecurrentCache) else c for c in group.caches]
         group.rows = list(rows)
         self.grouped += len(rows)
         for row in rows:
@@ -935,7 +953,8 @@ class Scheduler:
             row.checked = True
             row.cache = None
         if host.keeps_prefixes:
-            kept = [_row_caches(prefix, group.caches, b, start + int(pads[b])) for b, prefix in enumerate(prefixes)]
+            kept = [_row_caches(prefix, group.caches, b, start + int(pads[b]), width - int(pads[b]))
+                    for b, prefix in enumerate(prefixes)]
             mx.eval([c.state for caches in kept for c in caches])  # no lazy graph outlives this thread
             for prompt, caches in zip(prompts, kept, strict=True):
                 host.keep_prefix(prompt, caches)

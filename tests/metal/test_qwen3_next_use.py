@@ -80,9 +80,11 @@ def test_batch_generate_rows_equal_generating_alone(paths: dict[str, Path], arch
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
 def test_rows_of_the_continuous_batch_equal_generating_alone(paths: dict[str, Path], arch: str) -> None:
-    """`batch_generate` and the scheduler: each prompt prefilled alone, the rows' recurrent states
-    side by side in the decode steps, rows joining while others decode (a second wave submitted
-    after the first has started) and leaving at different lengths."""
+    """`batch_generate` and the scheduler: prompts prefilled as a left-padded group (the padding
+    masked out of the recurrent states), the rows' states side by side in the decode steps, rows
+    joining while others decode (a second wave submitted after the first has started) and leaving
+    at different lengths; a prompt whose prefix the prompt cache holds is prefilled alone on top of
+    it."""
     with pymlxc.load_model(paths[arch]) as model:
         texts = ["A", "Once upon a time", TEXT[:60], "x y z"]
         alone = [ids_of(model.generate(t, max_tokens=n)) for t, n in zip(texts, (16, 5, 12, 9), strict=True)]
@@ -101,7 +103,18 @@ def test_rows_of_the_continuous_batch_equal_generating_alone(paths: dict[str, Pa
         for c in first + later:
             assert c.wait(60)
         assert [c.tokens() for c in first + later] == alone
-        assert scheduler.peak_rows >= 2
+        assert scheduler.peak_rows >= 2 and scheduler.grouped >= 2
+        # A cached prefix (a kept state at its end) with a fresh prompt beside it.
+        model.prompt_cache.clear()
+        assert model.warm_prompt_cache(TEXT[:40]) > 0
+        texts = [TEXT[:40] + " and the rest", "a fresh one"]
+        want = [ids_of(model.generate(t, max_tokens=10)) for t in texts]
+        model.prompt_cache.clear()
+        assert model.warm_prompt_cache(TEXT[:40]) > 0
+        grouped = scheduler.grouped
+        got = model.batch_generate(texts, max_tokens=10)
+        assert [[t.id for t in r.tokens] for r in got] == want
+        assert scheduler.grouped == grouped  # the cached row went alone, and the other with it
 
 
 def test_classify_equals_the_first_generated_token(paths: dict[str, Path]) -> None:

@@ -127,8 +127,8 @@ def _ignore(event: batching.Event) -> None:
 
 
 class BatchRankEngine(BatchEngine):
-    """Rank 0's engine where the model batches: the continuous batch, its turns run in step with
-    the other ranks' `follow_batch` (the module doc)."""
+    """Rank 0's engine: the continuous batch, its turns run in step with the other ranks'
+    `follow_batch` (the module doc)."""
 
     features = BatchEngine.features
 
@@ -229,8 +229,8 @@ class BatchRankEngine(BatchEngine):
 
 
 def follow_batch(model: Any, *, max_concurrency: int, max_queue: int) -> None:
-    """The other ranks' side of a batching model: run each turn rank 0 hands over, until it shuts
-    down. `max_concurrency` and `max_queue` as rank 0's engine has them (the rows a turn admits)."""
+    """The other ranks' side: run each turn rank 0 hands over, until it shuts down.
+    `max_concurrency` and `max_queue` as rank 0's engine has them (the rows a turn admits)."""
     import pymlxc.core as mx  # noqa: PLC0415 - the binding, loaded with the model already
 
     group = mx.distributed.init()

@@ -363,7 +363,8 @@ class BatchRecurrentCache(RecurrentCache):
 
     def update(self, conv: mx.Array, recurrent: mx.Array, n: int) -> None:
         if n != 1:
-            raise BatchingUnsupported("a batch's recurrent layers take one token a step (prompts are prefilled before they join)")
+            raise BatchingUnsupported("a batch's recurrent layers take one token a step "
+                                      "(prompts are prefilled before they join)")
         self.conv, self.recurrent = conv, recurrent
         self.offset += 1  # the rows' own positions differ: this counts steps only
 

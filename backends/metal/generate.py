@@ -337,21 +337,17 @@ StepFn = Callable[[mx.Array], mx.Array]
 
 
 def make_step(model: LanguageModel, cache: Sequence[Any], sampler: Sampler,
-              processors: Sequence[LogitsProcessor] = (), history: mx.Array | None = None,
-              mask: Callable[[int], mx.Array | None] | None = None, offset: int = 0) -> StepFn:
+              processors: Sequence[LogitsProcessor] = (), history: mx.Array | None = None) -> StepFn:
     """One decode step: inputs [B, 1] -> sampled ids [B], lazily.
 
     `history` [B, T] holds the recent ids the logits processors look at; each step appends its
-    inputs. `mask(offset)` gives the mask for the query at `offset` (for padded batches).
+    inputs.
     """
     seen_ids = history
-    at = offset
 
     def step(inputs: mx.Array) -> mx.Array:
-        nonlocal seen_ids, at
-        step_mask = mask(at) if mask is not None else None
-        at += inputs.shape[1]
-        logits = model(inputs, cache=cache, mask=step_mask)[:, -1, :]
+        nonlocal seen_ids
+        logits = model(inputs, cache=cache)[:, -1, :]
         if processors:
             seen = inputs if seen_ids is None else mx.concatenate([seen_ids, inputs], axis=1)
             if seen.shape[1] > DEFAULT_PENALTY_CONTEXT:
@@ -493,67 +489,6 @@ def generate_ids(model: LanguageModel, prompt: Sequence[int], *, cache: Sequence
 
 
 # ---------------------------------------------------------------------- batches
-
-@dataclass
-class BatchRow:
-    """What one row of a batch produced: its ids, and whether it has stopped."""
-
-    ids: list[int] = field(default_factory=list)
-    done: bool = False
-
-
-def batch_generate_ids(model: LanguageModel, prompts: Sequence[Sequence[int]], *, cache: Sequence[Any],
-                       sampler: Sampler, processors: Sequence[LogitsProcessor] = (), max_tokens: int = 256,
-                       stop_ids: frozenset[int] = frozenset(), guard: Guard = NO_GUARD,
-                       timings: Timings | None = None, prefill_step: int = PREFILL_STEP,
-                       out: list[BatchRow] | None = None) -> list[BatchRow]:
-    """Greedy-equivalent batched generation: left-padded prompts, one decode step for all rows.
-
-    Left padding puts every row's last prompt token in the same column, so each step feeds one
-    column. A row's positions are shifted by its padding; rotary attention depends only on
-    relative positions, so its tokens are those of generating it alone (up to float rounding). Raises
-    GenerationCancelled from `guard`; the rows of `out` (when given) then hold what they had.
-    """
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
-    timings = timings if timings is not None else Timings()
-    timings.prompt_tokens = sum(len(p) for p in prompts)
-    width = max(len(p) for p in prompts)
-    pad_counts = [width - len(p) for p in prompts]
-    # Padding repeats the row's first id: any id would do, since padded keys are masked out.
-    padded = mx.array([[p[0]] * pad + list(p) for p, pad in zip(prompts, pad_counts, strict=True)], dtype=mx.int32)
-    pads = mx.array(pad_counts, dtype=mx.int32)
-    check_memory(model, cache, len(prompts), width, max_tokens, prefill_step)
-    set_left_padding(cache, pads)  # linear-attention layers skip the padding by position, not by mask
-    if width > 1:
-        prefill(model, padded[:, :-1], cache, step=prefill_step, guard=guard,
-                mask=lambda offset, length: left_padded_mask(pads, offset, length), new_tokens=None)
-    history = _history([p[:-1] or p for p in prompts]) if processors else None
-    step = make_step(model, cache, sampler, processors, history,
-                     mask=lambda offset: left_padded_mask(pads, offset, 1), offset=width - 1)
-    rows = out if out is not None else [BatchRow() for _ in prompts]
-    if len(rows) != len(prompts):
-        raise ValueError(f"{len(rows)} output rows for {len(prompts)} prompts")
-    queue = _queue_for(model)
-    queue.hand_over(_cache_state(cache))
-    _hand_over_weights(queue, model)
-    try:
-        for sampled in decode(step, padded[:, -1:], max_tokens, queue):
-            ids = sampled.tolist()
-            timings.mark_first_token()
-            for row, token in zip(rows, ids, strict=True):
-                if row.done or token in stop_ids:
-                    row.done = True
-                    continue
-                row.ids.append(token)
-                timings.generated_tokens += 1
-            if all(row.done for row in rows):
-                break
-            guard.check()
-    finally:
-        timings.finish()
-    return rows
-
 
 def classify_ids(model: LanguageModel, prompts: Sequence[Sequence[int]], *, sampler: Sampler,
                  processors: Sequence[LogitsProcessor] = (), return_logits: bool = False,

@@ -1,5 +1,5 @@
-"""The generation loops on a one-layer fake model: chunked prefill, pipelining, padded batches and
-classify must give the tokens of a plain full-sequence greedy decode."""
+"""The generation loops on a one-layer fake model: chunked prefill, pipelining and classify (its
+left-padded batches) must give the tokens of a plain full-sequence greedy decode."""
 from __future__ import annotations
 
 import threading
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import pymlxc.core as mx
 from pymlxc.backends.metal import generate as loops
-from pymlxc.backends.metal.sample import make_logits_processors, make_sampler
+from pymlxc.backends.metal.sample import make_sampler
 from pymlxc.model import GenerationCancelled
 
 from .fakes import FakeModel
@@ -62,34 +62,6 @@ def test_max_tokens_zero_yields_nothing() -> None:
     cache = MODEL.make_cache()
     assert list(loops.generate_ids(MODEL, [1, 2, 3], cache=cache, sampler=make_sampler(0.0), max_tokens=0)) == []
     assert cache[0].offset == 3  # the whole prompt is prefilled all the same
-
-
-@settings(max_examples=10, deadline=None)
-@given(st.lists(prompts, min_size=1, max_size=4), st.integers(1, 7))
-def test_batch_equals_single_prompts(batch: list[list[int]], step: int) -> None:
-    rows = loops.batch_generate_ids(MODEL, batch, cache=MODEL.make_cache(), sampler=make_sampler(0.0),
-                                    max_tokens=5, prefill_step=step)
-    assert [r.ids for r in rows] == [run(p, 5) for p in batch]
-
-
-def test_batch_with_repeat_penalty_equals_single_prompts() -> None:
-    batch = [[1, 2, 3, 4, 5, 6, 7], [9, 9], [3]]
-    kw = dict(processors=make_logits_processors(1.7), max_tokens=12)
-    rows = loops.batch_generate_ids(MODEL, batch, cache=MODEL.make_cache(), sampler=make_sampler(0.0), **kw)
-    alone = [list(loops.generate_ids(MODEL, p, cache=MODEL.make_cache(), sampler=make_sampler(0.0), **kw))
-             for p in batch]
-    assert [r.ids for r in rows] == alone
-
-
-def test_batch_rows_stop_on_their_own() -> None:
-    batch = [[1, 2, 3], [40, 41]]
-    alone = [run(p, 10) for p in batch]
-    stop = alone[0][2]
-    rows = loops.batch_generate_ids(MODEL, batch, cache=MODEL.make_cache(), sampler=make_sampler(0.0),
-                                    max_tokens=10, stop_ids=frozenset({stop}))
-    for row, ids in zip(rows, alone, strict=True):
-        expected = ids[: ids.index(stop)] if stop in ids else ids
-        assert row.ids == expected
 
 
 @settings(max_examples=10, deadline=None)

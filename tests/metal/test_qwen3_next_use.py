@@ -1,7 +1,8 @@
 """The gated-delta families through the public model: generate on the compiled and the uncompiled
-decode (same tokens), chat with thinking on and off, batch_generate and classify with left padding
-(each row as alone), the prompt cache reusing a shared prefix at a kept recurrent state (warm tokens
-equal cold ones), its files, and inspect_attention over the attention layers."""
+decode (same tokens), chat with thinking on and off, batch_generate in the continuous batch and
+classify with left padding (each row as alone), the prompt cache reusing a shared prefix at a kept
+recurrent state (warm tokens equal cold ones), its files, and inspect_attention over the attention
+layers."""
 from __future__ import annotations
 
 import time
@@ -61,21 +62,6 @@ def test_chat_thinking_on_and_off(paths: dict[str, Path]) -> None:
         assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
         answer = ids_of(model.chat(messages, max_tokens=12))
         assert answer == ids_of(model.generate(on, max_tokens=12)) and len(answer) == 12
-
-
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
-def test_batch_generate_rows_equal_generating_alone(paths: dict[str, Path], arch: str) -> None:
-    """Rows of 1, 6 and 22 tokens in one left-padded batch (the loop `batch_generate_ids`): the
-    padding must not reach a row's recurrent state."""
-    with pymlxc.load_model(paths[arch]) as model:
-        inner = model.model
-        prompts = [model.encode(p) for p in ("A", "Once upon a time", TEXT[:60])]
-        assert [len(p) for p in prompts] == [1, 6, 22]
-        rows = loops.batch_generate_ids(inner, prompts, cache=inner.make_cache(None), sampler=greedy, max_tokens=16)
-        for prompt, row in zip(prompts, rows, strict=True):
-            alone = list(loops.generate_ids(inner, prompt, cache=inner.make_cache(None), sampler=greedy,
-                                            max_tokens=16))
-            assert row.ids == alone, prompt
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])

@@ -110,18 +110,6 @@ def test_sampling_with_processors_threaded(models, monkeypatch: pytest.MonkeyPat
     assert run(True) == run(False)
 
 
-def test_batches_threaded(models, monkeypatch: pytest.MonkeyPatch) -> None:
-    model = models("qwen3").model
-    prompts = [ids(7, 1), ids(12, 2), ids(3, 3)]
-
-    def run(threaded: bool) -> list[list[int]]:
-        with settings.override(eval_thread="1" if threaded else "0"):
-            rows = loops.batch_generate_ids(model, prompts, cache=model.make_cache(None), sampler=greedy, max_tokens=9)
-        return [r.ids for r in rows]
-
-    assert run(True) == run(False)
-
-
 @pytest.mark.parametrize("mode", ["graph", "segmented"])
 def test_an_early_stop_leaves_caches_that_continue(models, switches, mode: str) -> None:
     """Breaking out after 5 tokens: the caches hold every step fed (one queued step included) and

@@ -368,6 +368,11 @@ class BatchRecurrentCache(RecurrentCache):
         self.conv, self.recurrent = conv, recurrent
         self.offset += 1  # the rows' own positions differ: this counts steps only
 
+    @property
+    def state(self) -> tuple[mx.Array, ...]:
+        assert self.conv is not None and self.recurrent is not None  # `of` made it
+        return (self.conv, self.recurrent)
+
     def join(self, other: BatchRecurrentCache) -> None:
         """`other`'s rows after these."""
         assert self.conv is not None and self.recurrent is not None and other.conv is not None \
@@ -549,21 +554,23 @@ class Batch:
         """The next logits [B, V] of every row from their last ids [B, 1], the caches moved one column
         on: on the compiled step where it applies, else built op by op (the same tokens)."""
         caches = self.caches
-        # The compiled step carries keys and values only: a batch with recurrent layers runs op by op.
-        if step is not None and caches and all(isinstance(c, BatchKVCache) for c in caches):
-            first = caches[0]
+        kv = self.attention_caches()
+        if step is not None and kv:
+            first = kv[0]
             if first.idx + 1 > first.capacity:
-                for c in caches:
+                for c in kv:
                     c.grow()
             cols = self.columns
             got = step.logits(ids, cols.column(first.idx), cols.offset(first.idx, first.starts),
-                              cols.first_valid(first.valid), [a for c in caches for a in (c.keys, c.values)],
-                              self.version)
+                              cols.first_valid(first.valid), [a for c in caches for a in c.state], self.version)
             if got is not None:
                 logits, buffers = got
                 for i, c in enumerate(caches):
-                    c.keys, c.values = buffers[2 * i], buffers[2 * i + 1]
-                    c.idx += 1
+                    if isinstance(c, BatchRecurrentCache):
+                        c.update(buffers[2 * i], buffers[2 * i + 1], 1)
+                    else:
+                        c.keys, c.values = buffers[2 * i], buffers[2 * i + 1]
+                        c.idx += 1
                 return logits
         out: mx.Array = model(ids, cache=caches)[:, -1, :]
         return out

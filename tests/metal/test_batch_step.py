@@ -1,6 +1,8 @@
 """The continuous batch's compiled step (`decode/batch_step.py`, `PYMLXC_BATCH_COMPILE`, on
 here) on the architectures whose layers differ from the Llama family's: sliding windows that
-cut in during the generation (Gemma 3's window of 16), experts (Qwen 3 MoE) and Gemma 4."""
+cut in during the generation (Gemma 3's window of 16), experts (Qwen 3 MoE), Gemma 4, and Gated
+DeltaNet layers beside attention (Qwen3-Next, Qwen 3.5: their conv windows and states in and out
+of the graph)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,9 +16,10 @@ from pymlxc.testing import write_tiny_model
 PROMPTS = ["Once upon a time", "The baker counted the coins in her drawer before she locked the door.", "hi"]
 
 
-@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_moe", "gemma4_text"])
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_moe", "gemma4_text", "qwen3_next", "qwen3_5"])
 def test_compiled_batch_step_matches_single_generations(tmp_path: Path, arch: str) -> None:
-    path = write_tiny_model(tmp_path / arch, arch, seed=3)
+    path = write_tiny_model(tmp_path / arch, arch, seed=3,
+                            extra_config={"moe_intermediate_size": 64} if arch == "qwen3_next" else None)
     with settings.override(batch_compile="1"), pymlxc.load_model(str(path), backend="metal") as model:
         results = model.batch_generate(PROMPTS, max_tokens=24)
         stats = model._batch_step.stats  # noqa: SLF001 - the step's own counters
@@ -25,7 +28,7 @@ def test_compiled_batch_step_matches_single_generations(tmp_path: Path, arch: st
             assert [t.id for t in result.tokens] == [t.id for t in model.generate(prompt, max_tokens=24)]
 
 
-@pytest.mark.parametrize("arch", ["gemma3_text", "llama"])
+@pytest.mark.parametrize("arch", ["gemma3_text", "llama", "qwen3_5"])
 def test_compiled_batch_step_logits_equal_the_op_by_op_step(tmp_path: Path, arch: str) -> None:
     """Step by step, rows of different lengths past Gemma 3's window of 16: the compiled step's logits
     equal those of the step built op by op on the same batch (their tokens alone would not show an

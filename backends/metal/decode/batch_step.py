@@ -5,10 +5,12 @@ nodes, every step, whatever the batch size: on an H100 that host work, not the d
 step's time for a 1B model. Here the step is traced once per batch size and buffer size and
 replayed: the inputs are the rows' last ids [B, 1], the column written this step, each row's
 position (RoPE) and first valid column, and every layer's key/value buffers of the batch
-(`BatchKVCache`, [B, H, capacity, D]); the outputs are the logits [B, V] and the buffers with this
-step's column written (a scatter at that column). Attention runs over the whole buffer with a mask
-made inside the graph (a row sees its valid columns up to this step's, within a layer's window),
-so shapes do not change from step to step; the weights are inputs, not constants the trace keeps.
+(`BatchKVCache`, [B, H, capacity, D]) or, for a Gated DeltaNet layer, its rows' conv windows and
+states (`BatchRecurrentCache`); the outputs are the logits [B, V], the buffers with this step's
+column written (a scatter at that column) and the new windows and states. Attention runs over the
+whole buffer with a mask made inside the graph (a row sees its valid columns up to this step's,
+within a layer's window), so shapes do not change from step to step; the weights are inputs, not
+constants the trace keeps. A batch needs one attention layer at least (its columns and positions).
 
 `BatchStep.logits` says None where the step cannot be traced (the caller then builds it op by op,
 which gives the same tokens); a structure that failed once is not traced again. It is on by default
@@ -31,6 +33,7 @@ from pymlxc.settings import Settings
 
 from ..kernels.check import on_cuda
 from ..nn import Module, arrays_of
+from ..recurrent_cache import StepRecurrentCache
 from .decoder import RingCache
 from .trace import call_traced, clone_modules
 from .trace import spec as traced_spec
@@ -74,16 +77,20 @@ class _BatchState:
 
 def _trace_batch_step(inputs: list[Array]) -> list[Array]:
     """The function MLX traces: [ids [B, 1], column [1], positions [B], first valid columns [B],
-    k0, v0, k1, v1, ..., *weights] -> [logits [B, V], k0', v0', ...]."""
+    a0, b0, a1, b1, ..., *weights] -> [logits [B, V], a0', b0', ...], a layer's pair its key/value
+    buffers [B, H, capacity, D] or, for a Gated DeltaNet layer, its conv windows [B, K - 1, C] and
+    states [B, Hv, Dv, Dk] (told apart by the first array's rank: a conv window has three axes)."""
     spec: _Spec = traced_spec()
     spec.stats["traces"] += 1
     ids, column, positions, valid = inputs[:4]
     n = (len(inputs) - 4 - len(spec.weights)) // 2
     buffers = inputs[4:4 + 2 * n]
     model = clone_modules([spec.model], spec.weights, inputs[4 + 2 * n:])[0]
-    capacity = buffers[0].shape[2]
+    pairs = [(buffers[2 * i], buffers[2 * i + 1]) for i in range(n)]
+    capacity = next((a.shape[2] for a, _ in pairs if a.ndim == 4), 1)
     state = _BatchState(positions, column, valid, capacity)
-    caches = [RingCache(buffers[2 * i], buffers[2 * i + 1], capacity, None, state) for i in range(n)]
+    caches: list[Any] = [StepRecurrentCache(a, b, positions) if a.ndim == 3 else RingCache(a, b, capacity, None, state)
+                         for a, b in pairs]
     logits = model(ids, cache=caches)
     out = [mx.reshape(logits, (ids.shape[0], logits.shape[-1]))]
     for c in caches:

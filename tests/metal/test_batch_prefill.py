@@ -1,8 +1,9 @@
 """Prompts that arrive together are prefilled together (`Scheduler._prefill_group`): one
 left-padded forward pass, each row at its own positions. Each row's first token's log-probabilities
 equal those of its prompt prefilled alone, through sliding windows (Gemma 3's 16, prompts longer
-than it) and experts; the rows keep decoding as single generations do; their caches reach the
-prompt cache; a group that cannot run falls back to one prompt at a time."""
+than it), experts and Gated DeltaNet layers (Qwen 3.5: the padding kept out of their states); the
+rows keep decoding as single generations do; their caches reach the prompt cache; a group that
+cannot run falls back to one prompt at a time."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -43,7 +44,7 @@ def _alone(scheduler: batching.Scheduler, prompt: list[int], params: SamplingPar
     return collector
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3_text", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["llama", "gemma3_text", "qwen3_moe", "qwen3_5"])
 def tiny(request, tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp(request.param) / request.param, request.param, seed=7)
 

@@ -211,7 +211,7 @@ class Pymlxc(Side):
 
     def stream(self, prompt: list[int], max_tokens: int) -> Iterator[int]:
         model = self.loaded.model
-        check_prompt(prompt, self.vocab)
+        loops.check_prompt_ids(prompt, self.vocab)  # the bench calls the loop below the model's check
         tokens = loops.generate_ids(model, prompt, cache=model.make_cache(self.context_len), sampler=greedy,
                                     max_tokens=max_tokens, decoder=self.decoder)
         return tokens if self.threaded is None else self._with_thread_setting(tokens)
@@ -245,7 +245,7 @@ class MlxLm(Side):
     def stream(self, prompt: list[int], max_tokens: int) -> Iterator[int]:
         from mlx_lm.generate import generate_step
 
-        check_prompt(prompt, self.vocab)
+        loops.check_prompt_ids(prompt, self.vocab)
         for token, _ in generate_step(mlx.array(prompt), self.model, max_tokens=max_tokens):
             yield int(token)
 
@@ -257,14 +257,6 @@ def probe_prompt(n: int, vocab: int) -> list[int]:
     if span < 1:
         raise ValueError(f"a vocabulary of {vocab} ids is too small for a probe prompt")
     return [(7 * i) % span + 10 for i in range(n)]
-
-
-def check_prompt(prompt: list[int], vocab: int) -> None:
-    """The bench calls the generation loop below the model's own id check: an id past the
-    embedding's rows would read out of bounds (MLX's gather does not check) and time garbage."""
-    bad = [t for t in prompt if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"prompt id {bad[0]} is outside the model's vocabulary of {vocab}")
 
 
 def timed_run(side: Side, prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -786,7 +778,7 @@ def main(argv: list[str] | None = None) -> int:
         sides.append(Pymlxc(True, threaded=False))
     report: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION, "kind": "compare_mlx_lm",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": device_facts(args.cpu), "versions": versions(args.git_rev), "bandwidth": bandwidth,
         "settings": {"shapes": args.shapes, "quant": args.quant, "prompt_lengths": args.prompt_lengths,
                      "max_tokens": args.max_tokens, "runs": args.runs, "load_runs": args.load_runs,

@@ -684,11 +684,7 @@ def _batch_bias(rows: Sequence[_Row]) -> tuple[mx.Array, mx.Array] | None:
 
 
 def _make_row(request: Request, vocab: int) -> _Row:
-    # A prompt id past the embedding's rows would read out of bounds (MLX's gather does not check).
-    bad = next(((n, t) for n, t in enumerate(request.prompt) if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise ValueError(f"token id {bad[1]} (position {bad[0]} of the prompt) is outside the model's vocabulary "
-                         f"of {vocab} (ids 0..{vocab - 1}, the embedding's rows)")
+    loops.check_prompt_ids(request.prompt, vocab)
     p = request.params
     row = _Row(request, make_sampler(p.temperature, p.top_k, p.top_p, p.min_p, key=p.seed))
     if p.logit_bias:

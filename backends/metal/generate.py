@@ -168,6 +168,16 @@ def _cache_state(cache: Sequence[Cache]) -> list[Any]:
     return [c.state for c in cache]
 
 
+def check_prompt_ids(ids: Sequence[int], vocab: int) -> None:
+    """ValueError naming the first id of `ids` outside [0, vocab): one past the embedding's rows
+    would read out of bounds, as MLX's gather does not check. Every way a prompt reaches these
+    loops calls it first (the model's calls, the scheduler's requests, the benchmarks)."""
+    if ids and (min(ids) < 0 or max(ids) >= vocab):
+        n, bad = next((n, t) for n, t in enumerate(ids) if not 0 <= t < vocab)
+        raise ValueError(f"token id {bad} (position {n} of the prompt) is outside the model's vocabulary "
+                         f"of {vocab} (ids 0..{vocab - 1}, the embedding's rows)")
+
+
 def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, step: int = PREFILL_STEP,
             mask: Callable[[int, int], mx.Array | None] | None = None, guard: Guard = NO_GUARD,
             start: int = 0, queue: StepQueue | None = None, runner: Callable[..., mx.Array] | None = None,

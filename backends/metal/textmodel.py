@@ -490,17 +490,12 @@ class MetalTextModel(TrainableMixin):
         return options
 
     def _check_ids(self, ids: Sequence[int]) -> None:
-        """Every prompt's ids pass here before MLX sees them: an id past the embedding's rows would
-        read out of bounds (MLX's gather does not check)."""
+        """Every prompt's ids pass here before MLX sees them (`loops.check_prompt_ids`)."""
         # A prompt or generation longer than context_len is not an error: the caches keep the
         # most recent context_len tokens (and the first few), as the models' make_cache decides.
         if not ids:
             raise ValueError("the prompt encodes to no tokens")
-        vocab = self._info.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            n, bad = next((n, t) for n, t in enumerate(ids) if not 0 <= t < vocab)
-            raise ValueError(f"token id {bad} (position {n} of the prompt) is outside the model's vocabulary "
-                             f"of {vocab} (ids 0..{vocab - 1}, the embedding's rows)")
+        loops.check_prompt_ids(ids, self._info.vocab_size)
 
     @staticmethod
     def _check_messages(messages: Sequence[Any]) -> None:

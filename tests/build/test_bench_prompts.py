@@ -36,7 +36,8 @@ def test_the_pymlxc_side_refuses_an_id_past_the_embedding(tmp_path: Path) -> Non
     side.load(model)
     try:
         assert side.vocab == 512
-        with pytest.raises(ValueError, match="prompt id 512 is outside the model's vocabulary of 512"):
+        with pytest.raises(ValueError, match=r"token id 512 \(position 1 of the prompt\) is outside the model's "
+                                             "vocabulary of 512"):
             next(iter(side.stream([5, 512, 6], 2)))
         assert len(list(side.stream([5, 511, 6], 2))) == 2
     finally:

@@ -55,7 +55,7 @@ from .cache import KVCache, RotatingKVCache
 from .decode.batch_step import BatchStep
 from .kernels.check import on_cuda
 from .kernels.matvec import MAX_X_ROWS
-from .recurrent_cache import RecurrentCache
+from .recurrent_cache import RecurrentCache, set_left_padding
 from .sample import DEFAULT_PENALTY_CONTEXT, greedy, make_repeat_penalty, make_sampler
 
 _NEG_INF = float("-inf")
@@ -459,14 +459,13 @@ def _row_caches(prefix: list[Any], caches: Sequence[Any], b: int, first: int, to
     return prefix
 
 
-def _prompts_cache(like: Any, pads: np.ndarray, columns: Columns) -> Any:
-    """A layer cache for a group of left-padded prompts with no cached prefix, of `like`'s kind
-    (the model's own for the layer): a `BatchKVCache`, or a `RecurrentCache` told the padding."""
-    if isinstance(like, RecurrentCache):
-        cache = RecurrentCache()
-        cache.left_padding = mx.array(pads.astype(np.int32))
-        return cache
-    return BatchKVCache.for_prompts(pads, columns)
+def _prompts_caches(like: Sequence[Any], pads: np.ndarray, columns: Columns) -> list[Any]:
+    """The layer caches of a group of left-padded prompts with no cached prefix, each of the kind
+    of the model's own in `like`: a `BatchKVCache`, or a `RecurrentCache` told the padding."""
+    caches = [RecurrentCache() if isinstance(c, RecurrentCache) else BatchKVCache.for_prompts(pads, columns)
+              for c in like]
+    set_left_padding(caches, mx.array(pads.astype(np.int32)))
+    return caches
 
 
 def check_batchable(caches: Sequence[Any]) -> bool:
@@ -554,11 +553,10 @@ class Batch:
         """The next logits [B, V] of every row from their last ids [B, 1], the caches moved one column
         on: on the compiled step where it applies, else built op by op (the same tokens)."""
         caches = self.caches
-        kv = self.attention_caches()
-        if step is not None and kv:
-            first = kv[0]
+        first = next((c for c in caches if isinstance(c, BatchKVCache)), None)  # the columns' reference
+        if step is not None and first is not None:
             if first.idx + 1 > first.capacity:
-                for c in kv:
+                for c in self.attention_caches():
                     c.grow()
             cols = self.columns
             got = step.logits(ids, cols.column(first.idx), cols.offset(first.idx, first.starts),
@@ -792,12 +790,7 @@ class Scheduler:
                 raise ModelClosedError("the model is closed")
             self._driven = True
             self._queue.extend(requests)
-        try:
-            with self._host.counted_step():
-                self._turn()
-        except Exception as exc:
-            self._fail_all(exc)
-            raise
+        self._counted_turn()
 
     def idle(self) -> bool:
         """Nothing queued, prefilling or decoding."""
@@ -831,14 +824,22 @@ class Scheduler:
                 if self._stopping:
                     break
             try:
-                with self._host.counted_step():
-                    self._turn()
-            except ModelClosedError as exc:
-                self._fail_all(exc)
+                self._counted_turn()
+            except ModelClosedError:
                 break
-            except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the loop
-                self._fail_all(exc)
+            except Exception:  # noqa: BLE001, S112 - a failed step fails its requests, not the loop
+                continue
         self._fail_all(ModelClosedError("the model was closed"))
+
+    def _counted_turn(self) -> None:
+        """One turn as a counted step of the model; one that raises fails the requests it held,
+        then raises."""
+        try:
+            with self._host.counted_step():
+                self._turn()
+        except Exception as exc:
+            self._fail_all(exc)
+            raise
 
     def _turn(self) -> None:
         self._admit()
@@ -935,7 +936,7 @@ class Scheduler:
         if any(held):
             group.caches = _prefix_caches(prefixes, held, pads, group.columns)
         else:
-            group.caches = [_prompts_cache(c, pads, group.columns) for c in prefixes[0]]
+            group.caches = _prompts_caches(prefixes[0], pads, group.columns)
         start = group.attention_caches()[0].idx if group.attention_caches() else 0
         try:
             logits = loops.prefill(model, tokens, group.caches, step=width, finish=lambda x: x,

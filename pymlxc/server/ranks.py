@@ -130,8 +130,6 @@ class BatchRankEngine(BatchEngine):
     """Rank 0's engine: the continuous batch, its turns run in step with the other ranks'
     `follow_batch` (the module doc)."""
 
-    features = BatchEngine.features
-
     def __init__(self, model: Any, *, max_concurrency: int, max_queue: int) -> None:
         import pymlxc.core as mx  # noqa: PLC0415 - the binding, loaded with the model already
 

@@ -80,10 +80,4 @@ def from_rank0(code: int, payload: bytes = b"", group: dist.Group | None = None)
     return code, np.asarray(dist.all_sum(data, group=group)).tobytes()
 
 
-def ranks_agreeing(flag: bool, group: dist.Group | None = None) -> int:
-    """How many ranks of `group` pass a true `flag` (a collective: every rank calls it)."""
-    group = group if group is not None else dist.init()
-    return int(dist.all_sum(mx.array([1 if flag else 0], mx.int32), group=group).tolist()[0])
-
-
-__all__ = ["MODES", "agree_options", "from_rank0", "join_group", "ranks_agreeing"]
+__all__ = ["MODES", "agree_options", "from_rank0", "join_group"]

@@ -1,0 +1,520 @@
+"""Layouts of the 4-bit matrix-vector product measured outside MLX (CuPy), at the decode step's real
+shapes: where a kernel's time goes before its design is changed in `backends/metal/kernels/matvec.py`.
+
+`probe_matvec.py` measures the kernel as MLX runs it; this probe compares ways to split the work,
+each a complete CUDA kernel over MLX's affine 4-bit layout (uint32 words of 8 nibbles, a bfloat16
+scale and bias per group), timed as a CUDA graph of back-to-back calls over distinct copies of the
+weights (together past the L2 cache), as a decode step's graph runs them:
+
+* `cur_r2`: pymlxc's kernel (`matvec.QUANTIZED_SOURCE`, plain form, one row of x): a warp per two
+  output rows, each lane a 16-byte chunk of both rows per step along K;
+* `sk_rB`: a block of 128 threads per B output rows, K split over the block's threads (each thread
+  the same chunks of the B rows, all B loads issued together), the warps' sums added in shared memory;
+* `skq_rB`: the same split with x quantized to int8 per 32 values (a scale and the float sum of
+  each 32) and the nibbles multiplied by `dp4a` (llama.cpp's MMVQ idea); `quant` is that
+  quantization of x alone, a kernel of its own here;
+* `read`: a streaming read of the same bytes (16-byte loads, grid-stride), the ceiling of a read.
+
+`error` is each kernel's largest difference from a float32 reference over the largest reference
+value. Run on a machine with CuPy and a CUDA GPU:
+
+    python benchmarks/profile/probe_matvec_variants.py --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_spec = importlib.util.spec_from_file_location(
+    "cuda_matvec", Path(__file__).resolve().parents[2] / "backends" / "metal" / "kernels" / "matvec.py")
+matvec = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(matvec)
+
+SHAPES = {  # name: (K, N)
+    "1b.qkv": (2048, 3072), "1b.o": (2048, 2048), "1b.gate_up": (2048, 16384), "1b.down": (8192, 2048),
+    "8b.qkv": (4096, 6144), "8b.o": (4096, 4096), "8b.gate_up": (4096, 28672), "8b.down": (14336, 4096),
+    "8b.head": (4096, 128256),
+}
+THREADS = 128
+
+PRELUDE = r"""
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+typedef unsigned int uint32_t;
+namespace mlx { namespace core { namespace cu {
+struct Multiply { template <typename A> __device__ A operator()(A a, A b) const { return a * b; } };
+struct Sigmoid {
+  template <typename A> __device__ A operator()(A a) const { return A(1.f / (1.f + __expf(-static_cast<float>(a)))); }
+};
+}}}
+"""
+
+VARIANTS = r"""
+// pymlxc's kernel as MLX wraps it: the weight's shape as kernel parameters.
+template <typename T, int M, int G, int R, bool PAIR>
+__global__ void cur(const T* x, const uint32_t* w, const T* scales, const T* biases, T* out, int w_shape0,
+                    int w_shape1) {
+CUR_BODY
+}
+
+// A block of TPB threads per RB output rows; thread t takes chunks t, t + TPB, ... of each row.
+template <typename T, int G, int RB, int KC, int TPB>
+__global__ void sk(const T* __restrict__ x, const uint4* __restrict__ w, const T* __restrict__ scales,
+                   const T* __restrict__ biases, T* __restrict__ out, int N) {
+  constexpr int GROUPS = KC * 32 / G;
+  constexpr int ITERS = (KC + TPB - 1) / TPB;
+  const int t = threadIdx.x, lane = t & 31, wid = t >> 5;
+  const int row0 = blockIdx.x * RB;
+  float acc[RB];
+#pragma unroll
+  for (int r = 0; r < RB; ++r) acc[r] = 0.f;
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int c = it * TPB + t;
+    if (KC % TPB == 0 || c < KC) {
+      const int g = (c * 32) / G;
+      uint4 q[RB];
+      float sc[RB], bi[RB];
+#pragma unroll
+      for (int r = 0; r < RB; ++r) {
+        const size_t row = min(row0 + r, N - 1);
+        q[r] = w[row * KC + c];
+        sc[r] = static_cast<float>(scales[row * GROUPS + g]);
+        bi[r] = static_cast<float>(biases[row * GROUPS + g]);
+      }
+      float xf[32];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) pymlxc_mv::load8(x + c * 32 + 8 * j, xf + 8 * j);
+      float xs = 0.f;
+#pragma unroll
+      for (int i = 0; i < 32; ++i) xs += xf[i];
+#pragma unroll
+      for (int r = 0; r < RB; ++r) {
+        float d = pymlxc_mv::biased_dot8(q[r].x, xf) + pymlxc_mv::biased_dot8(q[r].y, xf + 8) +
+                  pymlxc_mv::biased_dot8(q[r].z, xf + 16) + pymlxc_mv::biased_dot8(q[r].w, xf + 24);
+        acc[r] += 16.f * sc[r] * d + (bi[r] - 16.f * sc[r]) * xs;
+      }
+    }
+  }
+  __shared__ float part[TPB / 32][RB];
+#pragma unroll
+  for (int r = 0; r < RB; ++r) {
+    const float v = pymlxc_mv::warp_sum(acc[r]);
+    if (lane == 0) part[wid][r] = v;
+  }
+  __syncthreads();
+  if (t < RB && row0 + t < N) {
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < TPB / 32; ++i) s += part[i][t];
+    out[row0 + t] = static_cast<T>(s);
+  }
+}
+
+// x to int8 per 32 values: a warp per 32, each int of xq four values of one word's even or odd
+// nibbles (word j's even nibbles in int 2j, odd in 2j + 1), xds[c] = (scale, sum of the 32 values).
+template <typename T, int KC>
+__global__ void quant(const T* __restrict__ x, signed char* __restrict__ xq, float2* __restrict__ xds) {
+  const int c = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), e = threadIdx.x & 31;
+  if (c >= KC) return;
+  const float v = static_cast<float>(x[c * 32 + e]);
+  float amax = fabsf(v);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  const float s = pymlxc_mv::warp_sum(v);
+  const float d = amax / 127.f;
+  const int q = d > 0.f ? __float2int_rn(v / d) : 0;
+  xq[c * 32 + (e / 8) * 8 + (e % 2) * 4 + (e % 8) / 2] = static_cast<signed char>(q);
+  if (e == 0) xds[c] = make_float2(d, s);
+}
+
+template <typename T, int G, int RB, int KC, int TPB>
+__global__ void skq(const int4* __restrict__ xq, const float2* __restrict__ xds, const uint4* __restrict__ w,
+                    const T* __restrict__ scales, const T* __restrict__ biases, T* __restrict__ out, int N) {
+  constexpr int GROUPS = KC * 32 / G;
+  constexpr int ITERS = (KC + TPB - 1) / TPB;
+  const int t = threadIdx.x, lane = t & 31, wid = t >> 5;
+  const int row0 = blockIdx.x * RB;
+  float acc[RB];
+#pragma unroll
+  for (int r = 0; r < RB; ++r) acc[r] = 0.f;
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int c = it * TPB + t;
+    if (KC % TPB == 0 || c < KC) {
+      const int g = (c * 32) / G;
+      uint4 q[RB];
+      float sc[RB], bi[RB];
+#pragma unroll
+      for (int r = 0; r < RB; ++r) {
+        const size_t row = min(row0 + r, N - 1);
+        q[r] = w[row * KC + c];
+        sc[r] = static_cast<float>(scales[row * GROUPS + g]);
+        bi[r] = static_cast<float>(biases[row * GROUPS + g]);
+      }
+      const int4 a = xq[2 * c], b = xq[2 * c + 1];
+      const float2 ds = xds[c];
+#pragma unroll
+      for (int r = 0; r < RB; ++r) {
+        int s = 0;
+        s = __dp4a(static_cast<int>(q[r].x & 0x0F0F0F0Fu), a.x, s);
+        s = __dp4a(static_cast<int>((q[r].x >> 4) & 0x0F0F0F0Fu), a.y, s);
+        s = __dp4a(static_cast<int>(q[r].y & 0x0F0F0F0Fu), a.z, s);
+        s = __dp4a(static_cast<int>((q[r].y >> 4) & 0x0F0F0F0Fu), a.w, s);
+        s = __dp4a(static_cast<int>(q[r].z & 0x0F0F0F0Fu), b.x, s);
+        s = __dp4a(static_cast<int>((q[r].z >> 4) & 0x0F0F0F0Fu), b.y, s);
+        s = __dp4a(static_cast<int>(q[r].w & 0x0F0F0F0Fu), b.z, s);
+        s = __dp4a(static_cast<int>((q[r].w >> 4) & 0x0F0F0F0Fu), b.w, s);
+        acc[r] += sc[r] * ds.x * static_cast<float>(s) + bi[r] * ds.y;
+      }
+    }
+  }
+  __shared__ float part[TPB / 32][RB];
+#pragma unroll
+  for (int r = 0; r < RB; ++r) {
+    const float v = pymlxc_mv::warp_sum(acc[r]);
+    if (lane == 0) part[wid][r] = v;
+  }
+  __syncthreads();
+  if (t < RB && row0 + t < N) {
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < TPB / 32; ++i) s += part[i][t];
+    out[row0 + t] = static_cast<T>(s);
+  }
+}
+
+// x to int16 per 32 values (`quant` at 16 bits): each int of xq two values of one word, word j's
+// nibbles (0, 2), (4, 6), (1, 3), (5, 7) in ints 4j .. 4j + 3; xds[c] = (scale, sum of the 32 values).
+template <typename T, int KC>
+__global__ void quant16(const T* __restrict__ x, short* __restrict__ xq, float2* __restrict__ xds) {
+  const int c = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), e = threadIdx.x & 31;
+  if (c >= KC) return;
+  const float v = static_cast<float>(x[c * 32 + e]);
+  float amax = fabsf(v);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  const float s = pymlxc_mv::warp_sum(v);
+  const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+  xq[c * 32 + (e / 8) * 8 + (e % 2) * 4 + (e % 8) / 2] = static_cast<short>(__float2int_rn(v * inv));
+  if (e == 0) xds[c] = make_float2(amax * (1.f / 32767.f), s);
+}
+
+// sum_i xq_i q_i over one 16-byte chunk (32 nibbles) against x's 16 ints of int16 pairs.
+__device__ __forceinline__ int dot32_i16(const uint4 q, const int* xi) {
+  const unsigned words[4] = {q.x, q.y, q.z, q.w};
+  int s = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int lo = static_cast<int>(words[j] & 0x0F0F0F0Fu), hi = static_cast<int>((words[j] >> 4) & 0x0F0F0F0Fu);
+    s = __dp2a_lo(xi[4 * j], lo, s);
+    s = __dp2a_hi(xi[4 * j + 1], lo, s);
+    s = __dp2a_lo(xi[4 * j + 2], hi, s);
+    s = __dp2a_hi(xi[4 * j + 3], hi, s);
+  }
+  return s;
+}
+
+template <typename T, int G, int RB, int KC, int TPB>
+__global__ void skq16(const int4* __restrict__ xq, const float2* __restrict__ xds, const uint4* __restrict__ w,
+                      const T* __restrict__ scales, const T* __restrict__ biases, T* __restrict__ out, int N) {
+  constexpr int GROUPS = KC * 32 / G;
+  constexpr int ITERS = (KC + TPB - 1) / TPB;
+  const int t = threadIdx.x, lane = t & 31, wid = t >> 5;
+  const int row0 = blockIdx.x * RB;
+  float acc[RB];
+#pragma unroll
+  for (int r = 0; r < RB; ++r) acc[r] = 0.f;
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int c = it * TPB + t;
+    if (KC % TPB == 0 || c < KC) {
+      const int g = (c * 32) / G;
+      uint4 q[RB];
+      float sc[RB], bi[RB];
+#pragma unroll
+      for (int r = 0; r < RB; ++r) {
+        const size_t row = min(row0 + r, N - 1);
+        q[r] = w[row * KC + c];
+        sc[r] = static_cast<float>(scales[row * GROUPS + g]);
+        bi[r] = static_cast<float>(biases[row * GROUPS + g]);
+      }
+      int xi[16];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) *reinterpret_cast<int4*>(xi + 4 * j) = xq[4 * c + j];
+      const float2 ds = xds[c];
+#pragma unroll
+      for (int r = 0; r < RB; ++r) {
+        acc[r] += sc[r] * ds.x * static_cast<float>(dot32_i16(q[r], xi)) + bi[r] * ds.y;
+      }
+    }
+  }
+  __shared__ float part[TPB / 32][RB];
+#pragma unroll
+  for (int r = 0; r < RB; ++r) {
+    const float v = pymlxc_mv::warp_sum(acc[r]);
+    if (lane == 0) part[wid][r] = v;
+  }
+  __syncthreads();
+  if (t < RB && row0 + t < N) {
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < TPB / 32; ++i) s += part[i][t];
+    out[row0 + t] = static_cast<T>(s);
+  }
+}
+
+// As skq16 with each thread quantizing its own chunk of x (no kernel before the product): the
+// rounding through the float 1.5 * 2^23, whose low 16 bits then hold the integer.
+template <typename T, int G, int RB, int KC, int TPB>
+__global__ void skf16(const T* __restrict__ x, const uint4* __restrict__ w, const T* __restrict__ scales,
+                      const T* __restrict__ biases, T* __restrict__ out, int N) {
+  constexpr int GROUPS = KC * 32 / G;
+  constexpr int ITERS = (KC + TPB - 1) / TPB;
+  const int t = threadIdx.x, lane = t & 31, wid = t >> 5;
+  const int row0 = blockIdx.x * RB;
+  float acc[RB];
+#pragma unroll
+  for (int r = 0; r < RB; ++r) acc[r] = 0.f;
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int c = it * TPB + t;
+    if (KC % TPB == 0 || c < KC) {
+      const int g = (c * 32) / G;
+      uint4 q[RB];
+      float sc[RB], bi[RB];
+#pragma unroll
+      for (int r = 0; r < RB; ++r) {
+        const size_t row = min(row0 + r, N - 1);
+        q[r] = w[row * KC + c];
+        sc[r] = static_cast<float>(scales[row * GROUPS + g]);
+        bi[r] = static_cast<float>(biases[row * GROUPS + g]);
+      }
+      float xf[32];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) pymlxc_mv::load8(x + c * 32 + 8 * j, xf + 8 * j);
+      float amax = 0.f, xs = 0.f;
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        amax = fmaxf(amax, fabsf(xf[i]));
+        xs += xf[i];
+      }
+      const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+      int xi[16];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int a[4] = {0, 4, 1, 5};
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          const unsigned lo = __float_as_uint(fmaf(xf[8 * j + a[s]], inv, 12582912.f));
+          const unsigned hi = __float_as_uint(fmaf(xf[8 * j + a[s] + 2], inv, 12582912.f));
+          xi[4 * j + s] = static_cast<int>(__byte_perm(lo, hi, 0x5410));
+        }
+      }
+      const float d = amax * (1.f / 32767.f);
+#pragma unroll
+      for (int r = 0; r < RB; ++r) {
+        acc[r] += sc[r] * d * static_cast<float>(dot32_i16(q[r], xi)) + bi[r] * xs;
+      }
+    }
+  }
+  __shared__ float part[TPB / 32][RB];
+#pragma unroll
+  for (int r = 0; r < RB; ++r) {
+    const float v = pymlxc_mv::warp_sum(acc[r]);
+    if (lane == 0) part[wid][r] = v;
+  }
+  __syncthreads();
+  if (t < RB && row0 + t < N) {
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < TPB / 32; ++i) s += part[i][t];
+    out[row0 + t] = static_cast<T>(s);
+  }
+}
+
+// The bytes of a product read with 16-byte loads, grid-stride: what a read of them can reach.
+extern "C" __global__ void read_all(const uint4* __restrict__ p, long long n, unsigned* __restrict__ sink) {
+  unsigned v = 0;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    const uint4 u = p[i];
+    v ^= u.x ^ u.y ^ u.z ^ u.w;
+  }
+  if (v == 0x9e3779b9u) sink[0] = v;
+}
+"""
+
+
+def cur_body() -> str:
+    """The production kernel's plain form with its shape reads as kernel parameters."""
+    return matvec.QUANTIZED_SOURCE.replace("w_shape[0]", "w_shape0").replace("w_shape[1]", "w_shape1")
+
+
+def source() -> str:
+    return PRELUDE + matvec.HEADER + VARIANTS.replace("CUR_BODY", cur_body())
+
+
+def tpb(kc: int) -> int:
+    return 64 if kc <= 64 else THREADS
+
+
+def names(shapes: list[tuple[int, int]], group: int, rows: list[int]) -> dict[str, str]:
+    """Template instantiations by key."""
+    out = {}
+    for g in (group,):
+        out[f"cur_r2.{g}"] = f"cur<__nv_bfloat16, 1, {g}, 2, false>"
+    for k, _ in shapes:
+        kc = k // 32
+        out[f"quant.{k}"] = f"quant<__nv_bfloat16, {kc}>"
+        for rb in rows:
+            out[f"sk_r{rb}.{k}"] = f"sk<__nv_bfloat16, {group}, {rb}, {kc}, {tpb(kc)}>"
+            out[f"skq_r{rb}.{k}"] = f"skq<__nv_bfloat16, {group}, {rb}, {kc}, {tpb(kc)}>"
+            out[f"skq16_r{rb}.{k}"] = f"skq16<__nv_bfloat16, {group}, {rb}, {kc}, {tpb(kc)}>"
+            out[f"skf16_r{rb}.{k}"] = f"skf16<__nv_bfloat16, {group}, {rb}, {kc}, {tpb(kc)}>"
+        out[f"quant16.{k}"] = f"quant16<__nv_bfloat16, {kc}>"
+    return out
+
+
+def to_bf16(a: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (round to nearest even) as uint16."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def from_bf16(u: np.ndarray) -> np.ndarray:
+    return (u.astype(np.uint32) << 16).view(np.float32)
+
+
+def main() -> None:
+    import cupy as cp
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8], help="output rows per block (sk, skq)")
+    ap.add_argument("--bytes", type=float, default=400e6, help="weight bytes the copies of one shape hold")
+    ap.add_argument("--calls", type=int, default=240, help="calls per graph (at least one per copy)")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    g = args.group_size
+    shapes = [SHAPES[s] for s in args.shapes]
+    keys = names(shapes, g, args.rows)
+    module = cp.RawModule(code=source(), options=("--std=c++17",), name_expressions=list(keys.values()))
+    fn = {key: module.get_function(expr) for key, expr in keys.items()}
+    read_fn = module.get_function("read_all")
+    rng = np.random.default_rng(0)
+    stream = cp.cuda.Stream(non_blocking=True)
+    sink = cp.zeros(4, dtype=cp.uint32)
+    results: dict[str, Any] = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                               "group_size": g, "dtype": "bfloat16", "probes": {}}
+
+    def timed(launch: Any, copies: int) -> float:
+        """Microseconds per call: a graph of `args.calls` calls cycling over the copies."""
+        calls = max(args.calls, copies)
+        with stream:
+            stream.begin_capture()
+            for i in range(calls):
+                launch(i % copies)
+            graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        times = []
+        for _ in range(args.repeats):
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record(stream)
+            graph.launch(stream)
+            end.record(stream)
+            end.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, end) * 1000 / calls)
+        return statistics.median(times)
+
+    for name, (k, n) in zip(args.shapes, shapes):
+        kc, groups = k // 32, k // g
+        wbytes = n * k // 2 + 2 * 2 * n * groups
+        copies = max(1, int(-(-args.bytes // wbytes)))
+        x32 = rng.standard_normal(k).astype(np.float32)
+        xb = to_bf16(x32)
+        wq = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
+        sc = to_bf16(rng.uniform(0.002, 0.02, size=(n, groups)).astype(np.float32))
+        bi = to_bf16(-8 * from_bf16(sc) * rng.uniform(0.8, 1.2, size=(n, groups)).astype(np.float32))
+        # float32 reference: scale * q + bias per group
+        shifts = (4 * np.arange(8, dtype=np.uint32))
+        codes = ((wq[:, :, None] >> shifts) & 0xF).reshape(n, k).astype(np.float32)
+        wf = codes * np.repeat(from_bf16(sc), g, axis=1) + np.repeat(from_bf16(bi), g, axis=1)
+        ref = wf @ from_bf16(xb)
+        del codes, wf
+        x = cp.asarray(xb)
+        ws = [cp.asarray(wq)] + [None] * (copies - 1)
+        ss = [cp.asarray(sc)] + [None] * (copies - 1)
+        bs = [cp.asarray(bi)] + [None] * (copies - 1)
+        for i in range(1, copies):
+            ws[i], ss[i], bs[i] = ws[0].copy(), ss[0].copy(), bs[0].copy()
+        out = cp.zeros(n, dtype=cp.uint16)
+        xq = cp.zeros(k, dtype=cp.int8)
+        xds = cp.zeros(2 * kc, dtype=cp.float32)
+        row: dict[str, Any] = {"K": k, "N": n, "copies": copies, "weight_mb": round(wbytes / 1e6, 2),
+                               "us_per_call": {}, "gbps": {}, "error": {}}
+
+        def record(key: str, us: float, check: bool = True) -> None:
+            row["us_per_call"][key] = round(us, 2)
+            row["gbps"][key] = round(wbytes / us / 1e3, 1)
+            if check:
+                got = from_bf16(cp.asnumpy(out))
+                row["error"][key] = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+
+        warps = -(-n // 2)
+        cur = fn[f"cur_r2.{g}"]
+        launch = lambda i: cur(((warps * 32 + THREADS - 1) // THREADS,), (THREADS,),  # noqa: E731
+                               (x, ws[i], ss[i], bs[i], out, np.int32(n), np.int32(k // 8)))
+        record("cur_r2", timed(launch, copies))
+        for rb in args.rows:
+            f = fn[f"sk_r{rb}.{k}"]
+            launch = lambda i, f=f, rb=rb: f((-(-n // rb),), (tpb(kc),),  # noqa: E731
+                                             (x, ws[i], ss[i], bs[i], out, np.int32(n)))
+            record(f"sk_r{rb}", timed(launch, copies))
+        qf = fn[f"quant.{k}"]
+        qlaunch = lambda: qf((-(-kc // 4),), (THREADS,), (x, xq, xds))  # noqa: E731
+        row["us_per_call"]["quant"] = round(timed(lambda i: qlaunch(), 1), 2)
+        for rb in args.rows:
+            f = fn[f"skq_r{rb}.{k}"]
+            launch = lambda i, f=f, rb=rb: f((-(-n // rb),), (tpb(kc),),  # noqa: E731
+                                             (xq, xds, ws[i], ss[i], bs[i], out, np.int32(n)))
+            record(f"skq_r{rb}", timed(launch, copies))
+        qf16 = fn[f"quant16.{k}"]
+        xq16 = cp.zeros(k, dtype=cp.int16)
+        row["us_per_call"]["quant16"] = round(timed(lambda i: qf16((-(-kc // 4),), (THREADS,), (x, xq16, xds)), 1), 2)
+        for rb in args.rows:
+            f = fn[f"skq16_r{rb}.{k}"]
+            launch = lambda i, f=f, rb=rb: f((-(-n // rb),), (tpb(kc),),  # noqa: E731
+                                             (xq16, xds, ws[i], ss[i], bs[i], out, np.int32(n)))
+            record(f"skq16_r{rb}", timed(launch, copies))
+        for rb in args.rows:
+            f = fn[f"skf16_r{rb}.{k}"]
+            launch = lambda i, f=f, rb=rb: f((-(-n // rb),), (tpb(kc),),  # noqa: E731
+                                             (x, ws[i], ss[i], bs[i], out, np.int32(n)))
+            record(f"skf16_r{rb}", timed(launch, copies))
+        # the read ceiling: weights only (scales and biases are 1/9 of the bytes at group 64)
+        n16 = ws[0].nbytes // 16
+        launch = lambda i: read_fn((132 * 8,), (256,), (ws[i], np.int64(n16), sink))  # noqa: E731
+        us = timed(launch, copies)
+        row["us_per_call"]["read"] = round(us, 2)
+        row["gbps"]["read"] = round(ws[0].nbytes / us / 1e3, 1)
+        results["probes"][name] = row
+        del ws, ss, bs
+        cp.get_default_memory_pool().free_all_blocks()
+        line = " ".join(f"{key} {us:.1f}us/{row['gbps'].get(key, 0):.0f}" for key, us in row["us_per_call"].items())
+        print(f"{name} K={k} N={n} {row['weight_mb']} MB x{copies}: {line}", flush=True)
+        print("   error " + " ".join(f"{key} {v:.1e}" for key, v in row["error"].items()), flush=True)
+    (args.out / "probe_matvec_variants.json").write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -17,6 +17,9 @@ Llama-3.2-1B and Llama-3.1-8B decode steps (fused q/k/v, o, fused gate/up, down,
 rows (`ours_slices`): a continuous batch's decode step has as many rows as running requests.
 
     python benchmarks/profile/probe_matvec.py --out DIR
+
+Other layouts of the product, and the streaming read of the same bytes that bounds them, are
+measured outside MLX by `probe_matvec_variants.py`.
 """
 from __future__ import annotations
 
@@ -46,36 +49,6 @@ GROUP = 64  # --group-size: MLX's default; GGUF's Q4_0 / Q4_K repack to 32
 DTYPE = mx.bfloat16  # --dtype: x and the scales (GGUF files compute in float16)
 
 
-# The kernel's loads without its arithmetic (a diagnostic, `ours_loads`): the same grid, the same
-# 16-byte weight loads, scales, biases and x loads, folded by an xor and one fma per row, so the
-# rate it reaches is what the access pattern allows; the difference to `ours_r2` is the nibble math.
-LOADS_SOURCE = kernels.QUANTIZED_SOURCE[:kernels.QUANTIZED_SOURCE.index(
-    "#pragma unroll\n    for (int m = 0; m < M; ++m) {\n      float xf[32];")] + r"""
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const T* xp = x + static_cast<size_t>(m) * K + c * 32;
-      uint4 xu[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        xu[j] = *reinterpret_cast<const uint4*>(xp + 8 * j);
-      }
-      const uint32_t xw = xu[0].x ^ xu[1].y ^ xu[2].z ^ xu[3].w;
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const uint32_t bits = (q[r].x ^ q[r].y ^ q[r].z ^ q[r].w ^ xw) & 0x007FFFFFu;
-        acc[m][r] = fmaf(__uint_as_float(bits | 0x3F800000u), sc[r], acc[m][r] + bi[r]);
-      }
-    }
-  }
-""" + kernels.QUANTIZED_SOURCE[kernels.QUANTIZED_SOURCE.index(
-    "#pragma unroll\n  for (int m = 0; m < M; ++m) {\n    T y[R];"):]
-
-
-def _loads_kernel() -> Any:
-    return mx.fast.cuda_kernel("pymlxc_qmv4_loads", list(kernels.QUANTIZED_INPUTS), list(kernels.OUTPUT_NAMES),
-                               LOADS_SOURCE, header=kernels.QUANTIZED_HEADER)
-
-
 def _kernel(module: Any = kernels) -> Any:
     return mx.fast.cuda_kernel(module.QUANTIZED_NAME, list(module.QUANTIZED_INPUTS), list(module.OUTPUT_NAMES),
                                module.QUANTIZED_SOURCE, header=getattr(module, "QUANTIZED_HEADER", module.HEADER))
@@ -89,10 +62,9 @@ def _module(path: Path) -> Any:
     return module
 
 
-def _ours(kernel: Any, x: Any, q: Any, rows_per_warp: int | None = None, module: Any = kernels) -> Any:
+def _ours(kernel: Any, x: Any, q: Any, module: Any = kernels) -> Any:
     n, k = q[0].shape[0], x.shape[-1]
-    chosen = () if rows_per_warp is None else (rows_per_warp,)  # None: the module's own choice
-    geo = module.launch(x.shape[0], k, n, x.dtype, GROUP, *chosen)
+    geo = module.launch(x.shape[0], k, n, x.dtype, GROUP)
     return kernel(inputs=[x, *q], output_shapes=[(x.shape[0], n)], output_dtypes=[x.dtype], **geo)[0]
 
 
@@ -116,8 +88,7 @@ def _time(make_outputs: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
-def probe(shape: str, kernel: Any, min_bytes: int, x_rows: int, repeats: int, rows_per_warp: list[int],
-          baseline: Any = None) -> dict[str, Any]:
+def probe(shape: str, kernel: Any, min_bytes: int, x_rows: int, repeats: int, baseline: Any = None) -> dict[str, Any]:
     k, n = SHAPES[shape]
     mx.random.seed(0)
     x = (mx.random.normal((x_rows, k)) * 0.5).astype(DTYPE)
@@ -129,10 +100,7 @@ def probe(shape: str, kernel: Any, min_bytes: int, x_rows: int, repeats: int, ro
     out: dict[str, Any] = {"K": k, "N": n, "x_rows": x_rows, "error": {}}
     variants = {"mlx": lambda xx, qq: _mlx(xx, qq)}
     if x_rows <= kernels.MAX_X_ROWS:
-        for r in rows_per_warp:
-            variants[f"ours_r{r}"] = lambda xx, qq, r=r: _ours(kernel, xx, qq, r)
-        loads = _loads_kernel()
-        variants["ours_loads"] = lambda xx, qq: _ours(loads, xx, qq)
+        variants["ours"] = lambda xx, qq: _ours(kernel, xx, qq)
         if baseline is not None:
             module, base_kernel = baseline
             variants["baseline"] = lambda xx, qq: _ours(base_kernel, xx, qq, module=module)
@@ -169,8 +137,6 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
     parser.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
-    parser.add_argument("--rows-per-warp", type=int, nargs="+", default=[1, 2, 4],
-                        help="the kernel's output rows per warp to run")
     parser.add_argument("--baseline", type=Path, help="another matvec.py to run beside this one")
     args = parser.parse_args()
     global GROUP, DTYPE
@@ -185,7 +151,7 @@ def main() -> None:
     for rows in args.x_rows:
         for shape in args.shapes:
             key = f"{shape}.m{rows}"
-            results["probes"][key] = r = probe(shape, kernel, args.bytes, rows, args.repeats, args.rows_per_warp, baseline)
+            results["probes"][key] = r = probe(shape, kernel, args.bytes, rows, args.repeats, baseline)
             errs = " ".join(f"{k}={v:.1e}" for k, v in r["error"].items())
             us = " ".join(f"{k}={v}" for k, v in r["us_per_call"].items())
             gb = " ".join(f"{k}={v}" for k, v in r["stacked_gbps"].items())

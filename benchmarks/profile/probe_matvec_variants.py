@@ -6,10 +6,14 @@ each a complete CUDA kernel over MLX's affine 4-bit layout (uint32 words of 8 ni
 scale and bias per group), timed as a CUDA graph of back-to-back calls over distinct copies of the
 weights (together past the L2 cache), as a decode step's graph runs them:
 
-* `cur_r2`: pymlxc's kernel (`matvec.QUANTIZED_SOURCE`, plain form, one row of x): a warp per two
-  output rows, each lane a 16-byte chunk of both rows per step along K;
+* `ours`: pymlxc's kernel (`matvec.QUANTIZED_SOURCE`, plain form, one row of x, its own launch);
+* `warp2`: the float form it replaced: a warp per two output rows, each lane a 16-byte chunk of both
+  rows per step along K, the nibbles turned into floats through the mantissa;
 * `sk_rB`: a block of 128 threads per B output rows, K split over the block's threads (each thread
   the same chunks of the B rows, all B loads issued together), the warps' sums added in shared memory;
+* `skf16_rB`: the same split with each thread rounding its chunk of x to int16 and multiplying by
+  `dp2a` (the design `ours` took, at its B);
+* `skq16_rB`: as `skf16_rB` with x rounded by a kernel of its own before (`quant16`);
 * `skq_rB`: the same split with x quantized to int8 per 32 values (a scale and the float sum of
   each 32) and the nibbles multiplied by `dp4a` (llama.cpp's MMVQ idea); `quant` is that
   quantization of x alone, a kernel of its own here;
@@ -56,11 +60,66 @@ struct Sigmoid {
 """
 
 VARIANTS = r"""
-// pymlxc's kernel as MLX wraps it: the weight's shape as kernel parameters.
-template <typename T, int M, int G, int R, bool PAIR>
-__global__ void cur(const T* x, const uint32_t* w, const T* scales, const T* biases, T* out, int w_shape0,
-                    int w_shape1) {
-CUR_BODY
+// pymlxc's kernel as MLX wraps it (its plain form): the weight's rows as a kernel parameter.
+template <typename T, int M, int G, int KC, int U, bool PAIR>
+__global__ void ours(const T* x, const uint32_t* w, const T* scales, const T* biases, T* out, int w_shape0) {
+OURS_BODY
+}
+
+// sum_i x[i] * (1 + q_i / 16) over the 8 nibbles of a word (nibble i in bits 4i..4i+3): a nibble q
+// placed in the mantissa of 1.0 is the float 1 + q / 16.
+__device__ __forceinline__ float biased_dot8(uint32_t word, const float* x) {
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    uint32_t placed = (i <= 4) ? (word << (19 - 4 * i)) : (word >> (4 * i - 19));
+    s = fmaf(x[i], __uint_as_float((placed & 0x00780000u) | 0x3F800000u), s);
+  }
+  return s;
+}
+
+// The float form with a warp per two output rows (pymlxc's kernel before the split over K): each
+// lane a 16-byte chunk of both rows per step, float sums of x * (1 + q / 16).
+template <typename T, int G>
+__global__ void warp2(const T* __restrict__ x, const uint4* __restrict__ w, const T* __restrict__ scales,
+                      const T* __restrict__ biases, T* __restrict__ out, int N, int CHUNKS) {
+  const int K = CHUNKS * 32, GROUPS = K / G, ITERS = (CHUNKS + 31) / 32;
+  const int lane = threadIdx.x & 31;
+  const int row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * 2;
+  if (row0 >= N) return;
+  float acc[2] = {0.f, 0.f};
+#pragma unroll 2
+  for (int it = 0; it < ITERS; ++it) {
+    const int c = it * 32 + lane;
+    if (c >= CHUNKS) break;
+    const int g = (c * 32) / G;
+    uint4 q[2];
+    float sc[2], bi[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const size_t row = min(row0 + r, N - 1);
+      q[r] = w[row * CHUNKS + c];
+      sc[r] = static_cast<float>(scales[row * GROUPS + g]);
+      bi[r] = static_cast<float>(biases[row * GROUPS + g]);
+    }
+    float xf[32];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) pymlxc_mv::load8(x + c * 32 + 8 * j, xf + 8 * j);
+    float xs = 0.f;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) xs += xf[i];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float d = biased_dot8(q[r].x, xf) + biased_dot8(q[r].y, xf + 8) + biased_dot8(q[r].z, xf + 16) +
+                      biased_dot8(q[r].w, xf + 24);
+      acc[r] += 16.f * sc[r] * d + (bi[r] - 16.f * sc[r]) * xs;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float v = pymlxc_mv::warp_sum(acc[r]);
+    if (lane == 0 && row0 + r < N) out[row0 + r] = static_cast<T>(v);
+  }
 }
 
 // A block of TPB threads per RB output rows; thread t takes chunks t, t + TPB, ... of each row.
@@ -96,8 +155,8 @@ __global__ void sk(const T* __restrict__ x, const uint4* __restrict__ w, const T
       for (int i = 0; i < 32; ++i) xs += xf[i];
 #pragma unroll
       for (int r = 0; r < RB; ++r) {
-        float d = pymlxc_mv::biased_dot8(q[r].x, xf) + pymlxc_mv::biased_dot8(q[r].y, xf + 8) +
-                  pymlxc_mv::biased_dot8(q[r].z, xf + 16) + pymlxc_mv::biased_dot8(q[r].w, xf + 24);
+        float d = biased_dot8(q[r].x, xf) + biased_dot8(q[r].y, xf + 8) + biased_dot8(q[r].z, xf + 16) +
+                  biased_dot8(q[r].w, xf + 24);
         acc[r] += 16.f * sc[r] * d + (bi[r] - 16.f * sc[r]) * xs;
       }
     }
@@ -351,13 +410,9 @@ extern "C" __global__ void read_all(const uint4* __restrict__ p, long long n, un
 """
 
 
-def cur_body() -> str:
-    """The production kernel's plain form with its shape reads as kernel parameters."""
-    return matvec.QUANTIZED_SOURCE.replace("w_shape[0]", "w_shape0").replace("w_shape[1]", "w_shape1")
-
-
 def source() -> str:
-    return PRELUDE + matvec.HEADER + VARIANTS.replace("CUR_BODY", cur_body())
+    ours = matvec.QUANTIZED_SOURCE.replace("w_shape[0]", "w_shape0")
+    return PRELUDE + matvec.HEADER + VARIANTS.replace("OURS_BODY", ours)
 
 
 def tpb(kc: int) -> int:
@@ -366,11 +421,12 @@ def tpb(kc: int) -> int:
 
 def names(shapes: list[tuple[int, int]], group: int, rows: list[int]) -> dict[str, str]:
     """Template instantiations by key."""
-    out = {}
-    for g in (group,):
-        out[f"cur_r2.{g}"] = f"cur<__nv_bfloat16, 1, {g}, 2, false>"
+    out: dict[str, str] = {}
+    out["warp2"] = f"warp2<__nv_bfloat16, {group}>"
     for k, _ in shapes:
         kc = k // 32
+        units = matvec.units_per_block(k) // (2 if kc <= 64 else 1)
+        out[f"ours.{k}"] = f"ours<__nv_bfloat16, 1, {group}, {kc}, {units}, false>"
         out[f"quant.{k}"] = f"quant<__nv_bfloat16, {kc}>"
         for rb in rows:
             out[f"sk_r{rb}.{k}"] = f"sk<__nv_bfloat16, {group}, {rb}, {kc}, {tpb(kc)}>"
@@ -391,8 +447,100 @@ def from_bf16(u: np.ndarray) -> np.ndarray:
     return (u.astype(np.uint32) << 16).view(np.float32)
 
 
+class Timer:
+    """Microseconds per call of a launch, as a CUDA graph of `calls` calls cycling over `copies`
+    sets of weights (their index is the launch's argument), the median of `repeats` replays."""
+
+    def __init__(self, cp: Any, calls: int, repeats: int) -> None:
+        self.cp, self.calls, self.repeats = cp, calls, repeats
+        self.stream = cp.cuda.Stream(non_blocking=True)
+
+    def __call__(self, launch: Any, copies: int) -> float:
+        cp, stream = self.cp, self.stream
+        calls = max(self.calls, copies)
+        with stream:
+            stream.begin_capture()
+            for i in range(calls):
+                launch(i % copies)
+            graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        times = []
+        for _ in range(self.repeats):
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record(stream)
+            graph.launch(stream)
+            end.record(stream)
+            end.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, end) * 1000 / calls)
+        return statistics.median(times)
+
+
+def probe_shape(cp: Any, fn: dict[str, Any], read_fn: Any, timer: Timer, k: int, n: int, g: int, rows: list[int],
+                min_bytes: float, rng: np.random.Generator) -> dict[str, Any]:
+    """Every variant on one weight shape: time per call, GB/s of weights, error against float32."""
+    kc, groups = k // 32, k // g
+    wbytes = n * k // 2 + 2 * 2 * n * groups
+    copies = max(1, int(-(-min_bytes // wbytes)))
+    xb = to_bf16(rng.standard_normal(k).astype(np.float32))
+    wq = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
+    sc = to_bf16(rng.uniform(0.002, 0.02, size=(n, groups)).astype(np.float32))
+    bi = to_bf16(-8 * from_bf16(sc) * rng.uniform(0.8, 1.2, size=(n, groups)).astype(np.float32))
+    shifts = 4 * np.arange(8, dtype=np.uint32)
+    codes = ((wq[:, :, None] >> shifts) & 0xF).reshape(n, k).astype(np.float32)
+    ref = (codes * np.repeat(from_bf16(sc), g, axis=1) + np.repeat(from_bf16(bi), g, axis=1)) @ from_bf16(xb)
+    del codes
+    x = cp.asarray(xb)
+    ws, ss, bs = [cp.asarray(wq)], [cp.asarray(sc)], [cp.asarray(bi)]
+    for _ in range(1, copies):  # distinct buffers: together past the L2 cache
+        ws.append(ws[0].copy())
+        ss.append(ss[0].copy())
+        bs.append(bs[0].copy())
+    out = cp.zeros(n, dtype=cp.uint16)
+    xq = cp.zeros(k, dtype=cp.int8)
+    xq16 = cp.zeros(k, dtype=cp.int16)
+    xds = cp.zeros(2 * kc, dtype=cp.float32)
+    row: dict[str, Any] = {"K": k, "N": n, "copies": copies, "weight_mb": round(wbytes / 1e6, 2),
+                           "us_per_call": {}, "gbps": {}, "error": {}}
+
+    def record(key: str, us: float) -> None:
+        row["us_per_call"][key] = round(us, 2)
+        row["gbps"][key] = round(wbytes / us / 1e3, 1)
+        got = from_bf16(cp.asnumpy(out))
+        row["error"][key] = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+
+    def matvec(kernel: Any, blocks: int, threads: int, lead: tuple[Any, ...]) -> Any:
+        return lambda i: kernel((blocks,), (threads,), (*lead, ws[i], ss[i], bs[i], out, np.int32(n)))
+
+    warps = -(-n // 2)
+    warp2, warp_blocks = fn["warp2"], -(-warps * 32 // THREADS)
+    record("warp2", timer(lambda i: warp2((warp_blocks,), (THREADS,),
+                                          (x, ws[i], ss[i], bs[i], out, np.int32(n), np.int32(kc))), copies))
+    ours, geo = fn[f"ours.{k}"], matvec.launch(1, k, n, "bfloat16", g)
+    record("ours", timer(lambda i: ours((geo["grid"][0] // THREADS,), (THREADS,),
+                                        (x, ws[i], ss[i], bs[i], out, np.int32(n))), copies))
+    for rb in rows:
+        record(f"sk_r{rb}", timer(matvec(fn[f"sk_r{rb}.{k}"], -(-n // rb), tpb(kc), (x,)), copies))
+    quant, quant16 = fn[f"quant.{k}"], fn[f"quant16.{k}"]
+    row["us_per_call"]["quant"] = round(timer(lambda i: quant((-(-kc // 4),), (THREADS,), (x, xq, xds)), 1), 2)
+    for rb in rows:
+        record(f"skq_r{rb}", timer(matvec(fn[f"skq_r{rb}.{k}"], -(-n // rb), tpb(kc), (xq, xds)), copies))
+    row["us_per_call"]["quant16"] = round(timer(lambda i: quant16((-(-kc // 4),), (THREADS,), (x, xq16, xds)), 1), 2)
+    for rb in rows:
+        record(f"skq16_r{rb}", timer(matvec(fn[f"skq16_r{rb}.{k}"], -(-n // rb), tpb(kc), (xq16, xds)), copies))
+    for rb in rows:
+        record(f"skf16_r{rb}", timer(matvec(fn[f"skf16_r{rb}.{k}"], -(-n // rb), tpb(kc), (x,)), copies))
+    # the read ceiling: the packed weights alone (scales and biases are 1/9 of the bytes at group 64)
+    sink = cp.zeros(4, dtype=cp.uint32)
+    n16 = ws[0].nbytes // 16
+    us = timer(lambda i: read_fn((132 * 8,), (256,), (ws[i], np.int64(n16), sink)), copies)
+    row["us_per_call"]["read"] = round(us, 2)
+    row["gbps"]["read"] = round(ws[0].nbytes / us / 1e3, 1)
+    return row
+
+
 def main() -> None:
-    import cupy as cp
+    import cupy as cp  # noqa: PLC0415 - the GPU machine's; importing the module needs no GPU
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
@@ -411,107 +559,15 @@ def main() -> None:
     fn = {key: module.get_function(expr) for key, expr in keys.items()}
     read_fn = module.get_function("read_all")
     rng = np.random.default_rng(0)
-    stream = cp.cuda.Stream(non_blocking=True)
-    sink = cp.zeros(4, dtype=cp.uint32)
+    timer = Timer(cp, args.calls, args.repeats)
     results: dict[str, Any] = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
                                "group_size": g, "dtype": "bfloat16", "probes": {}}
-
-    def timed(launch: Any, copies: int) -> float:
-        """Microseconds per call: a graph of `args.calls` calls cycling over the copies."""
-        calls = max(args.calls, copies)
-        with stream:
-            stream.begin_capture()
-            for i in range(calls):
-                launch(i % copies)
-            graph = stream.end_capture()
-        graph.launch(stream)
-        stream.synchronize()
-        times = []
-        for _ in range(args.repeats):
-            start, end = cp.cuda.Event(), cp.cuda.Event()
-            start.record(stream)
-            graph.launch(stream)
-            end.record(stream)
-            end.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, end) * 1000 / calls)
-        return statistics.median(times)
-
-    for name, (k, n) in zip(args.shapes, shapes):
-        kc, groups = k // 32, k // g
-        wbytes = n * k // 2 + 2 * 2 * n * groups
-        copies = max(1, int(-(-args.bytes // wbytes)))
-        x32 = rng.standard_normal(k).astype(np.float32)
-        xb = to_bf16(x32)
-        wq = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
-        sc = to_bf16(rng.uniform(0.002, 0.02, size=(n, groups)).astype(np.float32))
-        bi = to_bf16(-8 * from_bf16(sc) * rng.uniform(0.8, 1.2, size=(n, groups)).astype(np.float32))
-        # float32 reference: scale * q + bias per group
-        shifts = (4 * np.arange(8, dtype=np.uint32))
-        codes = ((wq[:, :, None] >> shifts) & 0xF).reshape(n, k).astype(np.float32)
-        wf = codes * np.repeat(from_bf16(sc), g, axis=1) + np.repeat(from_bf16(bi), g, axis=1)
-        ref = wf @ from_bf16(xb)
-        del codes, wf
-        x = cp.asarray(xb)
-        ws = [cp.asarray(wq)] + [None] * (copies - 1)
-        ss = [cp.asarray(sc)] + [None] * (copies - 1)
-        bs = [cp.asarray(bi)] + [None] * (copies - 1)
-        for i in range(1, copies):
-            ws[i], ss[i], bs[i] = ws[0].copy(), ss[0].copy(), bs[0].copy()
-        out = cp.zeros(n, dtype=cp.uint16)
-        xq = cp.zeros(k, dtype=cp.int8)
-        xds = cp.zeros(2 * kc, dtype=cp.float32)
-        row: dict[str, Any] = {"K": k, "N": n, "copies": copies, "weight_mb": round(wbytes / 1e6, 2),
-                               "us_per_call": {}, "gbps": {}, "error": {}}
-
-        def record(key: str, us: float, check: bool = True) -> None:
-            row["us_per_call"][key] = round(us, 2)
-            row["gbps"][key] = round(wbytes / us / 1e3, 1)
-            if check:
-                got = from_bf16(cp.asnumpy(out))
-                row["error"][key] = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
-
-        warps = -(-n // 2)
-        cur = fn[f"cur_r2.{g}"]
-        launch = lambda i: cur(((warps * 32 + THREADS - 1) // THREADS,), (THREADS,),  # noqa: E731
-                               (x, ws[i], ss[i], bs[i], out, np.int32(n), np.int32(k // 8)))
-        record("cur_r2", timed(launch, copies))
-        for rb in args.rows:
-            f = fn[f"sk_r{rb}.{k}"]
-            launch = lambda i, f=f, rb=rb: f((-(-n // rb),), (tpb(kc),),  # noqa: E731
-                                             (x, ws[i], ss[i], bs[i], out, np.int32(n)))
-            record(f"sk_r{rb}", timed(launch, copies))
-        qf = fn[f"quant.{k}"]
-        qlaunch = lambda: qf((-(-kc // 4),), (THREADS,), (x, xq, xds))  # noqa: E731
-        row["us_per_call"]["quant"] = round(timed(lambda i: qlaunch(), 1), 2)
-        for rb in args.rows:
-            f = fn[f"skq_r{rb}.{k}"]
-            launch = lambda i, f=f, rb=rb: f((-(-n // rb),), (tpb(kc),),  # noqa: E731
-                                             (xq, xds, ws[i], ss[i], bs[i], out, np.int32(n)))
-            record(f"skq_r{rb}", timed(launch, copies))
-        qf16 = fn[f"quant16.{k}"]
-        xq16 = cp.zeros(k, dtype=cp.int16)
-        row["us_per_call"]["quant16"] = round(timed(lambda i: qf16((-(-kc // 4),), (THREADS,), (x, xq16, xds)), 1), 2)
-        for rb in args.rows:
-            f = fn[f"skq16_r{rb}.{k}"]
-            launch = lambda i, f=f, rb=rb: f((-(-n // rb),), (tpb(kc),),  # noqa: E731
-                                             (xq16, xds, ws[i], ss[i], bs[i], out, np.int32(n)))
-            record(f"skq16_r{rb}", timed(launch, copies))
-        for rb in args.rows:
-            f = fn[f"skf16_r{rb}.{k}"]
-            launch = lambda i, f=f, rb=rb: f((-(-n // rb),), (tpb(kc),),  # noqa: E731
-                                             (x, ws[i], ss[i], bs[i], out, np.int32(n)))
-            record(f"skf16_r{rb}", timed(launch, copies))
-        # the read ceiling: weights only (scales and biases are 1/9 of the bytes at group 64)
-        n16 = ws[0].nbytes // 16
-        launch = lambda i: read_fn((132 * 8,), (256,), (ws[i], np.int64(n16), sink))  # noqa: E731
-        us = timed(launch, copies)
-        row["us_per_call"]["read"] = round(us, 2)
-        row["gbps"]["read"] = round(ws[0].nbytes / us / 1e3, 1)
+    for name, (k, n) in zip(args.shapes, shapes, strict=True):
+        row = probe_shape(cp, fn, read_fn, timer, k, n, g, args.rows, args.bytes, rng)
         results["probes"][name] = row
-        del ws, ss, bs
         cp.get_default_memory_pool().free_all_blocks()
         line = " ".join(f"{key} {us:.1f}us/{row['gbps'].get(key, 0):.0f}" for key, us in row["us_per_call"].items())
-        print(f"{name} K={k} N={n} {row['weight_mb']} MB x{copies}: {line}", flush=True)
+        print(f"{name} K={k} N={n} {row['weight_mb']} MB x{row['copies']}: {line}", flush=True)
         print("   error " + " ".join(f"{key} {v:.1e}" for key, v in row["error"].items()), flush=True)
     (args.out / "probe_matvec_variants.json").write_text(json.dumps(results, indent=1) + "\n")
 

@@ -2,26 +2,40 @@
 
 MLX's CUDA `quantized_matmul` for one token gives each output row one warp, which reads 8 bytes of
 packed weights per lane per step and accumulates in bfloat16. On an H100 the 8B shape's decode step
-reads its weights at about a quarter of the memory bandwidth with it. This kernel reads 16 bytes
-per lane per step (32 weights), keeps `ROWS_PER_WARP` output rows per warp so each load of x serves several
-rows, accumulates in float32, and turns nibbles into floats without the slow integer conversion:
-a nibble q placed in the mantissa of 1.0 is the float 1 + q/16, so
+reads its weights at about a quarter of the memory bandwidth with it. This kernel:
 
-    sum_i x_i * q_i = 16 * (sum_i x_i * (1 + q_i / 16) - sum_i x_i).
+* splits K over a block: a block of 128 threads takes a few output rows (two "units" of two rows),
+  thread t the 16-byte chunks t, t + 128, ... (32 weights each) of every one of them, all the rows'
+  loads issued together; the warps' sums meet in shared memory. Where K has 64 chunks or fewer, the
+  block's two halves take two sets of units.
+* multiplies in integers: each thread rounds its chunk of x to int16 (x = d * xi, d = max |x| / 32767,
+  an error of 1.5e-5 of the chunk's largest value, far below the 2-byte float output's rounding)
+  and takes each nibble pair's products with `dp2a` (two int16 by two int8 products a call), so a
+  weight costs about one instruction where the float form spent three or four. With the affine
+  layout's scale s and bias b per group,
+
+      sum_i x_i (s q_i + b) = s d sum_i xi_i q_i + b sum_i x_i.
+
+Measured outside MLX on an H100 (`benchmarks/profile/probe_matvec_variants.py`, CUDA graphs of calls
+over weights past L2): Llama-3.1-8B's gate/up product 23.0 us against 32.6 for the float form with a
+warp per two rows, down 15.2 against 21.1, q/k/v 6.6 against 9.3, a streaming read of the same
+bytes 20.5, 11.4 and 6.2 us (docs/performance.md).
 
 The layout is MLX's affine quantization (`mx.quantize(w, group_size, 4)`): `w` is uint32
 (rows, K / 8) with element j of a row in bits 4 * (j % 8) of word j / 8, and `scales` / `biases`
 (rows, K / group_size), so a weight is scale * q + bias.
 
-Dense (bfloat16) weights stay with MLX: the same loop over 16-byte chunks of 8 weights read them no
+Dense (bfloat16) weights stay with MLX: a loop over 16-byte chunks of 8 weights read them no
 faster than MLX's own matrix-vector kernel, about 2.0 against 2.1 TB/s on an H100 (commit 97ce951,
 `benchmarks/profile/probe_matvec.py`; docs/performance.md).
 
-Two more forms serve the decode step (`kernel_choice.residual_product`, `normed_product`): the
-residual form writes `residual + x @ w.T` (a block's o_proj or down_proj and the residual add after
-it), and the normalized form takes the residual stream h itself and first computes MLX's RMSNorm of
-it in every block, into shared memory, as `add_rms_norm.py` does (the q/k/v or paired gate/up
-product and the norm before it). Two kernels fewer per layer, for the same bits.
+Three more forms serve the decode step (`kernel_choice.residual_product`, `normed_product`,
+`normed_rope_product`): the residual form writes `residual + x @ w.T` (a block's o_proj or down_proj
+and the residual add after it), the normalized form takes the residual stream h itself and first
+computes MLX's RMSNorm of it in every block, into shared memory, as `add_rms_norm.py` does (the
+q/k/v or paired gate/up product and the norm before it), and the RoPE form adds RoPE and the
+key/value cache writes to the normalized q/k/v product. Every form sums each row in the same order,
+so each gives the plain form's values bit for bit.
 
 This module holds only the source and the launch geometry, so that the probe can run the same
 kernel through MLX's own Python API; `kernel_choice.py` applies it through `pymlxc.core`.
@@ -34,23 +48,13 @@ QUANTIZED_NAME = "pymlxc_qmv4"
 QUANTIZED_INPUTS = ("x", "w", "scales", "biases")
 OUTPUT_NAMES = ("out",)
 THREADS_PER_BLOCK = 128
-ROWS_PER_WARP = 2
+UNITS_PER_GROUP = 2  # units (two output rows each) a row group of a block takes: 4 rows a thread
+NORM_UNITS_PER_GROUP = 4  # the normalized forms': each block normalizes h once for 8 rows
 MAX_X_ROWS = 8  # more rows of x than this go to MLX's tensor-core kernels
 GROUP_SIZES = (32, 64, 128)
 
 HEADER = r"""
 namespace pymlxc_mv {
-
-// sum_i x[i] * (1 + q_i / 16) over the 8 nibbles of a word (nibble i in bits 4i..4i+3).
-__device__ __forceinline__ float biased_dot8(uint32_t word, const float* x) {
-  float s = 0.f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    uint32_t placed = (i <= 4) ? (word << (19 - 4 * i)) : (word >> (4 * i - 19));
-    s = fmaf(x[i], __uint_as_float((placed & 0x00780000u) | 0x3F800000u), s);
-  }
-  return s;
-}
 
 // Eight 2-byte floats (bfloat16 or float16) from one 16-byte load.
 template <typename T>
@@ -72,6 +76,49 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// A chunk of 32 values of x as int16, xi = round(x / d) with d = max |x| / 32767 (returned), two
+// to an int in the order `dot32` takes a word's nibbles: word j's nibbles (0, 2), (4, 6), (1, 3),
+// (5, 7) in ints 4j .. 4j + 3. The rounding goes through the float 1.5 * 2^23, whose low 16 bits
+// then hold the integer (an FMA, not the slower float-to-int conversion). `xs`: the values' sum.
+__device__ __forceinline__ float quantize32(const float* xf, int* xi, float& xs) {
+  float amax = 0.f;
+  xs = 0.f;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    amax = fmaxf(amax, fabsf(xf[i]));
+    xs += xf[i];
+  }
+  const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const int e = 8 * j + (s & 1) * 4 + (s >> 1);  // (0, 2), (4, 6), (1, 3), (5, 7)
+      const unsigned lo = __float_as_uint(fmaf(xf[e], inv, 12582912.f));
+      const unsigned hi = __float_as_uint(fmaf(xf[e + 2], inv, 12582912.f));
+      xi[4 * j + s] = static_cast<int>(__byte_perm(lo, hi, 0x5410));
+    }
+  }
+  return amax * (1.f / 32767.f);
+}
+
+// sum_i xi_i q_i over one 16-byte chunk of packed weights (32 nibbles): a word's even nibbles are
+// the bytes of word & 0x0F0F0F0F, its odd ones those of (word >> 4) & 0x0F0F0F0F.
+__device__ __forceinline__ int dot32(const uint4 q, const int* xi) {
+  const unsigned words[4] = {q.x, q.y, q.z, q.w};
+  int s = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int lo = static_cast<int>(words[j] & 0x0F0F0F0Fu);
+    const int hi = static_cast<int>((words[j] >> 4) & 0x0F0F0F0Fu);
+    s = __dp2a_lo(xi[4 * j], lo, s);
+    s = __dp2a_hi(xi[4 * j + 1], lo, s);
+    s = __dp2a_lo(xi[4 * j + 2], hi, s);
+    s = __dp2a_hi(xi[4 * j + 3], hi, s);
+  }
+  return s;
+}
+
 }  // namespace pymlxc_mv
 """
 
@@ -83,83 +130,122 @@ QUANTIZED_HEADER = r"""
 
 """ + HEADER[1:]
 
-# Template arguments: T (x, scales, biases and out dtype), M (rows of x), G (group size), R (output
-# rows per warp), PAIR (a fused gate/up weight [gate; up] whose product the kernel returns as
-# silu(gate) * up, [M, N / 2]: warp j computes rows j and j + N / 2, the same sums as unpaired, and
-# one kernel replaces the product and MLX's SiLU-and-multiply kernel). The weight's sizes are read
-# from its shape at run time, so that a model's linears share one compiled kernel per row count of x:
-# NVRTC compiles each template once per process. The normalized form adds D (x's row length, K),
-# NB and NCH (MLX's rms_norm threads and 16-byte loads per thread for rows of D, at most this
-# kernel's THREADS_PER_BLOCK) and EPS_BITS (eps as float32 bits: a constant, see add_rms_norm.py).
+# Template arguments: T (x, scales, biases and out dtype), M (rows of x), G (group size), KC (K / 32:
+# 16-byte chunks of packed weights per row), U (units a row group takes), PAIR (a fused gate/up weight
+# [gate; up] whose product the kernel returns as silu(gate) * up, [M, N / 2]: unit j is rows j and
+# j + N / 2, the same sums as unpaired, and one kernel replaces the product and MLX's
+# SiLU-and-multiply kernel). N is read from the weight's shape at run time; K is a template argument
+# so that each thread's loop is unrolled and its loads issued together (NVRTC compiles a template
+# once per process, and MLX keeps it on disk). The normalized form adds D (x's row length, K), NB and
+# NCH (MLX's rms_norm threads and 16-byte loads per thread for rows of D, at most this kernel's
+# THREADS_PER_BLOCK) and EPS_BITS (eps as float32 bits: a constant, see add_rms_norm.py).
+#
+# A block's THREADS threads form SUBS row groups of TPR threads (TPR = 64 where K has at most 64
+# chunks, else 128); row group s takes units unit0 + s U .. + U - 1, thread t of it chunks t,
+# t + TPR, ... of their 2 U rows. Warp w < SUBS U then stores unit unit0 + w.
 _SOURCE = r"""
+  constexpr int WARPS = THREADS / 32;
+  constexpr int TPR = KC <= 64 ? 64 : THREADS;
+  constexpr int SUBS = THREADS / TPR;
+  constexpr int BU = SUBS * U;
+  constexpr int RB = 2 * U;
+  constexpr int CHUNKS = KC;
+  constexpr int K = KC * 32;
+  constexpr int GROUPS = K / G;
+  constexpr int ITERS = (CHUNKS + TPR - 1) / TPR;
   const int N = w_shape[0];
-  const int CHUNKS = w_shape[1] / 4;  // 16-byte chunks of packed weights per row
-  const int K = CHUNKS * 32;
-  const int GROUPS = K / G;
-  const int ITERS = (CHUNKS + 31) / 32;
-  const int lane = threadIdx.x & 31;
   const int HALF = N / 2;
-  const int warp_id = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int wid = tid >> 5;
+  const int t = tid % TPR;
+  const int unit0 = blockIdx.x * BU;
+  const int mine = unit0 + (tid / TPR) * U;  // this thread's row group's first unit
 //ROWS
+  const bool block_live = unit0 < UNITS;
+  const uint4* wq = reinterpret_cast<const uint4*>(w);
 //PROLOGUE
-  if (!live) {
+  if (!block_live) {
     return;
   }
-//RESIDUAL
-  float acc[M][R];
+  float acc[M][RB];
 #pragma unroll
   for (int m = 0; m < M; ++m) {
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      acc[m][r] = 0.f;
+    for (int i = 0; i < RB; ++i) {
+      acc[m][i] = 0.f;
     }
   }
-  const uint4* wq = reinterpret_cast<const uint4*>(w);
-#pragma unroll 2
+#pragma unroll
   for (int it = 0; it < ITERS; ++it) {
-    const int c = it * 32 + lane;
-    if (c >= CHUNKS) {
-      break;
+    const int c = it * TPR + t;
+    if (CHUNKS % TPR == 0 || c < CHUNKS) {
+      const int g = (c * 32) / G;
+      uint4 q[RB];
+      float sc[RB];
+      float bi[RB];
+#pragma unroll
+      for (int i = 0; i < RB; ++i) {
+        const size_t row = unit_row(min(mine + i / 2, UNITS - 1), i % 2);
+        q[i] = wq[row * CHUNKS + c];
+        sc[i] = static_cast<float>(scales[row * GROUPS + g]);
+        bi[i] = static_cast<float>(biases[row * GROUPS + g]);
+      }
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        float xf[32];
+        const T* xp = X_ROWS + static_cast<size_t>(m) * K + c * 32;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          pymlxc_mv::load8(xp + 8 * j, xf + 8 * j);
+        }
+        int xi[16];
+        float xs;
+        const float d = pymlxc_mv::quantize32(xf, xi, xs);
+#pragma unroll
+        for (int i = 0; i < RB; ++i) {
+          acc[m][i] += sc[i] * d * static_cast<float>(pymlxc_mv::dot32(q[i], xi)) + bi[i] * xs;
+        }
+      }
     }
-    const int g = (c * 32) / G;
-    uint4 q[R];
-    float sc[R];
-    float bi[R];
+  }
+  __shared__ float part[WARPS][M][RB];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const size_t row = row_of(r);
-      q[r] = wq[row * CHUNKS + c];
-      sc[r] = static_cast<float>(scales[row * GROUPS + g]);
-      bi[r] = static_cast<float>(biases[row * GROUPS + g]);
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int i = 0; i < RB; ++i) {
+      const float v = pymlxc_mv::warp_sum(acc[m][i]);
+      if (lane == 0) {
+        part[wid][m][i] = v;
+      }
     }
+  }
+  __syncthreads();
+  const int warp_id = unit0 + wid;  // the unit this warp stores
+  if (wid >= BU || warp_id >= UNITS) {
+    return;
+  }
+  // The unit's two sums per row of x, in every lane: its row group's warps in order.
+  float tot[M][2];
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float xf[32];
-      const T* xp = X_ROWS + static_cast<size_t>(m) * K + c * 32;
+  for (int m = 0; m < M; ++m) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        pymlxc_mv::load8(xp + 8 * j, xf + 8 * j);
+    for (int r = 0; r < 2; ++r) {
+      float v = 0.f;
+#pragma unroll
+      for (int k = 0; k < TPR / 32; ++k) {
+        v += part[(wid / U) * (TPR / 32) + k][m][2 * (wid % U) + r];
       }
-      float xs = 0.f;
-#pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        xs += xf[i];
-      }
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        float d = pymlxc_mv::biased_dot8(q[r].x, xf) + pymlxc_mv::biased_dot8(q[r].y, xf + 8) +
-                  pymlxc_mv::biased_dot8(q[r].z, xf + 16) + pymlxc_mv::biased_dot8(q[r].w, xf + 24);
-        acc[m][r] += 16.f * sc[r] * d + (bi[r] - 16.f * sc[r]) * xs;
-      }
+      tot[m][r] = v;
     }
   }
 //STORE
 #pragma unroll
   for (int m = 0; m < M; ++m) {
-    T y[R];
+    T y[2];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      y[r] = static_cast<T>(pymlxc_mv::warp_sum(acc[m][r]));
+    for (int r = 0; r < 2; ++r) {
+      y[r] = static_cast<T>(tot[m][r]);
       if (!PAIR && lane == 0 && row0 + r < N) {
         out[static_cast<size_t>(m) * N + row0 + r] = OUT_VALUE;
       }
@@ -169,21 +255,7 @@ _SOURCE = r"""
       // in T, with MLX's own Sigmoid and Multiply.
       T gate = y[0];
       T silu = mlx::core::cu::Multiply{}(gate, mlx::core::cu::Sigmoid{}(gate));
-      out[static_cast<size_t>(m) * HALF + row0] = mlx::core::cu::Multiply{}(silu, y[R - 1]);
-    }
-  }
-"""
-
-# The residual form's additions: each output is residual + the product, the sum in T as MLX's add
-# (and `kernels/add_rms_norm.py`) takes it; lane 0 reads its rows' residuals first, so that the
-# read is not a round trip at the end.
-_RESIDUAL = r"""
-  T res[M][R];
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      res[m][r] = (lane == 0 && row0 + r < N) ? residual[static_cast<size_t>(m) * N + row0 + r] : T(0.f);
+      out[static_cast<size_t>(m) * HALF + row0] = mlx::core::cu::Multiply{}(silu, y[1]);
     }
   }
 """
@@ -191,20 +263,19 @@ _RESIDUAL = r"""
 # The normalized form's prologue: x is the residual stream h, and each block first computes
 # rms_norm(h) * norm into shared memory with `add_rms_norm.py`'s MLX arithmetic (its HEADER, which
 # the form's header holds: NB threads of NCH 16-byte loads per row, threads past NB idle), so the
-# products read bit for bit the values MLX's norm would have written. Before that, each lane asks
+# products read bit for bit the values MLX's norm would have written. Before that, each thread asks
 # L2 for its rows' first chunks of weights: the norm's round trip and the weights' then overlap.
 _PROLOGUE = r"""
   __shared__ __align__(16) uint16_t xn_bits[M * D];  // T has constructors: not a __shared__ type
   T* xn = reinterpret_cast<T*>(xn_bits);
   __shared__ float partial[NB / 32];
-  if (live && lane < CHUNKS) {
+  if (block_live && t < CHUNKS) {
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const uint4*>(w) + row_of(r) * CHUNKS + lane));
+    for (int i = 0; i < RB; ++i) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(wq + unit_row(min(mine + i / 2, UNITS - 1), i % 2) * CHUNKS + t));
     }
   }
   {
-    const int tid = threadIdx.x;
     const uint4* w4 = reinterpret_cast<const uint4*>(norm);
 #pragma unroll 1
     for (int m = 0; m < M; ++m) {
@@ -233,26 +304,28 @@ _PROLOGUE = r"""
 """
 
 
+# Unit j is rows j and j + N / 2 with PAIR (the gate and up of one hidden unit), else 2j and 2j + 1;
+# a row past N (the last unit's second) reads row N - 1 again, and its sum is never written.
 _ROWS = r"""
-  // PAIR: warp j takes rows j and j + N / 2 (gate and up of one hidden unit, R = 2).
-  const int row0 = PAIR ? warp_id : warp_id * R;
-  const bool live = row0 < (PAIR ? HALF : N);
-  // Rows past N (the last warp's) read row N - 1 again; their sums are never written.
-  auto row_of = [&](int r) { return static_cast<size_t>(PAIR ? row0 + r * HALF : min(row0 + r, N - 1)); };
+  const int UNITS = PAIR ? HALF : (N + 1) / 2;
+  auto unit_row = [&](int j, int r) { return static_cast<size_t>(PAIR ? j + r * HALF : min(2 * j + r, N - 1)); };
 """
 
-# The RoPE form's rows: warp j < PAIRS takes rows i and i + DH / 2 of q/k head h (j = h DH / 2 + i),
-# the two values one rotation mixes; the others take two adjacent value rows. N = (HQ + 2 HKV) DH.
+_ROWS_STORE = r"""
+  const int row0 = PAIR ? warp_id : 2 * warp_id;
+"""
+
+# The RoPE form's units: unit j < PAIRS is rows i and i + DH / 2 of q/k head h (j = h DH / 2 + i),
+# the two values one rotation mixes; the others two adjacent value rows. N = (HQ + 2 HKV) DH.
 _ROPE_ROWS = r"""
   constexpr int HALFD = DH / 2;
   constexpr int PAIRS = (HQ + HKV) * HALFD;
-  const bool rot = warp_id < PAIRS;
-  const int head = warp_id / HALFD;
-  const int ii = warp_id % HALFD;
-  const int row0 = rot ? head * DH + ii : (HQ + HKV) * DH + 2 * (warp_id - PAIRS);
-  const int row_step = rot ? HALFD : 1;
-  const bool live = warp_id < N / 2;
-  auto row_of = [&](int r) { return static_cast<size_t>(row0 + r * row_step); };
+  const int UNITS = N / 2;
+  auto unit_row = [&](int j, int r) {
+    const bool rotated = j < PAIRS;
+    const int first = rotated ? (j / HALFD) * DH + j % HALFD : (HQ + HKV) * DH + 2 * (j - PAIRS);
+    return static_cast<size_t>(first + r * (rotated ? HALFD : 1));
+  };
 """
 
 # The RoPE form's stores: the products rounded to T as the plain form writes them, then RoPE as
@@ -260,6 +333,9 @@ _ROPE_ROWS = r"""
 # form's header holds: `kernel_choice`): queries to
 # `out` [M, HQ, 1, DH], the key into `kcache` and the value into `vcache` at slot pos[0], in place.
 _ROPE_STORE = r"""
+  const bool rot = warp_id < PAIRS;
+  const int head = warp_id / HALFD;
+  const int ii = warp_id % HALFD;
   const int p = pos[0];
   float costheta = 0.f;
   float sintheta = 0.f;
@@ -269,10 +345,10 @@ _ROPE_STORE = r"""
   }
 #pragma unroll
   for (int m = 0; m < M; ++m) {
-    T y[R];
+    T y[2];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      y[r] = static_cast<T>(pymlxc_mv::warp_sum(acc[m][r]));
+    for (int r = 0; r < 2; ++r) {
+      y[r] = static_cast<T>(tot[m][r]);
     }
     if (lane == 0) {
       if (rot) {
@@ -308,12 +384,14 @@ def _source(form: str) -> str:
     RoPE and the key/value writes of `rope_kv.py`'s kernel after it)."""
     normed = form in ("norm", "rope")
     head, store = _SOURCE.split("//STORE\n")
-    body = head + (_ROPE_STORE.lstrip("\n") if form == "rope" else store)
-    return (body.replace("//ROWS\n", (_ROPE_ROWS if form == "rope" else _ROWS).lstrip("\n"))
+    body = head + (_ROPE_STORE.lstrip("\n") if form == "rope" else _ROWS_STORE.lstrip("\n") + store)
+    return (body.replace("THREADS", str(THREADS_PER_BLOCK))
+            .replace("//ROWS\n", (_ROPE_ROWS if form == "rope" else _ROWS).lstrip("\n"))
             .replace("//PROLOGUE\n", _PROLOGUE.lstrip("\n") if normed else "")
-            .replace("//RESIDUAL\n", _RESIDUAL.lstrip("\n") if form == "residual" else "")
             .replace("X_ROWS", "xn" if normed else "x")
-            .replace("OUT_VALUE", "res[m][r] + y[r]" if form == "residual" else "y[r]"))
+            # the residual read in T and added as MLX's add (and `kernels/add_rms_norm.py`) takes it
+            .replace("OUT_VALUE", "residual[static_cast<size_t>(m) * N + row0 + r] + y[r]" if form == "residual"
+                     else "y[r]"))
 
 
 QUANTIZED_SOURCE = _source("plain")
@@ -345,16 +423,25 @@ def norm_applies(x_rows: int, k: int, dtype_size: int, norm_threads: int) -> boo
     return x_rows * k * dtype_size <= NORM_MAX_BYTES and norm_threads <= THREADS_PER_BLOCK
 
 
-def launch(x_rows: int, k: int, n: int, dtype: Any, group_size: int,
-           rows_per_warp: int = ROWS_PER_WARP, pair: bool = False,
+def units_per_block(k: int, norm: bool = False) -> int:
+    """Units (two output rows each) one block takes for rows of x of length k: its row groups (two
+    where K has at most 64 chunks) times the units each takes."""
+    subs = 2 if k // 32 <= 64 else 1
+    return subs * (NORM_UNITS_PER_GROUP if norm and subs == 1 else UNITS_PER_GROUP)
+
+
+def launch(x_rows: int, k: int, n: int, dtype: Any, group_size: int, pair: bool = False,
            norm: tuple[int, int, int] | None = None) -> dict[str, Any]:
     """Keyword arguments of a kernel call for x (x_rows, k) and weights of n rows: grid, threads,
     template. `pair`: the gate/up form (n even; output n / 2 per row of x). `norm`: the normalized
     form's (threads, loads per thread, eps as float32 bits) of MLX's rms_norm over rows of k."""
-    warps = n // 2 if pair else -(-n // rows_per_warp)
-    template: list[tuple[str, Any]] = [("T", dtype), ("M", x_rows), ("G", group_size),
-                                       ("R", 2 if pair else rows_per_warp), ("PAIR", pair)]
+    units = n // 2 if pair else -(-n // 2)
+    per_block = units_per_block(k, norm is not None)
+    subs = 2 if k // 32 <= 64 else 1
+    template: list[tuple[str, Any]] = [("T", dtype), ("M", x_rows), ("G", group_size), ("KC", k // 32),
+                                       ("U", per_block // subs), ("PAIR", pair)]
     if norm is not None:
         threads, loads, eps_bits = norm
         template += [("D", k), ("NB", threads), ("NCH", loads), ("EPS_BITS", eps_bits)]
-    return {"grid": (warps * 32, 1, 1), "threadgroup": (THREADS_PER_BLOCK, 1, 1), "template": template}
+    blocks = -(-units // per_block)
+    return {"grid": (blocks * THREADS_PER_BLOCK, 1, 1), "threadgroup": (THREADS_PER_BLOCK, 1, 1), "template": template}

@@ -141,6 +141,22 @@ def _quantized_layers(model: Any) -> list[Any]:
     return [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
 
 
+def test_the_dense_threshold_follows_the_setting_and_the_model_size(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny().model
+    monkeypatch.setattr(nn, "DENSE_MIN_ROWS", 512)
+    monkeypatch.setattr(nn, "DENSE_MIN_ROWS_WIDE", 96)
+    assert nn.dense_min_rows(model, "auto") == 512  # a tiny model: far below a wide block's bytes
+    monkeypatch.setattr(nn, "QMM_OP_BY_OP_BLOCK_BYTES", 1)
+    assert nn.dense_min_rows(model, "auto") == 96
+    assert nn.dense_min_rows(model, "128") == 128
+    nn.mark_dense_products(model, True, "64")
+    assert model.dense_rows == 64 and all(m._dense_rows == 64 for m in nn.quantized_layers(model))
+    nn.mark_dense_products(model, False, "64")
+    assert model.dense_rows == 0
+    for bad in ("0", "-5", "many", ""):
+        with pytest.raises(ValueError, match="dense_prefill_rows"):
+            nn.dense_min_rows(model, bad)
+
 def test_configure_marks_layers_only_on_cuda(tiny, monkeypatch: pytest.MonkeyPatch, switches: Any) -> None:
     loaded = tiny()
     layers = _quantized_layers(loaded.model)

@@ -653,7 +653,8 @@ def dense_min_rows(model: Any, setting: str) -> int:
     model's quantized layers hold QMM_OP_BY_OP_BLOCK_BYTES or more a block)."""
     if setting != "auto":
         if not setting.isdigit() or int(setting) < 1:
-            raise ValueError(f"the dense_prefill_rows setting must be auto or a positive number of rows, not {setting!r}")
+            raise ValueError(
+                f"the dense_prefill_rows setting must be auto or a positive number of rows, not {setting!r}")
         return int(setting)
     linears = [m for m in quantized_layers(model) if isinstance(m, QuantizedLinear)]
     wide = bool(linears) and bytes_per_block(model, linears) >= QMM_OP_BY_OP_BLOCK_BYTES

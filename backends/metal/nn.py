@@ -280,7 +280,9 @@ FOLD_MIN_ROWS = 8  # MLX's CUDA quantized product goes batched-tensor-core from 
 # H200 a 2048-token prefill of Llama-3.2-1B 4-bit took 16.5 ms against 34.1 ms through MLX's
 # quantized product; at 128 tokens neither was clearly faster (`benchmarks/profile/probe_prefill.py`).
 DENSE_MIN_ROWS = 512
-# ... and from this many on models whose quantized layers hold QMM_OP_BY_OP_BLOCK_BYTES or more a block.
+# ... and from this many on models whose quantized layers hold QMM_OP_BY_OP_BLOCK_BYTES or more a
+# block: also 512, as dense products from 128 rows took Llama-3.1-8B's 128-token prefill from 30 to
+# 52-55 ms on an H100 (BENCHMARKS.md, the dense-threshold probes).
 DENSE_MIN_ROWS_WIDE = 512
 DENSE_CHUNK_WEIGHTS = 1 << 24  # weights dequantized at once (32 MiB in half precision)
 # From this many rows of x a marked 4-bit layer takes pymlxc's tensor-core kernel (kernels/qmm.py),

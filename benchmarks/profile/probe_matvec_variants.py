@@ -122,166 +122,13 @@ __global__ void warp2(const T* __restrict__ x, const uint4* __restrict__ w, cons
   }
 }
 
-// A block of TPB threads per RB output rows; thread t takes chunks t, t + TPB, ... of each row.
-template <typename T, int G, int RB, int KC, int TPB>
-__global__ void sk(const T* __restrict__ x, const uint4* __restrict__ w, const T* __restrict__ scales,
-                   const T* __restrict__ biases, T* __restrict__ out, int N) {
-  constexpr int GROUPS = KC * 32 / G;
-  constexpr int ITERS = (KC + TPB - 1) / TPB;
-  const int t = threadIdx.x, lane = t & 31, wid = t >> 5;
-  const int row0 = blockIdx.x * RB;
-  float acc[RB];
-#pragma unroll
-  for (int r = 0; r < RB; ++r) acc[r] = 0.f;
-#pragma unroll
-  for (int it = 0; it < ITERS; ++it) {
-    const int c = it * TPB + t;
-    if (KC % TPB == 0 || c < KC) {
-      const int g = (c * 32) / G;
-      uint4 q[RB];
-      float sc[RB], bi[RB];
-#pragma unroll
-      for (int r = 0; r < RB; ++r) {
-        const size_t row = min(row0 + r, N - 1);
-        q[r] = w[row * KC + c];
-        sc[r] = static_cast<float>(scales[row * GROUPS + g]);
-        bi[r] = static_cast<float>(biases[row * GROUPS + g]);
-      }
-      float xf[32];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) pymlxc_mv::load8(x + c * 32 + 8 * j, xf + 8 * j);
-      float xs = 0.f;
-#pragma unroll
-      for (int i = 0; i < 32; ++i) xs += xf[i];
-#pragma unroll
-      for (int r = 0; r < RB; ++r) {
-        float d = biased_dot8(q[r].x, xf) + biased_dot8(q[r].y, xf + 8) + biased_dot8(q[r].z, xf + 16) +
-                  biased_dot8(q[r].w, xf + 24);
-        acc[r] += 16.f * sc[r] * d + (bi[r] - 16.f * sc[r]) * xs;
-      }
-    }
-  }
-  __shared__ float part[TPB / 32][RB];
-#pragma unroll
-  for (int r = 0; r < RB; ++r) {
-    const float v = pymlxc_mv::warp_sum(acc[r]);
-    if (lane == 0) part[wid][r] = v;
-  }
-  __syncthreads();
-  if (t < RB && row0 + t < N) {
-    float s = 0.f;
-#pragma unroll
-    for (int i = 0; i < TPB / 32; ++i) s += part[i][t];
-    out[row0 + t] = static_cast<T>(s);
-  }
-}
-
-// x to int8 per 32 values: a warp per 32, each int of xq four values of one word's even or odd
-// nibbles (word j's even nibbles in int 2j, odd in 2j + 1), xds[c] = (scale, sum of the 32 values).
-template <typename T, int KC>
-__global__ void quant(const T* __restrict__ x, signed char* __restrict__ xq, float2* __restrict__ xds) {
-  const int c = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), e = threadIdx.x & 31;
-  if (c >= KC) return;
-  const float v = static_cast<float>(x[c * 32 + e]);
-  float amax = fabsf(v);
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-  const float s = pymlxc_mv::warp_sum(v);
-  const float d = amax / 127.f;
-  const int q = d > 0.f ? __float2int_rn(v / d) : 0;
-  xq[c * 32 + (e / 8) * 8 + (e % 2) * 4 + (e % 8) / 2] = static_cast<signed char>(q);
-  if (e == 0) xds[c] = make_float2(d, s);
-}
-
-template <typename T, int G, int RB, int KC, int TPB>
-__global__ void skq(const int4* __restrict__ xq, const float2* __restrict__ xds, const uint4* __restrict__ w,
-                    const T* __restrict__ scales, const T* __restrict__ biases, T* __restrict__ out, int N) {
-  constexpr int GROUPS = KC * 32 / G;
-  constexpr int ITERS = (KC + TPB - 1) / TPB;
-  const int t = threadIdx.x, lane = t & 31, wid = t >> 5;
-  const int row0 = blockIdx.x * RB;
-  float acc[RB];
-#pragma unroll
-  for (int r = 0; r < RB; ++r) acc[r] = 0.f;
-#pragma unroll
-  for (int it = 0; it < ITERS; ++it) {
-    const int c = it * TPB + t;
-    if (KC % TPB == 0 || c < KC) {
-      const int g = (c * 32) / G;
-      uint4 q[RB];
-      float sc[RB], bi[RB];
-#pragma unroll
-      for (int r = 0; r < RB; ++r) {
-        const size_t row = min(row0 + r, N - 1);
-        q[r] = w[row * KC + c];
-        sc[r] = static_cast<float>(scales[row * GROUPS + g]);
-        bi[r] = static_cast<float>(biases[row * GROUPS + g]);
-      }
-      const int4 a = xq[2 * c], b = xq[2 * c + 1];
-      const float2 ds = xds[c];
-#pragma unroll
-      for (int r = 0; r < RB; ++r) {
-        int s = 0;
-        s = __dp4a(static_cast<int>(q[r].x & 0x0F0F0F0Fu), a.x, s);
-        s = __dp4a(static_cast<int>((q[r].x >> 4) & 0x0F0F0F0Fu), a.y, s);
-        s = __dp4a(static_cast<int>(q[r].y & 0x0F0F0F0Fu), a.z, s);
-        s = __dp4a(static_cast<int>((q[r].y >> 4) & 0x0F0F0F0Fu), a.w, s);
-        s = __dp4a(static_cast<int>(q[r].z & 0x0F0F0F0Fu), b.x, s);
-        s = __dp4a(static_cast<int>((q[r].z >> 4) & 0x0F0F0F0Fu), b.y, s);
-        s = __dp4a(static_cast<int>(q[r].w & 0x0F0F0F0Fu), b.z, s);
-        s = __dp4a(static_cast<int>((q[r].w >> 4) & 0x0F0F0F0Fu), b.w, s);
-        acc[r] += sc[r] * ds.x * static_cast<float>(s) + bi[r] * ds.y;
-      }
-    }
-  }
-  __shared__ float part[TPB / 32][RB];
-#pragma unroll
-  for (int r = 0; r < RB; ++r) {
-    const float v = pymlxc_mv::warp_sum(acc[r]);
-    if (lane == 0) part[wid][r] = v;
-  }
-  __syncthreads();
-  if (t < RB && row0 + t < N) {
-    float s = 0.f;
-#pragma unroll
-    for (int i = 0; i < TPB / 32; ++i) s += part[i][t];
-    out[row0 + t] = static_cast<T>(s);
-  }
-}
-
-// x to int16 per 32 values (`quant` at 16 bits): each int of xq two values of one word, word j's
-// nibbles (0, 2), (4, 6), (1, 3), (5, 7) in ints 4j .. 4j + 3; xds[c] = (scale, sum of the 32 values).
-template <typename T, int KC>
-__global__ void quant16(const T* __restrict__ x, short* __restrict__ xq, float2* __restrict__ xds) {
-  const int c = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), e = threadIdx.x & 31;
-  if (c >= KC) return;
-  const float v = static_cast<float>(x[c * 32 + e]);
-  float amax = fabsf(v);
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-  const float s = pymlxc_mv::warp_sum(v);
-  const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-  xq[c * 32 + (e / 8) * 8 + (e % 2) * 4 + (e % 8) / 2] = static_cast<short>(__float2int_rn(v * inv));
-  if (e == 0) xds[c] = make_float2(amax * (1.f / 32767.f), s);
-}
-
-// sum_i xq_i q_i over one 16-byte chunk (32 nibbles) against x's 16 ints of int16 pairs.
-__device__ __forceinline__ int dot32_i16(const uint4 q, const int* xi) {
-  const unsigned words[4] = {q.x, q.y, q.z, q.w};
-  int s = 0;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int lo = static_cast<int>(words[j] & 0x0F0F0F0Fu), hi = static_cast<int>((words[j] >> 4) & 0x0F0F0F0Fu);
-    s = __dp2a_lo(xi[4 * j], lo, s);
-    s = __dp2a_hi(xi[4 * j + 1], lo, s);
-    s = __dp2a_lo(xi[4 * j + 2], hi, s);
-    s = __dp2a_hi(xi[4 * j + 3], hi, s);
-  }
-  return s;
-}
-
-template <typename T, int G, int RB, int KC, int TPB>
-__global__ void skq16(const int4* __restrict__ xq, const float2* __restrict__ xds, const uint4* __restrict__ w,
+// A block of TPB threads per RB output rows; thread t takes chunks t, t + TPB, ... of each row, the
+// rows' loads issued together, the warps' sums added in shared memory. MODE, the arithmetic of a
+// chunk: 0 floats (x * (1 + q / 16) through the mantissa, as `warp2`), 1 x as int8 from `quant`
+// and dp4a, 2 x as int16 from `quant16` and dp2a, 3 x rounded to int16 by each thread and dp2a.
+// xa: x (modes 0 and 3) or its quantized values (1, 2); xds: their (scale, sum) per 32 (1, 2).
+template <typename T, int G, int RB, int KC, int TPB, int MODE>
+__global__ void split(const void* __restrict__ xa, const float2* __restrict__ xds, const uint4* __restrict__ w,
                       const T* __restrict__ scales, const T* __restrict__ biases, T* __restrict__ out, int N) {
   constexpr int GROUPS = KC * 32 / G;
   constexpr int ITERS = (KC + TPB - 1) / TPB;
@@ -293,93 +140,63 @@ __global__ void skq16(const int4* __restrict__ xq, const float2* __restrict__ xd
 #pragma unroll
   for (int it = 0; it < ITERS; ++it) {
     const int c = it * TPB + t;
-    if (KC % TPB == 0 || c < KC) {
-      const int g = (c * 32) / G;
-      uint4 q[RB];
-      float sc[RB], bi[RB];
+    if (KC % TPB != 0 && c >= KC) continue;
+    const int g = (c * 32) / G;
+    uint4 q[RB];
+    float sc[RB], bi[RB];
 #pragma unroll
-      for (int r = 0; r < RB; ++r) {
-        const size_t row = min(row0 + r, N - 1);
-        q[r] = w[row * KC + c];
-        sc[r] = static_cast<float>(scales[row * GROUPS + g]);
-        bi[r] = static_cast<float>(biases[row * GROUPS + g]);
+    for (int r = 0; r < RB; ++r) {
+      const size_t row = min(row0 + r, N - 1);
+      q[r] = w[row * KC + c];
+      sc[r] = static_cast<float>(scales[row * GROUPS + g]);
+      bi[r] = static_cast<float>(biases[row * GROUPS + g]);
+    }
+    if constexpr (MODE == 0 || MODE == 3) {
+      float xf[32];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) pymlxc_mv::load8(static_cast<const T*>(xa) + c * 32 + 8 * j, xf + 8 * j);
+      if constexpr (MODE == 0) {
+        float xs = 0.f;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) xs += xf[i];
+#pragma unroll
+        for (int r = 0; r < RB; ++r) {
+          const float d = biased_dot8(q[r].x, xf) + biased_dot8(q[r].y, xf + 8) + biased_dot8(q[r].z, xf + 16) +
+                          biased_dot8(q[r].w, xf + 24);
+          acc[r] += 16.f * sc[r] * d + (bi[r] - 16.f * sc[r]) * xs;
+        }
+      } else {
+        int xi[16];
+        float xs;
+        const float d = pymlxc_mv::quantize32(xf, xi, xs);
+#pragma unroll
+        for (int r = 0; r < RB; ++r) acc[r] += sc[r] * d * static_cast<float>(pymlxc_mv::dot32(q[r], xi)) + bi[r] * xs;
       }
-      int xi[16];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) *reinterpret_cast<int4*>(xi + 4 * j) = xq[4 * c + j];
+    } else if constexpr (MODE == 1) {
+      const int4 a = static_cast<const int4*>(xa)[2 * c], b = static_cast<const int4*>(xa)[2 * c + 1];
       const float2 ds = xds[c];
 #pragma unroll
       for (int r = 0; r < RB; ++r) {
-        acc[r] += sc[r] * ds.x * static_cast<float>(dot32_i16(q[r], xi)) + bi[r] * ds.y;
+        const unsigned words[4] = {q[r].x, q[r].y, q[r].z, q[r].w};
+        const int xw[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        int sum = 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          sum = __dp4a(static_cast<int>(words[j] & 0x0F0F0F0Fu), xw[2 * j], sum);
+          sum = __dp4a(static_cast<int>((words[j] >> 4) & 0x0F0F0F0Fu), xw[2 * j + 1], sum);
+        }
+        acc[r] += sc[r] * ds.x * static_cast<float>(sum) + bi[r] * ds.y;
       }
-    }
-  }
-  __shared__ float part[TPB / 32][RB];
-#pragma unroll
-  for (int r = 0; r < RB; ++r) {
-    const float v = pymlxc_mv::warp_sum(acc[r]);
-    if (lane == 0) part[wid][r] = v;
-  }
-  __syncthreads();
-  if (t < RB && row0 + t < N) {
-    float s = 0.f;
-#pragma unroll
-    for (int i = 0; i < TPB / 32; ++i) s += part[i][t];
-    out[row0 + t] = static_cast<T>(s);
-  }
-}
-
-// As skq16 with each thread quantizing its own chunk of x (no kernel before the product): the
-// rounding through the float 1.5 * 2^23, whose low 16 bits then hold the integer.
-template <typename T, int G, int RB, int KC, int TPB>
-__global__ void skf16(const T* __restrict__ x, const uint4* __restrict__ w, const T* __restrict__ scales,
-                      const T* __restrict__ biases, T* __restrict__ out, int N) {
-  constexpr int GROUPS = KC * 32 / G;
-  constexpr int ITERS = (KC + TPB - 1) / TPB;
-  const int t = threadIdx.x, lane = t & 31, wid = t >> 5;
-  const int row0 = blockIdx.x * RB;
-  float acc[RB];
-#pragma unroll
-  for (int r = 0; r < RB; ++r) acc[r] = 0.f;
-#pragma unroll
-  for (int it = 0; it < ITERS; ++it) {
-    const int c = it * TPB + t;
-    if (KC % TPB == 0 || c < KC) {
-      const int g = (c * 32) / G;
-      uint4 q[RB];
-      float sc[RB], bi[RB];
-#pragma unroll
-      for (int r = 0; r < RB; ++r) {
-        const size_t row = min(row0 + r, N - 1);
-        q[r] = w[row * KC + c];
-        sc[r] = static_cast<float>(scales[row * GROUPS + g]);
-        bi[r] = static_cast<float>(biases[row * GROUPS + g]);
-      }
-      float xf[32];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) pymlxc_mv::load8(x + c * 32 + 8 * j, xf + 8 * j);
-      float amax = 0.f, xs = 0.f;
-#pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        amax = fmaxf(amax, fabsf(xf[i]));
-        xs += xf[i];
-      }
-      const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    } else {
       int xi[16];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const int a[4] = {0, 4, 1, 5};
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-          const unsigned lo = __float_as_uint(fmaf(xf[8 * j + a[s]], inv, 12582912.f));
-          const unsigned hi = __float_as_uint(fmaf(xf[8 * j + a[s] + 2], inv, 12582912.f));
-          xi[4 * j + s] = static_cast<int>(__byte_perm(lo, hi, 0x5410));
-        }
+        *reinterpret_cast<int4*>(xi + 4 * j) = static_cast<const int4*>(xa)[4 * c + j];
       }
-      const float d = amax * (1.f / 32767.f);
+      const float2 ds = xds[c];
 #pragma unroll
       for (int r = 0; r < RB; ++r) {
-        acc[r] += sc[r] * d * static_cast<float>(dot32_i16(q[r], xi)) + bi[r] * xs;
+        acc[r] += sc[r] * ds.x * static_cast<float>(pymlxc_mv::dot32(q[r], xi)) + bi[r] * ds.y;
       }
     }
   }
@@ -391,11 +208,30 @@ __global__ void skf16(const T* __restrict__ x, const uint4* __restrict__ w, cons
   }
   __syncthreads();
   if (t < RB && row0 + t < N) {
-    float s = 0.f;
+    float v = 0.f;
 #pragma unroll
-    for (int i = 0; i < TPB / 32; ++i) s += part[i][t];
-    out[row0 + t] = static_cast<T>(s);
+    for (int i = 0; i < TPB / 32; ++i) v += part[i][t];
+    out[row0 + t] = static_cast<T>(v);
   }
+}
+
+// x rounded to Q (int8 with LIMIT 127, int16 with 32767) per 32 values, a warp per 32, in the order
+// the split kernel's nibbles take them: four int8 or two int16 values of one word's even or odd
+// nibbles to an int (int8: word j's even nibbles in int 2j, odd in 2j + 1; int16: (0, 2), (4, 6),
+// (1, 3), (5, 7) in ints 4j .. 4j + 3; both put value e at (e / 8) 8 + (e % 2) 4 + (e % 8) / 2).
+// xds[c] = (scale, sum of the 32 values).
+template <typename T, typename Q, int KC, int LIMIT>
+__global__ void quantize_x(const T* __restrict__ x, Q* __restrict__ xq, float2* __restrict__ xds) {
+  const int c = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), e = threadIdx.x & 31;
+  if (c >= KC) return;
+  const float v = static_cast<float>(x[c * 32 + e]);
+  float amax = fabsf(v);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  const float s = pymlxc_mv::warp_sum(v);
+  const float inv = amax > 0.f ? LIMIT / amax : 0.f;
+  xq[c * 32 + (e / 8) * 8 + (e % 2) * 4 + (e % 8) / 2] = static_cast<Q>(__float2int_rn(v * inv));
+  if (e == 0) xds[c] = make_float2(amax / LIMIT, s);
 }
 
 // The bytes of a product read with 16-byte loads, grid-stride: what a read of them can reach.
@@ -419,21 +255,21 @@ def tpb(kc: int) -> int:
     return 64 if kc <= 64 else THREADS
 
 
+MODES = {"sk": 0, "skq": 1, "skq16": 2, "skf16": 3}  # split's arithmetic (its MODE) by variant name
+
+
 def names(shapes: list[tuple[int, int]], group: int, rows: list[int]) -> dict[str, str]:
     """Template instantiations by key."""
-    out: dict[str, str] = {}
-    out["warp2"] = f"warp2<__nv_bfloat16, {group}>"
+    out: dict[str, str] = {"warp2": f"warp2<__nv_bfloat16, {group}>"}
     for k, _ in shapes:
         kc = k // 32
         units = matvec.units_per_block(k) // (2 if kc <= 64 else 1)
         out[f"ours.{k}"] = f"ours<__nv_bfloat16, 1, {group}, {kc}, {units}, false>"
-        out[f"quant.{k}"] = f"quant<__nv_bfloat16, {kc}>"
+        out[f"quant.{k}"] = f"quantize_x<__nv_bfloat16, signed char, {kc}, 127>"
+        out[f"quant16.{k}"] = f"quantize_x<__nv_bfloat16, short, {kc}, 32767>"
         for rb in rows:
-            out[f"sk_r{rb}.{k}"] = f"sk<__nv_bfloat16, {group}, {rb}, {kc}, {tpb(kc)}>"
-            out[f"skq_r{rb}.{k}"] = f"skq<__nv_bfloat16, {group}, {rb}, {kc}, {tpb(kc)}>"
-            out[f"skq16_r{rb}.{k}"] = f"skq16<__nv_bfloat16, {group}, {rb}, {kc}, {tpb(kc)}>"
-            out[f"skf16_r{rb}.{k}"] = f"skf16<__nv_bfloat16, {group}, {rb}, {kc}, {tpb(kc)}>"
-        out[f"quant16.{k}"] = f"quant16<__nv_bfloat16, {kc}>"
+            for variant, mode in MODES.items():
+                out[f"{variant}_r{rb}.{k}"] = f"split<__nv_bfloat16, {group}, {rb}, {kc}, {tpb(kc)}, {mode}>"
     return out
 
 
@@ -519,17 +355,18 @@ def probe_shape(cp: Any, fn: dict[str, Any], read_fn: Any, timer: Timer, k: int,
     ours, geo = fn[f"ours.{k}"], matvec.launch(1, k, n, "bfloat16", g)
     record("ours", timer(lambda i: ours((geo["grid"][0] // THREADS,), (THREADS,),
                                         (x, ws[i], ss[i], bs[i], out, np.int32(n))), copies))
-    for rb in rows:
-        record(f"sk_r{rb}", timer(matvec(fn[f"sk_r{rb}.{k}"], -(-n // rb), tpb(kc), (x,)), copies))
     quant, quant16 = fn[f"quant.{k}"], fn[f"quant16.{k}"]
     row["us_per_call"]["quant"] = round(timer(lambda i: quant((-(-kc // 4),), (THREADS,), (x, xq, xds)), 1), 2)
-    for rb in rows:
-        record(f"skq_r{rb}", timer(matvec(fn[f"skq_r{rb}.{k}"], -(-n // rb), tpb(kc), (xq, xds)), copies))
     row["us_per_call"]["quant16"] = round(timer(lambda i: quant16((-(-kc // 4),), (THREADS,), (x, xq16, xds)), 1), 2)
-    for rb in rows:
-        record(f"skq16_r{rb}", timer(matvec(fn[f"skq16_r{rb}.{k}"], -(-n // rb), tpb(kc), (xq16, xds)), copies))
-    for rb in rows:
-        record(f"skf16_r{rb}", timer(matvec(fn[f"skf16_r{rb}.{k}"], -(-n // rb), tpb(kc), (x,)), copies))
+    inputs = {"sk": x, "skq": xq, "skq16": xq16, "skf16": x}
+    for variant in MODES:
+        if variant == "skq":  # xds: the scales of this variant's rounding of x
+            quant((-(-kc // 4),), (THREADS,), (x, xq, xds))
+        elif variant == "skq16":
+            quant16((-(-kc // 4),), (THREADS,), (x, xq16, xds))
+        for rb in rows:
+            record(f"{variant}_r{rb}", timer(matvec(fn[f"{variant}_r{rb}.{k}"], -(-n // rb), tpb(kc),
+                                                    (inputs[variant], xds)), copies))
     # the read ceiling: the packed weights alone (scales and biases are 1/9 of the bytes at group 64)
     sink = cp.zeros(4, dtype=cp.uint32)
     n16 = ws[0].nbytes // 16

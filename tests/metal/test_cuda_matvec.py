@@ -79,12 +79,15 @@ def test_the_kernel_arithmetic_gives_the_dequantized_product(m: int, chunks: int
     x = (rng.standard_normal((m, k)) * np.exp(spread * rng.standard_normal((m, k)))).astype(np.float32)
     got = _replay(x, np.asarray(w), np.asarray(s), np.asarray(b), group)
     want = x.astype(np.float64) @ deq.T
-    # Rounding x to int16 moves each value by at most half a step, max |x| of its chunk / 65534; the
-    # float32 sums add 1e-5 of sum |x| |w| (a dot product's error bound: one nearly cancelling output
-    # is otherwise held to a tolerance float32 sums cannot meet).
-    step = np.repeat(np.abs(x.reshape(m, k // 32, 32)).max(-1) / 65534, 32, axis=-1)
-    rounding = step.astype(np.float64) @ np.abs(deq).T
-    bound = float((np.abs(x).astype(np.float64) @ np.abs(deq).T).max())
+    # Rounding x to int16 moves each value by at most half a step, max |x| of its chunk / 65534, in
+    # the scale * q part of each weight only (the bias multiplies the float sum of x); the float32
+    # sums add 1e-5 of the terms' magnitude, sum |x| (|scale q| + |bias|) (a dot product's error bound:
+    # one nearly cancelling output is otherwise held to a tolerance float32 sums cannot meet).
+    step = np.repeat(np.abs(x.reshape(m, k // 32, 32)).max(-1) / 65534, 32, axis=-1).astype(np.float64)
+    bias = np.repeat(np.asarray(b, np.float64), group, axis=1)
+    scaled = np.abs(deq - bias)
+    rounding = step @ scaled.T
+    bound = float((np.abs(x).astype(np.float64) @ (scaled + np.abs(bias)).T).max())
     assert np.all(np.abs(got - want) <= 1.001 * rounding + 1e-5 * bound)
 
 

@@ -3,8 +3,10 @@ kernel (backends/metal/kernel_choice.py).
 
 Everywhere: the kernel's arithmetic (x rounded to int16 per 32 values, integer products), replayed
 in numpy on MLX's own quantized layout, gives the product with the dequantized weights within the
-rounding's stated bound; the launch covers every output row and no more blocks than needed; `configure` marks layers only on CUDA, refuses a bad setting by name, and leaves the model
-on MLX's kernel, with a warning, when the kernel cannot run; inside
+rounding's stated bound; the launch covers every output row and no more blocks than needed;
+`configure` marks layers only on CUDA, refuses a bad setting by name, and leaves the model on MLX's
+kernel, with a warning, when the kernel cannot run; the dense-product threshold follows its setting
+and the model's size; inside
 `mlx_kernels_only()` a marked product runs MLX's kernel (on a machine without CUDA the kernel
 itself raises MLXError, so the scope is seen to work).
 

@@ -263,7 +263,7 @@ def names(shapes: list[tuple[int, int]], group: int, rows: list[int]) -> dict[st
     out: dict[str, str] = {"warp2": f"warp2<__nv_bfloat16, {group}>"}
     for k, _ in shapes:
         kc = k // 32
-        units = matvec.units_per_block(k) // (2 if kc <= 64 else 1)
+        units = matvec.units_per_block(k) // matvec.row_groups(k)
         out[f"ours.{k}"] = f"ours<__nv_bfloat16, 1, {group}, {kc}, {units}, false>"
         out[f"quant.{k}"] = f"quantize_x<__nv_bfloat16, signed char, {kc}, 127>"
         out[f"quant16.{k}"] = f"quantize_x<__nv_bfloat16, short, {kc}, 32767>"

@@ -103,6 +103,7 @@ def test_the_launch_covers_every_row_once(n: int, k: int, m: int, norm: bool) ->
     assert rem == 0
     # a block's units: its row groups (two where K has at most 64 chunks) times U, each unit 2 rows
     groups = 2 if k // 32 <= 64 else 1
+    assert cuda_matvec.row_groups(k) == groups
     per_block = groups * template["U"]
     assert per_block == cuda_matvec.units_per_block(k, norm) and per_block * 32 <= cuda_matvec.THREADS_PER_BLOCK
     units = -(-n // 2)

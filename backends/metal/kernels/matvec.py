@@ -423,11 +423,17 @@ def norm_applies(x_rows: int, k: int, dtype_size: int, norm_threads: int) -> boo
     return x_rows * k * dtype_size <= NORM_MAX_BYTES and norm_threads <= THREADS_PER_BLOCK
 
 
+def row_groups(k: int) -> int:
+    """Row groups of a block for rows of x of length k: two where K has at most 64 chunks (each
+    group's 64 threads then span K), else one of all THREADS_PER_BLOCK threads (the source's TPR)."""
+    return 2 if k // 32 <= 64 else 1
+
+
 def units_per_block(k: int, norm: bool = False) -> int:
-    """Units (two output rows each) one block takes for rows of x of length k: its row groups (two
-    where K has at most 64 chunks) times the units each takes."""
-    subs = 2 if k // 32 <= 64 else 1
-    return subs * (NORM_UNITS_PER_GROUP if norm and subs == 1 else UNITS_PER_GROUP)
+    """Units (two output rows each) one block takes for rows of x of length k: its row groups times
+    the units each takes (more for the normalized forms, which normalize h once a block)."""
+    groups = row_groups(k)
+    return groups * (NORM_UNITS_PER_GROUP if norm and groups == 1 else UNITS_PER_GROUP)
 
 
 def launch(x_rows: int, k: int, n: int, dtype: Any, group_size: int, pair: bool = False,
@@ -437,9 +443,8 @@ def launch(x_rows: int, k: int, n: int, dtype: Any, group_size: int, pair: bool 
     form's (threads, loads per thread, eps as float32 bits) of MLX's rms_norm over rows of k."""
     units = n // 2 if pair else -(-n // 2)
     per_block = units_per_block(k, norm is not None)
-    subs = 2 if k // 32 <= 64 else 1
     template: list[tuple[str, Any]] = [("T", dtype), ("M", x_rows), ("G", group_size), ("KC", k // 32),
-                                       ("U", per_block // subs), ("PAIR", pair)]
+                                       ("U", per_block // row_groups(k)), ("PAIR", pair)]
     if norm is not None:
         threads, loads, eps_bits = norm
         template += [("D", k), ("NB", threads), ("NCH", loads), ("EPS_BITS", eps_bits)]

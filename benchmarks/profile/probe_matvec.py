@@ -24,7 +24,6 @@ measured outside MLX by `probe_matvec_variants.py`.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import time
@@ -34,17 +33,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-# Loaded by path: importing the package would load pymlxc's own library, which this probe does not need.
-_spec = importlib.util.spec_from_file_location(
-    "cuda_matvec", Path(__file__).resolve().parents[2] / "backends" / "metal" / "kernels" / "matvec.py")
-kernels = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(kernels)
+from _matvec import SHAPES, load_matvec
 
-SHAPES = {  # name: (K, N)
-    "1b.qkv": (2048, 3072), "1b.o": (2048, 2048), "1b.gate_up": (2048, 16384), "1b.down": (8192, 2048),
-    "8b.qkv": (4096, 6144), "8b.o": (4096, 4096), "8b.gate_up": (4096, 28672), "8b.down": (14336, 4096),
-    "8b.head": (4096, 128256),
-}
+kernels = load_matvec()
 GROUP = 64  # --group-size: MLX's default; GGUF's Q4_0 / Q4_K repack to 32
 DTYPE = mx.bfloat16  # --dtype: x and the scales (GGUF files compute in float16)
 
@@ -52,14 +43,6 @@ DTYPE = mx.bfloat16  # --dtype: x and the scales (GGUF files compute in float16)
 def _kernel(module: Any = kernels) -> Any:
     return mx.fast.cuda_kernel(module.QUANTIZED_NAME, list(module.QUANTIZED_INPUTS), list(module.OUTPUT_NAMES),
                                module.QUANTIZED_SOURCE, header=getattr(module, "QUANTIZED_HEADER", module.HEADER))
-
-
-def _module(path: Path) -> Any:
-    """Another version of matvec.py (`--baseline`), e.g. `git show REV:backends/metal/kernels/matvec.py`."""
-    spec = importlib.util.spec_from_file_location("cuda_matvec_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _ours(kernel: Any, x: Any, q: Any, module: Any = kernels) -> Any:
@@ -144,7 +127,7 @@ def main() -> None:
     kernel = _kernel()
     baseline = None
     if args.baseline is not None:
-        module = _module(args.baseline)
+        module = load_matvec(args.baseline, "cuda_matvec_baseline")
         baseline = (module, _kernel(module))
     results = {"device": str(mx.default_device()), "mlx": mx.__version__, "group_size": GROUP,
                "dtype": args.dtype, "probes": {}}

@@ -27,24 +27,15 @@ value. Run on a machine with CuPy and a CUDA GPU:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _matvec import SHAPES, load_matvec
 
-_spec = importlib.util.spec_from_file_location(
-    "cuda_matvec", Path(__file__).resolve().parents[2] / "backends" / "metal" / "kernels" / "matvec.py")
-matvec = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(matvec)
-
-SHAPES = {  # name: (K, N)
-    "1b.qkv": (2048, 3072), "1b.o": (2048, 2048), "1b.gate_up": (2048, 16384), "1b.down": (8192, 2048),
-    "8b.qkv": (4096, 6144), "8b.o": (4096, 4096), "8b.gate_up": (4096, 28672), "8b.down": (14336, 4096),
-    "8b.head": (4096, 128256),
-}
+matvec = load_matvec()
 THREADS = 128
 
 PRELUDE = r"""
@@ -61,7 +52,7 @@ struct Sigmoid {
 
 VARIANTS = r"""
 // pymlxc's kernel as MLX wraps it (its plain form): the weight's rows as a kernel parameter.
-template <typename T, int M, int G, int KC, int U, bool PAIR>
+template <typename T, int M, int G, int KC, int S, int U, bool PAIR>
 __global__ void ours(const T* x, const uint32_t* w, const T* scales, const T* biases, T* out, int w_shape0) {
 OURS_BODY
 }
@@ -251,8 +242,9 @@ def source() -> str:
     return PRELUDE + matvec.HEADER + VARIANTS.replace("OURS_BODY", ours)
 
 
-def tpb(kc: int) -> int:
-    return 64 if kc <= 64 else THREADS
+def tpb(k: int) -> int:
+    """Threads along K for rows of length k: the kernel's own rule (`matvec.row_groups`)."""
+    return THREADS // matvec.row_groups(k)
 
 
 MODES = {"sk": 0, "skq": 1, "skq16": 2, "skf16": 3}  # split's arithmetic (its MODE) by variant name
@@ -263,13 +255,14 @@ def names(shapes: list[tuple[int, int]], group: int, rows: list[int]) -> dict[st
     out: dict[str, str] = {"warp2": f"warp2<__nv_bfloat16, {group}>"}
     for k, _ in shapes:
         kc = k // 32
-        units = matvec.units_per_block(k) // matvec.row_groups(k)
-        out[f"ours.{k}"] = f"ours<__nv_bfloat16, 1, {group}, {kc}, {units}, false>"
+        groups = matvec.row_groups(k)
+        units = matvec.units_per_block(k) // groups
+        out[f"ours.{k}"] = f"ours<__nv_bfloat16, 1, {group}, {kc}, {groups}, {units}, false>"
         out[f"quant.{k}"] = f"quantize_x<__nv_bfloat16, signed char, {kc}, 127>"
         out[f"quant16.{k}"] = f"quantize_x<__nv_bfloat16, short, {kc}, 32767>"
         for rb in rows:
             for variant, mode in MODES.items():
-                out[f"{variant}_r{rb}.{k}"] = f"split<__nv_bfloat16, {group}, {rb}, {kc}, {tpb(kc)}, {mode}>"
+                out[f"{variant}_r{rb}.{k}"] = f"split<__nv_bfloat16, {group}, {rb}, {kc}, {tpb(k)}, {mode}>"
     return out
 
 
@@ -345,7 +338,7 @@ def probe_shape(cp: Any, fn: dict[str, Any], read_fn: Any, timer: Timer, k: int,
         got = from_bf16(cp.asnumpy(out))
         row["error"][key] = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
 
-    def matvec(kernel: Any, blocks: int, threads: int, lead: tuple[Any, ...]) -> Any:
+    def split_call(kernel: Any, blocks: int, threads: int, lead: tuple[Any, ...]) -> Any:
         return lambda i: kernel((blocks,), (threads,), (*lead, ws[i], ss[i], bs[i], out, np.int32(n)))
 
     warps = -(-n // 2)
@@ -365,7 +358,7 @@ def probe_shape(cp: Any, fn: dict[str, Any], read_fn: Any, timer: Timer, k: int,
         elif variant == "skq16":
             quant16((-(-kc // 4),), (THREADS,), (x, xq16, xds))
         for rb in rows:
-            record(f"{variant}_r{rb}", timer(matvec(fn[f"{variant}_r{rb}.{k}"], -(-n // rb), tpb(kc),
+            record(f"{variant}_r{rb}", timer(split_call(fn[f"{variant}_r{rb}.{k}"], -(-n // rb), tpb(k),
                                                     (inputs[variant], xds)), copies))
     # the read ceiling: the packed weights alone (scales and biases are 1/9 of the bytes at group 64)
     sink = cp.zeros(4, dtype=cp.uint32)

@@ -5,8 +5,7 @@ Everywhere: the kernel's arithmetic (x rounded to int16 per 32 values, integer p
 in numpy on MLX's own quantized layout, gives the product with the dequantized weights within the
 rounding's stated bound; the launch covers every output row and no more blocks than needed;
 `configure` marks layers only on CUDA, refuses a bad setting by name, and leaves the model on MLX's
-kernel, with a warning, when the kernel cannot run; the dense-product threshold follows its setting
-and the model's size; inside
+kernel, with a warning, when the kernel cannot run; inside
 `mlx_kernels_only()` a marked product runs MLX's kernel (on a machine without CUDA the kernel
 itself raises MLXError, so the scope is seen to work).
 
@@ -103,7 +102,7 @@ def test_the_launch_covers_every_row_once(n: int, k: int, m: int, norm: bool) ->
     assert rem == 0
     # a block's units: its row groups (two where K has at most 64 chunks) times U, each unit 2 rows
     groups = 2 if k // 32 <= 64 else 1
-    assert cuda_matvec.row_groups(k) == groups
+    assert cuda_matvec.row_groups(k) == template["S"] == groups
     per_block = groups * template["U"]
     assert per_block == cuda_matvec.units_per_block(k, norm) and per_block * 32 <= cuda_matvec.THREADS_PER_BLOCK
     units = -(-n // 2)
@@ -146,22 +145,6 @@ def tiny(tmp_path: Path):
 def _quantized_layers(model: Any) -> list[Any]:
     return [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
 
-
-def test_the_dense_threshold_follows_the_setting_and_the_model_size(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
-    model = tiny().model
-    monkeypatch.setattr(nn, "DENSE_MIN_ROWS", 512)
-    monkeypatch.setattr(nn, "DENSE_MIN_ROWS_WIDE", 96)
-    assert nn.dense_min_rows(model, "auto") == 512  # a tiny model: far below a wide block's bytes
-    monkeypatch.setattr(nn, "QMM_OP_BY_OP_BLOCK_BYTES", 1)
-    assert nn.dense_min_rows(model, "auto") == 96
-    assert nn.dense_min_rows(model, "128") == 128
-    nn.mark_dense_products(model, True, "64")
-    assert model.dense_rows == 64 and all(m._dense_rows == 64 for m in nn.quantized_layers(model))
-    nn.mark_dense_products(model, False, "64")
-    assert model.dense_rows == 0
-    for bad in ("0", "-5", "many", ""):
-        with pytest.raises(ValueError, match="dense_prefill_rows"):
-            nn.dense_min_rows(model, bad)
 
 def test_configure_marks_layers_only_on_cuda(tiny, monkeypatch: pytest.MonkeyPatch, switches: Any) -> None:
     loaded = tiny()

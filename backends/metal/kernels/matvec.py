@@ -10,8 +10,9 @@ reads its weights at about a quarter of the memory bandwidth with it. This kerne
   block's two halves take two sets of units.
 * multiplies in integers: each thread rounds its chunk of x to int16 (x = d * xi, d = max |x| / 32767,
   an error of 1.5e-5 of the chunk's largest value, far below the 2-byte float output's rounding)
-  and takes each nibble pair's products with `dp2a` (two int16 by two int8 products a call), so a
-  weight costs about one instruction where the float form spent three or four. With the affine
+  and takes each nibble pair's products with `dp2a` (two int16 by two int8 products a call): about
+  two instructions a weight, the rounding of x shared by four rows included, where the float form
+  spent about four (counted in the source, not profiled). With the affine
   layout's scale s and bias b per group,
 
       sum_i x_i (s q_i + b) = s d sum_i xi_i q_i + b sum_i x_i.
@@ -131,7 +132,8 @@ QUANTIZED_HEADER = r"""
 """ + HEADER[1:]
 
 # Template arguments: T (x, scales, biases and out dtype), M (rows of x), G (group size), KC (K / 32:
-# 16-byte chunks of packed weights per row), U (units a row group takes), PAIR (a fused gate/up weight
+# 16-byte chunks of packed weights per row), S (row groups a block has: `row_groups`), U (units a row
+# group takes), PAIR (a fused gate/up weight
 # [gate; up] whose product the kernel returns as silu(gate) * up, [M, N / 2]: unit j is rows j and
 # j + N / 2, the same sums as unpaired, and one kernel replaces the product and MLX's
 # SiLU-and-multiply kernel). N is read from the weight's shape at run time; K is a template argument
@@ -140,14 +142,13 @@ QUANTIZED_HEADER = r"""
 # NCH (MLX's rms_norm threads and 16-byte loads per thread for rows of D, at most this kernel's
 # THREADS_PER_BLOCK) and EPS_BITS (eps as float32 bits: a constant, see add_rms_norm.py).
 #
-# A block's THREADS threads form SUBS row groups of TPR threads (TPR = 64 where K has at most 64
-# chunks, else 128); row group s takes units unit0 + s U .. + U - 1, thread t of it chunks t,
-# t + TPR, ... of their 2 U rows. Warp w < SUBS U then stores unit unit0 + w.
+# A block's THREADS threads form S row groups of TPR = THREADS / S threads; row group s takes units
+# unit0 + s U .. + U - 1, thread t of it chunks t, t + TPR, ... of their 2 U rows. Warp w < S U then
+# stores unit unit0 + w.
 _SOURCE = r"""
   constexpr int WARPS = THREADS / 32;
-  constexpr int TPR = KC <= 64 ? 64 : THREADS;
-  constexpr int SUBS = THREADS / TPR;
-  constexpr int BU = SUBS * U;
+  constexpr int TPR = THREADS / S;  // threads along K in a row group
+  constexpr int BU = S * U;
   constexpr int RB = 2 * U;
   constexpr int CHUNKS = KC;
   constexpr int K = KC * 32;
@@ -424,8 +425,9 @@ def norm_applies(x_rows: int, k: int, dtype_size: int, norm_threads: int) -> boo
 
 
 def row_groups(k: int) -> int:
-    """Row groups of a block for rows of x of length k: two where K has at most 64 chunks (each
-    group's 64 threads then span K), else one of all THREADS_PER_BLOCK threads (the source's TPR)."""
+    """Row groups of a block for rows of x of length k (the kernel's template argument S): two where
+    K has at most 64 chunks (each group's 64 threads then span K), else one of all THREADS_PER_BLOCK
+    threads."""
     return 2 if k // 32 <= 64 else 1
 
 
@@ -442,9 +444,9 @@ def launch(x_rows: int, k: int, n: int, dtype: Any, group_size: int, pair: bool 
     template. `pair`: the gate/up form (n even; output n / 2 per row of x). `norm`: the normalized
     form's (threads, loads per thread, eps as float32 bits) of MLX's rms_norm over rows of k."""
     units = n // 2 if pair else -(-n // 2)
-    per_block = units_per_block(k, norm is not None)
+    groups, per_block = row_groups(k), units_per_block(k, norm is not None)
     template: list[tuple[str, Any]] = [("T", dtype), ("M", x_rows), ("G", group_size), ("KC", k // 32),
-                                       ("U", per_block // row_groups(k)), ("PAIR", pair)]
+                                       ("S", groups), ("U", per_block // groups), ("PAIR", pair)]
     if norm is not None:
         threads, loads, eps_bits = norm
         template += [("D", k), ("NB", threads), ("NCH", loads), ("EPS_BITS", eps_bits)]

@@ -100,10 +100,6 @@ class Settings:
         "Quantized products of 512 or more rows of x (prefill chunks) as the weights dequantized in chunks "
         "of rows and dense matmuls (`nn._dense_product`), chosen at load; such chunks skip the compiled "
         "prefill. `auto`: on CUDA (an H200's 2048-token prefill of Llama-3.2-1B 4-bit: 16.5 ms against 34.1).")
-    dense_prefill_rows: str = field(default="auto", metadata=_doc("auto|N", (
-        "The rows of x from which `dense_prefill` takes a quantized product dense. `auto`: 512, and "
-        "`nn.DENSE_MIN_ROWS_WIDE` for models with 64 MiB or more of quantized layers a block "
-        "(`nn.QMM_OP_BY_OP_BLOCK_BYTES`: Llama-3.1-8B's size); N: from N rows for every model.")))
     cuda_qmm: str = _switch(
         "4-bit quantized products of 16 to 511 rows of x that run op by op (prefill chunks outside the compiled "
         "prefill: GGUF files whose layers hold Q6_K blocks, masked batches) through pymlxc's tensor-core CUDA "

@@ -280,10 +280,6 @@ FOLD_MIN_ROWS = 8  # MLX's CUDA quantized product goes batched-tensor-core from 
 # H200 a 2048-token prefill of Llama-3.2-1B 4-bit took 16.5 ms against 34.1 ms through MLX's
 # quantized product; at 128 tokens neither was clearly faster (`benchmarks/profile/probe_prefill.py`).
 DENSE_MIN_ROWS = 512
-# ... and from this many on models whose quantized layers hold QMM_OP_BY_OP_BLOCK_BYTES or more a
-# block: also 512, as dense products from 128 rows took Llama-3.1-8B's 128-token prefill from 30 to
-# 52-55 ms on an H100 (BENCHMARKS.md, the dense-threshold probes).
-DENSE_MIN_ROWS_WIDE = 512
 DENSE_CHUNK_WEIGHTS = 1 << 24  # weights dequantized at once (32 MiB in half precision)
 # From this many rows of x a marked 4-bit layer takes pymlxc's tensor-core kernel (kernels/qmm.py),
 # below DENSE_MIN_ROWS where the layer also goes dense.
@@ -649,27 +645,12 @@ def choose_cuda_matvec(model: Any, setting: str) -> bool:
     return use
 
 
-def dense_min_rows(model: Any, setting: str) -> int:
-    """The rows of x from which `model`'s quantized layers take dense products, by
-    `Settings.dense_prefill_rows`: a number, or `auto` (DENSE_MIN_ROWS, DENSE_MIN_ROWS_WIDE where the
-    model's quantized layers hold QMM_OP_BY_OP_BLOCK_BYTES or more a block)."""
-    if setting != "auto":
-        if not setting.isdigit() or int(setting) < 1:
-            raise ValueError(
-                f"the dense_prefill_rows setting must be auto or a positive number of rows, not {setting!r}")
-        return int(setting)
-    linears = [m for m in quantized_layers(model) if isinstance(m, QuantizedLinear)]
-    wide = bool(linears) and bytes_per_block(model, linears) >= QMM_OP_BY_OP_BLOCK_BYTES
-    return DENSE_MIN_ROWS_WIDE if wide else DENSE_MIN_ROWS
-
-
-def mark_dense_products(model: Any, use: bool, setting: str = "auto") -> None:
-    """Mark `model`'s quantized layers to take products of `dense_min_rows` or more rows (prefill) as
+def mark_dense_products(model: Any, use: bool) -> None:
+    """Mark `model`'s quantized layers to take products of DENSE_MIN_ROWS or more rows (prefill) as
     dequantized chunks and dense matmuls (`_dense_product`), or not: decided once, at load, by
-    `Settings.dense_prefill` (`switch_on`: `auto` on CUDA) and `Settings.dense_prefill_rows`. The
-    model's `dense_rows` tells the prefill (generate._chunk_forward) which chunks skip the compiled
-    prefill."""
-    rows = dense_min_rows(model, setting) if use else 0
+    `Settings.dense_prefill` (`switch_on`: `auto` on CUDA). The model's `dense_rows` tells the
+    prefill (generate._chunk_forward) which chunks skip the compiled prefill."""
+    rows = DENSE_MIN_ROWS if use else 0
     marked = quantized_layers(model)
     for m in marked:
         m._dense_rows = rows
@@ -719,7 +700,7 @@ def choose_kernels(model: Any, settings: Settings, dtype: Any) -> bool:
     kernel (returned: whether it was chosen), the dense prefill products and the tensor-core
     prefill kernel for x of `dtype`. At load, and again where layers are replaced (a fused adapter)."""
     cuda_matvec = choose_cuda_matvec(model, settings.cuda_matvec)
-    mark_dense_products(model, settings.switch_on("dense_prefill", on_cuda()), settings.dense_prefill_rows)
+    mark_dense_products(model, settings.switch_on("dense_prefill", on_cuda()))
     mark_qmm_products(model, settings.switch_on("cuda_qmm", on_cuda()), dtype)
     return cuda_matvec
 

@@ -40,14 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from pymlxc.backends.metal import generate, nn
 
-    default_rows, default_wide = nn.DENSE_MIN_ROWS, nn.DENSE_MIN_ROWS_WIDE
+    default_rows = nn.DENSE_MIN_ROWS
     default_lead = generate.PREFILL_LEAD_LAYERS
     default_budget = generate.PREFILL_DENSE_BYTES
     rows: list[dict[str, Any]] = []
     for path, mode, dense, lead in ((p, m, d, ld) for p in args.models for m in args.modes
                                     for d in args.dense_min_rows for ld in args.lead):
-        nn.DENSE_MIN_ROWS = dense or default_rows  # read when a model loads (nn.dense_min_rows)
-        nn.DENSE_MIN_ROWS_WIDE = dense or default_wide
+        nn.DENSE_MIN_ROWS = dense or default_rows  # read when a model loads (mark_dense_products)
         generate.PREFILL_LEAD_LAYERS = lead or default_lead
         generate.PREFILL_DENSE_BYTES = default_budget if not lead else 1 << 62  # a given lead holds for every chunk
         side = Pymlxc(compiled=mode != "off", mode=None if mode == "off" else mode)

@@ -57,7 +57,7 @@ def probe(qtype: Q, k: int, n: int, rows: int, min_bytes: int, repeats: int) -> 
         forms: dict[str, dict[str, Any]] = {"kernel": {}}
         if kind == "cuda" and qtype == Q.Q6_K:  # its own kernel: each split of a row, and the generic one
             forms.update({f"kernel_w{w}": {"warps": w} for w in (1, 2, 4)})
-            forms["kernel_w1_r4"] = {"warps": 1, "rows_per_warp": 4}
+            forms.update({f"kernel_w{w}_r4": {"warps": w, "rows_per_warp": 4} for w in (1, 2, 4)})
             forms["kernel_generic"] = {"generic": True}
         for name, form in forms.items():
             sides[name] = (lambda w, form=form: mx.reshape(gguf_blocks.matvec(

@@ -88,11 +88,14 @@ def test_lane_arithmetic_is_the_reference(qtype: Q, seed: int, scale: float) -> 
         np.testing.assert_array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
 
 
-def _q6k_row_dot(row: np.ndarray, x: np.ndarray, align: int) -> float:
+def _q6k_row_dot(row: np.ndarray, x: np.ndarray, align: int, integer: bool = False) -> float:
     """The CUDA Q6_K matvec's sum for one row of blocks [NB, 210] and x [NB * 256], replayed: each
     step's 4 blocks staged from the 16-byte boundary below them (the row starting `align` bytes past
     one), lane j of a block's 8 taking values 128 (j / 4) + 32 k + 8 (j % 4) + i from 32-bit words
-    (two per 8 bytes, through the aligned words around them), codes and scales as the source forms them."""
+    (two per 8 bytes, through the aligned words around them), codes and scales as the source forms them.
+    `integer`: the 2-byte x arithmetic, the lane's 32 values of x (float32) rounded to int16 against
+    their largest (xi = rint(x * 32767 / max |x|), one rounding as the kernel's FMA gives it) and
+    integer sums of xi (q - 32) per scale, times d * sc * max |x| / 32767."""
     nb = row.shape[0]
     flat = np.concatenate([np.zeros(align, np.uint8), row.reshape(-1), np.zeros(16, np.uint8)])
     total = 0.0
@@ -123,6 +126,17 @@ def _q6k_row_dot(row: np.ndarray, x: np.ndarray, align: int) -> float:
                               word8(b + 128 + 32 * half + l0), word8(b + 192 + 8 * half))
             d = float(stage[b + 208:b + 210].view(np.float16)[0])
             xm = x[blk * 256 + 128 * half + l0:]
+            dx = 1.0
+            if integer:
+                xl = np.array([xm[32 * k + i] for k in range(4) for i in range(8)], np.float32)
+                amax = np.abs(xl).max()
+                inv = np.float32(32767) / amax if amax > 0 else np.float32(0)
+                xi = np.rint(xl.astype(np.float64) * np.float64(inv)).astype(np.int64)
+                assert np.abs(xi).max() <= 32767
+                xm = np.zeros(128)
+                for k in range(4):
+                    xm[32 * k:32 * k + 8] = xi[8 * k:8 * k + 8]
+                dx = float(np.float32(amax * np.float32(1 / 32767)))
             parts = [0.0] * 4
             for h in range(2):
                 a_, b_, c_ = va[h], vb[h], vc[h]
@@ -137,7 +151,7 @@ def _q6k_row_dot(row: np.ndarray, x: np.ndarray, align: int) -> float:
                 byte = 2 * k + (l0 >> 4)
                 sc = (vs[byte >> 2] >> (8 * (byte & 3))) & 0xFF
                 total_lane += (sc - 256 if sc >= 128 else sc) * parts[k]
-            total += d * total_lane
+            total += d * dx * total_lane
     return total
 
 
@@ -152,6 +166,24 @@ def test_q6k_kernel_staging_and_lanes_are_the_reference(nb: int, align: int, see
     want = float(x @ gguf.quants.dequantize(row.reshape(1, -1), Q.Q6_K).reshape(-1).astype(np.float64))
     got = _q6k_row_dot(row, x, align)
     assert abs(got - want) <= 1e-9 * (1 + float(np.abs(x).sum()))
+
+
+@settings(max_examples=30, deadline=None)
+@given(nb=st.integers(1, 9), align=st.sampled_from([0, 2, 14]), seed=st.integers(0, 2**32 - 1),
+       spread=st.sampled_from([0.0, 3.0]))
+def test_q6k_integer_products_stay_within_their_rounding_bound(nb: int, align: int, seed: int, spread: float) -> None:
+    """With 2-byte x the CUDA Q6_K kernel rounds each lane's 32 values of x to int16: its product
+    is the reference's within half a rounding step per value times |w| (`q6k_rounding_step`), for
+    x with outliers inside a lane's values too (spread), where that rounding loses the most."""
+    rng = np.random.default_rng(seed)
+    row = gguf_blocks.random_blocks(rng, (nb,), Q.Q6_K)
+    x = rng.standard_normal(nb * 256) * np.exp(spread * rng.standard_normal(nb * 256))
+    xf = np.clip(x, -60000, 60000).astype(np.float16).astype(np.float64)
+    w = gguf.quants.dequantize(row.reshape(1, -1), Q.Q6_K).reshape(-1).astype(np.float64)
+    want = float(xf @ w)
+    got = _q6k_row_dot(row, xf, align, integer=True)
+    rounding = float(gguf_blocks.q6k_rounding_step(xf) @ np.abs(w))
+    assert abs(got - want) <= 1.001 * rounding + 1e-12 * float(np.abs(xf) @ np.abs(w))
 
 
 # ---------------------------------------------------------------------- the layers, on any device
@@ -279,7 +311,10 @@ def test_matvec_kernel_against_float64(qtype: Q, n: int, nb: int, m: int, pairs:
     want = np.einsum("pmk,pnk->pmn", xf, dense[idx])
     bound = np.einsum("pmk,pnk->pmn", np.abs(xf), np.abs(dense[idx]))
     out_round = 2.0**-8 if dtype != "float32" else 2.0**-23
-    assert np.all(np.abs(got - want) <= bound * 2.0**-20 + np.abs(want) * out_round + 1e-30)
+    tol = bound * 2.0**-20 + np.abs(want) * out_round + 1e-30
+    if qtype == Q.Q6_K and dtype != "float32":  # x rounded to int16 for integer products
+        tol = tol + 1.001 * np.einsum("pmk,pnk->pmn", gguf_blocks.q6k_rounding_step(xf), np.abs(dense[idx]))
+    assert np.all(np.abs(got - want) <= tol)
 
 
 @cuda_only

@@ -25,7 +25,8 @@ for `R` output rows at once (each x load serves them), and the lanes' sums are r
 shuffles / `simd_sum`. The values are computed with the reference's float32 operations in its
 order (rounding each product: `__fmul_rn` keeps CUDA from fusing Q2_K's d*q - m into one fma), so
 the dequantization kernel gives `gguf.quants.dequantize`'s values bit for bit, and the product
-differs from MLX's only by summation order.
+differs from MLX's only by summation order; Q6_K's own kernel with 2-byte x rounds x to int16 for
+integer products (within `q6k_rounding_bound`).
 
 The Metal sources mirror the CUDA ones line for line (simdgroups of 32, the same lane mapping).
 They have not been run: the project has no Mac in its test machines; `ready()` compares them with
@@ -223,9 +224,12 @@ CUDA_MATVEC_SOURCE = _CUDA_WARPS + _CUDA_ROWS + r"""  const int row0 = blockIdx.
 # several cache lines per instruction), and loads the next step's bytes before working on these.
 # Then 8 lanes share a block, lane j taking the 32 values 128 (j / 4) + 32 k + 8 (j % 4) + i
 # (k = 0..3, i = 0..7): exactly the values whose low nibbles lie in 2 x 8 bytes of ql and whose
-# high bits lie in 8 bytes of qh. Codes become floats through the mantissa (2^23 + q, no integer
-# conversion), and each 8 values of one scale are summed before it is applied:
-# sum x d sc (q - 32) = d sc sum x (q - 32), equal to the reference's values up to float32 rounding.
+# high bits lie in 8 bytes of qh. With 2-byte x the products are integers, as in matvec.py's 4-bit
+# kernel: the lane rounds its 32 values of x to int16 against their largest (an error of at most
+# max |x| / 65534 a value, `q6k_rounding_bound`), and `dp2a` multiplies them with the codes, 0..63
+# a byte: sum x d sc (q - 32) = d sc dx (sum xi q - 32 sum xi) per 8 values of one scale, the
+# second sum taken once per x for all R rows. float32 x keeps float products (codes become floats
+# through the mantissa, 2^23 + q), equal to the reference's values up to float32 rounding.
 # Template arguments: T, M, R as above, W (warps per R rows: they split the row's steps). A thread
 # block has THREADS / 32 warps, so THREADS / 32 / W groups of R rows.
 CUDA_Q6K_MATVEC_HEADER = CUDA_HEADER + MATVEC_HEADER + r"""
@@ -257,6 +261,52 @@ __device__ __forceinline__ void load_x8(const T* p, float* f) {
       f[i] = static_cast<float>(p[i]);
     }
   }
+}
+
+// The codes (0..63) of 4 of a lane's values, one a byte: values 32 k + 4 h .. + 3 of its 32, from
+// the words at bytes 64 half + l0 + 4 h (a), + 32 (b) of ql and 32 half + l0 + 4 h (c) of qh.
+__device__ __forceinline__ uint32_t q6k_codes(uint32_t a, uint32_t b, uint32_t c, int k) {
+  switch (k) {
+    case 0: return (a & 0x0F0F0F0Fu) | ((c << 4) & 0x30303030u);
+    case 1: return (b & 0x0F0F0F0Fu) | ((c << 2) & 0x30303030u);
+    case 2: return ((a >> 4) & 0x0F0F0F0Fu) | (c & 0x30303030u);
+    default: return ((b >> 4) & 0x0F0F0F0Fu) | ((c >> 2) & 0x30303030u);
+  }
+}
+
+// The scale of a lane's values 32 k .. + 7, value 128 half + 32 k + l0 of the block: sc[8 half +
+// 2 k + l0 / 16], byte 2 k + l0 / 16 of the 8 scale bytes s (from byte 192 + 8 half).
+__device__ __forceinline__ float q6k_scale(const uint32_t* s, int l0, int k) {
+  const int byte = 2 * k + (l0 >> 4);
+  return static_cast<float>(static_cast<int8_t>((s[byte >> 2] >> (8 * (byte & 3))) & 0xFFu));
+}
+
+// A lane's 32 values of x, xf[k][i], as int16 xi = round(x / dx) with dx = max |x| / 32767
+// (returned; matvec.py's quantize32 rounding), two to an int: xi[k][j] holds values 2 j and
+// 2 j + 1 of group k, the pair `__dp2a_lo` / `__dp2a_hi` take with a word's bytes (0, 1) / (2, 3).
+// base[k] = -32 sum_i xi[k][i], the codes' offset of 32 applied once per group of 8.
+__device__ __forceinline__ float quantize_lane(const float (*xf)[8], int (*xi)[4], int* base) {
+  float amax = 0.f;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      amax = fmaxf(amax, fabsf(xf[k][i]));
+    }
+  }
+  const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    base[k] = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const unsigned lo = __float_as_uint(fmaf(xf[k][2 * j], inv, 12582912.f));
+      const unsigned hi = __float_as_uint(fmaf(xf[k][2 * j + 1], inv, 12582912.f));
+      xi[k][j] = static_cast<int>(__byte_perm(lo, hi, 0x5410));
+      base[k] = __dp2a_lo(xi[k][j], static_cast<int>(0xE0E0E0E0u), base[k]);  // bytes of -32
+    }
+  }
+  return amax * (1.f / 32767.f);
 }
 
 }  // namespace pymlxc_gguf
@@ -341,34 +391,45 @@ CUDA_Q6K_MATVEC_SOURCE = _CUDA_WARPS + (
       for (int k = 0; k < 4; ++k) {
         pymlxc_gguf::load_x8<T>(xm + 32 * k, xf[k]);
       }
+      if (sizeof(T) == 2) {
+        // Integer products: the lane's 32 values of x rounded to int16 against their largest
+        // (matvec.py's rounding), sum x (q - 32) = dx (sum xi q - 32 sum xi) per 8 values of a scale.
+        int xi[4][4];
+        int base[4];
+        const float dx = pymlxc_gguf::quantize_lane(xf, xi, base);
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        float part_k[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int r = 0; r < R; ++r) {
+          float sum = 0.f;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint32_t q0 = (va[r][h] & 0x0F0F0F0Fu) | ((vc[r][h] << 4) & 0x30303030u);
-          const uint32_t q1 = (vb[r][h] & 0x0F0F0F0Fu) | ((vc[r][h] << 2) & 0x30303030u);
-          const uint32_t q2 = ((va[r][h] >> 4) & 0x0F0F0F0Fu) | (vc[r][h] & 0x30303030u);
-          const uint32_t q3 = ((vb[r][h] >> 4) & 0x0F0F0F0Fu) | ((vc[r][h] >> 2) & 0x30303030u);
+          for (int k = 0; k < 4; ++k) {
+            int dot = base[k];
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            part_k[0] = fmaf(xf[0][4 * h + i], pymlxc_gguf::code_minus_32(q0, i), part_k[0]);
-            part_k[1] = fmaf(xf[1][4 * h + i], pymlxc_gguf::code_minus_32(q1, i), part_k[1]);
-            part_k[2] = fmaf(xf[2][4 * h + i], pymlxc_gguf::code_minus_32(q2, i), part_k[2]);
-            part_k[3] = fmaf(xf[3][4 * h + i], pymlxc_gguf::code_minus_32(q3, i), part_k[3]);
+            for (int h = 0; h < 2; ++h) {
+              const int q = static_cast<int>(pymlxc_gguf::q6k_codes(va[r][h], vb[r][h], vc[r][h], k));
+              dot = __dp2a_lo(xi[k][2 * h], q, dot);
+              dot = __dp2a_hi(xi[k][2 * h + 1], q, dot);
+            }
+            sum = fmaf(pymlxc_gguf::q6k_scale(vs[r], l0, k), static_cast<float>(dot), sum);
           }
+          acc[m][r] = fmaf(d[r] * dx, sum, acc[m][r]);
         }
-        // The scale of value 128 half + 32 k + l0 + i is sc[8 half + 2 k + l0 / 16]: byte
-        // 2 k + l0 / 16 of the 8 scale bytes loaded above.
-        float sum = 0.f;
+      } else {
+        // float32 x: float products, float32's own precision.
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const int byte = 2 * k + (l0 >> 4);
-          const uint32_t word = vs[r][byte >> 2];
-          const float sc = static_cast<float>(static_cast<int8_t>((word >> (8 * (byte & 3))) & 0xFFu));
-          sum = fmaf(sc, part_k[k], sum);
+        for (int r = 0; r < R; ++r) {
+          float sum = 0.f;
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            float part = 0.f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+              part = fmaf(xf[k][i], pymlxc_gguf::code_minus_32(
+                  pymlxc_gguf::q6k_codes(va[r][i >> 2], vb[r][i >> 2], vc[r][i >> 2], k), i & 3), part);
+            }
+            sum = fmaf(pymlxc_gguf::q6k_scale(vs[r], l0, k), part, sum);
+          }
+          acc[m][r] = fmaf(d[r], sum, acc[m][r]);
         }
-        acc[m][r] = fmaf(d[r], sum, acc[m][r]);
       }
     }
   }
@@ -492,6 +553,16 @@ _KERNELS: dict[str, tuple[SharedKernel | SharedMetalKernel, SharedKernel | Share
     "cuda": (_cuda_matvec, _cuda_dequant), "metal": (_metal_matvec, _metal_dequant)}
 
 
+def q6k_rounding_step(x: np.ndarray) -> np.ndarray:
+    """The largest change the CUDA Q6_K kernel's int16 rounding makes to each value of x [..., K]
+    (2-byte x): half a step, max |x| / 65534 over the 32 values one lane rounds together, values
+    128 h + 32 k + 8 j + i (k, i over 0..3, 0..7) of each block for its h and j. The product's
+    error from it is at most this times |w|, summed over K."""
+    lanes = np.abs(x).reshape(*x.shape[:-1], -1, 2, 4, 4, 8)  # blocks, h, k, j, i
+    amax = lanes.max(axis=(-4, -1), keepdims=True)
+    return np.broadcast_to(amax / 65534, lanes.shape).reshape(x.shape)
+
+
 def q6k_warps(n: int, blocks: int) -> int:
     """Warps per row group of the CUDA Q6_K matvec for n rows of `blocks` blocks: one where the rows
     alone fill the device (an output head: 153 us on the H100 for the 1B's, against 172 and 233 with
@@ -600,6 +671,8 @@ def _compare(kind: str, qtype: QType, dtype: Any) -> str | None:
     want = np.einsum("pmk,pnk->pmn", xf, dense)
     bound = np.einsum("pmk,pnk->pmn", np.abs(xf), np.abs(dense))
     tol = bound * 2.0 ** -20 + np.abs(want) * (2.0 ** -7 if dtype.size == 2 else 2.0 ** -22) + 1e-30
+    if kind == "cuda" and qtype == QType.Q6_K and dtype.size == 2:
+        tol = tol + 1.001 * np.einsum("pmk,pnk->pmn", q6k_rounding_step(xf), np.abs(dense))
     for form, got in zip(forms, gots, strict=True):
         if not np.all(np.abs(got - want) <= tol):
             return (f"{kind} matvec of {qtype.name} with {dtype} x (warps {form}) differs from MLX ops by "
@@ -607,4 +680,5 @@ def _compare(kind: str, qtype: QType, dtype: Any) -> str | None:
     return None
 
 
-__all__ = ["MAX_X_ROWS", "TYPE_IDS", "checks", "dequantize", "device_kind", "matvec", "random_blocks", "ready"]
+__all__ = ["MAX_X_ROWS", "TYPE_IDS", "checks", "dequantize", "device_kind", "matvec", "q6k_rounding_step",
+           "random_blocks", "ready"]

@@ -57,7 +57,7 @@ def probe(qtype: Q, k: int, n: int, rows: int, min_bytes: int, repeats: int) -> 
         forms: dict[str, dict[str, Any]] = {"kernel": {}}
         if kind == "cuda" and qtype == Q.Q6_K:  # its own kernel: each split of a row, and the generic one
             forms.update({f"kernel_w{w}": {"warps": w} for w in (1, 2, 4)})
-            forms.update({f"kernel_w{w}_r4": {"warps": w, "rows_per_warp": 4} for w in (1, 2, 4)})
+            forms.update({f"kernel_w{w}_r2": {"warps": w, "rows_per_warp": 2} for w in (1, 2, 4)})
             forms["kernel_generic"] = {"generic": True}
         for name, form in forms.items():
             sides[name] = (lambda w, form=form: mx.reshape(gguf_blocks.matvec(
@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             r = probe(Q[t], k, n, rows, args.bytes, args.repeats)
             r["shape"] = shape
             results.append(r)
-            sides = ("kernel", "kernel_w1", "kernel_w2", "kernel_w4", "kernel_w1_r4", "kernel_generic", "mlx_ops",
-                     "mlx_4bit_g64", "pymlxc_4bit_g64", "mlx_4bit_g32", "dense_f16")
+            sides = ("kernel", "kernel_w1", "kernel_w2", "kernel_w4", "kernel_w1_r2", "kernel_w2_r2", "kernel_w4_r2",
+                     "kernel_generic", "mlx_ops", "mlx_4bit_g64", "pymlxc_4bit_g64", "mlx_4bit_g32", "dense_f16")
             cols = "  ".join(f"{side} {r[side]['us']:.1f} us {r[side]['GBps']:.0f} GB/s"
                              + (f" err {r[side]['error']:.1e}" if "error" in r[side] else "")
                              for side in sides if side in r)

@@ -563,11 +563,20 @@ def q6k_rounding_step(x: np.ndarray) -> np.ndarray:
     return np.broadcast_to(amax / 65534, lanes.shape).reshape(x.shape)
 
 
+def q6k_rows(x_rows: int) -> int:
+    """Output rows a warp of the CUDA Q6_K matvec takes for `x_rows` rows of x: four for one (each
+    lane's rounding of x then serves four rows: Llama-3.1-8B's head 209 against 229 us on the H100,
+    the 1B's 132 against 131, `probe_gguf_blocks.py` at 658037c), else two (registers: eight rows of
+    x and four of weights take 224 a thread)."""
+    return 4 if x_rows == 1 else ROWS_PER_WARP
+
+
 def q6k_warps(n: int, blocks: int) -> int:
     """Warps per row group of the CUDA Q6_K matvec for n rows of `blocks` blocks: one where the rows
-    alone fill the device (an output head: 153 us on the H100 for the 1B's, against 172 and 233 with
-    2 and 4), else enough that each warp has a few blocks' steps (the 8B down projection measured
-    62-65 us with 1, 2 or 4; narrower matrices were bound by the probe's host time, not measured)."""
+    alone fill the device (an output head: 131 us on the H100 for the 1B's, against 155 and 212 with
+    2 and 4), else enough that each warp has a few blocks' steps (the 8B down projection: 42-45 us
+    with 2 or 4, 157 with 1; narrower matrices were bound by the probe's host time, not measured;
+    `probe_gguf_blocks.py` at 658037c, the integer products)."""
     if n >= 16384:
         return 1
     steps = -(-blocks // 4)  # a warp's steps over a row when it works alone
@@ -575,19 +584,22 @@ def q6k_warps(n: int, blocks: int) -> int:
 
 
 def matvec(x: Array, w: Array, idx: Array, qtype: QType, kind: str,
-           rows_per_warp: int = ROWS_PER_WARP, warps: int | None = None, generic: bool = False) -> Array:
+           rows_per_warp: int | None = None, warps: int | None = None, generic: bool = False) -> Array:
     """out [P, M, N] = x [P, M, K] @ dequantize(w[idx[p]]).T for blocks w [E, N, K/256, S] uint8
     and idx [P] int32, through the `kind` ("cuda" / "metal") kernel; M at most MAX_X_ROWS. Q6_K on
-    CUDA takes its own kernel (`warps` per row group, `q6k_warps` by default) unless `generic`."""
+    CUDA takes its own kernel (`warps` per row group, `q6k_warps` by default; `rows_per_warp`,
+    `q6k_rows` by default) unless `generic`."""
     p, m, _ = x.shape
     n, size = w.shape[1], w.shape[3]
     if kind == "cuda" and qtype == QType.Q6_K and not generic:
         w_per = warps or q6k_warps(n, w.shape[2])
-        groups = -(-n // (rows_per_warp * (THREADS // 32 // w_per)))
+        rows = rows_per_warp or q6k_rows(m)
+        groups = -(-n // (rows * (THREADS // 32 // w_per)))
         (out,) = _cuda_q6k_matvec()([x, w, idx], output_shapes=[(p, m, n)], output_dtypes=[x.dtype],
                                   grid=(groups * THREADS, p, 1), threadgroup=(THREADS, 1, 1),
-                                  template=[("T", x.dtype), ("M", m), ("R", rows_per_warp), ("W", w_per)])
+                                  template=[("T", x.dtype), ("M", m), ("R", rows), ("W", w_per)])
         return out
+    rows_per_warp = rows_per_warp or ROWS_PER_WARP
     # CUDA: a thread block of THREADS per `rows_per_warp` rows (its warps split each row's
     # blocks); Metal: a simdgroup per `rows_per_warp` rows.
     groups = -(-n // rows_per_warp)

@@ -64,7 +64,8 @@ def test_off_cuda_the_plan_keeps_the_separate_kernels(tiny, monkeypatch: pytest.
 
 def test_what_the_plan_needs(tiny) -> None:
     """Paired gate/up products, 4-bit layers on pymlxc's kernel, q/k/v fusions without a tail,
-    RMSNorms: without any one of them the plan keeps the separate kernels (before any check runs)."""
+    RMSNorms: without any one of them in any layer the plan keeps the separate kernels (before any
+    check runs); a layer without them keeps them in that layer alone (`fused_layers`)."""
     dense = tiny()
     blocks = segments.plan(dense)
     assert not segments.use_matvec_fusion(dense, blocks, segments.fusions_for(blocks, {}), True, "1")
@@ -78,7 +79,17 @@ def test_what_the_plan_needs(tiny) -> None:
     fusions = segments.fusions_for(blocks, {})
     assert all(f[0].fused.normable() == (mx.float16, 32) for f in fusions)
     assert not segments.use_matvec_fusion(model, blocks, fusions, False, "1")  # not paired
+    assert segments.fused_layers(model, blocks, fusions) == ((True,) * 3, (True,) * 3)
     blocks[1].mlp.down_proj.use_cuda_matvec(False)
+    assert segments.fused_layers(model, blocks, fusions) == ((True,) * 3, (True, False, True))
+    blocks[2].self_attn.v_proj.use_cuda_matvec(False)  # q/k/v then fuse on MLX's kernel
+    fusions = segments.fusions_for(blocks, {})
+    assert segments.fused_layers(model, blocks, fusions) == ((True, True, False), (True, False, True))
+    for b in blocks:
+        b.mlp.down_proj.use_cuda_matvec(False)
+        b.self_attn.v_proj.use_cuda_matvec(False)
+    fusions = segments.fusions_for(blocks, {})
+    assert segments.fused_layers(model, blocks, fusions) == ((False,) * 3, (False,) * 3)
     assert not segments.use_matvec_fusion(model, blocks, fusions, True, "1")
     qwen3 = tiny("qwen3", bits=4)  # q and k normalized: only where their norms joined the fusion
     for m in _quantized(qwen3):
@@ -87,7 +98,7 @@ def test_what_the_plan_needs(tiny) -> None:
     fusions = segments.fusions_for(blocks, {})
     assert all(f[0].fused.qk_norm_weight is not None for f in fusions)
     fusions[1][0].fused.qk_norm_weight = None
-    assert not segments.use_matvec_fusion(qwen3, blocks, fusions, True, "1")
+    assert segments.fused_layers(qwen3, blocks, fusions) == ((True, False, True), (True,) * 3)
     assert kernel_choice.fusion_checks.known() == {}
 
 
@@ -255,6 +266,37 @@ def test_the_restructured_step_keeps_the_tokens(tiny, monkeypatch: pytest.Monkey
     # q/k/v), the last (a layer's end).
     end = ["residual", "pair", "residual"] if mode == "all" else ["plain pair", "residual"]
     assert stand_ins.calls == ["normed", *end, "normed", *end]
+    decoder.close()
+
+
+@pytest.mark.parametrize("setting", ["1", "ends"])
+def test_layers_that_cannot_take_the_forms_keep_mlx_operations(tiny, monkeypatch: pytest.MonkeyPatch,
+                                                                switches: Any, setting: str) -> None:
+    """A model whose layers differ (a GGUF Q4_K_M file's Q6_K value and down projections): block 1's
+    down_proj and block 2's q/k/v off pymlxc's kernel. The other layers still take the forms, the
+    two keep MLX's adds and norms, and the tokens are the uncompiled loop's. The middle segments of
+    blocks 0-1 and 1-2 have arrays of the same shapes but different forms: each gets its own trace."""
+    model = tiny(bits=4)
+    want = greedy_ids(model, None)
+    for m in _quantized(model):
+        m.use_cuda_matvec(True)
+    blocks = segments.plan(model)
+    blocks[1].mlp.down_proj.use_cuda_matvec(False)
+    blocks[2].self_attn.v_proj.use_cuda_matvec(False)
+    stand_ins = StandIns()
+    stand_ins.install(monkeypatch)
+    switches.env("PYMLXC_CUDA_MATVEC_FUSION", setting)
+    switches.env("PYMLXC_CUDA_ROPE_IN_PRODUCT", "0")
+    switches.env("PYMLXC_CUDA_GATE_UP", "1")
+    decoder = CompiledDecoder(model, "segmented")
+    assert greedy_ids(model, decoder) == want
+    mode = "all" if setting == "1" else "ends"
+    assert plan_flags(decoder, "matvec_fusion") == {mode}
+    assert plan_flags(decoder, "layers") == {((True, True, False), (True, False, True))}
+    end = ["residual", "pair", "residual"] if mode == "all" else ["plain pair", "residual"]
+    # first: block 0's normalized q/k/v; middle 0-1: block 0's end, block 1's q/k/v; middle 1-2:
+    # block 1's end (the plain pair, MLX's down_proj and adds), block 2's q/k/v (MLX's); last: block 2's end
+    assert stand_ins.calls == ["normed", *end, "normed", "plain pair", *end]
     decoder.close()
 
 

@@ -1,7 +1,9 @@
 """GGUF models in the segmented decode. llama.cpp's K-quant recipes give some layers' value
 projections another type than their q and k (Q4_K_M: Q6_K in about half the layers); those layers'
 q and k still run as one product, with v apart, so that every layer keeps the joint q/k heads (and
-CUDA's RoPE + cache-write kernel, which needs them in every layer)."""
+CUDA's RoPE + cache-write kernel, which needs them in every layer). On CUDA the layers whose value
+and down projections are 4-bit take the matvec kernel's residual and normalized forms, the others
+keep MLX's adds and norms (`segments.fused_layers`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,6 +21,7 @@ from pymlxc.backends.metal.loader import load_weights_and_config
 from pymlxc.backends.metal.sample import greedy
 from pymlxc.testing import write_tiny_model
 
+from .cuda_decode_helpers import cuda_only, plan_flags
 from .gguf_export import export_gguf
 
 
@@ -59,5 +62,30 @@ def test_a_value_projection_of_another_type_runs_apart_from_the_joint_q_and_k(
     attns[0].v_proj.weight = attns[0].v_proj.weight + 0
     assert joint[0] is not None and not joint[0].valid()
     assert _tokens(model, ids, decoder) == want
+    decoder.close()
+    loaded.free()
+
+
+@cuda_only
+def test_layers_of_another_type_keep_mlx_adds_beside_the_fused_forms(tmp_path: Path, switches: Any) -> None:
+    """A Q4_K file with block 0's value and down projections in Q6_K (as Q4_K_M's recipe makes about
+    half the layers): blocks 1 and 2 take the products' residual and normalized forms, block 0 keeps
+    its own products and MLX's adds, and greedy tokens are the uncompiled loop's."""
+    switches(decode="segmented")
+    switches.env("PYMLXC_CUDA_MATVEC", "1")
+    switches.env("PYMLXC_CUDA_MATVEC_FUSION", "1")
+    model_dir = write_tiny_model(tmp_path / "hf", "llama", seed=3, hidden_size=256, intermediate_size=512,
+                                 num_layers=3)
+    path = export_gguf(model_dir, tmp_path / "m.gguf", Q.Q4_K,
+                       extra_types={"blk.0.attn_v.weight": Q.Q6_K, "blk.0.ffn_down.weight": Q.Q6_K})
+    loaded = load_weights_and_config(path)
+    model = loaded.model
+    assert isinstance(model.layers[0].mlp.down_proj, BlockLinear)
+    ids = [int(i) for i in np.random.default_rng(1).integers(16, 500, size=19)]
+    want = _tokens(model, ids, None, steps=30)
+    decoder = CompiledDecoder(model)
+    assert _tokens(model, ids, decoder, steps=30) == want
+    assert plan_flags(decoder, "matvec_fusion") == {"all"}
+    assert plan_flags(decoder, "layers") == {((False, True, True), (False, True, True))}
     decoder.close()
     loaded.free()

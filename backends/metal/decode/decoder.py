@@ -348,8 +348,9 @@ class CompiledDecoder:
             matvec_fusion = segments.use_matvec_fusion(model, blocks, fusions, pair_silu, self.cuda_matvec_fusion)
             rope_in_product = segments.use_rope_in_product(model, blocks, fusions, rope, matvec_fusion,
                                                            self.cuda_rope_in_product)
+            layers = segments.fused_layers(model, blocks, fusions) if matvec_fusion and fusions else None
             seg_key = ("segmented", structure, fuse_greedy, fusions is not None, fused_norm, argmax, rope is not None,
-                       attention, pair_silu, matvec_fusion, rope_in_product)
+                       attention, pair_silu, matvec_fusion, rope_in_product, layers)
             if seg_key in self._failed:
                 return None
             with self._lock:
@@ -358,7 +359,7 @@ class CompiledDecoder:
                     self._plans.pop(seg_key, None)  # an old plan's arrays go first
                     seg_plan = segments.SegmentPlan(model, blocks, fuse_greedy, self.stats, fusions, signature,
                                                     fused_norm, argmax, rope, attention, pair_silu, matvec_fusion,
-                                                    rope_in_product)
+                                                    rope_in_product, layers)
                     self._plans[seg_key] = seg_plan
                 self._recent_plan = ((signature, fuse_greedy, self.fuse_projections), seg_key)
         assert seg_key is not None and seg_plan is not None  # found or made together above

@@ -172,9 +172,9 @@ def use_matvec_fusion(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple
     `setting` (PYMLXC_CUDA_MATVEC_FUSION: auto = on CUDA, "all" for models of at most
     FUSION_MAX_BYTES_PER_LAYER of 4-bit layers a block and "ends" above; 1 = "all" at any size and
     also elsewhere, where the check then fails; ends; or 0) allows it, the gate/up products are
-    paired (`pair_silu`), every q/k/v fusion and o/down projection is 4-bit on pymlxc's matvec
-    kernel in the model's type, every block norm is an RMSNorm of that type, and the forms pass
-    their check for each group size and eps."""
+    paired (`pair_silu`), every block norm is an RMSNorm of the model's type, at least one layer
+    can take a form (`fused_layers`: a GGUF file's Q6_K layers cannot, the others still do), and
+    the forms pass their check for each group size and eps of those layers."""
     if setting == "0" or (setting == "auto" and not kernel_check.on_cuda()) or not fusions or not pair_silu:
         return ""
     mode = "ends" if setting == "ends" else "all"
@@ -185,20 +185,41 @@ def use_matvec_fusion(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple
     norms = [n for b in blocks for n in (b.input_layernorm, b.post_attention_layernorm)]
     if any(type(n) is not nn.RMSNorm or n.weight.dtype != dtype for n in norms):
         return ""
-    outs = [m for b in blocks for m in (b.self_attn.o_proj, b.mlp.down_proj)]
-    if any(type(m) is not nn.QuantizedLinear or not m.cuda_matvec or m.bits != 4 or m.scales.dtype != dtype
-           or m.__dict__.get("bias") is not None for m in outs):
+    heads, ends = fused_layers(model, blocks, fusions)
+    if not any(heads) and not any(ends):
         return ""
-    kinds = {f[0].fused.normable() if f[0] is not None else None for f in fusions}
-    if None in kinds or any(kind[0] != dtype for kind in kinds if kind is not None):
-        return ""
-    if any(b.self_attn.qk_norms() and (f[0] is None or f[0].fused.qk_norm_weight is None)
-           for b, f in zip(blocks, fusions, strict=True)):
-        return ""  # q and k normalized apart: `_project` would take the heads from h itself
-    groups = {m.group_size for m in outs} | {kind[1] for kind in kinds if kind is not None}
+    groups = ({m.group_size for b, end in zip(blocks, ends, strict=True) if end
+               for m in (b.self_attn.o_proj, b.mlp.down_proj)}
+              | {kind[1] for f, head in zip(fusions, heads, strict=True) if head
+                 and f[0] is not None and (kind := f[0].fused.normable()) is not None})
     d = norms[0].weight.shape[0]
     ready = all(fusion_ready(dtype, g, d, eps) for g in sorted(groups) for eps in sorted({float(n.eps) for n in norms}))
     return mode if ready else ""
+
+
+def _four_bit_on_kernel(m: Any, dtype: Any) -> bool:
+    """A linear pymlxc's 4-bit matvec kernel computes in `dtype`, without a bias."""
+    return (type(m) is nn.QuantizedLinear and m.cuda_matvec and m.bits == 4 and m.scales.dtype == dtype
+            and m.__dict__.get("bias") is None)
+
+
+def fused_layers(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple[Fusion | None, Fusion | None]]
+                 ) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+    """Per block, whether its q/k/v product can take the normalized form (a fusion without a tail,
+    4-bit on pymlxc's kernel in the model's type; q and k norms joined to it where the block has
+    them) and whether its end can take the residual forms (o_proj and down_proj 4-bit on the kernel
+    in that type, without a bias; the paired gate/up product). A GGUF Q4_K_M file's layers whose
+    value and down projections are Q6_K blocks keep MLX's adds and norms; the others still fuse."""
+    dtype = model.compute_dtype
+    heads = []
+    ends = []
+    for block, (qkv, gate_up) in zip(blocks, fusions, strict=True):
+        kind = qkv.fused.normable() if qkv is not None else None
+        heads.append(kind is not None and kind[0] == dtype
+                     and not (block.self_attn.qk_norms() and qkv is not None and qkv.fused.qk_norm_weight is None))
+        ends.append(gate_up is not None and gate_up.fused.pairable() is not None
+                    and all(_four_bit_on_kernel(m, dtype) for m in (block.self_attn.o_proj, block.mlp.down_proj)))
+    return tuple(heads), tuple(ends)
 
 
 def use_rope_in_product(model: Any, blocks: Sequence[Any],
@@ -590,28 +611,35 @@ def _first_body(group: SegmentGroup, mods: list[Any], tokens: Array, pos: Array,
     """The first segment: [*layer 0's heads (`_heads`), h]."""
     embed, norm, attn, qkv = mods
     h = embed(mx.reshape(tokens, (tokens.shape[0], 1)))
-    if group.matvec_fusion:
+    if group.heads_in_product:
         return [*_heads(group, attn, h, pos, qkv, kv, norm), h]
     return [*_heads(group, attn, norm(h), pos, qkv, kv), h]
 
 
 def _mid_body(group: SegmentGroup, mods: list[Any], attn_out: Array, h: Array, pos: Array, kv: list[Array]
               ) -> list[Array]:
-    """A middle segment: layer i after its attention, then [*layer i+1's heads, h]."""
+    """A middle segment: layer i after its attention, then [*layer i+1's heads, h]. Each half takes
+    the products' residual and normalized forms where the group's flags say so (`fused_layers`)."""
     block, gate_up, norm, attn, qkv = mods
-    if group.matvec_fusion:
+    x = None
+    if group.ends_in_products:
         h = _finish_block_in_products(group, block, attn_out, h, gate_up)
+    else:
+        h, mlp_out = _finish_block(group, block, attn_out, h, gate_up)
+        if group.heads_in_product:
+            h = h + mlp_out
+        else:
+            h, x = _add_norm(h, mlp_out, norm, group.fused_norm)
+    if group.heads_in_product:
         return [*_heads(group, attn, h, pos, qkv, kv, norm), h]
-    h, mlp_out = _finish_block(group, block, attn_out, h, gate_up)
-    h, x = _add_norm(h, mlp_out, norm, group.fused_norm)
-    return [*_heads(group, attn, x, pos, qkv, kv), h]
+    return [*_heads(group, attn, norm(h) if x is None else x, pos, qkv, kv), h]
 
 
 def _last_body(group: SegmentGroup, mods: list[Any], attn_out: Array, h: Array) -> Array:
     """The last segment: the last layer after its attention, the final norm and the head; the
     sampled ids where greedy is fused, else the logits [B, V]."""
     block, gate_up, norm, embed, head = mods
-    if group.matvec_fusion:
+    if group.ends_in_products:
         h = norm(_finish_block_in_products(group, block, attn_out, h, gate_up))
     else:
         h, mlp_out = _finish_block(group, block, attn_out, h, gate_up)
@@ -731,6 +759,10 @@ class SegmentGroup:
     # "all": residual adds inside the o/down products, block norms inside the q/k/v and gate/up
     # products; "ends": inside the q/k/v and down products only (`use_matvec_fusion`); "": neither
     matvec_fusion: str = ""
+    # Which of the segment's layers take those forms (`fused_layers`): the block it ends (its o and
+    # down products, and gate/up with "all") and the block whose heads it computes (its q/k/v product).
+    ends_in_products: bool = False
+    heads_in_product: bool = False
     rope_in_product: bool = False  # RoPE and the key/value writes inside the normalized q/k/v product
 
     @property
@@ -763,14 +795,23 @@ class SegmentFunctions:
 
     def __init__(self) -> None:
         self.first = mx.compile(_trace_first)
-        self.mid = mx.compile(_trace_mid)
+        # The middle segment per pair of its group's flags (`ends_in_products`, `heads_in_product`):
+        # layers alike in their arrays' shapes but not in their forms must not share a trace.
+        self.mids: dict[tuple[bool, bool], Any] = {}
         self.last = mx.compile(_trace_last)
         # The whole step (a plan with `attention`): one graph per attention kernel, short and long.
         self.whole = {True: mx.compile(_trace_whole), False: mx.compile(_trace_whole)}
 
     def clear(self) -> None:
-        for fn in (self.first, self.mid, self.last, *self.whole.values()):
+        for fn in (self.first, *self.mids.values(), self.last, *self.whole.values()):
             fn.clear()
+
+    def mid(self, group: SegmentGroup) -> Any:
+        """The compiled middle segment for `group`'s flags."""
+        key = (group.ends_in_products, group.heads_in_product)
+        if key not in self.mids:
+            self.mids[key] = mx.compile(_trace_mid)
+        return self.mids[key]
 
 
 # ---------------------------------------------------------------------- a generation
@@ -785,7 +826,8 @@ class SegmentPlan:
                  fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None, signature: tuple[int, ...],
                  fused_norm: bool = False, cuda_argmax: bool = False,
                  rope: rope_kv_kernel.Rope | None = None, attention: str | None = None,
-                 pair_silu: bool = False, matvec_fusion: str = "", rope_in_product: bool = False) -> None:
+                 pair_silu: bool = False, matvec_fusion: str = "", rope_in_product: bool = False,
+                 layers: tuple[tuple[bool, ...], tuple[bool, ...]] | None = None) -> None:
         inner = model.model
         tied = model.lm_head is None
         fusions = fusions or [(None, None)] * len(blocks)
@@ -798,17 +840,22 @@ class SegmentPlan:
         self.fuse_greedy = fuse_greedy
         self.rope = rope  # each layer's RoPE and key/value writes as `kernels/rope_kv.py`'s kernel
         self.rope_kv = rope is not None
+        # Per block: its q/k/v product and its end in the products' forms (`fused_layers`)
+        heads, ends = layers if matvec_fusion and layers is not None else ((False,) * len(blocks),) * 2
+        self.layers = (heads, ends)
         self.first = segment_group([inner.embed_tokens, blocks[0].input_layernorm, blocks[0].self_attn, qkv[0]], stats,
-                            rope=rope, matvec_fusion=matvec_fusion, rope_in_product=rope_in_product)
+                            rope=rope, matvec_fusion=matvec_fusion, rope_in_product=rope_in_product,
+                            heads_in_product=heads[0])
         self.fused_norm = fused_norm
         self.mids = [segment_group([blocks[i], gate_up[i], blocks[i + 1].input_layernorm, blocks[i + 1].self_attn,
                              qkv[i + 1]], stats, fused_norm=fused_norm, rope=rope, pair_silu=pair_silu,
-                                    matvec_fusion=matvec_fusion, rope_in_product=rope_in_product)
+                                    matvec_fusion=matvec_fusion, rope_in_product=rope_in_product,
+                                    ends_in_products=ends[i], heads_in_product=heads[i + 1])
                      for i in range(len(blocks) - 1)]
         self.last = segment_group([blocks[-1], gate_up[-1], inner.norm, inner.embed_tokens, model.lm_head], stats,
                            tied=tied, fuse_greedy=fuse_greedy, fused_norm=fused_norm,
                            cuda_argmax=cuda_argmax and fuse_greedy, pair_silu=pair_silu,
-                           matvec_fusion=matvec_fusion)
+                           matvec_fusion=matvec_fusion, ends_in_products=ends[-1])
         self.cuda_argmax = self.last.cuda_argmax
         self.scales = [float(b.self_attn.scale) for b in blocks]
         # The whole step as one graph (`_trace_whole`): "kernel" (attention as
@@ -865,7 +912,7 @@ class SegmentedSession:
         for i, scale in enumerate(self._scales):
             attn = self._attend(i, heads, scale)
             if i + 1 < len(self._scales):
-                *heads, h = call_segment(fns.mid, self._mids[i], [attn, h, pos, *self._kv_inputs(i + 1)])
+                *heads, h = call_segment(fns.mid(self._mids[i]), self._mids[i], [attn, h, pos, *self._kv_inputs(i + 1)])
             else:
                 out, pos = call_segment(fns.last, self._last, [attn, h, pos])
         self._position += 1
@@ -945,7 +992,7 @@ class SegmentedSession:
                 self._buffers = []
 
 
-__all__ = ["plan", "rope_of", "use_decode_attention", "use_matvec_fusion", "use_pair_silu", "use_rope_in_product",
-           "WholeStep",
+__all__ = ["fused_layers", "plan", "rope_of", "use_decode_attention", "use_matvec_fusion", "use_pair_silu",
+           "use_rope_in_product", "WholeStep",
            "fuse", "fusions_for", "FusedProjection", "Fusion", "SegmentFunctions", "SegmentGroup",
            "SegmentPlan", "SegmentedSession", "call_segment", "segment_group"]

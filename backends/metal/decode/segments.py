@@ -797,7 +797,7 @@ class SegmentFunctions:
         self.first = mx.compile(_trace_first)
         # The middle segment per pair of its group's flags (`ends_in_products`, `heads_in_product`):
         # layers alike in their arrays' shapes but not in their forms must not share a trace.
-        self.mids: dict[tuple[bool, bool], Any] = {}
+        self.mids = {(ends, heads): mx.compile(_trace_mid) for ends in (False, True) for heads in (False, True)}
         self.last = mx.compile(_trace_last)
         # The whole step (a plan with `attention`): one graph per attention kernel, short and long.
         self.whole = {True: mx.compile(_trace_whole), False: mx.compile(_trace_whole)}
@@ -808,10 +808,7 @@ class SegmentFunctions:
 
     def mid(self, group: SegmentGroup) -> Any:
         """The compiled middle segment for `group`'s flags."""
-        key = (group.ends_in_products, group.heads_in_product)
-        if key not in self.mids:
-            self.mids[key] = mx.compile(_trace_mid)
-        return self.mids[key]
+        return self.mids[(group.ends_in_products, group.heads_in_product)]
 
 
 # ---------------------------------------------------------------------- a generation

@@ -14,6 +14,8 @@
 #             bash benchmarks/gpu_llama_cpp.sh bench-1b
 #   then, for Q6_K and Q8_0: FORMATS_8B="q6_k q8_0" ... clean-8b prep-8b, then bench-8b.
 #
+# The machine must stay warm between the calls: one left idle past the lender's release comes back
+# bare (no wheel, no build, no files), and bench-8b then stops at once rather than wait for files.
 # Keep the benchmarks apart from the CPU work of the build and of prep-8b: pymlxc's 1B decode is
 # bound by host work, and a run beside them (prep-8b-bg during bench-1b) moved it by 20% and more.
 # Export GIT_REV=<commit> in each call where the lent copy's git metadata is stale.
@@ -123,6 +125,11 @@ for stage in "$@"; do
       bench bench-1b --shapes llama-3.2-1b --formats ${FORMATS_1B:-q4_0 q4_k_m q6_k q8_0} --matvec-off --drop-source ${BENCH_1B_ARGS:-}
       ;;
     bench-8b)
+      # A machine handed back between calls (idle past the lender's release) comes back bare: no
+      # files and no preparation running, so there is nothing to wait for.
+      if [ ! -f "$STATE/prep-8b.done" ] && ! pgrep -f 'gpu_llama_cpp[.]sh prep-8b$' >/dev/null; then
+        echo "no 8B files and no prep-8b running on this machine: run prep-8b first"; exit 1
+      fi
       for _ in $(seq 1 100); do [ -f "$STATE/prep-8b.done" ] && break; sleep 5; done
       tail -5 "$STATE/prep-8b.log" 2>/dev/null || true; df -h /tmp | tail -1
       # shellcheck disable=SC2086

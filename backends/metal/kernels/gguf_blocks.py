@@ -226,7 +226,7 @@ CUDA_MATVEC_SOURCE = _CUDA_WARPS + _CUDA_ROWS + r"""  const int row0 = blockIdx.
 # (k = 0..3, i = 0..7): exactly the values whose low nibbles lie in 2 x 8 bytes of ql and whose
 # high bits lie in 8 bytes of qh. With 2-byte x the products are integers, as in matvec.py's 4-bit
 # kernel: the lane rounds its 32 values of x to int16 against their largest (an error of at most
-# max |x| / 65534 a value, `q6k_rounding_bound`), and `dp2a` multiplies them with the codes, 0..63
+# max |x| / 65534 a value, `q6k_rounding_step`), and `dp2a` multiplies them with the codes, 0..63
 # a byte: sum x d sc (q - 32) = d sc dx (sum xi q - 32 sum xi) per 8 values of one scale, the
 # second sum taken once per x for all R rows. float32 x keeps float products (codes become floats
 # through the mantissa, 2^23 + q), equal to the reference's values up to float32 rounding.

@@ -26,7 +26,7 @@ shuffles / `simd_sum`. The values are computed with the reference's float32 oper
 order (rounding each product: `__fmul_rn` keeps CUDA from fusing Q2_K's d*q - m into one fma), so
 the dequantization kernel gives `gguf.quants.dequantize`'s values bit for bit, and the product
 differs from MLX's only by summation order; Q6_K's own kernel with 2-byte x rounds x to int16 for
-integer products (within `q6k_rounding_bound`).
+integer products (within `q6k_rounding_step`'s bound).
 
 The Metal sources mirror the CUDA ones line for line (simdgroups of 32, the same lane mapping).
 They have not been run: the project has no Mac in its test machines; `ready()` compares them with

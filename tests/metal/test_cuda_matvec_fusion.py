@@ -269,13 +269,15 @@ def test_the_restructured_step_keeps_the_tokens(tiny, monkeypatch: pytest.Monkey
     decoder.close()
 
 
-@pytest.mark.parametrize("setting", ["1", "ends"])
+@pytest.mark.parametrize(("setting", "whole"), [("1", "0"), ("ends", "0"), ("1", "1")])
 def test_layers_that_cannot_take_the_forms_keep_mlx_operations(tiny, monkeypatch: pytest.MonkeyPatch,
-                                                                switches: Any, setting: str) -> None:
+                                                                switches: Any, setting: str, whole: str) -> None:
     """A model whose layers differ (a GGUF Q4_K_M file's Q6_K value and down projections): block 1's
     down_proj and block 2's q/k/v off pymlxc's kernel. The other layers still take the forms, the
     two keep MLX's adds and norms, and the tokens are the uncompiled loop's. The middle segments of
-    blocks 0-1 and 1-2 have arrays of the same shapes but different forms: each gets its own trace."""
+    blocks 0-1 and 1-2 have arrays of the same shapes but different forms: each gets its own trace.
+    `whole`: the step as one graph (PYMLXC_CUDA_DECODE_ATTENTION=1, MLX's attention here), whose
+    one trace runs every segment's body with its own flags."""
     model = tiny(bits=4)
     want = greedy_ids(model, None)
     for m in _quantized(model):
@@ -288,11 +290,13 @@ def test_layers_that_cannot_take_the_forms_keep_mlx_operations(tiny, monkeypatch
     switches.env("PYMLXC_CUDA_MATVEC_FUSION", setting)
     switches.env("PYMLXC_CUDA_ROPE_IN_PRODUCT", "0")
     switches.env("PYMLXC_CUDA_GATE_UP", "1")
+    switches.env("PYMLXC_CUDA_DECODE_ATTENTION", whole)
     decoder = CompiledDecoder(model, "segmented")
     assert greedy_ids(model, decoder) == want
     mode = "all" if setting == "1" else "ends"
     assert plan_flags(decoder, "matvec_fusion") == {mode}
     assert plan_flags(decoder, "layers") == {((True, True, False), (True, False, True))}
+    assert plan_flags(decoder, "attention") == {"mlx" if whole == "1" else None}
     end = ["residual", "pair", "residual"] if mode == "all" else ["plain pair", "residual"]
     # first: block 0's normalized q/k/v; middle 0-1: block 0's end, block 1's q/k/v; middle 1-2:
     # block 1's end (the plain pair, MLX's down_proj and adds), block 2's q/k/v (MLX's); last: block 2's end

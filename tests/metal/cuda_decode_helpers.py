@@ -1,5 +1,6 @@
-"""What the CUDA-kernel test files share: tiny float16 models written on demand (freed at the end)
-and the greedy ids of one generation with or without a compiled decoder."""
+"""What the CUDA-kernel test files share: tiny float16 models written on demand (freed at the end),
+the greedy ids of one generation with or without a compiled decoder, and the integer products'
+rounding of x replayed in numpy."""
 from __future__ import annotations
 
 import warnings
@@ -19,6 +20,19 @@ from pymlxc.backends.metal.sample import greedy
 from pymlxc.testing import write_tiny_model
 
 ON_CUDA = mx.cuda_available() and mx.default_device().type == "gpu"
+
+
+def int16_rounding(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The kernels' rounding of x (float32) to int16 over its last axis (`pymlxc_mv::int16_pair`,
+    shared by the 4-bit and Q6_K kernels): xi = rint(x * inv), inv = 32767 / max |x| in float32 (0
+    where x is all zero), one rounding as the kernel's FMA gives it; and the step d = max |x| / 32767
+    in float32, [..., 1]."""
+    x = np.asarray(x, np.float32)
+    amax = np.abs(x).max(-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(32767) / amax, np.float32(0)).astype(np.float32)
+    xi = np.rint(x.astype(np.float64) * inv.astype(np.float64)).astype(np.int64)
+    return xi, (amax * np.float32(1 / 32767)).astype(np.float32)
 
 
 def tiny_models(tmp_path: Path) -> Iterator[Callable[..., Any]]:

@@ -35,6 +35,8 @@ from pymlxc.backends.metal.nn import choose_cuda_matvec
 from pymlxc.backends.metal.sample import greedy
 from pymlxc.testing import write_tiny_model
 
+from .cuda_decode_helpers import int16_rounding
+
 ON_CUDA = mx.cuda_available()
 cuda_only = pytest.mark.skipif(not ON_CUDA, reason="the kernel needs MLX's CUDA build (run on the GPU machine)")
 
@@ -57,11 +59,8 @@ def _replay(x: np.ndarray, w: np.ndarray, s: np.ndarray, b: np.ndarray, group: i
     chunk_group = (np.arange(k // 32) * 32) // group
     sc, bi = s[:, chunk_group].astype(np.float32), b[:, chunk_group].astype(np.float32)
     xc = x.astype(np.float32).reshape(m, k // 32, 32)
-    amax = np.abs(xc).max(-1)
-    with np.errstate(divide="ignore"):
-        inv = np.where(amax > 0, np.float32(32767) / amax, np.float32(0)).astype(np.float32)
-    xi = np.rint(xc.astype(np.float64) * inv[..., None].astype(np.float64)).astype(np.int64)
-    d = (amax * np.float32(1 / 32767)).astype(np.float32)
+    xi, d = int16_rounding(xc)
+    d = d[..., 0]
     dots = np.einsum("mcj,ncj->mnc", xi, codes).astype(np.float32)
     xs = xc.sum(-1, dtype=np.float32)[:, None, :]
     return (sc[None] * d[:, None, :] * dots + bi[None] * xs).sum(-1, dtype=np.float32)

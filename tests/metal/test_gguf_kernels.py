@@ -36,11 +36,10 @@ from pymlxc.backends.metal.loader import load_weights_and_config
 from pymlxc.backends.metal.sample import greedy
 from pymlxc.testing import write_tiny_model
 
+from .cuda_decode_helpers import ON_CUDA, cuda_only, int16_rounding
 from .gguf_export import export_gguf
 
 TYPES = (Q.Q2_K, Q.Q3_K, Q.Q6_K)
-ON_CUDA = mx.cuda_available() and mx.default_device().type == "gpu"
-cuda_only = pytest.mark.skipif(not ON_CUDA, reason="the kernels need MLX's CUDA build (run on the GPU machine)")
 
 
 @pytest.fixture(autouse=True)
@@ -128,15 +127,12 @@ def _q6k_row_dot(row: np.ndarray, x: np.ndarray, align: int, integer: bool = Fal
             xm = x[blk * 256 + 128 * half + l0:]
             dx = 1.0
             if integer:
-                xl = np.array([xm[32 * k + i] for k in range(4) for i in range(8)], np.float32)
-                amax = np.abs(xl).max()
-                inv = np.float32(32767) / amax if amax > 0 else np.float32(0)
-                xi = np.rint(xl.astype(np.float64) * np.float64(inv)).astype(np.int64)
+                xi, dxs = int16_rounding(np.array([xm[32 * k + i] for k in range(4) for i in range(8)]))
                 assert np.abs(xi).max() <= 32767
                 xm = np.zeros(128)
                 for k in range(4):
                     xm[32 * k:32 * k + 8] = xi[8 * k:8 * k + 8]
-                dx = float(np.float32(amax * np.float32(1 / 32767)))
+                dx = float(dxs[0])
             parts = [0.0] * 4
             for h in range(2):
                 a_, b_, c_ = va[h], vb[h], vc[h]
@@ -182,8 +178,11 @@ def test_q6k_integer_products_stay_within_their_rounding_bound(nb: int, align: i
     w = gguf.quants.dequantize(row.reshape(1, -1), Q.Q6_K).reshape(-1).astype(np.float64)
     want = float(xf @ w)
     got = _q6k_row_dot(row, xf, align, integer=True)
-    rounding = float(gguf_blocks.q6k_rounding_step(xf) @ np.abs(w))
-    assert abs(got - want) <= 1.001 * rounding + 1e-12 * float(np.abs(xf) @ np.abs(w))
+    rounding = gguf_blocks.x_rounding_bound("cuda", Q.Q6_K, 2, xf[None, None], w[None, None])
+    assert abs(got - want) <= float(rounding[0, 0, 0]) + 1e-12 * float(np.abs(xf) @ np.abs(w))
+    # float32 x and the other kernels keep x as it is
+    assert gguf_blocks.x_rounding_bound("cuda", Q.Q6_K, 4, xf[None, None], w[None, None]) == 0
+    assert gguf_blocks.x_rounding_bound("metal", Q.Q6_K, 2, xf[None, None], w[None, None]) == 0
 
 
 # ---------------------------------------------------------------------- the layers, on any device
@@ -311,9 +310,8 @@ def test_matvec_kernel_against_float64(qtype: Q, n: int, nb: int, m: int, pairs:
     want = np.einsum("pmk,pnk->pmn", xf, dense[idx])
     bound = np.einsum("pmk,pnk->pmn", np.abs(xf), np.abs(dense[idx]))
     out_round = 2.0**-8 if dtype != "float32" else 2.0**-23
-    tol = bound * 2.0**-20 + np.abs(want) * out_round + 1e-30
-    if qtype == Q.Q6_K and dtype != "float32":  # x rounded to int16 for integer products
-        tol = tol + 1.001 * np.einsum("pmk,pnk->pmn", gguf_blocks.q6k_rounding_step(xf), np.abs(dense[idx]))
+    tol = (bound * 2.0**-20 + np.abs(want) * out_round + 1e-30
+           + gguf_blocks.x_rounding_bound("cuda", qtype, dt.size, xf, dense[idx]))
     assert np.all(np.abs(got - want) <= tol)
 
 

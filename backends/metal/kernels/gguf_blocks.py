@@ -281,10 +281,10 @@ __device__ __forceinline__ float q6k_scale(const uint32_t* s, int l0, int k) {
   return static_cast<float>(static_cast<int8_t>((s[byte >> 2] >> (8 * (byte & 3))) & 0xFFu));
 }
 
-// A lane's 32 values of x, xf[k][i], as int16 xi = round(x / dx) with dx = max |x| / 32767
-// (returned; matvec.py's quantize32 rounding), two to an int: xi[k][j] holds values 2 j and
-// 2 j + 1 of group k, the pair `__dp2a_lo` / `__dp2a_hi` take with a word's bytes (0, 1) / (2, 3).
-// base[k] = -32 sum_i xi[k][i], the codes' offset of 32 applied once per group of 8.
+// A lane's 32 values of x, xf[k][i], rounded to int16 as matvec.py's products round them (returns
+// the step dx), two to an int: xi[k][j] holds values 2 j and 2 j + 1 of group k, the pair
+// `__dp2a_lo` / `__dp2a_hi` take with a word's bytes (0, 1) / (2, 3). base[k] = -32 sum_i xi[k][i],
+// the codes' offset of 32 applied once per group of 8.
 __device__ __forceinline__ float quantize_lane(const float (*xf)[8], int (*xi)[4], int* base) {
   float amax = 0.f;
 #pragma unroll
@@ -294,19 +294,17 @@ __device__ __forceinline__ float quantize_lane(const float (*xf)[8], int (*xi)[4
       amax = fmaxf(amax, fabsf(xf[k][i]));
     }
   }
-  const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+  const float inv = pymlxc_mv::int16_inverse(amax);
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     base[k] = 0;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const unsigned lo = __float_as_uint(fmaf(xf[k][2 * j], inv, 12582912.f));
-      const unsigned hi = __float_as_uint(fmaf(xf[k][2 * j + 1], inv, 12582912.f));
-      xi[k][j] = static_cast<int>(__byte_perm(lo, hi, 0x5410));
+      xi[k][j] = pymlxc_mv::int16_pair(xf[k][2 * j], xf[k][2 * j + 1], inv);
       base[k] = __dp2a_lo(xi[k][j], static_cast<int>(0xE0E0E0E0u), base[k]);  // bytes of -32
     }
   }
-  return amax * (1.f / 32767.f);
+  return pymlxc_mv::int16_step(amax);
 }
 
 }  // namespace pymlxc_gguf
@@ -422,9 +420,12 @@ CUDA_Q6K_MATVEC_SOURCE = _CUDA_WARPS + (
           for (int k = 0; k < 4; ++k) {
             float part = 0.f;
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-              part = fmaf(xf[k][i], pymlxc_gguf::code_minus_32(
-                  pymlxc_gguf::q6k_codes(va[r][i >> 2], vb[r][i >> 2], vc[r][i >> 2], k), i & 3), part);
+            for (int h = 0; h < 2; ++h) {
+              const uint32_t q = pymlxc_gguf::q6k_codes(va[r][h], vb[r][h], vc[r][h], k);
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                part = fmaf(xf[k][4 * h + i], pymlxc_gguf::code_minus_32(q, i), part);
+              }
             }
             sum = fmaf(pymlxc_gguf::q6k_scale(vs[r], l0, k), part, sum);
           }
@@ -563,6 +564,16 @@ def q6k_rounding_step(x: np.ndarray) -> np.ndarray:
     return np.broadcast_to(amax / 65534, lanes.shape).reshape(x.shape)
 
 
+def x_rounding_bound(kind: str, qtype: QType, dtype_size: int, x: np.ndarray, w: np.ndarray) -> np.ndarray | float:
+    """The most `matvec`'s rounding of x can move its products x [P, M, K] @ w [P, N, K].T (float64):
+    Q6_K's CUDA kernel with 2-byte x rounds x to int16 (`q6k_rounding_step` times |w|, with a
+    thousandth for the step's own float32 rounding); the other kernels keep x as it is (0)."""
+    if kind != "cuda" or qtype != QType.Q6_K or dtype_size != 2:
+        return 0.0
+    bound: np.ndarray = 1.001 * np.einsum("pmk,pnk->pmn", q6k_rounding_step(x), np.abs(w))
+    return bound
+
+
 def q6k_rows(x_rows: int) -> int:
     """Output rows a warp of the CUDA Q6_K matvec takes for `x_rows` rows of x: four for one (each
     lane's rounding of x then serves four rows: Llama-3.1-8B's head 209 against 229 us on the H100,
@@ -682,9 +693,8 @@ def _compare(kind: str, qtype: QType, dtype: Any) -> str | None:
     xf = np.asarray(x.astype(mx.float32)).astype(np.float64)
     want = np.einsum("pmk,pnk->pmn", xf, dense)
     bound = np.einsum("pmk,pnk->pmn", np.abs(xf), np.abs(dense))
-    tol = bound * 2.0 ** -20 + np.abs(want) * (2.0 ** -7 if dtype.size == 2 else 2.0 ** -22) + 1e-30
-    if kind == "cuda" and qtype == QType.Q6_K and dtype.size == 2:
-        tol = tol + 1.001 * np.einsum("pmk,pnk->pmn", q6k_rounding_step(xf), np.abs(dense))
+    tol = (bound * 2.0 ** -20 + np.abs(want) * (2.0 ** -7 if dtype.size == 2 else 2.0 ** -22) + 1e-30
+           + x_rounding_bound(kind, qtype, dtype.size, xf, dense))
     for form, got in zip(forms, gots, strict=True):
         if not np.all(np.abs(got - want) <= tol):
             return (f"{kind} matvec of {qtype.name} with {dtype} x (warps {form}) differs from MLX ops by "
@@ -693,4 +703,4 @@ def _compare(kind: str, qtype: QType, dtype: Any) -> str | None:
 
 
 __all__ = ["MAX_X_ROWS", "TYPE_IDS", "checks", "dequantize", "device_kind", "matvec", "q6k_rounding_step",
-           "random_blocks", "ready"]
+           "random_blocks", "ready", "x_rounding_bound"]

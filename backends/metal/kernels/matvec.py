@@ -77,10 +77,29 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// A chunk of 32 values of x as int16, xi = round(x / d) with d = max |x| / 32767 (returned), two
-// to an int in the order `dot32` takes a word's nibbles: word j's nibbles (0, 2), (4, 6), (1, 3),
-// (5, 7) in ints 4j .. 4j + 3. The rounding goes through the float 1.5 * 2^23, whose low 16 bits
-// then hold the integer (an FMA, not the slower float-to-int conversion). `xs`: the values' sum.
+// The int16 rounding of x shared by the integer products here and in gguf_blocks.py's Q6_K kernel:
+// xi = round(x * inv) with inv = 32767 / max |x| (`int16_inverse`, 0 for all-zero x) and the step
+// d = max |x| / 32767 (`int16_step`). `int16_pair` packs two rounded values into an int, a in the
+// low half (the pair `dp2a` takes with a word's bytes 0, 1 or 2, 3). The rounding goes through the
+// float 1.5 * 2^23, whose low 16 bits then hold the integer (an FMA, not the slower float-to-int
+// conversion).
+__device__ __forceinline__ float int16_inverse(float amax) {
+  return amax > 0.f ? 32767.f / amax : 0.f;
+}
+
+__device__ __forceinline__ float int16_step(float amax) {
+  return amax * (1.f / 32767.f);
+}
+
+__device__ __forceinline__ int int16_pair(float a, float b, float inv) {
+  const unsigned lo = __float_as_uint(fmaf(a, inv, 12582912.f));
+  const unsigned hi = __float_as_uint(fmaf(b, inv, 12582912.f));
+  return static_cast<int>(__byte_perm(lo, hi, 0x5410));
+}
+
+// A chunk of 32 values of x rounded to int16 (returns the step d), two to an int in the order
+// `dot32` takes a word's nibbles: word j's nibbles (0, 2), (4, 6), (1, 3), (5, 7) in ints
+// 4j .. 4j + 3. `xs`: the values' sum.
 __device__ __forceinline__ float quantize32(const float* xf, int* xi, float& xs) {
   float amax = 0.f;
   xs = 0.f;
@@ -89,18 +108,16 @@ __device__ __forceinline__ float quantize32(const float* xf, int* xi, float& xs)
     amax = fmaxf(amax, fabsf(xf[i]));
     xs += xf[i];
   }
-  const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+  const float inv = int16_inverse(amax);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       const int e = 8 * j + (s & 1) * 4 + (s >> 1);  // (0, 2), (4, 6), (1, 3), (5, 7)
-      const unsigned lo = __float_as_uint(fmaf(xf[e], inv, 12582912.f));
-      const unsigned hi = __float_as_uint(fmaf(xf[e + 2], inv, 12582912.f));
-      xi[4 * j + s] = static_cast<int>(__byte_perm(lo, hi, 0x5410));
+      xi[4 * j + s] = int16_pair(xf[e], xf[e + 2], inv);
     }
   }
-  return amax * (1.f / 32767.f);
+  return int16_step(amax);
 }
 
 // sum_i xi_i q_i over one 16-byte chunk of packed weights (32 nibbles): a word's even nibbles are

@@ -109,11 +109,9 @@ def main(argv: list[str] | None = None) -> int:
             r = probe(Q[t], k, n, rows, args.bytes, args.repeats)
             r["shape"] = shape
             results.append(r)
-            sides = ("kernel", "kernel_w1", "kernel_w2", "kernel_w4", "kernel_w1_r2", "kernel_w2_r2", "kernel_w4_r2",
-                     "kernel_generic", "mlx_ops", "mlx_4bit_g64", "pymlxc_4bit_g64", "mlx_4bit_g32", "dense_f16")
-            cols = "  ".join(f"{side} {r[side]['us']:.1f} us {r[side]['GBps']:.0f} GB/s"
-                             + (f" err {r[side]['error']:.1e}" if "error" in r[side] else "")
-                             for side in sides if side in r)
+            cols = "  ".join(f"{side} {v['us']:.1f} us {v['GBps']:.0f} GB/s"
+                             + (f" err {v['error']:.1e}" if "error" in v else "")
+                             for side, v in r.items() if isinstance(v, dict))
             print(f"{t:5s} {shape:11s} m={rows:<5d} {cols}", flush=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@ only around `--steps` decode steps of a warm generation, so only those kernels a
 
     ncu --profile-from-start off --metrics gpu__time_duration.sum --cache-control none --csv \
         --log-file OUT.csv python benchmarks/profile/probe_kernel_times.py --side pymlxc
+        [--model PATH]   # a checkpoint folder or a .gguf file instead of --shape / --quant
     python benchmarks/profile/probe_kernel_times.py --summarize OUT.csv --steps 4
 
 ncu runs every kernel on its own, so the sum of their durations is the step's device time without
@@ -37,11 +38,12 @@ def _cudart() -> ctypes.CDLL:
     return ctypes.CDLL("libcudart.so")
 
 
-def run(side_name: str, shape: str, quant: str, prompt_tokens: int, steps: int, models: Path) -> None:
+def run(side_name: str, shape: str, quant: str, prompt_tokens: int, steps: int, models: Path,
+        model: Path | None = None) -> None:
     import compare_mlx_lm as bench  # noqa: PLC0415
     import mlx.core as mlx  # noqa: PLC0415
 
-    path = bench.model_dir(models, shape, quant, None)
+    path = model if model is not None else bench.model_dir(models, shape, quant, None)
     side = bench.Pymlxc() if side_name == "pymlxc" else bench.MlxLm()
     side.load(path)
     prompt = bench.probe_prompt(prompt_tokens, side.vocab)
@@ -84,7 +86,8 @@ def summarize(path: Path, steps: int) -> None:
     print(f"{len(rows)} kernels, {total:.1f} us in all; per step {len(rows) / steps:.1f} kernels, "
           f"{total / steps:.1f} us")
     for name, times in sorted(by.items(), key=lambda kv: -sum(kv[1])):
-        print(f"  {sum(times) / steps:8.1f} us/step  {len(times) / steps:6.1f}/step  mean {sum(times) / len(times):7.2f} us  {name}")
+        print(f"  {sum(times) / steps:8.1f} us/step  {len(times) / steps:6.1f}/step  "
+              f"mean {sum(times) / len(times):7.2f} us  {name}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,12 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--models-dir", type=Path, default=Path("/tmp/pymlxc-bench-models"))
+    p.add_argument("--model", type=Path, default=None,
+                   help="this checkpoint folder or GGUF file rather than --shape / --quant's random model")
     p.add_argument("--summarize", type=Path, default=None, help="an ncu CSV log to summarize instead")
     args = p.parse_args(argv)
     if args.summarize is not None:
         summarize(args.summarize, args.steps)
     else:
-        run(args.side, args.shape, args.quant, args.prompt_tokens, args.steps, args.models_dir)
+        run(args.side, args.shape, args.quant, args.prompt_tokens, args.steps, args.models_dir, args.model)
     return 0
 
 

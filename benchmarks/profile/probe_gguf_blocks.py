@@ -33,8 +33,9 @@ from pymlxc.backends.metal.formats.gguf_quants import dequantize_blocks
 from pymlxc.backends.metal.kernels import gguf_blocks
 
 SHAPES = {  # name: (K, N)
-    "1b.o": (2048, 2048), "1b.gate_up": (2048, 16384), "1b.down": (8192, 2048), "1b.head": (2048, 128256),
-    "8b.o": (4096, 4096), "8b.down": (14336, 4096), "8b.head": (4096, 128256),
+    "1b.v": (2048, 512), "1b.o": (2048, 2048), "1b.gate_up": (2048, 16384), "1b.down": (8192, 2048),
+    "1b.head": (2048, 128256),
+    "8b.v": (4096, 1024), "8b.o": (4096, 4096), "8b.down": (14336, 4096), "8b.head": (4096, 128256),
 }
 
 
@@ -56,8 +57,7 @@ def probe(qtype: Q, k: int, n: int, rows: int, min_bytes: int, repeats: int) -> 
         zero = mx.zeros((1,), mx.int32)
         forms: dict[str, dict[str, Any]] = {"kernel": {}}
         if kind == "cuda" and qtype == Q.Q6_K:  # its own kernel: each split of a row, and the generic one
-            forms.update({f"kernel_w{w}": {"warps": w} for w in (1, 2, 4)})
-            forms.update({f"kernel_w{w}_r2": {"warps": w, "rows_per_warp": 2} for w in (1, 2, 4)})
+            forms.update({f"kernel_w{w}_r{r}": {"warps": w, "rows_per_warp": r} for r in (4, 2, 1) for w in (1, 2, 4)})
             forms["kernel_generic"] = {"generic": True}
         for name, form in forms.items():
             sides[name] = (lambda w, form=form: mx.reshape(gguf_blocks.matvec(

@@ -31,32 +31,39 @@ def dequantize_rows(weight: Array, qtype: QType, dtype: Any) -> Array:
     return dequantize_blocks(weight, qtype).astype(dtype)
 
 
-def block_matmul(x: Array, weight: Array, qtype: QType) -> Array:
-    """x @ W^T for W the rows of blocks `weight` [out, blocks, bytes]. A few rows of x (decode) on a
-    GPU: the matvec kernel reading the blocks. Otherwise chunks of CHUNK_WEIGHTS weights are
-    dequantized, each for its own MLX matmul, so no dense copy of the whole matrix is made (MLX may
-    still hold several chunks at once: its host side allocates ahead of the device)."""
+def block_matmul(x: Array, weight: Array, qtype: QType, planes: bool = False) -> Array:
+    """x @ W^T for W the rows of blocks `weight` [out, blocks, bytes] (`planes`: Q6_K blocks in
+    `gguf_blocks.to_planes`'s layout). A few rows of x (decode) on a GPU: the matvec kernel reading
+    the blocks. Otherwise chunks of CHUNK_WEIGHTS weights are dequantized, each for its own MLX
+    matmul, so no dense copy of the whole matrix is made (MLX may still hold several chunks at once:
+    its host side allocates ahead of the device)."""
     n, nb = weight.shape[0], weight.shape[1]
     k = x.shape[-1]
     rows = x.size // k if k else 0
     if 1 <= rows <= gguf_blocks.MAX_X_ROWS and kernel_choice.kernels_allowed():
         kind = gguf_blocks.ready(qtype, x.dtype)
-        if kind is not None and k == nb * QK_K:
+        if kind is not None and k == nb * QK_K and (not planes or gguf_blocks.planes_ready(x.dtype)):
             y = gguf_blocks.matvec(mx.reshape(x, (1, rows, k)), mx.expand_dims(weight, 0),
-                                   mx.zeros((1,), mx.int32), qtype, kind)
+                                   mx.zeros((1,), mx.int32), qtype, kind, planes=planes)
             return mx.reshape(y, (*x.shape[:-1], n))
+    if planes:
+        return nn.product_in_row_chunks(
+            x, n, CHUNK_WEIGHTS,
+            lambda r, stop: dequantize_rows(gguf_blocks.from_planes(weight, r, stop), qtype, x.dtype))
     return nn.product_in_row_chunks(x, n, CHUNK_WEIGHTS,
                                     lambda r, stop: dequantize_rows(weight[r:stop], qtype, x.dtype))
 
 
 class BlockLinear(nn.Module):
     """A Linear whose weight is rows of GGUF blocks (`weight` uint8 [out, in/256, type_size]),
-    dequantized for each call in the input's dtype."""
+    dequantized for each call in the input's dtype. `planes`: the Q6_K blocks rearranged for the CUDA
+    kernel (`use_planes`)."""
 
     def __init__(self, input_dims: int, output_dims: int, qtype: QType, bias: bool = False,
                  dtype: mx.Dtype = mx.float16) -> None:
         super().__init__()
         self.qtype = qtype
+        self.planes = False
         self.input_dims, self.output_dims = input_dims, output_dims
         self.weight = mx.zeros((output_dims, *block_shape(qtype, input_dims)), mx.uint8)
         if bias:
@@ -64,7 +71,7 @@ class BlockLinear(nn.Module):
         self.freeze(recurse=False)
 
     def __call__(self, x: Array) -> Array:
-        y = block_matmul(x, self.weight, self.qtype)
+        y = block_matmul(x, self.weight, self.qtype, self.planes)
         b = self.__dict__.get("bias")
         return y if b is None else y + b
 
@@ -196,5 +203,37 @@ def use_block_layers(model: nn.Module, types: dict[str, Any], dtype: mx.Dtype = 
     return swapped
 
 
+def use_planes(model: nn.Module, dtype: mx.Dtype, use: bool = True) -> int:
+    """Rearrange the Q6_K weights of `model`'s BlockLinear layers into `gguf_blocks.to_planes`'s
+    layout (the same bytes, permuted), where `use` (Settings.cuda_q6k_planes) and the planes kernel's
+    check for x of `dtype` pass; returns how many. Once the weights are in (after any split of the
+    model: `file_layout` first undoes it). Token embeddings keep the file's layout: their lookups read
+    whole rows."""
+    if not use or not gguf_blocks.planes_ready(dtype):
+        return 0
+    done = 0
+    for _, layer in model.named_modules():
+        if isinstance(layer, BlockLinear) and layer.qtype == QType.Q6_K and not layer.planes:
+            planes = gguf_blocks.to_planes(layer.weight)
+            mx.eval(planes)  # one matrix at a time: the old layout is freed before the next is copied
+            layer.weight = planes
+            layer.planes = True
+            done += 1
+    return done
+
+
+def file_layout(model: nn.Module) -> int:
+    """Undo `use_planes`: every BlockLinear's weight back in the file's block layout; returns how many."""
+    done = 0
+    for _, layer in model.named_modules():
+        if isinstance(layer, BlockLinear) and layer.planes:
+            blocks = gguf_blocks.from_planes(layer.weight)
+            mx.eval(blocks)
+            layer.weight = blocks
+            layer.planes = False
+            done += 1
+    return done
+
+
 __all__ = ["BLOCK_LAYERS", "CHUNK_WEIGHTS", "dequantize_rows", "block_matmul", "BlockLinear", "BlockEmbedding",
-           "BlockSwitchLinear", "block_form", "holds_blocks", "use_block_layers"]
+           "BlockSwitchLinear", "block_form", "file_layout", "holds_blocks", "use_block_layers", "use_planes"]

@@ -31,6 +31,7 @@ from . import nn
 from .config_check import check_against_tensors
 from .formats.errors import ConfigError, WeightsFileError
 from .formats.safetensors import SUPPORTED_BITS, canonical_name, quantization_of, read_config, read_shards, weight_files
+from .kernels.check import on_cuda
 from .models import UnsupportedModelError, get_model_module, infer_model_type
 from .models.switch_layers import QuantizedSwitchLinear
 from .tokenizer import load_gguf_tokenizer
@@ -225,15 +226,23 @@ def load_gguf_weights(path: str | os.PathLike[str], *, context_len: int = 131072
     `dtype`: "auto" (gguf_tensors.compute_dtype decides) or the dtype to compute in."""
     # formats/gguf.py and gguf_layers.py need the optional `gguf` package: imported for GGUF files only.
     from .formats.gguf import read_gguf_checkpoint  # noqa: PLC0415
-    from .gguf_layers import use_block_layers  # noqa: PLC0415
+    from .gguf_layers import use_block_layers, use_planes  # noqa: PLC0415
 
     check_regular_file(Path(path), what="GGUF file")
     ckpt = read_gguf_checkpoint(path, reader, dtype=requested_dtype(dtype))
     blocks, compute = ckpt.blocks, ckpt.dtype
     layers = (lambda model: use_block_layers(model, blocks, compute)) if blocks else None
-    return build_model(ckpt.config, ckpt.arrays, dict.fromkeys(ckpt.arrays, ckpt.file), source=ckpt.file,
-                       root=ckpt.file, context_len=context_len, progress=progress, layers=layers,
-                       settings=settings, compute_dtype=ckpt.dtype)
+    loaded = build_model(ckpt.config, ckpt.arrays, dict.fromkeys(ckpt.arrays, ckpt.file), source=ckpt.file,
+                         root=ckpt.file, context_len=context_len, progress=progress, layers=layers,
+                         settings=settings, compute_dtype=ckpt.dtype)
+    if blocks:
+        chosen = settings if settings is not None else current_settings()
+        try:
+            use_planes(loaded.model, loaded.model.compute_dtype, chosen.switch_on("cuda_q6k_planes", on_cuda()))
+        except BaseException:
+            loaded.free()
+            raise
+    return loaded
 
 
 def load_gguf_model(path: str | os.PathLike[str], *, context_len: int = 131072, progress: Progress | None = None,

@@ -58,10 +58,16 @@ def probe(qtype: Q, k: int, n: int, rows: int, min_bytes: int, repeats: int) -> 
         forms: dict[str, dict[str, Any]] = {"kernel": {}}
         if kind == "cuda" and qtype == Q.Q6_K:  # its own kernel: each split of a row, and the generic one
             forms.update({f"kernel_w{w}_r{r}": {"warps": w, "rows_per_warp": r} for r in (4, 2, 1) for w in (1, 2, 4)})
+            if gguf_blocks.planes_ready(x.dtype):  # the same kernel on the weights rearranged into planes
+                forms["planes"] = {"planes": True}
+                forms.update({f"planes_w{w}_r{r}": {"warps": w, "rows_per_warp": r, "planes": True}
+                              for r in (4, 2, 1) for w in (1, 2, 4)})
             forms["kernel_generic"] = {"generic": True}
+        planes = {id(b): gguf_blocks.to_planes(b) for b in blocks} if "planes" in forms else {}
         for name, form in forms.items():
             sides[name] = (lambda w, form=form: mx.reshape(gguf_blocks.matvec(
-                mx.reshape(x, (1, rows, k)), mx.expand_dims(w, 0), zero, qtype, kind, **form), (rows, n)), block_bytes)
+                mx.reshape(x, (1, rows, k)), mx.expand_dims(planes[id(w)] if form.get("planes") else w, 0), zero,
+                qtype, kind, **form), (rows, n)), block_bytes)
     dense = mx.array(dense64.astype(np.float16))
     q, s, b = mx.quantize(dense, 64, 4)
     mx.eval(q, s, b)

@@ -257,11 +257,15 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
              g.CUDA_DEQUANT_SOURCE, "}",
              g.CUDA_Q6K_MATVEC_HEADER.replace(g.CUDA_HEADER, ""),
              "template <typename T, int M, int R, int W> __global__ void q6(const T* x, const uint8_t* w, "
-             "const int32_t* w_shape, const int32_t* idx, T* out) {", g.CUDA_Q6K_MATVEC_SOURCE, "}"]
+             "const int32_t* w_shape, const int32_t* idx, T* out) {", g.CUDA_Q6K_MATVEC_SOURCE, "}",
+             "template <typename T, int M, int R, int W> __global__ void q6p(const T* x, const uint8_t* w, "
+             "const int32_t* w_shape, T* out) {", g.CUDA_Q6K_PLANES_SOURCE, "}"]
     for t in ("__half", "__nv_bfloat16", "float"):
         for m, w in ((1, 1), (1, 2), (8, 4)):
             lines.append(f"template __global__ void q6<{t},{m},2,{w}>(const {t}*, const uint8_t*, "
                          f"const int32_t*, const int32_t*, {t}*);")
+            lines.append(f"template __global__ void q6p<{t},{m},4,{w}>(const {t}*, const uint8_t*, "
+                         f"const int32_t*, {t}*);")
         for qtype in TYPES:
             q, s = g.TYPE_IDS[qtype], gguf.constants.GGML_QUANT_SIZES[qtype][1]
             for m in (1, 8):

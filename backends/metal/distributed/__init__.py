@@ -36,13 +36,28 @@ def finish_after_load(model: Any, mode: str, group: dist.Group) -> None:
         shard_pipeline(model, group)
 
 
+def _file_layout(model: Any) -> int:
+    """GGUF block layers whose Q6_K weights were rearranged for the CUDA kernel back in the file's
+    layout (`gguf_layers.file_layout`); how many (0 without block layers)."""
+    if not any(getattr(m, "planes", False) for _, m in model.named_modules()):
+        return 0
+    from ..gguf_layers import file_layout  # noqa: PLC0415 - GGUF models only (the gguf package)
+
+    return file_layout(model)
+
+
 def shard_loaded(loaded: Any, mode: str) -> None:
     """Split the model of `loaded` (a loader.LoadedModel) over the group of the processes launched
     together, by `mode` ("tensor" or "pipeline"); the whole model is freed on failure."""
     group = join_group(mode)
     try:
         if mode == "tensor":
+            planes = _file_layout(loaded.model)  # a split cuts rows and blocks of the file's layout
             shard_tensor_parallel(loaded.model, group)
+            if planes:
+                from ..gguf_layers import use_planes  # noqa: PLC0415 - GGUF models only (the gguf package)
+
+                use_planes(loaded.model, loaded.model.compute_dtype)
         else:
             shard_pipeline(loaded.model, group)
         mx.clear_cache()  # the parts other ranks keep were read: give their memory back now

@@ -21,7 +21,7 @@ class AllSumBlockLinear(BlockLinear):
     _group: dist.Group
 
     def __call__(self, x: Array) -> Array:
-        y = dist.all_sum(block_matmul(x, self.weight, self.qtype), group=self._group)
+        y = dist.all_sum(block_matmul(x, self.weight, self.qtype, self.planes), group=self._group)
         b = self.__dict__.get("bias")
         return y if b is None else y + b
 

@@ -310,6 +310,63 @@ __device__ __forceinline__ float quantize_lane(const float (*xf)[8], int (*xi)[4
 }  // namespace pymlxc_gguf
 """
 
+# The Q6_K kernels' products (both layouts): a lane's 32 values of block `blk` of each of the R rows,
+# from the words va (ql, values 32 k + 0..7 for k = 0, 2), vb (ql, k = 1, 3), vc (qh), vs (8 scales) and
+# the scale d, times M rows of x, summed into acc[M][R].
+_Q6K_PRODUCTS = r"""#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const T* xm = xp + static_cast<size_t>(m) * K + blk * 256 + 128 * half + l0;
+      float xf[4][8];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        pymlxc_gguf::load_x8<T>(xm + 32 * k, xf[k]);
+      }
+      if (sizeof(T) == 2) {
+        // Integer products: the lane's 32 values of x rounded to int16 against their largest
+        // (matvec.py's rounding), sum x (q - 32) = dx (sum xi q - 32 sum xi) per 8 values of a scale.
+        int xi[4][4];
+        int base[4];
+        const float dx = pymlxc_gguf::quantize_lane(xf, xi, base);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          float sum = 0.f;
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            int dot = base[k];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int q = static_cast<int>(pymlxc_gguf::q6k_codes(va[r][h], vb[r][h], vc[r][h], k));
+              dot = __dp2a_lo(xi[k][2 * h], q, dot);
+              dot = __dp2a_hi(xi[k][2 * h + 1], q, dot);
+            }
+            sum = fmaf(pymlxc_gguf::q6k_scale(vs[r], l0, k), static_cast<float>(dot), sum);
+          }
+          acc[m][r] = fmaf(d[r] * dx, sum, acc[m][r]);
+        }
+      } else {
+        // float32 x: float products, float32's own precision.
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          float sum = 0.f;
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            float part = 0.f;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const uint32_t q = pymlxc_gguf::q6k_codes(va[r][h], vb[r][h], vc[r][h], k);
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                part = fmaf(xf[k][4 * h + i], pymlxc_gguf::code_minus_32(q, i), part);
+              }
+            }
+            sum = fmaf(pymlxc_gguf::q6k_scale(vs[r], l0, k), part, sum);
+          }
+          acc[m][r] = fmaf(d[r], sum, acc[m][r]);
+        }
+      }
+    }
+"""
+
 CUDA_Q6K_MATVEC_SOURCE = _CUDA_WARPS + (
     "  constexpr int CHUNKS = 54;  // 16-byte chunks that hold 840 bytes starting anywhere in the first one\n"
     "  __shared__ uint4 stage[WARPS][R][CHUNKS];\n") + _CUDA_ROWS + r"""  const int group = warp / W, split = warp % W;
@@ -381,59 +438,59 @@ CUDA_Q6K_MATVEC_SOURCE = _CUDA_WARPS + (
       pymlxc_gguf::load8_aligned2(b + 192 + 8 * half, vs[r][0], vs[r][1]);
       d[r] = pymlxc_gguf::half_at(b + 208);
     }
+""" + _Q6K_PRODUCTS + r"""  }
+""" + _cuda_reduce(groups="(WARPS / W)", split="W")
+
+# Q6_K on CUDA, the blocks of a matrix rearranged at load into four planes (`to_planes`): each
+# lane's bytes then lie at 16-, 8- and 2-byte aligned places, read straight from memory where the
+# file's layout (210-byte blocks, 2-byte aligned) was copied through shared memory and shifted.
+# The same lanes, steps, products and sums as CUDA_Q6K_MATVEC_SOURCE: the same values bit for bit.
+# w [1, N, NB, 210] holds, for the N NB blocks u = row NB + block in order: ql (128 bytes each, lane
+# sub's 16 bytes at 16 sub: ql[64 h + l0 .. + 8] then ql[64 h + 32 + l0 .. + 8]), qh (64 bytes each,
+# as in the block), the scales (16 each), d (2 each).
+CUDA_Q6K_PLANES_SOURCE = _CUDA_WARPS + _CUDA_ROWS + r"""  const int group = warp / W, split = warp % W;
+  const int row0 = (blockIdx.x * (WARPS / W) + group) * R;
+  const size_t units = static_cast<size_t>(N) * NB;
+  const uint8_t* qlp = w;
+  const uint8_t* qhp = w + units * 128;
+  const uint8_t* scp = w + units * 192;
+  const uint8_t* dp = w + units * 208;
+  const T* xp = x + static_cast<size_t>(pair) * M * K;
+  const int sub = lane & 7, half = sub >> 2, l0 = (sub & 3) * 8, bq = lane >> 3;
+  const int steps = (NB + 3) / 4;
+  float acc[M][R];
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const T* xm = xp + static_cast<size_t>(m) * K + blk * 256 + 128 * half + l0;
-      float xf[4][8];
+  for (int m = 0; m < M; ++m) {
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        pymlxc_gguf::load_x8<T>(xm + 32 * k, xf[k]);
-      }
-      if (sizeof(T) == 2) {
-        // Integer products: the lane's 32 values of x rounded to int16 against their largest
-        // (matvec.py's rounding), sum x (q - 32) = dx (sum xi q - 32 sum xi) per 8 values of a scale.
-        int xi[4][4];
-        int base[4];
-        const float dx = pymlxc_gguf::quantize_lane(xf, xi, base);
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          float sum = 0.f;
-#pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            int dot = base[k];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int q = static_cast<int>(pymlxc_gguf::q6k_codes(va[r][h], vb[r][h], vc[r][h], k));
-              dot = __dp2a_lo(xi[k][2 * h], q, dot);
-              dot = __dp2a_hi(xi[k][2 * h + 1], q, dot);
-            }
-            sum = fmaf(pymlxc_gguf::q6k_scale(vs[r], l0, k), static_cast<float>(dot), sum);
-          }
-          acc[m][r] = fmaf(d[r] * dx, sum, acc[m][r]);
-        }
-      } else {
-        // float32 x: float products, float32's own precision.
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          float sum = 0.f;
-#pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            float part = 0.f;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const uint32_t q = pymlxc_gguf::q6k_codes(va[r][h], vb[r][h], vc[r][h], k);
-#pragma unroll
-              for (int i = 0; i < 4; ++i) {
-                part = fmaf(xf[k][4 * h + i], pymlxc_gguf::code_minus_32(q, i), part);
-              }
-            }
-            sum = fmaf(pymlxc_gguf::q6k_scale(vs[r], l0, k), part, sum);
-          }
-          acc[m][r] = fmaf(d[r], sum, acc[m][r]);
-        }
-      }
+    for (int r = 0; r < R; ++r) {
+      acc[m][r] = 0.f;
     }
   }
+  for (int q = split; q < steps; q += W) {
+    const int blk = 4 * q + bq;
+    if (blk >= NB) {
+      continue;
+    }
+    uint32_t va[R][2], vb[R][2], vc[R][2], vs[R][2];
+    float d[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      // Rows past N (the last group) read row N - 1 again; their sums are never written.
+      const size_t u = static_cast<size_t>(min(row0 + r, N - 1)) * NB + blk;
+      const uint4 l = *reinterpret_cast<const uint4*>(qlp + u * 128 + 16 * sub);
+      const uint2 h = *reinterpret_cast<const uint2*>(qhp + u * 64 + 8 * sub);
+      const uint2 s = *reinterpret_cast<const uint2*>(scp + u * 16 + 8 * half);
+      va[r][0] = l.x;
+      va[r][1] = l.y;
+      vb[r][0] = l.z;
+      vb[r][1] = l.w;
+      vc[r][0] = h.x;
+      vc[r][1] = h.y;
+      vs[r][0] = s.x;
+      vs[r][1] = s.y;
+      d[r] = __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(dp + u * 2)));
+    }
+""" + _Q6K_PRODUCTS + r"""  }
 """ + _cuda_reduce(groups="(WARPS / W)", split="W")
 
 # Template arguments: T (out), Q, S. w [rows, NB, S] -> out [rows, NB * 256]; thread t writes the
@@ -543,6 +600,8 @@ _cuda_matvec = SharedKernel("pymlxc_gguf_matvec", ("x", "w", "idx"), ("out",), C
                             header=CUDA_HEADER)
 _cuda_q6k_matvec = SharedKernel("pymlxc_gguf_q6k_matvec", ("x", "w", "idx"), ("out",), CUDA_Q6K_MATVEC_SOURCE,
                                 header=CUDA_Q6K_MATVEC_HEADER)
+_cuda_q6k_planes = SharedKernel("pymlxc_gguf_q6k_planes", ("x", "w"), ("out",), CUDA_Q6K_PLANES_SOURCE,
+                                header=CUDA_Q6K_MATVEC_HEADER)
 _cuda_dequant = SharedKernel("pymlxc_gguf_dequant", ("w",), ("out",), CUDA_DEQUANT_SOURCE,
                              header=CUDA_HEADER)
 _metal_matvec = SharedMetalKernel("pymlxc_gguf_matvec", ("x", "w", "idx"), ("out",), METAL_MATVEC_SOURCE,
@@ -595,20 +654,25 @@ def q6k_warps(n: int, blocks: int) -> int:
 
 
 def matvec(x: Array, w: Array, idx: Array, qtype: QType, kind: str,
-           rows_per_warp: int | None = None, warps: int | None = None, generic: bool = False) -> Array:
+           rows_per_warp: int | None = None, warps: int | None = None, generic: bool = False,
+           planes: bool = False) -> Array:
     """out [P, M, N] = x [P, M, K] @ dequantize(w[idx[p]]).T for blocks w [E, N, K/256, S] uint8
     and idx [P] int32, through the `kind` ("cuda" / "metal") kernel; M at most MAX_X_ROWS. Q6_K on
     CUDA takes its own kernel (`warps` per row group, `q6k_warps` by default; `rows_per_warp`,
-    `q6k_rows` by default) unless `generic`."""
+    `q6k_rows` by default) unless `generic`. `planes`: w [1, N, K/256, 210] in `to_planes`'s layout
+    (Q6_K on CUDA only)."""
     p, m, _ = x.shape
     n, size = w.shape[1], w.shape[3]
+    if planes and (kind != "cuda" or qtype != QType.Q6_K or w.shape[0] != 1):
+        raise ValueError("the planes layout is for one Q6_K matrix on CUDA")
     if kind == "cuda" and qtype == QType.Q6_K and not generic:
         w_per = warps or q6k_warps(n, w.shape[2])
         rows = rows_per_warp or q6k_rows(m)
         groups = -(-n // (rows * (THREADS // 32 // w_per)))
-        (out,) = _cuda_q6k_matvec()([x, w, idx], output_shapes=[(p, m, n)], output_dtypes=[x.dtype],
-                                  grid=(groups * THREADS, p, 1), threadgroup=(THREADS, 1, 1),
-                                  template=[("T", x.dtype), ("M", m), ("R", rows), ("W", w_per)])
+        kernel, inputs = (_cuda_q6k_planes, [x, w]) if planes else (_cuda_q6k_matvec, [x, w, idx])
+        (out,) = kernel()(inputs, output_shapes=[(p, m, n)], output_dtypes=[x.dtype],
+                          grid=(groups * THREADS, p, 1), threadgroup=(THREADS, 1, 1),
+                          template=[("T", x.dtype), ("M", m), ("R", rows), ("W", w_per)])
         return out
     rows_per_warp = rows_per_warp or ROWS_PER_WARP
     # CUDA: a thread block of THREADS per `rows_per_warp` rows (its warps split each row's
@@ -630,6 +694,55 @@ def dequantize(w: Array, qtype: QType, dtype: Any, kind: str) -> Array:
                                  grid=(rows * nb * 32, 1, 1), threadgroup=(THREADS, 1, 1),
                                  template=[("T", dtype), ("Q", TYPE_IDS[qtype]), ("S", size)])
     return out
+
+
+# ---------------------------------------------------------------------------------------- Q6_K planes
+
+Q6K_SIZE = 210
+# ql[64 h + 32 c + 8 j + i] (h, c < 2; j < 4; i < 8) goes to byte 16 (4 h + j) + 8 c + i of its block's
+# 128 in the ql plane: lane (4 h + j)'s 16 bytes, the two 8-byte runs of ql it reads, side by side.
+_QL_SPLIT = (2, 2, 4, 8)  # h, c, j, i
+_QL_ORDER = (0, 1, 3, 2, 4)  # (unit, h, c, j, i) -> (unit, h, j, c, i)
+
+
+def to_planes(w: Array) -> Array:
+    """Q6_K blocks w [N, NB, 210] (the file's layout) -> the same bytes as the planes the CUDA planes
+    kernel reads, [N, NB, 210]: for the N NB blocks in order, every block's ql (lane-ordered, see
+    _QL_SPLIT), then every qh, every scales, every d. A permutation of the bytes: `from_planes`
+    gives back w exactly."""
+    n, nb, size = w.shape
+    if size != Q6K_SIZE:
+        raise ValueError(f"Q6_K blocks are {Q6K_SIZE} bytes, not {size}")
+    u = mx.reshape(w, (n * nb, size))
+    ql = mx.transpose(mx.reshape(u[:, :128], (n * nb, *_QL_SPLIT)), _QL_ORDER)
+    parts = [mx.reshape(ql, (-1,)), mx.reshape(u[:, 128:192], (-1,)), mx.reshape(u[:, 192:208], (-1,)),
+             mx.reshape(u[:, 208:], (-1,))]
+    return mx.reshape(mx.concatenate(parts), (n, nb, size))
+
+
+def from_planes(p: Array, start: int = 0, stop: int | None = None) -> Array:
+    """Rows start..stop of planes p [N, NB, 210] (`to_planes`) as Q6_K blocks [stop - start, NB, 210],
+    the file's layout (slices of each plane: no copy of the other rows)."""
+    n, nb, size = p.shape
+    stop = n if stop is None else stop
+    units, a, b = n * nb, start * nb, stop * nb
+    flat = mx.reshape(p, (-1,))
+
+    def plane(offset: int, width: int) -> Array:
+        return mx.reshape(flat[offset + a * width:offset + b * width], (b - a, width))
+
+    ql = mx.transpose(mx.reshape(plane(0, 128), (b - a, 2, 4, 2, 8)), _QL_ORDER)  # (h, j, c, i) -> (h, c, j, i)
+    blocks = mx.concatenate([mx.reshape(ql, (b - a, 128)), plane(units * 128, 64), plane(units * 192, 16),
+                             plane(units * 208, 2)], axis=1)
+    return mx.reshape(blocks, (stop - start, nb, size))
+
+
+def planes_ready(dtype: Any) -> bool:
+    """Whether the CUDA Q6_K planes kernel serves x of `dtype` here: on CUDA, once `_compare_planes`
+    passed (run now, the first time) and the file-layout kernel passed its own check."""
+    if ready(QType.Q6_K, dtype) != "cuda":
+        return False
+    return checks.verdict(("cuda", "q6k-planes"), _compare_planes)
 
 
 # ---------------------------------------------------------------------------------------- checked once
@@ -702,5 +815,31 @@ def _compare(kind: str, qtype: QType, dtype: Any) -> str | None:
     return None
 
 
-__all__ = ["MAX_X_ROWS", "TYPE_IDS", "checks", "dequantize", "device_kind", "matvec", "q6k_rounding_step",
-           "random_blocks", "ready", "x_rounding_bound"]
+def _compare_planes() -> str | None:
+    """None where `from_planes(to_planes(w))` is w and the planes kernel gives the file-layout
+    kernel's values bit for bit (the same lanes, products and sums), for each dtype of x, 1, 2 and 8
+    rows of x and each warp split; else why not."""
+    rng = np.random.default_rng(1)
+    n, nb = 37, 9  # rows not a multiple of a block's; 9 blocks, so that the warps split rows unevenly
+    blocks = mx.array(random_blocks(rng, (n, nb), QType.Q6_K))
+    planes = to_planes(blocks)
+    if not np.array_equal(np.asarray(from_planes(planes)), np.asarray(blocks)):
+        return "the Q6_K planes do not give back the blocks"
+    if not np.array_equal(np.asarray(from_planes(planes, 5, 11)), np.asarray(blocks[5:11])):
+        return "rows 5..11 of the Q6_K planes are not those of the blocks"
+    idx = mx.zeros((3,), mx.int32)
+    for dtype in FLOAT_TYPES:
+        for m in (1, 2, MAX_X_ROWS):
+            x = mx.array(rng.standard_normal((3, m, nb * QK_K)).astype(np.float32)).astype(dtype)
+            for warps in (1, 2, 4):
+                want = np.asarray(matvec(x, mx.expand_dims(blocks, 0), idx, QType.Q6_K, "cuda", warps=warps))
+                got = np.asarray(matvec(x, mx.expand_dims(planes, 0), idx, QType.Q6_K, "cuda", warps=warps,
+                                        planes=True))
+                if not np.array_equal(got.view(np.uint8), want.view(np.uint8)):
+                    return (f"the Q6_K planes kernel differs from the file-layout kernel ({dtype} x, {m} rows, "
+                            f"warps {warps})")
+    return None
+
+
+__all__ = ["MAX_X_ROWS", "Q6K_SIZE", "TYPE_IDS", "checks", "dequantize", "device_kind", "from_planes", "matvec",
+           "planes_ready", "q6k_rounding_step", "random_blocks", "ready", "to_planes", "x_rounding_bound"]

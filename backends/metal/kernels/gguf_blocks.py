@@ -832,10 +832,11 @@ def _compare_planes() -> str | None:
         for m in (1, 2, MAX_X_ROWS):
             x = mx.array(rng.standard_normal((3, m, nb * QK_K)).astype(np.float32)).astype(dtype)
             for warps in (1, 2, 4):
-                want = np.asarray(matvec(x, mx.expand_dims(blocks, 0), idx, QType.Q6_K, "cuda", warps=warps))
-                got = np.asarray(matvec(x, mx.expand_dims(planes, 0), idx, QType.Q6_K, "cuda", warps=warps,
-                                        planes=True))
-                if not np.array_equal(got.view(np.uint8), want.view(np.uint8)):
+                want = matvec(x, mx.expand_dims(blocks, 0), idx, QType.Q6_K, "cuda", warps=warps)
+                got = matvec(x, mx.expand_dims(planes, 0), idx, QType.Q6_K, "cuda", warps=warps, planes=True)
+                # Through float32 (NumPy has no bfloat16), compared as bits: -0 and 0 differ too.
+                if not np.array_equal(np.asarray(got.astype(mx.float32)).view(np.uint32),
+                                      np.asarray(want.astype(mx.float32)).view(np.uint32)):
                     return (f"the Q6_K planes kernel differs from the file-layout kernel ({dtype} x, {m} rows, "
                             f"warps {warps})")
     return None

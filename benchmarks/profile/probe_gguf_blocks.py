@@ -11,6 +11,15 @@ second, and the largest difference from a float64 product over its largest value
 
     python benchmarks/profile/probe_gguf_blocks.py [--types Q6_K Q3_K Q2_K] [--rows 1] [--out DIR]
     python benchmarks/profile/probe_gguf_blocks.py --cpu --shapes 1b.o --bytes 50000000   # MLX ops only
+
+Under Nsight Compute each kernel's own device time (the host's launches left out, which bound the
+narrow shapes' clock above): profile the Q6_K and 4-bit kernels of one copy per shape, then
+summarize the launches per shape and kernel geometry (rows of x, rows a warp, warps a row):
+
+    ncu --clock-control none --kernel-name regex:"q6k|qmv4" --metrics gpu__time_duration.sum --csv \
+        --log-file OUT.csv python benchmarks/profile/probe_gguf_blocks.py --types Q6_K \
+        --shapes 1b.v 1b.down 8b.v 8b.down --bytes 1 --repeats 1
+    python benchmarks/profile/probe_gguf_blocks.py --ncu-summary OUT.csv --shapes 1b.v 1b.down 8b.v 8b.down
 """
 from __future__ import annotations
 
@@ -57,7 +66,8 @@ def probe(qtype: Q, k: int, n: int, rows: int, min_bytes: int, repeats: int) -> 
         zero = mx.zeros((1,), mx.int32)
         forms: dict[str, dict[str, Any]] = {"kernel": {}}
         if kind == "cuda" and qtype == Q.Q6_K:  # its own kernel: each split of a row, and the generic one
-            forms.update({f"kernel_w{w}_r{r}": {"warps": w, "rows_per_warp": r} for r in (4, 2, 1) for w in (1, 2, 4)})
+            forms.update({f"kernel_w{w}_r{r}": {"warps": w, "rows_per_warp": r}
+                          for r in (4, 2, 1) for w in (1, 2, 4)})
             if gguf_blocks.planes_ready(x.dtype):  # the same kernel on the weights rearranged into planes
                 forms["planes"] = {"planes": True}
                 forms.update({f"planes_w{w}_r{r}": {"warps": w, "rows_per_warp": r, "planes": True}
@@ -94,6 +104,36 @@ def probe(qtype: Q, k: int, n: int, rows: int, min_bytes: int, repeats: int) -> 
     return out
 
 
+def ncu_summary(csv_path: Path, shapes: list[str]) -> list[dict[str, Any]]:
+    """Median and least device microseconds per (shape, kernel, geometry) from an Nsight Compute CSV
+    of a run over `shapes` in order (each shape's Q6_K launches, then its 4-bit ones; the load-time
+    checks, three pairs of x, are left out)."""
+    import csv  # noqa: PLC0415
+    import re  # noqa: PLC0415
+    import statistics  # noqa: PLC0415
+
+    with csv_path.open() as f:
+        lines = [line for line in f if line.startswith('"')]
+    rows = [r for r in csv.DictReader(lines) if r.get("Metric Name") == "gpu__time_duration.sum"
+            and r["Grid Size"].replace(" ", "").endswith(",1,1)")]
+    times: dict[tuple[str, str], list[float]] = {}
+    at, seen_4bit = 0, False
+    for r in rows:
+        name = re.sub(r"\(.*", "", r["Kernel Name"])
+        us = float(r["Metric Value"].replace(",", "")) / 1000
+        if "qmv4" in name:
+            seen_4bit = True
+            times.setdefault((shapes[at], "pymlxc_4bit_g64"), []).append(us)
+            continue
+        if seen_4bit:  # the next shape's first Q6_K launch
+            at, seen_4bit = at + 1, False
+        layout = "planes" if "planes" in name else "file"
+        m, rows_per_warp, warps = name.split("_")[-3:]
+        times.setdefault((shapes[at], f"{layout} m{m} r{rows_per_warp} w{warps}"), []).append(us)
+    return [{"shape": shape, "kernel": kernel, "launches": len(v), "median_us": statistics.median(v), "min_us": min(v)}
+            for (shape, kernel), v in times.items()]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--types", nargs="+", default=["Q6_K", "Q3_K", "Q2_K"], choices=["Q6_K", "Q3_K", "Q2_K"])
@@ -103,7 +143,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--ncu-summary", type=Path, default=None, help="summarize this Nsight Compute CSV instead")
     args = p.parse_args(argv)
+    if args.ncu_summary is not None:
+        summary = ncu_summary(args.ncu_summary, args.shapes)
+        for e in summary:
+            print(f"{e['shape']:8s} {e['kernel']:22s} {e['launches']:3d} launches  median {e['median_us']:7.2f} us"
+                  f"  least {e['min_us']:7.2f} us")
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "probe_gguf_blocks_ncu.json").write_text(json.dumps(summary, indent=1) + "\n")
+        return 0
     if args.cpu:
         mx.set_default_device(mx.cpu)
     results = []

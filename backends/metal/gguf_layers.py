@@ -31,6 +31,14 @@ def dequantize_rows(weight: Array, qtype: QType, dtype: Any) -> Array:
     return dequantize_blocks(weight, qtype).astype(dtype)
 
 
+def planes_rows(planes: Array, start: int, stop: int, dtype: Any) -> Array:
+    """Rows start..stop of Q6_K planes (`gguf_blocks.to_planes`) as [stop - start, K] of `dtype`: one
+    kernel reading the planes where it passed its check, else the rows read back into blocks first."""
+    if kernel_choice.kernels_allowed() and gguf_blocks.planes_dequantize_ready():
+        return gguf_blocks.dequantize_planes(planes, start, stop, dtype)
+    return dequantize_rows(gguf_blocks.from_planes(planes, start, stop), QType.Q6_K, dtype)
+
+
 def block_matmul(x: Array, weight: Array, qtype: QType, planes: bool = False) -> Array:
     """x @ W^T for W the rows of blocks `weight` [out, blocks, bytes] (`planes`: Q6_K blocks in
     `gguf_blocks.to_planes`'s layout). A few rows of x (decode) on a GPU: the matvec kernel reading
@@ -47,9 +55,7 @@ def block_matmul(x: Array, weight: Array, qtype: QType, planes: bool = False) ->
                                    mx.zeros((1,), mx.int32), qtype, kind, planes=planes)
             return mx.reshape(y, (*x.shape[:-1], n))
     if planes:
-        return nn.product_in_row_chunks(
-            x, n, CHUNK_WEIGHTS,
-            lambda r, stop: dequantize_rows(gguf_blocks.from_planes(weight, r, stop), qtype, x.dtype))
+        return nn.product_in_row_chunks(x, n, CHUNK_WEIGHTS, lambda r, stop: planes_rows(weight, r, stop, x.dtype))
     return nn.product_in_row_chunks(x, n, CHUNK_WEIGHTS,
                                     lambda r, stop: dequantize_rows(weight[r:stop], qtype, x.dtype))
 
@@ -235,5 +241,6 @@ def file_layout(model: nn.Module) -> int:
     return done
 
 
-__all__ = ["BLOCK_LAYERS", "CHUNK_WEIGHTS", "dequantize_rows", "block_matmul", "BlockLinear", "BlockEmbedding",
-           "BlockSwitchLinear", "block_form", "file_layout", "holds_blocks", "use_block_layers", "use_planes"]
+__all__ = ["BLOCK_LAYERS", "CHUNK_WEIGHTS", "dequantize_rows", "planes_rows", "block_matmul", "BlockLinear",
+           "BlockEmbedding", "BlockSwitchLinear", "block_form", "file_layout", "holds_blocks", "use_block_layers",
+           "use_planes"]

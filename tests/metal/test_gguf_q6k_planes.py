@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -59,6 +60,39 @@ def test_planes_are_the_lanes_bytes_and_give_the_blocks_back(n: int, nb: int, se
     np.testing.assert_array_equal(np.asarray(gguf_blocks.from_planes(planes, start, stop)), blocks[start:stop])
 
 
+def planes_values(planes: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """CUDA_DEQUANT_PLANES_SOURCE transcribed: rows start..stop of planes [N, NB, 210] as float32 values."""
+    n_rows, nb = planes.shape[:2]
+    w = planes.reshape(-1)
+    units = n_rows * nb
+    out = np.empty(((stop - start) * nb, 256), np.float32)
+    for unit in range((stop - start) * nb):
+        u = start * nb + unit
+        for lane in range(32):
+            p0 = lane * 8
+            n, k, at, s = p0 >> 7, (p0 & 127) >> 5, p0 & 31, p0 >> 4  # the source's n, k, l, s
+            ql = u * 128 + 16 * (4 * n + (at >> 3)) + 8 * (k & 1)
+            qh = units * 128 + u * 64 + 32 * n + at
+            d = np.float32(w[units * 208 + u * 2:units * 208 + u * 2 + 2].view(np.float16)[0])
+            dl = d * np.float32(w[units * 192 + u * 16 + s:units * 192 + u * 16 + s + 1].view(np.int8)[0])
+            for i in range(8):
+                q = ((int(w[ql + i]) >> (4 * (k >> 1))) & 15) | (((int(w[qh + i]) >> (2 * k)) & 3) << 4)
+                out[unit, p0 + i] = dl * (np.float32(q) - np.float32(32))
+    return out.reshape(stop - start, nb * 256)
+
+
+@settings(max_examples=6, deadline=None)
+@given(n=st.integers(1, 6), nb=st.integers(1, 3), seed=st.integers(0, 2**32 - 1), data=st.data())
+def test_the_planes_dequantization_reads_the_reference_values(n: int, nb: int, seed: int, data: Any) -> None:
+    """The CUDA planes dequantization's indexing, replayed in numpy, gives gguf's reference values."""
+    blocks = gguf_blocks.random_blocks(np.random.default_rng(seed), (n, nb), Q.Q6_K)
+    planes = np.asarray(gguf_blocks.to_planes(mx.array(blocks)))
+    start = data.draw(st.integers(0, n - 1))
+    stop = data.draw(st.integers(start + 1, n))
+    want = gguf.quants.dequantize(blocks[start:stop].reshape(stop - start, -1), Q.Q6_K)
+    np.testing.assert_array_equal(planes_values(planes, start, stop), want.reshape(stop - start, -1))
+
+
 def test_only_q6k_blocks_have_planes() -> None:
     with pytest.raises(ValueError, match="210 bytes"):
         gguf_blocks.to_planes(mx.zeros((4, 2, 84), mx.uint8))
@@ -98,7 +132,8 @@ def _q6k_file(tmp_path: Path) -> Path:
 
 
 def _weights(model: Any) -> dict[str, np.ndarray]:
-    return {name: np.asarray(m.weight) for name, m in model.named_modules() if isinstance(m, BlockLinear | BlockEmbedding)}
+    return {name: np.asarray(m.weight) for name, m in model.named_modules()
+            if isinstance(m, BlockLinear | BlockEmbedding)}
 
 
 def _loaded(path: Path, planes: str) -> Any:
@@ -112,6 +147,7 @@ def test_the_loader_rearranges_linear_layers_only_and_file_layout_undoes_it(
     Q6_K linear layers (value, down, output head) planes, not the token embedding; the logits are those
     of the file's layout; `file_layout` (before a tensor-parallel split) restores the bytes."""
     monkeypatch.setattr(gguf_blocks, "planes_ready", lambda dtype: True)
+    monkeypatch.setattr(gguf_blocks, "planes_dequantize_ready", lambda: False)  # no CUDA kernel here to check
     path = _q6k_file(tmp_path)
     off = _loaded(path, "0")
     on = _loaded(path, "1")
@@ -172,6 +208,22 @@ def test_the_planes_kernel_at_llama_shapes(shape: tuple[int, int]) -> None:
     idx = mx.zeros((1,), mx.int32)
     want = gguf_blocks.matvec(x, blocks, idx, Q.Q6_K, "cuda")
     got = gguf_blocks.matvec(x, planes, idx, Q.Q6_K, "cuda", planes=True)
+    np.testing.assert_array_equal(np.asarray(got.astype(mx.float32)), np.asarray(want.astype(mx.float32)))
+
+
+@cuda_only
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 200), nb=st.integers(1, 12), dtype=st.sampled_from(["float32", "float16", "bfloat16"]),
+       seed=st.integers(0, 1000), data=st.data())
+def test_the_planes_dequantization_is_the_blocks_bit_for_bit(n: int, nb: int, dtype: str, seed: int, data: Any) -> None:
+    """Rows of planes dequantized in place (a prefill chunk) against the block kernel on the same rows."""
+    assert gguf_blocks.planes_dequantize_ready()
+    blocks = mx.array(gguf_blocks.random_blocks(np.random.default_rng(seed), (n, nb), Q.Q6_K))
+    planes = gguf_blocks.to_planes(blocks)
+    start = data.draw(st.integers(0, n - 1))
+    stop = data.draw(st.integers(start + 1, n))
+    want = gguf_blocks.dequantize(blocks[start:stop], Q.Q6_K, getattr(mx, dtype), "cuda")
+    got = gguf_blocks.dequantize_planes(planes, start, stop, getattr(mx, dtype))
     np.testing.assert_array_equal(np.asarray(got.astype(mx.float32)), np.asarray(want.astype(mx.float32)))
 
 

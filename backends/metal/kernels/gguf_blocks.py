@@ -512,6 +512,37 @@ CUDA_DEQUANT_SOURCE = r"""
   }
 """
 
+# Q6_K planes (`to_planes`) -> rows start..stop of values, as CUDA_DEQUANT_SOURCE gives them from the
+# blocks (the same float32 operations: `values8`'s Q6_K branch, the bytes read from the planes). Template
+# argument T; w [N, NB, 210] planes, rows int32 [4] (start, stop, -, -: 16 bytes, which MLX keeps in
+# device memory) -> out [stop - start, NB * 256]; thread t writes the 8 values 8 (t % 32) of unit t / 32.
+CUDA_DEQUANT_PLANES_SOURCE = r"""
+  const int NB = w_shape[1];
+  const size_t units = static_cast<size_t>(w_shape[0]) * NB;
+  const size_t first = static_cast<size_t>(rows[0]) * NB;
+  const size_t count = static_cast<size_t>(rows[1] - rows[0]) * NB;
+  const size_t t = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t unit = t >> 5;  // (row, block) of the output
+  if (unit >= count) {
+    return;
+  }
+  const size_t u = first + unit;
+  const int p0 = static_cast<int>(t & 31) * 8;
+  const int n = p0 >> 7, k = (p0 & 127) >> 5, l = p0 & 31, s = p0 >> 4;
+  // ql[64 n + 32 (k & 1) + l + i] lies at 16 (4 n + l / 8) + 8 (k & 1) + i of the unit's 128 (to_planes).
+  const uint8_t* ql = w + u * 128 + 16 * (4 * n + (l >> 3)) + 8 * (k & 1);
+  const uint8_t* qh = w + units * 128 + u * 64 + 32 * n + l;
+  const float dl = pymlxc_gguf::half_at(w + units * 208 + u * 2)
+      * static_cast<float>(static_cast<int8_t>(w[units * 192 + u * 16 + s]));
+  const int sl = 4 * (k >> 1), sh = 2 * k;
+  T* o = out + unit * 256 + p0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int q = ((ql[i] >> sl) & 15) | (((qh[i] >> sh) & 3) << 4);
+    o[i] = static_cast<T>(__fmul_rn(dl, static_cast<float>(q) - 32.f));
+  }
+"""
+
 # ---------------------------------------------------------------------------------------- Metal
 
 METAL_HEADER = r"""
@@ -604,6 +635,8 @@ _cuda_q6k_planes = SharedKernel("pymlxc_gguf_q6k_planes", ("x", "w"), ("out",), 
                                 header=CUDA_Q6K_MATVEC_HEADER)
 _cuda_dequant = SharedKernel("pymlxc_gguf_dequant", ("w",), ("out",), CUDA_DEQUANT_SOURCE,
                              header=CUDA_HEADER)
+_cuda_dequant_planes = SharedKernel("pymlxc_gguf_q6k_planes_dequant", ("w", "rows"), ("out",),
+                                    CUDA_DEQUANT_PLANES_SOURCE, header=CUDA_HEADER)
 _metal_matvec = SharedMetalKernel("pymlxc_gguf_matvec", ("x", "w", "idx"), ("out",), METAL_MATVEC_SOURCE,
                                   header=METAL_HEADER)
 _metal_dequant = SharedMetalKernel("pymlxc_gguf_dequant", ("w",), ("out",), METAL_DEQUANT_SOURCE,
@@ -737,6 +770,26 @@ def from_planes(p: Array, start: int = 0, stop: int | None = None) -> Array:
     return mx.reshape(blocks, (stop - start, nb, size))
 
 
+def dequantize_planes(p: Array, start: int, stop: int, dtype: Any) -> Array:
+    """Rows start..stop of Q6_K planes p [N, NB, 210] -> [stop - start, NB * 256] of `dtype` through
+    the CUDA kernel: `dequantize(from_planes(p, start, stop))`'s values, without its copies."""
+    nb = p.shape[1]
+    rows = mx.array(np.array([start, stop, 0, 0], np.int32))
+    (out,) = _cuda_dequant_planes()([p, rows], output_shapes=[(stop - start, nb * QK_K)], output_dtypes=[dtype],
+                                    grid=((stop - start) * nb * 32, 1, 1), threadgroup=(THREADS, 1, 1),
+                                    template=[("T", dtype)])
+    return out
+
+
+def planes_dequantize_ready() -> bool:
+    """Whether `dequantize_planes` serves here: on CUDA, once it gave `dequantize(from_planes(..))`'s
+    values bit for bit for each dtype (checked now, the first time); else rows of planes are read back
+    into blocks for the block kernel."""
+    if not planes_ready(mx.float16):
+        return False
+    return checks.verdict(("cuda", "q6k-planes-dequantize"), _compare_planes_dequantize)
+
+
 def planes_ready(dtype: Any) -> bool:
     """Whether the CUDA Q6_K planes kernel serves x of `dtype` here: on CUDA, once `_compare_planes`
     passed (run now, the first time) and the file-layout kernel passed its own check."""
@@ -815,6 +868,23 @@ def _compare(kind: str, qtype: QType, dtype: Any) -> str | None:
     return None
 
 
+def _compare_planes_dequantize() -> str | None:
+    """None where `dequantize_planes` of whole and partial row ranges is the block kernel's
+    dequantization of the same rows bit for bit, for each dtype; else why not."""
+    rng = np.random.default_rng(2)
+    n, nb = 37, 3
+    blocks = mx.array(random_blocks(rng, (n, nb), QType.Q6_K))
+    planes = to_planes(blocks)
+    for dtype in FLOAT_TYPES:
+        for start, stop in ((0, n), (5, 11), (36, 37)):
+            want = dequantize(blocks[start:stop], QType.Q6_K, dtype, "cuda")
+            got = dequantize_planes(planes, start, stop, dtype)
+            if not np.array_equal(np.asarray(got.astype(mx.float32)).view(np.uint32),
+                                  np.asarray(want.astype(mx.float32)).view(np.uint32)):
+                return f"the Q6_K planes dequantization differs from the blocks' (rows {start}..{stop}, {dtype})"
+    return None
+
+
 def _compare_planes() -> str | None:
     """None where `from_planes(to_planes(w))` is w and the planes kernel gives the file-layout
     kernel's values bit for bit (the same lanes, products and sums), for each dtype of x, 1, 2 and 8
@@ -842,5 +912,6 @@ def _compare_planes() -> str | None:
     return None
 
 
-__all__ = ["MAX_X_ROWS", "Q6K_SIZE", "TYPE_IDS", "checks", "dequantize", "device_kind", "from_planes", "matvec",
-           "planes_ready", "q6k_rounding_step", "random_blocks", "ready", "to_planes", "x_rounding_bound"]
+__all__ = ["MAX_X_ROWS", "Q6K_SIZE", "TYPE_IDS", "checks", "dequantize", "dequantize_planes", "device_kind",
+           "from_planes", "matvec", "planes_dequantize_ready", "planes_ready", "q6k_rounding_step", "random_blocks",
+           "ready", "to_planes", "x_rounding_bound"]

@@ -123,6 +123,25 @@ def test_a_layer_computes_the_same_from_either_layout(rows: int, monkeypatch: py
         np.testing.assert_array_equal(np.asarray(planes_layer(x)), np.asarray(file_layer(x)))
 
 
+def test_a_planes_dequantization_that_cannot_run_warns_and_the_rows_go_through_blocks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the in-place dequantization fails its check (here the CPU: MLX cannot build a CUDA
+    kernel), it warns once, naming the fallback, and a prefill chunk reads its rows back into blocks."""
+    if gguf_blocks.planes_dequantize_ready():
+        pytest.skip("the kernel runs here; tested below")
+    monkeypatch.setattr(gguf_blocks, "planes_ready", lambda dtype: True)
+    gguf_blocks.planes_checks.forget()
+    try:
+        file_layer, planes_layer = _pair(70, 2, 8)
+        x = mx.array(np.random.default_rng(9).standard_normal((12, 512)).astype(np.float32))
+        with pytest.warns(RuntimeWarning, match="Q6_K planes is not used: it cannot run here.*the file's block layout"):
+            got = np.asarray(planes_layer(x))
+        np.testing.assert_array_equal(got, np.asarray(file_layer(x)))
+        assert gguf_blocks.planes_checks.known() == {("cuda", "dequantize"): False}
+    finally:
+        gguf_blocks.planes_checks.forget()
+
+
 def _q6k_file(tmp_path: Path) -> Path:
     model_dir = write_tiny_model(tmp_path / "hf", "llama", seed=3, hidden_size=256, intermediate_size=512,
                                  num_layers=2, tie_word_embeddings=False)

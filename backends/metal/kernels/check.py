@@ -77,11 +77,13 @@ class CheckedOnce:
 
     `source`: the file, or files, whose text keys the persisted verdicts (default: the module that
     makes this object, where the kernel's source and its check are written). `store`: where they persist
-    (default: the user cache's "checks" folder; None: this process only)."""
+    (default: the user cache's "checks" folder; None: this process only). `fallback`: what the
+    warning says is used instead."""
 
     def __init__(self, kernel: str, source: str | Sequence[str] | None = None,
-                 store: user_cache.Store | str | None = "default") -> None:
+                 store: user_cache.Store | str | None = "default", fallback: str = "MLX's kernels") -> None:
         self.kernel = kernel  # how the warning names it
+        self.fallback = fallback  # and what it says is used instead
         self._known: dict[Hashable, bool] = {}
         self._lock = threading.Lock()  # held while checking: a second asker waits for the verdict
         if source is None:
@@ -118,7 +120,7 @@ class CheckedOnce:
                 why = f"it cannot run here ({type(exc).__name__}: {exc})"
                 raised = True
             if why is not None:
-                warnings.warn(f"{self.kernel} is not used: {why}; using MLX's kernels", RuntimeWarning,
+                warnings.warn(f"{self.kernel} is not used: {why}; using {self.fallback}", RuntimeWarning,
                               stacklevel=3)
             elif not raised and persisted is not None and self._store is not None:
                 self._store.put(persisted, True)

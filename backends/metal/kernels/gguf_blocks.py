@@ -787,7 +787,7 @@ def planes_dequantize_ready() -> bool:
     into blocks for the block kernel."""
     if not planes_ready(mx.float16):
         return False
-    return checks.verdict(("cuda", "q6k-planes-dequantize"), _compare_planes_dequantize)
+    return planes_checks.verdict(("cuda", "dequantize"), _compare_planes_dequantize)
 
 
 def planes_ready(dtype: Any) -> bool:
@@ -795,12 +795,13 @@ def planes_ready(dtype: Any) -> bool:
     passed (run now, the first time) and the file-layout kernel passed its own check."""
     if ready(QType.Q6_K, dtype) != "cuda":
         return False
-    return checks.verdict(("cuda", "q6k-planes"), _compare_planes)
+    return planes_checks.verdict(("cuda", "matvec"), _compare_planes)
 
 
 # ---------------------------------------------------------------------------------------- checked once
 
 checks = CheckedOnce("pymlxc's kernels for GGUF Q2_K/Q3_K/Q6_K blocks")
+planes_checks = CheckedOnce("pymlxc's kernels for Q6_K planes", fallback="the file's block layout")
 
 
 def ready(qtype: QType, dtype: Any) -> str | None:
@@ -913,5 +914,5 @@ def _compare_planes() -> str | None:
 
 
 __all__ = ["MAX_X_ROWS", "Q6K_SIZE", "TYPE_IDS", "checks", "dequantize", "dequantize_planes", "device_kind",
-           "from_planes", "matvec", "planes_dequantize_ready", "planes_ready", "q6k_rounding_step", "random_blocks",
-           "ready", "to_planes", "x_rounding_bound"]
+           "from_planes", "matvec", "planes_checks", "planes_dequantize_ready", "planes_ready", "q6k_rounding_step",
+           "random_blocks", "ready", "to_planes", "x_rounding_bound"]

@@ -107,11 +107,11 @@ class Settings:
         "prefill: GGUF files whose layers hold Q6_K blocks, masked batches) through pymlxc's tensor-core CUDA "
         "kernel (`kernels/qmm.py`), chosen at load once the kernel agrees with MLX's product. `auto`: on CUDA.")
     cuda_q6k_planes: str = _switch(
-        "GGUF Q6_K weights of linear layers (an output head, Q4_K_M's value and down projections) rearranged "
-        "at load into four planes of the same bytes (`kernels/gguf_blocks.py`'s `to_planes`), which pymlxc's "
-        "CUDA matrix-vector kernel reads with aligned loads instead of copying the 2-byte-aligned blocks "
-        "through shared memory: the same values bit for bit, chosen once the kernel agrees with the "
-        "file-layout kernel. `auto`: on CUDA.")
+        "GGUF Q6_K weights (an output head, Q4_K_M's value and down projections, a Q6_K token embedding) "
+        "rearranged at load into four planes of the same bytes (`kernels/gguf_blocks.py`'s `to_planes`), which "
+        "pymlxc's CUDA matrix-vector kernel reads with aligned loads instead of copying the 2-byte-aligned "
+        "blocks through shared memory: the same values bit for bit, chosen once the kernels agree with the "
+        "file-layout ones (an embedding once its lookup kernel does too). `auto`: on CUDA.")
     batch_compile: str = _switch(
         "The continuous batch's decode step (the server, `batch_generate`) as one compiled graph per batch "
         "size and buffer size (`backends/metal/decode/batch_step.py`) instead of op by op. `auto`: on CUDA "

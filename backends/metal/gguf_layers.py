@@ -89,16 +89,25 @@ class BlockEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, dims: int, qtype: QType, dtype: mx.Dtype = mx.float16) -> None:
         super().__init__()
         self.qtype = qtype
+        self.planes = False  # Q6_K rows rearranged for the CUDA kernels (`use_planes`)
         self._dtype = dtype
         self.weight = mx.zeros((num_embeddings, *block_shape(qtype, dims)), mx.uint8)
         self.freeze(recurse=False)
 
     def __call__(self, x: Array) -> Array:
-        rows = mx.take(self.weight, mx.reshape(x, (-1,)), axis=0)
+        ids = mx.reshape(x, (-1,))
+        if self.planes:
+            if kernel_choice.kernels_allowed() and gguf_blocks.planes_lookup_ready():
+                ids = ids if ids.dtype == mx.int32 else ids.astype(mx.int32)
+                values = gguf_blocks.lookup_planes(self.weight, ids, self._dtype)
+            else:
+                values = dequantize_rows(gguf_blocks.take_planes(self.weight, ids), self.qtype, self._dtype)
+            return mx.reshape(values, (*x.shape, -1))
+        rows = mx.take(self.weight, ids, axis=0)
         return mx.reshape(dequantize_rows(rows, self.qtype, self._dtype), (*x.shape, -1))
 
     def as_linear(self, x: Array) -> Array:
-        return block_matmul(x, self.weight, self.qtype)
+        return block_matmul(x, self.weight, self.qtype, self.planes)
 
 
 class BlockSwitchLinear(nn.Module):
@@ -210,16 +219,17 @@ def use_block_layers(model: nn.Module, types: dict[str, Any], dtype: mx.Dtype = 
 
 
 def use_planes(model: nn.Module, dtype: mx.Dtype, use: bool = True) -> int:
-    """Rearrange the Q6_K weights of `model`'s BlockLinear layers into `gguf_blocks.to_planes`'s
-    layout (the same bytes, permuted), where `use` (Settings.cuda_q6k_planes) and the planes kernel's
-    check for x of `dtype` pass; returns how many. Once the weights are in (after any split of the
-    model: `file_layout` first undoes it). Token embeddings keep the file's layout: their lookups read
-    whole rows."""
+    """Rearrange the Q6_K weights of `model`'s BlockLinear and BlockEmbedding layers into
+    `gguf_blocks.to_planes`'s layout (the same bytes, permuted), where `use` (Settings.cuda_q6k_planes)
+    and the planes kernel's check for x of `dtype` pass (for an embedding, also the lookup kernel's);
+    returns how many. Once the weights are in (after any split of the model: `file_layout` first
+    undoes it)."""
     if not use or not gguf_blocks.planes_ready(dtype):
         return 0
+    kinds: tuple[type, ...] = (BlockLinear, BlockEmbedding) if gguf_blocks.planes_lookup_ready() else (BlockLinear,)
     done = 0
     for _, layer in model.named_modules():
-        if isinstance(layer, BlockLinear) and layer.qtype == QType.Q6_K and not layer.planes:
+        if isinstance(layer, kinds) and layer.qtype == QType.Q6_K and not layer.planes:
             planes = gguf_blocks.to_planes(layer.weight)
             mx.eval(planes)  # one matrix at a time: the old layout is freed before the next is copied
             layer.weight = planes
@@ -229,10 +239,10 @@ def use_planes(model: nn.Module, dtype: mx.Dtype, use: bool = True) -> int:
 
 
 def file_layout(model: nn.Module) -> int:
-    """Undo `use_planes`: every BlockLinear's weight back in the file's block layout; returns how many."""
+    """Undo `use_planes`: every block layer's weight back in the file's block layout; returns how many."""
     done = 0
     for _, layer in model.named_modules():
-        if isinstance(layer, BlockLinear) and layer.planes:
+        if isinstance(layer, BlockLinear | BlockEmbedding) and layer.planes:
             blocks = gguf_blocks.from_planes(layer.weight)
             mx.eval(blocks)
             layer.weight = blocks

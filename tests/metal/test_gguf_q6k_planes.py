@@ -93,6 +93,19 @@ def test_the_planes_dequantization_reads_the_reference_values(n: int, nb: int, s
     np.testing.assert_array_equal(planes_values(planes, start, stop), want.reshape(stop - start, -1))
 
 
+@settings(max_examples=10, deadline=None)
+@given(n=st.integers(1, 30), nb=st.integers(1, 4), seed=st.integers(0, 2**32 - 1), data=st.data())
+def test_rows_taken_from_planes_are_the_blocks_rows(n: int, nb: int, seed: int, data: Any) -> None:
+    blocks = gguf_blocks.random_blocks(np.random.default_rng(seed), (n, nb), Q.Q6_K)
+    ids = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=12)), np.int32)
+    planes = gguf_blocks.to_planes(mx.array(blocks))
+    np.testing.assert_array_equal(np.asarray(gguf_blocks.take_planes(planes, mx.array(ids))), blocks[ids])
+    # CUDA_LOOKUP_PLANES_SOURCE's rows: unit j of the output reads unit ids[j / NB] NB + j % NB.
+    values = np.concatenate([planes_values(np.asarray(planes), int(i), int(i) + 1) for i in ids])
+    want = gguf.quants.dequantize(blocks[ids].reshape(len(ids), -1), Q.Q6_K)
+    np.testing.assert_array_equal(values, want)
+
+
 def test_only_q6k_blocks_have_planes() -> None:
     with pytest.raises(ValueError, match="210 bytes"):
         gguf_blocks.to_planes(mx.zeros((4, 2, 84), mx.uint8))
@@ -142,12 +155,13 @@ def test_a_planes_dequantization_that_cannot_run_warns_and_the_rows_go_through_b
         gguf_blocks.planes_checks.forget()
 
 
-def _q6k_file(tmp_path: Path) -> Path:
+def _q6k_file(tmp_path: Path, tied: bool = False) -> Path:
     model_dir = write_tiny_model(tmp_path / "hf", "llama", seed=3, hidden_size=256, intermediate_size=512,
-                                 num_layers=2, tie_word_embeddings=False)
-    return export_gguf(model_dir, tmp_path / "m.gguf", Q.Q4_K,
-                       extra_types={"blk.0.attn_v.weight": Q.Q6_K, "blk.0.ffn_down.weight": Q.Q6_K,
-                                    "token_embd.weight": Q.Q6_K, "output.weight": Q.Q6_K})
+                                 num_layers=2, tie_word_embeddings=tied)
+    types = {"blk.0.attn_v.weight": Q.Q6_K, "blk.0.ffn_down.weight": Q.Q6_K, "token_embd.weight": Q.Q6_K}
+    if not tied:
+        types["output.weight"] = Q.Q6_K
+    return export_gguf(model_dir, tmp_path / "m.gguf", Q.Q4_K, extra_types=types)
 
 
 def _weights(model: Any) -> dict[str, np.ndarray]:
@@ -160,25 +174,33 @@ def _loaded(path: Path, planes: str) -> Any:
     return load_weights_and_config(path, settings=chosen)
 
 
-def test_the_loader_rearranges_linear_layers_only_and_file_layout_undoes_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the kernel taken as ready (this machine may have none), PYMLXC_CUDA_Q6K_PLANES=1 gives the
-    Q6_K linear layers (value, down, output head) planes, not the token embedding; the logits are those
-    of the file's layout; `file_layout` (before a tensor-parallel split) restores the bytes."""
+@pytest.mark.parametrize(("tied", "lookup"), [(False, False), (False, True), (True, True)])
+def test_the_loader_rearranges_q6k_layers_and_file_layout_undoes_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tied: bool, lookup: bool) -> None:
+    """With the kernels taken as ready at load (this machine may have none), PYMLXC_CUDA_Q6K_PLANES=1
+    gives the Q6_K linear layers (value, down, an untied output head) planes, and the token embedding
+    too where the lookup kernel is ready (a tied head then reads them). The logits (through MLX ops
+    here) are those of the file's layout; `file_layout` (before a tensor-parallel split) restores the
+    bytes."""
+    ready = {"lookup": lookup}
     monkeypatch.setattr(gguf_blocks, "planes_ready", lambda dtype: True)
-    monkeypatch.setattr(gguf_blocks, "planes_dequantize_ready", lambda: False)  # no CUDA kernel here to check
-    path = _q6k_file(tmp_path)
+    monkeypatch.setattr(gguf_blocks, "planes_lookup_ready", lambda: ready["lookup"])
+    monkeypatch.setattr(gguf_blocks, "planes_dequantize_ready", lambda: False)  # no CUDA kernel here to run
+    path = _q6k_file(tmp_path, tied)
     off = _loaded(path, "0")
     on = _loaded(path, "1")
-    flags = {name: m.planes for name, m in on.model.named_modules() if isinstance(m, BlockLinear)}
-    assert flags == {"model.layers.0.self_attn.v_proj": True, "model.layers.0.mlp.down_proj": True,
-                     "lm_head": True}
-    assert not any(m.planes for _, m in off.model.named_modules() if isinstance(m, BlockLinear))
-    assert isinstance(on.model.model.embed_tokens, BlockEmbedding)
+    flags = {name: m.planes for name, m in on.model.named_modules() if isinstance(m, BlockLinear | BlockEmbedding)}
+    want_flags = {"model.layers.0.self_attn.v_proj": True, "model.layers.0.mlp.down_proj": True,
+                  "model.embed_tokens": lookup}
+    if not tied:
+        want_flags["lm_head"] = True
+    assert flags == want_flags
+    assert not any(getattr(m, "planes", False) for _, m in off.model.named_modules())
+    ready["lookup"] = False  # the calls below go through MLX ops
     ids = mx.array(np.array([[3, 17, 200, 99, 5, 41]], np.int32))
     np.testing.assert_array_equal(np.asarray(on.model(ids)), np.asarray(off.model(ids)))
     want = _weights(off.model)
-    assert distributed._file_layout(on.model) == 3
+    assert distributed._file_layout(on.model) == sum(want_flags.values())
     got = _weights(on.model)
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
     assert distributed._file_layout(on.model) == 0
@@ -247,12 +269,27 @@ def test_the_planes_dequantization_is_the_blocks_bit_for_bit(n: int, nb: int, dt
 
 
 @cuda_only
-def test_a_file_decodes_the_same_tokens_with_planes(tmp_path: Path) -> None:
-    """On CUDA the loader's default rearranges the Q6_K linear layers; greedy tokens equal those of
-    the file's layout and of MLX's ops."""
-    path = _q6k_file(tmp_path)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_the_planes_lookup_is_the_blocks_bit_for_bit(dtype: str) -> None:
+    """Token rows read from planes (repeats, any order, the last row) against the block kernel."""
+    assert gguf_blocks.planes_lookup_ready()
+    rng = np.random.default_rng(4)
+    blocks = mx.array(gguf_blocks.random_blocks(rng, (300, 8), Q.Q6_K))
+    ids = mx.array(np.array([299, 0, 7, 7, 123, 299], np.int32))
+    want = gguf_blocks.dequantize(mx.take(blocks, ids, axis=0), Q.Q6_K, getattr(mx, dtype), "cuda")
+    got = gguf_blocks.lookup_planes(gguf_blocks.to_planes(blocks), ids, getattr(mx, dtype))
+    np.testing.assert_array_equal(np.asarray(got.astype(mx.float32)), np.asarray(want.astype(mx.float32)))
+
+
+@cuda_only
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_file_decodes_the_same_tokens_with_planes(tmp_path: Path, tied: bool) -> None:
+    """On CUDA the loader's default rearranges the Q6_K layers (a tied head's embedding too); greedy
+    tokens equal those of the file's layout and of MLX's ops."""
+    path = _q6k_file(tmp_path, tied)
     on, off = _loaded(path, "auto"), _loaded(path, "0")
-    assert on.model.lm_head.planes and not off.model.lm_head.planes
+    head = (lambda m: m.model.embed_tokens) if tied else (lambda m: m.lm_head)
+    assert head(on.model).planes and not head(off.model).planes
     prompt = [3, 17, 200, 99, 5]
     runs = []
     for loaded in (on, off):

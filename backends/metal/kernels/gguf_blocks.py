@@ -512,34 +512,71 @@ CUDA_DEQUANT_SOURCE = r"""
   }
 """
 
-# Q6_K planes (`to_planes`) -> rows start..stop of values, as CUDA_DEQUANT_SOURCE gives them from the
-# blocks (the same float32 operations: `values8`'s Q6_K branch, the bytes read from the planes). Template
-# argument T; w [N, NB, 210] planes, rows int32 [4] (start, stop, -, -: 16 bytes, which MLX keeps in
-# device memory) -> out [stop - start, NB * 256]; thread t writes the 8 values 8 (t % 32) of unit t / 32.
-CUDA_DEQUANT_PLANES_SOURCE = r"""
-  const int NB = w_shape[1];
-  const size_t units = static_cast<size_t>(w_shape[0]) * NB;
-  const size_t first = static_cast<size_t>(rows[0]) * NB;
-  const size_t count = static_cast<size_t>(rows[1] - rows[0]) * NB;
-  const size_t t = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const size_t unit = t >> 5;  // (row, block) of the output
-  if (unit >= count) {
-    return;
-  }
-  const size_t u = first + unit;
-  const int p0 = static_cast<int>(t & 31) * 8;
+# Q6_K planes (`to_planes`) read back as values, with the block kernel's float32 operations (`values8`'s
+# Q6_K branch, the bytes read from the planes): the same values bit for bit.
+CUDA_PLANES_HEADER = CUDA_HEADER + r"""
+namespace pymlxc_gguf {
+
+// The 8 values p0..p0+7 of unit u (row NB + block) of planes w holding `units` units, as floats.
+__device__ __forceinline__ void planes_values8(const uint8_t* w, size_t units, size_t u, int p0, float* v) {
   const int n = p0 >> 7, k = (p0 & 127) >> 5, l = p0 & 31, s = p0 >> 4;
   // ql[64 n + 32 (k & 1) + l + i] lies at 16 (4 n + l / 8) + 8 (k & 1) + i of the unit's 128 (to_planes).
   const uint8_t* ql = w + u * 128 + 16 * (4 * n + (l >> 3)) + 8 * (k & 1);
   const uint8_t* qh = w + units * 128 + u * 64 + 32 * n + l;
-  const float dl = pymlxc_gguf::half_at(w + units * 208 + u * 2)
+  const float dl = half_at(w + units * 208 + u * 2)
       * static_cast<float>(static_cast<int8_t>(w[units * 192 + u * 16 + s]));
   const int sl = 4 * (k >> 1), sh = 2 * k;
-  T* o = out + unit * 256 + p0;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int q = ((ql[i] >> sl) & 15) | (((qh[i] >> sh) & 3) << 4);
-    o[i] = static_cast<T>(__fmul_rn(dl, static_cast<float>(q) - 32.f));
+    v[i] = __fmul_rn(dl, static_cast<float>(q) - 32.f);
+  }
+}
+
+}  // namespace pymlxc_gguf
+"""
+
+# Rows start..stop of planes. Template argument T; w [N, NB, 210] planes, rows int32 [4] (start, stop,
+# -, -: 16 bytes, which MLX keeps in device memory) -> out [stop - start, NB * 256]; thread t writes the
+# 8 values 8 (t % 32) of unit t / 32 of the output.
+CUDA_DEQUANT_PLANES_SOURCE = r"""
+  const int NB = w_shape[1];
+  const size_t units = static_cast<size_t>(w_shape[0]) * NB;
+  const size_t count = static_cast<size_t>(rows[1] - rows[0]) * NB;
+  const size_t t = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t unit = t >> 5;
+  if (unit >= count) {
+    return;
+  }
+  float v[8];
+  pymlxc_gguf::planes_values8(w, units, static_cast<size_t>(rows[0]) * NB + unit, static_cast<int>(t & 31) * 8, v);
+  T* o = out + unit * 256 + (t & 31) * 8;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    o[i] = static_cast<T>(v[i]);
+  }
+"""
+
+# Rows ids[0..] of planes (an embedding lookup). w [N, NB, 210], ids int32 [T] -> out [T, NB * 256];
+# an id outside 0..N-1 reads the nearest row (ids are checked against the vocabulary before a model
+# sees them; this keeps a bad one inside the weights).
+CUDA_LOOKUP_PLANES_SOURCE = r"""
+  const int N = w_shape[0];
+  const int NB = w_shape[1];
+  const size_t units = static_cast<size_t>(N) * NB;
+  const size_t count = static_cast<size_t>(ids_shape[0]) * NB;
+  const size_t t = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t unit = t >> 5;
+  if (unit >= count) {
+    return;
+  }
+  const int row = min(max(ids[unit / NB], 0), N - 1);
+  float v[8];
+  pymlxc_gguf::planes_values8(w, units, static_cast<size_t>(row) * NB + unit % NB, static_cast<int>(t & 31) * 8, v);
+  T* o = out + unit * 256 + (t & 31) * 8;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    o[i] = static_cast<T>(v[i]);
   }
 """
 
@@ -636,7 +673,9 @@ _cuda_q6k_planes = SharedKernel("pymlxc_gguf_q6k_planes", ("x", "w"), ("out",), 
 _cuda_dequant = SharedKernel("pymlxc_gguf_dequant", ("w",), ("out",), CUDA_DEQUANT_SOURCE,
                              header=CUDA_HEADER)
 _cuda_dequant_planes = SharedKernel("pymlxc_gguf_q6k_planes_dequant", ("w", "rows"), ("out",),
-                                    CUDA_DEQUANT_PLANES_SOURCE, header=CUDA_HEADER)
+                                    CUDA_DEQUANT_PLANES_SOURCE, header=CUDA_PLANES_HEADER)
+_cuda_lookup_planes = SharedKernel("pymlxc_gguf_q6k_planes_lookup", ("w", "ids"), ("out",),
+                                   CUDA_LOOKUP_PLANES_SOURCE, header=CUDA_PLANES_HEADER)
 _metal_matvec = SharedMetalKernel("pymlxc_gguf_matvec", ("x", "w", "idx"), ("out",), METAL_MATVEC_SOURCE,
                                   header=METAL_HEADER)
 _metal_dequant = SharedMetalKernel("pymlxc_gguf_dequant", ("w",), ("out",), METAL_DEQUANT_SOURCE,
@@ -781,6 +820,40 @@ def dequantize_planes(p: Array, start: int, stop: int, dtype: Any) -> Array:
     return out
 
 
+def lookup_planes(p: Array, ids: Array, dtype: Any) -> Array:
+    """Rows `ids` (int32 [T]) of Q6_K planes p [N, NB, 210] -> [T, NB * 256] of `dtype` through the
+    CUDA kernel: `dequantize(take_planes(p, ids))`'s values, in one kernel."""
+    nb = p.shape[1]
+    (out,) = _cuda_lookup_planes()([p, ids], output_shapes=[(ids.shape[0], nb * QK_K)], output_dtypes=[dtype],
+                                   grid=(ids.shape[0] * nb * 32, 1, 1), threadgroup=(THREADS, 1, 1),
+                                   template=[("T", dtype)])
+    return out
+
+
+def take_planes(p: Array, ids: Array) -> Array:
+    """Rows `ids` (int [T]) of Q6_K planes p [N, NB, 210] as Q6_K blocks [T, NB, 210] (MLX ops)."""
+    n, nb, size = p.shape
+    units, t = n * nb, ids.shape[0]
+    flat = mx.reshape(p, (-1,))
+
+    def plane(offset: int, width: int) -> Array:
+        rows = mx.reshape(flat[offset:offset + units * width], (n, nb * width))
+        return mx.reshape(mx.take(rows, ids, axis=0), (t * nb, width))
+
+    ql = mx.transpose(mx.reshape(plane(0, 128), (t * nb, 2, 4, 2, 8)), _QL_ORDER)
+    blocks = mx.concatenate([mx.reshape(ql, (t * nb, 128)), plane(units * 128, 64), plane(units * 192, 16),
+                             plane(units * 208, 2)], axis=1)
+    return mx.reshape(blocks, (t, nb, size))
+
+
+def planes_lookup_ready() -> bool:
+    """Whether `lookup_planes` serves here (checked now, the first time, against the block kernel's
+    dequantization of the same rows, bit for bit): only then do token embeddings take the planes."""
+    if not planes_ready(mx.float16):
+        return False
+    return planes_checks.verdict(("cuda", "lookup"), _compare_planes_lookup)
+
+
 def planes_dequantize_ready() -> bool:
     """Whether `dequantize_planes` serves here: on CUDA, once it gave `dequantize(from_planes(..))`'s
     values bit for bit for each dtype (checked now, the first time); else rows of planes are read back
@@ -886,6 +959,25 @@ def _compare_planes_dequantize() -> str | None:
     return None
 
 
+def _compare_planes_lookup() -> str | None:
+    """None where `lookup_planes` of repeated and out-of-order ids is the block kernel's
+    dequantization of `take` of the same rows, bit for bit, for each dtype; else why not."""
+    rng = np.random.default_rng(3)
+    n, nb = 37, 3
+    blocks = mx.array(random_blocks(rng, (n, nb), QType.Q6_K))
+    planes = to_planes(blocks)
+    ids = mx.array(np.array([5, 0, 36, 5, 17], np.int32))
+    if not np.array_equal(np.asarray(take_planes(planes, ids)), np.asarray(mx.take(blocks, ids, axis=0))):
+        return "rows taken from the Q6_K planes are not those of the blocks"
+    for dtype in FLOAT_TYPES:
+        want = dequantize(mx.take(blocks, ids, axis=0), QType.Q6_K, dtype, "cuda")
+        got = lookup_planes(planes, ids, dtype)
+        if not np.array_equal(np.asarray(got.astype(mx.float32)).view(np.uint32),
+                              np.asarray(want.astype(mx.float32)).view(np.uint32)):
+            return f"the Q6_K planes lookup differs from the blocks' ({dtype})"
+    return None
+
+
 def _compare_planes() -> str | None:
     """None where `from_planes(to_planes(w))` is w and the planes kernel gives the file-layout
     kernel's values bit for bit (the same lanes, products and sums), for each dtype of x, 1, 2 and 8
@@ -914,5 +1006,6 @@ def _compare_planes() -> str | None:
 
 
 __all__ = ["MAX_X_ROWS", "Q6K_SIZE", "TYPE_IDS", "checks", "dequantize", "dequantize_planes", "device_kind",
-           "from_planes", "matvec", "planes_checks", "planes_dequantize_ready", "planes_ready", "q6k_rounding_step",
-           "random_blocks", "ready", "to_planes", "x_rounding_bound"]
+           "from_planes", "lookup_planes", "matvec", "planes_checks", "planes_dequantize_ready", "planes_lookup_ready",
+           "planes_ready", "q6k_rounding_step", "random_blocks", "ready", "take_planes", "to_planes",
+           "x_rounding_bound"]

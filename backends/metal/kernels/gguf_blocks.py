@@ -310,6 +310,25 @@ __device__ __forceinline__ float quantize_lane(const float (*xf)[8], int (*xi)[4
 }  // namespace pymlxc_gguf
 """
 
+# Both Q6_K kernels: a warp's group of R rows and its split of their steps (W warps a group), then
+# its lanes (8 a block, 4 blocks a step: lane sub of block bq takes values 128 half + 32 k + l0 + i)
+# and their sums.
+_Q6K_ROWS = r"""  const int group = warp / W, split = warp % W;
+  const int row0 = (blockIdx.x * (WARPS / W) + group) * R;
+"""
+_Q6K_LANES = r"""  const T* xp = x + static_cast<size_t>(pair) * M * K;
+  const int sub = lane & 7, half = sub >> 2, l0 = (sub & 3) * 8, bq = lane >> 3;
+  const int steps = (NB + 3) / 4;
+  float acc[M][R];
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      acc[m][r] = 0.f;
+    }
+  }
+"""
+
 # The Q6_K kernels' products (both layouts): a lane's 32 values of block `blk` of each of the R rows,
 # from the words va (ql, values 32 k + 0..7 for k = 0, 2), vb (ql, k = 1, 3), vc (qh), vs (8 scales) and
 # the scale d, times M rows of x, summed into acc[M][R].
@@ -369,20 +388,8 @@ _Q6K_PRODUCTS = r"""#pragma unroll
 
 CUDA_Q6K_MATVEC_SOURCE = _CUDA_WARPS + (
     "  constexpr int CHUNKS = 54;  // 16-byte chunks that hold 840 bytes starting anywhere in the first one\n"
-    "  __shared__ uint4 stage[WARPS][R][CHUNKS];\n") + _CUDA_ROWS + r"""  const int group = warp / W, split = warp % W;
-  const int row0 = (blockIdx.x * (WARPS / W) + group) * R;
-  const uint8_t* wm = w + static_cast<size_t>(idx[pair]) * N * NB * 210;
-  const T* xp = x + static_cast<size_t>(pair) * M * K;
-  const int sub = lane & 7, half = sub >> 2, l0 = (sub & 3) * 8, bq = lane >> 3;
-  const int steps = (NB + 3) / 4;
-  float acc[M][R];
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      acc[m][r] = 0.f;
-    }
-  }
+    "  __shared__ uint4 stage[WARPS][R][CHUNKS];\n") + _CUDA_ROWS + _Q6K_ROWS + (
+    "  const uint8_t* wm = w + static_cast<size_t>(idx[pair]) * N * NB * 210;\n") + _Q6K_LANES + r"""
   // The next step's chunks (lane, lane + 32) of each row, and where its first block starts in them.
   uint4 held[R][2];
   int held_at[R];
@@ -448,25 +455,12 @@ CUDA_Q6K_MATVEC_SOURCE = _CUDA_WARPS + (
 # w [1, N, NB, 210] holds, for the N NB blocks u = row NB + block in order: ql (128 bytes each, lane
 # sub's 16 bytes at 16 sub: ql[64 h + l0 .. + 8] then ql[64 h + 32 + l0 .. + 8]), qh (64 bytes each,
 # as in the block), the scales (16 each), d (2 each).
-CUDA_Q6K_PLANES_SOURCE = _CUDA_WARPS + _CUDA_ROWS + r"""  const int group = warp / W, split = warp % W;
-  const int row0 = (blockIdx.x * (WARPS / W) + group) * R;
-  const size_t units = static_cast<size_t>(N) * NB;
+CUDA_Q6K_PLANES_SOURCE = _CUDA_WARPS + _CUDA_ROWS + _Q6K_ROWS + r"""  const size_t units = static_cast<size_t>(N) * NB;
   const uint8_t* qlp = w;
   const uint8_t* qhp = w + units * 128;
   const uint8_t* scp = w + units * 192;
   const uint8_t* dp = w + units * 208;
-  const T* xp = x + static_cast<size_t>(pair) * M * K;
-  const int sub = lane & 7, half = sub >> 2, l0 = (sub & 3) * 8, bq = lane >> 3;
-  const int steps = (NB + 3) / 4;
-  float acc[M][R];
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      acc[m][r] = 0.f;
-    }
-  }
-  for (int q = split; q < steps; q += W) {
+""" + _Q6K_LANES + r"""  for (int q = split; q < steps; q += W) {
     const int blk = 4 * q + bq;
     if (blk >= NB) {
       continue;

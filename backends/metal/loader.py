@@ -235,6 +235,7 @@ def load_gguf_weights(path: str | os.PathLike[str], *, context_len: int = 131072
     loaded = build_model(ckpt.config, ckpt.arrays, dict.fromkeys(ckpt.arrays, ckpt.file), source=ckpt.file,
                          root=ckpt.file, context_len=context_len, progress=progress, layers=layers,
                          settings=settings, compute_dtype=ckpt.dtype)
+    del ckpt  # its arrays: a tensor rearranged below is then freed as soon as its copy is made
     if blocks:
         chosen = settings if settings is not None else current_settings()
         try:

@@ -226,10 +226,12 @@ def use_planes(model: nn.Module, dtype: mx.Dtype, use: bool = True) -> int:
     undoes it)."""
     if not use or not gguf_blocks.planes_ready(dtype):
         return 0
-    kinds: tuple[type, ...] = (BlockLinear, BlockEmbedding) if gguf_blocks.planes_lookup_ready() else (BlockLinear,)
+    embeddings = gguf_blocks.planes_lookup_ready()
     done = 0
     for _, layer in model.named_modules():
-        if isinstance(layer, kinds) and layer.qtype == QType.Q6_K and not layer.planes:
+        if not isinstance(layer, BlockLinear) and not (embeddings and isinstance(layer, BlockEmbedding)):
+            continue
+        if layer.qtype == QType.Q6_K and not layer.planes:
             planes = gguf_blocks.to_planes(layer.weight)
             mx.eval(planes)  # one matrix at a time: the old layout is freed before the next is copied
             layer.weight = planes

@@ -29,6 +29,7 @@
 # side) or MLX's quantized_matmul (the pymlxc_gguf_matvec0 side, --matvec-off), Q6_K/Q8_0 layers the
 # block kernels and MLX's 8-bit kernel; the earlier float32 runs are BENCHMARKS.md's 160 tok/s row.
 # probe: benchmarks/profile/probe_gguf_blocks.py (the block kernels' time per decode shape).
+# planes-ab: the Q4_K_M files' prefill and decode with and without the Q6_K planes, alternated.
 # Results go to $OUT: tests.txt, probe.log, <stage>/compare_llama_cpp.{json,md,png}, <stage>.log.
 # Pass --git-rev <commit> to the benchmark scripts when the lent copy's git metadata is stale.
 # PEAK_MEMORY=1: bench-* also measure each side's peak GPU memory (nvidia-smi) over one generation at
@@ -119,6 +120,21 @@ for stage in "$@"; do
     probe)  # the block kernels against MLX ops, MLX 4-bit and dense float16 per decode shape
       ensure_lib
       python3 benchmarks/profile/probe_gguf_blocks.py --out "$OUT/probe" 2>&1 | tee "$OUT/probe.log" || echo "!!! probe failed"
+      ;;
+    planes-ab)  # the Q4_K_M files with the Q6_K planes against the file's layout (PYMLXC_CUDA_Q6K_PLANES),
+      # alternated: prefill by probe_prefill.py, decode by ab.py (after bench-1b / prep-8b wrote them)
+      ensure_lib
+      for f in "$MODELS"/llama-3.2-1b-q4_k_m.gguf "$MODELS"/llama-3.1-8b-q4_k_m.gguf; do
+        [ -f "$f" ] || { echo "no $f"; continue; }
+        name=$(basename "$f" .gguf)
+        for v in 0 auto 0 auto; do
+          PYMLXC_CUDA_Q6K_PLANES=$v python3 benchmarks/profile/probe_prefill.py "$f" --lengths 128 2048 \
+            --modes segmented --repeats 5 > "$OUT/prefill-$name-planes-$v.log" 2>&1 || echo "!!! probe_prefill failed"
+          echo "--- $name PYMLXC_CUDA_Q6K_PLANES=$v"; tail -4 "$OUT/prefill-$name-planes-$v.log"
+        done
+        python3 benchmarks/profile/ab.py "$f" --case planes PYMLXC_CUDA_Q6K_PLANES=auto \
+          --case file PYMLXC_CUDA_Q6K_PLANES=0 --rounds 2 --runs 2 --out "$OUT/ab-planes-$name.json" 2>&1 | tail -4
+      done
       ;;
     bench-1b)
       # shellcheck disable=SC2086  # FORMATS_1B is a list of words

@@ -974,8 +974,9 @@ def _compare_planes_lookup() -> str | None:
 
 def _compare_planes() -> str | None:
     """None where `from_planes(to_planes(w))` is w and the planes kernel gives the file-layout
-    kernel's values bit for bit (the same lanes, products and sums), for each dtype of x, 1, 2 and 8
-    rows of x and each warp split; else why not."""
+    kernel's values bit for bit (the same lanes, products and sums), for each dtype of x, 1 and 8
+    rows of x and each warp split; else why not. (Each is a template NVRTC compiles on a machine's
+    first load: the tests cover more row counts.)"""
     rng = np.random.default_rng(1)
     n, nb = 37, 9  # rows not a multiple of a block's; 9 blocks, so that the warps split rows unevenly
     blocks = mx.array(random_blocks(rng, (n, nb), QType.Q6_K))
@@ -986,7 +987,7 @@ def _compare_planes() -> str | None:
         return "rows 5..11 of the Q6_K planes are not those of the blocks"
     idx = mx.zeros((3,), mx.int32)
     for dtype in FLOAT_TYPES:
-        for m in (1, 2, MAX_X_ROWS):
+        for m in (1, MAX_X_ROWS):  # the two templates of q6k_rows (4 rows a warp, 2)
             x = mx.array(rng.standard_normal((3, m, nb * QK_K)).astype(np.float32)).astype(dtype)
             for warps in (1, 2, 4):
                 want = matvec(x, mx.expand_dims(blocks, 0), idx, QType.Q6_K, "cuda", warps=warps)

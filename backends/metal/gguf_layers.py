@@ -223,7 +223,8 @@ def use_planes(model: nn.Module, dtype: mx.Dtype, use: bool = True) -> int:
     `gguf_blocks.to_planes`'s layout (the same bytes, permuted), where `use` (Settings.cuda_q6k_planes)
     and the planes kernel's check for x of `dtype` pass (for an embedding, also the lookup kernel's);
     returns how many. Once the weights are in (after any split of the model: `file_layout` first
-    undoes it)."""
+    undoes it). One tensor at a time, each holding up to about 2.6x its bytes while it is copied (the
+    old layout, the reordered ql bytes, the planes)."""
     if not use or not gguf_blocks.planes_ready(dtype):
         return 0
     embeddings = gguf_blocks.planes_lookup_ready()
@@ -237,6 +238,8 @@ def use_planes(model: nn.Module, dtype: mx.Dtype, use: bool = True) -> int:
             layer.weight = planes
             layer.planes = True
             done += 1
+    if done:
+        mx.clear_cache()  # the old layouts' buffers (and the copies' temporaries) back to the device
     return done
 
 

@@ -34,6 +34,7 @@ MLX once per process before a model uses them, as it does the CUDA ones.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -786,21 +787,32 @@ def to_planes(w: Array) -> Array:
     return mx.reshape(mx.concatenate(parts), (n, nb, size))
 
 
-def from_planes(p: Array, start: int = 0, stop: int | None = None) -> Array:
-    """Rows start..stop of planes p [N, NB, 210] (`to_planes`) as Q6_K blocks [stop - start, NB, 210],
-    the file's layout (slices of each plane: no copy of the other rows)."""
+def _rows_as_blocks(p: Array, pick: Callable[[Array], Array], count: int) -> Array:
+    """`count` rows of planes p [N, NB, 210] as Q6_K blocks [count, NB, 210]: `pick` takes them from
+    each plane seen as [N, NB * width] (a slice or a take: no copy of the other rows)."""
     n, nb, size = p.shape
-    stop = n if stop is None else stop
-    units, a, b = n * nb, start * nb, stop * nb
-    flat = mx.reshape(p, (-1,))
+    units, flat = n * nb, mx.reshape(p, (-1,))
 
     def plane(offset: int, width: int) -> Array:
-        return mx.reshape(flat[offset + a * width:offset + b * width], (b - a, width))
+        return mx.reshape(pick(mx.reshape(flat[offset:offset + units * width], (n, nb * width))),
+                          (count * nb, width))
 
-    ql = mx.transpose(mx.reshape(plane(0, 128), (b - a, 2, 4, 2, 8)), _QL_ORDER)  # (h, j, c, i) -> (h, c, j, i)
-    blocks = mx.concatenate([mx.reshape(ql, (b - a, 128)), plane(units * 128, 64), plane(units * 192, 16),
+    ql = mx.transpose(mx.reshape(plane(0, 128), (count * nb, 2, 4, 2, 8)), _QL_ORDER)  # (h, j, c, i) -> (h, c, j, i)
+    blocks = mx.concatenate([mx.reshape(ql, (count * nb, 128)), plane(units * 128, 64), plane(units * 192, 16),
                              plane(units * 208, 2)], axis=1)
-    return mx.reshape(blocks, (stop - start, nb, size))
+    return mx.reshape(blocks, (count, nb, size))
+
+
+def from_planes(p: Array, start: int = 0, stop: int | None = None) -> Array:
+    """Rows start..stop of planes p [N, NB, 210] (`to_planes`) as Q6_K blocks [stop - start, NB, 210],
+    the file's layout."""
+    stop = p.shape[0] if stop is None else stop
+    return _rows_as_blocks(p, lambda rows: rows[start:stop], stop - start)
+
+
+def take_planes(p: Array, ids: Array) -> Array:
+    """Rows `ids` (int [T]) of Q6_K planes p [N, NB, 210] as Q6_K blocks [T, NB, 210] (MLX ops)."""
+    return _rows_as_blocks(p, lambda rows: mx.take(rows, ids, axis=0), ids.shape[0])
 
 
 def dequantize_planes(p: Array, start: int, stop: int, dtype: Any) -> Array:
@@ -822,22 +834,6 @@ def lookup_planes(p: Array, ids: Array, dtype: Any) -> Array:
                                    grid=(ids.shape[0] * nb * 32, 1, 1), threadgroup=(THREADS, 1, 1),
                                    template=[("T", dtype)])
     return out
-
-
-def take_planes(p: Array, ids: Array) -> Array:
-    """Rows `ids` (int [T]) of Q6_K planes p [N, NB, 210] as Q6_K blocks [T, NB, 210] (MLX ops)."""
-    n, nb, size = p.shape
-    units, t = n * nb, ids.shape[0]
-    flat = mx.reshape(p, (-1,))
-
-    def plane(offset: int, width: int) -> Array:
-        rows = mx.reshape(flat[offset:offset + units * width], (n, nb * width))
-        return mx.reshape(mx.take(rows, ids, axis=0), (t * nb, width))
-
-    ql = mx.transpose(mx.reshape(plane(0, 128), (t * nb, 2, 4, 2, 8)), _QL_ORDER)
-    blocks = mx.concatenate([mx.reshape(ql, (t * nb, 128)), plane(units * 128, 64), plane(units * 192, 16),
-                             plane(units * 208, 2)], axis=1)
-    return mx.reshape(blocks, (t, nb, size))
 
 
 def planes_lookup_ready() -> bool:
@@ -936,6 +932,12 @@ def _compare(kind: str, qtype: QType, dtype: Any) -> str | None:
     return None
 
 
+def _same_bits(got: Array, want: Array) -> bool:
+    """Equal values bit for bit (through float32: NumPy has no bfloat16; as bits, so -0 and 0 differ)."""
+    return np.array_equal(np.asarray(got.astype(mx.float32)).view(np.uint32),
+                          np.asarray(want.astype(mx.float32)).view(np.uint32))
+
+
 def _compare_planes_dequantize() -> str | None:
     """None where `dequantize_planes` of whole and partial row ranges is the block kernel's
     dequantization of the same rows bit for bit, for each dtype; else why not."""
@@ -946,9 +948,7 @@ def _compare_planes_dequantize() -> str | None:
     for dtype in FLOAT_TYPES:
         for start, stop in ((0, n), (5, 11), (36, 37)):
             want = dequantize(blocks[start:stop], QType.Q6_K, dtype, "cuda")
-            got = dequantize_planes(planes, start, stop, dtype)
-            if not np.array_equal(np.asarray(got.astype(mx.float32)).view(np.uint32),
-                                  np.asarray(want.astype(mx.float32)).view(np.uint32)):
+            if not _same_bits(dequantize_planes(planes, start, stop, dtype), want):
                 return f"the Q6_K planes dequantization differs from the blocks' (rows {start}..{stop}, {dtype})"
     return None
 
@@ -965,9 +965,7 @@ def _compare_planes_lookup() -> str | None:
         return "rows taken from the Q6_K planes are not those of the blocks"
     for dtype in FLOAT_TYPES:
         want = dequantize(mx.take(blocks, ids, axis=0), QType.Q6_K, dtype, "cuda")
-        got = lookup_planes(planes, ids, dtype)
-        if not np.array_equal(np.asarray(got.astype(mx.float32)).view(np.uint32),
-                              np.asarray(want.astype(mx.float32)).view(np.uint32)):
+        if not _same_bits(lookup_planes(planes, ids, dtype), want):
             return f"the Q6_K planes lookup differs from the blocks' ({dtype})"
     return None
 
@@ -992,9 +990,7 @@ def _compare_planes() -> str | None:
             for warps in (1, 2, 4):
                 want = matvec(x, mx.expand_dims(blocks, 0), idx, QType.Q6_K, "cuda", warps=warps)
                 got = matvec(x, mx.expand_dims(planes, 0), idx, QType.Q6_K, "cuda", warps=warps, planes=True)
-                # Through float32 (NumPy has no bfloat16), compared as bits: -0 and 0 differ too.
-                if not np.array_equal(np.asarray(got.astype(mx.float32)).view(np.uint32),
-                                      np.asarray(want.astype(mx.float32)).view(np.uint32)):
+                if not _same_bits(got, want):
                     return (f"the Q6_K planes kernel differs from the file-layout kernel ({dtype} x, {m} rows, "
                             f"warps {warps})")
     return None

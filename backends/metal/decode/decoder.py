@@ -345,10 +345,12 @@ class CompiledDecoder:
             rope = segments.use_rope_kv(model, blocks, fusions, self.cuda_rope_kv)
             attention = segments.use_decode_attention(model, blocks, rope, self.cuda_decode_attention)
             pair_silu = segments.use_pair_silu(fusions, self.cuda_gate_up)
-            matvec_fusion = segments.use_matvec_fusion(model, blocks, fusions, pair_silu, self.cuda_matvec_fusion)
+            layers = segments.fused_layers(model, blocks, fusions) if fusions else None
+            matvec_fusion = segments.use_matvec_fusion(model, blocks, fusions, pair_silu, self.cuda_matvec_fusion,
+                                                       layers)
             rope_in_product = segments.use_rope_in_product(model, blocks, fusions, rope, matvec_fusion,
                                                            self.cuda_rope_in_product)
-            layers = segments.fused_layers(model, blocks, fusions) if matvec_fusion and fusions else None
+            layers = layers if matvec_fusion else None
             seg_key = ("segmented", structure, fuse_greedy, fusions is not None, fused_norm, argmax, rope is not None,
                        attention, pair_silu, matvec_fusion, rope_in_product, layers)
             if seg_key in self._failed:

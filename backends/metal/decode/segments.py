@@ -163,7 +163,8 @@ def use_pair_silu(fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None,
 
 
 def use_matvec_fusion(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None,
-                      pair_silu: bool, setting: str) -> str:
+                      pair_silu: bool, setting: str,
+                      layers: tuple[tuple[bool, ...], tuple[bool, ...]] | None = None) -> str:
     """Which residual adds and block RMSNorms run inside the 4-bit products (the matvec kernel's
     residual and normalized forms, `kernel_choice.residual_product` / `normed_product`): "all" (the
     adds inside o_proj and down_proj, the norms inside q/k/v and gate/up), "ends" (the q/k/v norm
@@ -173,8 +174,9 @@ def use_matvec_fusion(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple
     FUSION_MAX_BYTES_PER_LAYER of 4-bit layers a block and "ends" above; 1 = "all" at any size and
     also elsewhere, where the check then fails; ends; or 0) allows it, the gate/up products are
     paired (`pair_silu`), every block norm is an RMSNorm of the model's type, at least one layer
-    can take a form (`fused_layers`: a GGUF file's Q6_K layers cannot, the others still do), and
-    the forms pass their check for each group size and eps of those layers."""
+    can take a form (`fused_layers`, or `layers` where the caller has them: a GGUF file's Q6_K layers
+    cannot, the others still do), and the forms pass their check for each group size and eps of
+    those layers."""
     if setting == "0" or (setting == "auto" and not kernel_check.on_cuda()) or not fusions or not pair_silu:
         return ""
     mode = "ends" if setting == "ends" else "all"
@@ -185,7 +187,7 @@ def use_matvec_fusion(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple
     norms = [n for b in blocks for n in (b.input_layernorm, b.post_attention_layernorm)]
     if any(type(n) is not nn.RMSNorm or n.weight.dtype != dtype for n in norms):
         return ""
-    heads, ends = fused_layers(model, blocks, fusions)
+    heads, ends = layers if layers is not None else fused_layers(model, blocks, fusions)
     if not any(heads) and not any(ends):
         return ""
     groups = ({m.group_size for b, end in zip(blocks, ends, strict=True) if end

@@ -50,7 +50,7 @@ def block_matmul(x: Array, weight: Array, qtype: QType, planes: bool = False) ->
     rows = x.size // k if k else 0
     if 1 <= rows <= gguf_blocks.MAX_X_ROWS and kernel_choice.kernels_allowed():
         kind = gguf_blocks.ready(qtype, x.dtype)
-        if kind is not None and k == nb * QK_K and (not planes or gguf_blocks.planes_ready(x.dtype)):
+        if kind is not None and k == nb * QK_K:  # planes: their kernel passed its check (`use_planes`)
             y = gguf_blocks.matvec(mx.reshape(x, (1, rows, k)), mx.expand_dims(weight, 0),
                                    mx.zeros((1,), mx.int32), qtype, kind, planes=planes)
             return mx.reshape(y, (*x.shape[:-1], n))
@@ -96,8 +96,8 @@ class BlockEmbedding(nn.Module):
 
     def __call__(self, x: Array) -> Array:
         ids = mx.reshape(x, (-1,))
-        if self.planes:
-            if kernel_choice.kernels_allowed() and gguf_blocks.planes_lookup_ready():
+        if self.planes:  # only where the lookup kernel passed its check (`use_planes`)
+            if kernel_choice.kernels_allowed():
                 ids = ids if ids.dtype == mx.int32 else ids.astype(mx.int32)
                 values = gguf_blocks.lookup_planes(self.weight, ids, self._dtype)
             else:
@@ -223,8 +223,8 @@ def use_planes(model: nn.Module, dtype: mx.Dtype, use: bool = True) -> int:
     `gguf_blocks.to_planes`'s layout (the same bytes, permuted), where `use` (Settings.cuda_q6k_planes)
     and the planes kernel's check for x of `dtype` pass (for an embedding, also the lookup kernel's);
     returns how many. Once the weights are in (after any split of the model: `file_layout` first
-    undoes it). One tensor at a time, each holding up to about 2.6x its bytes while it is copied (the
-    old layout, the reordered ql bytes, the planes)."""
+    undoes it). One tensor at a time, each holding up to about 2.6x its bytes while it is copied (by
+    the arrays the conversion makes: the old layout, the reordered ql bytes, the planes)."""
     if not use or not gguf_blocks.planes_ready(dtype):
         return 0
     embeddings = gguf_blocks.planes_lookup_ready()
@@ -240,6 +240,9 @@ def use_planes(model: nn.Module, dtype: mx.Dtype, use: bool = True) -> int:
             done += 1
     if done:
         mx.clear_cache()  # the old layouts' buffers (and the copies' temporaries) back to the device
+        # The prefill chunks' kernel is checked here, on the loading thread: a first check during a
+        # generation would run on its decode thread (see `gguf_blocks.ready`).
+        gguf_blocks.planes_dequantize_ready()
     return done
 
 

@@ -180,11 +180,10 @@ def test_the_loader_rearranges_q6k_layers_and_file_layout_undoes_it(
     """With the kernels taken as ready at load (this machine may have none), PYMLXC_CUDA_Q6K_PLANES=1
     gives the Q6_K linear layers (value, down, an untied output head) planes, and the token embedding
     too where the lookup kernel is ready (a tied head then reads them). The logits (through MLX ops
-    here) are those of the file's layout; `file_layout` (before a tensor-parallel split) restores the
-    bytes."""
-    ready = {"lookup": lookup}
+    here: the layers trust the load-time checks, so the kernels stay out) are those of the file's
+    layout; `file_layout` (before a tensor-parallel split) restores the bytes."""
     monkeypatch.setattr(gguf_blocks, "planes_ready", lambda dtype: True)
-    monkeypatch.setattr(gguf_blocks, "planes_lookup_ready", lambda: ready["lookup"])
+    monkeypatch.setattr(gguf_blocks, "planes_lookup_ready", lambda: lookup)
     monkeypatch.setattr(gguf_blocks, "planes_dequantize_ready", lambda: False)  # no CUDA kernel here to run
     path = _q6k_file(tmp_path, tied)
     off = _loaded(path, "0")
@@ -196,9 +195,9 @@ def test_the_loader_rearranges_q6k_layers_and_file_layout_undoes_it(
         want_flags["lm_head"] = True
     assert flags == want_flags
     assert not any(getattr(m, "planes", False) for _, m in off.model.named_modules())
-    ready["lookup"] = False  # the calls below go through MLX ops
     ids = mx.array(np.array([[3, 17, 200, 99, 5, 41]], np.int32))
-    np.testing.assert_array_equal(np.asarray(on.model(ids)), np.asarray(off.model(ids)))
+    with kernel_choice.mlx_kernels_only():
+        np.testing.assert_array_equal(np.asarray(on.model(ids)), np.asarray(off.model(ids)))
     want = _weights(off.model)
     assert distributed._file_layout(on.model) == sum(want_flags.values())
     got = _weights(on.model)

@@ -838,7 +838,8 @@ def lookup_planes(p: Array, ids: Array, dtype: Any) -> Array:
 
 def planes_lookup_ready() -> bool:
     """Whether `lookup_planes` serves here (checked now, the first time, against the block kernel's
-    dequantization of the same rows, bit for bit): only then do token embeddings take the planes."""
+    dequantization of the same rows, bit for bit): only then do token embeddings take the planes
+    (`gguf_layers.use_planes`, at load)."""
     if not planes_ready(mx.float16):
         return False
     return planes_checks.verdict(("cuda", "lookup"), _compare_planes_lookup)
@@ -846,8 +847,8 @@ def planes_lookup_ready() -> bool:
 
 def planes_dequantize_ready() -> bool:
     """Whether `dequantize_planes` serves here: on CUDA, once it gave `dequantize(from_planes(..))`'s
-    values bit for bit for each dtype (checked now, the first time); else rows of planes are read back
-    into blocks for the block kernel."""
+    values bit for bit for each dtype (checked the first time: by `gguf_layers.use_planes`, at load);
+    else rows of planes are read back into blocks for the block kernel."""
     if not planes_ready(mx.float16):
         return False
     return planes_checks.verdict(("cuda", "dequantize"), _compare_planes_dequantize)

@@ -50,6 +50,11 @@ AUTO_MIN_BYTES_PER_LAYER = 30_000_000
 # one (140 MB) from 314 to 304 (each of the gate/up product's 3584 blocks normalizes h again), where
 # "ends" gave 318 against 310 off. The bound lies between those two sizes; none in between was measured.
 FUSION_MAX_BYTES_PER_LAYER = 80_000_000
+# The dense kernel (16-bit block linears, `nn.choose_dense_matvec`) by default only up to this many
+# block weights a layer: its product alone reads no faster than MLX's matrix-vector kernel, so it
+# pays where the forms' saved kernels bound the step (the 4-bit forms' bound above, 80 MB at 4 bits,
+# in weights; Llama-3.2-1B has 61 million a block, Llama-3.1-8B 218 million).
+DENSE_MAX_WEIGHTS_PER_LAYER = 160_000_000
 _mlx_only = ThreadSetting(False)
 _the_kernel = SharedKernel(matvec_kernel.QUANTIZED_NAME, matvec_kernel.QUANTIZED_INPUTS,
                            matvec_kernel.OUTPUT_NAMES, matvec_kernel.QUANTIZED_SOURCE,
@@ -64,6 +69,17 @@ _the_normed = SharedKernel(matvec_kernel.NORM_NAME, matvec_kernel.NORM_INPUTS, m
 _the_rope = SharedKernel(matvec_kernel.ROPE_NAME, matvec_kernel.ROPE_INPUTS, matvec_kernel.OUTPUT_NAMES,
                          matvec_kernel.ROPE_SOURCE, header=_NORM_HEADER + rope_kernel.HEADER,
                          ensure_row_contiguous=False)
+# The same kernels over dense weights of x's type (`dense_ready`; scales None in the functions below).
+_the_dense = SharedKernel(matvec_kernel.DENSE_NAME, matvec_kernel.DENSE_INPUTS, matvec_kernel.OUTPUT_NAMES,
+                          matvec_kernel.DENSE_SOURCE, header=matvec_kernel.QUANTIZED_HEADER)
+_the_dense_residual = SharedKernel(matvec_kernel.DENSE_RESIDUAL_NAME, matvec_kernel.DENSE_RESIDUAL_INPUTS,
+                                   matvec_kernel.OUTPUT_NAMES, matvec_kernel.DENSE_RESIDUAL_SOURCE,
+                                   header=matvec_kernel.QUANTIZED_HEADER)
+_the_dense_normed = SharedKernel(matvec_kernel.DENSE_NORM_NAME, matvec_kernel.DENSE_NORM_INPUTS,
+                                 matvec_kernel.OUTPUT_NAMES, matvec_kernel.DENSE_NORM_SOURCE, header=_NORM_HEADER)
+_the_dense_rope = SharedKernel(matvec_kernel.DENSE_ROPE_NAME, matvec_kernel.DENSE_ROPE_INPUTS,
+                               matvec_kernel.OUTPUT_NAMES, matvec_kernel.DENSE_ROPE_SOURCE,
+                               header=_NORM_HEADER + rope_kernel.HEADER, ensure_row_contiguous=False)
 _the_qmm = SharedKernel(qmm_kernel.NAME, qmm_kernel.INPUTS, qmm_kernel.OUTPUT_NAMES, qmm_kernel.SOURCE,
                         header=qmm_kernel.HEADER)
 # Verdicts of the prefill kernel's check, keyed on the kernel's source and on this file's (the check's).
@@ -100,17 +116,72 @@ def quantized_matmul(x: Array, weight: Array, scales: Array, biases: Array, grou
     return mx.quantized_matmul(x, weight, scales, biases, True, group_size, bits)
 
 
-def silu_product(x: Array, weight: Array, scales: Array, biases: Array, group_size: int, bits: int,
+def dense_matmul(x: Array, weight: Array, cuda_matvec: bool = False) -> Array:
+    """`x @ weight.T` for dense weights [N, K] of x's type: through pymlxc's dense kernel when
+    `cuda_matvec` and it takes x (`dense_takes`: a few rows), else MLX's matmul."""
+    if dense_kernel_takes(x, weight, cuda_matvec):
+        k, n = x.shape[-1], weight.shape[0]
+        return _the_dense()([x, weight], output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype],
+                            **matvec_kernel.launch(x.size // k, k, n, x.dtype, 0, dense=True))[0]
+    return mx.matmul(x, mx.transpose(weight))
+
+
+def dense_kernel_takes(x: Array, weight: Array, cuda_matvec: bool) -> bool:
+    """Whether `dense_matmul(x, weight, cuda_matvec)` runs pymlxc's kernel (else MLX's matmul)."""
+    return _use(cuda_matvec) and dense_takes(x, weight)
+
+
+def dense_takes(x: Array, weight: Array) -> bool:
+    """Whether the dense kernel computes `x @ weight.T`: weights [N, K] of x's 2-byte type, a few rows."""
+    k = x.shape[-1]
+    rows = x.size // k if k else 0
+    return (matvec_kernel.dense_applies(rows, k, x.dtype.size) and weight.dtype == x.dtype and weight.ndim == 2
+            and weight.shape[1] == k)
+
+
+def _takes(x: Array, weight: Array, scales: Array | None, biases: Array | None, group_size: int) -> bool:
+    """`dense_takes` for dense weights (`scales` None), else `kernel_takes` at 4 bits."""
+    if scales is None or biases is None:
+        return scales is None and dense_takes(x, weight)
+    return kernel_takes(x, weight, scales, biases, group_size, 4)
+
+
+def _weights(weight: Array, scales: Array | None, biases: Array | None) -> list[Array]:
+    """A kernel's weight inputs: the dense weight, or the 4-bit weight, scales and biases."""
+    if scales is None or biases is None:
+        return [weight]
+    return [weight, scales, biases]
+
+
+def _product(x: Array, weight: Array, scales: Array | None, biases: Array | None, group_size: int) -> Array:
+    """The plain product on pymlxc's kernel where it takes x, else MLX's: dense or 4-bit."""
+    if scales is None or biases is None:
+        return dense_matmul(x, weight, True)
+    return quantized_matmul(x, weight, scales, biases, group_size, 4, True)
+
+
+def silu_product(x: Array, weight: Array, scales: Array | None, biases: Array | None, group_size: int, bits: int,
                  cuda_matvec: bool) -> Array | None:
-    """silu(gate) * up for a fused 4-bit [gate; up] weight (gate rows first, as many as up's) as
-    pymlxc's kernel in its paired form (one kernel for the product and the SiLU product), or None
-    where the kernel does not compute this product (the caller then uses `quantized_matmul`)."""
-    if not _use(cuda_matvec) or weight.shape[0] % 2 or not kernel_takes(x, weight, scales, biases, group_size, bits):
+    """silu(gate) * up for a fused [gate; up] weight (gate rows first, as many as up's), 4-bit or
+    dense (`scales` None), as pymlxc's kernel in its paired form (one kernel for the product and the
+    SiLU product), or None where the kernel does not compute this product (the caller then uses
+    `quantized_matmul` or `dense_matmul`)."""
+    if not _use(cuda_matvec) or weight.shape[0] % 2:
+        return None
+    dense = scales is None
+    if not (dense_takes(x, weight) if dense else
+            biases is not None and kernel_takes(x, weight, scales, biases, group_size, bits)):
         return None
     k, n = x.shape[-1], weight.shape[0]
     rows = x.size // k
-    return _the_kernel()([x, weight, scales, biases], output_shapes=[(*x.shape[:-1], n // 2)],
-                         output_dtypes=[x.dtype], **matvec_kernel.launch(rows, k, n, x.dtype, group_size, pair=True))[0]
+    kernel = _the_dense if dense else _the_kernel
+    return kernel()(_inputs(x, weight, scales, biases), output_shapes=[(*x.shape[:-1], n // 2)],
+                    output_dtypes=[x.dtype],
+                    **matvec_kernel.launch(rows, k, n, x.dtype, group_size, pair=True, dense=dense))[0]
+
+
+def _inputs(x: Array, weight: Array, scales: Array | None, biases: Array | None) -> list[Array]:
+    return [x, *_weights(weight, scales, biases)]
 
 
 # Verdicts of the paired kernel's check, keyed on the kernel's source and on this file's (the check's).
@@ -126,7 +197,7 @@ def silu_of_pair(both: Array) -> Array:
 
 def pair_ready(dtype: Any, group_size: int) -> bool:
     """Whether the paired kernel runs here and gives, bit for bit, MLX's `silu(gate) * up` of the
-    unpaired kernel's two products (once per machine, type and group size)."""
+    unpaired kernel's two products (once per machine, type and group size; group 0: the dense kernel)."""
     return pair_checks.verdict(("pair", str(dtype), group_size), lambda: _compare_pair(dtype, group_size))
 
 
@@ -135,72 +206,78 @@ def _compare_pair(dtype: Any, group_size: int) -> str | None:
 
     rng = np.random.default_rng(0)
     k, half = 1024, 320
-    w32 = mx.array(rng.standard_normal((2 * half, k)).astype(np.float32) * 0.05).astype(dtype)
-    weight, scales, biases = mx.quantize(w32, group_size, 4)
+    weight, scales, biases = _random_weights(rng, 2 * half, k, dtype, group_size)
     for rows in (1, 3):
         x = mx.array(rng.standard_normal((rows, k)).astype(np.float32)).astype(dtype)
         got = silu_product(x, weight, scales, biases, group_size, 4, True)
         if got is None:
             return "it does not take these shapes"
-        want = silu_of_pair(quantized_matmul(x, weight, scales, biases, group_size, 4, True))
+        want = silu_of_pair(_product(x, weight, scales, biases, group_size))
         if not bool(mx.array_equal(got, want).item()):
             return f"its output for {rows} row(s) differs from MLX's silu(gate) * up ({dtype}, group {group_size})"
     return None
 
 
-def residual_product(x: Array, weight: Array, scales: Array, biases: Array, group_size: int, residual: Array
-                     ) -> Array:
-    """`residual + x @ dequantize(weight).T` for 4-bit weights: one kernel (the matvec kernel's
-    residual form: a decode step's o_proj or down_proj and the residual add after it) where the
-    kernel takes x (`kernel_takes`, a few rows), else the product and MLX's add (the same bits).
-    `residual` has the product's shape and dtype."""
-    if (not kernel_takes(x, weight, scales, biases, group_size, 4) or residual.dtype != x.dtype
+def residual_product(x: Array, weight: Array, scales: Array | None, biases: Array | None, group_size: int,
+                     residual: Array) -> Array:
+    """`residual + x @ dequantize(weight).T` for 4-bit weights, or `residual + x @ weight.T` for
+    dense ones (`scales` None): one kernel (the matvec kernel's residual form: a decode step's
+    o_proj or down_proj and the residual add after it) where the kernel takes x (a few rows), else
+    the product and MLX's add (the same bits). `residual` has the product's shape and dtype."""
+    if (not _takes(x, weight, scales, biases, group_size) or residual.dtype != x.dtype
             or tuple(residual.shape) != (*x.shape[:-1], weight.shape[0])):
-        return residual + quantized_matmul(x, weight, scales, biases, group_size, 4, True)
+        return residual + _product(x, weight, scales, biases, group_size)
     k, n = x.shape[-1], weight.shape[0]
     rows = x.size // k
-    (y,) = _the_residual()([x, weight, scales, biases, residual], output_shapes=[tuple(residual.shape)],
-                           output_dtypes=[x.dtype], **matvec_kernel.launch(rows, k, n, x.dtype, group_size))
+    dense = scales is None
+    (y,) = (_the_dense_residual if dense else _the_residual)()(
+        [*_inputs(x, weight, scales, biases), residual], output_shapes=[tuple(residual.shape)],
+        output_dtypes=[x.dtype], **matvec_kernel.launch(rows, k, n, x.dtype, group_size, dense=dense))
     return y
 
 
-def normed_product(h: Array, weight: Array, scales: Array, biases: Array, group_size: int, norm_weight: Array,
-                   eps: float, pair: bool = False) -> Array:
-    """`rms_norm(h, norm_weight, eps) @ dequantize(weight).T` for 4-bit weights, or with `pair` (a
-    [gate; up] weight) silu(gate) * up of it: one kernel (the matvec kernel's normalized form: a
-    decode step's RMSNorm and the product after it) where it takes h (`normed_takes`: a few rows),
-    else MLX's rms_norm and the products (the same bits)."""
+def normed_product(h: Array, weight: Array, scales: Array | None, biases: Array | None, group_size: int,
+                   norm_weight: Array, eps: float, pair: bool = False) -> Array:
+    """`rms_norm(h, norm_weight, eps) @ dequantize(weight).T` for 4-bit weights (dense ones:
+    `scales` None), or with `pair` (a [gate; up] weight) silu(gate) * up of it: one kernel (the
+    matvec kernel's normalized form: a decode step's RMSNorm and the product after it) where it
+    takes h (`normed_takes`: a few rows), else MLX's rms_norm and the products (the same bits)."""
     if not normed_takes(h, weight, scales, biases, group_size, 4) or norm_weight.dtype != h.dtype:
         normed = mx.fast.rms_norm(h, norm_weight, eps)
         if pair:
             paired = silu_product(normed, weight, scales, biases, group_size, 4, True)
             if paired is not None:
                 return paired
-            return silu_of_pair(quantized_matmul(normed, weight, scales, biases, group_size, 4, True))
-        return quantized_matmul(normed, weight, scales, biases, group_size, 4, True)
+            return silu_of_pair(_product(normed, weight, scales, biases, group_size))
+        return _product(normed, weight, scales, biases, group_size)
     k, n = h.shape[-1], weight.shape[0]
     rows = h.size // k
     geometry = norm_kernel.geometry(k)
     assert geometry is not None  # normed_takes
     norm = (*geometry, float32_bits(eps))
     out = n // 2 if pair else n
-    (y,) = _the_normed()([h, weight, scales, biases, norm_weight], output_shapes=[(*h.shape[:-1], out)],
-                         output_dtypes=[h.dtype],
-                         **matvec_kernel.launch(rows, k, n, h.dtype, group_size, pair=pair, norm=norm))
+    dense = scales is None
+    (y,) = (_the_dense_normed if dense else _the_normed)()(
+        [*_inputs(h, weight, scales, biases), norm_weight], output_shapes=[(*h.shape[:-1], out)],
+        output_dtypes=[h.dtype], **matvec_kernel.launch(rows, k, n, h.dtype, group_size, pair=pair, norm=norm,
+                                                        dense=dense))
     return y
 
 
-def normed_takes(h: Array, weight: Array, scales: Array, biases: Array, group_size: int, bits: int) -> bool:
-    """Whether `normed_product` computes the normalized product of h: `kernel_takes`, and MLX's
-    rms_norm over rows of h runs a kernel the prologue reproduces on at most a block's threads."""
+def normed_takes(h: Array, weight: Array, scales: Array | None, biases: Array | None, group_size: int,
+                 bits: int) -> bool:
+    """Whether `normed_product` computes the normalized product of h: the kernel takes the product
+    (`kernel_takes` at `bits`, or `dense_takes` where `scales` is None), and MLX's rms_norm over
+    rows of h runs a kernel the prologue reproduces on at most a block's threads."""
     k = h.shape[-1]
     geometry = norm_kernel.geometry(k) if norm_kernel.applies(k, h.dtype) else None
-    return (geometry is not None and kernel_takes(h, weight, scales, biases, group_size, bits)
-            and matvec_kernel.norm_applies(h.size // k, k, h.dtype.size, geometry[0]))
+    takes = (dense_takes(h, weight) if scales is None else
+             biases is not None and kernel_takes(h, weight, scales, biases, group_size, bits))
+    return geometry is not None and takes and matvec_kernel.norm_applies(h.size // k, k, h.dtype.size, geometry[0])
 
 
-def rope_takes(h: Array, weight: Array, scales: Array, biases: Array, group_size: int, keys: Array, values: Array,
-               n_heads: int) -> bool:
+def rope_takes(h: Array, weight: Array, scales: Array | None, biases: Array | None, group_size: int, keys: Array,
+               values: Array, n_heads: int) -> bool:
     """Whether `normed_rope_product` computes this layer's step: `normed_takes`, the weight's rows
     are q, k and v heads of the buffers' size (values of the keys' size), all of h's type."""
     hkv, d = keys.shape[1], keys.shape[3]
@@ -208,7 +285,7 @@ def rope_takes(h: Array, weight: Array, scales: Array, biases: Array, group_size
             and keys.dtype == values.dtype == h.dtype and weight.shape[0] == (n_heads + 2 * hkv) * d)
 
 
-def normed_rope_product(h: Array, weight: Array, scales: Array, biases: Array, group_size: int,
+def normed_rope_product(h: Array, weight: Array, scales: Array | None, biases: Array | None, group_size: int,
                         norm_weight: Array, eps: float, pos: Array, keys: Array, values: Array,
                         rope: rope_kernel.Rope, n_heads: int) -> tuple[Array, Array, Array]:
     """A layer's q/k/v step in one kernel: `normed_product`'s q/k/v of h, then what
@@ -219,12 +296,14 @@ def normed_rope_product(h: Array, weight: Array, scales: Array, biases: Array, g
     rows = h.size // k
     geometry = norm_kernel.geometry(k)
     assert geometry is not None  # rope_takes
-    launch = matvec_kernel.launch(rows, k, n, h.dtype, group_size, norm=(*geometry, float32_bits(eps)))
+    dense = scales is None
+    launch = matvec_kernel.launch(rows, k, n, h.dtype, group_size, norm=(*geometry, float32_bits(eps)), dense=dense)
     launch["template"] = [*launch["template"], ("HQ", n_heads), ("HKV", keys.shape[1]), ("DH", keys.shape[3]),
                           ("FREQS", rope.with_freqs), ("SCALE_BITS", float32_bits(rope.scale_value)),
                           ("LOG2_BASE_BITS", 0 if rope.with_freqs else float32_bits(rope.log2_base))]
-    (q,) = _the_rope()([h, weight, scales, biases, norm_weight, pos, rope.table, keys, values],
-                       output_shapes=[(rows, n_heads, 1, keys.shape[3])], output_dtypes=[h.dtype], **launch)
+    (q,) = (_the_dense_rope if dense else _the_rope)()(
+        [*_inputs(h, weight, scales, biases), norm_weight, pos, rope.table, keys, values],
+        output_shapes=[(rows, n_heads, 1, keys.shape[3])], output_dtypes=[h.dtype], **launch)
     return q, keys, values
 
 
@@ -259,7 +338,7 @@ def _compare_rope(dtype: Any, group_size: int, d: int, eps: float, hq: int, hkv:
     def random(*shape: int, scale: float = 1.0) -> Array:
         return mx.array(rng.standard_normal(shape).astype(np.float32) * scale).astype(dtype)
 
-    w, s, b = mx.quantize(random((hq + 2 * hkv) * dh, d, scale=0.05), group_size, 4)
+    w, s, b = _random_weights(rng, (hq + 2 * hkv) * dh, d, dtype, group_size)
     norm_weight = random(d)
     keys, values = random(1, hkv, slots, dh), random(1, hkv, slots, dh)
     got_k, got_v = rope_kernel.private_copy(keys), rope_kernel.private_copy(values)
@@ -291,17 +370,17 @@ def _compare_fusion(dtype: Any, group_size: int, d: int, eps: float) -> str | No
         return mx.array(rng.standard_normal(shape).astype(np.float32) * scale).astype(dtype)
 
     half = 160
-    wo, so, bo = mx.quantize(random(d, 2 * d, scale=0.05), group_size, 4)  # o_proj / down_proj: 2d -> d
-    wi, si, bi = mx.quantize(random(2 * half, d, scale=0.05), group_size, 4)  # q/k/v or [gate; up]: d -> 2 half
+    wo, so, bo = _random_weights(rng, d, 2 * d, dtype, group_size)  # o_proj / down_proj: 2d -> d
+    wi, si, bi = _random_weights(rng, 2 * half, d, dtype, group_size)  # q/k/v or [gate; up]: d -> 2 half
     norm_weight = random(d)
     for rows in (1, 2):
         x, h = random(rows, 2 * d), random(rows, d)
-        if not (kernel_takes(x, wo, so, bo, group_size, 4) and normed_takes(h, wi, si, bi, group_size, 4)):
+        if not (_takes(x, wo, so, bo, group_size) and normed_takes(h, wi, si, bi, group_size, 4)):
             return f"it does not take these shapes ({rows} row(s) of {d})"
-        both = quantized_matmul(mx.fast.rms_norm(h, norm_weight, eps), wi, si, bi, group_size, 4, True)
+        both = _product(mx.fast.rms_norm(h, norm_weight, eps), wi, si, bi, group_size)
         pairs = [
             ("residual form", residual_product(x, wo, so, bo, group_size, h),
-             h + quantized_matmul(x, wo, so, bo, group_size, 4, True)),
+             h + _product(x, wo, so, bo, group_size)),
             ("normalized form", normed_product(h, wi, si, bi, group_size, norm_weight, eps), both),
             ("normalized gate/up form", normed_product(h, wi, si, bi, group_size, norm_weight, eps, pair=True),
              silu_of_pair(both)),
@@ -309,6 +388,53 @@ def _compare_fusion(dtype: Any, group_size: int, d: int, eps: float) -> str | No
         for name, got, want in pairs:
             if not bool(mx.array_equal(got, want).item()):
                 return f"its {name} for {rows} row(s) differs from MLX's ({dtype}, group {group_size}, rows of {d})"
+    return None
+
+
+def _random_weights(rng: Any, n: int, k: int, dtype: Any, group_size: int
+                    ) -> tuple[Array, Array | None, Array | None]:
+    """The checks' weights [n, k]: 4-bit at `group_size` (weight, scales, biases), or dense in
+    `dtype` (weight, None, None) for group 0."""
+    import numpy as np  # noqa: PLC0415 - the checks alone need it
+
+    w = mx.array(rng.standard_normal((n, k)).astype(np.float32) * 0.05).astype(dtype)
+    if not group_size:
+        return w, None, None
+    weight, scales, biases = mx.quantize(w, group_size, 4)
+    return weight, scales, biases
+
+
+# Verdicts of the dense kernel's check, keyed on the kernel's source and on this file's (the check's).
+dense_checks = CheckedOnce("pymlxc's CUDA dense matvec", source=(matvec_kernel.__file__, __file__))
+
+
+def dense_ready(dtype: Any) -> bool:
+    """Whether the dense kernel runs here and agrees with float64 products of the same values for
+    x and weights of `dtype` (once per machine and type): its forms, checked bit for bit against
+    it (`fusion_ready` and the others at group 0), then stand in for MLX's matmul, add and norm."""
+    return dense_checks.verdict(("dense", str(dtype)), lambda: _compare_dense(dtype))
+
+
+def _compare_dense(dtype: Any) -> str | None:
+    import numpy as np  # noqa: PLC0415 - the check alone needs it
+
+    rng = np.random.default_rng(0)
+    rounding = 2.0 ** -8 if dtype == mx.bfloat16 else 2.0 ** -11  # half a step of the output's type
+    for k, n, rows in ((1024, 200, 1), (512, 333, 3), (4096, 66, 8)):  # both row splits, an odd unit, M up to 8
+        weight, _, _ = _random_weights(rng, n, k, dtype, 0)
+        x = mx.array(rng.standard_normal((rows, k)).astype(np.float32)).astype(dtype)
+        if not dense_takes(x, weight):
+            return f"it does not take {rows} row(s) of {k}"
+        got = np.asarray(dense_matmul(x, weight, True).astype(mx.float32)).astype(np.float64)
+        w64 = np.asarray(weight.astype(mx.float32)).astype(np.float64)
+        x64 = np.asarray(x.astype(mx.float32)).astype(np.float64)
+        want = x64 @ w64.T
+        # float32 sums of k products, then rounding to the 2-byte output (at most half its step).
+        tol = np.abs(x64) @ np.abs(w64).T * (k * 2.0 ** -23) + np.abs(want) * rounding
+        if not np.all(np.abs(got - want) <= tol + 1e-6):
+            bad = np.unravel_index(int(np.argmax(np.abs(got - want) - tol)), want.shape)
+            return (f"its product differs from float64's at row {bad[0]}, column {bad[1]} "
+                    f"({got[bad]:.5g} against {want[bad]:.5g}, {dtype})")
     return None
 
 

@@ -22,6 +22,10 @@ from pymlxc.settings import SWITCH, Settings
 
 from .kernel_choice import (
     AUTO_MIN_BYTES_PER_LAYER,
+    DENSE_MAX_WEIGHTS_PER_LAYER,
+    dense_kernel_takes,
+    dense_matmul,
+    dense_ready,
     kernels_allowed,
     qmm_product,
     qmm_ready,
@@ -247,9 +251,21 @@ class Linear(Module):
             # W^T is a view of W (no copy once evaluated): made once here, not one op per call.
             super().__setattr__("_wT", _T(value))
 
+    # Products of few rows through pymlxc's dense CUDA kernel (`choose_dense_matvec`, at load).
+    _cuda_matvec = False
+
+    @property
+    def cuda_matvec(self) -> bool:
+        return self._cuda_matvec
+
+    def use_cuda_matvec(self, on: bool) -> None:
+        self._cuda_matvec = bool(on)
+
     def __call__(self, x: Array) -> Array:
         b: Array | None = self.__dict__.get("bias")
         if b is None:
+            if self._cuda_matvec and dense_kernel_takes(x, self.weight, True):
+                return dense_matmul(x, self.weight, True)
             return _matmul(x, self._wT)
         if _shapeless.get():
             return _matmul(x, self._wT) + b  # see `shapeless_trace`
@@ -695,11 +711,44 @@ def mark_qmm_products(model: Any, use: bool, dtype: Any) -> bool:
     return any(m._qmm_rows for m in takes)
 
 
+def block_linears(model: Any) -> list[Linear]:
+    """The dense, bias-free Linear layers inside `model`'s transformer blocks (not its head)."""
+    blocks = getattr(model, "layers", None) or ()
+    return [m for block in blocks for _, m in block.named_modules()
+            if type(m) is Linear and m.__dict__.get("bias") is None]
+
+
+def choose_dense_matvec(model: Any, setting: str, dtype: Any) -> bool:
+    """Mark `model`'s block linears of `dtype` (its 2-byte compute type) to use pymlxc's dense matvec
+    kernel for products of few rows (`kernel_choice.dense_matmul`) where this process runs on CUDA,
+    `setting` (PYMLXC_CUDA_DENSE_MATVEC) says so (`auto`: at most DENSE_MAX_WEIGHTS_PER_LAYER block
+    weights a layer) and the kernel agrees with float64 here (`dense_ready`); returns whether it did.
+    The segmented decode's fused forms then take those layers as they take 4-bit ones."""
+    if setting not in SWITCH:
+        raise ValueError(f"the cuda_dense_matvec setting must be one of {', '.join(SWITCH)}, not {setting!r}")
+    linears = block_linears(model)
+    for m in linears:
+        m.use_cuda_matvec(False)
+    mine = [m for m in linears if dtype is not None and m.weight.dtype == dtype and dtype.size == 2]
+    if setting == "0" or not mine or not on_cuda():
+        return False
+    blocks = max(1, len(getattr(model, "layers", None) or ()))
+    if setting == "auto" and sum(m.weight.size for m in mine) / blocks > DENSE_MAX_WEIGHTS_PER_LAYER:
+        return False
+    if not dense_ready(dtype):
+        return False
+    for m in mine:
+        m.use_cuda_matvec(True)
+    return True
+
+
 def choose_kernels(model: Any, settings: Settings, dtype: Any) -> bool:
-    """Every load-time kernel choice for `model`'s quantized layers, by `settings`: the matvec
-    kernel (returned: whether it was chosen), the dense prefill products and the tensor-core
-    prefill kernel for x of `dtype`. At load, and again where layers are replaced (a fused adapter)."""
+    """Every load-time kernel choice for `model`'s layers, by `settings`: the 4-bit matvec kernel
+    (returned: whether it was chosen), the dense one for 16-bit block linears, the dense prefill
+    products and the tensor-core prefill kernel for x of `dtype`. At load, and again where layers
+    are replaced (a fused adapter)."""
     cuda_matvec = choose_cuda_matvec(model, settings.cuda_matvec)
+    choose_dense_matvec(model, settings.cuda_dense_matvec, dtype)
     mark_dense_products(model, settings.switch_on("dense_prefill", on_cuda()))
     mark_qmm_products(model, settings.switch_on("cuda_qmm", on_cuda()), dtype)
     return cuda_matvec

@@ -55,6 +55,8 @@ from pymlxc.core.transforms import FixedArrays
 from .. import nn
 from ..kernel_choice import (
     FUSION_MAX_BYTES_PER_LAYER,
+    dense_kernel_takes,
+    dense_matmul,
     fusion_ready,
     normed_product,
     normed_rope_product,
@@ -180,8 +182,10 @@ def use_matvec_fusion(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple
     if setting == "0" or (setting == "auto" and not kernel_check.on_cuda()) or not fusions or not pair_silu:
         return ""
     mode = "ends" if setting == "ends" else "all"
+    # Dense linears on the kernel count as the 4-bit bytes of as many weights (the bound is in weights).
+    dense_weights = sum(m.weight.size for m in nn.block_linears(model) if m.cuda_matvec) / max(1, len(blocks))
     if setting == "auto" and nn.bytes_per_block(model, [m for m in nn.quantized_layers(model) if m.bits == 4]
-                                                ) > FUSION_MAX_BYTES_PER_LAYER:
+                                                ) + dense_weights / 2 > FUSION_MAX_BYTES_PER_LAYER:
         mode = "ends"
     dtype = model.compute_dtype
     norms = [n for b in blocks for n in (b.input_layernorm, b.post_attention_layernorm)]
@@ -190,7 +194,7 @@ def use_matvec_fusion(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple
     heads, ends = layers if layers is not None else fused_layers(model, blocks, fusions)
     if not any(heads) and not any(ends):
         return ""
-    groups = ({m.group_size for b, end in zip(blocks, ends, strict=True) if end
+    groups = ({_group_size(m) for b, end in zip(blocks, ends, strict=True) if end
                for m in (b.self_attn.o_proj, b.mlp.down_proj)}
               | {kind[1] for f, head in zip(fusions, heads, strict=True) if head
                  and f[0] is not None and (kind := f[0].fused.normable()) is not None})
@@ -199,10 +203,27 @@ def use_matvec_fusion(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple
     return mode if ready else ""
 
 
-def _four_bit_on_kernel(m: Any, dtype: Any) -> bool:
-    """A linear pymlxc's 4-bit matvec kernel computes in `dtype`, without a bias."""
-    return (type(m) is nn.QuantizedLinear and m.cuda_matvec and m.bits == 4 and m.scales.dtype == dtype
-            and m.__dict__.get("bias") is None)
+def _on_kernel(m: Any, dtype: Any) -> bool:
+    """A linear pymlxc's matvec kernel computes in `dtype`, without a bias: 4-bit, or dense of that
+    type (`nn.choose_dense_matvec`)."""
+    if m.__dict__.get("bias") is not None:
+        return False
+    if type(m) is nn.Linear:
+        return m.cuda_matvec and m.weight.dtype == dtype
+    return type(m) is nn.QuantizedLinear and m.cuda_matvec and m.bits == 4 and m.scales.dtype == dtype
+
+
+def _group_size(m: Any) -> int:
+    """A linear's group size as the forms' checks key it: 0 for dense weights."""
+    return 0 if type(m) is nn.Linear else int(m.group_size)
+
+
+def _weights(m: Any) -> tuple[Array, Array | None, Array | None, int]:
+    """(weight, scales, biases, group size) of a linear as the forms take them: scales and biases
+    None for dense weights."""
+    if type(m) is nn.Linear:
+        return m.weight, None, None, 0
+    return m.weight, m.scales, m.biases, m.group_size
 
 
 def fused_layers(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple[Fusion | None, Fusion | None]]
@@ -220,7 +241,7 @@ def fused_layers(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple[Fusi
         heads.append(kind is not None and kind[0] == dtype
                      and not (block.self_attn.qk_norms() and qkv is not None and qkv.fused.qk_norm_weight is None))
         ends.append(gate_up is not None and gate_up.fused.pairable() is not None
-                    and all(_four_bit_on_kernel(m, dtype) for m in (block.self_attn.o_proj, block.mlp.down_proj)))
+                    and all(_on_kernel(m, dtype) for m in (block.self_attn.o_proj, block.mlp.down_proj)))
     return tuple(heads), tuple(ends)
 
 
@@ -313,10 +334,13 @@ class FusedProjection(Module):
         `norm`: x is the residual stream and the product normalizes it first with this RMSNorm
         (`kernel_choice.normed_product`; the plan checked `normable`)."""
         if norm is not None:
-            assert self._weight is not None and self._scales is not None and self._biases is not None  # normable
+            assert self._weight is not None and self.normable() is not None  # the plan checked it
             y = normed_product(x, self._weight, self._scales, self._biases, self._group_size, norm.weight, norm.eps)
             return y if self._bias is None else y + self._bias
         if self._wT is not None:
+            weight = self._weight
+            if self._bias is None and weight is not None and dense_kernel_takes(x, weight, self._cuda_matvec):
+                return dense_matmul(x, weight, True)  # as the linears compute it (`nn.Linear`)
             return mx.matmul(x, self._wT) if self._bias is None else mx.addmm(self._bias, x, self._wT, 1.0, 1.0)
         weight, scales, biases = self._weight, self._scales, self._biases
         assert weight is not None and scales is not None and biases is not None  # given where weight_t is not
@@ -333,7 +357,7 @@ class FusedProjection(Module):
         product (`kernel_choice.normed_rope_product`: the key and value written in place), or None
         where it does not take these arrays (the caller then projects and runs the RoPE kernel)."""
         weight, scales, biases = self._weight, self._scales, self._biases
-        if (weight is None or scales is None or biases is None or self._bias is not None
+        if (weight is None or self.normable() is None or self._bias is not None
                 or not rope_takes(h, weight, scales, biases, self._group_size, keys, values, n_heads)):
             return None
         return normed_rope_product(h, weight, scales, biases, self._group_size, norm.weight, norm.eps, positions,
@@ -341,9 +365,13 @@ class FusedProjection(Module):
 
     def normable(self) -> tuple[Any, int] | None:
         """(the scales' dtype, the group size) where pymlxc's 4-bit matvec kernel, plain or in its
-        normalized form, computes this fusion's product (4-bit on that kernel, no tail); else None."""
-        if (self._weight is None or self._scales is None or not self._cuda_matvec or self._bits != 4
-                or self.tail is not None):
+        normalized form, computes this fusion's product (4-bit on that kernel, no tail); (the
+        weight's dtype, 0) where its dense form does (`nn.choose_dense_matvec`); else None."""
+        if self._weight is None or not self._cuda_matvec or self.tail is not None:
+            return None
+        if self._wT is not None:  # dense
+            return self._weight.dtype, 0
+        if self._scales is None or self._bits != 4:
             return None
         return self._scales.dtype, self._group_size
 
@@ -361,7 +389,7 @@ class FusedProjection(Module):
         (`kernel_choice.normed_product`; the plan checked it)."""
         if not self.pair_silu or self.pairable() is None:
             return None
-        assert self._weight is not None and self._scales is not None and self._biases is not None  # pairable
+        assert self._weight is not None  # pairable
         if norm is not None:
             return normed_product(x, self._weight, self._scales, self._biases, self._group_size, norm.weight,
                                   norm.eps, pair=True)
@@ -425,7 +453,9 @@ def fuse(linears: Sequence[Module], qk_norms: Sequence[Module] = (), tail: Modul
     if not quantized:
         weight = mx.concatenate([m.weight for m in layers], axis=0)
         parts = {"weight": weight}
-        fused = FusedProjection(sizes, weight_t=mx.transpose(weight), bias=bias, tail=tail)
+        # The weight itself too: pymlxc's dense kernel reads its rows (where the linears take it).
+        fused = FusedProjection(sizes, weight_t=mx.transpose(weight), weight=weight, bias=bias,
+                                cuda_matvec=all(m.cuda_matvec for m in layers), tail=tail)
     else:
         if len({(m.group_size, m.bits, m.scales.dtype) for m in quantized}) != 1:
             return None
@@ -569,10 +599,10 @@ def _finish_block_in_products(group: SegmentGroup, block: Any, attn_out: Array, 
             out: Array = h + mlp(normed, gate_up)
             return out
     else:
-        h = residual_product(llama.one_token_rows(attn_out), o.weight, o.scales, o.biases, o.group_size, h)
+        h = residual_product(llama.one_token_rows(attn_out), *_weights(o), h)
         product = gate_up.silu_product(h, block.post_attention_layernorm)
     assert product is not None  # paired (the plan's pair_silu)
-    return residual_product(product, down.weight, down.scales, down.biases, down.group_size, h)
+    return residual_product(product, *_weights(down), h)
 
 
 def _heads(group: SegmentGroup, attn: Any, x: Array, positions: Array, qkv: FusedProjection | None,

@@ -26,9 +26,11 @@ The layout is MLX's affine quantization (`mx.quantize(w, group_size, 4)`): `w` i
 (rows, K / 8) with element j of a row in bits 4 * (j % 8) of word j / 8, and `scales` / `biases`
 (rows, K / group_size), so a weight is scale * q + bias.
 
-Dense (bfloat16) weights stay with MLX: a loop over 16-byte chunks of 8 weights read them no
-faster than MLX's own matrix-vector kernel, about 2.0 against 2.1 TB/s on an H100 (commit 97ce951,
-`benchmarks/profile/probe_matvec.py`; docs/performance.md).
+The same kernel reads dense weights of x's 2-byte type (`dense`: chunks of 8 weights in one 16-byte
+load, float products, no scales). Alone it is no faster than MLX's own matrix-vector kernel: such a
+loop read them at about 2.0 against 2.1 TB/s on an H100 (commit 97ce951,
+`benchmarks/profile/probe_matvec.py`; docs/performance.md). What it brings a 16-bit model is the
+forms below, each a kernel fewer in the decode step (`nn.choose_dense_matvec`).
 
 Three more forms serve the decode step (`kernel_choice.residual_product`, `normed_product`,
 `normed_rope_product`): the residual form writes `residual + x @ w.T` (a block's o_proj or down_proj
@@ -168,8 +170,8 @@ _SOURCE = r"""
   constexpr int BU = S * U;
   constexpr int RB = 2 * U;
   constexpr int CHUNKS = KC;
-  constexpr int K = KC * 32;
-  constexpr int GROUPS = K / G;
+  constexpr int K = KC * CHUNK_WEIGHTS;
+//GROUPS
   constexpr int ITERS = (CHUNKS + TPR - 1) / TPR;
   const int N = w_shape[0];
   const int HALF = N / 2;
@@ -198,33 +200,7 @@ _SOURCE = r"""
   for (int it = 0; it < ITERS; ++it) {
     const int c = it * TPR + t;
     if (CHUNKS % TPR == 0 || c < CHUNKS) {
-      const int g = (c * 32) / G;
-      uint4 q[RB];
-      float sc[RB];
-      float bi[RB];
-#pragma unroll
-      for (int i = 0; i < RB; ++i) {
-        const size_t row = unit_row(min(mine + i / 2, UNITS - 1), i % 2);
-        q[i] = wq[row * CHUNKS + c];
-        sc[i] = static_cast<float>(scales[row * GROUPS + g]);
-        bi[i] = static_cast<float>(biases[row * GROUPS + g]);
-      }
-#pragma unroll
-      for (int m = 0; m < M; ++m) {
-        float xf[32];
-        const T* xp = X_ROWS + static_cast<size_t>(m) * K + c * 32;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          pymlxc_mv::load8(xp + 8 * j, xf + 8 * j);
-        }
-        int xi[16];
-        float xs;
-        const float d = pymlxc_mv::quantize32(xf, xi, xs);
-#pragma unroll
-        for (int i = 0; i < RB; ++i) {
-          acc[m][i] += sc[i] * d * static_cast<float>(pymlxc_mv::dot32(q[i], xi)) + bi[i] * xs;
-        }
-      }
+//PRODUCT
     }
   }
   __shared__ float part[WARPS][M][RB];
@@ -396,14 +372,76 @@ _ROPE_STORE = r"""
 """
 
 
-def _source(form: str) -> str:
+# The 4-bit product of a chunk (32 weights in one 16-byte load per row) with x's values there.
+_QUANTIZED_PRODUCT = r"""
+      const int g = (c * 32) / G;
+      uint4 q[RB];
+      float sc[RB];
+      float bi[RB];
+#pragma unroll
+      for (int i = 0; i < RB; ++i) {
+        const size_t row = unit_row(min(mine + i / 2, UNITS - 1), i % 2);
+        q[i] = wq[row * CHUNKS + c];
+        sc[i] = static_cast<float>(scales[row * GROUPS + g]);
+        bi[i] = static_cast<float>(biases[row * GROUPS + g]);
+      }
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        float xf[32];
+        const T* xp = X_ROWS + static_cast<size_t>(m) * K + c * 32;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          pymlxc_mv::load8(xp + 8 * j, xf + 8 * j);
+        }
+        int xi[16];
+        float xs;
+        const float d = pymlxc_mv::quantize32(xf, xi, xs);
+#pragma unroll
+        for (int i = 0; i < RB; ++i) {
+          acc[m][i] += sc[i] * d * static_cast<float>(pymlxc_mv::dot32(q[i], xi)) + bi[i] * xs;
+        }
+      }
+"""
+
+# The dense product of a chunk: 8 weights of x's type in one 16-byte load per row, each row's 8
+# products summed in float in order, then added to the row's sum.
+_DENSE_PRODUCT = r"""
+      uint4 q[RB];
+#pragma unroll
+      for (int i = 0; i < RB; ++i) {
+        q[i] = wq[unit_row(min(mine + i / 2, UNITS - 1), i % 2) * CHUNKS + c];
+      }
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        float xf[8];
+        pymlxc_mv::load8(X_ROWS + static_cast<size_t>(m) * K + c * 8, xf);
+#pragma unroll
+        for (int i = 0; i < RB; ++i) {
+          float wf[8];
+          pymlxc_mv::load8(reinterpret_cast<const T*>(&q[i]), wf);
+          float s = 0.f;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            s = fmaf(wf[e], xf[e], s);
+          }
+          acc[m][i] += s;
+        }
+      }
+"""
+
+
+def _source(form: str, dense: bool = False) -> str:
     """The kernel's body in one of its forms: "plain" (out = x @ w.T), "residual" (out = residual +
     x @ w.T), "norm" (out = (rms_norm(x) * norm) @ w.T) or "rope" (the normalized q/k/v product with
-    RoPE and the key/value writes of `rope_kv.py`'s kernel after it)."""
+    RoPE and the key/value writes of `rope_kv.py`'s kernel after it); of 4-bit weights, or with
+    `dense` of weights in x's 2-byte type (chunks of 8 weights instead of 32, no scales)."""
     normed = form in ("norm", "rope")
     head, store = _SOURCE.split("//STORE\n")
     body = head + (_ROPE_STORE.lstrip("\n") if form == "rope" else _ROWS_STORE.lstrip("\n") + store)
     return (body.replace("THREADS", str(THREADS_PER_BLOCK))
+            .replace("CHUNK_WEIGHTS", str(DENSE_CHUNK if dense else 32))
+            .replace("//GROUPS\n", "" if dense else "  constexpr int GROUPS = K / G;\n")
+            .replace("//PRODUCT\n", (_DENSE_PRODUCT if dense else _QUANTIZED_PRODUCT).lstrip("\n"))
             .replace("//ROWS\n", (_ROPE_ROWS if form == "rope" else _ROWS).lstrip("\n"))
             .replace("//PROLOGUE\n", _PROLOGUE.lstrip("\n") if normed else "")
             .replace("X_ROWS", "xn" if normed else "x")
@@ -424,6 +462,22 @@ NORM_SOURCE = _source("norm")  # its header: `add_rms_norm.HEADER` before QUANTI
 ROPE_NAME = "pymlxc_qmv4_norm_rope"
 ROPE_INPUTS = (*NORM_INPUTS, "pos", "rope", "kcache", "vcache")
 ROPE_SOURCE = _source("rope")  # the normalized form's header
+# The same kernel and forms over dense weights of x's type (a 16-bit model's block linears): the
+# forms' point there is the kernels they save a decode step (the adds, norms and SiLU products),
+# not the product's own speed (see the module's docstring).
+DENSE_CHUNK = 8  # weights of a dense chunk: one 16-byte load of 2-byte floats
+DENSE_INPUTS = ("x", "w")
+DENSE_NAME = "pymlxc_mv16"
+DENSE_SOURCE = _source("plain", dense=True)
+DENSE_RESIDUAL_NAME = "pymlxc_mv16_residual"
+DENSE_RESIDUAL_INPUTS = (*DENSE_INPUTS, "residual")
+DENSE_RESIDUAL_SOURCE = _source("residual", dense=True)
+DENSE_NORM_NAME = "pymlxc_mv16_norm"
+DENSE_NORM_INPUTS = (*DENSE_INPUTS, "norm")
+DENSE_NORM_SOURCE = _source("norm", dense=True)
+DENSE_ROPE_NAME = "pymlxc_mv16_norm_rope"
+DENSE_ROPE_INPUTS = (*DENSE_NORM_INPUTS, "pos", "rope", "kcache", "vcache")
+DENSE_ROPE_SOURCE = _source("rope", dense=True)
 # The normalized form keeps M rows of normalized x in shared memory: 32 KB at most. (Blocks of 512
 # threads, a quarter as many norms, decoded Llama-3.1-8B slower on an H200: docs/performance.md.)
 NORM_MAX_BYTES = 32768
@@ -435,35 +489,44 @@ def quantized_applies(x_rows: int, k: int, bits: int, group_size: int, dtype_siz
             and k % 32 == 0 and k % group_size == 0)
 
 
+def dense_applies(x_rows: int, k: int, dtype_size: int) -> bool:
+    """Whether the dense kernel computes the product: weights and x of one 2-byte float type, a few rows of x."""
+    return dtype_size == 2 and 1 <= x_rows <= MAX_X_ROWS and k % DENSE_CHUNK == 0
+
+
 def norm_applies(x_rows: int, k: int, dtype_size: int, norm_threads: int) -> bool:
     """Whether the normalized form takes x (x_rows, k): its normalized rows fit the shared memory and
     MLX's norm for rows of k runs on no more threads than a block of this kernel has."""
     return x_rows * k * dtype_size <= NORM_MAX_BYTES and norm_threads <= THREADS_PER_BLOCK
 
 
-def row_groups(k: int) -> int:
+def row_groups(k: int, dense: bool = False) -> int:
     """Row groups of a block for rows of x of length k (the kernel's template argument S): two where
-    K has at most 64 chunks (each group's 64 threads then span K), else one of all THREADS_PER_BLOCK
-    threads."""
-    return 2 if k // 32 <= 64 else 1
+    a row has at most 64 chunks (each group's 64 threads then span it), else one of all
+    THREADS_PER_BLOCK threads."""
+    return 2 if k // (DENSE_CHUNK if dense else 32) <= 64 else 1
 
 
-def units_per_block(k: int, norm: bool = False) -> int:
+def units_per_block(k: int, norm: bool = False, dense: bool = False) -> int:
     """Units (two output rows each) one block takes for rows of x of length k: its row groups times
     the units each takes (more for the normalized forms, which normalize h once a block)."""
-    groups = row_groups(k)
+    groups = row_groups(k, dense)
     return groups * (NORM_UNITS_PER_GROUP if norm and groups == 1 else UNITS_PER_GROUP)
 
 
 def launch(x_rows: int, k: int, n: int, dtype: Any, group_size: int, pair: bool = False,
-           norm: tuple[int, int, int] | None = None) -> dict[str, Any]:
+           norm: tuple[int, int, int] | None = None, dense: bool = False) -> dict[str, Any]:
     """Keyword arguments of a kernel call for x (x_rows, k) and weights of n rows: grid, threads,
     template. `pair`: the gate/up form (n even; output n / 2 per row of x). `norm`: the normalized
-    form's (threads, loads per thread, eps as float32 bits) of MLX's rms_norm over rows of k."""
+    form's (threads, loads per thread, eps as float32 bits) of MLX's rms_norm over rows of k.
+    `dense`: the dense kernel's (weights of x's type; `group_size` unused)."""
     units = n // 2 if pair else -(-n // 2)
-    groups, per_block = row_groups(k), units_per_block(k, norm is not None)
-    template: list[tuple[str, Any]] = [("T", dtype), ("M", x_rows), ("G", group_size), ("KC", k // 32),
-                                       ("S", groups), ("U", per_block // groups), ("PAIR", pair)]
+    groups, per_block = row_groups(k, dense), units_per_block(k, norm is not None, dense)
+    template: list[tuple[str, Any]] = [("T", dtype), ("M", x_rows)]
+    if not dense:
+        template.append(("G", group_size))
+    template += [("KC", k // (DENSE_CHUNK if dense else 32)), ("S", groups), ("U", per_block // groups),
+                 ("PAIR", pair)]
     if norm is not None:
         threads, loads, eps_bits = norm
         template += [("D", k), ("NB", threads), ("NCH", loads), ("EPS_BITS", eps_bits)]

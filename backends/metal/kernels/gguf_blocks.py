@@ -815,14 +815,30 @@ def take_planes(p: Array, ids: Array) -> Array:
     return _rows_as_blocks(p, lambda rows: mx.take(rows, ids, axis=0), ids.shape[0])
 
 
+_row_ranges: dict[tuple[int, int], Array] = {}
+
+
+def _row_range(start: int, stop: int) -> Array:
+    """int32 [start, stop, 0, 0] on the device, made once per range: a prefill asks the same chunks
+    of rows of every layer, and an array made from host values per call is a copy to the device
+    before each kernel. (With one made per call, a 128-token prefill of Llama-3.2-1B's Q4_K_M file
+    on an H100 took 15.3-16.1 ms on the planes against 10.6-11.7 ms on the file's layout.)"""
+    key = (start, stop)
+    got = _row_ranges.get(key)
+    if got is None:
+        got = mx.array(np.array([start, stop, 0, 0], np.int32))
+        mx.eval(got)
+        _row_ranges[key] = got
+    return got
+
+
 def dequantize_planes(p: Array, start: int, stop: int, dtype: Any) -> Array:
     """Rows start..stop of Q6_K planes p [N, NB, 210] -> [stop - start, NB * 256] of `dtype` through
     the CUDA kernel: `dequantize(from_planes(p, start, stop))`'s values, without its copies."""
     nb = p.shape[1]
-    rows = mx.array(np.array([start, stop, 0, 0], np.int32))
-    (out,) = _cuda_dequant_planes()([p, rows], output_shapes=[(stop - start, nb * QK_K)], output_dtypes=[dtype],
-                                    grid=((stop - start) * nb * 32, 1, 1), threadgroup=(THREADS, 1, 1),
-                                    template=[("T", dtype)])
+    (out,) = _cuda_dequant_planes()([p, _row_range(start, stop)], output_shapes=[(stop - start, nb * QK_K)],
+                                    output_dtypes=[dtype], grid=((stop - start) * nb * 32, 1, 1),
+                                    threadgroup=(THREADS, 1, 1), template=[("T", dtype)])
     return out
 
 

@@ -369,10 +369,9 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
     check_kernels = getattr(model, "check_kernels", None)
     if callable(check_kernels):  # a model's own kernels are checked here, on the loading thread
         check_kernels(model.compute_dtype)
-    cuda_matvec = False
-    if quantized:  # no quantized layer: nothing to choose
-        chosen_settings = settings if settings is not None else current_settings()
-        cuda_matvec = nn.choose_kernels(model, chosen_settings, model.compute_dtype)
+    # The quantized layers' kernels, and the dense matvec kernel of a 16-bit model's block linears.
+    cuda_matvec = nn.choose_kernels(model, settings if settings is not None else current_settings(),
+                                    model.compute_dtype)
     return LoadedModel(model=model, config=config, model_type=str(model_type), path=root,
                        quantization={"group_size": int(quant.get("group_size", 64)), "bits": int(quant.get("bits", 4))}
                        if quant else None,

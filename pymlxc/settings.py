@@ -102,10 +102,8 @@ class Settings:
         "16-bit models: the block linears' products of few rows through pymlxc's CUDA matvec kernel in its dense "
         "form (`kernels/matvec.py`), chosen at load once it agrees with float64 products, so that segmented "
         "decode can take the kernel's residual, normalized, RoPE and gate/up forms (adds, norms, RoPE and SiLU "
-        "products inside the products: fewer kernels a step) as for 4-bit models. The product alone reads "
-        "weights no faster than MLX's, so `auto` takes it on CUDA for models of at most 160 million block "
-        "weights a layer (`kernel_choice.DENSE_MAX_WEIGHTS_PER_LAYER`), where the kernels saved bound the step; "
-        "`1`: any size.")
+        "products inside the products: fewer kernels a step) as for 4-bit models (on an H100 Llama-3.2-1B "
+        "bfloat16 decoded at 806 against 523 tok/s, Llama-3.1-8B at 174 against 164). `auto`: on CUDA.")
     dense_prefill: str = _switch(
         "Quantized products of 512 or more rows of x (prefill chunks) as the weights dequantized in chunks "
         "of rows and dense matmuls (`nn._dense_product`), chosen at load; such chunks skip the compiled "

@@ -50,11 +50,6 @@ AUTO_MIN_BYTES_PER_LAYER = 30_000_000
 # one (140 MB) from 314 to 304 (each of the gate/up product's 3584 blocks normalizes h again), where
 # "ends" gave 318 against 310 off. The bound lies between those two sizes; none in between was measured.
 FUSION_MAX_BYTES_PER_LAYER = 80_000_000
-# The dense kernel (16-bit block linears, `nn.choose_dense_matvec`) by default only up to this many
-# block weights a layer: its product alone reads no faster than MLX's matrix-vector kernel, so it
-# pays where the forms' saved kernels bound the step (the 4-bit forms' bound above, 80 MB at 4 bits,
-# in weights; Llama-3.2-1B has 61 million a block, Llama-3.1-8B 218 million).
-DENSE_MAX_WEIGHTS_PER_LAYER = 160_000_000
 _mlx_only = ThreadSetting(False)
 _the_kernel = SharedKernel(matvec_kernel.QUANTIZED_NAME, matvec_kernel.QUANTIZED_INPUTS,
                            matvec_kernel.OUTPUT_NAMES, matvec_kernel.QUANTIZED_SOURCE,

@@ -22,7 +22,6 @@ from pymlxc.settings import SWITCH, Settings
 
 from .kernel_choice import (
     AUTO_MIN_BYTES_PER_LAYER,
-    DENSE_MAX_WEIGHTS_PER_LAYER,
     dense_kernel_takes,
     dense_matmul,
     dense_ready,
@@ -720,22 +719,21 @@ def block_linears(model: Any) -> list[Linear]:
 
 def choose_dense_matvec(model: Any, setting: str, dtype: Any) -> bool:
     """Mark `model`'s block linears of `dtype` (its 2-byte compute type) to use pymlxc's dense matvec
-    kernel for products of few rows (`kernel_choice.dense_matmul`) where this process runs on CUDA,
-    `setting` (PYMLXC_CUDA_DENSE_MATVEC) says so (`auto`: at most DENSE_MAX_WEIGHTS_PER_LAYER block
-    weights a layer) and the kernel agrees with float64 here (`dense_ready`); returns whether it did.
-    The segmented decode's fused forms then take those layers as they take 4-bit ones."""
+    kernel for products of few rows (`kernel_choice.dense_matmul`) where the model's decode step can
+    take the kernel's forms (it declares `segmented_decode`: alone, the kernel's product is no
+    faster than MLX's), this process runs on CUDA,
+    `setting` (PYMLXC_CUDA_DENSE_MATVEC: `auto` or `1`) says so and the kernel agrees with float64
+    here (`dense_ready`); returns whether it did. The segmented decode's fused forms then take those
+    layers as they take 4-bit ones: on an H100 Llama-3.2-1B bfloat16 decoded at 806 against 523 tok/s
+    without them, Llama-3.1-8B at 174 against 164 (`benchmarks/profile/ab.py`, BENCHMARKS.md)."""
     if setting not in SWITCH:
         raise ValueError(f"the cuda_dense_matvec setting must be one of {', '.join(SWITCH)}, not {setting!r}")
     linears = block_linears(model)
     for m in linears:
         m.use_cuda_matvec(False)
     mine = [m for m in linears if dtype is not None and m.weight.dtype == dtype and dtype.size == 2]
-    if setting == "0" or not mine or not on_cuda():
-        return False
-    blocks = max(1, len(getattr(model, "layers", None) or ()))
-    if setting == "auto" and sum(m.weight.size for m in mine) / blocks > DENSE_MAX_WEIGHTS_PER_LAYER:
-        return False
-    if not dense_ready(dtype):
+    if (setting == "0" or not mine or getattr(model, "segmented_decode", False) is not True or not on_cuda()
+            or not dense_ready(dtype)):
         return False
     for m in mine:
         m.use_cuda_matvec(True)

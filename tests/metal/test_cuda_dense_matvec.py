@@ -79,9 +79,9 @@ def test_what_the_dense_kernel_applies_to() -> None:
 
 
 def test_the_choice_marks_block_linears_only_on_cuda_within_the_bound(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Off CUDA nothing is marked; on CUDA (stood in for, the check passing) `auto` marks the block
-    linears of the compute type, not the head, up to DENSE_MAX_WEIGHTS_PER_LAYER a block, `1` at any
-    size; `0` never; a check that fails leaves them unmarked."""
+    """Off CUDA nothing is marked; on CUDA (stood in for, the check passing) `auto` and `1` mark the
+    block linears of the compute type, not the head; `0` none; a check that fails leaves them
+    unmarked, and a mark set before is taken back."""
     model = tiny()
     linears = nn.block_linears(model)
     assert len(linears) == 3 * 7 and all(type(m) is nn.Linear for m in linears)
@@ -93,11 +93,11 @@ def test_the_choice_marks_block_linears_only_on_cuda_within_the_bound(tiny, monk
     assert all(m.cuda_matvec for m in linears)
     assert not nn.choose_dense_matvec(model, "auto", mx.bfloat16)  # not the weights' type
     assert not any(m.cuda_matvec for m in linears)
-    per_block = sum(m.weight.size for m in linears) / 3
-    monkeypatch.setattr(nn, "DENSE_MAX_WEIGHTS_PER_LAYER", per_block - 1)
-    assert not nn.choose_dense_matvec(model, "auto", mx.float16)
     assert nn.choose_dense_matvec(model, "1", mx.float16)
-    assert not nn.choose_dense_matvec(model, "0", mx.float16)
+    assert not nn.choose_dense_matvec(model, "0", mx.float16) and not any(m.cuda_matvec for m in linears)
+    assert nn.choose_dense_matvec(model, "auto", mx.float16)
+    gemma = tiny("gemma3")  # no segmented decode: the kernel's product alone would gain nothing
+    assert nn.block_linears(gemma) and not nn.choose_dense_matvec(gemma, "1", mx.float16)
     monkeypatch.setattr(nn, "dense_ready", lambda dtype: False)
     assert not nn.choose_dense_matvec(model, "1", mx.float16) and not any(m.cuda_matvec for m in linears)
     with pytest.raises(ValueError, match="cuda_dense_matvec"):

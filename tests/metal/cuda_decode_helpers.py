@@ -3,6 +3,7 @@ the greedy ids of one generation with or without a compiled decoder, and the int
 rounding of x replayed in numpy."""
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +18,8 @@ from pymlxc.backends.metal.decode.decoder import CompiledDecoder
 from pymlxc.backends.metal.kernels import add_rms_norm as cuda_norm
 from pymlxc.backends.metal.loader import load_weights_and_config
 from pymlxc.backends.metal.sample import greedy
+from pymlxc import settings
+from pymlxc.settings import Settings
 from pymlxc.testing import write_tiny_model
 
 ON_CUDA = mx.cuda_available() and mx.default_device().type == "gpu"
@@ -35,13 +38,23 @@ def int16_rounding(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return xi, (amax * np.float32(1 / 32767)).astype(np.float32)
 
 
+def tiny_settings() -> Settings:
+    """The process's settings for the tiny models' loads, the dense matvec kernel off where it is
+    `auto`: the float16 models serve the tests of the other decode kernels, whose plans they check as
+    MLX's dense products make them (test_cuda_dense_matvec.py sets it to 1)."""
+    chosen = settings.current()
+    return dataclasses.replace(chosen, cuda_dense_matvec="0") if chosen.cuda_dense_matvec == "auto" else chosen
+
+
 def tiny_models(tmp_path: Path) -> Iterator[Callable[..., Any]]:
-    """For a fixture: `load(arch, **kw)` gives a 3-layer float16 model (write_tiny_model's `kw`)."""
+    """For a fixture: `load(arch, **kw)` gives a 3-layer float16 model (write_tiny_model's `kw`),
+    loaded with `tiny_settings()`."""
     opened = []
 
     def load(arch: str = "llama", **kw: Any) -> Any:
         name = "-".join([arch, *(f"{k}{v}" for k, v in sorted(kw.items()))])
-        loaded = load_weights_and_config(write_tiny_model(tmp_path / name, arch, num_layers=3, dtype="float16", **kw))
+        loaded = load_weights_and_config(write_tiny_model(tmp_path / name, arch, num_layers=3, dtype="float16", **kw),
+                                         settings=tiny_settings())
         opened.append(loaded)
         return loaded.model
 

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 import pymlxc.core as mx
+from pymlxc import settings
 from pymlxc.backends.metal import generate as loops
 from pymlxc.backends.metal.decode.decoder import CompiledDecoder
 from pymlxc.backends.metal.kernels import add_rms_norm as cuda_norm
 from pymlxc.backends.metal.loader import load_weights_and_config
 from pymlxc.backends.metal.sample import greedy
-from pymlxc import settings
 from pymlxc.settings import Settings
 from pymlxc.testing import write_tiny_model
 

@@ -10,6 +10,7 @@ bit, and 16-bit models decoded with them keep the uncompiled loop's greedy token
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,8 @@ from pymlxc.backends.metal.decode.decoder import CompiledDecoder
 from pymlxc.backends.metal.kernels import add_rms_norm as cuda_norm
 from pymlxc.backends.metal.kernels import matvec as cuda_matvec
 from pymlxc.backends.metal.kernels import rope_kv as cuda_rope_kv
+from pymlxc.backends.metal.loader import load_weights_and_config
+from pymlxc.testing import write_tiny_model
 
 from .cuda_decode_helpers import ON_CUDA, cuda_only, forget_verdicts, greedy_ids, plan_flags
 
@@ -102,6 +105,26 @@ def test_the_choice_marks_block_linears_only_on_cuda_within_the_bound(tiny, monk
     assert not nn.choose_dense_matvec(model, "1", mx.float16) and not any(m.cuda_matvec for m in linears)
     with pytest.raises(ValueError, match="cuda_dense_matvec"):
         nn.choose_dense_matvec(model, "yes", mx.float16)
+
+
+def test_the_loader_chooses_for_a_model_without_quantized_layers(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load-time choice runs for a 16-bit model too (not only where layers are quantized): with
+    CUDA and the kernel's check stood in for, its block linears come marked; by default off CUDA none."""
+    path = write_tiny_model(tmp_path / "m", "llama", num_layers=2, dtype="float16")
+    loaded = load_weights_and_config(path)
+    try:
+        assert not any(m.cuda_matvec for m in nn.block_linears(loaded.model)) or ON_CUDA
+    finally:
+        loaded.model.free()
+    monkeypatch.setattr(nn, "on_cuda", lambda: True)
+    monkeypatch.setattr(nn, "dense_ready", lambda dtype: True)
+    loaded = load_weights_and_config(path)
+    try:
+        linears = nn.block_linears(loaded.model)
+        assert len(linears) == 2 * 7 and all(m.cuda_matvec for m in linears)
+    finally:
+        loaded.model.free()
 
 
 @pytest.mark.skipif(ON_CUDA, reason="off CUDA only: there the kernel cannot run")

@@ -164,8 +164,11 @@ def silu_product(x: Array, weight: Array, scales: Array | None, biases: Array | 
     if not _use(cuda_matvec) or weight.shape[0] % 2:
         return None
     dense = scales is None
-    if not (dense_takes(x, weight) if dense else
-            biases is not None and kernel_takes(x, weight, scales, biases, group_size, bits)):
+    if scales is None:
+        takes = dense_takes(x, weight)
+    else:
+        takes = biases is not None and kernel_takes(x, weight, scales, biases, group_size, bits)
+    if not takes:
         return None
     k, n = x.shape[-1], weight.shape[0]
     rows = x.size // k

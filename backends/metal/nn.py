@@ -717,11 +717,19 @@ def block_linears(model: Any) -> list[Linear]:
             if type(m) is Linear and m.__dict__.get("bias") is None]
 
 
+def _segments_its_decode(model: Any) -> bool:
+    """Whether `model`'s decode step can take the matvec kernel's forms: it declares the segmented
+    decode and every layer attends fully (`decode.segments.plan`'s conditions on the model)."""
+    windows = getattr(model, "layer_windows", None)
+    return (getattr(model, "segmented_decode", False) is True and callable(windows)
+            and all(w is None for w in windows()))
+
+
 def choose_dense_matvec(model: Any, setting: str, dtype: Any) -> bool:
     """Mark `model`'s block linears of `dtype` (its 2-byte compute type) to use pymlxc's dense matvec
     kernel for products of few rows (`kernel_choice.dense_matmul`) where the model's decode step can
-    take the kernel's forms (it declares `segmented_decode`: alone, the kernel's product is no
-    faster than MLX's), this process runs on CUDA,
+    take the kernel's forms (`_segments_its_decode`: alone, the kernel's product is no faster than
+    MLX's), this process runs on CUDA,
     `setting` (PYMLXC_CUDA_DENSE_MATVEC: `auto` or `1`) says so and the kernel agrees with float64
     here (`dense_ready`); returns whether it did. The segmented decode's fused forms then take those
     layers as they take 4-bit ones: on an H100 Llama-3.2-1B bfloat16 decoded at 806 against 523 tok/s
@@ -732,7 +740,7 @@ def choose_dense_matvec(model: Any, setting: str, dtype: Any) -> bool:
     for m in linears:
         m.use_cuda_matvec(False)
     mine = [m for m in linears if dtype is not None and m.weight.dtype == dtype and dtype.size == 2]
-    if (setting == "0" or not mine or getattr(model, "segmented_decode", False) is not True or not on_cuda()
+    if (setting == "0" or not mine or not _segments_its_decode(model) or not on_cuda()
             or not dense_ready(dtype)):
         return False
     for m in mine:

@@ -101,6 +101,8 @@ def test_the_choice_marks_block_linears_only_on_cuda_within_the_bound(tiny, monk
     assert nn.choose_dense_matvec(model, "auto", mx.float16)
     gemma = tiny("gemma3")  # no segmented decode: the kernel's product alone would gain nothing
     assert nn.block_linears(gemma) and not nn.choose_dense_matvec(gemma, "1", mx.float16)
+    monkeypatch.setattr(model, "layer_windows", lambda: [None, 64, None])  # a sliding window: no segments
+    assert not nn.choose_dense_matvec(model, "1", mx.float16)
     monkeypatch.setattr(nn, "dense_ready", lambda dtype: False)
     assert not nn.choose_dense_matvec(model, "1", mx.float16) and not any(m.cuda_matvec for m in linears)
     with pytest.raises(ValueError, match="cuda_dense_matvec"):

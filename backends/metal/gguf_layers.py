@@ -32,10 +32,11 @@ def dequantize_rows(weight: Array, qtype: QType, dtype: Any) -> Array:
 
 
 def planes_rows(planes: Array, start: int, stop: int, dtype: Any) -> Array:
-    """Rows start..stop of Q6_K planes (`gguf_blocks.to_planes`) as [stop - start, K] of `dtype`: one
-    kernel reading the planes where it passed its check, else the rows read back into blocks first."""
-    if kernel_choice.kernels_allowed() and gguf_blocks.planes_dequantize_ready():
-        return gguf_blocks.dequantize_planes(planes, start, stop, dtype)
+    """Rows start..stop of Q6_K planes (`gguf_blocks.to_planes`) as [stop - start, K] of `dtype`: the
+    planes' lookup kernel over those rows where it passed its check, else the rows read back into
+    blocks first."""
+    if kernel_choice.kernels_allowed() and gguf_blocks.planes_lookup_ready():
+        return gguf_blocks.lookup_planes(planes, mx.arange(start, stop, dtype=mx.int32), dtype)
     return dequantize_rows(gguf_blocks.from_planes(planes, start, stop), QType.Q6_K, dtype)
 
 
@@ -227,6 +228,8 @@ def use_planes(model: nn.Module, dtype: mx.Dtype, use: bool = True) -> int:
     the arrays the conversion makes: the old layout, the reordered ql bytes, the planes)."""
     if not use or not gguf_blocks.planes_ready(dtype):
         return 0
+    # The lookup kernel reads embeddings' rows and prefill chunks' (`planes_rows`): checked here, on
+    # the loading thread (a first check during a generation would run on its decode thread).
     embeddings = gguf_blocks.planes_lookup_ready()
     done = 0
     for _, layer in model.named_modules():
@@ -240,9 +243,6 @@ def use_planes(model: nn.Module, dtype: mx.Dtype, use: bool = True) -> int:
             done += 1
     if done:
         mx.clear_cache()  # the old layouts' buffers (and the copies' temporaries) back to the device
-        # The prefill chunks' kernel is checked here, on the loading thread: a first check during a
-        # generation would run on its decode thread (see `gguf_blocks.ready`).
-        gguf_blocks.planes_dequantize_ready()
     return done
 
 

@@ -61,7 +61,8 @@ def test_planes_are_the_lanes_bytes_and_give_the_blocks_back(n: int, nb: int, se
 
 
 def planes_values(planes: np.ndarray, start: int, stop: int) -> np.ndarray:
-    """CUDA_DEQUANT_PLANES_SOURCE transcribed: rows start..stop of planes [N, NB, 210] as float32 values."""
+    """`pymlxc_gguf::planes_values8` (CUDA_PLANES_HEADER) transcribed, as the lookup kernel runs it over
+    rows start..stop (a prefill chunk): rows of planes [N, NB, 210] as float32 values."""
     n_rows, nb = planes.shape[:2]
     w = planes.reshape(-1)
     units = n_rows * nb
@@ -83,8 +84,9 @@ def planes_values(planes: np.ndarray, start: int, stop: int) -> np.ndarray:
 
 @settings(max_examples=6, deadline=None)
 @given(n=st.integers(1, 6), nb=st.integers(1, 3), seed=st.integers(0, 2**32 - 1), data=st.data())
-def test_the_planes_dequantization_reads_the_reference_values(n: int, nb: int, seed: int, data: Any) -> None:
-    """The CUDA planes dequantization's indexing, replayed in numpy, gives gguf's reference values."""
+def test_the_planes_lookup_of_a_range_reads_the_reference_values(n: int, nb: int, seed: int, data: Any) -> None:
+    """The CUDA planes lookup's indexing over a range of rows, replayed in numpy, gives gguf's
+    reference values."""
     blocks = gguf_blocks.random_blocks(np.random.default_rng(seed), (n, nb), Q.Q6_K)
     planes = np.asarray(gguf_blocks.to_planes(mx.array(blocks)))
     start = data.draw(st.integers(0, n - 1))
@@ -136,11 +138,11 @@ def test_a_layer_computes_the_same_from_either_layout(rows: int, monkeypatch: py
         np.testing.assert_array_equal(np.asarray(planes_layer(x)), np.asarray(file_layer(x)))
 
 
-def test_a_planes_dequantization_that_cannot_run_warns_and_the_rows_go_through_blocks(
+def test_a_planes_lookup_that_cannot_run_warns_and_the_rows_go_through_blocks(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the in-place dequantization fails its check (here the CPU: MLX cannot build a CUDA
+    """Where the planes' lookup kernel fails its check (here the CPU: MLX cannot build a CUDA
     kernel), it warns once, naming the fallback, and a prefill chunk reads its rows back into blocks."""
-    if gguf_blocks.planes_dequantize_ready():
+    if gguf_blocks.planes_lookup_ready():
         pytest.skip("the kernel runs here; tested below")
     monkeypatch.setattr(gguf_blocks, "planes_ready", lambda dtype: True)
     gguf_blocks.planes_checks.forget()
@@ -150,7 +152,7 @@ def test_a_planes_dequantization_that_cannot_run_warns_and_the_rows_go_through_b
         with pytest.warns(RuntimeWarning, match="Q6_K planes is not used: it cannot run here.*the file's block layout"):
             got = np.asarray(planes_layer(x))
         np.testing.assert_array_equal(got, np.asarray(file_layer(x)))
-        assert gguf_blocks.planes_checks.known() == {("cuda", "dequantize"): False}
+        assert gguf_blocks.planes_checks.known() == {("cuda", "lookup"): False}
     finally:
         gguf_blocks.planes_checks.forget()
 
@@ -184,7 +186,6 @@ def test_the_loader_rearranges_q6k_layers_and_file_layout_undoes_it(
     layout; `file_layout` (before a tensor-parallel split) restores the bytes."""
     monkeypatch.setattr(gguf_blocks, "planes_ready", lambda dtype: True)
     monkeypatch.setattr(gguf_blocks, "planes_lookup_ready", lambda: lookup)
-    monkeypatch.setattr(gguf_blocks, "planes_dequantize_ready", lambda: False)  # no CUDA kernel here to run
     path = _q6k_file(tmp_path, tied)
     off = _loaded(path, "0")
     on = _loaded(path, "1")
@@ -255,15 +256,15 @@ def test_the_planes_kernel_at_llama_shapes(shape: tuple[int, int]) -> None:
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(1, 200), nb=st.integers(1, 12), dtype=st.sampled_from(["float32", "float16", "bfloat16"]),
        seed=st.integers(0, 1000), data=st.data())
-def test_the_planes_dequantization_is_the_blocks_bit_for_bit(n: int, nb: int, dtype: str, seed: int, data: Any) -> None:
-    """Rows of planes dequantized in place (a prefill chunk) against the block kernel on the same rows."""
-    assert gguf_blocks.planes_dequantize_ready()
+def test_a_range_of_planes_rows_is_the_blocks_bit_for_bit(n: int, nb: int, dtype: str, seed: int, data: Any) -> None:
+    """Rows of planes read by the lookup kernel (a prefill chunk's) against the block kernel on the same rows."""
+    assert gguf_blocks.planes_lookup_ready()
     blocks = mx.array(gguf_blocks.random_blocks(np.random.default_rng(seed), (n, nb), Q.Q6_K))
     planes = gguf_blocks.to_planes(blocks)
     start = data.draw(st.integers(0, n - 1))
     stop = data.draw(st.integers(start + 1, n))
     want = gguf_blocks.dequantize(blocks[start:stop], Q.Q6_K, getattr(mx, dtype), "cuda")
-    got = gguf_blocks.dequantize_planes(planes, start, stop, getattr(mx, dtype))
+    got = gguf_blocks.lookup_planes(planes, mx.arange(start, stop, dtype=mx.int32), getattr(mx, dtype))
     np.testing.assert_array_equal(np.asarray(got.astype(mx.float32)), np.asarray(want.astype(mx.float32)))
 
 

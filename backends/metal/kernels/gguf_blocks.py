@@ -531,28 +531,8 @@ __device__ __forceinline__ void planes_values8(const uint8_t* w, size_t units, s
 }  // namespace pymlxc_gguf
 """
 
-# Rows start..stop of planes. Template argument T; w [N, NB, 210] planes, rows int32 [4] (start, stop,
-# -, -: 16 bytes, which MLX keeps in device memory) -> out [stop - start, NB * 256]; thread t writes the
-# 8 values 8 (t % 32) of unit t / 32 of the output.
-CUDA_DEQUANT_PLANES_SOURCE = r"""
-  const int NB = w_shape[1];
-  const size_t units = static_cast<size_t>(w_shape[0]) * NB;
-  const size_t count = static_cast<size_t>(rows[1] - rows[0]) * NB;
-  const size_t t = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const size_t unit = t >> 5;
-  if (unit >= count) {
-    return;
-  }
-  float v[8];
-  pymlxc_gguf::planes_values8(w, units, static_cast<size_t>(rows[0]) * NB + unit, static_cast<int>(t & 31) * 8, v);
-  T* o = out + unit * 256 + (t & 31) * 8;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    o[i] = static_cast<T>(v[i]);
-  }
-"""
-
-# Rows ids[0..] of planes (an embedding lookup). w [N, NB, 210], ids int32 [T] -> out [T, NB * 256];
+# Rows ids[0..] of planes (an embedding lookup, or a prefill chunk's rows: `gguf_layers.planes_rows`).
+# w [N, NB, 210], ids int32 [T] -> out [T, NB * 256];
 # an id outside 0..N-1 reads the nearest row (ids are checked against the vocabulary before a model
 # sees them; this keeps a bad one inside the weights).
 CUDA_LOOKUP_PLANES_SOURCE = r"""
@@ -667,8 +647,6 @@ _cuda_q6k_planes = SharedKernel("pymlxc_gguf_q6k_planes", ("x", "w"), ("out",), 
                                 header=CUDA_Q6K_MATVEC_HEADER)
 _cuda_dequant = SharedKernel("pymlxc_gguf_dequant", ("w",), ("out",), CUDA_DEQUANT_SOURCE,
                              header=CUDA_HEADER)
-_cuda_dequant_planes = SharedKernel("pymlxc_gguf_q6k_planes_dequant", ("w", "rows"), ("out",),
-                                    CUDA_DEQUANT_PLANES_SOURCE, header=CUDA_PLANES_HEADER)
 _cuda_lookup_planes = SharedKernel("pymlxc_gguf_q6k_planes_lookup", ("w", "ids"), ("out",),
                                    CUDA_LOOKUP_PLANES_SOURCE, header=CUDA_PLANES_HEADER)
 _metal_matvec = SharedMetalKernel("pymlxc_gguf_matvec", ("x", "w", "idx"), ("out",), METAL_MATVEC_SOURCE,
@@ -815,33 +793,6 @@ def take_planes(p: Array, ids: Array) -> Array:
     return _rows_as_blocks(p, lambda rows: mx.take(rows, ids, axis=0), ids.shape[0])
 
 
-_row_ranges: dict[tuple[int, int], Array] = {}
-
-
-def _row_range(start: int, stop: int) -> Array:
-    """int32 [start, stop, 0, 0] on the device, made once per range: a prefill asks the same chunks
-    of rows of every layer, and an array made from host values per call is a copy to the device
-    before each kernel. (With one made per call, a 128-token prefill of Llama-3.2-1B's Q4_K_M file
-    on an H100 took 15.3-16.1 ms on the planes against 10.6-11.7 ms on the file's layout.)"""
-    key = (start, stop)
-    got = _row_ranges.get(key)
-    if got is None:
-        got = mx.array(np.array([start, stop, 0, 0], np.int32))
-        mx.eval(got)
-        _row_ranges[key] = got
-    return got
-
-
-def dequantize_planes(p: Array, start: int, stop: int, dtype: Any) -> Array:
-    """Rows start..stop of Q6_K planes p [N, NB, 210] -> [stop - start, NB * 256] of `dtype` through
-    the CUDA kernel: `dequantize(from_planes(p, start, stop))`'s values, without its copies."""
-    nb = p.shape[1]
-    (out,) = _cuda_dequant_planes()([p, _row_range(start, stop)], output_shapes=[(stop - start, nb * QK_K)],
-                                    output_dtypes=[dtype], grid=((stop - start) * nb * 32, 1, 1),
-                                    threadgroup=(THREADS, 1, 1), template=[("T", dtype)])
-    return out
-
-
 def lookup_planes(p: Array, ids: Array, dtype: Any) -> Array:
     """Rows `ids` (int32 [T]) of Q6_K planes p [N, NB, 210] -> [T, NB * 256] of `dtype` through the
     CUDA kernel: `dequantize(take_planes(p, ids))`'s values, in one kernel."""
@@ -855,19 +806,11 @@ def lookup_planes(p: Array, ids: Array, dtype: Any) -> Array:
 def planes_lookup_ready() -> bool:
     """Whether `lookup_planes` serves here (checked now, the first time, against the block kernel's
     dequantization of the same rows, bit for bit): only then do token embeddings take the planes
-    (`gguf_layers.use_planes`, at load)."""
+    (`gguf_layers.use_planes`, at load) and prefill chunks read their rows with it; else those rows
+    are read back into blocks first."""
     if not planes_ready(mx.float16):
         return False
     return planes_checks.verdict(("cuda", "lookup"), _compare_planes_lookup)
-
-
-def planes_dequantize_ready() -> bool:
-    """Whether `dequantize_planes` serves here: on CUDA, once it gave `dequantize(from_planes(..))`'s
-    values bit for bit for each dtype (checked the first time: by `gguf_layers.use_planes`, at load);
-    else rows of planes are read back into blocks for the block kernel."""
-    if not planes_ready(mx.float16):
-        return False
-    return planes_checks.verdict(("cuda", "dequantize"), _compare_planes_dequantize)
 
 
 def planes_ready(dtype: Any) -> bool:
@@ -955,35 +898,21 @@ def _same_bits(got: Array, want: Array) -> bool:
                           np.asarray(want.astype(mx.float32)).view(np.uint32))
 
 
-def _compare_planes_dequantize() -> str | None:
-    """None where `dequantize_planes` of whole and partial row ranges is the block kernel's
-    dequantization of the same rows bit for bit, for each dtype; else why not."""
-    rng = np.random.default_rng(2)
-    n, nb = 37, 3
-    blocks = mx.array(random_blocks(rng, (n, nb), QType.Q6_K))
-    planes = to_planes(blocks)
-    for dtype in FLOAT_TYPES:
-        for start, stop in ((0, n), (5, 11), (36, 37)):
-            want = dequantize(blocks[start:stop], QType.Q6_K, dtype, "cuda")
-            if not _same_bits(dequantize_planes(planes, start, stop, dtype), want):
-                return f"the Q6_K planes dequantization differs from the blocks' (rows {start}..{stop}, {dtype})"
-    return None
-
-
 def _compare_planes_lookup() -> str | None:
-    """None where `lookup_planes` of repeated and out-of-order ids is the block kernel's
-    dequantization of `take` of the same rows, bit for bit, for each dtype; else why not."""
+    """None where `lookup_planes` of repeated and out-of-order ids (an embedding's lookup) and of a
+    range of rows (a prefill chunk's) is the block kernel's dequantization of `take` of the same
+    rows, bit for bit, for each dtype; else why not."""
     rng = np.random.default_rng(3)
     n, nb = 37, 3
     blocks = mx.array(random_blocks(rng, (n, nb), QType.Q6_K))
     planes = to_planes(blocks)
-    ids = mx.array(np.array([5, 0, 36, 5, 17], np.int32))
-    if not np.array_equal(np.asarray(take_planes(planes, ids)), np.asarray(mx.take(blocks, ids, axis=0))):
-        return "rows taken from the Q6_K planes are not those of the blocks"
-    for dtype in FLOAT_TYPES:
-        want = dequantize(mx.take(blocks, ids, axis=0), QType.Q6_K, dtype, "cuda")
-        if not _same_bits(lookup_planes(planes, ids, dtype), want):
-            return f"the Q6_K planes lookup differs from the blocks' ({dtype})"
+    for ids in (mx.array(np.array([5, 0, 36, 5, 17], np.int32)), mx.arange(5, 11, dtype=mx.int32)):
+        if not np.array_equal(np.asarray(take_planes(planes, ids)), np.asarray(mx.take(blocks, ids, axis=0))):
+            return "rows taken from the Q6_K planes are not those of the blocks"
+        for dtype in FLOAT_TYPES:
+            want = dequantize(mx.take(blocks, ids, axis=0), QType.Q6_K, dtype, "cuda")
+            if not _same_bits(lookup_planes(planes, ids, dtype), want):
+                return f"the Q6_K planes lookup of rows {np.asarray(ids).tolist()} differs from the blocks' ({dtype})"
     return None
 
 
@@ -1013,7 +942,7 @@ def _compare_planes() -> str | None:
     return None
 
 
-__all__ = ["MAX_X_ROWS", "Q6K_SIZE", "TYPE_IDS", "checks", "dequantize", "dequantize_planes", "device_kind",
-           "from_planes", "lookup_planes", "matvec", "planes_checks", "planes_dequantize_ready", "planes_lookup_ready",
+__all__ = ["MAX_X_ROWS", "Q6K_SIZE", "TYPE_IDS", "checks", "dequantize", "device_kind",
+           "from_planes", "lookup_planes", "matvec", "planes_checks", "planes_lookup_ready",
            "planes_ready", "q6k_rounding_step", "random_blocks", "ready", "take_planes", "to_planes",
            "x_rounding_bound"]

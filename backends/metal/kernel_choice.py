@@ -75,6 +75,10 @@ _the_dense_normed = SharedKernel(matvec_kernel.DENSE_NORM_NAME, matvec_kernel.DE
 _the_dense_rope = SharedKernel(matvec_kernel.DENSE_ROPE_NAME, matvec_kernel.DENSE_ROPE_INPUTS,
                                matvec_kernel.OUTPUT_NAMES, matvec_kernel.DENSE_ROPE_SOURCE,
                                header=_NORM_HEADER + rope_kernel.HEADER, ensure_row_contiguous=False)
+# Each form's kernel by (form, dense weights).
+_FORMS = {("plain", False): _the_kernel, ("residual", False): _the_residual, ("norm", False): _the_normed,
+          ("rope", False): _the_rope, ("plain", True): _the_dense, ("residual", True): _the_dense_residual,
+          ("norm", True): _the_dense_normed, ("rope", True): _the_dense_rope}
 _the_qmm = SharedKernel(qmm_kernel.NAME, qmm_kernel.INPUTS, qmm_kernel.OUTPUT_NAMES, qmm_kernel.SOURCE,
                         header=qmm_kernel.HEADER)
 # Verdicts of the prefill kernel's check, keyed on the kernel's source and on this file's (the check's).
@@ -111,19 +115,15 @@ def quantized_matmul(x: Array, weight: Array, scales: Array, biases: Array, grou
     return mx.quantized_matmul(x, weight, scales, biases, True, group_size, bits)
 
 
-def dense_matmul(x: Array, weight: Array, cuda_matvec: bool = False) -> Array:
+def dense_matmul(x: Array, weight: Array, cuda_matvec: bool = False, weight_t: Array | None = None) -> Array:
     """`x @ weight.T` for dense weights [N, K] of x's type: through pymlxc's dense kernel when
-    `cuda_matvec` and it takes x (`dense_takes`: a few rows), else MLX's matmul."""
-    if dense_kernel_takes(x, weight, cuda_matvec):
+    `cuda_matvec` and it takes x (`dense_takes`: a few rows), else MLX's matmul (of `weight_t`, the
+    transpose a caller such as `nn.Linear` keeps, where given)."""
+    if _use(cuda_matvec) and dense_takes(x, weight):
         k, n = x.shape[-1], weight.shape[0]
-        return _the_dense()([x, weight], output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype],
-                            **matvec_kernel.launch(x.size // k, k, n, x.dtype, 0, dense=True))[0]
-    return mx.matmul(x, mx.transpose(weight))
-
-
-def dense_kernel_takes(x: Array, weight: Array, cuda_matvec: bool) -> bool:
-    """Whether `dense_matmul(x, weight, cuda_matvec)` runs pymlxc's kernel (else MLX's matmul)."""
-    return _use(cuda_matvec) and dense_takes(x, weight)
+        return _FORMS["plain", True]()([x, weight], output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype],
+                                       **matvec_kernel.launch(x.size // k, k, n, x.dtype, 0, dense=True))[0]
+    return mx.matmul(x, weight_t if weight_t is not None else mx.transpose(weight))
 
 
 def dense_takes(x: Array, weight: Array) -> bool:
@@ -134,18 +134,19 @@ def dense_takes(x: Array, weight: Array) -> bool:
             and weight.shape[1] == k)
 
 
-def _takes(x: Array, weight: Array, scales: Array | None, biases: Array | None, group_size: int) -> bool:
-    """`dense_takes` for dense weights (`scales` None), else `kernel_takes` at 4 bits."""
-    if scales is None or biases is None:
-        return scales is None and dense_takes(x, weight)
-    return kernel_takes(x, weight, scales, biases, group_size, 4)
+def _takes(x: Array, weight: Array, scales: Array | None, biases: Array | None, group_size: int,
+           bits: int = 4) -> bool:
+    """`dense_takes` for dense weights (`scales` None), else `kernel_takes` at `bits`."""
+    if scales is None:
+        return dense_takes(x, weight)
+    return biases is not None and kernel_takes(x, weight, scales, biases, group_size, bits)
 
 
-def _weights(weight: Array, scales: Array | None, biases: Array | None) -> list[Array]:
-    """A kernel's weight inputs: the dense weight, or the 4-bit weight, scales and biases."""
+def _inputs(x: Array, weight: Array, scales: Array | None, biases: Array | None) -> list[Array]:
+    """A form's first inputs: x and the dense weight, or x and the 4-bit weight, scales and biases."""
     if scales is None or biases is None:
-        return [weight]
-    return [weight, scales, biases]
+        return [x, weight]
+    return [x, weight, scales, biases]
 
 
 def _product(x: Array, weight: Array, scales: Array | None, biases: Array | None, group_size: int) -> Array:
@@ -161,25 +162,14 @@ def silu_product(x: Array, weight: Array, scales: Array | None, biases: Array | 
     dense (`scales` None), as pymlxc's kernel in its paired form (one kernel for the product and the
     SiLU product), or None where the kernel does not compute this product (the caller then uses
     `quantized_matmul` or `dense_matmul`)."""
-    if not _use(cuda_matvec) or weight.shape[0] % 2:
-        return None
-    dense = scales is None
-    if scales is None:
-        takes = dense_takes(x, weight)
-    else:
-        takes = biases is not None and kernel_takes(x, weight, scales, biases, group_size, bits)
-    if not takes:
+    if not _use(cuda_matvec) or weight.shape[0] % 2 or not _takes(x, weight, scales, biases, group_size, bits):
         return None
     k, n = x.shape[-1], weight.shape[0]
-    rows = x.size // k
-    kernel = _the_dense if dense else _the_kernel
-    return kernel()(_inputs(x, weight, scales, biases), output_shapes=[(*x.shape[:-1], n // 2)],
-                    output_dtypes=[x.dtype],
-                    **matvec_kernel.launch(rows, k, n, x.dtype, group_size, pair=True, dense=dense))[0]
-
-
-def _inputs(x: Array, weight: Array, scales: Array | None, biases: Array | None) -> list[Array]:
-    return [x, *_weights(weight, scales, biases)]
+    dense = scales is None
+    return _FORMS["plain", dense]()(_inputs(x, weight, scales, biases), output_shapes=[(*x.shape[:-1], n // 2)],
+                                    output_dtypes=[x.dtype],
+                                    **matvec_kernel.launch(x.size // k, k, n, x.dtype, group_size, pair=True,
+                                                           dense=dense))[0]
 
 
 # Verdicts of the paired kernel's check, keyed on the kernel's source and on this file's (the check's).
@@ -228,7 +218,7 @@ def residual_product(x: Array, weight: Array, scales: Array | None, biases: Arra
     k, n = x.shape[-1], weight.shape[0]
     rows = x.size // k
     dense = scales is None
-    (y,) = (_the_dense_residual if dense else _the_residual)()(
+    (y,) = _FORMS["residual", dense]()(
         [*_inputs(x, weight, scales, biases), residual], output_shapes=[tuple(residual.shape)],
         output_dtypes=[x.dtype], **matvec_kernel.launch(rows, k, n, x.dtype, group_size, dense=dense))
     return y
@@ -255,7 +245,7 @@ def normed_product(h: Array, weight: Array, scales: Array | None, biases: Array 
     norm = (*geometry, float32_bits(eps))
     out = n // 2 if pair else n
     dense = scales is None
-    (y,) = (_the_dense_normed if dense else _the_normed)()(
+    (y,) = _FORMS["norm", dense]()(
         [*_inputs(h, weight, scales, biases), norm_weight], output_shapes=[(*h.shape[:-1], out)],
         output_dtypes=[h.dtype], **matvec_kernel.launch(rows, k, n, h.dtype, group_size, pair=pair, norm=norm,
                                                         dense=dense))
@@ -269,9 +259,8 @@ def normed_takes(h: Array, weight: Array, scales: Array | None, biases: Array | 
     rows of h runs a kernel the prologue reproduces on at most a block's threads."""
     k = h.shape[-1]
     geometry = norm_kernel.geometry(k) if norm_kernel.applies(k, h.dtype) else None
-    takes = (dense_takes(h, weight) if scales is None else
-             biases is not None and kernel_takes(h, weight, scales, biases, group_size, bits))
-    return geometry is not None and takes and matvec_kernel.norm_applies(h.size // k, k, h.dtype.size, geometry[0])
+    return (geometry is not None and _takes(h, weight, scales, biases, group_size, bits)
+            and matvec_kernel.norm_applies(h.size // k, k, h.dtype.size, geometry[0]))
 
 
 def rope_takes(h: Array, weight: Array, scales: Array | None, biases: Array | None, group_size: int, keys: Array,
@@ -299,7 +288,7 @@ def normed_rope_product(h: Array, weight: Array, scales: Array | None, biases: A
     launch["template"] = [*launch["template"], ("HQ", n_heads), ("HKV", keys.shape[1]), ("DH", keys.shape[3]),
                           ("FREQS", rope.with_freqs), ("SCALE_BITS", float32_bits(rope.scale_value)),
                           ("LOG2_BASE_BITS", 0 if rope.with_freqs else float32_bits(rope.log2_base))]
-    (q,) = (_the_dense_rope if dense else _the_rope)()(
+    (q,) = _FORMS["rope", dense]()(
         [*_inputs(h, weight, scales, biases), norm_weight, pos, rope.table, keys, values],
         output_shapes=[(rows, n_heads, 1, keys.shape[3])], output_dtypes=[h.dtype], **launch)
     return q, keys, values

@@ -22,7 +22,6 @@ from pymlxc.settings import SWITCH, Settings
 
 from .kernel_choice import (
     AUTO_MIN_BYTES_PER_LAYER,
-    dense_kernel_takes,
     dense_matmul,
     dense_ready,
     kernels_allowed,
@@ -263,8 +262,8 @@ class Linear(Module):
     def __call__(self, x: Array) -> Array:
         b: Array | None = self.__dict__.get("bias")
         if b is None:
-            if self._cuda_matvec and dense_kernel_takes(x, self.weight, True):
-                return dense_matmul(x, self.weight, True)
+            if self._cuda_matvec:
+                return dense_matmul(x, self.weight, True, self._wT)
             return _matmul(x, self._wT)
         if _shapeless.get():
             return _matmul(x, self._wT) + b  # see `shapeless_trace`
@@ -717,9 +716,10 @@ def block_linears(model: Any) -> list[Linear]:
             if type(m) is Linear and m.__dict__.get("bias") is None]
 
 
-def _segments_its_decode(model: Any) -> bool:
-    """Whether `model`'s decode step can take the matvec kernel's forms: it declares the segmented
-    decode and every layer attends fully (`decode.segments.plan`'s conditions on the model)."""
+def segmented_decode_applies(model: Any) -> bool:
+    """Whether `model` can decode in segments (`decode.segments.plan`, which also checks its
+    blocks), and so take the matvec kernel's forms: it declares `segmented_decode` and every layer
+    attends fully."""
     windows = getattr(model, "layer_windows", None)
     return (getattr(model, "segmented_decode", False) is True and callable(windows)
             and all(w is None for w in windows()))
@@ -728,7 +728,7 @@ def _segments_its_decode(model: Any) -> bool:
 def choose_dense_matvec(model: Any, setting: str, dtype: Any) -> bool:
     """Mark `model`'s block linears of `dtype` (its 2-byte compute type) to use pymlxc's dense matvec
     kernel for products of few rows (`kernel_choice.dense_matmul`) where the model's decode step can
-    take the kernel's forms (`_segments_its_decode`: alone, the kernel's product is no faster than
+    take the kernel's forms (`segmented_decode_applies`: alone, the kernel's product is no faster than
     MLX's), this process runs on CUDA,
     `setting` (PYMLXC_CUDA_DENSE_MATVEC: `auto` or `1`) says so and the kernel agrees with float64
     here (`dense_ready`); returns whether it did. The segmented decode's fused forms then take those
@@ -740,7 +740,7 @@ def choose_dense_matvec(model: Any, setting: str, dtype: Any) -> bool:
     for m in linears:
         m.use_cuda_matvec(False)
     mine = [m for m in linears if dtype is not None and m.weight.dtype == dtype and dtype.size == 2]
-    if (setting == "0" or not mine or not _segments_its_decode(model) or not on_cuda()
+    if (setting == "0" or not mine or not segmented_decode_applies(model) or not on_cuda()
             or not dense_ready(dtype)):
         return False
     for m in mine:

@@ -1,6 +1,6 @@
 """What the CUDA-kernel test files share: tiny float16 models written on demand (freed at the end),
-the greedy ids of one generation with or without a compiled decoder, and the integer products'
-rounding of x replayed in numpy."""
+the greedy ids of one generation with or without a compiled decoder, the integer products'
+rounding of x replayed in numpy, and MLX's operations standing in for the matvec kernel's forms."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +15,11 @@ import pytest
 import pymlxc.core as mx
 from pymlxc import settings
 from pymlxc.backends.metal import generate as loops
+from pymlxc.backends.metal import kernel_choice
+from pymlxc.backends.metal.decode import segments
 from pymlxc.backends.metal.decode.decoder import CompiledDecoder
 from pymlxc.backends.metal.kernels import add_rms_norm as cuda_norm
+from pymlxc.backends.metal.kernels import rope_kv as cuda_rope_kv
 from pymlxc.backends.metal.loader import load_weights_and_config
 from pymlxc.backends.metal.sample import greedy
 from pymlxc.settings import Settings
@@ -140,3 +143,51 @@ def stand_in_for_add_norm(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ..
 
     monkeypatch.setattr(cuda_norm, "add_rms_norm", stand_in)
     return calls
+
+
+class StandIns:
+    """MLX's operations in place of the matvec kernel's forms (4-bit, or dense where `s` is None),
+    each call recorded by name in `calls`."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    @staticmethod
+    def product(x: Any, w: Any, s: Any, b: Any, group: int) -> Any:
+        if s is None:
+            return mx.matmul(x, mx.transpose(w))
+        return mx.quantized_matmul(x, w, s, b, True, group, 4)
+
+    def residual(self, x: Any, w: Any, s: Any, b: Any, group: int, res: Any) -> Any:
+        self.calls.append("residual")
+        return res + self.product(x, w, s, b, group)
+
+    def normed(self, h: Any, w: Any, s: Any, b: Any, group: int, nw: Any, eps: float, pair: bool = False) -> Any:
+        self.calls.append("pair" if pair else "normed")
+        y = self.product(mx.fast.rms_norm(h, nw, eps), w, s, b, group)
+        return kernel_choice.silu_of_pair(y) if pair else y
+
+    def plain_pair(self, x: Any, w: Any, s: Any, b: Any, group: int, bits: int, cuda_matvec: bool) -> Any:
+        self.calls.append("plain pair")
+        return kernel_choice.silu_of_pair(self.product(x, w, s, b, group))
+
+    def rope_form(self, h: Any, w: Any, s: Any, b: Any, group: int, nw: Any, eps: float, pos: Any, keys: Any,
+                  values: Any, rope: Any, n_heads: int) -> Any:
+        self.calls.append("rope form")
+        qkv = self.product(mx.fast.rms_norm(h, nw, eps), w, s, b, group)
+        return cuda_rope_kv.reference(qkv, None, pos, keys, values, rope.mlx, n_heads)
+
+    def rope_kernel(self, qk: Any, v: Any, pos: Any, keys: Any, values: Any, rope: Any, n_heads: int) -> Any:
+        self.calls.append("rope kernel")
+        return cuda_rope_kv.reference(qk, v, pos, keys, values, rope.mlx, n_heads)
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The forms and the paired kernels replaced, their checks passed, the plain products MLX's."""
+        monkeypatch.setattr(kernel_choice, "_use", lambda cuda_matvec: False)
+        monkeypatch.setattr(segments, "residual_product", self.residual)
+        monkeypatch.setattr(segments, "normed_product", self.normed)
+        monkeypatch.setattr(segments, "normed_rope_product", self.rope_form)
+        monkeypatch.setattr(segments, "kernel_silu_product", self.plain_pair)
+        monkeypatch.setattr(segments, "fusion_ready", lambda *a: True)
+        monkeypatch.setattr(segments, "rope_fusion_ready", lambda *a: True)
+        monkeypatch.setattr(segments, "pair_ready", lambda *a: True)

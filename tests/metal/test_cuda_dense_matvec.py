@@ -28,7 +28,7 @@ from pymlxc.backends.metal.kernels import rope_kv as cuda_rope_kv
 from pymlxc.backends.metal.loader import load_weights_and_config
 from pymlxc.testing import write_tiny_model
 
-from .cuda_decode_helpers import ON_CUDA, cuda_only, forget_verdicts, greedy_ids, plan_flags
+from .cuda_decode_helpers import ON_CUDA, StandIns, cuda_only, forget_verdicts, greedy_ids, plan_flags
 
 fresh_checks = forget_verdicts(kernel_choice.fusion_checks, kernel_choice.pair_checks, kernel_choice.dense_checks)
 
@@ -179,44 +179,6 @@ def test_a_16_bit_plan_takes_the_forms_where_its_linears_are_marked(tiny, monkey
     assert segments.use_matvec_fusion(model, blocks, fusions, True, "auto") == "ends"
 
 
-class DenseStandIns:
-    """MLX's operations in place of the dense forms, each call recorded by name in `calls`."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    @staticmethod
-    def product(x: Any, w: Any) -> Any:
-        return mx.matmul(x, mx.transpose(w))
-
-    def residual(self, x: Any, w: Any, s: Any, b: Any, group: int, res: Any) -> Any:
-        assert s is None and b is None and group == 0
-        self.calls.append("residual")
-        return res + self.product(x, w)
-
-    def normed(self, h: Any, w: Any, s: Any, b: Any, group: int, nw: Any, eps: float, pair: bool = False) -> Any:
-        assert s is None and b is None and group == 0
-        self.calls.append("pair" if pair else "normed")
-        y = self.product(mx.fast.rms_norm(h, nw, eps), w)
-        return kernel_choice.silu_of_pair(y) if pair else y
-
-    def rope_form(self, h: Any, w: Any, s: Any, b: Any, group: int, nw: Any, eps: float, pos: Any, keys: Any,
-                  values: Any, rope: Any, n_heads: int) -> Any:
-        self.calls.append("rope form")
-        qkv = self.product(mx.fast.rms_norm(h, nw, eps), w)
-        return cuda_rope_kv.reference(qkv, None, pos, keys, values, rope.mlx, n_heads)
-
-    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        monkeypatch.setattr(kernel_choice, "_use", lambda cuda_matvec: False)  # plain products: MLX's
-        monkeypatch.setattr(segments, "residual_product", self.residual)
-        monkeypatch.setattr(segments, "normed_product", self.normed)
-        monkeypatch.setattr(segments, "normed_rope_product", self.rope_form)
-        monkeypatch.setattr(segments, "rope_takes", lambda *a: True)
-        monkeypatch.setattr(segments, "fusion_ready", lambda *a: True)
-        monkeypatch.setattr(segments, "rope_fusion_ready", lambda *a: True)
-        monkeypatch.setattr(segments, "pair_ready", lambda *a: True)
-
-
 @pytest.mark.parametrize(("arch", "rope"), [("llama", "0"), ("qwen3", "0"), ("llama", "1")])
 def test_a_16_bit_step_with_the_forms_keeps_the_tokens(tiny, monkeypatch: pytest.MonkeyPatch, switches: Any,
                                                        arch: str, rope: str) -> None:
@@ -226,12 +188,11 @@ def test_a_16_bit_step_with_the_forms_keeps_the_tokens(tiny, monkeypatch: pytest
     model = tiny(arch)
     want = greedy_ids(model, None)
     _mark(model)
-    stand_ins = DenseStandIns()
+    stand_ins = StandIns()
     stand_ins.install(monkeypatch)
     if rope == "1":
         monkeypatch.setattr(cuda_rope_kv, "check", lambda *a: True)
-        monkeypatch.setattr(cuda_rope_kv, "rope_write_kv",
-                            lambda qk, v, pos, k, vals, r, n: cuda_rope_kv.reference(qk, v, pos, k, vals, r.mlx, n))
+        monkeypatch.setattr(cuda_rope_kv, "rope_write_kv", stand_ins.rope_kernel)
     for variable in ("PYMLXC_CUDA_MATVEC_FUSION", "PYMLXC_CUDA_GATE_UP"):
         switches.env(variable, "1")
     switches.env("PYMLXC_CUDA_ROPE_KV", rope)

@@ -27,6 +27,7 @@ from pymlxc.backends.metal.kernels import rope_kv as cuda_rope_kv
 
 from .cuda_decode_helpers import (
     ON_CUDA,
+    StandIns,
     check_the_setting_is_read_by_name,
     cuda_only,
     forget_verdicts,
@@ -194,51 +195,6 @@ def test_the_check_rejects_any_difference(monkeypatch: pytest.MonkeyPatch) -> No
             patch.setattr(kernel_choice, name, off_by_one(fn))
             with pytest.warns(RuntimeWarning, match=f"its {form} for 1 row"):
                 assert not kernel_choice.fusion_ready(mx.float16, 64, 1024, 1e-5)
-
-
-class StandIns:
-    """MLX's operations in place of the matvec kernel's forms, each call recorded by name in `calls`."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    @staticmethod
-    def product(x: Any, w: Any, s: Any, b: Any, group: int) -> Any:
-        return mx.quantized_matmul(x, w, s, b, True, group, 4)
-
-    def residual(self, x: Any, w: Any, s: Any, b: Any, group: int, res: Any) -> Any:
-        self.calls.append("residual")
-        return res + self.product(x, w, s, b, group)
-
-    def normed(self, h: Any, w: Any, s: Any, b: Any, group: int, nw: Any, eps: float, pair: bool = False) -> Any:
-        self.calls.append("pair" if pair else "normed")
-        y = self.product(mx.fast.rms_norm(h, nw, eps), w, s, b, group)
-        return kernel_choice.silu_of_pair(y) if pair else y
-
-    def plain_pair(self, x: Any, w: Any, s: Any, b: Any, group: int, bits: int, cuda_matvec: bool) -> Any:
-        self.calls.append("plain pair")
-        return kernel_choice.silu_of_pair(self.product(x, w, s, b, group))
-
-    def rope_form(self, h: Any, w: Any, s: Any, b: Any, group: int, nw: Any, eps: float, pos: Any, keys: Any,
-                  values: Any, rope: Any, n_heads: int) -> Any:
-        self.calls.append("rope form")
-        qkv = self.product(mx.fast.rms_norm(h, nw, eps), w, s, b, group)
-        return cuda_rope_kv.reference(qkv, None, pos, keys, values, rope.mlx, n_heads)
-
-    def rope_kernel(self, qk: Any, v: Any, pos: Any, keys: Any, values: Any, rope: Any, n_heads: int) -> Any:
-        self.calls.append("rope kernel")
-        return cuda_rope_kv.reference(qk, v, pos, keys, values, rope.mlx, n_heads)
-
-    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        """The forms and the paired kernels replaced, their checks passed, the plain products MLX's."""
-        monkeypatch.setattr(kernel_choice, "_use", lambda cuda_matvec: False)
-        monkeypatch.setattr(segments, "residual_product", self.residual)
-        monkeypatch.setattr(segments, "normed_product", self.normed)
-        monkeypatch.setattr(segments, "normed_rope_product", self.rope_form)
-        monkeypatch.setattr(segments, "kernel_silu_product", self.plain_pair)
-        monkeypatch.setattr(segments, "fusion_ready", lambda *a: True)
-        monkeypatch.setattr(segments, "rope_fusion_ready", lambda *a: True)
-        monkeypatch.setattr(segments, "pair_ready", lambda *a: True)
 
 
 @pytest.mark.parametrize(("arch", "setting"), [("llama", "1"), ("qwen3", "1"), ("llama", "ends"), ("qwen3", "ends")])

@@ -55,7 +55,6 @@ from pymlxc.core.transforms import FixedArrays
 from .. import nn
 from ..kernel_choice import (
     FUSION_MAX_BYTES_PER_LAYER,
-    dense_kernel_takes,
     dense_matmul,
     fusion_ready,
     normed_product,
@@ -88,7 +87,7 @@ def plan(model: Any) -> list[llama.TransformerBlock] | None:
     """The blocks of a model whose decode step can be segmented, else None: the model declares
     `segmented_decode` (its blocks run in halves: `llama.TransformerBlock` with a `llama.Attention`
     and a `llama.MLP`, or subclasses) and every layer attends fully."""
-    if getattr(model, "segmented_decode", False) is not True or any(w is not None for w in model.layer_windows()):
+    if not nn.segmented_decode_applies(model):
         return None
     blocks = list(model.layers)
     for block in blocks:
@@ -194,7 +193,7 @@ def use_matvec_fusion(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple
     heads, ends = layers if layers is not None else fused_layers(model, blocks, fusions)
     if not any(heads) and not any(ends):
         return ""
-    groups = ({_group_size(m) for b, end in zip(blocks, ends, strict=True) if end
+    groups = ({_weights(m)[3] for b, end in zip(blocks, ends, strict=True) if end
                for m in (b.self_attn.o_proj, b.mlp.down_proj)}
               | {kind[1] for f, head in zip(fusions, heads, strict=True) if head
                  and f[0] is not None and (kind := f[0].fused.normable()) is not None})
@@ -213,14 +212,9 @@ def _on_kernel(m: Any, dtype: Any) -> bool:
     return type(m) is nn.QuantizedLinear and m.cuda_matvec and m.bits == 4 and m.scales.dtype == dtype
 
 
-def _group_size(m: Any) -> int:
-    """A linear's group size as the forms' checks key it: 0 for dense weights."""
-    return 0 if type(m) is nn.Linear else int(m.group_size)
-
-
 def _weights(m: Any) -> tuple[Array, Array | None, Array | None, int]:
-    """(weight, scales, biases, group size) of a linear as the forms take them: scales and biases
-    None for dense weights."""
+    """(weight, scales, biases, group size) of a linear as the forms take them and their checks key
+    them: scales and biases None and group 0 for dense weights."""
     if type(m) is nn.Linear:
         return m.weight, None, None, 0
     return m.weight, m.scales, m.biases, m.group_size
@@ -338,9 +332,8 @@ class FusedProjection(Module):
             y = normed_product(x, self._weight, self._scales, self._biases, self._group_size, norm.weight, norm.eps)
             return y if self._bias is None else y + self._bias
         if self._wT is not None:
-            weight = self._weight
-            if self._bias is None and weight is not None and dense_kernel_takes(x, weight, self._cuda_matvec):
-                return dense_matmul(x, weight, True)  # as the linears compute it (`nn.Linear`)
+            if self._bias is None and self._weight is not None:  # as the linears compute it (`nn.Linear`)
+                return dense_matmul(x, self._weight, self._cuda_matvec, self._wT)
             return mx.matmul(x, self._wT) if self._bias is None else mx.addmm(self._bias, x, self._wT, 1.0, 1.0)
         weight, scales, biases = self._weight, self._scales, self._biases
         assert weight is not None and scales is not None and biases is not None  # given where weight_t is not

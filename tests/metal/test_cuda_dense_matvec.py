@@ -81,7 +81,7 @@ def test_what_the_dense_kernel_applies_to() -> None:
     assert not kernel_choice.dense_takes(x, mx.zeros((32, 128), mx.float16))
 
 
-def test_the_choice_marks_block_linears_only_on_cuda_within_the_bound(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_choice_marks_block_linears_only_on_cuda(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
     """Off CUDA nothing is marked; on CUDA (stood in for, the check passing) `auto` and `1` mark the
     block linears of the compute type, not the head; `0` none; a check that fails leaves them
     unmarked, and a mark set before is taken back."""
@@ -101,8 +101,10 @@ def test_the_choice_marks_block_linears_only_on_cuda_within_the_bound(tiny, monk
     assert nn.choose_dense_matvec(model, "auto", mx.float16)
     gemma = tiny("gemma3")  # no segmented decode: the kernel's product alone would gain nothing
     assert nn.block_linears(gemma) and not nn.choose_dense_matvec(gemma, "1", mx.float16)
-    monkeypatch.setattr(model, "layer_windows", lambda: [None, 64, None])  # a sliding window: no segments
-    assert not nn.choose_dense_matvec(model, "1", mx.float16)
+    with monkeypatch.context() as patch:
+        patch.setattr(model, "layer_windows", lambda: [None, 64, None])  # a sliding window: no segments
+        assert not nn.choose_dense_matvec(model, "1", mx.float16) and not any(m.cuda_matvec for m in linears)
+    assert nn.choose_dense_matvec(model, "1", mx.float16) and all(m.cuda_matvec for m in linears)
     monkeypatch.setattr(nn, "dense_ready", lambda dtype: False)
     assert not nn.choose_dense_matvec(model, "1", mx.float16) and not any(m.cuda_matvec for m in linears)
     with pytest.raises(ValueError, match="cuda_dense_matvec"):

@@ -259,10 +259,12 @@ def probe_prompt(n: int, vocab: int) -> list[int]:
     return [(7 * i) % span + 10 for i in range(n)]
 
 
-def timed_run(side: Side, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    """One generation: times, tokens, memory."""
+def timed_run(side: Side, prompt: list[int], max_tokens: int, clear_cache: bool = True) -> dict[str, Any]:
+    """One generation: times, tokens, memory. `clear_cache`: MLX's buffer cache is given back first
+    (the run allocates its buffers anew, and the peak is its own)."""
     gc.collect()
-    mlx.clear_cache()
+    if clear_cache:
+        mlx.clear_cache()
     active = mlx.get_active_memory()
     mlx.reset_peak_memory()
     tokens: list[int] = []

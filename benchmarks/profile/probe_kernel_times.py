@@ -8,7 +8,8 @@ only around `--steps` decode steps of a warm generation, so only those kernels a
         [--model PATH]   # a checkpoint folder or a .gguf file instead of --shape / --quant
     python benchmarks/profile/probe_kernel_times.py --summarize OUT.csv --steps 4
 
-ncu runs every kernel on its own, so the sum of their durations is the step's device time without
+`--prefill` measures one prefill of `--prompt-tokens` and its first token instead (`--summarize
+OUT.csv --steps 1`). ncu runs every kernel on its own, so the sum of their durations is the step's device time without
 the gaps between kernels; the difference to the step's wall time is the gaps and the host.
 """
 from __future__ import annotations
@@ -39,7 +40,7 @@ def _cudart() -> ctypes.CDLL:
 
 
 def run(side_name: str, shape: str, quant: str, prompt_tokens: int, steps: int, models: Path,
-        model: Path | None = None) -> None:
+        model: Path | None = None, prefill: bool = False) -> None:
     import compare_mlx_lm as bench  # noqa: PLC0415
     import mlx.core as mlx  # noqa: PLC0415
 
@@ -54,6 +55,17 @@ def run(side_name: str, shape: str, quant: str, prompt_tokens: int, steps: int, 
     wall = time.perf_counter() - t
     print(f"unprofiled: {n} tokens in {wall * 1e3:.1f} ms", flush=True)
     cudart = _cudart()
+    if prefill:  # the kernels of one prefill and its first token
+        mlx.synchronize()
+        cudart.cudaProfilerStart()
+        stream = side.stream(prompt, 1)
+        next(stream)
+        mlx.synchronize()
+        cudart.cudaProfilerStop()
+        for _ in stream:
+            pass
+        side.free()
+        return
     stream = side.stream(prompt, 8 + steps + 4)
     for _ in range(8):
         next(stream)
@@ -100,12 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models-dir", type=Path, default=Path("/tmp/pymlxc-bench-models"))
     p.add_argument("--model", type=Path, default=None,
                    help="this checkpoint folder or GGUF file rather than --shape / --quant's random model")
+    p.add_argument("--prefill", action="store_true",
+                   help="measure one prefill of --prompt-tokens and its first token instead (summarize with --steps 1)")
     p.add_argument("--summarize", type=Path, default=None, help="an ncu CSV log to summarize instead")
     args = p.parse_args(argv)
     if args.summarize is not None:
         summarize(args.summarize, args.steps)
     else:
-        run(args.side, args.shape, args.quant, args.prompt_tokens, args.steps, args.models_dir, args.model)
+        run(args.side, args.shape, args.quant, args.prompt_tokens, args.steps, args.models_dir, args.model,
+            args.prefill)
     return 0
 
 

@@ -9,6 +9,7 @@ block layers, the group-32 products, or the compiled segments that do not trace 
     python benchmarks/profile/probe_prefill.py MODEL [MODEL ...] [--lengths 128 2048] [--modes segmented off]
         [--dense-min-rows 512 128]   # each threshold of the dense prefill products (nn.DENSE_MIN_ROWS)
         [--lead 1 2]                 # each lead of the host over the device (generate.PREFILL_LEAD_LAYERS)
+        [--keep-cache]               # MLX's buffer cache kept between runs (llama-bench keeps its buffers)
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lead", nargs="+", type=int, default=[0],
                    help="layers the host may run ahead of the device in a prefill, each "
                         "(generate.PREFILL_LEAD_LAYERS; 0: the library's)")
+    p.add_argument("--keep-cache", action="store_true",
+                   help="keep MLX's buffer cache between the runs (the default gives it back before each)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     from pymlxc.backends.metal import generate, nn
@@ -55,10 +58,12 @@ def main(argv: list[str] | None = None) -> int:
             for n in args.lengths:
                 prompt = probe_prompt(n, side.vocab)
                 timed_run(side, prompt, 1)  # warm-up: traces and kernels for this length
-                times = [timed_run(side, prompt, 1)["ttft_s"] for _ in range(args.repeats)]
+                times = [timed_run(side, prompt, 1, clear_cache=not args.keep_cache)["ttft_s"]
+                         for _ in range(args.repeats)]
                 ms = 1e3 * statistics.median(times)
                 rows.append({"model": str(path), "mode": mode, "dense_min_rows": nn.DENSE_MIN_ROWS,
                              "lead_layers": generate.PREFILL_LEAD_LAYERS, "prompt": n,
+                             "keep_cache": args.keep_cache,
                              "ttft_ms": ms, "prefill_tps": n / ms * 1e3})
                 print(f"{path.name:40s} {mode:9s} dense>={nn.DENSE_MIN_ROWS:<5d} lead {generate.PREFILL_LEAD_LAYERS} "
                       f"{n:5d} tokens  {ms:8.2f} ms  {n / ms * 1e3:9.0f} tok/s", flush=True)

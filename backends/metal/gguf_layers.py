@@ -5,6 +5,7 @@ products dequantize chunks of CHUNK_WEIGHTS weights, never the whole matrix.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -55,10 +56,14 @@ def block_matmul(x: Array, weight: Array, qtype: QType, planes: bool = False) ->
             y = gguf_blocks.matvec(mx.reshape(x, (1, rows, k)), mx.expand_dims(weight, 0),
                                    mx.zeros((1,), mx.int32), qtype, kind, planes=planes)
             return mx.reshape(y, (*x.shape[:-1], n))
+    return nn.product_in_row_chunks(x, n, CHUNK_WEIGHTS, _rows_of(weight, qtype, planes, x.dtype))
+
+
+def _rows_of(weight: Array, qtype: QType, planes: bool, dtype: Any) -> Callable[[int, int], Array]:
+    """`rows(start, stop)`: those rows of the blocks `weight` dequantized in `dtype`."""
     if planes:
-        return nn.product_in_row_chunks(x, n, CHUNK_WEIGHTS, lambda r, stop: planes_rows(weight, r, stop, x.dtype))
-    return nn.product_in_row_chunks(x, n, CHUNK_WEIGHTS,
-                                    lambda r, stop: dequantize_rows(weight[r:stop], qtype, x.dtype))
+        return lambda r, stop: planes_rows(weight, r, stop, dtype)
+    return lambda r, stop: dequantize_rows(weight[r:stop], qtype, dtype)
 
 
 class BlockLinear(nn.Module):
@@ -78,9 +83,21 @@ class BlockLinear(nn.Module):
         self.freeze(recurse=False)
 
     def __call__(self, x: Array) -> Array:
-        y = block_matmul(x, self.weight, self.qtype, self.planes)
+        given = self.__dict__.get("dense_rows")
+        if given is not None:  # a compiled prefill's trace: the rows were dequantized outside it
+            y = nn.product_of_row_chunks(x, given)
+        else:
+            y = block_matmul(x, self.weight, self.qtype, self.planes)
         b = self.__dict__.get("bias")
         return y if b is None else y + b
+
+    def dense_chunks(self, dtype: Any) -> list[Array]:
+        """The weight's rows dequantized in `dtype`, in the chunks that `block_matmul`'s many-row
+        product takes them (CHUNK_WEIGHTS weights each). The compiled prefill makes them outside its
+        shapeless trace, which cannot re-shape a dequantization, and hands them to the trace's copy
+        of this layer as `dense_rows`: the same products as op by op."""
+        rows = _rows_of(self.weight, self.qtype, self.planes, dtype)
+        return [rows(r, stop) for r, stop in nn.row_chunks(self.output_dims, self.input_dims, CHUNK_WEIGHTS)]
 
 
 class BlockEmbedding(nn.Module):
@@ -180,10 +197,11 @@ def _gather_mm(x: Array, w: Array, indices: Array, sorted_indices: bool) -> Arra
 BLOCK_LAYERS = (BlockLinear, BlockEmbedding, BlockSwitchLinear)
 
 
-def holds_blocks(model: nn.Module) -> bool:
-    """Whether `model` has GGUF block layers (their dequantization slices the blocks, which a
-    shapeless trace cannot re-shape: the compiled prefill does not take them)."""
-    return any(isinstance(m, BLOCK_LAYERS) for _, m in model.named_modules())
+def holds_untraceable_blocks(model: nn.Module) -> bool:
+    """Whether `model` has GGUF block layers that a shapeless trace cannot take (their dequantization
+    slices the blocks): every one but BlockLinear, whose rows the compiled prefill dequantizes
+    outside its trace (`BlockLinear.dense_chunks`)."""
+    return any(isinstance(m, BLOCK_LAYERS) and not isinstance(m, BlockLinear) for _, m in model.named_modules())
 
 
 def block_form(layer: nn.Module, qtype: QType, dtype: mx.Dtype) -> nn.Module:
@@ -260,5 +278,5 @@ def file_layout(model: nn.Module) -> int:
 
 
 __all__ = ["BLOCK_LAYERS", "CHUNK_WEIGHTS", "dequantize_rows", "planes_rows", "block_matmul", "BlockLinear",
-           "BlockEmbedding", "BlockSwitchLinear", "block_form", "file_layout", "holds_blocks", "use_block_layers",
-           "use_planes"]
+           "BlockEmbedding", "BlockSwitchLinear", "block_form", "file_layout", "holds_untraceable_blocks",
+           "use_block_layers", "use_planes"]

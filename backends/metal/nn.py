@@ -314,13 +314,24 @@ QMM_OP_BY_OP_BLOCK_BYTES = 64 << 20
 QMM_OP_BY_OP_GROUPS = (32,)
 
 
+def row_chunks(rows: int, k: int, chunk_weights: int) -> list[tuple[int, int]]:
+    """The (start, stop) row ranges of a W [rows, k] taken `chunk_weights` weights at a time."""
+    step = max(1, chunk_weights // max(k, 1))
+    return [(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+
+def product_of_row_chunks(x: Array, chunks: Sequence[Array]) -> Array:
+    """x @ W.T for W given as consecutive chunks of its rows, each [rows_i, K] in x's dtype: one
+    dense matmul per chunk, the outputs side by side."""
+    parts = [_matmul(x, _swapaxes(c, -1, -2)) for c in chunks]
+    return parts[0] if len(parts) == 1 else _concat(parts, -1)
+
+
 def product_in_row_chunks(x: Array, rows: int, chunk_weights: int, dequantize: Callable[[int, int], Array]) -> Array:
     """x @ W.T for a W of `rows` rows kept compressed: `dequantize(r, stop)` gives rows r..stop of W
     [stop - r, K] in x's dtype, at most `chunk_weights` weights at a time, each for its own dense
     matmul, so no dense copy of the whole of W is made."""
-    step = max(1, chunk_weights // max(x.shape[-1], 1))
-    parts = [_matmul(x, _swapaxes(dequantize(r, min(r + step, rows)), -1, -2)) for r in range(0, rows, step)]
-    return parts[0] if len(parts) == 1 else _concat(parts, -1)
+    return product_of_row_chunks(x, [dequantize(r, stop) for r, stop in row_chunks(rows, x.shape[-1], chunk_weights)])
 
 
 def _dense_product(layer: Any, x: Array) -> Array:

@@ -38,7 +38,7 @@ from pymlxc.backends.metal.decode import segments
 from pymlxc.backends.metal.formats.gguf import GGUFError
 from pymlxc.backends.metal.formats.gguf_quants import AFFINE_BITS
 from pymlxc.backends.metal.formats.gguf_tensors import FLOAT16_MAX, TensorError, _Cast
-from pymlxc.backends.metal.gguf_layers import BlockEmbedding
+from pymlxc.backends.metal.gguf_layers import BlockEmbedding, BlockLinear
 from pymlxc.backends.metal.kernels import argmax as argmax_kernel
 from pymlxc.backends.metal.kernels import rope_kv as rope_kv_kernel
 from pymlxc.backends.metal.loader import load_weights_and_config
@@ -343,19 +343,43 @@ def test_the_memory_estimate_of_block_projections_counts_the_compute_dtype(
         assert all(c.keys.dtype == mx.float16 for c in cache)
 
 
-def test_block_layers_prefill_op_by_op_without_a_failed_trace(
-        files: Callable[..., tuple[Path, Path]], caplog: pytest.LogCaptureFixture) -> None:
-    """A Q4_K_M-like file (Q6_K down projection and embedding): the compiled prefill is not tried
-    (its shapeless trace cannot take the blocks' slices), so no trace fails and warns, and the
-    compiled decode still runs, with the uncompiled loop's tokens."""
+def test_block_layers_prefill_through_the_compiled_segments(
+        files: Callable[..., tuple[Path, Path]], caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Q4_K_M-like file (Q6_K and Q3_K value and down projections, a Q6_K embedding): the compiled
+    prefill takes the block layers, their rows dequantized outside the trace for each segment call
+    that runs them, and fills the caches as the model's forward does over chunks of changing
+    lengths (the first segment has no block layer, the middle one two, the last one); a generation
+    through it gives the uncompiled loop's tokens, and no trace fails."""
     from pymlxc.backends.metal.decode.decoder import CompiledDecoder
 
-    path, _ = files("llama", Q.Q4_K, {"blk.0.ffn_down.weight": Q.Q6_K, "token_embd.weight": Q.Q6_K})
+    extra = {"blk.0.ffn_down.weight": Q.Q6_K, "blk.1.attn_v.weight": Q.Q6_K, "blk.1.ffn_down.weight": Q.Q3_K,
+             "token_embd.weight": Q.Q6_K}
+    path, _ = files("llama", Q.Q4_K, extra)
+    dequantized: list[Any] = []
+    real = BlockLinear.dense_chunks
+    monkeypatch.setattr(BlockLinear, "dense_chunks",
+                        lambda self, dtype: dequantized.append((self.qtype, dtype)) or real(self, dtype))
     with load_weights_and_config(path) as loaded:
         model = loaded.model
+        assert len(model.layers) == 2
         decoder = CompiledDecoder(model, "segmented")
         try:
-            assert decoder.prefill_runner(False) is None
+            runner = decoder.prefill_runner(False)
+            assert runner is not None
+            tokens = mx.array([[int(i) for i in np.random.default_rng(1).integers(16, 500, size=61)]], dtype=mx.int32)
+            ours, theirs = model.make_cache(None), model.make_cache(None)
+            for start, stop in ((0, 25), (25, 40), (40, 41), (41, 61)):
+                runner(tokens[:, start:stop], ours)
+                model(tokens[:, start:stop], cache=theirs)
+            for a, b in zip(ours, theirs, strict=True):
+                assert a.offset == b.offset == 61
+                for x, y in ((a.keys, b.keys), (a.values, b.values)):
+                    np.testing.assert_array_equal(np.asarray(x[:, :, :61].astype(mx.float32)),
+                                                  np.asarray(y[:, :, :61].astype(mx.float32)))
+            # Per chunk: the middle segment's two block layers, the last segment's one.
+            assert dequantized == [(Q.Q6_K, model.compute_dtype), (Q.Q6_K, model.compute_dtype),
+                                   (Q.Q3_K, model.compute_dtype)] * 4
             with caplog.at_level("WARNING"):
                 compiled = list(loops.generate_ids(model, list(IDS[0]), cache=model.make_cache(None), sampler=greedy,
                                                    max_tokens=6, decoder=decoder))

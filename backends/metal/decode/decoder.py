@@ -82,17 +82,20 @@ log = logging.getLogger(__name__)
 DECODE_MODES = ("graph", "segmented")
 
 
-def _layers_hold_blocks(model: Module) -> bool:
+def _layers_hold_untraceable_blocks(model: Module) -> bool:
     """Whether the transformer layers of `model` (what the compiled prefill traces) have GGUF block
-    layers: gguf_layers.holds_blocks, imported here, as it needs the `gguf` package (the `gguf`
-    extra), without which no model has them. The embedding and the head run outside the trace, so
-    llama.cpp's Q4_0 recipe (Q6_K only there) keeps the compiled prefill."""
+    layers that its trace cannot take (`gguf_layers.holds_untraceable_blocks`: any but BlockLinear,
+    whose rows the prefill dequantizes outside the trace), imported here, as it needs the `gguf`
+    package (the `gguf` extra), without which no model has them. The embedding and the head run
+    outside the trace."""
     try:
-        from ..gguf_layers import holds_blocks  # noqa: PLC0415
+        from ..gguf_layers import holds_untraceable_blocks  # noqa: PLC0415
     except ImportError:
         return False
     layers = getattr(model, "layers", None)
-    return holds_blocks(model) if not isinstance(layers, list) else any(holds_blocks(layer) for layer in layers)
+    if not isinstance(layers, list):
+        return holds_untraceable_blocks(model)
+    return any(holds_untraceable_blocks(layer) for layer in layers)
 
 
 def decode_mode(setting: str = "auto") -> str:
@@ -206,7 +209,7 @@ class CompiledDecoder:
             raise ValueError(f"decode mode must be one of {', '.join(DECODE_MODES)}, not {mode!r}")
         settings = settings if settings is not None else current_settings()
         self._model: Module | None = model
-        self._layers_hold_blocks = model is not None and _layers_hold_blocks(model)  # no compiled prefill
+        self._untraceable_blocks = model is not None and _layers_hold_untraceable_blocks(model)  # no compiled prefill
         self.enabled = settings.compile  # False: every generation takes the uncompiled loop
         self.mode = mode if mode is not None else settings.decode  # "auto": by the device at each generation
         # q/k/v and gate/up as one matmul each (weights fused: segments.py, graph_fusions.py).
@@ -390,7 +393,7 @@ class CompiledDecoder:
         if model is None or decode_mode(self.mode) != "segmented":
             return None
         weights, classes = walk if walk is not None else arrays_of(model, with_classes=True)
-        if self._layers_hold_blocks:
+        if self._untraceable_blocks:
             # The trace would fail (and a failed trace on an H200 cost a Q4_K_M file's 128-token
             # prefill 14.0 ms against 9.5 ms op by op).
             return None

@@ -15,13 +15,19 @@ the attention runs as one replay of a compiled segment, traced once for every pr
 RoPE and the embedding stay outside: MLX runs RoPE as a graph of slices where it has no kernel (its
 CPU), and a slice fixes its shape, as does the dequantization of a quantized table's rows. For the
 same reason the q/k/v and gate/up projections run as their own matmuls here (on the views of the
-fused weights), and a dense layer adds its bias after the matmul (`nn.shapeless_trace`). The
-segments call the model's own block halves, like the decode's (`Attention.heads` / `output`,
-`TransformerBlock.finish`); the tests compare the caches and tokens with the model's own forward.
+fused weights), and a dense layer adds its bias after the matmul (`nn.shapeless_trace`). A GGUF
+block layer (a K-quant recipe's Q6_K value and down projections) has its rows dequantized outside
+the trace, before each segment call (`BlockLinear.dense_chunks`, through the GPU kernels), and
+handed in as inputs of that call, which the trace multiplies as dense matmuls: the products the
+model's forward computes for many rows. Segments whose block layers differ in place or chunks are
+traced apart. The segments call the model's own block halves, like the decode's
+(`Attention.heads` / `output`, `TransformerBlock.finish`); the tests compare the caches and tokens
+with the model's own forward.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pymlxc.core as mx
@@ -29,10 +35,10 @@ from pymlxc.core import Array
 
 from .. import nn
 from ..cache import make_prompt_mask
-from ..kernel_choice import mlx_kernels_only
+from ..kernel_choice import kernels_again, mlx_kernels_only
 from ..models.base import attention, last_query
-from .segments import SegmentGroup, SegmentPlan, call_segment
-from .trace import CompileUnavailable, clone_modules
+from .segments import SegmentGroup, SegmentPlan
+from .trace import CompileUnavailable, call_traced, clone_modules
 from .trace import spec as traced_spec
 
 
@@ -43,44 +49,89 @@ def _finish(block: Any, attn_out: Array, h: Array) -> Array:
     return out
 
 
+@dataclass(frozen=True)
+class PrefillSpec:
+    """What a prefill segment's trace reads (`trace.spec()`): the decode plan's group, how many of its
+    modules the trace runs (the last segment: the last block alone), and the block layers it takes
+    dense rows for: their places (module index, path within it) and each one's chunks."""
+
+    group: SegmentGroup
+    modules: int
+    places: tuple[tuple[int, str], ...] = ()
+    chunks: tuple[int, ...] = ()
+
+    def traced(self) -> list[Any]:
+        """The modules the trace runs."""
+        return list(self.group.modules[:self.modules])
+
+
+def block_layers(modules: Sequence[Any]) -> dict[tuple[int, str], Any]:
+    """The GGUF block linears among `modules` and their submodules by place (module index, path
+    within it; a layer reached twice keeps its first place), in an order fixed by the structure:
+    the layers whose rows the prefill dequantizes outside the trace. Found by their `dense_chunks`
+    (gguf_layers needs the optional `gguf` package)."""
+    found: dict[tuple[int, str], Any] = {}
+    seen: set[int] = set()
+    for i, module in enumerate(modules):
+        if module is not None:
+            for name, sub in module.named_modules():
+                if callable(getattr(sub, "dense_chunks", None)) and id(sub) not in seen:
+                    seen.add(id(sub))
+                    found[(i, name)] = sub
+    return found
+
+
+def _clones(tracers: list[Array], n_inputs: int) -> list[Any]:
+    """The traced modules on the traced arrays (after the call's `n_inputs` inputs and the dense
+    chunks), the block linears' copies given their chunks (`BlockLinear.dense_rows`)."""
+    spec: PrefillSpec = traced_spec()
+    dense_end = n_inputs + sum(spec.chunks)
+    clones = clone_modules(spec.traced(), spec.group.arrays, tracers[dense_end:])
+    copies = block_layers(clones)
+    at = n_inputs
+    for place, n in zip(spec.places, spec.chunks, strict=True):
+        copies[place].__dict__["dense_rows"] = tracers[at:at + n]
+        at += n
+    return clones
+
+
 def _trace_first(inputs: list[Array]) -> list[Array]:
-    group: SegmentGroup = traced_spec()
-    _embed, norm, attn, _qkv = clone_modules(group.modules, group.arrays, inputs[1:])
+    _embed, norm, attn, _qkv = _clones(inputs, 1)
     return list(attn.heads(norm(inputs[0])))
 
 
 def _trace_mid(inputs: list[Array]) -> list[Array]:
-    group: SegmentGroup = traced_spec()
-    block, _gate_up, norm, attn, _qkv = clone_modules(group.modules, group.arrays, inputs[2:])
+    block, _gate_up, norm, attn, _qkv = _clones(inputs, 2)
     h = _finish(block, inputs[0], inputs[1])
     return [*attn.heads(norm(h)), h]
 
 
 def _trace_last(inputs: list[Array]) -> list[Array]:
-    group: SegmentGroup = traced_spec()
-    block = clone_modules(group.modules[:1], group.arrays, inputs[2:])[0]
+    (block,) = _clones(inputs, 2)
     return [_finish(block, inputs[0], inputs[1])]
 
 
 class PrefillFunctions:
-    """The three shapeless segments of one model structure, per batch size (a reshape keeps it)."""
+    """The three shapeless segments of one model structure, per batch size (a reshape keeps it) and
+    per place and chunking of the segment's block layers (a trace holds which inputs they take)."""
 
     def __init__(self) -> None:
-        self._by_batch: dict[int, tuple[Any, ...]] = {}
+        self._by_key: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
-    def for_batch(self, b: int) -> tuple[Any, ...]:
-        """(first, mid, last) compiled."""
-        fns = self._by_batch.get(b)
+    def get(self, b: int, blocks: tuple[Any, ...] = ()) -> tuple[Any, ...]:
+        """(first, mid, last) compiled, for batch `b` and the block-layer key `blocks`."""
+        key = (b, blocks)
+        fns = self._by_key.get(key)
         if fns is None:
-            fns = self._by_batch[b] = tuple(mx.compile(f, shapeless=True)
+            fns = self._by_key[key] = tuple(mx.compile(f, shapeless=True)
                                             for f in (_trace_first, _trace_mid, _trace_last))
         return fns
 
     def clear(self) -> None:
-        for fns in self._by_batch.values():
+        for fns in self._by_key.values():
             for fn in fns:
                 fn.clear()
-        self._by_batch.clear()
+        self._by_key.clear()
 
 
 class PrefillRunner:
@@ -95,29 +146,44 @@ class PrefillRunner:
         self._blocks = list(blocks)
         self._fns = fns
         self._on_fail = on_fail
+        # Per segment: its group, how many of its modules the trace runs, and their block layers.
+        self._first = _Segment(plan.first, len(plan.first.modules), False)
+        self._mids = [_Segment(group, len(group.modules), True) for group in plan.mids]
+        self._last = _Segment(plan.last, 1, True)
 
     def __call__(self, tokens: Array, cache: Sequence[Any], on_layer: Callable[[Array, Any], None] | None = None
                  ) -> Array:
         """The last position's hidden state [B, 1, D] after the last layer (before the final norm),
         lazily: the last layer's attention output and MLP run on that position alone (the caches
         need only its keys and values)."""
-        first, mid, last = self._fns.for_batch(tokens.shape[0])
         saved = [c.snapshot() for c in cache]  # the caches as they were, should a segment fail to trace
         try:
             with mlx_kernels_only(), nn.shapeless_trace():  # a trace here serves every chunk length
-                return self._run(tokens, cache, on_layer, first, mid, last)
+                return self._run(tokens, cache, on_layer)
         except Exception as exc:
             for c, state in zip(cache, saved, strict=True):
                 c.restore(state)
             self._on_fail(exc)
             raise CompileUnavailable(str(exc)) from exc
 
-    def _run(self, tokens: Array, cache: Sequence[Any], on_layer: Callable[[Array, Any], None] | None,
-             first: Any, mid: Any, last: Any) -> Array:
-        plan, blocks = self._plan, self._blocks
-        embed: Any = plan.first.modules[0]
+    def _call(self, part: int, segment: _Segment, inputs: list[Array], batch: int) -> list[Array]:
+        """Segment `part` (0 first, 1 mid, 2 last) on `inputs` (the hidden states h last), its block
+        layers' rows dequantized here first, in h's dtype (the kernels allowed: this is outside the
+        trace)."""
+        dense: list[list[Array]] = []
+        if segment.blocks:
+            with kernels_again():
+                dense = [layer.dense_chunks(inputs[-1].dtype) for layer in segment.blocks]
+        chunks = tuple(len(d) for d in dense)
+        fn = self._fns.get(batch, (segment.places, chunks))[part]
+        spec = PrefillSpec(segment.group, segment.modules, segment.places, chunks)
+        return call_traced(fn, spec, [*inputs, *(c for d in dense for c in d)], segment.group.fixed)
+
+    def _run(self, tokens: Array, cache: Sequence[Any], on_layer: Callable[[Array, Any], None] | None) -> Array:
+        blocks, batch = self._blocks, tokens.shape[0]
+        embed: Any = self._plan.first.modules[0]
         h: Array = embed(tokens)  # the embedding (a quantized table's gather fixes its shape)
-        q, k, v = call_segment(first, plan.first, [h])
+        q, k, v = self._call(0, self._first, [h], batch)
         length = tokens.shape[1]
         for i, block in enumerate(blocks):
             attn, c = block.self_attn, cache[i]
@@ -130,12 +196,30 @@ class PrefillRunner:
                 (q, mask), h = last_query(q, mask), h[:, -1:]
             out = attention(q, keys, values, scale=attn.scale, mask=mask)
             if final:
-                (h,) = call_segment(last, plan.last, [out, h])
+                (h,) = self._call(2, self._last, [out, h], batch)
             else:
-                q, k, v, h = call_segment(mid, plan.mids[i], [out, h])
+                q, k, v, h = self._call(1, self._mids[i], [out, h], batch)
             if on_layer is not None:
                 on_layer(h, c)
         return h
 
 
-__all__ = ["PrefillFunctions", "PrefillRunner"]
+_HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj")  # a Llama-family attention's (`Attention.heads`)
+
+
+class _Segment:
+    """A segment of the plan as the prefill calls it: its group, how many of the group's modules
+    its trace runs, and the block layers it takes dense rows for, with their places (segments
+    whose block layers sit elsewhere take traces of their own)."""
+
+    def __init__(self, group: SegmentGroup, modules: int, finishes_a_block: bool) -> None:
+        self.group, self.modules = group, modules
+        # A block the segment finishes (its first module) runs its output projection and MLP only:
+        # its q/k/v projections are the segment before's, and not dequantized again here.
+        unused = {(0, f"self_attn.{p}") for p in _HEAD_PROJECTIONS} if finishes_a_block else set()
+        found = block_layers(group.modules[:modules])
+        self.places = tuple(place for place in found if place not in unused)
+        self.blocks = [found[place] for place in self.places]
+
+
+__all__ = ["PrefillFunctions", "PrefillRunner", "PrefillSpec", "block_layers"]

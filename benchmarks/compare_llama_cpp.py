@@ -29,8 +29,9 @@ example cut from llama-cpp-python's sdist); nothing is downloaded.
         --prompt-lengths 16 --max-tokens 8 --rounds 1      # the plumbing on a CPU, pymlxc only
 
 Without llama-quantize (--no-llama-cpp), the quantized files are written by pymlxc's writer with
-each recipe's main type and its Q6_K output / embedding (`--no-llama-cpp` is for checking the
-plumbing; the real recipes' mixes come from llama-quantize). Writes `compare_llama_cpp.json`,
+each recipe's main type and its Q6_K output / embedding, and for Q4_K_M the recipe's Q6_K value and
+down projections (`q4_k_m_layer_types`; `--no-llama-cpp` is for checking the plumbing; the real
+recipes' other choices, and their quantization's rounding, come from llama-quantize). Writes `compare_llama_cpp.json`,
 `compare_llama_cpp.md` (the table) and `compare_llama_cpp.png` (matplotlib, when installed) into --out.
 """
 from __future__ import annotations
@@ -171,7 +172,10 @@ def prepare(shape: str, formats: list[str], root: Path, layers: int | None, tool
         else:  # the recipe's main type, with llama.cpp's Q6_K output / embedding (plumbing checks)
             main = {"q4_0": QType.Q4_0, "q4_k_m": QType.Q4_K, "q6_k": QType.Q6_K, "q8_0": QType.Q8_0}[fmt]
             head = QType.Q8_0 if fmt == "q8_0" else QType.Q6_K
-            export_gguf(src, part, main, pre="gpt-2", extra_types={"token_embd.weight": head, "output.weight": head})
+            extra = {"token_embd.weight": head, "output.weight": head}
+            if fmt == "q4_k_m":
+                extra |= q4_k_m_layer_types(config["num_hidden_layers"])
+            export_gguf(src, part, main, pre="gpt-2", extra_types=extra)
         part.rename(gguf)
         print(f"  wrote {gguf.name} in {time.perf_counter() - t:.0f}s", flush=True)
     if drop_source:  # disk space: the float16 source (and an F16 file not benchmarked) are done with
@@ -187,6 +191,18 @@ def prepare(shape: str, formats: list[str], root: Path, layers: int | None, tool
             write_random_model(native, shape, bits=bits, layers=layers, dtype="bfloat16")
         out[fmt] = {"gguf": gguf, "native": native}
     return out
+
+
+def q4_k_m_layer_types(layers: int) -> dict[str, Any]:
+    """The Q6_K layers of llama.cpp's Q4_K_M recipe (`llama_tensor_get_type`): the value and down
+    projections of the first and last eighth of the layers and of every third between them."""
+    from gguf import GGMLQuantizationType as QType
+
+    def more_bits(i: int) -> bool:
+        return i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
+
+    return {f"blk.{i}.{name}.weight": QType.Q6_K for i in range(layers) if more_bits(i)
+            for name in ("attn_v", "ffn_down")}
 
 
 # ---------------------------------------------------------------------- one case

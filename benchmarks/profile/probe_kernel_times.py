@@ -55,23 +55,13 @@ def run(side_name: str, shape: str, quant: str, prompt_tokens: int, steps: int, 
     wall = time.perf_counter() - t
     print(f"unprofiled: {n} tokens in {wall * 1e3:.1f} ms", flush=True)
     cudart = _cudart()
-    if prefill:  # the kernels of one prefill and its first token
-        mlx.synchronize()
-        cudart.cudaProfilerStart()
-        stream = side.stream(prompt, 1)
-        next(stream)
-        mlx.synchronize()
-        cudart.cudaProfilerStop()
-        for _ in stream:
-            pass
-        side.free()
-        return
-    stream = side.stream(prompt, 8 + steps + 4)
-    for _ in range(8):
+    # Profiled: one prefill and its first token, or `steps` decode steps after 8 unprofiled ones.
+    stream = side.stream(prompt, 1 if prefill else 8 + steps + 4)
+    for _ in range(0 if prefill else 8):
         next(stream)
     mlx.synchronize()
     cudart.cudaProfilerStart()
-    for _ in range(steps):
+    for _ in range(1 if prefill else steps):
         next(stream)
     mlx.synchronize()
     cudart.cudaProfilerStop()

@@ -94,3 +94,37 @@ def test_a_cpu_run_writes_the_report(tmp_path: Path) -> None:
     assert table.count("| llama-3.2-1b-narrow (1 layers) |") == 2
     assert not (tmp_path / "models" / "llama-3.2-1b-narrow-1l-f16-src").exists()  # --drop-source
     assert np.isfinite(report["bandwidth"]["copy_bytes_per_s"])
+
+
+_QUANTIZE = r"""
+import ctypes, sys
+import llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)))
+"""
+
+
+def test_the_q4_k_m_layer_mix_is_llama_cpps(tmp_path: Path) -> None:
+    """`q4_k_m_layer_types` (the Q4_K_M-like files written without llama-quantize) names the value
+    and down projections that llama.cpp's own quantizer (llama-cpp-python's llama_model_quantize, in
+    a child process) stores as Q6_K in a Q4_K_M file of 16 layers; the others it stores as Q4_K."""
+    import subprocess
+
+    from gguf import GGUFReader
+
+    layers = 16
+    src = shapes.write_random_model(tmp_path / "src", "llama-3.2-1b-narrow", layers=layers, dtype="float16")
+    shapes.write_byte_tokenizer(src, shapes.shape_config("llama-3.2-1b-narrow", layers))
+    f16 = export_gguf(src, tmp_path / "f16.gguf", Q.F16, pre="gpt-2")
+    out = tmp_path / "q4_k_m.gguf"
+    done = subprocess.run([sys.executable, "-c", _QUANTIZE, str(f16), str(out)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    types = {t.name: Q(t.tensor_type) for t in GGUFReader(out).tensors
+             if t.name.endswith((".attn_v.weight", ".ffn_down.weight"))}
+    assert len(types) == 2 * layers
+    want = compare_llama_cpp.q4_k_m_layer_types(layers)
+    assert 0 < len(want) < len(types)
+    assert {name for name, t in types.items() if t == Q.Q6_K} == set(want)
+    assert {t for name, t in types.items() if name not in want} == {Q.Q4_K}

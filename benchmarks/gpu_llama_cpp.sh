@@ -30,6 +30,11 @@
 # block kernels and MLX's 8-bit kernel; the earlier float32 runs are BENCHMARKS.md's 160 tok/s row.
 # probe: benchmarks/profile/probe_gguf_blocks.py (the block kernels' time per decode shape).
 # planes-ab: the Q4_K_M files' prefill and decode with and without the Q6_K planes, alternated.
+# prefill-blocks: the Q4_K_M files' prefill compiled (block layers' rows dequantized outside the
+# trace) against op by op, beside the 1B's native 4-bit checkpoint (after bench-1b / prep-8b).
+# save-cache: the load-time check results into $OUT/user-cache.tar.gz: a fresh machine spent more
+# than 135 s in the checks of a 1B Q4_K_M file's first load; unpacked into
+# .device-stage/b/cache/pymlxc/, install.sh gives them to the next machine.
 # Results go to $OUT: tests.txt, probe.log, <stage>/compare_llama_cpp.{json,md,png}, <stage>.log.
 # Pass --git-rev <commit> to the benchmark scripts when the lent copy's git metadata is stale.
 # PEAK_MEMORY=1: bench-* also measure each side's peak GPU memory (nvidia-smi) over one generation at
@@ -120,6 +125,21 @@ for stage in "$@"; do
     probe)  # the block kernels against MLX ops, MLX 4-bit and dense float16 per decode shape
       ensure_lib
       python3 benchmarks/profile/probe_gguf_blocks.py --out "$OUT/probe" 2>&1 | tee "$OUT/probe.log" || echo "!!! probe failed"
+      ;;
+    prefill-blocks)  # the Q4_K_M files' prefill through the compiled segments (their Q6_K layers'
+      # rows dequantized outside the trace) against op by op, and the native format of the same shape
+      ensure_lib
+      for f in "$MODELS"/llama-3.2-1b-q4_k_m.gguf "$MODELS"/llama-3.2-1b-4bit "$MODELS"/llama-3.1-8b-q4_k_m.gguf; do
+        [ -e "$f" ] || { echo "no $f"; continue; }
+        python3 benchmarks/profile/probe_prefill.py "$f" --lengths 128 2048 --modes segmented off --repeats 5 \
+          --out "$OUT/prefill-blocks-$(basename "$f" .gguf).json" 2>&1 | grep "tok/s" || echo "!!! probe_prefill failed"
+      done
+      ;;
+    save-cache)  # the machine's load-time check results, for the next machine (same GPU, driver, MLX):
+      # unpack user-cache.tar.gz into .device-stage/b/cache/pymlxc/, which install.sh copies over
+      # shellcheck disable=SC2046  # the entries are a list of words
+      tar czf "$OUT/user-cache.tar.gz" -C "$HOME/.cache/pymlxc" $(cd "$HOME/.cache/pymlxc" && ls -d checks-* 2>/dev/null) \
+        && ls -la "$OUT/user-cache.tar.gz"
       ;;
     planes-ab)  # the Q4_K_M files with the Q6_K planes against the file's layout (PYMLXC_CUDA_Q6K_PLANES),
       # alternated: prefill by probe_prefill.py, decode by ab.py (after bench-1b / prep-8b wrote them)

@@ -265,7 +265,7 @@ class Linear(Module):
             if self._cuda_matvec:
                 return dense_matmul(x, self.weight, True, self._wT)
             return _matmul(x, self._wT)
-        if _shapeless.get():
+        if in_shapeless_trace():
             return _matmul(x, self._wT) + b  # see `shapeless_trace`
         return _addmm(b, x, self._wT, 1.0, 1.0)
 
@@ -630,6 +630,11 @@ class Cloner:
 
 
 _shapeless = ThreadSetting(False)
+
+
+def in_shapeless_trace() -> bool:
+    """Whether this thread is inside `shapeless_trace()`."""
+    return _shapeless.get()
 
 
 @contextlib.contextmanager

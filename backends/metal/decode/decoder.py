@@ -50,6 +50,7 @@ from pymlxc.settings import Settings
 from pymlxc.settings import current as current_settings
 
 from ..cache import KVCache
+from ..kernels.check import on_cuda
 from ..nn import Module, arrays_of
 from ..recurrent_cache import StepRecurrentCache
 from ..sample import (
@@ -228,6 +229,8 @@ class CompiledDecoder:
         self.cuda_matvec_fusion = settings.cuda_matvec_fusion
         # Segmented mode on CUDA: RoPE and the key/value writes inside the normalized q/k/v product.
         self.cuda_rope_in_product = settings.cuda_rope_in_product
+        # Compiled prefill: each layer's q/k/v as its fused product, one RoPE call for q and k.
+        self.prefill_joint_qkv = settings.prefill_joint_qkv
         self._fusions: dict[int, Any] = {}
         self._plans: dict[tuple[Any, ...], Any] = {}  # segments.SegmentPlan per segmented key
         self._recent_plan: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None  # (signature and flags, key)
@@ -405,7 +408,9 @@ class CompiledDecoder:
         if key in self._failed:
             return None
         fns = self._function(key, prefill.PrefillFunctions)
-        return prefill.PrefillRunner(seg_plan, list(model.layers), fns, on_fail=lambda exc: self._mark_failed(key, exc))
+        joint = self.prefill_joint_qkv == "1" or (self.prefill_joint_qkv == "auto" and not on_cuda())
+        return prefill.PrefillRunner(seg_plan, list(model.layers), fns, on_fail=lambda exc: self._mark_failed(key, exc),
+                                     joint=joint)
 
     def reserve(self, cache: Sequence[Any], prompt_len: int, max_tokens: int) -> None:
         """Call before prefill: size the empty caches' first allocation as the decode's first buffers."""

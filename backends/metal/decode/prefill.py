@@ -59,6 +59,7 @@ class PrefillSpec:
     modules: int
     places: tuple[tuple[int, str], ...] = ()
     chunks: tuple[int, ...] = ()
+    joint: bool = False  # the next layer's q/k/v as its fused product's output (`_project`)
 
     def traced(self) -> list[Any]:
         """The modules the trace runs."""
@@ -95,15 +96,50 @@ def _clones(tracers: list[Array], n_inputs: int) -> list[Any]:
     return clones
 
 
+def _project(attn: Any, qkv: Any, x: Array) -> list[Array]:
+    """The next layer's projections as a segment returns them: q, k, v [B, heads, L, D] (the model's
+    `heads`), or where the plan joins them (`joint_qkv`) the fused product's output [B, L, N] (the
+    q, k and v rows; with a tail, q and k, and the tail's v [B, L, Nv] after it), which the runner
+    splits into heads outside the trace (`_heads_of`): a slice cannot be re-shaped in it."""
+    spec: PrefillSpec = traced_spec()
+    if not spec.joint:
+        return list(attn.heads(x))
+    return [qkv.joint(x)] + ([qkv.tail(x)] if qkv.tail is not None else [])
+
+
 def _trace_first(inputs: list[Array]) -> list[Array]:
-    _embed, norm, attn, _qkv = _clones(inputs, 1)
-    return list(attn.heads(norm(inputs[0])))
+    _embed, norm, attn, qkv = _clones(inputs, 1)
+    return _project(attn, qkv, norm(inputs[0]))
 
 
 def _trace_mid(inputs: list[Array]) -> list[Array]:
-    block, _gate_up, norm, attn, _qkv = _clones(inputs, 2)
+    block, _gate_up, norm, attn, qkv = _clones(inputs, 2)
     h = _finish(block, inputs[0], inputs[1])
-    return [*attn.heads(norm(h)), h]
+    return [*_project(attn, qkv, norm(h)), h]
+
+
+def joint_qkv(attn: Any, qkv: Any) -> bool:
+    """Whether the prefill takes a layer's q/k/v as its fused product (`_project`): the fusion joins
+    q, k and v (or q and k, v its tail) of the attention's head layout in that order, and the
+    attention has no q/k norms (Qwen 3's, which the model's `heads` applies per head)."""
+    if qkv is None or attn.qk_norms():
+        return False
+    d = attn.head_dim
+    q, kv = attn.n_heads * d, attn.n_kv_heads * d
+    if qkv.tail is not None:
+        return qkv.tail is attn.v_proj and tuple(qkv.sizes) == (q, kv)
+    return tuple(qkv.sizes) == (q, kv, kv)
+
+
+def _heads_of(attn: Any, outs: list[Array]) -> tuple[Array, Array]:
+    """(q and k heads [B, Hq + Hkv, L, D], v heads [B, Hkv, L, D]) of a segment's joint outputs, as
+    views: the q and k heads side by side for one RoPE call."""
+    y = outs[0]
+    b, length, d, hq, hkv = y.shape[0], y.shape[1], attn.head_dim, attn.n_heads, attn.n_kv_heads
+    t = mx.transpose(mx.reshape(y, (b, length, -1, d)), (0, 2, 1, 3))
+    if len(outs) == 2:  # v from the tail
+        return t, mx.transpose(mx.reshape(outs[1], (b, length, hkv, d)), (0, 2, 1, 3))
+    return t[:, :hq + hkv], t[:, hq + hkv:]
 
 
 def _trace_last(inputs: list[Array]) -> list[Array]:
@@ -141,7 +177,7 @@ class PrefillRunner:
     back as they were, `on_fail` is told and CompileUnavailable is raised."""
 
     def __init__(self, plan: SegmentPlan, blocks: Sequence[Any], fns: PrefillFunctions,
-                 on_fail: Callable[[BaseException], None]) -> None:
+                 on_fail: Callable[[BaseException], None], joint: bool = False) -> None:
         self._plan = plan
         self._blocks = list(blocks)
         self._fns = fns
@@ -150,6 +186,8 @@ class PrefillRunner:
         self._first = _Segment(plan.first, len(plan.first.modules), False)
         self._mids = [_Segment(group, len(group.modules), True) for group in plan.mids]
         self._last = _Segment(plan.last, 1, True)
+        # Per layer: whether its q/k/v come as the fused product (`joint_qkv`), with `joint`.
+        self._joint = [joint and joint_qkv(g.modules[-2], g.modules[-1]) for g in (plan.first, *plan.mids)]
 
     def __call__(self, tokens: Array, cache: Sequence[Any], on_layer: Callable[[Array, Any], None] | None = None
                  ) -> Array:
@@ -166,7 +204,8 @@ class PrefillRunner:
             self._on_fail(exc)
             raise CompileUnavailable(str(exc)) from exc
 
-    def _call(self, part: int, segment: _Segment, inputs: list[Array], batch: int) -> list[Array]:
+    def _call(self, part: int, segment: _Segment, inputs: list[Array], batch: int, joint: bool = False
+              ) -> list[Array]:
         """Segment `part` (0 first, 1 mid, 2 last) on `inputs` (the hidden states h last), its block
         layers' rows dequantized here first, in h's dtype (the kernels allowed: this is outside the
         trace)."""
@@ -175,20 +214,26 @@ class PrefillRunner:
             with kernels_again():
                 dense = [layer.dense_chunks(inputs[-1].dtype) for layer in segment.blocks]
         chunks = tuple(len(d) for d in dense)
-        fn = self._fns.get(batch, (segment.places, chunks))[part]
-        spec = PrefillSpec(segment.group, segment.modules, segment.places, chunks)
+        fn = self._fns.get(batch, (segment.places, chunks, joint))[part]
+        spec = PrefillSpec(segment.group, segment.modules, segment.places, chunks, joint)
         return call_traced(fn, spec, [*inputs, *(c for d in dense for c in d)], segment.group.fixed)
 
     def _run(self, tokens: Array, cache: Sequence[Any], on_layer: Callable[[Array, Any], None] | None) -> Array:
         blocks, batch = self._blocks, tokens.shape[0]
         embed: Any = self._plan.first.modules[0]
         h: Array = embed(tokens)  # the embedding (a quantized table's gather fixes its shape)
-        q, k, v = self._call(0, self._first, [h], batch)
+        heads = self._call(0, self._first, [h], batch, self._joint[0])
         length = tokens.shape[1]
         for i, block in enumerate(blocks):
             attn, c = block.self_attn, cache[i]
             offset = c.offset
-            q, k = attn.rope(q, offset), attn.rope(k, offset)
+            if self._joint[i]:  # one RoPE call over the q and k heads side by side
+                qk, v = _heads_of(attn, heads)
+                qk = attn.rope(qk, offset)
+                q, k = qk[:, :attn.n_heads], qk[:, attn.n_heads:]
+            else:
+                q, k, v = heads
+                q, k = attn.rope(q, offset), attn.rope(k, offset)
             keys, values = c.update_and_fetch(k, v)
             mask = make_prompt_mask(length, c, None)
             final = i + 1 == len(blocks)
@@ -198,7 +243,7 @@ class PrefillRunner:
             if final:
                 (h,) = self._call(2, self._last, [out, h], batch)
             else:
-                q, k, v, h = self._call(1, self._mids[i], [out, h], batch)
+                *heads, h = self._call(1, self._mids[i], [out, h], batch, self._joint[i + 1])
             if on_layer is not None:
                 on_layer(h, c)
         return h

@@ -319,6 +319,11 @@ class FusedProjection(Module):
         self.pair_silu = False
 
     @property
+    def sizes(self) -> tuple[int, ...]:
+        """The fused linears' output sizes, in order (not the tail's)."""
+        return self._sizes
+
+    @property
     def tail(self) -> Any:
         """The linear applied apart (a model's layer: any Module with `__call__`), or None."""
         return self._tail
@@ -334,7 +339,11 @@ class FusedProjection(Module):
         if self._wT is not None:
             if self._bias is None and self._weight is not None:  # as the linears compute it (`nn.Linear`)
                 return dense_matmul(x, self._weight, self._cuda_matvec, self._wT)
-            return mx.matmul(x, self._wT) if self._bias is None else mx.addmm(self._bias, x, self._wT, 1.0, 1.0)
+            if self._bias is None:
+                return mx.matmul(x, self._wT)
+            if nn.in_shapeless_trace():  # as `nn.Linear`: addmm would fix the row count
+                return mx.matmul(x, self._wT) + self._bias
+            return mx.addmm(self._bias, x, self._wT, 1.0, 1.0)
         weight, scales, biases = self._weight, self._scales, self._biases
         assert weight is not None and scales is not None and biases is not None  # given where weight_t is not
         y = quantized_matmul(x, weight, scales, biases, self._group_size, self._bits, self._cuda_matvec)

@@ -343,15 +343,21 @@ def test_the_memory_estimate_of_block_projections_counts_the_compute_dtype(
         assert all(c.keys.dtype == mx.float16 for c in cache)
 
 
+@pytest.mark.parametrize("joint", [False, True])
 def test_block_layers_prefill_through_the_compiled_segments(
         files: Callable[..., tuple[Path, Path]], caplog: pytest.LogCaptureFixture,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, joint: bool) -> None:
     """A Q4_K_M-like file (Q6_K and Q3_K value and down projections, a Q6_K embedding): the compiled
     prefill takes the block layers, their rows dequantized outside the trace for each segment call
     that runs them, and fills the caches as the model's forward does over chunks of changing
     lengths (the first segment has no block layer, the middle one two, the last one); a generation
-    through it gives the uncompiled loop's tokens, and no trace fails."""
+    through it gives the uncompiled loop's tokens, and no trace fails. With `joint`
+    (PYMLXC_PREFILL_JOINT_QKV) the layer whose value projection is Q6_K takes its q and k as one
+    product and v as the fusion's tail."""
+    import dataclasses
+
     from pymlxc.backends.metal.decode.decoder import CompiledDecoder
+    from pymlxc.settings import current
 
     extra = {"blk.0.ffn_down.weight": Q.Q6_K, "blk.1.attn_v.weight": Q.Q6_K, "blk.1.ffn_down.weight": Q.Q3_K,
              "token_embd.weight": Q.Q6_K}
@@ -363,10 +369,11 @@ def test_block_layers_prefill_through_the_compiled_segments(
     with load_weights_and_config(path) as loaded:
         model = loaded.model
         assert len(model.layers) == 2
-        decoder = CompiledDecoder(model, "segmented")
+        decoder = CompiledDecoder(model, "segmented", settings=dataclasses.replace(current(), prefill_joint_qkv=joint))
         try:
             runner = decoder.prefill_runner(False)
             assert runner is not None
+            assert runner._joint == [joint, joint]  # noqa: SLF001
             tokens = mx.array([[int(i) for i in np.random.default_rng(1).integers(16, 500, size=61)]], dtype=mx.int32)
             ours, theirs = model.make_cache(None), model.make_cache(None)
             for start, stop in ((0, 25), (25, 40), (40, 41), (41, 61)):

@@ -49,10 +49,10 @@ def filled(cache: list[Any]) -> list[np.ndarray]:
     return [np.asarray(a[:, :, :c.offset].astype(mx.float32)) for c in cache for a in (c.keys, c.values)]
 
 
-@pytest.mark.parametrize("joint", ["1", "0"])
+@pytest.mark.parametrize("joint", [True, False])
 @pytest.mark.parametrize("bits", [None, 4])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
-def test_caches_equal_the_model_forward(models, arch: str, bits: int | None, joint: str) -> None:
+def test_caches_equal_the_model_forward(models, arch: str, bits: int | None, joint: bool) -> None:
     """With each layer's q/k/v as its fused product and one RoPE call for q and k
     (`PYMLXC_PREFILL_JOINT_QKV`; not Qwen 3, whose q and k norms the model applies per head), and
     without."""
@@ -60,7 +60,7 @@ def test_caches_equal_the_model_forward(models, arch: str, bits: int | None, joi
     decoder = CompiledDecoder(model, "segmented", settings=dataclasses.replace(current(), prefill_joint_qkv=joint))
     runner = decoder.prefill_runner(True)
     assert runner is not None
-    assert runner._joint == [joint == "1" and arch != "qwen3"] * 3  # noqa: SLF001
+    assert runner._joint == [joint and arch != "qwen3"] * 3  # noqa: SLF001
     tokens = mx.array([ids(61)], dtype=mx.int32)
     ours, theirs = model.make_cache(None), model.make_cache(None)
     layers_seen = []

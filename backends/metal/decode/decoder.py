@@ -50,7 +50,6 @@ from pymlxc.settings import Settings
 from pymlxc.settings import current as current_settings
 
 from ..cache import KVCache
-from ..kernels.check import on_cuda
 from ..nn import Module, arrays_of
 from ..recurrent_cache import StepRecurrentCache
 from ..sample import (
@@ -408,9 +407,8 @@ class CompiledDecoder:
         if key in self._failed:
             return None
         fns = self._function(key, prefill.PrefillFunctions)
-        joint = self.prefill_joint_qkv == "1" or (self.prefill_joint_qkv == "auto" and not on_cuda())
         return prefill.PrefillRunner(seg_plan, list(model.layers), fns, on_fail=lambda exc: self._mark_failed(key, exc),
-                                     joint=joint)
+                                     joint=self.prefill_joint_qkv)
 
     def reserve(self, cache: Sequence[Any], prompt_len: int, max_tokens: int) -> None:
         """Call before prefill: size the empty caches' first allocation as the decode's first buffers."""

@@ -294,7 +294,9 @@ def _chunk_forward(model: LanguageModel, mask: Callable[[int, int], mx.Array | N
 
     def forward(chunk: mx.Array, cache: Sequence[Any], offset: int, on_layer: Callable[..., None] | None,
                 logits: bool = False) -> mx.Array | None:
-        if use[0] is not None and not (first_op_by_op and chunk.shape[0] * chunk.shape[1] >= first_op_by_op):
+        takes = getattr(use[0], "takes", None)  # a runner may leave some chunks op by op (`PrefillRunner.takes`)
+        if (use[0] is not None and not (first_op_by_op and chunk.shape[0] * chunk.shape[1] >= first_op_by_op)
+                and (takes is None or takes(chunk))):
             try:
                 h = use[0](chunk, cache, on_layer)
                 return model.output(h)[:, -1, :] if logits else None

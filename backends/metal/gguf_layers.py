@@ -91,6 +91,13 @@ class BlockLinear(nn.Module):
         b = self.__dict__.get("bias")
         return y if b is None else y + b
 
+    def kernel_rows(self, dtype: Any) -> int:
+        """Most rows of x in `dtype` whose product the matvec kernel computes from the blocks (no
+        dequantized copy): gguf_blocks.MAX_X_ROWS where that kernel passed its check, else 0."""
+        if not kernel_choice.kernels_allowed() or gguf_blocks.ready(self.qtype, dtype) is None:
+            return 0
+        return gguf_blocks.MAX_X_ROWS
+
     def dense_chunks(self, dtype: Any) -> list[Array]:
         """The weight's rows dequantized in `dtype`, in the chunks that `block_matmul`'s many-row
         product takes them (CHUNK_WEIGHTS weights each). The compiled prefill makes them outside its

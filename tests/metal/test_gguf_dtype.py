@@ -399,6 +399,40 @@ def test_block_layers_prefill_through_the_compiled_segments(
             decoder.close()
 
 
+def test_chunks_the_block_kernels_take_stay_op_by_op(
+        files: Callable[..., tuple[Path, Path]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the block layers' matvec kernel takes a chunk's rows (a few: on a GPU), the chunk runs op
+    by op, the kernel reading the blocks, rather than through the compiled prefill, which would
+    dequantize their rows whole for it; longer chunks still take the compiled prefill. (The
+    kernel's reach stood in for: the CPU has none.)"""
+    from pymlxc.backends.metal.decode import prefill
+    from pymlxc.backends.metal.decode.decoder import CompiledDecoder
+
+    path, _ = files("llama", Q.Q4_K, {"blk.0.ffn_down.weight": Q.Q6_K, "token_embd.weight": Q.Q6_K})
+    monkeypatch.setattr(BlockLinear, "kernel_rows", lambda self, dtype: 8)
+    seen: list[tuple[int, ...]] = []
+    real = prefill.PrefillRunner.__call__
+    monkeypatch.setattr(prefill.PrefillRunner, "__call__",
+                        lambda self, tokens, *a, **k: seen.append(tuple(tokens.shape)) or real(self, tokens, *a, **k))
+    with load_weights_and_config(path) as loaded:
+        model = loaded.model
+        decoder = CompiledDecoder(model, "segmented")
+        try:
+            runner = decoder.prefill_runner(False)
+            assert runner is not None
+            ids = mx.array([list(range(20, 29))], dtype=mx.int32)
+            assert not runner.takes(ids[:, :8]) and runner.takes(ids)
+            for prompt in (list(range(20, 25)), list(range(20, 40))):
+                want = list(loops.generate_ids(model, prompt, cache=model.make_cache(None), sampler=greedy,
+                                               max_tokens=4))
+                got = list(loops.generate_ids(model, prompt, cache=model.make_cache(None), sampler=greedy,
+                                              max_tokens=4, decoder=decoder))
+                assert got == want
+            assert seen == [(1, 20)]  # the 5-token prompt went op by op
+        finally:
+            decoder.close()
+
+
 def test_blocks_only_in_the_embedding_keep_the_compiled_prefill(files: Callable[..., tuple[Path, Path]]) -> None:
     """llama.cpp's Q4_0 recipe keeps only the tied embedding / head in Q6_K: both run outside the
     compiled prefill's trace, so the layers still prefill through it, with the plain loop's tokens."""

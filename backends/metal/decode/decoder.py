@@ -408,7 +408,7 @@ class CompiledDecoder:
             return None
         fns = self._function(key, prefill.PrefillFunctions)
         return prefill.PrefillRunner(seg_plan, list(model.layers), fns, on_fail=lambda exc: self._mark_failed(key, exc),
-                                     joint=self.prefill_joint_qkv)
+                                     joint=self.prefill_joint_qkv, dtype=getattr(model, "compute_dtype", None))
 
     def reserve(self, cache: Sequence[Any], prompt_len: int, max_tokens: int) -> None:
         """Call before prefill: size the empty caches' first allocation as the decode's first buffers."""

@@ -177,7 +177,7 @@ class PrefillRunner:
     back as they were, `on_fail` is told and CompileUnavailable is raised."""
 
     def __init__(self, plan: SegmentPlan, blocks: Sequence[Any], fns: PrefillFunctions,
-                 on_fail: Callable[[BaseException], None], joint: bool = False) -> None:
+                 on_fail: Callable[[BaseException], None], joint: bool = False, dtype: Any = None) -> None:
         self._plan = plan
         self._blocks = list(blocks)
         self._fns = fns
@@ -188,6 +188,15 @@ class PrefillRunner:
         self._last = _Segment(plan.last, 1, True)
         # Per layer: whether its q/k/v come as the fused product (`joint_qkv`), with `joint`.
         self._joint = [joint and joint_qkv(g.modules[-2], g.modules[-1]) for g in (plan.first, *plan.mids)]
+        blocks_here = [layer for seg in (self._first, *self._mids, self._last) for layer in seg.blocks]
+        # Chunks this short leave the block layers to their matvec kernel, op by op (`takes`).
+        self._op_by_op_rows = max((layer.kernel_rows(dtype) for layer in blocks_here), default=0) if dtype else 0
+
+    def takes(self, chunk: Array) -> bool:
+        """Whether a chunk of token ids [B, L] runs here: not where its B x L rows are few enough for
+        the block layers' matvec kernel, which reads the blocks (here their rows would be
+        dequantized whole for every chunk)."""
+        return chunk.shape[0] * chunk.shape[1] > self._op_by_op_rows
 
     def __call__(self, tokens: Array, cache: Sequence[Any], on_layer: Callable[[Array, Any], None] | None = None
                  ) -> Array:

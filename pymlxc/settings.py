@@ -104,12 +104,6 @@ class Settings:
         "decode can take the kernel's residual, normalized, RoPE and gate/up forms (adds, norms, RoPE and SiLU "
         "products inside the products: fewer kernels a step) as for 4-bit models (on an H100 Llama-3.2-1B "
         "bfloat16 decoded at 806 against 523 tok/s, Llama-3.1-8B at 174 against 164). `auto`: on CUDA.")
-    prefill_joint_qkv: bool = field(default=False, metadata=_doc("bool", (
-        "Compiled prefill (segmented decode with fused projections): each layer's q/k/v as its fused product, "
-        "split into heads after the compiled segment, and one RoPE call over the q and k heads side by side: "
-        "three kernels fewer per layer, for a host-bound prefill (a 1B model's short prompts on a GPU). Off "
-        "until measured on a GPU; on this project's 2-core CPU, where the prefill is bound by the matmuls, "
-        "the joint product was faster at 32 tokens and slower at 128 (`docs/performance.md`).")))
     dense_prefill: str = _switch(
         "Quantized products of 512 or more rows of x (prefill chunks) as the weights dequantized in chunks "
         "of rows and dense matmuls (`nn._dense_product`), chosen at load; such chunks skip the compiled "

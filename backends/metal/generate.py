@@ -33,6 +33,7 @@ from .step_queue import StepQueue
 if TYPE_CHECKING:
     from .cache import Cache
     from .decode.decoder import CompiledDecoder
+    from .decode.prefill import PrefillRunner
 
 # Prompt tokens per forward pass. 2048 as mlx-lm: on a GPU, 512-token chunks measured 0.4-0.6x of
 # mlx-lm's prefill for 2048-token prompts (H100, MLX 0.32.4) from smaller matmuls and more launches;
@@ -180,7 +181,7 @@ def check_prompt_ids(ids: Sequence[int], vocab: int) -> None:
 
 def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, step: int = PREFILL_STEP,
             mask: Callable[[int, int], mx.Array | None] | None = None, guard: Guard = NO_GUARD,
-            start: int = 0, queue: StepQueue | None = None, runner: Callable[..., mx.Array] | None = None,
+            start: int = 0, queue: StepQueue | None = None, runner: PrefillRunner | None = None,
             finish: Callable[[mx.Array], mx.Array] | None = None, new_tokens: int | None = 0) -> mx.Array | None:
     """Run `tokens` [B, L] through the model into `cache`, `step` positions at a time.
 
@@ -277,8 +278,9 @@ def check_memory(model: LanguageModel, cache: Sequence[Any], batch: int, prompt_
 
 
 def _chunk_forward(model: LanguageModel, mask: Callable[[int, int], mx.Array | None] | None,
-                   runner: Callable[..., mx.Array] | None) -> Callable[..., mx.Array | None]:
-    """`forward(chunk, cache, offset, on_layer, logits)`: the runner where it applies (it is dropped
+                   runner: PrefillRunner | None) -> Callable[..., mx.Array | None]:
+    """`forward(chunk, cache, offset, on_layer, logits)`: the runner where it takes the chunk
+    (`PrefillRunner.takes`) and applies (it is dropped
     for the rest of the prompt if it cannot trace), else the model's forward (which reports its
     layers to the `layer_listener`). With `logits`, returns the chunk's last position's logits
     [B, V]. Either way the last layer's queries, attention output and MLP and the head run on the
@@ -286,17 +288,10 @@ def _chunk_forward(model: LanguageModel, mask: Callable[[int, int], mx.Array | N
     from .decode.decoder import CompileUnavailable  # noqa: PLC0415
 
     use = [runner if mask is None else None]
-    # A chunk of this many rows or more goes op by op where the model's quantized layers take it as
-    # dense products (nn.mark_dense_products) or, in large blocks, through the tensor-core kernel
-    # (nn.mark_qmm_products): the runner's shapeless trace can hold neither.
-    op_by_op_rows = [r for r in (getattr(model, "dense_rows", 0), getattr(model, "qmm_rows", 0)) if r]
-    first_op_by_op = min(op_by_op_rows) if op_by_op_rows else 0
 
     def forward(chunk: mx.Array, cache: Sequence[Any], offset: int, on_layer: Callable[..., None] | None,
                 logits: bool = False) -> mx.Array | None:
-        takes = getattr(use[0], "takes", None)  # a runner may leave some chunks op by op (`PrefillRunner.takes`)
-        if (use[0] is not None and not (first_op_by_op and chunk.shape[0] * chunk.shape[1] >= first_op_by_op)
-                and (takes is None or takes(chunk))):
+        if use[0] is not None and use[0].takes(chunk):
             try:
                 h = use[0](chunk, cache, on_layer)
                 return model.output(h)[:, -1, :] if logits else None

@@ -98,13 +98,16 @@ class BlockLinear(nn.Module):
             return 0
         return gguf_blocks.MAX_X_ROWS
 
+    def row_chunks(self) -> list[tuple[int, int]]:
+        """The (start, stop) row ranges `block_matmul`'s many-row product dequantizes at a time."""
+        return nn.row_chunks(self.output_dims, self.input_dims, CHUNK_WEIGHTS)
+
     def dense_chunks(self, dtype: Any) -> list[Array]:
-        """The weight's rows dequantized in `dtype`, in the chunks that `block_matmul`'s many-row
-        product takes them (CHUNK_WEIGHTS weights each). The compiled prefill makes them outside its
-        shapeless trace, which cannot re-shape a dequantization, and hands them to the trace's copy
-        of this layer as `dense_rows`: the same products as op by op."""
+        """The weight's rows dequantized in `dtype`, in `row_chunks`. The compiled prefill makes them
+        outside its shapeless trace, which cannot re-shape a dequantization, and hands them to the
+        trace's copy of this layer as `dense_rows`: the same products as op by op."""
         rows = _rows_of(self.weight, self.qtype, self.planes, dtype)
-        return [rows(r, stop) for r, stop in nn.row_chunks(self.output_dims, self.input_dims, CHUNK_WEIGHTS)]
+        return [rows(r, stop) for r, stop in self.row_chunks()]
 
 
 class BlockEmbedding(nn.Module):

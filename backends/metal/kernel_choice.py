@@ -102,14 +102,6 @@ def mlx_kernels_only() -> Iterator[None]:
         yield
 
 
-@contextmanager
-def kernels_again() -> Iterator[None]:
-    """Within (on this thread), inside `mlx_kernels_only()`: pymlxc's kernels allowed again, for
-    work built outside a trace (the compiled prefill's dequantized block rows)."""
-    with _mlx_only.set(False):
-        yield
-
-
 def quantized_matmul(x: Array, weight: Array, scales: Array, biases: Array, group_size: int, bits: int,
                      cuda_matvec: bool = False) -> Array:
     """`x @ dequantize(weight).T`; through pymlxc's kernel when `cuda_matvec` and it applies."""

@@ -260,14 +260,19 @@ class Linear(Module):
         self._cuda_matvec = bool(on)
 
     def __call__(self, x: Array) -> Array:
-        b: Array | None = self.__dict__.get("bias")
-        if b is None:
-            if self._cuda_matvec:
-                return dense_matmul(x, self.weight, True, self._wT)
-            return _matmul(x, self._wT)
-        if in_shapeless_trace():
-            return _matmul(x, self._wT) + b  # see `shapeless_trace`
-        return _addmm(b, x, self._wT, 1.0, 1.0)
+        return linear_product(x, self.weight, self._wT, self.__dict__.get("bias"), self._cuda_matvec)
+
+
+def linear_product(x: Array, weight: Array, weight_t: Array, bias: Array | None, cuda_matvec: bool) -> Array:
+    """`x @ weight.T (+ bias)` as a dense Linear computes it (and a fused projection of Linears):
+    without a bias, pymlxc's dense kernel where `cuda_matvec` and it takes x, else MLX's matmul of
+    the kept transpose `weight_t`; with one, MLX's fused `addmm`, or the add after the matmul
+    inside `shapeless_trace()`."""
+    if bias is None:
+        return dense_matmul(x, weight, True, weight_t) if cuda_matvec else _matmul(x, weight_t)
+    if _shapeless.get():
+        return _matmul(x, weight_t) + bias  # see `shapeless_trace`
+    return _addmm(bias, x, weight_t, 1.0, 1.0)
 
 
 def _packed_dims(dims: int, bits: int) -> int:
@@ -630,11 +635,6 @@ class Cloner:
 
 
 _shapeless = ThreadSetting(False)
-
-
-def in_shapeless_trace() -> bool:
-    """Whether this thread is inside `shapeless_trace()`."""
-    return _shapeless.get()
 
 
 @contextlib.contextmanager

@@ -110,30 +110,3 @@ def test_many_rows_go_dense_in_chunks_with_the_quantized_product(monkeypatch, bi
     with kernel_choice.mlx_kernels_only():
         layer(x)
     assert len(calls) == 3
-
-
-def test_a_prefill_chunk_of_dense_rows_skips_the_compiled_runner() -> None:
-    """Where the model's layers go dense from `dense_rows` rows (which a shapeless trace cannot
-    hold), such a chunk runs the model's forward; a smaller one the runner."""
-    from pymlxc.backends.metal import generate as loops
-
-    seen: list[str] = []
-
-    class Model:
-        dense_rows = 4
-
-        def __call__(self, chunk, cache=None, mask=None, last_only=False):
-            seen.append(f"forward {chunk.shape[0] * chunk.shape[1]}")
-            return mx.zeros((chunk.shape[0], 1, 8))
-
-        def output(self, h):
-            return h
-
-    def runner(chunk, cache, on_layer):
-        seen.append(f"runner {chunk.shape[0] * chunk.shape[1]}")
-        return mx.zeros((chunk.shape[0], 1, 8))
-
-    forward = loops._chunk_forward(Model(), None, runner)
-    forward(mx.zeros((1, 3), mx.int32), [], 0, None, True)
-    forward(mx.zeros((2, 2), mx.int32), [], 0, None, True)
-    assert seen == ["runner 3", "forward 4"]

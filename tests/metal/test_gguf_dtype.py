@@ -18,8 +18,9 @@ check the compute dtype, and the 4-bit matvec kernel takes the repacked Q4_0/Q4_
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -343,22 +344,34 @@ def test_the_memory_estimate_of_block_projections_counts_the_compute_dtype(
         assert all(c.keys.dtype == mx.float16 for c in cache)
 
 
-@pytest.mark.parametrize("joint", [False, True])
+@contextlib.contextmanager
+def _prefill_runner(path: Path) -> Iterator[tuple[Any, Any, Any]]:
+    """(model, its segmented decoder, the decoder's compiled prefill runner) of a GGUF file, freed after."""
+    from pymlxc.backends.metal.decode.decoder import CompiledDecoder
+
+    with load_weights_and_config(path) as loaded:
+        decoder = CompiledDecoder(loaded.model, "segmented")
+        try:
+            runner = decoder.prefill_runner(False)
+            assert runner is not None
+            yield loaded.model, decoder, runner
+        finally:
+            decoder.close()
+
+
+def _greedy(model: Any, prompt: list[int], decoder: Any = None, tokens: int = 6) -> list[int]:
+    return list(loops.generate_ids(model, prompt, cache=model.make_cache(None), sampler=greedy, max_tokens=tokens,
+                                   decoder=decoder))
+
+
 def test_block_layers_prefill_through_the_compiled_segments(
         files: Callable[..., tuple[Path, Path]], caplog: pytest.LogCaptureFixture,
-        monkeypatch: pytest.MonkeyPatch, joint: bool) -> None:
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A Q4_K_M-like file (Q6_K and Q3_K value and down projections, a Q6_K embedding): the compiled
     prefill takes the block layers, their rows dequantized outside the trace for each segment call
     that runs them, and fills the caches as the model's forward does over chunks of changing
     lengths (the first segment has no block layer, the middle one two, the last one); a generation
-    through it gives the uncompiled loop's tokens, and no trace fails. With `joint`
-    (PYMLXC_PREFILL_JOINT_QKV) the layer whose value projection is Q6_K takes its q and k as one
-    product and v as the fusion's tail."""
-    import dataclasses
-
-    from pymlxc.backends.metal.decode.decoder import CompiledDecoder
-    from pymlxc.settings import current
-
+    through it gives the uncompiled loop's tokens, and no trace fails."""
     extra = {"blk.0.ffn_down.weight": Q.Q6_K, "blk.1.attn_v.weight": Q.Q6_K, "blk.1.ffn_down.weight": Q.Q3_K,
              "token_embd.weight": Q.Q6_K}
     path, _ = files("llama", Q.Q4_K, extra)
@@ -366,37 +379,26 @@ def test_block_layers_prefill_through_the_compiled_segments(
     real = BlockLinear.dense_chunks
     monkeypatch.setattr(BlockLinear, "dense_chunks",
                         lambda self, dtype: dequantized.append((self.qtype, dtype)) or real(self, dtype))
-    with load_weights_and_config(path) as loaded:
-        model = loaded.model
+    with _prefill_runner(path) as (model, decoder, runner):
         assert len(model.layers) == 2
-        decoder = CompiledDecoder(model, "segmented", settings=dataclasses.replace(current(), prefill_joint_qkv=joint))
-        try:
-            runner = decoder.prefill_runner(False)
-            assert runner is not None
-            assert runner._joint == [joint, joint]  # noqa: SLF001
-            tokens = mx.array([[int(i) for i in np.random.default_rng(1).integers(16, 500, size=61)]], dtype=mx.int32)
-            ours, theirs = model.make_cache(None), model.make_cache(None)
-            for start, stop in ((0, 25), (25, 40), (40, 41), (41, 61)):
-                runner(tokens[:, start:stop], ours)
-                model(tokens[:, start:stop], cache=theirs)
-            for a, b in zip(ours, theirs, strict=True):
-                assert a.offset == b.offset == 61
-                for x, y in ((a.keys, b.keys), (a.values, b.values)):
-                    np.testing.assert_array_equal(np.asarray(x[:, :, :61].astype(mx.float32)),
-                                                  np.asarray(y[:, :, :61].astype(mx.float32)))
-            # Per chunk: the middle segment's two block layers, the last segment's one.
-            assert dequantized == [(Q.Q6_K, model.compute_dtype), (Q.Q6_K, model.compute_dtype),
-                                   (Q.Q3_K, model.compute_dtype)] * 4
-            with caplog.at_level("WARNING"):
-                compiled = list(loops.generate_ids(model, list(IDS[0]), cache=model.make_cache(None), sampler=greedy,
-                                                   max_tokens=6, decoder=decoder))
-            assert not [r for r in caplog.records if "not available" in r.getMessage()]
-            assert decoder.stats["compiled"] == 1
-            plain = list(loops.generate_ids(model, list(IDS[0]), cache=model.make_cache(None), sampler=greedy,
-                                            max_tokens=6))
-            assert compiled == plain
-        finally:
-            decoder.close()
+        tokens = mx.array([[int(i) for i in np.random.default_rng(1).integers(16, 500, size=61)]], dtype=mx.int32)
+        ours, theirs = model.make_cache(None), model.make_cache(None)
+        for start, stop in ((0, 25), (25, 40), (40, 41), (41, 61)):
+            runner(tokens[:, start:stop], ours)
+            model(tokens[:, start:stop], cache=theirs)
+        for a, b in zip(ours, theirs, strict=True):
+            assert a.offset == b.offset == 61
+            for x, y in ((a.keys, b.keys), (a.values, b.values)):
+                np.testing.assert_array_equal(np.asarray(x[:, :, :61].astype(mx.float32)),
+                                              np.asarray(y[:, :, :61].astype(mx.float32)))
+        # Per chunk: the middle segment's two block layers, the last segment's one.
+        assert dequantized == [(Q.Q6_K, model.compute_dtype), (Q.Q6_K, model.compute_dtype),
+                               (Q.Q3_K, model.compute_dtype)] * 4
+        with caplog.at_level("WARNING"):
+            compiled = _greedy(model, list(IDS[0]), decoder)
+        assert not [r for r in caplog.records if "not available" in r.getMessage()]
+        assert decoder.stats["compiled"] == 1
+        assert compiled == _greedy(model, list(IDS[0]))
 
 
 def test_chunks_the_block_kernels_take_stay_op_by_op(
@@ -406,7 +408,6 @@ def test_chunks_the_block_kernels_take_stay_op_by_op(
     dequantize their rows whole for it; longer chunks still take the compiled prefill. (The
     kernel's reach stood in for: the CPU has none.)"""
     from pymlxc.backends.metal.decode import prefill
-    from pymlxc.backends.metal.decode.decoder import CompiledDecoder
 
     path, _ = files("llama", Q.Q4_K, {"blk.0.ffn_down.weight": Q.Q6_K, "token_embd.weight": Q.Q6_K})
     monkeypatch.setattr(BlockLinear, "kernel_rows", lambda self, dtype: 8)
@@ -414,47 +415,22 @@ def test_chunks_the_block_kernels_take_stay_op_by_op(
     real = prefill.PrefillRunner.__call__
     monkeypatch.setattr(prefill.PrefillRunner, "__call__",
                         lambda self, tokens, *a, **k: seen.append(tuple(tokens.shape)) or real(self, tokens, *a, **k))
-    with load_weights_and_config(path) as loaded:
-        model = loaded.model
-        decoder = CompiledDecoder(model, "segmented")
-        try:
-            runner = decoder.prefill_runner(False)
-            assert runner is not None
-            ids = mx.array([list(range(20, 29))], dtype=mx.int32)
-            assert not runner.takes(ids[:, :8]) and runner.takes(ids)
-            for prompt in (list(range(20, 25)), list(range(20, 40))):
-                want = list(loops.generate_ids(model, prompt, cache=model.make_cache(None), sampler=greedy,
-                                               max_tokens=4))
-                got = list(loops.generate_ids(model, prompt, cache=model.make_cache(None), sampler=greedy,
-                                              max_tokens=4, decoder=decoder))
-                assert got == want
-            assert seen == [(1, 20)]  # the 5-token prompt went op by op
-        finally:
-            decoder.close()
+    with _prefill_runner(path) as (model, decoder, runner):
+        ids = mx.array([list(range(20, 29))], dtype=mx.int32)
+        assert not runner.takes(ids[:, :8]) and runner.takes(ids)
+        for prompt in (list(range(20, 25)), list(range(20, 40))):
+            assert _greedy(model, prompt, decoder, 4) == _greedy(model, prompt, None, 4)
+        assert seen == [(1, 20)]  # the 5-token prompt went op by op
 
 
 def test_blocks_only_in_the_embedding_keep_the_compiled_prefill(files: Callable[..., tuple[Path, Path]]) -> None:
     """llama.cpp's Q4_0 recipe keeps only the tied embedding / head in Q6_K: both run outside the
     compiled prefill's trace, so the layers still prefill through it, with the plain loop's tokens."""
-    from pymlxc.backends.metal.decode.decoder import CompiledDecoder
-
     path, _ = files("llama", Q.Q4_0, {"token_embd.weight": Q.Q6_K})
-    with load_weights_and_config(path) as loaded:
-        model = loaded.model
-        decoder = CompiledDecoder(model, "segmented")
-        try:
-            runner = decoder.prefill_runner(False)
-            assert runner is not None
-            cache = model.make_cache(None)
-            prompt = list(IDS[0])
-            h = runner(mx.array([prompt]), cache)
-            plain_cache = model.make_cache(None)
-            want = model(mx.array([prompt]), cache=plain_cache)[:, -1]
-            np.testing.assert_allclose(np.asarray(model.output(h)[:, -1].astype(mx.float32)),
-                                       np.asarray(want.astype(mx.float32)), rtol=2e-2, atol=2e-2)
-            compiled = list(loops.generate_ids(model, prompt, cache=model.make_cache(None), sampler=greedy,
-                                               max_tokens=6, decoder=decoder))
-            plain = list(loops.generate_ids(model, prompt, cache=model.make_cache(None), sampler=greedy, max_tokens=6))
-            assert compiled == plain
-        finally:
-            decoder.close()
+    with _prefill_runner(path) as (model, decoder, runner):
+        prompt = list(IDS[0])
+        h = runner(mx.array([prompt]), model.make_cache(None))
+        want = model(mx.array([prompt]), cache=model.make_cache(None))[:, -1]
+        np.testing.assert_allclose(np.asarray(model.output(h)[:, -1].astype(mx.float32)),
+                                   np.asarray(want.astype(mx.float32)), rtol=2e-2, atol=2e-2)
+        assert _greedy(model, prompt, decoder) == _greedy(model, prompt)

@@ -7,7 +7,6 @@ caches as they were and the prefill goes on with the model's forward.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import numpy as np
@@ -19,7 +18,6 @@ from pymlxc.backends.metal.decode import prefill
 from pymlxc.backends.metal.decode.decoder import CompiledDecoder
 from pymlxc.backends.metal.loader import LoadedModel, load_weights_and_config
 from pymlxc.backends.metal.sample import greedy
-from pymlxc.settings import current
 from pymlxc.testing import write_tiny_model
 
 _loaded: dict[Any, LoadedModel] = {}
@@ -49,18 +47,13 @@ def filled(cache: list[Any]) -> list[np.ndarray]:
     return [np.asarray(a[:, :, :c.offset].astype(mx.float32)) for c in cache for a in (c.keys, c.values)]
 
 
-@pytest.mark.parametrize("joint", [True, False])
 @pytest.mark.parametrize("bits", [None, 4])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
-def test_caches_equal_the_model_forward(models, arch: str, bits: int | None, joint: bool) -> None:
-    """With each layer's q/k/v as its fused product and one RoPE call for q and k
-    (`PYMLXC_PREFILL_JOINT_QKV`; not Qwen 3, whose q and k norms the model applies per head), and
-    without."""
+def test_caches_equal_the_model_forward(models, arch: str, bits: int | None) -> None:
     model = models(arch, bits).model
-    decoder = CompiledDecoder(model, "segmented", settings=dataclasses.replace(current(), prefill_joint_qkv=joint))
+    decoder = CompiledDecoder(model, "segmented")
     runner = decoder.prefill_runner(True)
     assert runner is not None
-    assert runner._joint == [joint and arch != "qwen3"] * 3  # noqa: SLF001
     tokens = mx.array([ids(61)], dtype=mx.int32)
     ours, theirs = model.make_cache(None), model.make_cache(None)
     layers_seen = []
@@ -111,3 +104,29 @@ def test_a_segment_that_cannot_trace_hands_back_to_the_model(models, monkeypatch
 def test_only_for_the_segmented_decode(models) -> None:
     assert CompiledDecoder(models("llama").model, "graph").prefill_runner(True) is None
     assert CompiledDecoder(models("gemma3_text").model, "segmented").prefill_runner(True) is None
+
+
+def test_chunks_from_the_models_dense_rows_skip_the_runner(models, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the model's layers go dense from `dense_rows` rows (which a shapeless trace cannot
+    hold), a chunk of that many rows (batch times length) runs the model's forward; a smaller one
+    the runner. The smaller of `dense_rows` and `qmm_rows` counts."""
+    model = models("llama").model
+    monkeypatch.setattr(model, "dense_rows", 4, raising=False)
+    monkeypatch.setattr(model, "qmm_rows", 0, raising=False)
+    decoder = CompiledDecoder(model, "segmented")
+    runner = decoder.prefill_runner(True)
+    assert runner is not None
+    assert runner.takes(mx.zeros((1, 3), mx.int32)) and not runner.takes(mx.zeros((2, 2), mx.int32))
+    seen: list[int] = []
+    real = prefill.PrefillRunner.__call__
+    monkeypatch.setattr(prefill.PrefillRunner, "__call__",
+                        lambda self, chunk, *a: seen.append(chunk.shape[1]) or real(self, chunk, *a))
+    forward = loops._chunk_forward(model, None, runner)
+    cache = model.make_cache(None)
+    for n in (3, 4, 2):
+        forward(mx.array([ids(n, seed=n)], dtype=mx.int32), cache, 0, None)
+    assert seen == [3, 2] and cache[0].offset == 9
+    monkeypatch.setattr(model, "qmm_rows", 3, raising=False)
+    runner = decoder.prefill_runner(True)
+    assert runner is not None and not runner.takes(mx.zeros((1, 3), mx.int32))
+    decoder.close()

@@ -104,25 +104,30 @@ def test_large_blocks_take_prompt_chunks_off_the_compiled_prefill(tmp_path: Any,
         assert not nn.mark_qmm_products(model, False, dtype) and model.qmm_rows == 0
 
 
-def test_chunks_from_the_models_qmm_rows_skip_the_compiled_prefill(tmp_path: Any) -> None:
+def test_chunks_from_the_models_qmm_rows_skip_the_compiled_prefill(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The prefill's chunk forward calls the compiled runner below the model's `qmm_rows` and runs
     the model op by op from there (where the kernel can take the products)."""
     from pymlxc.backends.metal import generate  # noqa: PLC0415
+    from pymlxc.backends.metal.decode import prefill  # noqa: PLC0415
+    from pymlxc.backends.metal.decode.decoder import CompiledDecoder  # noqa: PLC0415
 
     model = _tiny(tmp_path).model
     model.qmm_rows = nn.QMM_MIN_ROWS  # the layers stay unmarked: op by op runs MLX's product here
     runner_rows: list[int] = []
-
-    def runner(chunk: Any, cache: Any, on_layer: Any) -> Any:
-        runner_rows.append(chunk.shape[1])
-        return mx.zeros((chunk.shape[0], chunk.shape[1], 128), mx.float16)
-
+    real = prefill.PrefillRunner.__call__
+    monkeypatch.setattr(prefill.PrefillRunner, "__call__",
+                        lambda self, chunk, *a: runner_rows.append(chunk.shape[1]) or real(self, chunk, *a))
+    decoder = CompiledDecoder(model, "segmented")
+    runner = decoder.prefill_runner(False)
+    assert runner is not None
     forward = generate._chunk_forward(model, None, runner)
     cache = model.make_cache(None)
     for rows in (nn.QMM_MIN_ROWS - 1, nn.QMM_MIN_ROWS, 40):
         forward(mx.zeros((1, rows), mx.int32), cache, 0, None)
     assert runner_rows == [nn.QMM_MIN_ROWS - 1]
-    assert cache[0].offset == nn.QMM_MIN_ROWS + 40  # the op-by-op chunks wrote the cache
+    assert cache[0].offset == 2 * nn.QMM_MIN_ROWS - 1 + 40  # every chunk wrote the cache
+    decoder.close()
 
 
 def _linear(k: int, n: int) -> Any:

@@ -228,8 +228,6 @@ class CompiledDecoder:
         self.cuda_matvec_fusion = settings.cuda_matvec_fusion
         # Segmented mode on CUDA: RoPE and the key/value writes inside the normalized q/k/v product.
         self.cuda_rope_in_product = settings.cuda_rope_in_product
-        # Compiled prefill: each layer's q/k/v as its fused product, one RoPE call for q and k.
-        self.prefill_joint_qkv = settings.prefill_joint_qkv
         self._fusions: dict[int, Any] = {}
         self._plans: dict[tuple[Any, ...], Any] = {}  # segments.SegmentPlan per segmented key
         self._recent_plan: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None  # (signature and flags, key)
@@ -387,7 +385,7 @@ class CompiledDecoder:
                                          on_fail=lambda exc: self._mark_failed(seg_key, exc))
 
     def prefill_runner(self, fuse_greedy: bool, walk: tuple[list[Array], tuple[str, ...]] | None = None
-                       ) -> Callable[..., Array] | None:
+                       ) -> prefill.PrefillRunner | None:
         """`run(tokens, cache, on_layer)`: a prefill chunk through shapeless compiled segments (see
         prefill.py), on the plan the segmented decode that follows will use; None where the
         decode is not segmented (or the model not of the Llama family)."""
@@ -408,7 +406,8 @@ class CompiledDecoder:
             return None
         fns = self._function(key, prefill.PrefillFunctions)
         return prefill.PrefillRunner(seg_plan, list(model.layers), fns, on_fail=lambda exc: self._mark_failed(key, exc),
-                                     joint=self.prefill_joint_qkv, dtype=getattr(model, "compute_dtype", None))
+                                     dtype=getattr(model, "compute_dtype", None),
+                                     many_rows=prefill.op_by_op_from(model))
 
     def reserve(self, cache: Sequence[Any], prompt_len: int, max_tokens: int) -> None:
         """Call before prefill: size the empty caches' first allocation as the decode's first buffers."""

@@ -20,14 +20,15 @@ block layer (a K-quant recipe's Q6_K value and down projections) has its rows de
 the trace, before each segment call (`BlockLinear.dense_chunks`, through the GPU kernels), and
 handed in as inputs of that call, which the trace multiplies as dense matmuls: the products the
 model's forward computes for many rows. Segments whose block layers differ in place or chunks are
-traced apart. The segments call the model's own block halves, like the decode's
-(`Attention.heads` / `output`, `TransformerBlock.finish`); the tests compare the caches and tokens
-with the model's own forward.
+traced apart. Only the traced calls run inside `kernel_choice.mlx_kernels_only()` and
+`nn.shapeless_trace()`: the embedding and those dequantizations outside them take pymlxc's kernels.
+The segments call the model's own block halves, like the decode's (`Attention.heads` / `output`,
+`TransformerBlock.finish`); the tests compare the caches and tokens with the model's own forward.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pymlxc.core as mx
@@ -35,7 +36,7 @@ from pymlxc.core import Array
 
 from .. import nn
 from ..cache import make_prompt_mask
-from ..kernel_choice import kernels_again, mlx_kernels_only
+from ..kernel_choice import mlx_kernels_only
 from ..models.base import attention, last_query
 from .segments import SegmentGroup, SegmentPlan
 from .trace import CompileUnavailable, call_traced, clone_modules
@@ -49,17 +50,36 @@ def _finish(block: Any, attn_out: Array, h: Array) -> Array:
     return out
 
 
+_HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj")  # a Llama-family attention's (`Attention.heads`)
+
+
 @dataclass(frozen=True)
 class PrefillSpec:
-    """What a prefill segment's trace reads (`trace.spec()`): the decode plan's group, how many of its
-    modules the trace runs (the last segment: the last block alone), and the block layers it takes
-    dense rows for: their places (module index, path within it) and each one's chunks."""
+    """A segment of the plan as the prefill calls it, and what its trace reads (`trace.spec()`): the
+    decode plan's group, how many of its modules the trace runs (the last segment: the last block
+    alone), and the block layers it takes dense rows for, with their places (module index, path
+    within it) and each one's row chunks (segments that differ in these take traces of their own:
+    `key`)."""
 
     group: SegmentGroup
     modules: int
-    places: tuple[tuple[int, str], ...] = ()
-    chunks: tuple[int, ...] = ()
-    joint: bool = False  # the next layer's q/k/v as its fused product's output (`_project`)
+    places: tuple[tuple[int, str], ...]
+    chunks: tuple[int, ...]
+    blocks: tuple[Any, ...] = field(compare=False)
+
+    @classmethod
+    def of(cls, group: SegmentGroup, modules: int, finishes_a_block: bool) -> PrefillSpec:
+        # A block the segment finishes (its first module) runs its output projection and MLP only:
+        # its q/k/v projections are the segment before's, and not dequantized again here.
+        unused = {(0, f"self_attn.{p}") for p in _HEAD_PROJECTIONS} if finishes_a_block else set()
+        found = block_layers(group.modules[:modules])
+        places = tuple(place for place in found if place not in unused)
+        blocks = tuple(found[place] for place in places)
+        return cls(group, modules, places, tuple(len(layer.row_chunks()) for layer in blocks), blocks)
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        return self.places, self.chunks
 
     def traced(self) -> list[Any]:
         """The modules the trace runs."""
@@ -96,50 +116,15 @@ def _clones(tracers: list[Array], n_inputs: int) -> list[Any]:
     return clones
 
 
-def _project(attn: Any, qkv: Any, x: Array) -> list[Array]:
-    """The next layer's projections as a segment returns them: q, k, v [B, heads, L, D] (the model's
-    `heads`), or where the plan joins them (`joint_qkv`) the fused product's output [B, L, N] (the
-    q, k and v rows; with a tail, q and k, and the tail's v [B, L, Nv] after it), which the runner
-    splits into heads outside the trace (`_heads_of`): a slice cannot be re-shaped in it."""
-    spec: PrefillSpec = traced_spec()
-    if not spec.joint:
-        return list(attn.heads(x))
-    return [qkv.joint(x)] + ([qkv.tail(x)] if qkv.tail is not None else [])
-
-
 def _trace_first(inputs: list[Array]) -> list[Array]:
-    _embed, norm, attn, qkv = _clones(inputs, 1)
-    return _project(attn, qkv, norm(inputs[0]))
+    _embed, norm, attn, _qkv = _clones(inputs, 1)
+    return list(attn.heads(norm(inputs[0])))
 
 
 def _trace_mid(inputs: list[Array]) -> list[Array]:
-    block, _gate_up, norm, attn, qkv = _clones(inputs, 2)
+    block, _gate_up, norm, attn, _qkv = _clones(inputs, 2)
     h = _finish(block, inputs[0], inputs[1])
-    return [*_project(attn, qkv, norm(h)), h]
-
-
-def joint_qkv(attn: Any, qkv: Any) -> bool:
-    """Whether the prefill takes a layer's q/k/v as its fused product (`_project`): the fusion joins
-    q, k and v (or q and k, v its tail) of the attention's head layout in that order, and the
-    attention has no q/k norms (Qwen 3's, which the model's `heads` applies per head)."""
-    if qkv is None or attn.qk_norms():
-        return False
-    d = attn.head_dim
-    q, kv = attn.n_heads * d, attn.n_kv_heads * d
-    if qkv.tail is not None:
-        return qkv.tail is attn.v_proj and tuple(qkv.sizes) == (q, kv)
-    return tuple(qkv.sizes) == (q, kv, kv)
-
-
-def _heads_of(attn: Any, outs: list[Array]) -> tuple[Array, Array]:
-    """(q and k heads [B, Hq + Hkv, L, D], v heads [B, Hkv, L, D]) of a segment's joint outputs, as
-    views: the q and k heads side by side for one RoPE call."""
-    y = outs[0]
-    b, length, d, hq, hkv = y.shape[0], y.shape[1], attn.head_dim, attn.n_heads, attn.n_kv_heads
-    t = mx.transpose(mx.reshape(y, (b, length, -1, d)), (0, 2, 1, 3))
-    if len(outs) == 2:  # v from the tail
-        return t, mx.transpose(mx.reshape(outs[1], (b, length, hkv, d)), (0, 2, 1, 3))
-    return t[:, :hq + hkv], t[:, hq + hkv:]
+    return [*attn.heads(norm(h)), h]
 
 
 def _trace_last(inputs: list[Array]) -> list[Array]:
@@ -154,13 +139,12 @@ class PrefillFunctions:
     def __init__(self) -> None:
         self._by_key: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
-    def get(self, b: int, blocks: tuple[Any, ...] = ()) -> tuple[Any, ...]:
-        """(first, mid, last) compiled, for batch `b` and the block-layer key `blocks`."""
-        key = (b, blocks)
-        fns = self._by_key.get(key)
+    def get(self, b: int, key: tuple[Any, ...] = ()) -> tuple[Any, ...]:
+        """(first, mid, last) compiled, for batch `b` and a segment's `PrefillSpec.key`."""
+        fns = self._by_key.get((b, key))
         if fns is None:
-            fns = self._by_key[key] = tuple(mx.compile(f, shapeless=True)
-                                            for f in (_trace_first, _trace_mid, _trace_last))
+            fns = self._by_key[(b, key)] = tuple(mx.compile(f, shapeless=True)
+                                                 for f in (_trace_first, _trace_mid, _trace_last))
         return fns
 
     def clear(self) -> None:
@@ -170,33 +154,41 @@ class PrefillFunctions:
         self._by_key.clear()
 
 
+def op_by_op_from(model: Any) -> int:
+    """Rows of x from which a chunk goes op by op because the model's quantized layers take it as
+    dense products (nn.mark_dense_products) or, in large blocks, through the tensor-core kernel
+    (nn.mark_qmm_products): the shapeless trace can hold neither. 0: none."""
+    rows = [r for r in (getattr(model, "dense_rows", 0), getattr(model, "qmm_rows", 0)) if r]
+    return min(rows) if rows else 0
+
+
 class PrefillRunner:
     """`runner(tokens, cache, on_layer)`: one chunk [B, L] into the caches (full-attention
     KVCaches, as segments.plan requires); `on_layer(h, cache_i)` after each layer (the threaded
     prefill hands each to the evaluation thread). If a segment fails to trace, the caches are put
-    back as they were, `on_fail` is told and CompileUnavailable is raised."""
+    back as they were, `on_fail` is told and CompileUnavailable is raised. `takes(chunk)` says
+    which chunks it runs: the others go through the model's forward, op by op."""
 
     def __init__(self, plan: SegmentPlan, blocks: Sequence[Any], fns: PrefillFunctions,
-                 on_fail: Callable[[BaseException], None], joint: bool = False, dtype: Any = None) -> None:
+                 on_fail: Callable[[BaseException], None], dtype: Any = None, many_rows: int = 0) -> None:
         self._plan = plan
         self._blocks = list(blocks)
         self._fns = fns
         self._on_fail = on_fail
-        # Per segment: its group, how many of its modules the trace runs, and their block layers.
-        self._first = _Segment(plan.first, len(plan.first.modules), False)
-        self._mids = [_Segment(group, len(group.modules), True) for group in plan.mids]
-        self._last = _Segment(plan.last, 1, True)
-        # Per layer: whether its q/k/v come as the fused product (`joint_qkv`), with `joint`.
-        self._joint = [joint and joint_qkv(g.modules[-2], g.modules[-1]) for g in (plan.first, *plan.mids)]
-        blocks_here = [layer for seg in (self._first, *self._mids, self._last) for layer in seg.blocks]
-        # Chunks this short leave the block layers to their matvec kernel, op by op (`takes`).
-        self._op_by_op_rows = max((layer.kernel_rows(dtype) for layer in blocks_here), default=0) if dtype else 0
+        self._first = PrefillSpec.of(plan.first, len(plan.first.modules), False)
+        self._mids = [PrefillSpec.of(group, len(group.modules), True) for group in plan.mids]
+        self._last = PrefillSpec.of(plan.last, 1, True)
+        # Chunks of at most this many rows leave the block layers to their matvec kernel, which
+        # reads the blocks (here their rows would be dequantized whole for every chunk); chunks of
+        # `many_rows` (`op_by_op_from`) or more go op by op too.
+        layers = [layer for spec in (self._first, *self._mids, self._last) for layer in spec.blocks]
+        self._few_rows = max((layer.kernel_rows(dtype) for layer in layers), default=0) if dtype else 0
+        self._many_rows = many_rows
 
     def takes(self, chunk: Array) -> bool:
-        """Whether a chunk of token ids [B, L] runs here: not where its B x L rows are few enough for
-        the block layers' matvec kernel, which reads the blocks (here their rows would be
-        dequantized whole for every chunk)."""
-        return chunk.shape[0] * chunk.shape[1] > self._op_by_op_rows
+        """Whether a chunk of token ids [B, L] runs here (else op by op, see the class)."""
+        rows = chunk.shape[0] * chunk.shape[1]
+        return rows > self._few_rows and not (self._many_rows and rows >= self._many_rows)
 
     def __call__(self, tokens: Array, cache: Sequence[Any], on_layer: Callable[[Array, Any], None] | None = None
                  ) -> Array:
@@ -205,44 +197,30 @@ class PrefillRunner:
         need only its keys and values)."""
         saved = [c.snapshot() for c in cache]  # the caches as they were, should a segment fail to trace
         try:
-            with mlx_kernels_only(), nn.shapeless_trace():  # a trace here serves every chunk length
-                return self._run(tokens, cache, on_layer)
+            return self._run(tokens, cache, on_layer)
         except Exception as exc:
             for c, state in zip(cache, saved, strict=True):
                 c.restore(state)
             self._on_fail(exc)
             raise CompileUnavailable(str(exc)) from exc
 
-    def _call(self, part: int, segment: _Segment, inputs: list[Array], batch: int, joint: bool = False
-              ) -> list[Array]:
+    def _call(self, part: int, spec: PrefillSpec, inputs: list[Array], batch: int) -> list[Array]:
         """Segment `part` (0 first, 1 mid, 2 last) on `inputs` (the hidden states h last), its block
-        layers' rows dequantized here first, in h's dtype (the kernels allowed: this is outside the
-        trace)."""
-        dense: list[list[Array]] = []
-        if segment.blocks:
-            with kernels_again():
-                dense = [layer.dense_chunks(inputs[-1].dtype) for layer in segment.blocks]
-        chunks = tuple(len(d) for d in dense)
-        fn = self._fns.get(batch, (segment.places, chunks, joint))[part]
-        spec = PrefillSpec(segment.group, segment.modules, segment.places, chunks, joint)
-        return call_traced(fn, spec, [*inputs, *(c for d in dense for c in d)], segment.group.fixed)
+        layers' rows dequantized first, in h's dtype, outside the trace."""
+        dense = [c for layer in spec.blocks for c in layer.dense_chunks(inputs[-1].dtype)]
+        with mlx_kernels_only(), nn.shapeless_trace():  # what a trace builds: one trace serves every length
+            return call_traced(self._fns.get(batch, spec.key)[part], spec, [*inputs, *dense], spec.group.fixed)
 
     def _run(self, tokens: Array, cache: Sequence[Any], on_layer: Callable[[Array, Any], None] | None) -> Array:
         blocks, batch = self._blocks, tokens.shape[0]
         embed: Any = self._plan.first.modules[0]
         h: Array = embed(tokens)  # the embedding (a quantized table's gather fixes its shape)
-        heads = self._call(0, self._first, [h], batch, self._joint[0])
+        q, k, v = self._call(0, self._first, [h], batch)
         length = tokens.shape[1]
         for i, block in enumerate(blocks):
             attn, c = block.self_attn, cache[i]
             offset = c.offset
-            if self._joint[i]:  # one RoPE call over the q and k heads side by side
-                qk, v = _heads_of(attn, heads)
-                qk = attn.rope(qk, offset)
-                q, k = qk[:, :attn.n_heads], qk[:, attn.n_heads:]
-            else:
-                q, k, v = heads
-                q, k = attn.rope(q, offset), attn.rope(k, offset)
+            q, k = attn.rope(q, offset), attn.rope(k, offset)
             keys, values = c.update_and_fetch(k, v)
             mask = make_prompt_mask(length, c, None)
             final = i + 1 == len(blocks)
@@ -252,28 +230,10 @@ class PrefillRunner:
             if final:
                 (h,) = self._call(2, self._last, [out, h], batch)
             else:
-                *heads, h = self._call(1, self._mids[i], [out, h], batch, self._joint[i + 1])
+                q, k, v, h = self._call(1, self._mids[i], [out, h], batch)
             if on_layer is not None:
                 on_layer(h, c)
         return h
 
 
-_HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj")  # a Llama-family attention's (`Attention.heads`)
-
-
-class _Segment:
-    """A segment of the plan as the prefill calls it: its group, how many of the group's modules
-    its trace runs, and the block layers it takes dense rows for, with their places (segments
-    whose block layers sit elsewhere take traces of their own)."""
-
-    def __init__(self, group: SegmentGroup, modules: int, finishes_a_block: bool) -> None:
-        self.group, self.modules = group, modules
-        # A block the segment finishes (its first module) runs its output projection and MLP only:
-        # its q/k/v projections are the segment before's, and not dequantized again here.
-        unused = {(0, f"self_attn.{p}") for p in _HEAD_PROJECTIONS} if finishes_a_block else set()
-        found = block_layers(group.modules[:modules])
-        self.places = tuple(place for place in found if place not in unused)
-        self.blocks = [found[place] for place in self.places]
-
-
-__all__ = ["PrefillFunctions", "PrefillRunner", "PrefillSpec", "block_layers"]
+__all__ = ["PrefillFunctions", "PrefillRunner", "PrefillSpec", "block_layers", "op_by_op_from"]

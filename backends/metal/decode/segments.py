@@ -55,7 +55,6 @@ from pymlxc.core.transforms import FixedArrays
 from .. import nn
 from ..kernel_choice import (
     FUSION_MAX_BYTES_PER_LAYER,
-    dense_matmul,
     fusion_ready,
     normed_product,
     normed_rope_product,
@@ -319,11 +318,6 @@ class FusedProjection(Module):
         self.pair_silu = False
 
     @property
-    def sizes(self) -> tuple[int, ...]:
-        """The fused linears' output sizes, in order (not the tail's)."""
-        return self._sizes
-
-    @property
     def tail(self) -> Any:
         """The linear applied apart (a model's layer: any Module with `__call__`), or None."""
         return self._tail
@@ -336,16 +330,11 @@ class FusedProjection(Module):
             assert self._weight is not None and self.normable() is not None  # the plan checked it
             y = normed_product(x, self._weight, self._scales, self._biases, self._group_size, norm.weight, norm.eps)
             return y if self._bias is None else y + self._bias
-        if self._wT is not None:
-            if self._bias is None and self._weight is not None:  # as the linears compute it (`nn.Linear`)
-                return dense_matmul(x, self._weight, self._cuda_matvec, self._wT)
-            if self._bias is None:
-                return mx.matmul(x, self._wT)
-            if nn.in_shapeless_trace():  # as `nn.Linear`: addmm would fix the row count
-                return mx.matmul(x, self._wT) + self._bias
-            return mx.addmm(self._bias, x, self._wT, 1.0, 1.0)
         weight, scales, biases = self._weight, self._scales, self._biases
-        assert weight is not None and scales is not None and biases is not None  # given where weight_t is not
+        assert weight is not None  # given for either kind
+        if self._wT is not None:  # as the linears compute it
+            return nn.linear_product(x, weight, self._wT, self._bias, self._cuda_matvec)
+        assert scales is not None and biases is not None  # given where weight_t is not
         y = quantized_matmul(x, weight, scales, biases, self._group_size, self._bits, self._cuda_matvec)
         return y if self._bias is None else y + self._bias
 

@@ -32,8 +32,8 @@
 # planes-ab: the Q4_K_M files' prefill and decode with and without the Q6_K planes, alternated.
 # prefill-blocks: the Q4_K_M files' prefill compiled (block layers' rows dequantized outside the
 # trace) against op by op, beside the 1B's native 4-bit checkpoint (after bench-1b / prep-8b).
-# save-cache: the load-time check results into $OUT/user-cache.tar.gz: a fresh machine spent more
-# than 135 s in the checks of a 1B Q4_K_M file's first load; unpacked into
+# save-cache: the load-time check results into $OUT/user-cache.tar.gz (fresh machines' first
+# loads of a 1B Q4_K_M file ran past 80 and 135 s, what in them was not measured); unpacked into
 # .device-stage/b/cache/pymlxc/, install.sh gives them to the next machine.
 # Results go to $OUT: tests.txt, probe.log, <stage>/compare_llama_cpp.{json,md,png}, <stage>.log.
 # Pass --git-rev <commit> to the benchmark scripts when the lent copy's git metadata is stale.

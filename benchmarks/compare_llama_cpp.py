@@ -186,23 +186,38 @@ def prepare(shape: str, formats: list[str], root: Path, layers: int | None, tool
     for fmt in formats:
         bits = FORMATS[fmt][1]
         gguf = ggufs[fmt]
-        native = root / f"{tag}-{'bf16' if bits is None else f'{bits}bit'}"
+        # Q4_K_M against the native checkpoint with its bit widths (4 bits, 6 where it has Q6_K)
+        mixed = q4_k_m_native_bits(config) if fmt == "q4_k_m" else None
+        native = root / f"{tag}-{'bf16' if bits is None else f'{bits}bit'}{'-q4_k_m-mix' if mixed else ''}"
         if not (native / "model.safetensors.index.json").is_file():
-            write_random_model(native, shape, bits=bits, layers=layers, dtype="bfloat16")
+            write_random_model(native, shape, bits=bits, layers=layers, dtype="bfloat16", module_bits=mixed)
         out[fmt] = {"gguf": gguf, "native": native}
     return out
 
 
+def q4_k_m_more_bits(layers: int) -> list[int]:
+    """The layers whose value and down projections llama.cpp's Q4_K_M recipe stores as Q6_K
+    (`llama_tensor_get_type`'s `use_more_bits`): the first and last eighth, and every third between."""
+    return [i for i in range(layers)
+            if i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2]
+
+
 def q4_k_m_layer_types(layers: int) -> dict[str, Any]:
-    """The Q6_K layers of llama.cpp's Q4_K_M recipe (`llama_tensor_get_type`): the value and down
-    projections of the first and last eighth of the layers and of every third between them."""
+    """The Q6_K layers of llama.cpp's Q4_K_M recipe, by GGUF tensor name."""
     from gguf import GGMLQuantizationType as QType
 
-    def more_bits(i: int) -> bool:
-        return i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
+    return {f"blk.{i}.{name}.weight": QType.Q6_K for i in q4_k_m_more_bits(layers) for name in ("attn_v", "ffn_down")}
 
-    return {f"blk.{i}.{name}.weight": QType.Q6_K for i in range(layers) if more_bits(i)
-            for name in ("attn_v", "ffn_down")}
+
+def q4_k_m_native_bits(config: dict[str, Any]) -> dict[str, int]:
+    """The native checkpoint of a Q4_K_M file's bit widths (MLX affine group 64, `write_random_model`'s
+    `module_bits` over 4 bits): 6 bits where the recipe has Q6_K, the recipe's value and down
+    projections and the output head (the tied embedding where there is no head)."""
+    head = "model.embed_tokens" if config.get("tie_word_embeddings") else "lm_head"
+    six = {head: 6}
+    for i in q4_k_m_more_bits(config["num_hidden_layers"]):
+        six |= {f"model.layers.{i}.self_attn.v_proj": 6, f"model.layers.{i}.mlp.down_proj": 6}
+    return six
 
 
 # ---------------------------------------------------------------------- one case

@@ -32,7 +32,7 @@
 # planes-ab: the Q4_K_M files' prefill and decode with and without the Q6_K planes, alternated.
 # prefill-blocks: the Q4_K_M files' prefill compiled (block layers' rows dequantized outside the
 # trace) against op by op, beside the 1B's native 4-bit checkpoint (after bench-1b / prep-8b).
-# save-cache: the load-time check results into $OUT/user-cache.tar.gz (fresh machines' first
+# save-cache: the load-time check results and MLX's PTX into $OUT/user-cache.tar.gz (fresh machines' first
 # loads of a 1B Q4_K_M file ran past 80 and 135 s, what in them was not measured); unpacked into
 # .device-stage/b/cache/pymlxc/, install.sh gives them to the next machine.
 # Results go to $OUT: tests.txt, probe.log, <stage>/compare_llama_cpp.{json,md,png}, <stage>.log.
@@ -120,6 +120,7 @@ for stage in "$@"; do
         done
         [ "$keep" = 1 ] || rm -rf "$MODELS/llama-3.1-8b-${bits}bit"
       done
+      case " $FORMATS_8B " in *" q4_k_m "*) ;; *) rm -rf "$MODELS/llama-3.1-8b-4bit-q4_k_m-mix" ;; esac
       df -h /tmp | tail -1
       ;;
     probe)  # the block kernels against MLX ops, MLX 4-bit and dense float16 per decode shape
@@ -129,17 +130,19 @@ for stage in "$@"; do
     prefill-blocks)  # the Q4_K_M files' prefill through the compiled segments (their Q6_K layers'
       # rows dequantized outside the trace) against op by op, and the native format of the same shape
       ensure_lib
-      for f in "$MODELS"/llama-3.2-1b-q4_k_m.gguf "$MODELS"/llama-3.2-1b-4bit "$MODELS"/llama-3.1-8b-q4_k_m.gguf; do
+      for f in "$MODELS"/llama-3.2-1b-q4_k_m.gguf "$MODELS"/llama-3.2-1b-4bit-q4_k_m-mix "$MODELS"/llama-3.1-8b-q4_k_m.gguf \
+               "$MODELS"/llama-3.1-8b-4bit-q4_k_m-mix; do
         [ -e "$f" ] || { echo "no $f"; continue; }
         python3 benchmarks/profile/probe_prefill.py "$f" --lengths 128 2048 --modes segmented off --repeats 5 \
           --out "$OUT/prefill-blocks-$(basename "$f" .gguf).json" 2>&1 | grep "tok/s" || echo "!!! probe_prefill failed"
       done
       ;;
-    save-cache)  # the machine's load-time check results, for the next machine (same GPU, driver, MLX):
-      # unpack user-cache.tar.gz into .device-stage/b/cache/pymlxc/, which install.sh copies over
+    save-cache)  # the machine's load-time check results and MLX's compiled kernels (ptx_cache.py), for
+      # the next machine (same GPU, driver, MLX: both are keyed on them): unpack user-cache.tar.gz into
+      # .device-stage/b/cache/pymlxc/, which install.sh copies over
       # shellcheck disable=SC2046  # the entries are a list of words
-      tar czf "$OUT/user-cache.tar.gz" -C "$HOME/.cache/pymlxc" $(cd "$HOME/.cache/pymlxc" && ls -d checks-* 2>/dev/null) \
-        && ls -la "$OUT/user-cache.tar.gz"
+      tar czf "$OUT/user-cache.tar.gz" -C "$HOME/.cache/pymlxc" \
+        $(cd "$HOME/.cache/pymlxc" && ls -d checks-* mlx-ptx 2>/dev/null) && ls -la "$OUT/user-cache.tar.gz"
       ;;
     planes-ab)  # the Q4_K_M files with the Q6_K planes against the file's layout (PYMLXC_CUDA_Q6K_PLANES),
       # alternated: prefill by probe_prefill.py, decode by ab.py (after bench-1b / prep-8b wrote them)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -154,9 +154,13 @@ def _draw(shape: tuple[int, ...], kind: str, spec: ArchSpec, key: mx.array, dtyp
 
 
 def write_random_model(path: str | Path, shape: str, *, bits: int | None = None, group_size: int = 64,
-                       layers: int | None = None, seed: int = 0, dtype: str = "bfloat16") -> Path:
+                       layers: int | None = None, seed: int = 0, dtype: str = "bfloat16",
+                       module_bits: Mapping[str, int] | None = None) -> Path:
     """Write a random `shape` model at `path` (`dtype`, or `bits`-bit quantized with `dtype` scales)
-    and return it."""
+    and return it. `module_bits`: other bit widths for some modules (by path, `model.layers.0.mlp.down_proj`),
+    recorded per module in the config's `quantization` as mlx-lm records a mixed recipe."""
+    if module_bits and bits is None:
+        raise ValueError("module_bits needs bits: a dense model has no quantization to vary")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     root = Path(path)
@@ -164,6 +168,9 @@ def write_random_model(path: str | Path, shape: str, *, bits: int | None = None,
     text = shape_config(shape, layers)
     text["torch_dtype"] = dtype
     spec = spec_of(text["model_type"])
+    unknown = sorted(set(module_bits or ()) - {name[: -len(".weight")] for name, _, _ in tensor_shapes(text)})
+    if unknown:
+        raise ValueError(f"module_bits names modules the {shape} model does not have: {', '.join(unknown)}")
     if text["model_type"] == "qwen3_5_moe":  # nested as the multimodal checkpoint is
         text["model_type"] = "qwen3_5_moe_text"
         ids = {k: text[k] for k in ("bos_token_id", "eos_token_id")}
@@ -194,13 +201,15 @@ def write_random_model(path: str | Path, shape: str, *, bits: int | None = None,
         key, sub = mx.random.split(key)
         w = _draw(shp, kind, spec, sub, DTYPES[dtype])
         # mlx-lm's quant_predicate: the MoE routers at 8 bits, recorded per layer
+        stem = name[: -len(".weight")]
         params = dict(ROUTER_QUANT) if kind == "router" else {"group_size": group_size, "bits": bits or 0}
+        if module_bits and stem in module_bits:
+            params["bits"] = module_bits[stem]
         if (bits is not None and kind in ("linear", "embedding", "router")
                 and shp[-1] % params["group_size"] == 0):
             q, scales, biases = mx.quantize(w, group_size=params["group_size"], bits=params["bits"])
-            stem = name[: -len(".weight")]
             parts = {name: q, stem + ".scales": scales, stem + ".biases": biases}
-            if kind == "router":
+            if kind == "router" or params["bits"] != bits:
                 quant[stem] = params
         else:
             parts = {name: w}

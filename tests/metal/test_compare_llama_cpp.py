@@ -8,6 +8,7 @@ import json
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -128,3 +129,38 @@ def test_the_q4_k_m_layer_mix_is_llama_cpps(tmp_path: Path) -> None:
     assert 0 < len(want) < len(types)
     assert {name for name, t in types.items() if t == Q.Q6_K} == set(want)
     assert {t for name, t in types.items() if name not in want} == {Q.Q4_K}
+
+
+def test_the_q4_k_m_native_checkpoint_has_the_recipes_bit_widths(tmp_path: Path) -> None:
+    """The native checkpoint a Q4_K_M file is compared with is quantized at 6 bits exactly where the
+    recipe has Q6_K (the value and down projections `q4_k_m_layer_types` names, and the tied
+    embedding that is the head) and at 4 bits elsewhere; it loads with those widths, and a module the
+    model does not have is refused by name."""
+    from pymlxc.backends.metal.loader import load_weights_and_config
+
+    layers = 16
+    config = shapes.shape_config("llama-3.2-1b-narrow", layers)
+    six = compare_llama_cpp.q4_k_m_native_bits(config)
+    gguf_names = {f"blk.{i}.{'attn_v' if 'v_proj' in m else 'ffn_down'}.weight"
+                  for m in six if m.startswith("model.layers.")
+                  for i in [int(m.split(".")[2])]}
+    assert gguf_names == set(compare_llama_cpp.q4_k_m_layer_types(layers))
+    assert "model.embed_tokens" in six and set(six.values()) == {6}
+    path = shapes.write_random_model(tmp_path / "mix", "llama-3.2-1b-narrow", bits=4, layers=layers,
+                                     module_bits=six)
+    loaded = load_weights_and_config(path)
+    try:
+        model: Any = loaded.model
+        widths = {f"model.layers.{i}.{name}": getattr(getattr(block, part), proj).bits
+                  for i, block in enumerate(model.layers)
+                  for name, part, proj in (("self_attn.v_proj", "self_attn", "v_proj"),
+                                           ("self_attn.q_proj", "self_attn", "q_proj"),
+                                           ("mlp.down_proj", "mlp", "down_proj"), ("mlp.up_proj", "mlp", "up_proj"))}
+        assert {m for m, b in widths.items() if b == 6} == {m for m in six if m.startswith("model.layers.")}
+        assert {b for m, b in widths.items() if m not in six} == {4}
+        assert model.model.embed_tokens.bits == 6
+    finally:
+        loaded.close()
+    with pytest.raises(ValueError, match="model.layers.99.mlp.down_proj"):
+        shapes.write_random_model(tmp_path / "bad", "llama-3.2-1b-narrow", bits=4, layers=2,
+                                  module_bits={"model.layers.99.mlp.down_proj": 6})

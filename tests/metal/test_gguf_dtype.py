@@ -1,8 +1,9 @@
 """The dtype GGUF models compute in (`gguf_tensors.compute_dtype`) and `LoadConfig.dtype`.
 
-Quantized files of the llama and qwen families compute in float16 by default (llama.cpp's F32 norms,
-biases and routers cast at load), Gemma's quantized files and F32 files in float32, F16/BF16 files in
-their type; `dtype` asks for another. Tiny models of every type against their twin checkpoints
+Quantized files of the llama and qwen families compute in float16 by default on a GPU (llama.cpp's F32
+norms, biases and routers cast at load; the tests take a GPU's default wherever they run) and in float32
+on a CPU, Gemma's quantized files and F32 files in float32, F16/BF16 files in their type; `dtype` asks
+for another. Tiny models of every type against their twin checkpoints
 (the reference dequantization of the very blocks written, tests/metal/gguf_export.py):
 
 - computed in float16, within TOL16 of the float32 twin beyond the type's own float32 tolerance
@@ -36,6 +37,7 @@ import pymlxc.core as mx
 from pymlxc.backends.metal import generate as loops
 from pymlxc.backends.metal import kernel_choice, nn
 from pymlxc.backends.metal.decode import segments
+from pymlxc.backends.metal.formats import gguf as gguf_format
 from pymlxc.backends.metal.formats.gguf import GGUFError
 from pymlxc.backends.metal.formats.gguf_quants import AFFINE_BITS
 from pymlxc.backends.metal.formats.gguf_tensors import FLOAT16_MAX, TensorError, _Cast
@@ -59,6 +61,14 @@ U_BF16 = 2.0**-8
 @pytest.fixture(autouse=True)
 def _quiet() -> None:
     warnings.simplefilter("ignore", DeprecationWarning)
+
+
+@pytest.fixture(autouse=True)
+def _a_gpus_default(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The defaults a GPU chooses (float16 for quantized llama/qwen files), whatever runs the tests:
+    `test_a_cpu_computes_quantized_files_in_float32` checks the CPU's own."""
+    if request.node.name != "test_a_cpu_computes_quantized_files_in_float32":
+        monkeypatch.setattr(gguf_format, "half_precision_is_fast", lambda: True)
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +136,22 @@ def test_the_compute_dtype_of_each_kind_of_file(arch: str, qtype: Q, extra: dict
                 assert value.dtype == want, name  # norms, biases, F32 matrices: all in the compute dtype
             else:
                 assert value.dtype in (mx.float32, mx.bfloat16), name  # half-precision matrices are not widened
+
+
+def test_a_cpu_computes_quantized_files_in_float32(files: Callable[..., tuple[Path, Path]]) -> None:
+    """Where the default device is a CPU (MLX computes float16 element by element there), a quantized
+    llama file computes in float32 by default, with the float32 twin's logits; float16 stays an
+    option. On a GPU the default is float16."""
+    path, twin = files("llama", Q.Q4_0, {"token_embd.weight": Q.Q6_K, "output.weight": Q.Q6_K})
+    on_gpu = mx.default_device().type == "gpu"
+    assert gguf_format.half_precision_is_fast() == on_gpu
+    got, ids, dtype, _, _ = run(path, "auto")
+    assert dtype == (mx.float16 if on_gpu else mx.float32)
+    if not on_gpu:
+        want, twin_ids, _, _, _ = run(twin, "float32")
+        np.testing.assert_allclose(got, want, atol=ATOL[Q.Q4_0], rtol=0)
+        assert ids == twin_ids
+    assert run(path, "float16")[2] == mx.float16
 
 
 @pytest.mark.parametrize("qtype", QUANT_TYPES)

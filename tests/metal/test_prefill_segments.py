@@ -106,6 +106,33 @@ def test_only_for_the_segmented_decode(models) -> None:
     assert CompiledDecoder(models("gemma3_text").model, "segmented").prefill_runner(True) is None
 
 
+def test_one_runner_per_plan(models) -> None:
+    """The decoder keeps a plan's runner (its specs walk the modules once), and makes a new one with
+    a new plan: here after a weight is replaced, which the old plan's fixed arrays would not see
+    (the new runner's caches equal the model forward's with the new weight)."""
+    model = models("llama").model
+    decoder = CompiledDecoder(model, "segmented")
+    decoder.prefill_runner(True)  # the first plan fuses the projections: the arrays change once
+    first = decoder.prefill_runner(True)
+    assert first is not None and decoder.prefill_runner(True) is first
+    layer = model.layers[1].mlp.up_proj
+    old = layer.weight
+    layer.weight = old * 2
+    try:
+        decoder.prefill_runner(True)  # a new plan, whose fusion of the new weight changes the arrays again
+        again = decoder.prefill_runner(True)
+        assert again is not None and again is not first and decoder.prefill_runner(True) is again
+        tokens = mx.array([ids(9)], dtype=mx.int32)
+        ours, theirs = model.make_cache(None), model.make_cache(None)
+        again(tokens, ours)
+        model(tokens, cache=theirs)
+        for a, b in zip(filled(ours), filled(theirs), strict=True):
+            np.testing.assert_array_equal(a, b)
+    finally:
+        layer.weight = old
+    decoder.close()
+
+
 def test_chunks_from_the_models_dense_rows_skip_the_runner(models, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the model's layers go dense from `dense_rows` rows (which a shapeless trace cannot
     hold), a chunk of that many rows (batch times length) runs the model's forward; a smaller one

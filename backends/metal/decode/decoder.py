@@ -233,6 +233,8 @@ class CompiledDecoder:
         self._recent_plan: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None  # (signature and flags, key)
         self._lock = threading.Lock()
         self._compiled: dict[tuple[Any, ...], Any] = {}
+        # The prefill runner of each plan (its specs walk the plan's modules: made once, not per generation)
+        self._runners: dict[tuple[Any, ...], prefill.PrefillRunner] = {}
         self._failed: set[tuple[Any, ...]] = set()
         # How generations went: decoded on the compiled step, or handed to the uncompiled loop.
         self.stats = {"compiled": 0, "fallback": 0, "traces": 0}
@@ -242,6 +244,7 @@ class CompiledDecoder:
             for fn in self._compiled.values():
                 fn.clear()
             self._compiled.clear()
+            self._runners.clear()
             self._fusions.clear()
             self._plans.clear()
             self._recent_plan = None
@@ -404,10 +407,17 @@ class CompiledDecoder:
         key = ("prefill", *seg_key)
         if key in self._failed:
             return None
+        dtype, many_rows = getattr(model, "compute_dtype", None), prefill.op_by_op_from(model)
+        with self._lock:
+            runner = self._runners.get(key)
+        if runner is not None and runner.serves(seg_plan, dtype, many_rows):
+            return runner
         fns = self._function(key, prefill.PrefillFunctions)
-        return prefill.PrefillRunner(seg_plan, list(model.layers), fns, on_fail=lambda exc: self._mark_failed(key, exc),
-                                     dtype=getattr(model, "compute_dtype", None),
-                                     many_rows=prefill.op_by_op_from(model))
+        runner = prefill.PrefillRunner(seg_plan, list(model.layers), fns, on_fail=lambda exc: self._mark_failed(key, exc),
+                                       dtype=dtype, many_rows=many_rows)
+        with self._lock:
+            self._runners[key] = runner
+        return runner
 
     def reserve(self, cache: Sequence[Any], prompt_len: int, max_tokens: int) -> None:
         """Call before prefill: size the empty caches' first allocation as the decode's first buffers."""
@@ -459,6 +469,7 @@ class CompiledDecoder:
         with self._lock:
             self._failed.add(key)
             self._plans.pop(key, None)
+            self._runners.pop(key, None)
             fn = self._compiled.pop(key, None)
         if fn is not None:
             fn.clear()

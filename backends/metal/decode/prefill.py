@@ -173,6 +173,7 @@ class PrefillRunner:
                  on_fail: Callable[[BaseException], None], dtype: Any = None, many_rows: int = 0) -> None:
         self._plan = plan
         self._blocks = list(blocks)
+        self._made_for = (dtype, many_rows)
         self._fns = fns
         self._on_fail = on_fail
         self._first = PrefillSpec.of(plan.first, len(plan.first.modules), False)
@@ -184,6 +185,11 @@ class PrefillRunner:
         layers = [layer for spec in (self._first, *self._mids, self._last) for layer in spec.blocks]
         self._few_rows = max((layer.kernel_rows(dtype) for layer in layers), default=0) if dtype else 0
         self._many_rows = many_rows
+
+    def serves(self, plan: SegmentPlan, dtype: Any, many_rows: int) -> bool:
+        """Whether this runner is the one `plan` and the model's compute dtype and row threshold
+        would make (a decoder keeps one per plan, its specs made once)."""
+        return plan is self._plan and self._made_for == (dtype, many_rows)
 
     def takes(self, chunk: Array) -> bool:
         """Whether a chunk of token ids [B, L] runs here (else op by op, see the class)."""

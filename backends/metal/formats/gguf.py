@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+import pymlxc.core as mx
+
 try:
     from gguf import GGMLQuantizationType as QType
     from gguf import GGUFReader, GGUFValueType
@@ -279,6 +281,12 @@ class GGUFCheckpoint:
     dtype: Any
 
 
+def half_precision_is_fast() -> bool:
+    """Whether the default device computes float16 at speed (a GPU; MLX's CPU does it element by
+    element): where it does not, quantized files compute in float32 by default."""
+    return mx.default_device().type == "gpu"
+
+
 def read_gguf_checkpoint(path: str | os.PathLike[str], reader: GGUFReader | None = None, *,
                          dtype: Any = None) -> GGUFCheckpoint:
     """The config and tensors of the GGUF file at `path`: layers of repacked types quantized
@@ -289,7 +297,7 @@ def read_gguf_checkpoint(path: str | os.PathLike[str], reader: GGUFReader | None
     with naming(file):
         config = _model_config(reader)
         arch = architecture(reader)
-        compute = compute_dtype(reader, arch, dtype)
+        compute = compute_dtype(reader, arch, dtype, fast_half=half_precision_is_fast())
         weights = read_tensors(reader, arch, config, compute, explicit=dtype is not None)
     return GGUFCheckpoint(file, config, weights.arrays, dict(weights.block_layers), compute)
 

@@ -21,8 +21,8 @@ dequantized), and the multi-token prediction blocks after the model's own droppe
 The dtype the model computes in (`compute_dtype`): llama.cpp keeps norms and other small tensors in
 F32 whatever the file's type, which would make every activation float32 and keep quantized layers
 off the half-precision kernels. A file's float tensors therefore go to the compute dtype: float16
-for quantized files of the architectures in HALF_SAFE (as MLX's quantized models compute in their
-scales' dtype), float32 for other quantized ones, the matrices' own dtype in all-F16 or all-BF16
+for quantized files of the architectures in HALF_SAFE on a GPU (as MLX's quantized models compute in
+their scales' dtype), float32 for other quantized ones and on a CPU, the matrices' own dtype in all-F16 or all-BF16
 files, float32 in F32 files; a LoadConfig.dtype names another.
 """
 from __future__ import annotations
@@ -198,11 +198,13 @@ def _matrix_types(reader: GGUFReader) -> frozenset[QType]:
     return frozenset(t.tensor_type for t in reader.tensors if len(t.shape) >= 2 and ".ssm_conv1d." not in t.name)
 
 
-def compute_dtype(reader: GGUFReader, arch: str, requested: Any = None) -> Any:
+def compute_dtype(reader: GGUFReader, arch: str, requested: Any = None, *, fast_half: bool = True) -> Any:
     """The dtype the model of this file computes in: `requested` (LoadConfig.dtype) where given, else
-    float16 for a quantized file of a HALF_SAFE architecture without BF16 matrices, float32 for other
-    quantized files, the matrices' dtype where they are all F16 or all BF16 (F32 ones beside them
-    allowed), else float32."""
+    float16 for a quantized file of a HALF_SAFE architecture without BF16 matrices where the device
+    computes half precision at speed (`fast_half`: a GPU), float32 for other quantized files, the
+    matrices' dtype where they are all F16 or all BF16 (F32 ones beside them allowed), else float32.
+    (MLX's CPU computes float16 element by element: a quantized 1B-shaped model's prefill ran 20x
+    slower in float16 than in float32 there, the same tokens.)"""
     matrices = _matrix_types(reader)
     affine = sorted(t.name for t in reader.tensors if t.tensor_type in AFFINE_BITS)
     if requested is not None:
@@ -214,7 +216,7 @@ def compute_dtype(reader: GGUFReader, arch: str, requested: Any = None) -> Any:
         return requested
     halves = matrices & {QType.F16, QType.BF16}
     if matrices - set(_DTYPES):  # quantized
-        return mx.float16 if arch in HALF_SAFE and QType.BF16 not in halves else mx.float32
+        return mx.float16 if fast_half and arch in HALF_SAFE and QType.BF16 not in halves else mx.float32
     return _DTYPES[next(iter(halves))] if len(halves) == 1 else mx.float32
 
 

@@ -106,6 +106,38 @@ def test_only_for_the_segmented_decode(models) -> None:
     assert CompiledDecoder(models("gemma3_text").model, "segmented").prefill_runner(True) is None
 
 
+def test_a_mixed_precision_checkpoint(tmp_path, switches) -> None:
+    """Blocks whose layers differ in bit width (a 6-bit value and down projection among 4-bit ones,
+    as mlx-lm's mixed recipes make them) do not share a trace: the shapeless trace of one block's
+    segment would take the other's packed weights as its own (wrong values on a CPU, an illegal
+    memory access on a GPU). The caches equal the model forward's bit for bit, and a generation
+    gives the uncompiled loop's tokens."""
+    from pymlxc.testing import shapes
+
+    six = {f"model.layers.{i}.{m}": 6 for i in (0, 2) for m in ("self_attn.v_proj", "mlp.down_proj")}
+    path = shapes.write_random_model(tmp_path / "mix", "llama-3.2-1b-narrow", bits=4, layers=4, module_bits=six)
+    with load_weights_and_config(path) as loaded:
+        model = loaded.model
+        decoder = CompiledDecoder(model, "segmented")
+        decoder.prefill_runner(True)  # the first plan fuses the projections
+        runner = decoder.prefill_runner(True)
+        assert runner is not None
+        tokens = mx.array([ids(30)], dtype=mx.int32)
+        ours, theirs = model.make_cache(None), model.make_cache(None)
+        for start, stop in ((0, 17), (17, 30)):
+            runner(tokens[:, start:stop], ours)
+            model(tokens[:, start:stop], cache=theirs)
+        for a, b in zip(filled(ours), filled(theirs), strict=True):
+            np.testing.assert_array_equal(a, b)
+        switches(decode="segmented")
+        prompt = ids(40, seed=3)
+        want = list(loops.generate_ids(model, prompt, cache=model.make_cache(None), max_tokens=10, sampler=greedy))
+        got = list(loops.generate_ids(model, prompt, cache=model.make_cache(None), max_tokens=10, sampler=greedy,
+                                      decoder=decoder))
+        assert got == want
+        decoder.close()
+
+
 def test_one_runner_per_plan(models) -> None:
     """The decoder keeps a plan's runner (its specs walk the modules once), and makes a new one with
     a new plan: here after a weight is replaced, which the old plan's fixed arrays would not see

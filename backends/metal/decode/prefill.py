@@ -66,6 +66,7 @@ class PrefillSpec:
     places: tuple[tuple[int, str], ...]
     chunks: tuple[int, ...]
     blocks: tuple[Any, ...] = field(compare=False)
+    form: tuple[Any, ...] = ()
 
     @classmethod
     def of(cls, group: SegmentGroup, modules: int, finishes_a_block: bool) -> PrefillSpec:
@@ -75,15 +76,27 @@ class PrefillSpec:
         found = block_layers(group.modules[:modules])
         places = tuple(place for place in found if place not in unused)
         blocks = tuple(found[place] for place in places)
-        return cls(group, modules, places, tuple(len(layer.row_chunks()) for layer in blocks), blocks)
+        return cls(group, modules, places, tuple(len(layer.row_chunks()) for layer in blocks), blocks,
+                   _form(group.modules[:modules], group.arrays))
 
     @property
     def key(self) -> tuple[Any, ...]:
-        return self.places, self.chunks
+        return self.places, self.chunks, self.form
 
     def traced(self) -> list[Any]:
         """The modules the trace runs."""
         return list(self.group.modules[:self.modules])
+
+
+def _form(modules: Sequence[Any], arrays: Sequence[Array]) -> tuple[Any, ...]:
+    """What a shapeless trace of `modules` fixes beyond the chunk's length: their classes and
+    quantization (a mixed-precision checkpoint's 6-bit value projection beside 4-bit ones) and the
+    shapes of their arrays. Segments that differ in it must not share a trace, which would take any
+    shapes and multiply one layer's packed weights as another's."""
+    classes = tuple((i, name, type(sub).__name__, getattr(sub, "bits", None), getattr(sub, "group_size", None))
+                    for i, module in enumerate(modules) if module is not None
+                    for name, sub in module.named_modules())
+    return classes, tuple((tuple(a.shape), str(a.dtype)) for a in arrays)
 
 
 def block_layers(modules: Sequence[Any]) -> dict[tuple[int, str], Any]:

@@ -5,7 +5,7 @@ in float16 with a byte-level BPE vocabulary, converts it to an F16 GGUF with pym
 (`pymlxc.testing_gguf`, as llama.cpp's converter lays it out), quantizes that with llama.cpp's
 `llama-quantize` (Q4_0, Q4_K_M, Q6_K, Q8_0: llama.cpp's recipes, mixed types included), and writes
 pymlxc's native checkpoint of the same bit width (bfloat16 for F16; MLX affine group 64 with 4, 6
-or 8 bits). Then, per format, in rounds that alternate the three sides (so that drift on a busy
+or 8 bits; for Q4_K_M 4 bits with 6 where the recipe has Q6_K, `q4_k_m_native_bits`). Then, per format, in rounds that alternate the three sides (so that drift on a busy
 machine hits them alike):
 
 - llama.cpp: `llama-bench -p <prompts> -n <tokens> -ngl 99 -r 1 -o json` on the GGUF file (prefill

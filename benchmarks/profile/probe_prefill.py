@@ -10,20 +10,71 @@ block layers, the group-32 products, or the compiled segments that do not trace 
         [--dense-min-rows 512 128]   # each threshold of the dense prefill products (nn.DENSE_MIN_ROWS)
         [--lead 1 2]                 # each lead of the host over the device (generate.PREFILL_LEAD_LAYERS)
         [--keep-cache]               # MLX's buffer cache kept between runs (llama-bench keeps its buffers)
+        [--split [--profile 25]]     # the compiled prefill's host split (below); cProfile of its build
+
+`--split` (segmented mode) also times, medians of --repeats: `runner_ms`, the decoder handing out its
+prefill runner (once a generation); `build_ms`, the runner building one chunk's graph with nothing
+evaluated (Python, the binding and MLX's graph construction: the host's share no device hides);
+`eval_ms`, one `eval` of that whole graph (MLX's encoding of every kernel and the device's work,
+overlapped by MLX alone). Set against the time to the first token, where each layer goes to the
+evaluation thread as it is built: if `build_ms` is most of it, Python is the bound; if `eval_ms`
+is, MLX's per-kernel work or the device.
 """
 from __future__ import annotations
 
 import _path  # noqa: F401 - the checkout as installed
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
+import time
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from compare_mlx_lm import Pymlxc, probe_prompt, timed_run  # noqa: E402
+
+
+def host_split(side: Pymlxc, n: int, repeats: int, profile: int) -> dict[str, Any]:
+    """`--split`'s times (see the module doc) for a prompt of `n` tokens; with `profile`, cProfile's
+    `profile` costliest functions of one build by own time."""
+    import pymlxc.core as mx
+
+    model, decoder = side.loaded.model, side.decoder
+    tokens = mx.array([probe_prompt(n, side.vocab)], dtype=mx.int32)
+    times: list[tuple[float, float, float]] = []
+    prof = cProfile.Profile() if profile else None
+    for i in range(repeats + (prof is not None)):
+        cache = model.make_cache(side.context_len)
+        decoder.reserve(cache, n, 1)
+        start = time.perf_counter()
+        runner = decoder.prefill_runner(True)
+        made = time.perf_counter()
+        if runner is None or not runner.takes(tokens):
+            raise SystemExit(f"{n} tokens do not go through the compiled prefill of this model")
+        profiled = prof is not None and i == repeats
+        if profiled:
+            prof.enable()
+        h = runner(tokens, cache)
+        built = time.perf_counter()
+        if profiled:
+            prof.disable()
+        mx.eval(h)
+        done = time.perf_counter()
+        decoder.unreserve(cache)
+        if not profiled:
+            times.append((made - start, built - made, done - built))
+    out: dict[str, Any] = {k: 1e3 * statistics.median(t[j] for t in times)
+                           for j, k in enumerate(("runner_ms", "build_ms", "eval_ms"))}
+    if prof is not None:
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(profile)
+        out["profile"] = text.getvalue()
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(generate.PREFILL_LEAD_LAYERS; 0: the library's)")
     p.add_argument("--keep-cache", action="store_true",
                    help="keep MLX's buffer cache between the runs (the default gives it back before each)")
+    p.add_argument("--split", action="store_true",
+                   help="segmented mode: also the runner, graph-build and one-eval times (see above)")
+    p.add_argument("--profile", type=int, default=0, help="with --split: cProfile the build, this many functions")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     from pymlxc.backends.metal import generate, nn
@@ -68,6 +122,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{path.name:40s} {mode:9s} dense>={nn.DENSE_MIN_ROWS:<5d} lead {generate.PREFILL_LEAD_LAYERS} "
                       f"{n:5d} tokens  {ms:8.2f} ms  {n / ms * 1e3:9.0f} tok/s  main thread {main_ms:7.2f} ms CPU",
                       flush=True)
+                if args.split and mode == "segmented":
+                    split = host_split(side, n, args.repeats, args.profile)
+                    rows[-1].update(split)
+                    print(f"{'':40s} runner {split['runner_ms']:6.2f} ms  build {split['build_ms']:6.2f} ms  "
+                          f"eval {split['eval_ms']:6.2f} ms", flush=True)
+                    if "profile" in split:
+                        print(split["profile"], flush=True)
         finally:
             side.free()
     if args.out is not None:

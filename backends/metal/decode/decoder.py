@@ -413,7 +413,8 @@ class CompiledDecoder:
         if runner is not None and runner.serves(seg_plan, dtype, many_rows):
             return runner
         fns = self._function(key, prefill.PrefillFunctions)
-        runner = prefill.PrefillRunner(seg_plan, list(model.layers), fns, on_fail=lambda exc: self._mark_failed(key, exc),
+        runner = prefill.PrefillRunner(seg_plan, list(model.layers), fns,
+                                       on_fail=lambda exc: self._mark_failed(key, exc),
                                        dtype=dtype, many_rows=many_rows)
         with self._lock:
             self._runners[key] = runner

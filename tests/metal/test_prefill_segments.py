@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pymlxc.core as mx
 from pymlxc.backends.metal import generate as loops
@@ -135,6 +137,37 @@ def test_a_mixed_precision_checkpoint(tmp_path, switches) -> None:
         got = list(loops.generate_ids(model, prompt, cache=model.make_cache(None), max_tokens=10, sampler=greedy,
                                       decoder=decoder))
         assert got == want
+        decoder.close()
+
+
+_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+@settings(max_examples=6, deadline=None)
+@given(widths=st.lists(st.sampled_from([4, 6, 8]), min_size=3 * len(_PROJECTIONS), max_size=3 * len(_PROJECTIONS)))
+def test_any_mix_of_bit_widths_fills_the_caches_as_the_forward(tmp_path_factory, widths: list[int]) -> None:
+    """Whatever bit width each projection of each block has (4, 6 or 8, group 64), the compiled
+    prefill's caches equal the model forward's bit for bit over two chunks."""
+    from pymlxc.testing import shapes
+
+    bits = {f"model.layers.{i // len(_PROJECTIONS)}.{_PROJECTIONS[i % len(_PROJECTIONS)]}": b
+            for i, b in enumerate(widths) if b != 4}
+    root = tmp_path_factory.mktemp("mix")
+    path = shapes.write_random_model(root, "llama-3.2-1b-narrow", bits=4, layers=3, module_bits=bits)
+    with load_weights_and_config(path) as loaded:
+        model = loaded.model
+        decoder = CompiledDecoder(model, "segmented")
+        decoder.prefill_runner(True)  # the first plan fuses the projections
+        runner = decoder.prefill_runner(True)
+        assert runner is not None
+        tokens = mx.array([ids(21)], dtype=mx.int32)
+        ours, theirs = model.make_cache(None), model.make_cache(None)
+        for start, stop in ((0, 13), (13, 21)):
+            runner(tokens[:, start:stop], ours)
+            model(tokens[:, start:stop], cache=theirs)
+        for a, b in zip(filled(ours), filled(theirs), strict=True):
+            np.testing.assert_array_equal(a, b)
         decoder.close()
 
 

@@ -30,6 +30,7 @@
 # block kernels and MLX's 8-bit kernel; the earlier float32 runs are BENCHMARKS.md's 160 tok/s row.
 # probe: benchmarks/profile/probe_gguf_blocks.py (the block kernels' time per decode shape).
 # planes-ab: the Q4_K_M files' prefill and decode with and without the Q6_K planes, alternated.
+# prefill-split: the 1B's 128-token prefill split into runner, graph build and one eval (probe_prefill --split).
 # prefill-blocks: the Q4_K_M files' prefill compiled (block layers' rows dequantized outside the
 # trace) against op by op, beside the 1B's native 4-bit checkpoint (after bench-1b / prep-8b).
 # save-cache: the load-time check results and MLX's PTX into $OUT/user-cache.tar.gz (fresh machines' first
@@ -93,7 +94,7 @@ for stage in "$@"; do
     tests)
       ensure_lib
       python3 -m pytest tests/metal/test_gguf_kernels.py tests/metal/test_gguf_quants.py tests/metal/test_gguf_dtype.py \
-        tests/metal/test_cuda_matvec.py \
+        tests/metal/test_cuda_matvec.py tests/metal/test_prefill_segments.py \
         -q -p no:cacheprovider -x 2>&1 | tee "$OUT/tests.txt" | tail -30 || true
       ;;
     prep-8b-bg)
@@ -126,6 +127,14 @@ for stage in "$@"; do
     probe)  # the block kernels against MLX ops, MLX 4-bit and dense float16 per decode shape
       ensure_lib
       python3 benchmarks/profile/probe_gguf_blocks.py --out "$OUT/probe" 2>&1 | tee "$OUT/probe.log" || echo "!!! probe failed"
+      ;;
+    prefill-split)  # the 1B's 128-token prefill: runner, graph build and one eval against the pipelined run
+      ensure_lib
+      for f in "$MODELS"/llama-3.2-1b-bf16 "$MODELS"/llama-3.2-1b-4bit-q4_k_m-mix "$MODELS"/llama-3.2-1b-q4_k_m.gguf; do
+        [ -e "$f" ] || { echo "no $f"; continue; }
+        timeout 150 python3 benchmarks/profile/probe_prefill.py "$f" --lengths 128 --modes segmented --repeats 7 --split \
+          --out "$OUT/prefill-split-$(basename "$f" .gguf).json" 2>&1 | grep -E "tok/s|runner" || echo "!!! probe_prefill failed"
+      done
       ;;
     prefill-blocks)  # the Q4_K_M files' prefill through the compiled segments (their Q6_K layers'
       # rows dequantized outside the trace) against op by op, and the native format of the same shape

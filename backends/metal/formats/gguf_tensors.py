@@ -22,8 +22,8 @@ The dtype the model computes in (`compute_dtype`): llama.cpp keeps norms and oth
 F32 whatever the file's type, which would make every activation float32 and keep quantized layers
 off the half-precision kernels. A file's float tensors therefore go to the compute dtype: float16
 for quantized files of the architectures in HALF_SAFE on a GPU (as MLX's quantized models compute in
-their scales' dtype), float32 for other quantized ones and on a CPU, the matrices' own dtype in all-F16 or all-BF16
-files, float32 in F32 files; a LoadConfig.dtype names another.
+their scales' dtype), float32 for other quantized ones and on a CPU, the matrices' own dtype in
+all-F16 or all-BF16 files, float32 in F32 files; a LoadConfig.dtype names another.
 """
 from __future__ import annotations
 
@@ -203,8 +203,9 @@ def compute_dtype(reader: GGUFReader, arch: str, requested: Any = None, *, fast_
     float16 for a quantized file of a HALF_SAFE architecture without BF16 matrices where the device
     computes half precision at speed (`fast_half`: a GPU), float32 for other quantized files, the
     matrices' dtype where they are all F16 or all BF16 (F32 ones beside them allowed), else float32.
-    (MLX's CPU computes float16 element by element: a quantized 1B-shaped model's prefill ran 20x
-    slower in float16 than in float32 there, the same tokens.)"""
+    (MLX's CPU computes a float16 quantized product element by element: a Q4_K_M file of
+    Llama-3.2-1B's layers at narrow widths took 19.3 s for a 64-token prompt and 16 greedy tokens in
+    float16, 0.98 s in float32, the same tokens.)"""
     matrices = _matrix_types(reader)
     affine = sorted(t.name for t in reader.tensors if t.tensor_type in AFFINE_BITS)
     if requested is not None:

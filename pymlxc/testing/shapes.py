@@ -157,8 +157,9 @@ def write_random_model(path: str | Path, shape: str, *, bits: int | None = None,
                        layers: int | None = None, seed: int = 0, dtype: str = "bfloat16",
                        module_bits: Mapping[str, int] | None = None) -> Path:
     """Write a random `shape` model at `path` (`dtype`, or `bits`-bit quantized with `dtype` scales)
-    and return it. `module_bits`: other bit widths for some modules (by path, `model.layers.0.mlp.down_proj`),
-    recorded per module in the config's `quantization` as mlx-lm records a mixed recipe."""
+    and return it. `module_bits`: other bit widths for some modules (by path, `model.layers.0.mlp.down_proj`;
+    0 keeps one dense), recorded per module in the config's `quantization` as mlx-lm records a
+    mixed recipe (`false` for a dense one)."""
     if module_bits and bits is None:
         raise ValueError("module_bits needs bits: a dense model has no quantization to vary")
     if dtype not in DTYPES:
@@ -205,7 +206,10 @@ def write_random_model(path: str | Path, shape: str, *, bits: int | None = None,
         params = dict(ROUTER_QUANT) if kind == "router" else {"group_size": group_size, "bits": bits or 0}
         if module_bits and stem in module_bits:
             params["bits"] = module_bits[stem]
-        if (bits is not None and kind in ("linear", "embedding", "router")
+        if module_bits and module_bits.get(stem) == 0:
+            parts = {name: w}
+            quant[stem] = False
+        elif (bits is not None and kind in ("linear", "embedding", "router")
                 and shp[-1] % params["group_size"] == 0):
             q, scales, biases = mx.quantize(w, group_size=params["group_size"], bits=params["bits"])
             parts = {name: q, stem + ".scales": scales, stem + ".biases": biases}

@@ -110,16 +110,19 @@ def test_only_for_the_segmented_decode(models) -> None:
 
 def test_a_mixed_precision_checkpoint(tmp_path, switches) -> None:
     """Blocks whose layers differ in bit width (a 6-bit value and down projection among 4-bit ones,
-    as mlx-lm's mixed recipes make them) do not share a trace: the shapeless trace of one block's
+    as mlx-lm's mixed recipes make them, and a dense one) do not share a trace: the shapeless trace of one block's
     segment would take the other's packed weights as its own (wrong values on a CPU, an illegal
     memory access on a GPU). The caches equal the model forward's bit for bit, and a generation
     gives the uncompiled loop's tokens."""
     from pymlxc.testing import shapes
 
-    six = {f"model.layers.{i}.{m}": 6 for i in (0, 2) for m in ("self_attn.v_proj", "mlp.down_proj")}
-    path = shapes.write_random_model(tmp_path / "mix", "llama-3.2-1b-narrow", bits=4, layers=4, module_bits=six)
+    mix = {f"model.layers.{i}.{m}": 6 for i in (0, 2) for m in ("self_attn.v_proj", "mlp.down_proj")}
+    mix["model.layers.3.mlp.up_proj"] = 0  # left dense, as mlx-lm's predicates leave some layers
+    path = shapes.write_random_model(tmp_path / "mix", "llama-3.2-1b-narrow", bits=4, layers=4, module_bits=mix)
     with load_weights_and_config(path) as loaded:
         model = loaded.model
+        assert model.layers[0].self_attn.v_proj.bits == 6 and model.layers[1].self_attn.v_proj.bits == 4
+        assert type(model.layers[3].mlp.up_proj).__name__ == "Linear"
         decoder = CompiledDecoder(model, "segmented")
         decoder.prefill_runner(True)  # the first plan fuses the projections
         runner = decoder.prefill_runner(True)
@@ -144,11 +147,13 @@ _PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "sel
                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
-@settings(max_examples=6, deadline=None)
-@given(widths=st.lists(st.sampled_from([4, 6, 8]), min_size=3 * len(_PROJECTIONS), max_size=3 * len(_PROJECTIONS)))
+@settings(max_examples=10, deadline=None)
+@given(widths=st.lists(st.sampled_from([0, 4, 6, 8]), min_size=3 * len(_PROJECTIONS),
+                       max_size=3 * len(_PROJECTIONS)))
 def test_any_mix_of_bit_widths_fills_the_caches_as_the_forward(tmp_path_factory, widths: list[int]) -> None:
-    """Whatever bit width each projection of each block has (4, 6 or 8, group 64), the compiled
-    prefill's caches equal the model forward's bit for bit over two chunks."""
+    """Whatever bit width each projection of each block has (4, 6 or 8, group 64, or dense: 0, as
+    mlx-lm's quantization predicates leave some layers), the compiled prefill's caches equal the
+    model forward's bit for bit over two chunks."""
     from pymlxc.testing import shapes
 
     bits = {f"model.layers.{i // len(_PROJECTIONS)}.{_PROJECTIONS[i % len(_PROJECTIONS)]}": b

@@ -19,8 +19,9 @@ fused weights), and a dense layer adds its bias after the matmul (`nn.shapeless_
 block layer (a K-quant recipe's Q6_K value and down projections) has its rows dequantized outside
 the trace, before each segment call (`BlockLinear.dense_chunks`, through the GPU kernels), and
 handed in as inputs of that call, which the trace multiplies as dense matmuls: the products the
-model's forward computes for many rows. Segments whose block layers differ in place or chunks are
-traced apart. Only the traced calls run inside `kernel_choice.mlx_kernels_only()` and
+model's forward computes for many rows. Segments that differ in their modules' form (classes, bit
+widths, array shapes: a mixed-precision checkpoint's blocks) or their block layers' chunks are traced
+apart. Only the traced calls run inside `kernel_choice.mlx_kernels_only()` and
 `nn.shapeless_trace()`: the embedding and those dequantizations outside them take pymlxc's kernels.
 The segments call the model's own block halves, like the decode's (`Attention.heads` / `output`,
 `TransformerBlock.finish`); the tests compare the caches and tokens with the model's own forward.
@@ -58,30 +59,28 @@ class PrefillSpec:
     """A segment of the plan as the prefill calls it, and what its trace reads (`trace.spec()`): the
     decode plan's group, how many of its modules the trace runs (the last segment: the last block
     alone), and the block layers it takes dense rows for, with their places (module index, path
-    within it) and each one's row chunks (segments that differ in these take traces of their own:
-    `key`)."""
+    within it) and each one's row chunks. `traces`: which of `PrefillFunctions`' traces it takes
+    (segments that differ in their form or their chunks take traces of their own)."""
 
     group: SegmentGroup
     modules: int
     places: tuple[tuple[int, str], ...]
     chunks: tuple[int, ...]
     blocks: tuple[Any, ...] = field(compare=False)
-    form: tuple[Any, ...] = ()
+    traces: int = 0
 
     @classmethod
-    def of(cls, group: SegmentGroup, modules: int, finishes_a_block: bool) -> PrefillSpec:
+    def of(cls, group: SegmentGroup, modules: int, finishes_a_block: bool, fns: PrefillFunctions) -> PrefillSpec:
         # A block the segment finishes (its first module) runs its output projection and MLP only:
         # its q/k/v projections are the segment before's, and not dequantized again here.
         unused = {(0, f"self_attn.{p}") for p in _HEAD_PROJECTIONS} if finishes_a_block else set()
         found = block_layers(group.modules[:modules])
         places = tuple(place for place in found if place not in unused)
         blocks = tuple(found[place] for place in places)
-        return cls(group, modules, places, tuple(len(layer.row_chunks()) for layer in blocks), blocks,
-                   _form(group.modules[:modules], group.arrays))
-
-    @property
-    def key(self) -> tuple[Any, ...]:
-        return self.places, self.chunks, self.form
+        chunks = tuple(len(layer.row_chunks()) for layer in blocks)
+        # The places follow from the form (the modules' classes) and the segment's role.
+        key = (finishes_a_block, chunks, _form(group.modules[:modules], group.arrays))
+        return cls(group, modules, places, chunks, blocks, fns.traces_for(key))
 
     def traced(self) -> list[Any]:
         """The modules the trace runs."""
@@ -150,21 +149,27 @@ class PrefillFunctions:
     per place and chunking of the segment's block layers (a trace holds which inputs they take)."""
 
     def __init__(self) -> None:
-        self._by_key: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        self._by_key: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self._traces: dict[tuple[Any, ...], int] = {}
 
-    def get(self, b: int, key: tuple[Any, ...] = ()) -> tuple[Any, ...]:
-        """(first, mid, last) compiled, for batch `b` and a segment's `PrefillSpec.key`."""
-        fns = self._by_key.get((b, key))
+    def traces_for(self, key: tuple[Any, ...]) -> int:
+        """A small number for a segment's key (its form and chunks), the same for equal keys: hashed
+        once, when a runner is made, not in every call (a key holds every array's shape)."""
+        return self._traces.setdefault(key, len(self._traces))
+
+    def get(self, b: int, traces: int) -> tuple[Any, ...]:
+        """(first, mid, last) compiled, for batch `b` and a segment's `PrefillSpec.traces`."""
+        fns = self._by_key.get((b, traces))
         if fns is None:
-            fns = self._by_key[(b, key)] = tuple(mx.compile(f, shapeless=True)
-                                                 for f in (_trace_first, _trace_mid, _trace_last))
+            fns = self._by_key[(b, traces)] = tuple(mx.compile(f, shapeless=True)
+                                                    for f in (_trace_first, _trace_mid, _trace_last))
         return fns
 
     def clear(self) -> None:
         for fns in self._by_key.values():
             for fn in fns:
                 fn.clear()
-        self._by_key.clear()
+        self._by_key.clear()  # the numbers stay: runners made before hold them
 
 
 def op_by_op_from(model: Any) -> int:
@@ -189,9 +194,9 @@ class PrefillRunner:
         self._made_for = (dtype, many_rows)
         self._fns = fns
         self._on_fail = on_fail
-        self._first = PrefillSpec.of(plan.first, len(plan.first.modules), False)
-        self._mids = [PrefillSpec.of(group, len(group.modules), True) for group in plan.mids]
-        self._last = PrefillSpec.of(plan.last, 1, True)
+        self._first = PrefillSpec.of(plan.first, len(plan.first.modules), False, fns)
+        self._mids = [PrefillSpec.of(group, len(group.modules), True, fns) for group in plan.mids]
+        self._last = PrefillSpec.of(plan.last, 1, True, fns)
         # Chunks of at most this many rows leave the block layers to their matvec kernel, which
         # reads the blocks (here their rows would be dequantized whole for every chunk); chunks of
         # `many_rows` (`op_by_op_from`) or more go op by op too.
@@ -228,7 +233,7 @@ class PrefillRunner:
         layers' rows dequantized first, in h's dtype, outside the trace."""
         dense = [c for layer in spec.blocks for c in layer.dense_chunks(inputs[-1].dtype)]
         with mlx_kernels_only(), nn.shapeless_trace():  # what a trace builds: one trace serves every length
-            return call_traced(self._fns.get(batch, spec.key)[part], spec, [*inputs, *dense], spec.group.fixed)
+            return call_traced(self._fns.get(batch, spec.traces)[part], spec, [*inputs, *dense], spec.group.fixed)
 
     def _run(self, tokens: Array, cache: Sequence[Any], on_layer: Callable[[Array, Any], None] | None) -> Array:
         blocks, batch = self._blocks, tokens.shape[0]

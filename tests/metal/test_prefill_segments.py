@@ -49,6 +49,30 @@ def filled(cache: list[Any]) -> list[np.ndarray]:
     return [np.asarray(a[:, :, :c.offset].astype(mx.float32)) for c in cache for a in (c.keys, c.values)]
 
 
+def settled_runner(decoder: CompiledDecoder) -> prefill.PrefillRunner:
+    """The decoder's runner once its plan is settled: the first plan fuses the projections, which
+    changes the model's arrays once."""
+    decoder.prefill_runner(True)
+    runner = decoder.prefill_runner(True)
+    assert runner is not None
+    return runner
+
+
+def check_fills_like_the_forward(runner: Any, model: Any, bounds: list[tuple[int, int]],
+                                 on_layer: Any = None) -> list[Any]:
+    """Run the chunks `bounds` of one prompt through `runner` and through the model's forward, each
+    into caches of its own, and check the caches equal bit for bit; returns the runner's caches."""
+    tokens = mx.array([ids(bounds[-1][1])], dtype=mx.int32)
+    ours, theirs = model.make_cache(None), model.make_cache(None)
+    for start, stop in bounds:
+        runner(tokens[:, start:stop], ours, on_layer)
+        model(tokens[:, start:stop], cache=theirs)
+    assert [c.offset for c in ours] == [c.offset for c in theirs] == [bounds[-1][1]] * len(ours)
+    for a, b in zip(filled(ours), filled(theirs), strict=True):
+        np.testing.assert_array_equal(a, b)
+    return list(ours)
+
+
 @pytest.mark.parametrize("bits", [None, 4])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_caches_equal_the_model_forward(models, arch: str, bits: int | None) -> None:
@@ -56,16 +80,10 @@ def test_caches_equal_the_model_forward(models, arch: str, bits: int | None) -> 
     decoder = CompiledDecoder(model, "segmented")
     runner = decoder.prefill_runner(True)
     assert runner is not None
-    tokens = mx.array([ids(61)], dtype=mx.int32)
-    ours, theirs = model.make_cache(None), model.make_cache(None)
-    layers_seen = []
-    for start, stop in ((0, 25), (25, 40), (40, 41), (41, 61)):  # lengths 25, 15, 1, 20: one trace
-        runner(tokens[:, start:stop], ours, lambda h, c: layers_seen.append(c))
-        model(tokens[:, start:stop], cache=theirs)
-    assert [c.offset for c in ours] == [c.offset for c in theirs] == [61] * 3
-    for a, b in zip(filled(ours), filled(theirs), strict=True):
-        np.testing.assert_array_equal(a, b)
-    assert layers_seen == list(ours) * 4
+    layers_seen: list[Any] = []
+    ours = check_fills_like_the_forward(runner, model, [(0, 25), (25, 40), (40, 41), (41, 61)],  # one trace
+                                        lambda h, c: layers_seen.append(c))
+    assert len(ours) == 3 and layers_seen == ours * 4
     decoder.close()
 
 
@@ -110,8 +128,8 @@ def test_only_for_the_segmented_decode(models) -> None:
 
 def test_a_mixed_precision_checkpoint(tmp_path, switches) -> None:
     """Blocks whose layers differ in bit width (a 6-bit value and down projection among 4-bit ones,
-    as mlx-lm's mixed recipes make them, and a dense one) do not share a trace: the shapeless trace of one block's
-    segment would take the other's packed weights as its own (wrong values on a CPU, an illegal
+    as mlx-lm's mixed recipes make them, and a dense one) do not share a trace: the shapeless trace
+    of one block's segment would take the other's packed weights as its own (wrong values on a CPU, an illegal
     memory access on a GPU). The caches equal the model forward's bit for bit, and a generation
     gives the uncompiled loop's tokens."""
     from pymlxc.testing import shapes
@@ -124,16 +142,7 @@ def test_a_mixed_precision_checkpoint(tmp_path, switches) -> None:
         assert model.layers[0].self_attn.v_proj.bits == 6 and model.layers[1].self_attn.v_proj.bits == 4
         assert type(model.layers[3].mlp.up_proj).__name__ == "Linear"
         decoder = CompiledDecoder(model, "segmented")
-        decoder.prefill_runner(True)  # the first plan fuses the projections
-        runner = decoder.prefill_runner(True)
-        assert runner is not None
-        tokens = mx.array([ids(30)], dtype=mx.int32)
-        ours, theirs = model.make_cache(None), model.make_cache(None)
-        for start, stop in ((0, 17), (17, 30)):
-            runner(tokens[:, start:stop], ours)
-            model(tokens[:, start:stop], cache=theirs)
-        for a, b in zip(filled(ours), filled(theirs), strict=True):
-            np.testing.assert_array_equal(a, b)
+        check_fills_like_the_forward(settled_runner(decoder), model, [(0, 17), (17, 30)])
         switches(decode="segmented")
         prompt = ids(40, seed=3)
         want = list(loops.generate_ids(model, prompt, cache=model.make_cache(None), max_tokens=10, sampler=greedy))
@@ -163,16 +172,7 @@ def test_any_mix_of_bit_widths_fills_the_caches_as_the_forward(tmp_path_factory,
     with load_weights_and_config(path) as loaded:
         model = loaded.model
         decoder = CompiledDecoder(model, "segmented")
-        decoder.prefill_runner(True)  # the first plan fuses the projections
-        runner = decoder.prefill_runner(True)
-        assert runner is not None
-        tokens = mx.array([ids(21)], dtype=mx.int32)
-        ours, theirs = model.make_cache(None), model.make_cache(None)
-        for start, stop in ((0, 13), (13, 21)):
-            runner(tokens[:, start:stop], ours)
-            model(tokens[:, start:stop], cache=theirs)
-        for a, b in zip(filled(ours), filled(theirs), strict=True):
-            np.testing.assert_array_equal(a, b)
+        check_fills_like_the_forward(settled_runner(decoder), model, [(0, 13), (13, 21)])
         decoder.close()
 
 
@@ -182,22 +182,15 @@ def test_one_runner_per_plan(models) -> None:
     (the new runner's caches equal the model forward's with the new weight)."""
     model = models("llama").model
     decoder = CompiledDecoder(model, "segmented")
-    decoder.prefill_runner(True)  # the first plan fuses the projections: the arrays change once
-    first = decoder.prefill_runner(True)
-    assert first is not None and decoder.prefill_runner(True) is first
+    first = settled_runner(decoder)
+    assert decoder.prefill_runner(True) is first
     layer = model.layers[1].mlp.up_proj
     old = layer.weight
     layer.weight = old * 2
     try:
-        decoder.prefill_runner(True)  # a new plan, whose fusion of the new weight changes the arrays again
-        again = decoder.prefill_runner(True)
-        assert again is not None and again is not first and decoder.prefill_runner(True) is again
-        tokens = mx.array([ids(9)], dtype=mx.int32)
-        ours, theirs = model.make_cache(None), model.make_cache(None)
-        again(tokens, ours)
-        model(tokens, cache=theirs)
-        for a, b in zip(filled(ours), filled(theirs), strict=True):
-            np.testing.assert_array_equal(a, b)
+        again = settled_runner(decoder)  # a new plan, whose fusion of the new weight changes the arrays again
+        assert again is not first and decoder.prefill_runner(True) is again
+        check_fills_like_the_forward(again, model, [(0, 9)])
     finally:
         layer.weight = old
     decoder.close()

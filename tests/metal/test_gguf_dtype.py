@@ -63,12 +63,14 @@ def _quiet() -> None:
     warnings.simplefilter("ignore", DeprecationWarning)
 
 
+HALF_PRECISION_IS_FAST = gguf_format.half_precision_is_fast  # this device's own answer
+
+
 @pytest.fixture(autouse=True)
-def _a_gpus_default(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+def _a_gpus_default(monkeypatch: pytest.MonkeyPatch) -> None:
     """The defaults a GPU chooses (float16 for quantized llama/qwen files), whatever runs the tests:
-    `test_a_cpu_computes_quantized_files_in_float32` checks the CPU's own."""
-    if request.node.name != "test_a_cpu_computes_quantized_files_in_float32":
-        monkeypatch.setattr(gguf_format, "half_precision_is_fast", lambda: True)
+    `test_a_cpu_computes_quantized_files_in_float32` puts the device's own answer back."""
+    monkeypatch.setattr(gguf_format, "half_precision_is_fast", lambda: True)
 
 
 @pytest.fixture(scope="module")
@@ -138,11 +140,13 @@ def test_the_compute_dtype_of_each_kind_of_file(arch: str, qtype: Q, extra: dict
                 assert value.dtype in (mx.float32, mx.bfloat16), name  # half-precision matrices are not widened
 
 
-def test_a_cpu_computes_quantized_files_in_float32(files: Callable[..., tuple[Path, Path]]) -> None:
+def test_a_cpu_computes_quantized_files_in_float32(files: Callable[..., tuple[Path, Path]],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the default device is a CPU (MLX computes float16 element by element there), a quantized
     llama file computes in float32 by default, with the float32 twin's logits; float16 stays an
     option. On a GPU the default is float16."""
     path, twin = files("llama", Q.Q4_0, {"token_embd.weight": Q.Q6_K, "output.weight": Q.Q6_K})
+    monkeypatch.setattr(gguf_format, "half_precision_is_fast", HALF_PRECISION_IS_FAST)
     on_gpu = mx.default_device().type == "gpu"
     assert gguf_format.half_precision_is_fast() == on_gpu
     got, ids, dtype, _, _ = run(path, "auto")

@@ -269,14 +269,12 @@ def timed_run(side: Side, prompt: list[int], max_tokens: int, clear_cache: bool 
     mlx.reset_peak_memory()
     tokens: list[int] = []
     start = time.perf_counter()
-    main_start = time.thread_time()
     first = None
-    cpu_first = main_first = 0.0
+    cpu_first = 0.0
     stream = side.stream(prompt, max_tokens)
     for token in stream:
         if first is None:
             first = time.perf_counter()
-            main_first = time.thread_time()
             cpu_first = time.process_time()
         tokens.append(token)
     end = time.perf_counter()
@@ -287,9 +285,6 @@ def timed_run(side: Side, prompt: list[int], max_tokens: int, clear_cache: bool 
     return {
         "ttft_s": first - start,
         "prefill_tps": len(prompt) / (first - start),
-        # The calling thread's CPU time to the first token: the host's graph building (where an
-        # evaluation thread encodes the kernels; a device wait that spins counts too).
-        "ttft_main_cpu_s": main_first - main_start if main_first else time.thread_time() - main_start,
         "decode_tps": (len(tokens) - 1) / decode_s if decode_s > 0 and len(tokens) > 1 else 0.0,
         "generated": len(tokens),
         # The process's CPU time per decoded token, all threads: on a shared machine it moves less

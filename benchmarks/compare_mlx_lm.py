@@ -166,8 +166,9 @@ class Side:
 class Pymlxc(Side):
     def __init__(self, compiled: bool = True, mode: str | None = None, threaded: bool | None = None,
                  cuda_matvec: str | None = None, fused_norm: str | None = None, cuda_argmax: str | None = None,
-                 rope_kv: str | None = None) -> None:
+                 rope_kv: str | None = None, dtype: str = "auto") -> None:
         self.name = (("pymlxc" if compiled else "pymlxc_uncompiled") + (f"_{mode}" if mode else "")
+                     + ("" if dtype == "auto" else f"_{dtype}")
                      + ("" if threaded is None else "_thread" if threaded else "_nothread")
                      + ("" if cuda_matvec is None else f"_matvec{cuda_matvec}")
                      + ("" if fused_norm is None else f"_fusednorm{fused_norm}")
@@ -175,6 +176,7 @@ class Pymlxc(Side):
                      + ("" if rope_kv is None else f"_ropekv{rope_kv}"))
         self.compiled = compiled
         self.mode = mode
+        self.dtype = dtype  # LoadConfig.dtype: the compute dtype asked for
         self.threaded = threaded  # None: the default for the device (PYMLXC_EVAL_THREAD)
         # Settings (pymlxc/settings.py) read at load (cuda_matvec) or by the decoder (fused_norm,
         # cuda_argmax, cuda_rope_kv); None: the process's.
@@ -188,7 +190,7 @@ class Pymlxc(Side):
 
     def load(self, path: Path) -> None:
         chosen = dataclasses.replace(pymlxc_settings.current(), **self.settings)
-        self.loaded = load_weights_and_config(path, settings=chosen)
+        self.loaded = load_weights_and_config(path, settings=chosen, dtype=self.dtype)
         self.decoder = CompiledDecoder(self.loaded.model, self.mode, settings=chosen) if self.compiled else None
         self.cuda_matvec = self.loaded.cuda_matvec
         self.weights = self.loaded.nbytes

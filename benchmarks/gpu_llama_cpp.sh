@@ -30,11 +30,11 @@
 # block kernels and MLX's 8-bit kernel; the earlier float32 runs are BENCHMARKS.md's 160 tok/s row.
 # probe: benchmarks/profile/probe_gguf_blocks.py (the block kernels' time per decode shape).
 # planes-ab: the Q4_K_M files' prefill and decode with and without the Q6_K planes, alternated.
-# prefill-split: the 1B's 128-token prefill split into runner, graph build and one eval (probe_prefill --split).
 # prefill-blocks: the Q4_K_M files' prefill compiled (block layers' rows dequantized outside the
-# trace) against op by op, beside the 1B's native 4-bit checkpoint (after bench-1b / prep-8b).
-# save-cache: the load-time check results and MLX's PTX into $OUT/user-cache.tar.gz (fresh machines' first
-# loads of a 1B Q4_K_M file ran past 80 and 135 s, what in them was not measured); unpacked into
+# trace) against op by op, beside the native checkpoints of their bit widths and the 1B bfloat16 one,
+# with the compiled prefill's host split (--split; after bench-1b / prep-8b).
+# save-cache: the load-time check results and MLX's PTX into $OUT/user-cache.tar.gz (a fresh machine's
+# first load of a 1B Q4_K_M file ran past 150 s in load-time checks and first compiles, docs/performance.md); unpacked into
 # .device-stage/b/cache/pymlxc/, install.sh gives them to the next machine.
 # Results go to $OUT: tests.txt, probe.log, <stage>/compare_llama_cpp.{json,md,png}, <stage>.log.
 # Pass --git-rev <commit> to the benchmark scripts when the lent copy's git metadata is stale.
@@ -128,22 +128,15 @@ for stage in "$@"; do
       ensure_lib
       python3 benchmarks/profile/probe_gguf_blocks.py --out "$OUT/probe" 2>&1 | tee "$OUT/probe.log" || echo "!!! probe failed"
       ;;
-    prefill-split)  # the 1B's 128-token prefill: runner, graph build and one eval against the pipelined run
-      ensure_lib
-      for f in "$MODELS"/llama-3.2-1b-bf16 "$MODELS"/llama-3.2-1b-4bit-q4_k_m-mix "$MODELS"/llama-3.2-1b-q4_k_m.gguf; do
-        [ -e "$f" ] || { echo "no $f"; continue; }
-        timeout 150 python3 benchmarks/profile/probe_prefill.py "$f" --lengths 128 --modes segmented --repeats 7 --split \
-          --out "$OUT/prefill-split-$(basename "$f" .gguf).json" 2>&1 | grep -E "tok/s|runner" || echo "!!! probe_prefill failed"
-      done
-      ;;
     prefill-blocks)  # the Q4_K_M files' prefill through the compiled segments (their Q6_K layers'
       # rows dequantized outside the trace) against op by op, and the native format of the same shape
       ensure_lib
-      for f in "$MODELS"/llama-3.2-1b-q4_k_m.gguf "$MODELS"/llama-3.2-1b-4bit-q4_k_m-mix "$MODELS"/llama-3.1-8b-q4_k_m.gguf \
-               "$MODELS"/llama-3.1-8b-4bit-q4_k_m-mix; do
+      # (--split: the compiled prefill's runner, graph build and one eval beside its time)
+      for f in "$MODELS"/llama-3.2-1b-bf16 "$MODELS"/llama-3.2-1b-q4_k_m.gguf "$MODELS"/llama-3.2-1b-4bit-q4_k_m-mix \
+               "$MODELS"/llama-3.1-8b-q4_k_m.gguf "$MODELS"/llama-3.1-8b-4bit-q4_k_m-mix; do
         [ -e "$f" ] || { echo "no $f"; continue; }
-        python3 benchmarks/profile/probe_prefill.py "$f" --lengths 128 2048 --modes segmented off --repeats 5 \
-          --out "$OUT/prefill-blocks-$(basename "$f" .gguf).json" 2>&1 | grep "tok/s" || echo "!!! probe_prefill failed"
+        python3 benchmarks/profile/probe_prefill.py "$f" --lengths 128 2048 --modes segmented off --repeats 5 --split \
+          --out "$OUT/prefill-blocks-$(basename "$f" .gguf).json" 2>&1 | grep -E "tok/s|runner" || echo "!!! probe_prefill failed"
       done
       ;;
     save-cache)  # the machine's load-time check results and MLX's compiled kernels (ptx_cache.py), for

@@ -11,6 +11,7 @@ block layers, the group-32 products, or the compiled segments that do not trace 
         [--lead 1 2]                 # each lead of the host over the device (generate.PREFILL_LEAD_LAYERS)
         [--keep-cache]               # MLX's buffer cache kept between runs (llama-bench keeps its buffers)
         [--split [--profile 25]]     # the compiled prefill's host split (below); cProfile of its build
+        [--dtype auto float16]       # each compute dtype asked for at load (LoadConfig.dtype)
 
 `--split` (segmented mode) also times, medians of --repeats: `runner_ms`, the decoder handing out its
 prefill runner (once a generation); `build_ms`, the runner building one chunk's graph with nothing
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", action="store_true",
                    help="segmented mode: also the runner, graph-build and one-eval times (see above)")
     p.add_argument("--profile", type=int, default=0, help="with --split: cProfile the build, this many functions")
+    p.add_argument("--dtype", nargs="+", default=["auto"], help="each compute dtype asked for at load")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     from pymlxc.backends.metal import generate, nn
@@ -101,12 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     default_lead = generate.PREFILL_LEAD_LAYERS
     default_budget = generate.PREFILL_DENSE_BYTES
     rows: list[dict[str, Any]] = []
-    for path, mode, dense, lead in ((p, m, d, ld) for p in args.models for m in args.modes
-                                    for d in args.dense_min_rows for ld in args.lead):
+    for path, mode, dense, lead, dtype in ((p, m, d, ld, dt) for p in args.models for m in args.modes
+                                           for d in args.dense_min_rows for ld in args.lead for dt in args.dtype):
         nn.DENSE_MIN_ROWS = dense or default_rows  # read when a model loads (mark_dense_products)
         generate.PREFILL_LEAD_LAYERS = lead or default_lead
         generate.PREFILL_DENSE_BYTES = default_budget if not lead else 1 << 62  # a given lead holds for every chunk
-        side = Pymlxc(compiled=mode != "off", mode=None if mode == "off" else mode)
+        side = Pymlxc(compiled=mode != "off", mode=None if mode == "off" else mode, dtype=dtype)
         side.load(path)
         try:
             for n in args.lengths:
@@ -117,9 +119,10 @@ def main(argv: list[str] | None = None) -> int:
                 ms = 1e3 * statistics.median(times)
                 rows.append({"model": str(path), "mode": mode, "dense_min_rows": nn.DENSE_MIN_ROWS,
                              "lead_layers": generate.PREFILL_LEAD_LAYERS, "prompt": n,
-                             "keep_cache": args.keep_cache,
+                             "keep_cache": args.keep_cache, "dtype": str(side.loaded.model.compute_dtype),
                              "ttft_ms": ms, "prefill_tps": n / ms * 1e3})
-                print(f"{path.name:40s} {mode:9s} dense>={nn.DENSE_MIN_ROWS:<5d} lead {generate.PREFILL_LEAD_LAYERS} "
+                print(f"{path.name:40s} {mode:9s} {str(side.loaded.model.compute_dtype).split('.')[-1]:8s} "
+                      f"dense>={nn.DENSE_MIN_ROWS:<5d} lead {generate.PREFILL_LEAD_LAYERS} "
                       f"{n:5d} tokens  {ms:8.2f} ms  {n / ms * 1e3:9.0f} tok/s", flush=True)
                 if args.split and mode == "segmented":
                     split = host_split(side, n, args.repeats, args.profile)

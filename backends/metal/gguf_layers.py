@@ -36,7 +36,7 @@ def planes_rows(planes: Array, start: int, stop: int, dtype: Any) -> Array:
     """Rows start..stop of Q6_K planes (`gguf_blocks.to_planes`) as [stop - start, K] of `dtype`: the
     planes' lookup kernel over those rows where it passed its check, else the rows read back into
     blocks first."""
-    if kernel_choice.kernels_allowed() and gguf_blocks.planes_lookup_ready():
+    if kernel_choice.kernels_allowed() and gguf_blocks.planes_lookup_ready(dtype):
         return gguf_blocks.lookup_planes(planes, mx.arange(start, stop, dtype=mx.int32), dtype)
     return dequantize_rows(gguf_blocks.from_planes(planes, start, stop), QType.Q6_K, dtype)
 
@@ -243,7 +243,7 @@ def use_block_layers(model: nn.Module, types: dict[str, Any], dtype: mx.Dtype = 
         setattr(owner, name, block_form(layer, qtype, dtype))
         swapped += 1
     for qtype in sorted({QType(t) for t in types.values()}):
-        gguf_blocks.ready(qtype, dtype)  # check the kernels now (every dtype), not in a generation
+        gguf_blocks.ready(qtype, dtype)  # check the kernels for this dtype now, not in a generation
     return swapped
 
 
@@ -258,7 +258,7 @@ def use_planes(model: nn.Module, dtype: mx.Dtype, use: bool = True) -> int:
         return 0
     # The lookup kernel reads embeddings' rows and prefill chunks' (`planes_rows`): checked here, on
     # the loading thread (a first check during a generation would run on its decode thread).
-    embeddings = gguf_blocks.planes_lookup_ready()
+    embeddings = gguf_blocks.planes_lookup_ready(dtype)
     done = 0
     for _, layer in model.named_modules():
         if not isinstance(layer, BlockLinear) and not (embeddings and isinstance(layer, BlockEmbedding)):

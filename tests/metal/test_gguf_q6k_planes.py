@@ -142,7 +142,7 @@ def test_a_planes_lookup_that_cannot_run_warns_and_the_rows_go_through_blocks(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the planes' lookup kernel fails its check (here the CPU: MLX cannot build a CUDA
     kernel), it warns once, naming the fallback, and a prefill chunk reads its rows back into blocks."""
-    if gguf_blocks.planes_lookup_ready():
+    if gguf_blocks.planes_lookup_ready(mx.float32):
         pytest.skip("the kernel runs here; tested below")
     monkeypatch.setattr(gguf_blocks, "planes_ready", lambda dtype: True)
     gguf_blocks.planes_checks.forget()
@@ -152,7 +152,7 @@ def test_a_planes_lookup_that_cannot_run_warns_and_the_rows_go_through_blocks(
         with pytest.warns(RuntimeWarning, match="Q6_K planes is not used: it cannot run here.*the file's block layout"):
             got = np.asarray(planes_layer(x))
         np.testing.assert_array_equal(got, np.asarray(file_layer(x)))
-        assert gguf_blocks.planes_checks.known() == {("cuda", "lookup"): False}
+        assert gguf_blocks.planes_checks.known() == {("cuda", "lookup", "float32"): False}
     finally:
         gguf_blocks.planes_checks.forget()
 
@@ -185,7 +185,7 @@ def test_the_loader_rearranges_q6k_layers_and_file_layout_undoes_it(
     here: the layers trust the load-time checks, so the kernels stay out) are those of the file's
     layout; `file_layout` (before a tensor-parallel split) restores the bytes."""
     monkeypatch.setattr(gguf_blocks, "planes_ready", lambda dtype: True)
-    monkeypatch.setattr(gguf_blocks, "planes_lookup_ready", lambda: lookup)
+    monkeypatch.setattr(gguf_blocks, "planes_lookup_ready", lambda dtype: lookup)
     path = _q6k_file(tmp_path, tied)
     off = _loaded(path, "0")
     on = _loaded(path, "1")
@@ -215,6 +215,34 @@ def test_without_the_kernel_nothing_is_rearranged(tmp_path: Path) -> None:
     loaded = _loaded(_q6k_file(tmp_path), "1")
     assert not any(m.planes for _, m in loaded.model.named_modules() if isinstance(m, BlockLinear))
     loaded.free()
+
+
+def test_a_load_checks_the_kernels_for_its_own_dtype_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load-time checks compile every template they run (a second or more each on a fresh H100):
+    a model that computes in float16 checks the block, planes and lookup kernels for float16 alone,
+    each once. (The kernels are taken as passing here and never run: the checks are replaced.)"""
+    asked: list[tuple[str, Any]] = []
+
+    def passes(*what: Any) -> None:
+        asked.append(what)
+
+    monkeypatch.setattr(gguf_blocks, "device_kind", lambda: "cuda")
+    monkeypatch.setattr(gguf_blocks, "_compare", lambda kind, qtype, dtype: passes("blocks", Q(qtype).name, dtype))
+    monkeypatch.setattr(gguf_blocks, "_compare_planes", lambda dtype: passes("planes", dtype))
+    monkeypatch.setattr(gguf_blocks, "_compare_planes_lookup", lambda dtype: passes("lookup", dtype))
+    gguf_blocks.checks.forget()
+    gguf_blocks.planes_checks.forget()
+    try:
+        chosen = dataclasses.replace(pymlxc_settings.current(), cuda_q6k_planes="1")
+        loaded = load_weights_and_config(_q6k_file(tmp_path), settings=chosen, dtype="float16")
+        assert sorted(asked, key=str) == [("blocks", "Q6_K", mx.float16), ("lookup", mx.float16),
+                                          ("planes", mx.float16)]
+        assert {key[-1] for key in gguf_blocks.checks.known()} == {"float16"}
+        assert loaded.model.model.embed_tokens.planes  # the lookup kernel's verdict for float16 was used
+        loaded.free()
+    finally:
+        gguf_blocks.checks.forget()  # the replaced checks' verdicts, in this process and the cache
+        gguf_blocks.planes_checks.forget()
 
 
 # ---------------------------------------------------------------------- on CUDA
@@ -258,7 +286,7 @@ def test_the_planes_kernel_at_llama_shapes(shape: tuple[int, int]) -> None:
        seed=st.integers(0, 1000), data=st.data())
 def test_a_range_of_planes_rows_is_the_blocks_bit_for_bit(n: int, nb: int, dtype: str, seed: int, data: Any) -> None:
     """Rows of planes read by the lookup kernel (a prefill chunk's) against the block kernel on the same rows."""
-    assert gguf_blocks.planes_lookup_ready()
+    assert gguf_blocks.planes_lookup_ready(getattr(mx, dtype))
     blocks = mx.array(gguf_blocks.random_blocks(np.random.default_rng(seed), (n, nb), Q.Q6_K))
     planes = gguf_blocks.to_planes(blocks)
     start = data.draw(st.integers(0, n - 1))
@@ -272,7 +300,7 @@ def test_a_range_of_planes_rows_is_the_blocks_bit_for_bit(n: int, nb: int, dtype
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_the_planes_lookup_is_the_blocks_bit_for_bit(dtype: str) -> None:
     """Token rows read from planes (repeats, any order, the last row) against the block kernel."""
-    assert gguf_blocks.planes_lookup_ready()
+    assert gguf_blocks.planes_lookup_ready(getattr(mx, dtype))
     rng = np.random.default_rng(4)
     blocks = mx.array(gguf_blocks.random_blocks(rng, (300, 8), Q.Q6_K))
     ids = mx.array(np.array([299, 0, 7, 7, 123, 299], np.int32))

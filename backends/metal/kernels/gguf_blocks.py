@@ -803,22 +803,22 @@ def lookup_planes(p: Array, ids: Array, dtype: Any) -> Array:
     return out
 
 
-def planes_lookup_ready() -> bool:
-    """Whether `lookup_planes` serves here (checked now, the first time, against the block kernel's
-    dequantization of the same rows, bit for bit): only then do token embeddings take the planes
-    (`gguf_layers.use_planes`, at load) and prefill chunks read their rows with it; else those rows
-    are read back into blocks first."""
-    if not planes_ready(mx.float16):
+def planes_lookup_ready(dtype: Any) -> bool:
+    """Whether `lookup_planes` serves rows of `dtype` here (checked now, the first time, against the
+    block kernel's dequantization of the same rows, bit for bit): only then do token embeddings take
+    the planes (`gguf_layers.use_planes`, at load) and prefill chunks read their rows with it; else
+    those rows are read back into blocks first."""
+    if not planes_ready(dtype):
         return False
-    return planes_checks.verdict(("cuda", "lookup"), _compare_planes_lookup)
+    return planes_checks.verdict(("cuda", "lookup", dtype_name(dtype)), lambda: _compare_planes_lookup(dtype))
 
 
 def planes_ready(dtype: Any) -> bool:
     """Whether the CUDA Q6_K planes kernel serves x of `dtype` here: on CUDA, once `_compare_planes`
-    passed (run now, the first time) and the file-layout kernel passed its own check."""
+    passed for `dtype` (run now, the first time) and the file-layout kernel passed its own check."""
     if ready(QType.Q6_K, dtype) != "cuda":
         return False
-    return planes_checks.verdict(("cuda", "matvec"), _compare_planes)
+    return planes_checks.verdict(("cuda", "matvec", dtype_name(dtype)), lambda: _compare_planes(dtype))
 
 
 # ---------------------------------------------------------------------------------------- checked once
@@ -827,17 +827,24 @@ checks = CheckedOnce("pymlxc's kernels for GGUF Q2_K/Q3_K/Q6_K blocks")
 planes_checks = CheckedOnce("pymlxc's kernels for Q6_K planes", fallback="the file's block layout")
 
 
+def dtype_name(dtype: Any) -> str:
+    """"float16" for mx.float16: a dtype as a check's key holds it (plain data, kept in the user cache)."""
+    return str(dtype).rsplit(".", 1)[-1]
+
+
 def ready(qtype: QType, dtype: Any) -> str | None:
     """The kernel kind to use for `qtype` blocks and x of `dtype` on this device: "cuda" or
     "metal" once `compare` passed for them (run now, the first time), else None (MLX ops)."""
     kind = device_kind()
-    if kind is None:
+    if kind is None or dtype not in FLOAT_TYPES:
         return None
-    # One verdict per type for every dtype, reached at load (`use_block_layers`): a first check in
-    # the middle of a generation ran on the decode thread, where it failed on the H100
-    # ("There is no Stream(gpu, 1) in current thread") and left the layers on MLX ops.
-    ok = checks.verdict((kind, int(qtype)), lambda: _compare_dtypes(kind, qtype))
-    return kind if ok and dtype in FLOAT_TYPES else None
+    # One verdict per type and dtype. The model's dtype is checked at load (`use_block_layers`): a
+    # first check in the middle of a generation ran on the decode thread, where it failed on the H100
+    # ("There is no Stream(gpu, 1) in current thread") and left the layers on MLX ops. Only that
+    # dtype: every template a check runs is compiled first (NVRTC, a second or more each on a fresh
+    # H100), and a model computes in one dtype.
+    ok = checks.verdict((kind, int(qtype), dtype_name(dtype)), lambda: _compare(kind, qtype, dtype))
+    return kind if ok else None
 
 
 def random_blocks(rng: np.random.Generator, shape: tuple[int, ...], qtype: QType, scale: float = 0.02) -> np.ndarray:
@@ -850,15 +857,6 @@ def random_blocks(rng: np.random.Generator, shape: tuple[int, ...], qtype: QType
         d = (rng.uniform(0.25, 1.0, shape) * scale * rng.choice([-1, 1], shape)).astype(np.float16)
         b[..., at:at + 2] = d[..., None].view(np.uint8).reshape(*shape, 2)
     return b
-
-
-def _compare_dtypes(kind: str, qtype: QType) -> str | None:
-    """`_compare` for each floating dtype of x, with one row (the decode template, compiled now)."""
-    for dtype in FLOAT_TYPES:
-        why = _compare(kind, qtype, dtype)
-        if why is not None:
-            return why
-    return None
 
 
 def _compare(kind: str, qtype: QType, dtype: Any) -> str | None:
@@ -898,10 +896,10 @@ def _same_bits(got: Array, want: Array) -> bool:
                           np.asarray(want.astype(mx.float32)).view(np.uint32))
 
 
-def _compare_planes_lookup() -> str | None:
+def _compare_planes_lookup(dtype: Any) -> str | None:
     """None where `lookup_planes` of repeated and out-of-order ids (an embedding's lookup) and of a
-    range of rows (a prefill chunk's) is the block kernel's dequantization of `take` of the same
-    rows, bit for bit, for each dtype; else why not."""
+    range of rows (a prefill chunk's) in `dtype` is the block kernel's dequantization of `take` of
+    the same rows, bit for bit; else why not."""
     rng = np.random.default_rng(3)
     n, nb = 37, 3
     blocks = mx.array(random_blocks(rng, (n, nb), QType.Q6_K))
@@ -909,17 +907,16 @@ def _compare_planes_lookup() -> str | None:
     for ids in (mx.array(np.array([5, 0, 36, 5, 17], np.int32)), mx.arange(5, 11, dtype=mx.int32)):
         if not np.array_equal(np.asarray(take_planes(planes, ids)), np.asarray(mx.take(blocks, ids, axis=0))):
             return "rows taken from the Q6_K planes are not those of the blocks"
-        for dtype in FLOAT_TYPES:
-            want = dequantize(mx.take(blocks, ids, axis=0), QType.Q6_K, dtype, "cuda")
-            if not _same_bits(lookup_planes(planes, ids, dtype), want):
-                return f"the Q6_K planes lookup of rows {np.asarray(ids).tolist()} differs from the blocks' ({dtype})"
+        want = dequantize(mx.take(blocks, ids, axis=0), QType.Q6_K, dtype, "cuda")
+        if not _same_bits(lookup_planes(planes, ids, dtype), want):
+            return f"the Q6_K planes lookup of rows {np.asarray(ids).tolist()} differs from the blocks' ({dtype})"
     return None
 
 
-def _compare_planes() -> str | None:
+def _compare_planes(dtype: Any) -> str | None:
     """None where `from_planes(to_planes(w))` is w and the planes kernel gives the file-layout
-    kernel's values bit for bit (the same lanes, products and sums), for each dtype of x, 1 and 8
-    rows of x and each warp split; else why not. (Each is a template NVRTC compiles on a machine's
+    kernel's values bit for bit (the same lanes, products and sums), for x of `dtype`, 1 and 8 rows
+    of x and each warp split; else why not. (Each is a template NVRTC compiles on a machine's
     first load: the tests cover more row counts.)"""
     rng = np.random.default_rng(1)
     n, nb = 37, 9  # rows not a multiple of a block's; 9 blocks, so that the warps split rows unevenly
@@ -930,19 +927,18 @@ def _compare_planes() -> str | None:
     if not np.array_equal(np.asarray(from_planes(planes, 5, 11)), np.asarray(blocks[5:11])):
         return "rows 5..11 of the Q6_K planes are not those of the blocks"
     idx = mx.zeros((3,), mx.int32)
-    for dtype in FLOAT_TYPES:
-        for m in (1, MAX_X_ROWS):  # the two templates of q6k_rows (4 rows a warp, 2)
-            x = mx.array(rng.standard_normal((3, m, nb * QK_K)).astype(np.float32)).astype(dtype)
-            for warps in (1, 2, 4):
-                want = matvec(x, mx.expand_dims(blocks, 0), idx, QType.Q6_K, "cuda", warps=warps)
-                got = matvec(x, mx.expand_dims(planes, 0), idx, QType.Q6_K, "cuda", warps=warps, planes=True)
-                if not _same_bits(got, want):
-                    return (f"the Q6_K planes kernel differs from the file-layout kernel ({dtype} x, {m} rows, "
-                            f"warps {warps})")
+    for m in (1, MAX_X_ROWS):  # the two templates of q6k_rows (4 rows a warp, 2)
+        x = mx.array(rng.standard_normal((3, m, nb * QK_K)).astype(np.float32)).astype(dtype)
+        for warps in (1, 2, 4):
+            want = matvec(x, mx.expand_dims(blocks, 0), idx, QType.Q6_K, "cuda", warps=warps)
+            got = matvec(x, mx.expand_dims(planes, 0), idx, QType.Q6_K, "cuda", warps=warps, planes=True)
+            if not _same_bits(got, want):
+                return (f"the Q6_K planes kernel differs from the file-layout kernel ({dtype} x, {m} rows, "
+                        f"warps {warps})")
     return None
 
 
-__all__ = ["MAX_X_ROWS", "Q6K_SIZE", "TYPE_IDS", "checks", "dequantize", "device_kind",
+__all__ = ["MAX_X_ROWS", "Q6K_SIZE", "TYPE_IDS", "checks", "dequantize", "device_kind", "dtype_name",
            "from_planes", "lookup_planes", "matvec", "planes_checks", "planes_lookup_ready",
            "planes_ready", "q6k_rounding_step", "random_blocks", "ready", "take_planes", "to_planes",
            "x_rounding_bound"]

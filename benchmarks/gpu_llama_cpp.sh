@@ -93,8 +93,10 @@ for stage in "$@"; do
       ;;
     tests)
       ensure_lib
-      python3 -m pytest tests/metal/test_gguf_kernels.py tests/metal/test_gguf_quants.py tests/metal/test_gguf_dtype.py \
-        tests/metal/test_cuda_matvec.py tests/metal/test_prefill_segments.py \
+      # The mixed-precision checkpoint first: its children run the compiled path a crash would end.
+      python3 -m pytest tests/reliability/test_mixed_precision.py tests/metal/test_gguf_kernels.py \
+        tests/metal/test_gguf_quants.py tests/metal/test_gguf_dtype.py tests/metal/test_cuda_matvec.py \
+        tests/metal/test_prefill_segments.py \
         -q -p no:cacheprovider -x 2>&1 | tee "$OUT/tests.txt" | tail -30 || true
       ;;
     prep-8b-bg)

@@ -30,7 +30,7 @@ from pymlxc.settings import current as current_settings
 from . import nn
 from .config_check import check_against_tensors
 from .formats.errors import ConfigError, WeightsFileError
-from .formats.safetensors import SUPPORTED_BITS, canonical_name, quantization_of, read_config, read_shards, weight_files
+from .formats.safetensors import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, canonical_name, quantization_of, read_config, read_shards, weight_files
 from .kernels.check import on_cuda
 from .models import UnsupportedModelError, get_model_module, infer_model_type
 from .models.switch_layers import QuantizedSwitchLinear
@@ -116,10 +116,20 @@ def _quant_params(path: str, module: nn.Module, weights: Mapping[str, Array], de
     in_dims = weight.shape[-1]  # (out, in), or (experts, out, in) for a SwitchLinear
     bits = packed.shape[-1] * 32 // in_dims
     group_size = in_dims // scales.shape[-1] if scales.shape[-1] else 0
-    if bits not in SUPPORTED_BITS or not group_size or in_dims % group_size:
+    # Exactly those: a floor that fits would read a wrong-width matrix as another bit width.
+    if (bits not in SUPPORTED_BITS or group_size not in SUPPORTED_GROUP_SIZES or packed.shape[-1] * 32 != bits * in_dims
+            or scales.shape[-1] * group_size != in_dims):
         raise nn.WeightsError(f"tensor {path}.weight: cannot read its quantization (packed shape {packed.shape}, "
                               f"scales shape {scales.shape}, {in_dims} inputs)")
     return {"group_size": group_size, "bits": bits}
+
+
+def _weight_of(tensor: str) -> str:
+    """The weight a quantized layer's scales or biases go with (the name its file records)."""
+    for part in (".scales", ".biases"):
+        if tensor.endswith(part):
+            return tensor[: -len(part)] + ".weight"
+    return tensor
 
 
 def _check_dtypes(params: Mapping[str, Array], weights: Mapping[str, Array], origin: Mapping[str, Path]) -> None:
@@ -225,16 +235,20 @@ def load_gguf_weights(path: str | os.PathLike[str], *, context_len: int = 131072
     """The LoadedModel of the GGUF file at `path` (see gguf.py); `reader`: its GGUFReader, where read already;
     `dtype`: "auto" (gguf_tensors.compute_dtype decides) or the dtype to compute in."""
     # formats/gguf.py and gguf_layers.py need the optional `gguf` package: imported for GGUF files only.
-    from .formats.gguf import read_gguf_checkpoint  # noqa: PLC0415
+    from .formats.gguf import GGUFError, read_gguf_checkpoint  # noqa: PLC0415
     from .gguf_layers import use_block_layers, use_planes  # noqa: PLC0415
 
     check_regular_file(Path(path), what="GGUF file")
     ckpt = read_gguf_checkpoint(path, reader, dtype=requested_dtype(dtype))
     blocks, compute = ckpt.blocks, ckpt.dtype
     layers = (lambda model: use_block_layers(model, blocks, compute)) if blocks else None
-    loaded = build_model(ckpt.config, ckpt.arrays, dict.fromkeys(ckpt.arrays, ckpt.file), source=ckpt.file,
-                         root=ckpt.file, context_len=context_len, progress=progress, layers=layers,
-                         settings=settings, compute_dtype=ckpt.dtype)
+    try:
+        loaded = build_model(ckpt.config, ckpt.arrays, dict.fromkeys(ckpt.arrays, ckpt.file), source=ckpt.file,
+                             root=ckpt.file, context_len=context_len, progress=progress, layers=layers,
+                             settings=settings, compute_dtype=ckpt.dtype)
+    except nn.WeightsError as exc:  # a tensor that does not fit the model: say which file, and its name there
+        gguf_name = ckpt.names.get(_weight_of(exc.tensor)) if exc.tensor else None
+        raise GGUFError(f"{ckpt.file}: {exc}" + (f" (GGUF tensor {gguf_name!r})" if gguf_name else "")) from None
     del ckpt  # its arrays: a tensor rearranged below is then freed as soon as its copy is made
     if blocks:
         chosen = settings if settings is not None else current_settings()

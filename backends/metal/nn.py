@@ -48,7 +48,12 @@ _rms_norm = mx.fast.rms_norm
 
 
 class WeightsError(ValueError):
-    """Checkpoint tensors do not fit the model: the message names the tensor(s)."""
+    """Checkpoint tensors do not fit the model: the message names the tensor(s); `tensor`, where one
+    tensor is at fault, its name (a loader adds where it came from)."""
+
+    def __init__(self, message: str, tensor: str | None = None) -> None:
+        super().__init__(message)
+        self.tensor = tensor
 
 
 def child(node: Any, part: str) -> Any:
@@ -207,7 +212,8 @@ class Module:
             for name, value in weights.items():
                 want, got = params[name].shape, value.shape
                 if want != got:
-                    raise WeightsError(f"tensor {name!r} has shape {got} in the checkpoint, the model expects {want}")
+                    raise WeightsError(f"tensor {name!r} has shape {got} in the checkpoint, the model expects {want}",
+                                       tensor=name)
         return self.update(weights, strict=strict)
 
     # ------------------------------------------------------------------ lifetime

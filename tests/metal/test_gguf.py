@@ -149,6 +149,27 @@ def test_mixed_types_quantize_per_layer(tiny: dict[str, Path], tmp_path: Path) -
         assert isinstance(loaded.model.layers[1].mlp.down_proj, nn.Linear)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K])
+def test_a_matrix_of_the_wrong_width_is_refused(qtype: Q, tmp_path: Path) -> None:
+    """A repacked matrix with half the model's inputs used to load as another bit width (Q8_0 as 4
+    bits, Q4_0 as 2: garbage, no error) or fail at run time (MLX's group size error): its packed
+    shape is now checked against the model's at the layer's own bits, naming the file and tensor."""
+    from safetensors.numpy import load_file, save_file
+
+    model = write_tiny_model(tmp_path / "hf", "llama", seed=3, hidden_size=512, intermediate_size=512)
+    shards = list(model.glob("*.safetensors"))
+    tensors = {k: v for shard in shards for k, v in load_file(shard).items()}
+    name = "model.layers.1.self_attn.v_proj.weight"
+    tensors[name] = np.ascontiguousarray(tensors[name][:, :256])
+    for shard in shards:
+        shard.unlink()
+    save_file(tensors, model / "model.safetensors")
+    path = export_gguf(model, tmp_path / "narrow-v.gguf", qtype)
+    with pytest.raises(GGUFError, match=rf"{path}: tensor '{name}' has shape .* the model expects .*"
+                                        r"\(GGUF tensor 'blk.1.attn_v.weight'\)"):
+        load_weights_and_config(path)
+
+
 @pytest.mark.parametrize("head_dim", [16, 64])  # one, and several, pairs in Llama 3's blend band
 def test_llama3_rope_scaling_from_rope_freqs(head_dim: int, tmp_path: Path) -> None:
     src = write_tiny_model(tmp_path / "l3", "llama", rope_scaling=LLAMA3_ROPE_SCALING, extra_config={"head_dim": head_dim})

@@ -123,6 +123,26 @@ def test_shards_from_index_and_other_layouts_ignored(tiny: Path) -> None:
         load_weights_and_config(tiny)
 
 
+@pytest.mark.parametrize("change", ["group 16", "packed narrower"])
+def test_a_quantized_layer_whose_shapes_fit_no_format_is_named(tmp_path: Path, change: str) -> None:
+    """A layer's bits and group size are read from its packed weight and scales: scales of 16-value
+    groups (which MLX cannot unpack; it failed at the first product) or a packed row that is not a
+    whole number of bits per input are refused at load, naming the tensor."""
+    path = write_tiny_model(tmp_path / "q", "llama", seed=3, quantize_bits=4, group_size=32)
+    layer = "model.layers.0.self_attn.o_proj"
+
+    def edit(w: dict[str, np.ndarray]) -> None:
+        if change == "group 16":
+            for part in ("scales", "biases"):
+                w[f"{layer}.{part}"] = np.repeat(w[f"{layer}.{part}"], 2, axis=1)
+        else:
+            w[f"{layer}.weight"] = np.ascontiguousarray(w[f"{layer}.weight"][:, :-1])
+
+    _edit_weights(path, edit)
+    with pytest.raises(nn.WeightsError, match=f"tensor {layer}.weight: cannot read its quantization"):
+        load_weights_and_config(path)
+
+
 def test_unsupported_quantization_method(tiny: Path) -> None:
     _edit_config(tiny, quantization_config={"quant_method": "gptq", "desc_act": False})
     with pytest.raises(ConfigError, match="gptq"):

@@ -23,7 +23,7 @@ import math
 import os
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -272,13 +272,15 @@ def _model_config(reader: GGUFReader) -> dict[str, Any]:
 class GGUFCheckpoint:
     """What `loader.build_model` needs from a GGUF file: the HF-style config, the tensors under HF
     names, `blocks`: the layers kept as llama.cpp's blocks (module path -> type, for
-    `gguf_layers.use_block_layers`; empty where there are none), and the dtype the model computes in."""
+    `gguf_layers.use_block_layers`; empty where there are none), the dtype the model computes in, and
+    each HF tensor name's name in the file."""
 
     file: Path
     config: dict[str, Any]
     arrays: dict[str, Any]
     blocks: dict[str, Any]
     dtype: Any
+    names: dict[str, str] = field(default_factory=dict)
 
 
 def half_precision_is_fast() -> bool:
@@ -299,7 +301,9 @@ def read_gguf_checkpoint(path: str | os.PathLike[str], reader: GGUFReader | None
         arch = architecture(reader)
         compute = compute_dtype(reader, arch, dtype, fast_half=half_precision_is_fast())
         weights = read_tensors(reader, arch, config, compute, explicit=dtype is not None)
-    return GGUFCheckpoint(file, config, weights.arrays, dict(weights.block_layers), compute)
+    if weights.quantization:  # each repacked layer's own bits, as mlx-lm records a mixed recipe
+        config["quantization"].update(weights.quantization)
+    return GGUFCheckpoint(file, config, weights.arrays, dict(weights.block_layers), compute, weights.names)
 
 
 # ---------------------------------------------------------------------- description

@@ -177,10 +177,15 @@ def unpermute_order(rows: int, n_heads: int) -> np.ndarray:
 
 @dataclass
 class GGUFWeights:
-    """What the loader builds the model from: arrays under HF names, and the module paths whose
-    weight is kept as GGUF blocks (path -> type)."""
+    """What the loader builds the model from: arrays under HF names, the module paths whose
+    weight is kept as GGUF blocks (path -> type), the repacked layers' quantization (path ->
+    {"group_size", "bits"}: the loader then checks their packed shapes against the model's instead
+    of reading bits and group from them, which a matrix of the wrong width would fake), and each
+    HF name's tensor in the file (for errors)."""
     arrays: dict[str, Array] = field(default_factory=dict)
     block_layers: dict[str, QType] = field(default_factory=dict)
+    quantization: dict[str, dict[str, int]] = field(default_factory=dict)
+    names: dict[str, str] = field(default_factory=dict)
 
 
 def _raw(reader: GGUFReader, tensor: Any) -> np.ndarray:
@@ -465,16 +470,18 @@ def _start_convert(out: GGUFWeights, raw: np.ndarray, qtype: QType, shape: tuple
                    *, cast: _Cast | None, shift: bool = False, cols: np.ndarray | None = None, half_2d: bool = False,
                    rows: np.ndarray | None = None, pool: Executor | None = None) -> Finish:
     """`_convert` begun: an affine tensor's chunks queued on `pool`; the function returned does the rest."""
+    out.names[target] = name
     if qtype in AFFINE_BITS:
         # The rows are gathered chunk by chunk: no copy of the whole tensor in the new order.
         repacked = start_repack(raw, qtype, name, rows=rows, pool=pool)
-        return functools.partial(_finish_affine, out, repacked, shape, target, cols)
+        return functools.partial(_finish_affine, out, repacked, qtype, shape, target, cols)
     return functools.partial(_convert_now, out, raw, qtype, shape, target, name, cast, shift, cols, half_2d, rows)
 
 
-def _finish_affine(out: GGUFWeights, repacked: Callable[[], Repacked], shape: tuple[int, ...], target: str,
-                   cols: np.ndarray | None) -> None:
+def _finish_affine(out: GGUFWeights, repacked: Callable[[], Repacked], qtype: QType, shape: tuple[int, ...],
+                   target: str, cols: np.ndarray | None) -> None:
     module = target.rpartition(".")[0]
+    out.quantization[module] = {"group_size": GROUP, "bits": AFFINE_BITS[qtype]}
     try:
         packed, scales, biases = repacked()
     except QuantError as exc:

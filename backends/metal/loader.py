@@ -30,7 +30,15 @@ from pymlxc.settings import current as current_settings
 from . import nn
 from .config_check import check_against_tensors
 from .formats.errors import ConfigError, WeightsFileError
-from .formats.safetensors import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, canonical_name, quantization_of, read_config, read_shards, weight_files
+from .formats.safetensors import (
+    SUPPORTED_BITS,
+    SUPPORTED_GROUP_SIZES,
+    canonical_name,
+    quantization_of,
+    read_config,
+    read_shards,
+    weight_files,
+)
 from .kernels.check import on_cuda
 from .models import UnsupportedModelError, get_model_module, infer_model_type
 from .models.switch_layers import QuantizedSwitchLinear

@@ -90,6 +90,21 @@ def test_f32_export_has_the_logits_of_its_safetensors_original(arch: str, tiny: 
             assert config[key] == original[key], key
 
 
+def test_a_llama_with_attention_biases(tmp_path: Path) -> None:
+    """llama.cpp permutes a Llama's q/k bias values as it does the weight rows: they are put back per
+    head like the rows (the 1-D tensor used to be taken for one row, and the file was refused)."""
+    from safetensors.numpy import load_file, save_file
+
+    model = write_tiny_model(tmp_path / "hf", "llama", seed=3, extra_config={"attention_bias": True})
+    file = model / "model.safetensors"
+    tensors, rng = load_file(file), np.random.default_rng(0)
+    for name in [k for k in tensors if k.endswith(tuple(f"{p}_proj.weight" for p in "qkvo"))]:
+        tensors[name.removesuffix("weight") + "bias"] = rng.standard_normal(tensors[name].shape[0]).astype(np.float32)
+    save_file(tensors, file)
+    path = export_gguf(model, tmp_path / "bias.gguf", Q.F32)
+    np.testing.assert_allclose(logits(path), logits(model), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_f16_and_bf16_exports(arch: str, tiny: dict[str, Path], export: Callable[..., Path]) -> None:
     original = logits(tiny[arch])

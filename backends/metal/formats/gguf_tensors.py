@@ -267,6 +267,11 @@ def _read_tensors(reader: GGUFReader, arch: str, config: Mapping[str, Any], dtyp
         target = hf_name(name, arch)
         order = None
         if arch == "llama" and (".self_attn.q_proj." in target or ".self_attn.k_proj." in target):
+            if len(shape) == 1:  # a bias: llama.cpp permuted its values as it did the weight's rows
+                if GGML_QUANT_SIZES[qtype][0] != 1:
+                    raise TensorError(f"tensor {name!r} is a {qtype.name} bias; its values cannot be put back in "
+                                      "head order (llama.cpp stores them as F32)")
+                raw = raw.reshape(shape[0], -1)
             order = unpermute_order(raw.shape[0], heads if ".q_proj." in target else kv_heads)
         if target.endswith(".mlp.shared_expert_gate.weight") and len(shape) == 1:
             shape = (1, shape[0])  # llama.cpp stores Qwen 2 MoE's shared-expert gate as a vector

@@ -152,6 +152,25 @@ def test_a_mixed_precision_checkpoint(tmp_path, switches) -> None:
         decoder.close()
 
 
+def test_a_prompt_longer_than_the_context(models) -> None:
+    """A rotating cache (a context shorter than the prompt): the mask is made before the cache takes
+    the chunk, as the model's forward makes it. Made after, it no longer fit the keys: the runner
+    failed with MLX's broadcast error and the decoder left the compiled prefill for good."""
+    model = models("llama").model
+    decoder = CompiledDecoder(model, "segmented")
+    runner = settled_runner(decoder)
+    tokens = mx.array([ids(40)], dtype=mx.int32)
+    for bounds in ([(0, 40)], [(0, 12), (12, 40)]):
+        ours, theirs = model.make_cache(16), model.make_cache(16)
+        for start, stop in bounds:
+            runner(tokens[:, start:stop], ours)
+            model(tokens[:, start:stop], cache=theirs)
+        for a, b in zip([x for c in ours for x in c.state], [x for c in theirs for x in c.state], strict=True):
+            np.testing.assert_array_equal(np.asarray(a.astype(mx.float32)), np.asarray(b.astype(mx.float32)))
+    assert decoder.prefill_runner(True) is runner  # not marked failed
+    decoder.close()
+
+
 _PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 

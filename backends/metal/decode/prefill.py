@@ -245,8 +245,9 @@ class PrefillRunner:
             attn, c = block.self_attn, cache[i]
             offset = c.offset
             q, k = attn.rope(q, offset), attn.rope(k, offset)
+            mask = make_prompt_mask(length, c, None)  # before the update, as the model's forward: a
+            # rotating cache's mask depends on what it held (after, it no longer fit the keys)
             keys, values = c.update_and_fetch(k, v)
-            mask = make_prompt_mask(length, c, None)
             final = i + 1 == len(blocks)
             if final:
                 (q, mask), h = last_query(q, mask), h[:, -1:]

@@ -73,6 +73,11 @@ class QueueFull(RuntimeError):
     """The scheduler's queue holds `max_queue` requests already."""
 
 
+class ContextFull(ValueError):
+    """A row ended at the scheduler's context length before its max_tokens (or had no room at all):
+    a batch row's caches do not rotate past `context_len`, as a single generation's do."""
+
+
 class Constraint(Protocol):
     """A grammar that decoding follows: `allowed()` is the bool mask [vocab] of the ids that may come
     next, `advance(id)` consumes the sampled id, `done()` says the grammar is complete (nothing
@@ -619,6 +624,7 @@ class _Row:
     checked: bool = False  # the memory check of its prefill was made
     alone: bool = False  # prefilled on its own (its group could not run)
     max_tokens: int = 0
+    context_bound: bool = False  # max_tokens cut to what the context holds after the prompt
     bias: tuple[mx.Array, mx.Array] | None = None
     repeat: Any = None
 
@@ -870,10 +876,11 @@ class Scheduler:
                 request.emit(Event(finish="error", error=exc))
                 continue
             row.max_tokens = request.params.max_tokens
-            if self.context_len is not None:
-                row.max_tokens = min(row.max_tokens, self.context_len - len(request.prompt))
+            if self.context_len is not None and self.context_len - len(request.prompt) < row.max_tokens:
+                row.max_tokens = self.context_len - len(request.prompt)
+                row.context_bound = True
             if row.max_tokens <= 0:
-                request.emit(Event(finish="length"))
+                request.emit(Event(finish="length", error=_context_full(row, self.context_len)))
                 continue
             self._prefilling.append(row)
 
@@ -1150,7 +1157,7 @@ class Scheduler:
             request.emit(Event(finish="stop"))
             return False
         if len(row.generated) >= row.max_tokens:
-            request.emit(Event(finish="length"))
+            request.emit(Event(finish="length", error=_context_full(row, self.context_len)))
             return False
         return True
 
@@ -1164,6 +1171,15 @@ class Scheduler:
         self._ahead = None
         for request in queued + [r.request for r in rows]:
             request.emit(Event(finish="error", error=exc))
+
+
+def _context_full(row: _Row, context_len: int | None) -> ContextFull | None:
+    """Why a row that ends by length ended early: where the context, not its max_tokens, bound it."""
+    if not row.context_bound or context_len is None:
+        return None
+    return ContextFull(f"{len(row.request.prompt)} prompt and {len(row.generated)} generated tokens fill the "
+                       f"context of {context_len} tokens (context_len) before max_tokens "
+                       f"({row.request.params.max_tokens}): batch rows do not go past it")
 
 
 # ---------------------------------------------------------------------- waiting for results

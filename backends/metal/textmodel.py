@@ -254,7 +254,10 @@ class MetalTextModel(TrainableMixin):
 
     def batch_generate(self, prompts: Sequence[str], **config: Any) -> list[BatchResult]:
         """Generate for every prompt at once: the prompts join the model's continuous batch
-        (`scheduler()`; one decode step for every running row)."""
+        (`scheduler()`; one decode step for every running row). With a context length (the
+        `context_len` load option) a row ends where prompt and tokens fill it, unlike `generate`,
+        whose caches keep the latest tokens: its result then holds the tokens so far and an error
+        that says so (`batching.ContextFull`), and the other rows are unaffected."""
         options = self._begin(config)
         rows_in = self._encode_prompts(prompts)
         if options.max_tokens == 0:
@@ -275,10 +278,12 @@ class MetalTextModel(TrainableMixin):
                 batching.run_all(scheduler, requests, guard)
         except Exception as exc:  # noqa: BLE001 - reported per row and in err()
             error = exc
-        for _, collector in requests:
-            end = collector.finish()
-            if error is None and end is not None and end.error is not None:
-                error = end.error
+        # A row that the context cut short says so on its own result; any other error fails the call.
+        ends = [collector.finish() for _, collector in requests]
+        own = [end.error if end is not None else None for end in ends]
+        for why in own:
+            if error is None and why is not None and not isinstance(why, batching.ContextFull):
+                error = why
         if error is not None:
             self._errors[threading.get_ident()] = _detached(error)
         if any(c.events for _, c in requests):
@@ -286,10 +291,11 @@ class MetalTextModel(TrainableMixin):
         timings.generated_tokens = sum(len(c.tokens()) for _, c in requests)
         self._finish(timings)
         results = []
-        for _, collector in requests:
+        for (_, collector), why in zip(requests, own, strict=True):
             ids = collector.tokens()
             tokens = list(_tokens(iter(ids), self._tokenizer.detokenizer(), last=len(ids)))
-            results.append(BatchResult(tokens, None if error is None else f"{type(error).__name__}: {error}"))
+            why = error if error is not None else why
+            results.append(BatchResult(tokens, None if why is None else f"{type(why).__name__}: {why}"))
         return results
 
     # ------------------------------------------------------------------ continuous batching

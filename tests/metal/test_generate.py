@@ -98,6 +98,24 @@ def test_batch_generate_equals_single_generations(model) -> None:
         assert result.text == "".join(t.text for t in single)
 
 
+def test_a_batch_row_the_context_cuts_short_says_so(model_dirs: dict[str, Path]) -> None:
+    """With a context length, a batch row ends where prompt and tokens fill it (its caches do not
+    rotate as a single generation's do): its result holds the single generation's first tokens and
+    an error naming the context; a row that fits is untouched and err() stays clear. (The rows used
+    to come back shorter, or empty, with no error.)"""
+    with pymlxc.load_model(str(model_dirs["llama"]), backend="metal", context_len=16) as m:
+        short, long = "hi", "The baker counted the coins in her drawer before she locked the door."
+        room = 16 - len(m.encode(short))
+        results = m.batch_generate([short, long, short], max_tokens=room + 4)
+        fits = m.batch_generate([short], max_tokens=room)[0]
+        single = ids(m.generate(short, max_tokens=room + 4))
+        assert m.err() is None
+        assert ids(results[0].tokens) == single[:room] and ids(results[2].tokens) == single[:room]
+        assert results[0].error is not None and "context of 16 tokens (context_len)" in results[0].error
+        assert results[1].tokens == [] and "ContextFull" in (results[1].error or "")
+        assert fits.error is None and ids(fits.tokens) == single[:room]
+
+
 def test_stop_tokens_end_generation(model) -> None:
     full = ids(model.generate(PROMPTS[0], max_tokens=12))
     stop = full[6]

@@ -53,12 +53,23 @@ def _describe_gguf(file: Path) -> tuple[str | None, int, int]:
         return None, 0, 0
 
 
-def _gguf_model(path: Path, files: list[str]) -> DiscoveredModel | None:
+def _gguf_models(path: Path, files: list[str]) -> list[DiscoveredModel]:
+    """The folder where it holds one GGUF file (it loads by the folder's name), else each file: a
+    folder of several is refused by `load_model`, which takes one of them by its own path."""
     ggufs = sorted(f for f in files if f.endswith(".gguf") and not f.lower().startswith("mmproj"))  # not projectors
-    if not ggufs:
-        return None
-    model_type, bits, group = _describe_gguf(path / ggufs[0])
-    return DiscoveredModel(path, model_type, bits, group, len(ggufs), "gguf")
+    found = []
+    for name in ggufs:
+        try:
+            model_type, bits, group = _describe_gguf(path / name)
+        except (OSError, ValueError, TypeError, KeyError, OverflowError):
+            continue  # unreadable or malformed: not fatal
+        found.append(DiscoveredModel(path if len(ggufs) == 1 else path / name, model_type, bits, group, 1, "gguf"))
+    return found
+
+
+def _safetensors_models(path: Path, files: list[str]) -> list[DiscoveredModel]:
+    found = _safetensors_model(path, files)
+    return [] if found is None else [found]
 
 
 def discover(root: str | os.PathLike[str]) -> Iterator[DiscoveredModel]:
@@ -69,13 +80,13 @@ def discover(root: str | os.PathLike[str]) -> Iterator[DiscoveredModel]:
     for dirpath, dirnames, filenames in os.walk(root, onerror=lambda _e: None):
         dirnames.sort()
         path = Path(dirpath)
-        for probe in (_safetensors_model, _gguf_model):
+        for probe in (_safetensors_models, _gguf_models):
             try:
                 found = probe(path, filenames)
             except (OSError, ValueError, TypeError, KeyError, OverflowError):
                 continue  # unreadable or malformed: not fatal
-            if found is not None:
-                yield found
+            if found:
+                yield from found
                 break
 
 

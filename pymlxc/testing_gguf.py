@@ -60,9 +60,10 @@ def _llama3_rope_factors(config: Mapping[str, Any], head_dim: int) -> np.ndarray
     return np.asarray(out, dtype=np.float32)
 
 
-def _encode(w: np.ndarray, qtype: QType) -> tuple[np.ndarray, QType, np.ndarray]:
-    """(data to write, its type, the float32 values a reader must find: gguf's dequantization)."""
-    if w.ndim == 1 or qtype == QType.F32:
+def _encode(w: np.ndarray, qtype: QType, named: bool = False) -> tuple[np.ndarray, QType, np.ndarray]:
+    """(data to write, its type, the float32 values a reader must find: gguf's dequantization).
+    Vectors stay F32 unless `named` (extra_types names them: a file llama.cpp would not write)."""
+    if (w.ndim == 1 and not named) or qtype == QType.F32:
         return w.astype(np.float32), QType.F32, w.astype(np.float32)
     if qtype == QType.F16:
         return w.astype(np.float16), QType.F16, w.astype(np.float16).astype(np.float32)
@@ -310,9 +311,10 @@ def export_gguf(model_dir: str | Path, out: str | Path, qtype: QType = QType.F32
                 tokenizer: bool = True, skip: Sequence[str] = (), extra_types: Mapping[str, QType] | None = None,
                 twin: str | Path | None = None) -> Path:
     """Write the model at `model_dir` as one GGUF file at `out`. 2-D and 3-D weights get `qtype` (or
-    the type `extra_types` names for a GGUF tensor name); `skip` drops GGUF tensor names. `twin`:
-    also write there a copy of `model_dir` whose safetensors hold, in HF layout, exactly the float32
-    values that `gguf.quants.dequantize` gives for the written tensors (the reference model)."""
+    the type `extra_types` names for a GGUF tensor name, vectors too: a hostile file); `skip` drops
+    GGUF tensor names. `twin`: also write there a copy of `model_dir` whose safetensors hold, in HF
+    layout, exactly the float32 values that `gguf.quants.dequantize` gives for the written tensors
+    (the reference model)."""
     model_dir, out = Path(model_dir), Path(out)
     config = json.loads((model_dir / "config.json").read_text())
     text = config.get("text_config", config)
@@ -401,7 +403,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, qtype: QType = QType.F32
         full = f"{name}.{suffix}"
         if full in skip:
             continue
-        data, t, values = _encode(w, (extra_types or {}).get(full, qtype))
+        data, t, values = _encode(w, (extra_types or {}).get(full, qtype), named=full in (extra_types or {}))
         writer.add_tensor(full, data, raw_dtype=t if t not in (QType.F32, QType.F16) else None)
         if gemma and hf.endswith("norm.weight"):
             values = values - np.float32(1)  # as the reader undoes it, in float32

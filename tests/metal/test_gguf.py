@@ -234,6 +234,12 @@ def test_discover_reports_gguf_quantization(export: Callable[..., Path], tmp_pat
     found = {m.path.name: (m.format, m.model_type, m.quant_bits, m.quant_group) for m in pymlxc.discover(tmp_path)}
     assert found == {"a": ("gguf", "llama", 4, 32), "b": ("gguf", "gemma3_text", 8, 32), "c": ("gguf", "qwen2", 0, 0)}
     assert describe_gguf(tmp_path / "a" / "model.gguf") == ("llama", 4, 32)
+    # A folder of several GGUF files lists each file, by the path that loads it (the folder does not).
+    shutil.copy(export("qwen2", Q.Q8_0), tmp_path / "a" / "other.gguf")
+    listed = sorted((m.path, m.model_type) for m in pymlxc.discover(tmp_path / "a"))
+    assert listed == [(tmp_path / "a" / "model.gguf", "llama"), (tmp_path / "a" / "other.gguf", "qwen2")]
+    with pymlxc.load_model(str(listed[1][0]), backend="metal") as m:
+        assert m.info().architecture == "qwen2" and m.info().quant_bits == 8
 
 
 # ---------------------------------------------------------------------- tokenizer
@@ -415,6 +421,27 @@ def test_unsupported_tensor_type_names_tensor_and_type(tiny: dict[str, Path], tm
                                         r"re-quantize it with llama-quantize to Q4_K_M"):
         pymlxc.load_model(str(path), backend="metal")
     assert describe_gguf(path) == ("llama", 2, 256)  # discover still reports it
+
+
+@pytest.mark.parametrize("tensor", ["blk.0.attn_norm.weight", "output_norm.weight"])
+def test_a_quantized_norm_is_named(tensor: str, tiny: dict[str, Path], tmp_path: Path) -> None:
+    """llama.cpp quantizes the layers' matrices only. A norm stored as Q8_0 (its values as one row
+    or as a vector) was taken for a quantized layer: 'quantization declared, but not quantized'."""
+    path = export_gguf(tiny["llama"], tmp_path / "n.gguf", Q.F32, extra_types={tensor: Q.Q8_0})
+    with pytest.raises(GGUFError, match=rf"tensor '{tensor}' is a (vector|norm) stored as Q8_0; only the layers'"):
+        load_weights_and_config(path)
+
+
+def test_a_nan_is_named_as_such(tiny: dict[str, Path], tmp_path: Path) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    model = Path(shutil.copytree(tiny["llama"], tmp_path / "m"))
+    tensors = load_file(model / "model.safetensors")
+    tensors["model.norm.weight"][3] = np.nan
+    save_file(tensors, model / "model.safetensors")
+    path = export_gguf(model, tmp_path / "nan.gguf", Q.F32)
+    with pytest.raises(GGUFError, match="tensor 'output_norm.weight' holds NaN values"):
+        load_weights_and_config(path, dtype="float16")
 
 
 def test_metadata_must_match_the_tensors(small: Path, tmp_path: Path) -> None:

@@ -261,6 +261,11 @@ def _read_tensors(reader: GGUFReader, arch: str, config: Mapping[str, Any], dtyp
         if name in IGNORED:
             return None
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # MLX order
+        if (len(shape) == 1 or name.endswith("norm.weight")) and (qtype in AFFINE_BITS or qtype in BLOCK_TYPES):
+            # llama.cpp quantizes the layers' matrices only; a quantized norm passed for a quantized layer
+            raise TensorError(f"tensor {name!r} is a {'vector' if len(shape) == 1 else 'norm'} stored as "
+                              f"{QType(qtype).name}; only the layers' matrices are quantized (norms and "
+                              "vectors are F32, F16 or BF16)")
         raw = _raw(reader, tensor)
         if gated is not None:
             return functools.partial(_gated_tensor, out, gated, arch, name, raw, qtype, shape, cast, pool)
@@ -453,7 +458,9 @@ class _Cast:
             return value
         if self.dtype == mx.float16:
             peak = float(mx.max(mx.abs(value.astype(mx.float32))).item()) if value.size else 0.0
-            if not peak <= FLOAT16_MAX:  # NaN too
+            if peak != peak:  # noqa: PLR0124 - NaN
+                raise TensorError(f"tensor {name!r} holds NaN values")
+            if not peak <= FLOAT16_MAX:
                 raise TensorError(f"tensor {name!r} holds values up to {peak:g} in size, beyond float16's "
                                   f"{FLOAT16_MAX:g}; load it with dtype 'float32'")
         return value.astype(self.dtype)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +17,11 @@ PROTOCOL_VERSION = 3
 # log-probabilities), so the client asks only a version 3 worker for them.
 COMPATIBLE_VERSIONS = (1, 2, 3)
 MAX_LINE_BYTES = 16 * 1024 * 1024  # a line longer than this is refused unread (prompts are text, not tensors)
+# The bounds of pymlxc's own options (pymlxc/options.py, which says why each is needed), repeated
+# here because this module is standard library only: float32 sampling overflows outside them.
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e6
+MIN_REPEAT_PENALTY, MAX_REPEAT_PENALTY = 1e-2, 1e2
 
 REPLY_TYPES = ("hello", "progress", "token", "done", "result", "error")
 TERMINAL_TYPES = ("done", "result", "error")  # each request gets exactly one of these
@@ -106,15 +110,20 @@ def _number(value: Any) -> float:
         raise ValueError(f"must be finite, not an integer of {len(str(value))} digits") from None
     if not math.isfinite(number):
         raise ValueError("must be finite")
-    if number != 0.0 and abs(number) < sys.float_info.min:
-        # Dividing by a subnormal temperature or penalty overflows to inf, and the sampler then sees NaN.
-        raise ValueError(f"must be 0 or at least {sys.float_info.min:g} in size, not the subnormal {number!r}")
+    if number != 0.0 and abs(number) < FLOAT32_TINY:
+        # Sampling runs in float32, where such a number is subnormal or 0: dividing by it overflows.
+        raise ValueError(f"must be 0 or at least {FLOAT32_TINY:g} in size (a float32 subnormal), not {number!r}")
     return number
 
 
 def _str(value: Any) -> str:
     if not isinstance(value, str):
         raise ValueError(f"must be a string, not {_kind(value)}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON's "\ud800" escape: no tokenizer can encode it
+        raise ValueError(f"has a lone surrogate {value[e.start]!r} at position {e.start}: "
+                         "not valid Unicode text") from None
     return value
 
 
@@ -139,11 +148,11 @@ def _list_of(item: Callable[[Any], Any], what: str) -> Callable[[Any], list[Any]
     return check
 
 
-def _at_least(check: Callable[[Any], Any], low: float, *, strict: bool = False) -> Callable[[Any], Any]:
+def _at_least(check: Callable[[Any], Any], low: float) -> Callable[[Any], Any]:
     def bounded(value: Any) -> Any:
         v = check(value)
-        if v < low or (strict and v == low):
-            raise ValueError(f"must be {'>' if strict else '>='} {low}, not {v}")
+        if v < low:
+            raise ValueError(f"must be >= {low}, not {v}")
         return v
 
     return bounded
@@ -153,6 +162,20 @@ def _unit(value: Any) -> float:
     v = _number(value)
     if not 0.0 <= v <= 1.0:
         raise ValueError(f"must be in [0, 1], not {v}")
+    return v
+
+
+def _temperature(value: Any) -> float:
+    v = _number(value)
+    if v != 0.0 and not MIN_TEMPERATURE <= v <= MAX_TEMPERATURE:
+        raise ValueError(f"must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], not {v!r}")
+    return v
+
+
+def _repeat_penalty(value: Any) -> float:
+    v = _number(value)
+    if not MIN_REPEAT_PENALTY <= v <= MAX_REPEAT_PENALTY:
+        raise ValueError(f"must be in [{MIN_REPEAT_PENALTY:g}, {MAX_REPEAT_PENALTY:g}], not {v!r}")
     return v
 
 
@@ -169,24 +192,44 @@ def _message(value: Any) -> dict[str, str]:
     for key in ("role", "content"):
         if key not in value:
             raise ValueError(f"lacks {key!r}")
-        if not isinstance(value[key], str):
-            raise ValueError(f"{key} must be a string, not {_kind(value[key])}")
+        try:
+            _str(value[key])
+        except ValueError as e:
+            raise ValueError(f"{key} {e}") from None
     return {"role": value["role"], "content": value["content"]}
 
 
 MAX_TEMPLATE_KWARGS = 64  # variables a chat call may hand its template (enable_thinking, tools, ...)
+# Names the chat call passes itself: the arguments of pymlxc's render_chat (backends/metal/chat_template.py)
+# and of transformers' apply_chat_template, which mlx-lm calls. Given again as template variables they
+# would clash with the call's own (a TypeError) or change what it returns (tokenize, return_dict).
+RESERVED_TEMPLATE_NAMES = frozenset({
+    "messages", "add_generation_prompt", "tokenizer", "guard", "seconds",
+    "conversation", "chat_template", "continue_final_message", "tokenize", "sanitize_control_tokens", "padding",
+    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+def template_name_problem(key: Any) -> str | None:
+    """Why `key` cannot be a chat template variable, or None when it can."""
+    if not isinstance(key, str) or not key.isidentifier() or key.startswith("_"):
+        return f"{key!r} is not a template variable name"
+    if key in RESERVED_TEMPLATE_NAMES:
+        return f"{key!r} is set by the chat call itself, not a template variable it takes"
+    return None
 
 
 def check_template_kwargs(value: Any) -> dict[str, Any]:
     """Variables for a chat template: a mapping of at most MAX_TEMPLATE_KWARGS identifier keys
-    (values as they are; on the wire, JSON values)."""
+    outside RESERVED_TEMPLATE_NAMES (values as they are; on the wire, JSON values)."""
     if not isinstance(value, Mapping):
         raise ValueError(f"must be an object of template variables, not {_kind(value)}")
     if len(value) > MAX_TEMPLATE_KWARGS:
         raise ValueError(f"has {len(value)} keys; at most {MAX_TEMPLATE_KWARGS}")
     for key in value:
-        if not isinstance(key, str) or not key.isidentifier() or key.startswith("_"):
-            raise ValueError(f"key {key!r} is not a template variable name")
+        problem = template_name_problem(key)
+        if problem is not None:
+            raise ValueError(f"key {problem}")
     return dict(value)
 
 
@@ -210,11 +253,11 @@ class Field:
 # The sampling options, named and defaulted as pymlxc's GenerateConfig (temperature 0 = greedy; 0 = off).
 SAMPLING: dict[str, Field] = {
     "max_tokens": Field(_at_least(_int, 0), default=256),
-    "temperature": Field(_at_least(_number, 0.0), default=0.0),
+    "temperature": Field(_temperature, default=0.0),
     "top_k": Field(_at_least(_int, 0), default=0),
     "top_p": Field(_unit, default=0.0),
     "min_p": Field(_unit, default=0.0),
-    "repeat_penalty": Field(_at_least(_number, 0.0, strict=True), default=1.0),
+    "repeat_penalty": Field(_repeat_penalty, default=1.0),
     "stop_tokens": Field(_list_of(_at_least(_int, 0), "non-negative integers"), default=[]),
     "seed": Field(_optional(_int), default=None),
     "return_logits": Field(_bool, default=False),

@@ -16,6 +16,16 @@ class GenerationCancelled(RuntimeError):
     """Generation stopped early: the cancel event was set or the timeout passed."""
 
 
+def check_text(text: str, what: str) -> None:
+    """Raise ValueError naming the position of a lone surrogate in `text` (from a bad decode
+    upstream, or JSON's \\ud800): no tokenizer can encode it, and each backend says so alike."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} has a lone surrogate {text[exc.start]!r} at position {exc.start}: "
+                         "not valid Unicode text") from None
+
+
 @runtime_checkable
 class TextModel(Protocol):
     """A loaded text model.

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from .bridge.protocol import template_name_problem
 from .settings import Settings, current
 
 T = TypeVar("T")
@@ -192,13 +193,15 @@ def make_config(cls: type[T], base: T | None = None, **options: Any) -> T:
 
 
 def check_template_kwargs(value: Mapping[str, Any] | None) -> dict[str, Any]:
-    """`chat_template_kwargs` as a dict: identifier keys not starting with "_" (the worker's wire
-    check, `bridge/protocol.py`, applies the same rule to JSON it receives)."""
+    """`chat_template_kwargs` as a dict: identifier keys not starting with "_" nor named as the
+    chat call's own arguments (the rule of the worker's wire check, `bridge/protocol.py`, which
+    applies it to JSON it receives)."""
     if value is None:
         return {}
     if not isinstance(value, Mapping):
         raise TypeError(f"chat_template_kwargs must be a mapping of template variables, not {type(value).__name__}")
     for key in value:
-        if not isinstance(key, str) or not key.isidentifier() or key.startswith("_"):
-            raise ValueError(f"chat_template_kwargs: {key!r} is not a template variable name")
+        problem = template_name_problem(key)
+        if problem is not None:
+            raise ValueError(f"chat_template_kwargs: {problem}")
     return dict(value)

@@ -60,6 +60,17 @@ BAD_CALLS: list[tuple[str, Callable[[TextModel], Any], type[Exception], str]] = 
     ("one string as prompts", lambda m: m.classify("abc"), TypeError, "prompts"),
     ("no prompts to classify", lambda m: m.classify([]), ValueError, "no prompts"),
     ("no prompts to batch", lambda m: m.batch_generate([]), ValueError, "no prompts"),
+    # Not Unicode text (a lone surrogate, from a bad decode upstream): the position named, on both backends.
+    ("lone surrogate prompt", lambda m: m.generate("ab\ud800"), ValueError, "surrogate .* at position 2"),
+    ("lone surrogate in prompts", lambda m: m.batch_generate(["x", "\udc00"]), ValueError, "at position 0"),
+    ("lone surrogate in a message", lambda m: m.chat([{"role": "user", "content": "a\ud800"}]), ValueError,
+     "content has a lone surrogate .* at position 1"),
+    ("lone surrogate to count", lambda m: m.prompt_length("a\ud800"), ValueError, "at position 1"),
+    ("message content not a string", lambda m: m.chat([{"role": "user", "content": ["hi"]}]), TypeError,
+     "content must be strings"),
+    ("message without content", lambda m: m.chat([{"role": "user"}]), TypeError, "content"),
+    ("negative id to decode", lambda m: m.decode([-1]), ValueError, "-1"),
+    ("id past the vocabulary to decode", lambda m: m.decode([5, 100_000]), ValueError, "100000"),
 ]
 
 
@@ -168,6 +179,10 @@ def test_chat_template_kwargs_reach_the_template_on_both_backends(qwen3_models: 
         off = [t.id for t in m.chat(messages, max_tokens=6, chat_template_kwargs={"enable_thinking": False})]
         off_len = m.metrics().prompt_tokens
         assert off_len > on_len, name
+        # prompt_length counts as the call reads (what a server checks against its context).
+        assert m.prompt_length(messages) == on_len, name
+        assert m.prompt_length(messages, chat_template_kwargs={"enable_thinking": False}) == off_len, name
+        assert m.prompt_length("Say something.") == len(m.encode("Say something.")), name
         seen[name] = (on, off, on_len, off_len)
     assert seen["metal"] == seen["mlx_lm"]
 
@@ -176,3 +191,13 @@ def test_chat_template_kwargs_reach_the_template_on_both_backends(qwen3_models: 
 def test_bad_chat_template_kwargs_raise_at_the_call(model: TextModel, bad: dict[Any, Any]) -> None:
     with pytest.raises(ValueError, match="template variable name"):
         model.chat([{"role": "user", "content": "hi"}], chat_template_kwargs=bad)
+
+
+@pytest.mark.parametrize("name", ["add_generation_prompt", "messages", "tokenizer", "guard", "tokenize",
+                                  "conversation"])
+def test_chat_template_kwargs_that_the_call_passes_itself_raise_naming_the_key(model: TextModel, name: str) -> None:
+    # They clashed with the call's own arguments (a TypeError from inside), or were taken by
+    # mlx-lm's apply_chat_template as its own options.
+    with pytest.raises(ValueError, match=f"'{name}' is set by the chat call"):
+        model.chat([{"role": "user", "content": "hi"}], chat_template_kwargs={name: False})
+    assert len(list(model.chat([{"role": "user", "content": "hi"}], max_tokens=2))) == 2

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import numbers
 import os
 import threading
 import time
@@ -25,7 +26,7 @@ from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import pymlxc.core as mx
-from pymlxc.model import GenerationCancelled, ModelClosedError
+from pymlxc.model import GenerationCancelled, ModelClosedError, check_text
 from pymlxc.options import GenerateConfig, LoadConfig, check_template_kwargs, make_config
 from pymlxc.types import AttentionSnapshot, BatchResult, ClassifyResult, GenerateMetrics, Message, ModelInfo, Token
 
@@ -91,15 +92,6 @@ def _detached(exc: BaseException, depth: int = 0) -> BaseException:
         setattr(kept, name, _detached(chained, depth + 1) if chained is not None and depth < 8 else None)
     kept.__suppress_context__ = exc.__suppress_context__
     return kept
-
-
-def _check_text(text: str, what: str) -> None:
-    """A lone surrogate (from a bad decode upstream) cannot be encoded: say where it is."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"{what} has a lone surrogate {text[exc.start]!r} at position {exc.start}: "
-                         "not valid Unicode text") from None
 
 
 class MetalTextModel(TrainableMixin):
@@ -181,6 +173,11 @@ class MetalTextModel(TrainableMixin):
         return self._tokenizer
 
     @property
+    def context_len(self) -> int:
+        """The `context_len` it was loaded with: what its caches keep."""
+        return self._context_len
+
+    @property
     def num_layers(self) -> int:
         return self._info.num_layers
 
@@ -202,7 +199,25 @@ class MetalTextModel(TrainableMixin):
         return self._tokenizer.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(list(ids))
+        checked: list[int] = []
+        vocab = self._info.vocab_size
+        for n, token in enumerate(ids):
+            # tokenizers raises OverflowError for a negative id and decodes one past its vocabulary to "".
+            if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+                raise TypeError(f"token {n} must be an int, not {type(token).__name__} {token!r}")
+            if not 0 <= token < vocab:
+                raise ValueError(f"token id {token} at position {n} is outside the vocabulary of {vocab}")
+            checked.append(int(token))
+        return self._tokenizer.decode(checked)
+
+    def prompt_length(self, prompt: str | Sequence[Message | Mapping[str, str]], *,
+                      chat_template_kwargs: Mapping[str, Any] | None = None) -> int:
+        """How many tokens the model reads for `prompt`: text as `generate` encodes it, or messages
+        as `chat` renders them (what a server checks against its context before generating)."""
+        self._check_open()
+        if isinstance(prompt, str):
+            return len(self._encode_prompt(prompt))
+        return len(self._chat_ids(prompt, check_template_kwargs(chat_template_kwargs), None))
 
     # ------------------------------------------------------------------ public calls
     def generate(self, prompt: str, **config: Any) -> Iterator[Token]:
@@ -215,21 +230,12 @@ class MetalTextModel(TrainableMixin):
              chat_template_kwargs: Mapping[str, Any] | None = None, **config: Any) -> Iterator[Token]:
         """Stream the assistant's answer to `messages`, rendered with the model's chat template;
         `chat_template_kwargs` reach the template as variables (e.g. enable_thinking=False)."""
-        from .chat_template import render_chat
-
         options = self._begin(config)
         template_kwargs = check_template_kwargs(chat_template_kwargs)
-        if not messages:
-            raise ValueError("chat needs at least one message")
-        self._check_messages(messages)
         # The template is the checkpoint's code: it renders under the call's cancel and timeout
         # (and the model's closing), besides its own bounds.
         guard = loops.Guard.make(options.cancel, options.timeout, self._is_closed)
-        text = render_chat(messages, self._tokenizer, add_generation_prompt=True, guard=guard.check,
-                           **template_kwargs)
-        # The template writes the special tokens itself (BOS included).
-        ids = self._tokenizer.encode(text, add_special_tokens=False)
-        self._check_ids(ids)
+        ids = self._chat_ids(messages, template_kwargs, guard)
         # The rendering spent part of the call's timeout: the stream keeps the same deadline.
         return self._stream(self._model, ids, options, guard)
 
@@ -503,21 +509,43 @@ class MetalTextModel(TrainableMixin):
             raise ValueError("the prompt encodes to no tokens")
         loops.check_prompt_ids(ids, self._info.vocab_size)
 
+    def _chat_ids(self, messages: Sequence[Message | Mapping[str, str]], template_kwargs: dict[str, Any],
+                  guard: loops.Guard | None) -> list[int]:
+        """The ids of `messages` rendered by the chat template with the generation prompt."""
+        from .chat_template import render_chat
+
+        if isinstance(messages, (str, Mapping)):
+            raise TypeError("messages must be a sequence of Message or {'role', 'content'} dicts")
+        if not messages:
+            raise ValueError("chat needs at least one message")
+        self._check_messages(messages)
+        text = render_chat(messages, self._tokenizer, add_generation_prompt=True,
+                           guard=guard.check if guard is not None else None, **template_kwargs)
+        # The template writes the special tokens itself (BOS included).
+        ids = self._tokenizer.encode(text, add_special_tokens=False)
+        self._check_ids(ids)
+        return ids
+
     @staticmethod
     def _check_messages(messages: Sequence[Any]) -> None:
+        """Each message a Message or a mapping with string role and content (as the mlx_lm backend
+        takes them; other string keys reach the template), its text valid Unicode."""
         for n, message in enumerate(messages):
             fields = message.to_dict() if isinstance(message, Message) else message
-            if isinstance(fields, dict):
-                for key, value in fields.items():
-                    if isinstance(value, str):
-                        _check_text(value, f"message {n}'s {key}")
+            if not isinstance(fields, Mapping) or "role" not in fields or "content" not in fields:
+                raise TypeError(f"message {n} must be a Message or a dict with 'role' and 'content'")
+            if not isinstance(fields["role"], str) or not isinstance(fields["content"], str):
+                raise TypeError(f"message {n}: role and content must be strings")
+            for key, value in fields.items():
+                if isinstance(value, str):
+                    check_text(value, f"message {n}'s {key}")
 
     def _encode_prompt(self, prompt: str) -> list[int]:
         if not isinstance(prompt, str):
             raise TypeError(f"the prompt must be a str, not {type(prompt).__name__}")
         if not prompt:
             raise ValueError("the prompt is empty")
-        _check_text(prompt, "the prompt")
+        check_text(prompt, "the prompt")
         ids = self._tokenizer.encode(prompt)
         self._check_ids(ids)
         return ids

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from pymlxc.bridge import protocol as P
-from pymlxc.model import GenerationCancelled, ModelClosedError
+from pymlxc.model import GenerationCancelled, ModelClosedError, check_text
 from pymlxc.options import GenerateConfig, LoadConfig, check_template_kwargs, make_config
 from pymlxc.types import AttentionSnapshot, BatchResult, ClassifyResult, GenerateMetrics, Message, ModelInfo, Token
 
@@ -81,6 +81,7 @@ def _prompt(prompt: str, what: str = "prompt") -> str:
         raise TypeError(f"{what} must be a string, not {type(prompt).__name__}")
     if not prompt:
         raise ValueError(f"{what} is empty")
+    check_text(prompt, what)  # here, as on the metal backend: the worker's tokenizer would fail on it
     return prompt
 
 
@@ -103,6 +104,8 @@ def _messages(messages: Sequence[Message | Mapping[str, str]]) -> list[dict[str,
             raise TypeError(f"message {i} must be a Message or a dict with exactly 'role' and 'content'")
         if not isinstance(d["role"], str) or not isinstance(d["content"], str):
             raise TypeError(f"message {i}: role and content must be strings")
+        for key in ("role", "content"):
+            check_text(d[key], f"message {i}'s {key}")
         out.append({"role": d["role"], "content": d["content"]})
     return out
 
@@ -204,6 +207,7 @@ class MlxLmModel:
         startup_timeout: float = 60.0,
         worker_args: Sequence[str] = (),
     ) -> None:
+        self.context_len = config.context_len  # the worker's KV cache size (max_kv_size)
         self._load = {
             "cmd": "load",
             "id": "load",
@@ -420,8 +424,9 @@ class MlxLmModel:
     def _call(
         self, cmd: str, args: dict[str, Any], config: GenerateConfig
     ) -> tuple[dict[str, Any], BaseException | None]:
-        """A request with a single reply: the reply, and why it stopped early if it did. Errors raise
-        (and are kept in err()), a stop that got no reply in time included."""
+        """A request with a single reply (or a generation of no tokens, whose `done` line is its
+        reply): the reply, and why it stopped early if it did. Errors raise (and are kept in
+        err()), a stop that got no reply in time included."""
         stopped: list[BaseException] = []
         try:
             for line in self._exchange(cmd, args, _Stop(config, self._is_closed), stopped):
@@ -429,7 +434,7 @@ class MlxLmModel:
                     if line.get("error") == "cancelled" and stopped:
                         raise stopped[0]
                     raise reply_error(str(line.get("error")), str(line.get("message")))
-                if line["type"] == "result":
+                if line["type"] in ("result", "done"):  # done: a generation asked for no tokens
                     return line, (stopped[0] if stopped else None)
             if stopped:
                 raise stopped[0]
@@ -545,8 +550,29 @@ class MlxLmModel:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, by the model's tokenizer in the worker."""
         self._begin()
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a string, not {type(text).__name__}")
+        check_text(text, "text")
         reply, _ = self._call("encode", {"text": text, "add_special_tokens": add_special_tokens}, GenerateConfig())
         return [int(t) for t in reply["tokens"]]
+
+    def prompt_length(self, prompt: str | Sequence[Message | Mapping[str, str]], *,
+                      chat_template_kwargs: Mapping[str, Any] | None = None) -> int:
+        """How many tokens the model reads for `prompt`: text as `generate` encodes it, or messages
+        as `chat` renders them (what a server checks against its context before generating)."""
+        cfg = self._begin({"max_tokens": 0})
+        args: dict[str, Any]
+        if isinstance(prompt, str):
+            cmd, args = "generate", {"prompt": _prompt(prompt)}
+        else:
+            cmd, args = "chat", {"messages": _messages(prompt)}
+            template_kwargs = check_template_kwargs(chat_template_kwargs)
+            if template_kwargs:
+                args["chat_template_kwargs"] = template_kwargs
+        # A generation of no tokens: the worker encodes (or renders) the prompt as for a real one,
+        # and its done line counts the tokens.
+        reply, _ = self._call(cmd, {**args, **_sampling(cfg)}, cfg)
+        return int(reply["prompt_tokens"])
 
     def decode(self, tokens: Sequence[int]) -> str:
         self._begin()

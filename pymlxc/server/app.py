@@ -30,7 +30,7 @@ from pymlxc.backends.metal import batching
 from . import tools as toolcalls
 from .constraints import ConstraintError, GrammarFactory
 from .engine import BadRequest, BatchEngine, Job, Piece, QueueFull, SlotEngine
-from .schemas import ChatRequest, CompletionRequest, NamedToolChoice, Sampling
+from .schemas import ChatMessage, ChatRequest, CompletionRequest, NamedToolChoice, Sampling
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,9 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over `limit` bytes gets 413 (by its Content-Length, else as it streams)."""
+    """ASGI middleware: a request body over `limit` bytes gets 413, by its Content-Length, else once
+    the bytes read pass the limit. The body is read here, whole, before the app sees it: an error
+    raised while the app reads would be the app's to answer (FastAPI makes any a 400)."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app, self.limit = app, limit
@@ -66,23 +68,31 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        too_large = _error(413, f"request body over {self.limit} bytes", code="request_too_large")
         for name, value in scope.get("headers", []):
             if name == b"content-length" and value.isdigit() and int(value) > self.limit:
-                await _error(413, f"request body over {self.limit} bytes", code="request_too_large")(
-                    scope, receive, send
-                )
+                await too_large(scope, receive, send)
                 return
+        chunks: list[bytes] = []
         seen = 0
-
-        async def counted() -> Message:
-            nonlocal seen
+        while True:
             message = await receive()
-            seen += len(message.get("body", b""))
+            if message["type"] != "http.request":  # the client left while sending
+                return
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
             if seen > self.limit:
-                raise ApiError(413, f"request body over {self.limit} bytes", code="request_too_large")
-            return message
+                await too_large(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        whole: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
-        await self.app(scope, counted, send)
+        async def replay() -> Message:
+            # The body once, then what the client sends next (its disconnect, which streams watch for).
+            return whole.pop() if whole else await receive()
+
+        await self.app(scope, replay, send)
 
 
 def _engine_for(model: Any, config: ServerConfig) -> BatchEngine | SlotEngine:
@@ -92,7 +102,7 @@ def _engine_for(model: Any, config: ServerConfig) -> BatchEngine | SlotEngine:
         except batching.BatchingUnsupported:
             pass
     return SlotEngine(model, max_concurrency=config.max_concurrency, max_queue=config.max_queue,
-                      context_len=getattr(model, "_context_len", None))
+                      context_len=model.context_len)
 
 
 def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any = None) -> FastAPI:
@@ -158,36 +168,31 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
             raise ApiError(400, f"{param} is not supported by this model's backend", param=param)
 
     def sampling(
-        body: Sampling, prompt_len: int, max_tokens: int | None, logprobs: int | None
+        body: Sampling, prompt_len: int, max_tokens: int | None, logprobs: int | None, prompt_param: str
     ) -> batching.SamplingParams:
+        """The request's sampling as the scheduler takes it (the library's meanings). `prompt_len`:
+        the prompt's tokens, 0 where the engine counts them itself (a slot engine)."""
         limit = config.max_tokens_limit
         if max_tokens is not None and max_tokens > limit:
             raise ApiError(400, f"max_tokens is {max_tokens}, over this server's limit of {limit}", param="max_tokens")
         context = engine.context_len
         if context is not None and prompt_len >= context:
             raise ApiError(400, f"the prompt has {prompt_len} tokens; this model's context is {context}",
-                           param="messages", code="context_length_exceeded")
+                           param=prompt_param, code="context_length_exceeded")
         room = limit if context is None else min(limit, context - prompt_len)
         bias: tuple[tuple[int, float], ...] = ()
         if body.logit_bias:
             need("logit_bias", "logit_bias")
-            try:
-                bias = tuple((int(k), max(-100.0, min(100.0, float(v)))) for k, v in body.logit_bias.items())
-            except ValueError:
-                raise ApiError(400, "logit_bias keys must be token ids", param="logit_bias") from None
-            vocab = getattr(engine, "vocab_size", 0)
-            if any(not 0 <= k < vocab for k, _ in bias):
-                raise ApiError(
-                    400, f"logit_bias names a token id outside the vocabulary of {vocab}", param="logit_bias"
-                )
+            bias = _logit_bias(body.logit_bias, getattr(engine, "vocab_size", 0))
         if body.presence_penalty or body.frequency_penalty:
             need("penalties", "presence_penalty")
         if logprobs is not None:
             need("logprobs", "logprobs")
+        top_p, top_k = _nucleus(body.top_p, body.top_k)
         try:
             return batching.SamplingParams(
                 max_tokens=room if max_tokens is None else min(max_tokens, room), temperature=body.temperature,
-                top_p=body.top_p if body.top_p < 1.0 else 0.0, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
+                top_p=top_p, top_k=top_k, min_p=body.min_p, seed=body.seed,
                 presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                 repetition_penalty=body.repetition_penalty, logit_bias=bias, logprobs=logprobs,
                 stop_ids=engine.stop_ids)
@@ -203,13 +208,17 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
     async def completion_job(body: CompletionRequest) -> Job:
         prompt = _one_prompt(body.prompt)
         stop = body.stop_strings()
+        if body.echo and body.logprobs is not None:
+            # OpenAI's echo then gives the prompt's tokens logprobs too, which no engine here computes.
+            raise ApiError(400, "echo with logprobs is not supported", param="echo")
         if tokenizer is None:
             if not isinstance(prompt, str):
                 raise ApiError(400, "prompt: token ids are not supported by this model's backend", param="prompt")
             if not prompt:
                 raise ApiError(400, "prompt is empty", param="prompt")
-            # logprobs passed on, so that an engine without them answers 400 instead of dropping them
-            return Job(sampling(body, 0, body.max_tokens, body.logprobs), prompt_text=prompt, stop=stop)
+            # logprobs passed on, so that an engine without them answers 400 instead of dropping them;
+            # the engine counts the prompt and checks it against the context.
+            return Job(sampling(body, 0, body.max_tokens, body.logprobs, "prompt"), prompt_text=prompt, stop=stop)
         if isinstance(prompt, str):
             if not prompt:
                 raise ApiError(400, "prompt is empty", param="prompt")
@@ -219,10 +228,10 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
                 raise ApiError(400, f"prompt: {exc}", param="prompt") from None
         else:
             ids = encode_ids(prompt, "prompt")
-        return Job(sampling(body, len(ids), body.max_tokens, body.logprobs), prompt_ids=ids, stop=stop)
+        return Job(sampling(body, len(ids), body.max_tokens, body.logprobs, "prompt"), prompt_ids=ids, stop=stop,
+                   prompt_text=prompt if isinstance(prompt, str) else None)
 
     async def chat_job(body: ChatRequest) -> tuple[Job, bool]:
-        messages = [m.to_template() for m in body.messages]
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         tools = [t.model_dump() for t in body.tools] if body.tools else None
@@ -236,8 +245,11 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
                 raise ApiError(400, "tools are not supported by this model's backend", param="tools")
             if body.response_format is not None and body.response_format.type != "text":
                 need("constraint", "response_format")
-            return Job(sampling(body, 0, max_tokens, None), messages=messages, stop=stop), False
+            return Job(sampling(body, 0, max_tokens, None, "messages"), messages=_plain_messages(body.messages),
+                       stop=stop), False
         from pymlxc.backends.metal.chat_template import ChatTemplateError, render_chat
+
+        messages = [m.to_template() for m in body.messages]
 
         template_args: dict[str, Any] = {"tools": tools} if use_tools else {}
         try:
@@ -250,7 +262,7 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
             raise ApiError(400, f"messages: {exc}", param="messages") from None
         if not ids:
             raise ApiError(400, "messages render to no tokens", param="messages")
-        params = sampling(body, len(ids), max_tokens, logprobs)
+        params = sampling(body, len(ids), max_tokens, logprobs, "messages")
         constraint = None
         fmt = body.response_format
         try:
@@ -282,6 +294,9 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
     def token_text(token: int) -> str:
         return tokenizer.decode([token]) if tokenizer is not None else ""
 
+    def token_texts(tokens: list[int]) -> str:
+        return tokenizer.decode(tokens) if tokenizer is not None else ""
+
     def chat_logprob(piece: Piece) -> dict[str, Any]:
         if piece.token is None:
             raise ValueError("a logprob entry needs the piece's token")
@@ -312,13 +327,18 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def prompt_len(job: Job) -> int:
-        return len(job.prompt_ids) if job.prompt_ids is not None else 0
+        if job.prompt_ids is not None:
+            return len(job.prompt_ids)
+        return job.prompt_tokens or 0  # counted by a slot engine as it started
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: CompletionRequest, request: Request) -> Any:
         job = await completion_job(body)
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         first, stream = await first_then(pieces(job, request))
+        echoed = ""  # OpenAI's echo: the prompt, then the completion, as one text
+        if body.echo:
+            echoed = job.prompt_text if job.prompt_text is not None else token_texts(job.prompt_ids or [])
 
         def chunk(text: str, finish: str | None, piece: Piece | None) -> dict[str, Any]:
             choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
@@ -332,6 +352,8 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
         if body.stream:
             async def events() -> AsyncGenerator[str, None]:
                 count, finish = 0, "length"
+                if echoed:
+                    yield json.dumps(chunk(echoed, None, None))
                 async with contextlib.aclosing(_chain(first, stream)) as chained:
                     async for piece in chained:
                         count += piece.token is not None
@@ -355,7 +377,7 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
             lp["text_offset"].append(offset)
             offset += len(t)
         return {"id": rid, "object": "text_completion", "created": now, "model": config.model_id,
-                "choices": [{"index": 0, "text": text, "finish_reason": finish,
+                "choices": [{"index": 0, "text": echoed + text, "finish_reason": finish,
                              "logprobs": lp if job.params.logprobs is not None else None}],
                 "usage": usage(prompt_len(job), len(tokens))}
 
@@ -422,18 +444,49 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
 
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["authorization", "content-type"])
-    app.add_middleware(_BodyLimitMiddleware, limit=config.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     return app
 
 
-class _BodyLimitMiddleware(BodyLimit):
-    """`BodyLimit` in the shape `add_middleware` builds (an ApiError raised while reading is a 413)."""
+def _nucleus(top_p: float, top_k: int) -> tuple[float, int]:
+    """OpenAI's top_p (and top_k) as the library's: top_p 1 keeps every token, the library's off
+    (0); top_p 0 keeps the smallest nucleus, the top token alone, which the library's top_k 1 keeps
+    (its top_p 0 would be off: sampling from the whole vocabulary)."""
+    if top_p >= 1.0:
+        return 0.0, top_k
+    if top_p == 0.0:
+        return 0.0, 1
+    return top_p, top_k
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        except ApiError as exc:
-            await _error(exc.status, str(exc), exc.kind, exc.param, exc.code)(scope, receive, send)
+
+def _logit_bias(given: dict[str, float], vocab: int) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as (token id, amount) pairs: keys are decimal token ids (not "1_0" or " 10",
+    which int() reads), amounts finite numbers in [-100, 100]."""
+    bias = []
+    for key, amount in given.items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 12:
+            raise ApiError(400, f"logit_bias keys must be token ids in decimal, not {key[:40]!r}", param="logit_bias")
+        if not -100.0 <= amount <= 100.0:  # NaN fails this too
+            raise ApiError(400, f"logit_bias[{key}] must be in [-100, 100], not {amount}", param="logit_bias")
+        if int(key) >= vocab:
+            raise ApiError(400, f"logit_bias names token id {key}, outside the vocabulary of {vocab}",
+                           param="logit_bias")
+        bias.append((int(key), float(amount)))
+    return tuple(bias)
+
+
+def _plain_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The messages as a slot engine's model takes them (role and content text). A `name` or
+    `tool_call_id` only labels a turn that its role and content already carry, and is left out;
+    an assistant's `tool_calls` are the turn, which these backends cannot render (they have no tools)."""
+    plain = []
+    for n, message in enumerate(messages):
+        if message.tool_calls:
+            raise ApiError(400, f"messages[{n}].tool_calls: tool calls are not supported by this model's backend",
+                           param=f"messages.{n}.tool_calls")
+        turn = message.to_template()
+        plain.append({"role": turn["role"], "content": turn["content"]})
+    return plain
 
 
 def _one_prompt(prompt: str | list[int] | list[str]) -> str | list[int]:

@@ -72,8 +72,23 @@ class GrammarFactory:
             raise ConstraintError(f"unusable grammar: {problem}")
         matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise ConstraintError(f"unusable grammar: {matcher.get_error()}")
-        return GrammarConstraint(matcher, self._vocab, grammar)
+            raise ConstraintError(f"unusable grammar: {_reason(matcher.get_error())}")
+        constraint = GrammarConstraint(matcher, self._vocab, grammar)
+        # Some grammars fail only at their first mask (a schema that refers to itself and nothing
+        # else): computed here, that is a refused request rather than a failed generation.
+        unsatisfiable = "unusable grammar: no output satisfies it"
+        try:
+            first = constraint.allowed()
+        except ConstraintError:
+            raise ConstraintError(f"{unsatisfiable} ({_reason(matcher.get_error())})") from None
+        if not first.any():
+            raise ConstraintError(f"{unsatisfiable} (no token may start one)")
+        return constraint
+
+
+def _reason(error: str) -> str:
+    """llguidance's error without the parser state and grammar it appends (internal, and long)."""
+    return error.split("<state>", 1)[0].strip()
 
 
 # Compact JSON (", " and ": " between items, no other whitespace): with flexible whitespace a model
@@ -97,16 +112,20 @@ class GrammarConstraint:
         self._matcher = matcher
         self._vocab = vocab_size
         self.grammar = grammar  # llguidance's grammar text, as compiled from the schema or Lark source
+        self._mask: np.ndarray | None = None  # the mask of the current position, once computed
 
     def allowed(self) -> np.ndarray:
-        mask = np.frombuffer(self._matcher.compute_logit_bias(), dtype=np.uint8)
-        if self._matcher.is_error():
-            raise ConstraintError(f"grammar: {self._matcher.get_error()}")
-        return mask[: self._vocab] > 0
+        if self._mask is None:
+            mask = np.frombuffer(self._matcher.compute_logit_bias(), dtype=np.uint8)
+            if self._matcher.is_error():
+                raise ConstraintError(f"grammar: {_reason(self._matcher.get_error())}")
+            self._mask = mask[: self._vocab] > 0
+        return self._mask
 
     def advance(self, token: int) -> None:
+        self._mask = None
         if not self._matcher.consume_token(token):
-            raise ConstraintError(f"grammar refused token {token}: {self._matcher.get_error()}")
+            raise ConstraintError(f"grammar refused token {token}: {_reason(self._matcher.get_error())}")
 
     def done(self) -> bool:
         return bool(self._matcher.is_stopped())

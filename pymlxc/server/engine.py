@@ -1,6 +1,6 @@
 """What the HTTP layer generates through: `BatchEngine` (the metal backend's continuous batch) or
-`SlotEngine` (any `TextModel`, one generation per `parallel_slots` slot: the mlx_lm backend's
-worker slots, or a metal model whose recurrent layers cannot join a batch).
+`SlotEngine` (a `TextModel` of either backend, one generation per `parallel_slots` slot: the
+mlx_lm backend's worker slots, or a metal model whose caches cannot join a batch).
 
 Both turn a `Job` into an async stream of `Piece`s (text after stop strings, with the token's
 log-probabilities) that ends with the finish reason; leaving the stream early (a client that went
@@ -32,7 +32,8 @@ class BadRequest(ValueError):
 @dataclass
 class Job:
     """One generation: the prompt (ids for the batch engine; text or messages for a slot engine),
-    the sampling, stop strings and constraint."""
+    the sampling, stop strings and constraint. `prompt_tokens`: the prompt's length in tokens
+    (for the usage), set by a slot engine once it has counted them."""
 
     params: batching.SamplingParams
     prompt_ids: list[int] | None = None
@@ -40,6 +41,7 @@ class Job:
     messages: list[dict[str, Any]] | None = None
     stop: list[str] = field(default_factory=list)
     constraint: batching.Constraint | None = None
+    prompt_tokens: int | None = None
 
 
 @dataclass
@@ -85,12 +87,12 @@ class StopStrings:
 
 @dataclass(frozen=True)
 class Finished:
-    """A generating thread's last item for its request: how many tokens the call gave."""
+    """A generating thread's last item for its request: why the generation ended ("stop" or "length")."""
 
-    tokens: int
+    reason: str
 
 
-async def token_pieces(items: asyncio.Queue[Any], stop: Sequence[str], max_tokens: int) -> AsyncGenerator[Piece, None]:
+async def token_pieces(items: asyncio.Queue[Any], stop: Sequence[str]) -> AsyncGenerator[Piece, None]:
     """The pieces of what a generating thread puts in `items` (tokens with `.id` and `.text`, then
     `Finished`, or the exception that stopped it), with the stop strings found across tokens."""
     stops = StopStrings(stop)
@@ -99,7 +101,7 @@ async def token_pieces(items: asyncio.Queue[Any], stop: Sequence[str], max_token
         if isinstance(item, BaseException):
             raise item
         if isinstance(item, Finished):
-            yield Piece(stops.flush(), finish="length" if item.tokens >= max_tokens else "stop")
+            yield Piece(stops.flush(), finish=item.reason)
             return
         text, hit = stops.feed(item.text)
         yield Piece(text, item.id, finish="stop" if hit else None)
@@ -158,16 +160,18 @@ class BatchEngine:
                 if event.finish == "error":
                     raise event.error if event.error is not None else RuntimeError("generation failed")
                 tail, hit = stops.feed(detokenizer.finish())
-                yield Piece(
-                    tail + ("" if hit else stops.flush()), finish="stop" if event.finish != "length" else "length"
-                )
+                # A stop string in the text released at the end stops as one in a token's text does.
+                finish = "stop" if hit or event.finish != "length" else "length"
+                yield Piece(tail + ("" if hit else stops.flush()), finish=finish)
                 return
         finally:
             request.cancel()
 
 
 class SlotEngine:
-    """Any `TextModel`: each job runs `generate`/`chat` on a thread, holding one of the model's slots."""
+    """Any `TextModel` with a `prompt_length` (both backends): each job runs `generate`/`chat` on a
+    thread, holding one of the model's slots. The prompt is counted first, on that thread: a prompt
+    that fills `context_len` is a BadRequest, and `max_tokens` ends where the context does."""
 
     def __init__(self, model: Any, *, max_concurrency: int, max_queue: int, context_len: int | None) -> None:
         self.model = model
@@ -183,6 +187,23 @@ class SlotEngine:
     def stats(self) -> dict[str, int]:
         return {"running": self._inflight}
 
+    def _prepare(self, job: Job) -> int:
+        """Count the job's prompt (kept in `job.prompt_tokens`) and return its max_tokens within the
+        context. The model's own argument checks (a lone surrogate, a message it cannot take) raise
+        here, before generating, as BadRequest."""
+        param = "messages" if job.messages is not None else "prompt"
+        try:
+            count = int(self.model.prompt_length(job.messages if job.messages is not None else job.prompt_text))
+        except (TypeError, ValueError) as exc:  # an invalid argument: the model's message names it
+            raise BadRequest(f"{param}: {exc}", param=param) from None
+        job.prompt_tokens = count
+        if self.context_len is None:
+            return job.params.max_tokens
+        if count >= self.context_len:
+            raise BadRequest(f"the prompt has {count} tokens; this model's context is {self.context_len}",
+                             param=param, code="context_length_exceeded")
+        return min(job.params.max_tokens, self.context_len - count)
+
     async def stream(self, job: Job) -> AsyncGenerator[Piece, None]:
         with self._lock:
             if self._inflight >= self.limit:
@@ -192,30 +213,34 @@ class SlotEngine:
         items: asyncio.Queue[Any] = asyncio.Queue()
         cancel = threading.Event()
         p = job.params
-        config: dict[str, Any] = {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_k": p.top_k,
-                                  "top_p": p.top_p if p.top_p < 1.0 else 0.0, "min_p": p.min_p, "seed": p.seed,
-                                  "repeat_penalty": p.repetition_penalty, "cancel": cancel}
+        # SamplingParams hold the library's meanings (0 is off for top_p), as the model takes them.
+        config: dict[str, Any] = {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
+                                  "min_p": p.min_p, "seed": p.seed, "repeat_penalty": p.repetition_penalty,
+                                  "cancel": cancel}
+
         def put(item: Any) -> None:
             with contextlib.suppress(RuntimeError):  # the event loop is gone (server shutting down)
                 loop.call_soon_threadsafe(items.put_nowait, item)
 
         def work() -> None:
             try:
-                stream = (self.model.chat(job.messages, **config) if job.messages is not None
-                          else self.model.generate(job.prompt_text, **config))
+                max_tokens = self._prepare(job)
+                stream = (self.model.chat(job.messages, max_tokens=max_tokens, **config) if job.messages is not None
+                          else self.model.generate(job.prompt_text, max_tokens=max_tokens, **config))
                 count = 0
                 for token in stream:
                     count += 1
                     put(token)
                 error = self.model.err()
-                put(error if error is not None and not cancel.is_set() else Finished(count))
+                put(error if error is not None and not cancel.is_set()
+                    else Finished("length" if count >= max_tokens else "stop"))
             except BaseException as exc:  # noqa: BLE001 - handed to the request's coroutine
                 put(exc)
 
         thread = threading.Thread(target=work, name="pymlxc-slot", daemon=True)
         thread.start()
         try:
-            async with contextlib.aclosing(token_pieces(items, job.stop, p.max_tokens)) as pieces:
+            async with contextlib.aclosing(token_pieces(items, job.stop)) as pieces:
                 async for piece in pieces:
                     yield piece
         finally:

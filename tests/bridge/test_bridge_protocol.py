@@ -33,10 +33,10 @@ sampling = st.fixed_dictionaries(
     {},
     optional={
         "max_tokens": st.integers(0, 10_000),
-        "temperature": st.floats(0, 5, allow_subnormal=False),
+        "temperature": st.just(0.0) | st.floats(P.MIN_TEMPERATURE, 5),
         "top_k": st.integers(0, 100),
-        "top_p": st.floats(0, 1, allow_subnormal=False),
-        "min_p": st.floats(0, 1, allow_subnormal=False),
+        "top_p": st.just(0.0) | st.floats(P.FLOAT32_TINY, 1),
+        "min_p": st.just(0.0) | st.floats(P.FLOAT32_TINY, 1),
         "repeat_penalty": st.floats(0.01, 5),
         "stop_tokens": st.lists(st.integers(0, 100_000), max_size=4),
         "seed": st.none() | st.integers(0, 2**31),
@@ -92,6 +92,18 @@ def test_valid_requests_round_trip_through_encode_decode_and_parse(message: dict
         ({"cmd": "generate", "prompt": "x", "temperature": "hot"}, "bad_field", "temperature"),
         ({"cmd": "generate", "prompt": "x", "top_p": 1.5}, "bad_field", "top_p"),
         ({"cmd": "generate", "prompt": "x", "repeat_penalty": 0}, "bad_field", "repeat_penalty"),
+        # pymlxc's own bounds (pymlxc/options.py): float32 sampling overflows outside them.
+        ({"cmd": "generate", "prompt": "x", "temperature": 1e-300}, "bad_field", "temperature"),
+        ({"cmd": "generate", "prompt": "x", "temperature": 1e-7}, "bad_field", "temperature"),
+        ({"cmd": "generate", "prompt": "x", "temperature": 1e308}, "bad_field", "temperature"),
+        ({"cmd": "generate", "prompt": "x", "top_p": 1e-300}, "bad_field", "top_p"),
+        ({"cmd": "generate", "prompt": "x", "min_p": 1e-40}, "bad_field", "min_p"),
+        ({"cmd": "generate", "prompt": "x", "repeat_penalty": 1e-300}, "bad_field", "repeat_penalty"),
+        ({"cmd": "generate", "prompt": "x", "repeat_penalty": 1000}, "bad_field", "repeat_penalty"),
+        # A lone surrogate (JSON's "\ud800") no tokenizer can encode: refused, with its position.
+        ({"cmd": "generate", "prompt": "a\ud800"}, "bad_field", "position 1"),
+        ({"cmd": "encode", "text": "a\ud800"}, "bad_field", "position 1"),
+        ({"cmd": "chat", "messages": [{"role": "user", "content": "ab\udc00"}]}, "bad_field", "position 2"),
         ({"cmd": "generate", "prompt": "x", "stop_tokens": [1, "2"]}, "bad_field", "item 1"),
         ({"cmd": "generate", "prompt": "x", "seed": 1.5}, "bad_field", "seed"),
         ({"cmd": "generate", "prompt": "x", "temprature": 1}, "unknown_field", "temprature"),
@@ -100,6 +112,9 @@ def test_valid_requests_round_trip_through_encode_decode_and_parse(message: dict
          "bad_field", "chat_template_kwargs"),
         ({"cmd": "chat", "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"_x": 1}},
          "bad_field", "template variable name"),
+        # Names the chat call passes itself: a clash (TypeError) or another return type (tokenize).
+        *[({"cmd": "chat", "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {name: False}},
+           "bad_field", name) for name in ("add_generation_prompt", "messages", "tokenize", "conversation")],
         ({"cmd": "chat", "messages": [{"role": "user", "content": "x"}],
           "chat_template_kwargs": {f"k{i}": i for i in range(65)}}, "bad_field", "at most 64"),
         ({"cmd": "chat", "messages": [{"role": "user"}]}, "bad_field", "content"),
@@ -157,7 +172,15 @@ def test_replies_refuse_non_finite_numbers_and_check_their_type() -> None:
         P.check_reply({"type": "gossip"})
 
 
-@given(st.floats(min_value=-2.2e-308, max_value=2.2e-308, allow_subnormal=True).filter(lambda v: v != 0.0))
-def test_subnormal_numbers_are_refused_naming_the_field(value: float) -> None:
-    with pytest.raises(P.ProtocolError, match=r"temperature .*subnormal"):
-        P.parse_request({"cmd": "generate", "prompt": "x", "temperature": abs(value)})
+@given(st.floats(min_value=-1.1e-38, max_value=1.1e-38, allow_subnormal=True).filter(lambda v: v != 0.0))
+def test_float32_subnormal_numbers_are_refused_naming_the_field(value: float) -> None:
+    with pytest.raises(P.ProtocolError, match=r"top_p .*subnormal"):
+        P.parse_request({"cmd": "generate", "prompt": "x", "top_p": abs(value)})
+
+
+def test_sampling_bounds_are_the_librarys() -> None:
+    from pymlxc import options
+
+    assert (P.MIN_TEMPERATURE, P.MAX_TEMPERATURE) == (options.MIN_TEMPERATURE, options.MAX_TEMPERATURE)
+    assert (P.MIN_REPEAT_PENALTY, P.MAX_REPEAT_PENALTY) == (options.MIN_REPEAT_PENALTY, options.MAX_REPEAT_PENALTY)
+    assert P.FLOAT32_TINY == options._FLOAT32_TINY

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 try:
@@ -299,3 +300,152 @@ def test_a_recurrent_model_is_served_in_the_batch(tmp_path) -> None:
         assert (cut.choices[0].text, cut.choices[0].finish_reason) == (want[1][:want[1].find(stop)], "stop")
     finally:
         stop_server(server)
+
+
+def test_top_p_zero_keeps_only_the_top_token(client: openai.OpenAI) -> None:
+    # OpenAI's top_p 0 is the smallest nucleus, the top token; the library's top_p 0 means off.
+    greedy = client.completions.create(model="m", prompt=PROMPTS[7], max_tokens=12, temperature=0).choices[0].text
+    for seed in (1, 2, 3):
+        got = client.completions.create(model="m", prompt=PROMPTS[7], max_tokens=12, temperature=1.0, top_p=0,
+                                        seed=seed)
+        assert got.choices[0].text == greedy
+
+
+def _post(server: Server, endpoint: str, body: bytes | dict[str, object]) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"{server.url}/v1/{endpoint}", content=content, headers=headers, timeout=120)
+
+
+def test_an_unsatisfiable_schema_is_refused_before_generating(server: Server) -> None:
+    # {"$ref": "#"} compiles, but no output satisfies it: llguidance fails at its first mask.
+    got = _post(server, "chat/completions", {
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}})
+    assert got.status_code == 400, got.text
+    error = got.json()["error"]
+    assert error["param"] == "response_format" and "<state>" not in error["message"]
+
+
+@pytest.mark.parametrize("bias", ['{"5": NaN}', '{"5": -Infinity}', '{"5": 101}', '{"1_0": 5}', '{" 10": 5}',
+                                  '{"-1": 5}'])
+def test_a_bad_logit_bias_is_a_400(server: Server, bias: str) -> None:
+    # Python's JSON reads NaN and Infinity; int() reads "1_0" as 10 and " 10" too.
+    got = _post(server, "completions", f'{{"prompt": "Hi", "max_tokens": 2, "logit_bias": {bias}}}'.encode())
+    assert got.status_code == 400, got.text
+    assert got.json()["error"]["param"] == "logit_bias"
+
+
+def test_a_chunked_body_is_limited_as_one_with_a_length(server: Server) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+
+    def chunks(size: int) -> Iterator[bytes]:  # no Content-Length: sent chunked
+        yield b'{"max_tokens": 2, "prompt": "'
+        for _ in range(size // 1000):
+            yield b"x " * 500
+        yield b'"}'
+
+    big = httpx.post(f"{server.url}/v1/completions", content=chunks(70_000), headers=headers, timeout=60)
+    assert big.status_code == 413, big.text
+    assert big.json()["error"]["code"] == "request_too_large"
+    small = httpx.post(f"{server.url}/v1/completions", content=chunks(2000), headers=headers, timeout=60)
+    assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_stop_string_in_the_text_released_at_the_end_stops(client: openai.OpenAI, local) -> None:
+    # A character the last token leaves unfinished comes out at the end (as U+FFFD): a stop string
+    # that only that text completes still ends the answer with finish_reason "stop".
+    for prompt, n in ((p, n) for p in PROMPTS for n in range(2, 17)):
+        ids = [t.id for t in local.generate(prompt, max_tokens=n)]
+        detokenizer = local.tokenizer.detokenizer()
+        body = "".join(detokenizer.add(i) for i in ids)
+        tail = detokenizer.finish()
+        if tail and body and body[-1] + tail not in body:
+            break
+    else:
+        pytest.skip("no greedy answer of this model ends in an unfinished character")
+    stop = body[-1] + tail
+    for stream in (False, True):
+        if stream:
+            chunks = list(client.completions.create(model="m", prompt=prompt, max_tokens=n, temperature=0,
+                                                    stop=[stop], stream=True))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        else:
+            choice = client.completions.create(model="m", prompt=prompt, max_tokens=n, temperature=0,
+                                               stop=[stop]).choices[0]
+            text, finish = choice.text, choice.finish_reason
+        assert (text, finish) == (body[:-1], "stop"), stream
+
+
+def test_echo_puts_the_prompt_before_the_completion(client: openai.OpenAI, server: Server, local) -> None:
+    plain = client.completions.create(model="m", prompt=PROMPTS[8], max_tokens=4, temperature=0).choices[0].text
+    echoed = client.completions.create(model="m", prompt=PROMPTS[8], max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPTS[8] + plain
+    streamed = client.completions.create(model="m", prompt=PROMPTS[8], max_tokens=4, temperature=0, echo=True,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == PROMPTS[8] + plain
+    ids = local.encode(PROMPTS[8])
+    by_ids = client.completions.create(model="m", prompt=ids, max_tokens=4, temperature=0, echo=True)
+    assert by_ids.choices[0].text == local.decode(ids) + plain
+    with_logprobs = _post(server, "completions", {"prompt": "Hi", "max_tokens": 2, "echo": True, "logprobs": 1})
+    assert with_logprobs.status_code == 400 and with_logprobs.json()["error"]["param"] == "echo"
+
+
+# ---- the mlx_lm backend: one worker slot per request -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mlx_lm_server(model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    running = start_server(model_dir, "--backend", "mlx_lm", "--context-len", "64", "--max-concurrency", "1",
+                           log=tmp_path_factory.mktemp("log") / "mlx_lm.log")
+    yield running
+    stop_server(running)
+
+
+def test_mlx_lm_server_counts_the_prompt_and_holds_the_context(mlx_lm_server: Server, local) -> None:
+    client = openai.OpenAI(base_url=f"{mlx_lm_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    got = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    assert got.usage.completion_tokens == 12
+    assert got.usage.prompt_tokens == len(local.encode(PROMPTS[0]))
+    # Without max_tokens the answer ends where the context does.
+    whole = client.completions.create(model="m", prompt=PROMPTS[0], temperature=0)
+    assert whole.usage.completion_tokens == 64 - got.usage.prompt_tokens
+    assert whole.choices[0].finish_reason == "length"
+    messages = [{"role": "user", "content": "Hello!"}]
+    chat = client.chat.completions.create(model="m", messages=messages, max_tokens=2, temperature=0)
+    assert chat.usage.prompt_tokens == local.prompt_length(messages)
+    for endpoint, body, param in (("completions", {"prompt": "word " * 100}, "prompt"),
+                                  ("chat/completions", {"messages": [{"role": "user", "content": "word " * 100}]},
+                                   "messages")):
+        long = _post(mlx_lm_server, endpoint, {**body, "max_tokens": 2})
+        assert long.status_code == 400, long.text
+        assert (long.json()["error"]["code"], long.json()["error"]["param"]) == ("context_length_exceeded", param)
+
+
+def test_mlx_lm_server_top_p_zero_keeps_only_the_top_token(mlx_lm_server: Server) -> None:
+    client = openai.OpenAI(base_url=f"{mlx_lm_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    greedy = client.completions.create(model="m", prompt=PROMPTS[7], max_tokens=8, temperature=0).choices[0].text
+    for seed in (1, 2):
+        got = client.completions.create(model="m", prompt=PROMPTS[7], max_tokens=8, temperature=1.0, top_p=0,
+                                        seed=seed)
+        assert got.choices[0].text == greedy
+
+
+def test_mlx_lm_server_takes_the_documented_message_fields(mlx_lm_server: Server) -> None:
+    client = openai.OpenAI(base_url=f"{mlx_lm_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    plain = [{"role": "user", "content": "Hello!"}]
+    want = client.chat.completions.create(model="m", messages=plain, max_tokens=4, temperature=0)
+    named = client.chat.completions.create(model="m", messages=[{**plain[0], "name": "bob"}], max_tokens=4,
+                                           temperature=0)
+    assert named.choices[0].message.content == want.choices[0].message.content
+    # A tool-call history needs the tools this backend lacks: refused, not a server error.
+    history = [*plain, {"role": "assistant", "content": None,
+                        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+               {"role": "tool", "content": "5", "tool_call_id": "c1"}]
+    calls = _post(mlx_lm_server, "chat/completions", {"messages": history, "max_tokens": 2})
+    assert calls.status_code == 400 and calls.json()["error"]["param"] == "messages.1.tool_calls", calls.text
+    lone = _post(mlx_lm_server, "chat/completions",
+                 b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}')
+    assert lone.status_code == 400, lone.text
+    assert lone.json()["error"]["param"] == "messages" and "surrogate" in lone.json()["error"]["message"]

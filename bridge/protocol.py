@@ -17,10 +17,12 @@ PROTOCOL_VERSION = 3
 # log-probabilities), so the client asks only a version 3 worker for them.
 COMPATIBLE_VERSIONS = (1, 2, 3)
 MAX_LINE_BYTES = 16 * 1024 * 1024  # a line longer than this is refused unread (prompts are text, not tensors)
-# The bounds of pymlxc's own options (pymlxc/options.py, which says why each is needed), repeated
-# here because this module is standard library only: float32 sampling overflows outside them.
-FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+# The sampling bounds of the library's options (pymlxc/options.py imports them) and of this wire check.
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: below it, dividing by a value overflows
+# A positive temperature divides the float32 logits: below MIN_TEMPERATURE 1/temperature overflows
+# them for ordinary logit sizes, above MAX_TEMPERATURE it rounds them (and -inf filters) to NaN.
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e6
+# The repeat penalty multiplies or divides logits in the model's dtype (float16 overflows at 65504).
 MIN_REPEAT_PENALTY, MAX_REPEAT_PENALTY = 1e-2, 1e2
 
 REPLY_TYPES = ("hello", "progress", "token", "done", "result", "error")
@@ -116,14 +118,22 @@ def _number(value: Any) -> float:
     return number
 
 
+def surrogate_problem(text: str) -> str | None:
+    """Where `text` holds a lone surrogate (from a bad decode upstream, or JSON's \\ud800), which no
+    tokenizer can encode; None where it is valid Unicode. The library's check_text says it too."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"has a lone surrogate {text[e.start]!r} at position {e.start}: not valid Unicode text"
+    return None
+
+
 def _str(value: Any) -> str:
     if not isinstance(value, str):
         raise ValueError(f"must be a string, not {_kind(value)}")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:  # JSON's "\ud800" escape: no tokenizer can encode it
-        raise ValueError(f"has a lone surrogate {value[e.start]!r} at position {e.start}: "
-                         "not valid Unicode text") from None
+    problem = surrogate_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
     return value
 
 

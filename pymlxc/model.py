@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from .bridge.protocol import surrogate_problem
 from .options import LoadConfig
 from .types import BatchResult, ClassifyResult, GenerateMetrics, Message, ModelInfo, Token
 
@@ -17,13 +18,11 @@ class GenerationCancelled(RuntimeError):
 
 
 def check_text(text: str, what: str) -> None:
-    """Raise ValueError naming the position of a lone surrogate in `text` (from a bad decode
-    upstream, or JSON's \\ud800): no tokenizer can encode it, and each backend says so alike."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"{what} has a lone surrogate {text[exc.start]!r} at position {exc.start}: "
-                         "not valid Unicode text") from None
+    """Raise ValueError naming the position of a lone surrogate in `text`: no tokenizer can encode
+    it, and each backend (and the worker's wire check) says so alike."""
+    problem = surrogate_problem(text)
+    if problem is not None:
+        raise ValueError(f"{what} {problem}")
 
 
 @runtime_checkable

@@ -17,20 +17,21 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from .bridge.protocol import template_name_problem
+from .bridge.protocol import FLOAT32_TINY as _FLOAT32_TINY
+from .bridge.protocol import (
+    MAX_REPEAT_PENALTY,
+    MAX_TEMPERATURE,
+    MIN_REPEAT_PENALTY,
+    MIN_TEMPERATURE,
+    template_name_problem,
+)
 from .settings import Settings, current
 
 T = TypeVar("T")
 
-# A positive temperature divides the float32 logits: below MIN_TEMPERATURE 1/temperature overflows
-# them for ordinary logit sizes, above MAX_TEMPERATURE it rounds them (and -inf filters) to NaN.
-MIN_TEMPERATURE = 1e-6
-MAX_TEMPERATURE = 1e6
-# The repeat penalty multiplies or divides logits in the model's dtype (float16 overflows at 65504).
-MIN_REPEAT_PENALTY = 1e-2
-MAX_REPEAT_PENALTY = 1e2
+# The sampling bounds (MIN_TEMPERATURE ...) live in bridge/protocol.py, which the worker also checks
+# its JSON with and which may import only the standard library.
 SEED_LIMIT = 2**64  # MLX seeds are uint64
-_FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 DISTRIBUTED_MODES = ("tensor", "pipeline")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 

@@ -176,11 +176,3 @@ def test_replies_refuse_non_finite_numbers_and_check_their_type() -> None:
 def test_float32_subnormal_numbers_are_refused_naming_the_field(value: float) -> None:
     with pytest.raises(P.ProtocolError, match=r"top_p .*subnormal"):
         P.parse_request({"cmd": "generate", "prompt": "x", "top_p": abs(value)})
-
-
-def test_sampling_bounds_are_the_librarys() -> None:
-    from pymlxc import options
-
-    assert (P.MIN_TEMPERATURE, P.MAX_TEMPERATURE) == (options.MIN_TEMPERATURE, options.MAX_TEMPERATURE)
-    assert (P.MIN_REPEAT_PENALTY, P.MAX_REPEAT_PENALTY) == (options.MIN_REPEAT_PENALTY, options.MAX_REPEAT_PENALTY)
-    assert P.FLOAT32_TINY == options._FLOAT32_TINY

@@ -234,7 +234,7 @@ def test_a_kernel_that_cannot_run_warns_and_mlx_ops_compute(monkeypatch: pytest.
         warnings.simplefilter("error", RuntimeWarning)  # checked once: no second warning
         layer(mx.array(x))
     assert gguf_blocks.ready(Q.Q3_K, mx.float32) is None
-    assert gguf_blocks.checks.known() == {("cuda", int(Q.Q3_K), "float32"): False}
+    assert gguf_blocks.checks.known() == {("cuda", int(Q.Q3_K), str(mx.float32)): False}
     gguf_blocks.checks.forget()
 
 

@@ -152,7 +152,7 @@ def test_a_planes_lookup_that_cannot_run_warns_and_the_rows_go_through_blocks(
         with pytest.warns(RuntimeWarning, match="Q6_K planes is not used: it cannot run here.*the file's block layout"):
             got = np.asarray(planes_layer(x))
         np.testing.assert_array_equal(got, np.asarray(file_layer(x)))
-        assert gguf_blocks.planes_checks.known() == {("cuda", "lookup", "float32"): False}
+        assert gguf_blocks.planes_checks.known() == {("cuda", "lookup", str(mx.float32)): False}
     finally:
         gguf_blocks.planes_checks.forget()
 
@@ -237,7 +237,7 @@ def test_a_load_checks_the_kernels_for_its_own_dtype_only(tmp_path: Path, monkey
         loaded = load_weights_and_config(_q6k_file(tmp_path), settings=chosen, dtype="float16")
         assert sorted(asked, key=str) == [("blocks", "Q6_K", mx.float16), ("lookup", mx.float16),
                                           ("planes", mx.float16)]
-        assert {key[-1] for key in gguf_blocks.checks.known()} == {"float16"}
+        assert {key[-1] for key in gguf_blocks.checks.known()} == {str(mx.float16)}
         assert loaded.model.model.embed_tokens.planes  # the lookup kernel's verdict for float16 was used
         loaded.free()
     finally:

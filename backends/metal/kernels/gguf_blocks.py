@@ -810,7 +810,7 @@ def planes_lookup_ready(dtype: Any) -> bool:
     those rows are read back into blocks first."""
     if not planes_ready(dtype):
         return False
-    return planes_checks.verdict(("cuda", "lookup", dtype_name(dtype)), lambda: _compare_planes_lookup(dtype))
+    return planes_checks.verdict(("cuda", "lookup", str(dtype)), lambda: _compare_planes_lookup(dtype))
 
 
 def planes_ready(dtype: Any) -> bool:
@@ -818,18 +818,13 @@ def planes_ready(dtype: Any) -> bool:
     passed for `dtype` (run now, the first time) and the file-layout kernel passed its own check."""
     if ready(QType.Q6_K, dtype) != "cuda":
         return False
-    return planes_checks.verdict(("cuda", "matvec", dtype_name(dtype)), lambda: _compare_planes(dtype))
+    return planes_checks.verdict(("cuda", "matvec", str(dtype)), lambda: _compare_planes(dtype))
 
 
 # ---------------------------------------------------------------------------------------- checked once
 
 checks = CheckedOnce("pymlxc's kernels for GGUF Q2_K/Q3_K/Q6_K blocks")
 planes_checks = CheckedOnce("pymlxc's kernels for Q6_K planes", fallback="the file's block layout")
-
-
-def dtype_name(dtype: Any) -> str:
-    """"float16" for mx.float16: a dtype as a check's key holds it (plain data, kept in the user cache)."""
-    return str(dtype).rsplit(".", 1)[-1]
 
 
 def ready(qtype: QType, dtype: Any) -> str | None:
@@ -843,7 +838,7 @@ def ready(qtype: QType, dtype: Any) -> str | None:
     # ("There is no Stream(gpu, 1) in current thread") and left the layers on MLX ops. Only that
     # dtype: every template a check runs is compiled first (NVRTC, a second or more each on a fresh
     # H100), and a model computes in one dtype.
-    ok = checks.verdict((kind, int(qtype), dtype_name(dtype)), lambda: _compare(kind, qtype, dtype))
+    ok = checks.verdict((kind, int(qtype), str(dtype)), lambda: _compare(kind, qtype, dtype))
     return kind if ok else None
 
 
@@ -938,7 +933,7 @@ def _compare_planes(dtype: Any) -> str | None:
     return None
 
 
-__all__ = ["MAX_X_ROWS", "Q6K_SIZE", "TYPE_IDS", "checks", "dequantize", "device_kind", "dtype_name",
+__all__ = ["MAX_X_ROWS", "Q6K_SIZE", "TYPE_IDS", "checks", "dequantize", "device_kind",
            "from_planes", "lookup_planes", "matvec", "planes_checks", "planes_lookup_ready",
            "planes_ready", "q6k_rounding_step", "random_blocks", "ready", "take_planes", "to_planes",
            "x_rounding_bound"]

@@ -176,16 +176,6 @@ class KVCache(_KeyValueBuffers):
             return create_causal_mask(n, self.offset, window_size)
         return None if n == 1 else "causal"
 
-    def take_first_update(self, keys: Array, values: Array, length: int) -> None:
-        """The state that a first `update_and_fetch` of `length` tokens leaves in this empty cache,
-        given the buffers it wrote (`keys` [B, H, capacity, D], what a copy of this cache made: a
-        compiled prefill traces the update on a copy and hands its buffers back)."""
-        if self.keys is not None or self.offset:
-            raise RuntimeError("take_first_update needs an empty cache")
-        b, h, capacity, dk = keys.shape
-        self.keys, self.values = keys, values
-        self.offset, self._capacity, self._dims = length, capacity, (b, h, dk, values.shape[3])
-
     def key_positions(self, n: int) -> np.ndarray:
         """Positions of the keys the next `update_and_fetch` of `n` tokens returns, in order."""
         return np.arange(self.offset + n)

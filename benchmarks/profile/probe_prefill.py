@@ -12,7 +12,6 @@ block layers, the group-32 products, or the compiled segments that do not trace 
         [--keep-cache]               # MLX's buffer cache kept between runs (llama-bench keeps its buffers)
         [--split [--profile 25]]     # the compiled prefill's host split (below); cProfile of its build
         [--dtype auto float16]       # each compute dtype asked for at load (LoadConfig.dtype)
-        [--whole-rows 512 0]         # each bound of the whole-prompt trace (prefill.WHOLE_PROMPT_ROWS; 0: off)
 
 `--split` (segmented mode) also times, medians of --repeats: `runner_ms`, the decoder handing out its
 prefill runner (once a generation); `build_ms`, the runner building one chunk's graph with nothing
@@ -24,6 +23,8 @@ is, MLX's per-kernel work or the device.
 """
 from __future__ import annotations
 
+import _path  # noqa: F401 - the checkout as installed
+
 import argparse
 import cProfile
 import io
@@ -34,8 +35,6 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-
-import _path  # noqa: F401 - the checkout as installed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from compare_mlx_lm import Pymlxc, probe_prompt, timed_run  # noqa: E402
@@ -96,22 +95,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="segmented mode: also the runner, graph-build and one-eval times (see above)")
     p.add_argument("--profile", type=int, default=0, help="with --split: cProfile the build, this many functions")
     p.add_argument("--dtype", nargs="+", default=["auto"], help="each compute dtype asked for at load")
-    p.add_argument("--whole-rows", nargs="+", type=int, default=[-1],
-                   help="each bound of the whole-prompt trace in rows (prefill.WHOLE_PROMPT_ROWS; 0: off)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     from pymlxc.backends.metal import generate, nn
-    from pymlxc.backends.metal.decode import prefill
 
     default_rows = nn.DENSE_MIN_ROWS
     default_lead = generate.PREFILL_LEAD_LAYERS
     default_budget = generate.PREFILL_DENSE_BYTES
-    default_whole = prefill.WHOLE_PROMPT_ROWS
     rows: list[dict[str, Any]] = []
-    for path, mode, dense, lead, dtype, whole in ((p, m, d, ld, dt, w) for p in args.models for m in args.modes
-                                                  for d in args.dense_min_rows for ld in args.lead
-                                                  for dt in args.dtype for w in args.whole_rows):
-        prefill.WHOLE_PROMPT_ROWS = default_whole if whole < 0 else whole
+    for path, mode, dense, lead, dtype in ((p, m, d, ld, dt) for p in args.models for m in args.modes
+                                           for d in args.dense_min_rows for ld in args.lead for dt in args.dtype):
         nn.DENSE_MIN_ROWS = dense or default_rows  # read when a model loads (mark_dense_products)
         generate.PREFILL_LEAD_LAYERS = lead or default_lead
         generate.PREFILL_DENSE_BYTES = default_budget if not lead else 1 << 62  # a given lead holds for every chunk
@@ -120,19 +113,16 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for n in args.lengths:
                 prompt = probe_prompt(n, side.vocab)
-                for _ in range(2):  # warm-up: traces and kernels for this length (a whole-prompt trace: the second)
-                    timed_run(side, prompt, 1)
+                timed_run(side, prompt, 1)  # warm-up: traces and kernels for this length
                 times = [timed_run(side, prompt, 1, clear_cache=not args.keep_cache)["ttft_s"]
                          for _ in range(args.repeats)]
                 ms = 1e3 * statistics.median(times)
                 rows.append({"model": str(path), "mode": mode, "dense_min_rows": nn.DENSE_MIN_ROWS,
                              "lead_layers": generate.PREFILL_LEAD_LAYERS, "prompt": n,
                              "keep_cache": args.keep_cache, "dtype": str(side.loaded.model.compute_dtype),
-                             "whole_prompt_rows": prefill.WHOLE_PROMPT_ROWS,
                              "ttft_ms": ms, "prefill_tps": n / ms * 1e3})
                 print(f"{path.name:40s} {mode:9s} {str(side.loaded.model.compute_dtype).split('.')[-1]:8s} "
                       f"dense>={nn.DENSE_MIN_ROWS:<5d} lead {generate.PREFILL_LEAD_LAYERS} "
-                      f"whole<={prefill.WHOLE_PROMPT_ROWS:<4d} "
                       f"{n:5d} tokens  {ms:8.2f} ms  {n / ms * 1e3:9.0f} tok/s", flush=True)
                 if args.split and mode == "segmented":
                     split = host_split(side, n, args.repeats, args.profile)

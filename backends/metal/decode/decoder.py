@@ -37,7 +37,6 @@ traced); the caller then uses the uncompiled loop, which gives the same tokens.
 """
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -236,7 +235,6 @@ class CompiledDecoder:
         self._compiled: dict[tuple[Any, ...], Any] = {}
         # The prefill runner of each plan (its specs walk the plan's modules: made once, not per generation)
         self._runners: dict[tuple[Any, ...], prefill.PrefillRunner] = {}
-        self._prompts_seen: collections.OrderedDict[tuple[int, ...], None] = collections.OrderedDict()  # WholePrompts
         self._failed: set[tuple[Any, ...]] = set()
         # How generations went: decoded on the compiled step, or handed to the uncompiled loop.
         self.stats = {"compiled": 0, "fallback": 0, "traces": 0}
@@ -246,8 +244,6 @@ class CompiledDecoder:
             for fn in self._compiled.values():
                 fn.clear()
             self._compiled.clear()
-            for runner in self._runners.values():
-                runner.close()
             self._runners.clear()
             self._fusions.clear()
             self._plans.clear()
@@ -419,11 +415,9 @@ class CompiledDecoder:
         fns = self._function(key, prefill.PrefillFunctions)
         runner = prefill.PrefillRunner(seg_plan, list(model.layers), fns,
                                        on_fail=lambda exc: self._mark_failed(key, exc),
-                                       dtype=dtype, many_rows=many_rows, seen=self._prompts_seen)
+                                       dtype=dtype, many_rows=many_rows)
         with self._lock:
-            old, self._runners[key] = self._runners.get(key), runner
-        if old is not None:
-            old.close()
+            self._runners[key] = runner
         return runner
 
     def reserve(self, cache: Sequence[Any], prompt_len: int, max_tokens: int) -> None:
@@ -476,10 +470,8 @@ class CompiledDecoder:
         with self._lock:
             self._failed.add(key)
             self._plans.pop(key, None)
-            runner = self._runners.pop(key, None)
+            self._runners.pop(key, None)
             fn = self._compiled.pop(key, None)
-        if runner is not None:
-            runner.close()
         if fn is not None:
             fn.clear()
 

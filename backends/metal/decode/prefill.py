@@ -25,41 +25,23 @@ apart. Only the traced calls run inside `kernel_choice.mlx_kernels_only()` and
 `nn.shapeless_trace()`: the embedding and those dequantizations outside them take pymlxc's kernels.
 The segments call the model's own block halves, like the decode's (`Attention.heads` / `output`,
 `TransformerBlock.finish`); the tests compare the caches and tokens with the model's own forward.
-
-A prompt's first chunk, when it comes again at a length seen before (`WholePrompts`), runs as one
-trace of fixed shapes instead: the embedding and every layer, RoPE, the cache writes and the
-attention included, on copies of the empty caches, whose buffers come back. Built op by op, the
-segments above still cost Python about 180 us a layer (an H100's 1B prefill of 128 tokens: 2.9 ms of
-Python, 6.4 ms of MLX's own encoding; docs/performance.md); a replay of one trace costs Python one
-call. Its shapes fix the length (and the caches' first allocation), so a length is traced on its
-second prefill, not its first: a prompt of a length that never comes again pays no trace.
 """
 from __future__ import annotations
 
-import collections
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import pymlxc.core as mx
 from pymlxc.core import Array
-from pymlxc.core.transforms import FixedArrays
 
 from .. import nn
-from ..cache import KVCache, make_prompt_mask
+from ..cache import make_prompt_mask
 from ..kernel_choice import mlx_kernels_only
 from ..models.base import attention, last_query
 from .segments import SegmentGroup, SegmentPlan
 from .trace import CompileUnavailable, call_traced, clone_modules
 from .trace import spec as traced_spec
-
-log = logging.getLogger(__name__)
-
-# Fresh prompt chunks of up to this many rows (batch x length) may run as one fixed-shape trace; the
-# longer ones are bound by the device, where a trace saves nothing (and each holds a graph).
-WHOLE_PROMPT_ROWS = 512
-WHOLE_PROMPT_TRACES = 8  # traces kept per model, the least recently used dropped first
 
 
 def _finish(block: Any, attn_out: Array, h: Array) -> Array:
@@ -162,103 +144,6 @@ def _trace_last(inputs: list[Array]) -> list[Array]:
     return [_finish(block, inputs[0], inputs[1])]
 
 
-@dataclass(frozen=True)
-class WholeSpec:
-    """What the whole-prompt trace reads: the embedding and the blocks, their arrays (the call's
-    fixed inputs, after the token ids) and empty caches to copy (their first allocation's size)."""
-
-    modules: list[Any]
-    arrays: list[Array]
-    caches: list[Any]
-
-
-def _trace_whole(inputs: list[Array]) -> list[Array]:
-    spec: WholeSpec = traced_spec()
-    tokens = inputs[0]
-    embed, *blocks = clone_modules(spec.modules, spec.arrays, inputs[1:])
-    caches = [c.copy() for c in spec.caches]
-    h = embed(tokens)
-    last = len(blocks) - 1
-    for i, (block, c) in enumerate(zip(blocks, caches, strict=True)):
-        # The model's own blocks, as its forward runs them (the last on its last position alone).
-        h = block(h, make_prompt_mask(tokens.shape[1], c, None), c, i == last)
-    return [h, *(a for c in caches for a in c.state)]
-
-
-class WholePrompts:
-    """The whole-prompt traces of one runner (see the module's doc), one per batch size, length
-    and first allocation of the caches, from the second prefill of that key on (`seen`: the keys
-    prefilled before, which a decoder's runners share: a new plan's runner still knows them); at
-    most WHOLE_PROMPT_TRACES are kept. `close()` drops them and the arrays' handles."""
-
-    def __init__(self, modules: list[Any], seen: collections.OrderedDict[tuple[int, ...], None] | None = None
-                 ) -> None:
-        self._modules = modules
-        self._arrays: list[Array] | None = None
-        self._fixed: FixedArrays | None = None
-        self._seen = collections.OrderedDict() if seen is None else seen
-        self._traces: collections.OrderedDict[tuple[int, ...], Any] = collections.OrderedDict()
-        self.failed = False
-
-    @staticmethod
-    def applies(tokens: Array, cache: Sequence[Any]) -> bool:
-        """Whether a chunk [B, L] into `cache` is a fresh prompt this path takes: every cache an
-        empty KVCache, at most WHOLE_PROMPT_ROWS rows, more than one position."""
-        rows = tokens.shape[0] * tokens.shape[1]
-        return (tokens.shape[1] > 1 and rows <= WHOLE_PROMPT_ROWS
-                and all(type(c) is KVCache and c.keys is None and c.offset == 0 for c in cache))
-
-    def get(self, tokens: Array, cache: Sequence[Any]) -> Any | None:
-        """The compiled trace for this chunk, or None on a key's first prefill (then noted)."""
-        key = (*tokens.shape, *(c.step for c in cache))
-        fn = self._traces.get(key)
-        if fn is not None:
-            self._traces.move_to_end(key)
-            return fn
-        if key not in self._seen:
-            self._seen[key] = None
-            while len(self._seen) > 8 * WHOLE_PROMPT_TRACES:
-                self._seen.popitem(last=False)
-            return None
-        fn = self._traces[key] = mx.compile(_trace_whole)
-        while len(self._traces) > WHOLE_PROMPT_TRACES:  # the least recently used trace goes
-            self._traces.popitem(last=False)[1].clear()
-        return fn
-
-    def run(self, fn: Any, tokens: Array, cache: Sequence[Any]) -> Array:
-        """The last position's hidden state [B, 1, D]; the caches take the trace's buffers."""
-        if self._fixed is None:
-            self._arrays = _distinct_arrays(self._modules)
-            self._fixed = FixedArrays(self._arrays)
-        assert self._arrays is not None
-        with mlx_kernels_only():  # as the segments: MLX's kernels, which every device has
-            h, *state = call_traced(fn, WholeSpec(self._modules, self._arrays, list(cache)), [tokens], self._fixed)
-        length = tokens.shape[1]
-        for i, c in enumerate(cache):
-            c.take_first_update(state[2 * i], state[2 * i + 1], length)
-        return h
-
-    def close(self) -> None:
-        for fn in self._traces.values():
-            fn.clear()
-        self._traces.clear()
-        if self._fixed is not None:
-            self._fixed.release()
-        self._fixed = self._arrays = None
-
-
-def _distinct_arrays(modules: Sequence[Any]) -> list[Array]:
-    """The arrays of `modules`, each once, in the order the modules hold them."""
-    out: list[Array] = []
-    seen: set[int] = set()
-    for m in modules:
-        for a in nn.arrays_of(m):
-            if id(a) not in seen:
-                seen.add(id(a))
-                out.append(a)
-    return out
-
-
 class PrefillFunctions:
     """The three shapeless segments of one model structure, per batch size (a reshape keeps it) and
     per place and chunking of the segment's block layers (a trace holds which inputs they take)."""
@@ -303,8 +188,7 @@ class PrefillRunner:
     which chunks it runs: the others go through the model's forward, op by op."""
 
     def __init__(self, plan: SegmentPlan, blocks: Sequence[Any], fns: PrefillFunctions,
-                 on_fail: Callable[[BaseException], None], dtype: Any = None, many_rows: int = 0,
-                 seen: collections.OrderedDict[tuple[int, ...], None] | None = None) -> None:
+                 on_fail: Callable[[BaseException], None], dtype: Any = None, many_rows: int = 0) -> None:
         self._plan = plan
         self._blocks = list(blocks)
         self._made_for = (dtype, many_rows)
@@ -319,9 +203,6 @@ class PrefillRunner:
         layers = [layer for spec in (self._first, *self._mids, self._last) for layer in spec.blocks]
         self._few_rows = max((layer.kernel_rows(dtype) for layer in layers), default=0) if dtype else 0
         self._many_rows = many_rows
-        # Whole-prompt traces where no GGUF block layer is among the blocks: the trace would
-        # dequantize their rows with MLX's ops in every call (the segments take them dense, above).
-        self._whole = None if layers else WholePrompts([plan.first.modules[0], *self._blocks], seen)
 
     def serves(self, plan: SegmentPlan, dtype: Any, many_rows: int) -> bool:
         """Whether this runner is the one `plan` and the model's compute dtype and row threshold
@@ -339,22 +220,6 @@ class PrefillRunner:
         lazily: the last layer's attention output and MLP run on that position alone (the caches
         need only its keys and values)."""
         saved = [c.snapshot() for c in cache]  # the caches as they were, should a segment fail to trace
-        whole = self._whole
-        if whole is not None and not whole.failed and whole.applies(tokens, cache):
-            fn = whole.get(tokens, cache)
-            if fn is not None:
-                try:
-                    h = whole.run(fn, tokens, cache)
-                except Exception as exc:  # noqa: BLE001 - any trace failure: the segments take it
-                    for c, state in zip(cache, saved, strict=True):
-                        c.restore(state)
-                    whole.failed = True
-                    log.warning("whole-prompt prefill trace is not available for this model (%s: %s); "
-                                "using the compiled segments", type(exc).__name__, exc)
-                else:
-                    if on_layer is not None:
-                        on_layer(h, cache[-1])  # one graph: handed over once, with the last layer's cache
-                    return h
         try:
             return self._run(tokens, cache, on_layer)
         except Exception as exc:
@@ -362,11 +227,6 @@ class PrefillRunner:
                 c.restore(state)
             self._on_fail(exc)
             raise CompileUnavailable(str(exc)) from exc
-
-    def close(self) -> None:
-        """Drop the whole-prompt traces and their handles on the model's arrays."""
-        if self._whole is not None:
-            self._whole.close()
 
     def _call(self, part: int, spec: PrefillSpec, inputs: list[Array], batch: int) -> list[Array]:
         """Segment `part` (0 first, 1 mid, 2 last) on `inputs` (the hidden states h last), its block
@@ -401,4 +261,4 @@ class PrefillRunner:
         return h
 
 
-__all__ = ["PrefillFunctions", "PrefillRunner", "PrefillSpec", "WholePrompts", "block_layers", "op_by_op_from"]
+__all__ = ["PrefillFunctions", "PrefillRunner", "PrefillSpec", "block_layers", "op_by_op_from"]

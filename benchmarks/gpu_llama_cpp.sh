@@ -27,7 +27,7 @@
 # What the runs measure since the compute-dtype change: quantized GGUF files of Llama compute in
 # float16 (docs/gguf.md), so their Q4_0/Q4_K layers take pymlxc's 4-bit matvec kernel (the GGUF
 # side) or MLX's quantized_matmul (the pymlxc_gguf_matvec0 side, --matvec-off), Q6_K/Q8_0 layers the
-# block kernels and MLX's 8-bit kernel; the earlier float32 runs are BENCHMARKS.md's 160 tok/s row.
+# block kernels and MLX's 8-bit kernel; the earlier float32 runs are in BENCHMARKS.md's git history.
 # probe: benchmarks/profile/probe_gguf_blocks.py (the block kernels' time per decode shape).
 # planes-ab: the Q4_K_M files' prefill and decode with and without the Q6_K planes, alternated.
 # prefill-blocks: the Q4_K_M files' prefill compiled (block layers' rows dequantized outside the

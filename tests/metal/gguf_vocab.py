@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 import tokenizers
 from tokenizers import Regex, models, normalizers, pre_tokenizers, trainers
 
@@ -126,7 +127,7 @@ def write_vocab_gguf(out: str | Path, *, model: str | None, tokens: Sequence[str
                      add_bos: bool | None = None, add_space_prefix: bool | None = None,
                      extra: Mapping[str, Any] | None = None) -> Path:
     """A vocabulary-only GGUF that llama.cpp loads with vocab_only=True (a llama header, no tensors);
-    `extra` adds keys of any type (str, bool, int, float or a list of one of them)."""
+    `extra` adds keys of any type (str, bool, int, float, numpy.uint32 or a list of one of them)."""
     writer = gguf.GGUFWriter(str(out), "llama")
     # The hyper-parameters llama.cpp reads before the vocabulary; no tensor is ever read.
     writer.add_context_length(128)
@@ -164,6 +165,8 @@ def write_vocab_gguf(out: str | Path, *, model: str | None, tokens: Sequence[str
             writer.add_string(key, value)
         elif isinstance(value, bool):
             writer.add_bool(key, value)
+        elif isinstance(value, np.uint32):  # the type llama.cpp requires of token ids
+            writer.add_uint32(key, int(value))
         elif isinstance(value, int):
             writer.add_int32(key, value)
         elif isinstance(value, float):

@@ -22,14 +22,18 @@ Control tokens become special added tokens, user-defined ones plain added tokens
 them is tokenized as llama.cpp parses special tokens (`special=True`). The settings (special tokens,
 whether BOS/EOS are added, the chat template, the ids that end generation) come from
 `tokenizer_config.json` beside the file when present, else from the GGUF keys with llama.cpp's
-defaults (BOS for SentencePiece, Llama 3 and Gemma 4), in the shape of the Hugging Face files so that
-`Tokenizer.from_parts` treats both alike.
+defaults (BOS for SentencePiece, Llama 3 and Gemma 4; BOS/EOS ids 11 for "gpt2", 1 and 2 for "llama"
+when the file names none), in the shape of the Hugging Face files so that `Tokenizer.from_parts`
+treats both alike. A file that asks for BOS or EOS without a token for it is refused by name;
+tests/metal/test_gguf_tokenizer_llama_cpp.py checks all this against llama.cpp.
 
 Where it can still differ from llama.cpp: two merges of one SentencePiece vocabulary whose tokens
 score exactly alike compete at different places of a word (llama.cpp takes the leftmost, the pipeline
 the lower id); special tokens that overlap in the text (llama.cpp matches the longest token first,
-`tokenizers` the leftmost); a Gemma 4 vocabulary whose own merges join newlines without building its
-newline-run tokens (loading warns and names the tokens concerned).
+`tokenizers` the leftmost; loading warns and names a pair, and misses chains of three or more); a
+Gemma 4 vocabulary whose own merges join newlines without building its newline-run tokens (loading
+warns and names the tokens concerned); llama.cpp's `special=False` (control tokens read as text) has
+no counterpart, as `Tokenizer.encode` always reads them as special tokens.
 """
 from __future__ import annotations
 
@@ -352,6 +356,8 @@ def pipeline_from_metadata(reader: GGUFReader) -> tokenizers.Tokenizer:
     if not isinstance(types, list) or len(types) != n or not all(isinstance(k, int) for k in types):
         raise GGUFError(f"tokenizer.ggml.token_type is not a list of {n} integers, one per token")
     types = token_types(tokens, types)
+    _check_bos_eos(reader, n)
+    _check_overlapping_specials(tokens, types)
     if kind in ("gpt2", "gemma4"):
         merges = metadata(reader, "tokenizer.ggml.merges") or []
         if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
@@ -382,6 +388,101 @@ def pipeline_from_metadata(reader: GGUFReader) -> tokenizers.Tokenizer:
     return tok
 
 
+def _llama_cpp_split(text: str, order: Sequence[str]) -> list[str]:
+    """`text` cut as llama.cpp cuts special tokens out of it: each token in `order` in turn (longest
+    first), at every place in the text left over by the tokens before."""
+    pieces: list[tuple[str, bool]] = [(text, False)]
+    for tok in order:
+        out: list[tuple[str, bool]] = []
+        for piece, is_token in pieces:
+            while not is_token and (at := piece.find(tok)) >= 0:
+                out += [(piece[:at], False), (tok, True)]
+                piece = piece[at + len(tok):]
+            out.append((piece, is_token))
+        pieces = [p for p in out if p[0]]
+    return [p if t else "\0" + p for p, t in pieces]
+
+
+def _leftmost_split(text: str, toks: Sequence[str]) -> list[str]:
+    """`text` cut as `tokenizers` cuts added tokens out of it: leftmost match first, longest there."""
+    out, pos, start = [], 0, 0
+    while start < len(text):
+        found = [t for t in toks if text.startswith(t, start)]
+        if not found:
+            start += 1
+            continue
+        tok = max(found, key=len)
+        out += (["\0" + text[pos:start]] if start > pos else []) + [tok]
+        pos = start = start + len(tok)
+    return out + (["\0" + text[pos:]] if pos < len(text) else [])
+
+
+def _check_overlapping_specials(tokens: Sequence[str], types: Sequence[int]) -> None:
+    """Warn of special (or user-defined) tokens that overlap in text: llama.cpp cuts the longest token
+    out first, `tokenizers` the leftmost, so for A = "<a|" and B = "|b>>" the text "<a|b>>" gives
+    "<a" + B in llama.cpp and A + "b>>" here. Each overlap is tried on the text that joins the two
+    (runs of one character, like newline-run tokens, overlap too but split alike). A warning, not a
+    refusal: only text that holds the joined form tokenizes differently, and the rest of the file
+    (the weights, every other text) is as llama.cpp reads it."""
+    added = sorted({t for t, k in zip(tokens, types, strict=False) if k in (CONTROL, UNKNOWN, USER_DEFINED) and t})
+    by_suffix: dict[str, list[str]] = {}
+    for a in added:
+        for k in range(1, len(a)):
+            by_suffix.setdefault(a[k:], []).append(a)
+    found: list[tuple[str, str, str]] = []
+    for b in added:
+        for k in range(1, len(b)):
+            for a in by_suffix.get(b[:k], ()):
+                if a == b or len(a) > len(b):
+                    continue  # llama.cpp then takes `a` first, the leftmost match too
+                text = a + b[k:]
+                # Tokens of one length come in no set order in llama.cpp: either order must agree.
+                orders = [[b, a]] if len(b) > len(a) else [[a, b], [b, a]]
+                want = _leftmost_split(text, [a, b])
+                if any(_llama_cpp_split(text, o) != want for o in orders):
+                    found.append((a, b, text))
+    if found:
+        a, b, text = found[0]
+        warnings.warn(f"{len(found)} pair(s) of special tokens overlap in text (tokenizer.ggml.tokens, token_type), "
+                      f"e.g. {a!r} and {b!r} in {text!r}, which llama.cpp splits at the longer token and the rebuilt "
+                      "tokenizer at the leftmost: text holding such a join tokenizes differently from llama.cpp (put "
+                      "the model's tokenizer.json beside the GGUF file to use its own)", stacklevel=3)
+
+
+# llama.cpp's BOS and EOS ids where tokenizer.ggml.bos_token_id / eos_token_id is missing or names no
+# token (llama-vocab.cpp's defaults per tokenizer.ggml.model): it adds and stops on these, so must we.
+# Gemma 4's vocabulary has none.
+_DEFAULT_BOS_EOS: dict[str, tuple[int, int]] = {"gpt2": (11, 11), "llama": (1, 2)}
+
+
+def _bos_eos(reader: GGUFReader, n: int) -> tuple[int | None, int | None, bool, bool]:
+    """(BOS id, EOS id, add BOS, add EOS) as llama.cpp has them for a vocabulary of `n` tokens."""
+    kind = metadata(reader, "tokenizer.ggml.model")
+    default_bos, default_eos = _DEFAULT_BOS_EOS.get(kind, (None, None)) if isinstance(kind, str) else (None, None)
+    bos_id = _token_id(metadata(reader, "tokenizer.ggml.bos_token_id"), n)
+    eos_id = _token_id(metadata(reader, "tokenizer.ggml.eos_token_id"), n)
+    bos_id = bos_id if bos_id is not None else _token_id(default_bos, n)
+    eos_id = eos_id if eos_id is not None else _token_id(default_eos, n)
+    pre = "gemma4" if kind == "gemma4" else _pre(reader)
+    split = PRE_TOKENIZERS.get(pre) if kind in ("gpt2", "gemma4") else None
+    add_bos = metadata(reader, "tokenizer.ggml.add_bos_token", kind == "llama" or (split is not None and split.add_bos))
+    if pre == "gemma4":
+        add_bos = True  # llama.cpp forces BOS for Gemma 4, whatever the file says
+    add_eos = metadata(reader, "tokenizer.ggml.add_eos_token", False)
+    return bos_id, eos_id, bool(add_bos), bool(add_eos)
+
+
+def _check_bos_eos(reader: GGUFReader, n: int) -> None:
+    """Refuse a file that asks for BOS or EOS without a token for it: llama.cpp fails an assertion
+    on such a file (and would with any special tokens added), so there are no ids to agree with."""
+    bos_id, eos_id, add_bos, add_eos = _bos_eos(reader, n)
+    for add, found, what in ((add_bos, bos_id, "bos"), (add_eos, eos_id, "eos")):
+        if add and found is None:
+            raise GGUFError(f"the tokenizer adds {what.upper()} (tokenizer.ggml.add_{what}_token, or llama.cpp's "
+                            f"default for this tokenizer) but tokenizer.ggml.{what}_token_id names no token of the "
+                            f"{n}; put the model's tokenizer.json beside the GGUF file")
+
+
 # ---------------------------------------------------------------------- settings
 
 def settings_from_metadata(reader: GGUFReader, model_type: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -397,18 +498,13 @@ def settings_from_metadata(reader: GGUFReader, model_type: str | None) -> tuple[
         i = _token_id(metadata(reader, key), n)
         return (i, tokens[i]) if i is not None else (None, None)
 
-    bos_id, bos = token("tokenizer.ggml.bos_token_id")
-    eos_id, eos = token("tokenizer.ggml.eos_token_id")
+    bos_id, eos_id, add_bos, add_eos = _bos_eos(reader, n)
+    bos = tokens[bos_id] if bos_id is not None else None
+    eos = tokens[eos_id] if eos_id is not None else None
     _, unk = token("tokenizer.ggml.unknown_token_id")
     _, pad = token("tokenizer.ggml.padding_token_id")
-    kind = metadata(reader, "tokenizer.ggml.model")
-    pre = "gemma4" if kind == "gemma4" else _pre(reader)
-    split = PRE_TOKENIZERS.get(pre) if kind in ("gpt2", "gemma4") else None
-    add_bos = metadata(reader, "tokenizer.ggml.add_bos_token", kind == "llama" or (split is not None and split.add_bos))
-    if pre == "gemma4":
-        add_bos = True  # llama.cpp forces BOS for Gemma 4, whatever the file says
-    add_eos = metadata(reader, "tokenizer.ggml.add_eos_token", False)
-    tok_config: dict[str, Any] = {"add_bos_token": bool(add_bos) and bos is not None, "add_eos_token": bool(add_eos)}
+    tok_config: dict[str, Any] = {"add_bos_token": add_bos and bos is not None,
+                                  "add_eos_token": add_eos and eos is not None}
     for name, text in (("bos_token", bos), ("eos_token", eos), ("unk_token", unk), ("pad_token", pad)):
         if text is not None:
             tok_config[name] = text

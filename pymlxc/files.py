@@ -7,15 +7,21 @@ what they lead to is checked. Files are opened with `O_NONBLOCK`, so a path swap
 between the check and the open cannot block either, and the check is repeated on the open
 descriptor. Every read is bounded: a file larger than its limit is refused before it is read.
 
+Files that MLX writes by name go through `write_replacing`: a temporary file replaces the target,
+so a FIFO there cannot block the write, and the file is named exactly as asked.
+
 Errors are `FileNotFoundError` (nothing there), `UnsafeFileError` (something there that is not a
 regular file, or is too large; an `OSError`) and `FileFormatError` (not UTF-8 / JSON; a
 `ValueError`), or the caller's own class passed as `error`; each names the file.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -64,6 +70,47 @@ def check_regular_file(path: str | os.PathLike[str], *, what: str = "file", max_
     except FileNotFoundError:
         raise FileNotFoundError(f"{what} not found: {p}") from None
     return _check(p, st, what, max_bytes)
+
+
+def check_directory(path: str | os.PathLike[str], *, what: str = "directory") -> Path:
+    """`path` when it is a directory (links followed); `FileNotFoundError` (`{what} not found`)
+    when nothing is there, `NotADirectoryError` naming what is there otherwise (a FIFO or a stray
+    file is not "not found")."""
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} not found: {p}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        kind = "regular file" if stat.S_ISREG(st.st_mode) else _kind(st.st_mode)
+        raise NotADirectoryError(f"{what} {p} is a {kind}, not a directory")
+    return p
+
+
+def write_replacing(path: str | os.PathLike[str], write: Callable[[str], object], *, what: str = "file",
+                    suffix: str = "") -> Path:
+    """Have `write(tmp)` write a new file, which then replaces the one at `path` (a link followed
+    to its file): for writers that open a name themselves (MLX's savers, which append their own
+    extension to a name without it and would block on a FIFO). `tmp` ends with `suffix` and lies
+    in a fresh private folder beside `path`, so nothing can be planted there; a reader of `path`
+    never sees half a file. A directory, FIFO or device at `path` is refused (`UnsafeFileError`),
+    a missing folder is a `FileNotFoundError`. Returns the path written."""
+    target = Path(os.path.realpath(path))
+    if os.path.lexists(target):
+        check_regular_file(target, what=what)
+    if not target.parent.is_dir():
+        raise FileNotFoundError(f"cannot write {what} {path}: no directory {target.parent}")
+    scratch = tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent)
+    tmp = os.path.join(scratch, "new" + suffix)
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        with contextlib.suppress(OSError):
+            os.rmdir(scratch)
+    return target
 
 
 def read_bytes(path: str | os.PathLike[str], *, what: str = "file", max_bytes: int = JSON_LIMIT) -> bytes:
@@ -124,5 +171,5 @@ def read_json(path: str | os.PathLike[str], *, what: str = "file", max_bytes: in
     return value
 
 
-__all__ = ["UnsafeFileError", "FileFormatError", "check_regular_file", "read_bytes", "read_text", "read_json",
-           "JSON_LIMIT", "TEXT_LIMIT", "TOKENIZER_LIMIT"]
+__all__ = ["UnsafeFileError", "FileFormatError", "check_directory", "check_regular_file", "read_bytes", "read_text",
+           "read_json", "write_replacing", "JSON_LIMIT", "TEXT_LIMIT", "TOKENIZER_LIMIT"]

@@ -34,6 +34,7 @@ import numpy as np
 
 import pymlxc.core as mx
 from pymlxc.core import Array
+from pymlxc.files import write_replacing
 
 from .cache import KVCache, RotatingKVCache
 from .recurrent_cache import KIND as RECURRENT
@@ -299,8 +300,21 @@ def save_entries(path: str | os.PathLike[str], entries: Sequence[Entry], identit
             arrays[f"{i}.{j}.keys"], arrays[f"{i}.{j}.values"] = _arrays(cache)
         described.append({"tokens": entry.tokens.tolist(), "layers": layers})
     metadata = {"format": FORMAT, "version": FORMAT_VERSION, **identity, "entries": json.dumps(described)}
-    mx.save_safetensors(os.fspath(path), arrays, metadata)
+    _write(os.fspath(path), arrays, metadata)
     return len(described)
+
+
+def _write(where: str, arrays: dict[str, Array], metadata: dict[str, str]) -> None:
+    """Write the file at exactly `where`: MLX appends ".safetensors" to a name without it (the file
+    would land beside the path asked for) and opens the path itself (a FIFO there blocks forever),
+    so it writes a temporary file that then replaces `where` (`pymlxc.files.write_replacing`)."""
+    def save(tmp: str) -> None:
+        try:
+            mx.save_safetensors(tmp, arrays, metadata)
+        except mx.MLXError as exc:  # e.g. the disk is full
+            raise OSError(f"cannot write prompt cache file {where}: {exc}") from None
+
+    write_replacing(where, save, what="prompt cache file", suffix=".safetensors")
 
 
 @dataclass(frozen=True)
@@ -339,10 +353,15 @@ def cache_specs(model: Any, caches: Sequence[Any]) -> list[Any]:
 
 
 def load_entries(path: str | os.PathLike[str], identity: dict[str, str], layout: Sequence[Any],
-                 vocab_size: int, *, model: Any) -> list[tuple[np.ndarray, list[Any]]]:
+                 vocab_size: int, *, model: Any, max_entries: int | None = None,
+                 max_bytes: int | None = None) -> list[tuple[np.ndarray, list[Any]]]:
     """The entries of the file at `path` as (tokens, caches), oldest first, after checking that the
     file was made by the model `identity` names with caches like `layout` (a fresh cache list, used
-    up here), and that every tensor has the batch, heads, head_dim and dtype `model` writes."""
+    up here), and that every tensor has the batch, heads, head_dim and dtype `model` writes. Every
+    entry is checked, but only the newest that fit `max_entries` and `max_bytes` (a cache's bounds)
+    are read: a file larger than the cache does not have to fit in memory."""
+    if isinstance(path, (bytes, bytearray)) or not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"the prompt cache file must be a path, not {type(path).__name__}")
     where = os.fspath(path)
     try:
         arrays, metadata = mx.load_safetensors(where)
@@ -363,21 +382,53 @@ def load_entries(path: str | os.PathLike[str], identity: dict[str, str], layout:
     specs = cache_specs(model, layout)
     try:
         described = json.loads(metadata["entries"])
-        if not isinstance(described, list):
-            raise TypeError(f"entries is a {type(described).__name__}, not a list")
-        return [_entry(arrays, i, d, expected, specs, vocab_size) for i, d in enumerate(described)]
+        if not isinstance(described, list) or not all(isinstance(d, dict) for d in described):
+            raise TypeError("entries must be a list of objects")
+        entries = [_entry(arrays, i, d, expected, specs, vocab_size) for i, d in enumerate(described)]
     except PromptCacheError as exc:
         raise PromptCacheError(f"{where}: {exc}") from None
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, RecursionError) as exc:
         raise PromptCacheError(f"{where}: damaged prompt cache file ({type(exc).__name__}: {exc})") from None
+    kept = _newest_that_fit(entries, max_entries, max_bytes)
+    mx.eval([a for _, caches in kept for c in caches for a in c.state])  # read now: the file may go
+    return kept
+
+
+def _newest_that_fit(entries: list[tuple[np.ndarray, list[Any]]], max_entries: int | None,
+                     max_bytes: int | None) -> list[tuple[np.ndarray, list[Any]]]:
+    """The newest `entries` that a cache of `max_entries` and `max_bytes` keeps (as its LRU order
+    would after storing them all, oldest first), in order; sizes come from shapes, nothing is read."""
+    kept: list[tuple[np.ndarray, list[Any]]] = []
+    total = 0
+    for entry in reversed(entries):
+        if max_entries is not None and len(kept) >= max_entries:
+            break
+        size = _nbytes(entry[1])
+        if max_bytes is not None and size > max_bytes:
+            continue  # store() refuses it on its own
+        if max_bytes is not None and total + size > max_bytes:
+            break
+        kept.append(entry)
+        total += size
+    return kept[::-1]
+
+
+def _ints(value: Any, what: str) -> list[int]:
+    """`value` as a list of ints: a float, bool or string there is damage, not something to round."""
+    if not isinstance(value, list) or not all(type(v) is int for v in value):
+        raise PromptCacheError(f"{what} must be a list of integers")
+    return value
 
 
 def _entry(arrays: dict[str, Array], i: int, described: dict[str, Any], expected: list[dict[str, Any]],
            specs: list[Any], vocab_size: int) -> tuple[np.ndarray, list[Any]]:
-    tokens = np.asarray(described["tokens"], dtype=np.int64)
-    if tokens.ndim != 1 or not len(tokens) or tokens.min() < 0 or tokens.max() >= vocab_size:
+    raw = _ints(described["tokens"], f"entry {i}: the token ids")
+    if not raw or min(raw) < 0 or max(raw) >= vocab_size:
         raise PromptCacheError(f"entry {i}: token ids missing or outside the vocabulary of {vocab_size}")
+    tokens = np.asarray(raw, dtype=np.int64)
     layers = described["layers"]
+    if not isinstance(layers, list) or not all(isinstance(layer, dict) for layer in layers):
+        raise PromptCacheError(f"entry {i}: layers must be a list of objects")
     got = [{k: v for k, v in layer.items() if k != "meta"} for layer in layers]
     if got != expected:
         raise PromptCacheError(f"entry {i}: its caches ({_kinds(got)}) are not this model's ({_kinds(expected)}); "
@@ -385,7 +436,7 @@ def _entry(arrays: dict[str, Array], i: int, described: dict[str, Any], expected
     caches: list[Any] = []
     for j, layer in enumerate(layers):
         keys, values = arrays[f"{i}.{j}.keys"], arrays[f"{i}.{j}.values"]
-        meta = tuple(int(v) for v in layer["meta"])
+        meta = tuple(_ints(layer["meta"], f"entry {i} layer {j}: meta"))
         if layer["kind"] == RECURRENT:
             try:
                 caches.append(RecurrentCache.from_file(keys, values, meta, len(tokens), specs[j]))
@@ -401,12 +452,19 @@ def _entry(arrays: dict[str, Array], i: int, described: dict[str, Any], expected
                 raise PromptCacheError(f"entry {i} layer {j}: {keys.shape[2]} keys for {len(tokens)} tokens")
             caches.append(KVCache.from_state((keys, values), meta))
         else:
+            if len(meta) != 4:
+                raise PromptCacheError(f"entry {i} layer {j}: rotating cache state {meta} is not (keep, max_size, "
+                                       "offset, index)")
             keep, max_size, offset, idx = meta
-            if offset != len(tokens) or not 0 <= idx <= keys.shape[2] or not 0 <= keep < max_size:
+            held = keys.shape[2]
+            # The buffer is either in order (index == offset, nothing evicted) or a ring after
+            # eviction: the first `keep` slots, the newest up to `index`, the oldest after it.
+            # Any other index would put keys at the wrong positions, and the layout's own bounds hold.
+            if ((keep, max_size) != (layer["keep"], layer["max_size"]) or offset != len(tokens)
+                    or not (idx == offset <= held or keep <= idx <= held <= offset)):
                 raise PromptCacheError(f"entry {i} layer {j}: rotating cache state {meta} does not fit "
-                                       f"{keys.shape[2]} keys and {len(tokens)} tokens")
+                                       f"{held} keys and {len(tokens)} tokens")
             caches.append(RotatingKVCache.from_state((keys, values), meta))
-    mx.eval([a for c in caches for a in c.state])  # read now: errors here, and the file may go
     return tokens.astype(np.int32), caches
 
 

@@ -329,7 +329,8 @@ class MetalTextModel(TrainableMixin):
         tokens skip it (a system prompt, a tool schema). `prefix` is text (encoded as `generate`
         encodes a prompt), token ids, or chat messages (rendered without the generation prompt).
         Reuse is by exact tokens: text must end where the later prompts' tokens split. Returns the
-        number of tokens cached (0 when the prompt cache is off)."""
+        number of tokens cached: 0 when the prompt cache is off or could not keep the prefix (an
+        entry larger than `prompt_cache_bytes`, a prefix past a `context_len` bound)."""
         self._begin({})
         model = self._model
         ids = self._prefix_ids(prefix)
@@ -337,15 +338,16 @@ class MetalTextModel(TrainableMixin):
             return 0
         timings = loops.Timings(prompt_tokens=len(ids))
         use = pcache.CacheUse()
+        kept = True  # a full hit: an entry holds the prefix already
         try:
             with self._slot(loops.Guard.make(None, None, self._is_closed)), self._step(), self._on_device():
                 cache, cached, use = self._restore_prompt_cache(model, ids, limit=len(ids))
                 if cached < len(ids):
                     loops.prefill(model, mx.array([ids], dtype=mx.int32), cache, start=cached)
-                    self._keep_prompt_cache(ids, cache)
+                    kept = self._keep_prompt_cache(ids, cache)
         finally:
             self._finish(timings, use)
-        return len(ids)
+        return len(ids) if kept else 0
 
     def save_prompt_cache(self, path: str | os.PathLike[str]) -> int:
         """Write the prompt cache's entries to a safetensors file at `path`, with the model's identity
@@ -360,8 +362,10 @@ class MetalTextModel(TrainableMixin):
         `PromptCacheError` and changes nothing."""
         with self._step(), self._on_device():
             model = self._model
+            cache = self._prompt_cache
             entries = pcache.load_entries(path, pcache.model_identity(model, self._model_type),
-                                          model.make_cache(self._context_len), self._info.vocab_size, model=model)
+                                          model.make_cache(self._context_len), self._info.vocab_size, model=model,
+                                          max_entries=cache.max_entries, max_bytes=cache.max_bytes)
             if self.compiled_decode and self._decoder.enabled:
                 self._decoder.prepare_weights()
             self._prompt_cache.check_weights(model.parameters().values())
@@ -406,13 +410,13 @@ class MetalTextModel(TrainableMixin):
         restored, cached, use = pcache.timed_lookup(self._prompt_cache, ids, limit)
         return (restored if restored is not None else model.make_cache(self._context_len)), cached, use
 
-    def _keep_prompt_cache(self, tokens: list[int], cache: list[Any]) -> None:
+    def _keep_prompt_cache(self, tokens: list[int], cache: list[Any]) -> bool:
         """Keep `cache` in the prompt cache; `tokens` are those fed to it (more is fine: its offset
-        says how many went in)."""
+        says how many went in). Whether it was kept."""
         n = pcache.consistent_offset(cache)
         if self._closed or n is None or not 0 < n <= len(tokens):
-            return
-        self._prompt_cache.store(tokens[:n], cache)
+            return False
+        return self._prompt_cache.store(tokens[:n], cache)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import tokenizers
 from tokenizers import processors
 
-from pymlxc.files import TOKENIZER_LIMIT, read_json, read_text
+from pymlxc.files import TOKENIZER_LIMIT, check_directory, read_json, read_text
 
 # The named special tokens, in the order transformers passes them to chat templates.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -59,9 +59,7 @@ class Tokenizer:
     """Encode, decode and stream-decode text for the model in `model_dir`."""
 
     def __init__(self, model_dir: str | Path) -> None:
-        root = Path(model_dir)
-        if not root.is_dir():
-            raise FileNotFoundError(f"model directory not found: {root}")
+        root = check_directory(model_dir, what="model directory")
         tokenizer_file = root / "tokenizer.json"
         if not tokenizer_file.exists():
             raise FileNotFoundError(f"tokenizer file not found: {tokenizer_file}")

@@ -17,6 +17,7 @@ from typing import Any
 
 import pymlxc.core as mx
 from pymlxc.core import Array
+from pymlxc.files import read_json, write_replacing
 from pymlxc.settings import Settings
 from pymlxc.training.adapters import (
     AdapterError,
@@ -369,14 +370,17 @@ def save_model_dir(model: Module, path: str | Path, source: str | Path, *, dequa
     mx.eval(list(weights.values()))
     if rename is not None:
         weights = {rename(k): v for k, v in weights.items()}
-    mx.save_safetensors(path / "model.safetensors", weights, {"format": "mlx"})
-    config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    # Bounded, regular files only, errors naming the file: `source` is any directory the caller names.
+    config = read_json(source / "config.json", what="config file")
+    write_replacing(path / "model.safetensors", lambda tmp: mx.save_safetensors(tmp, weights, {"format": "mlx"}),
+                    what="fused weights file", suffix=".safetensors")
     if dequantized:
         for key in ("quantization", "quantization_config"):
             config.pop(key, None)
             if isinstance(config.get("text_config"), dict):
                 config["text_config"].pop(key, None)
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    text = json.dumps(config, indent=2) + "\n"
+    write_replacing(path / "config.json", lambda tmp: Path(tmp).write_text(text, encoding="utf-8"), what="config file")
     for name in _TOKENIZER_FILES:
         if (source / name).is_file():
             shutil.copyfile(source / name, path / name)

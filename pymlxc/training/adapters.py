@@ -64,6 +64,8 @@ def _read_config(path: Path) -> dict[str, Any]:
         config = json.loads(read_text(file, what="adapter config", max_bytes=JSON_LIMIT, error=AdapterError))
     except json.JSONDecodeError as exc:
         raise AdapterError(f"{file}: malformed JSON: {exc.msg} (line {exc.lineno})") from None
+    except RecursionError:
+        raise AdapterError(f"{file}: malformed JSON: nested too deeply") from None
     if not isinstance(config, dict):
         raise AdapterError(f"{file}: the config must be a JSON object")
     return config
@@ -77,6 +79,21 @@ def _require(config: Mapping[str, Any], key: str, file: Path, kind: type | tuple
         names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
         raise AdapterError(f"{file}: {key!r} must be {names}, not {value!r}")
     return value
+
+
+def _number(value: Any, what: str, file: Path, *, low: float | None = None) -> float:
+    """`value` as a finite float (at least `low`): a NaN or infinite scale would turn every output
+    into NaN, a string or list is no number at all."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise AdapterError(f"{file}: {what} must be a number, not {value!r:.40}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or (low is not None and number < low):
+        bound = f" >= {low:g}" if low is not None else ""
+        raise AdapterError(f"{file}: {what} must be a finite number{bound}, not {value!r:.40}")
+    return number
 
 
 def _load_tensors(file: Path) -> dict[str, Array]:
@@ -124,6 +141,9 @@ def _pairs(tensors: Mapping[str, Array], file: Path, a_name: str, b_name: str) -
         if a_name not in pair or b_name not in pair:
             missing = a_name if a_name not in pair else b_name
             raise AdapterError(f"{file}: {module!r} has no {missing}")
+        for kind in (a_name, b_name):
+            if not pair[kind].dtype.is_floating:  # an integer or bool tensor is no trained weight
+                raise AdapterError(f"{file}: {module}.{kind} is {pair[kind].dtype.name}, not a floating-point tensor")
         out[module] = (pair[a_name], pair[b_name])
     return out
 
@@ -150,8 +170,10 @@ def read_mlx_adapter(path: str | Path) -> AdapterWeights:
     _require(config, "num_layers", cfg_file, int)
     params = _require(config, "lora_parameters", cfg_file, dict)
     rank = _require(params, "rank", cfg_file, int)
-    scale = float(_require(params, "scale", cfg_file, (int, float)))
-    dropout = float(params.get("dropout", 0.0) or 0.0)
+    if rank < 1:
+        raise AdapterError(f"{cfg_file}: 'rank' must be at least 1, not {rank}")
+    scale = _number(_require(params, "scale", cfg_file, (int, float)), "'scale'", cfg_file)
+    dropout = _number(params.get("dropout", 0.0) or 0.0, "'dropout'", cfg_file, low=0.0)
     tensors = _load_tensors(path / MLX_WEIGHTS)
     pairs = _pairs(tensors, path / MLX_WEIGHTS, "lora_a", "lora_b")
     scales = {}
@@ -216,6 +238,27 @@ def _pattern_value(module: str, patterns: Mapping[str, Any], default: Any) -> An
     return default
 
 
+def _patterns(config: Mapping[str, Any], key: str, file: Path, *, rank: bool) -> dict[str, Any]:
+    """`rank_pattern` / `alpha_pattern`: an object of regular expressions to positive ranks
+    (`rank`) or finite alphas; anything else is named here, not met later as a raw error."""
+    patterns = config.get(key) or {}
+    if not isinstance(patterns, dict):
+        raise AdapterError(f"{file}: {key!r} must be an object of module patterns, not {patterns!r}")
+    out: dict[str, Any] = {}
+    for pattern, value in patterns.items():
+        try:
+            re.compile(rf"(.*\.)?({pattern})$")  # as _pattern_value uses it
+        except re.error as exc:
+            raise AdapterError(f"{file}: {key!r} has an invalid pattern {pattern!r}: {exc}") from None
+        if rank:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise AdapterError(f"{file}: {key}[{pattern!r}] must be a positive integer rank, not {value!r}")
+            out[pattern] = value
+        else:
+            out[pattern] = _number(value, f"{key}[{pattern!r}]", file)
+    return out
+
+
 def read_peft_adapter(path: str | Path) -> AdapterWeights:
     path = Path(path)
     cfg_file = path / CONFIG
@@ -224,16 +267,21 @@ def read_peft_adapter(path: str | Path) -> AdapterWeights:
     if str(peft_type).upper() != "LORA":
         raise AdapterError(f"{cfg_file}: peft_type {peft_type!r} is not supported (only LORA)")
     r = _require(config, "r", cfg_file, int)
-    alpha = float(_require(config, "lora_alpha", cfg_file, (int, float)))
+    if r < 1:
+        raise AdapterError(f"{cfg_file}: 'r' must be at least 1, not {r}")
+    alpha = _number(_require(config, "lora_alpha", cfg_file, (int, float)), "'lora_alpha'", cfg_file)
     _require(config, "target_modules", cfg_file, (list, str))
     for flag in ("use_dora", "fan_in_fan_out"):
         if config.get(flag):
             raise AdapterError(f"{cfg_file}: {flag}=true is not supported")
     if config.get("modules_to_save"):
         raise AdapterError(f"{cfg_file}: modules_to_save (fully trained layers) is not supported")
-    rslora = bool(config.get("use_rslora", False))
-    rank_pattern = config.get("rank_pattern") or {}
-    alpha_pattern = config.get("alpha_pattern") or {}
+    rslora = config.get("use_rslora", False)
+    if not isinstance(rslora, bool):  # bool("false") is True: a string would change every scale
+        raise AdapterError(f"{cfg_file}: 'use_rslora' must be true or false, not {rslora!r}")
+    rank_pattern = _patterns(config, "rank_pattern", cfg_file, rank=True)
+    alpha_pattern = _patterns(config, "alpha_pattern", cfg_file, rank=False)
+    dropout = _number(config.get("lora_dropout", 0.0) or 0.0, "'lora_dropout'", cfg_file, low=0.0)
     file = path / PEFT_WEIGHTS
     raw = _load_tensors(file)
     renamed: dict[str, Array] = {}
@@ -258,7 +306,7 @@ def read_peft_adapter(path: str | Path) -> AdapterWeights:
         scales[module] = mod_alpha / (math.sqrt(rank) if rslora else rank)
         tensors[f"{module}.lora_a"] = mx.transpose(a)
         tensors[f"{module}.lora_b"] = mx.transpose(b)
-    return AdapterWeights("peft", path, tensors, scales, float(config.get("lora_dropout", 0.0) or 0.0), config)
+    return AdapterWeights("peft", path, tensors, scales, dropout, config)
 
 
 def write_peft_adapter(path: str | Path, tensors: Mapping[str, Array], scales: Mapping[str, float], *,

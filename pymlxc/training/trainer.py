@@ -178,19 +178,65 @@ class Trainer:
         tmp.replace(path / STATE_FILE)
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        state = read_json(path / STATE_FILE, what="training state", error=ValueError)
-        arrays, _ = mx.load_safetensors(path / STATE_ARRAYS)
+        state = read_resume_state(path / STATE_FILE)[0]
+        file = path / STATE_ARRAYS
+        arrays, _ = mx.load_safetensors(file)
         params = {k[len("params."):]: v for k, v in arrays.items() if k.startswith("params.")}
         current = self.adapter.trainable_parameters()
         mismatch = sorted(set(current) ^ set(params))
         if mismatch:
             raise ValueError(f"{path}: the checkpoint's adapter does not match the model's: {', '.join(mismatch[:5])}")
+        opt = {k[len("opt."):]: v for k, v in arrays.items() if k.startswith("opt.")}
+        # Shapes are checked here: a wrong one would fail mid-step with MLX's text, or (a moment of
+        # shape (1,)) broadcast silently into a wrong optimizer state.
+        for name, value in params.items():
+            _check_like(file, f"params.{name}", value, current[name])
+        for name, value in opt.items():  # `<param>.m`, `.v`, `.master`; other names load_state_dict refuses
+            if name.rpartition(".")[0] in current:
+                _check_like(file, f"opt.{name}", value, current[name.rpartition(".")[0]])
         self.params = {k: params[k].astype(current[k].dtype) for k in current}
+        try:
+            self.optimizer.load_state_dict(opt, state["optimizer_step"])
+        except ValueError as exc:
+            raise ValueError(f"{file}: {exc}") from None
+        unknown = sorted(set(self.optimizer.state) - set(current))
+        if unknown:
+            raise ValueError(f"{file}: optimizer state for {', '.join(unknown[:5])}, which the adapter does not have")
         self.adapter.update(self.params)
-        self.optimizer.load_state_dict({k[len("opt."):]: v for k, v in arrays.items() if k.startswith("opt.")},
-                                       state["optimizer_step"])
         mx.eval([*self.params.values(), *self.optimizer.state_arrays()])
         return state
+
+
+def _check_like(file: Path, name: str, value: Array, like: Array) -> None:
+    if tuple(value.shape) != tuple(like.shape) or not value.dtype.is_floating:
+        raise ValueError(f"{file}: {name} is {value.dtype.name} {tuple(value.shape)}; the adapter's is "
+                         f"a floating tensor of shape {tuple(like.shape)}")
+
+
+def read_resume_state(file: Path) -> tuple[dict[str, Any], LoRAConfig]:
+    """The training state of a checkpoint (`training_state.json`) and its LoRA config, checked: a
+    damaged or hand-edited file is refused naming the file and field, instead of a KeyError or
+    TypeError later, or a negative step or losses that are not pairs used as they are."""
+    state = read_json(file, what="training state", error=ValueError)
+    for key in ("step", "optimizer_step"):
+        value = state.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{file}: {key!r} must be a step number >= 0, not {value!r}")
+    for key in ("train_losses", "val_losses"):
+        value = state.get(key, [])
+        if not isinstance(value, list) or not all(
+                isinstance(x, list) and len(x) == 2 and type(x[0]) is int
+                and isinstance(x[1], (int, float)) and not isinstance(x[1], bool) for x in value):
+            raise ValueError(f"{file}: {key!r} must be a list of [step, loss] pairs")
+    lora = state.get("lora")
+    keys = lora.get("target_keys") if isinstance(lora, dict) else None
+    if not isinstance(lora, dict) or not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise ValueError(f"{file}: 'lora' must be a LoRA config with a list of target_keys")
+    try:
+        config = LoRAConfig(**{**lora, "target_keys": tuple(keys)})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{file}: 'lora' is not a LoRA config: {exc}") from None
+    return state, config
 
 
 def _check_model(model: Any) -> None:
@@ -226,11 +272,11 @@ def train(model: Any, data: str | Path, adapter_path: str | Path = "adapters", *
 def _train(model: Any, data: str | Path, adapter_path: str | Path, lora: LoRAConfig | None, config: TrainConfig,
            callback: Callable[[TrainReport], None] | None) -> TrainResult:
     adapter_dir = Path(adapter_path)
-    resume_state = None
+    resume_state, resume_lora = None, None
     if config.resume:
         if not (adapter_dir / STATE_FILE).is_file():
             raise FileNotFoundError(f"cannot resume: {adapter_dir / STATE_FILE} does not exist")
-        resume_state = read_json(adapter_dir / STATE_FILE, what="training state", error=ValueError)
+        resume_state, resume_lora = read_resume_state(adapter_dir / STATE_FILE)
 
     train_records, valid_records = load_records(data, config.valid_split, config.seed)
     encoder = model.training_encoder()
@@ -243,8 +289,8 @@ def _train(model: Any, data: str | Path, adapter_path: str | Path, lora: LoRACon
     applied = adapter is None
     weights_before = {} if applied else dict(adapter.trainable_parameters())
     if applied:
-        if resume_state is not None:
-            lora = LoRAConfig(**{**resume_state["lora"], "target_keys": tuple(resume_state["lora"]["target_keys"])})
+        if resume_lora is not None:
+            lora = resume_lora
         adapter = model.apply_lora(lora or LoRAConfig(), seed=config.seed)
     try:
         return _run(model, data, adapter, adapter_dir, resume_state, train_set, valid_set, config, callback)

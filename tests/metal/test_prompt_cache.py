@@ -9,6 +9,7 @@ a cache that saw the prefix in one chunk; and the source cache is never changed.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +17,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reliability.subproc import run_case
 
 import pymlxc
 import pymlxc.core as mx
 from pymlxc.backends.metal import generate as loops
-from pymlxc.backends.metal.cache import RotatingKVCache
+from pymlxc.backends.metal.cache import CONTEXT_KEEP, RotatingKVCache
 from pymlxc.backends.metal.prompt_cache import PromptCache, PromptCacheError
 from pymlxc.backends.metal.sample import make_sampler
 from pymlxc.testing import write_tiny_model
@@ -182,13 +184,15 @@ def test_a_warm_prefix_gives_the_tokens_of_generation_without_the_cache(models, 
     for prefix in (PREFIX, short):
         m.prompt_cache.clear()
         n = m.warm_prompt_cache(prefix)
-        assert n == len(m.encode(prefix))
+        restorable = case != "llama_ctx" or len(m.encode(prefix)) <= CTX
+        # What was cached: nothing for a prefix past the context bound (such states are not kept).
+        assert n == (len(m.encode(prefix)) if restorable else 0)
+        assert [t for t, _ in m.prompt_cache.entries()] == ([n] if restorable else [])
         for rest in (REST, OTHER):
             got = ids(m.generate(prefix + rest, max_tokens=16))
             assert m.err() is None
             assert got == ids(plain.generate(prefix + rest, max_tokens=16))
             metrics = m.metrics()
-            restorable = case != "llama_ctx" or n <= CTX
             assert metrics.prompt_cache_hits == (1 if restorable else 0)
             assert metrics.prompt_cache_misses == (0 if restorable else 1)
             assert metrics.prompt_cache_hit_tokens >= (n if restorable else 0)
@@ -388,3 +392,117 @@ def test_a_tensor_unlike_the_models_is_refused_and_changes_nothing(models, dirs,
             assert fresh.load_prompt_cache(good) == 1  # the untouched file still loads
             assert ids(fresh.generate(PREFIX + REST, max_tokens=8)) == ids(plain.generate(PREFIX + REST, max_tokens=8))
             assert fresh.err() is None and fresh.metrics().prompt_cache_hits == 1
+
+
+# ---------------------------------------------------------------------- files: where and what is read
+
+def test_warm_returns_zero_when_nothing_could_be_kept(dirs) -> None:
+    """warm_prompt_cache says how many tokens it cached: it used to give the prefix's length for
+    an entry over prompt_cache_bytes, which the cache refused."""
+    with pymlxc.load_model(str(dirs["llama"]), backend="metal", prompt_cache_bytes=1000) as m:
+        assert m.warm_prompt_cache(PREFIX) == 0
+        assert m.prompt_cache.entries() == []
+    with pymlxc.load_model(str(dirs["llama"]), backend="metal") as m:
+        n = m.warm_prompt_cache(PREFIX)
+        assert n == len(m.encode(PREFIX)) == m.prompt_cache.entries()[0][0]
+        assert m.warm_prompt_cache(PREFIX) == n  # held already
+
+
+def test_save_writes_exactly_the_path_given(models, tmp_path: Path) -> None:
+    """MLX appends ".safetensors" to a name without it: the file used to land beside the path
+    asked for (a directory's sibling for a directory), and a FIFO there blocked the save forever."""
+    m, _ = models("llama")
+    m.warm_prompt_cache(PREFIX)
+    file = tmp_path / "cache.bin"
+    assert m.save_prompt_cache(file) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache.bin"]  # no temporary left either
+    assert m.load_prompt_cache(file) == 0  # the same entry: kept already
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    with pytest.raises(OSError, match="is a directory, not a regular file"):
+        m.save_prompt_cache(folder)
+    with pytest.raises(FileNotFoundError, match="no directory"):
+        m.save_prompt_cache(tmp_path / "missing" / "cache.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache.bin", "folder"]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs (POSIX)")
+def test_save_to_a_fifo_is_refused_without_blocking(dirs, tmp_path: Path) -> None:
+    fifo = tmp_path / "cache.safetensors"
+    os.mkfifo(fifo)
+    kind, message = run_case(f"""
+import pymlxc
+with pymlxc.load_model({str(dirs["llama"])!r}, backend="metal") as m:
+    m.warm_prompt_cache("hello there")
+    try:
+        m.save_prompt_cache({str(fifo)!r})
+        report(["saved", ""])
+    except Exception as exc:
+        report([type(exc).__name__, str(exc)])
+""", timeout=120)
+    assert kind == "UnsafeFileError"
+    assert message == f"prompt cache file {fifo} is a FIFO (named pipe), not a regular file"
+
+
+def _edit_entries(src: Path, dst: Path, edit: Any) -> Path:
+    arrays, metadata = mx.load_safetensors(str(src))
+    entries = json.loads(metadata["entries"])
+    edit(entries)
+    mx.save_safetensors(str(dst), dict(arrays), {**metadata, "entries": json.dumps(entries)})
+    return dst
+
+
+def _set_meta(entries: list[Any], meta: list[int]) -> None:
+    for layer in entries[0]["layers"]:
+        layer["meta"] = meta
+
+
+@pytest.mark.parametrize("edit, message", [
+    # Used to be rounded to ints (float, bool) and kept: the caches then answered other tokens.
+    (lambda e: e[0].update(tokens=[t + 0.5 for t in e[0]["tokens"]]), "the token ids must be a list of integers"),
+    (lambda e: e[0].update(tokens=[True] * len(e[0]["tokens"])), "the token ids must be a list of integers"),
+    # Used to escape as OverflowError / AttributeError.
+    (lambda e: e[0]["tokens"].__setitem__(0, 10**30), "outside the vocabulary"),
+    (lambda e: e[0].update(layers="x"), "layers must be a list of objects"),
+    (lambda e: e[0].update(layers=[1, 2]), "layers must be a list of objects"),
+    (lambda e: e.__setitem__(0, 5), "entries must be a list of objects"),
+    (lambda e: e[0]["layers"][0].update(meta=[1e300]), "meta must be a list of integers"),
+    # Rotating states that do not describe the buffer: used to load and give other tokens.
+    (lambda e: _set_meta(e, [CONTEXT_KEEP, CTX, len(e[0]["tokens"]), 0]), "rotating cache state"),
+    (lambda e: _set_meta(e, [0, CTX, len(e[0]["tokens"]), len(e[0]["tokens"])]), "rotating cache state"),
+    (lambda e: _set_meta(e, [CONTEXT_KEEP, CTX - 1, len(e[0]["tokens"]), len(e[0]["tokens"])]), "rotating cache state"),
+])
+def test_damaged_entries_are_refused_and_change_nothing(models, tmp_path: Path, edit: Any, message: str) -> None:
+    m, plain = models("llama_ctx")
+    m.warm_prompt_cache(PREFIX[:40])
+    good = tmp_path / "good.safetensors"
+    m.save_prompt_cache(good)
+    bad = _edit_entries(good, tmp_path / "bad.safetensors", edit)
+    m.prompt_cache.clear()
+    with pytest.raises(PromptCacheError, match=message):
+        m.load_prompt_cache(bad)
+    assert len(m.prompt_cache) == 0
+    assert ids(m.generate(PREFIX[:40] + REST, max_tokens=6)) == ids(plain.generate(PREFIX[:40] + REST, max_tokens=6))
+
+
+def test_a_file_larger_than_the_cache_is_not_read_whole(dirs, tmp_path: Path) -> None:
+    """Only the newest entries that fit the cache's bounds are read; the rest are checked, never
+    loaded (a file of many entries used to be read whole before all but the last were dropped)."""
+    file = tmp_path / "many.safetensors"
+    prompts = [f"{PREFIX} number {n} {REST}" * 3 for n in range(8)]
+    with pymlxc.load_model(str(dirs["llama"]), backend="metal") as m:
+        for p in prompts:
+            m.warm_prompt_cache(p)
+        assert m.save_prompt_cache(file) == 8
+        entry_bytes = max(b for _, b in m.prompt_cache.entries())
+    with pymlxc.load_model(str(dirs["llama"]), backend="metal", prompt_cache_entries=1) as m:
+        mx.eval(list(m.model.parameters().values()))
+        active = mx.get_active_memory()
+        mx.reset_peak_memory()
+        assert m.load_prompt_cache(file) == 1
+        assert mx.get_peak_memory() - active < 3 * entry_bytes
+        assert m.prompt_cache.entries()[0][0] == len(m.encode(prompts[-1]))  # the newest one
+        list(m.generate(prompts[-1] + " and", max_tokens=2))
+        assert m.metrics().prompt_cache_hits == 1
+    with pymlxc.load_model(str(dirs["llama"]), backend="metal", prompt_cache_entries=0) as m:
+        assert m.load_prompt_cache(file) == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -13,7 +14,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pymlxc.files import FileFormatError, UnsafeFileError, check_regular_file, read_bytes, read_json
+from pymlxc.files import (
+    FileFormatError,
+    UnsafeFileError,
+    check_regular_file,
+    read_bytes,
+    read_json,
+    write_replacing,
+)
 from pymlxc.testing import write_tiny_model
 
 from .subproc import run_case
@@ -101,6 +109,21 @@ def test_missing_directory_is_named_as_such(tmp_path: Path) -> None:
     kind, message, _ = run_case(LOAD.format(path=str(tmp_path / "nowhere")), timeout=120)
     assert kind == "FileNotFoundError"
     assert "model directory not found" in message and "tokenizer" not in message
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "file"])
+def test_a_model_path_that_is_no_directory_is_named_as_what_it_is(tmp_path: Path, kind: str) -> None:
+    """A FIFO, a device or a stray file given as the model used to be reported "not found"."""
+    path = tmp_path / "model"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        path.symlink_to("/dev/zero")
+    else:
+        path.write_text("not a model")
+    what = {"fifo": "FIFO (named pipe)", "device": "character device", "file": "regular file"}[kind]
+    kind_name, message, _ = run_case(LOAD.format(path=str(path)), timeout=120)
+    assert (kind_name, message) == ("NotADirectoryError", f"model directory {path} is a {what}, not a directory")
 
 
 def test_discover_skips_fifo_and_device_configs(tiny_source: Path, tmp_path: Path) -> None:
@@ -227,3 +250,54 @@ def test_training_readers_refuse_fifos(tmp_path: Path) -> None:
                         [("read_jsonl", data / "train.jsonl"), ("read_json", tmp_path / "state.json")])
     assert result == [_fifo_refused("dataset file", data / "train.jsonl"),
                       _fifo_refused("file", tmp_path / "state.json")]
+
+
+# -- writing where a library opens the name itself -----------------------------------------------
+
+def test_write_replacing_writes_exactly_there_or_refuses(tmp_path: Path) -> None:
+    """`write_replacing` hands the writer a temporary name and moves the result to the path asked
+    for; a FIFO, device or directory at the path is refused before anything is written (MLX's
+    savers would block on a FIFO, and append ".safetensors" to any other name)."""
+    target = tmp_path / "out.bin"
+    assert write_replacing(target, lambda tmp: Path(tmp).write_bytes(b"one"), suffix=".safetensors") == target
+    assert target.read_bytes() == b"one" and os.listdir(tmp_path) == ["out.bin"]
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    write_replacing(link, lambda tmp: Path(tmp).write_bytes(b"two"))
+    assert link.is_symlink() and target.read_bytes() == b"two"  # the link's file, the link kept
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "dir").mkdir()
+    for name, kind in (("fifo", "FIFO (named pipe)"), ("dir", "directory")):
+        with pytest.raises(UnsafeFileError, match=re.escape(f"out file {tmp_path / name} is a {kind}")):
+            write_replacing(tmp_path / name, lambda tmp: pytest.fail("written"), what="out file")
+    with pytest.raises(FileNotFoundError, match="no directory"):
+        write_replacing(tmp_path / "missing" / "x", lambda tmp: pytest.fail("written"))
+
+    def failing(tmp: str) -> None:
+        Path(tmp).write_bytes(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_replacing(target, failing)
+    assert target.read_bytes() == b"two"  # the old file stays whole
+    assert sorted(os.listdir(tmp_path)) == ["dir", "fifo", "link", "out.bin"]  # no temporary left
+
+
+def test_save_fused_refuses_a_fifo_where_its_files_go(tiny_source: Path, tmp_path: Path) -> None:
+    """The fused model's weights and config used to be opened for writing by name: a FIFO there
+    blocked `save_fused` (and `pymlxc fuse`) forever."""
+    out = tmp_path / "fused"
+    out.mkdir()
+    os.mkfifo(out / "model.safetensors")
+    result = run_case(f"""
+import pymlxc
+with pymlxc.load_model({str(tiny_source)!r}, backend="metal") as m:
+    m.apply_lora()
+    try:
+        m.save_fused({str(out)!r}, {str(tiny_source)!r})
+        report(["saved", ""])
+    except Exception as exc:
+        report([type(exc).__name__, str(exc)])
+""", timeout=120)
+    assert result == ["UnsafeFileError", f"fused weights file {out / 'model.safetensors'} is a FIFO (named pipe), "
+                      "not a regular file"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -79,6 +80,14 @@ def test_adapter_with_wrong_shapes_or_names(llama_adapter: Path, llama_dir: Path
     (lambda c: c["lora_parameters"].update(rank="8"), "'rank' must be int"),
     (lambda c: c["lora_parameters"].update(rank=16), "has rank 4, the config says 16"),
     (lambda c: c.update(fine_tune_type="dora"), "fine_tune_type 'dora' is not supported"),
+    # Values that used to escape as raw TypeError/ValueError/OverflowError or load silently as NaN.
+    (lambda c: c["lora_parameters"].update(rank=0), "'rank' must be at least 1, not 0"),
+    (lambda c: c["lora_parameters"].update(scale=float("nan")), "'scale' must be a finite number, not nan"),
+    (lambda c: c["lora_parameters"].update(scale=float("inf")), "'scale' must be a finite number, not inf"),
+    (lambda c: c["lora_parameters"].update(scale=10**400), "'scale' must be a finite number"),
+    (lambda c: c["lora_parameters"].update(dropout="abc"), "'dropout' must be a number, not 'abc'"),
+    (lambda c: c["lora_parameters"].update(dropout=[1]), r"'dropout' must be a number, not \[1\]"),
+    (lambda c: c["lora_parameters"].update(dropout=-0.5), "'dropout' must be a finite number >= 0, not -0.5"),
 ])
 def test_mlx_adapter_config_errors(llama_adapter: Path, llama_dir: Path, tmp_path: Path, edit, message: str) -> None:  # noqa: ANN001
     ad = _copy(llama_adapter, tmp_path / "ad")
@@ -95,6 +104,17 @@ def test_mlx_adapter_config_errors(llama_adapter: Path, llama_dir: Path, tmp_pat
     (lambda c: c.pop("target_modules"), "missing required key 'target_modules'"),
     (lambda c: c.update(use_dora=True), "use_dora=true is not supported"),
     (lambda c: c.update(peft_type="IA3"), "peft_type 'IA3' is not supported"),
+    # Values that used to escape as raw errors (ZeroDivisionError, AttributeError, re.error, ...)
+    # or change the scales silently (bool("false") is True).
+    (lambda c: c.update(r=0), "'r' must be at least 1, not 0"),
+    (lambda c: c.update(lora_alpha=float("nan")), "'lora_alpha' must be a finite number, not nan"),
+    (lambda c: c.update(lora_dropout="x"), "'lora_dropout' must be a number, not 'x'"),
+    (lambda c: c.update(use_rslora="false"), "'use_rslora' must be true or false, not 'false'"),
+    (lambda c: c.update(rank_pattern=[1]), "'rank_pattern' must be an object of module patterns"),
+    (lambda c: c.update(rank_pattern={"q_proj": "x"}), r"rank_pattern\['q_proj'\] must be a positive integer rank"),
+    (lambda c: c.update(rank_pattern={"q_proj": 0}), r"rank_pattern\['q_proj'\] must be a positive integer rank"),
+    (lambda c: c.update(alpha_pattern={"(": 3}), "'alpha_pattern' has an invalid pattern '\\('"),
+    (lambda c: c.update(alpha_pattern={"q_proj": "x"}), r"alpha_pattern\['q_proj'\] must be a number"),
 ])
 def test_peft_adapter_config_errors(llama_adapter: Path, llama_dir: Path, tmp_path: Path, edit, message: str) -> None:  # noqa: ANN001
     with load(llama_dir) as model:
@@ -105,6 +125,31 @@ def test_peft_adapter_config_errors(llama_adapter: Path, llama_dir: Path, tmp_pa
     (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps(config))
     with load(llama_dir) as model, pytest.raises(AdapterError, match=message):
         model.load_adapter(tmp_path / "peft")
+
+
+def test_a_deeply_nested_adapter_config_is_named(llama_adapter: Path, llama_dir: Path, tmp_path: Path) -> None:
+    """json.loads raises RecursionError (not JSONDecodeError) for deep nesting: still an AdapterError."""
+    ad = _copy(llama_adapter, tmp_path / "ad")
+    (ad / "adapter_config.json").write_text("[" * 100_000)
+    with (
+        load(llama_dir) as model,
+        pytest.raises(AdapterError, match=r"adapter_config\.json: malformed JSON: nested too deeply"),
+    ):
+        model.load_adapter(ad)
+
+
+@pytest.mark.parametrize("dtype", ["int32", "bool_"])
+def test_adapter_tensors_must_be_floating(llama_adapter: Path, llama_dir: Path, tmp_path: Path, dtype: str) -> None:
+    """An integer or bool lora_a used to be cast and loaded as if it were trained weights."""
+    ad = _copy(llama_adapter, tmp_path / "ad")
+    tensors, _ = mx.load_safetensors(ad / "adapters.safetensors")
+    name = "model.layers.0.self_attn.q_proj.lora_a"
+    bad = mx.zeros(tensors[name].shape, getattr(mx, dtype))
+    mx.save_safetensors(ad / "adapters.safetensors", {**tensors, name: bad})
+    with load(llama_dir) as model:
+        with pytest.raises(AdapterError, match=rf"{name} is {dtype.rstrip('_')}, not a floating-point tensor"):
+            model.load_adapter(ad)
+        assert model.adapter is None
 
 
 def test_adapter_directory_problems(llama_dir: Path, tmp_path: Path) -> None:
@@ -175,6 +220,79 @@ def test_bad_datasets_through_train(llama_dir: Path, tmp_path: Path) -> None:
             pymlxc.train(model, data, tmp_path / "listed", iters=1, resume=True, progress=False)
         with pytest.raises(TypeError, match=r"unexpected keyword|got an unexpected"):
             pymlxc.train(model, data, tmp_path / "ad", iterations=1)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(data, an adapter directory with a resumable checkpoint at step 2)."""
+    root = tmp_path_factory.mktemp("resume")
+    data = root / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(json.dumps({"text": "the cat sat on the mat " * 3}) + "\n"
+                                              for _ in range(4)))
+    with load(llama_dir) as model:
+        pymlxc.train(model, data, root / "ad", lora=LoRAConfig(rank=2), iters=2, batch_size=2, save_every=1,
+                     progress=False)
+    return data, root / "ad"
+
+
+def _drop(state: dict, key: str) -> None:
+    del state[key]
+
+
+@pytest.mark.parametrize("edit, message", [
+    # Used to escape as KeyError / TypeError / ValueError without the file's name ...
+    (lambda s: _drop(s, "lora"), "'lora' must be a LoRA config"),
+    (lambda s: s["lora"].update(bogus=1), "'lora' is not a LoRA config: .*bogus"),
+    (lambda s: s["lora"].update(target_keys=5), "'lora' must be a LoRA config with a list of target_keys"),
+    (lambda s: s.update(step="x"), "'step' must be a step number >= 0, not 'x'"),
+    (lambda s: _drop(s, "optimizer_step"), "'optimizer_step' must be a step number >= 0, not None"),
+    (lambda s: s.update(train_losses=[1, 2]), r"'train_losses' must be a list of \[step, loss\] pairs"),
+    # ... or to be used as they were: a negative step, losses that are no pairs.
+    (lambda s: s.update(step=-3), "'step' must be a step number >= 0, not -3"),
+    (lambda s: s.update(step=1.5), "'step' must be a step number >= 0, not 1.5"),
+    (lambda s: s.update(val_losses="abc"), r"'val_losses' must be a list of \[step, loss\] pairs"),
+])
+def test_a_damaged_training_state_is_named(checkpoint: tuple[Path, Path], llama_dir: Path, tmp_path: Path,
+                                           edit, message: str) -> None:  # noqa: ANN001
+    data, good = checkpoint
+    ad = _copy(good, tmp_path / "ad")
+    state = json.loads((ad / "training_state.json").read_text())
+    edit(state)
+    (ad / "training_state.json").write_text(json.dumps(state))
+    with load(llama_dir) as model:
+        with pytest.raises(ValueError, match=r"training_state\.json: " + message):
+            pymlxc.train(model, data, ad, iters=4, batch_size=2, resume=True, progress=False)
+        assert model.adapter is None
+
+
+@pytest.mark.parametrize("which, shape, dtype", [
+    ("opt", (1,), "float32"),  # broadcast silently into every step's update before
+    ("opt", (3, 3), "float32"),  # MLX's broadcast error mid-step before
+    ("params", (3, 3), "float32"),  # MLX's matmul error mid-step before
+    ("params", None, "int32"),  # cast and trained from before
+])
+def test_checkpoint_arrays_unlike_the_adapter_are_refused(checkpoint: tuple[Path, Path], llama_dir: Path,
+                                                           tmp_path: Path, which: str, shape: tuple | None,
+                                                           dtype: str) -> None:
+    data, good = checkpoint
+    ad = _copy(good, tmp_path / "ad")
+    arrays, _ = mx.load_safetensors(ad / "training_state.safetensors")
+    name = next(n for n in sorted(arrays) if n.startswith(f"{which}.") and n.endswith(".m" if which == "opt" else "a"))
+    arrays = {**arrays, name: mx.zeros(shape or arrays[name].shape, getattr(mx, dtype))}
+    mx.save_safetensors(ad / "training_state.safetensors", arrays)
+    with load(llama_dir) as model:
+        with pytest.raises(ValueError, match=rf"training_state\.safetensors: {re.escape(name)} is {dtype}"):
+            pymlxc.train(model, data, ad, iters=4, batch_size=2, resume=True, progress=False)
+        assert model.adapter is None
+
+
+def test_an_intact_checkpoint_still_resumes(checkpoint: tuple[Path, Path], llama_dir: Path, tmp_path: Path) -> None:
+    data, good = checkpoint
+    ad = _copy(good, tmp_path / "ad")
+    with load(llama_dir) as model:
+        result = pymlxc.train(model, data, ad, iters=3, batch_size=2, resume=True, progress=False)
+    assert result.steps == 3
 
 
 def test_models_that_cannot_train_are_named() -> None:

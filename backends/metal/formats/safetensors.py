@@ -11,7 +11,7 @@ from typing import Any
 
 import pymlxc.core as mx
 from pymlxc.core import Array, MLXError
-from pymlxc.files import check_regular_file, read_json
+from pymlxc.files import check_directory, check_regular_file, read_json
 
 from .errors import ConfigError, WeightsFileError
 
@@ -24,9 +24,7 @@ ADAPTER_FILES = ("adapters.safetensors", "adapter_model.safetensors")  # LoRA ad
 
 def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     """config.json of a model directory as a dict; errors name the file and what is wrong."""
-    root = Path(path)
-    if not root.is_dir():
-        raise FileNotFoundError(f"model directory not found: {root}")
+    root = check_directory(path, what="model directory")
     file = root / "config.json"
     if not file.exists():
         raise FileNotFoundError(f"config.json not found in {root} (expected {file})")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import select
 import subprocess
 import sys
@@ -209,53 +210,93 @@ def sentencepiece_gguf(out: Path, work: Path, *, add_space_prefix: bool, vocab_s
 _SERVER = r"""
 import json, sys
 import llama_cpp
-vocab = llama_cpp.Llama(model_path=sys.argv[1], vocab_only=True, verbose=False)
+vocabs = {}
 for line in sys.stdin:
-    text, add_special = json.loads(line)
-    ids = vocab.tokenize(text.encode("utf-8"), add_bos=add_special, special=True)
-    print(json.dumps(ids), flush=True)
+    path, text, add, special = json.loads(line)
+    if path not in vocabs:
+        vocabs[path] = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
+    v = vocabs[path]
+    if text is None:  # the settings llama.cpp read from the file
+        m = v._model
+        out = {"bos": m.token_bos(), "eos": m.token_eos(), "add_bos": bool(llama_cpp.llama_vocab_get_add_bos(m.vocab)),
+               "add_eos": bool(llama_cpp.llama_vocab_get_add_eos(m.vocab))}
+    else:
+        out = v.tokenize(text.encode("utf-8"), add_bos=add, special=special)
+    print("@" + json.dumps(out), flush=True)
 """
 
 
-class LlamaCppVocab:
-    """llama.cpp's tokenizer of one GGUF file, in a child process (an assertion in llama.cpp must
-    fail the test, not end the test run)."""
+class LlamaCpp:
+    """llama.cpp's tokenizers of any number of GGUF files, in one child process that is started again
+    after a crash (a failed assertion in llama.cpp then fails one example, not the test run)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._log = tempfile.TemporaryFile()  # not a pipe: a chatty child must not block on a full one
-        self._proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(path)], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=self._log, text=True, encoding="utf-8")
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[str] | None = None
+        self._log: Any = None
 
-    def tokenize(self, text: str, add_special: bool = True, timeout: float = 120.0) -> list[int]:
-        assert self._proc.stdin is not None and self._proc.stdout is not None
+    def _start(self) -> subprocess.Popen[str]:
+        if self._proc is None or self._proc.poll() is not None:
+            self._log = tempfile.TemporaryFile()  # noqa: SIM115 - not a pipe: a chatty child must not block on a full one
+            # GGML_NO_BACKTRACE: a failed assertion must not run gdb, whose output goes to stdout.
+            self._proc = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=self._log, text=True, encoding="utf-8",
+                                          env={**os.environ, "GGML_NO_BACKTRACE": "1"})
+        return self._proc
+
+    def _ask(self, request: list[Any], timeout: float = 120.0) -> Any:
+        proc = self._start()
+        assert proc.stdin is not None and proc.stdout is not None
         try:
-            self._proc.stdin.write(json.dumps([text, add_special]) + "\n")
-            self._proc.stdin.flush()
+            proc.stdin.write(json.dumps(request) + "\n")
+            proc.stdin.flush()
         except BrokenPipeError:
             pass
-        ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
+        ready, _, _ = select.select([proc.stdout], [], [], timeout)
         if not ready:
-            self._proc.kill()
-            raise RuntimeError(f"llama.cpp's tokenizer of {self.path} gave no answer within {timeout} s on {text!r}")
-        line = self._proc.stdout.readline()
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"llama.cpp gave no answer within {timeout} s on {request!r}")
+        line = proc.stdout.readline()
+        while line and not line.startswith("@"):  # anything else on stdout is not an answer
+            line = proc.stdout.readline()
         if not line:
-            self._proc.wait(timeout=10)
+            proc.wait(timeout=10)
             self._log.seek(0)
             err = self._log.read().decode("utf-8", "replace")
-            raise RuntimeError(f"llama.cpp's tokenizer of {self.path} exited with {self._proc.returncode} on "
-                               f"{text!r}: {err[-2000:]}")
-        return list(json.loads(line))
+            raise RuntimeError(f"llama.cpp exited with {proc.returncode} on {request!r}: {err[-1500:]}")
+        return json.loads(line[1:])
+
+    def tokenize(self, path: Path, text: str, add_special: bool, special: bool = True,
+                 timeout: float = 120.0) -> list[int]:
+        return list(self._ask([str(path), text, add_special, special], timeout))
+
+    def info(self, path: Path) -> dict[str, Any]:
+        return dict(self._ask([str(path), None, False, False]))
 
     def close(self) -> None:
+        if self._proc is None:
+            return
         if self._proc.stdin is not None and not self._proc.stdin.closed:
             self._proc.stdin.close()
-        if self._proc.poll() is None:
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
         if self._proc.stdout is not None:
             self._proc.stdout.close()
         self._log.close()
+
+
+class LlamaCppVocab:
+    """llama.cpp's tokenizer of one GGUF file (`LlamaCpp` bound to its path)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._ref = LlamaCpp()
+
+    def tokenize(self, text: str, add_special: bool = True, timeout: float = 120.0) -> list[int]:
+        return self._ref.tokenize(self.path, text, add_special, timeout=timeout)
+
+    def close(self) -> None:
+        self._ref.close()

@@ -10,12 +10,7 @@ ids, present, absent or out of range.
 """
 from __future__ import annotations
 
-import json
 import os
-import select
-import subprocess
-import sys
-import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,93 +34,13 @@ from .gguf_vocab import (
     TEXT,
     UNKNOWN,
     USER_DEFINED,
+    LlamaCpp,
     byte_level_vocab,
     byte_pair_vocab,
     gemma4_vocab,
     sentencepiece_gguf,
     write_vocab_gguf,
 )
-
-# ---------------------------------------------------------------------- llama.cpp, in a child process
-
-_SERVER = r"""
-import json, sys
-import llama_cpp
-vocabs = {}
-for line in sys.stdin:
-    path, text, add, special = json.loads(line)
-    if path not in vocabs:
-        vocabs[path] = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
-    v = vocabs[path]
-    if text is None:  # the settings llama.cpp read from the file
-        m = v._model
-        out = {"bos": m.token_bos(), "eos": m.token_eos(), "add_bos": bool(llama_cpp.llama_vocab_get_add_bos(m.vocab)),
-               "add_eos": bool(llama_cpp.llama_vocab_get_add_eos(m.vocab))}
-    else:
-        out = v.tokenize(text.encode("utf-8"), add_bos=add, special=special)
-    print("@" + json.dumps(out), flush=True)
-"""
-
-
-class LlamaCpp:
-    """llama.cpp's tokenizers of any number of GGUF files, in one child process that is started again
-    after a crash (a failed assertion in llama.cpp then fails one example, not the test run)."""
-
-    def __init__(self) -> None:
-        self._proc: subprocess.Popen[str] | None = None
-        self._log: Any = None
-
-    def _start(self) -> subprocess.Popen[str]:
-        if self._proc is None or self._proc.poll() is not None:
-            self._log = tempfile.TemporaryFile()  # noqa: SIM115 - not a pipe: a chatty child must not block on a full one
-            # GGML_NO_BACKTRACE: a failed assertion must not run gdb, whose output goes to stdout.
-            self._proc = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, stderr=self._log, text=True, encoding="utf-8",
-                                          env={**os.environ, "GGML_NO_BACKTRACE": "1"})
-        return self._proc
-
-    def _ask(self, request: list[Any], timeout: float = 120.0) -> Any:
-        proc = self._start()
-        assert proc.stdin is not None and proc.stdout is not None
-        try:
-            proc.stdin.write(json.dumps(request) + "\n")
-            proc.stdin.flush()
-        except BrokenPipeError:
-            pass
-        ready, _, _ = select.select([proc.stdout], [], [], timeout)
-        if not ready:
-            proc.kill()
-            proc.wait()
-            raise RuntimeError(f"llama.cpp gave no answer within {timeout} s on {request!r}")
-        line = proc.stdout.readline()
-        while line and not line.startswith("@"):  # anything else on stdout is not an answer
-            line = proc.stdout.readline()
-        if not line:
-            proc.wait(timeout=10)
-            self._log.seek(0)
-            err = self._log.read().decode("utf-8", "replace")
-            raise RuntimeError(f"llama.cpp exited with {proc.returncode} on {request!r}: {err[-1500:]}")
-        return json.loads(line[1:])
-
-    def tokenize(self, path: Path, text: str, add_special: bool, special: bool = True) -> list[int]:
-        return list(self._ask([str(path), text, add_special, special]))
-
-    def info(self, path: Path) -> dict[str, Any]:
-        return dict(self._ask([str(path), None, False, False]))
-
-    def close(self) -> None:
-        if self._proc is None:
-            return
-        if self._proc.stdin is not None and not self._proc.stdin.closed:
-            self._proc.stdin.close()
-        try:
-            self._proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-        if self._proc.stdout is not None:
-            self._proc.stdout.close()
-        self._log.close()
 
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,7 @@ from pymlxc.backends.metal.loader import load_weights_and_config
 from pymlxc.backends.metal.sample import greedy
 from pymlxc.core import eval_thread
 
+from _timing import time_chain
 from compare_mlx_lm import model_dir
 
 
@@ -53,26 +54,10 @@ def _ms(values: list[float]) -> float:
 def primitives(n: int = 400, repeats: int = 5) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
-    def chain(lib: Any, make: Callable[[], Any], op: Callable[[Any], Any], count: int) -> dict[str, float]:
+    def chain(lib: Any, make: Callable[[], Any], op: Callable[[Any], Any], count: int) -> dict[str, Any]:
         x = make()
         lib.eval(x)
-        build, encode, wait = [], [], []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            y = x
-            for _ in range(count):
-                y = op(y)
-            t1 = time.perf_counter()
-            lib.async_eval(y)
-            t2 = time.perf_counter()
-            lib.eval(y)
-            t3 = time.perf_counter()
-            build.append(t1 - t0)
-            encode.append(t2 - t1)
-            wait.append(t3 - t2)
-        build, encode, wait = build[1:], encode[1:], wait[1:]
-        return {"ops": count, "build_us_per_op": _ms(build) * 1e3 / count,
-                "encode_us_per_op": _ms(encode) * 1e3 / count, "wait_us_per_op": _ms(wait) * 1e3 / count}
+        return time_chain(lib, x, op, count, repeats)
 
     out["mlx_add"] = chain(mlx, lambda: mlx.zeros((1, 2048), dtype=mlx.bfloat16), lambda y: y + 1.0, n)
     # A compiled silu(y) * y * 1.5: one fused node (a JIT kernel MLX names per call), or three plain

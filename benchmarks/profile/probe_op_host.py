@@ -6,24 +6,25 @@ says which kinds of operation cost the host most, so that the prefill can drop t
 
 For each kind, a chain of --chain operations (each on the last one's output, so none can be
 dropped or reordered) is built, then evaluated: `build_us` is Python's (the binding's) time per
-operation, `eval_us` MLX's time per operation inside `eval`. With `--tiny` shapes (16 rows, 64
-wide) the kernels do next to no work, so `eval_us` is the host's encoding cost; with the 1B
-prefill's shapes (128 rows, Llama-3.2-1B's widths) it is the larger of host and device time.
+operation, `encode_us` MLX's time per operation in `async_eval`, `eval_us` that and the wait for
+the device (`_timing.time_chain`). With the `tiny` shapes (16 rows, 64 wide) the kernels do next to
+no work, so `eval_us` is the host's cost; with the 1B prefill's shapes (128 rows, Llama-3.2-1B's
+widths) it is the larger of host and device time. (`benchmarks/results/h100-op-host.json` predates
+`encode_us`: its `eval_us` was one `eval`'s time.)
 
-    python benchmarks/profile/probe_op_host.py [--chain 200] [--repeats 5] [--out DIR]
+    python benchmarks/profile/probe_op_host.py [--chain 200] [--repeats 5] [--shapes tiny 1b-prefill-128] [--out DIR]
 """
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import _path  # noqa: F401 - the checkout as installed
 import numpy as np
+from _timing import time_chain
 
 import pymlxc.core as mx
 from pymlxc.backends.metal.kernels import add_rms_norm, qmm
@@ -84,21 +85,12 @@ def _slice_update(buffer: Any, update: Any, at: int) -> Any:
     return mx.slice_update(buffer, update, start, stop, [1, 1, 1, 1])
 
 
-def _time_chain(first: Any, op: Op, chain: int, repeats: int) -> dict[str, float]:
-    builds, evals = [], []
-    for i in range(repeats + 2):  # two untimed: kernels compiled, clocks up
-        t0 = time.perf_counter()
-        out = first
-        for _ in range(chain):
-            out = op(out)
-        t1 = time.perf_counter()
-        mx.eval(out)
-        t2 = time.perf_counter()
-        if i >= 2:
-            builds.append((t1 - t0) / chain * 1e6)
-            evals.append((t2 - t1) / chain * 1e6)
-    return {"build_us": round(statistics.median(builds), 2), "eval_us": round(statistics.median(evals), 2),
-            "eval_us_runs": [round(e, 2) for e in evals]}
+def _time_chain(first: Any, op: Op, chain: int, repeats: int) -> dict[str, Any]:
+    """`_timing.time_chain`'s medians as this probe reports them: the build, and MLX's evaluation
+    (its encoding and the wait for the device together)."""
+    t = time_chain(mx, first, op, chain, repeats, warmups=2)  # two untimed: kernels compiled, clocks up
+    return {"build_us": round(t["build_us_per_op"], 2), "encode_us": round(t["encode_us_per_op"], 2),
+            "eval_us": round(t["encode_us_per_op"] + t["wait_us_per_op"], 2), "eval_us_runs": t["eval_us_runs"]}
 
 
 def main() -> None:

@@ -358,8 +358,8 @@ def load_entries(path: str | os.PathLike[str], identity: dict[str, str], layout:
     """The entries of the file at `path` as (tokens, caches), oldest first, after checking that the
     file was made by the model `identity` names with caches like `layout` (a fresh cache list, used
     up here), and that every tensor has the batch, heads, head_dim and dtype `model` writes. Every
-    entry is checked, but only the newest that fit `max_entries` and `max_bytes` (a cache's bounds)
-    are read: a file larger than the cache does not have to fit in memory."""
+    entry is checked, but with a cache's bounds (`max_entries`, `max_bytes`) only those that such a
+    cache keeps are read: a file larger than the cache does not have to fit in memory."""
     if isinstance(path, (bytes, bytearray)) or not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"the prompt cache file must be a path, not {type(path).__name__}")
     where = os.fspath(path)
@@ -389,28 +389,15 @@ def load_entries(path: str | os.PathLike[str], identity: dict[str, str], layout:
         raise PromptCacheError(f"{where}: {exc}") from None
     except (KeyError, TypeError, ValueError, RecursionError) as exc:
         raise PromptCacheError(f"{where}: damaged prompt cache file ({type(exc).__name__}: {exc})") from None
-    kept = _newest_that_fit(entries, max_entries, max_bytes)
-    mx.eval([a for _, caches in kept for c in caches for a in c.state])  # read now: the file may go
-    return kept
-
-
-def _newest_that_fit(entries: list[tuple[np.ndarray, list[Any]]], max_entries: int | None,
-                     max_bytes: int | None) -> list[tuple[np.ndarray, list[Any]]]:
-    """The newest `entries` that a cache of `max_entries` and `max_bytes` keeps (as its LRU order
-    would after storing them all, oldest first), in order; sizes come from shapes, nothing is read."""
-    kept: list[tuple[np.ndarray, list[Any]]] = []
-    total = 0
-    for entry in reversed(entries):
-        if max_entries is not None and len(kept) >= max_entries:
-            break
-        size = _nbytes(entry[1])
-        if max_bytes is not None and size > max_bytes:
-            continue  # store() refuses it on its own
-        if max_bytes is not None and total + size > max_bytes:
-            break
-        kept.append(entry)
-        total += size
-    return kept[::-1]
+    if max_entries is not None and max_bytes is not None:
+        # What a cache of these bounds keeps of them (its own eviction and prefix rules; sizes come
+        # from shapes, nothing is read yet): only those are read.
+        scratch = PromptCache(max_entries, max_bytes)
+        for tokens, caches in entries:
+            scratch.store(tokens.tolist(), caches)
+        entries = [(e.tokens, e.caches) for e in scratch.snapshot()]
+    mx.eval([a for _, caches in entries for c in caches for a in c.state])  # read now: the file may go
+    return entries
 
 
 def _ints(value: Any, what: str) -> list[int]:

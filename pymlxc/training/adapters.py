@@ -81,6 +81,13 @@ def _require(config: Mapping[str, Any], key: str, file: Path, kind: type | tuple
     return value
 
 
+def _rank(value: Any, what: str, file: Path) -> int:
+    """`value` as a LoRA rank: an integer of at least 1 (0 would divide the scale by zero)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise AdapterError(f"{file}: {what} must be a positive integer rank, not {value!r:.40}")
+    return value
+
+
 def _number(value: Any, what: str, file: Path, *, low: float | None = None) -> float:
     """`value` as a finite float (at least `low`): a NaN or infinite scale would turn every output
     into NaN, a string or list is no number at all."""
@@ -169,9 +176,7 @@ def read_mlx_adapter(path: str | Path) -> AdapterWeights:
         raise AdapterError(f"{cfg_file}: fine_tune_type {kind!r} is not supported (only 'lora')")
     _require(config, "num_layers", cfg_file, int)
     params = _require(config, "lora_parameters", cfg_file, dict)
-    rank = _require(params, "rank", cfg_file, int)
-    if rank < 1:
-        raise AdapterError(f"{cfg_file}: 'rank' must be at least 1, not {rank}")
+    rank = _rank(_require(params, "rank", cfg_file, int), "'rank'", cfg_file)
     scale = _number(_require(params, "scale", cfg_file, (int, float)), "'scale'", cfg_file)
     dropout = _number(params.get("dropout", 0.0) or 0.0, "'dropout'", cfg_file, low=0.0)
     tensors = _load_tensors(path / MLX_WEIGHTS)
@@ -230,32 +235,28 @@ def write_mlx_adapter(path: str | Path, tensors: Mapping[str, Array], scales: Ma
 
 # ---------------------------------------------------------------------- PEFT
 
-def _pattern_value(module: str, patterns: Mapping[str, Any], default: Any) -> Any:
-    # PEFT matches a pattern key against the end of the module name, at a dot boundary.
-    for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
+def _pattern_value(module: str, patterns: Sequence[tuple[re.Pattern[str], Any]], default: Any) -> Any:
+    for regex, value in patterns:
+        if regex.match(module):
             return value
     return default
 
 
-def _patterns(config: Mapping[str, Any], key: str, file: Path, *, rank: bool) -> dict[str, Any]:
+def _patterns(config: Mapping[str, Any], key: str, file: Path, *, rank: bool) -> list[tuple[re.Pattern[str], Any]]:
     """`rank_pattern` / `alpha_pattern`: an object of regular expressions to positive ranks
-    (`rank`) or finite alphas; anything else is named here, not met later as a raw error."""
+    (`rank`) or finite alphas, compiled as PEFT matches them (against the end of the module name,
+    at a dot boundary); anything else is named here, not met later as a raw error."""
     patterns = config.get(key) or {}
     if not isinstance(patterns, dict):
         raise AdapterError(f"{file}: {key!r} must be an object of module patterns, not {patterns!r}")
-    out: dict[str, Any] = {}
+    out: list[tuple[re.Pattern[str], Any]] = []
     for pattern, value in patterns.items():
         try:
-            re.compile(rf"(.*\.)?({pattern})$")  # as _pattern_value uses it
+            regex = re.compile(rf"(.*\.)?({pattern})$")
         except re.error as exc:
             raise AdapterError(f"{file}: {key!r} has an invalid pattern {pattern!r}: {exc}") from None
-        if rank:
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise AdapterError(f"{file}: {key}[{pattern!r}] must be a positive integer rank, not {value!r}")
-            out[pattern] = value
-        else:
-            out[pattern] = _number(value, f"{key}[{pattern!r}]", file)
+        what = f"{key}[{pattern!r}]"
+        out.append((regex, _rank(value, what, file) if rank else _number(value, what, file)))
     return out
 
 
@@ -266,9 +267,7 @@ def read_peft_adapter(path: str | Path) -> AdapterWeights:
     peft_type = config.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
         raise AdapterError(f"{cfg_file}: peft_type {peft_type!r} is not supported (only LORA)")
-    r = _require(config, "r", cfg_file, int)
-    if r < 1:
-        raise AdapterError(f"{cfg_file}: 'r' must be at least 1, not {r}")
+    r = _rank(_require(config, "r", cfg_file, int), "'r'", cfg_file)
     alpha = _number(_require(config, "lora_alpha", cfg_file, (int, float)), "'lora_alpha'", cfg_file)
     _require(config, "target_modules", cfg_file, (list, str))
     for flag in ("use_dora", "fan_in_fan_out"):

@@ -81,7 +81,7 @@ def test_adapter_with_wrong_shapes_or_names(llama_adapter: Path, llama_dir: Path
     (lambda c: c["lora_parameters"].update(rank=16), "has rank 4, the config says 16"),
     (lambda c: c.update(fine_tune_type="dora"), "fine_tune_type 'dora' is not supported"),
     # Values that used to escape as raw TypeError/ValueError/OverflowError or load silently as NaN.
-    (lambda c: c["lora_parameters"].update(rank=0), "'rank' must be at least 1, not 0"),
+    (lambda c: c["lora_parameters"].update(rank=0), "'rank' must be a positive integer rank, not 0"),
     (lambda c: c["lora_parameters"].update(scale=float("nan")), "'scale' must be a finite number, not nan"),
     (lambda c: c["lora_parameters"].update(scale=float("inf")), "'scale' must be a finite number, not inf"),
     (lambda c: c["lora_parameters"].update(scale=10**400), "'scale' must be a finite number"),
@@ -106,7 +106,7 @@ def test_mlx_adapter_config_errors(llama_adapter: Path, llama_dir: Path, tmp_pat
     (lambda c: c.update(peft_type="IA3"), "peft_type 'IA3' is not supported"),
     # Values that used to escape as raw errors (ZeroDivisionError, AttributeError, re.error, ...)
     # or change the scales silently (bool("false") is True).
-    (lambda c: c.update(r=0), "'r' must be at least 1, not 0"),
+    (lambda c: c.update(r=0), "'r' must be a positive integer rank, not 0"),
     (lambda c: c.update(lora_alpha=float("nan")), "'lora_alpha' must be a finite number, not nan"),
     (lambda c: c.update(lora_dropout="x"), "'lora_dropout' must be a number, not 'x'"),
     (lambda c: c.update(use_rslora="false"), "'use_rslora' must be true or false, not 'false'"),

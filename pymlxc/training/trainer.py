@@ -177,8 +177,9 @@ class Trainer:
         tmp.write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
         tmp.replace(path / STATE_FILE)
 
-    def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        state = read_resume_state(path / STATE_FILE)[0]
+    def load_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
+        """The adapter's and optimizer's arrays of the checkpoint at `path`, whose training state
+        `state` is (`read_resume_state`, read once by the caller)."""
         file = path / STATE_ARRAYS
         arrays, _ = mx.load_safetensors(file)
         params = {k[len("params."):]: v for k, v in arrays.items() if k.startswith("params.")}
@@ -204,7 +205,6 @@ class Trainer:
             raise ValueError(f"{file}: optimizer state for {', '.join(unknown[:5])}, which the adapter does not have")
         self.adapter.update(self.params)
         mx.eval([*self.params.values(), *self.optimizer.state_arrays()])
-        return state
 
 
 def _check_like(file: Path, name: str, value: Array, like: Array) -> None:
@@ -316,9 +316,10 @@ def _run(model: Any, data: str | Path, adapter: Any, adapter_dir: Path, resume_s
     start = 0
     history: dict[str, Any] = {"train_losses": [], "val_losses": []}
     if resume_state is not None:
-        state = trainer.load_checkpoint(adapter_dir)
-        start = int(state["step"])
-        history = {"train_losses": state.get("train_losses", []), "val_losses": state.get("val_losses", [])}
+        trainer.load_checkpoint(adapter_dir, resume_state)
+        start = int(resume_state["step"])
+        history = {"train_losses": resume_state.get("train_losses", []),
+                   "val_losses": resume_state.get("val_losses", [])}
         if start >= config.iters:
             raise ValueError(f"cannot resume: the checkpoint is at step {start} and iters={config.iters}")
 

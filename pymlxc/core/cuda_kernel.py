@@ -54,12 +54,19 @@ class FastKernel:
 
     api: ClassVar[str]
     label: ClassVar[str]
+    # Launch configurations kept per kernel, by output shapes, dtypes, grid, threadgroup, template
+    # and init value: a prefill chunk op by op applies a kernel about ten times a layer with the same
+    # few configurations, and building one costs a dozen mlx-c calls. Past this many, a call's
+    # configuration is built and freed with it.
+    MAX_CONFIGS: ClassVar[int] = 256
 
     def __init__(self, name: str, mlx_name: str, input_names: Sequence[str], output_names: Sequence[str],
                  source: str, header: str, ensure_row_contiguous: bool, last_arg: int | bool) -> None:
         """`last_arg`: mlx-c's last argument of `..._kernel_new`, shared memory bytes (CUDA) or
         atomic outputs (Metal)."""
         self._h: Any = None
+        self._configs: dict[tuple[Any, ...], Any] = {}
+        self._lock = threading.Lock()
         if not output_names:
             raise ValueError(f"a {self.label} kernel needs at least one output")
         for n in (*input_names, *output_names):
@@ -94,15 +101,41 @@ class FastKernel:
         if len(output_shapes) != len(self.output_names) or len(output_dtypes) != len(self.output_names):
             raise ValueError(f"kernel {self.name!r} has {len(self.output_names)} outputs; give as many "
                              "output_shapes and output_dtypes")
+        shapes = tuple(tuple(int(d) for d in shape) for shape in output_shapes)
+        dtypes = tuple(_dt.as_dtype(d).value for d in output_dtypes)
+        grid = (int(grid[0]), int(grid[1]), int(grid[2]))
+        threadgroup = (int(threadgroup[0]), int(threadgroup[1]), int(threadgroup[2]))
+        # The value's type is part of the key: True == 1, but a bool and an int argument differ.
+        key = (shapes, dtypes, grid, threadgroup, tuple((k, type(v), v) for k, v in template), init_value)
+        config = self._configs.get(key)
+        kept = config is not None
+        if config is None:
+            config = self._config(shapes, dtypes, grid, threadgroup, template, init_value)
+            with self._lock:
+                if self._h is not None and len(self._configs) < self.MAX_CONFIGS and key not in self._configs:
+                    self._configs[key] = config
+                    kept = True
+        try:
+            _keep, vec = vector_of(inputs)
+            out = new_vector()
+            s = default_stream()._c if stream is None else ffi.new("mlx_stream *", [resolve_stream(stream)])[0]
+            check(self._c["apply"](out, self._h, vec[0], config, s))
+            return unpack_vector(out[0])
+        finally:
+            if not kept:
+                self._c["config_free"](config)
+
+    def _config(self, output_shapes: tuple[tuple[int, ...], ...], output_dtypes: tuple[int, ...],
+                grid: tuple[int, int, int], threadgroup: tuple[int, int, int],
+                template: Sequence[tuple[str, TemplateValue]], init_value: float | None) -> Any:
+        """A new mlx-c launch configuration (the caller frees it, or keeps it in `_configs`)."""
         c = self._c
         config = c["config_new"]()
         try:
-            for shape, dtype in zip(output_shapes, output_dtypes, strict=True):  # lengths checked above
-                dims = [int(d) for d in shape]
-                check(c["config_add_output_arg"](config, ffi.new("int[]", dims), len(dims),
-                                                 _dt.as_dtype(dtype).value))
-            check(c["config_set_grid"](config, *(int(g) for g in grid)))
-            check(c["config_set_thread_group"](config, *(int(t) for t in threadgroup)))
+            for dims, dtype in zip(output_shapes, output_dtypes, strict=True):  # lengths checked by _apply
+                check(c["config_add_output_arg"](config, ffi.new("int[]", list(dims)), len(dims), dtype))
+            check(c["config_set_grid"](config, *grid))
+            check(c["config_set_thread_group"](config, *threadgroup))
             for key, value in template:
                 name = key.encode()
                 if isinstance(value, bool):
@@ -113,18 +146,20 @@ class FastKernel:
                     check(c["config_add_template_arg_dtype"](config, name, _dt.as_dtype(value).value))
             if init_value is not None:
                 check(c["config_set_init_value"](config, float(init_value)))
-            _keep, vec = vector_of(inputs)
-            out = new_vector()
-            s = default_stream()._c if stream is None else ffi.new("mlx_stream *", [resolve_stream(stream)])[0]
-            check(c["apply"](out, self._h, vec[0], config, s))
-            return unpack_vector(out[0])
-        finally:
+        except BaseException:
             c["config_free"](config)
+            raise
+        return config
 
     def close(self) -> None:
-        h, self._h = self._h, None
-        if h is not None and lib is not None:
-            self._c["free"](h)
+        with self._lock:
+            h, self._h = self._h, None
+            configs, self._configs = list(self._configs.values()), {}
+        if lib is not None:
+            for config in configs:
+                self._c["config_free"](config)
+            if h is not None:
+                self._c["free"](h)
 
     def __del__(self) -> None:
         self.close()

@@ -67,3 +67,28 @@ def test_float32_bits_are_numpys_float32_rounding(x: float) -> None:
 
     want = int(np.array([x], dtype=np.float64).astype(np.float32).view(np.int32)[0])
     assert float32_bits(x) == want
+
+
+def test_launch_configurations_are_kept_per_call_form() -> None:
+    """A kernel keeps one mlx-c launch configuration per form of call (shapes, dtypes, grid,
+    template, init value), and a call of another form never gets a kept one: the results follow
+    each call's own arguments, a bool and an int template argument stay apart, and calls past
+    `MAX_CONFIGS` forms still run (on configurations made for the call alone)."""
+    if not mx.cuda_available():
+        pytest.skip("needs MLX's CUDA build")
+    source = ("uint i = threadIdx.x; if (i < out_shape[0]) out[i] = static_cast<T>(a[i] * SCALE + "
+              "(FLAG ? 1000 : 0));")
+    kernel = mx.fast.cuda_kernel("configs", ["a"], ["out"], source)
+    kernel.MAX_CONFIGS = 6
+    a = mx.arange(8, dtype=mx.float32)
+    cases = [(n, scale, flag, dtype) for n in (8, 5) for scale in (1, 3) for flag in (True, 1, False)
+             for dtype in (mx.float32, mx.int32)]
+    for _ in range(2):  # the second pass takes the kept configurations where there are some
+        for n, scale, flag, dtype in cases:
+            out = kernel([a], output_shapes=[(n,)], output_dtypes=[dtype], grid=(32, 1, 1),
+                         threadgroup=(32, 1, 1), template=[("T", dtype), ("SCALE", scale), ("FLAG", flag)])
+            want = [i * scale + (1000 if flag else 0) for i in range(n)]
+            assert out[0].shape == (n,) and out[0].dtype == dtype and out[0].tolist() == want
+    assert len(kernel._configs) == 6
+    kernel.close()
+    assert kernel._configs == {}

@@ -76,8 +76,7 @@ def test_launch_configurations_are_kept_per_call_form() -> None:
     `MAX_CONFIGS` forms still run (on configurations made for the call alone)."""
     if not mx.cuda_available():
         pytest.skip("needs MLX's CUDA build")
-    source = ("uint i = threadIdx.x; if (i < out_shape[0]) out[i] = static_cast<T>(a[i] * SCALE + "
-              "(FLAG ? 1000 : 0));")
+    source = "out[threadIdx.x] = static_cast<T>(a[threadIdx.x] * SCALE + (FLAG ? 1000 : 0));"
     kernel = mx.fast.cuda_kernel("configs", ["a"], ["out"], source)
     kernel.MAX_CONFIGS = 6
     a = mx.arange(8, dtype=mx.float32)
@@ -85,8 +84,8 @@ def test_launch_configurations_are_kept_per_call_form() -> None:
              for dtype in (mx.float32, mx.int32)]
     for _ in range(2):  # the second pass takes the kept configurations where there are some
         for n, scale, flag, dtype in cases:
-            out = kernel([a], output_shapes=[(n,)], output_dtypes=[dtype], grid=(32, 1, 1),
-                         threadgroup=(32, 1, 1), template=[("T", dtype), ("SCALE", scale), ("FLAG", flag)])
+            out = kernel([a], output_shapes=[(n,)], output_dtypes=[dtype], grid=(n, 1, 1),
+                         threadgroup=(n, 1, 1), template=[("T", dtype), ("SCALE", scale), ("FLAG", flag)])
             want = [i * scale + (1000 if flag else 0) for i in range(n)]
             assert out[0].shape == (n,) and out[0].dtype == dtype and out[0].tolist() == want
     assert len(kernel._configs) == 6

@@ -77,6 +77,15 @@ def _token_ids(name: str, value: Any) -> tuple[int, ...]:
     return tuple(_integer(f"{name}[{i}]", t, low=0) for i, t in enumerate(value))
 
 
+def check_stop_tokens(stop_tokens: Iterable[int], vocab_size: int) -> None:
+    """Refuse `stop_tokens` (checked ints >= 0, GenerateConfig's) that a model of `vocab_size`
+    tokens never samples: such an id never ends a generation, so it would run on to max_tokens."""
+    for i, token in enumerate(stop_tokens):
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"stop_tokens[{i}] is {token}, outside the model's vocabulary of {vocab_size} tokens "
+                             f"(ids 0 to {vocab_size - 1})")
+
+
 def check_sampling(options: Any, penalty: str) -> dict[str, Any]:
     """The sampling options of `options` (its max_tokens, temperature, top_k, top_p, min_p, seed and
     its repeat penalty, the attribute named `penalty`) checked and normalized, by name: what

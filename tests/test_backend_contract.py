@@ -69,6 +69,14 @@ BAD_CALLS: list[tuple[str, Callable[[TextModel], Any], type[Exception], str]] = 
     ("message content not a string", lambda m: m.chat([{"role": "user", "content": ["hi"]}]), TypeError,
      "content must be strings"),
     ("message without content", lambda m: m.chat([{"role": "user"}]), TypeError, "content"),
+    # Used to raise tokenizers' "TextInputSequence must be str" (metal) or "'int' object is not iterable".
+    ("a number to encode", lambda m: m.encode(5), TypeError, "^text must be a str"),
+    ("bytes to encode", lambda m: m.encode(b"x"), TypeError, "^text must be a str"),
+    ("a number to count", lambda m: m.prompt_length(5), TypeError,
+     "^prompt must be a str or a sequence of messages, not int"),
+    ("a number as messages", lambda m: m.chat(5), TypeError, "^messages must be a .*sequence of Message"),
+    ("a stop token past the vocabulary", lambda m: m.generate("x", stop_tokens=[3, 10**6]), ValueError,
+     r"^stop_tokens\[1\] is 1000000, outside the model's vocabulary of \d+ tokens"),
     ("negative id to decode", lambda m: m.decode([-1]), ValueError, "-1"),
     ("id past the vocabulary to decode", lambda m: m.decode([5, 100_000]), ValueError, "100000"),
 ]
@@ -107,7 +115,7 @@ def test_streamed_texts_join_into_the_decoded_text(model: TextModel) -> None:
     tokens = list(model.generate("The baker", max_tokens=16))
     assert len(tokens) == 16
     text = "".join(t.text for t in tokens)
-    decoded = model.decode([t.id for t in tokens])  # type: ignore[attr-defined]
+    decoded = model.decode([t.id for t in tokens])
     assert text == decoded or (text == decoded[1:] and decoded.startswith(" "))
 
 

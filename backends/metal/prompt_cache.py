@@ -359,7 +359,8 @@ def load_entries(path: str | os.PathLike[str], identity: dict[str, str], layout:
     file was made by the model `identity` names with caches like `layout` (a fresh cache list, used
     up here), and that every tensor has the batch, heads, head_dim and dtype `model` writes. Every
     entry is checked, but with a cache's bounds (`max_entries`, `max_bytes`) only those that such a
-    cache keeps are read: a file larger than the cache does not have to fit in memory."""
+    cache keeps are read (and checked for NaN and infinity): a file larger than the cache does not
+    have to fit in memory."""
     if isinstance(path, (bytes, bytearray)) or not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"the prompt cache file must be a path, not {type(path).__name__}")
     where = os.fspath(path)
@@ -389,6 +390,7 @@ def load_entries(path: str | os.PathLike[str], identity: dict[str, str], layout:
         raise PromptCacheError(f"{where}: {exc}") from None
     except (KeyError, TypeError, ValueError, RecursionError) as exc:
         raise PromptCacheError(f"{where}: damaged prompt cache file ({type(exc).__name__}: {exc})") from None
+    index = {id(caches[0]): i for i, (_, caches) in enumerate(entries)}  # an entry's number in the file
     if max_entries is not None and max_bytes is not None:
         # What a cache of these bounds keeps of them (its own eviction and prefix rules; sizes come
         # from shapes, nothing is read yet): only those are read.
@@ -396,7 +398,17 @@ def load_entries(path: str | os.PathLike[str], identity: dict[str, str], layout:
         for tokens, caches in entries:
             scratch.store(tokens.tolist(), caches)
         entries = [(e.tokens, e.caches) for e in scratch.snapshot()]
-    mx.eval([a for _, caches in entries for c in caches for a in c.state])  # read now: the file may go
+    # A NaN or infinity in a restored cache would turn every answer that reuses it into garbage:
+    # one reduction per tensor, evaluated with the tensors (read now: the file may go).
+    names = [f"{index[id(caches[0])]}.{j}.{part}" for _, caches in entries
+             for j in range(len(caches)) for part in ("keys", "values")]
+    finite = mx.stack([mx.all(mx.isfinite(arrays[name])) for name in names] or [mx.array(True)])
+    mx.eval([finite, *(a for _, caches in entries for c in caches for a in c.state)])
+    bad = [name for name, ok in zip(names, finite.tolist(), strict=False) if not ok]
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise PromptCacheError(f"{where}: the tensor {bad[0]}{more} holds NaN or infinite values; "
+                               "the prompt cache file is damaged")
     return entries
 
 

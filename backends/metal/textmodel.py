@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import pymlxc.core as mx
 from pymlxc.model import GenerationCancelled, ModelClosedError, check_text
-from pymlxc.options import GenerateConfig, LoadConfig, check_template_kwargs, make_config
+from pymlxc.options import GenerateConfig, LoadConfig, check_stop_tokens, check_template_kwargs, make_config
 from pymlxc.types import AttentionSnapshot, BatchResult, ClassifyResult, GenerateMetrics, Message, ModelInfo, Token
 
 from . import batching
@@ -196,7 +196,7 @@ class MetalTextModel(TrainableMixin):
         return self._prompt_cache
 
     def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text)
+        return self._tokenizer.encode(text)  # which names a `text` that is no str
 
     def decode(self, ids: Sequence[int]) -> str:
         checked: list[int] = []
@@ -215,6 +215,8 @@ class MetalTextModel(TrainableMixin):
         """How many tokens the model reads for `prompt`: text as `generate` encodes it, or messages
         as `chat` renders them (what a server checks against its context before generating)."""
         self._check_open()
+        if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, Mapping)):
+            raise TypeError(f"prompt must be a str or a sequence of messages, not {type(prompt).__name__}")
         if isinstance(prompt, str):
             return len(self._encode_prompt(prompt))
         return len(self._chat_ids(prompt, check_template_kwargs(chat_template_kwargs), None))
@@ -500,6 +502,7 @@ class MetalTextModel(TrainableMixin):
         """Start a call: check the model and options (raising at once) and reset err()."""
         self._check_open()
         options: GenerateConfig = make_config(GenerateConfig, **config)
+        check_stop_tokens(options.stop_tokens, self._info.vocab_size)
         if self._distributed:  # every rank must run the same steps: one seed, no timeout (distributed/runtime.py)
             options = agree_options(options)
         self._errors[threading.get_ident()] = None
@@ -518,8 +521,9 @@ class MetalTextModel(TrainableMixin):
         """The ids of `messages` rendered by the chat template with the generation prompt."""
         from .chat_template import render_chat
 
-        if isinstance(messages, (str, Mapping)):
-            raise TypeError("messages must be a sequence of Message or {'role', 'content'} dicts")
+        if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+            raise TypeError("messages must be a sequence of Message or {'role', 'content'} dicts, "
+                            f"not {type(messages).__name__}")
         if not messages:
             raise ValueError("chat needs at least one message")
         self._check_messages(messages)

@@ -207,16 +207,17 @@ class Tokenizer:
 
     # -- encode / decode -----------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):  # tokenizers' own message ("TextInputSequence must be str") names neither
+            raise TypeError(f"text must be a str, not {type(text).__name__}")
         try:
             return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         except TypeError:
             # tokenizers says "TextInputSequence must be str" for a str it cannot take as UTF-8.
-            if isinstance(text, str):
-                try:
-                    text.encode("utf-8")
-                except UnicodeEncodeError as exc:
-                    raise ValueError(f"text is not valid Unicode: {exc.reason} at index {exc.start} "
-                                     f"({text[exc.start]!r})") from None
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"text is not valid Unicode: {exc.reason} at index {exc.start} "
+                                 f"({text[exc.start]!r})") from None
             raise
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:

@@ -8,7 +8,9 @@ and `_model_type`.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
+import os
 import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -142,6 +144,20 @@ def _frozen_state(model: Module) -> dict[str, tuple[type, set[str]]]:
     return {path: (type(module), set(module._frozen)) for path, module in model.named_modules()}
 
 
+def _module_state(model: Module) -> list[tuple[Module, dict[str, Any]]]:
+    """Every module of `model` with its attributes, for `_put_back`. Containers are copied: fusing
+    replaces items of a list of blocks in place and freezing changes a `_frozen` set in place."""
+    return [(module, {k: copy.copy(v) if isinstance(v, (list, dict, set)) else v for k, v in vars(module).items()})
+            for _, module in model.named_modules()]
+
+
+def _put_back(state: list[tuple[Module, dict[str, Any]]]) -> None:
+    """Every module as `_module_state` found it: the same children, arrays, frozen names and kernel marks."""
+    for module, attributes in state:
+        vars(module).clear()
+        vars(module).update(attributes)
+
+
 class TrainableMixin:
     """Training methods of `MetalTextModel` (which provides `_model`, `_tokenizer`, `_model_type`)."""
 
@@ -240,14 +256,28 @@ class TrainableMixin:
         under their checkpoint names, config.json and the tokenizer files copied from `source` (the
         directory the base model was loaded from). A quantized base stays quantized (fused layers are
         requantized with their own bits and group size) unless `dequantize`: then every layer is saved
-        dense and the quantization config is dropped."""
+        dense and the quantization config is dropped. Where the save fails, the model is left as it
+        was, adapter included."""
         with self._step():
-            if self._adapter is not None:
-                self.fuse_adapter(dequantize=dequantize)
-            if dequantize:
-                lora.dequantize_model(self._net())
-            return save_model_dir(self._net(), path, source, dequantized=dequantize,
-                                  rename=lambda name: external_name(name, self._model_type, "mlx"))
+            net = self._net()
+            # A destination that cannot take the files is refused before the model changes; a write
+            # that fails later (a full disk, a FIFO where a file goes) puts the model back, its old
+            # modules and arrays held until the files are written.
+            prepare_model_dir(path, source)
+            before, adapter = _module_state(net), self._adapter
+            try:
+                if adapter is not None:
+                    self.fuse_adapter(dequantize=dequantize)
+                if dequantize:
+                    lora.dequantize_model(net)
+                return save_model_dir(net, path, source, dequantized=dequantize,
+                                      rename=lambda name: external_name(name, self._model_type, "mlx"))
+            except BaseException:
+                _put_back(before)
+                if adapter is not None:
+                    adapter._attached = True
+                    self._adapter = adapter
+                raise
 
     # ------------------------------------------------------------------ what pymlxc.train uses
     def logits(self, inputs: Array) -> Array:
@@ -356,16 +386,27 @@ def _rename_modules(weights: AdapterWeights, model: Module) -> AdapterWeights:
     return AdapterWeights(weights.format, weights.path, tensors, scales, weights.dropout, weights.config)
 
 
-def save_model_dir(model: Module, path: str | Path, source: str | Path, *, dequantized: bool = False,
-                   rename: Any = None) -> Path:
-    """Write `model`'s parameters as `model.safetensors` (named by `rename`, if given) with config.json
-    and tokenizer files from `source`."""
+def prepare_model_dir(path: str | Path, source: str | Path) -> Path:
+    """The directory `path` (made if missing) for a model written from `source`, after checking that
+    `source` has a config.json to copy, that `path` is not `source` and can take files."""
     path, source = Path(path), Path(source)
     if not (source / "config.json").is_file():
         raise FileNotFoundError(f"{source} has no config.json to copy")
     if path.resolve() == source.resolve():
         raise ValueError("save the fused model to a new directory, not over its source")
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{path} is not a directory: the fused model is written as a directory of files")
     path.mkdir(parents=True, exist_ok=True)
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot write in {path}: the fused model's directory must be writable")
+    return path
+
+
+def save_model_dir(model: Module, path: str | Path, source: str | Path, *, dequantized: bool = False,
+                   rename: Any = None) -> Path:
+    """Write `model`'s parameters as `model.safetensors` (named by `rename`, if given) with config.json
+    and tokenizer files from `source`."""
+    path, source = prepare_model_dir(path, source), Path(source)
     weights = model.parameters()
     mx.eval(list(weights.values()))
     if rename is not None:

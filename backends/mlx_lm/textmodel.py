@@ -30,7 +30,7 @@ import numpy as np
 
 from pymlxc.bridge import protocol as P
 from pymlxc.model import GenerationCancelled, ModelClosedError, check_text
-from pymlxc.options import GenerateConfig, LoadConfig, check_template_kwargs, make_config
+from pymlxc.options import GenerateConfig, LoadConfig, check_stop_tokens, check_template_kwargs, make_config
 from pymlxc.types import AttentionSnapshot, BatchResult, ClassifyResult, GenerateMetrics, Message, ModelInfo, Token
 
 from .errors import WorkerError, WorkerReplyError, reply_error
@@ -297,6 +297,7 @@ class MlxLmModel:
         if self._closed:
             raise ModelClosedError("the model is closed")
         cfg: GenerateConfig = make_config(GenerateConfig, **(config or {}))
+        check_stop_tokens(cfg.stop_tokens, self._info.vocab_size)
         self._set_err(None)
         return cfg
 
@@ -561,6 +562,8 @@ class MlxLmModel:
         """How many tokens the model reads for `prompt`: text as `generate` encodes it, or messages
         as `chat` renders them (what a server checks against its context before generating)."""
         cfg = self._begin({"max_tokens": 0})
+        if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, Mapping)):
+            raise TypeError(f"prompt must be a str or a sequence of messages, not {type(prompt).__name__}")
         args: dict[str, Any]
         if isinstance(prompt, str):
             cmd, args = "generate", {"prompt": _prompt(prompt)}

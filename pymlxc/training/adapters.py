@@ -110,6 +110,15 @@ def _load_tensors(file: Path) -> dict[str, Array]:
         raise AdapterError(f"{file}: cannot read the adapter weights: {exc}") from exc
     if not tensors:
         raise AdapterError(f"{file}: holds no tensors")
+    # A NaN or infinity in a LoRA weight would turn every output of the adapted model into NaN:
+    # one reduction per floating tensor (others are refused by name in `_pairs`), one read.
+    names = [name for name, a in tensors.items() if a.dtype.is_floating]
+    finite = mx.stack([mx.all(mx.isfinite(tensors[name])) for name in names] or [mx.array(True)])
+    mx.eval([finite, *(tensors[name] for name in names)])
+    bad = [name for name, ok in zip(names, finite.tolist(), strict=False) if not ok]
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise AdapterError(f"{file}: tensor {bad[0]!r}{more} holds NaN or infinite values")
     return tensors
 
 

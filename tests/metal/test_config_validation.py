@@ -290,3 +290,14 @@ def test_lone_surrogate_in_text(tiny: Path) -> None:
     with pytest.raises(ValueError, match=r"not valid Unicode: surrogates not allowed at index 3"):
         tokenizer.encode("abc\ud800def")
     assert tokenizer.decode(tokenizer.encode("abc def", add_special_tokens=False)) == "abc def"
+
+
+@settings(max_examples=50, deadline=None)
+@given(value=st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.binary(max_size=4),
+                       st.lists(st.text(max_size=3), max_size=2),
+                       st.dictionaries(st.text(max_size=2), st.text(max_size=2), max_size=2)))
+def test_text_that_is_no_str_is_named(source: Path, value: Any) -> None:
+    """Used to raise tokenizers' TypeError "TextInputSequence must be str", naming neither the
+    argument nor what it takes (`Tokenizer.encode`, and `encode` of a loaded model through it)."""
+    with pytest.raises(TypeError, match=f"^text must be a str, not {type(value).__name__}$"):
+        Tokenizer(source).encode(value)

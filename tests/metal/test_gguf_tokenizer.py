@@ -235,6 +235,28 @@ def test_unreproducible_tokenizers_are_refused_by_name(model: str, pre: str | No
         load_gguf_tokenizer(path, read_gguf(path), None)
 
 
+@pytest.mark.parametrize("name", ["qwen2", "gemma4", "spm"])
+def test_bos_and_eos_are_resolved_once_per_load(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The settings and the rebuilt pipeline's check both need the BOS/EOS ids: they used to be
+    resolved from the metadata twice per load; now once, passed to both, with the same result."""
+    from pymlxc.backends.metal.formats import gguf_tokenizer
+
+    path = _write(name, tmp_path)
+    reference = load_gguf_tokenizer(path, read_gguf(path), None)
+    resolve = gguf_tokenizer._bos_eos
+    calls: list[int] = []
+
+    def counted(reader: Any, n: int) -> Any:
+        calls.append(n)
+        return resolve(reader, n)
+
+    monkeypatch.setattr(gguf_tokenizer, "_bos_eos", counted)
+    tok = load_gguf_tokenizer(path, read_gguf(path), None)
+    assert len(calls) == 1
+    assert (tok.bos_token, tok.eos_token_ids, tok.encode(TEXT)) == (
+        reference.bos_token, reference.eos_token_ids, reference.encode(TEXT))
+
+
 def test_malformed_merges_are_refused(tmp_path: Path) -> None:
     tokens, merges, types = byte_level_vocab("qwen2", vocab_size=300)
     path = write_vocab_gguf(tmp_path / "m.gguf", model="gpt2", pre="qwen2", tokens=tokens, merges=[*merges, "nospace"],

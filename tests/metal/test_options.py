@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pymlxc
@@ -93,6 +93,7 @@ def test_load_options_are_checked_too() -> None:
 BAD_CALLS: list[dict[str, Any]] = [
     {"temperature": float("nan")}, {"repeat_penalty": 1e-300}, {"timeout": float("nan")}, {"max_tokens": 2.5},
     {"top_k": 2.5}, {"seed": "x"}, {"cancel": True}, {"stop_tokens": [-1]},
+    {"stop_tokens": [5, 10**6]},  # past the vocabulary: used to be taken, and never stopped anything
 ]
 
 
@@ -128,3 +129,30 @@ def test_mlx_lm_refuses_the_same_options_and_keeps_its_worker(llama_dir: Path) -
     backend = MlxLmBackend(sys.executable, response_timeout=30.0, load_timeout=120.0)
     with backend.load(str(llama_dir), LoadConfig(context_len=1024)) as model:
         _check_calls(model)
+
+
+@pytest.fixture(scope="module")
+def metal_model(llama_dir: Path) -> Any:
+    with pymlxc.load_model(str(llama_dir), backend="metal") as model:
+        yield model
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(stops=st.lists(st.integers(0, 2000), min_size=1, max_size=4), call=st.sampled_from(["generate", "chat",
+                                                                                              "batch_generate"]))
+def test_stop_tokens_must_be_in_the_vocabulary(metal_model: Any, stops: list[int], call: str) -> None:
+    """A stop id past the vocabulary used to be taken silently: no sampled token is ever that id,
+    so the generation ran on to max_tokens. It is refused at the call, naming the option and the size."""
+    vocab = metal_model.info().vocab_size
+    calls = {"generate": lambda **o: list(metal_model.generate("Once upon a time", **o)),
+             "chat": lambda **o: list(metal_model.chat([{"role": "user", "content": "hi"}], **o)),
+             "batch_generate": lambda **o: metal_model.batch_generate(["a", "b"], **o)}
+    outside = [i for i, t in enumerate(stops) if t >= vocab]
+    if outside:
+        i = outside[0]
+        with pytest.raises(ValueError, match=rf"^stop_tokens\[{i}\] is {stops[i]}, outside the model's vocabulary "
+                                             rf"of {vocab} tokens"):
+            calls[call](max_tokens=2, stop_tokens=stops)
+    else:
+        calls[call](max_tokens=2, stop_tokens=stops)
+        assert metal_model.err() is None

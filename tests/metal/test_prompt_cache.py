@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -392,6 +393,39 @@ def test_a_tensor_unlike_the_models_is_refused_and_changes_nothing(models, dirs,
             assert fresh.load_prompt_cache(good) == 1  # the untouched file still loads
             assert ids(fresh.generate(PREFIX + REST, max_tokens=8)) == ids(plain.generate(PREFIX + REST, max_tokens=8))
             assert fresh.err() is None and fresh.metrics().prompt_cache_hits == 1
+
+
+def _poisoned(a: Any, spot: float, value: float) -> Any:
+    """`a` with one element, at fraction `spot` of its elements, set to `value`."""
+    flat = mx.reshape(a, (-1,))
+    at = mx.arange(flat.shape[0]) == int(spot * flat.shape[0])
+    return mx.reshape(mx.where(at, mx.array(value, a.dtype), flat), a.shape)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=st.sampled_from(["llama", "gemma3", "llama_ctx"]), value=st.sampled_from([np.nan, np.inf, -np.inf]),
+       part=st.sampled_from(["keys", "values"]), layer=st.floats(0, 1, exclude_max=True),
+       spot=st.floats(0, 1, exclude_max=True))
+def test_a_nan_or_infinity_in_a_tensor_is_refused_by_name(models, dirs, tmp_path_factory: pytest.TempPathFactory,
+                                                          case: str, value: float, part: str, layer: float,
+                                                          spot: float) -> None:
+    """A cache tensor holding NaN or infinity used to load silently (then every answer restoring it
+    was garbage): it is refused, naming the file and the tensor, and the cache is unchanged."""
+    m, _ = models(case)
+    m.warm_prompt_cache(PREFIX[:40])
+    root = tmp_path_factory.mktemp("nonfinite")
+    good = root / "good.safetensors"
+    m.save_prompt_cache(good)
+    arrays, metadata = mx.load_safetensors(str(good))
+    name = f"0.{int(layer * len(json.loads(metadata['entries'])[0]['layers']))}.{part}"
+    bad = root / "bad.safetensors"
+    mx.save_safetensors(str(bad), {**arrays, name: _poisoned(arrays[name], spot, value)}, metadata)
+    m.prompt_cache.clear()
+    message = f"^{re.escape(str(bad))}: the tensor {name} holds NaN or infinite values"
+    with pytest.raises(PromptCacheError, match=message):
+        m.load_prompt_cache(bad)
+    assert len(m.prompt_cache) == 0
+    assert m.load_prompt_cache(good) == 1  # the untouched file still loads
 
 
 # ---------------------------------------------------------------------- files: where and what is read

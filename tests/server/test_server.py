@@ -392,6 +392,45 @@ def test_echo_puts_the_prompt_before_the_completion(client: openai.OpenAI, serve
     assert with_logprobs.status_code == 400 and with_logprobs.json()["error"]["param"] == "echo"
 
 
+def test_a_slot_engine_counts_the_prompt_once(local) -> None:
+    """A SlotEngine (the mlx_lm backend's; a metal model whose caches cannot join a batch) counts
+    the prompt itself: the usage's prompt_tokens is the prompt's length as the model reads it, once,
+    whole or streamed, and the context left to the completion is what that length leaves."""
+    import asyncio
+
+    from pymlxc.server.app import ServerConfig, create_app
+    from pymlxc.server.engine import SlotEngine
+
+    context = 64
+    app = create_app(local, ServerConfig(), engine=SlotEngine(local, max_concurrency=1, max_queue=0,
+                                                              context_len=context))
+    messages = [{"role": "user", "content": "Hello!"}]
+    streamed = {"stream": True, "stream_options": {"include_usage": True}}
+
+    async def usages() -> list[tuple[dict[str, int], int]]:
+        got = []
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://slot") as c:
+            for endpoint, body, length in (
+                ("completions", {"prompt": PROMPTS[0]}, len(local.encode(PROMPTS[0]))),
+                ("chat/completions", {"messages": messages}, local.prompt_length(messages)),
+            ):
+                for extra in ({"max_tokens": 3}, {"max_tokens": 3, **streamed}, {}):
+                    r = await c.post(f"/v1/{endpoint}", json={"model": "m", "temperature": 0, **body, **extra})
+                    assert r.status_code == 200, r.text
+                    if extra.get("stream"):
+                        chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                                  if line.startswith("data: {")]
+                        got.append((chunks[-1]["usage"], length))
+                    else:
+                        got.append((r.json()["usage"], length))
+        return got
+
+    for usage, length in asyncio.run(usages()):
+        assert usage["prompt_tokens"] == length
+        assert usage["total_tokens"] == length + usage["completion_tokens"]
+        assert usage["completion_tokens"] in (3, context - length)
+
+
 # ---- the mlx_lm backend: one worker slot per request -------------------------------------------------
 
 

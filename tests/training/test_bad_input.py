@@ -6,7 +6,10 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import pymlxc
 import pymlxc.core as mx
@@ -150,6 +153,40 @@ def test_adapter_tensors_must_be_floating(llama_adapter: Path, llama_dir: Path, 
         with pytest.raises(AdapterError, match=rf"{name} is {dtype.rstrip('_')}, not a floating-point tensor"):
             model.load_adapter(ad)
         assert model.adapter is None
+
+
+@pytest.fixture(scope="module")
+def peft_adapter(llama_adapter: Path, llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("ad") / "peft_adapter"
+    with load(llama_dir) as model:
+        model.load_adapter(llama_adapter)
+        model.adapter.save(path, format="peft")
+    return path
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fmt=st.sampled_from(["mlx", "peft"]), value=st.sampled_from([np.nan, np.inf, -np.inf]),
+       pick=st.floats(0, 1, exclude_max=True), spot=st.floats(0, 1, exclude_max=True))
+def test_nan_or_infinity_in_adapter_weights_is_refused_by_name(llama_adapter: Path, peft_adapter: Path,
+                                                               llama_dir: Path,
+                                                               tmp_path_factory: pytest.TempPathFactory, fmt: str,
+                                                               value: float, pick: float, spot: float) -> None:
+    """A LoRA weight holding NaN or infinity used to load silently (every output then NaN)."""
+    source, weights = (llama_adapter, "adapters.safetensors") if fmt == "mlx" else (
+        peft_adapter, "adapter_model.safetensors")
+    ad = _copy(source, tmp_path_factory.mktemp("nonfinite") / "ad")
+    tensors, metadata = mx.load_safetensors(ad / weights)
+    names = sorted(tensors)
+    name = names[int(pick * len(names))]
+    flat = mx.reshape(tensors[name], (-1,))
+    at = mx.arange(flat.shape[0]) == int(spot * flat.shape[0])
+    bad = mx.reshape(mx.where(at, mx.array(value, flat.dtype), flat), tensors[name].shape)
+    mx.save_safetensors(ad / weights, {**tensors, name: bad}, metadata)
+    with load(llama_dir) as model:
+        with pytest.raises(AdapterError, match=rf"^{re.escape(str(ad / weights))}: tensor '{re.escape(name)}' "
+                                               "holds NaN or infinite values"):
+            model.load_adapter(ad)
+        assert model.adapter is None and not any("lora" in k for k in model.model.parameters())
 
 
 def test_adapter_directory_problems(llama_dir: Path, tmp_path: Path) -> None:

@@ -85,6 +85,57 @@ def test_fused_quantized_model_requantizes_or_saves_dense(qllama_dir: Path, tmp_
     np.testing.assert_allclose(np.array(dense(M.array([ids]))), adapted, rtol=1e-4, atol=1e-4)
 
 
+def _state(model) -> tuple[dict, list, list, dict]:  # noqa: ANN001
+    """What a failed save must leave alone: the parameters (the very arrays), the module types,
+    the trainable names and each module's frozen names."""
+    net = model.model
+    return (net.parameters(), [(p, type(m)) for p, m in net.named_modules()], sorted(net.trainable_parameters()),
+            {p: set(m._frozen) for p, m in net.named_modules()})
+
+
+def _failing_write(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
+    raise OSError("No space left on device")
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("dequantize", [False, True])
+@pytest.mark.parametrize("failure", ["a file in the way", "a failed write", "no adapter"])
+def test_a_failed_save_leaves_the_model_as_it_was(llama_dir: Path, qllama_dir: Path, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch, quantized: bool,
+                                                  dequantize: bool, failure: str) -> None:
+    """save_fused used to fuse (and dequantize) the model before writing: a save that then failed
+    left the user's model fused, its adapter gone."""
+    from pymlxc.backends.metal import training
+
+    source = qllama_dir if quantized else llama_dir
+    with load(source) as model:
+        if failure != "no adapter":
+            model.apply_lora(LORA)
+            _trained_like(model, seed=3)
+        adapter = model.adapter
+        ids = model.encode(PROMPT)
+        logits, before = _ours(model, ids), _state(model)
+        out = tmp_path / "fused"
+        if failure == "a file in the way":
+            out.write_text("not a directory")
+            error, match = NotADirectoryError, "is not a directory"
+        else:
+            monkeypatch.setattr(training, "write_replacing", _failing_write)
+            error, match = OSError, "No space left on device"
+        with pytest.raises(error, match=match):
+            model.save_fused(out, source, dequantize=dequantize)
+        after = _state(model)
+        assert after[0].keys() == before[0].keys() and all(after[0][k] is v for k, v in before[0].items())
+        assert after[1:] == before[1:]
+        assert model.adapter is adapter
+        if adapter is not None:
+            assert adapter.total_params() > 0  # still attached and usable
+        np.testing.assert_array_equal(_ours(model, ids), logits)
+        monkeypatch.undo()
+        saved = model.save_fused(tmp_path / "fused-ok", source, dequantize=dequantize)  # and it still saves
+        assert (saved / "model.safetensors").is_file() and model.adapter is None
+
+
 def test_cli_lora_then_fuse(
     llama_dir: Path, repeat_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -336,8 +336,9 @@ def _pre(reader: GGUFReader) -> str | None:
     return pre
 
 
-def pipeline_from_metadata(reader: GGUFReader) -> tokenizers.Tokenizer:
-    """A `tokenizers.Tokenizer` from the `tokenizer.ggml.*` keys (or an embedded tokenizer.json)."""
+def pipeline_from_metadata(reader: GGUFReader, bos_eos: BosEos | None = None) -> tokenizers.Tokenizer:
+    """A `tokenizers.Tokenizer` from the `tokenizer.ggml.*` keys (or an embedded tokenizer.json).
+    `bos_eos`: `_bos_eos` of the file where the caller has it already (`tokenizer_sources`)."""
     embedded = metadata(reader, "tokenizer.huggingface.json")
     if isinstance(embedded, str) and embedded:
         try:
@@ -356,7 +357,7 @@ def pipeline_from_metadata(reader: GGUFReader) -> tokenizers.Tokenizer:
     if not isinstance(types, list) or len(types) != n or not all(isinstance(k, int) for k in types):
         raise GGUFError(f"tokenizer.ggml.token_type is not a list of {n} integers, one per token")
     types = token_types(tokens, types)
-    _check_bos_eos(reader, n)
+    _check_bos_eos(bos_eos if bos_eos is not None else _bos_eos(reader, n), n)
     _check_overlapping_specials(tokens, types)
     if kind in ("gpt2", "gemma4"):
         merges = metadata(reader, "tokenizer.ggml.merges") or []
@@ -455,7 +456,10 @@ def _check_overlapping_specials(tokens: Sequence[str], types: Sequence[int]) -> 
 _DEFAULT_BOS_EOS: dict[str, tuple[int, int]] = {"gpt2": (11, 11), "llama": (1, 2)}
 
 
-def _bos_eos(reader: GGUFReader, n: int) -> tuple[int | None, int | None, bool, bool]:
+BosEos = tuple[int | None, int | None, bool, bool]  # BOS id, EOS id, add BOS, add EOS
+
+
+def _bos_eos(reader: GGUFReader, n: int) -> BosEos:
     """(BOS id, EOS id, add BOS, add EOS) as llama.cpp has them for a vocabulary of `n` tokens."""
     kind = metadata(reader, "tokenizer.ggml.model")
     default_bos, default_eos = _DEFAULT_BOS_EOS.get(kind, (None, None)) if isinstance(kind, str) else (None, None)
@@ -472,10 +476,11 @@ def _bos_eos(reader: GGUFReader, n: int) -> tuple[int | None, int | None, bool, 
     return bos_id, eos_id, bool(add_bos), bool(add_eos)
 
 
-def _check_bos_eos(reader: GGUFReader, n: int) -> None:
-    """Refuse a file that asks for BOS or EOS without a token for it: llama.cpp fails an assertion
-    on such a file (and would with any special tokens added), so there are no ids to agree with."""
-    bos_id, eos_id, add_bos, add_eos = _bos_eos(reader, n)
+def _check_bos_eos(bos_eos: BosEos, n: int) -> None:
+    """Refuse a file that asks for BOS or EOS without a token for it (`bos_eos`: its `_bos_eos`):
+    llama.cpp fails an assertion on such a file (and would with any special tokens added), so there
+    are no ids to agree with."""
+    bos_id, eos_id, add_bos, add_eos = bos_eos
     for add, found, what in ((add_bos, bos_id, "bos"), (add_eos, eos_id, "eos")):
         if add and found is None:
             raise GGUFError(f"the tokenizer adds {what.upper()} (tokenizer.ggml.add_{what}_token, or llama.cpp's "
@@ -485,11 +490,18 @@ def _check_bos_eos(reader: GGUFReader, n: int) -> None:
 
 # ---------------------------------------------------------------------- settings
 
-def settings_from_metadata(reader: GGUFReader, model_type: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(tokenizer_config, config) dicts shaped like the Hugging Face files, from the GGUF keys."""
-    # Malformed lists are left to `pipeline_from_metadata` to name; here they only give no settings.
+def _tokens(reader: GGUFReader) -> list[str]:
+    """tokenizer.ggml.tokens, or [] where malformed (`pipeline_from_metadata` names what is wrong)."""
     tokens = metadata(reader, "tokenizer.ggml.tokens")
-    tokens = tokens if isinstance(tokens, list) and all(isinstance(t, str) for t in tokens) else []
+    return tokens if isinstance(tokens, list) and all(isinstance(t, str) for t in tokens) else []
+
+
+def settings_from_metadata(reader: GGUFReader, model_type: str | None,
+                           bos_eos: BosEos | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tokenizer_config, config) dicts shaped like the Hugging Face files, from the GGUF keys.
+    `bos_eos`: `_bos_eos` of the file where the caller has it already (`tokenizer_sources`)."""
+    # Malformed lists are left to `pipeline_from_metadata` to name; here they only give no settings.
+    tokens = _tokens(reader)
     types = metadata(reader, "tokenizer.ggml.token_type")
     types = types if isinstance(types, list) and all(isinstance(k, int) for k in types) else []
     n = len(tokens)
@@ -498,7 +510,7 @@ def settings_from_metadata(reader: GGUFReader, model_type: str | None) -> tuple[
         i = _token_id(metadata(reader, key), n)
         return (i, tokens[i]) if i is not None else (None, None)
 
-    bos_id, eos_id, add_bos, add_eos = _bos_eos(reader, n)
+    bos_id, eos_id, add_bos, add_eos = bos_eos if bos_eos is not None else _bos_eos(reader, n)
     bos = tokens[bos_id] if bos_id is not None else None
     eos = tokens[eos_id] if eos_id is not None else None
     _, unk = token("tokenizer.ggml.unknown_token_id")
@@ -552,7 +564,10 @@ class TokenizerSources:
 def tokenizer_sources(gguf_path: str | Path, reader: GGUFReader, model_type: str | None) -> TokenizerSources:
     """The sources of the tokenizer of the GGUF model at `gguf_path` (see the module doc)."""
     beside = Path(gguf_path).parent
-    tok_config, config = settings_from_metadata(reader, model_type)
+    # BOS and EOS as llama.cpp resolves them, once: the settings name them and the rebuilt pipeline
+    # checks them (for the same vocabulary: the pipeline refuses a malformed token list first).
+    bos_eos = _bos_eos(reader, len(_tokens(reader)))
+    tok_config, config = settings_from_metadata(reader, model_type, bos_eos)
     special_map: dict[str, Any] = {}
     file = beside / "tokenizer.json"
     if file.is_file():
@@ -563,7 +578,7 @@ def tokenizer_sources(gguf_path: str | Path, reader: GGUFReader, model_type: str
             special_map = _read_json(beside / "special_tokens_map.json") or {}
         return TokenizerSources(file, None, tok_config, special_map, config,
                                 _read_json(beside / "generation_config.json") or {})
-    return TokenizerSources(None, pipeline_from_metadata(reader), tok_config, special_map, config,
+    return TokenizerSources(None, pipeline_from_metadata(reader, bos_eos), tok_config, special_map, config,
                             _read_json(beside / "generation_config.json") or {})
 
 

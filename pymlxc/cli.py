@@ -10,6 +10,7 @@ import argparse
 import importlib
 import inspect
 import json
+import os
 import pkgutil
 import sys
 import threading
@@ -179,6 +180,9 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_MESSAGE_CHARS = 1 << 22  # one chat message read from stdin; far more than any context holds
+
+
 def _configure_chat(p: argparse.ArgumentParser) -> None:
     add_load_arguments(p)
     p.add_argument("--system", default=None, help="a system message to start the conversation with")
@@ -198,9 +202,11 @@ def _run_chat(args: argparse.Namespace) -> int:
             if interactive:
                 sys.stderr.write("> ")
                 sys.stderr.flush()
-            line = sys.stdin.readline()
+            line = sys.stdin.readline(MAX_MESSAGE_CHARS + 1)  # bounded: `< /dev/zero` is no endless line
             if not line:
                 break
+            if len(line) > MAX_MESSAGE_CHARS and not line.endswith("\n"):
+                raise ValueError(f"a message on stdin is longer than {MAX_MESSAGE_CHARS} characters")
             text = line.rstrip("\n")
             if text.strip() == "/exit":
                 break
@@ -243,8 +249,11 @@ def _configure_discover(p: argparse.ArgumentParser) -> None:
 
 def _run_discover(args: argparse.Namespace) -> int:
     from pymlxc.discover import discover, discover_hub
+    from pymlxc.files import check_directory
     from pymlxc.hub import hub_cache_dir
 
+    if args.root is not None:  # a typo is an error, not "no models"
+        check_directory(args.root, what="folder to search")
     where = args.root if args.root is not None else f"the Hugging Face cache {hub_cache_dir()}"
     found = 0
     for model in (discover(args.root) if args.root is not None else discover_hub()):
@@ -317,22 +326,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    for failure in load_extensions():
-        print(f"{PROG}: warning: command extension failed to load: {failure}", file=sys.stderr)
-    args = build_parser().parse_args(argv)
     try:
+        for failure in load_extensions():
+            print(f"{PROG}: warning: command extension failed to load: {failure}", file=sys.stderr)
+        args = build_parser().parse_args(argv)
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
     except BrokenPipeError:
         # The reader went away (`| head`): not an error; keep the interpreter from flushing again.
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as exc:
-        _error(str(exc) if not isinstance(exc, KeyError) else str(exc.args[0]))
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError, FloatingPointError) as exc:
+        # FloatingPointError: training's diverged loss or weights, named with the step
+        message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+        _error(message or type(exc).__name__)
+        return 1
+    except MemoryError as exc:  # the device's or the host's (memory_check.DeviceMemoryError among them)
+        _error(f"out of memory: {exc}" if str(exc) else "out of memory")
+        return 1
+    except ImportError as exc:  # an optional dependency missing (the `gguf` package, a backend's library)
+        _error(str(exc))
+        return 1
+    except Exception as exc:  # noqa: BLE001 - a bug: one line, not a traceback, unless asked for
+        if os.environ.get("PYMLXC_TRACEBACK"):
+            raise
+        _error(f"internal error: {type(exc).__name__}: {exc} (set PYMLXC_TRACEBACK=1 to see where)")
         return 1
 
 

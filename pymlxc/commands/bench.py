@@ -50,12 +50,19 @@ def _summary(values: Sequence[float]) -> dict[str, float] | None:
 
 
 def _prompt_of_tokens(model: Any, n: int) -> str:
-    """Prose that encodes to about `n` tokens with the model's tokenizer."""
+    """Prose that encodes to about `n` tokens with the model's tokenizer (at most its `context_len`,
+    where it has one: the text is built in memory before any of it is cut)."""
     if n < 1:
         raise ValueError(f"--prompt-tokens must be >= 1, not {n}")
-    text = _TEXT
-    while len(model.encode(text)) < n + 8:
-        text += _TEXT
+    context = getattr(model, "context_len", None)
+    if isinstance(context, int) and n > context:
+        raise ValueError(f"--prompt-tokens {n} is more than the model's context length {context} (--context-len)")
+    reps = 1
+    while len(model.encode(_TEXT * reps)) < n + 8:  # doubled: a few encodings, not one per repetition
+        if len(_TEXT) * reps > 64 * (n + 8):
+            raise ValueError(f"--prompt-tokens: the tokenizer gives too few tokens for prose to reach {n}")
+        reps *= 2
+    text = _TEXT * reps
     words = text.split(" ")
     # Cut by words until the encoding fits: the text stays text (no broken characters).
     lo, hi = 1, len(words)
@@ -216,17 +223,31 @@ def _print_text(record: dict[str, Any]) -> None:
         )
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """The counts must make sense before anything is loaded (not silently replaced by others)."""
+    if args.runs < 1:
+        raise ValueError(f"--runs must be >= 1, not {args.runs}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, not {args.warmup}")
+    if args.prompt_tokens is not None and args.prompt_tokens < 1:
+        raise ValueError(f"--prompt-tokens must be >= 1, not {args.prompt_tokens}")
+    if args.max_tokens < 0:
+        raise ValueError(f"--max-tokens must be >= 0, not {args.max_tokens}")
+
+
 def _run_bench(args: argparse.Namespace) -> int:
     from pymlxc.cli import load
     from pymlxc.hub import resolve
 
+    check_arguments(args)
     quiet = args.quiet
     args.model = str(resolve(args.model, progress=not quiet))  # a download is not part of the timed load
     args.quiet = True  # no progress bar: the load is timed
     start = time.perf_counter()
     with load(args) as model:
         load_seconds = time.perf_counter() - start
-        prompt = args.prompt if args.prompt is not None else _prompt_of_tokens(model, args.prompt_tokens or 128)
+        tokens = args.prompt_tokens if args.prompt_tokens is not None else 128
+        prompt = args.prompt if args.prompt is not None else _prompt_of_tokens(model, tokens)
         record = bench(model, prompt=prompt, max_tokens=args.max_tokens, runs=args.runs, warmup=args.warmup,
                        load_seconds=load_seconds)
     args.quiet = quiet

@@ -6,6 +6,7 @@ that fails ends the run (see `pymlxc.launch`). For several machines use `mlx.lau
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,25 @@ def _configure(p: argparse.ArgumentParser) -> None:
                         "(rank 0 serves HTTP, the others follow)")
 
 
+MAX_RANKS = 256  # processes on one machine; more would only exhaust ports, files and memory
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    """What is wrong with the options, before any rank starts; None when nothing."""
+    if args.ranks < 1:
+        return f"-n must be at least 1, not {args.ranks}"
+    if args.ranks > MAX_RANKS:
+        return f"-n must be at most {MAX_RANKS} (ranks on this machine), not {args.ranks}"
+    if args.backend == "ring" and args.ranks < 2:
+        # A ring of one rank never connects: the run would fail after a long wait.
+        return "-n must be at least 2 with --backend ring (a single process needs no launch: run the command itself)"
+    if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
+        return f"--timeout must be a positive number of seconds, not {args.timeout}"
+    if not (math.isfinite(args.grace) and args.grace >= 0):
+        return f"--grace must be a number of seconds >= 0, not {args.grace}"
+    return None
+
+
 def _run(args: argparse.Namespace) -> int:
     from pymlxc.launch import LaunchError, run_local  # noqa: PLC0415 - light CLI start-up
 
@@ -34,8 +54,9 @@ def _run(args: argparse.Namespace) -> int:
     if not cmd:
         print("pymlxc launch: no command given (e.g. pymlxc launch -n 2 -- generate MODEL 'Hello')", file=sys.stderr)
         return 2
-    if args.ranks < 1:
-        print(f"pymlxc launch: -n must be at least 1, not {args.ranks}", file=sys.stderr)
+    problem = _check(args)
+    if problem is not None:
+        print(f"pymlxc launch: {problem}", file=sys.stderr)
         return 2
     command = [sys.executable, "-c", "import sys; from pymlxc.cli import main; sys.exit(main())",
                *cmd, "--distributed", args.mode]

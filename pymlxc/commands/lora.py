@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -49,9 +50,24 @@ def _configure_lora(p: argparse.ArgumentParser) -> None:
     p.add_argument("--export-peft", default=None, metavar="DIR", help="also write the final adapter in PEFT's format")
 
 
+def check_lora_arguments(args: argparse.Namespace) -> None:
+    """What LoRAConfig and TrainConfig let through but cannot mean anything: a NaN or infinite rate,
+    scale or fraction (training then fails after the model loaded, or never learns), a negative
+    warm-up (a negative learning rate: the loss climbs). Checked before the model loads."""
+    for option, value in (("--learning-rate", args.learning_rate), ("--weight-decay", args.weight_decay),
+                          ("--alpha", args.alpha), ("--dropout", args.dropout),
+                          ("--max-grad-norm", args.max_grad_norm), ("--valid-split", args.valid_split)):
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"{option} must be a finite number, not {value}")
+    if args.warmup_steps < 0:
+        raise ValueError(f"--warmup-steps must be >= 0, not {args.warmup_steps}")
+
+
 def _run_lora(args: argparse.Namespace) -> int:
     from pymlxc.cli import load
     from pymlxc.training import LoRAConfig, TrainConfig, train
+
+    check_lora_arguments(args)
 
     lora = LoRAConfig(rank=args.rank, alpha=args.alpha, target_keys=tuple(args.keys), num_layers=args.num_layers,
                       dropout=args.dropout, dtype=args.lora_dtype)

@@ -43,3 +43,20 @@ def test_list_gives_each_layer_and_no_period(tmp_path: Path) -> None:
     assert _sliding_layers(_reader(tmp_path / "m.gguf", pattern), KEY, 5, 6) == (pattern, None)
     with pytest.raises(GGUFError, match=rf"{KEY} has 5 entries for 4 layers"):
         _sliding_layers(_reader(tmp_path / "n.gguf", pattern), KEY, 4, 6)
+
+
+@pytest.mark.parametrize("value,kind", [(True, gguf.GGUFValueType.BOOL), ("6", gguf.GGUFValueType.STRING),
+                                        (6.0, gguf.GGUFValueType.FLOAT32), ([1, 0, 1, 1], None)])
+def test_a_pattern_of_another_type_is_refused(tmp_path: Path, value: object, kind: gguf.GGUFValueType | None) -> None:
+    """Was read as a default period (a string, a float), as period 1 (true: every layer global) or
+    as booleans (a list of integers)."""
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "gemma3")
+    if kind is None:
+        w.add_array(KEY, value)  # type: ignore[arg-type]
+    else:
+        w.add_key_value(KEY, value, kind)
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+        step()
+    with pytest.raises(GGUFError, match=rf"{KEY} must be (a period|one boolean per layer)"):
+        _sliding_layers(gguf.GGUFReader(str(tmp_path / "m.gguf")), KEY, 4, 6)

@@ -19,6 +19,7 @@ Llama 3's RoPE scaling, stored as a `rope_freqs` tensor of per-pair factors, bec
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import struct
@@ -46,7 +47,6 @@ from .gguf_config import (
     llama3_rope_scaling,
     metadata,
     model_type_of,
-    scalar,
 )
 from .gguf_quants import AFFINE_BITS, GROUP
 from .gguf_tensors import TensorError, compute_dtype, hf_name, read_tensors
@@ -195,8 +195,12 @@ def _type_name(raw: int) -> str:
 
 
 def _check_tensors(path: Path, reader: GGUFReader, size: int, *, types: bool) -> None:
-    """Shapes and data ranges within bounds; with `types`, only tensor types that MLX loads."""
+    """Shapes and data ranges within bounds, each aligned and none overlapping another (llama.cpp
+    refuses such files too; two tensors reading the same bytes would load silently wrong); with
+    `types`, only tensor types that MLX loads."""
     unsupported: list[str] = []
+    ranges: list[tuple[int, int, str]] = []
+    alignment = int(getattr(reader, "alignment", 32))
     for t in reader.tensors:
         if not t.name or not t.name.isprintable():
             raise GGUFError(f"{path}: a tensor has an invalid name {t.name!r}")
@@ -211,8 +215,17 @@ def _check_tensors(path: Path, reader: GGUFReader, size: int, *, types: bool) ->
         if t.data_offset + nbytes > size:
             raise GGUFError(f"{path}: truncated or corrupt: tensor {t.name!r} needs bytes {t.data_offset} to "
                             f"{t.data_offset + nbytes}, the file has {size}")
+        relative = int(t.data_offset) - int(reader.data_offset)
+        if relative % alignment:
+            raise GGUFError(f"{path}: corrupt: tensor {t.name!r} starts at offset {relative} of the data, not a "
+                            f"multiple of the file's alignment {alignment}")
+        ranges.append((int(t.data_offset), int(t.data_offset) + nbytes, t.name))
         if types and t.tensor_type not in SUPPORTED_TYPES:
             unsupported.append(f"{t.name} ({t.tensor_type.name})")
+    ranges.sort()
+    for (_, end, first), (start, _, second) in itertools.pairwise(ranges):
+        if start < end:
+            raise GGUFError(f"{path}: corrupt: the data of tensors {first!r} and {second!r} overlap")
     if unsupported:
         raise GGUFError(
             f"{path}: {len(unsupported)} tensor{'s have types' if len(unsupported) > 1 else ' has a type'} pymlxc "
@@ -238,7 +251,9 @@ def read_gguf(path: str | os.PathLike[str], *, check_types: bool = True) -> GGUF
     if reader.byte_order != "I":
         raise GGUFError(f"{p}: GGUF files of the other byte order are not supported")
     _check_tensors(p, reader, p.stat().st_size, types=check_types)
-    split = scalar(reader, "split.count")
+    split = metadata(reader, "split.count")
+    if split is not None and (isinstance(split, bool) or not isinstance(split, int)):
+        raise GGUFError(f"{p}: split.count must be an integer, got {split!r}")
     if isinstance(split, int) and split > 1:
         raise GGUFError(f"{p}: part of a {split}-file split GGUF; merge it first (llama-gguf-split --merge)")
     return reader

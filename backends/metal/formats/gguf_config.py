@@ -77,7 +77,7 @@ def _float(reader: GGUFReader, key: str, default: float) -> float: ...
 @overload
 def _float(reader: GGUFReader, key: str, default: None = None) -> float | None: ...
 def _float(reader: GGUFReader, key: str, default: float | None = None) -> float | None:
-    value = scalar(reader, key)
+    value = metadata(reader, key)  # not `scalar`: a list in place of the number is refused, not ignored
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -86,10 +86,32 @@ def _float(reader: GGUFReader, key: str, default: float | None = None) -> float 
 
 
 def architecture(reader: GGUFReader) -> str:
-    arch = scalar(reader, "general.architecture")
-    if not isinstance(arch, str):
+    arch = metadata(reader, "general.architecture")
+    if arch is None:
         raise GGUFError("the metadata key general.architecture is missing")
+    if not isinstance(arch, str):
+        raise GGUFError(f"general.architecture must be a string, got {arch!r}")
     return arch
+
+
+def _check_vocab_size(reader: GGUFReader, arch: str, rows: int) -> None:
+    """`<arch>.vocab_size`, where the file has it, must be the token embedding's rows (llama.cpp
+    refuses the file otherwise)."""
+    key = f"{arch}.vocab_size"
+    value = metadata(reader, key)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value != rows:
+        raise GGUFError(f"{key} is {value!r}, but the token embedding token_embd.weight has {rows} rows")
+
+
+def _embedding(shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
+    embed = shapes.get("token_embd.weight")
+    if embed is None:
+        raise GGUFError("the token embedding tensor token_embd.weight is missing")
+    if len(embed) != 2:
+        raise GGUFError(f"the token embedding tensor token_embd.weight has shape {embed}, not [vocab, hidden]")
+    return embed
 
 
 def model_type_of(arch: str) -> str:
@@ -128,10 +150,8 @@ def gguf_config(reader: GGUFReader) -> dict[str, Any]:
     rope_dims = _int(reader, key("rope.dimension_count"), head_dim)
     if rope_dims != head_dim:
         raise GGUFError(f"partial rotary embeddings ({rope_dims} of {head_dim} dimensions) are not supported")
-    embed = shapes.get("token_embd.weight")
-    if embed is None or len(embed) != 2:
-        raise GGUFError("the token embedding tensor token_embd.weight is missing")
-    vocab = embed[0]
+    vocab = _embedding(shapes)[0]
+    _check_vocab_size(reader, arch, vocab)
     context = _int(reader, key("context_length"), 4096)
     config: dict[str, Any] = {
         "model_type": model_type,
@@ -172,7 +192,10 @@ def _check_against_tensors(config: Mapping[str, Any], shapes: Mapping[str, tuple
     layers = config["num_hidden_layers"]
     blocks = {int(n.split(".")[1]) for n in shapes if n.startswith("blk.") and n.split(".")[1].isdigit()}
     if len(blocks) != layers or (blocks and (min(blocks) != 0 or max(blocks) != layers - 1)):
-        raise GGUFError(f"block_count is {layers} but the file has tensors for {len(blocks)} blocks")
+        numbers = sorted(blocks)
+        listed = ", ".join(map(str, numbers[:8])) + (", ..." if len(numbers) > 8 else "")
+        raise GGUFError(f"block_count is {layers} but the file has tensors for {len(blocks)} blocks"
+                        + (f" (numbered {listed}; expected 0 to {layers - 1})" if blocks else ""))
     hidden, head_dim = config["hidden_size"], config["head_dim"]
     expected = {"token_embd.weight": (config["vocab_size"], hidden)}
     if attention:
@@ -278,7 +301,11 @@ def _sliding_layers(reader: GGUFReader, key: str, layers: int, default_period: i
     if isinstance(pattern, list):
         if len(pattern) != layers:
             raise GGUFError(f"{key} has {len(pattern)} entries for {layers} layers")
+        if not all(isinstance(v, bool) for v in pattern):
+            raise GGUFError(f"{key} must be one boolean per layer (true for sliding-window layers), got {pattern!r}")
         return [bool(v) for v in pattern], None
+    if pattern is not None and (isinstance(pattern, bool) or not isinstance(pattern, int)):
+        raise GGUFError(f"{key} must be a period (an integer) or one boolean per layer, got {pattern!r}")
     period = int(pattern) if isinstance(pattern, int) and pattern > 0 else default_period
     return [(i + 1) % period != 0 for i in range(layers)], period
 
@@ -287,7 +314,9 @@ def _rope_scaling(reader: GGUFReader, arch: str, head_dim: int, base: float) -> 
     def key(name: str) -> str:
         return f"{arch}.{name}"
 
-    kind = scalar(reader, key("rope.scaling.type"))
+    kind = metadata(reader, key("rope.scaling.type"))
+    if kind is not None and not isinstance(kind, str):
+        raise GGUFError(f"{key('rope.scaling.type')} must be a string, got {kind!r}")
     factor = _float(reader, key("rope.scaling.factor"))
     if kind in ("linear", "yarn") and factor and factor != 1.0:
         out: dict[str, Any] = {"rope_type": kind, "factor": factor}
@@ -420,9 +449,8 @@ def _gated_delta_config(reader: GGUFReader, arch: str, shapes: Mapping[str, tupl
         raise GGUFError(f"linear attention sizes do not fit: ssm.group_count {nk}, ssm.time_step_rank {nv}, "
                         f"ssm.state_size {dk}, ssm.inner_size {inner}, ssm.conv_kernel {conv} (the value heads "
                         "must be a multiple of the key heads and divide inner_size)")
-    embed = own.get("token_embd.weight")
-    if embed is None or len(embed) != 2:
-        raise GGUFError("the token embedding tensor token_embd.weight is missing")
+    embed = _embedding(own)
+    _check_vocab_size(reader, arch, embed[0])
     interval = _full_attention_interval(reader, arch, layers)
     moe = any(n.endswith(".ffn_gate_inp.weight") for n in own)
     config: dict[str, Any] = {
@@ -521,9 +549,8 @@ def _gemma4_config(reader: GGUFReader, shapes: Mapping[str, tuple[int, ...]], hi
     wide = any(ff[i] == 2 * ff[0] for i in range(first_shared, layers)) and ff[0] > 0
     if any(v != ff[0] * (2 if wide and i >= first_shared else 1) for i, v in enumerate(ff)):
         raise GGUFError(f"{key('feed_forward_length')} {ff} is not one width (doubled in the shared-KV tail)")
-    embed = shapes.get("token_embd.weight")
-    if embed is None or len(embed) != 2:
-        raise GGUFError("the token embedding tensor token_embd.weight is missing")
+    embed = _embedding(shapes)
+    _check_vocab_size(reader, "gemma4", embed[0])
     full_theta = _float(reader, key("rope.freq_base"), 1000000.0)
     swa_rot = _int(reader, key("rope.dimension_count_swa"), swa_head)
     rope = {"full_attention": {"rope_type": "proportional", "rope_theta": full_theta,

@@ -38,7 +38,7 @@ no counterpart, as `Tokenizer.encode` always reads them as special tokens.
 from __future__ import annotations
 
 import functools
-import json
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,6 +47,8 @@ from typing import TYPE_CHECKING, Any
 
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+
+from pymlxc.files import TOKENIZER_LIMIT, check_regular_file, read_json
 
 from .gguf import GGUFError, metadata
 
@@ -136,6 +138,37 @@ def _token_id(value: Any, n: int) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n:
         return None
     return value
+
+
+def _special_id(reader: GGUFReader, key: str, n: int) -> int | None:
+    """The token id a `tokenizer.ggml.*_token_id` key names, None where absent. Not an integer: refused
+    by name. An id outside the `n` tokens: ignored with a warning, as llama.cpp does ("bad special
+    token", its default then used), where the vocabulary itself is well formed (`n` > 0)."""
+    value = metadata(reader, key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise GGUFError(f"{key} must be a token id (an integer), got {value!r}")
+    if not 0 <= value < n:
+        if n:
+            warnings.warn(f"{key} is {value}, which names no token of the {n} in tokenizer.ggml.tokens: ignored, "
+                          "as llama.cpp does", stacklevel=3)
+        return None
+    return value
+
+
+def _flag(reader: GGUFReader, key: str, default: bool) -> bool:
+    """A boolean key (`default` where absent); another type is refused rather than read as true."""
+    value = metadata(reader, key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise GGUFError(f"{key} must be a boolean, got {value!r}")
+    return value
+
+
+# llama.cpp's token types (llama_token_type): UNDEFINED (0) to BYTE (6).
+_TOKEN_TYPES = range(0, BYTE + 1)
 
 
 # llama.cpp classifies code points with tables of Unicode 15.1 (unicode-data.cpp); Oniguruma, under
@@ -356,6 +389,10 @@ def pipeline_from_metadata(reader: GGUFReader, bos_eos: BosEos | None = None) ->
     types = metadata(reader, "tokenizer.ggml.token_type") or [NORMAL] * n
     if not isinstance(types, list) or len(types) != n or not all(isinstance(k, int) for k in types):
         raise GGUFError(f"tokenizer.ggml.token_type is not a list of {n} integers, one per token")
+    bad = next((i for i, k in enumerate(types) if k not in _TOKEN_TYPES), None)
+    if bad is not None:
+        raise GGUFError(f"tokenizer.ggml.token_type of token {bad} ({tokens[bad]!r}) is {types[bad]}, not a token "
+                        f"type (0 to {BYTE})")
     types = token_types(tokens, types)
     _check_bos_eos(bos_eos if bos_eos is not None else _bos_eos(reader, n), n)
     _check_overlapping_specials(tokens, types)
@@ -369,12 +406,16 @@ def pipeline_from_metadata(reader: GGUFReader, bos_eos: BosEos | None = None) ->
         if (not isinstance(scores, list) or len(scores) != n
                 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in scores)):
             raise GGUFError("a SentencePiece (llama) tokenizer needs tokenizer.ggml.scores, one number per token")
-        unk_id = _token_id(metadata(reader, "tokenizer.ggml.unknown_token_id"), n)
+        bad = next((i for i, x in enumerate(scores) if not math.isfinite(x)), None)
+        if bad is not None:  # the merges are ranked by score: a NaN would order them arbitrarily
+            raise GGUFError(f"tokenizer.ggml.scores of token {bad} ({tokens[bad]!r}) is {scores[bad]}, not a finite "
+                            "number")
+        unk_id = _special_id(reader, "tokenizer.ggml.unknown_token_id", n)
         if unk_id is None:
             unk_id = next((i for i, k in enumerate(types) if k == UNKNOWN), None)
-        add_prefix = metadata(reader, "tokenizer.ggml.add_space_prefix", True)
+        add_prefix = _flag(reader, "tokenizer.ggml.add_space_prefix", True)
         tok = _sentencepiece_bpe(tokens, scores, types, unk=tokens[unk_id] if unk_id is not None else None,
-                                 add_space_prefix=bool(add_prefix))
+                                 add_space_prefix=add_prefix)
     else:
         raise GGUFError(f"tokenizer model {kind!r} (tokenizer.ggml.model) is not supported (supported: gpt2, "
                         "gemma4, llama); put the model's tokenizer.json beside the GGUF file")
@@ -463,16 +504,16 @@ def _bos_eos(reader: GGUFReader, n: int) -> BosEos:
     """(BOS id, EOS id, add BOS, add EOS) as llama.cpp has them for a vocabulary of `n` tokens."""
     kind = metadata(reader, "tokenizer.ggml.model")
     default_bos, default_eos = _DEFAULT_BOS_EOS.get(kind, (None, None)) if isinstance(kind, str) else (None, None)
-    bos_id = _token_id(metadata(reader, "tokenizer.ggml.bos_token_id"), n)
-    eos_id = _token_id(metadata(reader, "tokenizer.ggml.eos_token_id"), n)
+    bos_id = _special_id(reader, "tokenizer.ggml.bos_token_id", n)
+    eos_id = _special_id(reader, "tokenizer.ggml.eos_token_id", n)
     bos_id = bos_id if bos_id is not None else _token_id(default_bos, n)
     eos_id = eos_id if eos_id is not None else _token_id(default_eos, n)
     pre = "gemma4" if kind == "gemma4" else _pre(reader)
     split = PRE_TOKENIZERS.get(pre) if kind in ("gpt2", "gemma4") else None
-    add_bos = metadata(reader, "tokenizer.ggml.add_bos_token", kind == "llama" or (split is not None and split.add_bos))
+    add_bos = _flag(reader, "tokenizer.ggml.add_bos_token", kind == "llama" or (split is not None and split.add_bos))
     if pre == "gemma4":
         add_bos = True  # llama.cpp forces BOS for Gemma 4, whatever the file says
-    add_eos = metadata(reader, "tokenizer.ggml.add_eos_token", False)
+    add_eos = _flag(reader, "tokenizer.ggml.add_eos_token", False)
     return bos_id, eos_id, bool(add_bos), bool(add_eos)
 
 
@@ -507,7 +548,7 @@ def settings_from_metadata(reader: GGUFReader, model_type: str | None,
     n = len(tokens)
 
     def token(key: str) -> tuple[int | None, str | None]:
-        i = _token_id(metadata(reader, key), n)
+        i = _special_id(reader, key, n)
         return (i, tokens[i]) if i is not None else (None, None)
 
     bos_id, eos_id, add_bos, add_eos = bos_eos if bos_eos is not None else _bos_eos(reader, n)
@@ -521,6 +562,8 @@ def settings_from_metadata(reader: GGUFReader, model_type: str | None,
         if text is not None:
             tok_config[name] = text
     template = metadata(reader, "tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise GGUFError(f"tokenizer.chat_template must be a string, got a {type(template).__name__}")
     if isinstance(template, str) and template:
         tok_config["chat_template"] = template
 
@@ -538,13 +581,11 @@ def settings_from_metadata(reader: GGUFReader, model_type: str | None,
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
-    if not path.is_file():
+    """A settings file beside the GGUF file, None where there is none; read as `tokenizer.py` reads
+    a model directory's: only a regular file of bounded size (a FIFO there is refused, not waited on)."""
+    if not path.exists():
         return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise GGUFError(f"{path}: not valid JSON: {exc}") from exc
-    return data if isinstance(data, dict) else None
+    return read_json(path, what="tokenizer file", error=GGUFError)
 
 
 @dataclass(frozen=True)
@@ -570,7 +611,9 @@ def tokenizer_sources(gguf_path: str | Path, reader: GGUFReader, model_type: str
     tok_config, config = settings_from_metadata(reader, model_type, bos_eos)
     special_map: dict[str, Any] = {}
     file = beside / "tokenizer.json"
-    if file.is_file():
+    if file.exists():
+        # Read by name by `tokenizers`: only a regular file of bounded size is handed to it.
+        check_regular_file(file, what="tokenizer file", max_bytes=TOKENIZER_LIMIT)
         hf_config = _read_json(beside / "tokenizer_config.json")
         if hf_config is not None:
             tok_config = {**({"chat_template": tok_config["chat_template"]} if "chat_template" in tok_config else {}),

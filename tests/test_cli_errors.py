@@ -1,0 +1,195 @@
+"""The `pymlxc` command line driven carelessly: options out of range, paths that are not what they
+should be, an exception no handler expected, Ctrl-C. Each ends with a non-zero status and one line
+naming the option or path, never a traceback; nothing is loaded or launched before the options are
+checked. (tests/metal/test_cli.py runs the commands on a working model.)"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pymlxc import cli
+from pymlxc.testing import write_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMANDS = ("bench", "chat", "discover", "fuse", "generate", "info", "launch", "lora", "serve")
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pymlxc.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=_env(), cwd=ROOT, stdin=subprocess.DEVNULL)
+
+
+def one_line_error(done: subprocess.CompletedProcess[str], code: int, *needles: str) -> None:
+    assert done.returncode == code, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("cli-errors") / "llama", "llama", seed=4)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_of_every_command(command: str) -> None:
+    done = run(command, "--help", timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"usage: pymlxc {command}") and done.stderr == ""
+
+
+# ---------------------------------------------------------------------- discover
+
+def test_discover_of_a_missing_folder_is_an_error(tmp_path: Path) -> None:
+    """Was "no models under ..." and status 0: a typo looked like an empty folder."""
+    one_line_error(run("discover", str(tmp_path / "nowhere")), 1, "folder to search not found", "nowhere")
+
+
+def test_discover_of_a_file_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("x")
+    one_line_error(run("discover", str(tmp_path / "notes.txt")), 1, "notes.txt is a regular file, not a directory")
+
+
+# ---------------------------------------------------------------------- bench
+
+@pytest.mark.parametrize("option,value,message", [
+    ("--runs", "0", "--runs must be >= 1, not 0"),  # was one run, silently
+    ("--runs", "-3", "--runs must be >= 1, not -3"),
+    ("--warmup", "-1", "--warmup must be >= 0, not -1"),  # was no warm-up, silently
+    ("--prompt-tokens", "0", "--prompt-tokens must be >= 1, not 0"),  # was 128 tokens, silently
+])
+def test_bench_counts_are_checked_before_anything_loads(option: str, value: str, message: str,
+                                                        tmp_path: Path) -> None:
+    one_line_error(run("bench", str(tmp_path / "no-model"), option, value, "-q"), 1, message)
+
+
+def test_bench_prompt_longer_than_the_context_is_refused(model_dir: Path) -> None:
+    """The prompt text was built (quadratically) to any size asked, past what the model keeps."""
+    done = run("bench", str(model_dir), "--backend", "metal", "--context-len", "32", "--prompt-tokens", "100",
+               "--runs", "1", "--warmup", "0", "--max-tokens", "1", "-q")
+    one_line_error(done, 1, "--prompt-tokens 100 is more than the model's context length 32")
+
+
+# ---------------------------------------------------------------------- launch
+
+@pytest.mark.parametrize("options,message", [
+    (["-n", "1"], "-n must be at least 2 with --backend ring"),  # was a 30 s wait, then a ring error
+    (["-n", "100000"], "-n must be at most 256"),  # was "Too many open files"
+    (["-n", "2", "--timeout", "-5"], "--timeout must be a positive number of seconds, not -5.0"),  # ranks started
+    (["-n", "2", "--timeout", "nan"], "--timeout must be a positive number of seconds, not nan"),
+    (["-n", "2", "--grace", "-1"], "--grace must be a number of seconds >= 0, not -1.0"),
+])
+def test_launch_options_are_checked_before_any_rank_starts(options: list[str], message: str,
+                                                           tmp_path: Path) -> None:
+    done = run("launch", *options, "--", "generate", str(tmp_path / "no-model"), "hi", "-q", timeout=90)
+    one_line_error(done, 2, message)
+
+
+# ---------------------------------------------------------------------- main's handlers
+
+def _command(monkeypatch: pytest.MonkeyPatch, error: BaseException) -> None:
+    def fail(args: argparse.Namespace) -> int:
+        raise error
+
+    monkeypatch.setitem(cli._commands, "fail-test", cli.Command("fail-test", "raises", lambda p: None, fail))
+
+
+@pytest.mark.parametrize("error,message", [
+    (MemoryError("cannot allocate 1 TB on the GPU"), "pymlxc: error: out of memory: cannot allocate 1 TB on the GPU"),
+    (ImportError("GGUF models need the `gguf` package"), "pymlxc: error: GGUF models need the `gguf` package"),
+    (ZeroDivisionError("division by zero"), "pymlxc: error: internal error: ZeroDivisionError: division by zero"),
+    (IndexError("list index out of range"), "pymlxc: error: internal error: IndexError: list index out of range"),
+    (KeyError(), "pymlxc: error: KeyError"),
+])
+def test_any_exception_ends_with_one_line_and_status_1(error: BaseException, message: str,
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """MemoryError (the device's DeviceMemoryError among them), ImportError and any other bug ended
+    the process with a traceback; a KeyError without arguments raised IndexError in the handler."""
+    monkeypatch.delenv("PYMLXC_TRACEBACK", raising=False)
+    _command(monkeypatch, error)
+    assert cli.main(["fail-test"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_the_traceback_is_there_when_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYMLXC_TRACEBACK", "1")
+    _command(monkeypatch, ZeroDivisionError("boom"))
+    with pytest.raises(ZeroDivisionError):
+        cli.main(["fail-test"])
+
+
+def test_ctrl_c_while_the_commands_load_exits_130(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C before the command ran (extensions importing, arguments parsed) ended with a traceback."""
+    def interrupted() -> list[str]:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "load_extensions", interrupted)
+    assert cli.main(["info", "x"]) == 130
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_ctrl_c_while_generating_exits_130_without_a_traceback(model_dir: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "pymlxc.cli", "generate", str(model_dir), "Once upon a time",
+                             "--backend", "metal", "--max-tokens", "100000", "-q"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=_env(), cwd=ROOT)
+    try:
+        assert proc.stdout is not None
+        proc.stdout.read(1)  # generating: the first token is out
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert b"Traceback" not in err, err
+
+
+# ---------------------------------------------------------------------- lora
+
+@pytest.mark.parametrize("option,value,message", [
+    ("--learning-rate", "nan", "--learning-rate must be a finite number, not nan"),  # was a traceback at step 1
+    ("--alpha", "inf", "--alpha must be a finite number, not inf"),
+    ("--weight-decay", "nan", "--weight-decay must be a finite number, not nan"),
+    ("--warmup-steps", "-5", "--warmup-steps must be >= 0, not -5"),  # was a negative learning rate, silently
+])
+def test_lora_numbers_are_checked_before_the_model_loads(option: str, value: str, message: str,
+                                                         tmp_path: Path) -> None:
+    done = run("lora", str(tmp_path / "no-model"), "--data", str(tmp_path), option, value, "-q")
+    one_line_error(done, 1, message)
+
+
+def test_a_diverged_training_is_an_error_not_an_internal_one(monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """training raises FloatingPointError naming the step (the loss or the weights went non-finite)."""
+    _command(monkeypatch, FloatingPointError("the loss is nan at step 3; lower the learning rate"))
+    assert cli.main(["fail-test"]) == 1
+    assert capsys.readouterr().err == "pymlxc: error: the loss is nan at step 3; lower the learning rate\n"
+
+
+# ---------------------------------------------------------------------- chat
+
+def test_chat_reads_a_bounded_line_from_stdin(model_dir: Path) -> None:
+    """`pymlxc chat MODEL < /dev/zero` read one endless line into memory. (Finite here: 5 MiB on one
+    line, more than the 4 MiB a message may have, so that a regression times out, not exhausts memory.)"""
+    done = subprocess.run([sys.executable, "-m", "pymlxc.cli", "chat", str(model_dir), "--backend", "metal",
+                           "--max-tokens", "1", "-q"], input=b"\0" * (5 << 20), capture_output=True, timeout=60,
+                          env=_env(), cwd=ROOT)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.decode().strip() == "pymlxc: error: a message on stdin is longer than 4194304 characters"

@@ -4,7 +4,14 @@ Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/complet
 as server-sent events ending with `data: [DONE]`). Errors use OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}`: 400 for a bad body (malformed JSON, a wrong
 type, a value out of range, a prompt too long), 401 for a missing or wrong API key, 413 for a body
-over the limit, 429 when the queue is full, 500 when generation fails.
+over the limit, 429 when the queue is full, 500 when generation fails, 503 when the server stops
+before the answer is done. A stream that fails after it started ends with one event
+`{"error": {...}}` (what OpenAI sends, and its client raises), not with a cut connection.
+
+A generation lasts only as long as someone waits for it: a client that disconnects (while queued,
+during its prefill, or before its whole answer) cancels it. A stopping server (`Lifecycle.stop`,
+which `pymlxc serve` calls on SIGTERM/SIGINT) gives the requests in flight SHUTDOWN_GRACE_S seconds
+to finish, then answers them 503 (`code: server_shutting_down`).
 """
 from __future__ import annotations
 
@@ -14,10 +21,11 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -30,7 +38,12 @@ from pymlxc.backends.metal import batching
 from . import tools as toolcalls
 from .constraints import ConstraintError, GrammarFactory
 from .engine import BadRequest, BatchEngine, Job, Piece, QueueFull, SlotEngine
-from .schemas import ChatMessage, ChatRequest, CompletionRequest, NamedToolChoice, Sampling
+from .schemas import FIELD_NAMES, ChatMessage, ChatRequest, CompletionRequest, NamedToolChoice, Sampling
+
+T = TypeVar("T")
+# Seconds a stopping server lets its requests in flight run on before answering them 503: less
+# than the uvicorn graceful shutdown (`pymlxc serve`: 5 s), after which uvicorn cuts what is left.
+SHUTDOWN_GRACE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -51,9 +64,115 @@ class ApiError(Exception):
         self.status, self.kind, self.param, self.code = status, kind, param, code
 
 
+def _error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+                code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
            code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
+    return JSONResponse(_error_body(message, kind, param, code), status_code=status)
+
+
+def _stream_error(exc: Exception) -> str:
+    """The last event of a stream that failed after it started: OpenAI's error object."""
+    if isinstance(exc, ApiError):
+        return json.dumps(_error_body(str(exc), exc.kind, exc.param, exc.code))
+    return json.dumps(_error_body(f"generation failed: {type(exc).__name__}: {exc}", "server_error"))
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was done."""
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down; the request was not finished", "server_error",
+                    code="server_shutting_down")
+
+
+class Lifecycle:
+    """Whether the server is stopping. `stop()` may be called from a signal handler or any thread;
+    coroutines of the app's event loop `await expired()`, which returns SHUTDOWN_GRACE_S seconds
+    after the stop."""
+
+    def __init__(self, grace: float = SHUTDOWN_GRACE_S) -> None:
+        self.grace = grace
+        self.stopping = False
+        self._event: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def stop(self) -> None:
+        self.stopping = True
+        loop, event = self._loop, self._event
+        if loop is not None and event is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed already
+                loop.call_soon_threadsafe(event.set)
+
+    async def stopped(self) -> None:
+        if self._event is None:
+            self._event = asyncio.Event()
+            self._loop = asyncio.get_running_loop()
+        if self.stopping:  # stop() may have run before the event existed
+            self._event.set()
+        await self._event.wait()
+
+    async def expired(self) -> None:
+        await self.stopped()
+        await asyncio.sleep(self.grace)
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone (the body was read already: what comes next is its disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _race(work: Coroutine[Any, Any, T], request: Request | None, lifecycle: Lifecycle) -> T:
+    """`work`'s result, unless the client leaves first (ClientGone; `request` None: not watched) or
+    the server has been stopping for its grace period (503). Either way `work` is cancelled, and its
+    cleanup (the generation's cancel) has run when this raises."""
+    task = asyncio.ensure_future(work)
+    watchers = [asyncio.ensure_future(lifecycle.expired())]
+    if request is not None:
+        watchers.append(asyncio.ensure_future(_disconnected(request)))
+    try:
+        done, _ = await asyncio.wait([task, *watchers], return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        raise shutting_down() if watchers[0] in done else ClientGone()
+    finally:
+        for t in (task, *watchers):
+            t.cancel()
+        await asyncio.gather(task, *watchers, return_exceptions=True)
+
+
+async def _until_stopped(source: AsyncGenerator[T, None], lifecycle: Lifecycle) -> AsyncGenerator[T, None]:
+    """`source`'s items; a 503 ApiError once the server has been stopping for its grace period.
+    Closing this closes `source`."""
+    expired = asyncio.ensure_future(lifecycle.expired())
+    step: asyncio.Future[T] | None = None
+    try:
+        while True:
+            step = asyncio.ensure_future(source.__anext__())
+            done, _ = await asyncio.wait([step, expired], return_when=asyncio.FIRST_COMPLETED)
+            if step not in done:
+                raise shutting_down()
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            step = None
+            yield item
+    finally:
+        expired.cancel()
+        if step is not None and not step.done():
+            # Cancelled inside source.__anext__, `source` ends there, running its own cleanup on
+            # the step's task (this one may be cancelled itself and cannot wait for it).
+            step.cancel()
+        else:
+            await source.aclose()
 
 
 class BodyLimit:
@@ -87,12 +206,28 @@ class BodyLimit:
             if not message.get("more_body", False):
                 break
         whole: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+        if scope.get("method") == "POST":
+            scope = _as_json(scope)
 
         async def replay() -> Message:
             # The body once, then what the client sends next (its disconnect, which streams watch for).
             return whole.pop() if whole else await receive()
 
         await self.app(scope, replay, send)
+
+
+def _as_json(scope: Scope) -> Scope:
+    """`scope` with its body declared JSON: every POST body of this API is JSON, and a client that
+    sends it as something else (`curl -d` sends application/x-www-form-urlencoded) would otherwise
+    get its body refused as "not an object" rather than read."""
+    headers = [(k, v) for k, v in scope.get("headers", []) if k != b"content-type"]
+    return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+
+
+def _param(loc: list[Any]) -> str | None:
+    """An error location as the request names the field: union members that pydantic adds to the
+    location ("str", "list[int]", "NamedToolChoice", "literal['none',...]") left out."""
+    return ".".join(str(p) for p in loc if isinstance(p, int) or p in FIELD_NAMES) or None
 
 
 def _engine_for(model: Any, config: ServerConfig) -> BatchEngine | SlotEngine:
@@ -120,20 +255,33 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
         tool_fmt = toolcalls.tool_format(tokenizer.chat_template, tokenizer.model_type)
     app = FastAPI(title="pymlxc", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
+    lifecycle = Lifecycle()
+    app.state.lifecycle = lifecycle  # `pymlxc serve` stops it when uvicorn is told to exit
     created = int(time.time())
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        errors = list(exc.errors())
+        first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
-            return _error(400, f"the body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
-        param = ".".join(loc) or None
-        return _error(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param)
+            where = [p for p in first.get("loc", ()) if isinstance(p, int)]
+            why = (first.get("ctx") or {}).get("error") or first.get("msg", "")
+            return _error(400, f"the body is not valid JSON: {why}" + (f" at character {where[0]}" if where else ""),
+                          code="invalid_json")
+        # A value that fits no member of a union fails once per member: the error that got deepest
+        # into the value says most (a content part's type, not "content: not a string").
+        located = [(_param([p for p in e.get("loc", ()) if p != "body"]), e) for e in errors]
+        param, chosen = max(located, key=lambda pe: len(pe[0].split(".")) if pe[0] else 0,
+                            default=(None, first))
+        return _error(400, f"{param or 'body'}: {chosen.get('msg', 'invalid')}", param=param)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
         return _error(exc.status, str(exc), exc.kind, exc.param, exc.code)
+
+    @app.exception_handler(ClientGone)
+    async def gone(_: Request, exc: ClientGone) -> JSONResponse:  # nobody reads this; not a server error
+        return _error(499, "the client closed the request", code="client_closed_request")
 
     @app.exception_handler(Exception)
     async def failed(_: Request, exc: Exception) -> JSONResponse:
@@ -141,6 +289,10 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and isinstance(exc.__cause__, ValueError):
+            # FastAPI's "There was an error parsing the body": bytes that are not UTF-8, a number
+            # with more digits than Python reads.
+            return _error(400, f"the body is not valid JSON: {exc.__cause__}", code="invalid_json")
         return _error(
             exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "server_error"
         )
@@ -197,7 +349,8 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
                 repetition_penalty=body.repetition_penalty, logit_bias=bias, logprobs=logprobs,
                 stop_ids=engine.stop_ids)
         except (TypeError, ValueError) as exc:  # the message names the option (pymlxc/options.py)
-            raise ApiError(400, str(exc)) from None
+            named = str(exc).split(" ", 1)[0]
+            raise ApiError(400, str(exc), param=named if named in Sampling.model_fields else None) from None
 
     def encode_ids(ids: list[int], param: str) -> list[int]:
         vocab = getattr(engine, "vocab_size", 0)
@@ -335,7 +488,7 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
     async def completions(body: CompletionRequest, request: Request) -> Any:
         job = await completion_job(body)
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        first, stream = await first_then(pieces(job, request))
+        first, stream = await _race(first_then(pieces(job, request)), request, lifecycle)
         echoed = ""  # OpenAI's echo: the prompt, then the completion, as one text
         if body.echo:
             echoed = job.prompt_text if job.prompt_text is not None else token_texts(job.prompt_ids or [])
@@ -354,19 +507,23 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
                 count, finish = 0, "length"
                 if echoed:
                     yield json.dumps(chunk(echoed, None, None))
-                async with contextlib.aclosing(_chain(first, stream)) as chained:
-                    async for piece in chained:
-                        count += piece.token is not None
-                        finish = piece.finish or finish
-                        if piece.text or piece.token is not None:
-                            yield json.dumps(chunk(piece.text, None, piece))
+                try:
+                    async with contextlib.aclosing(_until_stopped(_chain(first, stream), lifecycle)) as chained:
+                        async for piece in chained:
+                            count += piece.token is not None
+                            finish = piece.finish or finish
+                            if piece.text or piece.token is not None:
+                                yield json.dumps(chunk(piece.text, None, piece))
+                except Exception as exc:  # noqa: BLE001 - the stream has started: its last event says it
+                    yield _stream_error(exc)
+                    return
                 yield json.dumps(chunk("", finish, None))
                 if body.stream_options is not None and body.stream_options.include_usage:
                     yield json.dumps({"id": rid, "object": "text_completion", "created": now, "model": config.model_id,
                                       "choices": [], "usage": usage(prompt_len(job), count)})
                 yield "[DONE]"
-            return EventSourceResponse(events(), ping=15)
-        text, finish, tokens = await _whole(first, stream)
+            return _events(events())
+        text, finish, tokens = await _race(_whole(first, stream), request, lifecycle)
         lp: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         offset = 0
         for token, piece in tokens if job.params.logprobs is not None else ():
@@ -385,7 +542,7 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
     async def chat_completions(body: ChatRequest, request: Request) -> Any:
         job, use_tools = await chat_job(body)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        first, stream = await first_then(pieces(job, request))
+        first, stream = await _race(first_then(pieces(job, request)), request, lifecycle)
         want_lp = job.params.logprobs is not None
 
         def chunk(delta: dict[str, Any], finish: str | None, logprobs: list[dict[str, Any]] | None = None) -> str:
@@ -398,20 +555,24 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
                 count, finish = 0, "length"
                 held, holding = "", use_tools
                 yield chunk({"role": "assistant", "content": ""}, None)
-                async with contextlib.aclosing(_chain(first, stream)) as chained:
-                    async for piece in chained:
-                        count += piece.token is not None
-                        finish = piece.finish or finish
-                        lps = [chat_logprob(piece)] if want_lp and piece.token is not None else None
-                        if holding:
-                            held += piece.text
-                            if toolcalls.may_be_tool_call(held, tool_fmt):
-                                continue
-                            holding, piece_text = False, held
-                        else:
-                            piece_text = piece.text
-                        if piece_text or lps:
-                            yield chunk({"content": piece_text}, None, lps)
+                try:
+                    async with contextlib.aclosing(_until_stopped(_chain(first, stream), lifecycle)) as chained:
+                        async for piece in chained:
+                            count += piece.token is not None
+                            finish = piece.finish or finish
+                            lps = [chat_logprob(piece)] if want_lp and piece.token is not None else None
+                            if holding:
+                                held += piece.text
+                                if toolcalls.may_be_tool_call(held, tool_fmt):
+                                    continue
+                                holding, piece_text = False, held
+                            else:
+                                piece_text = piece.text
+                            if piece_text or lps:
+                                yield chunk({"content": piece_text}, None, lps)
+                except Exception as exc:  # noqa: BLE001 - the stream has started: its last event says it
+                    yield _stream_error(exc)
+                    return
                 if holding:
                     _, calls = toolcalls.parse_tool_calls(held, tool_fmt)
                     if calls:
@@ -424,8 +585,8 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
                     yield json.dumps({"id": rid, "object": "chat.completion.chunk", "created": now,
                                       "model": config.model_id, "choices": [], "usage": usage(prompt_len(job), count)})
                 yield "[DONE]"
-            return EventSourceResponse(events(), ping=15)
-        content, finish, tokens = await _whole(first, stream)
+            return _events(events())
+        content, finish, tokens = await _race(_whole(first, stream), request, lifecycle)
         lps = [chat_logprob(piece) for _, piece in tokens] if want_lp else []
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if use_tools:
@@ -446,6 +607,13 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
                            allow_headers=["authorization", "content-type"])
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     return app
+
+
+def _events(events: AsyncGenerator[str, None]) -> EventSourceResponse:
+    """A server-sent event stream. When uvicorn stops, sse-starlette would cut it at once: it sets
+    its event and waits while the stream ends itself (with its error event, SHUTDOWN_GRACE_S on)."""
+    return EventSourceResponse(events, ping=15, shutdown_event=anyio.Event(),
+                               shutdown_grace_period=SHUTDOWN_GRACE_S + 1.0)
 
 
 def _nucleus(top_p: float, top_k: int) -> tuple[float, int]:

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     if not loopback and api_key is None:
         print(f"pymlxc serve: warning: listening on {args.host} without an API key", file=sys.stderr)
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 - checked here, used by _serve
 
         from .app import ServerConfig, create_app
     except ImportError as exc:
@@ -76,14 +76,28 @@ def run(args: argparse.Namespace) -> int:
         if args.distributed is not None:
             return _serve_ranks(model, config, args)
         app = create_app(model, config)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+        _serve(app, args.host, args.port)
     return 0
+
+
+def _serve(app: Any, host: str, port: int) -> None:
+    """Run `app` under uvicorn until it is told to exit (SIGINT, SIGTERM); then the app's requests
+    in flight get their grace period and a 503 (app.py's Lifecycle), before uvicorn's own graceful
+    shutdown (5 s) would cut them with a bare 500 or a broken stream."""
+    import uvicorn
+
+    lifecycle = app.state.lifecycle
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            lifecycle.stop()
+            super().handle_exit(sig, frame)
+
+    Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)).run()
 
 
 def _serve_ranks(model: Any, config: Any, args: argparse.Namespace) -> int:
     """A distributed model: rank 0 serves HTTP, the other ranks run its continuous batch in step (ranks.py)."""
-    import uvicorn
-
     import pymlxc.core as mx
 
     from .app import create_app
@@ -100,7 +114,7 @@ def _serve_ranks(model: Any, config: Any, args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, stopped)
     try:
         app = create_app(model, config, engine=engine)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+        _serve(app, args.host, args.port)
     except _Stopped:
         pass
     finally:

@@ -746,19 +746,29 @@ class Scheduler:
         prompts are prefilled together) does not depend on when its thread woke. The ranks of a
         distributed model rely on it: each runs the same steps only if each sees the same queue.
         QueueFull (none queued) where `bounded` and they do not fit beside those waiting."""
-        with self._lock:
-            if self._stopping:
-                raise ModelClosedError("the model is closed")
-            if self._driven:
-                raise RuntimeError("this scheduler is driven turn by turn (run_turn), not through submit")
-            free = max(0, self.max_batch - self.running())
-            if bounded and len(self._queue) + len(requests) > self.max_queue + free:
-                raise QueueFull(f"{len(self._queue)} requests are waiting already (max_queue={self.max_queue})")
-            self._queue.extend(requests)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="pymlxc-batch", daemon=True)
-                self._thread.start()
-            self._lock.notify_all()
+        gone: list[Request] = []
+        try:
+            with self._lock:
+                if self._stopping:
+                    raise ModelClosedError("the model is closed")
+                if self._driven:
+                    raise RuntimeError("this scheduler is driven turn by turn (run_turn), not through submit")
+                # Requests cancelled while they waited hold no place: left in the queue until a row
+                # frees, they would turn new requests away (QueueFull) for clients that are gone.
+                gone = [r for r in self._queue if r.cancelled]
+                if gone:
+                    self._queue = collections.deque(r for r in self._queue if not r.cancelled)
+                free = max(0, self.max_batch - self.running())
+                if bounded and len(self._queue) + len(requests) > self.max_queue + free:
+                    raise QueueFull(f"{len(self._queue)} requests are waiting already (max_queue={self.max_queue})")
+                self._queue.extend(requests)
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="pymlxc-batch", daemon=True)
+                    self._thread.start()
+                self._lock.notify_all()
+        finally:
+            for request in gone:  # their end, as `_admit` would have sent it, outside the lock
+                request.emit(Event(finish="cancelled"))
 
     def warm(self, rows: int | None = None) -> None:
         """Run one decode step at each batch size 1..`rows` (at most `max_batch`) on throwaway rows,

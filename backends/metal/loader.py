@@ -231,8 +231,9 @@ def gguf_file_of(path: str | os.PathLike[str]) -> Path | None:
     p = Path(path)
     if p.suffix.lower() != ".gguf" and not (p.is_dir() and any(p.glob("*.gguf"))):
         return None
-    if p.suffix.lower() == ".gguf" and p.exists():
-        check_regular_file(p, what="GGUF file")  # a FIFO or device named *.gguf: said so, not "no directory"
+    if p.suffix.lower() == ".gguf" and not p.is_dir():
+        # A FIFO, a device or nothing at all named *.gguf: said so as a GGUF file, not "no model directory".
+        check_regular_file(p, what="GGUF file")
     from .formats.gguf import find_gguf  # noqa: PLC0415 - gguf.py needs the optional `gguf` package
 
     return find_gguf(p)

@@ -6,6 +6,7 @@ render chat records: `SupportsTraining` (the metal backend's models have both).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -42,8 +43,8 @@ class LoRAConfig:
         object.__setattr__(self, "target_keys", tuple(self.target_keys))
         if int(self.rank) != self.rank or self.rank < 1:
             raise ValueError(f"rank must be a positive integer, not {self.rank}")
-        if self.alpha <= 0:
-            raise ValueError(f"alpha must be > 0, not {self.alpha}")
+        if not math.isfinite(self.alpha) or self.alpha <= 0:
+            raise ValueError(f"alpha must be a finite number > 0, not {self.alpha}")
         if not self.target_keys or not all(isinstance(k, str) and k for k in self.target_keys):
             raise ValueError(f"target_keys must be non-empty layer names, not {self.target_keys!r}")
         if self.num_layers is not None and self.num_layers < 1:
@@ -91,8 +92,22 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
+        # A NaN or infinite number here fails no comparison below and would turn the first step's
+        # weights into NaN; a negative warmup would make the learning rate negative (the loss climbs).
+        clip = ("max_grad_norm",) if self.max_grad_norm is not None else ()
+        for name in ("learning_rate", "eps", "weight_decay", *clip):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, not {getattr(self, name)}")
         if self.learning_rate < 0:
             raise ValueError(f"learning_rate must be >= 0, not {self.learning_rate}")
+        if self.eps <= 0 or self.weight_decay < 0:
+            raise ValueError(f"eps must be > 0 and weight_decay >= 0, not {self.eps} and {self.weight_decay}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, not {self.max_grad_norm}")
+        if len(self.betas) != 2 or not all(math.isfinite(b) and 0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), not {self.betas}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, not {self.warmup_steps}")
         if self.lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"lr_schedule must be 'constant' or 'cosine', not {self.lr_schedule!r}")
         if self.valid_split is not None and not 0.0 < self.valid_split < 1.0:

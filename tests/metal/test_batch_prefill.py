@@ -167,3 +167,42 @@ def test_a_prompt_id_past_the_embedding_fails_its_request_alone(tmp_path: Path, 
         assert wrong.tokens() == []
         # The other request of the same turn decodes as it would alone.
         assert right.tokens() == [t.id for t in model.generate("Once upon a time", max_tokens=6)]
+
+
+def test_a_request_cancelled_while_queued_frees_its_place(tmp_path: Path) -> None:
+    """A full queue whose waiting request is cancelled takes the next one (before, the cancelled
+    request kept its place until a row freed, and new requests got QueueFull meanwhile), and the
+    cancelled request ends with its "cancelled" event. The one row is held by a request whose
+    event sink blocks the scheduler's thread at its second token, so the queue cannot move."""
+    import threading
+
+    path = write_tiny_model(tmp_path / "m", "llama", seed=7)
+    with pymlxc.load_model(path, backend="metal") as model:
+        scheduler = model.scheduler(max_batch=1, max_queue=1)
+        first_token, release = threading.Event(), threading.Event()
+        long = Collector()
+
+        def blocking(event: batching.Event) -> None:
+            long(event)
+            if len(long.tokens()) == 2:  # a decode step's token: the row is in the batch
+                first_token.set()
+                release.wait(60)
+
+        running = Request([1, 2, 3], SamplingParams(max_tokens=8), blocking)
+        scheduler.submit(running)
+        assert first_token.wait(60), "the first request never reached its second token"
+        waiting, late = Collector(), Collector()
+        queued = Request([4, 5], SamplingParams(max_tokens=4), waiting)
+        scheduler.submit(queued)
+        try:
+            with pytest.raises(batching.QueueFull):
+                scheduler.submit(Request([6], SamplingParams(max_tokens=4), Collector()))
+            queued.cancel()
+            scheduler.submit(Request([6, 7], SamplingParams(max_tokens=4), late))
+            assert waiting.finished and waiting.finish() is not None
+            assert waiting.finish().finish == "cancelled"
+            assert scheduler.stats()["queued"] == 1
+        finally:
+            release.set()
+        assert late.wait(60) and len(late.tokens()) == 4
+        assert long.wait(60)

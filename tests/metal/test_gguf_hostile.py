@@ -251,3 +251,9 @@ def test_one_part_of_a_split_file_is_refused(llama: Path, tmp_path: Path) -> Non
                    tensors=lambda ts: ts[:5])
     with pytest.raises(GGUFError, match=r"m-00001-of-00002\.gguf: part of a 2-file split GGUF; merge it first"):
         pymlxc.load_model(str(part), backend="metal")
+
+
+def test_a_missing_gguf_file_is_called_a_gguf_file(tmp_path: Path) -> None:
+    """A path ending in .gguf where nothing is: "GGUF file not found", not "model directory not found"."""
+    with pytest.raises(FileNotFoundError, match="GGUF file not found"):
+        pymlxc.load_model(str(tmp_path / "missing.gguf"), backend="metal")

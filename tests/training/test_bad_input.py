@@ -222,7 +222,8 @@ def test_one_adapter_at_a_time_and_unknown_keys(llama_dir: Path, llama_adapter: 
 
 
 @pytest.mark.parametrize("kwargs", [dict(rank=0), dict(alpha=0), dict(target_keys=()), dict(dropout=1.0),
-                                    dict(dtype="float16"), dict(num_layers=0)])
+                                    dict(dtype="float16"), dict(num_layers=0), dict(alpha=float("nan")),
+                                    dict(alpha=float("inf"))])
 def test_bad_lora_config(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         LoRAConfig(**kwargs)
@@ -233,6 +234,18 @@ def test_bad_lora_config(kwargs: dict) -> None:
 def test_bad_train_config(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         TrainConfig(**kwargs)
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("learning_rate", float("nan")), ("learning_rate", float("inf")), ("eps", float("nan")), ("eps", 0.0),
+    ("weight_decay", float("nan")), ("weight_decay", -0.1), ("max_grad_norm", float("inf")),
+    ("max_grad_norm", 0.0), ("betas", (0.9, float("nan"))), ("betas", (1.0, 0.999)), ("betas", (0.9,)),
+    ("warmup_steps", -5)])
+def test_train_config_numbers_a_step_cannot_use_are_refused_by_name(name: str, value: object) -> None:
+    """A NaN learning rate would make every weight NaN at the first step, a negative warmup a
+    negative learning rate (training that climbs the loss): refused when the config is made, by name."""
+    with pytest.raises(ValueError, match=name):
+        TrainConfig(**{name: value})
 
 
 def test_bad_datasets_through_train(llama_dir: Path, tmp_path: Path) -> None:

@@ -159,6 +159,14 @@ class ChatRequest(Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        # OpenAI refuses it too: without `logprobs` the answer would carry none, silently.
+        if top and not info.data.get("logprobs", False):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return top
+
 
 def _field_names(*models: type[BaseModel]) -> frozenset[str]:
     names: set[str] = set()

@@ -226,6 +226,17 @@ def test_stop_strings_are_limited_in_number(server: Server) -> None:
                                          "stop": [f"s{i}" for i in range(64)]}).status_code == 200
 
 
+def test_top_logprobs_without_logprobs_is_refused(server: Server) -> None:
+    """As OpenAI answers it: an answer without the log-probabilities asked for would be silently short."""
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    got = _post(server, "chat/completions", {**chat, "top_logprobs": 3})
+    assert got.status_code == 400, got.text
+    assert _error(got)["param"] == "top_logprobs" and "logprobs" in _error(got)["message"]
+    fine = _post(server, "chat/completions", {**chat, "top_logprobs": 3, "logprobs": True})
+    assert fine.status_code == 200, fine.text
+    assert len(fine.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 3
+
+
 @pytest.mark.parametrize("role", ["user", "system", "tool"])
 def test_a_message_without_content_is_refused(server: Server, role: str) -> None:
     got = _post(server, "chat/completions", {"messages": [{"role": role}], "max_tokens": 2})

@@ -21,6 +21,8 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
+from . import settings
+
 PROG = "pymlxc"
 
 
@@ -350,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _error(str(exc))
         return 1
     except Exception as exc:  # noqa: BLE001 - a bug: one line, not a traceback, unless asked for
-        if os.environ.get("PYMLXC_TRACEBACK"):
+        if _wants_traceback():
             raise
         _error(f"internal error: {type(exc).__name__}: {exc} (set PYMLXC_TRACEBACK=1 to see where)")
         return 1
@@ -361,3 +363,12 @@ if __name__ == "__main__":
     from pymlxc.cli import main as _main
 
     sys.exit(_main())
+
+
+def _wants_traceback() -> bool:
+    """`settings.traceback`; False where the environment's settings do not read (their own error
+    was reported at import already)."""
+    try:
+        return settings.current().traceback
+    except settings.SettingsError:
+        return False

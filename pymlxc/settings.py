@@ -142,6 +142,9 @@ class Settings:
     api_key: str | None = field(default=None, repr=False, metadata=_doc("text", (
         "The key `pymlxc serve` requires as `Authorization: Bearer KEY` (default: none; its "
         "`--api-key` option takes precedence).")))
+    traceback: bool = field(default=False, metadata=_doc("bool", (
+        "The `pymlxc` command ends an unexpected error with one line; `1` lets it end with Python's "
+        "traceback instead (for a bug report).")))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pymlxc import cli
+from pymlxc import cli, settings
 from pymlxc.testing import write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,17 +119,16 @@ def test_any_exception_ends_with_one_line_and_status_1(error: BaseException, mes
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     """MemoryError (the device's DeviceMemoryError among them), ImportError and any other bug ended
     the process with a traceback; a KeyError without arguments raised IndexError in the handler."""
-    monkeypatch.delenv("PYMLXC_TRACEBACK", raising=False)
     _command(monkeypatch, error)
-    assert cli.main(["fail-test"]) == 1
+    with settings.override(traceback=False):
+        assert cli.main(["fail-test"]) == 1
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1, err
 
 
 def test_the_traceback_is_there_when_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PYMLXC_TRACEBACK", "1")
     _command(monkeypatch, ZeroDivisionError("boom"))
-    with pytest.raises(ZeroDivisionError):
+    with settings.override(traceback=True), pytest.raises(ZeroDivisionError):
         cli.main(["fail-test"])
 
 

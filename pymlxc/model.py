@@ -1,7 +1,8 @@
 """The `TextModel` and `Backend` protocols that every backend implements."""
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import numbers
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from .bridge.protocol import surrogate_problem
@@ -23,6 +24,21 @@ def check_text(text: str, what: str) -> None:
     problem = surrogate_problem(text)
     if problem is not None:
         raise ValueError(f"{what} {problem}")
+
+
+def check_decode_ids(ids: Any) -> list[int]:
+    """`ids` (what `decode` takes) as a list of ints: a sequence or iterable of ints, not a str,
+    bytes or mapping (whose items are no token ids), each an int (not a bool, not a float or a
+    numeric string, which int() would silently turn into another id). The vocabulary bound is the
+    backend's check."""
+    if isinstance(ids, (str, bytes, bytearray, Mapping)) or not isinstance(ids, Iterable):
+        raise TypeError(f"ids must be a sequence of token ids (ints), not {type(ids).__name__}")
+    checked: list[int] = []
+    for n, token in enumerate(ids):
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+            raise TypeError(f"token {n} must be an int, not {type(token).__name__} {token!r}")
+        checked.append(int(token))
+    return checked
 
 
 @runtime_checkable

@@ -79,6 +79,11 @@ BAD_CALLS: list[tuple[str, Callable[[TextModel], Any], type[Exception], str]] = 
      r"^stop_tokens\[1\] is 1000000, outside the model's vocabulary of \d+ tokens"),
     ("negative id to decode", lambda m: m.decode([-1]), ValueError, "-1"),
     ("id past the vocabulary to decode", lambda m: m.decode([5, 100_000]), ValueError, "100000"),
+    # The mlx_lm backend used int() on each id: 1.5 decoded as id 1, True as 1, and a str "12" as ids 1, 2.
+    ("a float id to decode", lambda m: m.decode([5, 1.5]), TypeError, r"^token 1 must be an int, not float 1\.5"),
+    ("a bool id to decode", lambda m: m.decode([True]), TypeError, "^token 0 must be an int, not bool"),
+    ("a str to decode", lambda m: m.decode("12"), TypeError, "^ids must be a sequence of token ids"),
+    ("None to decode", lambda m: m.decode(None), TypeError, "^ids must be a sequence of token ids .*NoneType"),
 ]
 
 

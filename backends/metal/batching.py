@@ -39,7 +39,7 @@ import functools
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -47,7 +47,7 @@ import numpy as np
 
 import pymlxc.core as mx
 from pymlxc.model import GenerationCancelled, ModelClosedError
-from pymlxc.options import check_sampling
+from pymlxc.options import _integer, _real, _token_ids, check_sampling
 
 from . import generate as loops
 from . import prompt_cache as pcache
@@ -109,10 +109,28 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # The checks of GenerateConfig (pymlxc/options.py), with OpenAI's name of the penalty.
+        put = object.__setattr__
         for name, value in check_sampling(self, penalty="repetition_penalty").items():
-            object.__setattr__(self, name, value)
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], not {self.logprobs}")
+            put(self, name, value)
+        # The rest is checked too: a NaN bias or penalty would make every logit NaN (the argmax
+        # then picks an arbitrary id, silently), a malformed one fail the row mid-run.
+        for name in ("presence_penalty", "frequency_penalty"):
+            put(self, name, _real(name, getattr(self, name)))
+        bias = self.logit_bias
+        if isinstance(bias, (str, bytes, Mapping)) or not isinstance(bias, Iterable):
+            raise TypeError(f"logit_bias must be a sequence of (token id, amount) pairs, not {type(bias).__name__}")
+        pairs = []
+        for n, pair in enumerate(bias):
+            if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
+                raise TypeError(f"logit_bias[{n}] must be a (token id, amount) pair, not {pair!r}")
+            pairs.append((_integer(f"logit_bias[{n}]'s token id", pair[0], low=0),
+                          _real(f"logit_bias[{n}]'s amount", pair[1])))
+        put(self, "logit_bias", tuple(pairs))
+        put(self, "stop_ids", frozenset(_token_ids("stop_ids", self.stop_ids)))
+        if self.logprobs is not None:
+            put(self, "logprobs", _integer("top_logprobs", self.logprobs))
+            if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], not {self.logprobs}")
 
 
 @dataclass(frozen=True)
@@ -692,12 +710,13 @@ def _make_row(request: Request, vocab: int) -> _Row:
     p = request.params
     row = _Row(request, make_sampler(p.temperature, p.top_k, p.top_p, p.min_p, key=p.seed))
     if p.logit_bias:
-        ids = np.array([i for i, _ in p.logit_bias], dtype=np.int32)
+        ids = np.array([i for i, _ in p.logit_bias], dtype=np.int64)  # int32 would overflow on a huge id
         if ids.min() < 0 or ids.max() >= vocab:
             raise ValueError(f"logit_bias names token id {int(ids[(ids < 0) | (ids >= vocab)][0])}, outside "
                              f"the vocabulary of {vocab}")
         if not row.plain:  # a plain row's bias goes in with the batch's (`Scheduler._greedy`)
-            row.bias = (mx.array(ids[None, :]), mx.array(np.array([[b for _, b in p.logit_bias]], dtype=np.float32)))
+            amounts = np.array([[b for _, b in p.logit_bias]], dtype=np.float32)
+            row.bias = (mx.array(ids[None, :].astype(np.int32)), mx.array(amounts))
     if p.repetition_penalty != 1.0:
         row.repeat = make_repeat_penalty(p.repetition_penalty)
     return row

@@ -91,6 +91,10 @@ class _Render:
         if self.guard is not None:
             try:
                 self.guard()
+            except RecursionError:
+                # The template's own recursion ran out of stack inside the guard's call: the
+                # template failed (wrapped as such by render_chat), nobody stopped it.
+                raise
             except BaseException as exc:
                 self.stopped = exc
                 raise

@@ -17,17 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import numbers
 import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import pymlxc.core as mx
-from pymlxc.model import GenerationCancelled, ModelClosedError, check_text
-from pymlxc.options import GenerateConfig, LoadConfig, check_stop_tokens, check_template_kwargs, make_config
+from pymlxc.model import GenerationCancelled, ModelClosedError, check_decode_ids, check_text
+from pymlxc.options import GenerateConfig, LoadConfig, _integer, check_stop_tokens, check_template_kwargs, make_config
 from pymlxc.types import AttentionSnapshot, BatchResult, ClassifyResult, GenerateMetrics, Message, ModelInfo, Token
 
 from . import batching
@@ -199,15 +198,12 @@ class MetalTextModel(TrainableMixin):
         return self._tokenizer.encode(text)  # which names a `text` that is no str
 
     def decode(self, ids: Sequence[int]) -> str:
-        checked: list[int] = []
+        checked = check_decode_ids(ids)
         vocab = self._info.vocab_size
-        for n, token in enumerate(ids):
+        for n, token in enumerate(checked):
             # tokenizers raises OverflowError for a negative id and decodes one past its vocabulary to "".
-            if isinstance(token, bool) or not isinstance(token, numbers.Integral):
-                raise TypeError(f"token {n} must be an int, not {type(token).__name__} {token!r}")
             if not 0 <= token < vocab:
                 raise ValueError(f"token id {token} at position {n} is outside the vocabulary of {vocab}")
-            checked.append(int(token))
         return self._tokenizer.decode(checked)
 
     def prompt_length(self, prompt: str | Sequence[Message | Mapping[str, str]], *,
@@ -314,6 +310,12 @@ class MetalTextModel(TrainableMixin):
         Recurrent layers (Qwen3-Next, Qwen 3.5) join the batch's decode steps; their prompts are
         prefilled one by one (no left-padded groups)."""
         self._check_open()
+        # Checked here for both paths: a scheduler made already used to take any value (0 as the
+        # default, -1, 1.5, "x"), failing later admissions instead.
+        if max_batch is not None:
+            max_batch = _integer("max_batch", max_batch, low=1)
+        if max_queue is not None:
+            max_queue = _integer("max_queue", max_queue, low=0)
         with self._state_lock:
             if self._scheduler is None:
                 self._scheduler = batching.Scheduler(_BatchHost(self), context_len=self._context_len,
@@ -388,6 +390,8 @@ class MetalTextModel(TrainableMixin):
     def _prefix_ids(self, prefix: str | Sequence[Any]) -> list[int]:
         if isinstance(prefix, str):
             return self._encode_prompt(prefix)
+        if isinstance(prefix, (bytes, bytearray, Mapping)) or not isinstance(prefix, Iterable):
+            raise TypeError(f"prefix must be text, token ids, or chat messages, not {type(prefix).__name__}")
         items = list(prefix)
         if items and all(isinstance(m, (Message, dict)) for m in items):
             from .chat_template import render_chat
@@ -398,7 +402,7 @@ class MetalTextModel(TrainableMixin):
         elif all(isinstance(t, int) and not isinstance(t, bool) for t in items):
             ids = [int(t) for t in items]
         else:
-            raise TypeError("expected text, token ids, or chat messages")
+            raise TypeError("prefix must be text, token ids, or chat messages, not a mix or other items")
         self._check_ids(ids)
         return ids
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from pymlxc.bridge import protocol as P
-from pymlxc.model import GenerationCancelled, ModelClosedError, check_text
+from pymlxc.model import GenerationCancelled, ModelClosedError, check_decode_ids, check_text
 from pymlxc.options import GenerateConfig, LoadConfig, check_stop_tokens, check_template_kwargs, make_config
 from pymlxc.types import AttentionSnapshot, BatchResult, ClassifyResult, GenerateMetrics, Message, ModelInfo, Token
 
@@ -74,6 +74,17 @@ def _metrics(reply: Mapping[str, Any]) -> GenerateMetrics:
         peak_memory_bytes=int(reply.get("peak_memory_bytes", 0)),
         active_memory_bytes=int(reply.get("active_memory_bytes", 0)),
     )
+
+
+def _check_json_values(values: Mapping[str, Any], what: str) -> None:
+    """Each of `values` as the worker will receive it (JSON): else TypeError or ValueError naming it."""
+    for key, value in values.items():
+        try:
+            P.encode({key: value})
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{what}[{key!r}] cannot be sent to the worker as JSON: {e}") from None
+        except RecursionError:
+            raise ValueError(f"{what}[{key!r}] cannot be sent to the worker as JSON: nested too deeply") from None
 
 
 def _prompt(prompt: str, what: str = "prompt") -> str:
@@ -352,6 +363,8 @@ class MlxLmModel:
             P.encode({"cmd": cmd, **args})  # checked before a worker is taken: nothing is sent half-made
         except ValueError as e:  # e.g. a float JSON cannot carry (NaN) that slipped past the options' checks
             raise ValueError(f"{cmd}: the request cannot be sent as JSON: {e}") from None
+        except TypeError as e:  # a value of no JSON type (an object, a set)
+            raise TypeError(f"{cmd}: the request cannot be sent as JSON: {e}") from None
         slot = self._acquire(stop)
         holder = threading.get_ident()  # a generator may be resumed on another thread: unhold this one
         rid = next(self._ids)
@@ -460,6 +473,7 @@ class MlxLmModel:
         cfg = self._begin(config)
         args: dict[str, Any] = {"messages": _messages(messages), **_sampling(cfg)}
         template_kwargs = check_template_kwargs(chat_template_kwargs)
+        _check_json_values(template_kwargs, "chat_template_kwargs")
         if template_kwargs:
             args["chat_template_kwargs"] = template_kwargs
         return self._stream("chat", args, cfg)
@@ -579,7 +593,8 @@ class MlxLmModel:
 
     def decode(self, tokens: Sequence[int]) -> str:
         self._begin()
-        reply, _ = self._call("decode", {"tokens": [int(t) for t in tokens]}, GenerateConfig())
+        # int() would take 1.5, True or "7" as ids (and a str as its digits): refused by type instead.
+        reply, _ = self._call("decode", {"tokens": check_decode_ids(tokens)}, GenerateConfig())
         return str(reply["text"])
 
     # ---- lifetime -----------------------------------------------------------------------------------

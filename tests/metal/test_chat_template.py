@@ -233,6 +233,16 @@ def test_python_errors_in_a_template_are_chat_template_errors() -> None:
             render_chat(USER, FakeTokenizer(template))
 
 
+def test_a_recursion_that_runs_out_in_the_guard_is_still_a_chat_template_error() -> None:
+    # chat() always renders with a guard; a template recursing to the stack limit used to hit it
+    # inside the guard's call, and its RecursionError was handed on unwrapped as if the guard had
+    # stopped the render.
+    for template in ["{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+                     "{% for m in messages recursive %}{{ loop([m]) }}{% endfor %}"]:
+        with pytest.raises(ChatTemplateError, match="RecursionError"):
+            render_chat(USER, FakeTokenizer(template), guard=lambda: None)
+
+
 def test_ordinary_templates_keep_working_with_the_bounds(dirs: dict[str, Path]) -> None:
     long = [{"role": "user" if i % 2 == 0 else "assistant", "content": "word " * 2000} for i in range(50)]
     text = render_chat(long, Tokenizer(dirs["qwen2"]))

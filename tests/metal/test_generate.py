@@ -248,6 +248,58 @@ def test_scheduler_greedy_rows_with_logit_bias_keep_the_look_ahead(model) -> Non
     assert scheduler.steps > steps
 
 
+BAD_SAMPLING = [
+    # A NaN bias used to force its token (every logit NaN: argmax picks it), a NaN presence penalty
+    # repeated the first token; the others failed the row mid-run with a TypeError of numpy or MLX.
+    ({"logit_bias": ((5, float("nan")),)}, ValueError, r"^logit_bias\[0\]'s amount must be finite"),
+    ({"presence_penalty": float("nan")}, ValueError, "^presence_penalty must be finite"),
+    ({"frequency_penalty": float("inf")}, ValueError, "^frequency_penalty must be finite"),
+    ({"logit_bias": {5: 1.0}}, TypeError, "^logit_bias must be a sequence of"),
+    ({"logit_bias": ((-1, 1.0),)}, ValueError, r"^logit_bias\[0\]'s token id must be >= 0"),
+    ({"logit_bias": (("5", 1.0),)}, TypeError, r"^logit_bias\[0\]'s token id must be an int"),
+    ({"logit_bias": ((5,),)}, TypeError, r"^logit_bias\[0\] must be a \(token id, amount\) pair"),
+    ({"stop_ids": "ab"}, TypeError, "^stop_ids must be a sequence of token ids"),
+    ({"logprobs": 1.5}, TypeError, "^top_logprobs must be an int"),
+]
+
+
+@pytest.mark.parametrize("options, error, message", BAD_SAMPLING, ids=[next(iter(o)) + str(i) for i, (o, _, _)
+                                                                        in enumerate(BAD_SAMPLING)])
+def test_sampling_params_refuse_bad_values_naming_them(options, error, message) -> None:
+    from pymlxc.backends.metal.batching import SamplingParams
+
+    with pytest.raises(error, match=message):
+        SamplingParams(**options)
+
+
+def test_a_logit_bias_id_too_big_for_int32_fails_its_row_naming_the_vocabulary(model) -> None:
+    from pymlxc.backends.metal.batching import Collector, Request, SamplingParams
+
+    collector = Collector()
+    model.scheduler().submit(Request(model.encode("hi"), SamplingParams(max_tokens=2, logit_bias=((2**40, 1.0),)),
+                                     collector))
+    assert collector.wait(60)
+    end = collector.finish()
+    assert end is not None and isinstance(end.error, ValueError)  # was numpy's OverflowError
+    assert "outside the vocabulary" in str(end.error)
+
+
+@pytest.mark.parametrize("options, error, message", [
+    ({"max_batch": 0}, ValueError, "^max_batch must be >= 1, not 0"),  # was taken as "the default"
+    ({"max_batch": -5}, ValueError, "^max_batch must be >= 1"),
+    ({"max_batch": 1.5}, TypeError, "^max_batch must be an int"),
+    ({"max_queue": -1}, ValueError, "^max_queue must be >= 0"),
+    ({"max_queue": "x"}, TypeError, "^max_queue must be an int"),
+])
+def test_scheduler_options_are_checked_also_once_the_scheduler_exists(model, options, error, message) -> None:
+    scheduler = model.scheduler()  # made already: the path that used to store any value
+    before = (scheduler.max_batch, scheduler.max_queue)
+    with pytest.raises(error, match=message):
+        model.scheduler(**options)
+    assert (scheduler.max_batch, scheduler.max_queue) == before
+    assert len(model.batch_generate(["a", "b"], max_tokens=2)[1].tokens) == 2
+
+
 def test_scheduler_warm_steps_each_batch_size_and_leaves_nothing_behind(model, monkeypatch) -> None:
     from pymlxc.backends.metal import batching
 

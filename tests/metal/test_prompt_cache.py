@@ -199,6 +199,20 @@ def test_a_warm_prefix_gives_the_tokens_of_generation_without_the_cache(models, 
             assert metrics.prompt_cache_hit_tokens >= (n if restorable else 0)
 
 
+@pytest.mark.parametrize("prefix, message", [
+    # None used to raise "'NoneType' object is not iterable".
+    (None, "^prefix must be text, token ids, or chat messages, not NoneType"),
+    (b"abc", "^prefix must be text, token ids, or chat messages, not bytes"),
+    ({"role": "user", "content": "x"}, "^prefix must be .* not dict"),  # one message, not a list of them
+    ([1, {"role": "user", "content": "x"}], "^prefix must be text, token ids, or chat messages, not a mix"),
+])
+def test_a_bad_warm_prefix_raises_naming_it(models, prefix, message) -> None:
+    m, _ = models(next(iter(CASES)))
+    with pytest.raises(TypeError, match=message):
+        m.warm_prompt_cache(prefix)
+    assert m.warm_prompt_cache([1, 2, 3]) == 3
+
+
 def test_chat_reuses_the_conversation_so_far(models) -> None:
     m, plain = models("llama")
     history = [{"role": "system", "content": PREFIX}, {"role": "user", "content": "What is two plus two?"}]

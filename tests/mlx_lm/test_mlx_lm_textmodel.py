@@ -262,6 +262,21 @@ def test_an_option_json_cannot_carry_raises_at_the_call_and_the_worker_lives(mod
     assert model.worker_pids() == pids  # no reload: the worker was never sent the bad request
 
 
+def test_template_kwargs_json_cannot_carry_raise_naming_the_variable(model: MlxLmModel) -> None:
+    # An object value used to raise json's bare "Object of type object is not JSON serializable".
+    messages = [{"role": "user", "content": "x"}]
+    deep: list[Any] = []
+    for _ in range(100_000):
+        deep = [deep]
+    cases = [(object(), TypeError, "not JSON serializable"), (float("nan"), ValueError, "Out of range float"),
+             (deep, ValueError, "nested too deeply")]
+    for value, error, what in cases:
+        prefix = r"^chat_template_kwargs\['v'\] cannot be sent to the worker as JSON: "
+        with pytest.raises(error, match=prefix + ".*" + what):
+            model.chat(messages, max_tokens=2, chat_template_kwargs={"v": value})
+    assert len(list(model.chat(messages, max_tokens=2, chat_template_kwargs={"v": [1, "a"]}))) == 2
+
+
 def test_ids_outside_the_embedding_raise_value_errors_naming_them(model: MlxLmModel) -> None:
     for call in (lambda: model.decode([5, 512]), lambda: model.inspect_attention([512])):
         with pytest.raises(ValueError, match=r"token id 512 is outside the vocabulary of 512 \(the embedding's rows\)"):

@@ -43,7 +43,7 @@ class CancelEvent(Protocol):
     def is_set(self) -> bool: ...
 
 
-def _integer(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
+def checked_int(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
     """`value` as an int when it is an integer (not a bool) within [low, high)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, not {type(value).__name__} {value!r}")
@@ -54,7 +54,7 @@ def _integer(name: str, value: Any, *, low: int | None = None, high: int | None 
     return number
 
 
-def _real(name: str, value: Any) -> float:
+def checked_real(name: str, value: Any) -> float:
     """`value` as a float when it is a finite, non-subnormal real number (not a bool)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, not {type(value).__name__} {value!r}")
@@ -71,10 +71,10 @@ def _in_range(name: str, value: float, low: float, high: float, extra: str = "")
         raise ValueError(f"{name} must be {extra}in [{low:g}, {high:g}], not {value!r}")
 
 
-def _token_ids(name: str, value: Any) -> tuple[int, ...]:
+def checked_token_ids(name: str, value: Any) -> tuple[int, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise TypeError(f"{name} must be a sequence of token ids, not {type(value).__name__} {value!r}")
-    return tuple(_integer(f"{name}[{i}]", t, low=0) for i, t in enumerate(value))
+    return tuple(checked_int(f"{name}[{i}]", t, low=0) for i, t in enumerate(value))
 
 
 def check_stop_tokens(stop_tokens: Iterable[int], vocab_size: int) -> None:
@@ -91,20 +91,20 @@ def check_sampling(options: Any, penalty: str) -> dict[str, Any]:
     its repeat penalty, the attribute named `penalty`) checked and normalized, by name: what
     `GenerateConfig` and the batching scheduler's `SamplingParams` both take."""
     checked: dict[str, Any] = {
-        "max_tokens": _integer("max_tokens", options.max_tokens, low=0),
-        "top_k": _integer("top_k", options.top_k, low=0),
+        "max_tokens": checked_int("max_tokens", options.max_tokens, low=0),
+        "top_k": checked_int("top_k", options.top_k, low=0),
     }
-    temperature = _real("temperature", options.temperature)
+    temperature = checked_real("temperature", options.temperature)
     if temperature != 0.0:
         _in_range("temperature", temperature, MIN_TEMPERATURE, MAX_TEMPERATURE, "0 (greedy) or ")
     checked["temperature"] = temperature
     for name in ("top_p", "min_p"):
-        checked[name] = _real(name, getattr(options, name))
+        checked[name] = checked_real(name, getattr(options, name))
         _in_range(name, checked[name], 0.0, 1.0)
-    checked[penalty] = _real(penalty, getattr(options, penalty))
+    checked[penalty] = checked_real(penalty, getattr(options, penalty))
     _in_range(penalty, checked[penalty], MIN_REPEAT_PENALTY, MAX_REPEAT_PENALTY)
     if options.seed is not None:
-        checked["seed"] = _integer("seed", options.seed, low=0, high=SEED_LIMIT)
+        checked["seed"] = checked_int("seed", options.seed, low=0, high=SEED_LIMIT)
     return checked
 
 
@@ -128,11 +128,11 @@ class GenerateConfig:
         put = object.__setattr__
         for name, value in check_sampling(self, penalty="repeat_penalty").items():
             put(self, name, value)
-        put(self, "stop_tokens", _token_ids("stop_tokens", self.stop_tokens))
+        put(self, "stop_tokens", checked_token_ids("stop_tokens", self.stop_tokens))
         if not isinstance(self.return_logits, bool):
             raise TypeError(f"return_logits must be a bool, not {type(self.return_logits).__name__}")
         if self.timeout is not None:
-            timeout = _real("timeout", self.timeout)
+            timeout = checked_real("timeout", self.timeout)
             # threading's waits refuse longer timeouts; a timeout that never fires is None.
             if not 0.0 < timeout <= threading.TIMEOUT_MAX:
                 raise ValueError(f"timeout must be > 0 and at most {threading.TIMEOUT_MAX:g} seconds "
@@ -184,11 +184,11 @@ class LoadConfig:
             if not isinstance(self.adapter_path, (str, os.PathLike)):
                 raise TypeError(f"adapter_path must be a path or None, not {type(self.adapter_path).__name__}")
             put(self, "adapter_path", os.fspath(self.adapter_path))
-        put(self, "context_len", _integer("context_len", self.context_len, low=1))
-        put(self, "parallel_slots", _integer("parallel_slots", self.parallel_slots, low=1))
-        put(self, "gpu_layers", _integer("gpu_layers", self.gpu_layers, low=-1))
-        put(self, "prompt_cache_entries", _integer("prompt_cache_entries", self.prompt_cache_entries, low=0))
-        put(self, "prompt_cache_bytes", _integer("prompt_cache_bytes", self.prompt_cache_bytes, low=0))
+        put(self, "context_len", checked_int("context_len", self.context_len, low=1))
+        put(self, "parallel_slots", checked_int("parallel_slots", self.parallel_slots, low=1))
+        put(self, "gpu_layers", checked_int("gpu_layers", self.gpu_layers, low=-1))
+        put(self, "prompt_cache_entries", checked_int("prompt_cache_entries", self.prompt_cache_entries, low=0))
+        put(self, "prompt_cache_bytes", checked_int("prompt_cache_bytes", self.prompt_cache_bytes, low=0))
 
 
 def make_config(cls: type[T], base: T | None = None, **options: Any) -> T:

@@ -47,7 +47,7 @@ import numpy as np
 
 import pymlxc.core as mx
 from pymlxc.model import GenerationCancelled, ModelClosedError
-from pymlxc.options import _integer, _real, _token_ids, check_sampling
+from pymlxc.options import check_sampling, checked_int, checked_real, checked_token_ids
 
 from . import generate as loops
 from . import prompt_cache as pcache
@@ -115,7 +115,7 @@ class SamplingParams:
         # The rest is checked too: a NaN bias or penalty would make every logit NaN (the argmax
         # then picks an arbitrary id, silently), a malformed one fail the row mid-run.
         for name in ("presence_penalty", "frequency_penalty"):
-            put(self, name, _real(name, getattr(self, name)))
+            put(self, name, checked_real(name, getattr(self, name)))
         bias = self.logit_bias
         if isinstance(bias, (str, bytes, Mapping)) or not isinstance(bias, Iterable):
             raise TypeError(f"logit_bias must be a sequence of (token id, amount) pairs, not {type(bias).__name__}")
@@ -123,12 +123,12 @@ class SamplingParams:
         for n, pair in enumerate(bias):
             if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
                 raise TypeError(f"logit_bias[{n}] must be a (token id, amount) pair, not {pair!r}")
-            pairs.append((_integer(f"logit_bias[{n}]'s token id", pair[0], low=0),
-                          _real(f"logit_bias[{n}]'s amount", pair[1])))
+            pairs.append((checked_int(f"logit_bias[{n}]'s token id", pair[0], low=0),
+                          checked_real(f"logit_bias[{n}]'s amount", pair[1])))
         put(self, "logit_bias", tuple(pairs))
-        put(self, "stop_ids", frozenset(_token_ids("stop_ids", self.stop_ids)))
+        put(self, "stop_ids", frozenset(checked_token_ids("stop_ids", self.stop_ids)))
         if self.logprobs is not None:
-            put(self, "logprobs", _integer("top_logprobs", self.logprobs))
+            put(self, "logprobs", checked_int("top_logprobs", self.logprobs))
             if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
                 raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], not {self.logprobs}")
 

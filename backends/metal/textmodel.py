@@ -26,7 +26,14 @@ from typing import Any, Protocol
 
 import pymlxc.core as mx
 from pymlxc.model import GenerationCancelled, ModelClosedError, check_decode_ids, check_text
-from pymlxc.options import GenerateConfig, LoadConfig, _integer, check_stop_tokens, check_template_kwargs, make_config
+from pymlxc.options import (
+    GenerateConfig,
+    LoadConfig,
+    check_stop_tokens,
+    check_template_kwargs,
+    checked_int,
+    make_config,
+)
 from pymlxc.types import AttentionSnapshot, BatchResult, ClassifyResult, GenerateMetrics, Message, ModelInfo, Token
 
 from . import batching
@@ -313,9 +320,9 @@ class MetalTextModel(TrainableMixin):
         # Checked here for both paths: a scheduler made already used to take any value (0 as the
         # default, -1, 1.5, "x"), failing later admissions instead.
         if max_batch is not None:
-            max_batch = _integer("max_batch", max_batch, low=1)
+            max_batch = checked_int("max_batch", max_batch, low=1)
         if max_queue is not None:
-            max_queue = _integer("max_queue", max_queue, low=0)
+            max_queue = checked_int("max_queue", max_queue, low=0)
         with self._state_lock:
             if self._scheduler is None:
                 self._scheduler = batching.Scheduler(_BatchHost(self), context_len=self._context_len,

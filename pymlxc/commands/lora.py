@@ -51,9 +51,9 @@ def _configure_lora(p: argparse.ArgumentParser) -> None:
 
 
 def check_lora_arguments(args: argparse.Namespace) -> None:
-    """What LoRAConfig and TrainConfig let through but cannot mean anything: a NaN or infinite rate,
-    scale or fraction (training then fails after the model loaded, or never learns), a negative
-    warm-up (a negative learning rate: the loss climbs). Checked before the model loads."""
+    """The numbers LoRAConfig and TrainConfig also refuse (non-finite rates, scales and fractions, a
+    negative warm-up), checked here before the model loads and named as the command's options;
+    the configs, made after the load, keep the checks for API callers."""
     for option, value in (("--learning-rate", args.learning_rate), ("--weight-decay", args.weight_decay),
                           ("--alpha", args.alpha), ("--dropout", args.dropout),
                           ("--max-grad-norm", args.max_grad_norm), ("--valid-split", args.valid_split)):

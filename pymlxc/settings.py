@@ -56,6 +56,10 @@ class Settings:
         "Segmented decode, and the whole-step graph of models that declare it (Gemma 3): run each "
         "block's q/k/v and gate/up projections as one matmul each (their weights concatenated once, "
         "the linears keep views).")))
+    prefill_fused_products: bool = field(default=True, metadata=_doc("bool", (
+        "The compiled prefill (`backends/metal/decode/prefill.py`) on the decode's fused projections: each "
+        "block's q/k/v and gate/up products as one matmul each (`0`: three more matmuls a layer, on views "
+        "of the fused weights).")))
     fused_norm: str = _switch(
         "Segmented decode and Gemma 3's whole-step graph: each residual add and the RMSNorm after it "
         "as one CUDA kernel "

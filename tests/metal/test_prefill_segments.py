@@ -87,6 +87,34 @@ def test_caches_equal_the_model_forward(models, arch: str, bits: int | None) -> 
     decoder.close()
 
 
+@pytest.mark.parametrize("bits", [None, 4])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_fused_products_fill_the_caches_as_the_forward(models, arch: str, bits: int | None) -> None:
+    """The plan's fused q/k/v and gate/up products run as one matmul each (joint heads split
+    outside the trace, the SiLU product as a reduction over the pair), bit for bit as the model's
+    own three and two products; with `fused=False` the separate products give the same caches."""
+    model = models(arch, bits).model
+    decoder = CompiledDecoder(model, "segmented")
+    runner = settled_runner(decoder)
+    specs = runner.specs
+    assert [s.joint_heads for s in specs] == [True] * 3 + [False]
+    assert [s.pair for s in specs] == [False] + [True] * 3
+    fused = check_fills_like_the_forward(runner, model, [(0, 17), (17, 40)])
+    calls = []
+    real = prefill.SiluPair.silu_product
+    decoder.prefill_fused_products = False
+    try:
+        separate = decoder.prefill_runner(True)
+        assert separate is not None and separate is not runner
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(prefill.SiluPair, "silu_product", lambda self, x: calls.append(x) or real(self, x))
+            check_fills_like_the_forward(separate, model, [(0, 17), (17, 40)])
+    finally:
+        decoder.close()
+    assert calls == []  # the separate products' traces never made the pair
+    assert len(fused) == 3
+
+
 def test_generations_use_it_and_keep_their_tokens(models, monkeypatch: pytest.MonkeyPatch, switches) -> None:
     switches(decode="segmented")
     model = models("llama").model

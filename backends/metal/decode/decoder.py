@@ -214,6 +214,8 @@ class CompiledDecoder:
         self.mode = mode if mode is not None else settings.decode  # "auto": by the device at each generation
         # q/k/v and gate/up as one matmul each (weights fused: segments.py, graph_fusions.py).
         self.fuse_projections = settings.fuse_projections
+        # The compiled prefill on those fused weights: one matmul each too (decode/prefill.py).
+        self.prefill_fused_products = settings.prefill_fused_products
         # On CUDA: each residual add and the norm after it as one kernel (kernels/add_rms_norm.py).
         self.fused_norm = settings.fused_norm
         # Segmented mode on CUDA: greedy's argmax as two kernels over many blocks (kernels/argmax.py).
@@ -410,12 +412,13 @@ class CompiledDecoder:
         dtype, many_rows = getattr(model, "compute_dtype", None), prefill.op_by_op_from(model)
         with self._lock:
             runner = self._runners.get(key)
-        if runner is not None and runner.serves(seg_plan, dtype, many_rows):
+        fused = self.prefill_fused_products
+        if runner is not None and runner.serves(seg_plan, dtype, many_rows, fused):
             return runner
         fns = self._function(key, prefill.PrefillFunctions)
         runner = prefill.PrefillRunner(seg_plan, list(model.layers), fns,
                                        on_fail=lambda exc: self._mark_failed(key, exc),
-                                       dtype=dtype, many_rows=many_rows)
+                                       dtype=dtype, many_rows=many_rows, fused=fused)
         with self._lock:
             self._runners[key] = runner
         return runner

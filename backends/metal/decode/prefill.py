@@ -14,8 +14,15 @@ the attention runs as one replay of a compiled segment, traced once for every pr
 
 RoPE and the embedding stay outside: MLX runs RoPE as a graph of slices where it has no kernel (its
 CPU), and a slice fixes its shape, as does the dequantization of a quantized table's rows. For the
-same reason the q/k/v and gate/up projections run as their own matmuls here (on the views of the
-fused weights), and a dense layer adds its bias after the matmul (`nn.shapeless_trace`). A GGUF
+same reason a dense layer adds its bias after the matmul (`nn.shapeless_trace`), and the fused
+products of the decode's plan (`segments.fuse`) are split without slices: the q/k/v product leaves
+the trace as one array of joint heads [B, q + k + v heads, L, D], which the runner slices on the
+head axis outside it (views; one RoPE turns the q and k heads together where no q/k norm comes
+between), and the gate/up product [.., 2 * F] is unflattened to [.., 2, F] and reduced,
+`prod(where([gate, up], silu(y), y))` over the pair: silu(gate) * up with the same roundings (a
+product of two 2-byte floats is exact in float32). Three matmuls and a RoPE a layer fewer; on a GPU
+each cost MLX more host time than the views and the reduction that replace them (`fused=False`,
+`PYMLXC_PREFILL_FUSED_PRODUCTS=0`: the separate products, on the views of the fused weights). A GGUF
 block layer (a K-quant recipe's Q6_K value and down projections) has its rows dequantized outside
 the trace, before each segment call (`BlockLinear.dense_chunks`, through the GPU kernels), and
 handed in as inputs of that call, which the trace multiplies as dense matmuls: the products the
@@ -38,15 +45,100 @@ from pymlxc.core import Array
 from .. import nn
 from ..cache import make_prompt_mask
 from ..kernel_choice import mlx_kernels_only
+from ..models import llama
 from ..models.base import attention, last_query
 from .segments import SegmentGroup, SegmentPlan
 from .trace import CompileUnavailable, call_traced, clone_modules
 from .trace import spec as traced_spec
 
 
-def _finish(block: Any, attn_out: Array, h: Array) -> Array:
-    """The block's output after its attention (the block's own `finish`)."""
-    h, mlp_out = block.finish(h, block.self_attn.output(attn_out))
+class SiluPair:
+    """A fused [gate; up] product as `llama.MLP` takes it (`silu_product`) in a shapeless trace:
+    silu(gate) * up without slicing the product (see the module doc)."""
+
+    def __init__(self, fused: Any) -> None:
+        self._fused = fused
+
+    def silu_product(self, x: Array) -> Array:
+        y = mx.unflatten(self._fused.joint(x), -1, (2, self._fused.sizes[0]))
+        gate = mx.array([[True], [False]])
+        return mx.prod(mx.where(gate, nn.silu(y), y), axis=-2)
+
+    def __call__(self, x: Array) -> list[Array]:
+        outs: list[Array] = self._fused(x)
+        return outs
+
+
+def pairs_gate_up(block: Any, gate_up: Any) -> bool:
+    """Whether the prefill runs `block`'s MLP on its fused gate/up product as a `SiluPair`: two
+    halves of one width, no tail, and the Llama family's own MLP (SiLU) and block."""
+    return (gate_up is not None and gate_up.tail is None and len(gate_up.sizes) == 2
+            and gate_up.sizes[0] == gate_up.sizes[1] and type(block.mlp) is llama.MLP
+            and type(block).finish is llama.TransformerBlock.finish)
+
+
+def joins_heads(attn: Any, qkv: Any) -> bool:
+    """Whether the prefill runs `attn`'s q/k/v products as the fused product `qkv` (`_heads`): the
+    Llama family's own `heads`, and q, k (and v, unless it is the tail) as the fused widths."""
+    if qkv is None or type(attn).heads is not llama.Attention.heads:
+        return False
+    d = attn.head_dim
+    want = (attn.n_heads * d, attn.n_kv_heads * d) + (() if qkv.tail is not None else (attn.n_kv_heads * d,))
+    return tuple(qkv.sizes) == want
+
+
+def _heads(attn: Any, qkv: Any, x: Array) -> list[Array]:
+    """In a trace: the attention's heads of the normalized `x`: [q, k, v] [B, heads, L, D] through
+    `attn.heads`, or with `qkv` the joint heads [B, q + k + v heads, L, D] of its one product (and
+    v apart where it is the fusion's tail), which `split_heads` takes apart outside the trace."""
+    if qkv is None:
+        return list(attn.heads(x))
+    b, d = x.shape[0], attn.head_dim
+    y = qkv.joint(x)
+    outs = [mx.transpose(mx.reshape(y, (b, -1, y.shape[-1] // d, d)), (0, 2, 1, 3))]
+    if qkv.tail is not None:  # the clone's own layer (its dense rows), not the fusion's reference to it
+        v = attn.v_proj(x)
+        outs.append(mx.transpose(mx.reshape(v, (b, -1, attn.n_kv_heads, d)), (0, 2, 1, 3)))
+    return outs
+
+
+def _head_range(heads: Array, start: int, stop: int) -> Array:
+    """Heads `start:stop` of [B, heads, L, D] (a view)."""
+    b, _, n, d = heads.shape
+    return mx.slice(heads, [0, start, 0, 0], [b, stop, n, d], [1, 1, 1, 1])
+
+
+def split_heads(attn: Any, heads: Sequence[Array], joint: bool) -> tuple[Array, Array, Array, Array | None]:
+    """q, k, v [B, heads, L, D] from a segment's `_heads` outputs, and the joint q and k heads where
+    one RoPE can turn both (`rope_heads`), else None. With `joint`, q, k and v are views of the
+    joint heads (slices on the head axis), q and k after the attention's own normalization (Qwen 3:
+    then apart)."""
+    if not joint:
+        q, k, v = heads
+        return q, k, v, None
+    jh = heads[0]
+    hq, hkv = attn.n_heads, attn.n_kv_heads
+    v = heads[1] if len(heads) == 2 else _head_range(jh, hq + hkv, hq + 2 * hkv)
+    if attn.qk_norms():
+        q, k = attn.normalize_qk(_head_range(jh, 0, hq), _head_range(jh, hq, hq + hkv))
+        return q, k, v, None
+    return _head_range(jh, 0, hq), _head_range(jh, hq, hq + hkv), v, _head_range(jh, 0, hq + hkv)
+
+
+def rope_heads(attn: Any, q: Array, k: Array, qk: Array | None, offset: int) -> tuple[Array, Array]:
+    """q and k after RoPE at `offset`: one RoPE over the joint heads `qk` where given (RoPE turns
+    each head alike, so the same values as two), else one each."""
+    if qk is None:
+        return attn.rope(q, offset), attn.rope(k, offset)
+    turned = attn.rope(qk, offset)
+    return _head_range(turned, 0, attn.n_heads), _head_range(turned, attn.n_heads, attn.n_heads + attn.n_kv_heads)
+
+
+def _finish(block: Any, attn_out: Array, h: Array, gate_up: Any = None) -> Array:
+    """The block's output after its attention (the block's own `finish`; with `gate_up`, its MLP
+    on that fused product as a `SiluPair`)."""
+    h, mlp_out = block.finish(h, block.self_attn.output(attn_out),
+                              gate_up=SiluPair(gate_up) if gate_up is not None else None)
     out: Array = h + mlp_out
     return out
 
@@ -68,9 +160,12 @@ class PrefillSpec:
     chunks: tuple[int, ...]
     blocks: tuple[Any, ...] = field(compare=False)
     traces: int = 0
+    joint_heads: bool = False  # the q/k/v heads as the fused product's joint heads (`_heads`)
+    pair: bool = False  # the finished block's MLP on its fused gate/up product (`SiluPair`)
 
     @classmethod
-    def of(cls, group: SegmentGroup, modules: int, finishes_a_block: bool, fns: PrefillFunctions) -> PrefillSpec:
+    def of(cls, group: SegmentGroup, modules: int, finishes_a_block: bool, fns: PrefillFunctions,
+           joint_heads: bool = False, pair: bool = False) -> PrefillSpec:
         # A block the segment finishes (its first module) runs its output projection and MLP only:
         # its q/k/v projections are the segment before's, and not dequantized again here.
         unused = {(0, f"self_attn.{p}") for p in _HEAD_PROJECTIONS} if finishes_a_block else set()
@@ -79,8 +174,8 @@ class PrefillSpec:
         blocks = tuple(found[place] for place in places)
         chunks = tuple(len(layer.row_chunks()) for layer in blocks)
         # The places follow from the form (the modules' classes) and the segment's role.
-        key = (finishes_a_block, chunks, _form(group.modules[:modules], group.arrays))
-        return cls(group, modules, places, chunks, blocks, fns.traces_for(key))
+        key = (finishes_a_block, chunks, joint_heads, pair, _form(group.modules[:modules], group.arrays))
+        return cls(group, modules, places, chunks, blocks, fns.traces_for(key), joint_heads, pair)
 
     def traced(self) -> list[Any]:
         """The modules the trace runs."""
@@ -129,19 +224,22 @@ def _clones(tracers: list[Array], n_inputs: int) -> list[Any]:
 
 
 def _trace_first(inputs: list[Array]) -> list[Array]:
-    _embed, norm, attn, _qkv = _clones(inputs, 1)
-    return list(attn.heads(norm(inputs[0])))
+    spec: PrefillSpec = traced_spec()
+    _embed, norm, attn, qkv = _clones(inputs, 1)
+    return _heads(attn, qkv if spec.joint_heads else None, norm(inputs[0]))
 
 
 def _trace_mid(inputs: list[Array]) -> list[Array]:
-    block, _gate_up, norm, attn, _qkv = _clones(inputs, 2)
-    h = _finish(block, inputs[0], inputs[1])
-    return [*attn.heads(norm(h)), h]
+    spec: PrefillSpec = traced_spec()
+    block, gate_up, norm, attn, qkv = _clones(inputs, 2)
+    h = _finish(block, inputs[0], inputs[1], gate_up if spec.pair else None)
+    return [*_heads(attn, qkv if spec.joint_heads else None, norm(h)), h]
 
 
 def _trace_last(inputs: list[Array]) -> list[Array]:
-    (block,) = _clones(inputs, 2)
-    return [_finish(block, inputs[0], inputs[1])]
+    spec: PrefillSpec = traced_spec()
+    block, gate_up = _clones(inputs, 2)
+    return [_finish(block, inputs[0], inputs[1], gate_up if spec.pair else None)]
 
 
 class PrefillFunctions:
@@ -188,15 +286,23 @@ class PrefillRunner:
     which chunks it runs: the others go through the model's forward, op by op."""
 
     def __init__(self, plan: SegmentPlan, blocks: Sequence[Any], fns: PrefillFunctions,
-                 on_fail: Callable[[BaseException], None], dtype: Any = None, many_rows: int = 0) -> None:
+                 on_fail: Callable[[BaseException], None], dtype: Any = None, many_rows: int = 0,
+                 fused: bool = True) -> None:
+        """`fused`: run the plan's fused q/k/v and gate/up products as one matmul each (module doc)."""
         self._plan = plan
         self._blocks = list(blocks)
-        self._made_for = (dtype, many_rows)
+        self._made_for = (dtype, many_rows, fused)
         self._fns = fns
         self._on_fail = on_fail
-        self._first = PrefillSpec.of(plan.first, len(plan.first.modules), False, fns)
-        self._mids = [PrefillSpec.of(group, len(group.modules), True, fns) for group in plan.mids]
-        self._last = PrefillSpec.of(plan.last, 1, True, fns)
+        # The groups' modules: first [embed, norm, attn, qkv], a mid [block, gate_up, norm, attn, qkv],
+        # last [block, gate_up, ...] (segments.SegmentPlan).
+        first, mids, last = plan.first.modules, [g.modules for g in plan.mids], plan.last.modules
+        self._first = PrefillSpec.of(plan.first, len(first), False, fns,
+                                     joint_heads=fused and joins_heads(first[2], first[3]))
+        self._mids = [PrefillSpec.of(group, len(m), True, fns, joint_heads=fused and joins_heads(m[3], m[4]),
+                                     pair=fused and pairs_gate_up(m[0], m[1]))
+                      for group, m in zip(plan.mids, mids, strict=True)]
+        self._last = PrefillSpec.of(plan.last, 2, True, fns, pair=fused and pairs_gate_up(last[0], last[1]))
         # Chunks of at most this many rows leave the block layers to their matvec kernel, which
         # reads the blocks (here their rows would be dequantized whole for every chunk); chunks of
         # `many_rows` (`op_by_op_from`) or more go op by op too.
@@ -204,10 +310,15 @@ class PrefillRunner:
         self._few_rows = max((layer.kernel_rows(dtype) for layer in layers), default=0) if dtype else 0
         self._many_rows = many_rows
 
-    def serves(self, plan: SegmentPlan, dtype: Any, many_rows: int) -> bool:
-        """Whether this runner is the one `plan` and the model's compute dtype and row threshold
-        would make (a decoder keeps one per plan, its specs made once)."""
-        return plan is self._plan and self._made_for == (dtype, many_rows)
+    @property
+    def specs(self) -> list[PrefillSpec]:
+        """The segments as the runner calls them: the first, the middle ones, the last."""
+        return [self._first, *self._mids, self._last]
+
+    def serves(self, plan: SegmentPlan, dtype: Any, many_rows: int, fused: bool = True) -> bool:
+        """Whether this runner is the one `plan` and the model's compute dtype, row threshold and
+        `fused` would make (a decoder keeps one per plan, its specs made once)."""
+        return plan is self._plan and self._made_for == (dtype, many_rows, fused)
 
     def takes(self, chunk: Array) -> bool:
         """Whether a chunk of token ids [B, L] runs here (else op by op, see the class)."""
@@ -239,12 +350,13 @@ class PrefillRunner:
         blocks, batch = self._blocks, tokens.shape[0]
         embed: Any = self._plan.first.modules[0]
         h: Array = embed(tokens)  # the embedding (a quantized table's gather fixes its shape)
-        q, k, v = self._call(0, self._first, [h], batch)
+        q, k, v, qk = split_heads(blocks[0].self_attn, self._call(0, self._first, [h], batch),
+                                  self._first.joint_heads)
         length = tokens.shape[1]
         for i, block in enumerate(blocks):
             attn, c = block.self_attn, cache[i]
             offset = c.offset
-            q, k = attn.rope(q, offset), attn.rope(k, offset)
+            q, k = rope_heads(attn, q, k, qk, offset)
             mask = make_prompt_mask(length, c, None)  # before the update, as the model's forward: a
             # rotating cache's mask depends on what it held (after, it no longer fit the keys)
             keys, values = c.update_and_fetch(k, v)
@@ -255,10 +367,12 @@ class PrefillRunner:
             if final:
                 (h,) = self._call(2, self._last, [out, h], batch)
             else:
-                q, k, v, h = self._call(1, self._mids[i], [out, h], batch)
+                *heads, h = self._call(1, self._mids[i], [out, h], batch)
+                q, k, v, qk = split_heads(blocks[i + 1].self_attn, heads, self._mids[i].joint_heads)
             if on_layer is not None:
                 on_layer(h, c)
         return h
 
 
-__all__ = ["PrefillFunctions", "PrefillRunner", "PrefillSpec", "block_layers", "op_by_op_from"]
+__all__ = ["PrefillFunctions", "PrefillRunner", "PrefillSpec", "SiluPair", "block_layers", "joins_heads",
+           "op_by_op_from", "pairs_gate_up", "rope_heads", "split_heads"]

@@ -322,6 +322,11 @@ class FusedProjection(Module):
         """The linear applied apart (a model's layer: any Module with `__call__`), or None."""
         return self._tail
 
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Each fused linear's output width, in the order of `joint`'s output (not the tail's)."""
+        return self._sizes
+
     def joint(self, x: Array, norm: Any = None) -> Array:
         """The fused linears' outputs side by side on the last axis (one matmul; not the tail's).
         `norm`: x is the residual stream and the product normalizes it first with this RMSNorm

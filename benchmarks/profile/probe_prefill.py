@@ -12,6 +12,8 @@ block layers, the group-32 products, or the compiled segments that do not trace 
         [--keep-cache]               # MLX's buffer cache kept between runs (llama-bench keeps its buffers)
         [--split [--profile 25]]     # the compiled prefill's host split (below); cProfile of its build
         [--dtype auto float16]       # each compute dtype asked for at load (LoadConfig.dtype)
+        [--fused-ab]                 # segmented: the compiled prefill with its fused products and
+                                     # without (PYMLXC_PREFILL_FUSED_PRODUCTS), runs interleaved
 
 `--split` (segmented mode) also times, medians of --repeats: `runner_ms`, the decoder handing out its
 prefill runner (once a generation); `build_ms`, the runner building one chunk's graph with nothing
@@ -78,6 +80,26 @@ def host_split(side: Pymlxc, n: int, repeats: int, profile: int) -> dict[str, An
     return out
 
 
+def fused_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: bool) -> dict[str, Any]:
+    """`--fused-ab`: time to the first token with the compiled prefill's fused products and without,
+    run after run in turn (each warmed up first), so that the host's drift moves both alike."""
+    decoder = side.decoder
+    assert decoder is not None  # segmented mode: a compiled side
+    times: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        for fused in (True, False):
+            decoder.prefill_fused_products = fused
+            timed_run(side, prompt, 1)  # its traces
+        for _ in range(repeats):
+            for fused in (True, False):
+                decoder.prefill_fused_products = fused
+                times[fused].append(timed_run(side, prompt, 1, clear_cache=clear_cache)["ttft_s"])
+    finally:
+        decoder.prefill_fused_products = True
+    return {"fused_ms": 1e3 * statistics.median(times[True]), "separate_ms": 1e3 * statistics.median(times[False]),
+            "fused_runs_ms": [1e3 * t for t in times[True]], "separate_runs_ms": [1e3 * t for t in times[False]]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("models", nargs="+", type=Path)
@@ -95,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="segmented mode: also the runner, graph-build and one-eval times (see above)")
     p.add_argument("--profile", type=int, default=0, help="with --split: cProfile the build, this many functions")
     p.add_argument("--dtype", nargs="+", default=["auto"], help="each compute dtype asked for at load")
+    p.add_argument("--fused-ab", action="store_true",
+                   help="segmented mode: interleave runs with the prefill's fused products and without")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     from pymlxc.backends.metal import generate, nn
@@ -124,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{path.name:40s} {mode:9s} {str(side.loaded.model.compute_dtype).split('.')[-1]:8s} "
                       f"dense>={nn.DENSE_MIN_ROWS:<5d} lead {generate.PREFILL_LEAD_LAYERS} "
                       f"{n:5d} tokens  {ms:8.2f} ms  {n / ms * 1e3:9.0f} tok/s", flush=True)
+                if args.fused_ab and mode == "segmented":
+                    rows[-1].update(fused_ab(side, prompt, args.repeats, not args.keep_cache))
+                    print(f"{'':40s} fused products {rows[-1]['fused_ms']:6.2f} ms  "
+                          f"separate {rows[-1]['separate_ms']:6.2f} ms", flush=True)
                 if args.split and mode == "segmented":
                     split = host_split(side, n, args.repeats, args.profile)
                     rows[-1].update(split)

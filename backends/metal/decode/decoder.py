@@ -406,13 +406,13 @@ class CompiledDecoder:
         if found is None:
             return None
         seg_key, seg_plan = found
-        key = ("prefill", *seg_key)
+        fused = self.prefill_fused_products
+        key = ("prefill", *seg_key, fused)
         if key in self._failed:
             return None
         dtype, many_rows = getattr(model, "compute_dtype", None), prefill.op_by_op_from(model)
         with self._lock:
             runner = self._runners.get(key)
-        fused = self.prefill_fused_products
         if runner is not None and runner.serves(seg_plan, dtype, many_rows, fused):
             return runner
         fns = self._function(key, prefill.PrefillFunctions)

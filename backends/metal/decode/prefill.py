@@ -15,7 +15,7 @@ the attention runs as one replay of a compiled segment, traced once for every pr
 RoPE and the embedding stay outside: MLX runs RoPE as a graph of slices where it has no kernel (its
 CPU), and a slice fixes its shape, as does the dequantization of a quantized table's rows. For the
 same reason a dense layer adds its bias after the matmul (`nn.shapeless_trace`), and the fused
-products of the decode's plan (`segments.fuse`) are split without slices: the q/k/v product leaves
+dense products of the decode's plan (`segments.fuse`; `DENSE_ONLY`) are split without slices: the q/k/v product leaves
 the trace as one array of joint heads [B, q + k + v heads, L, D], which the runner slices on the
 head axis outside it (views; one RoPE turns the q and k heads together where no q/k norm comes
 between), and the gate/up product [.., 2 * F] is unflattened to [.., 2, F] and reduced,
@@ -51,6 +51,12 @@ from .segments import SegmentGroup, SegmentPlan
 from .trace import CompileUnavailable, call_traced, clone_modules
 from .trace import spec as traced_spec
 
+# The fused products serve dense layers only. On an H200 (`probe_prefill.py --fused-ab`, runs
+# interleaved in one process) Llama-3.2-1B's 128-token prefill took less time with them in bfloat16
+# in 6 of 7 rounds (medians 6.12-10.16 ms against 6.24-11.29), and more at MLX 4-bit (group 64) in
+# each of 3 rounds (10.10-10.40 against 9.47-9.91 ms). False: quantized fusions too (the tests).
+DENSE_ONLY = True
+
 
 class SiluPair:
     """A fused [gate; up] product as `llama.MLP` takes it (`silu_product`) in a shapeless trace:
@@ -70,17 +76,18 @@ class SiluPair:
 
 
 def pairs_gate_up(block: Any, gate_up: Any) -> bool:
-    """Whether the prefill runs `block`'s MLP on its fused gate/up product as a `SiluPair`: two
-    halves of one width, no tail, and the Llama family's own MLP (SiLU) and block."""
-    return (gate_up is not None and gate_up.tail is None and len(gate_up.sizes) == 2
-            and gate_up.sizes[0] == gate_up.sizes[1] and type(block.mlp) is llama.MLP
+    """Whether the prefill runs `block`'s MLP on its fused gate/up product as a `SiluPair`: dense
+    (`DENSE_ONLY`), two halves of one width, no tail, and the Llama family's own MLP (SiLU) and block."""
+    return (gate_up is not None and (gate_up.dense or not DENSE_ONLY) and gate_up.tail is None
+            and len(gate_up.sizes) == 2 and gate_up.sizes[0] == gate_up.sizes[1] and type(block.mlp) is llama.MLP
             and type(block).finish is llama.TransformerBlock.finish)
 
 
 def joins_heads(attn: Any, qkv: Any) -> bool:
     """Whether the prefill runs `attn`'s q/k/v products as the fused product `qkv` (`_heads`): the
-    Llama family's own `heads`, and q, k (and v, unless it is the tail) as the fused widths."""
-    if qkv is None or type(attn).heads is not llama.Attention.heads:
+    Llama family's own `heads`, dense weights (`DENSE_ONLY`), and q, k (and v, unless it is the
+    tail) as the fused widths."""
+    if qkv is None or not (qkv.dense or not DENSE_ONLY) or type(attn).heads is not llama.Attention.heads:
         return False
     d = attn.head_dim
     want = (attn.n_heads * d, attn.n_kv_heads * d) + (() if qkv.tail is not None else (attn.n_kv_heads * d,))

@@ -323,6 +323,11 @@ class FusedProjection(Module):
         return self._tail
 
     @property
+    def dense(self) -> bool:
+        """Whether the fused linears are dense (nn.Linear), not quantized."""
+        return self._wT is not None
+
+    @property
     def sizes(self) -> tuple[int, ...]:
         """Each fused linear's output width, in the order of `joint`'s output (not the tail's)."""
         return self._sizes

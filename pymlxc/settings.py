@@ -56,11 +56,12 @@ class Settings:
         "Segmented decode, and the whole-step graph of models that declare it (Gemma 3): run each "
         "block's q/k/v and gate/up projections as one matmul each (their weights concatenated once, "
         "the linears keep views).")))
-    prefill_fused_products: bool = field(default=True, metadata=_doc("bool", (
+    prefill_fused_products: str = _switch(
         "The compiled prefill (`backends/metal/decode/prefill.py`) on the decode's fused projections of dense "
         "models: each block's q/k/v and gate/up products as one matmul each and one RoPE over the q and k heads "
-        "(`0`: three matmuls and a RoPE more a layer, on views of the fused weights; on an H200 Llama-3.2-1B "
-        "bfloat16's 128-token prefill was faster with them in 6 of 7 rounds).")))
+        "(`0`: three matmuls and a RoPE more a layer, on views of the fused weights). `auto`: on CUDA (on an "
+        "H200 Llama-3.2-1B bfloat16's 128-token prefill was faster with them in 6 of 7 rounds; on a CPU "
+        "no faster).")
     fused_norm: str = _switch(
         "Segmented decode and Gemma 3's whole-step graph: each residual add and the RMSNorm after it "
         "as one CUDA kernel "

@@ -21,6 +21,7 @@ from pymlxc.backends.metal.decode import prefill
 from pymlxc.backends.metal.decode.decoder import CompiledDecoder
 from pymlxc.backends.metal.loader import LoadedModel, load_weights_and_config
 from pymlxc.backends.metal.sample import greedy
+from pymlxc.settings import Settings
 from pymlxc.testing import write_tiny_model
 
 ON_CUDA = mx.cuda_available() and mx.default_device().type == "gpu"
@@ -105,14 +106,14 @@ def test_fused_products_fill_the_caches_as_the_forward(models, arch: str, bits: 
     own three and two products; with `fused=False` the separate products give the same caches.
     Quantized fusions take the fused forms where `DENSE_ONLY` is off (by default dense only)."""
     model = models(arch, bits).model
-    decoder = CompiledDecoder(model, "segmented")
+    decoder = CompiledDecoder(model, "segmented", settings=Settings(prefill_fused_products="1"))
     settled_runner(decoder)
     default = decoder.prefill_runner(True)
     assert default is not None
     assert [s.joint_heads for s in default.specs] == [bits is None] * 3 + [False]
     decoder.close()
     monkeypatch.setattr(prefill, "DENSE_ONLY", False)
-    decoder = CompiledDecoder(model, "segmented")
+    decoder = CompiledDecoder(model, "segmented", settings=Settings(prefill_fused_products="1"))
     runner = settled_runner(decoder)
     specs = runner.specs
     assert [s.joint_heads for s in specs] == [True] * 3 + [False]
@@ -131,6 +132,19 @@ def test_fused_products_fill_the_caches_as_the_forward(models, arch: str, bits: 
         decoder.close()
     assert calls == []  # the separate products' traces never made the pair
     assert len(fused) == 3
+
+
+def test_fused_products_by_default_on_cuda_only(models) -> None:
+    """`auto` takes the fused products on CUDA only (on a CPU they measured no faster)."""
+    model = models("llama").model
+    for setting, want in (("auto", ON_CUDA), ("0", False), ("1", True)):
+        decoder = CompiledDecoder(model, "segmented", settings=Settings(prefill_fused_products=setting))
+        try:
+            settled_runner(decoder)
+            runner = decoder.prefill_runner(True)
+            assert runner is not None and runner.specs[0].joint_heads is want
+        finally:
+            decoder.close()
 
 
 def test_generations_use_it_and_keep_their_tokens(models, monkeypatch: pytest.MonkeyPatch, switches) -> None:

@@ -50,6 +50,7 @@ from pymlxc.settings import Settings
 from pymlxc.settings import current as current_settings
 
 from ..cache import KVCache
+from ..kernels.check import on_cuda
 from ..nn import Module, arrays_of
 from ..recurrent_cache import StepRecurrentCache
 from ..sample import (
@@ -215,7 +216,7 @@ class CompiledDecoder:
         # q/k/v and gate/up as one matmul each (weights fused: segments.py, graph_fusions.py).
         self.fuse_projections = settings.fuse_projections
         # The compiled prefill on those fused weights: one matmul each too (decode/prefill.py).
-        self.prefill_fused_products = settings.prefill_fused_products
+        self.prefill_fused_products = settings.switch_on("prefill_fused_products", on_cuda())
         # On CUDA: each residual add and the norm after it as one kernel (kernels/add_rms_norm.py).
         self.fused_norm = settings.fused_norm
         # Segmented mode on CUDA: greedy's argmax as two kernels over many blocks (kernels/argmax.py).

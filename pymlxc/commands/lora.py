@@ -7,10 +7,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pymlxc.training import LoRAConfig
 
 
 def _configure_lora(p: argparse.ArgumentParser) -> None:
@@ -21,13 +26,14 @@ def _configure_lora(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True, help="directory with train.jsonl (and valid.jsonl), or one .jsonl file")
     p.add_argument("--adapter-path", default="adapters", help="where adapters and checkpoints go (default: adapters)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --adapter-path")
-    g = p.add_argument_group("LoRA")
-    g.add_argument("--rank", type=int, default=8)
-    g.add_argument("--alpha", type=float, default=16.0, help="the update is scaled by alpha / rank")
-    g.add_argument("--keys", nargs="+", default=["q_proj", "v_proj"], help="linear layers to adapt, by name")
+    # LoRA options default to None, "not given": a resumed run takes the checkpoint's values for them.
+    g = p.add_argument_group("LoRA (defaults, or with --resume the checkpoint's)")
+    g.add_argument("--rank", type=int, default=None, help="default: 8")
+    g.add_argument("--alpha", type=float, default=None, help="the update is scaled by alpha / rank (default: 16)")
+    g.add_argument("--keys", nargs="+", default=None, help="linear layers to adapt, by name (default: q_proj v_proj)")
     g.add_argument("--num-layers", type=int, default=None, help="adapt the last N blocks (default: all)")
-    g.add_argument("--dropout", type=float, default=0.0)
-    g.add_argument("--lora-dtype", choices=("float32", "bfloat16"), default="float32")
+    g.add_argument("--dropout", type=float, default=None, help="default: 0")
+    g.add_argument("--lora-dtype", choices=("float32", "bfloat16"), default=None, help="default: float32")
     t = p.add_argument_group("training")
     t.add_argument("--iters", type=int, default=1000)
     t.add_argument("--batch-size", type=int, default=4)
@@ -63,14 +69,36 @@ def check_lora_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--warmup-steps must be >= 0, not {args.warmup_steps}")
 
 
+# command-line option (argparse's name) -> LoRAConfig field
+_LORA_OPTIONS = {"rank": "rank", "alpha": "alpha", "keys": "target_keys", "num_layers": "num_layers",
+                 "dropout": "dropout", "lora_dtype": "dtype"}
+
+
+def lora_config(args: argparse.Namespace) -> LoRAConfig:
+    """The LoRA options given, over LoRAConfig's defaults or, with --resume, over the checkpoint's
+    config: that is the adapter that resumes (`train` refuses a config that differs from it), so
+    a resumed run without LoRA options must not ask for the defaults."""
+    from pymlxc.training import LoRAConfig
+    from pymlxc.training.trainer import STATE_FILE, read_resume_state
+
+    given: dict[str, Any] = {field: getattr(args, option) for option, field in _LORA_OPTIONS.items()
+                             if getattr(args, option) is not None}
+    if "target_keys" in given:
+        given["target_keys"] = tuple(given["target_keys"])
+    state_file = Path(args.adapter_path) / STATE_FILE
+    if args.resume and state_file.is_file():  # when missing, `train` says it cannot resume
+        _, saved = read_resume_state(state_file)
+        return dataclasses.replace(saved, **given)
+    return LoRAConfig(**given)
+
+
 def _run_lora(args: argparse.Namespace) -> int:
     from pymlxc.cli import load
-    from pymlxc.training import LoRAConfig, TrainConfig, train
+    from pymlxc.training import TrainConfig, train
 
     check_lora_arguments(args)
 
-    lora = LoRAConfig(rank=args.rank, alpha=args.alpha, target_keys=tuple(args.keys), num_layers=args.num_layers,
-                      dropout=args.dropout, dtype=args.lora_dtype)
+    lora = lora_config(args)
     config = TrainConfig(
         iters=args.iters, batch_size=args.batch_size, learning_rate=args.learning_rate,
         weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, lr_schedule=args.lr_schedule,

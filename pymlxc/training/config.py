@@ -7,6 +7,7 @@ render chat records: `SupportsTraining` (the metal backend's models have both).
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -19,6 +20,24 @@ from pymlxc.model import TextModel
 from .trees import Tree
 
 LORA_DTYPES = ("float32", "bfloat16")
+
+
+def _as_int(config: object, name: str) -> None:
+    """Field `name` of a frozen config as a plain int. A bool or a float would be taken for a number
+    here and fail deep in the run (range(2.5)); a numpy integer would pass every step and then fail
+    the checkpoint's json.dumps."""
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, not {value!r}")
+    object.__setattr__(config, name, int(value))
+
+
+def _as_float(config: object, name: str) -> None:
+    """Field `name` of a frozen config as a plain float (a string or bool is refused by name)."""
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, not {value!r}")
+    object.__setattr__(config, name, float(value))
 
 
 @dataclass(frozen=True)
@@ -41,7 +60,12 @@ class LoRAConfig:
         if isinstance(self.target_keys, str):
             object.__setattr__(self, "target_keys", (self.target_keys,))
         object.__setattr__(self, "target_keys", tuple(self.target_keys))
-        if int(self.rank) != self.rank or self.rank < 1:
+        _as_int(self, "rank")
+        _as_float(self, "alpha")
+        _as_float(self, "dropout")
+        if self.num_layers is not None:
+            _as_int(self, "num_layers")
+        if self.rank < 1:
             raise ValueError(f"rank must be a positive integer, not {self.rank}")
         if not math.isfinite(self.alpha) or self.alpha <= 0:
             raise ValueError(f"alpha must be a finite number > 0, not {self.alpha}")
@@ -88,10 +112,18 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("iters", "batch_size", "max_seq_length", "steps_per_report", "steps_per_eval", "save_every",
+                     "warmup_steps", "val_batches", "seed"):
+            _as_int(self, name)
+        optional = tuple(name for name in ("max_grad_norm", "valid_split") if getattr(self, name) is not None)
+        for name in ("learning_rate", "eps", "weight_decay", *optional):
+            _as_float(self, name)
         positive = ("iters", "batch_size", "max_seq_length", "steps_per_report", "steps_per_eval", "save_every")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
+        if self.seed < 0:  # numpy's and MLX's generators take seeds >= 0 only
+            raise ValueError(f"seed must be >= 0, not {self.seed}")
         # A NaN or infinite number here fails no comparison below and would turn the first step's
         # weights into NaN; a negative warmup would make the learning rate negative (the loss climbs).
         clip = ("max_grad_norm",) if self.max_grad_norm is not None else ()
@@ -104,8 +136,11 @@ class TrainConfig:
             raise ValueError(f"eps must be > 0 and weight_decay >= 0, not {self.eps} and {self.weight_decay}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, not {self.max_grad_norm}")
-        if len(self.betas) != 2 or not all(math.isfinite(b) and 0.0 <= b < 1.0 for b in self.betas):
+        betas = tuple(self.betas)
+        if len(betas) != 2 or not all(isinstance(b, numbers.Real) and not isinstance(b, bool) and math.isfinite(b)
+                                      and 0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas must be two numbers in [0, 1), not {self.betas}")
+        object.__setattr__(self, "betas", tuple(float(b) for b in betas))
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, not {self.warmup_steps}")
         if self.lr_schedule not in ("constant", "cosine"):
@@ -114,7 +149,6 @@ class TrainConfig:
             raise ValueError(f"valid_split must be in (0, 1), not {self.valid_split}")
         if self.val_batches == 0 or self.val_batches < -1:
             raise ValueError(f"val_batches must be >= 1 or -1 (all), not {self.val_batches}")
-        object.__setattr__(self, "betas", tuple(self.betas))
 
 
 @runtime_checkable

@@ -80,6 +80,8 @@ def read_jsonl(path: str | Path) -> list[Record]:
             data = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DatasetError(f"{path}:{lineno}: malformed JSON: {exc.msg} (column {exc.colno})") from None
+        except RecursionError:  # a line of deeply nested brackets: the parser's recursion limit
+            raise DatasetError(f"{path}:{lineno}: malformed JSON: nested too deeply") from None
         if not isinstance(data, dict):
             raise DatasetError(f"{path}:{lineno}: a record must be a JSON object, not {type(data).__name__}")
         try:
@@ -105,10 +107,12 @@ def load_records(data: str | Path, valid_split: float | None = None,
     data = Path(data)
     if data.is_dir():
         train_file, valid_file = data / "train.jsonl", data / "valid.jsonl"
-        if not train_file.is_file():
+        # Whatever is there under these names is read: a FIFO or a directory is refused by name (by
+        # read_jsonl), not taken for a missing file (a validation set skipped without a word).
+        if not (train_file.exists() or train_file.is_symlink()):
             raise DatasetError(f"{data} has no train.jsonl")
         train = read_jsonl(train_file)
-        if valid_file.is_file():
+        if valid_file.exists() or valid_file.is_symlink():
             return train, read_jsonl(valid_file)
     elif data.is_file():
         train = read_jsonl(data)
@@ -128,9 +132,14 @@ def _messages(record: Record) -> list[dict[str, Any]]:
     messages = record.data["messages"]
     if not isinstance(messages, list) or not messages:
         raise DatasetError(f"{record.where}: 'messages' must be a non-empty list of chat turns")
-    for m in messages:
+    for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m:
-            raise DatasetError(f"{record.where}: each message needs a 'role' (and 'content'): {m!r}")
+            raise DatasetError(f"{record.where}: each message needs a 'role' (and 'content'): {m!r:.80}")
+        # A template renders any value as text: a number as "5", a list of content parts as its
+        # Python repr, which the model would then be trained on. None is OpenAI's "no content".
+        if not isinstance(m["role"], str) or not isinstance(m.get("content"), str | None):
+            raise DatasetError(f"{record.where}: message {i} needs a string 'role' and a string (or null) "
+                               f"'content', not {m!r:.80}")
     return messages
 
 
@@ -248,5 +257,18 @@ def iterate_batches(examples: Sequence[Example], batch_size: int, max_seq_length
 
 def count_truncated(examples: Sequence[Example], max_seq_length: int) -> int:
     return sum(1 for e in examples if len(e.tokens) > max_seq_length + 1)
+
+
+def check_trained_tokens(examples: Sequence[Example], max_seq_length: int) -> None:
+    """Every example must keep a token that counts in the loss once cut to `max_seq_length` + 1
+    tokens (what `make_batch` keeps). One whose prompt fills that length would train on nothing
+    while the steps of batches made only of such examples reported a loss of 0."""
+    for e in examples:
+        kept = min(len(e.tokens), max_seq_length + 1)
+        if max(e.offset, 1) >= kept:
+            why = (f"its prompt alone is {e.offset} tokens, and max_seq_length is {max_seq_length}"
+                   if e.offset >= max_seq_length else f"every one of its {len(e.tokens)} tokens is masked as prompt")
+            raise DatasetError(f"{e.where}: no token of the record counts in the loss: {why} "
+                               "(raise max_seq_length, shorten the prompt, or turn mask_prompt off)")
 
 

@@ -140,11 +140,14 @@ class AdamW:
 
 
 def cosine_schedule(peak: float, total_steps: int, warmup: int = 0, end: float = 0.0) -> Callable[[int], float]:
-    """A learning rate schedule: linear warmup to `peak`, then cosine decay to `end` at `total_steps`."""
+    """A learning rate schedule of steps 1..`total_steps`: linear warmup to `peak`, then cosine decay
+    from `peak` towards `end`. The first step after warmup takes `peak` and the last one still a rate
+    above `end` (as mlx-lm's cosine_decay from its step 0): decaying to `end` at the last step left it
+    nothing to learn with, and a one-step run trained nothing at all."""
     def lr(step: int) -> float:
         if warmup and step <= warmup:
             return peak * step / warmup
-        t = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        t = min(1.0, (step - warmup - 1) / max(1, total_steps - warmup))
         return end + 0.5 * (peak - end) * (1.0 + math.cos(math.pi * t))
 
     return lr

@@ -31,7 +31,15 @@ from pymlxc.files import read_json
 
 from .adapters import MLX_WEIGHTS
 from .config import LoRAConfig, SupportsTraining, TrainableModel, TrainConfig
-from .data import Batch, Example, count_truncated, iterate_batches, load_records, tokenize_all
+from .data import (
+    Batch,
+    Example,
+    check_trained_tokens,
+    count_truncated,
+    iterate_batches,
+    load_records,
+    tokenize_all,
+)
 from .losses import masked_cross_entropy
 from .optim import AdamW, cosine_schedule
 
@@ -272,18 +280,26 @@ def train(model: Any, data: str | Path, adapter_path: str | Path = "adapters", *
 def _train(model: Any, data: str | Path, adapter_path: str | Path, lora: LoRAConfig | None, config: TrainConfig,
            callback: Callable[[TrainReport], None] | None) -> TrainResult:
     adapter_dir = Path(adapter_path)
+    if adapter_dir.exists() and not adapter_dir.is_dir():  # else found at the first checkpoint, steps later
+        raise NotADirectoryError(f"adapter path {adapter_dir} is not a directory: adapters are saved as a directory")
     resume_state, resume_lora = None, None
     if config.resume:
         if not (adapter_dir / STATE_FILE).is_file():
             raise FileNotFoundError(f"cannot resume: {adapter_dir / STATE_FILE} does not exist")
         resume_state, resume_lora = read_resume_state(adapter_dir / STATE_FILE)
+        if lora is not None and lora != resume_lora and model.adapter is None:
+            # The checkpoint's adapter is what resumes; another config asked for would be ignored.
+            differ = [f"{f.name} {getattr(lora, f.name)!r} (checkpoint: {getattr(resume_lora, f.name)!r})"
+                      for f in dataclasses.fields(LoRAConfig) if getattr(lora, f.name) != getattr(resume_lora, f.name)]
+            raise ValueError(f"cannot resume from {adapter_dir}: the LoRA config asked for differs from the "
+                             f"checkpoint's: {', '.join(differ)}")
 
     train_records, valid_records = load_records(data, config.valid_split, config.seed)
     encoder = model.training_encoder()
     train_set = tokenize_all(train_records, encoder, config.mask_prompt)
     valid_set = tokenize_all(valid_records, encoder, config.mask_prompt)
-    if all(e.offset >= len(e.tokens) for e in train_set):
-        raise ValueError(f"{data}: every training token is masked out (mask_prompt with empty completions?)")
+    check_trained_tokens(train_set, config.max_seq_length)
+    check_trained_tokens(valid_set, config.max_seq_length)
 
     adapter = model.adapter
     applied = adapter is None

@@ -351,3 +351,98 @@ def test_models_that_cannot_train_are_named() -> None:
 
     with pytest.raises(TypeError, match="NotTrainable cannot be trained here"):
         pymlxc.train(NotTrainable(), "data", progress=False)
+
+
+@pytest.mark.parametrize("which", ["train", "valid"])
+def test_a_prompt_that_fills_max_seq_length_is_named(llama_dir: Path, tmp_path: Path, which: str) -> None:
+    """Cut to max_seq_length, such a record kept no completion token: the run trained on 0 tokens
+    and reported a loss of 0.0000 (a valid.jsonl of them, a validation loss of nan)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    short = json.dumps({"prompt": "hi", "completion": "yes"})
+    long = json.dumps({"prompt": "a long prompt " * 10, "completion": "yes"})
+    (data / "train.jsonl").write_text(f"{short}\n{long}\n" if which == "train" else f"{short}\n{short}\n")
+    (data / "valid.jsonl").write_text(f"{long}\n" if which == "valid" else f"{short}\n")
+    with load(llama_dir) as model:
+        with pytest.raises(DatasetError, match=rf"{which}\.jsonl:\d: no token of the record counts in the loss: "
+                                               r"its prompt alone is \d+ tokens, and max_seq_length is 24"):
+            pymlxc.train(model, data, tmp_path / "ad", iters=2, batch_size=1, max_seq_length=24, progress=False)
+        assert model.adapter is None
+
+
+@pytest.mark.parametrize(("config", "name", "value"), [
+    (TrainConfig, "iters", 2.5), (TrainConfig, "iters", True), (TrainConfig, "batch_size", "4"),
+    (TrainConfig, "max_seq_length", 64.0), (TrainConfig, "seed", -1), (TrainConfig, "warmup_steps", 1.5),
+    (TrainConfig, "learning_rate", "1e-4"), (TrainConfig, "weight_decay", True), (TrainConfig, "betas", ("a", 0.9)),
+    (LoRAConfig, "rank", True), (LoRAConfig, "rank", 2.0), (LoRAConfig, "num_layers", 1.5),
+    (LoRAConfig, "alpha", "16"), (LoRAConfig, "dropout", False),
+])
+def test_config_values_of_the_wrong_type_are_refused_by_name(config: type, name: str, value: object) -> None:
+    """Bools were taken as 1, floats failed deep in the run (range(2.5)), strings raised a
+    comparison's TypeError without the field's name, a negative seed numpy's own error."""
+    with pytest.raises(ValueError, match=name):
+        config(**{name: value})
+
+
+def test_numpy_numbers_in_configs_become_plain_ones(llama_dir: Path, repeat_data: Path, tmp_path: Path) -> None:
+    """A numpy int64 or float32 passed every step, then failed the checkpoint's json.dumps."""
+    config = TrainConfig(iters=np.int64(2), batch_size=np.int32(2), learning_rate=np.float32(1e-3),
+                         betas=(np.float32(0.9), 0.99), progress=False)
+    assert type(config.iters) is int and type(config.learning_rate) is float and type(config.betas[0]) is float
+    lora = LoRAConfig(rank=np.int64(2), alpha=np.float32(4))
+    assert type(lora.rank) is int and type(lora.alpha) is float
+    with load(llama_dir) as model:
+        assert pymlxc.train(model, repeat_data, tmp_path / "ad", lora=lora, config=config).steps == 2
+
+
+def test_resuming_with_another_lora_config_is_refused(checkpoint: tuple[Path, Path], llama_dir: Path,
+                                                       tmp_path: Path) -> None:
+    """The checkpoint's adapter (rank 2) resumed and the config asked for was ignored silently."""
+    data, good = checkpoint
+    ad = _copy(good, tmp_path / "ad")
+    with load(llama_dir) as model:
+        with pytest.raises(ValueError, match=r"differs from the checkpoint's: rank 4 \(checkpoint: 2\), target_keys"):
+            pymlxc.train(model, data, ad, lora=LoRAConfig(rank=4, target_keys=("o_proj",)), iters=3, batch_size=2,
+                         resume=True, progress=False)
+        assert model.adapter is None
+        assert pymlxc.train(model, data, ad, lora=LoRAConfig(rank=2), iters=3, batch_size=2, resume=True,
+                            progress=False).steps == 3
+
+
+def test_cli_resume_takes_the_checkpoints_lora_config(checkpoint: tuple[Path, Path], llama_dir: Path,
+                                                      tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`pymlxc lora --resume` without LoRA options resumes the checkpoint's adapter; a LoRA option
+    that differs from it is an error, not ignored."""
+    from pymlxc.cli import main
+
+    data, good = checkpoint
+    ad = _copy(good, tmp_path / "ad")
+    args = ["lora", str(llama_dir), "--data", str(data), "--adapter-path", str(ad), "--batch-size", "2", "--resume",
+            "-q"]
+    assert main([*args, "--iters", "4", "--rank", "8"]) == 1
+    assert "rank 8 (checkpoint: 2)" in capsys.readouterr().err
+    assert main([*args, "--iters", "3"]) == 0
+    saved = json.loads((ad / "training_state.json").read_text())
+    assert saved["step"] == 3 and saved["lora"]["rank"] == 2
+
+
+def test_an_adapter_path_that_is_a_file_is_refused_before_training(llama_dir: Path, repeat_data: Path,
+                                                                    tmp_path: Path) -> None:
+    """It failed with a bare FileExistsError at the first checkpoint, the steps before it lost."""
+    (tmp_path / "ad").write_text("not a directory")
+    reports: list[object] = []
+    with load(llama_dir) as model, pytest.raises(NotADirectoryError, match=r"adapter path .*ad is not a directory"):
+        pymlxc.train(model, repeat_data, tmp_path / "ad", iters=4, batch_size=2, steps_per_report=1,
+                     callback=reports.append, progress=False)
+    assert reports == []
+
+
+def test_a_one_step_cosine_run_trains(llama_dir: Path, repeat_data: Path, tmp_path: Path) -> None:
+    """Its only step had a learning rate of 0: the run 'succeeded' with the adapter unchanged."""
+    with load(llama_dir) as model:
+        model.apply_lora(LoRAConfig(rank=2))
+        before = {k: np.array(v) for k, v in model.adapter.trainable_parameters().items()}
+        pymlxc.train(model, repeat_data, tmp_path / "ad", iters=1, batch_size=2, learning_rate=1e-2,
+                     lr_schedule="cosine", progress=False)
+        after = model.adapter.trainable_parameters()
+        assert any(not np.array_equal(before[k], np.array(after[k])) for k in before)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pymlxc.training import DatasetError, Encoder, load_records, make_batch, read_jsonl, tokenize
-from pymlxc.training.data import Example, batch_order, iterate_batches
+from pymlxc.training.data import Example, batch_order, check_trained_tokens, iterate_batches
 
 EOS = 0
 
@@ -140,3 +141,68 @@ def test_jsonl_round_trip(tmp_path_factory: pytest.TempPathFactory, texts: list[
     records = read_jsonl(path)
     assert [r.data["text"] for r in records] == texts
     assert [r.line for r in records] == list(range(1, len(texts) + 1))
+
+
+def test_a_deeply_nested_line_is_named(tmp_path: Path) -> None:
+    """Escaped as a bare RecursionError (the CLI's "internal error") before."""
+    path = _write(tmp_path / "d.jsonl", ['{"text": "a"}', '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}"])
+    with pytest.raises(DatasetError, match=r"d\.jsonl:2: malformed JSON: nested too deeply"):
+        read_jsonl(path)
+
+
+_NOT_TEXT = st.one_of(st.integers(), st.floats(allow_nan=False), st.booleans(),
+                      st.lists(st.text(max_size=3), max_size=2),
+                      st.dictionaries(st.sampled_from(["type", "text"]), st.text(max_size=3), max_size=2))
+
+
+@settings(max_examples=30, deadline=None)
+@given(value=_NOT_TEXT, field=st.sampled_from(["role", "content"]), index=st.integers(0, 1))
+def test_chat_messages_need_text_roles_and_contents(tmp_path_factory: pytest.TempPathFactory, value: object,
+                                                     field: str, index: int) -> None:
+    """A template renders any value: content 5 became the text "5", a list of content parts its
+    Python repr, and the model was trained on that without a word."""
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    msgs[index][field] = value
+    path = tmp_path_factory.mktemp("chat") / "d.jsonl"
+    [rec] = read_jsonl(_write(path, [json.dumps({"messages": msgs})]))
+    with pytest.raises(DatasetError, match=rf"d\.jsonl:1: message {index} needs a string 'role'"):
+        tokenize(rec, _encoder())
+
+
+def test_a_null_content_is_still_accepted(tmp_path: Path) -> None:
+    # OpenAI's content=None (a tool-call turn): the template decides what it renders, as in mlx-lm
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}]
+    [rec] = read_jsonl(_write(tmp_path / "d.jsonl", [json.dumps({"messages": msgs})]))
+    assert tokenize(rec, _encoder()).tokens
+
+
+def test_data_files_that_are_no_regular_files_are_named(tmp_path: Path) -> None:
+    """A valid.jsonl that was a directory or a FIFO was skipped (no validation, silently); a
+    train.jsonl of that kind was reported as missing."""
+    _write(tmp_path / "train.jsonl", ['{"text": "a"}', '{"text": "b"}'])
+    (tmp_path / "valid.jsonl").mkdir()
+    with pytest.raises(OSError, match=r"valid\.jsonl is a directory, not a regular file"):
+        load_records(tmp_path)
+    (tmp_path / "valid.jsonl").rmdir()
+    os.mkfifo(tmp_path / "valid.jsonl")
+    with pytest.raises(OSError, match=r"valid\.jsonl is a FIFO"):
+        load_records(tmp_path)
+    other = tmp_path / "other"
+    (other / "train.jsonl").mkdir(parents=True)
+    with pytest.raises(OSError, match=r"train\.jsonl is a directory"):
+        load_records(other)
+
+
+@settings(max_examples=200, deadline=None)
+@given(length=st.integers(2, 12), offset=st.integers(0, 14), max_seq_length=st.integers(1, 12))
+def test_an_example_is_refused_exactly_when_its_batch_would_train_on_nothing(length: int, offset: int,
+                                                                              max_seq_length: int) -> None:
+    """An example whose prompt fills max_seq_length (or that is all prompt) was trained on at a
+    loss of 0 (0 tokens); now it is named. The check agrees with make_batch's mask."""
+    example = Example(tuple(range(1, length + 1)), offset, "d.jsonl:7")
+    trained = make_batch([example], max_seq_length).ntokens
+    if trained:
+        check_trained_tokens([example], max_seq_length)
+    else:
+        with pytest.raises(DatasetError, match=r"d\.jsonl:7: no token of the record counts in the loss"):
+            check_trained_tokens([example], max_seq_length)

@@ -1,11 +1,16 @@
 """Losses and AdamW against numpy and mlx (the reference implementation)."""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pymlxc.core as mx
 from pymlxc.training import AdamW, clip_grad_norm, cross_entropy, global_norm, masked_cross_entropy, mse
+from pymlxc.training.optim import cosine_schedule
 
 
 def _np_ce(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
@@ -130,3 +135,17 @@ def test_optimizer_state_round_trip() -> None:
     a = opt.update(p, {"x.y": mx.ones((2,))})
     b = other.update(p, {"x.y": mx.ones((2,))})
     np.testing.assert_array_equal(np.array(a["x.y"]), np.array(b["x.y"]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(total=st.integers(1, 50), warmup=st.integers(0, 60), end=st.sampled_from([0.0, 0.1]))
+def test_cosine_schedule_gives_every_step_a_rate(total: int, warmup: int, end: float) -> None:
+    """The decay reached `end` at the last step: with end 0 that step learned nothing, and a run of
+    one step (iters=1) trained nothing at all. Now the first step after warmup takes the peak and
+    every step of the run a rate above `end`, falling."""
+    lr = cosine_schedule(1.0, total, warmup, end)
+    rates = [lr(step) for step in range(1, total + 1)]
+    warming, decay = rates[:warmup], rates[warmup:]
+    assert all(r > 0 for r in warming) and all(r > end for r in decay)
+    if decay:
+        assert decay[0] == 1.0 and all(a >= b for a, b in itertools.pairwise(decay))

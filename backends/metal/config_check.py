@@ -31,8 +31,10 @@ POSITIVE_INTS = frozenset({
     "sliding_window", "sliding_window_pattern", "num_experts_per_tok", "decoder_sparse_step", "top_k_experts",
     "max_position_embeddings",
 })
-# Floats that must be above 0 (other floats must be finite and not negative).
-POSITIVE_FLOATS = frozenset({"rope_theta", "rope_local_base_freq", "query_pre_attn_scalar"})
+# Floats that must be above 0 (other floats must be finite and not negative): an RMSNorm of eps 0
+# divides a zero row by 0, a softcap of 0 divides the logits by 0 (null turns a softcap off).
+POSITIVE_FLOATS = frozenset({"rope_theta", "rope_local_base_freq", "query_pre_attn_scalar", "rms_norm_eps",
+                             "attn_logit_softcapping", "final_logit_softcapping"})
 LAYER_TYPES = ("sliding_attention", "full_attention")
 _ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
                  "partial_rotary_factor")
@@ -212,6 +214,7 @@ def check_args(args: Any, prefix: str = "") -> None:
 
 
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+_EXPERT = re.compile(r"^(?:model\.)?layers\.\d+\.mlp\.experts\.(\d+)\.")
 
 
 def check_against_tensors(args: Any, shapes: Mapping[str, Sequence[int]]) -> None:
@@ -225,6 +228,13 @@ def check_against_tensors(args: Any, shapes: Mapping[str, Sequence[int]]) -> Non
     if n_layers is not None and indices and max(indices) + 1 != n_layers:
         raise ConfigError(f"num_hidden_layers: {n_layers}, but the checkpoint's tensors hold "
                           f"{max(indices) + 1} layers (model.layers.0 .. model.layers.{max(indices)})")
+    # Per-expert tensors (HF's layout) are stacked by index 0 .. num_experts - 1: a count that differs
+    # stacked nothing (an MLX error) or built 2**31 names before any tensor was looked at.
+    n_experts = getattr(args, "num_experts", None)
+    experts = {int(m.group(1)) for name in shapes if (m := _EXPERT.match(name))}
+    if isinstance(n_experts, int) and experts and max(experts) + 1 != n_experts:
+        raise ConfigError(f"num_experts: {n_experts}, but the checkpoint's tensors hold {max(experts) + 1} experts "
+                          f"(mlp.experts.0 .. mlp.experts.{max(experts)})")
     for name in ("model.embed_tokens.weight", "embed_tokens.weight"):
         shape = shapes.get(name)
         if shape is None:

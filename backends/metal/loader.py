@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +37,7 @@ from .formats.safetensors import (
     canonical_name,
     quantization_of,
     read_config,
-    read_shards,
+    read_weights,
     weight_files,
 )
 from .kernels.check import on_cuda
@@ -130,6 +131,27 @@ def _quant_params(path: str, module: nn.Module, weights: Mapping[str, Array], de
         raise nn.WeightsError(f"tensor {path}.weight: cannot read its quantization (packed shape {packed.shape}, "
                               f"scales shape {scales.shape}, {in_dims} inputs)")
     return {"group_size": group_size, "bits": bits}
+
+
+_EXPERT = re.compile(r"^(.*\.experts\.)(\d+)(\..*)$")
+
+
+def _check_experts(weights: Mapping[str, Array], origin: Mapping[str, Path]) -> None:
+    """The experts of a layer stored one by one (`...mlp.experts.E.up_proj.weight`) have one shape:
+    `sanitize` stacks them, which fails with an MLX error naming no tensor otherwise. Each is
+    compared with the lowest-numbered expert of its layer."""
+    groups: dict[tuple[str, str], dict[int, str]] = {}
+    for name in weights:
+        if (m := _EXPERT.match(name)) is not None:
+            groups.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = name
+    for experts in groups.values():
+        first, *rest = (experts[i] for i in sorted(experts))
+        want = tuple(weights[first].shape)
+        for name in rest:
+            got = tuple(weights[name].shape)
+            if got != want:
+                raise WeightsFileError(f"tensor {name!r} in {origin.get(name)} has shape {got}, but {first!r} of the "
+                                       f"same layer has {want}: all experts must have one shape")
 
 
 def _weight_of(tensor: str) -> str:
@@ -294,8 +316,7 @@ def _load(root: Path, context_len: int, progress: Progress | None, settings: Set
         return load_gguf_weights(gguf_file, context_len=context_len, progress=progress, settings=settings,
                                  dtype=dtype)
     config = read_config(root)
-    files = weight_files(root)
-    raw, origin = read_shards(files)  # lazy: nothing is read before evaluation
+    raw, origin = read_weights(root)  # lazy: nothing is read before evaluation
     return build_model(config, raw, origin, source=root / "config.json", root=root, context_len=context_len,
                        progress=progress, settings=settings, distributed=distributed, dtype=cast)
 
@@ -339,12 +360,20 @@ def build_model(config: dict[str, Any], raw: dict[str, Array], origin: Mapping[s
         from .distributed import Source  # noqa: PLC0415 - the distributed runtime only when asked
 
         sources = {id(v): Source(v, origin[k], k) for k, v in raw.items()}
-    weights = model.sanitize(_resolve_names(raw, module_paths))
+    _check_experts(raw, origin)
+    try:
+        weights = model.sanitize(_resolve_names(raw, module_paths))
+    except MLXError as exc:  # a rearrangement (stack, split) the tensors do not fit
+        raise WeightsFileError(f"{root}: cannot arrange the checkpoint's tensors for {model_type}: {exc}") from exc
     del raw
     origin = {canonical_name(k): v for k, v in origin.items()}
 
-    # An output head the checkpoint does not store is the embedding matrix (tied).
+    # An output head the checkpoint does not store is the embedding matrix (tied), unless the config
+    # says the head is its own: then the checkpoint lacks it (transformers would leave it random).
     if getattr(model, "lm_head", None) is not None and "lm_head.weight" not in weights:
+        if getattr(args, "tie_word_embeddings", None) is False:
+            raise nn.WeightsError(f"missing tensor in checkpoint: lm_head.weight ({file} sets tie_word_embeddings "
+                                  "to false: the output head is not the embedding)", "lm_head.weight")
         model.tie_embeddings()
 
     quant = quantization_of(config, file)

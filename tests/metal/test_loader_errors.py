@@ -183,7 +183,10 @@ def test_progress_reports_bytes(tiny: Path) -> None:
 
 
 def test_tied_head_when_lm_head_absent(tiny: Path) -> None:
+    """A config that does not say tie_word_embeddings (one that says false and lacks the head is
+    refused: tests/reliability/test_checkpoint_loading.py)."""
     _edit_weights(tiny, lambda w: w.pop("lm_head.weight"))
+    _edit_config(tiny, tie_word_embeddings=None)
     with load_weights_and_config(tiny) as loaded:
         assert loaded.model.lm_head is None
         assert "lm_head.weight" not in loaded.model.parameters()

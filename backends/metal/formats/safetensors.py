@@ -32,11 +32,15 @@ def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _check_quant_entry(entry: Mapping[str, Any], field: str, file: Path) -> None:
-    """bits and group_size of a `quantization` entry, when given, are values MLX can unpack."""
+    """bits and group_size of a `quantization` entry, when given, are values MLX can unpack (null
+    is no value: the loader would take it as one), and its mode is affine."""
     for key, allowed in (("bits", SUPPORTED_BITS), ("group_size", SUPPORTED_GROUP_SIZES)):
         value = entry.get(key)
-        if value is not None and (isinstance(value, bool) or value not in allowed):
+        if key in entry and (value is None or isinstance(value, bool) or value not in allowed):
             raise ConfigError(f"{file}: {field}.{key}: expected one of {', '.join(map(str, allowed))}, got {value!r}")
+    mode = entry.get("mode", "affine")  # a layer of another mode would be unpacked as affine: garbage
+    if mode != "affine":
+        raise ConfigError(f"{file}: {field}.mode: quantization mode {mode!r} is not supported (only 'affine')")
 
 
 def quantization_of(config: Mapping[str, Any], file: Path) -> dict[str, Any] | None:
@@ -54,9 +58,6 @@ def quantization_of(config: Mapping[str, Any], file: Path) -> dict[str, Any] | N
         return None
     if not isinstance(q, Mapping):
         raise ConfigError(f"{file}: 'quantization' must be an object, got {type(q).__name__}")
-    mode = q.get("mode", "affine")
-    if mode != "affine":
-        raise ConfigError(f"{file}: quantization mode {mode!r} is not supported (only 'affine')")
     _check_quant_entry(q, "quantization", file)
     for key, entry in q.items():  # per-module overrides: {"model.layers.0.mlp.up_proj": {"bits": 8, ...}}
         if isinstance(entry, Mapping):
@@ -66,19 +67,32 @@ def quantization_of(config: Mapping[str, Any], file: Path) -> dict[str, Any] | N
 
 # ---------------------------------------------------------------------- weights
 
-def weight_files(root: Path) -> list[Path]:
-    """The checkpoint's safetensors shards: those that `model.safetensors.index.json` lists, else
-    `model*.safetensors`, else every `*.safetensors` but LoRA adapter files. (Repositories such as
-    Mistral's also hold the same weights in another layout, `consolidated.safetensors`.)"""
+def read_index(root: Path) -> dict[str, Path] | None:
+    """`model.safetensors.index.json`'s weight_map (tensor name -> shard file inside `root`), or
+    None when the directory has no index."""
     index = root / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = read_json(index, what="safetensors index", error=WeightsFileError).get("weight_map")
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise WeightsFileError(f"{index}: not a safetensors index (no 'weight_map' of tensor -> file name)")
-        files = [root / _shard_name(n, index) for n in sorted(set(weight_map.values()))]
+    if not index.exists():
+        return None
+    weight_map = read_json(index, what="safetensors index", error=WeightsFileError).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise WeightsFileError(f"{index}: not a safetensors index (no 'weight_map' of tensor -> file name)")
+    shards = {n: root / _shard_name(n, index) for n in set(weight_map.values())}
+    return {k: shards[v] for k, v in weight_map.items()}
+
+
+def weight_files(root: Path, index: dict[str, Path] | None = None) -> list[Path]:
+    """The checkpoint's safetensors shards: those that `model.safetensors.index.json` lists (`index`,
+    where read already), else `model*.safetensors`, else every `*.safetensors` but LoRA adapter
+    files. (Repositories such as Mistral's also hold the same weights in another layout,
+    `consolidated.safetensors`.)"""
+    if index is None:
+        index = read_index(root)
+    if index is not None:
+        files = sorted(set(index.values()))
         for f in files:
             if not f.exists():
-                raise WeightsFileError(f"weights file {f} listed in {index} is missing")
+                raise WeightsFileError(f"weights file {f} listed in {root / 'model.safetensors.index.json'} is "
+                                       "missing")
         return files
     files = sorted(root.glob("model*.safetensors"))
     if not files:
@@ -100,6 +114,8 @@ def _shard_name(name: str, index: Path) -> str:
 
 
 def read_shards(files: list[Path]) -> tuple[dict[str, Array], dict[str, Path]]:
+    """The tensors of `files` (lazy) and the file of each. A name in two files is refused: which
+    copy would load depends on the order the files are read in; so is a negative dimension."""
     weights: dict[str, Array] = {}
     origin: dict[str, Path] = {}
     for f in files:
@@ -109,8 +125,27 @@ def read_shards(files: list[Path]) -> tuple[dict[str, Array], dict[str, Path]]:
         except MLXError as exc:
             raise WeightsFileError(f"cannot read weights file {f}: {exc}") from exc
         for k, v in arrays.items():
+            if k in origin:
+                raise WeightsFileError(f"tensor {k!r} is in two weights files: {origin[k]} and {f}")
+            if any(d < 0 for d in v.shape):  # MLX's reader takes [-2, -2] for 4 values
+                raise WeightsFileError(f"tensor {k!r} in {f} has a negative dimension: shape {tuple(v.shape)}")
             weights[k] = v
             origin[k] = f
+    return weights, origin
+
+
+def read_weights(root: Path) -> tuple[dict[str, Array], dict[str, Path]]:
+    """The tensors of the model directory `root` (lazy) and the file of each (see `weight_files`).
+    A tensor the index lists that no shard holds is refused: the download is incomplete or the
+    index stale, and the tensor would be missing (or, for `lm_head.weight`, silently tied)."""
+    index = read_index(root)
+    weights, origin = read_shards(weight_files(root, index))
+    absent = sorted(k for k in index or () if k not in origin)
+    if index is not None and absent:
+        shown = ", ".join(f"{k!r} (in {index[k].name})" for k in absent[:5])
+        raise WeightsFileError(f"{root / 'model.safetensors.index.json'}: weight_map lists "
+                               f"{len(absent)} tensor{'s' if len(absent) > 1 else ''} that no weights file holds: "
+                               + shown + (", ..." if len(absent) > 5 else ""))
     return weights, origin
 
 
@@ -125,4 +160,4 @@ def canonical_name(name: str) -> str:
 
 
 __all__ = ["SUPPORTED_BITS", "SUPPORTED_GROUP_SIZES", "ADAPTER_FILES", "read_config", "quantization_of",
-           "weight_files", "read_shards", "canonical_name"]
+           "read_index", "weight_files", "read_shards", "read_weights", "canonical_name"]

@@ -58,7 +58,8 @@ class TextStream:
 
     With a table of token bytes (byte-level BPE or SentencePiece tokenizers) the bytes go through
     an incremental UTF-8 decoder. Without one, a window of ids is decoded, where an unfinished
-    character shows as a trailing U+FFFD (so such a tokenizer's stray bytes wait for the next text).
+    character shows as a trailing U+FFFD (so such a tokenizer's stray bytes wait for the next text,
+    as does a trailing space), and the pieces join into what mlx-lm's NaiveStreamingDetokenizer streams.
     """
 
     def __init__(self, table: TokenBytes) -> None:
@@ -66,7 +67,7 @@ class TextStream:
         self._pending = b""
         self._started = False  # whether any text (even a trimmed space) has come out yet
         self._window: list[int] = []
-        self._window_text = ""
+        self._window_sent = 0  # characters of the window's decode already sent
 
     def add(self, token: int) -> str:
         """The text `token` completes ("" while a character is unfinished)."""
@@ -104,12 +105,14 @@ class TextStream:
         text = self._table.decode(self._window)
         if not final:
             text = text.rstrip("\ufffd")  # maybe a character still to be finished
-        if not text.startswith(self._window_text):
-            return ""  # the decoder rewrote earlier text (e.g. cleaned spaces): wait for more
-        piece = text[len(self._window_text):]
-        self._window_text = text
+            if text.endswith(" "):  # held, as mlx-lm holds it: a decoder that cleans up spaces
+                text = text[:-1]  # drops it once the next token is ".", "'s", ...
+        # Should the decoder still rewrite sent text, the stream goes on from the new text's length, as
+        # mlx-lm's does; waiting for the sent text to come back lost everything after it.
+        piece = text[self._window_sent:]
+        self._window_sent = len(text)
         if text.endswith("\n") or final:  # a line is done: start a fresh window (linear time)
-            self._window, self._window_text = [], ""
+            self._window, self._window_sent = [], 0
         return piece
 
 

@@ -26,6 +26,8 @@ from .detokenize import TokenBytes
 from .protocol import CommandError
 
 Event = dict[str, Any]
+# The device mlx chose at start: what `device` null or "default" returns to after a load asked for "cpu".
+_START_DEVICE = mx.default_device()
 
 
 class _Stopped(Exception):
@@ -113,8 +115,11 @@ class Engine:
     def __init__(self, path: str, adapter_path: str | None, context_len: int | None, device: str | None) -> None:
         # The worker has checked that the paths are directories (mlx_lm.load would try the network)
         # and that the model asks for no custom code; trust_remote_code=False is the second guard.
-        if device == "cpu":
-            mx.set_default_device(mx.cpu)
+        # Set on every load: the default device is process-wide, so "cpu" would otherwise outlive its model.
+        try:
+            mx.set_default_device({"cpu": mx.cpu, "gpu": mx.gpu}.get(device or "default", _START_DEVICE))
+        except ValueError as e:  # "gpu" where mlx has no GPU backend
+            raise CommandError("load_failed", f"device {device!r} is not available here: {e}") from None
         try:
             loaded = mlx_lm.load(
                 path, adapter_path=adapter_path, return_config=True,
@@ -136,6 +141,12 @@ class Engine:
                 "load_failed",
                 f"the tokenizer of {path!r} has {tokens} tokens but the model's embedding "
                 f"has {self.vocab_size} rows: ids from {self.vocab_size} on have no embedding",
+            )
+        # generation_config.json's eos_token_id reaches mlx-lm unchecked; a non-integer one would stop nothing.
+        odd = [t for t in self.tokenizer.eos_token_ids if isinstance(t, bool) or not isinstance(t, int)]
+        if odd:
+            raise CommandError(
+                "load_failed", f"the model at {path!r} names EOS token ids that are not integers: {odd!r}"
             )
         self.token_bytes = TokenBytes(self.tokenizer.detokenizer, self.tokenizer.decode)
 
@@ -225,6 +236,11 @@ class Engine:
 
     def _memory(self) -> dict[str, int]:
         return {"peak_memory_bytes": int(mx.get_peak_memory()), "active_memory_bytes": int(mx.get_active_memory())}
+
+    def _no_work(self) -> dict[str, Any]:
+        """The metrics of a batch that ran nothing: every key a run's reply has, so replies keep one shape."""
+        times = ("prompt_time", "generation_time", "total_time", "prompt_tps", "generation_tps")
+        return {"prompt_tokens": 0, "generation_tokens": 0, **dict.fromkeys(times, 0.0), **self._memory()}
 
     # ---- generate -------------------------------------------------------------------------------
 
@@ -398,7 +414,9 @@ class Engine:
         for i in range(len(prompts)):
             finish.setdefault(i, "cancelled")
         metrics = {
-            "prompt_tokens": stats.prompt_tokens,
+            # Every prompt token, as generate counts them: mlx-lm's count leaves out each prompt's last
+            # token, which it runs in the first generation step.
+            "prompt_tokens": sum(len(p) for p in prompts),
             "generation_tokens": stats.generation_tokens,
             "prompt_time": stats.prompt_time,
             "generation_time": stats.generation_time,
@@ -415,7 +433,7 @@ class Engine:
         """One prefill per prompt, batched, and the token sampled after it (with its raw logits if asked)."""
         mx.reset_peak_memory()
         if not prompts:
-            return [], {"prompt_tokens": 0, "generation_tokens": 0, **self._memory()}
+            return [], self._no_work()
         encoded = []
         for i, prompt in enumerate(prompts):
             try:
@@ -452,7 +470,7 @@ class Engine:
             except CommandError as e:
                 results[i].update(finish_reason="error", error=str(e))
         if not runnable or opts["max_tokens"] == 0:
-            return results, {"prompt_tokens": 0, "generation_tokens": 0, **self._memory()}
+            return results, self._no_work()
         stops = [[t] for t in sorted(set(self.tokenizer.eos_token_ids) | set(opts["stop_tokens"]))]
         steps, finish, metrics = self._run_batch(encoded, opts, opts["max_tokens"], stops, cancelled)
         for j, i in enumerate(runnable):
@@ -461,6 +479,10 @@ class Engine:
             if reason == "stop":  # the stop token itself is not part of the answer
                 ids = ids[:-1]
             results[i].update(tokens=self._pieces(ids), finish_reason=reason)
+        # The tokens answered, as generate counts them: mlx-lm's count takes in each row's stop token.
+        count = sum(len(results[i]["tokens"]) for i in runnable)
+        time_spent = metrics["generation_time"]
+        metrics.update(generation_tokens=count, generation_tps=count / time_spent if time_spent > 0 else 0.0)
         return results, metrics
 
     def _pieces(self, ids: list[int]) -> list[Event]:

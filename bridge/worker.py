@@ -167,8 +167,10 @@ class Worker:
         except ImportError as e:
             raise P.CommandError("load_failed", f"mlx-lm cannot be imported in {sys.executable}: {e}") from e
         self.engine = None  # free the old model before loading the new one
-        self.engine = Engine(a["path"], a["adapter_path"], a["context_len"], a["device"])
-        return P.result("load", request.id, **self.engine.describe())
+        engine = Engine(a["path"], a["adapter_path"], a["context_len"], a["device"])
+        reply = P.result("load", request.id, **engine.describe())
+        self.engine = engine  # only now: a load that cannot describe its model fails and leaves none
+        return reply
 
     def info(self, request: P.Request, seq: int) -> dict[str, Any]:
         return P.result("info", request.id, **self._engine().describe())
@@ -226,11 +228,24 @@ class Worker:
         return P.result("inspect_attention", request.id, **engine.inspect_attention(tokens, a["include_queries"]))
 
 
+def _positive_int(text: str) -> int:
+    # 0 would refuse every line, and a negative limit made the reader see end of input at once.
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m pymlxc.bridge", description="mlx-lm over JSON Lines on stdin/stdout"
     )
-    parser.add_argument("--max-line-bytes", type=int, default=P.MAX_LINE_BYTES, help="longest request line accepted")
+    parser.add_argument(
+        "--max-line-bytes", type=_positive_int, default=P.MAX_LINE_BYTES, help="longest request line accepted"
+    )
     args = parser.parse_args(argv)
     writer = LineWriter(claim_stdout())
     worker = Worker(writer)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -101,3 +102,52 @@ def test_a_real_tokenizer_streams_what_it_decodes(tiny_model: Path) -> None:
         joined = "".join(text.add(i) for i in window) + text.finish()
         full = tokenizer.decode(window)
         assert joined == (full[1:] if full.startswith(" ") else full), window
+
+
+# SentencePiece-style words of a tokenizer whose decoder (Metaspace) has no byte table, so the worker
+# decodes a window of ids; with clean_up_tokenization_spaces the decode rewrites " ." as "." and so on.
+METASPACE_WORDS = ["\u2581it", "\u2581'", "s", "\u2581more", "\u2581", ".", "\n", "\u2581Hello", "\u2581,", ",",
+                   "n't", "\u2581n't", "'s", "\u2581's", "\u2581?", "!", "'", "\u2581 "]
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["cleans-spaces", "keeps-spaces"])
+def metaspace_tokenizer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> object:
+    from mlx_lm.utils import load_tokenizer
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(METASPACE_WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    path = tmp_path_factory.mktemp("metaspace")
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        clean_up_tokenization_spaces=request.param,
+    ).save_pretrained(path)
+    tokenizer = load_tokenizer(path)
+    assert type(tokenizer.detokenizer).__name__ == "NaiveStreamingDetokenizer"
+    return tokenizer
+
+
+def test_a_rewriting_decoder_does_not_swallow_the_rest_of_the_stream(metaspace_tokenizer: Any) -> None:
+    """ "Hello" "▁" "." decodes to "Hello " and then, spaces cleaned, "Hello.": the stream once waited
+    for "Hello " to come back, and every later piece and the tail were "" (the text after it lost)."""
+    ids = [METASPACE_WORDS.index(w) + 3 for w in ("\u2581Hello", "\u2581", ".", "\u2581more", "\n", "\u2581it")]
+    text = TokenBytes(metaspace_tokenizer.detokenizer, metaspace_tokenizer.decode).stream()
+    joined = "".join(text.add(i) for i in ids) + text.finish()
+    assert joined == ("Hello. more\nit" if metaspace_tokenizer.clean_up_tokenization_spaces else "Hello . more\nit")
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(st.integers(3, 2 + len(METASPACE_WORDS)), max_size=12))
+def test_a_decoded_window_streams_what_mlx_lm_streams(metaspace_tokenizer: Any, ids: list[int]) -> None:
+    text = TokenBytes(metaspace_tokenizer.detokenizer, metaspace_tokenizer.decode).stream()
+    joined = "".join(text.add(i) for i in ids) + text.finish()
+    reference = metaspace_tokenizer.detokenizer  # a fresh one per use
+    segments = []
+    for i in ids:
+        reference.add_token(i)
+        segments.append(reference.last_segment)
+    reference.finalize()
+    assert joined == "".join(segments) + reference.last_segment

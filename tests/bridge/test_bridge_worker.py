@@ -356,3 +356,56 @@ def test_classify_logits_are_raw_logits_of_the_prompt_alone(loaded_worker: RawWo
     lse = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
     assert np.all(np.abs(lse) > 1e-3)
     assert [r["token_id"] for r in both] == list(logits.argmax(1))
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "many"])
+def test_a_max_line_bytes_below_one_is_refused_naming_the_option(value: str) -> None:
+    """-1 once made the reader see end of input at once (the worker answered nothing and exited 0);
+    0 refused every line."""
+    done = subprocess.run(
+        [sys.executable, str(BRIDGE_DIR), "--max-line-bytes", value],
+        input=b'{"cmd":"quit","id":"q"}\n', capture_output=True, timeout=60,
+    )
+    assert done.returncode == 2 and done.stdout == b""
+    assert b"--max-line-bytes" in done.stderr and value.encode() in done.stderr
+
+
+def test_batches_count_every_prompt_token_as_generate_does(loaded_worker: RawWorker) -> None:
+    """mlx-lm's BatchGenerator counts prefill tokens, leaving out each prompt's last: "ab" once
+    counted one token in classify and two in generate."""
+    prompts = ["ab", "The baker counted", "x"]
+    alone = [loaded_worker.request(cmd="generate", id="g", prompt=p, max_tokens=0)["prompt_tokens"] for p in prompts]
+    for cmd in ("classify", "batch_generate"):
+        reply = loaded_worker.request(cmd=cmd, id=cmd, prompts=prompts, max_tokens=2)
+        assert reply["type"] == "result" and reply["prompt_tokens"] == sum(alone), reply
+
+
+def test_a_batch_that_runs_nothing_has_every_metric(loaded_worker: RawWorker) -> None:
+    keys = set(loaded_worker.request(cmd="classify", id="k", prompts=["a"]))
+    for request in ({"cmd": "classify", "prompts": []}, {"cmd": "batch_generate", "prompts": ["a"], "max_tokens": 0}):
+        assert set(loaded_worker.request(id="e", **request)) == keys, request
+
+
+@pytest.mark.parametrize("eos", ["x", [2, None], [True]])
+def test_a_model_whose_eos_ids_are_not_integers_fails_to_load_and_leaves_no_model(
+    start_worker: Any, tiny_model: Path, tmp_path: Path, eos: Any
+) -> None:
+    """generation_config.json's eos_token_id reaches mlx-lm unchecked ("x" became the id "x"): the load
+    was answered `failed` while the model stayed loaded, and every later `info` failed too."""
+    model = _edited_copy(tiny_model, tmp_path / "eos", "generation_config.json",
+                         lambda config: config.update(eos_token_id=eos))
+    worker = start_worker()
+    reply = worker.request(cmd="load", id="L", path=str(model))
+    assert reply["error"] == "load_failed" and "EOS token ids that are not integers" in reply["message"], reply
+    assert worker.request(cmd="info", id="i")["error"] == "no_model"
+
+
+def test_device_gpu_without_a_gpu_backend_is_refused_naming_it(start_worker: Any, tiny_model: Path) -> None:
+    """It used to load on the CPU without a word."""
+    mx = pytest.importorskip("mlx.core")
+    if mx.is_available(mx.gpu):
+        pytest.skip("this mlx has a GPU backend")
+    worker = start_worker()
+    reply = worker.request(cmd="load", id="L", path=str(tiny_model), device="gpu")
+    assert reply["error"] == "load_failed" and "device 'gpu' is not available" in reply["message"], reply
+    assert worker.request(cmd="load", id="L2", path=str(tiny_model), device="cpu")["type"] == "result"

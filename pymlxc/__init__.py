@@ -22,7 +22,16 @@ from .model import Backend, GenerationCancelled, ModelClosedError, TextModel
 from .options import GenerateConfig, LoadConfig
 from .registry import BackendUnavailableError, default_backend, get, list_backends, load_model, register
 from .training import LoRAAdapter, LoRAConfig, TrainableModel, TrainConfig, train
-from .types import AttentionSnapshot, BatchResult, ClassifyResult, GenerateMetrics, Message, ModelInfo, Token
+from .types import (
+    AttentionSnapshot,
+    BatchResult,
+    ClassifyResult,
+    GenerateMetrics,
+    Message,
+    ModelInfo,
+    TemplateError,
+    Token,
+)
 
 __version__ = "0.1.0"
 
@@ -46,7 +55,7 @@ __all__ = [
     "core", "MLXError", "discover", "DiscoveredModel", "Backend", "TextModel", "GenerationCancelled",
     "ModelClosedError", "GenerateConfig", "LoadConfig", "BackendUnavailableError", "default_backend", "get",
     "list_backends", "load_model", "register", "AttentionSnapshot", "BatchResult", "ClassifyResult", "GenerateMetrics",
-    "Message",
+    "Message", "TemplateError",
     "ModelInfo", "Token", "clear_cache", "get_active_memory", "get_cache_memory", "get_peak_memory",
     "reset_peak_memory", "set_cache_limit", "set_memory_limit", "set_wired_limit",
     "training", "train", "LoRAConfig", "LoRAAdapter", "TrainConfig", "TrainableModel",

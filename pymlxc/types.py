@@ -5,6 +5,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+class TemplateError(ValueError):
+    """A model's chat template could not render the messages (it raised, e.g. on a role it does not
+    take, or it is broken, missing, or went past its bounds): the same class on every backend."""
+
+
 @dataclass(frozen=True)
 class Token:
     """One generated token: its id and its text piece (pieces concatenate to the full decode)."""

@@ -11,12 +11,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import pymlxc
 from pymlxc.backends.mlx_lm import MlxLmBackend
 from pymlxc.model import GenerationCancelled, ModelClosedError, TextModel
 from pymlxc.options import LoadConfig
 from pymlxc.testing import write_tiny_model
+from pymlxc.types import BatchResult, TemplateError
 from tests.streams import LONG, cancel_after
 
 BACKENDS = ("metal", "mlx_lm")
@@ -84,6 +87,24 @@ BAD_CALLS: list[tuple[str, Callable[[TextModel], Any], type[Exception], str]] = 
     ("a bool id to decode", lambda m: m.decode([True]), TypeError, "^token 0 must be an int, not bool"),
     ("a str to decode", lambda m: m.decode("12"), TypeError, "^ids must be a sequence of token ids"),
     ("None to decode", lambda m: m.decode(None), TypeError, "^ids must be a sequence of token ids .*NoneType"),
+    # The mlx_lm backend said TypeError for no messages; the metal backend ValueError (a wrong value).
+    ("no messages", lambda m: m.chat([]), ValueError, "^chat needs at least one message"),
+    ("no messages to count", lambda m: m.prompt_length([]), ValueError, "^chat needs at least one message"),
+    # The metal backend took any iterable: a set or a dict's keys in an order the caller did not
+    # choose, and an empty iterator (truthy) answered [] silently.
+    ("a set of prompts", lambda m: m.classify({"a", "b"}), TypeError, "^prompts must be a sequence of str.*set"),
+    ("a dict of prompts", lambda m: m.batch_generate({"a": 1}), TypeError, "^prompts must be a sequence .*dict"),
+    ("an empty iterator of prompts", lambda m: m.batch_generate(iter([])), TypeError, "^prompts must be a sequence"),
+    ("a number among the prompts", lambda m: m.classify(["a", 5]), TypeError, "^prompts item 1 must be a str"),
+    ("an empty prompt among the prompts", lambda m: m.batch_generate(["a", ""]), ValueError,
+     "^prompts item 1 is empty"),
+    # The mlx_lm backend answered for an empty prompt (the BOS token alone), said TypeError for a
+    # negative id, and "'int' object is not iterable" for a number.
+    ("an empty prompt to inspect", lambda m: m.inspect_attention(""), ValueError, "empty"),
+    ("no ids to inspect", lambda m: m.inspect_attention([]), ValueError, "no token ids|encodes to no tokens"),
+    ("a negative id to inspect", lambda m: m.inspect_attention([5, -1]), ValueError, "-1"),
+    ("an id past the vocabulary to inspect", lambda m: m.inspect_attention([10**6]), ValueError, "1000000"),
+    ("a number to inspect", lambda m: m.inspect_attention(5), TypeError, "^prompt must be .*not int"),
 ]
 
 
@@ -214,3 +235,97 @@ def test_chat_template_kwargs_that_the_call_passes_itself_raise_naming_the_key(m
     with pytest.raises(ValueError, match=f"'{name}' is set by the chat call"):
         model.chat([{"role": "user", "content": "hi"}], chat_template_kwargs={name: False})
     assert len(list(model.chat([{"role": "user", "content": "hi"}], max_tokens=2))) == 2
+
+
+def test_encode_takes_add_special_tokens_on_both_backends(loaded: dict[str, TextModel]) -> None:
+    # The metal backend's encode had no add_special_tokens (a TypeError where mlx_lm's answered).
+    seen = {name: (m.encode("The baker"), m.encode("The baker", add_special_tokens=False))
+            for name, m in loaded.items()}
+    assert seen["metal"] == seen["mlx_lm"]
+    with_bos, plain = seen["metal"]
+    assert with_bos[1:] == plain and len(with_bos) == len(plain) + 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_model_call_after_close_raises_model_closed_error(backend: str, tiny: Path) -> None:
+    m = _load(backend, tiny)
+    m.close()
+    m.close()  # idempotent
+    calls: list[Callable[[], Any]] = [
+        lambda: m.generate("x"), lambda: m.chat([{"role": "user", "content": "x"}]), lambda: m.classify(["x"]),
+        lambda: m.batch_generate(["x"]), lambda: m.prompt_length("x"), lambda: m.inspect_attention("x"),
+        # The metal backend's encode and decode still answered from the tokenizer after close().
+        lambda: m.encode("x"), lambda: m.decode([1]),
+    ]
+    for call in calls:
+        with pytest.raises(ModelClosedError):
+            call()
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=12),
+       max_tokens=st.integers(0, 5))
+def test_greedy_ids_and_usage_counts_agree_across_backends(loaded: dict[str, TextModel], prompt: str,
+                                                           max_tokens: int) -> None:
+    # Each call's metrics answer for it: after max_tokens=0 the metal backend's still held the
+    # previous call's counts (here, the warm-up's 7 generated tokens).
+    seen = {}
+    for name, m in loaded.items():
+        list(m.generate("warm up", max_tokens=7))
+        ids = [t.id for t in m.generate(prompt, max_tokens=max_tokens)]
+        assert m.err() is None, name
+        seen[name] = (ids, m.metrics().prompt_tokens, m.metrics().generated_tokens)
+    assert seen["metal"] == seen["mlx_lm"]
+    ids, prompt_tokens, generated = seen["metal"]
+    assert prompt_tokens == len(loaded["metal"].encode(prompt)) and generated == len(ids) <= max_tokens
+
+
+def test_a_batch_of_no_tokens_reports_its_own_metrics_on_metal(loaded: dict[str, TextModel]) -> None:
+    m = loaded["metal"]
+    list(m.generate("warm up", max_tokens=7))
+    assert m.batch_generate(["a", "The baker"], max_tokens=0) == [BatchResult(), BatchResult()]
+    assert (m.metrics().prompt_tokens, m.metrics().generated_tokens) == (5, 0)
+
+
+def test_batch_usage_counts_agree_across_backends(loaded: dict[str, TextModel]) -> None:
+    stop = [t.id for t in loaded["metal"].generate("The baker", max_tokens=3)][2]
+    counts = {}
+    for name, m in loaded.items():
+        m.batch_generate(["a", "The baker"], max_tokens=3, stop_tokens=[stop])
+        counts[name] = (m.metrics().prompt_tokens, m.metrics().generated_tokens)
+        m.classify(["a", "The baker"])
+        counts[name] += (m.metrics().prompt_tokens,)
+    assert counts["mlx_lm"] == counts["metal"]
+
+
+# Refuses any role but user and assistant, as many chat templates do (raise_exception).
+STRICT_TEMPLATE = ("{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+                   "{{ raise_exception('roles must be user or assistant, not ' + m['role']) }}{% endif %}"
+                   "{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+                   "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def strict_template_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, TextModel]]:
+    path = write_tiny_model(tmp_path_factory.mktemp("contract") / "strict", "llama", seed=3,
+                            chat_template=STRICT_TEMPLATE)
+    models = {b: _load(b, path) for b in BACKENDS}
+    yield models
+    for m in models.values():
+        m.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_template_that_refuses_the_messages_raises_template_error(strict_template_models: dict[str, TextModel],
+                                                                 backend: str) -> None:
+    # The mlx_lm backend raised WorkerReplyError, a RuntimeError: the server, which counts the
+    # prompt first and answers 400 for a ValueError, answered 500 for a caller's wrong role.
+    m = strict_template_models[backend]
+    bad = [{"role": "system", "content": "hi"}]
+    with pytest.raises(TemplateError, match="roles must be user or assistant, not system"):
+        m.prompt_length(bad)
+    with pytest.raises(TemplateError, match="roles must be user or assistant, not system"):
+        list(m.chat(bad, max_tokens=2))  # metal: at the call; mlx_lm: from the stream, where it renders
+    good = [{"role": "user", "content": "hi"}]
+    assert len(list(m.chat(good, max_tokens=2))) == 2 and m.err() is None
+    assert m.prompt_length(good) == strict_template_models["metal"].prompt_length(good)

@@ -33,7 +33,7 @@ from jinja2.ext import Extension
 from jinja2.runtime import Undefined
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from pymlxc.types import Message
+from pymlxc.types import Message, TemplateError
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -47,7 +47,7 @@ MAX_INT_BITS = 1 << 16  # integers the template computes (powers, products)
 MAX_INDENT = 64  # tojson's indent, in spaces or characters
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(TemplateError):
     """The chat template failed (it called `raise_exception`, is not valid Jinja, or went past the
     bounds of a render: `RENDER_SECONDS`, `MAX_CHARS`, `MAX_INT_BITS`)."""
 

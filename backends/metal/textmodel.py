@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import numbers
 import os
 import threading
 import time
@@ -201,10 +202,15 @@ class MetalTextModel(TrainableMixin):
         """The KV caches kept from earlier calls (`resize(entries, bytes)`, `clear()`, `entries()`)."""
         return self._prompt_cache
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text)  # which names a `text` that is no str
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` (with the tokenizer's own specials, BOS say, unless told not to), as
+        the mlx_lm backend's `encode` takes it."""
+        self._check_open()  # the tokenizer outlives close(), but the model's calls do not (TextModel)
+        # The tokenizer's encode names a `text` that is no str.
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: Sequence[int]) -> str:
+        self._check_open()
         checked = check_decode_ids(ids)
         vocab = self._info.vocab_size
         for n, token in enumerate(checked):
@@ -272,6 +278,8 @@ class MetalTextModel(TrainableMixin):
         options = self._begin(config)
         rows_in = self._encode_prompts(prompts)
         if options.max_tokens == 0:
+            # This call's metrics (its prompt, nothing generated), not the previous call's.
+            self._finish(loops.Timings(prompt_tokens=sum(len(r) for r in rows_in)))
             return [BatchResult() for _ in rows_in]
         guard = loops.Guard.make(options.cancel, options.timeout, self._is_closed)
         scheduler = self.scheduler()
@@ -389,16 +397,17 @@ class MetalTextModel(TrainableMixin):
 
         self._begin({})
         model = self._model
-        ids = self._prefix_ids(prompt)
+        ids = self._prefix_ids(prompt, "prompt")
         with self._slot(loops.Guard.make(None, None, self._is_closed)), self._step(), self._on_device():
             return inspect_attention(model, ids, architecture=self._model_type, include_queries=include_queries,
                                      context_len=self._context_len)
 
-    def _prefix_ids(self, prefix: str | Sequence[Any]) -> list[int]:
+    def _prefix_ids(self, prefix: str | Sequence[Any], what: str = "prefix") -> list[int]:
+        """`prefix` (the argument named `what`) as token ids."""
         if isinstance(prefix, str):
-            return self._encode_prompt(prefix)
+            return self._encode_prompt(prefix, f"the {what}")
         if isinstance(prefix, (bytes, bytearray, Mapping)) or not isinstance(prefix, Iterable):
-            raise TypeError(f"prefix must be text, token ids, or chat messages, not {type(prefix).__name__}")
+            raise TypeError(f"{what} must be text, token ids, or chat messages, not {type(prefix).__name__}")
         items = list(prefix)
         if items and all(isinstance(m, (Message, dict)) for m in items):
             from .chat_template import render_chat
@@ -406,10 +415,10 @@ class MetalTextModel(TrainableMixin):
             self._check_messages(items)
             text = render_chat(items, self._tokenizer, add_generation_prompt=False)
             ids = self._tokenizer.encode(text, add_special_tokens=False)
-        elif all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-            ids = [int(t) for t in items]
+        elif all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in items):
+            ids = [int(t) for t in items]  # numpy's integers too, as `decode` and the mlx_lm backend take them
         else:
-            raise TypeError("prefix must be text, token ids, or chat messages, not a mix or other items")
+            raise TypeError(f"{what} must be text, token ids, or chat messages, not a mix or other items")
         self._check_ids(ids)
         return ids
 
@@ -559,22 +568,26 @@ class MetalTextModel(TrainableMixin):
                 if isinstance(value, str):
                     check_text(value, f"message {n}'s {key}")
 
-    def _encode_prompt(self, prompt: str) -> list[int]:
+    def _encode_prompt(self, prompt: str, what: str = "the prompt") -> list[int]:
         if not isinstance(prompt, str):
-            raise TypeError(f"the prompt must be a str, not {type(prompt).__name__}")
+            raise TypeError(f"{what} must be a str, not {type(prompt).__name__}")
         if not prompt:
-            raise ValueError("the prompt is empty")
-        check_text(prompt, "the prompt")
+            raise ValueError(f"{what} is empty")
+        check_text(prompt, what)
         ids = self._tokenizer.encode(prompt)
         self._check_ids(ids)
         return ids
 
     def _encode_prompts(self, prompts: Sequence[str]) -> list[list[int]]:
-        if isinstance(prompts, str):
-            raise TypeError("prompts must be a sequence of str, not one str")
+        # A sequence, as the mlx_lm backend takes it: results come back in its order. A set or a
+        # dict's keys have an order the caller did not choose, and an empty iterator is truthy, so
+        # it passed the check below and answered [] silently.
+        if isinstance(prompts, (str, bytes, Mapping)) or not isinstance(prompts, Sequence):
+            what = "one str" if isinstance(prompts, str) else type(prompts).__name__
+            raise TypeError(f"prompts must be a sequence of str, not {what}")
         if not prompts:
             raise ValueError("no prompts given")
-        return [self._encode_prompt(p) for p in prompts]
+        return [self._encode_prompt(p, f"prompts item {i}") for i, p in enumerate(prompts)]
 
     @staticmethod
     def _sampler(options: GenerateConfig) -> Sampler:
@@ -639,6 +652,8 @@ class MetalTextModel(TrainableMixin):
         # `model` is taken when the call is made: a close() racing with the stream's start then
         # ends the stream (ModelClosedError in err()) at its first step, before `model` is used.
         if options.max_tokens == 0:
+            # Nothing runs, but metrics() answers for this call (as on the mlx_lm backend).
+            self._finish(loops.Timings(prompt_tokens=len(ids)))
             return iter(())
         owner = threading.get_ident()
         return self._reporting(self._token_stream(model, ids, options, guard), owner)

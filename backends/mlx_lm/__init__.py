@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .backend import PYTHON_ENV, MlxLmBackend, probe
-from .errors import WorkerBadRequest, WorkerDied, WorkerError, WorkerReplyError, WorkerTimeout
+from .errors import WorkerBadRequest, WorkerDied, WorkerError, WorkerReplyError, WorkerTemplateError, WorkerTimeout
 from .textmodel import MlxLmModel
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "WorkerDied",
     "WorkerError",
     "WorkerReplyError",
+    "WorkerTemplateError",
     "WorkerTimeout",
     "probe",
     "register_backend",

@@ -1,6 +1,8 @@
 """What can go wrong between the client and its worker, as exception classes."""
 from __future__ import annotations
 
+from pymlxc.types import TemplateError
+
 
 class WorkerError(RuntimeError):
     """The worker failed as a process: it could not start, died, stopped answering, or broke the protocol."""
@@ -27,6 +29,25 @@ class WorkerBadRequest(WorkerReplyError, ValueError):
     (e.g. a token id outside the embedding, an option out of range)."""
 
 
-def reply_error(code: str, message: str) -> WorkerReplyError:
-    """The exception for an `error` reply: WorkerBadRequest for a refused field, else WorkerReplyError."""
-    return (WorkerBadRequest if code == "bad_field" else WorkerReplyError)(code, message)
+class WorkerTemplateError(WorkerReplyError, TemplateError):
+    """The model's chat template could not render the messages (it raised, e.g. on a role it does
+    not take, or it is broken or missing): a ValueError, as the metal backend's ChatTemplateError."""
+
+
+# How the worker names (`f"{type(e).__name__}: {e}"`) what jinja2 raises inside mlx-lm's
+# apply_chat_template: the template's own raise_exception() gives a TemplateError.
+_JINJA_ERRORS = ("TemplateError", "TemplateSyntaxError", "TemplateAssertionError", "TemplateRuntimeError",
+                 "TemplateNotFound", "UndefinedError", "SecurityError")
+
+
+def reply_error(code: str, message: str, cmd: str | None = None, *, rendering_only: bool = False) -> WorkerReplyError:
+    """The exception for an `error` reply to `cmd`: WorkerBadRequest for a refused field,
+    WorkerTemplateError for a chat template that failed, else WorkerReplyError. `rendering_only`:
+    the request did nothing but render and encode (a chat of no tokens), so any failure is the
+    template's."""
+    if code == "bad_field":
+        return WorkerBadRequest(code, message)
+    if cmd == "chat" and (code == "no_chat_template" or (code == "failed" and (
+            rendering_only or message.partition(":")[0] in _JINJA_ERRORS))):
+        return WorkerTemplateError(code, message)
+    return WorkerReplyError(code, message)

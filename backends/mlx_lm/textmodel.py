@@ -23,7 +23,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -106,8 +106,11 @@ def _prompts(values: Sequence[str]) -> list[str]:
 
 
 def _messages(messages: Sequence[Message | Mapping[str, str]]) -> list[dict[str, str]]:
-    if isinstance(messages, (str, Mapping)) or not isinstance(messages, Sequence) or not messages:
-        raise TypeError("messages must be a non-empty sequence of Message or {'role', 'content'} dicts")
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+        raise TypeError("messages must be a sequence of Message or {'role', 'content'} dicts, "
+                        f"not {type(messages).__name__}")
+    if not messages:  # a wrong value, not a wrong type: ValueError, as on the metal backend
+        raise ValueError("chat needs at least one message")
     out = []
     for i, m in enumerate(messages):
         d = m.to_dict() if isinstance(m, Message) else m
@@ -447,7 +450,9 @@ class MlxLmModel:
                 if line["type"] == "error":
                     if line.get("error") == "cancelled" and stopped:
                         raise stopped[0]
-                    raise reply_error(str(line.get("error")), str(line.get("message")))
+                    # A chat of no tokens (prompt_length) only renders: its failure is the template's.
+                    raise reply_error(str(line.get("error")), str(line.get("message")), cmd,
+                                      rendering_only=config.max_tokens == 0)
                 if line["type"] in ("result", "done"):  # done: a generation asked for no tokens
                     return line, (stopped[0] if stopped else None)
             if stopped:
@@ -499,7 +504,7 @@ class MlxLmModel:
                         )
                 elif kind == "error":
                     ended = True
-                    raise reply_error(str(line.get("error")), str(line.get("message")))
+                    raise reply_error(str(line.get("error")), str(line.get("message")), cmd)
             if not ended and stopped:  # the worker did not answer the cancel in time
                 self._fail(stopped[0])
         except (GenerationCancelled, ModelClosedError) as e:
@@ -549,12 +554,18 @@ class MlxLmModel:
     def inspect_attention(self, prompt: str | Sequence[int], include_queries: bool = False) -> AttentionSnapshot:
         """Keys (after RoPE) of every layer and KV head for `prompt` (text, encoded as `generate`
         encodes it, or token ids), and every head's queries when asked, computed by mlx-lm."""
+        args: dict[str, Any]
         if isinstance(prompt, str):
-            args: dict[str, Any] = {"prompt": prompt}
+            # Checked as generate checks it: an empty prompt used to answer for the BOS token alone.
+            args = {"prompt": _prompt(prompt)}
         else:
-            tokens = list(prompt)
-            if not tokens or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
-                raise TypeError("prompt must be a string or a non-empty sequence of non-negative token ids")
+            if isinstance(prompt, (bytes, bytearray, Mapping)) or not isinstance(prompt, Iterable):
+                raise TypeError(f"prompt must be a str or a sequence of token ids, not {type(prompt).__name__}")
+            # Ints, not bools or floats; an id outside the vocabulary (a negative one too) is the
+            # worker's check, a WorkerBadRequest: a ValueError, as on the metal backend.
+            tokens = check_decode_ids(prompt)
+            if not tokens:
+                raise ValueError("prompt has no token ids")
             args = {"tokens": tokens}
         self._begin()
         if self.protocol < 2:

@@ -23,7 +23,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from .detokenize import TokenBytes
-from .protocol import CommandError
+from .protocol import CommandError, context_problem
 
 Event = dict[str, Any]
 # The device mlx chose at start: what `device` null or "default" returns to after a load asked for "cpu".
@@ -181,6 +181,14 @@ class Engine:
             "mlx_lm_version": mlx_lm.__version__,
         }
 
+    def inspect_limit(self) -> int | None:
+        """The longest prompt `inspect_attention` takes: the load's context_len (as generation's
+        max_kv_size), else the model's max_position_embeddings; None where neither is known."""
+        if self.context_len is not None:
+            return self.context_len
+        positions = _config_value(self.config, "max_position_embeddings")
+        return positions if isinstance(positions, int) and not isinstance(positions, bool) and positions > 0 else None
+
     def recover(self) -> None:
         """Undo what a failed command may leave behind. An exception inside one of mlx-lm's compiled
         samplers leaves mlx's global random state a placeholder that makes every later sample fail;
@@ -313,6 +321,9 @@ class Engine:
     def inspect_attention(self, tokens: list[int], include_queries: bool) -> dict[str, Any]:
         """Keys (after RoPE) of every layer from fresh caches after one forward pass of `tokens`, and
         the queries recorded at each attention call when asked; arrays as base64 float32 LE."""
+        problem = context_problem(len(tokens), self.inspect_limit())
+        if problem is not None:  # before the pass: its attention memory grows with len(tokens) squared
+            raise CommandError("bad_field", f"inspect_attention: {problem}")
         cache = make_prompt_cache(self.model)
         queries: list[Any] = []
         with _recording_queries(queries if include_queries else None):

@@ -89,7 +89,9 @@ def _kind(value: Any) -> str:
         return "a string"
     if isinstance(value, list):
         return "an array"
-    return "an object"
+    if isinstance(value, dict):
+        return "an object"
+    return f"a {type(value).__name__}"  # not a JSON value: the library's checks see Python ones
 
 
 # ---- field checks --------------------------------------------------------------------------------
@@ -229,9 +231,36 @@ def template_name_problem(key: Any) -> str | None:
     return None
 
 
+# Variables with a meaning fixed by transformers' apply_chat_template (which mlx-lm calls), and so
+# by the templates written for it: what each item must be (a JSON object; transformers also takes a
+# Python function as a tool, but neither the wire nor pymlxc's render_chat converts one).
+LIST_TEMPLATE_VARIABLES = {"tools": "a tool's JSON schema", "documents": "a document's fields"}
+
+
+def template_value_problem(key: str, value: Any, kind: Callable[[Any], str] = _kind) -> str | None:
+    """Why `value` cannot be the template variable `key`, or None when it can (`kind` names a wrong
+    value's type). `tools` and `documents` are null or a list of objects: anything else failed
+    inside the template ("'int' object is not iterable") or rendered silently wrong (a string's
+    characters or a dict's keys as the tools)."""
+    item = LIST_TEMPLATE_VARIABLES.get(key)
+    if item is None or value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        return f"must be a list of objects ({item} each), not {kind(value)}"
+    for i, v in enumerate(value):
+        if not isinstance(v, dict):
+            return f"item {i} must be an object ({item}), not {kind(v)}"
+    return None
+
+
+class _PartError(ValueError):
+    """A field check's error about a part of the field: its message starts with that part (".tools ...")."""
+
+
 def check_template_kwargs(value: Any) -> dict[str, Any]:
     """Variables for a chat template: a mapping of at most MAX_TEMPLATE_KWARGS identifier keys
-    outside RESERVED_TEMPLATE_NAMES (values as they are; on the wire, JSON values)."""
+    outside RESERVED_TEMPLATE_NAMES (values as they are; on the wire, JSON values), `tools` and
+    `documents` as `template_value_problem` allows."""
     if not isinstance(value, Mapping):
         raise ValueError(f"must be an object of template variables, not {_kind(value)}")
     if len(value) > MAX_TEMPLATE_KWARGS:
@@ -240,7 +269,19 @@ def check_template_kwargs(value: Any) -> dict[str, Any]:
         problem = template_name_problem(key)
         if problem is not None:
             raise ValueError(f"key {problem}")
+        problem = template_value_problem(key, value[key])
+        if problem is not None:
+            raise _PartError(f".{key} {problem}")
     return dict(value)
+
+
+def context_problem(tokens: int, context_len: int | None) -> str | None:
+    """Why `inspect_attention` refuses a prompt of `tokens` ids, or None: it must fit the context the
+    model generates in (both backends), which also bounds the pass's memory (the worker's, one
+    unchunked pass, grows with the square of the length; a line can carry millions of ids)."""
+    if context_len is not None and tokens > context_len:
+        return f"the prompt has {tokens} tokens, more than the context length of {context_len}"
+    return None
 
 
 def _nonempty(check: Callable[[Any], list[Any]]) -> Callable[[Any], list[Any]]:
@@ -350,7 +391,8 @@ def parse_request(message: Mapping[str, Any]) -> Request:
         try:
             args[name] = spec.check(message[name])
         except ValueError as e:
-            raise ProtocolError("bad_field", f"{cmd}: {name} {e}") from None
+            where = name if isinstance(e, _PartError) else f"{name} "
+            raise ProtocolError("bad_field", f"{cmd}: {where}{e}") from None
     return Request(cmd, args, request_id(message))
 
 

@@ -24,6 +24,7 @@ from .bridge.protocol import (
     MIN_REPEAT_PENALTY,
     MIN_TEMPERATURE,
     template_name_problem,
+    template_value_problem,
 )
 from .settings import Settings, current
 
@@ -204,8 +205,8 @@ def make_config(cls: type[T], base: T | None = None, **options: Any) -> T:
 
 def check_template_kwargs(value: Mapping[str, Any] | None) -> dict[str, Any]:
     """`chat_template_kwargs` as a dict: identifier keys not starting with "_" nor named as the
-    chat call's own arguments (the rule of the worker's wire check, `bridge/protocol.py`, which
-    applies it to JSON it receives)."""
+    chat call's own arguments, `tools` and `documents` None or a list of dicts (the rules of the
+    worker's wire check, `bridge/protocol.py`, which applies them to JSON it receives)."""
     if value is None:
         return {}
     if not isinstance(value, Mapping):
@@ -214,4 +215,7 @@ def check_template_kwargs(value: Mapping[str, Any] | None) -> dict[str, Any]:
         problem = template_name_problem(key)
         if problem is not None:
             raise ValueError(f"chat_template_kwargs: {problem}")
+        problem = template_value_problem(key, value[key], lambda v: type(v).__name__)
+        if problem is not None:
+            raise ValueError(f"chat_template_kwargs.{key} {problem}")
     return dict(value)

@@ -105,6 +105,12 @@ BAD_CALLS: list[tuple[str, Callable[[TextModel], Any], type[Exception], str]] = 
     ("a negative id to inspect", lambda m: m.inspect_attention([5, -1]), ValueError, "-1"),
     ("an id past the vocabulary to inspect", lambda m: m.inspect_attention([10**6]), ValueError, "1000000"),
     ("a number to inspect", lambda m: m.inspect_attention(5), TypeError, "^prompt must be .*not int"),
+    # The worker ran one unchunked pass whatever the length (attention memory grows with its square:
+    # a line of millions of ids got it OOM-killed); the metal backend evicted past context_len.
+    ("ids past the context to inspect", lambda m: m.inspect_attention([1] * 1025), ValueError,
+     "^the prompt has 1025 tokens, more than the context length of 1024$"),
+    ("a text past the context to inspect", lambda m: m.inspect_attention("a b " * 600), ValueError,
+     r"the prompt has \d+ tokens, more than the context length of 1024"),
 ]
 
 
@@ -114,6 +120,12 @@ def test_bad_arguments_raise_at_the_call(model: TextModel, what: str, call: Call
     with pytest.raises(error, match=names):
         call(model)  # generate returns lazily: raising here proves the check is eager
     assert len(list(model.generate("x", max_tokens=2))) == 2 and model.err() is None  # and the model serves on
+
+
+def test_inspect_attention_takes_a_prompt_that_fills_the_context(loaded: dict[str, TextModel]) -> None:
+    snapshots = {name: m.inspect_attention([1] * 1024) for name, m in loaded.items()}
+    assert {s.seq_len for s in snapshots.values()} == {1024}
+    np.testing.assert_allclose(snapshots["metal"].keys[1][0], snapshots["mlx_lm"].keys[1][0], rtol=1e-3, atol=1e-3)
 
 
 def test_a_stream_that_finishes_leaves_err_none_and_a_cancelled_one_sets_it(model: TextModel) -> None:

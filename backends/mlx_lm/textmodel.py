@@ -566,6 +566,9 @@ class MlxLmModel:
             tokens = check_decode_ids(prompt)
             if not tokens:
                 raise ValueError("prompt has no token ids")
+            problem = P.context_problem(len(tokens), self.context_len)  # the worker's check, without the line
+            if problem is not None:
+                raise ValueError(problem)
             args = {"tokens": tokens}
         self._begin()
         if self.protocol < 2:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import base64
+import re
 from typing import Any
 
 import numpy as np
@@ -38,3 +39,22 @@ def test_inspect_attention_refusals(loaded_worker: Any) -> None:
     ):
         reply = loaded_worker.request(cmd="inspect_attention", id="r", **fields)
         assert reply["error"] == code, reply
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_the_pass(loaded_worker: Any, start_worker: Any,
+                                                                    tiny_model: Any) -> None:
+    # One unchunked pass, whose attention memory grows with the square of the length: a 16 MiB line
+    # of millions of ids got the worker OOM-killed. Loaded without context_len, the bound is the
+    # model's max_position_embeddings (4096 for the tiny model).
+    reply = loaded_worker.request(cmd="inspect_attention", id="long", tokens=[1] * 4097)
+    assert reply["type"] == "error" and reply["error"] == "bad_field", reply
+    assert reply["message"] == "inspect_attention: the prompt has 4097 tokens, more than the context length of 4096"
+    worker = start_worker()
+    assert worker.request(cmd="load", id="l", path=str(tiny_model), context_len=8)["type"] == "result"
+    for fields, n in (({"tokens": [1] * 9}, "9"), ({"prompt": "the " * 20}, r"\d+")):
+        reply = worker.request(cmd="inspect_attention", id="r", **fields)
+        assert reply["error"] == "bad_field", reply
+        assert re.fullmatch(f"inspect_attention: the prompt has {n} tokens, more than the context length of 8",
+                            reply["message"]), reply
+    reply = worker.request(cmd="inspect_attention", id="ok", tokens=[1] * 8)
+    assert reply["type"] == "result" and reply["seq_len"] == 8, reply

@@ -176,3 +176,43 @@ def test_replies_refuse_non_finite_numbers_and_check_their_type() -> None:
 def test_float32_subnormal_numbers_are_refused_naming_the_field(value: float) -> None:
     with pytest.raises(P.ProtocolError, match=r"top_p .*subnormal"):
         P.parse_request({"cmd": "generate", "prompt": "x", "top_p": abs(value)})
+
+
+def _chat_with(kwargs: Any) -> dict[str, Any]:
+    return {"cmd": "chat", "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": kwargs}
+
+
+template_lists = st.sampled_from(["tools", "documents"])
+json_dicts = st.dictionaries(st.text(), json_values, max_size=3)
+
+
+@given(template_lists, json_values.filter(lambda v: v is not None and not isinstance(v, list)))
+def test_tools_or_documents_not_an_array_are_refused_naming_the_variable(name: str, value: Any) -> None:
+    # They reached the template: mlx-lm's apply_chat_template failed ("'int' object is not iterable").
+    with pytest.raises(P.ProtocolError) as caught:
+        P.parse_request(P.decode(P.encode(_chat_with({name: value}))))
+    assert caught.value.code == "bad_field"
+    assert str(caught.value).startswith(f"chat: chat_template_kwargs.{name} must be a list of objects")
+
+
+@given(template_lists, st.lists(json_dicts, max_size=3), json_values.filter(lambda v: not isinstance(v, dict)),
+       st.data())
+def test_an_item_of_tools_or_documents_not_an_object_is_refused_naming_its_index(
+        name: str, items: list[Any], bad: Any, data: st.DataObject) -> None:
+    at = data.draw(st.integers(0, len(items)))
+    with pytest.raises(P.ProtocolError) as caught:
+        P.parse_request(_chat_with({name: [*items[:at], bad, *items[at:]]}))
+    assert caught.value.code == "bad_field"
+    assert str(caught.value).startswith(f"chat: chat_template_kwargs.{name} item {at} must be an object")
+
+
+@given(template_lists, st.none() | st.lists(json_dicts, max_size=3))
+def test_tools_or_documents_as_null_or_arrays_of_objects_pass(name: str, value: Any) -> None:
+    assert P.parse_request(_chat_with({name: value})).args["chat_template_kwargs"] == {name: value}
+
+
+@pytest.mark.parametrize("tokens, limit, refused", [(5, None, False), (5, 5, False), (6, 5, True), (10**7, 4096, True)])
+def test_context_problem_refuses_only_past_the_limit(tokens: int, limit: int | None, refused: bool) -> None:
+    problem = P.context_problem(tokens, limit)
+    assert (problem == f"the prompt has {tokens} tokens, more than the context length of {limit}") is refused
+    assert (problem is None) is not refused

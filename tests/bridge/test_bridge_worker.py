@@ -326,6 +326,27 @@ def test_ids_outside_the_embedding_are_refused_naming_the_id_and_its_rows(loaded
         assert "token id 600 is outside the vocabulary of 512 (the embedding's rows)" in reply["message"]
 
 
+@pytest.mark.parametrize("kwargs, names", [
+    ({"tools": 5}, "chat_template_kwargs.tools must be a list of objects (a tool's JSON schema each), not a number"),
+    ({"tools": "x"}, "chat_template_kwargs.tools must be a list of objects (a tool's JSON schema each), not a string"),
+    ({"documents": {"a": 1}}, "chat_template_kwargs.documents must be a list of objects (a document's fields each), "
+                              "not an object"),
+    ({"tools": [{"name": "f"}, 5]}, "chat_template_kwargs.tools item 1 must be an object (a tool's JSON schema), "
+                                    "not a number"),
+], ids=["tools 5", "tools str", "documents dict", "tools [{}, 5]"])
+def test_tools_or_documents_of_the_wrong_type_are_bad_field_not_a_failed_template(
+        loaded_worker: RawWorker, kwargs: dict[str, Any], names: str) -> None:
+    # They reached apply_chat_template: `failed` with "TypeError: 'int' object is not iterable".
+    messages = [{"role": "user", "content": "hi"}]
+    reply = loaded_worker.request(cmd="chat", id="t", messages=messages, max_tokens=1, chat_template_kwargs=kwargs)
+    assert reply["type"] == "error" and reply["error"] == "bad_field", reply
+    assert reply["message"] == f"chat: {names}"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    for fine in ({"tools": tools, "documents": [{"title": "t", "text": "x"}]}, {"tools": None, "documents": None}):
+        reply = loaded_worker.request(cmd="chat", id="t", messages=messages, max_tokens=1, chat_template_kwargs=fine)
+        assert reply["type"] == "done" and reply["generation_tokens"] == 1, reply
+
+
 def test_a_tokenizer_larger_than_the_embedding_is_refused_at_load(
     start_worker: Any, tiny_model: Path, tmp_path: Path
 ) -> None:

@@ -574,7 +574,9 @@ class MetalTextModel(TrainableMixin):
         if not prompt:
             raise ValueError(f"{what} is empty")
         check_text(prompt, what)
-        ids = self._tokenizer.encode(prompt)
+        # As mlx-lm's generate and server: no BOS added to a prompt that already starts with its text.
+        bos = self._tokenizer.bos_token
+        ids = self._tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
         self._check_ids(ids)
         return ids
 

@@ -316,6 +316,7 @@ def _load(root: Path, context_len: int, progress: Progress | None, settings: Set
         return load_gguf_weights(gguf_file, context_len=context_len, progress=progress, settings=settings,
                                  dtype=dtype)
     config = read_config(root)
+    quantization_of(config, root / "config.json")  # another format (GPTQ, AWQ) refused before any tensor is read
     raw, origin = read_weights(root)  # lazy: nothing is read before evaluation
     return build_model(config, raw, origin, source=root / "config.json", root=root, context_len=context_len,
                        progress=progress, settings=settings, distributed=distributed, dtype=cast)

@@ -9,6 +9,7 @@ generation). `Tokenizer` reads them all once and answers with plain Python value
 from __future__ import annotations
 
 import json
+import reprlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,10 @@ from pymlxc.files import TOKENIZER_LIMIT, check_directory, read_json, read_text
 # The named special tokens, in the order transformers passes them to chat templates.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _REPLACEMENT = "\ufffd"
+_repr = reprlib.Repr()
+_repr.maxstring = _repr.maxother = 60
+_repr.maxlevel = 2
+_show = _repr.repr
 
 
 class TokenizerLoadError(ValueError):
@@ -36,23 +41,29 @@ def _read_json(path: Path, *, required: bool) -> dict[str, Any] | None:
     return read_json(path, what="tokenizer file", error=TokenizerLoadError)
 
 
-def _token_text(value: Any) -> str | None:
-    # tokenizer_config.json stores a special token as a string or as a serialized AddedToken.
+def _token_text(value: Any, where: str | None = None) -> str | None:
+    """A special token, stored as a string or as a serialized AddedToken. Anything else is refused
+    naming `where` (special_tokens_map.json, as transformers refuses it), or with `where` None
+    ignored (tokenizer_config.json, as transformers 5 ignores it there)."""
     if isinstance(value, str):
         return value
     if isinstance(value, Mapping) and isinstance(content := value.get("content"), str):
         return content
+    if value is not None and where is not None:
+        raise TokenizerLoadError(f"{where}: expected a token (a string or an object with a string 'content'), "
+                                 f"got {_show(value)}")
     return None
 
 
-def _ids(value: Any) -> list[int]:
-    if isinstance(value, bool):
+def _ids(value: Any, where: str) -> list[int]:
+    """A token id or a list of them (null: none). Anything else ("2", true, [2, null]) is refused
+    naming `where`: ignored, a stop id would let generation run past its end."""
+    if value is None:
         return []
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, list):
-        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
-    return []
+    items = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in items):
+        raise TokenizerLoadError(f"{where}: expected a token id or a list of token ids, got {_show(value)}")
+    return items
 
 
 class Tokenizer:
@@ -98,6 +109,9 @@ class Tokenizer:
 
     def _configure(self, root: Path | None, tok_config: Mapping[str, Any], special_map: Mapping[str, Any],
                    config: Mapping[str, Any], gen_config: Mapping[str, Any]) -> None:
+        def where(file: str, field: str) -> str:  # the file and field an error names
+            return f"{root / file if root is not None else file}: {field}"
+
         nested = config.get("text_config")
         text_config: Mapping[str, Any] = nested if isinstance(nested, dict) else {}
 
@@ -107,26 +121,28 @@ class Tokenizer:
         # tokenizer_config.json wins; special_tokens_map.json only fills gaps.
         self.special_tokens: dict[str, str] = {}
         for name in SPECIAL_TOKEN_NAMES:
+            mapped = _token_text(special_map.get(name), where("special_tokens_map.json", name))
             text = _token_text(tok_config.get(name))
             if text is None:
-                text = _token_text(special_map.get(name))
+                text = mapped
             if text is not None:
                 self.special_tokens[name] = text
 
         bos_id = self.token_to_id(self.bos_token) if self.bos_token is not None else None
+        sources = ((config, "config.json", ""), (text_config, "config.json", "text_config."),
+                   (gen_config, "generation_config.json", ""))
+        ids = {key: [i for source, file, prefix in sources for i in _ids(source.get(key), where(file, prefix + key))]
+               for key in ("bos_token_id", "eos_token_id")}
         if bos_id is None:
-            bos_id = next(iter(_ids(config.get("bos_token_id")) + _ids(text_config.get("bos_token_id"))
-                               + _ids(gen_config.get("bos_token_id"))), None)
+            bos_id = next(iter(ids["bos_token_id"]), None)
         self.bos_token_id: int | None = bos_id
 
-        eos_ids: set[int] = set()
-        for source in (config, text_config, gen_config):
-            eos_ids.update(_ids(source.get("eos_token_id")))
+        eos_ids: set[int] = set(ids["eos_token_id"])
         if self.eos_token is not None and (eos_id := self.token_to_id(self.eos_token)) is not None:
             eos_ids.add(eos_id)
         self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
 
-        self._apply_bos_eos_flags(tok_config)
+        self._apply_bos_eos_flags(tok_config, where("tokenizer_config.json", ""))  # + the flag's name
 
         # SentencePiece-style byte fallback decodes a run of <0xNN> tokens all at once (as U+FFFD
         # per byte when the run is not valid UTF-8), so streaming must not cut inside a run.
@@ -142,20 +158,30 @@ class Tokenizer:
         if jinja_file is not None and jinja_file.exists():
             return read_text(jinja_file, what="chat template", error=TokenizerLoadError) or None
         template_json = _read_json(root / "chat_template.json", required=False) if root is not None else None
+        file = "chat_template.json" if template_json else "tokenizer_config.json"
         template = (template_json or tok_config).get("chat_template")
-        if isinstance(template, list):
+        # transformers fails on anything else only when the template is rendered (or, for a list of
+        # non-objects, as it loads): refused here, naming the file.
+        if isinstance(template, list) and all(
+                isinstance(t, Mapping) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+                for t in template):
             # Some checkpoints store named templates; "default" is the one for plain chat.
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
-            template = named.get("default")
-        return template if isinstance(template, str) and template else None
+            template = {t["name"]: t["template"] for t in template}.get("default")
+        elif template is not None and not isinstance(template, str):
+            raise TokenizerLoadError(f"{root / file if root is not None else file}: chat_template: expected a "
+                                     "string or a list of {'name', 'template'} strings, got " + _show(template))
+        return template or None
 
-    def _apply_bos_eos_flags(self, tok_config: Mapping[str, Any]) -> None:
+    def _apply_bos_eos_flags(self, tok_config: Mapping[str, Any], where: str) -> None:
         # The post-processor of tokenizer.json decides, as in transformers 5 (and so mlx-lm),
         # which ignores add_bos_token/add_eos_token whenever tokenizer.json exists. A tokenizer.json
         # without a post-processor gets one from those flags, as transformers 4 did: such files
         # come from converted SentencePiece models that rely on the flags for their BOS.
         if self._backend.post_processor is not None:
             return
+        for key in ("add_bos_token", "add_eos_token"):  # bool("false") is True: a BOS nobody asked for
+            if tok_config.get(key) is not None and not isinstance(tok_config[key], bool):
+                raise TokenizerLoadError(f"{where}{key}: expected true or false, got {_show(tok_config[key])}")
         if not tok_config.get("add_bos_token") and not tok_config.get("add_eos_token"):
             return
         add_bos = bool(tok_config.get("add_bos_token", False)) and self.bos_token_id is not None

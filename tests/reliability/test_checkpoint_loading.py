@@ -19,6 +19,8 @@ from safetensors.numpy import load_file, save_file
 
 from pymlxc.backends.metal import nn
 from pymlxc.backends.metal.loader import ConfigError, WeightsFileError, load_weights_and_config
+from pymlxc.backends.metal.tokenizer import Tokenizer, TokenizerLoadError
+from pymlxc.files import JSON_LIMIT, UnsafeFileError
 from pymlxc.testing import write_tiny_model
 
 from .subproc import run_case
@@ -228,3 +230,119 @@ def test_a_zero_that_would_divide_is_refused(tmp_path: Path, arch: str, field: s
     _edit_config(path, **{field: None})  # null: the default (eps), or no softcap
     with load_weights_and_config(path):
         pass
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_gptq_and_awq_checkpoints_are_refused_by_their_config(llama: Path, method: str) -> None:
+    """A GPTQ/AWQ quantization_config has bits (4) and group_size too, so it passed as MLX's and the
+    load failed later on the tensors it could not place (qweight, qzeros, scales)."""
+    weights = load_file(str(llama / "model.safetensors"))
+    layer = "model.layers.0.self_attn.q_proj"
+    out_dim, in_dim = weights.pop(f"{layer}.weight").shape
+    weights.update({f"{layer}.qweight": np.zeros((in_dim // 8, out_dim), np.int32),
+                    f"{layer}.qzeros": np.zeros((1, out_dim // 8), np.int32),
+                    f"{layer}.scales": np.ones((1, out_dim), np.float16)})
+    save_file(weights, str(llama / "model.safetensors"))
+    _edit_config(llama, quantization_config={"quant_method": method, "bits": 4, "group_size": 64, "sym": True})
+    with pytest.raises(ConfigError) as info:
+        load_weights_and_config(llama)
+    assert str(info.value) == (
+        f"{llama / 'config.json'}: quantization_config.quant_method: {method!r} checkpoints are not supported: "
+        "only MLX-quantized checkpoints (mlx-lm's 'quantization' entry: affine 'bits' and 'group_size') and "
+        "unquantized float16/bfloat16/float32 ones load; convert this one with mlx_lm.convert from its unquantized "
+        "original")
+
+
+@pytest.mark.parametrize("keys", [("quantization", "quantization_config"), ("quantization_config",),
+                                  ("quantization",)])
+def test_mlx_quantization_loads_under_either_key(tmp_path: Path, keys: tuple[str, ...]) -> None:
+    """mlx-lm writes its entry as `quantization` and again as `quantization_config` (no quant_method)."""
+    path = write_tiny_model(tmp_path / "q", "llama", quantize_bits=4, group_size=32)
+    config = json.loads((path / "config.json").read_text())
+    entry = config.pop("quantization", None) or config.pop("quantization_config")
+    config.pop("quantization_config", None)
+    config.update(dict.fromkeys(keys, entry))
+    (path / "config.json").write_text(json.dumps(config))
+    with load_weights_and_config(path) as loaded:
+        assert (loaded.quant_bits, loaded.quant_group) == (4, 32)
+
+
+# -- tokenizer files -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mistral_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("src") / "mistral", "mistral")  # has add_bos_token
+
+
+def _edit_json(file: Path, **changes: Any) -> None:
+    data = json.loads(file.read_text()) if file.exists() else {}
+    file.write_text(json.dumps({**data, **changes}))
+
+
+@pytest.mark.parametrize(("file", "field", "value", "want"), [
+    # were ignored: config.json's own eos id alone ended generation, or none did
+    ("config.json", "eos_token_id", "2", "a token id or a list of token ids"),
+    ("config.json", "eos_token_id", [2, None], "a token id or a list of token ids"),
+    ("config.json", "eos_token_id", True, "a token id or a list of token ids"),
+    ("config.json", "bos_token_id", -1, "a token id or a list of token ids"),
+    ("generation_config.json", "eos_token_id", "2", "a token id or a list of token ids"),
+    # transformers refuses it; it used to be ignored (tokenizer_config.json's bos_token won)
+    ("special_tokens_map.json", "bos_token", 5, "a token (a string or an object with a string 'content')"),
+    ("special_tokens_map.json", "eos_token", {"content": None}, "a token (a string or an object"),
+    # used to load without a template (chat then failed naming nothing); transformers fails rendering it
+    ("tokenizer_config.json", "chat_template", 5, "a string or a list of {'name', 'template'} strings"),
+    ("tokenizer_config.json", "chat_template", ["a", "b"], "a string or a list of {'name', 'template'} strings"),
+    ("tokenizer_config.json", "chat_template", [{"name": "default", "template": 5}], "a string or a list of"),
+    ("chat_template.json", "chat_template", {"default": "D"}, "a string or a list of"),
+])
+def test_a_tokenizer_field_of_the_wrong_type_is_named(mistral_source: Path, tmp_path: Path, file: str, field: str,
+                                                      value: Any, want: str) -> None:
+    path = Path(shutil.copytree(mistral_source, tmp_path / "m"))
+    _edit_json(path / file, **{field: value})
+    with pytest.raises(TokenizerLoadError) as info:
+        Tokenizer(path)
+    assert str(info.value).startswith(f"{path / file}: {field}: expected {want}"), str(info.value)
+
+
+@pytest.mark.parametrize("value", ["false", "true", 0, 1])
+def test_add_bos_token_must_be_a_bool_where_it_is_used(mistral_source: Path, tmp_path: Path, value: Any) -> None:
+    """Without a post-processor the flags build one: "false" (truthy) used to add a BOS. With one,
+    they are ignored, as in transformers 5, whatever they hold."""
+    path = Path(shutil.copytree(mistral_source, tmp_path / "m"))
+    _edit_json(path / "tokenizer_config.json", add_bos_token=value)
+    assert Tokenizer(path).encode("hi")[0] == 1  # the post-processor adds <s>
+    _edit_json(path / "tokenizer.json", post_processor=None)
+    with pytest.raises(TokenizerLoadError) as info:
+        Tokenizer(path)
+    assert str(info.value) == (f"{path / 'tokenizer_config.json'}: add_bos_token: expected true or false, "
+                               f"got {value!r}")
+
+
+def test_tolerated_tokenizer_fields_load_as_transformers_has_them(mistral_source: Path, tmp_path: Path) -> None:
+    """null ids are unset; tokenizer_config.json's non-token bos_token is ignored (transformers 5
+    too), special_tokens_map.json's then gives it."""
+    path = Path(shutil.copytree(mistral_source, tmp_path / "m"))
+    _edit_json(path / "config.json", eos_token_id=None, bos_token_id=None)
+    _edit_json(path / "generation_config.json", eos_token_id=[2])
+    _edit_json(path / "tokenizer_config.json", bos_token=5)
+    _edit_json(path / "special_tokens_map.json", bos_token="<s>")
+    tok = Tokenizer(path)
+    assert (tok.bos_token, tok.bos_token_id, tok.eos_token_ids) == ("<s>", 1, frozenset({2}))
+
+
+@pytest.mark.parametrize("name", ["generation_config.json", "special_tokens_map.json", "chat_template.jinja"])
+def test_a_tokenizer_file_that_is_a_directory_is_named(mistral_source: Path, tmp_path: Path, name: str) -> None:
+    path = Path(shutil.copytree(mistral_source, tmp_path / "m"))
+    if (path / name).exists():
+        (path / name).unlink()
+    (path / name).mkdir()
+    with pytest.raises(UnsafeFileError, match=f"{path / name} is a directory, not a regular file"):
+        Tokenizer(path)
+
+
+def test_a_huge_tokenizer_file_is_refused_unread(mistral_source: Path, tmp_path: Path) -> None:
+    path = Path(shutil.copytree(mistral_source, tmp_path / "m"))
+    with (path / "generation_config.json").open("r+b") as f:
+        f.truncate(JSON_LIMIT + 1)  # sparse: nothing written, nothing read
+    with pytest.raises(UnsafeFileError, match=rf"generation_config\.json is {JSON_LIMIT + 1} bytes, more than"):
+        Tokenizer(path)

@@ -575,7 +575,7 @@ class MetalTextModel(TrainableMixin):
             raise ValueError(f"{what} is empty")
         check_text(prompt, what)
         # As mlx-lm's generate and server: no BOS added to a prompt that already starts with its text.
-        bos = self._tokenizer.bos_token
+        bos = self._tokenizer.special_tokens.get("bos_token")
         ids = self._tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
         self._check_ids(ids)
         return ids

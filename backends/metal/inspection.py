@@ -2,9 +2,8 @@
 
 The prompt goes through the model as `generate`'s prefill takes it: into fresh caches of
 `context_len`, in chunks of `PREFILL_STEP` at the same boundaries, so memory is bounded by a chunk
-(and the arrays returned) and every position is computed as `generate` computes it. A prompt
-longer than `context_len` is refused (as the mlx_lm backend's worker refuses it). A cache may
-evict (a sliding window), so keys are not read back from the caches: each layer's
+(and the arrays returned) and every position is computed as `generate` computes it. A cache may
+evict (a sliding window, `context_len`), so keys are not read back from the caches: each layer's
 cache is wrapped to record the keys it is given (after RoPE and any per-head norm: exactly what
 attention uses), chunk by chunk. Queries never reach a cache, so they are recorded by the
 architectures' shared attention functions (`models.base.recording_queries`). Linear-attention
@@ -19,7 +18,6 @@ from typing import Any
 import numpy as np
 
 import pymlxc.core as mx
-from pymlxc.bridge.protocol import context_problem
 from pymlxc.types import AttentionSnapshot
 
 from . import memory_check
@@ -77,9 +75,6 @@ def inspect_attention(model: Any, ids: Sequence[int], *, architecture: str, incl
         raise ValueError("the prompt has no tokens")
     if step < 1:
         raise ValueError(f"step must be >= 1, not {step}")
-    problem = context_problem(len(ids), context_len)  # as the mlx_lm backend's worker refuses it
-    if problem is not None:
-        raise ValueError(problem)
     layers = [c if isinstance(c, RecurrentCache) else _Recorded(c) for c in model.make_cache(context_len)]
     cache = [r for r in layers if isinstance(r, _Recorded)]  # the attention layers'
     plain = [r.cache if isinstance(r, _Recorded) else r for r in layers]

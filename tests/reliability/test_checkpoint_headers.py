@@ -165,3 +165,10 @@ def test_whatever_loads_is_what_the_header_says(tmp_path: Path, entries: list[tu
         assert v.shape == tuple(shape) and v.nbytes == end - begin, (name, header[name])
         assert all(type(d) is int for d in shape), (name, header[name])  # MLX took true as 1
     mx.eval(*weights.values())
+
+
+def test_null_metadata_loads(tmp_path: Path) -> None:
+    """`__metadata__: null`, as MLX's own writer leaves it, is no metadata."""
+    header = {"__metadata__": None, "t": {**F32, "data_offsets": [0, 16]}}
+    weights, _ = read_shards([_write(tmp_path / "w.safetensors", header)])
+    assert weights["t"].shape == (2, 2)

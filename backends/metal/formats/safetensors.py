@@ -168,8 +168,9 @@ def check_header(f: Path, header: Any, data_size: int) -> None:
         raise WeightsFileError(f"weights file {f}: header is not a JSON object but {type(header).__name__}")
     spans: list[tuple[int, int, str]] = []
     for name, entry in header.items():
-        if name == "__metadata__":
-            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+        if name == "__metadata__":  # optional: null as the safetensors format reads it (MLX writes it)
+            strings = isinstance(entry, dict) and all(isinstance(v, str) for v in entry.values())
+            if entry is not None and not strings:
                 raise WeightsFileError(f"weights file {f}: __metadata__: expected an object of strings, got "
                                        f"{_repr.repr(entry)}")
             continue

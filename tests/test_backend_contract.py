@@ -118,6 +118,22 @@ def test_bad_arguments_raise_at_the_call(model: TextModel, what: str, call: Call
     assert len(list(model.generate("x", max_tokens=2))) == 2 and model.err() is None  # and the model serves on
 
 
+@pytest.mark.parametrize("text", ["hi", "The baker went", " spaced"])
+def test_a_prompt_with_its_bos_text_is_counted_and_generated_once(loaded: dict[str, TextModel], text: str) -> None:
+    """A prompt that already starts with the BOS text gets no second BOS (as mlx-lm's generate and
+    server add special tokens only when the prompt does not start with it)."""
+    bos = "<|begin_of_text|>"  # the tiny Llama's
+    metal, mlx_lm = loaded["metal"], loaded["mlx_lm"]
+    plain = metal.prompt_length(text)
+    bos_id = metal.encode("hi")[0]
+    assert metal.encode(bos + text)[:2] == [bos_id, bos_id]  # encode itself adds what it is told
+    for m in (metal, mlx_lm):
+        assert m.prompt_length(bos + text) == plain
+    with_bos = [[t.id for t in m.generate(bos + text, max_tokens=4)] for m in (metal, mlx_lm)]
+    assert with_bos[0] == with_bos[1] == [t.id for t in metal.generate(text, max_tokens=4)]
+    assert metal.metrics().prompt_tokens == plain
+
+
 @pytest.mark.parametrize("prompt", [[1] * 1025, "a b " * 600])
 def test_inspect_attention_past_the_context(loaded: dict[str, TextModel], prompt: list[int] | str) -> None:
     """The mlx_lm worker runs one pass over the whole prompt, so it refuses one past the context

@@ -62,6 +62,12 @@ class Settings:
         "(`0`: three matmuls and a RoPE more a layer, on views of the fused weights). `auto`: on CUDA (on an "
         "H200 Llama-3.2-1B bfloat16's 128-token prefill was faster with them in 6 of 7 rounds; on a CPU "
         "no faster).")
+    prefill_dequantized: str = _switch(
+        "The compiled prefill of quantized models: each quantized product as one dequantization of the "
+        "weight and a dense matmul (the fused q/k/v and gate/up products too) instead of MLX's quantized "
+        "matmul. `auto`: on CUDA, for blocks of 64 MiB or more of quantized layers (on an H200 "
+        "Llama-3.1-8B 4-bit's 128-token prefill took 28.0 against 30.9 ms; Llama-3.2-1B's lost, its "
+        "host's work growing); `1`: at any size.")
     fused_norm: str = _switch(
         "Segmented decode and Gemma 3's whole-step graph: each residual add and the RMSNorm after it "
         "as one CUDA kernel "

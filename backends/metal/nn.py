@@ -323,6 +323,13 @@ QMM_OP_BY_OP_BLOCK_BYTES = 64 << 20
 # 3752-5009 tok/s op by op against 3690-3714 compiled in earlier runs, its MLX 4-bit form at 3281-4096
 # against 4094-4213 (`benchmarks/results/h100-llama-cpp-8b-qmm-prefill.json`).
 QMM_OP_BY_OP_GROUPS = (32,)
+# Blocks with at least this many bytes of quantized linears take the compiled prefill's products as
+# a dequantization and a dense matmul each (`dequantized_products`, where `Settings.prefill_dequantized`
+# is `auto`). On an H200, 128 tokens, runs interleaved in one process (`probe_prefill.py
+# --dequantized-ab`): Llama-3.1-8B MLX 4-bit (130 MiB a block) 27.98 against 30.90 ms (medians of 7,
+# every run of the one below every run of the other); Llama-3.2-1B (33-36 MiB), host-bound, lost:
+# 12.91 against 10.52 ms at group 64, 13.00 against 11.57 at group 32.
+DEQUANTIZED_MIN_BLOCK_BYTES = 64 << 20
 
 
 def row_chunks(rows: int, k: int, chunk_weights: int) -> list[tuple[int, int]]:
@@ -355,6 +362,15 @@ def _dense_product(layer: Any, x: Array) -> Array:
         lambda r, stop: _dequantize(w[r:stop], s[r:stop], b[r:stop], layer.group_size, layer.bits).astype(x.dtype))
 
 
+def dequantized_product(x: Array, weight: Array, scales: Array, biases: Array, group_size: int, bits: int) -> Array:
+    """`x @ dequantize(W).T` as one dequantization of the whole W and one dense matmul (inside
+    `dequantized_products()`): both shapes fixed by W alone, so a shapeless trace holds them."""
+    w = _dequantize(weight, scales, biases, group_size, bits)
+    if w.dtype != x.dtype:
+        w = w.astype(x.dtype)
+    return _matmul(x, _swapaxes(w, -1, -2))
+
+
 def _quantized_product(layer: Any, x: Array) -> Array:
     """`x @ dequantize(layer's weight).T` for a QuantizedLinear or a QuantizedEmbedding's head:
     pymlxc's CUDA kernel where the layer is marked for it, else MLX directly (no further Python
@@ -365,6 +381,8 @@ def _quantized_product(layer: Any, x: Array) -> Array:
     batched tensor-core kernel), every one reading all the weights, so a batch's step grew with its
     rows. Below 8 rows MLX's matrix-vector kernel takes either layout alike (and pymlxc's kernel
     reads any), so the two reshapes are not spent there."""
+    if _dequantized.get():
+        return dequantized_product(x, layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits)
     shape = x.shape
     if len(shape) == 3 and shape[1] == 1 and shape[0] >= FOLD_MIN_ROWS:
         y = _quantized_product(layer, _reshape(x, (1, shape[0], shape[2])))
@@ -641,6 +659,7 @@ class Cloner:
 
 
 _shapeless = ThreadSetting(False)
+_dequantized = ThreadSetting(False)
 
 
 @contextlib.contextmanager
@@ -649,6 +668,20 @@ def shapeless_trace() -> Iterator[None]:
     `addmm`, which fixes the row count in a shapeless trace (the compiled prefill)."""
     with _shapeless.set(True):
         yield
+
+
+@contextlib.contextmanager
+def dequantized_products() -> Iterator[None]:
+    """Within (on this thread): quantized linears and fused projections multiply as
+    `dequantized_product` (the compiled prefill's many-row products where `Settings.prefill_dequantized`
+    says so; see decode/prefill.py)."""
+    with _dequantized.set(True):
+        yield
+
+
+def dequantizing() -> bool:
+    """Whether this thread is inside `dequantized_products()`."""
+    return bool(_dequantized.get())
 
 
 # ---------------------------------------------------------------------- kernel choice
@@ -679,6 +712,12 @@ def choose_cuda_matvec(model: Any, setting: str) -> bool:
     for m in layers:
         m.use_cuda_matvec(id(m) in chosen)
     return use
+
+
+def large_quantized_blocks(model: Any) -> bool:
+    """Whether `model`'s quantized linears hold DEQUANTIZED_MIN_BLOCK_BYTES or more a block."""
+    linears = [m for m in quantized_layers(model) if isinstance(m, QuantizedLinear)]
+    return bool(linears) and bytes_per_block(model, linears) >= DEQUANTIZED_MIN_BLOCK_BYTES
 
 
 def mark_dense_products(model: Any, use: bool) -> None:

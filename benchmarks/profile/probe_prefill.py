@@ -14,6 +14,11 @@ block layers, the group-32 products, or the compiled segments that do not trace 
         [--dtype auto float16]       # each compute dtype asked for at load (LoadConfig.dtype)
         [--fused-ab]                 # segmented: the compiled prefill with its fused products and
                                      # without (PYMLXC_PREFILL_FUSED_PRODUCTS), runs interleaved
+        [--dequantized-ab]           # segmented: quantized products dequantized for dense matmuls and
+                                     # not (PYMLXC_PREFILL_DEQUANTIZED), runs interleaved
+        [--compiled-ab]              # segmented, chunks op by op (qmm_rows): compiled prefill against
+                                     # op by op, runs interleaved
+        [--qmm-block-bytes N]        # nn.QMM_OP_BY_OP_BLOCK_BYTES (large: an 8B's chunks stay compiled)
 
 `--split` (segmented mode) also times, medians of --repeats: `runner_ms`, the decoder handing out its
 prefill runner (once a generation); `build_ms`, the runner building one chunk's graph with nothing
@@ -80,24 +85,48 @@ def host_split(side: Pymlxc, n: int, repeats: int, profile: int) -> dict[str, An
     return out
 
 
-def fused_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: bool) -> dict[str, Any]:
-    """`--fused-ab`: time to the first token with the compiled prefill's fused products and without,
-    run after run in turn (each warmed up first), so that the host's drift moves both alike."""
+def switch_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: bool, attr: str) -> dict[str, Any]:
+    """`--fused-ab` / `--dequantized-ab`: time to the first token with the decoder's switch `attr`
+    on and off, run after run in turn (each warmed up first), so that the host's drift moves both alike."""
     decoder = side.decoder
     assert decoder is not None  # segmented mode: a compiled side
+    kept = getattr(decoder, attr)
     times: dict[bool, list[float]] = {True: [], False: []}
     try:
-        for fused in (True, False):
-            decoder.prefill_fused_products = fused
+        for on in (True, False):
+            setattr(decoder, attr, on)
             timed_run(side, prompt, 1)  # its traces
         for _ in range(repeats):
-            for fused in (True, False):
-                decoder.prefill_fused_products = fused
-                times[fused].append(timed_run(side, prompt, 1, clear_cache=clear_cache)["ttft_s"])
+            for on in (True, False):
+                setattr(decoder, attr, on)
+                times[on].append(timed_run(side, prompt, 1, clear_cache=clear_cache)["ttft_s"])
     finally:
-        decoder.prefill_fused_products = True
-    return {"fused_ms": 1e3 * statistics.median(times[True]), "separate_ms": 1e3 * statistics.median(times[False]),
-            "fused_runs_ms": [1e3 * t for t in times[True]], "separate_runs_ms": [1e3 * t for t in times[False]]}
+        setattr(decoder, attr, kept)
+    return {"on_ms": 1e3 * statistics.median(times[True]), "off_ms": 1e3 * statistics.median(times[False]),
+            "on_runs_ms": [1e3 * t for t in times[True]], "off_runs_ms": [1e3 * t for t in times[False]]}
+
+
+def compiled_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: bool) -> dict[str, Any]:
+    """`--compiled-ab`: a model whose chunks go op by op through the tensor-core qmm (its `qmm_rows`,
+    nn.mark_qmm_products) against the same chunks on the compiled prefill, run after run in turn.
+    The decoder makes its runner again at each switch (about 1 ms, on the compiled side's time)."""
+    model = side.loaded.model
+    marked = model.qmm_rows
+    if not marked:
+        raise SystemExit("--compiled-ab: this model's chunks do not go op by op (nn.mark_qmm_products)")
+    times: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        for compiled in (True, False):
+            model.qmm_rows = 0 if compiled else marked
+            timed_run(side, prompt, 1)
+        for _ in range(repeats):
+            for compiled in (True, False):
+                model.qmm_rows = 0 if compiled else marked
+                times[compiled].append(timed_run(side, prompt, 1, clear_cache=clear_cache)["ttft_s"])
+    finally:
+        model.qmm_rows = marked
+    return {"on_ms": 1e3 * statistics.median(times[True]), "off_ms": 1e3 * statistics.median(times[False]),
+            "on_runs_ms": [1e3 * t for t in times[True]], "off_runs_ms": [1e3 * t for t in times[False]]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,17 +148,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", nargs="+", default=["auto"], help="each compute dtype asked for at load")
     p.add_argument("--fused-ab", action="store_true",
                    help="segmented mode: interleave runs with the prefill's fused products and without")
+    p.add_argument("--dequantized-ab", action="store_true",
+                   help="segmented mode: interleave runs with the prefill's quantized products dequantized "
+                        "for dense matmuls and through MLX's quantized matmul")
+    p.add_argument("--compiled-ab", action="store_true",
+                   help="segmented mode, a model whose chunks go op by op through the tensor-core qmm: "
+                        "interleave runs on the compiled prefill (on) and op by op (off); groups 32 and 64 may go op by op")
+    p.add_argument("--qmm-block-bytes", type=int, default=0,
+                   help="nn.QMM_OP_BY_OP_BLOCK_BYTES for the models loaded (0: the library's)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     from pymlxc.backends.metal import generate, nn
 
     default_rows = nn.DENSE_MIN_ROWS
+    default_qmm_bytes = nn.QMM_OP_BY_OP_BLOCK_BYTES
+    if args.compiled_ab:  # group-64 layers may go op by op too, for the A/B
+        nn.QMM_OP_BY_OP_GROUPS = (32, 64)
     default_lead = generate.PREFILL_LEAD_LAYERS
     default_budget = generate.PREFILL_DENSE_BYTES
     rows: list[dict[str, Any]] = []
     for path, mode, dense, lead, dtype in ((p, m, d, ld, dt) for p in args.models for m in args.modes
                                            for d in args.dense_min_rows for ld in args.lead for dt in args.dtype):
         nn.DENSE_MIN_ROWS = dense or default_rows  # read when a model loads (mark_dense_products)
+        nn.QMM_OP_BY_OP_BLOCK_BYTES = args.qmm_block_bytes or default_qmm_bytes  # read at load (mark_qmm_products)
         generate.PREFILL_LEAD_LAYERS = lead or default_lead
         generate.PREFILL_DENSE_BYTES = default_budget if not lead else 1 << 62  # a given lead holds for every chunk
         side = Pymlxc(compiled=mode != "off", mode=None if mode == "off" else mode, dtype=dtype)
@@ -148,10 +189,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{path.name:40s} {mode:9s} {str(side.loaded.model.compute_dtype).split('.')[-1]:8s} "
                       f"dense>={nn.DENSE_MIN_ROWS:<5d} lead {generate.PREFILL_LEAD_LAYERS} "
                       f"{n:5d} tokens  {ms:8.2f} ms  {n / ms * 1e3:9.0f} tok/s", flush=True)
-                if args.fused_ab and mode == "segmented":
-                    rows[-1].update(fused_ab(side, prompt, args.repeats, not args.keep_cache))
-                    print(f"{'':40s} fused products {rows[-1]['fused_ms']:6.2f} ms  "
-                          f"separate {rows[-1]['separate_ms']:6.2f} ms", flush=True)
+                for flag, attr in ((args.fused_ab, "prefill_fused_products"),
+                                   (args.dequantized_ab, "prefill_dequantized"), (args.compiled_ab, "compiled")):
+                    if flag and mode == "segmented":
+                        ab = (compiled_ab(side, prompt, args.repeats, not args.keep_cache) if attr == "compiled"
+                              else switch_ab(side, prompt, args.repeats, not args.keep_cache, attr))
+                        rows[-1][attr] = ab
+                        print(f"{'':40s} {attr} on {ab['on_ms']:6.2f} ms  off {ab['off_ms']:6.2f} ms  "
+                              f"(runs on {' '.join(f'{t:.2f}' for t in ab['on_runs_ms'])}; "
+                              f"off {' '.join(f'{t:.2f}' for t in ab['off_runs_ms'])})", flush=True)
                 if args.split and mode == "segmented":
                     split = host_split(side, n, args.repeats, args.profile)
                     rows[-1].update(split)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import pymlxc.core as mx
 from pymlxc.backends.metal import generate as loops
+from pymlxc.backends.metal import nn
 from pymlxc.backends.metal.decode import prefill
 from pymlxc.backends.metal.decode.decoder import CompiledDecoder
 from pymlxc.backends.metal.loader import LoadedModel, load_weights_and_config
@@ -72,15 +73,23 @@ def check_fills_like_the_forward(runner: Any, model: Any, bounds: list[tuple[int
         runner(tokens[:, start:stop], ours, on_layer)
         model(tokens[:, start:stop], cache=theirs)
     assert [c.offset for c in ours] == [c.offset for c in theirs] == [bounds[-1][1]] * len(ours)
-    # On CUDA a fused product is one cuBLAS call of the joint width, whose kernel (chosen by the
-    # shape) may round otherwise than the separate products: equal to float32's rounding there.
+    assert_like_the_forward(runner, filled(ours), filled(theirs))
+    return list(ours)
+
+
+def assert_like_the_forward(runner: Any, ours: list[np.ndarray], theirs: list[np.ndarray]) -> None:
+    """The runner's cache contents against the model forward's: bit for bit, but on CUDA a fused
+    product is one cuBLAS call of the joint width, whose kernel (chosen by the shape) may round
+    otherwise than the separate products (equal to float32's rounding there), and a dequantized
+    product is a dense matmul, not MLX's quantized one."""
     fused = ON_CUDA and any(s.joint_heads or s.pair for s in getattr(runner, "specs", ()))
-    for a, b in zip(filled(ours), filled(theirs), strict=True):
-        if fused:
+    for a, b in zip(ours, theirs, strict=True):
+        if getattr(runner, "dequantized", False):
+            np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-4)
+        elif fused:
             np.testing.assert_allclose(a, b, rtol=2e-3, atol=1e-5)
         else:
             np.testing.assert_array_equal(a, b)
-    return list(ours)
 
 
 @pytest.mark.parametrize("bits", [None, 4])
@@ -106,7 +115,8 @@ def test_fused_products_fill_the_caches_as_the_forward(models, arch: str, bits: 
     own three and two products; with `fused=False` the separate products give the same caches.
     Quantized fusions take the fused forms where `DENSE_ONLY` is off (by default dense only)."""
     model = models(arch, bits).model
-    decoder = CompiledDecoder(model, "segmented", settings=Settings(prefill_fused_products="1"))
+    decoder = CompiledDecoder(model, "segmented",
+                              settings=Settings(prefill_fused_products="1", prefill_dequantized="0"))
     settled_runner(decoder)
     default = decoder.prefill_runner(True)
     assert default is not None
@@ -132,6 +142,55 @@ def test_fused_products_fill_the_caches_as_the_forward(models, arch: str, bits: 
         decoder.close()
     assert calls == []  # the separate products' traces never made the pair
     assert len(fused) == 3
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_dequantized_products_fill_the_caches_as_the_forward(models, arch: str, monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """With `prefill_dequantized` the quantized products run as a dequantization and a dense matmul
+    each, the fused q/k/v and gate/up ones as one each: the caches as the model's forward fills them
+    to float32's rounding; with it off MLX's quantized products run."""
+    model = models(arch, 4).model
+    calls: list[tuple[int, ...]] = []
+    real = nn.dequantized_product
+    monkeypatch.setattr(nn, "dequantized_product", lambda x, *a: calls.append(tuple(x.shape)) or real(x, *a))
+    decoder = CompiledDecoder(model, "segmented",
+                              settings=Settings(prefill_fused_products="1", prefill_dequantized="1"))
+    try:
+        runner = settled_runner(decoder)
+        assert runner.dequantized
+        assert [s.joint_heads for s in runner.specs] == [True] * 3 + [False]
+        assert [s.pair for s in runner.specs] == [False] + [True] * 3
+        check_fills_like_the_forward(runner, model, [(0, 17), (17, 40)])
+        # Each trace once (it serves both chunks, and the middle blocks alike): the first segment's
+        # q/k/v, a middle one's o, gate/up, down and the next q/k/v, the last's three on one row.
+        assert [shape[-2] for shape in calls] == [17] * 5 + [1] * 3
+        calls.clear()
+        decoder.prefill_dequantized = False
+        plain = decoder.prefill_runner(True)
+        assert plain is not None and not plain.dequantized
+        check_fills_like_the_forward(plain, model, [(0, 17), (17, 40)])
+        assert calls == []
+    finally:
+        decoder.close()
+
+
+def test_dequantized_products_by_default_for_large_blocks_on_cuda(models, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`auto` dequantizes on CUDA where the quantized blocks hold nn.DEQUANTIZED_MIN_BLOCK_BYTES or
+    more (the tiny model's do not), `1` at any size, `0` never."""
+    model = models("llama", 4).model
+    for threshold, setting, want in ((nn.DEQUANTIZED_MIN_BLOCK_BYTES, "auto", False), (1, "auto", ON_CUDA),
+                                     (1, "0", False), (nn.DEQUANTIZED_MIN_BLOCK_BYTES, "1", True)):
+        monkeypatch.setattr(nn, "DEQUANTIZED_MIN_BLOCK_BYTES", threshold)
+        decoder = CompiledDecoder(model, "segmented", settings=Settings(prefill_dequantized=setting))
+        try:
+            assert settled_runner(decoder).dequantized is want, (threshold, setting)
+            if setting == "auto":  # as on CUDA: the blocks' size decides
+                decoder.prefill_dequantized = True
+                runner = decoder.prefill_runner(True)
+                assert runner is not None and runner.dequantized is (threshold == 1)
+        finally:
+            decoder.close()
 
 
 def test_fused_products_by_default_on_cuda_only(models) -> None:
@@ -225,8 +284,8 @@ def test_a_prompt_longer_than_the_context(models) -> None:
         for start, stop in bounds:
             runner(tokens[:, start:stop], ours)
             model(tokens[:, start:stop], cache=theirs)
-        for a, b in zip([x for c in ours for x in c.state], [x for c in theirs for x in c.state], strict=True):
-            np.testing.assert_array_equal(np.asarray(a.astype(mx.float32)), np.asarray(b.astype(mx.float32)))
+        assert_like_the_forward(runner, [np.asarray(x.astype(mx.float32)) for c in ours for x in c.state],
+                                [np.asarray(x.astype(mx.float32)) for c in theirs for x in c.state])
     assert decoder.prefill_runner(True) is runner  # not marked failed
     decoder.close()
 

@@ -51,7 +51,7 @@ from pymlxc.settings import current as current_settings
 
 from ..cache import KVCache
 from ..kernels.check import on_cuda
-from ..nn import Module, arrays_of
+from ..nn import Module, arrays_of, large_quantized_blocks
 from ..recurrent_cache import StepRecurrentCache
 from ..sample import (
     DEFAULT_PENALTY_CONTEXT,
@@ -217,6 +217,10 @@ class CompiledDecoder:
         self.fuse_projections = settings.fuse_projections
         # The compiled prefill on those fused weights: one matmul each too (decode/prefill.py).
         self.prefill_fused_products = settings.switch_on("prefill_fused_products", on_cuda())
+        # ... and its quantized products as a dequantization and a dense matmul each: `auto` where
+        # the blocks are large (nn.large_quantized_blocks), `1` at any size.
+        self.prefill_dequantized = settings.switch_on("prefill_dequantized", on_cuda())
+        self.prefill_dequantized_any_size = settings.prefill_dequantized == "1"
         # On CUDA: each residual add and the norm after it as one kernel (kernels/add_rms_norm.py).
         self.fused_norm = settings.fused_norm
         # Segmented mode on CUDA: greedy's argmax as two kernels over many blocks (kernels/argmax.py).
@@ -408,18 +412,20 @@ class CompiledDecoder:
             return None
         seg_key, seg_plan = found
         fused = self.prefill_fused_products
-        key = ("prefill", *seg_key, fused)
+        dequantized = self.prefill_dequantized and (self.prefill_dequantized_any_size
+                                                    or large_quantized_blocks(model))
+        key = ("prefill", *seg_key, fused, dequantized)
         if key in self._failed:
             return None
         dtype, many_rows = getattr(model, "compute_dtype", None), prefill.op_by_op_from(model)
         with self._lock:
             runner = self._runners.get(key)
-        if runner is not None and runner.serves(seg_plan, dtype, many_rows, fused):
+        if runner is not None and runner.serves(seg_plan, dtype, many_rows, fused, dequantized):
             return runner
         fns = self._function(key, prefill.PrefillFunctions)
         runner = prefill.PrefillRunner(seg_plan, list(model.layers), fns,
                                        on_fail=lambda exc: self._mark_failed(key, exc),
-                                       dtype=dtype, many_rows=many_rows, fused=fused)
+                                       dtype=dtype, many_rows=many_rows, fused=fused, dequantized=dequantized)
         with self._lock:
             self._runners[key] = runner
         return runner

@@ -22,7 +22,11 @@ between), and the gate/up product [.., 2 * F] is unflattened to [.., 2, F] and r
 `prod(where([gate, up], silu(y), y))` over the pair: silu(gate) * up with the same roundings (a
 product of two 2-byte floats is exact in float32). Three matmuls and a RoPE a layer fewer; on a GPU
 each cost MLX more host time than the views and the reduction that replace them (`fused=False`,
-`PYMLXC_PREFILL_FUSED_PRODUCTS=0`: the separate products, on the views of the fused weights). A GGUF
+`PYMLXC_PREFILL_FUSED_PRODUCTS=0`: the separate products, on the views of the fused weights). Where
+a model's quantized blocks are large (`PYMLXC_PREFILL_DEQUANTIZED`, `nn.DEQUANTIZED_MIN_BLOCK_BYTES`)
+its quantized products run as a dequantization of the weight and a dense matmul
+(`nn.dequantized_products`), the fused ones too: the device's time, not the host's, bounds a large
+model's short prefill, and MLX's quantized matmul of many rows reads its weights slowly. A GGUF
 block layer (a K-quant recipe's Q6_K value and down projections) has its rows dequantized outside
 the trace, before each segment call (`BlockLinear.dense_chunks`, through the GPU kernels), and
 handed in as inputs of that call, which the trace multiplies as dense matmuls: the products the
@@ -35,6 +39,7 @@ The segments call the model's own block halves, like the decode's (`Attention.he
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,19 +80,20 @@ class SiluPair:
         return outs
 
 
-def pairs_gate_up(block: Any, gate_up: Any) -> bool:
-    """Whether the prefill runs `block`'s MLP on its fused gate/up product as a `SiluPair`: dense
-    (`DENSE_ONLY`), two halves of one width, no tail, and the Llama family's own MLP (SiLU) and block."""
-    return (gate_up is not None and (gate_up.dense or not DENSE_ONLY) and gate_up.tail is None
+def pairs_gate_up(block: Any, gate_up: Any, dequantized: bool = False) -> bool:
+    """Whether the prefill runs `block`'s MLP on its fused gate/up product as a `SiluPair`: dense or
+    `dequantized` (`DENSE_ONLY`), two halves of one width, no tail, and the Llama family's own MLP
+    (SiLU) and block."""
+    return (gate_up is not None and (gate_up.dense or dequantized or not DENSE_ONLY) and gate_up.tail is None
             and len(gate_up.sizes) == 2 and gate_up.sizes[0] == gate_up.sizes[1] and type(block.mlp) is llama.MLP
             and type(block).finish is llama.TransformerBlock.finish)
 
 
-def joins_heads(attn: Any, qkv: Any) -> bool:
+def joins_heads(attn: Any, qkv: Any, dequantized: bool = False) -> bool:
     """Whether the prefill runs `attn`'s q/k/v products as the fused product `qkv` (`_heads`): the
-    Llama family's own `heads`, dense weights (`DENSE_ONLY`), and q, k (and v, unless it is the
-    tail) as the fused widths."""
-    if qkv is None or not (qkv.dense or not DENSE_ONLY) or type(attn).heads is not llama.Attention.heads:
+    Llama family's own `heads`, dense weights or `dequantized` ones (`DENSE_ONLY`), and q, k (and v,
+    unless it is the tail) as the fused widths."""
+    if qkv is None or not (qkv.dense or dequantized or not DENSE_ONLY) or type(attn).heads is not llama.Attention.heads:
         return False
     d = attn.head_dim
     want = (attn.n_heads * d, attn.n_kv_heads * d) + (() if qkv.tail is not None else (attn.n_kv_heads * d,))
@@ -294,22 +300,26 @@ class PrefillRunner:
 
     def __init__(self, plan: SegmentPlan, blocks: Sequence[Any], fns: PrefillFunctions,
                  on_fail: Callable[[BaseException], None], dtype: Any = None, many_rows: int = 0,
-                 fused: bool = True) -> None:
-        """`fused`: run the plan's fused q/k/v and gate/up products as one matmul each (module doc)."""
+                 fused: bool = True, dequantized: bool = False) -> None:
+        """`fused`: run the plan's fused q/k/v and gate/up products as one matmul each (module doc).
+        `dequantized`: quantized products as a dequantization and a dense matmul each
+        (`nn.dequantized_products`), fused ones too."""
         self._plan = plan
         self._blocks = list(blocks)
-        self._made_for = (dtype, many_rows, fused)
+        self._made_for = (dtype, many_rows, fused, dequantized)
+        self._dequantized = dequantized
         self._fns = fns
         self._on_fail = on_fail
         # The groups' modules: first [embed, norm, attn, qkv], a mid [block, gate_up, norm, attn, qkv],
         # last [block, gate_up, ...] (segments.SegmentPlan).
         first, mids, last = plan.first.modules, [g.modules for g in plan.mids], plan.last.modules
+        dq = dequantized
         self._first = PrefillSpec.of(plan.first, len(first), False, fns,
-                                     joint_heads=fused and joins_heads(first[2], first[3]))
-        self._mids = [PrefillSpec.of(group, len(m), True, fns, joint_heads=fused and joins_heads(m[3], m[4]),
-                                     pair=fused and pairs_gate_up(m[0], m[1]))
+                                     joint_heads=fused and joins_heads(first[2], first[3], dq))
+        self._mids = [PrefillSpec.of(group, len(m), True, fns, joint_heads=fused and joins_heads(m[3], m[4], dq),
+                                     pair=fused and pairs_gate_up(m[0], m[1], dq))
                       for group, m in zip(plan.mids, mids, strict=True)]
-        self._last = PrefillSpec.of(plan.last, 2, True, fns, pair=fused and pairs_gate_up(last[0], last[1]))
+        self._last = PrefillSpec.of(plan.last, 2, True, fns, pair=fused and pairs_gate_up(last[0], last[1], dq))
         # Chunks of at most this many rows leave the block layers to their matvec kernel, which
         # reads the blocks (here their rows would be dequantized whole for every chunk); chunks of
         # `many_rows` (`op_by_op_from`) or more go op by op too.
@@ -318,14 +328,20 @@ class PrefillRunner:
         self._many_rows = many_rows
 
     @property
+    def dequantized(self) -> bool:
+        """Whether the quantized products run dequantized for dense matmuls (`nn.dequantized_products`)."""
+        return self._dequantized
+
+    @property
     def specs(self) -> list[PrefillSpec]:
         """The segments as the runner calls them: the first, the middle ones, the last."""
         return [self._first, *self._mids, self._last]
 
-    def serves(self, plan: SegmentPlan, dtype: Any, many_rows: int, fused: bool = True) -> bool:
-        """Whether this runner is the one `plan` and the model's compute dtype, row threshold and
-        `fused` would make (a decoder keeps one per plan, its specs made once)."""
-        return plan is self._plan and self._made_for == (dtype, many_rows, fused)
+    def serves(self, plan: SegmentPlan, dtype: Any, many_rows: int, fused: bool = True,
+               dequantized: bool = False) -> bool:
+        """Whether this runner is the one `plan` and the model's compute dtype, row threshold,
+        `fused` and `dequantized` would make (a decoder keeps one per plan, its specs made once)."""
+        return plan is self._plan and self._made_for == (dtype, many_rows, fused, dequantized)
 
     def takes(self, chunk: Array) -> bool:
         """Whether a chunk of token ids [B, L] runs here (else op by op, see the class)."""
@@ -350,7 +366,8 @@ class PrefillRunner:
         """Segment `part` (0 first, 1 mid, 2 last) on `inputs` (the hidden states h last), its block
         layers' rows dequantized first, in h's dtype, outside the trace."""
         dense = [c for layer in spec.blocks for c in layer.dense_chunks(inputs[-1].dtype)]
-        with mlx_kernels_only(), nn.shapeless_trace():  # what a trace builds: one trace serves every length
+        products = nn.dequantized_products() if self._dequantized else contextlib.nullcontext()
+        with mlx_kernels_only(), nn.shapeless_trace(), products:  # what a trace builds: one trace serves every length
             return call_traced(self._fns.get(batch, spec.traces)[part], spec, [*inputs, *dense], spec.group.fixed)
 
     def _run(self, tokens: Array, cache: Sequence[Any], on_layer: Callable[[Array, Any], None] | None) -> Array:

@@ -345,6 +345,9 @@ class FusedProjection(Module):
         if self._wT is not None:  # as the linears compute it
             return nn.linear_product(x, weight, self._wT, self._bias, self._cuda_matvec)
         assert scales is not None and biases is not None  # given where weight_t is not
+        if nn.dequantizing():
+            y = nn.dequantized_product(x, weight, scales, biases, self._group_size, self._bits)
+            return y if self._bias is None else y + self._bias
         y = quantized_matmul(x, weight, scales, biases, self._group_size, self._bits, self._cuda_matvec)
         return y if self._bias is None else y + self._bias
 

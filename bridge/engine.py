@@ -56,6 +56,9 @@ def _b64(a: Any) -> str:
 
 # The function each mlx-lm model module imports and calls; patched by name on modules typed as ModuleType.
 _SDPA = "scaled_dot_product_attention"
+# Tokens a forward pass of `inspect_attention` takes at once (mlx-lm's prefill_step_size): the
+# attention's scores grow with the chunk times the keys, not with the prompt's square.
+INSPECT_STEP = 2048
 
 
 class _recording_queries:
@@ -322,12 +325,23 @@ class Engine:
         """Keys (after RoPE) of every layer from fresh caches after one forward pass of `tokens`, and
         the queries recorded at each attention call when asked; arrays as base64 float32 LE."""
         problem = context_problem(len(tokens), self.inspect_limit())
-        if problem is not None:  # before the pass: its attention memory grows with len(tokens) squared
+        if problem is not None:  # before the passes: positions past the context are not the model's
             raise CommandError("bad_field", f"inspect_attention: {problem}")
         cache = make_prompt_cache(self.model)
-        queries: list[Any] = []
-        with _recording_queries(queries if include_queries else None):
-            self.model(mx.array(tokens)[None], cache=cache)
+        chunks: list[list[Any]] = []
+        for start in range(0, len(tokens), INSPECT_STEP):
+            recorded: list[Any] = []
+            with _recording_queries(recorded if include_queries else None):
+                self.model(mx.array(tokens[start:start + INSPECT_STEP])[None], cache=cache)
+            # Evaluated chunk by chunk, so that each pass's temporaries go before the next one's.
+            mx.eval([x for c in cache for x in (getattr(c, "keys", None), getattr(c, "values", None))
+                     if isinstance(x, mx.array)], recorded)
+            chunks.append(recorded)
+        if include_queries and len({len(c) for c in chunks}) > 1:
+            raise CommandError("failed", "inspect_attention: the chunks of the prompt made different numbers of "
+                               "attention calls; this architecture's attention is not supported")
+        # A layer's queries, chunk after chunk, on the sequence axis [B, heads, L, D].
+        queries = [mx.concatenate(list(q), axis=2) if len(q) > 1 else q[0] for q in zip(*chunks, strict=True)]
         keys = []
         for i, c in enumerate(cache):
             # One chunk into empty KVCache / RotatingKVCache buffers: positions 0..offset-1 in order.

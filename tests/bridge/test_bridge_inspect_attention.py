@@ -43,8 +43,8 @@ def test_inspect_attention_refusals(loaded_worker: Any) -> None:
 
 def test_a_prompt_longer_than_the_context_is_refused_before_the_pass(loaded_worker: Any, start_worker: Any,
                                                                     tiny_model: Any) -> None:
-    # One unchunked pass, whose attention memory grows with the square of the length: a 16 MiB line
-    # of millions of ids got the worker OOM-killed. Loaded without context_len, the bound is the
+    # A 16 MiB line of millions of ids got the worker OOM-killed (then in one pass, whose attention
+    # memory grew with the square of the length). Loaded without context_len, the bound is the
     # model's max_position_embeddings (4096 for the tiny model).
     reply = loaded_worker.request(cmd="inspect_attention", id="long", tokens=[1] * 4097)
     assert reply["type"] == "error" and reply["error"] == "bad_field", reply
@@ -58,3 +58,24 @@ def test_a_prompt_longer_than_the_context_is_refused_before_the_pass(loaded_work
                             reply["message"]), reply
     reply = worker.request(cmd="inspect_attention", id="ok", tokens=[1] * 8)
     assert reply["type"] == "result" and reply["seq_len"] == 8, reply
+
+
+def test_a_prompt_in_chunks_gives_the_one_pass_reply(tiny_model: Any, monkeypatch: Any) -> None:
+    """The engine runs a prompt through the model INSPECT_STEP tokens at a time (the attention's
+    memory grows with the chunk, not the prompt's square); the keys and queries equal one pass's."""
+    from pymlxc.bridge import engine as E
+
+    eng = E.Engine(str(tiny_model), None, None, "cpu")
+    tokens = [int(t) for t in np.random.default_rng(3).integers(1, eng.vocab_size, size=23)]
+    whole = eng.inspect_attention(tokens, include_queries=True)
+    monkeypatch.setattr(E, "INSPECT_STEP", 5)
+    chunked = eng.inspect_attention(tokens, include_queries=True)
+    assert chunked["seq_len"] == whole["seq_len"] == 23
+    for a, b in zip(chunked["layers"], whole["layers"], strict=True):
+        for field in ("keys", "queries"):
+            np.testing.assert_allclose(_values(a[field]), _values(b[field]), rtol=1e-5, atol=1e-5)
+        assert _values(a["queries"]).size == a["query_heads"] * 23 * a["head_dim"]
+    keys_only = eng.inspect_attention(tokens, include_queries=False)
+    assert keys_only["layers"][0]["queries"] is None
+    np.testing.assert_allclose(_values(keys_only["layers"][0]["keys"]), _values(whole["layers"][0]["keys"]),
+                               rtol=1e-5, atol=1e-5)

@@ -35,6 +35,7 @@ import numpy as np
 import pymlxc.core as mx
 from pymlxc.core import Array
 from pymlxc.files import write_replacing
+from pymlxc.safetensors_check import checked_load
 
 from .cache import KVCache, RotatingKVCache
 from .recurrent_cache import KIND as RECURRENT
@@ -364,10 +365,9 @@ def load_entries(path: str | os.PathLike[str], identity: dict[str, str], layout:
     if isinstance(path, (bytes, bytearray)) or not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"the prompt cache file must be a path, not {type(path).__name__}")
     where = os.fspath(path)
-    try:
-        arrays, metadata = mx.load_safetensors(where)
-    except Exception as exc:  # noqa: BLE001 - any reading failure: not a usable file
-        raise PromptCacheError(f"{where}: cannot read a prompt cache file: {exc}") from exc
+    # Header checked before MLX reads the file (MLX takes shapes it cannot hold); a FIFO, a
+    # directory or a damaged file is a PromptCacheError naming it.
+    arrays, metadata = checked_load(where, PromptCacheError, "prompt cache file")
     if metadata.get("format") != FORMAT:
         raise PromptCacheError(f"{where}: not a pymlxc prompt cache file (format {metadata.get('format')!r})")
     if metadata.get("version") != FORMAT_VERSION:

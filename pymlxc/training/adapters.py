@@ -26,6 +26,7 @@ from typing import Any
 import pymlxc.core as mx
 from pymlxc.core import Array
 from pymlxc.files import JSON_LIMIT, read_text
+from pymlxc.safetensors_check import checked_load
 
 MLX_WEIGHTS = "adapters.safetensors"
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -104,10 +105,9 @@ def _number(value: Any, what: str, file: Path, *, low: float | None = None) -> f
 
 
 def _load_tensors(file: Path) -> dict[str, Array]:
-    try:
-        tensors, _ = mx.load_safetensors(file)
-    except Exception as exc:  # MLXError with MLX's own message
-        raise AdapterError(f"{file}: cannot read the adapter weights: {exc}") from exc
+    # The header is checked before MLX reads the file: MLX takes shapes it cannot hold (a
+    # dimension of 2**32 + 4 loads as 4), and would block on a FIFO.
+    tensors, _ = checked_load(file, AdapterError, "adapter weights file")
     if not tensors:
         raise AdapterError(f"{file}: holds no tensors")
     # A NaN or infinity in a LoRA weight would turn every output of the adapted model into NaN:
@@ -127,9 +127,10 @@ def adapter_format(path: str | Path) -> str:
     path = Path(path)
     if not path.is_dir():
         raise AdapterError(f"no such adapter directory: {path}")
-    if (path / MLX_WEIGHTS).is_file():
+    # exists(), not is_file(): a FIFO or directory under the name is refused by name when read.
+    if (path / MLX_WEIGHTS).exists():
         return "mlx"
-    if (path / PEFT_WEIGHTS).is_file():
+    if (path / PEFT_WEIGHTS).exists():
         return "peft"
     raise AdapterError(f"{path}: neither {MLX_WEIGHTS} (mlx-lm) nor {PEFT_WEIGHTS} (PEFT) is there")
 

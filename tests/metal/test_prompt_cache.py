@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reliability.hostile_safetensors import CASE_IDS, write_case, write_safetensors
 from reliability.subproc import run_case
 
 import pymlxc
@@ -366,9 +367,77 @@ def test_a_file_of_another_model_is_refused(models, dirs, tmp_path: Path) -> Non
             with pytest.raises(PromptCacheError, match=message):
                 other.load_prompt_cache(file)
             assert other.prompt_cache.entries() == before
-    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
-    with pytest.raises(PromptCacheError, match="cannot read"):
-        m.load_prompt_cache(tmp_path / "junk.safetensors")
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file")
+    with pytest.raises(PromptCacheError, match=rf"^prompt cache file {re.escape(str(junk))}: not a safetensors file"):
+        m.load_prompt_cache(junk)
+
+
+# A prompt cache file's safetensors header is checked before MLX's reader opens it: MLX took a dimension
+# past int32 as its low 32 bits, and failed on other bad headers with a message naming no tensor.
+
+def test_a_hostile_prompt_cache_file_is_refused_by_name_and_changes_nothing(models, tmp_path: Path) -> None:
+    m, _ = models("llama")
+    m.warm_prompt_cache(PREFIX)
+    before = m.prompt_cache.entries()
+    for case in CASE_IDS:
+        file = tmp_path / f"{case}.safetensors"
+        expected = write_case(file, case, "prompt cache file")
+        with pytest.raises(PromptCacheError) as info:
+            m.load_prompt_cache(file)
+        assert str(info.value).startswith(expected), (case, str(info.value))
+        assert m.prompt_cache.entries() == before
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(wraps=st.lists(st.integers(-1, 2), min_size=4, max_size=4), part=st.sampled_from(["keys", "values"]))
+def test_a_cache_tensor_loads_with_its_header_shape_or_is_refused(models, tmp_path_factory: pytest.TempPathFactory,
+                                                                  wraps: list[int], part: str) -> None:
+    """A saved cache whose header adds multiples of 2**32 to a tensor's dimensions (its bytes
+    unchanged): MLX's reader took the old shape and the entry loaded. Now it is refused, naming the
+    file and the tensor, unless nothing was added."""
+    m, _ = models("llama")
+    m.warm_prompt_cache(PREFIX[:40])
+    root = tmp_path_factory.mktemp("wrapped")
+    file = root / "cache.safetensors"
+    m.save_prompt_cache(file)
+    name = f"0.0.{part}"
+    raw = file.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header[name]["shape"] = [d + k * 2**32 for d, k in zip(header[name]["shape"], wraps, strict=True)]
+    write_safetensors(file, header, raw[8 + n:])
+    m.prompt_cache.clear()
+    if not any(wraps):
+        assert m.load_prompt_cache(file) == 1
+        return
+    with pytest.raises(PromptCacheError, match=rf"^tensor '{name}' in {re.escape(str(file))} has a "):
+        m.load_prompt_cache(file)
+    assert len(m.prompt_cache) == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs (POSIX)")
+def test_special_files_are_refused_as_prompt_caches_unread(dirs, tmp_path: Path) -> None:
+    """A FIFO would block MLX's open forever, /dev/zero never ends: in a child, so that a hang fails
+    one test, each (and a directory) is a PromptCacheError naming the file."""
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "zero").symlink_to("/dev/zero")
+    kinds = {"fifo": "FIFO (named pipe)", "dir": "directory", "zero": "character device"}
+    got = run_case(f"""
+import pymlxc
+out = []
+with pymlxc.load_model({str(dirs["llama"])!r}, backend="metal") as m:
+    for name in {list(kinds)!r}:
+        try:
+            m.load_prompt_cache({str(tmp_path)!r} + "/" + name)
+            out.append("read")
+        except Exception as exc:
+            out.append([type(exc).__name__, str(exc)])
+report(out)
+""", timeout=120)
+    assert got == [["PromptCacheError", f"prompt cache file {tmp_path / k} is a {kind}, not a regular file"]
+                   for k, kind in kinds.items()]
 
 
 def _tampered(arrays: dict[str, Any], name: str, how: str) -> Any:

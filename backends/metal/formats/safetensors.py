@@ -4,40 +4,26 @@ inside the directory) read lazily into tensors under their checkpoint names, and
 HF name of a multimodal checkpoint's text tensors. Errors name the file."""
 from __future__ import annotations
 
-import itertools
-import json
-import math
 import os
-import reprlib
-import stat
-import struct
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pymlxc.core as mx
 from pymlxc.core import Array, MLXError
-from pymlxc.files import check_directory, check_regular_file, read_json
+from pymlxc.files import check_directory, read_json
+from pymlxc.safetensors_check import DTYPE_SIZES, HEADER_LIMIT, MAX_DIM, _repr, check_loaded, read_header
+from pymlxc.safetensors_check import check_header as _check_header
 
 from .errors import ConfigError, WeightsFileError
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)  # those MLX's affine quantization takes
 ADAPTER_FILES = ("adapters.safetensors", "adapter_model.safetensors")  # LoRA adapters, not the model's weights
-HEADER_LIMIT = 100_000_000  # the safetensors format's own bound on the JSON header
-MAX_DIM = 2**31 - 1  # MLX shapes are int32: its reader keeps only the low 32 bits of a larger dimension
-# The dtypes MLX's safetensors reader takes, and their sizes in bytes (the F8 ones load as uint8).
-DTYPE_SIZES: dict[str, int] = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E8M0": 1, "U16": 2, "I16": 2,
-                               "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "C64": 8}
 # What a checkpoint of another quantization format (GPTQ, AWQ, bitsandbytes, fp8, ...) is told.
 _FOREIGN_QUANT_HINT = ("only MLX-quantized checkpoints (mlx-lm's 'quantization' entry: affine 'bits' and "
                        "'group_size') and unquantized float16/bfloat16/float32 ones load; convert this one with "
                        "mlx_lm.convert from its unquantized original")
-
-_repr = reprlib.Repr()
-_repr.maxstring = 60
-_repr.maxother = 60
-_repr.maxlist = _repr.maxtuple = 8
 
 
 # ---------------------------------------------------------------------- config
@@ -136,77 +122,15 @@ def _shard_name(name: str, index: Path) -> str:
 
 
 def _read_header(f: Path) -> tuple[Any, int]:
-    """The parsed JSON header of the safetensors file `f` and the size of its data section; only
-    the header's bytes are read (the data is left to MLX's lazy reader)."""
-    check_regular_file(f, what="weights file")  # MLX opens it by name: no FIFO, no device
-    # O_NONBLOCK: a FIFO swapped in after the check cannot block the open either.
-    with os.fdopen(os.open(f, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)), "rb") as fh:
-        st = os.fstat(fh.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise WeightsFileError(f"weights file {f} is no longer a regular file")
-        prefix = fh.read(8)
-        n = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else 0
-        if not 2 <= n <= min(HEADER_LIMIT, st.st_size - 8):
-            raise WeightsFileError(f"weights file {f}: not a safetensors file: header length {n} is not within "
-                                   f"2..{HEADER_LIMIT} and the file's {st.st_size} bytes")
-        raw = fh.read(n)
-    if len(raw) < n:
-        raise WeightsFileError(f"weights file {f} was cut short while its header was read")
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: JSON, or an int of 4300+ digits
-        raise WeightsFileError(f"weights file {f}: header is not valid JSON: {exc}") from None
-    return header, st.st_size - 8 - n
+    """The parsed JSON header of the weights file `f` and the size of its data section
+    (`pymlxc.safetensors_check.read_header`); a FIFO or device there raises `UnsafeFileError`."""
+    return read_header(f, what="weights file", error=WeightsFileError)
 
 
 def check_header(f: Path, header: Any, data_size: int) -> None:
-    """Refuse a safetensors header MLX would read wrong or not at all: an unknown dtype, a shape
-    that is not a list of non-negative int32 values (MLX truncates a larger one: [2**32 + 64]
-    loads as (64,)), data_offsets that do not hold exactly the shape's bytes within the data
-    section, tensors that share bytes, and `__metadata__` that is not an object of strings."""
-    if not isinstance(header, dict):
-        raise WeightsFileError(f"weights file {f}: header is not a JSON object but {type(header).__name__}")
-    spans: list[tuple[int, int, str]] = []
-    for name, entry in header.items():
-        if name == "__metadata__":  # optional: null as the safetensors format reads it (MLX writes it)
-            strings = isinstance(entry, dict) and all(isinstance(v, str) for v in entry.values())
-            if entry is not None and not strings:
-                raise WeightsFileError(f"weights file {f}: __metadata__: expected an object of strings, got "
-                                       f"{_repr.repr(entry)}")
-            continue
-        where = f"tensor {name!r} in {f} has"
-        if not isinstance(entry, dict):
-            raise WeightsFileError(f"{where} a header entry {_repr.repr(entry)}, not an object with dtype, shape "
-                                   "and data_offsets")
-        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
-            raise WeightsFileError(f"{where} dtype {_repr.repr(dtype)}, which MLX cannot read (it reads "
-                                   f"{', '.join(DTYPE_SIZES)})")
-        # type() is int: JSON true is a bool, which is an int to isinstance
-        if not isinstance(shape, list) or not all(type(d) is int for d in shape):
-            raise WeightsFileError(f"{where} shape {_repr.repr(shape)}, not a list of integers")
-        if any(d < 0 for d in shape):  # MLX's reader takes [-2, -2] for 4 values
-            raise WeightsFileError(f"{where} a negative dimension: shape {_repr.repr(tuple(shape))}")
-        if any(d > MAX_DIM for d in shape):
-            raise WeightsFileError(f"{where} a dimension over {MAX_DIM}, the most an MLX shape holds: shape "
-                                   f"{_repr.repr(tuple(shape))}")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-            raise WeightsFileError(f"{where} data_offsets {_repr.repr(offsets)}, not [begin, end] integers")
-        begin, end = offsets
-        if not 0 <= begin <= end <= data_size:
-            raise WeightsFileError(f"{where} data_offsets [{begin}, {end}] outside the file's data section of "
-                                   f"{data_size} bytes")
-        need = math.prod(shape) * DTYPE_SIZES[dtype]  # exact: MLX's 64-bit product of [2**30] * 4 wraps to 0
-        if end - begin != need:
-            raise WeightsFileError(f"{where} data_offsets [{begin}, {end}], {end - begin} bytes, but shape "
-                                   f"{_repr.repr(tuple(shape))} of {dtype} takes {need}")
-        if need:
-            spans.append((begin, end, name))
-    spans.sort()
-    for (b0, e0, n0), (b1, e1, n1) in itertools.pairwise(spans):
-        if b1 < e0:  # sorted: the first overlap, if any, is between neighbours
-            raise WeightsFileError(f"tensor {n1!r} in {f} has data_offsets [{b1}, {e1}], which overlap those of "
-                                   f"tensor {n0!r}, [{b0}, {e0}]")
+    """Refuse, with a `WeightsFileError`, a header MLX would read wrong or not at all
+    (`pymlxc.safetensors_check.check_header`)."""
+    _check_header(f, header, data_size, what="weights file", error=WeightsFileError)
 
 
 def read_shards(files: list[Path]) -> tuple[dict[str, Array], dict[str, Path]]:
@@ -222,14 +146,12 @@ def read_shards(files: list[Path]) -> tuple[dict[str, Array], dict[str, Path]]:
             arrays, _ = mx.load_safetensors(f)
         except MLXError as exc:
             raise WeightsFileError(f"cannot read weights file {f}: {exc}") from exc
-        for k, v in arrays.items():
+        for k in arrays:
             if k in origin:
                 raise WeightsFileError(f"tensor {k!r} is in two weights files: {origin[k]} and {f}")
-            if k not in header or list(v.shape) != header[k]["shape"]:  # replaced since its header was checked
-                raise WeightsFileError(f"tensor {k!r} in {f}: MLX read shape {tuple(v.shape)}, not the checked "
-                                       "header's (did the file change?)")
-            weights[k] = v
-            origin[k] = f
+        check_loaded(f, header, arrays, error=WeightsFileError)  # replaced since its header was checked?
+        weights.update(arrays)
+        origin.update(dict.fromkeys(arrays, f))
     return weights, origin
 
 

@@ -174,6 +174,16 @@ def test_lora_numbers_are_checked_before_the_model_loads(option: str, value: str
     one_line_error(done, 1, message)
 
 
+def test_lora_batch_size_past_the_dataset_is_refused_before_the_model_loads(tmp_path: Path) -> None:
+    """--batch-size 32 on 10 examples trained batches of 10 (after loading the model)."""
+    (tmp_path / "train.jsonl").write_text("".join(f'{{"text": "line {i}"}}\n' for i in range(10)))
+    done = run("lora", str(tmp_path / "no-model"), "--data", str(tmp_path), "--batch-size", "32", "-q")
+    one_line_error(done, 1, "--batch-size 32 is larger than the training set", "train.jsonl has only 10 examples")
+    done = run("lora", str(tmp_path / "no-model"), "--data", str(tmp_path), "--batch-size", "9", "--valid-split",
+               "0.2", "-q")
+    one_line_error(done, 1, "has only 8 examples (after holding out 2 for validation)")
+
+
 def test_a_diverged_training_is_an_error_not_an_internal_one(monkeypatch: pytest.MonkeyPatch,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """training raises FloatingPointError naming the step (the loss or the weights went non-finite)."""

@@ -297,7 +297,7 @@ class TrainableMixin:
         eos = next(iter(sorted(tok.eos_token_ids)), None) if tok.eos_token_ids else None
         if tok.eos_token is not None and tok.token_to_id(tok.eos_token) is not None:
             eos = tok.token_to_id(tok.eos_token)
-        render = None
+        render = render_tools = None
         has_builtin = True
         try:
             builtin_template(tok.model_type)
@@ -306,9 +306,13 @@ class TrainableMixin:
         if tok.chat_template is not None or has_builtin:
             def render(messages: Sequence[Any], add_generation_prompt: bool) -> str:
                 return render_chat(messages, tok, add_generation_prompt=add_generation_prompt)
+
+            def render_tools(messages: Sequence[Any], add_generation_prompt: bool, tools: Sequence[Any]) -> str:
+                return render_chat(messages, tok, add_generation_prompt=add_generation_prompt, tools=list(tools))
         return Encoder(encode=lambda text: tok.encode(text),
                        encode_plain=lambda text: tok.encode(text, add_special_tokens=False),
-                       eos_token_id=eos, render_chat=render, model_type=self._model_type)
+                       eos_token_id=eos, render_chat=render, render_chat_tools=render_tools,
+                       model_type=self._model_type)
 
     def set_grad_checkpoint(self, enabled: bool) -> None:
         with self._step():

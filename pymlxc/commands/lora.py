@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pymlxc.training import LoRAConfig
+    from pymlxc.training import LoRAConfig, TrainConfig
 
 
 def _configure_lora(p: argparse.ArgumentParser) -> None:
@@ -69,6 +69,19 @@ def check_lora_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--warmup-steps must be >= 0, not {args.warmup_steps}")
 
 
+def check_lora_data(data: str, config: TrainConfig) -> None:
+    """The dataset's records read and counted against --batch-size before the model loads (which
+    can take minutes): `train` refuses fewer examples than one batch, and a malformed line too."""
+    from pymlxc.training.data import load_records
+
+    train, valid = load_records(data, config.valid_split, config.seed)
+    if len(train) < config.batch_size:
+        held = f" (after holding out {len(valid)} for validation)" if valid and valid[0].source == train[0].source \
+            else ""
+        raise ValueError(f"--batch-size {config.batch_size} is larger than the training set: {train[0].source} has "
+                         f"only {len(train)} examples{held}")
+
+
 # command-line option (argparse's name) -> LoRAConfig field
 _LORA_OPTIONS = {"rank": "rank", "alpha": "alpha", "keys": "target_keys", "num_layers": "num_layers",
                  "dropout": "dropout", "lora_dtype": "dtype"}
@@ -97,8 +110,6 @@ def _run_lora(args: argparse.Namespace) -> int:
     from pymlxc.training import TrainConfig, train
 
     check_lora_arguments(args)
-
-    lora = lora_config(args)
     config = TrainConfig(
         iters=args.iters, batch_size=args.batch_size, learning_rate=args.learning_rate,
         weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, lr_schedule=args.lr_schedule,
@@ -106,6 +117,8 @@ def _run_lora(args: argparse.Namespace) -> int:
         grad_checkpoint=args.grad_checkpoint, valid_split=args.valid_split, steps_per_report=args.steps_per_report,
         steps_per_eval=args.steps_per_eval, val_batches=args.val_batches, save_every=args.save_every,
         seed=args.seed, resume=args.resume, progress=not args.quiet)
+    check_lora_data(args.data, config)
+    lora = lora_config(args)
     with load(args) as model:
         if not args.quiet:
             print(

@@ -190,12 +190,14 @@ class TrainableModel(TextModel, Protocol):
 class Encoder:
     """Turns dataset records into tokens: `encode` adds the tokenizer's own specials (BOS),
     `encode_plain` adds none (for rendered chat text, whose template writes them), `render_chat`
-    is None when the model has no chat template."""
+    is None when the model has no chat template; `render_chat_tools` renders with a chat record's
+    tool definitions (the template's `tools`), None where the encoder cannot."""
 
     encode: Callable[[str], list[int]]
     encode_plain: Callable[[str], list[int]]
     eos_token_id: int | None
     render_chat: Callable[[Sequence[Any], bool], str] | None = None
+    render_chat_tools: Callable[[Sequence[Any], bool, Sequence[Any]], str] | None = None
     model_type: str = field(default="")
 
 

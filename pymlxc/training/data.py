@@ -18,7 +18,7 @@ import numpy as np
 
 import pymlxc.core as mx
 from pymlxc.core import Array
-from pymlxc.files import read_text
+from pymlxc.files import read_bytes
 
 from .config import Encoder
 
@@ -70,7 +70,14 @@ def read_jsonl(path: str | Path) -> list[Record]:
     if not path.exists():
         raise DatasetError(f"no such dataset file: {path}")
     # Only a regular file of bounded size is read: a FIFO or a device would block or never end.
-    text = read_text(path, what="dataset file", max_bytes=DATASET_LIMIT, error=DatasetError)
+    raw = read_bytes(path, what="dataset file", max_bytes=DATASET_LIMIT)
+    try:
+        # utf-8-sig: a leading byte-order mark (Notepad, PowerShell) is no JSON error on line 1.
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        lineno = raw.count(b"\n", 0, exc.start) + 1
+        raise DatasetError(f"{path}:{lineno}: not UTF-8 text (byte {raw[exc.start]:#04x}): "
+                           "save the file as UTF-8") from None
     records: list[Record] = []
     first_format: str | None = None
     for lineno, line in enumerate(io.StringIO(text, newline=None), 1):  # open()'s newlines
@@ -143,6 +150,32 @@ def _messages(record: Record) -> list[dict[str, Any]]:
     return messages
 
 
+def _tools(record: Record, encoder: Encoder) -> list[Any] | None:
+    """A chat record's `tools` (None or [] for none), rendered into its template as mlx-lm's chat
+    dataset renders them: a list of objects, and a model whose encoder can render them."""
+    tools = record.data.get("tools")
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise DatasetError(f"{record.where}: 'tools' must be a list of objects (tool definitions), not "
+                           f"{type(tools).__name__}" + (" with other items" if isinstance(tools, list) else ""))
+    if encoder.render_chat_tools is None:
+        raise DatasetError(f"{record.where}: records with 'tools' need a model whose chat template takes tool "
+                           "definitions, and this encoder renders messages only")
+    return tools
+
+
+def _no_tools(record: Record) -> None:
+    """A prompt/completion record's `tools` is refused: mlx-lm's completion dataset drops it, and a
+    model trained on such records would learn tool calls without the definitions its prompts had.
+    Chat records (`messages`) take them."""
+    tools = record.data.get("tools")
+    if tools is not None and tools != []:
+        raise DatasetError(f"{record.where}: prompt/completion records with 'tools' are not supported (the "
+                           "prompt is rendered without tool definitions); write the record as 'messages' with "
+                           "'tools', or remove the 'tools' key")
+
+
 def _string(record: Record, key: str) -> str:
     value = record.data[key]
     if not isinstance(value, str):
@@ -165,6 +198,7 @@ def tokenize(record: Record, encoder: Encoder, mask_prompt: bool = True) -> Exam
                 tokens.append(encoder.eos_token_id)
             offset = 0
         elif fmt == "completion":
+            _no_tools(record)
             prompt, completion = _string(record, "prompt"), _string(record, "completion")
             if encoder.render_chat is not None:
                 turns = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
@@ -180,11 +214,16 @@ def tokenize(record: Record, encoder: Encoder, mask_prompt: bool = True) -> Exam
             if encoder.render_chat is None:
                 raise DatasetError(f"{record.where}: chat records need a chat template, and the model has none")
             messages = _messages(record)
-            tokens = encoder.encode_plain(encoder.render_chat(messages, False))
+            tools = _tools(record, encoder)
+            render = encoder.render_chat
+            if tools is not None and encoder.render_chat_tools is not None:
+                with_tools = encoder.render_chat_tools
+                render = lambda turns, add_generation_prompt: with_tools(turns, add_generation_prompt, tools)  # noqa: E731
+            tokens = encoder.encode_plain(render(messages, False))
             offset = 0
             if len(messages) > 1:
                 last_is_assistant = messages[-1].get("role") == "assistant"
-                offset = len(encoder.encode_plain(encoder.render_chat(messages[:-1], last_is_assistant)))
+                offset = len(encoder.encode_plain(render(messages[:-1], last_is_assistant)))
     except DatasetError:
         raise
     except Exception as exc:  # a template or tokenizer error: say which record caused it
@@ -196,6 +235,26 @@ def tokenize(record: Record, encoder: Encoder, mask_prompt: bool = True) -> Exam
 
 def tokenize_all(records: Sequence[Record], encoder: Encoder, mask_prompt: bool = True) -> list[Example]:
     return [tokenize(r, encoder, mask_prompt) for r in records]
+
+
+def check_token_ids(examples: Sequence[Example], vocab_size: int) -> None:
+    """Every token id must have a row in the model's embedding and logits. A tokenizer's added
+    token past them (a `<pad>` appended by a fine-tuning tool) is not refused by MLX's gather: it
+    reads another row, and the loss of that target is taken from a logit that does not exist."""
+    for e in examples:
+        if min(e.tokens) >= 0 and max(e.tokens) < vocab_size:
+            continue
+        bad = next(t for t in e.tokens if not 0 <= t < vocab_size)
+        raise DatasetError(f"{e.where}: token id {bad} is outside the model's vocabulary of {vocab_size} "
+                           "(an added token of the tokenizer that the model has no embedding for)")
+
+
+def check_batch_size(examples: Sequence[Example], batch_size: int, what: str) -> None:
+    """At least `batch_size` examples, as mlx-lm requires: fewer would make one smaller batch, a
+    run at another batch size than asked for. `what` names the data (its file)."""
+    if len(examples) < batch_size:
+        raise DatasetError(f"Dataset must have at least batch_size={batch_size} examples, but {what} has only "
+                           f"{len(examples)}: lower batch_size or add examples")
 
 
 @dataclass(frozen=True)
@@ -227,10 +286,14 @@ def batch_order(examples: Sequence[Example], batch_size: int, *, seed: int = 0, 
     padding); the order of batches is shuffled each epoch with a generator seeded by (seed, epoch), so
     the sequence depends only on the seed: a resumed run skips what it has done and sees the same
     batches as an uninterrupted one. With `loop`, epochs repeat forever; `drop_last` leaves out the
-    short remainder batch (kept when it is the only one)."""
+    short remainder batch; with it, fewer examples than `batch_size` are refused (there would be no
+    full batch). Without it, they make one smaller batch (a whole validation set)."""
     if not examples:
         raise DatasetError("no examples to batch")
-    batch_size = min(batch_size, len(examples))
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, not {batch_size}")
+    if drop_last:
+        check_batch_size(examples, batch_size, "the training set")
     by_length = sorted(range(len(examples)), key=lambda i: (len(examples[i].tokens), i))
     groups = [by_length[i:i + batch_size] for i in range(0, len(by_length), batch_size)]
     if drop_last and len(groups) > 1 and len(groups[-1]) < batch_size:

@@ -28,12 +28,15 @@ from tqdm import tqdm
 import pymlxc.core as mx
 from pymlxc.core import Array
 from pymlxc.files import read_json
+from pymlxc.safetensors_check import checked_load
 
 from .adapters import MLX_WEIGHTS
 from .config import LoRAConfig, SupportsTraining, TrainableModel, TrainConfig
 from .data import (
     Batch,
     Example,
+    check_batch_size,
+    check_token_ids,
     check_trained_tokens,
     count_truncated,
     iterate_batches,
@@ -156,10 +159,12 @@ class Trainer:
         return value
 
     def evaluate(self, examples: Sequence[Example], num_batches: int = -1) -> float:
-        """Mean loss per trained token over `num_batches` batches (-1: all) of `examples`."""
+        """Mean loss per trained token over `num_batches` batches (-1: all) of `examples`. Batches
+        are grouped by length, so a limited number is a seeded sample of them: the same each
+        evaluation (losses comparable across steps), not the shortest examples every time."""
         total, count = 0.0, 0
         for n, (_, batch) in enumerate(iterate_batches(examples, self.config.batch_size, self.config.max_seq_length,
-                                                       shuffle=False, loop=False, drop_last=False)):
+                                                       seed=self.config.seed, loop=False, drop_last=False)):
             if 0 <= num_batches <= n:
                 break
             loss, ntok = masked_cross_entropy(self.model.logits(batch.inputs), batch.targets, batch.mask)
@@ -189,7 +194,8 @@ class Trainer:
         """The adapter's and optimizer's arrays of the checkpoint at `path`, whose training state
         `state` is (`read_resume_state`, read once by the caller)."""
         file = path / STATE_ARRAYS
-        arrays, _ = mx.load_safetensors(file)
+        # Header checked first; any failure is a ValueError naming the file, as for the rest of a damaged checkpoint.
+        arrays, _ = checked_load(file, ValueError, "training state file")
         params = {k[len("params."):]: v for k, v in arrays.items() if k.startswith("params.")}
         current = self.adapter.trainable_parameters()
         mismatch = sorted(set(current) ^ set(params))
@@ -247,6 +253,11 @@ def read_resume_state(file: Path) -> tuple[dict[str, Any], LoRAConfig]:
     return state, config
 
 
+def _differences(asked: LoRAConfig, have: LoRAConfig, name: str) -> str:
+    return ", ".join(f"{f.name} {getattr(asked, f.name)!r} ({name}: {getattr(have, f.name)!r})"
+                     for f in dataclasses.fields(LoRAConfig) if getattr(asked, f.name) != getattr(have, f.name))
+
+
 def _check_model(model: Any) -> None:
     missing = [name for name, proto in (("TrainableModel", TrainableModel), ("SupportsTraining", SupportsTraining))
                if not isinstance(model, proto)]
@@ -273,6 +284,12 @@ def train(model: Any, data: str | Path, adapter_path: str | Path = "adapters", *
         with load_model(str(model), backend="metal") as loaded:
             return train(loaded, data, adapter_path, lora=lora, config=config, callback=callback)
     _check_model(model)
+    current = model.adapter
+    if lora is not None and current is not None and lora != current.config:
+        # The model's adapter is what trains; another config asked for would be ignored.
+        raise ValueError(f"the model already has an adapter, and the LoRA config asked for differs from it: "
+                         f"{_differences(lora, current.config, 'adapter')}; leave lora out to train that "
+                         "adapter, or remove_adapter() first")
     with model.training_scope():
         return _train(model, data, adapter_path, lora, config, callback)
 
@@ -289,10 +306,8 @@ def _train(model: Any, data: str | Path, adapter_path: str | Path, lora: LoRACon
         resume_state, resume_lora = read_resume_state(adapter_dir / STATE_FILE)
         if lora is not None and lora != resume_lora and model.adapter is None:
             # The checkpoint's adapter is what resumes; another config asked for would be ignored.
-            differ = [f"{f.name} {getattr(lora, f.name)!r} (checkpoint: {getattr(resume_lora, f.name)!r})"
-                      for f in dataclasses.fields(LoRAConfig) if getattr(lora, f.name) != getattr(resume_lora, f.name)]
             raise ValueError(f"cannot resume from {adapter_dir}: the LoRA config asked for differs from the "
-                             f"checkpoint's: {', '.join(differ)}")
+                             f"checkpoint's: {_differences(lora, resume_lora, 'checkpoint')}")
 
     train_records, valid_records = load_records(data, config.valid_split, config.seed)
     encoder = model.training_encoder()
@@ -300,6 +315,13 @@ def _train(model: Any, data: str | Path, adapter_path: str | Path, lora: LoRACon
     valid_set = tokenize_all(valid_records, encoder, config.mask_prompt)
     check_trained_tokens(train_set, config.max_seq_length)
     check_trained_tokens(valid_set, config.max_seq_length)
+    vocab_size = int(model.info().vocab_size)
+    check_token_ids(train_set, vocab_size)
+    check_token_ids(valid_set, vocab_size)
+    what = train_records[0].source
+    if valid_records and valid_records[0].source == what:  # held out by valid_split
+        what += f" (after holding out {len(valid_records)} for validation, valid_split={config.valid_split})"
+    check_batch_size(train_set, config.batch_size, what)
 
     adapter = model.adapter
     applied = adapter is None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -10,10 +11,21 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reliability.hostile_safetensors import (
+    CASE_IDS,
+    DIMS,
+    WRAPPING_DIMS,
+    bytes_as_mlx_counts,
+    widen_first_dim,
+    write_case,
+    write_safetensors,
+)
+from reliability.subproc import run_case
 
 import pymlxc
 import pymlxc.core as mx
 from pymlxc.training import AdapterError, DatasetError, LoRAConfig, TrainConfig
+from pymlxc.training.adapters import read_adapter
 
 from .conftest import load
 
@@ -446,3 +458,164 @@ def test_a_one_step_cosine_run_trains(llama_dir: Path, repeat_data: Path, tmp_pa
                      lr_schedule="cosine", progress=False)
         after = model.adapter.trainable_parameters()
         assert any(not np.array_equal(before[k], np.array(after[k])) for k in before)
+
+
+# ---------------------------------------------------------------------- hostile safetensors files
+# Adapter weights and a checkpoint's training state are safetensors files from the user's disk: their
+# headers are checked before MLX's reader opens them (pymlxc.safetensors_check), which used to take a
+# dimension past int32 as its low 32 bits and fail on others with a message naming no tensor.
+
+_MLX_CONFIG = {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": {"rank": 2, "scale": 20.0}}
+_PEFT_CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
+
+
+def _adapter_dir(root: Path, fmt: str) -> Path:
+    """An adapter directory of `fmt` with its config, its weights file left to the test."""
+    root.mkdir(parents=True)
+    (root / "adapter_config.json").write_text(json.dumps(_MLX_CONFIG if fmt == "mlx" else _PEFT_CONFIG))
+    return root
+
+
+def _weights(fmt: str) -> str:
+    return "adapters.safetensors" if fmt == "mlx" else "adapter_model.safetensors"
+
+
+@pytest.mark.parametrize("fmt", ["mlx", "peft"])
+@pytest.mark.parametrize("case", CASE_IDS)
+def test_a_hostile_adapter_weights_file_is_an_adapter_error(tmp_path: Path, case: str, fmt: str) -> None:
+    ad = _adapter_dir(tmp_path / "ad", fmt)
+    expected = write_case(ad / _weights(fmt), case, "adapter weights file")
+    with pytest.raises(AdapterError) as info:
+        read_adapter(ad)
+    assert str(info.value).startswith(expected), str(info.value)
+
+
+@pytest.mark.parametrize("fmt", ["mlx", "peft"])
+def test_an_adapter_dimension_past_int32_is_refused_not_truncated(llama_adapter: Path, peft_adapter: Path,
+                                                                  llama_dir: Path, tmp_path: Path, fmt: str) -> None:
+    """A real adapter whose header adds 2**32 to a dimension: MLX used to load it with its old
+    shape, so the adapter loaded as if nothing were wrong."""
+    ad = _copy(llama_adapter if fmt == "mlx" else peft_adapter, tmp_path / "ad")
+    tensors, _ = mx.load_safetensors(ad / _weights(fmt))
+    name = sorted(tensors)[0]
+    shape = widen_first_dim(ad / _weights(fmt), name)
+    with load(llama_dir) as model:
+        with pytest.raises(AdapterError, match=rf"^tensor {re.escape(repr(name))} in {re.escape(str(ad))}/"
+                                               rf".* has a dimension over 2147483647.*shape {re.escape(str(shape))}"):
+            model.load_adapter(ad)
+        assert model.adapter is None and not any("lora" in k for k in model.model.parameters())
+
+
+_RANK = st.sampled_from([2, 2 + 2**32, 2 - 2**32])  # the config's rank 2, as MLX took all three
+# Any shapes, and pairs that MLX's reader made fit the config: (in, rank) and (rank, out).
+_LORA_A = st.one_of(st.lists(DIMS, max_size=3), st.tuples(WRAPPING_DIMS, _RANK).map(list))
+_LORA_B = st.one_of(st.lists(DIMS, max_size=3), st.tuples(_RANK, WRAPPING_DIMS).map(list))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(a=_LORA_A, b=_LORA_B, spare=st.integers(0, 64))
+def test_an_adapter_loads_as_its_header_says_or_is_an_adapter_error(tmp_path_factory: pytest.TempPathFactory,
+                                                                   a: list[object], b: list[object],
+                                                                   spare: int) -> None:
+    """A LoRA pair of any shapes, data_offsets sized as MLX counts bytes (so its reader takes
+    them): an AdapterError naming the file, or tensors of exactly the header's shapes."""
+    ad = _adapter_dir(tmp_path_factory.mktemp("h") / "ad", "mlx")
+    size_a, size_b = bytes_as_mlx_counts(a), bytes_as_mlx_counts(b)
+    header = {"m.lora_a": {"dtype": "F32", "shape": a, "data_offsets": [0, size_a]},
+              "m.lora_b": {"dtype": "F32", "shape": b, "data_offsets": [size_a, size_a + size_b]}}
+    write_safetensors(ad / "adapters.safetensors", header, bytes(64 + spare))
+    try:
+        adapter = read_adapter(ad)
+    except AdapterError as exc:
+        assert str(ad / "adapters.safetensors") in str(exc)
+        return
+    assert adapter.tensors["m.lora_a"].shape == tuple(a) and adapter.tensors["m.lora_b"].shape == tuple(b)
+
+
+def _checkpoint_copy(checkpoint: tuple[Path, Path], tmp_path: Path) -> tuple[Path, Path, Path]:
+    """(data, a copy of the checkpoint, its training_state.safetensors)."""
+    data, good = checkpoint
+    ad = _copy(good, tmp_path / "ad")
+    return data, ad, ad / "training_state.safetensors"
+
+
+def test_a_hostile_training_state_file_is_a_value_error(checkpoint: tuple[Path, Path], llama_dir: Path,
+                                                        tmp_path: Path) -> None:
+    """Each hostile file in place of training_state.safetensors: a ValueError (what a damaged
+    checkpoint raises) naming the file and the tensor; MLX's own error used to escape raw."""
+    with load(llama_dir) as model:
+        for case in CASE_IDS:
+            data, ad, file = _checkpoint_copy(checkpoint, tmp_path / case)
+            expected = write_case(file, case, "training state file")
+            with pytest.raises(ValueError) as info:
+                pymlxc.train(model, data, ad, iters=4, batch_size=2, resume=True, progress=False)
+            assert str(info.value).startswith(expected), (case, str(info.value))
+            assert model.adapter is None
+
+
+def test_a_training_state_dimension_past_int32_is_refused(checkpoint: tuple[Path, Path], llama_dir: Path,
+                                                          tmp_path: Path) -> None:
+    """A moment whose header adds 2**32 to a dimension used to load with its old shape and resume."""
+    data, ad, file = _checkpoint_copy(checkpoint, tmp_path)
+    name = next(n for n in sorted(mx.load_safetensors(file)[0]) if n.startswith("opt.") and n.endswith(".m"))
+    shape = widen_first_dim(file, name)
+    with load(llama_dir) as model:
+        with pytest.raises(ValueError, match=rf"^tensor {re.escape(repr(name))} in {re.escape(str(file))} has a "
+                                             rf"dimension over 2147483647.*shape {re.escape(str(shape))}"):
+            pymlxc.train(model, data, ad, iters=4, batch_size=2, resume=True, progress=False)
+        assert model.adapter is None
+
+
+def test_a_missing_training_state_file_is_a_value_error(checkpoint: tuple[Path, Path], llama_dir: Path,
+                                                        tmp_path: Path) -> None:
+    data, ad, file = _checkpoint_copy(checkpoint, tmp_path)
+    file.unlink()
+    missing = f"^training state file not found: {re.escape(str(file))}$"
+    with load(llama_dir) as model, pytest.raises(ValueError, match=missing):
+        pymlxc.train(model, data, ad, iters=4, batch_size=2, resume=True, progress=False)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs (POSIX)")
+def test_special_files_as_adapter_weights_or_training_state_are_refused_unread(
+        checkpoint: tuple[Path, Path], llama_dir: Path, tmp_path: Path) -> None:
+    """A FIFO (which would block MLX's open forever), a directory or a link to /dev/zero where the
+    adapter's weights or the training state should be: in a child, so that a hang fails one test,
+    each is refused by its reader's error naming the file."""
+    kinds = {"fifo": "FIFO (named pipe)", "dir": "directory", "zero": "character device"}
+
+    def plant(file: Path, kind: str) -> None:
+        file.unlink(missing_ok=True)
+        if kind == "fifo":
+            os.mkfifo(file)
+        elif kind == "dir":
+            file.mkdir()
+        else:
+            file.symlink_to("/dev/zero")
+
+    adapters, states = [], []
+    for kind in kinds:
+        ad = _adapter_dir(tmp_path / f"adapter-{kind}", "mlx")
+        plant(ad / "adapters.safetensors", kind)
+        adapters.append(str(ad))
+        data, state_dir, file = _checkpoint_copy(checkpoint, tmp_path / f"state-{kind}")
+        plant(file, kind)
+        states.append(str(state_dir))
+    got = run_case(f"""
+import pymlxc
+from pymlxc.training.adapters import read_adapter
+def attempt(fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+        return "read"
+    except Exception as exc:
+        return [type(exc).__name__, str(exc)]
+out = [attempt(read_adapter, ad) for ad in {adapters!r}]
+with pymlxc.load_model({str(llama_dir)!r}, backend="metal") as model:
+    out += [attempt(pymlxc.train, model, {str(data)!r}, ad, iters=4, batch_size=2, resume=True, progress=False)
+            for ad in {states!r}]
+report(out)
+""", timeout=300)
+    assert got == [["AdapterError", f"adapter weights file {tmp_path / f'adapter-{k}' / 'adapters.safetensors'} "
+                                    f"is a {name}, not a regular file"] for k, name in kinds.items()] + [
+        ["ValueError", f"training state file {tmp_path / f'state-{k}' / 'ad' / 'training_state.safetensors'} "
+                       f"is a {name}, not a regular file"] for k, name in kinds.items()]

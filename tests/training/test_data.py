@@ -1,18 +1,23 @@
 """JSON Lines datasets: formats, errors naming file and line, splits, batching and masks."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import pymlxc
+from pymlxc.testing import write_tiny_model
 from pymlxc.training import DatasetError, Encoder, load_records, make_batch, read_jsonl, tokenize
-from pymlxc.training.data import Example, batch_order, check_trained_tokens, iterate_batches
+from pymlxc.training.data import Example, batch_order, check_token_ids, check_trained_tokens, iterate_batches
 
 EOS = 0
 
@@ -206,3 +211,110 @@ def test_an_example_is_refused_exactly_when_its_batch_would_train_on_nothing(len
     else:
         with pytest.raises(DatasetError, match=r"d\.jsonl:7: no token of the record counts in the loss"):
             check_trained_tokens([example], max_seq_length)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 9), batch_size=st.integers(1, 12))
+def test_training_batches_are_full_or_refused(n: int, batch_size: int) -> None:
+    """Fewer examples than batch_size were batched as one smaller batch: a run at another batch
+    size than asked for, without a word. mlx-lm refuses them; so does the training order now. The
+    validation order (drop_last=False) still covers every example once, in batches of at most batch_size."""
+    examples = [Example(tuple(range(2 + i % 3)), 0, f"x:{i}") for i in range(n)]
+    if n < batch_size:
+        with pytest.raises(DatasetError, match=rf"at least batch_size={batch_size} examples, .* has only {n}"):
+            next(batch_order(examples, batch_size))
+    else:
+        assert all(len(ix) == batch_size for _, ix in itertools.islice(batch_order(examples, batch_size), 10))
+    once = [ix for _, ix in batch_order(examples, batch_size, loop=False, drop_last=False)]
+    assert sorted(i for ix in once for i in ix) == list(range(n)) and all(len(ix) <= batch_size for ix in once)
+
+
+def test_bytes_that_are_not_utf8_name_the_line(tmp_path: Path) -> None:
+    """The error named the file and a byte offset into it; the line is what a user can find."""
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"text": "a"}\n{"text": "b"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DatasetError, match=r"d\.jsonl:3: not UTF-8 text \(byte 0xe9\)"):
+        read_jsonl(path)
+
+
+def test_a_byte_order_mark_is_no_json_error(tmp_path: Path) -> None:
+    """A file saved with a BOM (Notepad, PowerShell) failed as 'malformed JSON' on line 1."""
+    path = tmp_path / "d.jsonl"
+    path.write_bytes("\ufeff".encode() + b'{"text": "a"}\n{"text": "b"}\n')
+    assert [r.data["text"] for r in read_jsonl(path)] == ["a", "b"]
+
+
+_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+_CHAT = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+
+
+def _tools_encoder() -> Encoder:
+    """`_encoder`'s, its template writing the tool names first where a record has tools."""
+    base = _encoder()
+    assert base.render_chat is not None
+
+    def render_tools(messages: Sequence[Any], add_generation_prompt: bool, tools: Sequence[Any]) -> str:
+        names = ",".join(t["function"]["name"] for t in tools)
+        return f"[{names}]" + base.render_chat(messages, add_generation_prompt)  # type: ignore[misc]
+
+    return dataclasses.replace(base, render_chat_tools=render_tools)
+
+
+def test_chat_records_with_tools_render_them_as_the_prompt(tmp_path: Path) -> None:
+    """A chat record's tools reach the template (mlx-lm's chat dataset renders them), and the
+    masked prompt covers them: only the last turn counts."""
+    [rec] = read_jsonl(_write(tmp_path / "d.jsonl", [json.dumps({"messages": _CHAT, "tools": _TOOLS})]))
+    ex = tokenize(rec, _tools_encoder())
+    plain = [ord(c) % 200 + 1 for c in "[get_weather]<user>q|<assistant>a|"]
+    assert list(ex.tokens) == plain
+    assert ex.offset == len("[get_weather]<user>q|<assistant>")
+    for none in (None, []):  # no tools: the template without them
+        [rec] = read_jsonl(_write(tmp_path / "d.jsonl", [json.dumps({"messages": _CHAT, "tools": none})]))
+        assert list(tokenize(rec, _tools_encoder()).tokens) == plain[len("[get_weather]"):]
+
+
+@pytest.mark.parametrize(("record", "message"), [
+    ({"messages": _CHAT, "tools": _TOOLS}, r"d\.jsonl:1: records with 'tools' need a model whose chat template"),
+    ({"messages": _CHAT, "tools": {"name": "f"}}, r"d\.jsonl:1: 'tools' must be a list of objects"),
+    ({"messages": _CHAT, "tools": ["f"]}, r"d\.jsonl:1: 'tools' must be a list of objects"),
+    ({"prompt": "q", "completion": "a", "tools": _TOOLS},
+     r"d\.jsonl:1: prompt/completion records with 'tools' are not supported"),
+])
+def test_tools_that_cannot_be_rendered_are_refused(tmp_path: Path, record: dict, message: str) -> None:
+    """Where the tools would be dropped (an encoder without them, a prompt/completion record, which
+    mlx-lm renders without them) or are not tool definitions, the record is refused by line; a
+    model trained on such records would learn tool calls its prompts never defined."""
+    [rec] = read_jsonl(_write(tmp_path / "d.jsonl", [json.dumps(record)]))
+    encoder = _encoder() if "need a model" in message else _tools_encoder()
+    with pytest.raises(DatasetError, match=message):
+        tokenize(rec, encoder)
+    [rec] = read_jsonl(_write(tmp_path / "d.jsonl", [json.dumps({**record, "tools": None})]))
+    assert tokenize(rec, encoder).tokens
+
+
+def test_a_models_encoder_renders_tools_through_its_template(tmp_path: Path) -> None:
+    """The metal backend's training encoder passes a record's tools to the chat template as
+    `tools`, as generation does."""
+    template = ("{% if tools %}TOOLS{% for t in tools %} {{ t.function.name }}{% endfor %}\n{% endif %}"
+                "{% for m in messages %}<{{ m.role }}>{{ m.content }}|{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    path = write_tiny_model(tmp_path / "m", "llama", seed=0, chat_template=template)
+    with pymlxc.load_model(str(path), backend="metal") as model:
+        encoder = model.training_encoder()
+        [rec] = read_jsonl(_write(tmp_path / "d.jsonl", [json.dumps({"messages": _CHAT, "tools": _TOOLS})]))
+        ex = tokenize(rec, encoder)
+        # The newline after a block tag goes, as transformers renders (trim_blocks).
+        assert list(ex.tokens) == encoder.encode_plain("TOOLS get_weather<user>q|<assistant>a|")
+        assert ex.offset == len(encoder.encode_plain("TOOLS get_weather<user>q|<assistant>"))
+
+
+@settings(max_examples=50, deadline=None)
+@given(tokens=st.lists(st.integers(-3, 40), min_size=2, max_size=8), vocab=st.integers(1, 40))
+def test_token_ids_outside_the_vocabulary_are_named(tokens: list[int], vocab: int) -> None:
+    example = Example(tuple(tokens), 0, "d.jsonl:4")
+    if all(0 <= t < vocab for t in tokens):
+        check_token_ids([example], vocab)
+    else:
+        bad = next(t for t in tokens if not 0 <= t < vocab)
+        with pytest.raises(DatasetError, match=rf"d\.jsonl:4: token id {bad} is outside the model's vocabulary"):
+            check_token_ids([example], vocab)

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
@@ -293,6 +294,8 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
             # FastAPI's "There was an error parsing the body": bytes that are not UTF-8, a number
             # with more digits than Python reads.
             return _error(400, f"the body is not valid JSON: {exc.__cause__}", code="invalid_json")
+        if exc.status_code == 400 and isinstance(exc.__cause__, RecursionError):
+            return _error(400, "the body is not valid JSON: nested too deeply", code="invalid_json")
         return _error(
             exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "server_error"
         )
@@ -326,7 +329,9 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
         the prompt's tokens, 0 where the engine counts them itself (a slot engine)."""
         limit = config.max_tokens_limit
         if max_tokens is not None and max_tokens > limit:
-            raise ApiError(400, f"max_tokens is {max_tokens}, over this server's limit of {limit}", param="max_tokens")
+            named = ("max_completion_tokens" if isinstance(body, ChatRequest) and body.max_completion_tokens is not None
+                     else "max_tokens")
+            raise ApiError(400, f"{named} is {max_tokens}, over this server's limit of {limit}", param=named)
         context = engine.context_len
         if context is not None and prompt_len >= context:
             raise ApiError(400, f"the prompt has {prompt_len} tokens; this model's context is {context}",
@@ -337,7 +342,7 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
             need("logit_bias", "logit_bias")
             bias = _logit_bias(body.logit_bias, getattr(engine, "vocab_size", 0))
         if body.presence_penalty or body.frequency_penalty:
-            need("penalties", "presence_penalty")
+            need("penalties", "presence_penalty" if body.presence_penalty else "frequency_penalty")
         if logprobs is not None:
             need("logprobs", "logprobs")
         top_p, top_k = _nucleus(body.top_p, body.top_k)
@@ -354,7 +359,9 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
 
     def encode_ids(ids: list[int], param: str) -> list[int]:
         vocab = getattr(engine, "vocab_size", 0)
-        if not ids or any(not 0 <= t < vocab for t in ids):
+        if not ids:
+            raise ApiError(400, f"{param} is empty", param=param)
+        if any(not 0 <= t < vocab for t in ids):
             raise ApiError(400, f"{param}: token ids must be in [0, {vocab})", param=param)
         return ids
 
@@ -398,7 +405,8 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
                 raise ApiError(400, "tools are not supported by this model's backend", param="tools")
             if body.response_format is not None and body.response_format.type != "text":
                 need("constraint", "response_format")
-            return Job(sampling(body, 0, max_tokens, None, "messages"), messages=_plain_messages(body.messages),
+            # logprobs passed on: an engine without them answers 400 rather than leave them out.
+            return Job(sampling(body, 0, max_tokens, logprobs, "messages"), messages=_plain_messages(body.messages),
                        stop=stop), False
         from pymlxc.backends.metal.chat_template import ChatTemplateError, render_chat
 
@@ -454,9 +462,23 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
         if piece.token is None:
             raise ValueError("a logprob entry needs the piece's token")
         text = token_text(piece.token)
-        return {"token": text, "logprob": piece.logprob, "bytes": list(text.encode()),
-                "top_logprobs": [{"token": token_text(t), "logprob": lp, "bytes": list(token_text(t).encode())}
-                                 for t, lp in piece.top_logprobs]}
+        return {"token": text, "logprob": _logprob(piece.logprob), "bytes": list(text.encode()),
+                "top_logprobs": [{"token": token_text(t), "logprob": _logprob(lp),
+                                  "bytes": list(token_text(t).encode())} for t, lp in piece.top_logprobs]}
+
+    def completion_logprobs(tokens: list[Piece], offset: int) -> dict[str, list[Any]]:
+        """The legacy completions' logprobs of `tokens` (pieces with a token), whose text starts
+        `offset` characters into the completion's."""
+        lp: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for piece in tokens:
+            assert piece.token is not None
+            text = token_text(piece.token)
+            lp["tokens"].append(text)
+            lp["token_logprobs"].append(_logprob(piece.logprob))
+            lp["top_logprobs"].append({token_text(t): _logprob(v) for t, v in piece.top_logprobs})
+            lp["text_offset"].append(offset)
+            offset += len(text)
+        return lp
 
     async def pieces(job: Job, request: Request) -> AsyncGenerator[Piece, None]:
         try:
@@ -493,18 +515,17 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
         if body.echo:
             echoed = job.prompt_text if job.prompt_text is not None else token_texts(job.prompt_ids or [])
 
-        def chunk(text: str, finish: str | None, piece: Piece | None) -> dict[str, Any]:
+        def chunk(text: str, finish: str | None, piece: Piece | None, offset: int = 0) -> dict[str, Any]:
             choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
             if job.params.logprobs is not None and piece is not None and piece.token is not None:
-                choice["logprobs"] = {"tokens": [token_text(piece.token)], "token_logprobs": [piece.logprob],
-                                      "top_logprobs": [{token_text(t): lp for t, lp in piece.top_logprobs}],
-                                      "text_offset": [0]}
+                choice["logprobs"] = completion_logprobs([piece], offset)
             return {"id": rid, "object": "text_completion", "created": now, "model": config.model_id,
                     "choices": [choice]}
 
         if body.stream:
             async def events() -> AsyncGenerator[str, None]:
                 count, finish = 0, "length"
+                offset = 0  # of the next token's text in the completion's, as the whole answer counts it
                 if echoed:
                     yield json.dumps(chunk(echoed, None, None))
                 try:
@@ -513,7 +534,9 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
                             count += piece.token is not None
                             finish = piece.finish or finish
                             if piece.text or piece.token is not None:
-                                yield json.dumps(chunk(piece.text, None, piece))
+                                yield json.dumps(chunk(piece.text, None, piece, offset))
+                            if piece.token is not None:
+                                offset += len(token_text(piece.token))
                 except Exception as exc:  # noqa: BLE001 - the stream has started: its last event says it
                     yield _stream_error(exc)
                     return
@@ -524,18 +547,9 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
                 yield "[DONE]"
             return _events(events())
         text, finish, tokens = await _race(_whole(first, stream), request, lifecycle)
-        lp: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = 0
-        for token, piece in tokens if job.params.logprobs is not None else ():
-            t = token_text(token)
-            lp["tokens"].append(t)
-            lp["token_logprobs"].append(piece.logprob)
-            lp["top_logprobs"].append({token_text(i): v for i, v in piece.top_logprobs})
-            lp["text_offset"].append(offset)
-            offset += len(t)
+        lp = completion_logprobs([piece for _, piece in tokens], 0) if job.params.logprobs is not None else None
         return {"id": rid, "object": "text_completion", "created": now, "model": config.model_id,
-                "choices": [{"index": 0, "text": echoed + text, "finish_reason": finish,
-                             "logprobs": lp if job.params.logprobs is not None else None}],
+                "choices": [{"index": 0, "text": echoed + text, "finish_reason": finish, "logprobs": lp}],
                 "usage": usage(prompt_len(job), len(tokens))}
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
@@ -554,13 +568,15 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
             async def events() -> AsyncGenerator[str, None]:
                 count, finish = 0, "length"
                 held, holding = "", use_tools
+                held_lps: list[dict[str, Any]] = []  # the held text's tokens: sent with it, as a whole answer has them
                 yield chunk({"role": "assistant", "content": ""}, None)
                 try:
                     async with contextlib.aclosing(_until_stopped(_chain(first, stream), lifecycle)) as chained:
                         async for piece in chained:
                             count += piece.token is not None
                             finish = piece.finish or finish
-                            lps = [chat_logprob(piece)] if want_lp and piece.token is not None else None
+                            if want_lp and piece.token is not None:
+                                held_lps.append(chat_logprob(piece))
                             if holding:
                                 held += piece.text
                                 if toolcalls.may_be_tool_call(held, tool_fmt):
@@ -568,6 +584,7 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
                                 holding, piece_text = False, held
                             else:
                                 piece_text = piece.text
+                            lps, held_lps = (held_lps or None), []
                             if piece_text or lps:
                                 yield chunk({"content": piece_text}, None, lps)
                 except Exception as exc:  # noqa: BLE001 - the stream has started: its last event says it
@@ -577,9 +594,10 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
                     _, calls = toolcalls.parse_tool_calls(held, tool_fmt)
                     if calls:
                         finish = "tool_calls"
-                        yield chunk({"tool_calls": [c.to_openai(i) for i, c in enumerate(calls)]}, None)
-                    elif held:
-                        yield chunk({"content": held}, None)
+                        yield chunk({"tool_calls": [c.to_openai(i) for i, c in enumerate(calls)]}, None,
+                                    held_lps or None)
+                    elif held or held_lps:
+                        yield chunk({"content": held}, None, held_lps or None)
                 yield chunk({}, finish)
                 if body.stream_options is not None and body.stream_options.include_usage:
                     yield json.dumps({"id": rid, "object": "chat.completion.chunk", "created": now,
@@ -614,6 +632,15 @@ def _events(events: AsyncGenerator[str, None]) -> EventSourceResponse:
     its event and waits while the stream ends itself (with its error event, SHUTDOWN_GRACE_S on)."""
     return EventSourceResponse(events, ping=15, shutdown_event=anyio.Event(),
                                shutdown_grace_period=SHUTDOWN_GRACE_S + 1.0)
+
+
+# OpenAI's log-probability of a token it deems impossible: JSON has no -Infinity (a stream's event
+# would not parse, a whole answer's would say null), and a constraint's masked tokens have it.
+IMPOSSIBLE_LOGPROB = -9999.0
+
+
+def _logprob(value: float | None) -> float | None:
+    return value if value is None or math.isfinite(value) else IMPOSSIBLE_LOGPROB
 
 
 def _nucleus(top_p: float, top_k: int) -> tuple[float, int]:

@@ -1,18 +1,33 @@
 """The request bodies of the OpenAI API, as pydantic models.
 
 Unknown fields are ignored (as OpenAI's API does); known fields are checked strictly (a string
-where a number belongs is an error, not a conversion), and the app turns any failure into a 400
-in OpenAI's error shape, naming the field.
+where a number belongs is an error, not a conversion; null in an optional field is its default, as
+OpenAI reads it), and the app turns any failure into a 400 in OpenAI's error shape, naming the
+field. OpenAI's fields that would change the answer in a way this server cannot (`n` or `best_of`
+over 1, `suffix`, the deprecated `functions`) are refused, not ignored.
 """
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticUndefined
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """OpenAI's optional fields are nullable: `"temperature": null` (which many clients send for
+        "not set") means the default, as leaving the field out does. A required field stays required."""
+        if not isinstance(data, dict):
+            return data
+        defaulted = {info.alias or name for name, info in cls.model_fields.items()
+                     if not info.is_required() and (info.default_factory is not None
+                                                    or info.default not in (None, PydanticUndefined))}
+        return {key: value for key, value in data.items() if not (value is None and key in defaulted)}
 
 
 class StreamOptions(_Body):
@@ -91,6 +106,17 @@ class CompletionRequest(Sampling):
     prompt: str | list[int] | list[str]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    # OpenAI's, which this server cannot honour: refused rather than ignored (the answer would be
+    # another than the one asked for). best_of 1, as n 1, is what every answer is.
+    best_of: int | None = Field(default=None, ge=1, le=1)
+    suffix: str | None = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
+            raise ValueError("suffix (text the completion must lead into) is not supported")
+        return suffix
 
 
 class ContentPart(_Body):
@@ -158,6 +184,18 @@ class ChatRequest(Sampling):
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # OpenAI's deprecated function calling: left unread, the model would answer without ever
+    # seeing the functions. Refused, naming what replaces it.
+    functions: None = None
+    function_call: None = None
+
+    @field_validator("functions", "function_call", mode="before")
+    @classmethod
+    def _deprecated(cls, value: Any, info: ValidationInfo) -> None:
+        if value is not None:
+            instead = "tools" if info.field_name == "functions" else "tool_choice"
+            raise ValueError(f"{info.field_name} (deprecated by OpenAI) is not supported: use {instead}")
+        return None
 
     @field_validator("top_logprobs")
     @classmethod

@@ -260,7 +260,8 @@ def test_a_json_body_without_its_content_type_is_read_as_json(server: Server) ->
 
 
 @pytest.mark.parametrize("body", [b'{"prompt": "\xff\xfe", "max_tokens": 2}',
-                                  b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}"])
+                                  b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}",
+                                  b'{"prompt": "x", "max_tokens": 2, "a": ' + b"[" * 5000 + b"]" * 5000 + b"}"])
 def test_a_body_python_cannot_read_as_json_is_an_invalid_json_400(server: Server, body: bytes) -> None:
     got = _post(server, "completions", body)
     assert got.status_code == 400, got.text

@@ -488,3 +488,20 @@ def test_mlx_lm_server_takes_the_documented_message_fields(mlx_lm_server: Server
                  b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}')
     assert lone.status_code == 400, lone.text
     assert lone.json()["error"]["param"] == "messages" and "surrogate" in lone.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("endpoint", "body", "param"), [
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True}, "logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 2},
+     "logprobs"),
+    ("completions", {"prompt": "Hi", "logprobs": 1}, "logprobs"),
+    ("completions", {"prompt": "Hi", "frequency_penalty": 1.0}, "frequency_penalty"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "presence_penalty": 1.0},
+     "presence_penalty"),
+])
+def test_mlx_lm_server_refuses_what_it_cannot_compute_naming_the_field(mlx_lm_server: Server, endpoint: str,
+                                                                       body: dict[str, object], param: str) -> None:
+    # An answer without the log-probabilities asked for would be silently short.
+    got = _post(mlx_lm_server, endpoint, {**body, "max_tokens": 2})
+    assert got.status_code == 400, got.text
+    assert got.json()["error"]["param"] == param, got.text

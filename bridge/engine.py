@@ -20,10 +20,17 @@ from mlx.nn.layers.embedding import Embedding  # the defining modules: mlx.nn re
 from mlx.nn.layers.quantized import QuantizedEmbedding
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    categorical_sampling,
+    greedy_sampler,
+    make_logits_processors,
+)
 
 from .detokenize import TokenBytes
-from .protocol import CommandError, context_problem
+from .protocol import REPEAT_PENALTY_CONTEXT, CommandError, context_problem
 
 Event = dict[str, Any]
 # The device mlx chose at start: what `device` null or "default" returns to after a load asked for "cpu".
@@ -235,15 +242,62 @@ class Engine:
 
     # ---- sampling -------------------------------------------------------------------------------
 
-    def _sampling(self, opts: dict[str, Any]) -> tuple[Any, list[Any]]:
-        if opts["seed"] is not None:
-            mx.random.seed(opts["seed"] % (1 << 64))  # mlx takes a uint64; any JSON integer is accepted
+    def _filters(self, opts: dict[str, Any]) -> list[Callable[[Any], Any]]:
+        """mlx-lm's filters in pymlxc's order (backends/metal/sample.py, llama.cpp's): top-k, then
+        top-p over what top-k kept, then min-p. mlx-lm's make_sampler applies top-p to the whole
+        distribution before top-k, which keeps other tokens when both are set."""
         # top_k beyond the vocabulary keeps every token, i.e. is off; mlx-lm would raise instead.
         top_k = opts["top_k"] if opts["top_k"] < self.vocab_size else 0
-        sampler = make_sampler(opts["temperature"], top_p=opts["top_p"], min_p=opts["min_p"], top_k=top_k)
+        top_p, min_p = opts["top_p"], opts["min_p"]
+        filters: list[Callable[[Any], Any]] = []
+        if top_k > 0:
+            filters.append(lambda x: apply_top_k(x, top_k))
+        if 0.0 < top_p < 1.0:
+            filters.append(lambda x: apply_top_p(x, top_p))
+        if min_p > 0.0:
+            filters.append(lambda x: apply_min_p(x, min_p))
+        return filters
+
+    def _sampling(self, opts: dict[str, Any]) -> tuple[Any, list[Any]]:
+        """The sampler (on mlx's global random state, seeded here when asked) and logits processors."""
+        if opts["seed"] is not None:
+            mx.random.seed(opts["seed"] % (1 << 64))  # mlx takes a uint64; any JSON integer is accepted
+        temperature = opts["temperature"]
+        sampler: Callable[[Any], Any] = greedy_sampler
+        if temperature != 0.0:
+            filters = self._filters(opts)
+
+            def sample(logprobs: Any) -> Any:
+                for f in filters:
+                    logprobs = f(logprobs)
+                return categorical_sampling(logprobs, temperature)
+
+            sampler = sample
         penalty = opts["repeat_penalty"]
-        processors = make_logits_processors(repetition_penalty=penalty if penalty != 1.0 else None)
+        processors = make_logits_processors(repetition_penalty=penalty if penalty != 1.0 else None,
+                                            repetition_context_size=REPEAT_PENALTY_CONTEXT)
         return sampler, processors
+
+    def _row_samplers(self, opts: dict[str, Any], rows: int) -> list[Callable[[Any], Any]] | None:
+        """One sampler per row of a seeded batch, each with its own key from the seed (None where the
+        batch shares one): a row then samples as `generate` does with that seed, whatever else the
+        batch holds, as the metal backend's batch rows do."""
+        temperature, seed = opts["temperature"], opts["seed"]
+        if temperature == 0.0 or seed is None or rows < 2:
+            return None
+        filters = self._filters(opts)
+
+        def keyed(state: list[Any]) -> Callable[[Any], Any]:
+            def sample(logprobs: Any) -> Any:
+                for f in filters:
+                    logprobs = f(logprobs)
+                # How mlx draws from its global state: split, keep the first half, draw with the second.
+                state[0], key = mx.random.split(state[0])
+                return mx.random.categorical(logprobs * (1.0 / temperature), key=key)
+
+            return sample
+
+        return [keyed([mx.random.key(seed % (1 << 64))]) for _ in range(rows)]
 
     def _memory(self) -> dict[str, int]:
         return {"peak_memory_bytes": int(mx.get_peak_memory()), "active_memory_bytes": int(mx.get_active_memory())}
@@ -397,13 +451,17 @@ class Engine:
         stops: list[list[int]],
         cancelled: Callable[[], bool],
         first_logits: list[Any] | None = None,
+        row_samplers: bool = False,
     ) -> tuple[dict[int, list[tuple[int, Any]]], dict[int, str], dict[str, Any]]:
         """Run mlx-lm's BatchGenerator; per prompt index: (token, logprobs) pairs and a finish reason.
 
         `first_logits`, when given, receives per prompt the logits its first token was sampled from
         (after the logits processors), which BatchGenerator does not return: it hands the sampler
-        only their log-probabilities."""
+        only their log-probabilities. `row_samplers`: a seeded batch's rows each sample with their own
+        key (`_row_samplers`, batch_generate); else they share one draw (classify, as the metal
+        backend's classify samples its rows at once)."""
         sampler, processors = self._sampling(opts)
+        samplers = self._row_samplers(opts, len(prompts)) if row_samplers else None
         per_prompt = None
         if first_logits is not None:
             first_logits[:] = [None] * len(prompts)
@@ -419,7 +477,7 @@ class Engine:
         steps: dict[int, list[tuple[int, Any]]] = {}
         finish: dict[int, str] = {}
         try:
-            uids = gen.insert(prompts, logits_processors=per_prompt)
+            uids = gen.insert(prompts, samplers=samplers, logits_processors=per_prompt)
             index = {uid: i for i, uid in enumerate(uids)}
             steps = {i: [] for i in range(len(prompts))}
             with gen.stats() as stats:
@@ -497,7 +555,8 @@ class Engine:
         if not runnable or opts["max_tokens"] == 0:
             return results, self._no_work()
         stops = [[t] for t in sorted(set(self.tokenizer.eos_token_ids) | set(opts["stop_tokens"]))]
-        steps, finish, metrics = self._run_batch(encoded, opts, opts["max_tokens"], stops, cancelled)
+        steps, finish, metrics = self._run_batch(encoded, opts, opts["max_tokens"], stops, cancelled,
+                                                 row_samplers=True)
         for j, i in enumerate(runnable):
             reason = finish[j]
             ids = [t for t, _ in steps[j]]

@@ -24,6 +24,9 @@ FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: below it, 
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e6
 # The repeat penalty multiplies or divides logits in the model's dtype (float16 overflows at 65504).
 MIN_REPEAT_PENALTY, MAX_REPEAT_PENALTY = 1e-2, 1e2
+# How many of the latest ids (prompt and output) the repeat penalty looks at: llama.cpp's repeat_last_n,
+# on both backends (mlx-lm's own default is 20).
+REPEAT_PENALTY_CONTEXT = 64
 
 REPLY_TYPES = ("hello", "progress", "token", "done", "result", "error")
 TERMINAL_TYPES = ("done", "result", "error")  # each request gets exactly one of these

@@ -26,6 +26,7 @@ from .bridge.protocol import (
     template_name_problem,
     template_value_problem,
 )
+from .bridge.protocol import REPEAT_PENALTY_CONTEXT as REPEAT_PENALTY_CONTEXT
 from .settings import Settings, current
 
 T = TypeVar("T")
@@ -59,7 +60,10 @@ def checked_real(name: str, value: Any) -> float:
     """`value` as a float when it is a finite, non-subnormal real number (not a bool)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, not {type(value).__name__} {value!r}")
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int (or Fraction, Decimal) beyond float's range
+        raise ValueError(f"{name} must be finite, not {type(value).__name__} too large for a float") from None
     if not math.isfinite(number):
         raise ValueError(f"{name} must be finite, not {number}")
     if number != 0.0 and abs(number) < _FLOAT32_TINY:

@@ -105,6 +105,13 @@ BAD_CALLS: list[tuple[str, Callable[[TextModel], Any], type[Exception], str]] = 
     ("a negative id to inspect", lambda m: m.inspect_attention([5, -1]), ValueError, "-1"),
     ("an id past the vocabulary to inspect", lambda m: m.inspect_attention([10**6]), ValueError, "1000000"),
     ("a number to inspect", lambda m: m.inspect_attention(5), TypeError, "^prompt must be .*not int"),
+    # float() of an int past float's range raised OverflowError (no ValueError, no option named).
+    ("an int temperature past float's range", lambda m: m.generate("x", temperature=10**400), ValueError,
+     "^temperature must be finite"),
+    ("an int top_p past float's range", lambda m: m.classify(["x"], top_p=-(10**400)), ValueError,
+     "^top_p must be finite"),
+    ("an int timeout past float's range", lambda m: m.batch_generate(["x"], timeout=10**400), ValueError,
+     "^timeout must be finite"),
     # The worker ran one unchunked pass whatever the length (attention memory grows with its square:
     # a line of millions of ids got it OOM-killed); the metal backend evicted past context_len.
 ]
@@ -364,3 +371,61 @@ def test_a_template_that_refuses_the_messages_raises_template_error(strict_templ
     good = [{"role": "user", "content": "hi"}]
     assert len(list(m.chat(good, max_tokens=2))) == 2 and m.err() is None
     assert m.prompt_length(good) == strict_template_models["metal"].prompt_length(good)
+
+
+# ---- sampling: the same options sample the same tokens on both backends ---------------------------
+# The metal backend draws from its own key as mlx's global generator does after mx.random.seed, so
+# a seed gives the same tokens on both where their filters and penalties agree.
+
+
+def _ids_on_both(loaded: dict[str, TextModel], call: Callable[[TextModel], Any]) -> dict[str, Any]:
+    seen = {}
+    for name, m in loaded.items():
+        seen[name] = call(m)
+        assert m.err() is None, (name, m.err())
+    return seen
+
+
+def test_the_repeat_penalty_looks_at_the_same_tokens_on_both_backends(loaded: dict[str, TextModel]) -> None:
+    # The mlx_lm worker penalised the last 20 tokens (mlx-lm's default), metal the last 64
+    # (llama.cpp's): the greedy tokens parted once prompt and output passed 20 tokens.
+    prompt = "a b " * 30
+    streams = _ids_on_both(loaded, lambda m: [t.id for t in m.generate(prompt, max_tokens=30, repeat_penalty=1.5)])
+    assert streams["metal"] == streams["mlx_lm"]
+    batches = _ids_on_both(loaded, lambda m: [[t.id for t in r.tokens] for r in m.batch_generate(
+        [prompt, "x"], max_tokens=30, repeat_penalty=1.5)])
+    assert batches["metal"] == batches["mlx_lm"]
+    assert batches["metal"][0] == streams["metal"]
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(top_k=st.integers(1, 600), top_p=st.sampled_from([0.0, 0.05, 0.5, 0.9, 1.0]),
+       min_p=st.sampled_from([0.0, 0.5, 0.9]), seed=st.integers(0, 2**64 - 1))
+def test_seeded_sampling_with_the_filters_together_agrees_across_backends(
+        loaded: dict[str, TextModel], top_k: int, top_p: float, min_p: float, seed: int) -> None:
+    # The worker used mlx-lm's make_sampler, whose top-p sees the whole distribution before top-k;
+    # metal applies top-k, then top-p over what it kept (llama.cpp's order): other tokens were kept.
+    options = dict(max_tokens=6, temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    seen = _ids_on_both(loaded, lambda m: [t.id for t in m.generate("The baker", **options)])
+    assert seen["metal"] == seen["mlx_lm"]
+
+
+def test_top_k_then_top_p_keeps_what_metal_keeps_on_the_worker(loaded: dict[str, TextModel]) -> None:
+    options = dict(max_tokens=8, temperature=1.0, top_k=40, top_p=0.5, seed=1)
+    seen = _ids_on_both(loaded, lambda m: [t.id for t in m.generate("x", **options)])
+    assert seen["metal"] == seen["mlx_lm"]
+    # Top-p over the 40 kept is a stronger cut than top-k alone: the two options do not reduce to one.
+    assert seen["metal"] != [t.id for t in loaded["metal"].generate("x", **{**options, "top_p": 0.0})]
+
+
+def test_each_row_of_a_seeded_batch_samples_as_generate_does_on_both_backends(loaded: dict[str, TextModel]) -> None:
+    # The worker drew a seeded batch's rows from one generator: a row's tokens depended on the
+    # other rows, and equal prompts got different tokens (the metal backend's rows each have a key).
+    prompts = ["x", "x", "The baker"]
+    options = dict(max_tokens=5, temperature=1.0, top_k=40, seed=3)
+    seen = _ids_on_both(loaded, lambda m: [[t.id for t in r.tokens] for r in m.batch_generate(prompts, **options)])
+    assert seen["metal"] == seen["mlx_lm"]
+    rows = seen["metal"]
+    assert rows[0] == rows[1]
+    for name, m in loaded.items():
+        assert [t.id for t in m.generate("The baker", **options)] == rows[2], name

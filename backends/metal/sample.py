@@ -15,9 +15,10 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import pymlxc.core as mx
+from pymlxc.options import REPEAT_PENALTY_CONTEXT
 
 _NEG_INF = float("-inf")
-DEFAULT_PENALTY_CONTEXT = 64  # llama.cpp's repeat_last_n
+DEFAULT_PENALTY_CONTEXT = REPEAT_PENALTY_CONTEXT  # llama.cpp's repeat_last_n, the mlx_lm worker's too
 
 
 class Sampler(Protocol):

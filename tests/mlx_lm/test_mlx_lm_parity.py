@@ -13,7 +13,13 @@ from pymlxc.testing import write_tiny_model
 
 mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")
-from mlx_lm.sample_utils import make_logits_processors, make_sampler  # noqa: E402
+from mlx_lm.sample_utils import (  # noqa: E402
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    categorical_sampling,
+    make_logits_processors,
+)
 
 PROMPTS = ["The baker counted the coins", "héllo wörld 你好 🙂", "x"]
 
@@ -60,9 +66,16 @@ def test_seeded_sampling_equals_mlx_lm_with_the_same_options(model: MlxLmModel, 
     options = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.02, repeat_penalty=1.3, seed=11)
     ids, _ = _ours(model, model.generate(PROMPTS[0], max_tokens=20, **options))
     mx.random.seed(11)
-    sampler = make_sampler(0.9, top_p=0.95, min_p=0.02, top_k=40)
+
+    # mlx-lm's own filters and penalty in pymlxc's semantics, shared with the metal backend: top-k
+    # before top-p (make_sampler applies top-p first), over the last 64 tokens (its default is 20).
+    def sampler(logprobs: Any) -> Any:
+        logprobs = apply_min_p(apply_top_p(apply_top_k(logprobs, 40), 0.95), 0.02)
+        return categorical_sampling(logprobs, 0.9)
+
     expected, _ = _mlx_lm_stream(
-        reference, PROMPTS[0], 20, sampler=sampler, logits_processors=make_logits_processors(repetition_penalty=1.3)
+        reference, PROMPTS[0], 20, sampler=sampler,
+        logits_processors=make_logits_processors(repetition_penalty=1.3, repetition_context_size=64)
     )
     assert ids == expected
     again, _ = _ours(model, model.generate(PROMPTS[0], max_tokens=20, **options))

@@ -25,7 +25,7 @@ from pymlxc.types import GenerateMetrics
 
 from . import memory_check
 from .models.base import layer_listener
-from .nn import arrays_of
+from .nn import arrays_of, dequantized_block_bytes
 from .recurrent_cache import set_left_padding
 from .sample import DEFAULT_PENALTY_CONTEXT, LogitsProcessor, Sampler, apply_processors, greedy
 from .step_queue import StepQueue
@@ -206,7 +206,8 @@ def prefill(model: LanguageModel, tokens: mx.Array, cache: Sequence[Any], *, ste
     if new_tokens is not None:
         check_memory(model, cache, tokens.shape[0], tokens.shape[1], new_tokens, step)
     forward = _chunk_forward(model, mask, runner)
-    layers_ahead = prefill_lead(model, tokens.shape[0] * _largest_chunk(tokens.shape[1], start, step))
+    layers_ahead = prefill_lead(model, tokens.shape[0] * _largest_chunk(tokens.shape[1], start, step),
+                                runner if mask is None else None)
     if queue is not None and queue.threaded:
         return _prefill_threaded(forward, tokens, cache, step=step, guard=guard, start=start, queue=queue,
                                  finish=finish, lead=layers_ahead)
@@ -235,13 +236,18 @@ def _largest_chunk(length: int, start: int, step: int) -> int:
     return max(first, min(step, length - start - first))
 
 
-def prefill_lead(model: Any, rows: int) -> int:
+def prefill_lead(model: Any, rows: int, runner: PrefillRunner | None = None) -> int:
     """Layers the host may run ahead of the device in a prefill whose largest chunk has `rows` rows:
-    PREFILL_LEAD_LAYERS, or one where the chunk's dense products would hold more than
-    PREFILL_DENSE_BYTES of weight copies over that many layers."""
+    PREFILL_LEAD_LAYERS, or one where the chunk's dense products (op by op, or the compiled
+    prefill's dequantized ones through `runner`) would hold more than PREFILL_DENSE_BYTES of weight
+    copies over that many layers."""
     dense_rows = getattr(model, "dense_rows", 0)
     per_layer = getattr(model, "dense_block_bytes", 0)
-    if dense_rows and rows >= dense_rows and (PREFILL_LEAD_LAYERS + 1) * per_layer > PREFILL_DENSE_BYTES:
+    if runner is not None and runner.dequantized and runner.takes_rows(rows):
+        per_layer = dequantized_block_bytes(model)
+    elif not (dense_rows and rows >= dense_rows):
+        per_layer = 0
+    if (PREFILL_LEAD_LAYERS + 1) * per_layer > PREFILL_DENSE_BYTES:
         return 1
     return PREFILL_LEAD_LAYERS
 

@@ -730,11 +730,16 @@ def mark_dense_products(model: Any, use: bool) -> None:
     for m in marked:
         m._dense_rows = rows
     model.dense_rows = rows if marked else 0
-    # The dequantized copies one block's dense products make (two bytes a weight; the head and the
-    # embedding run on one position): what the prefill holds per layer in flight (generate.prefill_lead).
-    linears = [m for m in marked if isinstance(m, QuantizedLinear)]
+    # What the prefill holds per layer in flight (generate.prefill_lead).
+    model.dense_block_bytes = dequantized_block_bytes(model) if rows else 0
+
+
+def dequantized_block_bytes(model: Any) -> int:
+    """The dequantized copies one block's dense products make (two bytes a weight; the head and
+    the embedding run on one position)."""
+    linears = [m for m in quantized_layers(model) if isinstance(m, QuantizedLinear)]
     blocks = max(1, len(getattr(model, "layers", None) or ()))
-    model.dense_block_bytes = 2 * sum(m.output_dims * m.input_dims for m in linears) // blocks if rows else 0
+    return 2 * sum(m.output_dims * m.input_dims for m in linears) // blocks
 
 
 def mark_qmm_products(model: Any, use: bool, dtype: Any) -> bool:

@@ -286,5 +286,38 @@ def test_prefill_lead_is_one_layer_where_dense_copies_would_pass_the_budget(mode
             assert lm.dense_block_bytes == 2 * weights // len(lm.layers)
             nn.mark_dense_products(lm, False)
             assert lm.dense_block_bytes == 0 and loops.prefill_lead(lm, 4096) == loops.PREFILL_LEAD_LAYERS
+            assert nn.dequantized_block_bytes(lm) == 2 * weights // len(lm.layers)
+        finally:
+            loaded.free()
+
+
+def test_prefill_lead_counts_the_compiled_prefills_dequantized_copies(models, monkeypatch) -> None:
+    """A prefill runner that dequantizes its products (`PrefillRunner.dequantized`) holds a block's
+    dense copies for the chunks it takes: the lead drops to one layer where they pass the budget
+    over PREFILL_LEAD_LAYERS + 1 layers, as for the op-by-op dense products."""
+    from pymlxc.backends.metal import nn
+    from pymlxc.testing import write_tiny_model as write
+
+    class Runner:
+        dequantized = True
+
+        def takes_rows(self, rows: int) -> bool:
+            return 8 < rows < 512
+
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        loaded = load_weights_and_config(write(Path(tmp) / "q", "llama", num_layers=3, quantize_bits=4))
+        try:
+            lm, runner = loaded.model, Runner()
+            per_layer = nn.dequantized_block_bytes(lm)
+            monkeypatch.setattr(loops, "PREFILL_DENSE_BYTES", (loops.PREFILL_LEAD_LAYERS + 1) * per_layer - 1)
+            assert loops.prefill_lead(lm, 128, runner) == 1
+            assert loops.prefill_lead(lm, 128) == loops.PREFILL_LEAD_LAYERS  # no runner: MLX's products
+            assert loops.prefill_lead(lm, 4, runner) == loops.PREFILL_LEAD_LAYERS  # not the runner's chunk
+            runner.dequantized = False
+            assert loops.prefill_lead(lm, 128, runner) == loops.PREFILL_LEAD_LAYERS
+            runner.dequantized = True
+            monkeypatch.setattr(loops, "PREFILL_DENSE_BYTES", (loops.PREFILL_LEAD_LAYERS + 1) * per_layer)
+            assert loops.prefill_lead(lm, 128, runner) == loops.PREFILL_LEAD_LAYERS
         finally:
             loaded.free()

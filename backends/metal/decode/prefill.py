@@ -345,7 +345,10 @@ class PrefillRunner:
 
     def takes(self, chunk: Array) -> bool:
         """Whether a chunk of token ids [B, L] runs here (else op by op, see the class)."""
-        rows = chunk.shape[0] * chunk.shape[1]
+        return self.takes_rows(chunk.shape[0] * chunk.shape[1])
+
+    def takes_rows(self, rows: int) -> bool:
+        """Whether a chunk of `rows` token ids (batch times length) runs here."""
         return rows > self._few_rows and not (self._many_rows and rows >= self._many_rows)
 
     def __call__(self, tokens: Array, cache: Sequence[Any], on_layer: Callable[[Array, Any], None] | None = None

@@ -28,12 +28,14 @@ PROG = "pymlxc"
 
 @dataclass(frozen=True)
 class Command:
-    """A subcommand: `configure` adds its arguments, `run` does it and returns the exit status."""
+    """A subcommand: `configure` adds its arguments, `run` does it and returns the exit status.
+    `reads_stdin`: it reads its input from stdin (`pymlxc launch` then gives every rank a copy)."""
 
     name: str
     help: str
     configure: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    reads_stdin: bool = False
 
 
 _commands: dict[str, Command] = {}
@@ -142,8 +144,21 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def sampling_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
-            "top_p": args.top_p, "min_p": args.min_p, "repeat_penalty": args.repeat_penalty, "seed": args.seed}
+    """The options of `add_sampling_arguments`, checked as `GenerateConfig` checks them: here, before
+    the model is loaded (or downloaded), and named as the command line spells them."""
+    from pymlxc.options import GenerateConfig, make_config
+
+    options = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
+               "top_p": args.top_p, "min_p": args.min_p, "repeat_penalty": args.repeat_penalty, "seed": args.seed}
+    try:
+        make_config(GenerateConfig, **options)
+    except (TypeError, ValueError) as exc:
+        message = str(exc)
+        name = message.split(" ", 1)[0]
+        if name in options:  # "top_p must be ..." -> "--top-p must be ..."
+            message = "--" + name.replace("_", "-") + message[len(name):]
+        raise ValueError(message) from None
+    return options
 
 
 def _print_stream(tokens: Iterable[Any], out: IO[str]) -> str:
@@ -277,7 +292,7 @@ def _run_discover(args: argparse.Namespace) -> int:
 
 for _command in (
     Command("generate", "generate text after a prompt", _configure_generate, _run_generate),
-    Command("chat", "chat interactively (reads messages from stdin)", _configure_chat, _run_chat),
+    Command("chat", "chat interactively (reads messages from stdin)", _configure_chat, _run_chat, reads_stdin=True),
     Command("info", "describe a model", _configure_info, _run_info),
     Command("discover", "list the model directories under a folder, or the models in the Hugging Face cache",
             _configure_discover, _run_discover),
@@ -323,22 +338,50 @@ def build_parser() -> argparse.ArgumentParser:
         command = _commands[name]
         p = sub.add_parser(name, help=command.help, description=command.help)
         command.configure(p)
-        p.set_defaults(_run=command.run)
+        p.set_defaults(_run=command.run, _parser=p)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
+        try:
+            return _main(argv)
+        finally:
+            # Flushed here, not at the interpreter's exit, where a reader gone (`| head`) would make
+            # Python print "Exception ignored ... BrokenPipeError" and exit with status 120.
+            if sys.stdout is not None:
+                sys.stdout.flush()
+    except BrokenPipeError:
+        _discard_stdout()
+        return 0
+
+
+def _discard_stdout() -> None:
+    """The reader went away: not an error; later writes and the interpreter's own flush go nowhere."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The arguments, or argparse's usage error (SystemExit 2). One that the command does not know is
+    refused with that command's usage: argparse's own refusal shows the top-level usage instead."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    try:
         for failure in load_extensions():
             print(f"{PROG}: warning: command extension failed to load: {failure}", file=sys.stderr)
-        args = build_parser().parse_args(argv)
+        args = parse_arguments(argv)
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
     except BrokenPipeError:
-        # The reader went away (`| head`): not an error; keep the interpreter from flushing again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _discard_stdout()
         return 0
     except (OSError, ValueError, TypeError, KeyError, RuntimeError, FloatingPointError) as exc:
         # FloatingPointError: training's diverged loss or weights, named with the step
@@ -358,13 +401,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-if __name__ == "__main__":
-    # Run the canonical module's main, so that extensions importing `pymlxc.cli` share its registry.
-    from pymlxc.cli import main as _main
-
-    sys.exit(_main())
-
-
 def _wants_traceback() -> bool:
     """`settings.traceback`; False where the environment's settings do not read (their own error
     was reported at import already)."""
@@ -372,3 +408,10 @@ def _wants_traceback() -> bool:
         return settings.current().traceback
     except settings.SettingsError:
         return False
+
+
+if __name__ == "__main__":
+    # Run the canonical module's main, so that extensions importing `pymlxc.cli` share its registry.
+    from pymlxc.cli import main as _canonical_main
+
+    sys.exit(_canonical_main())

@@ -10,6 +10,7 @@ peer sees the lost connection at once) and are then killed, so a launch never ha
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -84,10 +86,13 @@ def _describe(code: int | None) -> str:
 
 
 def run_local(n: int, command: Sequence[str], *, backend: str = "ring", timeout: float | None = None,
-              grace: float = 10.0, env: dict[str, str] | None = None, echo: bool = False) -> list[RankResult]:
+              grace: float = 10.0, env: dict[str, str] | None = None, echo: bool = False,
+              stdin: int | None = None) -> list[RankResult]:
     """Run `command` as ranks 0..n-1 here; return every rank's result once all have ended. Raises
     LaunchError naming the first rank that failed (with its stderr's end) or the timeout.
-    `echo`: rank 0's stdout is copied to this process's as it comes."""
+    `echo`: rank 0's stdout is copied to this process's as it comes. `stdin`: a file descriptor whose
+    input every rank reads on its stdin, each a copy as it comes (the ranks run the same steps, so
+    they need the same input); None: /dev/null."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"the number of ranks must be an int >= 1, not {n!r}")
     if not command:
@@ -101,14 +106,22 @@ def run_local(n: int, command: Sequence[str], *, backend: str = "ring", timeout:
                 out = open(Path(tmp) / f"rank{r}.out", "w+b")  # noqa: SIM115 - closed below
                 err = open(Path(tmp) / f"rank{r}.err", "w+b")  # noqa: SIM115
                 logs.append((out, err))
-                procs.append(subprocess.Popen(list(command), stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                procs.append(subprocess.Popen(list(command), stdout=out, stderr=err,
+                                              stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
                                               env={**os.environ, **(env or {}), **envs[r]}))
+            if stdin is not None:
+                # A daemon: a read of a terminal that never ends must not keep the launcher alive.
+                threading.Thread(target=_copy_to_all, args=(stdin, [p.stdin for p in procs if p.stdin]),
+                                 daemon=True, name="pymlxc-launch-stdin").start()
             failed, killed = _watch(procs, logs[0][0] if echo else None, timeout, grace)
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
+                if p.stdin is not None:  # the copying thread may still wait on a terminal
+                    with contextlib.suppress(OSError, ValueError):
+                        p.stdin.close()
         results = []
         for r, (p, (out, err)) in enumerate(zip(procs, logs, strict=True)):
             out.seek(0)
@@ -126,6 +139,32 @@ def run_local(n: int, command: Sequence[str], *, backend: str = "ring", timeout:
         tails = [(r, results[r].stderr[-(3000 if i == 0 else 1500):]) for i, r in enumerate(shown)]
         raise LaunchError(why + "".join(f"\n--- rank {r} stderr ---\n{tail}" for r, tail in tails if tail), results)
     return results
+
+
+def _copy_to_all(source: int, sinks: list[IO[bytes]]) -> None:
+    """Copy the file descriptor `source` to every sink as it comes (a line typed on a terminal at
+    once), closing each at its end; a rank that has ended (its pipe broken) is dropped. os.read, not
+    sys.stdin.buffer: this daemon thread blocked in a buffered read holds the buffer's lock, and the
+    interpreter's exit then aborts ("could not acquire lock ... at interpreter shutdown")."""
+    live = list(sinks)
+    try:
+        while live:
+            try:
+                chunk = os.read(source, 1 << 16)
+            except OSError:  # the descriptor closed under us
+                break
+            if not chunk:
+                break
+            for sink in list(live):
+                try:
+                    sink.write(chunk)
+                    sink.flush()
+                except (OSError, ValueError):  # BrokenPipeError: the rank ended; ValueError: closed here
+                    live.remove(sink)
+    finally:
+        for sink in sinks:
+            with contextlib.suppress(OSError, ValueError):
+                sink.close()
 
 
 def _watch(procs: list[subprocess.Popen[bytes]], echo_file: IO[bytes] | None, timeout: float | None,

@@ -51,6 +51,54 @@ def test_help_of_every_command(command: str) -> None:
     assert done.stdout.startswith(f"usage: pymlxc {command}") and done.stderr == ""
 
 
+def test_python_dash_m_pymlxc_runs_the_command_line() -> None:
+    done = subprocess.run([sys.executable, "-m", "pymlxc", "discover", "--help"], capture_output=True, text=True,
+                          timeout=60, env=_env(), cwd=ROOT, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: pymlxc discover")
+
+
+def test_an_unknown_option_is_refused_with_the_commands_usage(tmp_path: Path) -> None:
+    """Was the top-level usage (`pymlxc [-h] COMMAND ...`), which does not show the command's options."""
+    done = run("info", str(tmp_path / "no-model"), "--bogus", timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("usage: pymlxc info ")
+    assert done.stderr.strip().splitlines()[-1] == "pymlxc info: error: unrecognized arguments: --bogus"
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX pipes")
+@pytest.mark.parametrize("command", [["--help"], ["discover", "{tmp}"], ["info", "{model}", "-q"]])
+def test_a_reader_gone_before_the_output_ends_quietly(command: list[str], model_dir: Path, tmp_path: Path) -> None:
+    """`pymlxc info MODEL | head -c 1`: output still buffered at exit met the closed pipe in the
+    interpreter's own flush, which printed "Exception ignored ... BrokenPipeError" and exited 120."""
+    write_tiny_model(tmp_path / "m", "llama", seed=1)
+    argv = [a.format(tmp=tmp_path, model=model_dir) for a in command]
+    env = {k: v for k, v in _env().items() if k != "PYTHONUNBUFFERED"}  # stdout block-buffered, as in a shell
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "-m", "pymlxc.cli", *argv], stdout=write, stderr=subprocess.PIPE,
+                              stdin=subprocess.DEVNULL, text=True, timeout=120, env=env, cwd=ROOT)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (0, "")
+
+
+@pytest.mark.parametrize("command,option,value,message", [
+    ("generate", "--top-p", "1.5", "--top-p must be in [0, 1], not 1.5"),
+    ("generate", "--max-tokens", "-1", "--max-tokens must be >= 0, not -1"),
+    ("generate", "--seed", "-1", "--seed must be in [0, 18446744073709551616), not -1"),
+    ("chat", "--temperature", "nan", "--temperature must be finite, not nan"),
+    ("chat", "--min-p", "3", "--min-p must be in [0, 1], not 3.0"),
+])
+def test_sampling_options_are_checked_before_the_model_loads(command: str, option: str, value: str, message: str,
+                                                             tmp_path: Path) -> None:
+    """They were checked by the backend after the load (or a download): a missing model was named
+    first, and a real one loaded for minutes before the typo was."""
+    argv = [command, str(tmp_path / "no-model"), *(["hi"] if command == "generate" else []), option, value, "-q"]
+    one_line_error(run(*argv), 1, message)
+
+
 # ---------------------------------------------------------------------- discover
 
 def test_discover_of_a_missing_folder_is_an_error(tmp_path: Path) -> None:
@@ -70,6 +118,7 @@ def test_discover_of_a_file_is_an_error(tmp_path: Path) -> None:
     ("--runs", "-3", "--runs must be >= 1, not -3"),
     ("--warmup", "-1", "--warmup must be >= 0, not -1"),  # was no warm-up, silently
     ("--prompt-tokens", "0", "--prompt-tokens must be >= 1, not 0"),  # was 128 tokens, silently
+    ("--max-tokens", "0", "--max-tokens must be >= 1, not 0"),  # was a prefill of millions of tok/s, no decode
 ])
 def test_bench_counts_are_checked_before_anything_loads(option: str, value: str, message: str,
                                                         tmp_path: Path) -> None:
@@ -96,6 +145,25 @@ def test_launch_options_are_checked_before_any_rank_starts(options: list[str], m
                                                            tmp_path: Path) -> None:
     done = run("launch", *options, "--", "generate", str(tmp_path / "no-model"), "hi", "-q", timeout=90)
     one_line_error(done, 2, message)
+
+
+@pytest.mark.parametrize("command,message", [
+    (["discover", "."], "'discover' loads no model to split over ranks; the commands that run as ranks: bench, chat"),
+    (["nope"], "'nope' is not a pymlxc command"),
+])
+def test_launch_refuses_a_command_that_cannot_run_as_ranks(command: list[str], message: str) -> None:
+    """Every rank started, then each refused the `--distributed` the launcher adds ("unrecognized
+    arguments: --distributed tensor", an option the user never typed) and the launch exited 1."""
+    one_line_error(run("launch", "-n", "2", "--", *command, timeout=90), 2, f"pymlxc launch: {message}")
+
+
+def test_launch_reports_the_commands_usage_error_before_any_rank_starts(tmp_path: Path) -> None:
+    """Was "rank 0 exited with status 2" with each rank's usage message, after starting them all."""
+    done = run("launch", "-n", "2", "--", "generate", str(tmp_path / "no-model"), timeout=90)
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == "pymlxc generate: error: the following arguments are required: prompt"
+    assert "rank" not in done.stderr
 
 
 # ---------------------------------------------------------------------- main's handlers

@@ -231,8 +231,9 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--warmup must be >= 0, not {args.warmup}")
     if args.prompt_tokens is not None and args.prompt_tokens < 1:
         raise ValueError(f"--prompt-tokens must be >= 1, not {args.prompt_tokens}")
-    if args.max_tokens < 0:
-        raise ValueError(f"--max-tokens must be >= 0, not {args.max_tokens}")
+    if args.max_tokens < 1:
+        # No token: no first token to time, no decode, and a prefill "rate" of millions of tok/s.
+        raise ValueError(f"--max-tokens must be >= 1, not {args.max_tokens}")
 
 
 def _run_bench(args: argparse.Namespace) -> int:

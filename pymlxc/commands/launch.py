@@ -9,7 +9,10 @@ import argparse
 import math
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pymlxc.cli import Command
 
 
 def _configure(p: argparse.ArgumentParser) -> None:
@@ -45,7 +48,28 @@ def _check(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _takes_distributed(command: Command) -> bool:
+    """Whether the command has the --distributed option that the ranks are run with."""
+    probe = argparse.ArgumentParser(add_help=False)
+    command.configure(probe)
+    return "--distributed" in probe._option_string_actions  # noqa: SLF001 - argparse's option table
+
+
+def _check_command(cmd: list[str]) -> str | None:
+    """What is wrong with the command the ranks would run: one that is not a pymlxc command, or one
+    that loads no model to split (its ranks would each refuse the --distributed added to it)."""
+    from pymlxc.cli import commands  # noqa: PLC0415 - cli imports this package
+
+    known = commands()
+    splittable = sorted(name for name, command in known.items() if _takes_distributed(command))
+    if cmd[0] not in splittable:
+        what = "is not a pymlxc command" if cmd[0] not in known else "loads no model to split over ranks"
+        return f"{cmd[0]!r} {what}; the commands that run as ranks: {', '.join(splittable)}"
+    return None
+
+
 def _run(args: argparse.Namespace) -> int:
+    from pymlxc.cli import commands, parse_arguments  # noqa: PLC0415 - cli imports this package
     from pymlxc.launch import LaunchError, run_local  # noqa: PLC0415 - light CLI start-up
 
     cmd = list(args.cmd)
@@ -54,15 +78,19 @@ def _run(args: argparse.Namespace) -> int:
     if not cmd:
         print("pymlxc launch: no command given (e.g. pymlxc launch -n 2 -- generate MODEL 'Hello')", file=sys.stderr)
         return 2
-    problem = _check(args)
+    problem = _check(args) or _check_command(cmd)
     if problem is not None:
         print(f"pymlxc launch: {problem}", file=sys.stderr)
         return 2
-    command = [sys.executable, "-c", "import sys; from pymlxc.cli import main; sys.exit(main())",
-               *cmd, "--distributed", args.mode]
+    argv = [*cmd, "--distributed", args.mode]
+    parse_arguments(argv)  # a usage error is the command's own (status 2) before any rank starts
+    command = [sys.executable, "-c", "import sys; from pymlxc.cli import main; sys.exit(main())", *argv]
+    # A command that reads stdin (chat) gets a copy in every rank; the others keep /dev/null, so that
+    # a launch in the background of a shell is not stopped for reading the terminal.
+    stdin = sys.stdin.fileno() if commands()[cmd[0]].reads_stdin and sys.stdin is not None else None
     try:
         results = run_local(args.ranks, command, backend=args.backend, timeout=args.timeout, grace=args.grace,
-                            echo=True)
+                            echo=True, stdin=stdin)
     except LaunchError as exc:
         print(f"pymlxc launch: {exc}", file=sys.stderr)
         return 1

@@ -14,8 +14,9 @@ TESTS = str(Path(__file__).resolve().parents[1])
 CLI = f"import sys; sys.path.insert(0, {TESTS!r}); import conftest; from pymlxc.cli import main; sys.exit(main())"
 
 
-def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", CLI, *argv], capture_output=True, text=True, timeout=180)
+def _cli(*argv: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", CLI, *argv], capture_output=True, text=True, timeout=180,
+                          input=stdin if stdin is not None else "")
 
 
 @pytest.mark.parametrize("mode", ["tensor", "pipeline"])
@@ -27,6 +28,18 @@ def test_launch_generate_answers_once_like_one_process(tmp_path: Path, mode: str
                     "-q")
     assert launched.returncode == 0, launched.stderr
     assert launched.stdout == alone.stdout and alone.stdout.strip()
+
+
+def test_launch_chat_reads_the_messages_like_one_process(tmp_path: Path) -> None:
+    """The ranks' stdin was /dev/null: `launch -- chat MODEL` (docs/distributed.md) read no message
+    and exited 0 having answered nothing."""
+    model = str(write_tiny_model(tmp_path / "q", "qwen3"))
+    messages = "Hello there\nand again\n"
+    alone = _cli("chat", model, "--max-tokens", "6", "-q", stdin=messages)
+    assert alone.returncode == 0, alone.stderr
+    launched = _cli("launch", "-n", "2", "--", "chat", model, "--max-tokens", "6", "-q", stdin=messages)
+    assert launched.returncode == 0, launched.stderr
+    assert launched.stdout == alone.stdout and alone.stdout.count("\n") == 2
 
 
 def test_launch_reports_the_failing_rank(tmp_path: Path) -> None:

@@ -51,6 +51,7 @@ class MetalBackend:
 
 def _load(path: str, config: LoadConfig, progress: Progress | None) -> MetalTextModel:
     # The loader, the models and the generation loops load here, not when pymlxc registers the backend.
+    from .formats.safetensors import read_config  # noqa: PLC0415
     from .loader import gguf_file_of, load_gguf_model, load_weights_and_config  # noqa: PLC0415
     from .textmodel import MetalTextModel  # noqa: PLC0415
     from .tokenizer import Tokenizer  # noqa: PLC0415
@@ -61,7 +62,8 @@ def _load(path: str, config: LoadConfig, progress: Progress | None) -> MetalText
                                             settings=config.settings, dtype=config.dtype)
         source = str(gguf_file)
     else:
-        tokenizer = Tokenizer(path)  # first: a missing tokenizer fails before gigabytes are read
+        read_config(path)  # first: a folder that is no model directory is named as such, not by its tokenizer
+        tokenizer = Tokenizer(path)  # then: a missing tokenizer fails before gigabytes are read
         loaded = load_weights_and_config(path, context_len=config.context_len, progress=progress,
                                          settings=config.settings, distributed=config.distributed,
                                          dtype=config.dtype)

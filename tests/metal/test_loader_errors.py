@@ -47,6 +47,21 @@ def test_missing_directory_and_config(tmp_path: Path, tiny: Path) -> None:
         load_weights_and_config(tiny)
 
 
+def test_a_folder_without_a_model_is_named_by_its_config_not_its_tokenizer(tmp_path: Path, tiny: Path) -> None:
+    """load_model of an empty folder (or one holding only a tokenizer) said "tokenizer file not
+    found": the folder is no model directory, and the error says so by config.json."""
+    import pymlxc
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (tiny / "config.json").unlink()
+    for folder in (empty, tiny):
+        with pytest.raises(FileNotFoundError, match=r"config\.json not found in "):
+            pymlxc.load_model(str(folder), backend="metal")
+    with pytest.raises(FileNotFoundError, match="model directory"):
+        pymlxc.load_model(str(tmp_path / "nowhere"), backend="metal")
+
+
 def test_malformed_config(tiny: Path) -> None:
     (tiny / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"config\.json: not valid JSON"):

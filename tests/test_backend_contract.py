@@ -317,6 +317,8 @@ def test_greedy_ids_and_usage_counts_agree_across_backends(loaded: dict[str, Tex
         ids = [t.id for t in m.generate(prompt, max_tokens=max_tokens)]
         assert m.err() is None, name
         seen[name] = (ids, m.metrics().prompt_tokens, m.metrics().generated_tokens)
+        if max_tokens == 0:  # nothing ran: no prefill rate (the metal backend reported ~10**6 tok/s)
+            assert (m.metrics().prefill_tokens_per_sec, m.metrics().prefill_duration) == (0.0, 0.0), name
     assert seen["metal"] == seen["mlx_lm"]
     ids, prompt_tokens, generated = seen["metal"]
     assert prompt_tokens == len(loaded["metal"].encode(prompt)) and generated == len(ids) <= max_tokens
@@ -327,6 +329,7 @@ def test_a_batch_of_no_tokens_reports_its_own_metrics_on_metal(loaded: dict[str,
     list(m.generate("warm up", max_tokens=7))
     assert m.batch_generate(["a", "The baker"], max_tokens=0) == [BatchResult(), BatchResult()]
     assert (m.metrics().prompt_tokens, m.metrics().generated_tokens) == (5, 0)
+    assert m.metrics().prefill_tokens_per_sec == 0.0
 
 
 def test_batch_usage_counts_agree_across_backends(loaded: dict[str, TextModel]) -> None:

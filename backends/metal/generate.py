@@ -113,6 +113,7 @@ class Timings:
     start: float = field(default_factory=time.perf_counter)
     first_token: float | None = None  # when the first sampled token was read back
     end: float | None = None
+    prefilled: bool = True  # False: nothing ran (max_tokens=0), so there is no prefill to time
 
     def mark_first_token(self) -> None:
         if self.first_token is None:
@@ -127,7 +128,7 @@ class Timings:
         first = self.first_token if self.first_token is not None else end
         # Prefill runs until the first token is known (time to first token), as mlx-lm counts it;
         # the first token then belongs to prefill, so decode speed counts the tokens after it.
-        prefill, decode = first - self.start, end - first
+        prefill, decode = (first - self.start if self.prefilled else 0.0), end - first
         decoded = max(self.generated_tokens - 1, 0)
         return GenerateMetrics(
             prompt_tokens=self.prompt_tokens,

@@ -279,7 +279,7 @@ class MetalTextModel(TrainableMixin):
         rows_in = self._encode_prompts(prompts)
         if options.max_tokens == 0:
             # This call's metrics (its prompt, nothing generated), not the previous call's.
-            self._finish(loops.Timings(prompt_tokens=sum(len(r) for r in rows_in)))
+            self._finish(loops.Timings(prompt_tokens=sum(len(r) for r in rows_in), prefilled=False))
             return [BatchResult() for _ in rows_in]
         guard = loops.Guard.make(options.cancel, options.timeout, self._is_closed)
         scheduler = self.scheduler()
@@ -655,7 +655,7 @@ class MetalTextModel(TrainableMixin):
         # ends the stream (ModelClosedError in err()) at its first step, before `model` is used.
         if options.max_tokens == 0:
             # Nothing runs, but metrics() answers for this call (as on the mlx_lm backend).
-            self._finish(loops.Timings(prompt_tokens=len(ids)))
+            self._finish(loops.Timings(prompt_tokens=len(ids), prefilled=False))
             return iter(())
         owner = threading.get_ident()
         return self._reporting(self._token_stream(model, ids, options, guard), owner)

@@ -37,10 +37,10 @@ DTYPE_SIZES: dict[str, int] = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E8
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 # Values from a hostile header are shown cut short: a shape of a million entries is no message.
-_repr = reprlib.Repr()
-_repr.maxstring = 60
-_repr.maxother = 60
-_repr.maxlist = _repr.maxtuple = 8
+brief = reprlib.Repr()
+brief.maxstring = 60
+brief.maxother = 60
+brief.maxlist = brief.maxtuple = 8
 
 
 class _DuplicateKey(ValueError):
@@ -80,7 +80,7 @@ def read_header(f: Path, *, what: str, error: type[Exception]) -> tuple[Any, int
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
     except _DuplicateKey as exc:
-        raise error(f"{what} {f}: header names {_repr.repr(exc.args[0])} twice") from None
+        raise error(f"{what} {f}: header names {brief.repr(exc.args[0])} twice") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: JSON, or an int of 4300+ digits
         raise error(f"{what} {f}: header is not valid JSON: {exc}") from None
     return header, st.st_size - 8 - n
@@ -98,26 +98,26 @@ def check_header(f: Path, header: Any, data_size: int, *, what: str, error: type
         if name == "__metadata__":  # optional: null as the safetensors format reads it (MLX writes it)
             strings = isinstance(entry, dict) and all(isinstance(v, str) for v in entry.values())
             if entry is not None and not strings:
-                raise error(f"{what} {f}: __metadata__: expected an object of strings, got {_repr.repr(entry)}")
+                raise error(f"{what} {f}: __metadata__: expected an object of strings, got {brief.repr(entry)}")
             continue
         where = f"tensor {name!r} in {f} has"
         if not isinstance(entry, dict):
-            raise error(f"{where} a header entry {_repr.repr(entry)}, not an object with dtype, shape and "
+            raise error(f"{where} a header entry {brief.repr(entry)}, not an object with dtype, shape and "
                         "data_offsets")
         dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
         if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
-            raise error(f"{where} dtype {_repr.repr(dtype)}, which MLX cannot read (it reads "
+            raise error(f"{where} dtype {brief.repr(dtype)}, which MLX cannot read (it reads "
                         f"{', '.join(DTYPE_SIZES)})")
         # type() is int: JSON true is a bool, which is an int to isinstance
         if not isinstance(shape, list) or not all(type(d) is int for d in shape):
-            raise error(f"{where} shape {_repr.repr(shape)}, not a list of integers")
+            raise error(f"{where} shape {brief.repr(shape)}, not a list of integers")
         if any(d < 0 for d in shape):  # MLX's reader takes [-2, -2] for 4 values
-            raise error(f"{where} a negative dimension: shape {_repr.repr(tuple(shape))}")
+            raise error(f"{where} a negative dimension: shape {brief.repr(tuple(shape))}")
         if any(d > MAX_DIM for d in shape):
             raise error(f"{where} a dimension over {MAX_DIM}, the most an MLX shape holds: shape "
-                        f"{_repr.repr(tuple(shape))}")
+                        f"{brief.repr(tuple(shape))}")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-            raise error(f"{where} data_offsets {_repr.repr(offsets)}, not [begin, end] integers")
+            raise error(f"{where} data_offsets {brief.repr(offsets)}, not [begin, end] integers")
         begin, end = offsets
         if not 0 <= begin <= end <= data_size:
             raise error(f"{where} data_offsets [{begin}, {end}] outside the file's data section of "
@@ -125,7 +125,7 @@ def check_header(f: Path, header: Any, data_size: int, *, what: str, error: type
         need = math.prod(shape) * DTYPE_SIZES[dtype]  # exact: MLX's 64-bit product of [2**30] * 4 wraps to 0
         if end - begin != need:
             raise error(f"{where} data_offsets [{begin}, {end}], {end - begin} bytes, but shape "
-                        f"{_repr.repr(tuple(shape))} of {dtype} takes {need}")
+                        f"{brief.repr(tuple(shape))} of {dtype} takes {need}")
         if need:
             spans.append((begin, end, name))
     spans.sort()
@@ -171,4 +171,5 @@ def checked_load(path: str | os.PathLike[str], error: type[Exception],
     return arrays, metadata
 
 
-__all__ = ["HEADER_LIMIT", "MAX_DIM", "DTYPE_SIZES", "read_header", "check_header", "check_loaded", "checked_load"]
+__all__ = ["HEADER_LIMIT", "MAX_DIM", "DTYPE_SIZES", "brief", "read_header", "check_header", "check_loaded",
+           "checked_load"]

@@ -173,7 +173,9 @@ def private_imports(modules: dict[str, ModuleInfo]) -> list[str]:
 
 
 FORMATS = "pymlxc.backends.metal.formats"
-FORMATS_MAY_IMPORT = ("pymlxc.core", "pymlxc.files")  # with their submodules; third-party packages too
+# with their submodules; third-party packages too. safetensors_check: the header checks every reader of
+# a user's safetensors file shares (it imports only core and files).
+FORMATS_MAY_IMPORT = ("pymlxc.core", "pymlxc.files", "pymlxc.safetensors_check")
 
 
 def formats_imports_above(modules: dict[str, ModuleInfo]) -> list[str]:

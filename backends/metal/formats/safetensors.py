@@ -12,7 +12,7 @@ from typing import Any
 import pymlxc.core as mx
 from pymlxc.core import Array, MLXError
 from pymlxc.files import check_directory, read_json
-from pymlxc.safetensors_check import DTYPE_SIZES, HEADER_LIMIT, MAX_DIM, _repr, check_loaded, read_header
+from pymlxc.safetensors_check import DTYPE_SIZES, HEADER_LIMIT, MAX_DIM, brief, check_loaded, read_header
 from pymlxc.safetensors_check import check_header as _check_header
 
 from .errors import ConfigError, WeightsFileError
@@ -58,7 +58,7 @@ def quantization_of(config: Mapping[str, Any], file: Path) -> dict[str, Any] | N
         # mlx-lm copies its own entry here without a quant_method; one with a quant_method (GPTQ and AWQ
         # have 'bits' too) is another format, whose tensors would only fail later as unexpected names.
         if isinstance(q, Mapping) and "quant_method" in q:
-            raise ConfigError(f"{file}: quantization_config.quant_method: {_repr.repr(q['quant_method'])} "
+            raise ConfigError(f"{file}: quantization_config.quant_method: {brief.repr(q['quant_method'])} "
                               f"checkpoints are not supported: {_FOREIGN_QUANT_HINT}")
         if q is None and isinstance(config.get("text_config"), Mapping):
             q = config["text_config"].get("quantization")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,17 +17,10 @@ from hypothesis import strategies as st
 import pymlxc.core as mx
 from pymlxc.backends.metal.formats.safetensors import HEADER_LIMIT, read_shards
 from pymlxc.backends.metal.loader import WeightsFileError, load_weights_and_config
+from pymlxc.safetensors_check import checked_load
 from pymlxc.testing import write_tiny_model
 
-F32 = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
-
-
-def _write(file: Path, header: Any, data: bytes = bytes(64), *, length: int | None = None) -> Path:
-    """A safetensors file of `header` (any JSON value) and `data`, byte by byte; `length` overrides
-    the header length the file declares."""
-    raw = json.dumps(header).encode()
-    file.write_bytes(struct.pack("<Q", len(raw) if length is None else length) + raw + data)
-    return file
+from .hostile_safetensors import DIMS, F32, bytes_as_mlx_counts, write_safetensors
 
 
 def _refused(file: Path) -> str:
@@ -51,7 +45,7 @@ def test_a_dimension_past_int32_is_refused(llama_source: Path, tmp_path: Path, d
     header = json.loads(data[8:8 + n])
     assert header["model.norm.weight"]["shape"] == [64]
     header["model.norm.weight"]["shape"] = [dim]
-    _write(file, header, data[8 + n:])
+    write_safetensors(file, header, data[8 + n:])
     with pytest.raises(WeightsFileError) as info:
         load_weights_and_config(path)
     assert str(info.value) == (f"tensor 'model.norm.weight' in {file} has a dimension over 2147483647, the most an "
@@ -60,7 +54,8 @@ def test_a_dimension_past_int32_is_refused(llama_source: Path, tmp_path: Path, d
 
 def test_a_huge_dimension_of_no_bytes_is_refused(tmp_path: Path) -> None:
     """[2**63] of 0 bytes used to load as shape (0,)."""
-    file = _write(tmp_path / "w.safetensors", {"t": {"dtype": "F32", "shape": [2**63], "data_offsets": [0, 0]}})
+    header = {"t": {"dtype": "F32", "shape": [2**63], "data_offsets": [0, 0]}}
+    file = write_safetensors(tmp_path / "w.safetensors", header)
     assert "tensor 't' in" in _refused(file) and "shape (9223372036854775808,)" in _refused(file)
 
 
@@ -84,14 +79,14 @@ def test_a_huge_dimension_of_no_bytes_is_refused(tmp_path: Path) -> None:
     ([1, 2], "has a header entry [1, 2], not an object with dtype, shape and data_offsets"),
 ])
 def test_a_bad_tensor_entry_names_the_tensor_and_field(tmp_path: Path, entry: Any, message: str) -> None:
-    file = _write(tmp_path / "w.safetensors", {"ok": F32, "bad": entry})
+    file = write_safetensors(tmp_path / "w.safetensors", {"ok": F32, "bad": entry})
     got = _refused(file)
     assert got.startswith(f"tensor 'bad' in {file} {message}"), got
 
 
 def test_overlapping_tensors_are_refused(tmp_path: Path) -> None:
     """Two tensors sharing bytes used to load, each reading the other's data."""
-    file = _write(tmp_path / "w.safetensors", {"a": F32, "b": {**F32, "data_offsets": [8, 24]},
+    file = write_safetensors(tmp_path / "w.safetensors", {"a": F32, "b": {**F32, "data_offsets": [8, 24]},
                                                "empty": {"dtype": "F32", "shape": [0], "data_offsets": [4, 4]}})
     assert _refused(file) == (f"tensor 'b' in {file} has data_offsets [8, 24], which overlap those of tensor 'a', "
                               "[0, 16]")
@@ -99,7 +94,7 @@ def test_overlapping_tensors_are_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("metadata", [{"format": 1}, ["pt"], "pt", {"a": None}])
 def test_metadata_must_map_strings_to_strings(tmp_path: Path, metadata: Any) -> None:
-    file = _write(tmp_path / "w.safetensors", {"__metadata__": metadata, "t": F32})
+    file = write_safetensors(tmp_path / "w.safetensors", {"__metadata__": metadata, "t": F32})
     assert _refused(file).startswith(f"weights file {file}: __metadata__: expected an object of strings, got")
 
 
@@ -123,42 +118,51 @@ def test_a_valid_file_loads_as_its_header_says(tmp_path: Path) -> None:
               "e": {"dtype": "I64", "shape": [3, 0], "data_offsets": [2, 2]},
               "f8": {"dtype": "F8_E4M3", "shape": [2, 3], "data_offsets": [10, 16]},
               "t": {**F32, "data_offsets": [16, 32]}}
-    weights, _ = read_shards([_write(tmp_path / "w.safetensors", header)])
+    weights, _ = read_shards([write_safetensors(tmp_path / "w.safetensors", header)])
     assert {k: v.shape for k, v in weights.items()} == {"s": (), "e": (3, 0), "f8": (2, 3), "t": (2, 2)}
     mx.eval(*weights.values())
 
 
 _DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "U8": 1, "I64": 8, "BOOL": 1, "F64": 8, "Q4": 1}
-_DIMS = st.one_of(st.integers(0, 5), st.integers(-3, 2**33), st.sampled_from([2**31 - 1, 2**31, 2**32 + 1, 2**63]),
-                  st.booleans())
 
 
-def _bytes_as_mlx_counts(dtype: str, shape: list[int]) -> int:
-    """The bytes MLX's reader expects for `shape`: each dimension cut to int32, the product to 64 bits;
-    a header with these offsets got past it, whatever the shape said."""
-    count = 1
-    for d in shape:
-        count = count * ((int(d) + 2**31) % 2**32 - 2**31) % 2**64
-    return count * _DTYPES[dtype] % 2**64
+class _Refused(ValueError):
+    """The error class `checked_load`'s test reader passes."""
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(entries=st.lists(st.tuples(st.sampled_from(sorted(_DTYPES)), st.lists(_DIMS, max_size=3), st.integers(-2, 70),
+def _read_shards(file: Path) -> dict[str, Any]:
+    try:
+        return read_shards([file])[0]
+    except WeightsFileError as exc:
+        raise _Refused(str(exc)) from exc
+
+
+def _checked_load(file: Path) -> dict[str, Any]:
+    return checked_load(file, _Refused, "test file")[0]
+
+
+@pytest.mark.parametrize("read", [_read_shards, _checked_load], ids=["model-shards", "checked_load"])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(entries=st.lists(st.tuples(st.sampled_from(sorted(_DTYPES)), st.lists(DIMS, max_size=3), st.integers(-2, 70),
                                   st.one_of(st.none(), st.integers(-2, 70))), min_size=1, max_size=4),
        spare=st.integers(0, 16))
-def test_whatever_loads_is_what_the_header_says(tmp_path: Path, entries: list[tuple[str, list[Any], int, int | None]],
+def test_whatever_loads_is_what_the_header_says(tmp_path: Path, read: Callable[[Path], dict[str, Any]],
+                                                entries: list[tuple[str, list[Any], int, int | None]],
                                                 spare: int) -> None:
-    """Any header (its offsets often sized as MLX counts, so that MLX takes it): refused with a
-    WeightsFileError, or every tensor has its header's shape, holds exactly its data_offsets'
+    """Any header (its offsets often sized as MLX counts, so that MLX takes it), through the model
+    shards' reader and the one of adapters, checkpoints and prompt caches: refused by the reader's
+    error naming the file, or every tensor has its header's shape, holds exactly its data_offsets'
     bytes, and evaluates."""
     header = {f"t{i}": {"dtype": d, "shape": s,
-                        "data_offsets": [b, b + (_bytes_as_mlx_counts(d, s) if size is None else size)]}
+                        "data_offsets": [b, b + (bytes_as_mlx_counts(s, _DTYPES[d]) if size is None else size)]}
               for i, (d, s, b, size) in enumerate(entries)}
-    file = _write(tmp_path / "h.safetensors", header, bytes(64 + spare))
+    file = write_safetensors(tmp_path / "h.safetensors", header, bytes(64 + spare))
     try:
-        weights, _ = read_shards([file])
-    except WeightsFileError:
+        weights = read(file)
+    except _Refused as exc:
+        assert str(file) in str(exc)
         return
+    assert set(weights) == set(header)
     for name, v in weights.items():
         begin, end = header[name]["data_offsets"]
         shape = header[name]["shape"]
@@ -170,5 +174,5 @@ def test_whatever_loads_is_what_the_header_says(tmp_path: Path, entries: list[tu
 def test_null_metadata_loads(tmp_path: Path) -> None:
     """`__metadata__: null`, as MLX's own writer leaves it, is no metadata."""
     header = {"__metadata__": None, "t": {**F32, "data_offsets": [0, 16]}}
-    weights, _ = read_shards([_write(tmp_path / "w.safetensors", header)])
+    weights, _ = read_shards([write_safetensors(tmp_path / "w.safetensors", header)])
     assert weights["t"].shape == (2, 2)

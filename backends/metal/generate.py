@@ -25,7 +25,7 @@ from pymlxc.types import GenerateMetrics
 
 from . import memory_check
 from .models.base import layer_listener
-from .nn import arrays_of, dequantized_block_bytes
+from .nn import arrays_of
 from .recurrent_cache import set_left_padding
 from .sample import DEFAULT_PENALTY_CONTEXT, LogitsProcessor, Sampler, apply_processors, greedy
 from .step_queue import StepQueue
@@ -244,8 +244,8 @@ def prefill_lead(model: Any, rows: int, runner: PrefillRunner | None = None) -> 
     copies over that many layers."""
     dense_rows = getattr(model, "dense_rows", 0)
     per_layer = getattr(model, "dense_block_bytes", 0)
-    if runner is not None and runner.dequantized and runner.takes_rows(rows):
-        per_layer = dequantized_block_bytes(model)
+    if runner is not None and runner.dense_block_bytes and runner.takes_rows(rows):
+        per_layer = runner.dense_block_bytes
     elif not (dense_rows and rows >= dense_rows):
         per_layer = 0
     if (PREFILL_LEAD_LAYERS + 1) * per_layer > PREFILL_DENSE_BYTES:

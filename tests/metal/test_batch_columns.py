@@ -8,8 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pymlxc.core as mx
-from pymlxc.backends.metal import batching
-from pymlxc.backends.metal import nn
+from pymlxc.backends.metal import batching, nn
 
 
 def _reference_mask(idx: int, valid: np.ndarray, window: int | None) -> np.ndarray | None:

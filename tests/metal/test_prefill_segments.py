@@ -158,7 +158,7 @@ def test_dequantized_products_fill_the_caches_as_the_forward(models, arch: str, 
                               settings=Settings(prefill_fused_products="1", prefill_dequantized="1"))
     try:
         runner = settled_runner(decoder)
-        assert runner.dequantized
+        assert runner.dequantized and runner.dense_block_bytes == nn.dequantized_block_bytes(model) > 0
         assert [s.joint_heads for s in runner.specs] == [True] * 3 + [False]
         assert [s.pair for s in runner.specs] == [False] + [True] * 3
         check_fills_like_the_forward(runner, model, [(0, 17), (17, 40)])

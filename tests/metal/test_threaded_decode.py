@@ -292,32 +292,27 @@ def test_prefill_lead_is_one_layer_where_dense_copies_would_pass_the_budget(mode
 
 
 def test_prefill_lead_counts_the_compiled_prefills_dequantized_copies(models, monkeypatch) -> None:
-    """A prefill runner that dequantizes its products (`PrefillRunner.dequantized`) holds a block's
-    dense copies for the chunks it takes: the lead drops to one layer where they pass the budget
-    over PREFILL_LEAD_LAYERS + 1 layers, as for the op-by-op dense products."""
-    from pymlxc.backends.metal import nn
-    from pymlxc.testing import write_tiny_model as write
+    """A prefill runner that dequantizes its products holds a block's dense copies
+    (`PrefillRunner.dense_block_bytes`) for the chunks it takes: the lead drops to one layer where
+    they pass the budget over PREFILL_LEAD_LAYERS + 1 layers, as for the op-by-op dense products."""
 
     class Runner:
-        dequantized = True
+        dense_block_bytes = 1000
 
         def takes_rows(self, rows: int) -> bool:
             return 8 < rows < 512
 
-    import tempfile
-    with tempfile.TemporaryDirectory() as tmp:
-        loaded = load_weights_and_config(write(Path(tmp) / "q", "llama", num_layers=3, quantize_bits=4))
-        try:
-            lm, runner = loaded.model, Runner()
-            per_layer = nn.dequantized_block_bytes(lm)
-            monkeypatch.setattr(loops, "PREFILL_DENSE_BYTES", (loops.PREFILL_LEAD_LAYERS + 1) * per_layer - 1)
-            assert loops.prefill_lead(lm, 128, runner) == 1
-            assert loops.prefill_lead(lm, 128) == loops.PREFILL_LEAD_LAYERS  # no runner: MLX's products
-            assert loops.prefill_lead(lm, 4, runner) == loops.PREFILL_LEAD_LAYERS  # not the runner's chunk
-            runner.dequantized = False
-            assert loops.prefill_lead(lm, 128, runner) == loops.PREFILL_LEAD_LAYERS
-            runner.dequantized = True
-            monkeypatch.setattr(loops, "PREFILL_DENSE_BYTES", (loops.PREFILL_LEAD_LAYERS + 1) * per_layer)
-            assert loops.prefill_lead(lm, 128, runner) == loops.PREFILL_LEAD_LAYERS
-        finally:
-            loaded.free()
+    class Model:  # no op-by-op dense products
+        dense_rows = 0
+        dense_block_bytes = 0
+
+    runner, model = Runner(), Model()
+    monkeypatch.setattr(loops, "PREFILL_DENSE_BYTES", (loops.PREFILL_LEAD_LAYERS + 1) * 1000 - 1)
+    assert loops.prefill_lead(model, 128, runner) == 1
+    assert loops.prefill_lead(model, 128) == loops.PREFILL_LEAD_LAYERS  # no runner: MLX's products
+    assert loops.prefill_lead(model, 4, runner) == loops.PREFILL_LEAD_LAYERS  # not the runner's chunk
+    runner.dense_block_bytes = 0  # MLX's quantized products
+    assert loops.prefill_lead(model, 128, runner) == loops.PREFILL_LEAD_LAYERS
+    runner.dense_block_bytes = 1000
+    monkeypatch.setattr(loops, "PREFILL_DENSE_BYTES", (loops.PREFILL_LEAD_LAYERS + 1) * 1000)
+    assert loops.prefill_lead(model, 128, runner) == loops.PREFILL_LEAD_LAYERS

@@ -51,7 +51,7 @@ from pymlxc.settings import current as current_settings
 
 from ..cache import KVCache
 from ..kernels.check import on_cuda
-from ..nn import Module, arrays_of, large_quantized_blocks
+from ..nn import Module, arrays_of, dequantized_block_bytes, large_quantized_blocks
 from ..recurrent_cache import StepRecurrentCache
 from ..sample import (
     DEFAULT_PENALTY_CONTEXT,
@@ -221,6 +221,10 @@ class CompiledDecoder:
         # the blocks are large (nn.large_quantized_blocks), `1` at any size.
         self.prefill_dequantized = settings.switch_on("prefill_dequantized", on_cuda())
         self.prefill_dequantized_any_size = settings.prefill_dequantized == "1"
+        # Read once: the prefill asks for a runner every generation.
+        self._large_blocks = model is not None and large_quantized_blocks(model)
+        dequantizes = model is not None and (self._large_blocks or self.prefill_dequantized_any_size)
+        self._block_copy_bytes = dequantized_block_bytes(model) if dequantizes else 0
         # On CUDA: each residual add and the norm after it as one kernel (kernels/add_rms_norm.py).
         self.fused_norm = settings.fused_norm
         # Segmented mode on CUDA: greedy's argmax as two kernels over many blocks (kernels/argmax.py).
@@ -412,8 +416,7 @@ class CompiledDecoder:
             return None
         seg_key, seg_plan = found
         fused = self.prefill_fused_products
-        dequantized = self.prefill_dequantized and (self.prefill_dequantized_any_size
-                                                    or large_quantized_blocks(model))
+        dequantized = self.prefill_dequantized and (self.prefill_dequantized_any_size or self._large_blocks)
         key = ("prefill", *seg_key, fused, dequantized)
         if key in self._failed:
             return None
@@ -425,7 +428,8 @@ class CompiledDecoder:
         fns = self._function(key, prefill.PrefillFunctions)
         runner = prefill.PrefillRunner(seg_plan, list(model.layers), fns,
                                        on_fail=lambda exc: self._mark_failed(key, exc),
-                                       dtype=dtype, many_rows=many_rows, fused=fused, dequantized=dequantized)
+                                       dtype=dtype, many_rows=many_rows, fused=fused, dequantized=dequantized,
+                                       copy_bytes=self._block_copy_bytes)
         with self._lock:
             self._runners[key] = runner
         return runner

@@ -300,14 +300,16 @@ class PrefillRunner:
 
     def __init__(self, plan: SegmentPlan, blocks: Sequence[Any], fns: PrefillFunctions,
                  on_fail: Callable[[BaseException], None], dtype: Any = None, many_rows: int = 0,
-                 fused: bool = True, dequantized: bool = False) -> None:
+                 fused: bool = True, dequantized: bool = False, copy_bytes: int = 0) -> None:
         """`fused`: run the plan's fused q/k/v and gate/up products as one matmul each (module doc).
         `dequantized`: quantized products as a dequantization and a dense matmul each
-        (`nn.dequantized_products`), fused ones too."""
+        (`nn.dequantized_products`), fused ones too; a block's copies then take `copy_bytes`
+        (`nn.dequantized_block_bytes`)."""
         self._plan = plan
         self._blocks = list(blocks)
         self._made_for = (dtype, many_rows, fused, dequantized)
         self._dequantized = dequantized
+        self._copy_bytes = copy_bytes if dequantized else 0
         self._fns = fns
         self._on_fail = on_fail
         # The groups' modules: first [embed, norm, attn, qkv], a mid [block, gate_up, norm, attn, qkv],
@@ -331,6 +333,11 @@ class PrefillRunner:
     def dequantized(self) -> bool:
         """Whether the quantized products run dequantized for dense matmuls (`nn.dequantized_products`)."""
         return self._dequantized
+
+    @property
+    def dense_block_bytes(self) -> int:
+        """The dequantized copies a block's products hold until the device has run it (0: none)."""
+        return self._copy_bytes
 
     @property
     def specs(self) -> list[PrefillSpec]:

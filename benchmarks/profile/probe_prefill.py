@@ -30,8 +30,6 @@ is, MLX's per-kernel work or the device.
 """
 from __future__ import annotations
 
-import _path  # noqa: F401 - the checkout as installed
-
 import argparse
 import cProfile
 import io
@@ -40,8 +38,11 @@ import pstats
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import _path  # noqa: F401 - the checkout as installed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from compare_mlx_lm import Pymlxc, probe_prompt, timed_run  # noqa: E402
@@ -85,48 +86,46 @@ def host_split(side: Pymlxc, n: int, repeats: int, profile: int) -> dict[str, An
     return out
 
 
+def interleaved_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: bool,
+                   choose: Callable[[bool], None]) -> dict[str, Any]:
+    """Time to the first token with `choose(True)` and `choose(False)` in force, run after run in
+    turn (each warmed up first), so that the host's drift moves both alike."""
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for on in (True, False):
+        choose(on)
+        timed_run(side, prompt, 1)  # its traces
+    for _ in range(repeats):
+        for on in (True, False):
+            choose(on)
+            times[on].append(timed_run(side, prompt, 1, clear_cache=clear_cache)["ttft_s"])
+    return {"on_ms": 1e3 * statistics.median(times[True]), "off_ms": 1e3 * statistics.median(times[False]),
+            "on_runs_ms": [1e3 * t for t in times[True]], "off_runs_ms": [1e3 * t for t in times[False]]}
+
+
 def switch_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: bool, attr: str) -> dict[str, Any]:
-    """`--fused-ab` / `--dequantized-ab`: time to the first token with the decoder's switch `attr`
-    on and off, run after run in turn (each warmed up first), so that the host's drift moves both alike."""
+    """`--fused-ab` / `--dequantized-ab`: the decoder's switch `attr` on and off."""
     decoder = side.decoder
     assert decoder is not None  # segmented mode: a compiled side
     kept = getattr(decoder, attr)
-    times: dict[bool, list[float]] = {True: [], False: []}
     try:
-        for on in (True, False):
-            setattr(decoder, attr, on)
-            timed_run(side, prompt, 1)  # its traces
-        for _ in range(repeats):
-            for on in (True, False):
-                setattr(decoder, attr, on)
-                times[on].append(timed_run(side, prompt, 1, clear_cache=clear_cache)["ttft_s"])
+        return interleaved_ab(side, prompt, repeats, clear_cache, lambda on: setattr(decoder, attr, on))
     finally:
         setattr(decoder, attr, kept)
-    return {"on_ms": 1e3 * statistics.median(times[True]), "off_ms": 1e3 * statistics.median(times[False]),
-            "on_runs_ms": [1e3 * t for t in times[True]], "off_runs_ms": [1e3 * t for t in times[False]]}
 
 
 def compiled_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: bool) -> dict[str, Any]:
     """`--compiled-ab`: a model whose chunks go op by op through the tensor-core qmm (its `qmm_rows`,
-    nn.mark_qmm_products) against the same chunks on the compiled prefill, run after run in turn.
-    The decoder makes its runner again at each switch (about 1 ms, on the compiled side's time)."""
+    nn.mark_qmm_products) against the same chunks on the compiled prefill (on). The decoder makes
+    its runner again at each switch (about 1 ms, on the compiled side's time)."""
     model = side.loaded.model
     marked = model.qmm_rows
     if not marked:
         raise SystemExit("--compiled-ab: this model's chunks do not go op by op (nn.mark_qmm_products)")
-    times: dict[bool, list[float]] = {True: [], False: []}
     try:
-        for compiled in (True, False):
-            model.qmm_rows = 0 if compiled else marked
-            timed_run(side, prompt, 1)
-        for _ in range(repeats):
-            for compiled in (True, False):
-                model.qmm_rows = 0 if compiled else marked
-                times[compiled].append(timed_run(side, prompt, 1, clear_cache=clear_cache)["ttft_s"])
+        return interleaved_ab(side, prompt, repeats, clear_cache,
+                              lambda compiled: setattr(model, "qmm_rows", 0 if compiled else marked))
     finally:
         model.qmm_rows = marked
-    return {"on_ms": 1e3 * statistics.median(times[True]), "off_ms": 1e3 * statistics.median(times[False]),
-            "on_runs_ms": [1e3 * t for t in times[True]], "off_runs_ms": [1e3 * t for t in times[False]]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                         "for dense matmuls and through MLX's quantized matmul")
     p.add_argument("--compiled-ab", action="store_true",
                    help="segmented mode, a model whose chunks go op by op through the tensor-core qmm: "
-                        "interleave runs on the compiled prefill (on) and op by op (off); groups 32 and 64 may go op by op")
+                        "interleave runs on the compiled prefill (on) and op by op (off); groups 32 and 64 may "
+                        "go op by op")
     p.add_argument("--qmm-block-bytes", type=int, default=0,
                    help="nn.QMM_OP_BY_OP_BLOCK_BYTES for the models loaded (0: the library's)")
     p.add_argument("--out", type=Path, default=None)

@@ -9,6 +9,9 @@ block layers, the group-32 products, or the compiled segments that do not trace 
     python benchmarks/profile/probe_prefill.py MODEL [MODEL ...] [--lengths 128 2048] [--modes segmented off]
         [--dense-min-rows 512 128]   # each threshold of the dense prefill products (nn.DENSE_MIN_ROWS)
         [--lead 1 2]                 # each lead of the host over the device (generate.PREFILL_LEAD_LAYERS)
+        [--switch-interval 0 1e-4]   # each of Python's thread switch intervals (sys.setswitchinterval;
+                                     # 0: the interpreter's own)
+        [--max-tokens 256]           # generate this many tokens a run (default 1): decode tok/s too
         [--keep-cache]               # MLX's buffer cache kept between runs (llama-bench keeps its buffers)
         [--split [--profile 25]]     # the compiled prefill's host split (below); cProfile of its build
         [--dtype auto float16]       # each compute dtype asked for at load (LoadConfig.dtype)
@@ -18,6 +21,12 @@ block layers, the group-32 products, or the compiled segments that do not trace 
                                      # not (PYMLXC_PREFILL_DEQUANTIZED), runs interleaved
         [--compiled-ab]              # segmented, chunks op by op (qmm_rows): compiled prefill against
                                      # op by op, runs interleaved
+        [--thread-ab]                # segmented: the evaluation thread on and off, runs interleaved
+        [--exact-cache-ab]           # segmented: the caches' first buffers as large as the prompt
+                                     # (no zero fill before the writes; decode then grows them) and
+                                     # as the decoder reserves them, runs interleaved
+        [--pin-ab]                   # segmented: the calling thread and the evaluation thread pinned
+                                     # to two cores (not siblings) and free, runs interleaved
         [--qmm-block-bytes N]        # nn.QMM_OP_BY_OP_BLOCK_BYTES (large: an 8B's chunks stay compiled)
 
 `--split` (segmented mode) also times, medians of --repeats: `runner_ms`, the decoder handing out its
@@ -128,6 +137,80 @@ def compiled_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: bool
         model.qmm_rows = marked
 
 
+def thread_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: bool) -> dict[str, Any]:
+    """`--thread-ab`: the generation on the evaluation thread (on) and on the caller's alone (off)."""
+    kept = side.threaded
+    try:
+        return interleaved_ab(side, prompt, repeats, clear_cache, lambda on: setattr(side, "threaded", on))
+    finally:
+        side.threaded = kept
+
+
+def exact_cache_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: bool) -> dict[str, Any]:
+    """`--exact-cache-ab`: each cache's first buffer exactly the prompt's length (on: the decoder
+    reserves nothing and the caches grow one slot at a time, so the prompt fills its buffer and no
+    zero fill comes before the writes) against the decoder's reservation (off)."""
+    from pymlxc.backends.metal.cache import KVCache
+
+    decoder = side.decoder
+    assert decoder is not None
+    kept_step, kept_reserve = KVCache.step, type(decoder).reserve
+
+    def choose(on: bool) -> None:
+        KVCache.step = 1 if on else kept_step
+        if on:
+            decoder.reserve = lambda cache, prompt_len, max_tokens: None  # type: ignore[method-assign]
+        else:
+            decoder.__dict__.pop("reserve", None)
+
+    try:
+        return interleaved_ab(side, prompt, repeats, clear_cache, choose)
+    finally:
+        KVCache.step = kept_step
+        decoder.__dict__.pop("reserve", None)
+        assert type(decoder).reserve is kept_reserve
+
+
+def two_cores() -> tuple[int, int]:
+    """Two cores this process may use that are not hyperthreads of one physical core."""
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0))
+    first = cpus[0]
+    try:
+        text = Path(f"/sys/devices/system/cpu/cpu{first}/topology/thread_siblings_list").read_text()
+        siblings = {int(c) for part in text.strip().split(",")
+                    for c in (range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1))}
+    except OSError:
+        siblings = {first}
+    return first, next(c for c in cpus if c not in siblings)
+
+
+def pin_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: bool) -> dict[str, Any]:
+    """`--pin-ab`: the calling thread and the evaluation thread each pinned to a core of its own
+    (on) against free to run on any core (off)."""
+    import os
+
+    import pymlxc.core as mx
+    from pymlxc.core import eval_thread
+
+    allowed = os.sched_getaffinity(0)
+    worker = eval_thread.shared(mx.default_device())._thread.native_id  # noqa: SLF001
+    assert worker is not None
+    main_core, worker_core = two_cores()
+
+    def choose(on: bool) -> None:
+        os.sched_setaffinity(0, {main_core} if on else allowed)  # 0: the calling thread
+        os.sched_setaffinity(worker, {worker_core} if on else allowed)
+
+    try:
+        result = interleaved_ab(side, prompt, repeats, clear_cache, choose)
+        result["cores"] = [main_core, worker_core]
+        return result
+    finally:
+        choose(False)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("models", nargs="+", type=Path)
@@ -139,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lead", nargs="+", type=int, default=[0],
                    help="layers the host may run ahead of the device in a prefill, each "
                         "(generate.PREFILL_LEAD_LAYERS; 0: the library's)")
+    p.add_argument("--max-tokens", type=int, default=1,
+                   help="tokens each timed run generates (more than 1: its decode rate is reported too)")
+    p.add_argument("--switch-interval", nargs="+", type=float, default=[0.0],
+                   help="Python's thread switch interval in seconds, each (sys.setswitchinterval; 0: as found)")
     p.add_argument("--keep-cache", action="store_true",
                    help="keep MLX's buffer cache between the runs (the default gives it back before each)")
     p.add_argument("--split", action="store_true",
@@ -154,6 +241,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="segmented mode, a model whose chunks go op by op through the tensor-core qmm: "
                         "interleave runs on the compiled prefill (on) and op by op (off); groups 32 and 64 may "
                         "go op by op")
+    p.add_argument("--thread-ab", action="store_true",
+                   help="segmented mode: interleave runs on the evaluation thread and without it")
+    p.add_argument("--exact-cache-ab", action="store_true",
+                   help="segmented mode: interleave runs whose caches start as large as the prompt and "
+                        "runs with the decoder's reserved buffers")
+    p.add_argument("--pin-ab", action="store_true",
+                   help="segmented mode: interleave runs with the calling and evaluation threads pinned to "
+                        "two cores and runs with them free")
     p.add_argument("--qmm-block-bytes", type=int, default=0,
                    help="nn.QMM_OP_BY_OP_BLOCK_BYTES for the models loaded (0: the library's)")
     p.add_argument("--out", type=Path, default=None)
@@ -166,9 +261,12 @@ def main(argv: list[str] | None = None) -> int:
         nn.QMM_OP_BY_OP_GROUPS = (32, 64)
     default_lead = generate.PREFILL_LEAD_LAYERS
     default_budget = generate.PREFILL_DENSE_BYTES
+    default_interval = sys.getswitchinterval()
     rows: list[dict[str, Any]] = []
-    for path, mode, dense, lead, dtype in ((p, m, d, ld, dt) for p in args.models for m in args.modes
-                                           for d in args.dense_min_rows for ld in args.lead for dt in args.dtype):
+    for path, mode, dense, lead, dtype, interval in (
+            (p, m, d, ld, dt, si) for p in args.models for m in args.modes for d in args.dense_min_rows
+            for ld in args.lead for dt in args.dtype for si in args.switch_interval):
+        sys.setswitchinterval(interval or default_interval)
         nn.DENSE_MIN_ROWS = dense or default_rows  # read when a model loads (mark_dense_products)
         nn.QMM_OP_BY_OP_BLOCK_BYTES = args.qmm_block_bytes or default_qmm_bytes  # read at load (mark_qmm_products)
         generate.PREFILL_LEAD_LAYERS = lead or default_lead
@@ -178,21 +276,33 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for n in args.lengths:
                 prompt = probe_prompt(n, side.vocab)
-                timed_run(side, prompt, 1)  # warm-up: traces and kernels for this length
-                times = [timed_run(side, prompt, 1, clear_cache=not args.keep_cache)["ttft_s"]
-                         for _ in range(args.repeats)]
-                ms = 1e3 * statistics.median(times)
+                timed_run(side, prompt, args.max_tokens)  # warm-up: traces and kernels for this length
+                runs = [timed_run(side, prompt, args.max_tokens, clear_cache=not args.keep_cache)
+                        for _ in range(args.repeats)]
+                ms = 1e3 * statistics.median(r["ttft_s"] for r in runs)
+                decode = statistics.median(r["decode_tps"] for r in runs) if args.max_tokens > 1 else None
                 rows.append({"model": str(path), "mode": mode, "dense_min_rows": nn.DENSE_MIN_ROWS,
                              "lead_layers": generate.PREFILL_LEAD_LAYERS, "prompt": n,
                              "keep_cache": args.keep_cache, "dtype": str(side.loaded.model.compute_dtype),
-                             "ttft_ms": ms, "prefill_tps": n / ms * 1e3})
+                             "switch_interval_s": sys.getswitchinterval(),
+                             "ttft_ms": ms, "prefill_tps": n / ms * 1e3, "max_tokens": args.max_tokens,
+                             "decode_tps": decode, "ttft_runs_ms": [1e3 * r["ttft_s"] for r in runs]})
                 print(f"{path.name:40s} {mode:9s} {str(side.loaded.model.compute_dtype).split('.')[-1]:8s} "
                       f"dense>={nn.DENSE_MIN_ROWS:<5d} lead {generate.PREFILL_LEAD_LAYERS} "
-                      f"{n:5d} tokens  {ms:8.2f} ms  {n / ms * 1e3:9.0f} tok/s", flush=True)
+                      f"switch {1e6 * sys.getswitchinterval():.0f}us "
+                      f"{n:5d} tokens  {ms:8.2f} ms  {n / ms * 1e3:9.0f} tok/s"
+                      + (f"  decode {decode:7.1f} tok/s" if decode is not None else ""), flush=True)
                 for flag, attr in ((args.fused_ab, "prefill_fused_products"),
-                                   (args.dequantized_ab, "prefill_dequantized"), (args.compiled_ab, "compiled")):
+                                   (args.dequantized_ab, "prefill_dequantized"), (args.compiled_ab, "compiled"),
+                                   (args.thread_ab, "eval_thread"), (args.exact_cache_ab, "exact_cache"),
+                                   (args.pin_ab, "pinned")):
                     if flag and mode == "segmented":
                         ab = (compiled_ab(side, prompt, args.repeats, not args.keep_cache) if attr == "compiled"
+                              else thread_ab(side, prompt, args.repeats, not args.keep_cache)
+                              if attr == "eval_thread"
+                              else exact_cache_ab(side, prompt, args.repeats, not args.keep_cache)
+                              if attr == "exact_cache"
+                              else pin_ab(side, prompt, args.repeats, not args.keep_cache) if attr == "pinned"
                               else switch_ab(side, prompt, args.repeats, not args.keep_cache, attr))
                         rows[-1][attr] = ab
                         print(f"{'':40s} {attr} on {ab['on_ms']:6.2f} ms  off {ab['off_ms']:6.2f} ms  "

@@ -209,11 +209,19 @@ def test_ctrl_c_while_the_commands_load_exits_130(monkeypatch: pytest.MonkeyPatc
     assert cli.main(["info", "x"]) == 130
 
 
+def _sigint_default() -> None:
+    """In the child before its exec: SIGINT as a terminal gives it. Started with SIGINT ignored (pytest
+    as a background job of a non-interactive shell: `pytest &`), Python would install no handler and
+    Ctrl-C would do nothing, whatever the command does."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_ctrl_c_while_generating_exits_130_without_a_traceback(model_dir: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "pymlxc.cli", "generate", str(model_dir), "Once upon a time",
                              "--backend", "metal", "--max-tokens", "100000", "-q"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=_env(), cwd=ROOT)
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=_env(), cwd=ROOT,
+                            preexec_fn=_sigint_default)
     try:
         assert proc.stdout is not None
         proc.stdout.read(1)  # generating: the first token is out
@@ -226,6 +234,48 @@ def test_ctrl_c_while_generating_exits_130_without_a_traceback(model_dir: Path) 
             proc.wait()
     assert proc.returncode == 130, err
     assert b"Traceback" not in err, err
+
+
+INTERRUPTED_IN_A_DESTRUCTOR = """
+import sys
+from pymlxc import cli
+from pymlxc.core import _gen
+
+free_vector, print_stream, state = _gen._free_vector, cli._print_stream, {"armed": False, "fired": False}
+
+def interrupted(p):
+    free_vector(p)
+    if state["armed"] and not state["fired"]:
+        state["fired"] = True
+        print("interrupting", file=sys.stderr)
+        raise KeyboardInterrupt  # what the SIGINT handler raises where the signal lands
+
+def arming(tokens, out):
+    def armed():
+        for token in tokens:
+            yield token
+            state["armed"] = True
+    return print_stream(armed(), out)
+
+_gen._free_vector, cli._print_stream = interrupted, arming
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_ctrl_c_landing_in_a_destructor_still_exits_130(model_dir: Path) -> None:
+    """Python runs the SIGINT handler wherever the main thread is, destructors included, and a
+    KeyboardInterrupt raised in one is printed ("Exception ignored ...") and dropped. About one
+    Ctrl-C in 120 landed in the destructor of an MLX vector (`_gen._free_vector`, run at every
+    evaluation) and `generate` ran on to --max-tokens (the test above then timed out). Here that
+    destructor raises it, as the handler would, after the first token."""
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED_IN_A_DESTRUCTOR, "generate", str(model_dir),
+                           "Once upon a time", "--backend", "metal", "--max-tokens", "2000", "-q"],
+                          capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT, stdin=subprocess.DEVNULL,
+                          preexec_fn=_sigint_default)
+    assert "interrupting" in done.stderr, done.stderr
+    assert done.returncode == 130, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
 
 
 # ---------------------------------------------------------------------- lora

@@ -211,6 +211,21 @@ def pin_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: bool) -> 
         choose(False)
 
 
+ABRun = Callable[[Pymlxc, list[int], int, bool], dict[str, Any]]
+
+
+def ab_runs(args: argparse.Namespace) -> list[tuple[str, ABRun]]:
+    """The A/Bs the flags ask for, by the name their results are kept under."""
+    def switch(attr: str) -> ABRun:
+        return lambda side, prompt, repeats, clear: switch_ab(side, prompt, repeats, clear, attr)
+
+    chosen = [(args.fused_ab, "prefill_fused_products", switch("prefill_fused_products")),
+              (args.dequantized_ab, "prefill_dequantized", switch("prefill_dequantized")),
+              (args.compiled_ab, "compiled", compiled_ab), (args.thread_ab, "eval_thread", thread_ab),
+              (args.exact_cache_ab, "exact_cache", exact_cache_ab), (args.pin_ab, "pinned", pin_ab)]
+    return [(name, run) for flag, name, run in chosen if flag]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("models", nargs="+", type=Path)
@@ -292,18 +307,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"switch {1e6 * sys.getswitchinterval():.0f}us "
                       f"{n:5d} tokens  {ms:8.2f} ms  {n / ms * 1e3:9.0f} tok/s"
                       + (f"  decode {decode:7.1f} tok/s" if decode is not None else ""), flush=True)
-                for flag, attr in ((args.fused_ab, "prefill_fused_products"),
-                                   (args.dequantized_ab, "prefill_dequantized"), (args.compiled_ab, "compiled"),
-                                   (args.thread_ab, "eval_thread"), (args.exact_cache_ab, "exact_cache"),
-                                   (args.pin_ab, "pinned")):
-                    if flag and mode == "segmented":
-                        ab = (compiled_ab(side, prompt, args.repeats, not args.keep_cache) if attr == "compiled"
-                              else thread_ab(side, prompt, args.repeats, not args.keep_cache)
-                              if attr == "eval_thread"
-                              else exact_cache_ab(side, prompt, args.repeats, not args.keep_cache)
-                              if attr == "exact_cache"
-                              else pin_ab(side, prompt, args.repeats, not args.keep_cache) if attr == "pinned"
-                              else switch_ab(side, prompt, args.repeats, not args.keep_cache, attr))
+                for attr, run_ab in ab_runs(args):
+                    if mode == "segmented":
+                        ab = run_ab(side, prompt, args.repeats, not args.keep_cache)
                         rows[-1][attr] = ab
                         print(f"{'':40s} {attr} on {ab['on_ms']:6.2f} ms  off {ab['off_ms']:6.2f} ms  "
                               f"(runs on {' '.join(f'{t:.2f}' for t in ab['on_runs_ms'])}; "
@@ -317,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(split["profile"], flush=True)
         finally:
             side.free()
+    sys.setswitchinterval(default_interval)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(rows, indent=1) + "\n")

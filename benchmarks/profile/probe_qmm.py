@@ -13,20 +13,19 @@ over the largest output.
 """
 from __future__ import annotations
 
-import _path  # noqa: F401 - the checkout as installed
-from _timing import timed_evaluation
-
 import argparse
 import json
 from pathlib import Path
 from typing import Any
 
+import _path  # noqa: F401 - the checkout as installed
 import numpy as np
+from _timing import timed_evaluation
 
 import pymlxc.core as mx
-from pymlxc.core.cuda_kernel import SharedKernel
 from pymlxc.backends.metal import kernel_choice
 from pymlxc.backends.metal.kernels import qmm
+from pymlxc.core.cuda_kernel import SharedKernel
 
 SHAPES = {  # name: (K, N)
     "1b.qkv": (2048, 3072), "1b.o": (2048, 2048), "1b.gate_up": (2048, 16384), "1b.down": (8192, 2048),
@@ -67,11 +66,15 @@ def probe(k: int, n: int, rows: int, min_bytes: int, repeats: int, dtype: Any) -
         # The kernel with the weights' codes copied into shared memory undequantized: what the
         # dequantization costs (its error is meaningless).
         sides[f"pymlxc_g{group}_nodequant"] = lambda q, g=group: _nodequant(x, *q, g)
+        # MLX's dequantization of the weight alone, and followed by the dense product (what the
+        # compiled prefill runs for large blocks, nn.dequantized_product); the first has no error.
+        sides[f"dequantize_g{group}"] = lambda q, g=group: mx.dequantize(*q, g, 4)
+        sides[f"dequantized_g{group}"] = lambda q, g=group: mx.matmul(x, mx.swapaxes(mx.dequantize(*q, g, 4), 0, 1))
         for name, fn in sides.items():
             got = np.asarray(fn(w).astype(mx.float32))
             t = timed_evaluation(lambda fn=fn, ws=ws: [fn(q) for q in ws], repeats) / copies
             out[name] = {"us": t * 1e6, "TFLOPs": flops / t / 1e12, "GBps": nbytes / t / 1e9,
-                         "error": float(np.abs(got - want).max()) / scale}
+                         "error": float(np.abs(got - want).max()) / scale if got.shape == want.shape else None}
     copies = max(1, -(-min_bytes // dense.nbytes))
     ds = [dense] + [dense + 0 for _ in range(copies - 1)]
     t = timed_evaluation(lambda: [mx.matmul(x, mx.swapaxes(d, 0, 1)) for d in ds], repeats) / copies

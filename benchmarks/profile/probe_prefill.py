@@ -111,15 +111,15 @@ def interleaved_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: b
             "on_runs_ms": [1e3 * t for t in times[True]], "off_runs_ms": [1e3 * t for t in times[False]]}
 
 
-def switch_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: bool, attr: str) -> dict[str, Any]:
-    """`--fused-ab` / `--dequantized-ab`: the decoder's switch `attr` on and off."""
-    decoder = side.decoder
-    assert decoder is not None  # segmented mode: a compiled side
-    kept = getattr(decoder, attr)
+def attribute_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: bool, owner: Any,
+                 attr: str) -> dict[str, Any]:
+    """`owner.attr` True and False in turn, put back afterwards: `--fused-ab` / `--dequantized-ab`
+    (the decoder's switches) and `--thread-ab` (the side's evaluation thread)."""
+    kept = getattr(owner, attr)
     try:
-        return interleaved_ab(side, prompt, repeats, clear_cache, lambda on: setattr(decoder, attr, on))
+        return interleaved_ab(side, prompt, repeats, clear_cache, lambda on: setattr(owner, attr, on))
     finally:
-        setattr(decoder, attr, kept)
+        setattr(owner, attr, kept)
 
 
 def compiled_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: bool) -> dict[str, Any]:
@@ -137,15 +137,6 @@ def compiled_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: bool
         model.qmm_rows = marked
 
 
-def thread_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: bool) -> dict[str, Any]:
-    """`--thread-ab`: the generation on the evaluation thread (on) and on the caller's alone (off)."""
-    kept = side.threaded
-    try:
-        return interleaved_ab(side, prompt, repeats, clear_cache, lambda on: setattr(side, "threaded", on))
-    finally:
-        side.threaded = kept
-
-
 def exact_cache_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: bool) -> dict[str, Any]:
     """`--exact-cache-ab`: each cache's first buffer exactly the prompt's length (on: the decoder
     reserves nothing and the caches grow one slot at a time, so the prompt fills its buffer and no
@@ -154,7 +145,7 @@ def exact_cache_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: b
 
     decoder = side.decoder
     assert decoder is not None
-    kept_step, kept_reserve = KVCache.step, type(decoder).reserve
+    kept_step = KVCache.step
 
     def choose(on: bool) -> None:
         KVCache.step = 1 if on else kept_step
@@ -168,7 +159,6 @@ def exact_cache_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: b
     finally:
         KVCache.step = kept_step
         decoder.__dict__.pop("reserve", None)
-        assert type(decoder).reserve is kept_reserve
 
 
 def two_cores() -> tuple[int, int]:
@@ -216,12 +206,13 @@ ABRun = Callable[[Pymlxc, list[int], int, bool], dict[str, Any]]
 
 def ab_runs(args: argparse.Namespace) -> list[tuple[str, ABRun]]:
     """The A/Bs the flags ask for, by the name their results are kept under."""
-    def switch(attr: str) -> ABRun:
-        return lambda side, prompt, repeats, clear: switch_ab(side, prompt, repeats, clear, attr)
+    def switch(attr: str, of_decoder: bool = True) -> ABRun:
+        return lambda side, prompt, repeats, clear: attribute_ab(side, prompt, repeats, clear,
+                                                                 side.decoder if of_decoder else side, attr)
 
     chosen = [(args.fused_ab, "prefill_fused_products", switch("prefill_fused_products")),
               (args.dequantized_ab, "prefill_dequantized", switch("prefill_dequantized")),
-              (args.compiled_ab, "compiled", compiled_ab), (args.thread_ab, "eval_thread", thread_ab),
+              (args.compiled_ab, "compiled", compiled_ab), (args.thread_ab, "eval_thread", switch("threaded", False)),
               (args.exact_cache_ab, "exact_cache", exact_cache_ab), (args.pin_ab, "pinned", pin_ab)]
     return [(name, run) for flag, name, run in chosen if flag]
 

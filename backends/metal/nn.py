@@ -362,10 +362,39 @@ def _dense_product(layer: Any, x: Array) -> Array:
         lambda r, stop: _dequantize(w[r:stop], s[r:stop], b[r:stop], layer.group_size, layer.bits).astype(x.dtype))
 
 
+# Bit widths whose codes `elementwise_dequantize` unpacks (those that divide 32: a code never
+# straddles two words).
+ELEMENTWISE_BITS = (2, 4, 8)
+
+
+def elementwise_dequantize(weight: Array, scales: Array, biases: Array, group_size: int, bits: int) -> Array:
+    """MLX's `dequantize` of an affine-quantized W (packed uint32 [N, K * bits / 32], scales and
+    biases [N, K / group_size]) written as shifts, masks and a multiply-add on broadcast views,
+    which a compiled trace fuses into one elementwise kernel: on CUDA MLX's own dequantization writes
+    at a fraction of the card's copy rate (`benchmarks/profile/probe_qmm.py`'s `dequantize_g*` sides).
+    Each weight is `scale * code + bias` in the scales' dtype, as MLX's CPU dequantization has it."""
+    if bits not in ELEMENTWISE_BITS:
+        return _dequantize(weight, scales, biases, group_size, bits)
+    per = 32 // bits  # codes a word
+    n, words = weight.shape[-2], weight.shape[-1]
+    k = words * per
+    groups = k // group_size
+    lead = tuple(weight.shape[:-2])
+    codes = _reshape(weight, (*lead, n, groups, group_size // per, 1))
+    shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
+    q = mx.bitwise_and(mx.right_shift(codes, shifts), mx.array((1 << bits) - 1, dtype=mx.uint32))
+    s = _reshape(scales, (*lead, n, groups, 1, 1))
+    b = _reshape(biases, (*lead, n, groups, 1, 1))
+    return _reshape(q.astype(scales.dtype) * s + b, (*lead, n, k))
+
+
 def dequantized_product(x: Array, weight: Array, scales: Array, biases: Array, group_size: int, bits: int) -> Array:
     """`x @ dequantize(W).T` as one dequantization of the whole W and one dense matmul (inside
-    `dequantized_products()`): both shapes fixed by W alone, so a shapeless trace holds them."""
-    w = _dequantize(weight, scales, biases, group_size, bits)
+    `dequantized_products()`): both shapes fixed by W alone, so a shapeless trace holds them. The
+    dequantization is `elementwise_dequantize` inside `dequantized_products(elementwise=True)`,
+    MLX's `dequantize` otherwise."""
+    dequantize = elementwise_dequantize if _dequantized.get() == ELEMENTWISE else _dequantize
+    w = dequantize(weight, scales, biases, group_size, bits)
     if w.dtype != x.dtype:
         w = w.astype(x.dtype)
     return _matmul(x, _swapaxes(w, -1, -2))
@@ -659,7 +688,7 @@ class Cloner:
 
 
 _shapeless = ThreadSetting(False)
-_dequantized = ThreadSetting(False)
+_dequantized: ThreadSetting[bool | str] = ThreadSetting(False)
 
 
 @contextlib.contextmanager
@@ -670,12 +699,16 @@ def shapeless_trace() -> Iterator[None]:
         yield
 
 
+ELEMENTWISE = "elementwise"  # `_dequantized`'s value inside dequantized_products(elementwise=True)
+
+
 @contextlib.contextmanager
-def dequantized_products() -> Iterator[None]:
+def dequantized_products(elementwise: bool = False) -> Iterator[None]:
     """Within (on this thread): quantized linears and fused projections multiply as
     `dequantized_product` (the compiled prefill's many-row products where `Settings.prefill_dequantized`
-    says so; see decode/prefill.py)."""
-    with _dequantized.set(True):
+    says so; see decode/prefill.py), their weights dequantized by `elementwise_dequantize` where
+    `elementwise`, else by MLX's `dequantize`."""
+    with _dequantized.set(ELEMENTWISE if elementwise else True):
         yield
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from _timing import timed_evaluation
 
 import pymlxc.core as mx
-from pymlxc.backends.metal import kernel_choice
+from pymlxc.backends.metal import kernel_choice, nn
 from pymlxc.backends.metal.kernels import qmm
 from pymlxc.core.cuda_kernel import SharedKernel
 
@@ -70,6 +70,11 @@ def probe(k: int, n: int, rows: int, min_bytes: int, repeats: int, dtype: Any) -
         # compiled prefill runs for large blocks, nn.dequantized_product); the first has no error.
         sides[f"dequantize_g{group}"] = lambda q, g=group: mx.dequantize(*q, g, 4)
         sides[f"dequantized_g{group}"] = lambda q, g=group: mx.matmul(x, mx.swapaxes(mx.dequantize(*q, g, 4), 0, 1))
+        # The same two as the compiled prefill runs them with nn.elementwise_dequantize: shifts, masks
+        # and a multiply-add that MLX's compiler fuses into one kernel.
+        fused = mx.compile(lambda *q, g=group: nn.elementwise_dequantize(*q, g, 4))
+        sides[f"elementwise_g{group}"] = lambda q, f=fused: f(*q)
+        sides[f"elementwise_dequantized_g{group}"] = lambda q, f=fused: mx.matmul(x, mx.swapaxes(f(*q), 0, 1))
         for name, fn in sides.items():
             got = np.asarray(fn(w).astype(mx.float32))
             t = timed_evaluation(lambda fn=fn, ws=ws: [fn(q) for q in ws], repeats) / copies

@@ -175,6 +175,34 @@ def test_dequantized_products_fill_the_caches_as_the_forward(models, arch: str, 
         decoder.close()
 
 
+def test_elementwise_dequantization_fills_the_caches_as_the_forward(models, monkeypatch: pytest.MonkeyPatch
+                                                                   ) -> None:
+    """With `prefill_elementwise_dequantize` the dequantized products' weights come from
+    nn.elementwise_dequantize (once per product a trace makes) and the caches fill as the model's
+    forward fills them; switched off on the decoder, a runner of its own takes MLX's dequantize."""
+    model = models("llama", 4).model
+    calls: list[tuple[int, ...]] = []
+    real = nn.elementwise_dequantize
+    monkeypatch.setattr(nn, "elementwise_dequantize", lambda w, *a: calls.append(tuple(w.shape)) or real(w, *a))
+    decoder = CompiledDecoder(model, "segmented", settings=Settings(
+        prefill_fused_products="1", prefill_dequantized="1", prefill_elementwise_dequantize="1"))
+    try:
+        runner = settled_runner(decoder)
+        assert runner.dequantized
+        check_fills_like_the_forward(runner, model, [(0, 17), (17, 40)])
+        assert len(calls) == 8  # as the products in test_dequantized_products_fill_the_caches_as_the_forward
+        calls.clear()
+        decoder.prefill_elementwise_dequantize = False
+        plain = decoder.prefill_runner(True)
+        assert plain is not None and plain is not runner and plain.dequantized
+        check_fills_like_the_forward(plain, model, [(0, 17), (17, 40)])
+        assert calls == []
+    finally:
+        decoder.close()
+    assert Settings().prefill_elementwise_dequantize == "auto"
+    assert CompiledDecoder(None, "segmented").prefill_elementwise_dequantize is ON_CUDA
+
+
 def test_dequantized_products_by_default_for_large_blocks_on_cuda(models, monkeypatch: pytest.MonkeyPatch) -> None:
     """`auto` dequantizes on CUDA where the quantized blocks hold nn.DEQUANTIZED_MIN_BLOCK_BYTES or
     more (the tiny model's do not), `1` at any size, `0` never."""

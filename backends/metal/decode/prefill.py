@@ -300,15 +300,18 @@ class PrefillRunner:
 
     def __init__(self, plan: SegmentPlan, blocks: Sequence[Any], fns: PrefillFunctions,
                  on_fail: Callable[[BaseException], None], dtype: Any = None, many_rows: int = 0,
-                 fused: bool = True, dequantized: bool = False, copy_bytes: int = 0) -> None:
+                 fused: bool = True, dequantized: bool = False, elementwise: bool = False,
+                 copy_bytes: int = 0) -> None:
         """`fused`: run the plan's fused q/k/v and gate/up products as one matmul each (module doc).
         `dequantized`: quantized products as a dequantization and a dense matmul each
-        (`nn.dequantized_products`), fused ones too; a block's copies then take `copy_bytes`
+        (`nn.dequantized_products`), fused ones too, the dequantizations elementwise where
+        `elementwise` (`nn.elementwise_dequantize`); a block's copies then take `copy_bytes`
         (`nn.dequantized_block_bytes`)."""
         self._plan = plan
         self._blocks = list(blocks)
-        self._made_for = (dtype, many_rows, fused, dequantized)
+        self._made_for = (dtype, many_rows, fused, dequantized, elementwise)
         self._dequantized = dequantized
+        self._elementwise = elementwise
         self._copy_bytes = copy_bytes if dequantized else 0
         self._fns = fns
         self._on_fail = on_fail
@@ -345,10 +348,11 @@ class PrefillRunner:
         return [self._first, *self._mids, self._last]
 
     def serves(self, plan: SegmentPlan, dtype: Any, many_rows: int, fused: bool = True,
-               dequantized: bool = False) -> bool:
+               dequantized: bool = False, elementwise: bool = False) -> bool:
         """Whether this runner is the one `plan` and the model's compute dtype, row threshold,
-        `fused` and `dequantized` would make (a decoder keeps one per plan, its specs made once)."""
-        return plan is self._plan and self._made_for == (dtype, many_rows, fused, dequantized)
+        `fused`, `dequantized` and `elementwise` would make (a decoder keeps one per plan, its specs
+        made once)."""
+        return plan is self._plan and self._made_for == (dtype, many_rows, fused, dequantized, elementwise)
 
     def takes(self, chunk: Array) -> bool:
         """Whether a chunk of token ids [B, L] runs here (else op by op, see the class)."""
@@ -376,7 +380,7 @@ class PrefillRunner:
         """Segment `part` (0 first, 1 mid, 2 last) on `inputs` (the hidden states h last), its block
         layers' rows dequantized first, in h's dtype, outside the trace."""
         dense = [c for layer in spec.blocks for c in layer.dense_chunks(inputs[-1].dtype)]
-        products = nn.dequantized_products() if self._dequantized else contextlib.nullcontext()
+        products = nn.dequantized_products(self._elementwise) if self._dequantized else contextlib.nullcontext()
         with mlx_kernels_only(), nn.shapeless_trace(), products:  # what a trace builds: one trace serves every length
             return call_traced(self._fns.get(batch, spec.traces)[part], spec, [*inputs, *dense], spec.group.fixed)
 

@@ -68,10 +68,10 @@ class Settings:
         "matmul. `auto`: on CUDA, for blocks of 64 MiB or more of quantized layers (on an H200 "
         "Llama-3.1-8B 4-bit's 128-token prefill took 28.0 against 30.9 ms; Llama-3.2-1B's lost, its "
         "host's work growing); `1`: at any size.")
-    prefill_elementwise_dequantize: str = _switch(
-        "Where the compiled prefill dequantizes (`prefill_dequantized`): each 2-, 4- or 8-bit weight's "
-        "dequantization as shifts, masks and a multiply-add that MLX's compiler fuses into one kernel "
-        "(`nn.elementwise_dequantize`, the same values) instead of MLX's `dequantize`. `auto`: on CUDA.")
+    prefill_dequantize_kernel: str = _switch(
+        "Where the compiled prefill dequantizes (`prefill_dequantized`): each 4-bit weight dequantized before "
+        "its segment by pymlxc's CUDA kernel (`kernels/dequantize.py`, one 16-byte store per packed word) and "
+        "handed to the trace as an input, instead of MLX's `dequantize` inside the trace. `auto`: on CUDA.")
     fused_norm: str = _switch(
         "Segmented decode and Gemma 3's whole-step graph: each residual add and the RMSNorm after it "
         "as one CUDA kernel "

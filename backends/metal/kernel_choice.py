@@ -35,10 +35,11 @@ from pymlxc.core import Array
 from pymlxc.core.cuda_kernel import SharedKernel, float32_bits
 
 from .kernels import add_rms_norm as norm_kernel
+from .kernels import dequantize as dequantize_kernel
 from .kernels import matvec as matvec_kernel
 from .kernels import qmm as qmm_kernel
 from .kernels import rope_kv as rope_kernel
-from .kernels.check import CheckedOnce
+from .kernels.check import CheckedOnce, on_cuda
 from .thread_setting import ThreadSetting
 
 # 4-bit bytes per block: Llama-3.1-8B 140 MB, Llama-3.2-1B 43 MB, Gemma-3-1B 22 MB, Qwen3-0.6B 12 MB.
@@ -487,6 +488,60 @@ def _compare_qmm(dtype: Any, group_size: int) -> str | None:
     if not np.all(np.abs(got - want) <= tol):
         bad = np.unravel_index(int(np.argmax(np.abs(got - want) - tol)), want.shape)
         return (f"its product differs from MLX's dequantized weights at row {bad[0]}, column {bad[1]} "
+                f"({got[bad]:.5g} against {want[bad]:.5g})")
+    return None
+
+
+_the_dequantize = SharedKernel(dequantize_kernel.NAME, dequantize_kernel.INPUTS, dequantize_kernel.OUTPUT_NAMES,
+                               dequantize_kernel.SOURCE)
+dequantize_checks = CheckedOnce("pymlxc's CUDA 4-bit dequantization", source=(dequantize_kernel.__file__, __file__))
+
+
+def dequantized_weight(weight: Array, scales: Array, biases: Array, group_size: int, bits: int) -> Array:
+    """MLX's `dequantize(weight, scales, biases)` of a whole [N, K * bits / 32] weight, in the
+    scales' dtype: pymlxc's CUDA kernel (`kernels/dequantize.py`) where the layout is one it takes
+    and the kernel passed its check, MLX's `dequantize` otherwise. Not inside a shapeless trace
+    (the kernel's output shape could not be inferred again there)."""
+    n = weight.shape[0]
+    k = weight.shape[-1] * 32 // bits if bits else 0
+    fits = (weight.ndim == 2 and dequantize_kernel.applies(bits, group_size, scales.dtype.size)
+            and tuple(scales.shape) == (n, k // group_size) and tuple(biases.shape) == tuple(scales.shape))
+    if fits and kernels_allowed() and on_cuda() and dequantize_ready(scales.dtype, group_size):
+        return _kernel_dequantize(weight, scales, biases, group_size)
+    return mx.dequantize(weight, scales, biases, group_size, bits)
+
+
+def _kernel_dequantize(weight: Array, scales: Array, biases: Array, group_size: int) -> Array:
+    (out,) = _the_dequantize()([weight, scales, biases], output_shapes=[(weight.shape[0], weight.shape[1] * 8)],
+                               output_dtypes=[scales.dtype],
+                               **dequantize_kernel.launch(weight.size, scales.dtype, group_size))
+    return out
+
+
+def dequantize_ready(dtype: Any, group_size: int) -> bool:
+    """Whether the dequantization kernel runs here and gives MLX's values (to one rounding of
+    `dtype`) at `group_size` (checked once per machine and key, see kernels/check.py)."""
+    return dequantize_checks.verdict(("dequantize", str(dtype), group_size),
+                                     lambda: _compare_dequantize(dtype, group_size))
+
+
+def _compare_dequantize(dtype: Any, group_size: int) -> str | None:
+    """None where the kernel's values are MLX's dequantization's, within one rounding of `dtype`,
+    for a weight whose word count is not a whole number of thread blocks; else why not."""
+    import numpy as np  # noqa: PLC0415 - the check alone needs it
+
+    rng = np.random.default_rng(0)
+    n, k = 37, 512  # 2368 words: 9 blocks and a part
+    w32 = mx.array(rng.standard_normal((n, k)).astype(np.float32)).astype(dtype)
+    weight, scales, biases = mx.quantize(w32, group_size, 4)
+    want = np.asarray(mx.dequantize(weight, scales, biases, group_size, 4).astype(mx.float32))
+    got = np.asarray(_kernel_dequantize(weight, scales, biases, group_size).astype(mx.float32))
+    tol = np.abs(want) * 2.0 ** -(7 if dtype == mx.bfloat16 else 10) + 1e-6
+    if got.shape != want.shape:
+        return f"it gave values of shape {got.shape} for a weight of {want.shape}"
+    if not np.all(np.abs(got - want) <= tol):
+        bad = np.unravel_index(int(np.argmax(np.abs(got - want) - tol)), want.shape)
+        return (f"its values differ from MLX's dequantization at row {bad[0]}, column {bad[1]} "
                 f"({got[bad]:.5g} against {want[bad]:.5g})")
     return None
 

@@ -362,42 +362,25 @@ def _dense_product(layer: Any, x: Array) -> Array:
         lambda r, stop: _dequantize(w[r:stop], s[r:stop], b[r:stop], layer.group_size, layer.bits).astype(x.dtype))
 
 
-# Bit widths whose codes `elementwise_dequantize` unpacks (those that divide 32: a code never
-# straddles two words).
-ELEMENTWISE_BITS = (2, 4, 8)
-
-
-def elementwise_dequantize(weight: Array, scales: Array, biases: Array, group_size: int, bits: int) -> Array:
-    """MLX's `dequantize` of an affine-quantized W (packed uint32 [N, K * bits / 32], scales and
-    biases [N, K / group_size]) written as shifts, masks and a multiply-add on broadcast views,
-    which a compiled trace fuses into one elementwise kernel: on CUDA MLX's own dequantization writes
-    at a fraction of the card's copy rate (`benchmarks/profile/probe_qmm.py`'s `dequantize_g*` sides).
-    Each weight is `scale * code + bias` in the scales' dtype, as MLX's CPU dequantization has it."""
-    if bits not in ELEMENTWISE_BITS:
-        return _dequantize(weight, scales, biases, group_size, bits)
-    per = 32 // bits  # codes a word
-    n, words = weight.shape[-2], weight.shape[-1]
-    k = words * per
-    groups = k // group_size
-    lead = tuple(weight.shape[:-2])
-    codes = _reshape(weight, (*lead, n, groups, group_size // per, 1))
-    shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
-    q = mx.bitwise_and(mx.right_shift(codes, shifts), mx.array((1 << bits) - 1, dtype=mx.uint32))
-    s = _reshape(scales, (*lead, n, groups, 1, 1))
-    b = _reshape(biases, (*lead, n, groups, 1, 1))
-    return _reshape(q.astype(scales.dtype) * s + b, (*lead, n, k))
-
-
 def dequantized_product(x: Array, weight: Array, scales: Array, biases: Array, group_size: int, bits: int) -> Array:
     """`x @ dequantize(W).T` as one dequantization of the whole W and one dense matmul (inside
-    `dequantized_products()`): both shapes fixed by W alone, so a shapeless trace holds them. The
-    dequantization is `elementwise_dequantize` inside `dequantized_products(elementwise=True)`,
-    MLX's `dequantize` otherwise."""
-    dequantize = elementwise_dequantize if _dequantized.get() == ELEMENTWISE else _dequantize
-    w = dequantize(weight, scales, biases, group_size, bits)
+    `dequantized_products()`): both shapes fixed by W alone, so a shapeless trace holds them."""
+    w = _dequantize(weight, scales, biases, group_size, bits)
     if w.dtype != x.dtype:
         w = w.astype(x.dtype)
     return _matmul(x, _swapaxes(w, -1, -2))
+
+
+def given_dense_product(layer: Any, x: Array) -> Array | None:
+    """`x @ W.T` on the dense copy of `layer`'s quantized weight that the compiled prefill made
+    before its trace and handed to the trace's copy of the layer as `dense_weight`
+    (decode/prefill.py); None where none was given."""
+    dense = layer.__dict__.get("dense_weight")
+    if dense is None:
+        return None
+    if dense.dtype != x.dtype:
+        dense = dense.astype(x.dtype)
+    return _matmul(x, _swapaxes(dense, -1, -2))
 
 
 def _quantized_product(layer: Any, x: Array) -> Array:
@@ -411,6 +394,9 @@ def _quantized_product(layer: Any, x: Array) -> Array:
     rows. Below 8 rows MLX's matrix-vector kernel takes either layout alike (and pymlxc's kernel
     reads any), so the two reshapes are not spent there."""
     if _dequantized.get():
+        given = given_dense_product(layer, x)
+        if given is not None:
+            return given
         return dequantized_product(x, layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits)
     shape = x.shape
     if len(shape) == 3 and shape[1] == 1 and shape[0] >= FOLD_MIN_ROWS:
@@ -688,7 +674,7 @@ class Cloner:
 
 
 _shapeless = ThreadSetting(False)
-_dequantized: ThreadSetting[bool | str] = ThreadSetting(False)
+_dequantized = ThreadSetting(False)
 
 
 @contextlib.contextmanager
@@ -699,16 +685,13 @@ def shapeless_trace() -> Iterator[None]:
         yield
 
 
-ELEMENTWISE = "elementwise"  # `_dequantized`'s value inside dequantized_products(elementwise=True)
-
-
 @contextlib.contextmanager
-def dequantized_products(elementwise: bool = False) -> Iterator[None]:
+def dequantized_products() -> Iterator[None]:
     """Within (on this thread): quantized linears and fused projections multiply as
     `dequantized_product` (the compiled prefill's many-row products where `Settings.prefill_dequantized`
-    says so; see decode/prefill.py), their weights dequantized by `elementwise_dequantize` where
-    `elementwise`, else by MLX's `dequantize`."""
-    with _dequantized.set(ELEMENTWISE if elementwise else True):
+    says so; see decode/prefill.py), or on the dense copies of their weights given to them
+    (`given_dense_product`)."""
+    with _dequantized.set(True):
         yield
 
 

@@ -19,9 +19,9 @@ block layers, the group-32 products, or the compiled segments that do not trace 
                                      # without (PYMLXC_PREFILL_FUSED_PRODUCTS), runs interleaved
         [--dequantized-ab]           # segmented: quantized products dequantized for dense matmuls and
                                      # not (PYMLXC_PREFILL_DEQUANTIZED), runs interleaved
-        [--elementwise-ab]           # segmented, dequantizing: those dequantizations as fused
-                                     # elementwise kernels and through MLX's dequantize
-                                     # (PYMLXC_PREFILL_ELEMENTWISE_DEQUANTIZE), runs interleaved
+        [--dequantize-kernel-ab]     # segmented, dequantizing: the weights dequantized before each
+                                     # segment by pymlxc's kernel and inside the traces by MLX's
+                                     # dequantize (PYMLXC_PREFILL_DEQUANTIZE_KERNEL), runs interleaved
         [--compiled-ab]              # segmented, chunks op by op (qmm_rows): compiled prefill against
                                      # op by op, runs interleaved
         [--thread-ab]                # segmented: the evaluation thread on and off, runs interleaved
@@ -215,7 +215,7 @@ def ab_runs(args: argparse.Namespace) -> list[tuple[str, ABRun]]:
 
     chosen = [(args.fused_ab, "prefill_fused_products", switch("prefill_fused_products")),
               (args.dequantized_ab, "prefill_dequantized", switch("prefill_dequantized")),
-              (args.elementwise_ab, "prefill_elementwise_dequantize", switch("prefill_elementwise_dequantize")),
+              (args.dequantize_kernel_ab, "prefill_dequantize_kernel", switch("prefill_dequantize_kernel")),
               (args.compiled_ab, "compiled", compiled_ab), (args.thread_ab, "eval_thread", switch("threaded", False)),
               (args.exact_cache_ab, "exact_cache", exact_cache_ab), (args.pin_ab, "pinned", pin_ab)]
     return [(name, run) for flag, name, run in chosen if flag]
@@ -247,9 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dequantized-ab", action="store_true",
                    help="segmented mode: interleave runs with the prefill's quantized products dequantized "
                         "for dense matmuls and through MLX's quantized matmul")
-    p.add_argument("--elementwise-ab", action="store_true",
-                   help="segmented mode, a prefill that dequantizes: interleave runs whose dequantizations are "
-                        "fused elementwise kernels (nn.elementwise_dequantize) and runs through MLX's dequantize")
+    p.add_argument("--dequantize-kernel-ab", action="store_true",
+                   help="segmented mode, a prefill that dequantizes: interleave runs whose weights are dequantized "
+                        "before each segment by pymlxc's kernel and runs that dequantize inside the traces")
     p.add_argument("--compiled-ab", action="store_true",
                    help="segmented mode, a model whose chunks go op by op through the tensor-core qmm: "
                         "interleave runs on the compiled prefill (on) and op by op (off); groups 32 and 64 may "

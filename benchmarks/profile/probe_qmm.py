@@ -23,7 +23,7 @@ import numpy as np
 from _timing import timed_evaluation
 
 import pymlxc.core as mx
-from pymlxc.backends.metal import kernel_choice, nn
+from pymlxc.backends.metal import kernel_choice
 from pymlxc.backends.metal.kernels import qmm
 from pymlxc.core.cuda_kernel import SharedKernel
 
@@ -43,6 +43,17 @@ def _nodequant(x: mx.Array, w: mx.Array, s: mx.Array, b: mx.Array, group: int) -
     m, k = x.shape
     return _NODEQUANT()([x, w, s, b], output_shapes=[(m, w.shape[0])], output_dtypes=[x.dtype],
                         **qmm.launch(m, k, w.shape[0], x.dtype, group))[0]
+
+
+def elementwise_dequantize(weight: mx.Array, scales: mx.Array, biases: mx.Array, group: int) -> mx.Array:
+    """MLX's 4-bit `dequantize` as elementwise operations on broadcast views (one fused kernel
+    inside `mx.compile`): each weight `scale * code + bias` in the scales' dtype."""
+    n, words = weight.shape
+    groups = words * 8 // group
+    codes = mx.reshape(weight, (n, groups, group // 8, 1))
+    q = mx.bitwise_and(mx.right_shift(codes, mx.arange(0, 32, 4, dtype=mx.uint32)), mx.array(15, dtype=mx.uint32))
+    s, b = mx.reshape(scales, (n, groups, 1, 1)), mx.reshape(biases, (n, groups, 1, 1))
+    return mx.reshape(q.astype(scales.dtype) * s + b, (n, words * 8))
 
 
 def probe(k: int, n: int, rows: int, min_bytes: int, repeats: int, dtype: Any) -> dict[str, Any]:
@@ -70,11 +81,15 @@ def probe(k: int, n: int, rows: int, min_bytes: int, repeats: int, dtype: Any) -
         # compiled prefill runs for large blocks, nn.dequantized_product); the first has no error.
         sides[f"dequantize_g{group}"] = lambda q, g=group: mx.dequantize(*q, g, 4)
         sides[f"dequantized_g{group}"] = lambda q, g=group: mx.matmul(x, mx.swapaxes(mx.dequantize(*q, g, 4), 0, 1))
-        # The same two as the compiled prefill runs them with nn.elementwise_dequantize: shifts, masks
-        # and a multiply-add that MLX's compiler fuses into one kernel.
-        fused = mx.compile(lambda *q, g=group: nn.elementwise_dequantize(*q, g, 4))
+        # The same two with the dequantization as shifts, masks and a multiply-add that MLX's
+        # compiler fuses into one kernel, and with pymlxc's dequantization kernel (what the compiled
+        # prefill hands its traces, kernel_choice.dequantized_weight).
+        fused = mx.compile(lambda *q, g=group: elementwise_dequantize(*q, g))
         sides[f"elementwise_g{group}"] = lambda q, f=fused: f(*q)
         sides[f"elementwise_dequantized_g{group}"] = lambda q, f=fused: mx.matmul(x, mx.swapaxes(f(*q), 0, 1))
+        sides[f"kernel_dequantize_g{group}"] = lambda q, g=group: kernel_choice.dequantized_weight(*q, g, 4)
+        sides[f"kernel_dequantized_g{group}"] = lambda q, g=group: mx.matmul(
+            x, mx.swapaxes(kernel_choice.dequantized_weight(*q, g, 4), 0, 1))
         for name, fn in sides.items():
             got = np.asarray(fn(w).astype(mx.float32))
             t = timed_evaluation(lambda fn=fn, ws=ws: [fn(q) for q in ws], repeats) / copies

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import pymlxc.core as mx
 from pymlxc.backends.metal import nn
@@ -140,42 +138,22 @@ def test_model_args_from_dict() -> None:
     assert g.layer_windows() == [4096] * 5 + [None]
 
 
-@settings(max_examples=40, deadline=None)
-@given(dtype=st.sampled_from(["bfloat16", "float16", "float32"]), bits=st.sampled_from([2, 3, 4, 6, 8]),
-       group=st.sampled_from([32, 64, 128]), rows=st.integers(1, 9), groups=st.integers(1, 4),
-       lead=st.sampled_from([(), (2,)]), seed=st.integers(0, 2**16))
-def test_elementwise_dequantize_gives_mlx_dequantize_bit_for_bit(dtype: str, bits: int, group: int, rows: int,
-                                                                 groups: int, lead: tuple[int, ...], seed: int
-                                                                 ) -> None:
-    """The fused-kernel form of the dequantization gives MLX's values exactly, eagerly and inside a
-    shapeless compiled trace, for every bit width (those that do not divide 32 go to MLX's own)."""
-    w = np.random.default_rng(seed).standard_normal((*lead, rows, groups * group)).astype(np.float32)
-    q = mx.quantize(mx.array(w).astype(getattr(mx, dtype)), group, bits)
-    want = mx.dequantize(*q, group, bits)
-    traced = mx.compile(lambda a, s, b: nn.elementwise_dequantize(a, s, b, group, bits), shapeless=True)
-    for got in (nn.elementwise_dequantize(*q, group, bits), traced(*q)):
-        assert got.shape == want.shape and got.dtype == want.dtype
-        assert np.array_equal(np.asarray(got.astype(mx.float32)), np.asarray(want.astype(mx.float32)))
 
-
-def test_dequantized_products_choose_the_dequantization(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Inside `dequantized_products(elementwise=True)` a quantized linear's product dequantizes
-    elementwise, inside `dequantized_products()` through MLX's `dequantize`: the same product."""
+def test_a_given_dense_weight_replaces_the_dequantization(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside `dequantized_products()` a quantized linear multiplies by the dense copy of its weight
+    given to it as `dense_weight` (the compiled prefill's trace) and dequantizes nothing; without
+    one it dequantizes its own weight: the same product."""
     layer = nn.QuantizedLinear(64, 24, bias=False, group_size=32, bits=4)
     w = mx.array(np.random.default_rng(1).standard_normal((24, 64)).astype(np.float32))
     layer.weight, layer.scales, layer.biases = mx.quantize(w, 32, 4)
     x = mx.array(np.random.default_rng(2).standard_normal((5, 64)).astype(np.float32))
-    calls: list[int] = []
-    real = nn.elementwise_dequantize
-    monkeypatch.setattr(nn, "elementwise_dequantize", lambda *a: calls.append(1) or real(*a))
     with nn.dequantized_products():
         plain = layer(x)
-    assert calls == []
-    with nn.dequantized_products(elementwise=True):
-        assert nn.dequantizing()
-        fused = layer(x)
-    assert calls == [1]
-    assert not nn.dequantizing()
-    assert np.array_equal(np.asarray(plain), np.asarray(fused))
+        layer.__dict__["dense_weight"] = mx.dequantize(layer.weight, layer.scales, layer.biases, 32, 4)
+        calls: list[int] = []
+        monkeypatch.setattr(nn, "dequantized_product", lambda *a: calls.append(1))
+        given = layer(x)
+        assert calls == []
+    assert np.array_equal(np.asarray(plain), np.asarray(given))
     want = mx.quantized_matmul(x, layer.weight, layer.scales, layer.biases, True, 32, 4)
     assert np.allclose(np.asarray(plain), np.asarray(want), atol=1e-4)

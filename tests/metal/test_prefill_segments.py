@@ -175,32 +175,42 @@ def test_dequantized_products_fill_the_caches_as_the_forward(models, arch: str, 
         decoder.close()
 
 
-def test_elementwise_dequantization_fills_the_caches_as_the_forward(models, monkeypatch: pytest.MonkeyPatch
-                                                                   ) -> None:
-    """With `prefill_elementwise_dequantize` the dequantized products' weights come from
-    nn.elementwise_dequantize (once per product a trace makes) and the caches fill as the model's
-    forward fills them; switched off on the decoder, a runner of its own takes MLX's dequantize."""
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_weights_dequantized_before_the_trace_fill_the_caches_as_the_forward(models, fused: str,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `prefill_dequantize_kernel` every quantized product of a Llama block takes a weight
+    dequantized before its segment (kernel_choice.dequantized_weight: one per product of the
+    segments' traces, the fused ones with `prefill_fused_products`) and none dequantizes inside the
+    trace; the caches fill as the model's forward fills them. Switched off on the decoder, a runner
+    of its own dequantizes inside the trace."""
     model = models("llama", 4).model
-    calls: list[tuple[int, ...]] = []
-    real = nn.elementwise_dequantize
-    monkeypatch.setattr(nn, "elementwise_dequantize", lambda w, *a: calls.append(tuple(w.shape)) or real(w, *a))
+    outside: list[tuple[int, ...]] = []
+    inside: list[tuple[int, ...]] = []
+    real_outside, real_inside = prefill.dequantized_weight, nn.dequantized_product
+    monkeypatch.setattr(prefill, "dequantized_weight",
+                        lambda w, *a: outside.append(tuple(w.shape)) or real_outside(w, *a))
+    monkeypatch.setattr(nn, "dequantized_product", lambda x, *a: inside.append(tuple(x.shape)) or real_inside(x, *a))
     decoder = CompiledDecoder(model, "segmented", settings=Settings(
-        prefill_fused_products="1", prefill_dequantized="1", prefill_elementwise_dequantize="1"))
+        prefill_fused_products=fused, prefill_dequantized="1", prefill_dequantize_kernel="1"))
     try:
         runner = settled_runner(decoder)
         assert runner.dequantized
+        n = len(model.layers)
+        per_block = 4 if fused == "1" else 7  # q/k/v, o, gate/up, down; or each of the seven
+        assert sum(len(spec.weight_places) for spec in runner.specs) == per_block * n
         check_fills_like_the_forward(runner, model, [(0, 17), (17, 40)])
-        assert len(calls) == 8  # as the products in test_dequantized_products_fill_the_caches_as_the_forward
-        calls.clear()
-        decoder.prefill_elementwise_dequantize = False
+        assert inside == []
+        assert len(outside) == 2 * per_block * n  # every product's weight, once a chunk
+        outside.clear()
+        decoder.prefill_dequantize_kernel = False
         plain = decoder.prefill_runner(True)
         assert plain is not None and plain is not runner and plain.dequantized
+        assert all(spec.weight_places == () for spec in plain.specs)
         check_fills_like_the_forward(plain, model, [(0, 17), (17, 40)])
-        assert calls == []
+        assert outside == [] and inside != []
     finally:
         decoder.close()
-    assert Settings().prefill_elementwise_dequantize == "auto"
-    assert CompiledDecoder(None, "segmented").prefill_elementwise_dequantize is ON_CUDA
+    assert Settings().prefill_dequantize_kernel == "auto"
 
 
 def test_dequantized_products_by_default_for_large_blocks_on_cuda(models, monkeypatch: pytest.MonkeyPatch) -> None:

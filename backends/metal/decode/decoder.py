@@ -221,8 +221,8 @@ class CompiledDecoder:
         # the blocks are large (nn.large_quantized_blocks), `1` at any size.
         self.prefill_dequantized = settings.switch_on("prefill_dequantized", on_cuda())
         self.prefill_dequantized_any_size = settings.prefill_dequantized == "1"
-        # ... those dequantizations as one fused elementwise kernel each (nn.elementwise_dequantize).
-        self.prefill_elementwise_dequantize = settings.switch_on("prefill_elementwise_dequantize", on_cuda())
+        # ... the weights dequantized before each segment, by pymlxc's kernel, as the trace's inputs.
+        self.prefill_dequantize_kernel = settings.switch_on("prefill_dequantize_kernel", on_cuda())
         # Read once: the prefill asks for a runner every generation.
         self._large_blocks = model is not None and large_quantized_blocks(model)
         dequantizes = model is not None and (self._large_blocks or self.prefill_dequantized_any_size)
@@ -419,20 +419,20 @@ class CompiledDecoder:
         seg_key, seg_plan = found
         fused = self.prefill_fused_products
         dequantized = self.prefill_dequantized and (self.prefill_dequantized_any_size or self._large_blocks)
-        elementwise = dequantized and self.prefill_elementwise_dequantize
-        key = ("prefill", *seg_key, fused, dequantized, elementwise)
+        outside = dequantized and self.prefill_dequantize_kernel
+        key = ("prefill", *seg_key, fused, dequantized, outside)
         if key in self._failed:
             return None
         dtype, many_rows = getattr(model, "compute_dtype", None), prefill.op_by_op_from(model)
         with self._lock:
             runner = self._runners.get(key)
-        if runner is not None and runner.serves(seg_plan, dtype, many_rows, fused, dequantized, elementwise):
+        if runner is not None and runner.serves(seg_plan, dtype, many_rows, fused, dequantized, outside):
             return runner
         fns = self._function(key, prefill.PrefillFunctions)
         runner = prefill.PrefillRunner(seg_plan, list(model.layers), fns,
                                        on_fail=lambda exc: self._mark_failed(key, exc),
                                        dtype=dtype, many_rows=many_rows, fused=fused, dequantized=dequantized,
-                                       elementwise=elementwise, copy_bytes=self._block_copy_bytes)
+                                       outside=outside, copy_bytes=self._block_copy_bytes)
         with self._lock:
             self._runners[key] = runner
         return runner

@@ -49,10 +49,10 @@ from pymlxc.core import Array
 
 from .. import nn
 from ..cache import make_prompt_mask
-from ..kernel_choice import mlx_kernels_only
+from ..kernel_choice import dequantized_weight, mlx_kernels_only
 from ..models import llama
 from ..models.base import attention, last_query
-from .segments import SegmentGroup, SegmentPlan
+from .segments import FusedProjection, SegmentGroup, SegmentPlan
 from .trace import CompileUnavailable, call_traced, clone_modules
 from .trace import spec as traced_spec
 
@@ -175,10 +175,14 @@ class PrefillSpec:
     traces: int = 0
     joint_heads: bool = False  # the q/k/v heads as the fused product's joint heads (`_heads`)
     pair: bool = False  # the finished block's MLP on its fused gate/up product (`SiluPair`)
+    # The quantized products whose weights the runner dequantizes before the trace (`outside`), by
+    # place, and those modules.
+    weight_places: tuple[tuple[int, str], ...] = ()
+    weight_modules: tuple[Any, ...] = field(default=(), compare=False)
 
     @classmethod
     def of(cls, group: SegmentGroup, modules: int, finishes_a_block: bool, fns: PrefillFunctions,
-           joint_heads: bool = False, pair: bool = False) -> PrefillSpec:
+           joint_heads: bool = False, pair: bool = False, outside: bool = False) -> PrefillSpec:
         # A block the segment finishes (its first module) runs its output projection and MLP only:
         # its q/k/v projections are the segment before's, and not dequantized again here.
         unused = {(0, f"self_attn.{p}") for p in _HEAD_PROJECTIONS} if finishes_a_block else set()
@@ -186,13 +190,59 @@ class PrefillSpec:
         places = tuple(place for place in found if place not in unused)
         blocks = tuple(found[place] for place in places)
         chunks = tuple(len(layer.row_chunks()) for layer in blocks)
+        weights = _product_weights(group.modules[:modules], finishes_a_block, joint_heads, pair) if outside else {}
         # The places follow from the form (the modules' classes) and the segment's role.
-        key = (finishes_a_block, chunks, joint_heads, pair, _form(group.modules[:modules], group.arrays))
-        return cls(group, modules, places, chunks, blocks, fns.traces_for(key), joint_heads, pair)
+        key = (finishes_a_block, chunks, joint_heads, pair, tuple(weights),
+               _form(group.modules[:modules], group.arrays))
+        return cls(group, modules, places, chunks, blocks, fns.traces_for(key), joint_heads, pair,
+                   tuple(weights), tuple(weights.values()))
+
+    def dense_weights(self) -> list[Array]:
+        """The `weight_modules`' weights dequantized (pymlxc's kernel on CUDA), in their order."""
+        return [dequantized_weight(*_quantized_weight(m)) for m in self.weight_modules]
 
     def traced(self) -> list[Any]:
         """The modules the trace runs."""
         return list(self.group.modules[:self.modules])
+
+
+def _quantized_weight(module: Any) -> tuple[Array, Array, Array, int, int]:
+    """(weight, scales, biases, group size, bits) of a quantized linear or fused projection."""
+    if isinstance(module, FusedProjection):
+        return module.quantized()
+    return module.weight, module.scales, module.biases, module.group_size, module.bits
+
+
+def _module_at(modules: Sequence[Any], place: tuple[int, str]) -> Any:
+    """The module at `place` (module index, path within it; "" the module itself), or None."""
+    i, path = place
+    if i >= len(modules) or modules[i] is None:
+        return None
+    return dict(modules[i].named_modules()).get(path)
+
+
+def _product_weights(modules: Sequence[Any], finishes_a_block: bool, joint_heads: bool, pair: bool
+                     ) -> dict[tuple[int, str], Any]:
+    """The quantized products a segment's trace runs (a Llama-family block's, by their names), by
+    place: the finished block's output projection and MLP (gate/up fused with `pair`), the next
+    block's q/k/v (fused with `joint_heads`, v apart where it is the fusion's tail). Products of
+    other names dequantize inside the trace, as without `outside`."""
+    wanted: list[tuple[int, str]] = []
+    if finishes_a_block:
+        wanted += [(0, "self_attn.o_proj"), (0, "mlp.down_proj")]
+        wanted += [(1, "")] if pair else [(0, "mlp.gate_proj"), (0, "mlp.up_proj")]
+    attn = 3 if finishes_a_block else 2  # the next block's attention, then its fused q/k/v
+    if len(modules) > attn + 1:
+        qkv = modules[attn + 1]
+        if joint_heads:
+            wanted.append((attn + 1, ""))
+            if qkv is not None and qkv.tail is not None:
+                wanted.append((attn, "v_proj"))
+        else:
+            wanted += [(attn, p) for p in _HEAD_PROJECTIONS]
+    found = {place: _module_at(modules, place) for place in wanted}
+    return {place: m for place, m in found.items()
+            if isinstance(m, nn.QuantizedLinear) or (isinstance(m, FusedProjection) and m.quantized_weights)}
 
 
 def _form(modules: Sequence[Any], arrays: Sequence[Array]) -> tuple[Any, ...]:
@@ -226,13 +276,16 @@ def _clones(tracers: list[Array], n_inputs: int) -> list[Any]:
     """The traced modules on the traced arrays (after the call's `n_inputs` inputs and the dense
     chunks), the block linears' copies given their chunks (`BlockLinear.dense_rows`)."""
     spec: PrefillSpec = traced_spec()
-    dense_end = n_inputs + sum(spec.chunks)
+    dense_end = n_inputs + sum(spec.chunks) + len(spec.weight_places)
     clones = clone_modules(spec.traced(), spec.group.arrays, tracers[dense_end:])
     copies = block_layers(clones)
     at = n_inputs
     for place, n in zip(spec.places, spec.chunks, strict=True):
         copies[place].__dict__["dense_rows"] = tracers[at:at + n]
         at += n
+    for place in spec.weight_places:  # nn.given_dense_product
+        _module_at(clones, place).__dict__["dense_weight"] = tracers[at]
+        at += 1
     return clones
 
 
@@ -300,31 +353,31 @@ class PrefillRunner:
 
     def __init__(self, plan: SegmentPlan, blocks: Sequence[Any], fns: PrefillFunctions,
                  on_fail: Callable[[BaseException], None], dtype: Any = None, many_rows: int = 0,
-                 fused: bool = True, dequantized: bool = False, elementwise: bool = False,
+                 fused: bool = True, dequantized: bool = False, outside: bool = False,
                  copy_bytes: int = 0) -> None:
         """`fused`: run the plan's fused q/k/v and gate/up products as one matmul each (module doc).
         `dequantized`: quantized products as a dequantization and a dense matmul each
-        (`nn.dequantized_products`), fused ones too, the dequantizations elementwise where
-        `elementwise` (`nn.elementwise_dequantize`); a block's copies then take `copy_bytes`
-        (`nn.dequantized_block_bytes`)."""
+        (`nn.dequantized_products`), fused ones too, with `outside` the Llama family's weights
+        dequantized before each segment (`kernels/dequantize.py` on CUDA) and handed to the trace;
+        a block's copies then take `copy_bytes` (`nn.dequantized_block_bytes`)."""
         self._plan = plan
         self._blocks = list(blocks)
-        self._made_for = (dtype, many_rows, fused, dequantized, elementwise)
+        self._made_for = (dtype, many_rows, fused, dequantized, outside)
         self._dequantized = dequantized
-        self._elementwise = elementwise
         self._copy_bytes = copy_bytes if dequantized else 0
         self._fns = fns
         self._on_fail = on_fail
         # The groups' modules: first [embed, norm, attn, qkv], a mid [block, gate_up, norm, attn, qkv],
         # last [block, gate_up, ...] (segments.SegmentPlan).
         first, mids, last = plan.first.modules, [g.modules for g in plan.mids], plan.last.modules
-        dq = dequantized
+        dq, out = dequantized, dequantized and outside
         self._first = PrefillSpec.of(plan.first, len(first), False, fns,
-                                     joint_heads=fused and joins_heads(first[2], first[3], dq))
+                                     joint_heads=fused and joins_heads(first[2], first[3], dq), outside=out)
         self._mids = [PrefillSpec.of(group, len(m), True, fns, joint_heads=fused and joins_heads(m[3], m[4], dq),
-                                     pair=fused and pairs_gate_up(m[0], m[1], dq))
+                                     pair=fused and pairs_gate_up(m[0], m[1], dq), outside=out)
                       for group, m in zip(plan.mids, mids, strict=True)]
-        self._last = PrefillSpec.of(plan.last, 2, True, fns, pair=fused and pairs_gate_up(last[0], last[1], dq))
+        self._last = PrefillSpec.of(plan.last, 2, True, fns, pair=fused and pairs_gate_up(last[0], last[1], dq),
+                                    outside=out)
         # Chunks of at most this many rows leave the block layers to their matvec kernel, which
         # reads the blocks (here their rows would be dequantized whole for every chunk); chunks of
         # `many_rows` (`op_by_op_from`) or more go op by op too.
@@ -348,11 +401,11 @@ class PrefillRunner:
         return [self._first, *self._mids, self._last]
 
     def serves(self, plan: SegmentPlan, dtype: Any, many_rows: int, fused: bool = True,
-               dequantized: bool = False, elementwise: bool = False) -> bool:
+               dequantized: bool = False, outside: bool = False) -> bool:
         """Whether this runner is the one `plan` and the model's compute dtype, row threshold,
-        `fused`, `dequantized` and `elementwise` would make (a decoder keeps one per plan, its specs
+        `fused`, `dequantized` and `outside` would make (a decoder keeps one per plan, its specs
         made once)."""
-        return plan is self._plan and self._made_for == (dtype, many_rows, fused, dequantized, elementwise)
+        return plan is self._plan and self._made_for == (dtype, many_rows, fused, dequantized, outside)
 
     def takes(self, chunk: Array) -> bool:
         """Whether a chunk of token ids [B, L] runs here (else op by op, see the class)."""
@@ -379,8 +432,8 @@ class PrefillRunner:
     def _call(self, part: int, spec: PrefillSpec, inputs: list[Array], batch: int) -> list[Array]:
         """Segment `part` (0 first, 1 mid, 2 last) on `inputs` (the hidden states h last), its block
         layers' rows dequantized first, in h's dtype, outside the trace."""
-        dense = [c for layer in spec.blocks for c in layer.dense_chunks(inputs[-1].dtype)]
-        products = nn.dequantized_products(self._elementwise) if self._dequantized else contextlib.nullcontext()
+        dense = [c for layer in spec.blocks for c in layer.dense_chunks(inputs[-1].dtype)] + spec.dense_weights()
+        products = nn.dequantized_products() if self._dequantized else contextlib.nullcontext()
         with mlx_kernels_only(), nn.shapeless_trace(), products:  # what a trace builds: one trace serves every length
             return call_traced(self._fns.get(batch, spec.traces)[part], spec, [*inputs, *dense], spec.group.fixed)
 

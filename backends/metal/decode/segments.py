@@ -328,6 +328,16 @@ class FusedProjection(Module):
         return self._wT is not None
 
     @property
+    def quantized_weights(self) -> bool:
+        """Whether the fused linears are quantized (`quantized()` gives their weights)."""
+        return self._wT is None and self._weight is not None and self._scales is not None
+
+    def quantized(self) -> tuple[Array, Array, Array, int, int]:
+        """The quantized fused weight: (packed weight, scales, biases, group size, bits)."""
+        assert self._weight is not None and self._scales is not None and self._biases is not None
+        return self._weight, self._scales, self._biases, self._group_size, self._bits
+
+    @property
     def sizes(self) -> tuple[int, ...]:
         """Each fused linear's output width, in the order of `joint`'s output (not the tail's)."""
         return self._sizes
@@ -346,7 +356,9 @@ class FusedProjection(Module):
             return nn.linear_product(x, weight, self._wT, self._bias, self._cuda_matvec)
         assert scales is not None and biases is not None  # given where weight_t is not
         if nn.dequantizing():
-            y = nn.dequantized_product(x, weight, scales, biases, self._group_size, self._bits)
+            given = nn.given_dense_product(self, x)
+            y = given if given is not None else nn.dequantized_product(x, weight, scales, biases, self._group_size,
+                                                                       self._bits)
             return y if self._bias is None else y + self._bias
         y = quantized_matmul(x, weight, scales, biases, self._group_size, self._bits, self._cuda_matvec)
         return y if self._bias is None else y + self._bias

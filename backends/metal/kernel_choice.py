@@ -26,7 +26,7 @@ in a row count, and gradients (training) need MLX's own transposes.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -516,6 +516,16 @@ def _kernel_dequantize(weight: Array, scales: Array, biases: Array, group_size: 
                                output_dtypes=[scales.dtype],
                                **dequantize_kernel.launch(weight.size, scales.dtype, group_size))
     return out
+
+
+def check_dequantize_kernel(layers: Sequence[Any]) -> None:
+    """Run the dequantization kernel's check (`dequantize_ready`) for the dtypes and group sizes of
+    these quantized layers that it takes, now: at load, on the loading thread, rather than at a
+    prefill's first product, on a thread whose stream the check cannot use."""
+    if kernels_allowed() and on_cuda():
+        for dtype, group in {(m.scales.dtype, m.group_size) for m in layers
+                             if dequantize_kernel.applies(m.bits, m.group_size, m.scales.dtype.size)}:
+            dequantize_ready(dtype, group)
 
 
 def dequantize_ready(dtype: Any, group_size: int) -> bool:

@@ -50,8 +50,9 @@ from pymlxc.settings import Settings
 from pymlxc.settings import current as current_settings
 
 from ..cache import KVCache
+from ..kernel_choice import check_dequantize_kernel
 from ..kernels.check import on_cuda
-from ..nn import Module, arrays_of, dequantized_block_bytes, large_quantized_blocks
+from ..nn import Module, arrays_of, dequantized_block_bytes, large_quantized_blocks, quantized_layers
 from ..recurrent_cache import StepRecurrentCache
 from ..sample import (
     DEFAULT_PENALTY_CONTEXT,
@@ -227,6 +228,8 @@ class CompiledDecoder:
         self._large_blocks = model is not None and large_quantized_blocks(model)
         dequantizes = model is not None and (self._large_blocks or self.prefill_dequantized_any_size)
         self._block_copy_bytes = dequantized_block_bytes(model) if dequantizes else 0
+        if dequantizes and self.prefill_dequantized and self.prefill_dequantize_kernel:
+            check_dequantize_kernel(quantized_layers(model))
         # On CUDA: each residual add and the norm after it as one kernel (kernels/add_rms_norm.py).
         self.fused_norm = settings.fused_norm
         # Segmented mode on CUDA: greedy's argmax as two kernels over many blocks (kernels/argmax.py).

@@ -8,8 +8,10 @@ in 207-219 us (`benchmarks/profile/probe_qmm.py`'s `dequantize_g*` and `elementw
 each thread takes one packed word: its 8 codes share one group (G is a multiple of 8), so one scale
 and one bias, and it writes the 8 values as one 16-byte store.
 
-Each value is `scale * code + bias` rounded to T after the product and after the sum, as MLX's CPU
-dequantization computes it in T.
+Each value is `scale * code + bias` as one float fused multiply-add rounded once to T: MLX's CUDA
+dequantization writes `scale * code + bias` in T, which the compiler contracts into one fused
+multiply-add of T (rounding the product to T first, as MLX's CPU dequantization does, gave values a
+quantization step's rounding away from it where the bias cancels the product).
 
 This module holds only the source and the launch geometry; `kernel_choice.py` applies it.
 """
@@ -38,8 +40,7 @@ SOURCE = r"""
   alignas(16) T v[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const T p = static_cast<T>(__fmul_rn(s, static_cast<float>((q >> (4 * i)) & 15u)));
-    v[i] = static_cast<T>(__fadd_rn(static_cast<float>(p), b));
+    v[i] = static_cast<T>(__fmaf_rn(s, static_cast<float>((q >> (4 * i)) & 15u), b));
   }
   *reinterpret_cast<uint4*>(out + t * 8) = *reinterpret_cast<const uint4*>(v);
 """

@@ -71,7 +71,8 @@ class Settings:
     prefill_dequantize_kernel: str = _switch(
         "Where the compiled prefill dequantizes (`prefill_dequantized`): each 4-bit weight dequantized before "
         "its segment by pymlxc's CUDA kernel (`kernels/dequantize.py`, one 16-byte store per packed word) and "
-        "handed to the trace as an input, instead of MLX's `dequantize` inside the trace. `auto`: on CUDA.")
+        "handed to the trace as an input, instead of MLX's `dequantize` inside the trace (on an H200 "
+        "Llama-3.1-8B gate/up's 103 against 326 us, its 128-token prefill 1-3 ms faster). `auto`: on CUDA.")
     fused_norm: str = _switch(
         "Segmented decode and Gemma 3's whole-step graph: each residual add and the RMSNorm after it "
         "as one CUDA kernel "

@@ -4,9 +4,10 @@ trace as an input (`decode/prefill.py`, `Settings.prefill_dequantize_kernel`).
 
 MLX's own `dequantize` wrote Llama-3.1-8B's gate/up weights (235 MB of bfloat16) in 255-302 us on an
 H200, about 1 TB/s, and the same values as shifts, masks and a multiply-add fused by MLX's compiler
-in 207-219 us (`benchmarks/profile/probe_qmm.py`'s `dequantize_g*` and `elementwise_g*` sides). Here
+in 207-227 us (`benchmarks/profile/probe_qmm.py`'s `dequantize_g*` and `elementwise_g*` sides). Here
 each thread takes one packed word: its 8 codes share one group (G is a multiple of 8), so one scale
-and one bias, and it writes the 8 values as one 16-byte store.
+and one bias, and it writes the 8 values as one 16-byte store: 103 us, about 2.9 TB/s
+(`kernel_dequantize_g*`).
 
 Each value is `scale * code + bias` as one float fused multiply-add rounded once to T: MLX's CUDA
 dequantization writes `scale * code + bias` in T, which the compiler contracts into one fused

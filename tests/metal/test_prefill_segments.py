@@ -175,15 +175,15 @@ def test_dequantized_products_fill_the_caches_as_the_forward(models, arch: str, 
         decoder.close()
 
 
-@pytest.mark.parametrize("fused", ["1", "0"])
-def test_weights_dequantized_before_the_trace_fill_the_caches_as_the_forward(models, fused: str,
+@pytest.mark.parametrize(("arch", "fused"), [("llama", "1"), ("llama", "0"), ("qwen2", "1"), ("qwen3", "1")])
+def test_weights_dequantized_before_the_trace_fill_the_caches_as_the_forward(models, arch: str, fused: str,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """With `prefill_dequantize_kernel` every quantized product of a Llama block takes a weight
     dequantized before its segment (kernel_choice.dequantized_weight: one per product of the
     segments' traces, the fused ones with `prefill_fused_products`) and none dequantizes inside the
     trace; the caches fill as the model's forward fills them. Switched off on the decoder, a runner
     of its own dequantizes inside the trace."""
-    model = models("llama", 4).model
+    model = models(arch, 4).model
     outside: list[tuple[int, ...]] = []
     inside: list[tuple[int, ...]] = []
     real_outside, real_inside = prefill.dequantized_weight, nn.dequantized_product

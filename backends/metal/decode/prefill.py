@@ -26,7 +26,11 @@ each cost MLX more host time than the views and the reduction that replace them 
 a model's quantized blocks are large (`PYMLXC_PREFILL_DEQUANTIZED`, `nn.DEQUANTIZED_MIN_BLOCK_BYTES`)
 its quantized products run as a dequantization of the weight and a dense matmul
 (`nn.dequantized_products`), the fused ones too: the device's time, not the host's, bounds a large
-model's short prefill, and MLX's quantized matmul of many rows reads its weights slowly. A GGUF
+model's short prefill, and MLX's quantized matmul of many rows reads its weights slowly. With
+`PYMLXC_PREFILL_DEQUANTIZE_KERNEL` (`outside`) the Llama family's products (by name:
+`_product_weights`) take weights dequantized before each segment call by pymlxc's kernel
+(`kernels/dequantize.py`, about three times MLX's `dequantize` rate) and handed in as inputs, which
+the layers' copies in the trace multiply (`nn.given_dense_product`). A GGUF
 block layer (a K-quant recipe's Q6_K value and down projections) has its rows dequantized outside
 the trace, before each segment call (`BlockLinear.dense_chunks`, through the GPU kernels), and
 handed in as inputs of that call, which the trace multiplies as dense matmuls: the products the

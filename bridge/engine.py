@@ -572,16 +572,23 @@ class Engine:
     def _pieces(self, ids: list[int]) -> list[Event]:
         """Per-token text whose pieces join into the full decode, as mlx-lm's batch_generate returns it."""
         detokenizer = self.tokenizer.detokenizer
+        # An id past the tokenizer's table (a padding row of the embedding) has no text, in the full decode
+        # as in `generate`'s stream; mlx-lm's BPE detokenizer shows it as "!", its SPM one raises IndexError.
+        known = len(getattr(detokenizer, "tokenmap", None) or ()) or None
         pieces: list[Event] = []
+        texts: list[Event] = []  # the pieces of ids the detokenizer took
         for t in ids:
-            detokenizer.add_token(t)
-            pieces.append({"token_id": t, "token": detokenizer.last_segment})
+            pieces.append({"token_id": t, "token": ""})
+            if known is None or 0 <= t < known:
+                detokenizer.add_token(t)
+                pieces[-1]["token"] = detokenizer.last_segment
+                texts.append(pieces[-1])
         detokenizer.finalize()
-        if not pieces:
+        if not texts:
             return pieces
-        pieces[-1]["token"] += detokenizer.last_segment
+        texts[-1]["token"] += detokenizer.last_segment
         # The streaming detokenizer drops a leading space that a full decode keeps: give it back.
         joined, full = "".join(p["token"] for p in pieces), str(self.tokenizer.decode(ids))
         if joined != full and full.endswith(joined):
-            pieces[0]["token"] = full[: len(full) - len(joined)] + pieces[0]["token"]
+            texts[0]["token"] = full[: len(full) - len(joined)] + texts[0]["token"]
         return pieces

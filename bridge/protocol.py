@@ -260,6 +260,38 @@ class _PartError(ValueError):
     """A field check's error about a part of the field: its message starts with that part (".tools ...")."""
 
 
+def _label(key: str) -> str:
+    return f".{key}" if key.isidentifier() and len(key) <= 40 else f"[{key[:40]!r}]"  # repr: ASCII, no surrogate
+
+
+def _surrogate_within(value: Any) -> str | None:
+    """Where a string in the JSON value `value`, an object key included, holds a lone surrogate: its
+    path (".tools[0].name") and the problem, or None. Iterative: a line nests values as deep as JSON
+    parses them, and a RecursionError here would end the worker."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]  # a path as nested (parent, label) pairs
+    while stack:
+        v, path = stack.pop()
+        problem: str | None = None
+        if isinstance(v, str):
+            problem = surrogate_problem(v)
+        elif isinstance(v, dict):
+            for k in v:
+                key_problem = surrogate_problem(k) if isinstance(k, str) else None
+                if key_problem is not None:
+                    problem = f"key {key_problem}"
+                    break
+            stack.extend((item, (path, _label(k))) for k, item in reversed(v.items()))
+        elif isinstance(v, list):
+            stack.extend((item, (path, f"[{i}]")) for i, item in reversed(list(enumerate(v))))
+        if problem is not None:
+            labels: list[str] = []
+            while path:
+                path, label = path
+                labels.append(label)
+            return "".join(reversed(labels)) + f" {problem}"
+    return None
+
+
 def check_template_kwargs(value: Any) -> dict[str, Any]:
     """Variables for a chat template: a mapping of at most MAX_TEMPLATE_KWARGS identifier keys
     outside RESERVED_TEMPLATE_NAMES (values as they are; on the wire, JSON values), `tools` and
@@ -275,6 +307,11 @@ def check_template_kwargs(value: Any) -> dict[str, Any]:
         problem = template_value_problem(key, value[key])
         if problem is not None:
             raise _PartError(f".{key} {problem}")
+        # The template renders strings into the prompt, which no tokenizer can then encode: mlx-lm
+        # failed with "TypeError: TextEncodeInput must be Union[...]", naming no field.
+        problem = _surrogate_within(value[key])
+        if problem is not None:
+            raise _PartError(f".{key}{problem}")
     return dict(value)
 
 

@@ -236,6 +236,10 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be an integer, not {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    # The reader asks for limit + 1 bytes, a C ssize_t: past it the reader died at the first line and
+    # the worker exited 0 without a word, having announced the limit in its hello.
+    if value >= sys.maxsize:
+        raise argparse.ArgumentTypeError(f"must be at most {sys.maxsize - 1}, not {value}")
     return value
 
 

@@ -379,16 +379,27 @@ def test_classify_logits_are_raw_logits_of_the_prompt_alone(loaded_worker: RawWo
     assert [r["token_id"] for r in both] == list(logits.argmax(1))
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "many"])
-def test_a_max_line_bytes_below_one_is_refused_naming_the_option(value: str) -> None:
+@pytest.mark.parametrize("value", ["0", "-1", "many", str(sys.maxsize), "99999999999999999999999"])
+def test_a_max_line_bytes_below_one_or_past_ssize_t_is_refused_naming_the_option(value: str) -> None:
     """-1 once made the reader see end of input at once (the worker answered nothing and exited 0);
-    0 refused every line."""
+    0 refused every line; a limit past a C ssize_t killed the reader at the first line (OverflowError),
+    after the hello had announced it, and the worker exited 0 without answering."""
     done = subprocess.run(
         [sys.executable, str(BRIDGE_DIR), "--max-line-bytes", value],
         input=b'{"cmd":"quit","id":"q"}\n', capture_output=True, timeout=60,
     )
     assert done.returncode == 2 and done.stdout == b""
     assert b"--max-line-bytes" in done.stderr and value.encode() in done.stderr
+
+
+def test_the_largest_max_line_bytes_accepted_serves_requests() -> None:
+    done = subprocess.run(
+        [sys.executable, str(BRIDGE_DIR), "--max-line-bytes", str(sys.maxsize - 1)],
+        input=b'{"cmd":"info","id":"i"}\n{"cmd":"quit","id":"q"}\n', capture_output=True, timeout=60,
+    )
+    replies = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(r["type"], r.get("id")) for r in replies] == [("hello", None), ("error", "i"), ("result", "q")]
+    assert done.returncode == 0 and replies[1]["error"] == "no_model"
 
 
 def test_batches_count_every_prompt_token_as_generate_does(loaded_worker: RawWorker) -> None:
@@ -430,3 +441,102 @@ def test_device_gpu_without_a_gpu_backend_is_refused_naming_it(start_worker: Any
     reply = worker.request(cmd="load", id="L", path=str(tiny_model), device="gpu")
     assert reply["error"] == "load_failed" and "device 'gpu' is not available" in reply["message"], reply
     assert worker.request(cmd="load", id="L2", path=str(tiny_model), device="cpu")["type"] == "result"
+
+
+def test_batch_pieces_of_padding_ids_join_into_the_decode(start_worker: Any, tmp_path: Path) -> None:
+    """An embedding with rows past the tokenizer (padding, as Qwen's and Phi-3's): batch_generate's
+    pieces showed mlx-lm's "!" for each padding id sampled, text that neither the decode nor mlx-lm's
+    batch_generate text nor generate's stream has."""
+    from pymlxc.testing import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "padded", "llama", seed=1, extra_config={"vocab_size": 1024})
+    worker = start_worker()
+    assert worker.request(cmd="load", id="L", path=str(model))["type"] == "result"
+    reply = worker.request(cmd="batch_generate", id="b", prompts=["ab", "c", "The baker"], max_tokens=8)
+    assert reply["type"] == "result", reply
+    sampled = [t["token_id"] for r in reply["results"] for t in r["tokens"]]
+    assert any(t >= 512 for t in sampled), sampled  # the random padding rows do get sampled
+    for r in reply["results"]:
+        text = worker.request(cmd="decode", id="d", tokens=[t["token_id"] for t in r["tokens"]])["text"]
+        assert "".join(t["token"] for t in r["tokens"]) == text, r
+        assert all(t["token"] == "" for t in r["tokens"] if t["token_id"] >= 512), r
+
+
+_SPM_TOKENS = ["<unk>", "\u2581a", "b", "\u2581\u00e9t\u00e9", "<0x21>", "\u2581"]
+
+
+class _SpmTokenizer:
+    """Just what mlx-lm's SPMStreamingDetokenizer reads of a tokenizer, with ids past the table as padding."""
+
+    def __len__(self) -> int:
+        return len(_SPM_TOKENS)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [_SPM_TOKENS[i] for i in ids]
+
+
+def _spm_decode(ids: list[int]) -> str:
+    # As a full decode does: ids without a token (padding rows) have no text.
+    pieces = [_SPM_TOKENS[i] for i in ids if i < len(_SPM_TOKENS)]
+    return "".join("!" if p == "<0x21>" else p.replace("\u2581", " ") for p in pieces)
+
+
+@FUZZ
+@given(st.lists(st.integers(1, len(_SPM_TOKENS) + 3), max_size=8))
+def test_batch_pieces_take_padding_ids_with_a_sentencepiece_detokenizer(ids: list[int]) -> None:
+    """mlx-lm's SPMStreamingDetokenizer indexes its table with the id: a padding id sampled by
+    batch_generate raised IndexError and failed the whole batch."""
+    pytest.importorskip("mlx.core")
+    from types import SimpleNamespace
+
+    from mlx_lm.tokenizer_utils import SPMStreamingDetokenizer
+
+    from pymlxc.bridge.engine import Engine
+
+    engine = object.__new__(Engine)
+    engine.tokenizer = SimpleNamespace(detokenizer=SPMStreamingDetokenizer(_SpmTokenizer()), decode=_spm_decode)
+    pieces = engine._pieces(ids)
+    assert [p["token_id"] for p in pieces] == ids
+    assert "".join(p["token"] for p in pieces) == _spm_decode(ids)
+    assert all(p["token"] == "" for p in pieces if p["token_id"] >= len(_SPM_TOKENS))
+
+
+@st.composite
+def _nested_with_a_surrogate(draw: st.DrawFn) -> Any:
+    """A JSON value with a lone surrogate string somewhere inside, among other values."""
+    value: Any = draw(st.sampled_from(["\ud800", "ok \udfff"]))
+    for wrap in draw(st.lists(st.sampled_from(["list", "dict"]), max_size=6)):
+        siblings = draw(st.lists(json_values, max_size=2))
+        if wrap == "list":
+            at = draw(st.integers(0, len(siblings)))
+            value = [*siblings[:at], value, *siblings[at:]]
+        else:
+            value = {**{f"k{i}": s for i, s in enumerate(siblings)}, draw(st.text(max_size=6)): value}
+    return value
+
+
+@FUZZ
+@given(st.sampled_from(["bos_token", "my_variable", "tools"]), _nested_with_a_surrogate())
+def test_a_lone_surrogate_inside_chat_template_kwargs_is_bad_field_naming_where(
+    idle_worker: RawWorker, name: str, value: Any
+) -> None:
+    """The template renders such a string into the prompt, which the tokenizer cannot encode: the chat
+    failed with "TypeError: TextEncodeInput must be Union[...]", naming no field."""
+    kwargs = {name: [{"schema": value}] if name == "tools" else value}
+    messages = [{"role": "user", "content": "hi"}]
+    reply = idle_worker.request(cmd="chat", id="c", messages=messages, chat_template_kwargs=kwargs)
+    assert reply["type"] == "error" and reply["error"] == "bad_field", reply
+    assert reply["message"].startswith(f"chat: chat_template_kwargs.{name}") and "lone surrogate" in reply["message"]
+    assert idle_worker.proc.poll() is None
+
+
+def test_a_lone_surrogate_the_template_renders_is_bad_field_not_failed(loaded_worker: RawWorker) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    reply = loaded_worker.request(cmd="chat", id="s", messages=messages, max_tokens=1,
+                                  chat_template_kwargs={"bos_token": "<s\ud800>"})
+    assert reply["type"] == "error" and reply["error"] == "bad_field", reply
+    assert reply["message"] == ("chat: chat_template_kwargs.bos_token has a lone surrogate '\\ud800' at position 2: "
+                                "not valid Unicode text")
+    reply = loaded_worker.request(cmd="chat", id="s", messages=messages, max_tokens=1,
+                                  chat_template_kwargs={"bos_token": "<s\U0001f600>"})  # a valid pair is fine
+    assert reply["type"] == "done", reply

@@ -497,16 +497,24 @@ _the_dequantize = SharedKernel(dequantize_kernel.NAME, dequantize_kernel.INPUTS,
 dequantize_checks = CheckedOnce("pymlxc's CUDA 4-bit dequantization", source=(dequantize_kernel.__file__, __file__))
 
 
-def dequantized_weight(weight: Array, scales: Array, biases: Array, group_size: int, bits: int) -> Array:
-    """MLX's `dequantize(weight, scales, biases)` of a whole [N, K * bits / 32] weight, in the
-    scales' dtype: pymlxc's CUDA kernel (`kernels/dequantize.py`) where the layout is one it takes
-    and the kernel passed its check, MLX's `dequantize` otherwise. Not inside a shapeless trace
-    (the kernel's output shape could not be inferred again there)."""
+def dequantize_kernel_takes(weight: Array, scales: Array, biases: Array, group_size: int, bits: int) -> bool:
+    """Whether pymlxc's CUDA kernel (`kernels/dequantize.py`) dequantizes this weight: a layout it
+    takes, on CUDA, the kernel past its check. Asked once per weight (the prefill's specs keep the
+    answer), not at each dequantization."""
     n = weight.shape[0]
     k = weight.shape[-1] * 32 // bits if bits else 0
     fits = (weight.ndim == 2 and dequantize_kernel.applies(bits, group_size, scales.dtype.size)
             and tuple(scales.shape) == (n, k // group_size) and tuple(biases.shape) == tuple(scales.shape))
-    if fits and kernels_allowed() and on_cuda() and dequantize_ready(scales.dtype, group_size):
+    return fits and kernels_allowed() and on_cuda() and dequantize_ready(scales.dtype, group_size)
+
+
+def dequantized_weight(weight: Array, scales: Array, biases: Array, group_size: int, bits: int,
+                       kernel: bool) -> Array:
+    """MLX's `dequantize(weight, scales, biases)` of a whole [N, K * bits / 32] weight, in the
+    scales' dtype: pymlxc's CUDA kernel where `kernel` (`dequantize_kernel_takes`), MLX's
+    `dequantize` otherwise. Not inside a shapeless trace (the kernel's output shape could not be
+    inferred again there)."""
+    if kernel and kernels_allowed():
         return _kernel_dequantize(weight, scales, biases, group_size)
     return mx.dequantize(weight, scales, biases, group_size, bits)
 

@@ -87,9 +87,12 @@ def probe(k: int, n: int, rows: int, min_bytes: int, repeats: int, dtype: Any) -
         fused = mx.compile(lambda *q, g=group: elementwise_dequantize(*q, g))
         sides[f"elementwise_g{group}"] = lambda q, f=fused: f(*q)
         sides[f"elementwise_dequantized_g{group}"] = lambda q, f=fused: mx.matmul(x, mx.swapaxes(f(*q), 0, 1))
-        sides[f"kernel_dequantize_g{group}"] = lambda q, g=group: kernel_choice.dequantized_weight(*q, g, 4)
-        sides[f"kernel_dequantized_g{group}"] = lambda q, g=group: mx.matmul(
-            x, mx.swapaxes(kernel_choice.dequantized_weight(*q, g, 4), 0, 1))
+        takes = kernel_choice.dequantize_kernel_takes(*w, group, 4)  # False: MLX's dequantize, said below
+        if not takes:
+            print(f"kernel_dequantize*_g{group}: pymlxc's dequantization kernel does not run here; MLX's does")
+        sides[f"kernel_dequantize_g{group}"] = lambda q, g=group, k=takes: kernel_choice.dequantized_weight(*q, g, 4, k)
+        sides[f"kernel_dequantized_g{group}"] = lambda q, g=group, k=takes: mx.matmul(
+            x, mx.swapaxes(kernel_choice.dequantized_weight(*q, g, 4, k), 0, 1))
         for name, fn in sides.items():
             got = np.asarray(fn(w).astype(mx.float32))
             t = timed_evaluation(lambda fn=fn, ws=ws: [fn(q) for q in ws], repeats) / copies

@@ -46,10 +46,12 @@ def test_dequantized_weight_gives_mlx_values(bits: int, group: int, dtype: str) 
     dequantization, bit for bit."""
     w = mx.array(np.random.default_rng(bits).standard_normal((40, 256)).astype(np.float32)).astype(getattr(mx, dtype))
     q = mx.quantize(w, group, bits)
-    got = kernel_choice.dequantized_weight(*q, group, bits)
+    takes = kernel_choice.dequantize_kernel_takes(*q, group, bits)
+    assert takes == (ON_CUDA and dequantize.applies(bits, group, q[1].dtype.size))
+    got = kernel_choice.dequantized_weight(*q, group, bits, takes)
     want = mx.dequantize(*q, group, bits)
     assert got.shape == want.shape == (40, 256) and got.dtype == want.dtype
-    if not ON_CUDA or not dequantize.applies(bits, group, want.dtype.size):
+    if not takes:
         assert np.array_equal(np.asarray(got.astype(mx.float32)), np.asarray(want.astype(mx.float32)))
 
 
@@ -80,7 +82,8 @@ def test_the_kernel_gives_mlx_values(rows: int, groups: int, group: int, dtype: 
     w = mx.array(np.random.default_rng(seed).standard_normal((rows, groups * group)).astype(np.float32)).astype(dt)
     q = mx.quantize(w, group, 4)
     want = np.asarray(mx.dequantize(*q, group, 4).astype(mx.float32))
-    got = np.asarray(kernel_choice.dequantized_weight(*q, group, 4).astype(mx.float32))
+    assert kernel_choice.dequantize_kernel_takes(*q, group, 4)
+    got = np.asarray(kernel_choice.dequantized_weight(*q, group, 4, True).astype(mx.float32))
     assert got.shape == want.shape
     ulp = 2.0 ** -(7 if dtype == "bfloat16" else 10)
     assert np.all(np.abs(got - want) <= np.abs(want) * ulp + 1e-6)

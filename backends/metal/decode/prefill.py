@@ -53,7 +53,7 @@ from pymlxc.core import Array
 
 from .. import nn
 from ..cache import make_prompt_mask
-from ..kernel_choice import dequantized_weight, mlx_kernels_only
+from ..kernel_choice import dequantize_kernel_takes, dequantized_weight, mlx_kernels_only
 from ..models import llama
 from ..models.base import attention, last_query
 from .segments import FusedProjection, SegmentGroup, SegmentPlan
@@ -180,9 +180,10 @@ class PrefillSpec:
     joint_heads: bool = False  # the q/k/v heads as the fused product's joint heads (`_heads`)
     pair: bool = False  # the finished block's MLP on its fused gate/up product (`SiluPair`)
     # The quantized products whose weights the runner dequantizes before the trace (`outside`), by
-    # place, and those modules.
+    # place, those modules, and whether pymlxc's kernel takes each (asked once, here).
     weight_places: tuple[tuple[int, str], ...] = ()
     weight_modules: tuple[Any, ...] = field(default=(), compare=False)
+    weight_kernels: tuple[bool, ...] = field(default=(), compare=False)
 
     @classmethod
     def of(cls, group: SegmentGroup, modules: int, finishes_a_block: bool, fns: PrefillFunctions,
@@ -198,12 +199,15 @@ class PrefillSpec:
         # The places follow from the form (the modules' classes) and the segment's role.
         key = (finishes_a_block, chunks, joint_heads, pair, tuple(weights),
                _form(group.modules[:modules], group.arrays))
+        kernels = tuple(dequantize_kernel_takes(*_quantized_weight(m)) for m in weights.values())
         return cls(group, modules, places, chunks, blocks, fns.traces_for(key), joint_heads, pair,
-                   tuple(weights), tuple(weights.values()))
+                   tuple(weights), tuple(weights.values()), kernels)
 
     def dense_weights(self) -> list[Array]:
-        """The `weight_modules`' weights dequantized (pymlxc's kernel on CUDA), in their order."""
-        return [dequantized_weight(*_quantized_weight(m)) for m in self.weight_modules]
+        """The `weight_modules`' weights dequantized (pymlxc's kernel where it takes them), in
+        their order."""
+        return [dequantized_weight(*_quantized_weight(m), kernel)
+                for m, kernel in zip(self.weight_modules, self.weight_kernels, strict=True)]
 
     def traced(self) -> list[Any]:
         """The modules the trace runs."""

@@ -2,7 +2,7 @@
 biases).` for a whole weight, which the compiled prefill makes before each segment and hands to its
 trace as an input (`decode/prefill.py`, `Settings.prefill_dequantize_kernel`).
 
-MLX's own `dequantize` wrote Llama-3.1-8B's gate/up weights (235 MB of bfloat16) in 255-302 us on an
+MLX's own `dequantize` wrote Llama-3.1-8B's gate/up weights (235 MB of bfloat16) in 255-326 us on an
 H200, about 1 TB/s, and the same values as shifts, masks and a multiply-add fused by MLX's compiler
 in 207-227 us (`benchmarks/profile/probe_qmm.py`'s `dequantize_g*` and `elementwise_g*` sides). Here
 each thread takes one packed word: its 8 codes share one group (G is a multiple of 8), so one scale

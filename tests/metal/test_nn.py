@@ -138,7 +138,6 @@ def test_model_args_from_dict() -> None:
     assert g.layer_windows() == [4096] * 5 + [None]
 
 
-
 def test_a_given_dense_weight_replaces_the_dequantization(monkeypatch: pytest.MonkeyPatch) -> None:
     """Inside `dequantized_products()` a quantized linear multiplies by the dense copy of its weight
     given to it as `dense_weight` (the compiled prefill's trace) and dequantizes nothing; without

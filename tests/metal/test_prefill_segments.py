@@ -210,7 +210,6 @@ def test_weights_dequantized_before_the_trace_fill_the_caches_as_the_forward(mod
         assert outside == [] and inside != []
     finally:
         decoder.close()
-    assert Settings().prefill_dequantize_kernel == "auto"
 
 
 def test_dequantized_products_by_default_for_large_blocks_on_cuda(models, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -73,11 +73,6 @@ class Settings:
         "its segment by pymlxc's CUDA kernel (`kernels/dequantize.py`, one 16-byte store per packed word) and "
         "handed to the trace as an input, instead of MLX's `dequantize` inside the trace (on an H200 "
         "Llama-3.1-8B gate/up's 103 against 326 us, its 128-token prefill 1-3 ms faster). `auto`: on CUDA.")
-    prefill_rope_fill: str = _switch(
-        "Compiled prefill, a prompt's first chunk: each layer's RoPE of the queries and keys and its cache's "
-        "first key and value buffers as one CUDA kernel (`kernels/rope_fill_kv.py`), instead of MLX's RoPE, "
-        "two fills and two slice updates. `auto`: on CUDA; `1`: also elsewhere (the kernel then fails its "
-        "check and MLX's kernels stay).")
     fused_norm: str = _switch(
         "Segmented decode and Gemma 3's whole-step graph: each residual add and the RMSNorm after it "
         "as one CUDA kernel "

@@ -147,9 +147,9 @@ class KVCache(_KeyValueBuffers):
         end = prev + s
         if end > self._capacity:
             dv = values.shape[3]
-            grow = self.growth(s)
-            new_k = mx.zeros((b, h, grow, dk), keys.dtype)
-            new_v = mx.zeros((b, h, grow, dv), values.dtype)
+            n_steps = (self.step + s - 1) // self.step
+            new_k = mx.zeros((b, h, n_steps * self.step, dk), keys.dtype)
+            new_v = mx.zeros((b, h, n_steps * self.step, dv), values.dtype)
             if self.keys is not None and self.values is not None:
                 if prev < self._capacity:  # drop the unused tail before growing
                     self.keys = _slice(self.keys, [0, 0, 0, 0], [b, h, prev, dk], [1, 1, 1, 1])
@@ -158,7 +158,7 @@ class KVCache(_KeyValueBuffers):
                 self.values = _concat([self.values, new_v], axis=2)
             else:
                 self.keys, self.values = new_k, new_v
-            self._capacity = prev + grow
+            self._capacity = prev + n_steps * self.step
             self._dims = (b, h, dk, dv)
         _, _, dk, dv = self._dims
         held_k, held_v = self._held()
@@ -170,28 +170,6 @@ class KVCache(_KeyValueBuffers):
             return (_slice(self.keys, [0, 0, 0, 0], [b, h, end, dk], [1, 1, 1, 1]),
                     _slice(self.values, [0, 0, 0, 0], [b, h, end, dv], [1, 1, 1, 1]))
         return self.keys, self.values
-
-    def growth(self, n: int) -> int:
-        """Slots a buffer grows by to take `n` more tokens: whole steps (`reserve` sets the first)."""
-        return -(-n // self.step) * self.step
-
-    def fresh(self) -> bool:
-        """Whether the cache has held nothing yet (its first update allocates its buffers)."""
-        return self.keys is None and self.offset == 0
-
-    def start_with(self, keys: Array, values: Array, length: int) -> tuple[Array, Array]:
-        """The first update of a fresh cache, made elsewhere: `keys` and `values` [B, H, slots, D] are
-        new buffers (`growth(length)` slots) holding `length` tokens, zeros after them. Returns the
-        tokens held, as `update_and_fetch` does."""
-        if not self.fresh():
-            raise RuntimeError("start_with needs a cache that has held nothing yet")
-        self.take_back(keys, values, length)
-        b, h, _, dk = keys.shape
-        dv = values.shape[3]
-        if length < self._capacity:
-            return (_slice(keys, [0, 0, 0, 0], [b, h, length, dk], [1, 1, 1, 1]),
-                    _slice(values, [0, 0, 0, 0], [b, h, length, dv], [1, 1, 1, 1]))
-        return keys, values
 
     def make_mask(self, n: int, window_size: int | None = None) -> Mask:
         if window_size is not None:

@@ -30,9 +30,6 @@ block layers, the group-32 products, or the compiled segments that do not trace 
                                      # as the decoder reserves them, runs interleaved
         [--pin-ab]                   # segmented: the calling thread and the evaluation thread pinned
                                      # to two cores (not siblings) and free, runs interleaved
-        [--rope-fill-ab]             # segmented: a fresh cache's first chunk with RoPE and its first
-                                     # buffers as one kernel (PYMLXC_PREFILL_ROPE_FILL) and on MLX's
-                                     # RoPE and cache updates, runs interleaved
         [--qmm-block-bytes N]        # nn.QMM_OP_BY_OP_BLOCK_BYTES (large: an 8B's chunks stay compiled)
 
 `--split` (segmented mode) also times, medians of --repeats: `runner_ms`, the decoder handing out its
@@ -207,19 +204,6 @@ def pin_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: bool) -> 
         choose(False)
 
 
-def rope_fill_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: bool) -> dict[str, Any]:
-    """`--rope-fill-ab`: a fresh cache's first chunk through `kernels/rope_fill_kv.py`'s kernel (on)
-    and through MLX's RoPE and the cache's update (off), on the same runner."""
-    from pymlxc.backends.metal.decode import prefill
-
-    real = prefill._fills_fresh  # noqa: SLF001 - the choice under test
-    try:
-        return interleaved_ab(side, prompt, repeats, clear_cache,
-                              lambda on: setattr(prefill, "_fills_fresh", real if on else lambda *a: False))
-    finally:
-        prefill._fills_fresh = real  # noqa: SLF001
-
-
 ABRun = Callable[[Pymlxc, list[int], int, bool], dict[str, Any]]
 
 
@@ -233,8 +217,7 @@ def ab_runs(args: argparse.Namespace) -> list[tuple[str, ABRun]]:
               (args.dequantized_ab, "prefill_dequantized", switch("prefill_dequantized")),
               (args.dequantize_kernel_ab, "prefill_dequantize_kernel", switch("prefill_dequantize_kernel")),
               (args.compiled_ab, "compiled", compiled_ab), (args.thread_ab, "eval_thread", switch("threaded", False)),
-              (args.exact_cache_ab, "exact_cache", exact_cache_ab), (args.pin_ab, "pinned", pin_ab),
-              (args.rope_fill_ab, "prefill_rope_fill", rope_fill_ab)]
+              (args.exact_cache_ab, "exact_cache", exact_cache_ab), (args.pin_ab, "pinned", pin_ab)]
     return [(name, run) for flag, name, run in chosen if flag]
 
 
@@ -279,9 +262,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pin-ab", action="store_true",
                    help="segmented mode: interleave runs with the calling and evaluation threads pinned to "
                         "two cores and runs with them free")
-    p.add_argument("--rope-fill-ab", action="store_true",
-                   help="segmented mode: interleave runs whose first chunk takes RoPE and the caches' first "
-                        "buffers from pymlxc's kernel and runs on MLX's RoPE and cache updates")
     p.add_argument("--qmm-block-bytes", type=int, default=0,
                    help="nn.QMM_OP_BY_OP_BLOCK_BYTES for the models loaded (0: the library's)")
     p.add_argument("--out", type=Path, default=None)

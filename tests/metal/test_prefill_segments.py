@@ -20,8 +20,6 @@ from pymlxc.backends.metal import generate as loops
 from pymlxc.backends.metal import nn
 from pymlxc.backends.metal.decode import prefill
 from pymlxc.backends.metal.decode.decoder import CompiledDecoder
-from pymlxc.backends.metal.decode.rings import first_capacity
-from pymlxc.backends.metal.kernels import rope_fill_kv
 from pymlxc.backends.metal.loader import LoadedModel, load_weights_and_config
 from pymlxc.backends.metal.sample import greedy
 from pymlxc.settings import Settings
@@ -397,85 +395,3 @@ def test_chunks_from_the_models_dense_rows_skip_the_runner(models, monkeypatch: 
     runner = decoder.prefill_runner(True)
     assert runner is not None and not runner.takes(mx.zeros((1, 3), mx.int32))
     decoder.close()
-
-
-@pytest.fixture
-def rope_fill_on_mlx(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
-    """`kernels/rope_fill_kv.py`'s kernel replaced by its reference (MLX's RoPE and the cache's own
-    first update) and its check passed, so the runner's use of it runs on any device; the list
-    records each launch's (batch, heads, length, capacity)."""
-    launches: list[tuple[int, ...]] = []
-
-    def launch(q: Any, k: Any, v: Any, slots: Any, capacity: int, rope: Any) -> tuple[Any, Any, Any]:
-        assert np.asarray(slots).tolist()[0] == capacity
-        launches.append((q.shape[0], q.shape[1], q.shape[2], capacity))
-        return rope_fill_kv.reference(q, k, v, capacity, rope.mlx)
-
-    monkeypatch.setattr(rope_fill_kv, "rope_fill_kv", launch)
-    monkeypatch.setattr(rope_fill_kv, "check", lambda *a: True)
-    return launches
-
-
-@pytest.mark.parametrize(("arch", "bits"), [("llama", None), ("llama", 4), ("qwen2", None), ("qwen3", 4)])
-def test_a_fresh_caches_first_chunk_takes_the_rope_fill_kernel(models, arch: str, bits: int | None,
-                                                               rope_fill_on_mlx: list[tuple[int, ...]]) -> None:
-    """With `prefill_rope_fill` a fresh cache's first chunk takes RoPE and its first buffers from the
-    kernel, every layer once, with the capacity the cache's own first update would allocate (here as
-    `reserve` sets it); later chunks update the cache as before; the caches fill as the model's
-    forward fills them, and a reserved cache keeps the capacity the decode starts with."""
-    model = models(arch, bits).model
-    decoder = CompiledDecoder(model, "segmented", settings=Settings(prefill_rope_fill="1"))
-    try:
-        runner = settled_runner(decoder)
-        check_fills_like_the_forward(runner, model, [(0, 21), (21, 40)])
-        hq = model.layers[0].self_attn.n_heads
-        assert rope_fill_on_mlx == [(1, hq, 21, 256)] * len(model.layers)  # the first chunk only
-        rope_fill_on_mlx.clear()
-        tokens = mx.array([ids(30)], dtype=mx.int32)
-        cache = model.make_cache(None)
-        decoder.reserve(cache, 30, 7)
-        runner(tokens, cache)
-        assert [c.keys.shape[2] for c in cache] == [first_capacity(30, 7)] * len(cache)
-        assert rope_fill_on_mlx == [(1, hq, 30, first_capacity(30, 7))] * len(model.layers)
-        assert not np.any(np.asarray(cache[0].keys[:, :, 30:].astype(mx.float32)))  # zeros after the tokens
-    finally:
-        decoder.close()
-
-
-def test_generations_with_the_rope_fill_kernel_keep_their_tokens(models, rope_fill_on_mlx: list[tuple[int, ...]]
-                                                                ) -> None:
-    model = models("llama", 4).model
-    decoder = CompiledDecoder(model, "segmented", settings=Settings(prefill_rope_fill="1"))
-    try:
-        for n in (5, 40):
-            prompt = ids(n, seed=n)
-            want = list(loops.generate_ids(model, prompt, cache=model.make_cache(None), max_tokens=9,
-                                           sampler=greedy))
-            got = list(loops.generate_ids(model, prompt, cache=model.make_cache(None), max_tokens=9,
-                                          sampler=greedy, decoder=decoder))
-            assert got == want
-        assert len(rope_fill_on_mlx) == 2 * len(model.layers)
-    finally:
-        decoder.close()
-
-
-def test_the_rope_fill_kernel_is_off_where_it_fails_its_check(models) -> None:
-    """Off CUDA the kernel cannot run: `1` asks for it, its check fails with a warning, and the
-    runner keeps MLX's RoPE and the cache's update (`auto` does not ask there)."""
-    model = models("llama").model
-    if ON_CUDA:
-        pytest.skip("the kernel runs here")
-    auto = CompiledDecoder(model, "segmented")
-    try:
-        assert auto._rope_fill_asked and auto._rope_fill is None
-    finally:
-        auto.close()
-    rope_fill_kv.checks.forget()
-    with pytest.warns(RuntimeWarning, match="first cache buffers"):
-        decoder = CompiledDecoder(model, "segmented", settings=Settings(prefill_rope_fill="1"))
-    try:
-        runner = settled_runner(decoder)
-        assert runner._rope_fill is None
-        check_fills_like_the_forward(runner, model, [(0, 12)])
-    finally:
-        decoder.close()

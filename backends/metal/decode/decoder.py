@@ -230,12 +230,6 @@ class CompiledDecoder:
         self._block_copy_bytes = dequantized_block_bytes(model) if dequantizes else 0
         if dequantizes and self.prefill_dequantized and self.prefill_dequantize_kernel:
             check_dequantize_kernel(quantized_layers(model))
-        # The compiled prefill's first chunk: RoPE and the caches' first buffers as one kernel a layer.
-        self.prefill_rope_fill = settings.prefill_rope_fill
-        self._rope_fill: Any = None
-        self._rope_fill_asked = False
-        if model is not None:
-            self._prefill_rope(model)  # its check now, on the loading thread (see check_dequantize_kernel)
         # On CUDA: each residual add and the norm after it as one kernel (kernels/add_rms_norm.py).
         self.fused_norm = settings.fused_norm
         # Segmented mode on CUDA: greedy's argmax as two kernels over many blocks (kernels/argmax.py).
@@ -435,26 +429,16 @@ class CompiledDecoder:
         dtype, many_rows = getattr(model, "compute_dtype", None), prefill.op_by_op_from(model)
         with self._lock:
             runner = self._runners.get(key)
-        rope_fill = self._prefill_rope(model)
-        if runner is not None and runner.serves(seg_plan, dtype, many_rows, fused, dequantized, outside,
-                                                rope_fill is not None):
+        if runner is not None and runner.serves(seg_plan, dtype, many_rows, fused, dequantized, outside):
             return runner
         fns = self._function(key, prefill.PrefillFunctions)
         runner = prefill.PrefillRunner(seg_plan, list(model.layers), fns,
                                        on_fail=lambda exc: self._mark_failed(key, exc),
                                        dtype=dtype, many_rows=many_rows, fused=fused, dequantized=dequantized,
-                                       outside=outside, copy_bytes=self._block_copy_bytes, rope_fill=rope_fill)
+                                       outside=outside, copy_bytes=self._block_copy_bytes)
         with self._lock:
             self._runners[key] = runner
         return runner
-
-    def _prefill_rope(self, model: Any) -> Any:
-        """`prefill.use_rope_fill` for the model, asked once (the model's RoPE does not change)."""
-        if not self._rope_fill_asked:
-            blocks = segments.plan(model)  # the Llama family's blocks, else None
-            self._rope_fill = prefill.use_rope_fill(model, blocks, self.prefill_rope_fill) if blocks else None
-            self._rope_fill_asked = True
-        return self._rope_fill
 
     def reserve(self, cache: Sequence[Any], prompt_len: int, max_tokens: int) -> None:
         """Call before prefill: size the empty caches' first allocation as the decode's first buffers."""

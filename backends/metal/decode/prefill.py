@@ -52,14 +52,11 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 
 from .. import nn
-from ..cache import KVCache, make_prompt_mask
+from ..cache import make_prompt_mask
 from ..kernel_choice import dequantize_kernel_takes, dequantized_weight, mlx_kernels_only
-from ..kernels import check as kernel_check
-from ..kernels import rope_fill_kv
-from ..kernels.rope_kv import Rope
 from ..models import llama
 from ..models.base import attention, last_query
-from .segments import FusedProjection, SegmentGroup, SegmentPlan, rope_of
+from .segments import FusedProjection, SegmentGroup, SegmentPlan
 from .trace import CompileUnavailable, call_traced, clone_modules
 from .trace import spec as traced_spec
 
@@ -152,47 +149,6 @@ def rope_heads(attn: Any, q: Array, k: Array, qk: Array | None, offset: int) -> 
         return attn.rope(q, offset), attn.rope(k, offset)
     turned = attn.rope(qk, offset)
     return _head_range(turned, 0, attn.n_heads), _head_range(turned, attn.n_heads, attn.n_heads + attn.n_kv_heads)
-
-
-def use_rope_fill(model: Any, blocks: Sequence[Any], setting: str) -> Rope | None:
-    """The RoPE for `kernels/rope_fill_kv.py`'s kernel where a fresh cache's first chunk takes it
-    (each layer's RoPE and first key and value buffers as one kernel), else None: `setting`
-    (PYMLXC_PREFILL_ROPE_FILL: auto = on CUDA, 1 = also elsewhere, where the kernel then fails its
-    check, or 0) allows it, all layers share one RoPE the kernel reproduces and one head layout
-    (values of the keys' size), and the kernel passes its check. Call it on the thread that loads
-    the model: the check needs the default stream there."""
-    if setting == "0" or (setting == "auto" and not kernel_check.on_cuda()) or not blocks:
-        return None
-    attns = [b.self_attn for b in blocks]
-    first = attns[0]
-    shape = (first.n_heads, first.n_kv_heads, first.head_dim)
-    ropes = [rope_of(getattr(a, "rope", None), a.head_dim) for a in attns]
-    if (ropes[0] is None or any(r is None or r.key != ropes[0].key for r in ropes)
-            or any((a.n_heads, a.n_kv_heads, a.head_dim) != shape for a in attns)):
-        return None
-    hq, hkv, d = shape
-    dtype = model.compute_dtype  # the hidden states' type (a GGUF embedding may be uint8 blocks)
-    return ropes[0] if rope_fill_kv.check(dtype, hq, hkv, d, d, ropes[0], first.rope) else None
-
-
-def _first_update(cache: Any, q: Array, k: Array, v: Array, rope: Rope, slots: dict[int, Array]
-                  ) -> tuple[Array, Array, Array]:
-    """A fresh cache's first chunk through the kernel: (queries after RoPE, keys, values to attend
-    to), the cache holding its new buffers. `slots`: the kernel's capacity arrays, by capacity (made
-    once: an array made per layer would cost the host what the kernel saves)."""
-    capacity = cache.growth(k.shape[2])
-    if capacity not in slots:
-        slots[capacity] = rope_fill_kv.slots_array(capacity)
-    q, keys, values = rope_fill_kv.rope_fill_kv(q, k, v, slots[capacity], capacity, rope)
-    keys, values = cache.start_with(keys, values, k.shape[2])
-    return q, keys, values
-
-
-def _fills_fresh(cache: Any, rope: Rope | None, k: Array, v: Array) -> bool:
-    """Whether the kernel makes `cache`'s first buffers: a fresh `KVCache` (no subclass, which may
-    store otherwise), keys and values of one type and size."""
-    return (rope is not None and type(cache) is KVCache and cache.fresh() and k.dtype == v.dtype
-            and k.shape[3] == v.shape[3])
 
 
 def _finish(block: Any, attn_out: Array, h: Array, gate_up: Any = None) -> Array:
@@ -406,19 +362,15 @@ class PrefillRunner:
     def __init__(self, plan: SegmentPlan, blocks: Sequence[Any], fns: PrefillFunctions,
                  on_fail: Callable[[BaseException], None], dtype: Any = None, many_rows: int = 0,
                  fused: bool = True, dequantized: bool = False, outside: bool = False,
-                 copy_bytes: int = 0, rope_fill: Rope | None = None) -> None:
+                 copy_bytes: int = 0) -> None:
         """`fused`: run the plan's fused q/k/v and gate/up products as one matmul each (module doc).
         `dequantized`: quantized products as a dequantization and a dense matmul each
         (`nn.dequantized_products`), fused ones too, with `outside` the Llama family's weights
         dequantized before each segment (`kernels/dequantize.py` on CUDA) and handed to the trace;
-        a block's copies then take `copy_bytes` (`nn.dequantized_block_bytes`). `rope_fill`
-        (`use_rope_fill`): a fresh cache's first chunk takes RoPE and its first buffers from
-        `kernels/rope_fill_kv.py`'s kernel."""
+        a block's copies then take `copy_bytes` (`nn.dequantized_block_bytes`)."""
         self._plan = plan
         self._blocks = list(blocks)
-        self._rope_fill = rope_fill
-        self._slots: dict[int, Array] = {}
-        self._made_for = (dtype, many_rows, fused, dequantized, outside, rope_fill is not None)
+        self._made_for = (dtype, many_rows, fused, dequantized, outside)
         self._dequantized = dequantized
         self._copy_bytes = copy_bytes if dequantized else 0
         self._fns = fns
@@ -457,11 +409,11 @@ class PrefillRunner:
         return [self._first, *self._mids, self._last]
 
     def serves(self, plan: SegmentPlan, dtype: Any, many_rows: int, fused: bool = True,
-               dequantized: bool = False, outside: bool = False, rope_fill: bool = False) -> bool:
+               dequantized: bool = False, outside: bool = False) -> bool:
         """Whether this runner is the one `plan` and the model's compute dtype, row threshold,
-        `fused`, `dequantized`, `outside` and `rope_fill` (a RoPE given) would make (a decoder keeps
-        one per plan, its specs made once)."""
-        return plan is self._plan and self._made_for == (dtype, many_rows, fused, dequantized, outside, rope_fill)
+        `fused`, `dequantized` and `outside` would make (a decoder keeps one per plan, its specs
+        made once)."""
+        return plan is self._plan and self._made_for == (dtype, many_rows, fused, dequantized, outside)
 
     def takes(self, chunk: Array) -> bool:
         """Whether a chunk of token ids [B, L] runs here (else op by op, see the class)."""
@@ -502,13 +454,11 @@ class PrefillRunner:
         length = tokens.shape[1]
         for i, block in enumerate(blocks):
             attn, c = block.self_attn, cache[i]
+            offset = c.offset
+            q, k = rope_heads(attn, q, k, qk, offset)
             mask = make_prompt_mask(length, c, None)  # before the update, as the model's forward: a
             # rotating cache's mask depends on what it held (after, it no longer fit the keys)
-            if self._rope_fill is not None and _fills_fresh(c, self._rope_fill, k, v):
-                q, keys, values = _first_update(c, q, k, v, self._rope_fill, self._slots)
-            else:
-                q, k = rope_heads(attn, q, k, qk, c.offset)
-                keys, values = c.update_and_fetch(k, v)
+            keys, values = c.update_and_fetch(k, v)
             final = i + 1 == len(blocks)
             if final:
                 (q, mask), h = last_query(q, mask), h[:, -1:]
@@ -524,4 +474,4 @@ class PrefillRunner:
 
 
 __all__ = ["PrefillFunctions", "PrefillRunner", "PrefillSpec", "SiluPair", "block_layers", "joins_heads",
-           "op_by_op_from", "pairs_gate_up", "rope_heads", "split_heads", "use_rope_fill"]
+           "op_by_op_from", "pairs_gate_up", "rope_heads", "split_heads"]

@@ -19,7 +19,7 @@ import numpy as np
 from mlx.nn.layers.embedding import Embedding  # the defining modules: mlx.nn re-exports them implicitly
 from mlx.nn.layers.quantized import QuantizedEmbedding
 from mlx_lm.generate import BatchGenerator, generate_step
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import (
     apply_min_p,
     apply_top_k,
@@ -35,6 +35,10 @@ from .protocol import REPEAT_PENALTY_CONTEXT, CommandError, context_problem
 Event = dict[str, Any]
 # The device mlx chose at start: what `device` null or "default" returns to after a load asked for "cpu".
 _START_DEVICE = mx.default_device()
+# Tokens at the start of the context that a context-bounded cache never evicts (attention sinks):
+# the metal backend's CONTEXT_KEEP (backends/metal/cache.py) and mlx-lm's keep for max_kv_size, so
+# that both backends mean the same by `context_len`. Not imported: the worker runs without pymlxc.
+CONTEXT_KEEP = 4
 
 
 class _Stopped(Exception):
@@ -119,6 +123,38 @@ def _first_logits_recorder(sink: list[Any], index: int) -> Callable[[Any, Any], 
     return record
 
 
+def bounded_caches(caches: list[Any], context_len: int | None) -> tuple[list[Any], list[str]]:
+    """A model's fresh `caches` with each layer bounded by `context_len` as the metal backend's
+    make_layer_caches bounds it, and the kinds of cache left as they were made. mlx-lm's own
+    `max_kv_size` bounds only models without a `make_cache` (make_prompt_cache hands a model's own
+    caches back untouched), so llama, gemma 3, qwen3-next... would otherwise keep every token.
+
+    A full-attention layer (KVCache), or a sliding window longer than the context, gets a
+    RotatingKVCache of `context_len` that keeps the first CONTEXT_KEEP tokens; a window that fits
+    is kept, as is recurrent state (ArraysCache: a fixed size, nothing to bound) and a chunked
+    attention layer whose chunk fits. Any other kind (CacheList, ChunkedKVCache of a longer
+    chunk, a subclass with state of its own) is left as the model made it and named in the
+    second result: mlx-lm has no rotating form of it. It is not refused, because pymlxc's client
+    always sends a context_len (its default 131072), so a refusal would stop these models from
+    loading at all.
+    """
+    if context_len is None:
+        return caches, []
+    keep = min(CONTEXT_KEEP, context_len - 1)  # a sink per slot would leave nothing to rotate
+    out: list[Any] = []
+    left: set[str] = set()
+    for c in caches:
+        # Exact types: a subclass may carry state that a plain rotating cache would drop.
+        if type(c) is KVCache or (type(c) is RotatingKVCache and c.max_size > context_len):
+            out.append(RotatingKVCache(max_size=context_len, keep=keep))  # type: ignore[no-untyped-call]  # mlx-lm
+        else:
+            fits = type(c) is RotatingKVCache or (type(c) is ChunkedKVCache and c.chunk_size <= context_len)
+            if not (fits or isinstance(c, ArraysCache)):
+                left.add(type(c).__name__)
+            out.append(c)
+    return out, sorted(left)
+
+
 class Engine:
     """A model and tokenizer loaded by mlx-lm, with the worker's commands as methods."""
 
@@ -159,6 +195,15 @@ class Engine:
                 "load_failed", f"the model at {path!r} names EOS token ids that are not integers: {odd!r}"
             )
         self.token_bytes = TokenBytes(self.tokenizer.detokenizer, self.tokenizer.decode)
+        _, left = bounded_caches(make_prompt_cache(self.model), context_len)
+        if left:  # said once, at load; the client logs the worker's stderr
+            print(f"warning: context_len={context_len} does not bound the {', '.join(left)} caches of "
+                  f"{self.model_type} models (mlx-lm has no rotating form of them): those layers keep "
+                  "every token", file=sys.stderr, flush=True)
+
+    def make_cache(self) -> list[Any]:
+        """Fresh caches for one sequence, bounded by the load's context_len (`bounded_caches`)."""
+        return bounded_caches(make_prompt_cache(self.model), self.context_len)[0]
 
     # ---- facts ----------------------------------------------------------------------------------
 
@@ -192,8 +237,8 @@ class Engine:
         }
 
     def inspect_limit(self) -> int | None:
-        """The longest prompt `inspect_attention` takes: the load's context_len (as generation's
-        max_kv_size), else the model's max_position_embeddings; None where neither is known."""
+        """The longest prompt `inspect_attention` takes: the load's context_len (what generation's
+        caches keep), else the model's max_position_embeddings; None where neither is known."""
         if self.context_len is not None:
             return self.context_len
         positions = _config_value(self.config, "max_position_embeddings")
@@ -337,7 +382,7 @@ class Engine:
                 max_tokens=opts["max_tokens"],
                 sampler=sampler,
                 logits_processors=processors,
-                max_kv_size=self.context_len,
+                prompt_cache=self.make_cache(),  # not max_kv_size: mlx-lm ignores it for models with make_cache
                 prompt_progress_callback=on_progress,
             )
         try:
@@ -472,12 +517,13 @@ class Engine:
             stop_tokens=stops or None,
             sampler=sampler,
             logits_processors=processors,
-            max_kv_size=self.context_len,
         )
         steps: dict[int, list[tuple[int, Any]]] = {}
         finish: dict[int, str] = {}
         try:
-            uids = gen.insert(prompts, samplers=samplers, logits_processors=per_prompt)
+            # Each row's caches bounded as generate's are (BatchGenerator's max_kv_size has mlx-lm's gap).
+            uids = gen.insert(prompts, caches=[self.make_cache() for _ in prompts], samplers=samplers,
+                              logits_processors=per_prompt)
             index = {uid: i for i, uid in enumerate(uids)}
             steps = {i: [] for i in range(len(prompts))}
             with gen.stats() as stats:

@@ -221,7 +221,7 @@ class MlxLmModel:
         startup_timeout: float = 60.0,
         worker_args: Sequence[str] = (),
     ) -> None:
-        self.context_len = config.context_len  # the worker's KV cache size (max_kv_size)
+        self.context_len = config.context_len  # what the worker bounds its KV caches to (bridge/engine.py)
         self._load = {
             "cmd": "load",
             "id": "load",

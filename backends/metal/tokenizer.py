@@ -263,7 +263,8 @@ def _byte_level_table() -> dict[str, int]:
     return table
 
 
-_BYTE_LEVEL = _byte_level_table()
+BYTE_LEVEL: dict[str, int] = _byte_level_table()
+"""GPT-2's byte-level alphabet: the character a byte-level BPE token spells a byte with -> the byte."""
 # The first byte of a character and, for those that restrict it, the range of its second byte.
 _SECOND_BYTE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
 
@@ -296,10 +297,11 @@ def unfinished_tail(data: bytes) -> int:
     return 0
 
 
-def _decoder_kind(backend: tokenizers.Tokenizer) -> str:
+def decoder_kind(backend: tokenizers.Tokenizer) -> str:
     """How the pipeline's decoder turns tokens into bytes: "byte_level" (every token spells bytes
-    in GPT-2's alphabet, decoded together, an invalid sequence becoming U+FFFD), "byte_fallback"
-    (SentencePiece-style: <0xNN> tokens are bytes, other tokens whole characters) or "other"."""
+    in GPT-2's alphabet, `BYTE_LEVEL`, decoded together, an invalid sequence becoming U+FFFD),
+    "byte_fallback" (SentencePiece-style: <0xNN> tokens are bytes, other tokens whole characters)
+    or "other" (no token's bytes are known apart from its text)."""
     decoder = backend.decoder
     if decoder is None:
         return "other"
@@ -335,7 +337,7 @@ class StreamingDetokenizer:
         self._decode = tokenizer.backend.decode
         self._skip = skip_special_tokens
         self._skipped = tokenizer.special_ids if skip_special_tokens else frozenset()
-        self._kind = _decoder_kind(tokenizer.backend)
+        self._kind = decoder_kind(tokenizer.backend)
         self._byte_ids = tokenizer.byte_fallback_ids if self._kind == "byte_fallback" else frozenset()
         self._window: list[int] = []  # ids decoded together: the last piece's, then the unsettled ones
         self._read = 0  # window[:_read] is context already emitted in full
@@ -414,7 +416,7 @@ class StreamingDetokenizer:
         data = b""
         for token_id in reversed(self._window[self._read:]):
             token = self._backend.id_to_token(token_id) or ""
-            spelled = [_BYTE_LEVEL.get(c) for c in token]
+            spelled = [BYTE_LEVEL.get(c) for c in token]
             # A token outside the alphabet (an added token) is decoded as its UTF-8 text.
             data = (bytes(spelled) if None not in spelled else token.encode("utf-8")) + data  # type: ignore[arg-type]
             if len(data) >= 3:

@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pymlxc.backends.metal import batching
+from pymlxc.backends.metal.tokenizer import BYTE_LEVEL, Tokenizer, decoder_kind
 
 from . import tools as toolcalls
 from .constraints import ConstraintError, GrammarFactory
@@ -458,13 +459,18 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
     def token_texts(tokens: list[int]) -> str:
         return tokenizer.decode(tokens) if tokenizer is not None else ""
 
+    # A tokenizer of another kind (an engine's own) has no byte alphabet to read: its token's text.
+    token_bytes = TokenBytes(tokenizer) if isinstance(tokenizer, Tokenizer) else None
+
+    def byte_list(token: int) -> list[int]:
+        return list(token_bytes(token)) if token_bytes is not None else list(token_text(token).encode())
+
     def chat_logprob(piece: Piece) -> dict[str, Any]:
         if piece.token is None:
             raise ValueError("a logprob entry needs the piece's token")
-        text = token_text(piece.token)
-        return {"token": text, "logprob": _logprob(piece.logprob), "bytes": list(text.encode()),
-                "top_logprobs": [{"token": token_text(t), "logprob": _logprob(lp),
-                                  "bytes": list(token_text(t).encode())} for t, lp in piece.top_logprobs]}
+        return {"token": token_text(piece.token), "logprob": _logprob(piece.logprob), "bytes": byte_list(piece.token),
+                "top_logprobs": [{"token": token_text(t), "logprob": _logprob(lp), "bytes": byte_list(t)}
+                                 for t, lp in piece.top_logprobs]}
 
     def completion_logprobs(tokens: list[Piece], offset: int) -> dict[str, list[Any]]:
         """The legacy completions' logprobs of `tokens` (pieces with a token), whose text starts
@@ -567,8 +573,9 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
         if body.stream:
             async def events() -> AsyncGenerator[str, None]:
                 count, finish = 0, "length"
-                held, holding = "", use_tools
-                held_lps: list[dict[str, Any]] = []  # the held text's tokens: sent with it, as a whole answer has them
+                content = toolcalls.StreamedContent(tool_fmt if use_tools else None)
+                # The logprobs of tokens not sent yet: with the next chunk, as a whole answer has them.
+                held_lps: list[dict[str, Any]] = []
                 yield chunk({"role": "assistant", "content": ""}, None)
                 try:
                     async with contextlib.aclosing(_until_stopped(_chain(first, stream), lifecycle)) as chained:
@@ -577,27 +584,22 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
                             finish = piece.finish or finish
                             if want_lp and piece.token is not None:
                                 held_lps.append(chat_logprob(piece))
-                            if holding:
-                                held += piece.text
-                                if toolcalls.may_be_tool_call(held, tool_fmt):
-                                    continue
-                                holding, piece_text = False, held
-                            else:
-                                piece_text = piece.text
-                            lps, held_lps = (held_lps or None), []
-                            if piece_text or lps:
-                                yield chunk({"content": piece_text}, None, lps)
+                            text = content.add(piece.text)
+                            if text or (held_lps and not use_tools):
+                                yield chunk({"content": text}, None, held_lps or None)
+                                held_lps = []
                 except Exception as exc:  # noqa: BLE001 - the stream has started: its last event says it
                     yield _stream_error(exc)
                     return
-                if holding:
-                    _, calls = toolcalls.parse_tool_calls(held, tool_fmt)
-                    if calls:
-                        finish = "tool_calls"
-                        yield chunk({"tool_calls": [c.to_openai(i) for i, c in enumerate(calls)]}, None,
-                                    held_lps or None)
-                    elif held or held_lps:
-                        yield chunk({"content": held}, None, held_lps or None)
+                tail, calls = content.finish()
+                if calls:
+                    finish = "tool_calls"
+                    if tail:
+                        yield chunk({"content": tail}, None)
+                    yield chunk({"tool_calls": [c.to_openai(i) for i, c in enumerate(calls)]}, None,
+                                held_lps or None)
+                elif tail or held_lps:
+                    yield chunk({"content": tail}, None, held_lps or None)
                 yield chunk({}, finish)
                 if body.stream_options is not None and body.stream_options.include_usage:
                     yield json.dumps({"id": rid, "object": "chat.completion.chunk", "created": now,
@@ -641,6 +643,33 @@ IMPOSSIBLE_LOGPROB = -9999.0
 
 def _logprob(value: float | None) -> float | None:
     return value if value is None or math.isfinite(value) else IMPOSSIBLE_LOGPROB
+
+
+class TokenBytes:
+    """A token's own raw bytes, OpenAI's logprobs `bytes`, so that a character split over tokens
+    comes back by joining them. The token's decoded text cannot give them: each piece of such a
+    character decodes to U+FFFD alone (UTF-8 EF BF BD, whatever byte the piece was)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._kind = decoder_kind(tokenizer.backend)
+        # Added tokens (special or not) decode to their own text, not through the byte alphabet.
+        self._added = frozenset(tokenizer.backend.get_added_tokens_decoder())
+
+    def __call__(self, token: int) -> bytes:
+        piece = None if token in self._added else self._tokenizer.id_to_token(token)
+        if piece is not None and self._kind == "byte_level":
+            try:
+                return bytes(BYTE_LEVEL[c] for c in piece)
+            except KeyError:
+                pass  # a character outside the alphabet: the token is its text
+        elif piece is not None and self._kind == "byte_fallback":
+            if token in self._tokenizer.byte_fallback_ids:
+                return bytes([int(piece[3:5], 16)])  # "<0xNN>"
+            # Whole characters, SentencePiece's word boundary "▁" a space (a decode of the token
+            # alone would strip it as the text's first).
+            return piece.replace("\u2581", " ").encode()
+        return self._tokenizer.decode([token]).encode()
 
 
 def _nucleus(top_p: float, top_k: int) -> tuple[float, int]:

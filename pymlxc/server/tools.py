@@ -119,6 +119,61 @@ def parse_tool_calls(text: str, fmt: str) -> tuple[str, list[ToolCall]]:
     return ("", [c for c in parsed if c is not None]) if parsed and all(parsed) else (text, [])
 
 
+_HERMES_OPEN = "<tool_call>"
+
+
+def streamable(text: str, fmt: str, at_start: bool) -> int:
+    """How much of `text` (the output not yet streamed; `at_start`: nothing streamed before it) a
+    stream may send as content now, holding back what could belong to a tool call. Hermes calls
+    may come after text (Qwen 3's thinking, a sentence), as `parse_tool_calls` finds them: the
+    text up to a call's opening tag is sent, less a tail that could still become one and the
+    whitespace before it (a whole answer with calls strips the content around them). The other
+    formats are calls only from the output's start: all of it is held while it could become one."""
+    if fmt != HERMES:
+        return 0 if at_start and may_be_tool_call(text, fmt) else len(text)
+    at = text.find(_HERMES_OPEN)
+    if at < 0:  # the longest tail that begins the tag
+        at = next((len(text) - k for k in range(min(len(_HERMES_OPEN) - 1, len(text)), 0, -1)
+                   if _HERMES_OPEN.startswith(text[-k:])), len(text))
+    return len(text[:at].rstrip())
+
+
+class StreamedContent:
+    """A streamed answer's content when tools may be called (`fmt`; None: no tools): `add(text)`
+    gives what to send now, `finish()` the content still to send and the calls, so that the
+    content sent joins into the whole answer's (`parse_tool_calls`) and no call's text is sent.
+    One difference stays: whitespace that opens an answer is sent with the text after it, before a
+    later call shows that the whole answer's content (stripped around its calls) drops it."""
+
+    def __init__(self, fmt: str | None) -> None:
+        self._fmt = fmt
+        self._sent: list[str] = []
+        self._sent_chars = 0
+        self._held = ""
+
+    def add(self, text: str) -> str:
+        self._held += text
+        ready = len(self._held) if self._fmt is None else streamable(self._held, self._fmt, self._sent_chars == 0)
+        out, self._held = self._held[:ready], self._held[ready:]
+        if out:
+            self._sent.append(out)
+            self._sent_chars += len(out)
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        held, self._held = self._held, ""
+        if self._fmt is None:
+            return held, []
+        sent = "".join(self._sent)
+        rest, calls = parse_tool_calls(sent + held, self._fmt)
+        if not calls:
+            return held, []
+        # The whole answer's content around the calls begins with the text sent before the first
+        # one, less the answer's opening whitespace, which its stripping drops.
+        lead = sent if rest.startswith(sent) else sent.lstrip()
+        return (rest[len(lead):] if rest.startswith(lead) else parse_tool_calls(held, self._fmt)[0]), calls
+
+
 def may_be_tool_call(text: str, fmt: str) -> bool:
     """Whether `text` (the output so far) could still become a tool call: a stream holds it back."""
     head = text.lstrip()

@@ -18,7 +18,7 @@ import pymlxc.core as mx
 from pymlxc import GenerationCancelled, ModelClosedError
 from pymlxc.backends.metal.memory_check import DeviceMemoryError
 from pymlxc.backends.metal.textmodel import _tokens
-from pymlxc.backends.metal.tokenizer import _BYTE_LEVEL, Tokenizer
+from pymlxc.backends.metal.tokenizer import BYTE_LEVEL, Tokenizer
 from pymlxc.testing import write_tiny_model
 
 PROMPT = "Once upon a time"
@@ -38,7 +38,7 @@ def model(model_dir: Path):
 
 def _byte_tokens(tokenizer: Tokenizer, data: bytes) -> list[int]:
     """One byte-level token per byte of `data`."""
-    spelling = {b: c for c, b in _BYTE_LEVEL.items()}
+    spelling = {b: c for c, b in BYTE_LEVEL.items()}
     return [tokenizer.token_to_id(spelling[b]) for b in data]
 
 

@@ -334,9 +334,9 @@ def _byte_ids(tok: Tokenizer, data: bytes) -> list[int]:
 
 
 def _qwen_byte_tokens(tok: Tokenizer, data: bytes) -> list[int]:
-    from pymlxc.backends.metal.tokenizer import _BYTE_LEVEL
+    from pymlxc.backends.metal.tokenizer import BYTE_LEVEL
 
-    by_byte = {b: c for c, b in _BYTE_LEVEL.items()}
+    by_byte = {b: c for c, b in BYTE_LEVEL.items()}
     return [tok.token_to_id(by_byte[b]) for b in data]
 
 

@@ -11,6 +11,7 @@ try:
     import httpx
 except ImportError:  # the openai client's HTTP library under its newer name
     import httpx2 as httpx  # type: ignore[no-redef]
+import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -128,6 +129,26 @@ def test_logprobs_of_tokens_a_constraint_forbids_are_openais_impossible_value(se
         values = [v for e in got for v in (e["logprob"], *(t["logprob"] for t in e["top_logprobs"]))]
         assert all(isinstance(v, float) and math.isfinite(v) for v in values), values
         assert -9999.0 in values  # the forbidden tokens among the top 5
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(st.sampled_from("日本語éßщ€😀"), min_size=1, max_size=3))
+def test_logprob_bytes_join_into_the_answer(server: Server, text: str) -> None:
+    # OpenAI's `bytes` are each token's own: a character split over tokens comes back by joining
+    # them. The tiny vocabulary spells these characters byte by byte, each byte's decoded text
+    # alone U+FFFD (bytes EF BF BD), which would join into nothing like the answer.
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    body: dict[str, Any] = {"model": "m", "messages": CHAT["messages"], "max_tokens": 40, "temperature": 0,
+                            "logprobs": True, "top_logprobs": 2, "response_format": {
+                                "type": "json_schema", "json_schema": {"name": "x", "schema": {"const": text}}}}
+    whole = client.chat.completions.create(**body).choices[0]
+    assert json.loads(whole.message.content) == text
+    streamed = [e for chunk in client.chat.completions.create(**body, stream=True) if chunk.choices
+                for e in (chunk.choices[0].logprobs.content or [] if chunk.choices[0].logprobs else [])]
+    for entries in (whole.logprobs.content, streamed):
+        assert b"".join(bytes(e.bytes) for e in entries) == whole.message.content.encode()
+        for e in entries:  # a candidate that is whole characters: its bytes are its text's
+            assert all(bytes(t.bytes).decode() == t.token for t in e.top_logprobs if "\ufffd" not in t.token)
 
 
 def test_a_streamed_tool_call_keeps_the_logprobs_of_its_tokens(server: Server) -> None:

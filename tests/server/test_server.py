@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -167,6 +168,34 @@ def test_tool_call_is_parsed(client: openai.OpenAI) -> None:
               {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
     assert client.chat.completions.create(model="m", messages=follow, tools=TOOLS, max_tokens=4,
                                           temperature=0).choices[0].finish_reason in ("length", "stop", "tool_calls")
+
+
+# A whole answer in one token: a tool call, then text. The tiny model's vocabulary gets it as the
+# text of its added token "</think>", which a logit bias then makes the model write.
+CALL_THEN_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\nIt is sunny.'
+
+
+def test_a_streamed_tool_call_keeps_the_text_after_it(model_dir, tmp_path) -> None:
+    scripted = shutil.copytree(model_dir, tmp_path / "scripted")
+    spec = json.loads((scripted / "tokenizer.json").read_text())
+    (added,) = [t for t in spec["added_tokens"] if t["content"] == "</think>"]
+    added["content"] = CALL_THEN_TEXT
+    (scripted / "tokenizer.json").write_text(json.dumps(spec))
+    server = start_server(scripted, log=tmp_path / "scripted.log")
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        body = {"model": "m", "messages": [{"role": "user", "content": "Weather in Rome?"}], "tools": TOOLS,
+                "max_tokens": 1, "temperature": 0, "logit_bias": {str(added["id"]): 100}}
+        whole = client.chat.completions.create(**body).choices[0]
+        assert whole.message.content == "It is sunny."
+        assert [c.function.name for c in whole.message.tool_calls] == ["get_weather"]
+        streamed = [c.choices[0] for c in client.chat.completions.create(**body, stream=True) if c.choices]
+        assert "".join(c.delta.content or "" for c in streamed) == whole.message.content
+        streamed_calls = [tc.function.arguments for c in streamed for tc in c.delta.tool_calls or []]
+        assert streamed_calls == [c.function.arguments for c in whole.message.tool_calls]
+        assert streamed[-1].finish_reason == whole.finish_reason == "tool_calls"
+    finally:
+        stop_server(server)
 
 
 def test_logprobs_and_logit_bias(client: openai.OpenAI, local) -> None:
@@ -340,7 +369,7 @@ def test_a_chunked_body_is_limited_as_one_with_a_length(server: Server) -> None:
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
 
     def chunks(size: int) -> Iterator[bytes]:  # no Content-Length: sent chunked
-        yield b'{"max_tokens": 2, "prompt": "'
+        yield b'{"max_tokens": 2, "temperature": 0, "prompt": "'  # greedy: a sampled end token would end it early
         for _ in range(size // 1000):
             yield b"x " * 500
         yield b'"}'

@@ -163,6 +163,17 @@ class Request:
         self._cancelled = threading.Event()
         self.submitted = time.perf_counter()
 
+    def send(self, event: Event) -> bool:
+        """`emit(event)`, False where it raised (the client is gone): the request is cancelled then.
+        The scheduler sends every event through here, so one request's emit cannot fail the others
+        (or stop them getting their ends)."""
+        try:
+            self.emit(event)
+        except Exception:  # noqa: BLE001 - this request alone ends
+            self._cancelled.set()
+            return False
+        return True
+
     def cancel(self) -> None:
         self._cancelled.set()
 
@@ -513,6 +524,7 @@ class Batch:
         self.caches: list[Any] = []
         self.columns = Columns()  # the layers' shared positions and masks
         self.version = next(_versions)  # new at every change of the rows (BatchStep looks again at the weights)
+        self._shared_valid = (-1, True)  # (version, whether every attention layer has the same `valid`)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -574,10 +586,10 @@ class Batch:
 
     def logits(self, model: Any, ids: mx.Array, step: BatchStep | None) -> mx.Array:
         """The next logits [B, V] of every row from their last ids [B, 1], the caches moved one column
-        on: on the compiled step where it applies, else built op by op (the same tokens)."""
+        on: on the compiled step where it applies (`shares_valid`), else built op by op (the same tokens)."""
         caches = self.caches
         first = next((c for c in caches if isinstance(c, BatchKVCache)), None)  # the columns' reference
-        if step is not None and first is not None:
+        if step is not None and first is not None and self.shares_valid():
             if first.idx + 1 > first.capacity:
                 for c in self.attention_caches():
                     c.grow()
@@ -595,6 +607,18 @@ class Batch:
                 return logits
         out: mx.Array = model(ids, cache=caches)[:, -1, :]
         return out
+
+    def shares_valid(self) -> bool:
+        """Whether every attention layer has the same first valid column in each row, as the
+        compiled step needs (it takes one [B] array for all layers). A sliding-window layer of a row
+        that joined holding fewer keys than positions (a prompt cache hit past the window) has
+        later ones; the op-by-op step then masks each layer with its own."""
+        version, same = self._shared_valid
+        if version != self.version:
+            kv = self.attention_caches()
+            same = all(np.array_equal(c.valid, kv[0].valid) for c in kv[1:])
+            self._shared_valid = (self.version, same)
+        return same
 
     def remove(self, gone: Sequence[_Row]) -> None:
         """Drop rows, and the leading columns no row needs any more."""
@@ -645,6 +669,7 @@ class _Row:
     context_bound: bool = False  # max_tokens cut to what the context holds after the prompt
     bias: tuple[mx.Array, mx.Array] | None = None
     repeat: Any = None
+    failed: BaseException | None = None  # what its own processing raised (`Scheduler._sample`): it ends with it
 
     @property
     def params(self) -> SamplingParams:
@@ -787,7 +812,7 @@ class Scheduler:
                 self._lock.notify_all()
         finally:
             for request in gone:  # their end, as `_admit` would have sent it, outside the lock
-                request.emit(Event(finish="cancelled"))
+                request.send(Event(finish="cancelled"))
 
     def warm(self, rows: int | None = None) -> None:
         """Run one decode step at each batch size 1..`rows` (at most `max_batch`) on throwaway rows,
@@ -897,19 +922,19 @@ class Scheduler:
                     return
                 request = self._queue.popleft()
             if request.cancelled:
-                request.emit(Event(finish="cancelled"))
+                request.send(Event(finish="cancelled"))
                 continue
             try:
                 row = _make_row(request, vocab)
             except Exception as exc:  # noqa: BLE001 - a bad request fails alone
-                request.emit(Event(finish="error", error=exc))
+                request.send(Event(finish="error", error=exc))
                 continue
             row.max_tokens = request.params.max_tokens
             if self.context_len is not None and self.context_len - len(request.prompt) < row.max_tokens:
                 row.max_tokens = self.context_len - len(request.prompt)
                 row.context_bound = True
             if row.max_tokens <= 0:
-                request.emit(Event(finish="length", error=_context_full(row, self.context_len)))
+                request.send(Event(finish="length", error=_context_full(row, self.context_len)))
                 continue
             self._prefilling.append(row)
 
@@ -917,12 +942,12 @@ class Scheduler:
         for row in [r for r in self._prefilling if r.request.cancelled]:
             self._prefilling.remove(row)
             row.cache = None
-            row.request.emit(Event(finish="cancelled"))
+            row.request.send(Event(finish="cancelled"))
         gone = [r for r in self._batch.rows if r.request.cancelled]
         if gone:
             self._batch.remove(gone)
             for row in gone:
-                row.request.emit(Event(finish="cancelled"))
+                row.request.send(Event(finish="cancelled"))
 
     def _group(self) -> list[_Row]:
         """The waiting prompts that go through the model together this turn: from the oldest on,
@@ -1055,7 +1080,7 @@ class Scheduler:
             if row in self._prefilling:
                 self._prefilling.remove(row)
             row.cache = None
-            request.emit(Event(finish="error", error=exc))
+            request.send(Event(finish="error", error=exc))
 
     def _decode_step(self) -> None:
         look_ahead = not self._prefilling and all(r.plain for r in self._batch.rows)
@@ -1134,7 +1159,11 @@ class Scheduler:
         for i, row in enumerate(rows):
             if i in plain_rows:
                 continue
-            row_logits = row.process(logits[i:i + 1])
+            try:
+                row_logits = row.process(logits[i:i + 1])
+            except Exception as exc:  # noqa: BLE001 - e.g. its grammar's mask failed: this request fails alone
+                row.failed = exc
+                continue
             token = row.sampler(row_logits)
             outputs[i] = token
             k = row.params.logprobs
@@ -1166,27 +1195,36 @@ class Scheduler:
     def _record(self, row: _Row, token: int, logprob: float | None, top: tuple[tuple[int, float], ...]) -> bool:
         """Report `token` of `row`; False where the row is finished."""
         request = row.request
+        if row.failed is not None:
+            request.send(Event(finish="error", error=row.failed))
+            return False
         if request.cancelled:
-            request.emit(Event(finish="cancelled"))
+            request.send(Event(finish="cancelled"))
             return False
         if token in request.params.stop_ids:
-            request.emit(Event(finish="stop"))
+            request.send(Event(finish="stop"))
             return False
         constraint = request.constraint
         try:
             if constraint is not None:
                 constraint.advance(token)
         except Exception as exc:  # noqa: BLE001 - the grammar refused: this request fails alone
-            request.emit(Event(finish="error", error=exc))
+            request.send(Event(finish="error", error=exc))
             return False
         row.generated.append(token)
         row.counts[token] += 1
-        request.emit(Event(token=token, logprob=logprob, top_logprobs=top))
-        if constraint is not None and constraint.done():
-            request.emit(Event(finish="stop"))
+        if not request.send(Event(token=token, logprob=logprob, top_logprobs=top)):
+            return False
+        try:
+            done = constraint is not None and constraint.done()
+        except Exception as exc:  # noqa: BLE001 - as a refused token: this request fails alone
+            request.send(Event(finish="error", error=exc))
+            return False
+        if done:
+            request.send(Event(finish="stop"))
             return False
         if len(row.generated) >= row.max_tokens:
-            request.emit(Event(finish="length", error=_context_full(row, self.context_len)))
+            request.send(Event(finish="length", error=_context_full(row, self.context_len)))
             return False
         return True
 
@@ -1199,7 +1237,7 @@ class Scheduler:
         self._batch = Batch()
         self._ahead = None
         for request in queued + [r.request for r in rows]:
-            request.emit(Event(finish="error", error=exc))
+            request.send(Event(finish="error", error=exc))
 
 
 def _context_full(row: _Row, context_len: int | None) -> ContextFull | None:

@@ -211,12 +211,16 @@ class PromptCache:
         if entry.nbytes > self.max_bytes:
             return False
         with self._lock:
-            for key, old in list(self._entries.items()):
-                n = _common_prefix(old.tokens, entry.tokens)
-                if n == len(entry.tokens) and restore(old.caches, n) is not None:
-                    self._entries.move_to_end(key)  # the old entry holds this one already
+            common = {key: _common_prefix(old.tokens, entry.tokens) for key, old in self._entries.items()}
+            # Whether an old entry holds this one already is settled before any is dropped: a
+            # rotating cache may stand in for a shorter entry that an old one cannot, and dropping
+            # that entry and then not keeping this one would lose its prefix.
+            for key, n in common.items():
+                if n == len(entry.tokens) and restore(self._entries[key].caches, n) is not None:
+                    self._entries.move_to_end(key)
                     return False
-                if n == len(old.tokens) and restore(entry.caches, n) is not None:
+            for key, n in common.items():
+                if n == len(self._entries[key].tokens) and restore(entry.caches, n) is not None:
                     del self._entries[key]
             self._entries[self._next] = entry
             self._next += 1

@@ -419,7 +419,7 @@ class MetalTextModel(TrainableMixin):
             ids = [int(t) for t in items]  # numpy's integers too, as `decode` and the mlx_lm backend take them
         else:
             raise TypeError(f"{what} must be text, token ids, or chat messages, not a mix or other items")
-        self._check_ids(ids)
+        self._check_ids(ids, f"the {what}")
         return ids
 
     def _restore_prompt_cache(self, model: Any, ids: list[int], limit: int) -> tuple[list[Any], int, pcache.CacheUse]:
@@ -528,12 +528,13 @@ class MetalTextModel(TrainableMixin):
         self._errors[threading.get_ident()] = None
         return options
 
-    def _check_ids(self, ids: Sequence[int]) -> None:
-        """Every prompt's ids pass here before MLX sees them (`loops.check_prompt_ids`)."""
+    def _check_ids(self, ids: Sequence[int], what: str = "the prompt") -> None:
+        """Every prompt's ids (`what` names it in errors) pass here before MLX sees them
+        (`loops.check_prompt_ids`)."""
         # A prompt or generation longer than context_len is not an error: the caches keep the
         # most recent context_len tokens (and the first few), as the models' make_cache decides.
         if not ids:
-            raise ValueError("the prompt encodes to no tokens")
+            raise ValueError(f"{what} encodes to no tokens")
         loops.check_prompt_ids(ids, self._info.vocab_size)
 
     def _chat_ids(self, messages: Sequence[Message | Mapping[str, str]], template_kwargs: dict[str, Any],

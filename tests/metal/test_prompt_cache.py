@@ -214,6 +214,12 @@ def test_a_bad_warm_prefix_raises_naming_it(models, prefix, message) -> None:
     assert m.warm_prompt_cache([1, 2, 3]) == 3
 
 
+def test_an_empty_warm_prefix_is_named(models) -> None:
+    m, _ = models(next(iter(CASES)))
+    with pytest.raises(ValueError, match=r"^the prefix encodes to no tokens"):
+        m.warm_prompt_cache([])
+
+
 def test_chat_reuses_the_conversation_so_far(models) -> None:
     m, plain = models("llama")
     history = [{"role": "system", "content": PREFIX}, {"role": "user", "content": "What is two plus two?"}]

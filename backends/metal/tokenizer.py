@@ -150,6 +150,10 @@ class Tokenizer:
             i for b in range(256) if (i := self.token_to_id(f"<0x{b:02X}>")) is not None)
         self.special_ids: frozenset[int] = frozenset(
             i for i, added in self._backend.get_added_tokens_decoder().items() if added.special)
+        # For `token_bytes`: added tokens (special or not) decode to their own text, not through
+        # the byte alphabet.
+        self._added_ids = frozenset(self._backend.get_added_tokens_decoder())
+        self._decoder_kind = decoder_kind(self._backend)
 
     @staticmethod
     def _template(root: Path | None, tok_config: Mapping[str, Any]) -> str | None:
@@ -230,6 +234,25 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own raw bytes (OpenAI's logprobs `bytes`), so that a character split over
+        tokens comes back by joining them; its decoded text cannot give them (each piece of such a
+        character decodes to U+FFFD alone). Byte-level tokens spell bytes in `BYTE_LEVEL`,
+        SentencePiece's <0xNN> tokens are their byte and its other tokens whole characters;
+        added tokens and other decoders give the UTF-8 of the token's text."""
+        piece = None if token_id in self._added_ids else self._backend.id_to_token(token_id)
+        if piece is not None and self._decoder_kind == "byte_level":
+            spelled = [BYTE_LEVEL.get(c) for c in piece]
+            if None not in spelled:  # else a character outside the alphabet: the token is its text
+                return bytes(spelled)  # type: ignore[arg-type]
+        elif piece is not None and self._decoder_kind == "byte_fallback":
+            if token_id in self.byte_fallback_ids:
+                return bytes([int(piece[3:5], 16)])  # "<0xNN>"
+            # Whole characters, SentencePiece's word boundary "▁" a space (a decode of the token
+            # alone would strip it as the text's first).
+            return piece.replace("\u2581", " ").encode()
+        return self.decode([token_id]).encode()
 
     # -- encode / decode -----------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -35,7 +35,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pymlxc.backends.metal import batching
-from pymlxc.backends.metal.tokenizer import BYTE_LEVEL, Tokenizer, decoder_kind
 
 from . import tools as toolcalls
 from .constraints import ConstraintError, GrammarFactory
@@ -460,7 +459,7 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
         return tokenizer.decode(tokens) if tokenizer is not None else ""
 
     # A tokenizer of another kind (an engine's own) has no byte alphabet to read: its token's text.
-    token_bytes = TokenBytes(tokenizer) if isinstance(tokenizer, Tokenizer) else None
+    token_bytes = getattr(tokenizer, "token_bytes", None)
 
     def byte_list(token: int) -> list[int]:
         return list(token_bytes(token)) if token_bytes is not None else list(token_text(token).encode())
@@ -643,33 +642,6 @@ IMPOSSIBLE_LOGPROB = -9999.0
 
 def _logprob(value: float | None) -> float | None:
     return value if value is None or math.isfinite(value) else IMPOSSIBLE_LOGPROB
-
-
-class TokenBytes:
-    """A token's own raw bytes, OpenAI's logprobs `bytes`, so that a character split over tokens
-    comes back by joining them. The token's decoded text cannot give them: each piece of such a
-    character decodes to U+FFFD alone (UTF-8 EF BF BD, whatever byte the piece was)."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tokenizer = tokenizer
-        self._kind = decoder_kind(tokenizer.backend)
-        # Added tokens (special or not) decode to their own text, not through the byte alphabet.
-        self._added = frozenset(tokenizer.backend.get_added_tokens_decoder())
-
-    def __call__(self, token: int) -> bytes:
-        piece = None if token in self._added else self._tokenizer.id_to_token(token)
-        if piece is not None and self._kind == "byte_level":
-            try:
-                return bytes(BYTE_LEVEL[c] for c in piece)
-            except KeyError:
-                pass  # a character outside the alphabet: the token is its text
-        elif piece is not None and self._kind == "byte_fallback":
-            if token in self._tokenizer.byte_fallback_ids:
-                return bytes([int(piece[3:5], 16)])  # "<0xNN>"
-            # Whole characters, SentencePiece's word boundary "▁" a space (a decode of the token
-            # alone would strip it as the text's first).
-            return piece.replace("\u2581", " ").encode()
-        return self._tokenizer.decode([token]).encode()
 
 
 def _nucleus(top_p: float, top_k: int) -> tuple[float, int]:

@@ -1,4 +1,4 @@
-"""`TokenBytes`, the logprobs' `bytes` of a token: its own raw bytes, for byte-level BPE tokens (GPT-2's
+"""`Tokenizer.token_bytes`, the logprobs' `bytes` of a token: its own raw bytes, for byte-level BPE tokens (GPT-2's
 alphabet), SentencePiece byte-fallback tokens (<0xNN>) and added tokens alike."""
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, normalizers
 
 from pymlxc.backends.metal.tokenizer import Tokenizer
-from pymlxc.server.app import TokenBytes
 from pymlxc.testing.tiny import build_tokenizer
 
 TEXTS = st.text(st.sampled_from("ab 日本語é€😀\n"), min_size=1, max_size=12)
@@ -40,7 +39,7 @@ TOKENIZERS = {"byte_level": _byte_level(), "sentencepiece": _sentencepiece()}
 @given(text=TEXTS)
 def test_the_tokens_bytes_join_into_the_text(name: str, text: str) -> None:
     tok = TOKENIZERS[name]
-    token_bytes = TokenBytes(tok)
+    token_bytes = tok.token_bytes
     joined = b"".join(token_bytes(t) for t in tok.encode(text, add_special_tokens=False))
     # SentencePiece's normalizer puts a word boundary before the text, which the token holds.
     assert joined == (" " + text if name == "sentencepiece" else text).encode()
@@ -48,7 +47,7 @@ def test_the_tokens_bytes_join_into_the_text(name: str, text: str) -> None:
 
 def test_a_byte_fallback_token_is_its_byte_and_a_word_its_space() -> None:
     tok = TOKENIZERS["sentencepiece"]
-    token_bytes = TokenBytes(tok)
+    token_bytes = tok.token_bytes
     assert tok.decode([tok.token_to_id("<0xE2>")]) == "\ufffd"  # what the text alone would give
     assert token_bytes(tok.token_to_id("<0xE2>")) == b"\xe2"
     assert token_bytes(tok.token_to_id("▁a")) == b" a"  # decoded alone, "a": the first space is stripped
@@ -58,7 +57,7 @@ def test_a_byte_fallback_token_is_its_byte_and_a_word_its_space() -> None:
 
 def test_a_byte_level_token_is_its_bytes_and_an_added_token_its_text() -> None:
     tok = TOKENIZERS["byte_level"]
-    token_bytes = TokenBytes(tok)
+    token_bytes = tok.token_bytes
     first, *rest = tok.encode("😀", add_special_tokens=False)
     assert tok.decode([first]) == "\ufffd" and rest  # the tiny vocabulary splits the emoji
     assert token_bytes(first) == "😀".encode()[:len(token_bytes(first))]

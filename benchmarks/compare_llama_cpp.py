@@ -12,7 +12,9 @@ machine hits them alike):
   `pp<N>` and decode `tg<tokens>`: llama-bench times decode from an empty context);
 - pymlxc on the GGUF file and pymlxc on its native checkpoint: greedy generation of <tokens>
   tokens after a prompt of each length, prefill tok/s = prompt / time to first token, decode tok/s =
-  tokens after the first / the time after it (`compare_mlx_lm.timed_run`), after a warm-up.
+  tokens after the first / the time after it (`compare_mlx_lm.timed_run`), each timed run just after
+  an untimed prefill of the same prompt and a first token, as llama-bench warms up before each of
+  its tests (`--no-warm-each`: without).
 
 Medians over the rounds. The bandwidth fraction of a decode is weight bytes read per token (the
 file's tensors, less an untied embedding table, of which a token reads one row) x tok/s over the
@@ -222,10 +224,20 @@ def q4_k_m_native_bits(config: dict[str, Any]) -> dict[str, int]:
 
 # ---------------------------------------------------------------------- one case
 
-def pymlxc_runs(side: Any, prompts: dict[int, list[int]], tokens: int) -> dict[int, dict[str, Any]]:
-    from compare_mlx_lm import timed_run
+def pymlxc_runs(side: Any, prompts: dict[int, list[int]], tokens: int, warm_each: bool = True
+                ) -> dict[int, dict[str, Any]]:
+    """One timed generation per prompt. `warm_each`: an untimed prefill of the same prompt and a
+    first token just before each timed run, as llama-bench runs an untimed `pp<N>` and one token of
+    `tg` before each test it times (its default warm-up); without it, a run follows the other
+    prompt's or the other side's work, with the device's clocks and caches as that left them."""
+    from compare_mlx_lm import timed_run, warm_up
 
-    return {n: timed_run(side, ids, tokens) for n, ids in prompts.items()}
+    out = {}
+    for n, ids in prompts.items():
+        if warm_each:
+            warm_up(side, ids, tokens, steps=2)
+        out[n] = timed_run(side, ids, tokens)
+    return out
 
 
 def median(values: list[float]) -> float | None:
@@ -261,7 +273,7 @@ def run_case(shape: str, fmt: str, files: dict[str, Path], args: argparse.Namesp
             runs["llama_cpp"].append(llama_bench(tools, files["gguf"], args.prompt_lengths, args.max_tokens,
                                                  args.cpu, args.threads))
         for name, side in sides.items():
-            runs[name].append(pymlxc_runs(side, prompts, args.max_tokens))
+            runs[name].append(pymlxc_runs(side, prompts, args.max_tokens, not args.no_warm_each))
         print(f"    round {r + 1}/{args.rounds} done", flush=True)
     generated = {name: len(rs[0][args.prompt_lengths[0]]["tokens"]) for name, rs in runs.items() if name != "llama_cpp"}
     result: dict[str, Any] = {"shape": shape, "format": fmt, "layers": args.layers, "gguf": files["gguf"].name,
@@ -383,6 +395,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-lengths", nargs="+", type=int, default=[128, 2048])
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--no-warm-each", action="store_true",
+                   help="time each pymlxc run without the untimed run of the same prompt just before it "
+                        "(llama-bench warms up before each test; the harness's runs before this option)")
     p.add_argument("--layers", type=int, default=None, help="fewer layers than the real shape (quick runs)")
     p.add_argument("--models-dir", type=Path, default=Path("/tmp/pymlxc-llama-cpp-models"))
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/compare_llama_cpp"))
@@ -437,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "device": device_facts(args.cpu), "versions": versions(args.git_rev), "bandwidth": bandwidth,
         "settings": {"prompt_lengths": args.prompt_lengths, "max_tokens": args.max_tokens, "rounds": args.rounds,
+                     "warm_each": not args.no_warm_each,
                      "formats": args.formats, "llama_cpp": str(tools) if tools else None},
         "cases": []}
     for shape in args.shapes:

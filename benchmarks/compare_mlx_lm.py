@@ -62,9 +62,26 @@ BIG = {("llama-3.1-8b", "bf16")}
 
 # ---------------------------------------------------------------------- device facts
 
+def cpu_model() -> str | None:
+    """The processor's model name from /proc/cpuinfo (Linux), else None."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def device_facts(cpu: bool) -> dict[str, Any]:
     facts: dict[str, Any] = {"device": str(mlx.default_device()), "platform": platform.platform(),
                              "processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()}
+    model = cpu_model()
+    if model:
+        # The host's processor: a short prefill or a 1B decode on a GPU is bound by host work, and
+        # lent machines of one GPU kind have moved it by half with their processors.
+        facts["cpu_model"] = model
     try:
         facts["mlx_device_info"] = {k: v for k, v in mlx.device_info().items()}
     except Exception:  # noqa: BLE001 - older or partial builds

@@ -525,6 +525,7 @@ class Batch:
         self.columns = Columns()  # the layers' shared positions and masks
         self.version = next(_versions)  # new at every change of the rows (BatchStep looks again at the weights)
         self._shared_valid = (-1, True)  # (version, whether every attention layer has the same `valid`)
+        self._layer_valid: tuple[int, mx.Array | None] = (-1, None)  # (version, `layer_valid`'s array)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -586,16 +587,17 @@ class Batch:
 
     def logits(self, model: Any, ids: mx.Array, step: BatchStep | None) -> mx.Array:
         """The next logits [B, V] of every row from their last ids [B, 1], the caches moved one column
-        on: on the compiled step where it applies (`shares_valid`), else built op by op (the same tokens)."""
+        on: on the compiled step where it applies, else built op by op (the same tokens)."""
         caches = self.caches
         first = next((c for c in caches if isinstance(c, BatchKVCache)), None)  # the columns' reference
-        if step is not None and first is not None and self.shares_valid():
+        if step is not None and first is not None:
             if first.idx + 1 > first.capacity:
                 for c in self.attention_caches():
                     c.grow()
             cols = self.columns
+            valid = cols.first_valid(first.valid) if self.shares_valid() else self.layer_valid()
             got = step.logits(ids, cols.column(first.idx), cols.offset(first.idx, first.starts),
-                              cols.first_valid(first.valid), [a for c in caches for a in c.state], self.version)
+                              valid, [a for c in caches for a in c.state], self.version)
             if got is not None:
                 logits, buffers = got
                 for i, c in enumerate(caches):
@@ -609,16 +611,25 @@ class Batch:
         return out
 
     def shares_valid(self) -> bool:
-        """Whether every attention layer has the same first valid column in each row, as the
-        compiled step needs (it takes one [B] array for all layers). A sliding-window layer of a row
-        that joined holding fewer keys than positions (a prompt cache hit past the window) has
-        later ones; the op-by-op step then masks each layer with its own."""
+        """Whether every attention layer has the same first valid column in each row: then the
+        compiled step takes one [B] array for all layers. A sliding-window layer of a row that
+        joined holding fewer keys than positions (a prompt cache hit past the window) has later
+        ones; the step then takes `layer_valid`."""
         version, same = self._shared_valid
         if version != self.version:
             kv = self.attention_caches()
             same = all(np.array_equal(c.valid, kv[0].valid) for c in kv[1:])
             self._shared_valid = (self.version, same)
         return same
+
+    def layer_valid(self) -> mx.Array:
+        """Each attention layer's first valid column of each row, int32 [layers, B] in the order of
+        `attention_caches`, uploaded once per change of the rows (`valid` changes only with them)."""
+        version, stacked = self._layer_valid
+        if version != self.version or stacked is None:
+            stacked = mx.array(np.stack([c.valid for c in self.attention_caches()]).astype(np.int32))
+            self._layer_valid = (self.version, stacked)
+        return stacked
 
     def remove(self, gone: Sequence[_Row]) -> None:
         """Drop rows, and the leading columns no row needs any more."""

@@ -2,9 +2,10 @@
 
 A Gemma 3 row whose cached prefix reaches past the sliding window joins the batch holding fewer
 keys than positions in its sliding layers (their first valid column is later than the full layers'
-one). The compiled batch step takes one first valid column per row for every layer; it was handed
+one). The compiled batch step took one first valid column per row for every layer; it was handed
 the first layer's (a sliding one), so the full-attention layers masked out the row's first
-positions: other log-probabilities, silently. Such a batch now steps op by op.
+positions: other log-probabilities, silently. Such a batch now hands the compiled step one first
+valid column per attention layer (`Batch.layer_valid`).
 """
 from __future__ import annotations
 
@@ -60,7 +61,27 @@ def test_a_row_cached_past_the_window_decodes_as_alone(pair: tuple[Any, Any]) ->
     prompt = [rng.randrange(3, 500) for _ in range(2 * WINDOW + 8)]
     assert cached.warm_prompt_cache(prompt[:WINDOW + 4]) == WINDOW + 4
     want = _together(plain, [prompt], 4)
+    stats = cached._batch_step.stats  # noqa: SLF001 - the step's own counters
+    before = dict(stats)
     _assert_same(_together(cached, [prompt], 4), want)
+    # Every decode step after the first token ran compiled, per-layer columns or not.
+    assert stats["compiled"] - before["compiled"] == 3 and stats["fallback"] == before["fallback"]
+
+
+def test_rows_of_different_layer_columns_share_the_compiled_step(pair: tuple[Any, Any]) -> None:
+    """A row cached past the window beside one that is not: the layers' first valid columns differ
+    in one row only, and both rows decode as alone, compiled."""
+    cached, plain = pair
+    rng = random.Random(2)
+    base = [rng.randrange(3, 500) for _ in range(2 * WINDOW + 8)]
+    other = [rng.randrange(3, 500) for _ in range(WINDOW // 2)]
+    cached.warm_prompt_cache(base[:WINDOW + 6])
+    prompts = [base, other]
+    want = [_together(plain, [p], 5)[0] for p in prompts]
+    stats = cached._batch_step.stats  # noqa: SLF001 - the step's own counters
+    before = dict(stats)
+    _assert_same(_together(cached, prompts, 5), want)
+    assert stats["compiled"] > before["compiled"] and stats["fallback"] == before["fallback"]
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,

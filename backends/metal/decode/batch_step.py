@@ -4,7 +4,8 @@ Built op by op, a step of the batch costs the binding a few hundred calls and ML
 nodes, every step, whatever the batch size: on an H100 that host work, not the device, set the
 step's time for a 1B model. Here the step is traced once per batch size and buffer size and
 replayed: the inputs are the rows' last ids [B, 1], the column written this step, each row's
-position (RoPE) and first valid column, and every layer's key/value buffers of the batch
+position (RoPE) and first valid column (one per attention layer where they differ), and every
+layer's key/value buffers of the batch
 (`BatchKVCache`, [B, H, capacity, D]) or, for a Gated DeltaNet layer, its rows' conv windows and
 states (`BatchRecurrentCache`); the outputs are the logits [B, V], the buffers with this step's
 column written (a scatter at that column) and the new windows and states. Attention runs over the
@@ -52,34 +53,43 @@ class _Spec:
 
 class _BatchState:
     """The `RingState` of one batch step inside the trace: each row's position (RoPE), this step's
-    column as the slot of every layer's buffer, and boolean masks [B, 1, 1, capacity], one per
-    window: a row sees its valid columns up to this step's, within the window."""
+    column as the slot of every layer's buffer, and boolean masks [B, 1, 1, capacity]: a row sees
+    its valid columns up to this step's, within the layer's window.
+
+    `valid` is each row's first valid column, [B] when every attention layer shares it (a mask per
+    window), or [layers, B], one row per attention layer in order (a mask per layer; a sliding
+    window layer of a row that joined past its window holds fewer keys than the full layers)."""
 
     def __init__(self, positions: Array, column: Array, valid: Array, capacity: int) -> None:
         self.pos = positions
         self._column = column
+        self._per_layer = valid.ndim == 2
+        self._valid = valid
         self._cols = mx.reshape(mx.arange(capacity, dtype=mx.int32), (1, capacity))
-        self._seen = mx.logical_and(self._cols >= mx.reshape(valid, (-1, 1)), self._cols <= column)
-        self._by_window: dict[int | None, Array] = {}
+        self._by_key: dict[tuple[int | None, int | None], Array] = {}
 
     def slot(self, ring: int) -> Array:
         return self._column
 
     def mask(self, ring: int, window: int | None) -> Array:
-        m = self._by_window.get(window)
+        """`ring`: the attention layer's index among the batch's attention layers."""
+        key = (ring if self._per_layer else None, window)
+        m = self._by_key.get(key)
         if m is None:
-            seen = self._seen
+            valid = self._valid[ring] if self._per_layer else self._valid
+            seen = mx.logical_and(self._cols >= mx.reshape(valid, (-1, 1)), self._cols <= self._column)
             if window is not None:
                 seen = mx.logical_and(seen, self._cols > self._column - window)
-            m = self._by_window[window] = mx.expand_dims(seen, (1, 2))
+            m = self._by_key[key] = mx.expand_dims(seen, (1, 2))
         return m
 
 
 def _trace_batch_step(inputs: list[Array]) -> list[Array]:
-    """The function MLX traces: [ids [B, 1], column [1], positions [B], first valid columns [B],
-    a0, b0, a1, b1, ..., *weights] -> [logits [B, V], a0', b0', ...], a layer's pair its key/value
-    buffers [B, H, capacity, D] or, for a Gated DeltaNet layer, its conv windows [B, K - 1, C] and
-    states [B, Hv, Dv, Dk] (told apart by the first array's rank: a conv window has three axes)."""
+    """The function MLX traces: [ids [B, 1], column [1], positions [B], first valid columns ([B], or
+    [attention layers, B] where the layers differ), a0, b0, a1, b1, ..., *weights] -> [logits [B, V],
+    a0', b0', ...], a layer's pair its key/value buffers [B, H, capacity, D] or, for a Gated DeltaNet
+    layer, its conv windows [B, K - 1, C] and states [B, Hv, Dv, Dk] (told apart by the first array's
+    rank: a conv window has three axes)."""
     spec: _Spec = traced_spec()
     spec.stats["traces"] += 1
     ids, column, positions, valid = inputs[:4]
@@ -89,8 +99,12 @@ def _trace_batch_step(inputs: list[Array]) -> list[Array]:
     pairs = [(buffers[2 * i], buffers[2 * i + 1]) for i in range(n)]
     capacity = next((a.shape[2] for a, _ in pairs if a.ndim == 4), 1)
     state = _BatchState(positions, column, valid, capacity)
-    caches: list[Any] = [StepRecurrentCache(a, b, positions) if a.ndim == 3 else RingCache(a, b, capacity, None, state)
-                         for a, b in pairs]
+    caches: list[Any] = []
+    for a, b in pairs:
+        if a.ndim == 3:
+            caches.append(StepRecurrentCache(a, b, positions))
+        else:  # the ring index: this layer's row of a per-layer `valid`
+            caches.append(RingCache(a, b, sum(isinstance(c, RingCache) for c in caches), None, state))
     logits = model(ids, cache=caches)
     out = [mx.reshape(logits, (ids.shape[0], logits.shape[-1]))]
     for c in caches:

@@ -234,9 +234,10 @@ class Columns:
     def __init__(self) -> None:
         self._positions = _Stepping()
         self._column = _Stepping()
-        self._first: mx.Array | None = None
-        self._first_key = b""
-        self._masks: dict[tuple[int, int | None], mx.Array | None] = {}
+        # Each form of the rows' first valid columns seen, by its bytes: the layers of a batch share
+        # one unless a row holds fewer keys in its sliding-window layers, then two.
+        self._firsts: dict[bytes, mx.Array] = {}
+        self._masks: dict[tuple[int, int | None, bytes], mx.Array | None] = {}
 
     def offset(self, idx: int, starts: np.ndarray) -> mx.Array:
         """Each row's next position (idx - starts), int32 [B]."""
@@ -249,16 +250,18 @@ class Columns:
     def first_valid(self, valid: np.ndarray) -> mx.Array:
         """Each row's first valid column, int32 [B], uploaded once per change of the rows."""
         key = valid.tobytes()
-        if self._first is None or self._first_key != key:
-            self._first, self._first_key = mx.array(valid.astype(np.int32)), key
-            self._masks = {}
-        return self._first
+        first = self._firsts.get(key)
+        if first is None:
+            if len(self._firsts) >= 4:  # forms of rows gone by
+                self._firsts, self._masks = {}, {}
+            first = self._firsts[key] = mx.array(valid.astype(np.int32))
+        return first
 
     def mask(self, idx: int, valid: np.ndarray, window: int | None) -> mx.Array | None:
         """[B, 1, 1, idx + 1] booleans, True where a row may attend (its valid columns, inside
         the window), or None where every row may attend to every column."""
         first = self.first_valid(valid)
-        key = (idx, window)
+        key = (idx, window, valid.tobytes())
         if key in self._masks:
             return self._masks[key]
         # A window cuts in only once the columns outnumber it.

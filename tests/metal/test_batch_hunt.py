@@ -84,6 +84,24 @@ def test_rows_of_different_layer_columns_share_the_compiled_step(pair: tuple[Any
     assert stats["compiled"] > before["compiled"] and stats["fallback"] == before["fallback"]
 
 
+def test_rows_of_different_layer_columns_op_by_op(tmp_path: Any) -> None:
+    """The same batch stepped op by op: each layer masks with its own rows' first valid columns
+    (`Columns` keeps a mask per form of them, so the layers do not undo each other's)."""
+    path = write_tiny_model(tmp_path / "gemma3_text", "gemma3_text", seed=7)
+    with pymlxc_settings.override(batch_compile="0"):
+        cached = pymlxc.load_model(str(path), backend="metal")
+        plain = pymlxc.load_model(str(path), backend="metal", prompt_cache_entries=0)
+    with cached, plain:
+        rng = random.Random(3)
+        base = [rng.randrange(3, 500) for _ in range(2 * WINDOW + 8)]
+        other = [rng.randrange(3, 500) for _ in range(WINDOW // 2)]
+        cached.warm_prompt_cache(base[:WINDOW + 6])
+        prompts = [base, other]
+        want = [_together(plain, [p], 5)[0] for p in prompts]
+        _assert_same(_together(cached, prompts, 5), want)
+        assert cached._batch_step.stats["compiled"] == 0  # noqa: SLF001 - the step's own counters
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
 @given(data=st.data())

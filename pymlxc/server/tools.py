@@ -148,16 +148,14 @@ class StreamedContent:
     def __init__(self, fmt: str | None) -> None:
         self._fmt = fmt
         self._sent: list[str] = []
-        self._sent_chars = 0
         self._held = ""
 
     def add(self, text: str) -> str:
         self._held += text
-        ready = len(self._held) if self._fmt is None else streamable(self._held, self._fmt, self._sent_chars == 0)
+        ready = len(self._held) if self._fmt is None else streamable(self._held, self._fmt, not self._sent)
         out, self._held = self._held[:ready], self._held[ready:]
         if out:
             self._sent.append(out)
-            self._sent_chars += len(out)
         return out
 
     def finish(self) -> tuple[str, list[ToolCall]]:

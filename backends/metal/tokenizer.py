@@ -358,6 +358,7 @@ class StreamingDetokenizer:
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
         self._backend = tokenizer.backend
         self._decode = tokenizer.backend.decode
+        self._token_bytes = tokenizer.token_bytes
         self._skip = skip_special_tokens
         self._skipped = tokenizer.special_ids if skip_special_tokens else frozenset()
         self._kind = decoder_kind(tokenizer.backend)
@@ -438,10 +439,7 @@ class StreamingDetokenizer:
         """Whether the window's bytes end inside a character (byte-level tokens only)."""
         data = b""
         for token_id in reversed(self._window[self._read:]):
-            token = self._backend.id_to_token(token_id) or ""
-            spelled = [BYTE_LEVEL.get(c) for c in token]
-            # A token outside the alphabet (an added token) is decoded as its UTF-8 text.
-            data = (bytes(spelled) if None not in spelled else token.encode("utf-8")) + data  # type: ignore[arg-type]
+            data = self._token_bytes(token_id) + data
             if len(data) >= 3:
                 break
         return unfinished_tail(data) > 0

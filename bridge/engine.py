@@ -616,25 +616,22 @@ class Engine:
         return results, metrics
 
     def _pieces(self, ids: list[int]) -> list[Event]:
-        """Per-token text whose pieces join into the full decode, as mlx-lm's batch_generate returns it."""
-        detokenizer = self.tokenizer.detokenizer
-        # An id past the tokenizer's table (a padding row of the embedding) has no text, in the full decode
-        # as in `generate`'s stream; mlx-lm's BPE detokenizer shows it as "!", its SPM one raises IndexError.
-        known = len(getattr(detokenizer, "tokenmap", None) or ()) or None
-        pieces: list[Event] = []
-        texts: list[Event] = []  # the pieces of ids the detokenizer took
-        for t in ids:
-            pieces.append({"token_id": t, "token": ""})
-            if known is None or 0 <= t < known:
-                detokenizer.add_token(t)
-                pieces[-1]["token"] = detokenizer.last_segment
-                texts.append(pieces[-1])
-        detokenizer.finalize()
-        if not texts:
+        """Per-token text whose pieces join into the full decode, as mlx-lm's batch_generate returns it.
+
+        Made by the stream `generate` sends (TokenBytes), not by mlx-lm's detokenizer: its BPE one
+        reads the byte 0x00 (the token "\u0100") as the letter "\u0100" where the decode has "\x00",
+        shows an id past the tokenizer's table (a padding row of the embedding) as "!", and its SPM
+        one raises IndexError on such an id. Those ids have no text, in the decode as in the stream."""
+        table = self.token_bytes
+        text = table.stream()
+        pieces: list[Event] = [{"token_id": t, "token": text.add(t)} for t in ids]
+        if not pieces:
             return pieces
-        texts[-1]["token"] += detokenizer.last_segment
-        # The streaming detokenizer drops a leading space that a full decode keeps: give it back.
+        pieces[-1]["token"] += text.finish()
+        # The stream drops a leading space that a full decode keeps: give it back, to the first token
+        # with any bytes (the one it came from; a padding id's piece stays "").
         joined, full = "".join(p["token"] for p in pieces), str(self.tokenizer.decode(ids))
         if joined != full and full.endswith(joined):
-            texts[0]["token"] = full[: len(full) - len(joined)] + texts[0]["token"]
+            first = next((p for p in pieces if table.bytes_of is None or table.bytes_of(p["token_id"])), pieces[0])
+            first["token"] = full[: len(full) - len(joined)] + first["token"]
         return pieces

@@ -27,6 +27,10 @@ MIN_REPEAT_PENALTY, MAX_REPEAT_PENALTY = 1e-2, 1e2
 # How many of the latest ids (prompt and output) the repeat penalty looks at: llama.cpp's repeat_last_n,
 # on both backends (mlx-lm's own default is 20).
 REPEAT_PENALTY_CONTEXT = 64
+# The longest `context_len` a load takes: mlx-lm's batch caches (batch_generate, classify) hold their
+# size as an int32, so a larger one loaded and then failed every batch ("std::bad_cast", "Converting
+# ... to int32 would result in overflow"), naming no field.
+MAX_CONTEXT_LEN = 2**31 - 1
 
 REPLY_TYPES = ("hello", "progress", "token", "done", "result", "error")
 TERMINAL_TYPES = ("done", "result", "error")  # each request gets exactly one of these
@@ -168,6 +172,16 @@ def _at_least(check: Callable[[Any], Any], low: float) -> Callable[[Any], Any]:
         v = check(value)
         if v < low:
             raise ValueError(f"must be >= {low}, not {v}")
+        return v
+
+    return bounded
+
+
+def _at_most(check: Callable[[Any], Any], high: int) -> Callable[[Any], Any]:
+    def bounded(value: Any) -> Any:
+        v = check(value)
+        if v > high:
+            raise ValueError(f"must be <= {high}, not {v}")
         return v
 
     return bounded
@@ -358,7 +372,7 @@ COMMANDS: dict[str, dict[str, Field]] = {
     "load": {
         "path": Field(_str, required=True),
         "adapter_path": Field(_optional(_str)),
-        "context_len": Field(_optional(_at_least(_int, 1))),
+        "context_len": Field(_optional(_at_most(_at_least(_int, 1), MAX_CONTEXT_LEN))),
         "device": Field(_optional(_str)),
     },
     "generate": {"prompt": Field(_str, required=True), **SAMPLING},

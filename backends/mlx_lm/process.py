@@ -62,6 +62,12 @@ class WorkerProcess:
                     f"{' or '.join(map(str, P.COMPATIBLE_VERSIONS))} (first line: {str(hello)[:200]})"
                 )
             self.protocol: int = hello["protocol"]
+            # The longest request line the worker reads: a longer one is skipped unread and answered
+            # with an id-less `line_too_long`, which no caller waiting on its own id would ever see.
+            limit = hello.get("max_line_bytes")
+            self.max_line_bytes: int | None = (
+                limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+            )
         except BaseException:
             self.kill()
             raise

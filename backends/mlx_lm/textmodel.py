@@ -254,6 +254,9 @@ class MlxLmModel:
         self.eos_token_ids: tuple[int, ...] = tuple(first.get("eos_token_ids", ()))
         # The protocol version the workers announced (all run the same bridge): commands newer than it are refused here.
         self.protocol = min(slot.worker.protocol for slot in self._slots if slot.worker is not None)
+        # The longest request line the workers read (all run with the same arguments); None: not announced.
+        limits = [s.worker.max_line_bytes for s in self._slots if s.worker is not None]
+        self._max_line_bytes: int | None = None if None in limits else min(x for x in limits if x is not None)
         for slot in self._slots:
             self._free.put(slot)
 
@@ -362,15 +365,24 @@ class MlxLmModel:
         or for at most CANCEL_WAIT_S: then the iterator ends without it and the worker is settled in
         the background (see `_release`).
         """
+        rid = next(self._ids)
         try:
-            P.encode({"cmd": cmd, **args})  # checked before a worker is taken: nothing is sent half-made
+            # Checked before a worker is taken: nothing is sent half-made. The line as it will be sent.
+            request = P.encode({"cmd": cmd, "id": rid, **args})
         except ValueError as e:  # e.g. a float JSON cannot carry (NaN) that slipped past the options' checks
             raise ValueError(f"{cmd}: the request cannot be sent as JSON: {e}") from None
         except TypeError as e:  # a value of no JSON type (an object, a set)
             raise TypeError(f"{cmd}: the request cannot be sent as JSON: {e}") from None
+        # A line past the worker's limit is skipped unread and refused without our id: the call would
+        # wait the whole response timeout and then kill a healthy worker.
+        size = len(request) - 1  # the worker's limit does not count the newline
+        if self._max_line_bytes is not None and size > self._max_line_bytes:
+            raise ValueError(
+                f"{cmd}: the request is {size} bytes as a JSON line, more than the worker's limit of "
+                f"{self._max_line_bytes} (its --max-line-bytes)"
+            )
         slot = self._acquire(stop)
         holder = threading.get_ident()  # a generator may be resumed on another thread: unhold this one
-        rid = next(self._ids)
         finished = False
         cancelled_at: float | None = None
         try:

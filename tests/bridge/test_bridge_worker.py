@@ -491,10 +491,12 @@ def test_batch_pieces_take_padding_ids_with_a_sentencepiece_detokenizer(ids: lis
 
     from mlx_lm.tokenizer_utils import SPMStreamingDetokenizer
 
+    from pymlxc.bridge.detokenize import TokenBytes
     from pymlxc.bridge.engine import Engine
 
     engine = object.__new__(Engine)
     engine.tokenizer = SimpleNamespace(detokenizer=SPMStreamingDetokenizer(_SpmTokenizer()), decode=_spm_decode)
+    engine.token_bytes = TokenBytes(engine.tokenizer.detokenizer, _spm_decode)  # as Engine.__init__ makes it
     pieces = engine._pieces(ids)
     assert [p["token_id"] for p in pieces] == ids
     assert "".join(p["token"] for p in pieces) == _spm_decode(ids)

@@ -37,6 +37,15 @@ class DropoutKeys:
         self._key, sub = mx.random.split(self._key)
         return sub
 
+    @property
+    def state(self) -> Array:
+        """The current key: with `state`'s setter, a draw can be replayed (gradient checkpointing)."""
+        return self._key
+
+    @state.setter
+    def state(self, key: Array) -> None:
+        self._key = key
+
 
 class LoRALinear(Module):
     """y = linear(x) + scale * (dropout(x) @ lora_a) @ lora_b, the base `linear` frozen.
@@ -141,6 +150,15 @@ def block_linears(block: Module) -> list[str]:
     return out
 
 
+def _gguf_block_linears(block: Module) -> list[tuple[str, str]]:
+    """(path in the block, GGUF type name) of its GGUF block-quantized linears (`gguf_layers.BlockLinear`)."""
+    try:
+        from .gguf_layers import BlockLinear  # noqa: PLC0415 - imports gguf, which only GGUF models need
+    except ImportError:  # without the optional gguf package no model holds such layers
+        return []
+    return [(path, module.qtype.name) for path, module in block.named_modules() if isinstance(module, BlockLinear)]
+
+
 def matches(path: str, keys: Iterable[str]) -> bool:
     """A target key names a linear by its path in the block or by its last part(s)."""
     return any(path == k or path.endswith("." + k) for k in keys)
@@ -194,6 +212,15 @@ def select_modules(model: Module, target_keys: Sequence[str], num_layers: int | 
     chosen: list[str] = []
     for i in range(first, len(blocks)):
         chosen += [f"{prefix}.{i}.{p}" for p in block_linears(blocks[i]) if matches(p, target_keys)]
+        # A GGUF file mixes types (Q8_0 loads as a QuantizedLinear, a K-quant as a BlockLinear):
+        # skipping the layers LoRA cannot wrap would train an adapter on part of what was asked for.
+        blocked = [(p, qtype) for p, qtype in _gguf_block_linears(blocks[i]) if matches(p, target_keys)]
+        if blocked:
+            path, qtype = blocked[0]
+            more = f" (and {len(blocked) - 1} more in this block)" if len(blocked) > 1 else ""
+            raise ValueError(f"{prefix}.{i}.{path}{more} holds GGUF {qtype} blocks, which LoRA cannot "
+                             "wrap (it wraps dense and MLX-quantized linears): load the model from safetensors, "
+                             "or leave that layer out of the target keys")
     if not chosen:
         available = block_linears(blocks[-1])
         raise ValueError(f"target keys {list(target_keys)} name no linear layer of the blocks; "
@@ -287,17 +314,34 @@ def _checkpointed(cls: type) -> type:
         array_pos = [i for i, a in enumerate(args) if isinstance(a, Array)]
         array_kw = [k for k, v in kwargs.items() if isinstance(v, Array)]
         params = self.trainable_parameters()
+        # MLX runs `inner` again in the backward pass. LoRA dropout draws its masks from shared keys:
+        # each run starts from the keys the forward pass had, so the gradients are taken through the
+        # masks the loss was computed with; the keys then move on as after one forward pass.
+        keys = _dropout_keys_in(self)
+        start = [k.state for k in keys]
+        after_forward: list[list[Array]] = []
 
         def inner(p: dict[str, Array], pos: list[Array], kw: dict[str, Array]) -> Any:
-            self.update(p)
-            full = list(args)
-            for i, a in zip(array_pos, pos, strict=True):
-                full[i] = a
-            with mlx_kernels_only():  # traced again in the backward pass, where gradients are taken
-                return cls.__call__(self, *full, **{**kwargs, **kw})
+            outside = [k.state for k in keys]
+            for k, s in zip(keys, start, strict=True):
+                k.state = s
+            try:
+                self.update(p)
+                full = list(args)
+                for i, a in zip(array_pos, pos, strict=True):
+                    full[i] = a
+                with mlx_kernels_only():  # traced again in the backward pass, where gradients are taken
+                    return cls.__call__(self, *full, **{**kwargs, **kw})
+            finally:
+                after_forward.append([k.state for k in keys])
+                for k, s in zip(keys, outside, strict=True):
+                    k.state = s
 
         try:
-            return mx.checkpoint(inner)(params, [args[i] for i in array_pos], {k: kwargs[k] for k in array_kw})
+            out = mx.checkpoint(inner)(params, [args[i] for i in array_pos], {k: kwargs[k] for k in array_kw})
+            for k, s in zip(keys, after_forward[0] if after_forward else start, strict=True):
+                k.state = s
+            return out
         finally:
             self.update(params)  # the block keeps the outer arrays, not the checkpoint's inner ones
 
@@ -305,6 +349,16 @@ def _checkpointed(cls: type) -> type:
                                       "__qualname__": cls.__qualname__})
     _checkpointed_classes[cls] = sub
     return sub
+
+
+def _dropout_keys_in(block: Module) -> list[DropoutKeys]:
+    """The dropout keys that the LoRA layers of `block` draw from (one object per adapter)."""
+    found: dict[int, DropoutKeys] = {}
+    for _, module in block.named_modules():
+        keys = module._dropout_keys if isinstance(module, LoRALinear) else None
+        if keys is not None:
+            found[id(keys)] = keys
+    return list(found.values())
 
 
 def set_grad_checkpoint(model: Module, enabled: bool) -> None:

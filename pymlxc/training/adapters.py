@@ -89,9 +89,9 @@ def _rank(value: Any, what: str, file: Path) -> int:
     return value
 
 
-def _number(value: Any, what: str, file: Path, *, low: float | None = None) -> float:
-    """`value` as a finite float (at least `low`): a NaN or infinite scale would turn every output
-    into NaN, a string or list is no number at all."""
+def _number(value: Any, what: str, file: Path, *, low: float | None = None, positive: bool = False) -> float:
+    """`value` as a finite float (at least `low`, above 0 with `positive`): a NaN or infinite scale
+    would turn every output into NaN, a string or list is no number at all."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise AdapterError(f"{file}: {what} must be a number, not {value!r:.40}")
     try:
@@ -101,6 +101,8 @@ def _number(value: Any, what: str, file: Path, *, low: float | None = None) -> f
     if not math.isfinite(number) or (low is not None and number < low):
         bound = f" >= {low:g}" if low is not None else ""
         raise AdapterError(f"{file}: {what} must be a finite number{bound}, not {value!r:.40}")
+    if positive and number <= 0:
+        raise AdapterError(f"{file}: {what} must be a finite number > 0, not {value!r:.40}")
     return number
 
 
@@ -187,7 +189,8 @@ def read_mlx_adapter(path: str | Path) -> AdapterWeights:
     _require(config, "num_layers", cfg_file, int)
     params = _require(config, "lora_parameters", cfg_file, dict)
     rank = _rank(_require(params, "rank", cfg_file, int), "'rank'", cfg_file)
-    scale = _number(_require(params, "scale", cfg_file, (int, float)), "'scale'", cfg_file)
+    # > 0: the attached adapter's LoRAConfig takes alpha = scale * rank > 0 only
+    scale = _number(_require(params, "scale", cfg_file, (int, float)), "'scale'", cfg_file, positive=True)
     dropout = _number(params.get("dropout", 0.0) or 0.0, "'dropout'", cfg_file, low=0.0)
     tensors = _load_tensors(path / MLX_WEIGHTS)
     pairs = _pairs(tensors, path / MLX_WEIGHTS, "lora_a", "lora_b")
@@ -266,7 +269,7 @@ def _patterns(config: Mapping[str, Any], key: str, file: Path, *, rank: bool) ->
         except re.error as exc:
             raise AdapterError(f"{file}: {key!r} has an invalid pattern {pattern!r}: {exc}") from None
         what = f"{key}[{pattern!r}]"
-        out.append((regex, _rank(value, what, file) if rank else _number(value, what, file)))
+        out.append((regex, _rank(value, what, file) if rank else _number(value, what, file, positive=True)))
     return out
 
 
@@ -278,7 +281,7 @@ def read_peft_adapter(path: str | Path) -> AdapterWeights:
     if str(peft_type).upper() != "LORA":
         raise AdapterError(f"{cfg_file}: peft_type {peft_type!r} is not supported (only LORA)")
     r = _rank(_require(config, "r", cfg_file, int), "'r'", cfg_file)
-    alpha = _number(_require(config, "lora_alpha", cfg_file, (int, float)), "'lora_alpha'", cfg_file)
+    alpha = _number(_require(config, "lora_alpha", cfg_file, (int, float)), "'lora_alpha'", cfg_file, positive=True)
     _require(config, "target_modules", cfg_file, (list, str))
     for flag in ("use_dora", "fan_in_fan_out"):
         if config.get(flag):

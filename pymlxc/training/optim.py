@@ -109,6 +109,16 @@ class AdamW:
         # in tree_flatten's order, which pairs each leaf with its path.
         return tree_map(one, params, grads)
 
+    def snapshot(self) -> tuple[int, dict[str, dict[str, Array]], Array | None]:
+        """The step count, moments and last gradient norm, for `restore` (arrays are immutable:
+        copying the dicts keeps them)."""
+        return self.step, {path: dict(st) for path, st in self.state.items()}, self.last_grad_norm
+
+    def restore(self, snapshot: tuple[int, dict[str, dict[str, Array]], Array | None]) -> None:
+        """Put back what `snapshot` took: an update that was refused leaves no trace in the moments."""
+        step, state, norm = snapshot
+        self.step, self.state, self.last_grad_norm = step, {path: dict(st) for path, st in state.items()}, norm
+
     def state_arrays(self) -> list[Array]:
         """Every array the optimizer holds (to `mx.eval` them with the parameters each step)."""
         return [a for st in self.state.values() for a in st.values()]

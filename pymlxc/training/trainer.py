@@ -139,11 +139,12 @@ class Trainer:
 
     def step(self, batch: Batch) -> float:
         """One optimizer step on `batch`; returns its loss. A non-finite loss or update raises
-        FloatingPointError naming the step, and the adapter keeps the weights it had before it."""
+        FloatingPointError naming the step, and the adapter keeps the weights it had before it and
+        the optimizer its step count and moments (a NaN gradient in them would spoil every later step)."""
         step = self.optimizer.step + 1
         self.adapter.reseed_dropout(_dropout_seed(self.config.seed, step))
         (loss, _), grads = self._value_and_grad(self.params, batch.inputs, batch.targets, batch.mask)
-        before = self.params
+        before, optimizer_before = self.params, self.optimizer.snapshot()
         params = self.optimizer.update(self.params, grads)
         # One flag for every updated weight: an overflow in the update with a finite loss would
         # otherwise only show as NaN outputs later.
@@ -152,6 +153,7 @@ class Trainer:
         value = float(loss.item())
         if not math.isfinite(value) or not bool(finite.item()):
             self.adapter.update(before)
+            self.optimizer.restore(optimizer_before)
             what = f"the loss is {value}" if not math.isfinite(value) else "the update made non-finite weights"
             raise FloatingPointError(f"{what} at step {step}; lower the learning rate or set max_grad_norm")
         self.params = params
@@ -175,13 +177,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: Path, step: int, lora: LoRAConfig, history: dict[str, Any]) -> None:
-        """Adapter (mlx-lm's format) + weights and optimizer state + step, written so that a crash
-        leaves the previous checkpoint readable (the state file is replaced last)."""
+        """Adapter (mlx-lm's format) + weights and optimizer state + step. The state file is replaced
+        last; the arrays carry their step, so a crash between the two is refused at resume instead of
+        resuming the new weights at the old step."""
         self.adapter.save(path)
         arrays = {f"params.{k}": v for k, v in self.params.items()}
         arrays.update({f"opt.{k}": v for k, v in self.optimizer.state_dict().items()})
         tmp_arrays = path / (STATE_ARRAYS + ".tmp.safetensors")
-        mx.save_safetensors(tmp_arrays, arrays)
+        # The step in the arrays' metadata pairs them with the state file: a run stopped between the
+        # two replaces leaves new arrays beside the old step, which resuming must not take as one.
+        mx.save_safetensors(tmp_arrays, arrays, {"step": str(step), "optimizer_step": str(self.optimizer.step)})
         tmp_arrays.replace(path / STATE_ARRAYS)
         state = {"step": step, "optimizer_step": self.optimizer.step, "lora": dataclasses.asdict(lora),
                  "train_config": dataclasses.asdict(self.config), "optimizer": self.optimizer.hyperparameters(),
@@ -195,7 +200,12 @@ class Trainer:
         `state` is (`read_resume_state`, read once by the caller)."""
         file = path / STATE_ARRAYS
         # Header checked first; any failure is a ValueError naming the file, as for the rest of a damaged checkpoint.
-        arrays, _ = checked_load(file, ValueError, "training state file")
+        arrays, metadata = checked_load(file, ValueError, "training state file")
+        for key in ("step", "optimizer_step"):  # absent from checkpoints written before they were recorded
+            if key in metadata and metadata[key] != str(state[key]):
+                raise ValueError(f"{file} holds the weights of {key} {metadata[key]}, and {path / STATE_FILE} says "
+                                 f"{state[key]}: the checkpoint was not written to the end (a run stopped while "
+                                 "saving?); resume from a complete checkpoint")
         params = {k[len("params."):]: v for k, v in arrays.items() if k.startswith("params.")}
         current = self.adapter.trainable_parameters()
         mismatch = sorted(set(current) ^ set(params))

@@ -212,14 +212,17 @@ def _check_tensors(path: Path, reader: GGUFReader, size: int, *, types: bool) ->
             raise GGUFError(f"{path}: tensor {t.name!r} ({t.tensor_type.name}) has {dims[0]} columns, "
                             f"not a multiple of its block size {block}")
         nbytes = math.prod(dims) // block * type_size
-        if t.data_offset + nbytes > size:
-            raise GGUFError(f"{path}: truncated or corrupt: tensor {t.name!r} needs bytes {t.data_offset} to "
-                            f"{t.data_offset + nbytes}, the file has {size}")
-        relative = int(t.data_offset) - int(reader.data_offset)
+        # The offset as the file stores it, in Python ints: the reader adds it to the data section's
+        # start in uint64, which wraps, so an offset near 2^64 would point back into the metadata.
+        relative = int(t.field.parts[-1][0])
+        start = int(reader.data_offset) + relative
+        if start + nbytes > size or start != int(t.data_offset):
+            raise GGUFError(f"{path}: truncated or corrupt: tensor {t.name!r} needs bytes {start} to "
+                            f"{start + nbytes}, the file has {size}")
         if relative % alignment:
             raise GGUFError(f"{path}: corrupt: tensor {t.name!r} starts at offset {relative} of the data, not a "
                             f"multiple of the file's alignment {alignment}")
-        ranges.append((int(t.data_offset), int(t.data_offset) + nbytes, t.name))
+        ranges.append((start, start + nbytes, t.name))
         if types and t.tensor_type not in SUPPORTED_TYPES:
             unsupported.append(f"{t.name} ({t.tensor_type.name})")
     ranges.sort()
@@ -242,7 +245,8 @@ def read_gguf(path: str | os.PathLike[str], *, check_types: bool = True) -> GGUF
         raise FileNotFoundError(f"GGUF file not found: {p}")
     _check_header(p)
     try:
-        reader = _CheckedReader(p)
+        with np.errstate(over="ignore"):  # a tensor offset that wraps in uint64: `_check_tensors` refuses it
+            reader = _CheckedReader(p)
     except _Corrupt as exc:
         raise GGUFError(f"{p}: {exc}") from None
     except (ValueError, KeyError, IndexError, OverflowError, TypeError, UnicodeDecodeError) as exc:

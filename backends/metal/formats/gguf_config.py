@@ -67,7 +67,9 @@ def _int(reader: GGUFReader, key: str, default: int | None = None, *, required: 
         if required:
             raise GGUFError(f"the metadata key {key} is missing")
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 0:
+    # A float key may hold NaN or infinity, which int() refuses with a bare ValueError or OverflowError.
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or value != int(value) or value < 0):
         raise GGUFError(f"{key} must be a non-negative integer, got {value!r}")
     return int(value)
 
@@ -169,6 +171,11 @@ def gguf_config(reader: GGUFReader) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in shapes,
     }
     _check_against_tensors(config, shapes)
+    if arch == "gemma2" and "output.weight" in shapes:
+        # Gemma 2's model always computes its logits with the token embedding, so an output head of
+        # the file's own would be dropped without a word (llama.cpp refuses the extra tensor too).
+        raise GGUFError("tensor output.weight has no place in a gemma2 model, whose output head is the token "
+                        "embedding token_embd.weight")
     rope_scaling = _rope_scaling(reader, arch, head_dim, config["rope_theta"])
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling

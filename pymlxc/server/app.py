@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pymlxc.backends.metal import batching
+from pymlxc.options import checked_real
 
 from . import tools as toolcalls
 from .constraints import ConstraintError, GrammarFactory
@@ -426,8 +427,11 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
         params = sampling(body, len(ids), max_tokens, logprobs, "messages")
         constraint = None
         fmt = body.response_format
+        # The constraint comes from a forced tool call or else from response_format: its error names that field
+        # (with tools on `auto`, the grammar is response_format's, not the tools').
+        forced = use_tools and (choice == "required" or isinstance(choice, NamedToolChoice))
         try:
-            if tools is not None and use_tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
+            if tools is not None and forced:
                 chosen = tools
                 if isinstance(choice, NamedToolChoice):
                     chosen = [t for t in tools if t["function"]["name"] == choice.function.name]
@@ -443,7 +447,7 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
                                    param="response_format.json_schema")
                 constraint = await asyncio.to_thread(_grammar().json_schema, fmt.json_schema.schema_)
         except ConstraintError as exc:
-            raise ApiError(400, str(exc), param="response_format" if not use_tools else "tools") from None
+            raise ApiError(400, str(exc), param="tools" if forced else "response_format") from None
         return Job(params, prompt_ids=ids, stop=stop, constraint=constraint), use_tools
 
     def _grammar() -> GrammarFactory:
@@ -619,12 +623,15 @@ def create_app(model: Any, config: ServerConfig = ServerConfig(), *, engine: Any
                              "logprobs": {"content": lps} if want_lp else None}],
                 "usage": usage(prompt_len(job), len(tokens))}
 
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     if config.cors_origins:
         from starlette.middleware.cors import CORSMiddleware
 
+        # Any request header: OpenAI's SDKs send their own (`x-stainless-*`), and a preflight that
+        # refused one would block every browser call. Added last, CORS is the outermost layer, so
+        # that a 413 from BodyLimit carries its headers too (else the browser hides the error).
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["authorization", "content-type"])
-    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+                           allow_headers=["*"])
     return app
 
 
@@ -658,16 +665,27 @@ def _nucleus(top_p: float, top_k: int) -> tuple[float, int]:
 def _logit_bias(given: dict[str, float], vocab: int) -> tuple[tuple[int, float], ...]:
     """`logit_bias` as (token id, amount) pairs: keys are decimal token ids (not "1_0" or " 10",
     which int() reads), amounts finite numbers in [-100, 100]."""
-    bias = []
+    bias: list[tuple[int, float]] = []
+    seen: dict[int, str] = {}
     for key, amount in given.items():
         if not (key.isascii() and key.isdigit()) or len(key) > 12:
             raise ApiError(400, f"logit_bias keys must be token ids in decimal, not {key[:40]!r}", param="logit_bias")
         if not -100.0 <= amount <= 100.0:  # NaN fails this too
             raise ApiError(400, f"logit_bias[{key}] must be in [-100, 100], not {amount}", param="logit_bias")
+        try:  # the sampler's own check (a subnormal amount), here where the key can be named
+            amount = checked_real(f"logit_bias[{key}]", amount)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="logit_bias") from None
         if int(key) >= vocab:
             raise ApiError(400, f"logit_bias names token id {key}, outside the vocabulary of {vocab}",
                            param="logit_bias")
-        bias.append((int(key), float(amount)))
+        token = int(key)
+        if token in seen:
+            # "65" and "065" are one token: two amounts for it would leave one of them silently unapplied.
+            raise ApiError(400, f"logit_bias names token id {token} twice ({seen[token]!r} and {key!r})",
+                           param="logit_bias")
+        seen[token] = key
+        bias.append((token, float(amount)))
     return tuple(bias)
 
 

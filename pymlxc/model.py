@@ -1,6 +1,7 @@
 """The `TextModel` and `Backend` protocols that every backend implements."""
 from __future__ import annotations
 
+import copy
 import numbers
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -18,12 +19,34 @@ class GenerationCancelled(RuntimeError):
     """Generation stopped early: the cancel event was set or the timeout passed."""
 
 
+def detached_error(exc: BaseException, depth: int = 0) -> BaseException:
+    """A copy of `exc` for err() that keeps no traceback (whose frames would keep the failed
+    call's KV cache and inputs alive), nor do its chained exceptions: what every backend keeps."""
+    try:
+        kept = copy.copy(exc)
+    except Exception:  # noqa: BLE001 - an exception type that cannot be copied: keep it, stripped
+        kept = exc
+    kept.__traceback__ = None
+    for name in ("__cause__", "__context__"):
+        chained = getattr(exc, name)
+        setattr(kept, name, detached_error(chained, depth + 1) if chained is not None and depth < 8 else None)
+    kept.__suppress_context__ = exc.__suppress_context__
+    return kept
+
+
 def check_text(text: str, what: str) -> None:
     """Raise ValueError naming the position of a lone surrogate in `text`: no tokenizer can encode
     it, and each backend (and the worker's wire check) says so alike."""
     problem = surrogate_problem(text)
     if problem is not None:
         raise ValueError(f"{what} {problem}")
+
+
+def check_flag(name: str, value: Any) -> None:
+    """TypeError naming `name` unless `value` is a bool: each backend would otherwise fail on it in
+    its own words (tokenizers' "not an instance of 'bool'", the worker's bad_field)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, not {type(value).__name__} {value!r}")
 
 
 def check_decode_ids(ids: Any) -> list[int]:

@@ -16,7 +16,6 @@ empty results, and `classify` is unaffected (it always produces one token).
 from __future__ import annotations
 
 import contextlib
-import copy
 import numbers
 import os
 import threading
@@ -26,7 +25,8 @@ from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Se
 from typing import Any, Protocol
 
 import pymlxc.core as mx
-from pymlxc.model import GenerationCancelled, ModelClosedError, check_decode_ids, check_text
+from pymlxc.model import GenerationCancelled, ModelClosedError, check_decode_ids, check_flag, check_text
+from pymlxc.model import detached_error as _detached
 from pymlxc.options import (
     GenerateConfig,
     LoadConfig,
@@ -84,21 +84,6 @@ def _tokens(ids: Iterator[int], detokenizer: Detokenizer, last: int | None = Non
         if count == last:
             piece += detokenizer.finish()
         yield Token(token_id, piece)
-
-
-def _detached(exc: BaseException, depth: int = 0) -> BaseException:
-    """A copy of `exc` for err() that keeps no traceback (whose frames would keep the failed
-    generation's KV cache and inputs alive), nor do its chained exceptions."""
-    try:
-        kept = copy.copy(exc)
-    except Exception:  # noqa: BLE001 - an exception type that cannot be copied: keep it, stripped
-        kept = exc
-    kept.__traceback__ = None
-    for name in ("__cause__", "__context__"):
-        chained = getattr(exc, name)
-        setattr(kept, name, _detached(chained, depth + 1) if chained is not None and depth < 8 else None)
-    kept.__suppress_context__ = exc.__suppress_context__
-    return kept
 
 
 class MetalTextModel(TrainableMixin):
@@ -206,7 +191,9 @@ class MetalTextModel(TrainableMixin):
         """Token ids of `text` (with the tokenizer's own specials, BOS say, unless told not to), as
         the mlx_lm backend's `encode` takes it."""
         self._check_open()  # the tokenizer outlives close(), but the model's calls do not (TextModel)
-        # The tokenizer's encode names a `text` that is no str.
+        if not isinstance(text, str):  # before the flag, as the mlx_lm backend checks them
+            raise TypeError(f"text must be a str, not {type(text).__name__}")
+        check_flag("add_special_tokens", add_special_tokens)
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -246,7 +233,13 @@ class MetalTextModel(TrainableMixin):
         # The template is the checkpoint's code: it renders under the call's cancel and timeout
         # (and the model's closing), besides its own bounds.
         guard = loops.Guard.make(options.cancel, options.timeout, self._is_closed)
-        ids = self._chat_ids(messages, template_kwargs, guard)
+        try:
+            ids = self._chat_ids(messages, template_kwargs, guard)
+        except (GenerationCancelled, ModelClosedError) as exc:
+            # A stop while the template renders ends the stream as one while it decodes does:
+            # quietly, the reason in err() (as on the mlx_lm backend), not raised at the call.
+            self._errors[threading.get_ident()] = _detached(exc)
+            return iter(())
         # The rendering spent part of the call's timeout: the stream keeps the same deadline.
         return self._stream(self._model, ids, options, guard)
 
@@ -264,6 +257,10 @@ class MetalTextModel(TrainableMixin):
                     model, rows, sampler=self._sampler(options), return_logits=options.return_logits,
                     processors=make_logits_processors(options.repeat_penalty), timings=timings,
                     context_len=self._context_len, guard=guard)
+        except Exception as exc:
+            # Raised, and kept in err() too, as the mlx_lm backend keeps why its classify failed.
+            self._errors[threading.get_ident()] = _detached(exc)
+            raise
         finally:
             self._finish(timings)
         return [ClassifyResult(Token(i, self._tokenizer.decode([i])), logits[n] if logits is not None else None)
@@ -396,6 +393,7 @@ class MetalTextModel(TrainableMixin):
         from .inspection import inspect_attention
 
         self._begin({})
+        check_flag("include_queries", include_queries)  # "no" or 0 would be taken by truth
         model = self._model
         ids = self._prefix_ids(prompt, "prompt")
         with self._slot(loops.Guard.make(None, None, self._is_closed)), self._step(), self._on_device():

@@ -97,6 +97,10 @@ class MlxLmBackend:
                 f"dtype={config.dtype!r} is not supported by the mlx_lm backend (the metal backend takes it)"
             )
 
+        if config.distributed is not None:  # each rank would load and run the whole model, silently
+            raise ValueError(f"distributed={config.distributed!r} is not supported by the mlx_lm backend "
+                             "(the metal backend takes it)")
+
         model_dir = resolve(path).resolve()  # a repo id is fetched here: the worker gets a local directory
         if not model_dir.is_dir():
             raise FileNotFoundError(f"the mlx_lm backend loads model directories; {path!r} is not one")

@@ -8,6 +8,7 @@ import logging
 import os
 import queue
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -186,12 +187,18 @@ class WorkerProcess:
 
     def _cleanup(self) -> None:
         # The process is reaped, so its pipes are at end of file: let the readers finish, then close.
-        deadline = time.monotonic() + 2.0
+        # At interpreter shutdown the daemon readers never run again (and may be frozen inside a
+        # read, holding the stream's lock, while is_alive() already says False): closing their
+        # streams then aborts the process ("Fatal Python error: _enter_buffered_busy"), so they are
+        # left to the process's exit, as is a stream whose reader has not finished yet.
+        finalizing = sys.is_finalizing()
+        deadline = time.monotonic() + (0.0 if finalizing else 2.0)
         for t in self._threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
+        readers = {id(self._proc.stdout): self._threads[0], id(self._proc.stderr): self._threads[1]}
         for stream in (self._proc.stdin, self._proc.stdout, self._proc.stderr):
-            try:
-                if stream is not None:
-                    stream.close()
-            except OSError:
-                pass
+            reader = readers.get(id(stream))
+            if stream is None or (reader is not None and (finalizing or reader.is_alive())):
+                continue
+            with contextlib.suppress(OSError):
+                stream.close()

@@ -16,20 +16,30 @@ holding its slot until then.
 """
 from __future__ import annotations
 
+import atexit
 import base64
 import concurrent.futures
+import contextlib
 import itertools
 import math
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from pymlxc.bridge import protocol as P
-from pymlxc.model import GenerationCancelled, ModelClosedError, check_decode_ids, check_text
+from pymlxc.model import (
+    GenerationCancelled,
+    ModelClosedError,
+    check_decode_ids,
+    check_flag,
+    check_text,
+    detached_error,
+)
 from pymlxc.options import GenerateConfig, LoadConfig, check_stop_tokens, check_template_kwargs, make_config
 from pymlxc.types import AttentionSnapshot, BatchResult, ClassifyResult, GenerateMetrics, Message, ModelInfo, Token
 
@@ -207,6 +217,19 @@ class _Stop:
         return None
 
 
+# The models not closed yet. They are closed at exit, while their workers' reader threads still run:
+# left to __del__ during interpreter shutdown, closing a worker's pipes under those frozen daemon
+# threads aborted the process.
+_OPEN_MODELS: weakref.WeakSet[MlxLmModel] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_models() -> None:
+    for model in list(_OPEN_MODELS):
+        with contextlib.suppress(Exception):
+            model.close()
+
+
 class MlxLmModel:
     """A model loaded by mlx-lm in `parallel_slots` worker processes (see the module docstring)."""
 
@@ -240,6 +263,7 @@ class MlxLmModel:
         self._closed = False
         self._slots = [_Slot(self._start_worker) for _ in range(config.parallel_slots)]
         self._free: queue.Queue[_Slot] = queue.Queue()
+        _OPEN_MODELS.add(self)
         try:
             # Start the workers side by side: each spends seconds importing mlx-lm and loading.
             with concurrent.futures.ThreadPoolExecutor(len(self._slots)) as pool:
@@ -291,8 +315,11 @@ class MlxLmModel:
             return self._errors.get(threading.get_ident())
 
     def _set_err(self, e: BaseException | None) -> None:
+        # A copy without traceback (TextModel's rule): `e` itself is often raised afterwards, and its
+        # frames would then stay alive in err() until this thread's next call.
+        kept = None if e is None else detached_error(e)
         with self._lock:
-            self._errors[threading.get_ident()] = e
+            self._errors[threading.get_ident()] = kept
 
     def _fail(self, e: BaseException) -> BaseException:
         """Keep why the call failed in err() and return it; a failure caused by close() (the worker
@@ -583,6 +610,7 @@ class MlxLmModel:
                 raise ValueError(problem)
             args = {"tokens": tokens}
         self._begin()
+        check_flag("include_queries", include_queries)  # here, as on the metal backend, not the worker's bad_field
         if self.protocol < 2:
             raise WorkerError(f"the worker speaks protocol {self.protocol}; inspect_attention needs protocol 2")
         reply, _ = self._call("inspect_attention", {**args, "include_queries": include_queries}, GenerateConfig())
@@ -593,6 +621,7 @@ class MlxLmModel:
         self._begin()
         if not isinstance(text, str):
             raise TypeError(f"text must be a string, not {type(text).__name__}")
+        check_flag("add_special_tokens", add_special_tokens)
         check_text(text, "text")
         reply, _ = self._call("encode", {"text": text, "add_special_tokens": add_special_tokens}, GenerateConfig())
         return [int(t) for t in reply["tokens"]]
@@ -628,6 +657,7 @@ class MlxLmModel:
     def close(self) -> None:
         """Quit every worker (killing any that linger) and reap them. Idempotent."""
         self._closed = True
+        _OPEN_MODELS.discard(self)
         for slot in self._slots:
             slot.close()
 

@@ -247,9 +247,10 @@ class Columns:
         """The column this step writes, int32 [1] (the compiled step's input)."""
         return self._column.at(idx, b"", lambda: np.array([idx]))
 
-    def first_valid(self, valid: np.ndarray) -> mx.Array:
-        """Each row's first valid column, int32 [B], uploaded once per change of the rows."""
-        key = valid.tobytes()
+    def first_valid(self, valid: np.ndarray, key: bytes | None = None) -> mx.Array:
+        """Each row's first valid column, int32 [B], uploaded once per change of the rows. `key`:
+        `valid.tobytes()` where the caller has it."""
+        key = valid.tobytes() if key is None else key
         first = self._firsts.get(key)
         if first is None:
             if len(self._firsts) >= 4:  # forms of rows gone by
@@ -260,8 +261,9 @@ class Columns:
     def mask(self, idx: int, valid: np.ndarray, window: int | None) -> mx.Array | None:
         """[B, 1, 1, idx + 1] booleans, True where a row may attend (its valid columns, inside
         the window), or None where every row may attend to every column."""
-        first = self.first_valid(valid)
-        key = (idx, window, valid.tobytes())
+        form = valid.tobytes()
+        first = self.first_valid(valid, form)
+        key = (idx, window, form)
         if key in self._masks:
             return self._masks[key]
         # A window cuts in only once the columns outnumber it.

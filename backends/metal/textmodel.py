@@ -25,8 +25,14 @@ from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Se
 from typing import Any, Protocol
 
 import pymlxc.core as mx
-from pymlxc.model import GenerationCancelled, ModelClosedError, check_decode_ids, check_flag, check_text
-from pymlxc.model import detached_error as _detached
+from pymlxc.model import (
+    GenerationCancelled,
+    ModelClosedError,
+    check_decode_ids,
+    check_flag,
+    check_text,
+    detached_error,
+)
 from pymlxc.options import (
     GenerateConfig,
     LoadConfig,
@@ -92,7 +98,7 @@ class MetalTextModel(TrainableMixin):
 
     `err()` answers for the calling thread: the error that ended its last stream (or batch), reset
     at each of its calls, so concurrent callers do not see one another's errors. It is a copy
-    without traceback (see `_detached`).
+    without traceback (see `detached_error`).
     """
 
     _tokenizer: TokenizerLike
@@ -238,7 +244,7 @@ class MetalTextModel(TrainableMixin):
         except (GenerationCancelled, ModelClosedError) as exc:
             # A stop while the template renders ends the stream as one while it decodes does:
             # quietly, the reason in err() (as on the mlx_lm backend), not raised at the call.
-            self._errors[threading.get_ident()] = _detached(exc)
+            self._errors[threading.get_ident()] = detached_error(exc)
             return iter(())
         # The rendering spent part of the call's timeout: the stream keeps the same deadline.
         return self._stream(self._model, ids, options, guard)
@@ -259,7 +265,7 @@ class MetalTextModel(TrainableMixin):
                     context_len=self._context_len, guard=guard)
         except Exception as exc:
             # Raised, and kept in err() too, as the mlx_lm backend keeps why its classify failed.
-            self._errors[threading.get_ident()] = _detached(exc)
+            self._errors[threading.get_ident()] = detached_error(exc)
             raise
         finally:
             self._finish(timings)
@@ -301,7 +307,7 @@ class MetalTextModel(TrainableMixin):
             if error is None and why is not None and not isinstance(why, batching.ContextFull):
                 error = why
         if error is not None:
-            self._errors[threading.get_ident()] = _detached(error)
+            self._errors[threading.get_ident()] = detached_error(error)
         if any(c.events for _, c in requests):
             timings.mark_first_token()
         timings.generated_tokens = sum(len(c.tokens()) for _, c in requests)
@@ -697,10 +703,10 @@ class MetalTextModel(TrainableMixin):
                 except StopIteration:
                     return
                 except (GenerationCancelled, ModelClosedError) as exc:
-                    self._errors[owner] = _detached(exc)
+                    self._errors[owner] = detached_error(exc)
                     return
                 except Exception as exc:
-                    self._errors[owner] = _detached(exc)
+                    self._errors[owner] = detached_error(exc)
                     raise
                 yield token
         finally:

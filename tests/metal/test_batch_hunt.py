@@ -68,19 +68,22 @@ def test_a_row_cached_past_the_window_decodes_as_alone(pair: tuple[Any, Any]) ->
     assert stats["compiled"] - before["compiled"] == 3 and stats["fallback"] == before["fallback"]
 
 
-def test_rows_of_different_layer_columns_share_the_compiled_step(pair: tuple[Any, Any]) -> None:
-    """A row cached past the window beside one that is not: the layers' first valid columns differ
-    in one row only, and both rows decode as alone, compiled."""
-    cached, plain = pair
-    rng = random.Random(2)
+def _mixed_columns_batch(cached: Any, plain: Any, seed: int) -> None:
+    """A row cached past the window beside one that is not (the layers' first valid columns differ
+    in one row only) decode together as each decodes alone without the cache."""
+    rng = random.Random(seed)
     base = [rng.randrange(3, 500) for _ in range(2 * WINDOW + 8)]
     other = [rng.randrange(3, 500) for _ in range(WINDOW // 2)]
     cached.warm_prompt_cache(base[:WINDOW + 6])
-    prompts = [base, other]
-    want = [_together(plain, [p], 5)[0] for p in prompts]
+    want = [_together(plain, [p], 5)[0] for p in (base, other)]
+    _assert_same(_together(cached, [base, other], 5), want)
+
+
+def test_rows_of_different_layer_columns_share_the_compiled_step(pair: tuple[Any, Any]) -> None:
+    cached, plain = pair
     stats = cached._batch_step.stats  # noqa: SLF001 - the step's own counters
     before = dict(stats)
-    _assert_same(_together(cached, prompts, 5), want)
+    _mixed_columns_batch(cached, plain, 2)
     assert stats["compiled"] > before["compiled"] and stats["fallback"] == before["fallback"]
 
 
@@ -92,13 +95,7 @@ def test_rows_of_different_layer_columns_op_by_op(tmp_path: Any) -> None:
         cached = pymlxc.load_model(str(path), backend="metal")
         plain = pymlxc.load_model(str(path), backend="metal", prompt_cache_entries=0)
     with cached, plain:
-        rng = random.Random(3)
-        base = [rng.randrange(3, 500) for _ in range(2 * WINDOW + 8)]
-        other = [rng.randrange(3, 500) for _ in range(WINDOW // 2)]
-        cached.warm_prompt_cache(base[:WINDOW + 6])
-        prompts = [base, other]
-        want = [_together(plain, [p], 5)[0] for p in prompts]
-        _assert_same(_together(cached, prompts, 5), want)
+        _mixed_columns_batch(cached, plain, 3)
         assert cached._batch_step.stats["compiled"] == 0  # noqa: SLF001 - the step's own counters
 
 

@@ -100,11 +100,13 @@ def _trace_batch_step(inputs: list[Array]) -> list[Array]:
     capacity = next((a.shape[2] for a, _ in pairs if a.ndim == 4), 1)
     state = _BatchState(positions, column, valid, capacity)
     caches: list[Any] = []
+    attention = 0  # the ring index of the next attention layer: its row of a per-layer `valid`
     for a, b in pairs:
         if a.ndim == 3:
             caches.append(StepRecurrentCache(a, b, positions))
-        else:  # the ring index: this layer's row of a per-layer `valid`
-            caches.append(RingCache(a, b, sum(isinstance(c, RingCache) for c in caches), None, state))
+        else:
+            caches.append(RingCache(a, b, attention, None, state))
+            attention += 1
     logits = model(ids, cache=caches)
     out = [mx.reshape(logits, (ids.shape[0], logits.shape[-1]))]
     for c in caches:

@@ -492,8 +492,11 @@ def _compare_qmm(dtype: Any, group_size: int) -> str | None:
     return None
 
 
-_the_dequantize = SharedKernel(dequantize_kernel.NAME, dequantize_kernel.INPUTS, dequantize_kernel.OUTPUT_NAMES,
-                               dequantize_kernel.SOURCE)
+# The dequantization kernel by its count of weights (made on first use).
+_the_dequantize = {count: SharedKernel(dequantize_kernel.name(count), dequantize_kernel.inputs(count),
+                                       dequantize_kernel.outputs(count), dequantize_kernel.source(count),
+                                       header=dequantize_kernel.HEADER)
+                   for count in range(1, dequantize_kernel.MAX_WEIGHTS + 1)}
 dequantize_checks = CheckedOnce("pymlxc's CUDA 4-bit dequantization", source=(dequantize_kernel.__file__, __file__))
 
 
@@ -514,16 +517,45 @@ def dequantized_weight(weight: Array, scales: Array, biases: Array, group_size: 
     scales' dtype: pymlxc's CUDA kernel where `kernel` (`dequantize_kernel_takes`), MLX's
     `dequantize` otherwise. Not inside a shapeless trace (the kernel's output shape could not be
     inferred again there)."""
-    if kernel and kernels_allowed():
-        return _kernel_dequantize(weight, scales, biases, group_size)
-    return mx.dequantize(weight, scales, biases, group_size, bits)
+    (dense,) = dequantized_weights([(weight, scales, biases, group_size, bits)], [kernel])
+    return dense
 
 
-def _kernel_dequantize(weight: Array, scales: Array, biases: Array, group_size: int) -> Array:
-    (out,) = _the_dequantize()([weight, scales, biases], output_shapes=[(weight.shape[0], weight.shape[1] * 8)],
-                               output_dtypes=[scales.dtype],
-                               **dequantize_kernel.launch(weight.size, scales.dtype, group_size))
-    return out
+QuantizedWeight = tuple[Array, Array, Array, int, int]  # weight, scales, biases, group size, bits
+
+
+def dequantized_weights(weights: Sequence[QuantizedWeight], kernels: Sequence[bool]) -> list[Array]:
+    """`dequantized_weight` of each (weight, scales, biases, group size, bits), in order. Those
+    the kernel takes (`kernels`) go to it together, one call for each dtype and group size (up to
+    `dequantize_kernel.MAX_WEIGHTS` a call): a segment's products then cost MLX's and the binding's
+    host work for one custom kernel, not one a weight."""
+    if len(kernels) != len(weights):
+        raise ValueError(f"{len(weights)} weights and {len(kernels)} kernel choices")
+    dense: dict[int, Array] = {}
+    batches: dict[tuple[str, int], list[int]] = {}
+    allowed = kernels_allowed()
+    for i, ((weight, scales, biases, group_size, bits), kernel) in enumerate(zip(weights, kernels, strict=True)):
+        if kernel and allowed:
+            batches.setdefault((str(scales.dtype), group_size), []).append(i)
+        else:
+            dense[i] = mx.dequantize(weight, scales, biases, group_size, bits)
+    step = dequantize_kernel.MAX_WEIGHTS
+    for places in batches.values():
+        for at in range(0, len(places), step):
+            chunk = places[at:at + step]
+            dense.update(zip(chunk, _kernel_dequantize([weights[i][:3] for i in chunk], weights[chunk[0]][3]),
+                             strict=True))
+    return [dense[i] for i in range(len(weights))]
+
+
+def _kernel_dequantize(weights: Sequence[tuple[Array, Array, Array]], group_size: int) -> list[Array]:
+    """The kernel's values of 1 to MAX_WEIGHTS (weight, scales, biases) of one dtype and group
+    size, in one call."""
+    dtype = weights[0][1].dtype
+    return _the_dequantize[len(weights)]()(
+        [a for w in weights for a in w], output_shapes=[(w.shape[0], w.shape[1] * 8) for w, _, _ in weights],
+        output_dtypes=[dtype] * len(weights),
+        **dequantize_kernel.launch(sum(w.size for w, _, _ in weights), dtype, group_size))
 
 
 def check_dequantize_kernel(layers: Sequence[Any]) -> None:
@@ -545,22 +577,26 @@ def dequantize_ready(dtype: Any, group_size: int) -> bool:
 
 def _compare_dequantize(dtype: Any, group_size: int) -> str | None:
     """None where the kernel's values are MLX's dequantization's, within one rounding of `dtype`,
-    for a weight whose word count is not a whole number of thread blocks; else why not."""
+    for three weights in one call whose word counts are not whole numbers of thread blocks (so
+    threads of one block serve two weights); else why not."""
     import numpy as np  # noqa: PLC0415 - the check alone needs it
 
     rng = np.random.default_rng(0)
-    n, k = 37, 512  # 2368 words: 9 blocks and a part
-    w32 = mx.array(rng.standard_normal((n, k)).astype(np.float32)).astype(dtype)
-    weight, scales, biases = mx.quantize(w32, group_size, 4)
-    want = np.asarray(mx.dequantize(weight, scales, biases, group_size, 4).astype(mx.float32))
-    got = np.asarray(_kernel_dequantize(weight, scales, biases, group_size).astype(mx.float32))
-    tol = np.abs(want) * 2.0 ** -(7 if dtype == mx.bfloat16 else 10) + 1e-6
-    if got.shape != want.shape:
-        return f"it gave values of shape {got.shape} for a weight of {want.shape}"
-    if not np.all(np.abs(got - want) <= tol):
-        bad = np.unravel_index(int(np.argmax(np.abs(got - want) - tol)), want.shape)
-        return (f"its values differ from MLX's dequantization at row {bad[0]}, column {bad[1]} "
-                f"({got[bad]:.5g} against {want[bad]:.5g})")
+    quantized: list[tuple[Array, Array, Array]] = []
+    for n, k in ((37, 512), (5, 256), (70, 128)):  # 2368, 160 and 1120 words: 14 blocks and a part
+        w32 = mx.array(rng.standard_normal((n, k)).astype(np.float32)).astype(dtype)
+        weight, scales, biases = mx.quantize(w32, group_size, 4)
+        quantized.append((weight, scales, biases))
+    for i, (q, got_array) in enumerate(zip(quantized, _kernel_dequantize(quantized, group_size), strict=True)):
+        want = np.asarray(mx.dequantize(q[0], q[1], q[2], group_size, 4).astype(mx.float32))
+        got = np.asarray(got_array.astype(mx.float32))
+        tol = np.abs(want) * 2.0 ** -(7 if dtype == mx.bfloat16 else 10) + 1e-6
+        if got.shape != want.shape:
+            return f"it gave values of shape {got.shape} for weight {i} of {want.shape}"
+        if not np.all(np.abs(got - want) <= tol):
+            bad = np.unravel_index(int(np.argmax(np.abs(got - want) - tol)), want.shape)
+            return (f"its values of weight {i} differ from MLX's dequantization at row {bad[0]}, column {bad[1]} "
+                    f"({got[bad]:.5g} against {want[bad]:.5g})")
     return None
 
 

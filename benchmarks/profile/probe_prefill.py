@@ -22,6 +22,8 @@ block layers, the group-32 products, or the compiled segments that do not trace 
         [--dequantize-kernel-ab]     # segmented, dequantizing: the weights dequantized before each
                                      # segment by pymlxc's kernel and inside the traces by MLX's
                                      # dequantize (PYMLXC_PREFILL_DEQUANTIZE_KERNEL), runs interleaved
+        [--dequantize-batch-ab]      # segmented, dequantizing with the kernel: a segment's weights in
+                                     # one kernel call and in a call each, runs interleaved
         [--compiled-ab]              # segmented, chunks op by op (qmm_rows): compiled prefill against
                                      # op by op, runs interleaved
         [--thread-ab]                # segmented: the evaluation thread on and off, runs interleaved
@@ -140,6 +142,27 @@ def compiled_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: bool
         model.qmm_rows = marked
 
 
+def dequantize_batch_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: bool) -> dict[str, Any]:
+    """`--dequantize-batch-ab`: the weights a segment dequantizes before its trace in one call of
+    pymlxc's kernel (on, `PrefillSpec.dense_weights`) against one call a weight (off)."""
+    from pymlxc.backends.metal.decode import prefill
+    from pymlxc.backends.metal.kernel_choice import dequantized_weight
+
+    batched = prefill.PrefillSpec.dense_weights
+
+    def each(spec: prefill.PrefillSpec) -> list[Any]:
+        return [dequantized_weight(*prefill._quantized_weight(m), kernel)  # noqa: SLF001
+                for m, kernel in zip(spec.weight_modules, spec.weight_kernels, strict=True)]
+
+    def choose(on: bool) -> None:
+        prefill.PrefillSpec.dense_weights = batched if on else each  # type: ignore[method-assign]
+
+    try:
+        return interleaved_ab(side, prompt, repeats, clear_cache, choose)
+    finally:
+        prefill.PrefillSpec.dense_weights = batched  # type: ignore[method-assign]
+
+
 def exact_cache_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: bool) -> dict[str, Any]:
     """`--exact-cache-ab`: each cache's first buffer exactly the prompt's length (on: the decoder
     reserves nothing and the caches grow one slot at a time, so the prompt fills its buffer and no
@@ -216,6 +239,7 @@ def ab_runs(args: argparse.Namespace) -> list[tuple[str, ABRun]]:
     chosen = [(args.fused_ab, "prefill_fused_products", switch("prefill_fused_products")),
               (args.dequantized_ab, "prefill_dequantized", switch("prefill_dequantized")),
               (args.dequantize_kernel_ab, "prefill_dequantize_kernel", switch("prefill_dequantize_kernel")),
+              (args.dequantize_batch_ab, "dequantize_batch", dequantize_batch_ab),
               (args.compiled_ab, "compiled", compiled_ab), (args.thread_ab, "eval_thread", switch("threaded", False)),
               (args.exact_cache_ab, "exact_cache", exact_cache_ab), (args.pin_ab, "pinned", pin_ab)]
     return [(name, run) for flag, name, run in chosen if flag]
@@ -250,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dequantize-kernel-ab", action="store_true",
                    help="segmented mode, a prefill that dequantizes: interleave runs whose weights are dequantized "
                         "before each segment by pymlxc's kernel and runs that dequantize inside the traces")
+    p.add_argument("--dequantize-batch-ab", action="store_true",
+                   help="segmented, dequantizing with the kernel: one call a segment against one a weight")
     p.add_argument("--compiled-ab", action="store_true",
                    help="segmented mode, a model whose chunks go op by op through the tensor-core qmm: "
                         "interleave runs on the compiled prefill (on) and op by op (off); groups 32 and 64 may "

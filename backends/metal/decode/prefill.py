@@ -53,7 +53,7 @@ from pymlxc.core import Array
 
 from .. import nn
 from ..cache import make_prompt_mask
-from ..kernel_choice import dequantize_kernel_takes, dequantized_weight, mlx_kernels_only
+from ..kernel_choice import dequantize_kernel_takes, dequantized_weights, mlx_kernels_only
 from ..models import llama
 from ..models.base import attention, last_query
 from .segments import FusedProjection, SegmentGroup, SegmentPlan
@@ -204,10 +204,9 @@ class PrefillSpec:
                    tuple(weights), tuple(weights.values()), kernels)
 
     def dense_weights(self) -> list[Array]:
-        """The `weight_modules`' weights dequantized (pymlxc's kernel where it takes them), in
-        their order."""
-        return [dequantized_weight(*_quantized_weight(m), kernel)
-                for m, kernel in zip(self.weight_modules, self.weight_kernels, strict=True)]
+        """The `weight_modules`' weights dequantized (pymlxc's kernel where it takes them, one
+        call for them all), in their order."""
+        return dequantized_weights([_quantized_weight(m) for m in self.weight_modules], self.weight_kernels)
 
     def traced(self) -> list[Any]:
         """The modules the trace runs."""

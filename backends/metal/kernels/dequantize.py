@@ -14,6 +14,11 @@ dequantization writes `scale * code + bias` in T, which the compiler contracts i
 multiply-add of T (rounding the product to T first, as MLX's CPU dequantization does, gave values a
 quantization step's rounding away from it where the bias cancels the product).
 
+One call dequantizes up to MAX_WEIGHTS weights of one dtype and group size (a prefill segment's
+products), its grid over their words one weight after the other: each call of a custom kernel costs
+MLX and the binding host time (about 9 and 30 us, docs/performance.md), which a short prefill of a
+small model is bound by.
+
 This module holds only the source and the launch geometry; `kernel_choice.py` applies it.
 """
 from __future__ import annotations
@@ -26,14 +31,13 @@ OUTPUT_NAMES = ("out",)
 THREADS = 256
 GROUP_SIZES = (32, 64, 128)
 
-# Template arguments: T (the scales' and the output's 2-byte type), G (group size). w [N, K / 8]
-# uint32 -> out [N, K]; thread t reads word t and writes values 8 t .. 8 t + 7.
-SOURCE = r"""
-  const size_t words = static_cast<size_t>(w_shape[0]) * w_shape[1];
-  const size_t t = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t >= words) {
-    return;
-  }
+# Template arguments: T (the scales' and the output's 2-byte type), G (group size).
+HEADER = r"""
+namespace pymlxc_dequantize {
+
+// Word t of a weight w [N, K / 8] (uint32) -> values 8 t .. 8 t + 7 of out [N, K].
+template <typename T, int G>
+__device__ __forceinline__ void word(const uint32_t* w, const T* scales, const T* biases, T* out, size_t t) {
   const uint32_t q = w[t];
   const size_t g = (t * 8) / G;
   const float s = static_cast<float>(scales[g]);
@@ -44,7 +48,46 @@ SOURCE = r"""
     v[i] = static_cast<T>(__fmaf_rn(s, static_cast<float>((q >> (4 * i)) & 15u), b));
   }
   *reinterpret_cast<uint4*>(out + t * 8) = *reinterpret_cast<const uint4*>(v);
+}
+
+}  // namespace pymlxc_dequantize
 """
+
+# The most weights one call dequantizes (a layer's products: q/k/v, o, gate/up, down, apart or fused).
+MAX_WEIGHTS = 8
+
+
+def name(count: int) -> str:
+    """The kernel of `count` weights."""
+    return f"{NAME}_x{count}"
+
+
+def inputs(count: int) -> tuple[str, ...]:
+    """Its inputs: each weight's packed words, scales and biases, weight by weight."""
+    return tuple(f"{part}{i}" for i in range(count) for part in INPUTS)
+
+
+def outputs(count: int) -> tuple[str, ...]:
+    """Its outputs, a dequantized weight each."""
+    return tuple(f"{OUTPUT_NAMES[0]}{i}" for i in range(count))
+
+
+def source(count: int) -> str:
+    """One call for `count` weights: the grid covers their words one weight after the other, and
+    each thread finds its weight by subtracting the word counts before it."""
+    if not 1 <= count <= MAX_WEIGHTS:
+        raise ValueError(f"the dequantization kernel takes 1 to {MAX_WEIGHTS} weights, not {count}")
+    parts = ["  size_t t = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;"]
+    for i in range(count):
+        parts.append(f"""  {{
+    const size_t words = static_cast<size_t>(w{i}_shape[0]) * w{i}_shape[1];
+    if (t < words) {{
+      pymlxc_dequantize::word<T, G>(w{i}, scales{i}, biases{i}, out{i}, t);
+      return;
+    }}
+    t -= words;
+  }}""")
+    return "\n".join(parts) + "\n"
 
 
 def applies(bits: int, group_size: int, dtype_size: int) -> bool:
@@ -53,9 +96,10 @@ def applies(bits: int, group_size: int, dtype_size: int) -> bool:
 
 
 def launch(words: int, dtype: Any, group_size: int) -> dict[str, Any]:
-    """Keyword arguments of a kernel call for a weight of `words` packed words."""
+    """Keyword arguments of a kernel call for weights of `words` packed words in all."""
     return {"grid": (-(-words // THREADS) * THREADS, 1, 1), "threadgroup": (THREADS, 1, 1),
             "template": [("T", dtype), ("G", group_size)]}
 
 
-__all__ = ["GROUP_SIZES", "INPUTS", "NAME", "OUTPUT_NAMES", "SOURCE", "THREADS", "applies", "launch"]
+__all__ = ["GROUP_SIZES", "HEADER", "INPUTS", "MAX_WEIGHTS", "NAME", "OUTPUT_NAMES", "THREADS", "applies", "inputs",
+           "launch", "name", "outputs", "source"]

@@ -183,16 +183,22 @@ def test_dequantized_products_fill_the_caches_as_the_forward(models, arch: str, 
 def test_weights_dequantized_before_the_trace_fill_the_caches_as_the_forward(models, arch: str, fused: str,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """With `prefill_dequantize_kernel` every quantized product of a Llama block takes a weight
-    dequantized before its segment (kernel_choice.dequantized_weight: one per product of the
-    segments' traces, the fused ones with `prefill_fused_products`) and none dequantizes inside the
-    trace; the caches fill as the model's forward fills them. Switched off on the decoder, a runner
-    of its own dequantizes inside the trace."""
+    dequantized before its segment (kernel_choice.dequantized_weights: one per product of the
+    segments' traces, the fused ones with `prefill_fused_products`, in one call a segment) and none
+    dequantizes inside the trace; the caches fill as the model's forward fills them. Switched off
+    on the decoder, a runner of its own dequantizes inside the trace."""
     model = models(arch, 4).model
     outside: list[tuple[int, ...]] = []
     inside: list[tuple[int, ...]] = []
-    real_outside, real_inside = prefill.dequantized_weight, nn.dequantized_product
-    monkeypatch.setattr(prefill, "dequantized_weight",
-                        lambda w, *a: outside.append(tuple(w.shape)) or real_outside(w, *a))
+    calls: list[int] = []
+    real_outside, real_inside = prefill.dequantized_weights, nn.dequantized_product
+
+    def counted(weights: list[tuple], kernels: list[bool]) -> list:
+        calls.append(len(weights))
+        outside.extend(tuple(w[0].shape) for w in weights)
+        return real_outside(weights, kernels)
+
+    monkeypatch.setattr(prefill, "dequantized_weights", counted)
     monkeypatch.setattr(nn, "dequantized_product", lambda x, *a: inside.append(tuple(x.shape)) or real_inside(x, *a))
     decoder = CompiledDecoder(model, "segmented", settings=Settings(
         prefill_fused_products=fused, prefill_dequantized="1", prefill_dequantize_kernel="1"))
@@ -205,6 +211,7 @@ def test_weights_dequantized_before_the_trace_fill_the_caches_as_the_forward(mod
         check_fills_like_the_forward(runner, model, [(0, 17), (17, 40)])
         assert inside == []
         assert len(outside) == 2 * per_block * n  # every product's weight, once a chunk
+        assert len(calls) == 2 * len(runner.specs) and all(calls)  # one call a segment and chunk
         outside.clear()
         decoder.prefill_dequantize_kernel = False
         plain = decoder.prefill_runner(True)

@@ -24,8 +24,9 @@ whether BOS/EOS are added, the chat template, the ids that end generation) come 
 `tokenizer_config.json` beside the file when present, else from the GGUF keys with llama.cpp's
 defaults (BOS for SentencePiece, Llama 3 and Gemma 4; BOS/EOS ids 11 for "gpt2", 1 and 2 for "llama"
 when the file names none), in the shape of the Hugging Face files so that `Tokenizer.from_parts`
-treats both alike. A file that asks for BOS or EOS without a token for it is refused by name;
-tests/metal/test_gguf_tokenizer_llama_cpp.py checks all this against llama.cpp.
+treats both alike. A file that asks for BOS or EOS without a token for it is refused by name, as is
+one whose `tokens` repeat a text (llama.cpp stops on both); tests/metal/test_gguf_tokenizer_llama_cpp.py
+checks all this against llama.cpp.
 
 Where it can still differ from llama.cpp: two merges of one SentencePiece vocabulary whose tokens
 score exactly alike compete at different places of a word (llama.cpp takes the leftmost, the pipeline
@@ -362,6 +363,29 @@ def _sentencepiece_bpe(tokens: Sequence[str], scores: Sequence[float], types: Se
     return tok
 
 
+def _shown(text: str, limit: int = 40) -> str:
+    """`text` as repr, cut to `limit` characters (a token may be a long run of spaces)."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def _check_unique(tokens: Sequence[str]) -> None:
+    """Refuse a vocabulary that gives one text two ids, which the rebuilt tokenizer would otherwise
+    encode as the first of them, silently. llama.cpp (llama-vocab.cpp, `llama_vocab::impl::load`)
+    stops on such a file: older versions abort on GGML_ASSERT(id_to_token.size() ==
+    token_to_id.size()), newer ones throw "duplicate token in vocabulary". Its token loop comes after
+    the per-model setup, so this holds for every tokenizer model (SPM, BPE, WPM, UGM alike), and it
+    reads an empty token as "[EMPTY_<id>]", so empty tokens never repeat."""
+    seen: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        text = t or f"[EMPTY_{i}]"
+        first = seen.setdefault(text, i)
+        if first != i:
+            empty = " (llama.cpp's name for an empty token)" if not t or not tokens[first] else ""
+            raise GGUFError(f"tokenizer.ggml.tokens repeats the token {_shown(text)}{empty} at ids {first} and {i}, "
+                            "which llama.cpp refuses (one id per token text); put the model's tokenizer.json "
+                            "beside the GGUF file")
+
+
 def _pre(reader: GGUFReader) -> str | None:
     pre = metadata(reader, "tokenizer.ggml.pre")
     if pre is not None and not isinstance(pre, str):
@@ -385,6 +409,9 @@ def pipeline_from_metadata(reader: GGUFReader, bos_eos: BosEos | None = None) ->
                         "beside it")
     if not all(isinstance(t, str) for t in tokens):
         raise GGUFError("tokenizer.ggml.tokens is not a list of strings")
+    # Only here, where the vocabulary becomes the tokenizer: a tokenizer.json (beside the file or
+    # embedded) replaces it, and stays the way to load such a file.
+    _check_unique(tokens)
     n = len(tokens)
     types = metadata(reader, "tokenizer.ggml.token_type") or [NORMAL] * n
     if not isinstance(types, list) or len(types) != n or not all(isinstance(k, int) for k in types):

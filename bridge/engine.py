@@ -30,7 +30,7 @@ from mlx_lm.sample_utils import (
 )
 
 from .detokenize import TokenBytes
-from .protocol import REPEAT_PENALTY_CONTEXT, CommandError, context_problem
+from .protocol import REPEAT_PENALTY_CONTEXT, CommandError, check_context
 
 Event = dict[str, Any]
 # The device mlx chose at start: what `device` null or "default" returns to after a load asked for "cpu".
@@ -423,9 +423,8 @@ class Engine:
     def inspect_attention(self, tokens: list[int], include_queries: bool) -> dict[str, Any]:
         """Keys (after RoPE) of every layer from fresh caches after one forward pass of `tokens`, and
         the queries recorded at each attention call when asked; arrays as base64 float32 LE."""
-        problem = context_problem(len(tokens), self.inspect_limit())
-        if problem is not None:  # before the passes: positions past the context are not the model's
-            raise CommandError("bad_field", f"inspect_attention: {problem}")
+        # Before the passes: positions past the context are not the model's.
+        check_context("inspect_attention", len(tokens), self.inspect_limit())
         cache = make_prompt_cache(self.model)
         chunks: list[list[Any]] = []
         for start in range(0, len(tokens), INSPECT_STEP):
@@ -569,6 +568,8 @@ class Engine:
                 encoded.append(self.prompt_tokens(prompt))
             except CommandError as e:
                 raise CommandError(e.code, f"classify: prompts item {i}: {e}") from None
+        for i, ids in enumerate(encoded):  # every prompt fits, or none runs
+            check_context("classify", len(ids), self.context_len, item=i)
         logits: list[Any] | None = [] if opts["return_logits"] else None
         steps, finish, metrics = self._run_batch(encoded, opts, 1, [], cancelled, first_logits=logits)
         if any(reason == "cancelled" for reason in finish.values()):
@@ -598,6 +599,8 @@ class Engine:
                 runnable.append(i)
             except CommandError as e:
                 results[i].update(finish_reason="error", error=str(e))
+        for i, ids in zip(runnable, encoded, strict=True):  # every prompt fits, or none runs
+            check_context("batch_generate", len(ids), self.context_len, item=i)
         if not runnable or opts["max_tokens"] == 0:
             return results, self._no_work()
         stops = [[t] for t in sorted(set(self.tokenizer.eos_token_ids) | set(opts["stop_tokens"]))]

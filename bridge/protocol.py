@@ -11,11 +11,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 # Versions a client of this module can talk to: 2 added `inspect_attention` and changed nothing else,
 # so a version 1 worker serves every other command; 3 made `classify` logits raw logits (they were
-# log-probabilities), so the client asks only a version 3 worker for them.
-COMPATIBLE_VERSIONS = (1, 2, 3)
+# log-probabilities), so the client asks only a version 3 worker for them; 4 refuses a prompt past
+# the context (`context_length_exceeded`) and passes a chat message's other keys to the template.
+COMPATIBLE_VERSIONS = (1, 2, 3, 4)
 MAX_LINE_BYTES = 16 * 1024 * 1024  # a line longer than this is refused unread (prompts are text, not tensors)
 # The sampling bounds of the library's options (pymlxc/options.py imports them) and of this wire check.
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: below it, dividing by a value overflows
@@ -38,11 +39,13 @@ FINISH_REASONS = ("stop", "length", "cancelled")
 
 
 class CommandError(Exception):
-    """A command that cannot be done; the worker answers it with an `error` reply carrying `code`."""
+    """A command that cannot be done; the worker answers it with an `error` reply carrying `code`
+    (and `fields`, facts a client can act on without reading the message)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, **fields: Any) -> None:
         super().__init__(message)
         self.code = code
+        self.fields = fields
 
 
 class ProtocolError(CommandError, ValueError):
@@ -212,12 +215,12 @@ def _optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return lambda value: None if value is None else check(value)
 
 
-def _message(value: Any) -> dict[str, str]:
+def _message(value: Any) -> dict[str, Any]:
+    """A chat message: string role and content; its other keys go to the template as they are (as
+    transformers' apply_chat_template passes them: `name`, `tool_calls`, `reasoning_content`...),
+    less those that are null, which transformers leaves out."""
     if not isinstance(value, dict):
         raise ValueError(f"must be an object with role and content, not {_kind(value)}")
-    extra = sorted(set(value) - {"role", "content"})
-    if extra:
-        raise ValueError(f"has unknown key(s) {', '.join(extra)}")
     for key in ("role", "content"):
         if key not in value:
             raise ValueError(f"lacks {key!r}")
@@ -225,7 +228,10 @@ def _message(value: Any) -> dict[str, str]:
             _str(value[key])
         except ValueError as e:
             raise ValueError(f"{key} {e}") from None
-    return {"role": value["role"], "content": value["content"]}
+    problem = _surrogate_within(value)  # the other keys' strings, their own keys included
+    if problem is not None:
+        raise ValueError(problem.removeprefix(".").strip())  # "tool_calls[0].name has a lone surrogate ..."
+    return {key: v for key, v in value.items() if v is not None}
 
 
 MAX_TEMPLATE_KWARGS = 64  # variables a chat call may hand its template (enable_thinking, tools, ...)
@@ -329,13 +335,26 @@ def check_template_kwargs(value: Any) -> dict[str, Any]:
     return dict(value)
 
 
-def context_problem(tokens: int, context_len: int | None) -> str | None:
-    """Why `inspect_attention` refuses a prompt of `tokens` ids, or None: it must fit the context the
-    model generates in (both backends), which also bounds the pass's memory (the worker's, one
-    unchunked pass, grows with the square of the length; a line can carry millions of ids)."""
+CONTEXT_EXCEEDED = "context_length_exceeded"  # the error code of a prompt past the context
+
+
+def context_problem(tokens: int, context_len: int | None, what: str = "the prompt") -> str | None:
+    """Why a prompt of `tokens` ids is refused, or None: it must fit the context (both backends).
+    Past it, what the model saw of the prompt would depend on how its prefill was cut into chunks
+    through the rotating caches; for `inspect_attention` the limit also bounds the pass's memory
+    (the worker's, one unchunked pass, grows with the square of the length)."""
     if context_len is not None and tokens > context_len:
-        return f"the prompt has {tokens} tokens, more than the context length of {context_len}"
+        return f"{what} has {tokens} tokens, more than the context length of {context_len}"
     return None
+
+
+def check_context(cmd: str, tokens: int, context_len: int | None, item: int | None = None) -> None:
+    """Raise `context_length_exceeded` for a prompt (a batch's `prompts` item `item`) past the
+    context, with the counts as the error's fields: a client words the refusal from them."""
+    problem = context_problem(tokens, context_len, "the prompt" if item is None else f"prompts item {item}")
+    if problem is not None:
+        raise CommandError(CONTEXT_EXCEEDED, f"{cmd}: {problem}", prompt_tokens=tokens, context_len=context_len,
+                           item=item)
 
 
 def _nonempty(check: Callable[[Any], list[Any]]) -> Callable[[Any], list[Any]]:
@@ -461,8 +480,9 @@ def hello(**fields: Any) -> dict[str, Any]:
     return {"type": "hello", "protocol": PROTOCOL_VERSION, **fields}
 
 
-def error(code: str, message: str, rid: str | int | None = None, cmd: str | None = None) -> dict[str, Any]:
-    return _reply("error", rid, cmd=cmd, error=code, message=message)
+def error(code: str, message: str, rid: str | int | None = None, cmd: str | None = None,
+          **fields: Any) -> dict[str, Any]:
+    return _reply("error", rid, cmd=cmd, error=code, message=message, **fields)
 
 
 def result(cmd: str, rid: str | int | None, **fields: Any) -> dict[str, Any]:

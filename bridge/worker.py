@@ -131,7 +131,7 @@ class Worker:
         try:
             return self.handlers[request.cmd](request, seq)
         except P.CommandError as e:
-            return P.error(e.code, str(e), request.id, request.cmd)
+            return P.error(e.code, str(e), request.id, request.cmd, **e.fields)
         except BrokenPipeError:
             raise  # the client is gone: stop, do not try to tell it
         except Exception as e:  # mlx-lm failing must not end the worker; the traceback helps on stderr
@@ -196,6 +196,9 @@ class Worker:
             if request.cmd == "generate"
             else engine.chat_tokens(a["messages"], a.get("chat_template_kwargs"))
         )
+        # Whatever max_tokens says: a client counts a prompt by a generation of no tokens, and reads
+        # the count of one past the context from the error's fields.
+        P.check_context(request.cmd, len(tokens), engine.context_len)
         hooks = Hooks(
             cancelled=lambda: self.control.stopped(seq),
             progress=lambda done, total: self.out.send(P.progress(request.id, done, total)),

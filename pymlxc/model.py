@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import copy
+import math
 import numbers
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from .bridge.protocol import surrogate_problem
 from .options import LoadConfig
-from .types import BatchResult, ClassifyResult, GenerateMetrics, Message, ModelInfo, Token
+from .types import BatchResult, ClassifyResult, ContextLengthError, GenerateMetrics, Message, ModelInfo, Token
 
 
 class ModelClosedError(RuntimeError):
@@ -64,12 +65,90 @@ def check_decode_ids(ids: Any) -> list[int]:
     return checked
 
 
+def check_context(prompt_tokens: int, context_len: int | None, item: int | None = None) -> None:
+    """ContextLengthError for a prompt (a batch's `prompts` item `item`) of more tokens than
+    `context_len`: every backend refuses it before running it, in the same words."""
+    if context_len is not None and prompt_tokens > context_len:
+        raise ContextLengthError.for_prompt(prompt_tokens, context_len, item)
+
+
+def _json_data_problem(value: Any, where: str) -> Exception | None:
+    """Why `value` (at `where`) is not JSON data with valid text, or None. Iterative, and each
+    container visited once: a value may nest deeply, or hold itself."""
+    stack, seen = [(value, where)], set()
+    while stack:
+        v, at = stack.pop()
+        if v is None or isinstance(v, (bool, int)):
+            continue
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                return ValueError(f"{at} is {v!r}, not a finite number")
+        elif isinstance(v, str):
+            problem = surrogate_problem(v)
+            if problem is not None:
+                return ValueError(f"{at} {problem}")
+        elif isinstance(v, (list, tuple, Mapping)):
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
+            if isinstance(v, Mapping):
+                for k in v:
+                    if not isinstance(k, str):
+                        return TypeError(f"{at} has a key that is not a str: {k!r}")
+                    problem = surrogate_problem(k)
+                    if problem is not None:
+                        return ValueError(f"{at} has a key that {problem}")
+                stack.extend((item, f"{at}[{k!r}]") for k, item in reversed(list(v.items())))
+            else:
+                stack.extend((item, f"{at}[{i}]") for i, item in reversed(list(enumerate(v))))
+        else:
+            return TypeError(f"{at} is {type(v).__name__}, not JSON data (str, number, bool, None, list or dict)")
+    return None
+
+
+def check_messages(messages: Any) -> list[dict[str, Any]]:
+    """`messages` (what `chat` takes) as the template receives them, on every backend alike, as
+    transformers' apply_chat_template passes them: a non-empty sequence of `Message`s or mappings
+    with str keys, a str `role` and `content`, and any other keys (`name`, `tool_calls`,
+    `reasoning_content`...) as they are, less those that are None. Values must be JSON data (what
+    the mlx_lm backend's worker can receive; transformers too renders nothing else), their text
+    valid Unicode. Else TypeError (ValueError for a wrong value) naming the message and the key."""
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+        raise TypeError("messages must be a sequence of Message or {'role', 'content'} dicts, "
+                        f"not {type(messages).__name__}")
+    if not messages:  # a wrong value, not a wrong type
+        raise ValueError("chat needs at least one message")
+    out = []
+    for n, message in enumerate(messages):
+        fields = message.to_dict() if isinstance(message, Message) else message
+        if not isinstance(fields, Mapping) or "role" not in fields or "content" not in fields:
+            raise TypeError(f"message {n} must be a Message or a dict with 'role' and 'content'")
+        for key in fields:
+            # A template reads a message's fields by name; the worker's JSON has no other keys.
+            if not isinstance(key, str):
+                raise TypeError(f"message {n} has a key that is not a str: {key!r}")
+            problem = surrogate_problem(key)
+            if problem is not None:
+                raise ValueError(f"message {n}'s key {key!r} {problem}")
+        if not isinstance(fields["role"], str) or not isinstance(fields["content"], str):
+            raise TypeError(f"message {n}: role and content must be strings")
+        for key, value in fields.items():
+            wrong = _json_data_problem(value, f"message {n}'s {key}")
+            if wrong is not None:
+                raise wrong
+        out.append({key: value for key, value in fields.items() if value is not None})
+    return out
+
+
 @runtime_checkable
 class TextModel(Protocol):
     """A loaded text model.
 
     Errors: invalid arguments raise at once (a prompt with a lone surrogate, a token id outside the
-    vocabulary: ValueError naming the position). Streams (`generate`, `chat`):
+    vocabulary: ValueError naming the position; chat messages as `check_messages` takes them). A
+    prompt of more tokens than the load's `context_len` raises ContextLengthError before it runs
+    (where the prompt is tokenized in another process, the mlx_lm backend's worker, a stream raises
+    it before its first token); `prompt_length` counts it. Streams (`generate`, `chat`):
     - A stop (cancel event, timeout: GenerationCancelled; `close()` from another thread:
       ModelClosedError) ends the iterator quietly; the reason is kept in `err()`.
     - Any other error during a stream (out of memory, a failed kernel) is raised from the iterator
@@ -92,7 +171,7 @@ class TextModel(Protocol):
 
     def generate(self, prompt: str, **config: Any) -> Iterator[Token]: ...
 
-    def chat(self, messages: Sequence[Message | dict[str, str]], *,
+    def chat(self, messages: Sequence[Message | Mapping[str, Any]], *,
              chat_template_kwargs: Mapping[str, Any] | None = None, **config: Any) -> Iterator[Token]: ...
 
     def classify(self, prompts: Sequence[str], **config: Any) -> list[ClassifyResult]: ...

@@ -10,6 +10,27 @@ class TemplateError(ValueError):
     take, or it is broken, missing, or went past its bounds): the same class on every backend."""
 
 
+class ContextLengthError(ValueError):
+    """A prompt of more tokens than the model's `context_len` (the load option), refused before it
+    runs by every call that runs a prompt, on every backend, in the same words. Past the context
+    the caches would keep only the prompt's first and latest tokens, and which of its middle the
+    model saw would depend on how each backend cuts its prefill into chunks. `prompt_tokens` and
+    `context_len` are the counts; `prompt_length` counts a prompt without refusing it."""
+
+    def __init__(self, message: str, prompt_tokens: int = 0, context_len: int = 0) -> None:
+        # One positional argument: copy.copy (err() keeps copies) rebuilds it from args, then its attributes.
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        self.context_len = context_len
+
+    @classmethod
+    def for_prompt(cls, prompt_tokens: int, context_len: int, item: int | None = None) -> ContextLengthError:
+        """The error for a prompt (a batch's `prompts` item `item`) of `prompt_tokens` tokens."""
+        what = "the prompt" if item is None else f"prompts item {item}"
+        return cls(f"{what} has {prompt_tokens} tokens, more than the context length of {context_len}: "
+                   "shorten it, or load the model with a larger context_len", prompt_tokens, context_len)
+
+
 @dataclass(frozen=True)
 class Token:
     """One generated token: its id and its text piece (pieces concatenate to the full decode)."""

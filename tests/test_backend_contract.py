@@ -19,7 +19,7 @@ from pymlxc.backends.mlx_lm import MlxLmBackend
 from pymlxc.model import GenerationCancelled, ModelClosedError, TextModel
 from pymlxc.options import LoadConfig
 from pymlxc.testing import write_tiny_model
-from pymlxc.types import BatchResult, TemplateError
+from pymlxc.types import BatchResult, ContextLengthError, Message, TemplateError
 from tests.streams import LONG, cancel_after
 
 BACKENDS = ("metal", "mlx_lm")
@@ -30,12 +30,12 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("contract") / "llama", "llama", seed=3)
 
 
-def _load(backend: str, path: Path) -> TextModel:
+def _load(backend: str, path: Path, context_len: int = 1024) -> TextModel:
     if backend == "mlx_lm":
         return MlxLmBackend(sys.executable, response_timeout=30.0, load_timeout=120.0).load(
-            str(path), LoadConfig(context_len=1024)
+            str(path), LoadConfig(context_len=context_len)
         )
-    return pymlxc.load_model(str(path), backend="metal", context_len=1024)
+    return pymlxc.load_model(str(path), backend="metal", context_len=context_len)
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +72,23 @@ BAD_CALLS: list[tuple[str, Callable[[TextModel], Any], type[Exception], str]] = 
     ("message content not a string", lambda m: m.chat([{"role": "user", "content": ["hi"]}]), TypeError,
      "content must be strings"),
     ("message without content", lambda m: m.chat([{"role": "user"}]), TypeError, "content"),
+    # A message's other keys reach the template as transformers passes them (test_extra_message_keys_...);
+    # what a template cannot read by name, or the worker cannot receive, is refused alike. The
+    # mlx_lm backend refused every other key; the metal backend took these and rendered them.
+    ("a message key that is not a str", lambda m: m.chat([{"role": "user", "content": "hi", 1: "x"}]), TypeError,
+     "^message 0 has a key that is not a str: 1$"),
+    ("a message that is a str", lambda m: m.chat([{"role": "user", "content": "hi"}, "hi"]), TypeError,
+     "^message 1 must be a Message or a dict with 'role' and 'content'"),
+    ("a message value that is no JSON data", lambda m: m.chat([{"role": "user", "content": "hi", "tags": {"a"}}]),
+     TypeError, r"^message 0's tags is set, not JSON data \(str, number, bool, None, list or dict\)"),
+    ("a nested key that is not a str",
+     lambda m: m.chat([{"role": "user", "content": "hi", "meta": [{"a": {2: "x"}}]}]), TypeError,
+     r"^message 0's meta\[0\]\['a'\] has a key that is not a str: 2"),
+    ("a NaN in a message", lambda m: m.prompt_length([{"role": "user", "content": "hi", "score": float("nan")}]),
+     ValueError, "^message 0's score is nan, not a finite number"),
+    ("a lone surrogate deep in a message",
+     lambda m: m.chat([{"role": "user", "content": "hi", "tool_calls": [{"name": "a\ud800"}]}]), ValueError,
+     r"^message 0's tool_calls\[0\]\['name'\] has a lone surrogate .* at position 1"),
     # Used to raise tokenizers' "TextInputSequence must be str" (metal) or "'int' object is not iterable".
     ("a number to encode", lambda m: m.encode(5), TypeError, "^text must be a str"),
     ("bytes to encode", lambda m: m.encode(b"x"), TypeError, "^text must be a str"),
@@ -139,17 +156,6 @@ def test_a_prompt_with_its_bos_text_is_counted_and_generated_once(loaded: dict[s
     with_bos = [[t.id for t in m.generate(bos + text, max_tokens=4)] for m in (metal, mlx_lm)]
     assert with_bos[0] == with_bos[1] == [t.id for t in metal.generate(text, max_tokens=4)]
     assert metal.metrics().prompt_tokens == plain
-
-
-@pytest.mark.parametrize("prompt", [[1] * 1025, "a b " * 600])
-def test_inspect_attention_past_the_context(loaded: dict[str, TextModel], prompt: list[int] | str) -> None:
-    """The mlx_lm worker runs one pass over the whole prompt, so it refuses one past the context
-    length before that pass; metal runs it in chunks into caches of the context length, as its
-    generate prefills (the oldest positions slide out: test_bounded_memory)."""
-    with pytest.raises(ValueError, match=r"the prompt has \d+ tokens, more than the context length of 1024"):
-        loaded["mlx_lm"].inspect_attention(prompt)
-    assert loaded["metal"].inspect_attention(prompt).seq_len == len(loaded["metal"].encode(prompt)
-                                                                    if isinstance(prompt, str) else prompt)
 
 
 def test_inspect_attention_takes_a_prompt_that_fills_the_context(loaded: dict[str, TextModel]) -> None:
@@ -432,3 +438,133 @@ def test_each_row_of_a_seeded_batch_samples_as_generate_does_on_both_backends(lo
     assert rows[0] == rows[1]
     for name, m in loaded.items():
         assert [t.id for t in m.generate("The baker", **options)] == rows[2], name
+
+
+# ---- a prompt past the context: ContextLengthError on every call, in the same words --------------
+# Both backends used to prefill such a prompt through caches that keep its first 4 and latest tokens,
+# each in its own chunks, and go on: which part of its middle the model saw differed between them
+# (other greedy tokens for prompts of 22, 32 or 60 tokens at a context of 16), and metal's batch rows
+# ended at once (ContextFull) where the worker's generated.
+CONTEXT = 32
+TOO_LONG = "the prompt has {n} tokens, more than the context length of {c}: shorten it, or load the model with a " \
+           "larger context_len"
+
+
+@pytest.fixture(scope="module")
+def short_context(tiny: Path) -> Iterator[dict[str, TextModel]]:
+    models = {b: _load(b, tiny, context_len=CONTEXT) for b in BACKENDS}
+    yield models
+    for m in models.values():
+        m.close()
+
+
+def _text_of(m: TextModel, tokens: int) -> str:
+    """A prompt that `generate` reads as exactly `tokens` tokens."""
+    for words in range(tokens):
+        text = "a" + " b" * words
+        if m.prompt_length(text) == tokens:
+            return text
+    raise AssertionError(f"no prompt of {tokens} tokens")
+
+
+def _run(result: Any) -> Any:
+    """A call's result, a stream read to its end: metal refuses at the call, the mlx_lm backend's
+    stream before its first token (its worker tokenizes, as it renders a chat template)."""
+    return list(result) if isinstance(result, Iterator) else result
+
+
+def _as_chat(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+# (what, the call on a prompt of CONTEXT + 1 tokens, how many tokens the model reads, what the error names)
+PAST_THE_CONTEXT: list[tuple[str, Callable[[TextModel, str], Any], Callable[[TextModel, str], int], str]] = [
+    ("generate", lambda m, p: m.generate(p, max_tokens=4), lambda m, p: m.prompt_length(p), "the prompt"),
+    ("generate no tokens", lambda m, p: m.generate(p, max_tokens=0), lambda m, p: m.prompt_length(p), "the prompt"),
+    ("chat", lambda m, p: m.chat(_as_chat(p), max_tokens=4), lambda m, p: m.prompt_length(_as_chat(p)),
+     "the prompt"),
+    ("classify", lambda m, p: m.classify(["x", p]), lambda m, p: m.prompt_length(p), "prompts item 1"),
+    ("batch_generate", lambda m, p: m.batch_generate(["x", p, "y"], max_tokens=4), lambda m, p: m.prompt_length(p),
+     "prompts item 1"),
+    ("inspect_attention", lambda m, p: m.inspect_attention(p), lambda m, p: m.prompt_length(p), "the prompt"),
+    ("inspect_attention ids", lambda m, p: m.inspect_attention([5] * (CONTEXT + 1)), lambda m, p: CONTEXT + 1,
+     "the prompt"),
+]
+
+
+@pytest.mark.parametrize("what, call, count, names", PAST_THE_CONTEXT, ids=[c[0] for c in PAST_THE_CONTEXT])
+def test_a_prompt_past_the_context_raises_context_length_error_alike(
+        short_context: dict[str, TextModel], what: str, call: Callable[[TextModel, str], Any],
+        count: Callable[[TextModel, str], int], names: str) -> None:
+    prompt = _text_of(short_context["metal"], CONTEXT + 1)
+    seen = {}
+    for name, m in short_context.items():
+        with pytest.raises(ContextLengthError) as caught:
+            _run(call(m, prompt))
+        seen[name] = (str(caught.value), caught.value.prompt_tokens, caught.value.context_len)
+        assert count(m, prompt) == caught.value.prompt_tokens, name  # prompt_length counts it, refusing nothing
+        assert len(list(m.generate("x", max_tokens=2))) == 2 and m.err() is None, name  # and the model serves on
+    n = count(short_context["metal"], prompt)
+    assert seen["metal"] == seen["mlx_lm"] == (TOO_LONG.format(n=n, c=CONTEXT).replace("the prompt", names, 1),
+                                               n, CONTEXT)
+    assert issubclass(ContextLengthError, ValueError)  # a caller's wrong value: a server's 400
+
+
+def test_a_prompt_that_fills_the_context_runs_alike(short_context: dict[str, TextModel]) -> None:
+    # Generation past the context goes on (the caches keep the first and the latest tokens), alike.
+    # (Not batch_generate's rows: metal's end where prompt and tokens fill the context, ContextFull,
+    # where the worker's rotate.)
+    prompt = _text_of(short_context["metal"], CONTEXT)
+    seen = {}
+    for name, m in short_context.items():
+        ids = [t.id for t in m.generate(prompt, max_tokens=8)]
+        assert m.err() is None, name
+        seen[name] = (ids, m.metrics().prompt_tokens, [r.token.id for r in m.classify([prompt, "x"])],
+                      m.inspect_attention(prompt).seq_len)
+    assert seen["metal"] == seen["mlx_lm"]
+    assert seen["metal"][1] == seen["metal"][3] == CONTEXT and len(seen["metal"][0]) == 8
+
+
+# ---- chat messages: their other keys reach the template, as transformers passes them --------------
+# The mlx_lm backend refused a message with any key but role and content (TypeError); the metal backend
+# passed every other key to the template, whatever its key or value. Both now pass string keys with
+# JSON values as they are (None as if absent), and refuse the rest (BAD_CALLS).
+NAMED_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}{% if m.name is defined %} ({{ m.name }}){% endif %}: "
+                  "{{ m['content'] }}{% if m.tool_calls is defined %} calls {{ m.tool_calls | tojson }}{% endif %}"
+                  "{% if m['x-trace'] is defined %} [{{ m['x-trace'] }}]{% endif %}{{ '\\n' }}{% endfor %}"
+                  "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def named_template_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, TextModel]]:
+    path = write_tiny_model(tmp_path_factory.mktemp("contract") / "named", "llama", seed=3,
+                            chat_template=NAMED_TEMPLATE)
+    models = {b: _load(b, path) for b in BACKENDS}
+    yield models
+    for m in models.values():
+        m.close()
+
+
+def test_extra_message_keys_reach_the_template_alike(named_template_models: dict[str, TextModel]) -> None:
+    from pymlxc.backends.metal.chat_template import render_chat
+
+    plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"},
+             {"role": "user", "content": "and?"}]
+    calls = [{"type": "function", "function": {"name": "f", "arguments": {"city": "Oslo"}}}]
+    extra = [{**plain[0], "name": "bob", "x-trace": 7}, {**plain[1], "tool_calls": calls},
+             Message(role="user", content="and?")]
+    unset = [{**plain[0], "name": None}, plain[1], plain[2]]  # None: as if absent (transformers drops it)
+    seen = {}
+    for name, m in named_template_models.items():
+        lengths = [m.prompt_length(messages) for messages in (plain, extra, unset)]
+        ids = [[t.id for t in m.chat(messages, max_tokens=6)] for messages in (plain, extra, unset)]
+        assert m.err() is None, name
+        seen[name] = (lengths, ids, m.metrics().prompt_tokens)
+    assert seen["metal"] == seen["mlx_lm"]
+    (plain_len, extra_len, unset_len), ids, _ = seen["metal"]
+    assert extra_len > plain_len == unset_len and ids[2] == ids[0]
+    metal: Any = named_template_models["metal"]
+    text = render_chat(extra, metal.tokenizer)  # what both rendered: the same count and greedy tokens
+    assert text.startswith('user (bob): hi [7]\nassistant: yes calls [{"type": "function", "function": '
+                           '{"name": "f", "arguments": {"city": "Oslo"}}}]\nuser: and?\nassistant:')
+    assert len(metal.encode(text, add_special_tokens=False)) == extra_len

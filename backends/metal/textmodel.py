@@ -28,8 +28,10 @@ import pymlxc.core as mx
 from pymlxc.model import (
     GenerationCancelled,
     ModelClosedError,
+    check_context,
     check_decode_ids,
     check_flag,
+    check_messages,
     check_text,
     detached_error,
 )
@@ -212,7 +214,7 @@ class MetalTextModel(TrainableMixin):
                 raise ValueError(f"token id {token} at position {n} is outside the vocabulary of {vocab}")
         return self._tokenizer.decode(checked)
 
-    def prompt_length(self, prompt: str | Sequence[Message | Mapping[str, str]], *,
+    def prompt_length(self, prompt: str | Sequence[Message | Mapping[str, Any]], *,
                       chat_template_kwargs: Mapping[str, Any] | None = None) -> int:
         """How many tokens the model reads for `prompt`: text as `generate` encodes it, or messages
         as `chat` renders them (what a server checks against its context before generating)."""
@@ -228,9 +230,10 @@ class MetalTextModel(TrainableMixin):
         """Stream the tokens that follow `prompt` (encoded with the tokenizer's own specials)."""
         options = self._begin(config)
         ids = self._encode_prompt(prompt)
+        check_context(len(ids), self._context_len)
         return self._stream(self._model, ids, options)
 
-    def chat(self, messages: Sequence[Message | dict[str, str]], *,
+    def chat(self, messages: Sequence[Message | Mapping[str, Any]], *,
              chat_template_kwargs: Mapping[str, Any] | None = None, **config: Any) -> Iterator[Token]:
         """Stream the assistant's answer to `messages`, rendered with the model's chat template;
         `chat_template_kwargs` reach the template as variables (e.g. enable_thinking=False)."""
@@ -246,12 +249,13 @@ class MetalTextModel(TrainableMixin):
             # quietly, the reason in err() (as on the mlx_lm backend), not raised at the call.
             self._errors[threading.get_ident()] = detached_error(exc)
             return iter(())
+        check_context(len(ids), self._context_len)
         # The rendering spent part of the call's timeout: the stream keeps the same deadline.
         return self._stream(self._model, ids, options, guard)
 
     def classify(self, prompts: Sequence[str], **config: Any) -> list[ClassifyResult]:
-        """The next token after each prompt, each prefilled as `generate` prefills it (chunked,
-        `context_len` honoured). Not a stream: errors, cancellation and timeout included, are raised."""
+        """The next token after each prompt, each prefilled as `generate` prefills it (chunked). Not
+        a stream: errors, cancellation and timeout included, are raised."""
         options = self._begin(config)
         model = self._model
         rows = self._encode_prompts(prompts)
@@ -277,7 +281,8 @@ class MetalTextModel(TrainableMixin):
         (`scheduler()`; one decode step for every running row). With a context length (the
         `context_len` load option) a row ends where prompt and tokens fill it, unlike `generate`,
         whose caches keep the latest tokens: its result then holds the tokens so far and an error
-        that says so (`batching.ContextFull`), and the other rows are unaffected."""
+        that says so (`batching.ContextFull`), and the other rows are unaffected. A prompt past the
+        context raises ContextLengthError before any row runs, as on every call."""
         options = self._begin(config)
         rows_in = self._encode_prompts(prompts)
         if options.max_tokens == 0:
@@ -346,7 +351,7 @@ class MetalTextModel(TrainableMixin):
             return self._scheduler
 
     # ------------------------------------------------------------------ prompt cache and inspection
-    def warm_prompt_cache(self, prefix: str | Sequence[int] | Sequence[Message | dict[str, str]]) -> int:
+    def warm_prompt_cache(self, prefix: str | Sequence[int] | Sequence[Message | Mapping[str, Any]]) -> int:
         """Prefill `prefix` into the prompt cache ahead of time, so that prompts starting with its
         tokens skip it (a system prompt, a tool schema). `prefix` is text (encoded as `generate`
         encodes a prompt), token ids, or chat messages (rendered without the generation prompt).
@@ -395,13 +400,15 @@ class MetalTextModel(TrainableMixin):
 
     def inspect_attention(self, prompt: str | Sequence[int], include_queries: bool = False) -> AttentionSnapshot:
         """The keys (after RoPE) of every layer and KV head for `prompt` (text, encoded as `generate`
-        encodes it, or token ids), and the queries of every head when asked: a chunked prefill."""
+        encodes it, or token ids, at most `context_len` of them), and the queries of every head when
+        asked: a chunked prefill."""
         from .inspection import inspect_attention
 
         self._begin({})
         check_flag("include_queries", include_queries)  # "no" or 0 would be taken by truth
         model = self._model
         ids = self._prefix_ids(prompt, "prompt")
+        check_context(len(ids), self._context_len)
         with self._slot(loops.Guard.make(None, None, self._is_closed)), self._step(), self._on_device():
             return inspect_attention(model, ids, architecture=self._model_type, include_queries=include_queries,
                                      context_len=self._context_len)
@@ -416,8 +423,7 @@ class MetalTextModel(TrainableMixin):
         if items and all(isinstance(m, (Message, dict)) for m in items):
             from .chat_template import render_chat
 
-            self._check_messages(items)
-            text = render_chat(items, self._tokenizer, add_generation_prompt=False)
+            text = render_chat(check_messages(items), self._tokenizer, add_generation_prompt=False)
             ids = self._tokenizer.encode(text, add_special_tokens=False)
         elif all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in items):
             ids = [int(t) for t in items]  # numpy's integers too, as `decode` and the mlx_lm backend take them
@@ -535,43 +541,24 @@ class MetalTextModel(TrainableMixin):
     def _check_ids(self, ids: Sequence[int], what: str = "the prompt") -> None:
         """Every prompt's ids (`what` names it in errors) pass here before MLX sees them
         (`loops.check_prompt_ids`)."""
-        # A prompt or generation longer than context_len is not an error: the caches keep the
-        # most recent context_len tokens (and the first few), as the models' make_cache decides.
+        # A prompt longer than context_len is refused by the calls that run one (check_context),
+        # not here: prompt_length counts it, and warm_prompt_cache reports it by keeping nothing. A
+        # generation past it goes on: the caches keep the latest tokens (and the first few).
         if not ids:
             raise ValueError(f"{what} encodes to no tokens")
         loops.check_prompt_ids(ids, self._info.vocab_size)
 
-    def _chat_ids(self, messages: Sequence[Message | Mapping[str, str]], template_kwargs: dict[str, Any],
+    def _chat_ids(self, messages: Sequence[Message | Mapping[str, Any]], template_kwargs: dict[str, Any],
                   guard: loops.Guard | None) -> list[int]:
         """The ids of `messages` rendered by the chat template with the generation prompt."""
         from .chat_template import render_chat
 
-        if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
-            raise TypeError("messages must be a sequence of Message or {'role', 'content'} dicts, "
-                            f"not {type(messages).__name__}")
-        if not messages:
-            raise ValueError("chat needs at least one message")
-        self._check_messages(messages)
-        text = render_chat(messages, self._tokenizer, add_generation_prompt=True,
+        text = render_chat(check_messages(messages), self._tokenizer, add_generation_prompt=True,
                            guard=guard.check if guard is not None else None, **template_kwargs)
         # The template writes the special tokens itself (BOS included).
         ids = self._tokenizer.encode(text, add_special_tokens=False)
         self._check_ids(ids)
         return ids
-
-    @staticmethod
-    def _check_messages(messages: Sequence[Any]) -> None:
-        """Each message a Message or a mapping with string role and content (as the mlx_lm backend
-        takes them; other string keys reach the template), its text valid Unicode."""
-        for n, message in enumerate(messages):
-            fields = message.to_dict() if isinstance(message, Message) else message
-            if not isinstance(fields, Mapping) or "role" not in fields or "content" not in fields:
-                raise TypeError(f"message {n} must be a Message or a dict with 'role' and 'content'")
-            if not isinstance(fields["role"], str) or not isinstance(fields["content"], str):
-                raise TypeError(f"message {n}: role and content must be strings")
-            for key, value in fields.items():
-                if isinstance(value, str):
-                    check_text(value, f"message {n}'s {key}")
 
     def _encode_prompt(self, prompt: str, what: str = "the prompt") -> list[int]:
         if not isinstance(prompt, str):
@@ -586,6 +573,8 @@ class MetalTextModel(TrainableMixin):
         return ids
 
     def _encode_prompts(self, prompts: Sequence[str]) -> list[list[int]]:
+        """Each prompt's ids; once all are encoded, ContextLengthError naming the first that does not
+        fit the context (classify and batch_generate run every prompt or none)."""
         # A sequence, as the mlx_lm backend takes it: results come back in its order. A set or a
         # dict's keys have an order the caller did not choose, and an empty iterator is truthy, so
         # it passed the check below and answered [] silently.
@@ -594,7 +583,10 @@ class MetalTextModel(TrainableMixin):
             raise TypeError(f"prompts must be a sequence of str, not {what}")
         if not prompts:
             raise ValueError("no prompts given")
-        return [self._encode_prompt(p, f"prompts item {i}") for i, p in enumerate(prompts)]
+        rows = [self._encode_prompt(p, f"prompts item {i}") for i, p in enumerate(prompts)]
+        for i, ids in enumerate(rows):
+            check_context(len(ids), self._context_len, item=i)
+        return rows
 
     @staticmethod
     def _sampler(options: GenerateConfig) -> Sampler:

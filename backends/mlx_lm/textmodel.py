@@ -35,15 +35,17 @@ from pymlxc.bridge import protocol as P
 from pymlxc.model import (
     GenerationCancelled,
     ModelClosedError,
+    check_context,
     check_decode_ids,
     check_flag,
+    check_messages,
     check_text,
     detached_error,
 )
 from pymlxc.options import GenerateConfig, LoadConfig, check_stop_tokens, check_template_kwargs, make_config
 from pymlxc.types import AttentionSnapshot, BatchResult, ClassifyResult, GenerateMetrics, Message, ModelInfo, Token
 
-from .errors import WorkerError, WorkerReplyError, reply_error
+from .errors import WorkerContextLengthError, WorkerError, WorkerReplyError, reply_error
 from .process import WorkerProcess
 
 POLL_S = 0.05  # how often a waiting call looks at its cancel event and deadline
@@ -113,25 +115,6 @@ def _prompts(values: Sequence[str]) -> list[str]:
     if not values:
         raise ValueError("no prompts given")
     return [_prompt(v, f"prompts item {i}") for i, v in enumerate(values)]
-
-
-def _messages(messages: Sequence[Message | Mapping[str, str]]) -> list[dict[str, str]]:
-    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
-        raise TypeError("messages must be a sequence of Message or {'role', 'content'} dicts, "
-                        f"not {type(messages).__name__}")
-    if not messages:  # a wrong value, not a wrong type: ValueError, as on the metal backend
-        raise ValueError("chat needs at least one message")
-    out = []
-    for i, m in enumerate(messages):
-        d = m.to_dict() if isinstance(m, Message) else m
-        if not isinstance(d, Mapping) or set(d) != {"role", "content"}:
-            raise TypeError(f"message {i} must be a Message or a dict with exactly 'role' and 'content'")
-        if not isinstance(d["role"], str) or not isinstance(d["content"], str):
-            raise TypeError(f"message {i}: role and content must be strings")
-        for key in ("role", "content"):
-            check_text(d[key], f"message {i}'s {key}")
-        out.append({"role": d["role"], "content": d["content"]})
-    return out
 
 
 def _heads(encoded: str, heads: int, seq_len: int, head_dim: int) -> list[np.ndarray]:
@@ -491,7 +474,7 @@ class MlxLmModel:
                         raise stopped[0]
                     # A chat of no tokens (prompt_length) only renders: its failure is the template's.
                     raise reply_error(str(line.get("error")), str(line.get("message")), cmd,
-                                      rendering_only=config.max_tokens == 0)
+                                      rendering_only=config.max_tokens == 0, reply=line)
                 if line["type"] in ("result", "done"):  # done: a generation asked for no tokens
                     return line, (stopped[0] if stopped else None)
             if stopped:
@@ -503,6 +486,15 @@ class MlxLmModel:
     def _is_closed(self) -> bool:
         return self._closed
 
+    def _messages(self, messages: Sequence[Message | Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """`messages` checked as on the metal backend (`check_messages`), as the worker takes them."""
+        checked = check_messages(messages)
+        if self.protocol < 4 and any(set(m) - {"role", "content"} for m in checked):
+            # Such a worker refuses any other key ("has unknown key(s)"), which the metal backend passes on.
+            raise WorkerError(f"the worker speaks protocol {self.protocol}; a message's keys other than role and "
+                              "content need protocol 4")
+        return checked
+
     # ---- TextModel ----------------------------------------------------------------------------------
 
     def generate(self, prompt: str, **config: Any) -> Iterator[Token]:
@@ -510,12 +502,12 @@ class MlxLmModel:
         cfg = self._begin(config)
         return self._stream("generate", {"prompt": _prompt(prompt), **_sampling(cfg)}, cfg)
 
-    def chat(self, messages: Sequence[Message | dict[str, str]], *,
+    def chat(self, messages: Sequence[Message | Mapping[str, Any]], *,
              chat_template_kwargs: Mapping[str, Any] | None = None, **config: Any) -> Iterator[Token]:
         """Stream the assistant's reply to `messages`, formatted by the model's chat template;
         `chat_template_kwargs` reach the template as variables (e.g. enable_thinking=False)."""
         cfg = self._begin(config)
-        args: dict[str, Any] = {"messages": _messages(messages), **_sampling(cfg)}
+        args: dict[str, Any] = {"messages": self._messages(messages), **_sampling(cfg)}
         template_kwargs = check_template_kwargs(chat_template_kwargs)
         _check_json_values(template_kwargs, "chat_template_kwargs")
         if template_kwargs:
@@ -543,7 +535,7 @@ class MlxLmModel:
                         )
                 elif kind == "error":
                     ended = True
-                    raise reply_error(str(line.get("error")), str(line.get("message")), cmd)
+                    raise reply_error(str(line.get("error")), str(line.get("message")), cmd, reply=line)
             if not ended and stopped:  # the worker did not answer the cancel in time
                 self._fail(stopped[0])
         except (GenerationCancelled, ModelClosedError) as e:
@@ -592,7 +584,9 @@ class MlxLmModel:
 
     def inspect_attention(self, prompt: str | Sequence[int], include_queries: bool = False) -> AttentionSnapshot:
         """Keys (after RoPE) of every layer and KV head for `prompt` (text, encoded as `generate`
-        encodes it, or token ids), and every head's queries when asked, computed by mlx-lm."""
+        encodes it, or token ids, at most `context_len` of them), and every head's queries when
+        asked, computed by mlx-lm."""
+        self._begin()  # first, as every call: a refusal below leaves no earlier call's error in err()
         args: dict[str, Any]
         if isinstance(prompt, str):
             # Checked as generate checks it: an empty prompt used to answer for the BOS token alone.
@@ -605,11 +599,8 @@ class MlxLmModel:
             tokens = check_decode_ids(prompt)
             if not tokens:
                 raise ValueError("prompt has no token ids")
-            problem = P.context_problem(len(tokens), self.context_len)  # the worker's check, without the line
-            if problem is not None:
-                raise ValueError(problem)
+            check_context(len(tokens), self.context_len)  # the worker's check, without sending the line
             args = {"tokens": tokens}
-        self._begin()
         check_flag("include_queries", include_queries)  # here, as on the metal backend, not the worker's bad_field
         if self.protocol < 2:
             raise WorkerError(f"the worker speaks protocol {self.protocol}; inspect_attention needs protocol 2")
@@ -626,7 +617,7 @@ class MlxLmModel:
         reply, _ = self._call("encode", {"text": text, "add_special_tokens": add_special_tokens}, GenerateConfig())
         return [int(t) for t in reply["tokens"]]
 
-    def prompt_length(self, prompt: str | Sequence[Message | Mapping[str, str]], *,
+    def prompt_length(self, prompt: str | Sequence[Message | Mapping[str, Any]], *,
                       chat_template_kwargs: Mapping[str, Any] | None = None) -> int:
         """How many tokens the model reads for `prompt`: text as `generate` encodes it, or messages
         as `chat` renders them (what a server checks against its context before generating)."""
@@ -637,13 +628,17 @@ class MlxLmModel:
         if isinstance(prompt, str):
             cmd, args = "generate", {"prompt": _prompt(prompt)}
         else:
-            cmd, args = "chat", {"messages": _messages(prompt)}
+            cmd, args = "chat", {"messages": self._messages(prompt)}
             template_kwargs = check_template_kwargs(chat_template_kwargs)
             if template_kwargs:
                 args["chat_template_kwargs"] = template_kwargs
         # A generation of no tokens: the worker encodes (or renders) the prompt as for a real one,
-        # and its done line counts the tokens.
-        reply, _ = self._call(cmd, {**args, **_sampling(cfg)}, cfg)
+        # and its done line counts the tokens; a prompt past the context is counted by its refusal.
+        try:
+            reply, _ = self._call(cmd, {**args, **_sampling(cfg)}, cfg)
+        except WorkerContextLengthError as e:
+            self._set_err(None)  # counted: this call did what it was asked
+            return e.prompt_tokens
         return int(reply["prompt_tokens"])
 
     def decode(self, tokens: Sequence[int]) -> str:

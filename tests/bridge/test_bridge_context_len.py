@@ -1,4 +1,5 @@
-"""The load's `context_len` bounds the KV caches, for models with their own `make_cache` too (llama).
+"""The load's `context_len` bounds the KV caches, for models with their own `make_cache` too (llama),
+and a prompt past it is refused (`context_length_exceeded`).
 
 mlx-lm's `max_kv_size` makes a RotatingKVCache(max_kv_size, keep=4) per layer only for models without
 `make_cache`; llama has one in mlx-lm >= 0.32, so the worker used to keep every token of it.
@@ -28,7 +29,8 @@ from mlx_lm.models.cache import (  # noqa: E402
 from pymlxc.bridge import engine as E  # noqa: E402
 
 CONTEXT = 8
-PROMPT = "The baker counted the coins"  # 11 tokens: past the context before the first sample
+PROMPT = "The baker counted"  # fits the context; the generated tokens go past it
+LONG = "The baker counted the coins"  # 11 tokens: past the context
 BATCH = ["x", PROMPT]
 
 
@@ -71,7 +73,7 @@ def test_context_len_bounds_a_llama_generation_as_max_kv_size_means(
 ) -> None:
     model, tokenizer = reference
     ids = tokenizer.encode(PROMPT)
-    assert len(ids) > CONTEXT
+    assert len(ids) <= CONTEXT
     expected = [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=24, prompt_cache=_rotating(model))]
     unbounded = [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=24)]
     assert expected != unbounded  # else this prompt could not tell a bound from none
@@ -111,9 +113,33 @@ def test_context_len_bounds_batch_rows_and_classify(
     bounded = rows(bounded_worker)
     assert bounded == _batch_reference(model, [tokenizer.encode(p) for p in BATCH], 20)
     assert bounded != rows(loaded_worker)
-    # classify's prefill of the 11-token prompt runs through bounded caches too.
+    # classify's prefill runs through bounded caches too (a prompt that fits: nothing is evicted).
     assert classified(bounded_worker) == _batch_reference(model, [tokenizer.encode(PROMPT)], 1)[0][0]
-    assert classified(bounded_worker) != classified(loaded_worker)
+
+
+@pytest.mark.parametrize("request_fields, what", [
+    ({"cmd": "generate", "prompt": LONG}, "the prompt"),
+    ({"cmd": "generate", "prompt": LONG, "max_tokens": 0}, "the prompt"),  # how a client counts: the count comes back
+    ({"cmd": "classify", "prompts": ["x", LONG]}, "prompts item 1"),
+    ({"cmd": "batch_generate", "prompts": ["x", LONG, "y"]}, "prompts item 1"),
+    ({"cmd": "inspect_attention", "prompt": LONG}, "the prompt"),
+])
+def test_a_prompt_past_the_context_is_refused_with_its_counts(bounded_worker: RawWorker,
+                                                                request_fields: dict[str, Any], what: str) -> None:
+    # What the library raises as ContextLengthError: past the context, what the model saw of the
+    # prompt depended on how each backend cut its prefill into chunks.
+    reply = bounded_worker.request(id="long", **request_fields)
+    cmd = request_fields["cmd"]
+    assert reply == {"type": "error", "id": "long", "cmd": cmd, "error": "context_length_exceeded",
+                     "message": f"{cmd}: {what} has 11 tokens, more than the context length of {CONTEXT}",
+                     "prompt_tokens": 11, "context_len": CONTEXT, "item": 1 if "item" in what else None}
+    assert len(_generated(bounded_worker, "after", 2)) == 2  # and it serves on
+
+
+def test_a_chat_past_the_context_is_refused(bounded_worker: RawWorker) -> None:
+    reply = bounded_worker.request(cmd="chat", id="c", messages=[{"role": "user", "content": LONG}], max_tokens=0)
+    assert reply["error"] == "context_length_exceeded" and reply["context_len"] == CONTEXT, reply
+    assert reply["prompt_tokens"] > CONTEXT and reply["message"].startswith("chat: the prompt has")
 
 
 # ---- which layers are bounded, and how: what the metal backend's make_layer_caches does ---------------

@@ -47,13 +47,14 @@ def test_a_prompt_longer_than_the_context_is_refused_before_the_pass(loaded_work
     # memory grew with the square of the length). Loaded without context_len, the bound is the
     # model's max_position_embeddings (4096 for the tiny model).
     reply = loaded_worker.request(cmd="inspect_attention", id="long", tokens=[1] * 4097)
-    assert reply["type"] == "error" and reply["error"] == "bad_field", reply
+    assert reply["type"] == "error" and reply["error"] == "context_length_exceeded", reply
     assert reply["message"] == "inspect_attention: the prompt has 4097 tokens, more than the context length of 4096"
+    assert (reply["prompt_tokens"], reply["context_len"], reply["item"]) == (4097, 4096, None)
     worker = start_worker()
     assert worker.request(cmd="load", id="l", path=str(tiny_model), context_len=8)["type"] == "result"
     for fields, n in (({"tokens": [1] * 9}, "9"), ({"prompt": "the " * 20}, r"\d+")):
         reply = worker.request(cmd="inspect_attention", id="r", **fields)
-        assert reply["error"] == "bad_field", reply
+        assert reply["error"] == "context_length_exceeded", reply
         assert re.fullmatch(f"inspect_attention: the prompt has {n} tokens, more than the context length of 8",
                             reply["message"]), reply
     reply = worker.request(cmd="inspect_attention", id="ok", tokens=[1] * 8)

@@ -118,7 +118,10 @@ def test_valid_requests_round_trip_through_encode_decode_and_parse(message: dict
         ({"cmd": "chat", "messages": [{"role": "user", "content": "x"}],
           "chat_template_kwargs": {f"k{i}": i for i in range(65)}}, "bad_field", "at most 64"),
         ({"cmd": "chat", "messages": [{"role": "user"}]}, "bad_field", "content"),
-        ({"cmd": "chat", "messages": [{"role": "user", "content": "x", "name": "y"}]}, "bad_field", "name"),
+        ({"cmd": "chat", "messages": [{"role": "user", "content": "x", "tool_calls": [{"name": "a\ud800"}]}]},
+         "bad_field", "messages item 0 tool_calls[0].name has a lone surrogate"),
+        ({"cmd": "chat", "messages": [{"role": "user", "content": "x", "b\udc00": 1}]}, "bad_field",
+         "messages item 0 key has a lone surrogate"),
         ({"cmd": "classify", "prompts": "abc"}, "bad_field", "prompts"),
         ({"cmd": "decode", "tokens": [-1]}, "bad_field", "tokens"),
         ({"cmd": "info", "id": [1]}, "bad_field", "id"),
@@ -216,3 +219,14 @@ def test_context_problem_refuses_only_past_the_limit(tokens: int, limit: int | N
     problem = P.context_problem(tokens, limit)
     assert (problem == f"the prompt has {tokens} tokens, more than the context length of {limit}") is refused
     assert (problem is None) is not refused
+
+
+def test_a_messages_other_keys_reach_the_template_as_they_are_less_nulls() -> None:
+    # As transformers' apply_chat_template passes them (it drops null values itself, since templates
+    # render None as "None"); version 3 refused any key but role and content.
+    calls = [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]
+    message = {"role": "assistant", "content": "", "tool_calls": calls, "name": "bob", "x-trace": [1, 2.5, True],
+               "reasoning_content": None}
+    request = P.parse_request({"cmd": "chat", "messages": [message]})
+    assert request.args["messages"] == [{"role": "assistant", "content": "", "tool_calls": calls, "name": "bob",
+                                         "x-trace": [1, 2.5, True]}]

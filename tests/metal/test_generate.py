@@ -12,7 +12,7 @@ import pytest
 
 import pymlxc
 import pymlxc.core as mx
-from pymlxc import GenerationCancelled, ModelClosedError
+from pymlxc import ContextLengthError, GenerationCancelled, ModelClosedError
 from pymlxc.testing import write_tiny_model
 
 ARCHS = ("llama", "qwen3")
@@ -102,17 +102,18 @@ def test_a_batch_row_the_context_cuts_short_says_so(model_dirs: dict[str, Path])
     """With a context length, a batch row ends where prompt and tokens fill it (its caches do not
     rotate as a single generation's do): its result holds the single generation's first tokens and
     an error naming the context; a row that fits is untouched and err() stays clear. (The rows used
-    to come back shorter, or empty, with no error.)"""
+    to come back shorter, or empty, with no error.) A prompt past the context runs no row at all."""
     with pymlxc.load_model(str(model_dirs["llama"]), backend="metal", context_len=16) as m:
         short, long = "hi", "The baker counted the coins in her drawer before she locked the door."
         room = 16 - len(m.encode(short))
-        results = m.batch_generate([short, long, short], max_tokens=room + 4)
+        with pytest.raises(ContextLengthError, match=r"^prompts item 1 has \d+ tokens, more than the context length"):
+            m.batch_generate([short, long, short], max_tokens=room + 4)
+        results = m.batch_generate([short, short], max_tokens=room + 4)
         fits = m.batch_generate([short], max_tokens=room)[0]
         single = ids(m.generate(short, max_tokens=room + 4))
         assert m.err() is None
-        assert ids(results[0].tokens) == single[:room] and ids(results[2].tokens) == single[:room]
+        assert ids(results[0].tokens) == single[:room] and ids(results[1].tokens) == single[:room]
         assert results[0].error is not None and "context of 16 tokens (context_len)" in results[0].error
-        assert results[1].tokens == [] and "ContextFull" in (results[1].error or "")
         assert fits.error is None and ids(fits.tokens) == single[:room]
 
 

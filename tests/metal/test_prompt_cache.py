@@ -28,6 +28,7 @@ from pymlxc.backends.metal.cache import CONTEXT_KEEP, RotatingKVCache
 from pymlxc.backends.metal.prompt_cache import PromptCache, PromptCacheError
 from pymlxc.backends.metal.sample import make_sampler
 from pymlxc.testing import write_tiny_model
+from pymlxc.types import ContextLengthError
 
 CTX = 24  # the context bound of the "llama_ctx" case: shorter than the prompts
 WINDOW = 8  # gemma3's sliding window in these tests
@@ -183,6 +184,8 @@ def test_a_warm_prefix_gives_the_tokens_of_generation_without_the_cache(models, 
     m, plain = models(case)
     short = PREFIX.split(" by the river")[0]  # fewer tokens than the context bound
     assert len(m.encode(short)) < CTX
+    # With the context bound, prompts that fit it after `short` (words: the tokens add up).
+    rests = (REST, OTHER) if case != "llama_ctx" else (REST[:10], OTHER[:12])
     for prefix in (PREFIX, short):
         m.prompt_cache.clear()
         n = m.warm_prompt_cache(prefix)
@@ -190,7 +193,12 @@ def test_a_warm_prefix_gives_the_tokens_of_generation_without_the_cache(models, 
         # What was cached: nothing for a prefix past the context bound (such states are not kept).
         assert n == (len(m.encode(prefix)) if restorable else 0)
         assert [t for t, _ in m.prompt_cache.entries()] == ([n] if restorable else [])
-        for rest in (REST, OTHER):
+        for rest in rests:
+            if m.prompt_length(prefix + rest) > CASES[case][2]:  # refused before the prompt cache is looked at
+                with pytest.raises(ContextLengthError):
+                    m.generate(prefix + rest, max_tokens=16)
+                assert not restorable
+                continue
             got = ids(m.generate(prefix + rest, max_tokens=16))
             assert m.err() is None
             assert got == ids(plain.generate(prefix + rest, max_tokens=16))
@@ -605,7 +613,8 @@ def test_damaged_entries_are_refused_and_change_nothing(models, tmp_path: Path, 
     with pytest.raises(PromptCacheError, match=message):
         m.load_prompt_cache(bad)
     assert len(m.prompt_cache) == 0
-    assert ids(m.generate(PREFIX[:40] + REST, max_tokens=6)) == ids(plain.generate(PREFIX[:40] + REST, max_tokens=6))
+    fits = PREFIX[:40] + REST[:10]  # within the context bound
+    assert ids(m.generate(fits, max_tokens=6)) == ids(plain.generate(fits, max_tokens=6))
 
 
 def test_a_file_larger_than_the_cache_is_not_read_whole(dirs, tmp_path: Path) -> None:

@@ -117,7 +117,9 @@ def test_context_len_bounds_the_attention_layers(paths: dict[str, Path]) -> None
     with pymlxc.load_model(paths["qwen3_next"], context_len=16) as model:
         caches = model.model.make_cache(16)
         assert sum(isinstance(c, RecurrentCache) for c in caches) == 2
-        tokens = ids_of(model.generate(TEXT, max_tokens=24))
+        prompt = TEXT[:20]  # fits the context; the generated tokens go past it
+        assert model.prompt_length(prompt) <= 16
+        tokens = ids_of(model.generate(prompt, max_tokens=24))
         assert len(tokens) == 24
 
 

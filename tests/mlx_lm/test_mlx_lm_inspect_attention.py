@@ -50,9 +50,10 @@ def test_token_ids_and_bad_prompts(model: Any) -> None:
     with pytest.raises(WorkerReplyError, match="vocabulary") as caught:
         model.inspect_attention([10**6])
     assert caught.value.code == "bad_field"
+    assert model.err() is not None  # the refused request was kept, as every failed call is
     with pytest.raises(ValueError, match="no token ids"):  # a wrong value, as on the metal backend
         model.inspect_attention([])
-    assert model.err() is not None  # the refused request was kept, as every failed call is
+    assert model.err() is None  # reset by that call, as by every call
 
 
 def test_a_protocol_1_worker_is_accepted_but_cannot_inspect(tmp_path: Path) -> None:
@@ -64,3 +65,18 @@ def test_a_protocol_1_worker_is_accepted_but_cannot_inspect(tmp_path: Path) -> N
         assert m.protocol == 1
         with pytest.raises(WorkerError, match="needs protocol 2"):
             m.inspect_attention("x")
+
+
+def test_an_older_worker_is_not_sent_a_messages_other_keys(tmp_path: Path) -> None:
+    # A worker before protocol 4 refuses them ("has unknown key(s)"), which the metal backend renders.
+    python = tmp_path / "python-v1"
+    fake = Path(__file__).with_name("fake_worker.py")  # announces protocol 1
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{fake}" error "$@"\n')
+    python.chmod(0o755)
+    with MlxLmBackend(str(python)).load(str(tmp_path), LoadConfig()) as m:
+        with pytest.raises(WorkerError, match="a message's keys other than role and content need protocol 4"):
+            m.chat([{"role": "user", "content": "x", "name": "bob"}])
+        with pytest.raises(WorkerError, match="need protocol 4"):
+            m.prompt_length([{"role": "user", "content": "x", "name": "bob"}])
+        with pytest.raises(WorkerReplyError, match="fake failure"):  # role and content alone are sent
+            list(m.chat([{"role": "user", "content": "x", "name": None}]))

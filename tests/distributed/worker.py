@@ -37,7 +37,9 @@ def main() -> None:
     distributed = None if a.mode == "none" else a.mode
     out: dict[str, object] = {}
     pymlxc.core.reset_peak_memory()
-    with pymlxc.load_model(a.model, distributed=distributed, context_len=256) as model:
+    # A prompt past context_len is refused (ContextLengthError): the long prompt gets room for itself.
+    context_len = max(256, 2 * a.long_prompt)
+    with pymlxc.load_model(a.model, distributed=distributed, context_len=context_len) as model:
         out["load_peak"] = pymlxc.core.get_peak_memory()
         out["load_active"] = pymlxc.core.get_active_memory()
         rank = pymlxc.core.distributed.init().rank() if distributed else 0

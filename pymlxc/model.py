@@ -72,6 +72,14 @@ def check_context(prompt_tokens: int, context_len: int | None, item: int | None 
         raise ContextLengthError.for_prompt(prompt_tokens, context_len, item)
 
 
+def _key_problem(key: Any, at: str) -> Exception | None:
+    """Why `key` of a mapping at `at` is not a JSON object's key with valid text, or None."""
+    if not isinstance(key, str):
+        return TypeError(f"{at} has a key that is not a str: {key!r}")
+    problem = surrogate_problem(key)
+    return None if problem is None else ValueError(f"{at} has a key that {problem}")
+
+
 def _json_data_problem(value: Any, where: str) -> Exception | None:
     """Why `value` (at `where`) is not JSON data with valid text, or None. Iterative, and each
     container visited once: a value may nest deeply, or hold itself."""
@@ -93,11 +101,9 @@ def _json_data_problem(value: Any, where: str) -> Exception | None:
             seen.add(id(v))
             if isinstance(v, Mapping):
                 for k in v:
-                    if not isinstance(k, str):
-                        return TypeError(f"{at} has a key that is not a str: {k!r}")
-                    problem = surrogate_problem(k)
-                    if problem is not None:
-                        return ValueError(f"{at} has a key that {problem}")
+                    wrong = _key_problem(k, at)
+                    if wrong is not None:
+                        return wrong
                 stack.extend((item, f"{at}[{k!r}]") for k, item in reversed(list(v.items())))
             else:
                 stack.extend((item, f"{at}[{i}]") for i, item in reversed(list(enumerate(v))))
@@ -123,17 +129,11 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
         fields = message.to_dict() if isinstance(message, Message) else message
         if not isinstance(fields, Mapping) or "role" not in fields or "content" not in fields:
             raise TypeError(f"message {n} must be a Message or a dict with 'role' and 'content'")
-        for key in fields:
-            # A template reads a message's fields by name; the worker's JSON has no other keys.
-            if not isinstance(key, str):
-                raise TypeError(f"message {n} has a key that is not a str: {key!r}")
-            problem = surrogate_problem(key)
-            if problem is not None:
-                raise ValueError(f"message {n}'s key {key!r} {problem}")
         if not isinstance(fields["role"], str) or not isinstance(fields["content"], str):
             raise TypeError(f"message {n}: role and content must be strings")
         for key, value in fields.items():
-            wrong = _json_data_problem(value, f"message {n}'s {key}")
+            # A template reads a message's fields by name; the worker's JSON has no other keys.
+            wrong = _key_problem(key, f"message {n}") or _json_data_problem(value, f"message {n}'s {key}")
             if wrong is not None:
                 raise wrong
         out.append({key: value for key, value in fields.items() if value is not None})

@@ -356,14 +356,18 @@ STRICT_TEMPLATE = ("{% for m in messages %}{% if m['role'] not in ['user', 'assi
                    "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
-@pytest.fixture(scope="module")
-def strict_template_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, TextModel]]:
-    path = write_tiny_model(tmp_path_factory.mktemp("contract") / "strict", "llama", seed=3,
-                            chat_template=STRICT_TEMPLATE)
+def _template_models(factory: pytest.TempPathFactory, name: str, template: str) -> Iterator[dict[str, TextModel]]:
+    """A tiny Llama with `template` as its chat template, loaded on each backend (closed after)."""
+    path = write_tiny_model(factory.mktemp("contract") / name, "llama", seed=3, chat_template=template)
     models = {b: _load(b, path) for b in BACKENDS}
     yield models
     for m in models.values():
         m.close()
+
+
+@pytest.fixture(scope="module")
+def strict_template_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, TextModel]]:
+    yield from _template_models(tmp_path_factory, "strict", STRICT_TEMPLATE)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -537,12 +541,7 @@ NAMED_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}{% if m.name is defined
 
 @pytest.fixture(scope="module")
 def named_template_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, TextModel]]:
-    path = write_tiny_model(tmp_path_factory.mktemp("contract") / "named", "llama", seed=3,
-                            chat_template=NAMED_TEMPLATE)
-    models = {b: _load(b, path) for b in BACKENDS}
-    yield models
-    for m in models.values():
-        m.close()
+    yield from _template_models(tmp_path_factory, "named", NAMED_TEMPLATE)
 
 
 def test_extra_message_keys_reach_the_template_alike(named_template_models: dict[str, TextModel]) -> None:

@@ -11,21 +11,20 @@ import shutil
 import subprocess
 import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import gguf
-import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFValueType as VT
 
 from pymlxc.backends.metal.formats.gguf import GGUFError
 from pymlxc.backends.metal.loader import load_gguf_model
 from pymlxc.testing import write_tiny_model
 
 from .gguf_export import export_gguf
+from .test_gguf_hostile import DELETE, rewrite
 
 LONG = "x" * 200
 # name -> (the change to the token list, given two ids a < b of tokens no merge uses;
@@ -54,31 +53,6 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return export_gguf(write_tiny_model(root / "llama", "llama", seed=5), root / "gguf" / "llama.gguf", Q.F32)
 
 
-def _rewrite(src: Path, out: Path, changes: Mapping[str, Any]) -> Path:
-    """A copy of the GGUF file `src` with metadata `changes`: a list, a string, or None to delete."""
-    reader = gguf.GGUFReader(src)
-    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture" or name in changes:
-            continue
-        if field.types[0] == VT.ARRAY:
-            writer.add_array(name, field.contents())
-        else:
-            writer.add_key_value(name, field.contents(), field.types[0])
-    for name, value in changes.items():
-        if isinstance(value, str):
-            writer.add_string(name, value)
-        elif value is not None:
-            writer.add_array(name, list(value))
-    for t in reader.tensors:
-        writer.add_tensor(t.name, np.asarray(t.data), raw_shape=[int(d) for d in reversed(t.shape)],
-                          raw_dtype=t.tensor_type)
-    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file,
-                 writer.close):
-        step()
-    return out
-
-
 def _variant(llama: Path, out: Path, case: str, model: str) -> tuple[Path, list[str], tuple[int, int] | None]:
     """(file, its tokens, the repeat expected) of `case` for tokenizer `model`. The ids changed are
     normal tokens no merge uses, so the file differs from the export only in the case's change."""
@@ -94,9 +68,9 @@ def _variant(llama: Path, out: Path, case: str, model: str) -> tuple[Path, list[
     tokens = [change.get(i, t) for i, t in enumerate(tokens)]
     changes: dict[str, Any] = {"tokenizer.ggml.tokens": tokens}
     if model == "llama":  # SentencePiece: scores instead of merges
-        changes.update({"tokenizer.ggml.model": "llama", "tokenizer.ggml.merges": None,
+        changes.update({"tokenizer.ggml.model": "llama", "tokenizer.ggml.merges": DELETE,
                         "tokenizer.ggml.scores": [float(-i) for i in range(len(tokens))]})
-    return _rewrite(llama, out, changes), tokens, repeat
+    return rewrite(llama, out, changes), tokens, repeat
 
 
 @pytest.mark.parametrize("model", MODELS)

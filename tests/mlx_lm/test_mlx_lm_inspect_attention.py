@@ -56,11 +56,17 @@ def test_token_ids_and_bad_prompts(model: Any) -> None:
     assert model.err() is None  # reset by that call, as by every call
 
 
-def test_a_protocol_1_worker_is_accepted_but_cannot_inspect(tmp_path: Path) -> None:
+def _protocol_1_python(tmp_path: Path) -> Path:
+    """A "python" whose worker is fake_worker.py, which announces protocol 1."""
     python = tmp_path / "python-v1"
-    fake = Path(__file__).with_name("fake_worker.py")  # announces protocol 1
+    fake = Path(__file__).with_name("fake_worker.py")
     python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{fake}" error "$@"\n')
     python.chmod(0o755)
+    return python
+
+
+def test_a_protocol_1_worker_is_accepted_but_cannot_inspect(tmp_path: Path) -> None:
+    python = _protocol_1_python(tmp_path)
     with MlxLmBackend(str(python)).load(str(tmp_path), LoadConfig()) as m:
         assert m.protocol == 1
         with pytest.raises(WorkerError, match="needs protocol 2"):
@@ -69,10 +75,7 @@ def test_a_protocol_1_worker_is_accepted_but_cannot_inspect(tmp_path: Path) -> N
 
 def test_an_older_worker_is_not_sent_a_messages_other_keys(tmp_path: Path) -> None:
     # A worker before protocol 4 refuses them ("has unknown key(s)"), which the metal backend renders.
-    python = tmp_path / "python-v1"
-    fake = Path(__file__).with_name("fake_worker.py")  # announces protocol 1
-    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{fake}" error "$@"\n')
-    python.chmod(0o755)
+    python = _protocol_1_python(tmp_path)
     with MlxLmBackend(str(python)).load(str(tmp_path), LoadConfig()) as m:
         with pytest.raises(WorkerError, match="a message's keys other than role and content need protocol 4"):
             m.chat([{"role": "user", "content": "x", "name": "bob"}])

@@ -37,6 +37,7 @@ from pymlxc.core.cuda_kernel import SharedKernel, float32_bits
 from .kernels import add_rms_norm as norm_kernel
 from .kernels import dequantize as dequantize_kernel
 from .kernels import matvec as matvec_kernel
+from .kernels import prefill_attention as attention_kernel
 from .kernels import qmm as qmm_kernel
 from .kernels import rope_kv as rope_kernel
 from .kernels.check import CheckedOnce, on_cuda
@@ -489,6 +490,71 @@ def _compare_qmm(dtype: Any, group_size: int) -> str | None:
         bad = np.unravel_index(int(np.argmax(np.abs(got - want) - tol)), want.shape)
         return (f"its product differs from MLX's dequantized weights at row {bad[0]}, column {bad[1]} "
                 f"({got[bad]:.5g} against {want[bad]:.5g})")
+    return None
+
+
+# Reads q, keys and values through their strides (head slices of a joint product, cache buffers).
+_the_prefill_attention = SharedKernel(attention_kernel.NAME, attention_kernel.INPUTS, attention_kernel.OUTPUT_NAMES,
+                                      attention_kernel.SOURCE, ensure_row_contiguous=False)
+prefill_attention_checks = CheckedOnce("pymlxc's CUDA prefill attention",
+                                       source=(attention_kernel.__file__, __file__))
+
+
+def prefill_attention(q: Array, k: Array, v: Array, scale: float) -> Array:
+    """Causal attention of q [B, HQ, L, D] over k and v [B, HKV, T, D] (T >= L, the chunk's keys
+    last) through pymlxc's kernel (`kernels/prefill_attention.py`; `prefill_attention_takes`):
+    [B, HQ, L, D], a transposed view of the kernel's [B, L, HQ, D]."""
+    b, hq, n, d = q.shape
+    (y,) = _the_prefill_attention()([q, k, v], output_shapes=[(b, n, hq, d)], output_dtypes=[q.dtype],
+                                    **attention_kernel.launch(b, n, hq, k.shape[1], d, q.dtype, scale))
+    return mx.transpose(y, (0, 2, 1, 3))
+
+
+def prefill_attention_takes(q: Array, k: Array, v: Array) -> bool:
+    """Whether the kernel takes these shapes and types (`kernels/prefill_attention.applies`)."""
+    if q.ndim != 4 or k.ndim != 4 or tuple(k.shape) != tuple(v.shape) or k.shape[0] != q.shape[0]:
+        return False
+    if k.shape[3] != q.shape[3] or not (q.dtype == k.dtype == v.dtype):
+        return False
+    return attention_kernel.applies(q.shape[2], k.shape[2], q.shape[1], k.shape[1], q.shape[3], q.dtype.size)
+
+
+def prefill_attention_ready(dtype: Any, head_dim: int, heads: int, kv_heads: int, scale: float) -> bool:
+    """Whether the kernel runs here for these heads and agrees with float64 (checked once per machine
+    and key, see kernels/check.py)."""
+    if not attention_kernel.applies(2, 2, heads, kv_heads, head_dim, dtype.size):
+        return False
+    return prefill_attention_checks.verdict(
+        ("prefill_attention", str(dtype), head_dim, heads, kv_heads, float(scale)),
+        lambda: _compare_prefill_attention(dtype, head_dim, heads, kv_heads, scale))
+
+
+def _compare_prefill_attention(dtype: Any, head_dim: int, heads: int, kv_heads: int, scale: float) -> str | None:
+    """None where the kernel's attention agrees with float64 on the same values, for chunks that do not
+    fill a block, over keys that are views of a longer buffer, and q a view of joint heads; else why not."""
+    import numpy as np  # noqa: PLC0415 - the check alone needs it
+
+    rng = np.random.default_rng(0)
+    rep = heads // kv_heads
+    for n, t in ((37, 37), (21, 90), (2, 2)):
+        joint = mx.array(rng.standard_normal((1, heads + kv_heads, n, head_dim)).astype(np.float32)).astype(dtype)
+        buffers = [mx.array(rng.standard_normal((1, kv_heads, t + 13, head_dim)).astype(np.float32)).astype(dtype)
+                   for _ in range(2)]
+        q = mx.slice(joint, [0, 0, 0, 0], [1, heads, n, head_dim], [1, 1, 1, 1])
+        k, v = (mx.slice(a, [0, 0, 0, 0], [1, kv_heads, t, head_dim], [1, 1, 1, 1]) for a in buffers)
+        got = np.asarray(prefill_attention(q, k, v, scale).astype(mx.float32))
+        qf, kf, vf = (np.asarray(a.astype(mx.float32)).astype(np.float64) for a in (q, k, v))
+        kf, vf = np.repeat(kf, rep, axis=1), np.repeat(vf, rep, axis=1)
+        scores = qf @ np.swapaxes(kf, -1, -2) * scale
+        visible = np.arange(t)[None, :] <= np.arange(n)[:, None] + (t - n)
+        scores = np.where(visible, scores, -np.inf)
+        weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        want = (weights / weights.sum(axis=-1, keepdims=True)) @ vf
+        tol = 2.0 ** -7 * (np.abs(want) + np.abs(vf).max()) * 0.25
+        if not np.all(np.abs(got - want) <= tol):
+            bad = np.unravel_index(int(np.argmax(np.abs(got - want) - tol)), want.shape)
+            return (f"its attention of {n} queries over {t} keys differs from float64 at head {bad[1]}, "
+                    f"query {bad[2]}, element {bad[3]} ({got[bad]:.5g} against {want[bad]:.5g})")
     return None
 
 

@@ -25,6 +25,7 @@ from .kernel_choice import (
     dense_matmul,
     dense_ready,
     kernels_allowed,
+    prefill_attention_ready,
     qmm_product,
     qmm_ready,
     qmm_takes,
@@ -830,6 +831,22 @@ def choose_dense_matvec(model: Any, setting: str, dtype: Any) -> bool:
     return True
 
 
+def mark_prefill_attention(model: Any, use: bool, dtype: Any) -> bool:
+    """Mark `model`'s attention modules (those of a class with `prefill_kernel`) to run causal chunks
+    through pymlxc's CUDA kernel (`kernels/prefill_attention.py`) where `use`
+    (`Settings.cuda_prefill_attention`) and the kernel's check for their heads in `dtype` pass; the
+    others keep MLX's attention. Returns whether any module was marked."""
+    marked = False
+    for _, m in model.named_modules():
+        if not isinstance(getattr(type(m), "prefill_kernel", None), bool):
+            continue
+        on = bool(use and dtype is not None and isinstance(m.scale, float)
+                  and prefill_attention_ready(dtype, m.head_dim, m.n_heads, m.n_kv_heads, m.scale))
+        m.__dict__["prefill_kernel"] = on
+        marked = marked or on
+    return marked
+
+
 def choose_kernels(model: Any, settings: Settings, dtype: Any) -> bool:
     """Every load-time kernel choice for `model`'s layers, by `settings`: the 4-bit matvec kernel
     (returned: whether it was chosen), the dense one for 16-bit block linears, the dense prefill
@@ -839,6 +856,7 @@ def choose_kernels(model: Any, settings: Settings, dtype: Any) -> bool:
     choose_dense_matvec(model, settings.cuda_dense_matvec, dtype)
     mark_dense_products(model, settings.switch_on("dense_prefill", on_cuda()))
     mark_qmm_products(model, settings.switch_on("cuda_qmm", on_cuda()), dtype)
+    mark_prefill_attention(model, settings.switch_on("cuda_prefill_attention", on_cuda()), dtype)
     return cuda_matvec
 
 

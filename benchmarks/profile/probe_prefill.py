@@ -24,6 +24,8 @@ block layers, the group-32 products, or the compiled segments that do not trace 
                                      # dequantize (PYMLXC_PREFILL_DEQUANTIZE_KERNEL), runs interleaved
         [--dequantize-batch-ab]      # segmented, dequantizing with the kernel: a segment's weights in
                                      # one kernel call and in a call each, runs interleaved
+        [--attention-ab]             # pymlxc's prefill attention kernel against MLX's (cuDNN) attention,
+                                     # runs interleaved; then each side's first runs at new lengths
         [--compiled-ab]              # segmented, chunks op by op (qmm_rows): compiled prefill against
                                      # op by op, runs interleaved
         [--thread-ab]                # segmented: the evaluation thread on and off, runs interleaved
@@ -142,6 +144,33 @@ def compiled_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: bool
         model.qmm_rows = marked
 
 
+def attention_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: bool) -> dict[str, Any]:
+    """`--attention-ab`: the attention modules marked for pymlxc's prefill attention kernel (on, as the
+    load's check left them) against MLX's attention (off). Also each side's first run at lengths
+    neither has run (`*_new_length_runs_ms`: MLX builds a cuDNN graph for each new shape)."""
+    modules = [m for _, m in side.loaded.model.named_modules()
+               if isinstance(getattr(type(m), "prefill_kernel", None), bool)]
+    marked = [m.prefill_kernel for m in modules]
+    if not any(marked):
+        raise SystemExit("--attention-ab: no attention module is marked for the kernel (nn.mark_prefill_attention)")
+
+    def choose(on: bool) -> None:
+        for m, was in zip(modules, marked, strict=True):
+            m.__dict__["prefill_kernel"] = was and on
+
+    try:
+        result = interleaved_ab(side, prompt, repeats, clear_cache, choose)
+        fresh = iter(range(len(prompt) + 1, len(prompt) + 1 + 2 * repeats))
+        for name, on in (("on", True), ("off", False)):
+            choose(on)
+            result[f"{name}_new_length_runs_ms"] = [
+                1e3 * timed_run(side, probe_prompt(next(fresh), side.vocab), 1, clear_cache=clear_cache)["ttft_s"]
+                for _ in range(repeats)]
+        return result
+    finally:
+        choose(True)
+
+
 def dequantize_batch_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: bool) -> dict[str, Any]:
     """`--dequantize-batch-ab`: the weights a segment dequantizes before its trace in one call of
     pymlxc's kernel (on, `PrefillSpec.dense_weights`) against one call a weight (off)."""
@@ -240,6 +269,7 @@ def ab_runs(args: argparse.Namespace) -> list[tuple[str, ABRun]]:
               (args.dequantized_ab, "prefill_dequantized", switch("prefill_dequantized")),
               (args.dequantize_kernel_ab, "prefill_dequantize_kernel", switch("prefill_dequantize_kernel")),
               (args.dequantize_batch_ab, "dequantize_batch", dequantize_batch_ab),
+              (args.attention_ab, "prefill_attention", attention_ab),
               (args.compiled_ab, "compiled", compiled_ab), (args.thread_ab, "eval_thread", switch("threaded", False)),
               (args.exact_cache_ab, "exact_cache", exact_cache_ab), (args.pin_ab, "pinned", pin_ab)]
     return [(name, run) for flag, name, run in chosen if flag]
@@ -276,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
                         "before each segment by pymlxc's kernel and runs that dequantize inside the traces")
     p.add_argument("--dequantize-batch-ab", action="store_true",
                    help="segmented, dequantizing with the kernel: one call a segment against one a weight")
+    p.add_argument("--attention-ab", action="store_true",
+                   help="interleave runs with the prefill attention kernel and with MLX's attention; also "
+                        "each side's first runs at new lengths")
     p.add_argument("--compiled-ab", action="store_true",
                    help="segmented mode, a model whose chunks go op by op through the tensor-core qmm: "
                         "interleave runs on the compiled prefill (on) and op by op (off); groups 32 and 64 may "
@@ -338,6 +371,10 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{'':40s} {attr} on {ab['on_ms']:6.2f} ms  off {ab['off_ms']:6.2f} ms  "
                               f"(runs on {' '.join(f'{t:.2f}' for t in ab['on_runs_ms'])}; "
                               f"off {' '.join(f'{t:.2f}' for t in ab['off_runs_ms'])})", flush=True)
+                        if "on_new_length_runs_ms" in ab:
+                            print(f"{'':40s} {attr} new lengths on "
+                                  f"{' '.join(f'{t:.2f}' for t in ab['on_new_length_runs_ms'])}; off "
+                                  f"{' '.join(f'{t:.2f}' for t in ab['off_new_length_runs_ms'])} ms", flush=True)
                 if args.split and mode == "segmented":
                     split = host_split(side, n, args.repeats, args.profile)
                     rows[-1].update(split)

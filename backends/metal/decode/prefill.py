@@ -461,7 +461,7 @@ class PrefillRunner:
             final = i + 1 == len(blocks)
             if final:
                 (q, mask), h = last_query(q, mask), h[:, -1:]
-            out = attention(q, keys, values, scale=attn.scale, mask=mask)
+            out = attention(q, keys, values, scale=attn.scale, mask=mask, kernel=attn.prefill_kernel)
             if final:
                 (h,) = self._call(2, self._last, [out, h], batch)
             else:

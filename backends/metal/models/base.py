@@ -17,6 +17,7 @@ from pymlxc.core import Array
 from .. import nn
 from ..cache import CONTEXT_KEEP, Cache, KVCache, Mask, RotatingKVCache, create_causal_mask, make_prompt_mask
 from ..config_check import ConfigError, check_args, check_params
+from ..kernel_choice import kernels_allowed, prefill_attention, prefill_attention_takes
 from ..thread_setting import ThreadSetting
 
 _sdpa = mx.fast.scaled_dot_product_attention
@@ -177,10 +178,15 @@ def rope_and_cache(rope: Any, q: Array, k: Array, v: Array, cache: Cache | None)
     return q, k, v
 
 
-def attention(q: Array, k: Array, v: Array, *, scale: float, mask: Mask) -> Array:
-    """softmax(q k^T * scale + mask) v over [B, heads, L, head_dim]; kv heads may be fewer (GQA)."""
+def attention(q: Array, k: Array, v: Array, *, scale: float, mask: Mask, kernel: bool = False) -> Array:
+    """softmax(q k^T * scale + mask) v over [B, heads, L, head_dim]; kv heads may be fewer (GQA).
+    With `kernel` (an attention module marked at load, `nn.mark_prefill_attention`) a causal chunk
+    the CUDA kernel takes runs there (`kernel_choice.prefill_attention`): MLX builds a cuDNN graph
+    for each new shape, 40 ms and more on a GPU."""
     if _QUERY_SINKS:
         _record_queries(q)
+    if kernel and isinstance(mask, str) and kernels_allowed() and prefill_attention_takes(q, k, v):
+        return prefill_attention(q, k, v, scale)
     return _sdpa(q, k, v, scale=scale, mask=mask)
 
 

@@ -65,6 +65,8 @@ class ModelArgs(BaseModelArgs):
 
 
 class Attention(nn.Module):
+    prefill_kernel = False  # a causal chunk's attention through pymlxc's CUDA kernel (nn.mark_prefill_attention)
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         dim = args.hidden_size
@@ -91,7 +93,7 @@ class Attention(nn.Module):
         if self.cap:
             out = softcapped_attention(q, k, v, scale=self.scale, cap=self.cap, mask=mask, n_kv_heads=self.n_kv_heads)
         else:
-            out = attention(q, k, v, scale=self.scale, mask=mask)
+            out = attention(q, k, v, scale=self.scale, mask=mask, kernel=self.prefill_kernel)
         return self.o_proj(_reshape(_transpose(out, (0, 2, 1, 3)), (b, L, -1)))
 
 

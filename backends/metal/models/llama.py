@@ -81,6 +81,8 @@ def resolve_rope_parameters(args: Any) -> None:
 
 
 class Attention(nn.Module):
+    prefill_kernel = False  # a causal chunk's attention through pymlxc's CUDA kernel (nn.mark_prefill_attention)
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         dim = args.hidden_size
@@ -139,7 +141,7 @@ class Attention(nn.Module):
         q, k, v = rope_and_cache(self.rope, q, k, v, cache)
         if last_only:
             q, mask = last_query(q, mask)
-        return self.output(attention(q, k, v, scale=self.scale, mask=mask))
+        return self.output(attention(q, k, v, scale=self.scale, mask=mask, kernel=self.prefill_kernel))
 
 
 def one_token_rows(out: Array) -> Array:

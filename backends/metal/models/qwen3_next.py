@@ -136,6 +136,8 @@ class RMSNormGated(nn.Module):
 
 class Attention(nn.Module):
     """Full attention with a per-head sigmoid output gate carried by q_proj."""
+    prefill_kernel = False  # a causal chunk's attention through pymlxc's CUDA kernel (nn.mark_prefill_attention)
+
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -163,7 +165,7 @@ class Attention(nn.Module):
         if last_only:
             q, mask = last_query(q, mask)
             gate = gate[:, -1:]
-        out = attention(q, k, v, scale=self.scale, mask=mask)
+        out = attention(q, k, v, scale=self.scale, mask=mask, kernel=self.prefill_kernel)
         out = _reshape(_transpose(out, (0, 2, 1, 3)), (b, q.shape[2], -1))
         return self.o_proj(out * mx.sigmoid(_reshape(gate, (b, q.shape[2], -1))))
 

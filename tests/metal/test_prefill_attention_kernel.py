@@ -1,0 +1,182 @@
+"""pymlxc's prefill attention kernel (backends/metal/kernels/prefill_attention.py) and its choice.
+
+Everywhere: the launch covers every query position of every head; the kernel takes causal chunks of
+2-byte floats, head sizes 64 and 128, GQA groups a block holds, up to MAX_PAIRS query-key pairs; a
+marked attention module sends exactly those chunks to it (here a stand-in on MLX's attention
+records them), not decode steps, explicit masks, traces of gradients or larger chunks, and the
+tokens stay those of MLX's attention; marking off CUDA or with the switch off marks nothing.
+
+On CUDA (MLX's CUDA build): the kernel's output is float64's within the dtype's rounding for chunk
+and cache lengths on both sides of a block and a key tile, q a view of joint heads and keys views of
+a longer buffer; its check passes; a model's prefill through it gives MLX's greedy tokens.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pymlxc.core as mx
+from pymlxc.backends.metal import generate as loops
+from pymlxc.backends.metal import kernel_choice, nn
+from pymlxc.backends.metal.kernels import prefill_attention as kernel
+from pymlxc.backends.metal.loader import load_weights_and_config
+from pymlxc.backends.metal.models import base
+from pymlxc.backends.metal.sample import greedy
+from pymlxc.testing import write_tiny_model
+
+ON_CUDA = mx.cuda_available() and mx.default_device().type == "gpu"
+cuda_only = pytest.mark.skipif(not ON_CUDA, reason="the kernel needs MLX's CUDA build (run on the GPU machine)")
+
+GROUPS = st.sampled_from([(32, 8), (16, 8), (8, 8), (32, 4), (14, 2), (8, 1), (32, 1), (16, 1)])
+
+
+@given(batch=st.integers(1, 3), q_len=st.integers(2, 600), group=GROUPS, head_dim=st.sampled_from(kernel.HEAD_DIMS))
+def test_the_launch_covers_every_position(batch: int, q_len: int, group: tuple[int, int], head_dim: int) -> None:
+    heads, kv_heads = group
+    if not kernel.applies(q_len, q_len, heads, kv_heads, head_dim, 2):
+        return
+    geo = kernel.launch(batch, q_len, heads, kv_heads, head_dim, mx.bfloat16, 0.125)
+    blocks = geo["grid"][0] // kernel.THREADS
+    positions = kernel.vectors(heads // kv_heads) * kv_heads // heads
+    assert geo["threadgroup"] == (kernel.THREADS, 1, 1) and geo["grid"][0] % kernel.THREADS == 0
+    assert blocks == batch * kv_heads * math.ceil(q_len / positions)
+    assert dict(geo["template"])["QV"] * kv_heads % heads == 0
+
+
+def test_what_the_kernel_takes() -> None:
+    assert kernel.applies(128, 128, 32, 8, 64, 2) and kernel.applies(128, 2048, 32, 8, 128, 2)
+    assert not kernel.applies(129, 2048, 32, 8, 64, 2)  # more than MAX_PAIRS pairs
+    assert not kernel.applies(1, 100, 32, 8, 64, 2)  # one query: the decode's kernels
+    assert not kernel.applies(20, 10, 32, 8, 64, 2)  # more queries than keys
+    assert not kernel.applies(20, 20, 32, 8, 96, 2) and not kernel.applies(20, 20, 32, 8, 256, 2)
+    assert not kernel.applies(20, 20, 32, 8, 64, 4)  # float32
+    assert kernel.applies(20, 20, 32, 1, 64, 2) and kernel.applies(20, 20, 16, 1, 128, 2)
+    assert not kernel.applies(20, 20, 32, 1, 128, 2)  # 32 query heads a key head: more than a block holds
+    assert not kernel.applies(20, 20, 30, 8, 64, 2) and not kernel.applies(20, 20, 12, 4, 64, 2)
+
+
+@pytest.fixture
+def llama(tmp_path: Any):
+    path = write_tiny_model(tmp_path / "llama", "llama", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                            dtype="float16")
+    with load_weights_and_config(path) as loaded:
+        yield loaded.model
+
+
+def attention_modules(model: Any) -> list[Any]:
+    return [m for _, m in model.named_modules() if isinstance(getattr(type(m), "prefill_kernel", None), bool)]
+
+
+def test_marked_modules_send_causal_chunks_to_the_kernel(llama: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A marked model's causal chunks (prefill, op by op) reach the kernel's entry, its one-token
+    steps and its gradients' traces do not; the greedy tokens are those of MLX's attention."""
+    prompt = [int(i) for i in np.random.default_rng(0).integers(16, 500, size=30)]
+    want = list(loops.generate_ids(llama, prompt, cache=llama.make_cache(None), max_tokens=6, sampler=greedy))
+    calls: list[tuple[int, int]] = []
+
+    def stand_in(q: Any, k: Any, v: Any, scale: float) -> Any:
+        calls.append((q.shape[2], k.shape[2]))
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
+
+    monkeypatch.setattr(base, "prefill_attention", stand_in)
+    for m in attention_modules(llama):
+        monkeypatch.setitem(m.__dict__, "prefill_kernel", True)
+    got = list(loops.generate_ids(llama, prompt, cache=llama.make_cache(None), max_tokens=6, sampler=greedy,
+                                  prefill_step=16))
+    assert got == want
+    # Two chunks through layer 0 (the last layer's queries need no attention but the last one's, a
+    # single query); no decode step.
+    assert calls == [(16, 16), (14, 30)]
+    calls.clear()
+    with kernel_choice.mlx_kernels_only():
+        llama(mx.array([prompt], dtype=mx.int32), cache=llama.make_cache(None))
+    assert calls == []
+    long = mx.array([prompt * 20], dtype=mx.int32)  # 600 x 600 pairs: past MAX_PAIRS
+    mx.eval(llama(long, cache=llama.make_cache(None)))
+    assert calls == []
+
+
+def test_an_explicit_mask_keeps_mlx_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    called: list[Any] = []
+    monkeypatch.setattr(base, "prefill_attention", lambda *a: called.append(a))
+    q = mx.ones((1, 4, 8, 64), dtype=mx.bfloat16)
+    k = mx.ones((1, 2, 8, 64), dtype=mx.bfloat16)
+    mask = mx.ones((8, 8), dtype=mx.bool_)
+    base.attention(q, k, k, scale=0.125, mask=mask, kernel=True)
+    base.attention(q, k, k, scale=0.125, mask=None, kernel=True)
+    base.attention(q, k, k, scale=0.125, mask="causal", kernel=False)
+    assert called == []
+    base.attention(q, k, k, scale=0.125, mask="causal", kernel=True)
+    assert len(called) == 1
+
+
+def test_marking(llama: Any) -> None:
+    """Switched off, nothing is marked; on where the kernel cannot run (a CPU), its check says why
+    and nothing is marked; unmarking puts every module back."""
+    assert not nn.mark_prefill_attention(llama, False, mx.bfloat16)
+    assert not any(m.prefill_kernel for m in attention_modules(llama)) and attention_modules(llama)
+    if not ON_CUDA:
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            assert not nn.mark_prefill_attention(llama, True, mx.bfloat16)
+        assert not any(m.prefill_kernel for m in attention_modules(llama))
+
+
+def _reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    rep = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+    n, t = q.shape[2], k.shape[2]
+    scores = np.where(np.arange(t)[None, :] <= np.arange(n)[:, None] + (t - n), q @ np.swapaxes(k, -1, -2) * scale,
+                      -np.inf)
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return (weights / weights.sum(axis=-1, keepdims=True)) @ v
+
+
+@cuda_only
+@settings(max_examples=40, deadline=None)
+@given(batch=st.integers(1, 2), q_len=st.integers(2, 140), extra=st.integers(0, 300), group=GROUPS,
+       head_dim=st.sampled_from(kernel.HEAD_DIMS), dtype=st.sampled_from(["bfloat16", "float16"]),
+       seed=st.integers(0, 2**16))
+def test_the_kernel_is_float64s_attention(batch: int, q_len: int, extra: int, group: tuple[int, int], head_dim: int,
+                                          dtype: str, seed: int) -> None:
+    heads, kv_heads = group
+    t = q_len + extra
+    if not kernel.applies(q_len, t, heads, kv_heads, head_dim, 2):
+        return
+    rng = np.random.default_rng(seed)
+    dt = getattr(mx, dtype)
+    joint = mx.array(rng.standard_normal((batch, heads + kv_heads, q_len, head_dim)).astype(np.float32)).astype(dt)
+    buffers = [mx.array(rng.standard_normal((batch, kv_heads, t + 7, head_dim)).astype(np.float32)).astype(dt)
+               for _ in range(2)]
+    q = mx.slice(joint, [0, kv_heads, 0, 0], [batch, heads + kv_heads, q_len, head_dim], [1, 1, 1, 1])
+    k, v = (mx.slice(a, [0, 0, 0, 0], [batch, kv_heads, t, head_dim], [1, 1, 1, 1]) for a in buffers)
+    scale = head_dim ** -0.5
+    got = np.asarray(kernel_choice.prefill_attention(q, k, v, scale).astype(mx.float32))
+    qf, kf, vf = (np.asarray(a.astype(mx.float32)).astype(np.float64) for a in (q, k, v))
+    want = _reference(qf, kf, vf, scale)
+    assert got.shape == want.shape == (batch, heads, q_len, head_dim)
+    unit = 2.0 ** -8 if dtype == "bfloat16" else 2.0 ** -11
+    np.testing.assert_array_less(np.abs(got - want), unit * (np.abs(want) + 0.05) + 1e-6)
+
+
+@cuda_only
+def test_the_check_passes_and_a_prefill_keeps_mlx_tokens(tmp_path: Any) -> None:
+    assert kernel_choice.prefill_attention_ready(mx.bfloat16, 64, 32, 8, 0.125)
+    path = write_tiny_model(tmp_path / "llama", "llama", num_layers=2, hidden_size=512, num_heads=8, num_kv_heads=2,
+                            dtype="float16")
+    with load_weights_and_config(path) as loaded:
+        model = loaded.model
+        marked = attention_modules(model)
+        assert marked and all(m.prefill_kernel for m in marked)  # auto on CUDA, at load
+        prompt = [int(i) for i in np.random.default_rng(1).integers(16, 500, size=90)]
+        got = list(loops.generate_ids(model, prompt, cache=model.make_cache(None), max_tokens=8, sampler=greedy))
+        for m in marked:
+            m.__dict__["prefill_kernel"] = False
+        want = list(loops.generate_ids(model, prompt, cache=model.make_cache(None), max_tokens=8, sampler=greedy))
+        assert got == want

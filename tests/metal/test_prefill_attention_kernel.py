@@ -1,7 +1,7 @@
 """pymlxc's prefill attention kernel (backends/metal/kernels/prefill_attention.py) and its choice.
 
 Everywhere: the launch covers every query position of every head; the kernel takes causal chunks of
-2-byte floats, head sizes 64 and 128, GQA groups a block holds, up to MAX_PAIRS query-key pairs; a
+2-byte floats, head sizes 64 and 128, GQA groups of 1-64 heads, up to MAX_PAIRS query-key pairs; a
 marked attention module sends exactly those chunks to it (here a stand-in on MLX's attention
 records them), not decode steps, explicit masks, traces of gradients or larger chunks, and the
 tokens stay those of MLX's attention; marking off CUDA or with the switch off marks nothing.
@@ -43,22 +43,21 @@ def test_the_launch_covers_every_position(batch: int, q_len: int, group: tuple[i
         return
     geo = kernel.launch(batch, q_len, heads, kv_heads, head_dim, mx.bfloat16, 0.125)
     blocks = geo["grid"][0] // kernel.THREADS
-    positions = kernel.vectors(heads // kv_heads) * kv_heads // heads
+    positions = kernel.VECTORS * kv_heads // heads
     assert geo["threadgroup"] == (kernel.THREADS, 1, 1) and geo["grid"][0] % kernel.THREADS == 0
-    assert blocks == batch * kv_heads * math.ceil(q_len / positions)
-    assert dict(geo["template"])["QV"] * kv_heads % heads == 0
+    assert blocks == batch * kv_heads * math.ceil(q_len / positions) and positions >= 1
+    assert dict(geo["template"])["HQ"] == heads and dict(geo["template"])["D"] == head_dim
 
 
 def test_what_the_kernel_takes() -> None:
-    assert kernel.applies(128, 128, 32, 8, 64, 2) and kernel.applies(128, 2048, 32, 8, 128, 2)
-    assert not kernel.applies(129, 2048, 32, 8, 64, 2)  # more than MAX_PAIRS pairs
+    assert kernel.applies(128, 128, 32, 8, 64, 2) and kernel.applies(128, 8192, 32, 8, 128, 2)
+    assert not kernel.applies(129, 8192, 32, 8, 64, 2)  # more than MAX_PAIRS pairs
     assert not kernel.applies(1, 100, 32, 8, 64, 2)  # one query: the decode's kernels
     assert not kernel.applies(20, 10, 32, 8, 64, 2)  # more queries than keys
     assert not kernel.applies(20, 20, 32, 8, 96, 2) and not kernel.applies(20, 20, 32, 8, 256, 2)
     assert not kernel.applies(20, 20, 32, 8, 64, 4)  # float32
-    assert kernel.applies(20, 20, 32, 1, 64, 2) and kernel.applies(20, 20, 16, 1, 128, 2)
-    assert not kernel.applies(20, 20, 32, 1, 128, 2)  # 32 query heads a key head: more than a block holds
-    assert not kernel.applies(20, 20, 30, 8, 64, 2) and not kernel.applies(20, 20, 12, 4, 64, 2)
+    assert kernel.applies(20, 20, 32, 1, 64, 2) and kernel.applies(20, 20, 64, 1, 128, 2)
+    assert not kernel.applies(20, 20, 30, 8, 64, 2) and not kernel.applies(20, 20, 12, 4, 64, 2)  # groups of 3
 
 
 @pytest.fixture
@@ -97,7 +96,7 @@ def test_marked_modules_send_causal_chunks_to_the_kernel(llama: Any, monkeypatch
     with kernel_choice.mlx_kernels_only():
         llama(mx.array([prompt], dtype=mx.int32), cache=llama.make_cache(None))
     assert calls == []
-    long = mx.array([prompt * 20], dtype=mx.int32)  # 600 x 600 pairs: past MAX_PAIRS
+    long = mx.array([prompt * 35], dtype=mx.int32)  # 1050 x 1050 pairs: past MAX_PAIRS
     mx.eval(llama(long, cache=llama.make_cache(None)))
     assert calls == []
 
@@ -161,8 +160,9 @@ def test_the_kernel_is_float64s_attention(batch: int, q_len: int, extra: int, gr
     qf, kf, vf = (np.asarray(a.astype(mx.float32)).astype(np.float64) for a in (q, k, v))
     want = _reference(qf, kf, vf, scale)
     assert got.shape == want.shape == (batch, heads, q_len, head_dim)
-    unit = 2.0 ** -8 if dtype == "bfloat16" else 2.0 ** -11
-    np.testing.assert_array_less(np.abs(got - want), unit * (np.abs(want) + 0.05) + 1e-6)
+    # The output's rounding and that of the probabilities (the type's, for the second product).
+    unit = 2.0 ** -8 if dtype == "bfloat16" else 2.0 ** -10
+    np.testing.assert_array_less(np.abs(got - want), unit * (np.abs(want) + np.abs(vf).max()) + 1e-6)
 
 
 @cuda_only

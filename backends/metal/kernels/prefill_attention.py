@@ -1,22 +1,24 @@
 """Causal attention of a prompt chunk over its cache as one CUDA kernel, for chunks whose queries
-times keys stay small (`MAX_PAIRS`).
+times keys stay below MAX_PAIRS.
 
-MLX's CUDA attention of more than one query runs cuDNN's fused attention, whose graph cuDNN builds
-for each shape of q, keys and values it meets (MLX keeps 256 built graphs). On an H200 that build took
-42-44 ms for each new prompt length (`benchmarks/profile/probe_prefill.py --attention-ab`), where the
-whole 128-token prefill of Llama-3.2-1B takes 8-10 ms: a chat's every turn, a server's every
-request, meets a new pair of chunk and cache lengths and paid it. This kernel is compiled once per
-head size, heads and type (and kept on disk with MLX's other kernels), and runs any lengths.
+MLX's CUDA attention of more than one query runs cuDNN's fused attention, whose graph MLX builds for
+each shape of q, keys and values it meets (256 kept). On an H200 one attention at a new length took
+42-44 ms, and Llama-3.2-1B's time to the first token of a prompt of a new length 48-75 ms against
+9-10 ms at a length run before (`benchmarks/profile/probe_prefill.py --attention-ab`): a chat's
+every turn, a server's every request, meets a new pair of chunk and cache lengths. This kernel is
+compiled once per head size, heads and type (MLX keeps its PTX on disk) and runs any lengths.
 
-It is a flash-attention loop on the CUDA cores: a block of 4 warps takes one key/value head and
-`QV` query vectors (the head's `HQ / HKV` query heads at `QV * HKV / HQ` consecutive positions;
-`vectors`),
-held in shared memory scaled by the scale's log2 e; for each tile of 32 keys (keys and values staged
-in shared memory as float32) lane j scores key j against each of its warp's vectors, the warp keeps
-each vector's running maximum and sum (exp2, float32) and each lane accumulates its 1 / 32 of every
-output row. Keys past a query's position (`T - L + i` for query i of L over T keys: the causal
-mask aligned at the bottom right, as MLX's `mask="causal"`) score minus infinity. The output is
-written as [B, L, HQ, D], the layout the output projection reads, and handed back transposed.
+It is a flash-attention loop on tensor cores (`mma.sync` m16n8k16, float32 accumulators): a block of
+4 warps takes one key/value head and 64 query vectors, the head's group of query heads at 64 / group
+consecutive positions, 16 rows a warp held as mma operands in registers. For each tile of 64 keys,
+staged in shared memory (16-byte loads where the rows allow them, else element by element through
+the strides: q may be a view of joint heads, the keys and values views of the cache's buffers), a
+warp forms its 16 x 64 scores, masks keys past each query (`T - L + i` for query i of L over T keys:
+the causal mask aligned at the bottom right, as MLX's `mask="causal"`), updates each row's running
+maximum and sum (exp2, float32) and adds the probabilities, rounded to the 2-byte type as flash
+attention rounds them for the second product, times the values' tile (`ldmatrix.trans` fragments).
+The output is written as [B, L, HQ, D], the layout the output projection reads, and handed back
+transposed.
 """
 from __future__ import annotations
 
@@ -24,29 +26,70 @@ from typing import Any
 
 from pymlxc.core.cuda_kernel import float32_bits
 
+from . import qmm
+
 NAME = "pymlxc_prefill_attention"
 INPUTS = ("q", "keys", "values")
 OUTPUT_NAMES = ("out",)
 THREADS = 128  # 4 warps
 HEAD_DIMS = (64, 128)
-# The largest chunk length times key count the kernel takes: its CUDA-core loop costs about as much
-# as cuDNN's tensor cores for a 128-token chunk over 128 keys, and grows with the pairs; beyond
-# this the per-shape build is a smaller share of the chunk's time.
-MAX_PAIRS = 1 << 18
+# The largest chunk length times key count the kernel takes (1024 tokens over 1024 keys, 128 over
+# 8192): beyond it the per-shape build is a small share of a chunk's time.
+MAX_PAIRS = 1 << 20
 LOG2E = 1.4426950408889634
 
+HEADER = qmm.HEADER + r"""
+namespace pymlxc_attn {
+
+// Four 8 x 8 matrices of 2-byte values from shared memory, each transposed: lane i names row i % 8
+// of matrix i / 8, and a thread gets two elements of one column.
+__device__ __forceinline__ void ldmatrix4_trans(unsigned* r, const void* p) {
+  unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float hi);
+template <> __device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<unsigned*>(&h);
+}
+template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<unsigned*>(&h);
+}
+
+// Row `r` (D values) of a [.., rows, D] tensor into shared memory at `dst`, 8 values a call for the
+// eight-value piece `c`: one 16-byte load where the tensor's rows allow it (`wide`), else eight.
+template <typename T, int D>
+__device__ __forceinline__ void copy8(T* dst, const T* row, int64_t step, int c, bool valid, bool wide) {
+  if (!valid) {
+    *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+  } else if (wide) {
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(row + 8 * c);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) dst[i] = row[(8 * c + i) * step];
+  }
+}
+
+}  // namespace pymlxc_attn
+"""
+
+# Template arguments: T (q, keys, values, output), D (head size), HQ and HKV (query and key/value
+# heads), SCALE_LOG2_BITS (float32 bits of the scale times log2 e). q [B, HQ, L, D], keys and values
+# [B, HKV, T, D] through their strides; out [B, L, HQ, D] row-major.
 SOURCE = r"""
   constexpr int REP = HQ / HKV;
-  constexpr int P = QV / REP;       // positions a block takes
-  constexpr int VPW = QV / 4;       // query vectors a warp takes
-  constexpr int VPT = D / 32;       // output elements a lane keeps per vector
-  __shared__ float ks[32][D + 1];   // padded: lane j reads row j
-  __shared__ float vs[32][D];
-  __shared__ float qs[QV][D];
-  __shared__ float ps[4][32];
-  const int tid = threadIdx.x;
-  const int lane = tid & 31;
-  const int w = tid >> 5;
+  constexpr int BM = 64;             // query vectors a block takes: 16 a warp
+  constexpr int P = BM / REP;        // their positions
+  constexpr int BN = 64;             // keys a tile
+  constexpr int LD = D + 8;          // padded row: ldmatrix without bank conflicts
+  constexpr int KS = D / 16;         // k-steps of q k^T
+  __shared__ __align__(16) T ks[BN * LD];
+  __shared__ __align__(16) T vs[BN * LD];
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
   const int L = q_shape[2];
   const int TK = keys_shape[2];
   const int tiles = (L + P - 1) / P;
@@ -58,123 +101,167 @@ SOURCE = r"""
   const int p0 = pt * P;
   const int off = TK - L;
   const float sl = __int_as_float(SCALE_LOG2_BITS);
-  for (int e = tid; e < QV * D; e += THREADS_) {
-    const int v = e / D, d = e % D, pos = p0 + v / REP;
-    float x = 0.f;
-    if (pos < L) {
-      x = sl * static_cast<float>(q[b * q_strides[0] + (h * REP + v % REP) * q_strides[1] +
-                                    pos * q_strides[2] + d * q_strides[3]]);
-    }
-    qs[v][d] = x;
-  }
-  float m[VPW], l[VPW], o[VPW][VPT];
-  int lim[VPW];
-#pragma unroll
-  for (int u = 0; u < VPW; ++u) {
-    m[u] = Limits<float>::finite_min();
-    l[u] = 0.f;
-    lim[u] = off + p0 + (w * VPW + u) / REP;  // the last key this vector sees
-#pragma unroll
-    for (int t = 0; t < VPT; ++t) o[u][t] = 0.f;
-  }
-  const int kend = min(off + min(p0 + P, L), TK);
+  auto wide = [](const T* base, int64_t s2, int64_t s3) {
+    return s3 == 1 && (s2 % 8) == 0 && (reinterpret_cast<unsigned long long>(base) & 15ull) == 0;
+  };
+  const T* qb = q + b * q_strides[0];
   const T* kb = keys + b * keys_strides[0] + h * keys_strides[1];
   const T* vb = values + b * values_strides[0] + h * values_strides[1];
-  for (int k0 = 0; k0 < kend; k0 += 32) {
-    __syncthreads();
-    for (int e = tid; e < 32 * D; e += THREADS_) {
-      const int j = e / D, d = e % D, key = k0 + j;
-      float kx = 0.f, vx = 0.f;
-      if (key < TK) {
-        kx = static_cast<float>(kb[key * keys_strides[2] + d * keys_strides[3]]);
-        vx = static_cast<float>(vb[key * values_strides[2] + d * values_strides[3]]);
-      }
-      ks[j][d] = kx;
-      vs[j][d] = vx;
+  const bool qw = wide(qb, q_strides[2], q_strides[3]) && (q_strides[1] % 8) == 0;
+  const bool kw = wide(kb, keys_strides[2], keys_strides[3]);
+  const bool vw = wide(vb, values_strides[2], values_strides[3]);
+
+  // The block's query vectors (vector r: position p0 + r / REP, head h * REP + r % REP) through ks,
+  // then each warp's 16 as mma A fragments in registers.
+  for (int e = tid; e < BM * D / 8; e += THREADS_) {
+    const int r = e / (D / 8), c = e % (D / 8), pos = p0 + r / REP;
+    const T* row = qb + (h * REP + r % REP) * q_strides[1] + static_cast<int64_t>(min(pos, L - 1)) * q_strides[2];
+    pymlxc_attn::copy8<T, D>(ks + r * LD + 8 * c, row, q_strides[3], c, pos < L, qw);
+  }
+  __syncthreads();
+  unsigned qa[KS][4];
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk)
+    pymlxc_qmm::ldmatrix4(qa[kk], ks + (16 * w + (lane & 15)) * LD + 16 * kk + (lane >> 4) * 8);
+
+  // Rows g and g + 8 of the warp's 16: their last visible key (the causal mask, bottom-right).
+  int lim[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) lim[i] = min(off + p0 + (16 * w + g + 8 * i) / REP, TK - 1);
+  const int warp_lim = min(off + p0 + (16 * w + 15) / REP, TK - 1);
+  float m[2] = {Limits<float>::finite_min(), Limits<float>::finite_min()};
+  float l[2] = {0.f, 0.f};  // this thread's part of each row's sum (the quad's four add up at the end)
+  float o[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[j][e] = 0.f;
+
+  const int kend = min(off + min(p0 + P, L), TK);
+  for (int k0 = 0; k0 < kend; k0 += BN) {
+    __syncthreads();  // the tiles before (and the queries, the first time) are read
+    for (int e = tid; e < BN * D / 8; e += THREADS_) {
+      const int j = e / (D / 8), c = e % (D / 8), key = k0 + j;
+      const int64_t at = static_cast<int64_t>(min(key, TK - 1));
+      pymlxc_attn::copy8<T, D>(ks + j * LD + 8 * c, kb + at * keys_strides[2], keys_strides[3], c, key < TK, kw);
+      pymlxc_attn::copy8<T, D>(vs + j * LD + 8 * c, vb + at * values_strides[2], values_strides[3], c, key < TK, vw);
     }
     __syncthreads();
-    float s[VPW];
+    if (k0 > warp_lim) continue;  // every key of the tile past the warp's rows
+    // S = q k^T: 8 tiles of 16 x 8 (keys k0 + 8 j ..).
+    float s[BN / 8][4];
 #pragma unroll
-    for (int u = 0; u < VPW; ++u) s[u] = 0.f;
-#pragma unroll 8
-    for (int d = 0; d < D; ++d) {
-      const float kd = ks[lane][d];
+    for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
-      for (int u = 0; u < VPW; ++u) s[u] += qs[w * VPW + u][d] * kd;
-    }
-    const int key = k0 + lane;
+      for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
 #pragma unroll
-    for (int u = 0; u < VPW; ++u) {
-      if (k0 > lim[u]) continue;  // every key of the tile past this vector (the warp agrees)
-      const float sc = key <= lim[u] ? s[u] : -INFINITY;
-      float mx_ = sc;
+    for (int kk = 0; kk < KS; ++kk) {
 #pragma unroll
-      for (int sh = 16; sh > 0; sh >>= 1) mx_ = fmaxf(mx_, __shfl_xor_sync(0xffffffffu, mx_, sh));
-      const float nm = fmaxf(m[u], mx_);
-      const float f = exp2f(m[u] - nm);
-      const float p = exp2f(sc - nm);
-      float sum = p;
-#pragma unroll
-      for (int sh = 16; sh > 0; sh >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, sh);
-      l[u] = l[u] * f + sum;
-      m[u] = nm;
-      ps[w][lane] = p;
-      __syncwarp();
-#pragma unroll
-      for (int t = 0; t < VPT; ++t) {
-        float acc = o[u][t] * f;
-#pragma unroll 8
-        for (int j = 0; j < 32; ++j) acc += ps[w][j] * vs[j][lane + 32 * t];
-        o[u][t] = acc;
+      for (int jj = 0; jj < BN / 16; ++jj) {
+        unsigned bf[4];
+        pymlxc_qmm::ldmatrix4(bf, ks + (16 * jj + (lane & 7) + ((lane >> 4) << 3)) * LD + 16 * kk +
+                                      ((lane >> 3) & 1) * 8);
+        pymlxc_qmm::Mma<T>::run(s[2 * jj], qa[kk], bf[0], bf[1]);
+        pymlxc_qmm::Mma<T>::run(s[2 * jj + 1], qa[kk], bf[2], bf[3]);
       }
-      __syncwarp();
+    }
+    // The online softmax of rows g (elements 0, 1) and g + 8 (2, 3), in exp2.
+    float mx_[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = k0 + 8 * j + 2 * t + (e & 1);
+        const float v = key <= lim[e >> 1] ? s[j][e] * sl : -INFINITY;
+        s[j][e] = v;
+        mx_[e >> 1] = fmaxf(mx_[e >> 1], v);
+      }
+    float f[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      mx_[i] = fmaxf(mx_[i], __shfl_xor_sync(0xffffffffu, mx_[i], 1));
+      mx_[i] = fmaxf(mx_[i], __shfl_xor_sync(0xffffffffu, mx_[i], 2));
+      const float nm = fmaxf(m[i], mx_[i]);
+      f[i] = exp2f(m[i] - nm);
+      m[i] = nm;
+      l[i] *= f[i];
+    }
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float p = exp2f(s[j][e] - m[e >> 1]);
+        s[j][e] = p;
+        l[e >> 1] += p;
+      }
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      o[j][0] *= f[0];
+      o[j][1] *= f[0];
+      o[j][2] *= f[1];
+      o[j][3] *= f[1];
+    }
+    // O += P V: P's 16 x 16 A fragments from S's accumulators, V's B fragments transposed.
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      unsigned pa[4];
+      pa[0] = pymlxc_attn::pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+      pa[1] = pymlxc_attn::pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+      pa[2] = pymlxc_attn::pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[3] = pymlxc_attn::pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int jj = 0; jj < D / 16; ++jj) {
+        unsigned bf[4];
+        pymlxc_attn::ldmatrix4_trans(bf, vs + (16 * kk + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + 16 * jj +
+                                             (lane >> 4) * 8);
+        pymlxc_qmm::Mma<T>::run(o[2 * jj], pa, bf[0], bf[1]);
+        pymlxc_qmm::Mma<T>::run(o[2 * jj + 1], pa, bf[2], bf[3]);
+      }
     }
   }
 #pragma unroll
-  for (int u = 0; u < VPW; ++u) {
-    const int v = w * VPW + u, pos = p0 + v / REP;
-    if (pos < L) {
-      const float inv = 1.f / l[u];
-      T* dst = out + ((static_cast<int64_t>(b) * L + pos) * HQ + h * REP + v % REP) * D;
+  for (int i = 0; i < 2; ++i) {
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+  }
 #pragma unroll
-      for (int t = 0; t < VPT; ++t) dst[lane + 32 * t] = static_cast<T>(o[u][t] * inv);
+  for (int i = 0; i < 2; ++i) {
+    const int r = 16 * w + g + 8 * i, pos = p0 + r / REP;
+    if (pos < L) {
+      const float inv = 1.f / l[i];
+      T* dst = out + ((static_cast<int64_t>(b) * L + pos) * HQ + h * REP + r % REP) * D;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j)
+        *reinterpret_cast<unsigned*>(dst + 8 * j + 2 * t) =
+            pymlxc_attn::pack2<T>(o[j][2 * i] * inv, o[j][2 * i + 1] * inv);
     }
   }
 """.replace("THREADS_", str(THREADS))
 
 
-# Query heads a key/value head may serve (a block holds every one of them at its positions).
-GROUPS = (1, 2, 4, 8, 16, 32)
-
-
-def vectors(group: int) -> int:
-    """Query vectors a block takes: two a warp, or the group's heads at one position. Few vectors a
-    block make many blocks: with 32 (8 positions of Llama's 4-head groups) a 128-token chunk of
-    Llama-3.2-1B made 128 blocks of 4 warps, one a multiprocessor, and the kernel waited on its own
-    shared-memory loads (on an H200 the prefill took 0.8 ms longer than with cuDNN's attention)."""
-    return max(8, group)
+# Query heads a key/value head may serve (a block's 64 query vectors hold whole groups).
+GROUPS = (1, 2, 4, 8, 16, 32, 64)
+VECTORS = 64  # query vectors a block takes, 16 a warp
 
 
 def applies(q_len: int, kv_len: int, heads: int, kv_heads: int, head_dim: int, dtype_size: int) -> bool:
     """Whether the kernel takes a chunk of `q_len` queries over `kv_len` keys (the chunk's own last):
-    2-byte floats, a head size it knows, query heads a group of GROUPS per key/value head (at most 16
-    at head size 128, the block's shared memory), and at most MAX_PAIRS query-key pairs."""
+    2-byte floats, a head size it knows, query heads a group of GROUPS per key/value head, and at
+    most MAX_PAIRS query-key pairs."""
     if not (2 <= q_len <= kv_len and q_len * kv_len <= MAX_PAIRS and head_dim in HEAD_DIMS and dtype_size == 2
             and kv_heads > 0 and heads % kv_heads == 0):
         return False
-    group = heads // kv_heads
-    return group in GROUPS and vectors(group) * head_dim <= 2048
+    return heads // kv_heads in GROUPS
 
 
 def launch(batch: int, q_len: int, heads: int, kv_heads: int, head_dim: int, dtype: Any, scale: float
            ) -> dict[str, Any]:
     """Keyword arguments of a kernel call: grid, threads, template."""
-    qv = vectors(heads // kv_heads)
-    positions = qv // (heads // kv_heads)
+    positions = VECTORS // (heads // kv_heads)
     blocks = batch * kv_heads * -(-q_len // positions)
     return {
         "grid": (blocks * THREADS, 1, 1),
         "threadgroup": (THREADS, 1, 1),
-        "template": [("T", dtype), ("D", head_dim), ("HQ", heads), ("HKV", kv_heads), ("QV", qv),
+        "template": [("T", dtype), ("D", head_dim), ("HQ", heads), ("HKV", kv_heads),
                      ("SCALE_LOG2_BITS", float32_bits(scale * LOG2E))],
     }

@@ -1,7 +1,7 @@
 """pymlxc's prefill attention kernel (backends/metal/kernels/prefill_attention.py) and its choice.
 
 Everywhere: the launch covers every query position of every head; the kernel takes causal chunks of
-2-byte floats, head sizes 64 and 128, GQA groups of 1-64 heads, up to MAX_PAIRS query-key pairs; a
+2-byte floats, head sizes 64-128 in steps of 16, GQA groups of 1-64 heads, up to MAX_PAIRS pairs; a
 marked attention module sends exactly those chunks to it (here a stand-in on MLX's attention
 records them), not decode steps, explicit masks, traces of gradients or larger chunks, and the
 tokens stay those of MLX's attention; marking off CUDA or with the switch off marks nothing.
@@ -33,7 +33,8 @@ from pymlxc.testing import write_tiny_model
 ON_CUDA = mx.cuda_available() and mx.default_device().type == "gpu"
 cuda_only = pytest.mark.skipif(not ON_CUDA, reason="the kernel needs MLX's CUDA build (run on the GPU machine)")
 
-GROUPS = st.sampled_from([(32, 8), (16, 8), (8, 8), (32, 4), (14, 2), (8, 1), (32, 1), (16, 1)])
+GROUPS = st.sampled_from([(32, 8), (16, 8), (8, 8), (32, 4), (14, 2), (28, 4), (12, 2), (40, 8), (8, 1), (32, 1),
+                          (64, 1), (12, 4)])
 
 
 @given(batch=st.integers(1, 3), q_len=st.integers(2, 600), group=GROUPS, head_dim=st.sampled_from(kernel.HEAD_DIMS))
@@ -43,7 +44,7 @@ def test_the_launch_covers_every_position(batch: int, q_len: int, group: tuple[i
         return
     geo = kernel.launch(batch, q_len, heads, kv_heads, head_dim, mx.bfloat16, 0.125)
     blocks = geo["grid"][0] // kernel.THREADS
-    positions = kernel.VECTORS * kv_heads // heads
+    positions = kernel.VECTORS // (heads // kv_heads)
     assert geo["threadgroup"] == (kernel.THREADS, 1, 1) and geo["grid"][0] % kernel.THREADS == 0
     assert blocks == batch * kv_heads * math.ceil(q_len / positions) and positions >= 1
     assert dict(geo["template"])["HQ"] == heads and dict(geo["template"])["D"] == head_dim
@@ -54,10 +55,12 @@ def test_what_the_kernel_takes() -> None:
     assert not kernel.applies(129, 8192, 32, 8, 64, 2)  # more than MAX_PAIRS pairs
     assert not kernel.applies(1, 100, 32, 8, 64, 2)  # one query: the decode's kernels
     assert not kernel.applies(20, 10, 32, 8, 64, 2)  # more queries than keys
-    assert not kernel.applies(20, 20, 32, 8, 96, 2) and not kernel.applies(20, 20, 32, 8, 256, 2)
+    assert kernel.applies(20, 20, 32, 8, 96, 2) and kernel.applies(20, 20, 28, 4, 80, 2)
+    assert not kernel.applies(20, 20, 32, 8, 72, 2) and not kernel.applies(20, 20, 32, 8, 256, 2)
     assert not kernel.applies(20, 20, 32, 8, 64, 4)  # float32
     assert kernel.applies(20, 20, 32, 1, 64, 2) and kernel.applies(20, 20, 64, 1, 128, 2)
-    assert not kernel.applies(20, 20, 30, 8, 64, 2) and not kernel.applies(20, 20, 12, 4, 64, 2)  # groups of 3
+    assert kernel.applies(20, 20, 12, 4, 64, 2)  # groups of 3: 21 positions a block, a vector left empty
+    assert not kernel.applies(20, 20, 30, 8, 64, 2) and not kernel.applies(20, 20, 128, 1, 64, 2)
 
 
 @pytest.fixture

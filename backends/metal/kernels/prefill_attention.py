@@ -9,8 +9,8 @@ every turn, a server's every request, meets a new pair of chunk and cache length
 compiled once per head size, heads and type (MLX keeps its PTX on disk) and runs any lengths.
 
 It is a flash-attention loop on tensor cores (`mma.sync` m16n8k16, float32 accumulators): a block of
-4 warps takes one key/value head and 64 query vectors, the head's group of query heads at 64 / group
-consecutive positions, 16 rows a warp held as mma operands in registers. For each tile of 64 keys,
+4 warps takes one key/value head and 64 query vectors, the head's group of query heads at 64 // group
+consecutive positions (the rest left empty), 16 rows a warp held as mma operands in registers. For each tile of 64 keys,
 staged in shared memory (16-byte loads where the rows allow them, else element by element through
 the strides: q may be a view of joint heads, the keys and values views of the cache's buffers), a
 warp forms its 16 x 64 scores, masks keys past each query (`T - L + i` for query i of L over T keys:
@@ -32,7 +32,7 @@ NAME = "pymlxc_prefill_attention"
 INPUTS = ("q", "keys", "values")
 OUTPUT_NAMES = ("out",)
 THREADS = 128  # 4 warps
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 80, 96, 112, 128)  # multiples of the mma's 16; two 64-key tiles fit the shared memory
 # The largest chunk length times key count the kernel takes (1024 tokens over 1024 keys, 128 over
 # 8192): beyond it the per-shape build is a small share of a chunk's time.
 MAX_PAIRS = 1 << 20
@@ -82,7 +82,7 @@ __device__ __forceinline__ void copy8(T* dst, const T* row, int64_t step, int c,
 SOURCE = r"""
   constexpr int REP = HQ / HKV;
   constexpr int BM = 64;             // query vectors a block takes: 16 a warp
-  constexpr int P = BM / REP;        // their positions
+  constexpr int P = BM / REP;        // their positions (vectors P * REP .. 63 are left empty)
   constexpr int BN = 64;             // keys a tile
   constexpr int LD = D + 8;          // padded row: ldmatrix without bank conflicts
   constexpr int KS = D / 16;         // k-steps of q k^T
@@ -116,7 +116,7 @@ SOURCE = r"""
   for (int e = tid; e < BM * D / 8; e += THREADS_) {
     const int r = e / (D / 8), c = e % (D / 8), pos = p0 + r / REP;
     const T* row = qb + (h * REP + r % REP) * q_strides[1] + static_cast<int64_t>(min(pos, L - 1)) * q_strides[2];
-    pymlxc_attn::copy8<T, D>(ks + r * LD + 8 * c, row, q_strides[3], c, pos < L, qw);
+    pymlxc_attn::copy8<T, D>(ks + r * LD + 8 * c, row, q_strides[3], c, pos < L && r < P * REP, qw);
   }
   __syncthreads();
   unsigned qa[KS][4];
@@ -128,7 +128,7 @@ SOURCE = r"""
   int lim[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) lim[i] = min(off + p0 + (16 * w + g + 8 * i) / REP, TK - 1);
-  const int warp_lim = min(off + p0 + (16 * w + 15) / REP, TK - 1);
+  const int warp_lim = min(off + p0 + min((16 * w + 15) / REP, P - 1), TK - 1);
   float m[2] = {Limits<float>::finite_min(), Limits<float>::finite_min()};
   float l[2] = {0.f, 0.f};  // this thread's part of each row's sum (the quad's four add up at the end)
   float o[D / 8][4];
@@ -227,7 +227,7 @@ SOURCE = r"""
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int r = 16 * w + g + 8 * i, pos = p0 + r / REP;
-    if (pos < L) {
+    if (pos < L && r < P * REP) {
       const float inv = 1.f / l[i];
       T* dst = out + ((static_cast<int64_t>(b) * L + pos) * HQ + h * REP + r % REP) * D;
 #pragma unroll
@@ -239,19 +239,15 @@ SOURCE = r"""
 """.replace("THREADS_", str(THREADS))
 
 
-# Query heads a key/value head may serve (a block's 64 query vectors hold whole groups).
-GROUPS = (1, 2, 4, 8, 16, 32, 64)
-VECTORS = 64  # query vectors a block takes, 16 a warp
+VECTORS = 64  # query vectors a block takes, 16 a warp: whole groups of query heads, up to 64 a group
 
 
 def applies(q_len: int, kv_len: int, heads: int, kv_heads: int, head_dim: int, dtype_size: int) -> bool:
     """Whether the kernel takes a chunk of `q_len` queries over `kv_len` keys (the chunk's own last):
-    2-byte floats, a head size it knows, query heads a group of GROUPS per key/value head, and at
-    most MAX_PAIRS query-key pairs."""
-    if not (2 <= q_len <= kv_len and q_len * kv_len <= MAX_PAIRS and head_dim in HEAD_DIMS and dtype_size == 2
-            and kv_heads > 0 and heads % kv_heads == 0):
-        return False
-    return heads // kv_heads in GROUPS
+    2-byte floats, a head size it knows, groups of at most VECTORS query heads a key/value head, and
+    at most MAX_PAIRS query-key pairs."""
+    return (2 <= q_len <= kv_len and q_len * kv_len <= MAX_PAIRS and head_dim in HEAD_DIMS and dtype_size == 2
+            and kv_heads > 0 and heads % kv_heads == 0 and heads // kv_heads <= VECTORS)
 
 
 def launch(batch: int, q_len: int, heads: int, kv_heads: int, head_dim: int, dtype: Any, scale: float

@@ -105,6 +105,33 @@ def test_a_llama_with_attention_biases(tmp_path: Path) -> None:
     np.testing.assert_allclose(logits(path), logits(model), atol=1e-4, rtol=1e-4)
 
 
+def test_a_gemma3_file_without_a_sliding_window_attends_to_everything(
+        tiny: dict[str, Path], export: Callable[..., Path], tmp_path: Path) -> None:
+    """No `gemma3.attention.sliding_window` (or 0): every layer is global, as llama.cpp loads such a
+    file, the logits those of the checkpoint with every layer full; it took Gemma 2's 4096-token
+    window, silently, which differs from the checkpoint's past its window."""
+    from .test_gguf_hostile import DELETE, rewrite
+
+    ids = mx.array([[int(i) for i in np.random.default_rng(4).integers(6, 500, size=40)]])  # past the window of 16
+    full = tmp_path / "full"
+    shutil.copytree(tiny["gemma3"], full)
+    config = json.loads((full / "config.json").read_text())
+    config["text_config"]["layer_types"] = ["full_attention"] * config["text_config"]["num_hidden_layers"]
+    (full / "config.json").write_text(json.dumps(config))
+
+    def run(path: Path) -> np.ndarray:
+        with load_weights_and_config(path) as loaded:
+            return np.array(loaded.model(ids).astype(mx.float32))
+
+    want, windowed = run(full), run(tiny["gemma3"])
+    assert np.abs(want - windowed).max() > 1e-3  # the window matters for this prompt
+    for value in (DELETE, 0):
+        path = rewrite(export("gemma3"), tmp_path / f"g{value is DELETE}.gguf",
+                       {"gemma3.attention.sliding_window": value})
+        assert gguf_config(read_gguf(path))["layer_types"] == ["full_attention"] * 2
+        np.testing.assert_allclose(run(path), want, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_f16_and_bf16_exports(arch: str, tiny: dict[str, Path], export: Callable[..., Path]) -> None:
     original = logits(tiny[arch])

@@ -291,11 +291,17 @@ def _gemma_config(reader: GGUFReader, arch: str, base: Mapping[str, Any]) -> dic
             out["final_logit_softcapping"] = 30.0
         return out
     # Gemma 3: every sixth layer is global unless the file says otherwise (a period, or a per-layer
-    # list of booleans, true for sliding-window layers).
-    sliding, period = _sliding_layers(reader, key("attention.sliding_window_pattern"), layers, 6)
-    if period is not None:
-        out["sliding_window_pattern"] = period
-    out["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    # list of booleans, true for sliding-window layers). A file without a window (or 0) has none:
+    # every layer attends to the whole context, as llama.cpp loads it (not Gemma 2's 4096).
+    window = _int(reader, key("attention.sliding_window"))
+    if window is None or window <= 0:
+        out["sliding_window"] = base["max_position_embeddings"]
+        out["layer_types"] = ["full_attention"] * layers
+    else:
+        sliding, period = _sliding_layers(reader, key("attention.sliding_window_pattern"), layers, 6)
+        if period is not None:
+            out["sliding_window_pattern"] = period
+        out["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
     out["rope_local_base_freq"] = _float(reader, key("rope.freq_base_swa"), 10000.0)
     return out
 

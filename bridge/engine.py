@@ -112,6 +112,13 @@ def _embedding_rows(model: Any) -> int | None:
     return int(found[0][1].weight.shape[0]) if found else None
 
 
+def _context_full(prompt: int, generated: int, context_len: int | None, max_tokens: int) -> str:
+    """A batch row's error where the context, not its max_tokens, ended it: the metal backend's
+    `ContextFull` in its words."""
+    return (f"ContextFull: {prompt} prompt and {generated} generated tokens fill the context of {context_len} "
+            f"tokens (context_len) before max_tokens ({max_tokens}): batch rows do not go past it")
+
+
 def _first_logits_recorder(sink: list[Any], index: int) -> Callable[[Any, Any], Any]:
     """A logits processor (the last one of prompt `index`) that keeps the first logits it sees in `sink`."""
 
@@ -491,7 +498,7 @@ class Engine:
         self,
         prompts: list[list[int]],
         opts: dict[str, Any],
-        max_tokens: int,
+        max_tokens: int | list[int],
         stops: list[list[int]],
         cancelled: Callable[[], bool],
         first_logits: list[Any] | None = None,
@@ -510,9 +517,10 @@ class Engine:
         if first_logits is not None:
             first_logits[:] = [None] * len(prompts)
             per_prompt = [[*processors, _first_logits_recorder(first_logits, i)] for i in range(len(prompts))]
+        rows_max = max_tokens if isinstance(max_tokens, list) else None  # per prompt, or one for all
         gen = BatchGenerator(
             self.model,
-            max_tokens=max_tokens,
+            max_tokens=max(max_tokens) if isinstance(max_tokens, list) else max_tokens,
             stop_tokens=stops or None,
             sampler=sampler,
             logits_processors=processors,
@@ -521,8 +529,8 @@ class Engine:
         finish: dict[int, str] = {}
         try:
             # Each row's caches bounded as generate's are (BatchGenerator's max_kv_size has mlx-lm's gap).
-            uids = gen.insert(prompts, caches=[self.make_cache() for _ in prompts], samplers=samplers,
-                              logits_processors=per_prompt)
+            uids = gen.insert(prompts, max_tokens=rows_max, caches=[self.make_cache() for _ in prompts],
+                              samplers=samplers, logits_processors=per_prompt)
             index = {uid: i for i, uid in enumerate(uids)}
             steps = {i: [] for i in range(len(prompts))}
             with gen.stats() as stats:
@@ -603,19 +611,33 @@ class Engine:
             check_context("batch_generate", len(ids), self.context_len, item=i)
         if not runnable or opts["max_tokens"] == 0:
             return results, self._no_work()
+        # A row ends where its prompt and tokens fill the context (as the metal backend's batch rows;
+        # generate's caches rotate on): each row's max_tokens is what the context holds after its prompt.
+        max_tokens = opts["max_tokens"]
+        room = {i: max_tokens if self.context_len is None else min(max_tokens, self.context_len - len(ids))
+                for i, ids in zip(runnable, encoded, strict=True)}
+        for i, ids in zip(runnable, encoded, strict=True):
+            if room[i] <= 0:  # no room at all: the prompt is the whole context
+                results[i]["error"] = _context_full(len(ids), 0, self.context_len, max_tokens)
+        rows = [(i, ids) for i, ids in zip(runnable, encoded, strict=True) if room[i] > 0]
+        if not rows:
+            return results, self._no_work()
         stops = [[t] for t in sorted(set(self.tokenizer.eos_token_ids) | set(opts["stop_tokens"]))]
-        steps, finish, metrics = self._run_batch(encoded, opts, opts["max_tokens"], stops, cancelled,
-                                                 row_samplers=True)
-        for j, i in enumerate(runnable):
+        steps, finish, metrics = self._run_batch([ids for _, ids in rows], opts, [room[i] for i, _ in rows], stops,
+                                                 cancelled, row_samplers=True)
+        for j, (i, row_ids) in enumerate(rows):
             reason = finish[j]
             ids = [t for t, _ in steps[j]]
             if reason == "stop":  # the stop token itself is not part of the answer
                 ids = ids[:-1]
             results[i].update(tokens=self._pieces(ids), finish_reason=reason)
+            if reason == "length" and room[i] < max_tokens:
+                results[i]["error"] = _context_full(len(row_ids), len(ids), self.context_len, max_tokens)
         # The tokens answered, as generate counts them: mlx-lm's count takes in each row's stop token.
         count = sum(len(results[i]["tokens"]) for i in runnable)
         time_spent = metrics["generation_time"]
-        metrics.update(generation_tokens=count, generation_tps=count / time_spent if time_spent > 0 else 0.0)
+        metrics.update(generation_tokens=count, generation_tps=count / time_spent if time_spent > 0 else 0.0,
+                       prompt_tokens=sum(len(ids) for ids in encoded))
         return results, metrics
 
     def _pieces(self, ids: list[int]) -> list[Event]:

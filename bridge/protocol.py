@@ -11,12 +11,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 # Versions a client of this module can talk to: 2 added `inspect_attention` and changed nothing else,
 # so a version 1 worker serves every other command; 3 made `classify` logits raw logits (they were
 # log-probabilities), so the client asks only a version 3 worker for them; 4 refuses a prompt past
-# the context (`context_length_exceeded`) and passes a chat message's other keys to the template.
-COMPATIBLE_VERSIONS = (1, 2, 3, 4)
+# the context (`context_length_exceeded`) and passes a chat message's other keys to the template;
+# 5 ends a batch_generate row where the context is full (its error says so).
+COMPATIBLE_VERSIONS = (1, 2, 3, 4, 5)
 MAX_LINE_BYTES = 16 * 1024 * 1024  # a line longer than this is refused unread (prompts are text, not tensors)
 # The sampling bounds of the library's options (pymlxc/options.py imports them) and of this wire check.
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: below it, dividing by a value overflows

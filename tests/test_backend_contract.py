@@ -516,8 +516,7 @@ def test_a_prompt_past_the_context_raises_context_length_error_alike(
 
 def test_a_prompt_that_fills_the_context_runs_alike(short_context: dict[str, TextModel]) -> None:
     # Generation past the context goes on (the caches keep the first and the latest tokens), alike.
-    # (Not batch_generate's rows: metal's end where prompt and tokens fill the context, ContextFull,
-    # where the worker's rotate.)
+    # (Not batch_generate's rows: they end where prompt and tokens fill the context, the next test.)
     prompt = _text_of(short_context["metal"], CONTEXT)
     seen = {}
     for name, m in short_context.items():
@@ -527,6 +526,25 @@ def test_a_prompt_that_fills_the_context_runs_alike(short_context: dict[str, Tex
                       m.inspect_attention(prompt).seq_len)
     assert seen["metal"] == seen["mlx_lm"]
     assert seen["metal"][1] == seen["metal"][3] == CONTEXT and len(seen["metal"][0]) == 8
+
+
+def test_batch_rows_end_at_the_context_alike(short_context: dict[str, TextModel]) -> None:
+    """A batch row ends where its prompt and tokens fill the context, with the same tokens and the
+    same ContextFull words on both backends; a row with room for its max_tokens, and a row whose
+    prompt is the whole context (no tokens), beside it. The worker's rows rotated on (protocol 4)."""
+    metal = short_context["metal"]
+    prompts = [_text_of(metal, CONTEXT - 5), "x", _text_of(metal, CONTEXT)]
+    seen = {}
+    for name, m in short_context.items():
+        results = m.batch_generate(prompts, max_tokens=8)
+        assert m.err() is None, name  # a row the context cut short says so on its own result
+        seen[name] = [([t.id for t in r.tokens], r.error) for r in results]
+    assert seen["metal"] == seen["mlx_lm"]
+    (cut, cut_error), (free, free_error), (none, none_error) = seen["metal"]
+    assert len(cut) == 5 and len(free) == 8 and none == [] and free_error is None
+    words = "ContextFull: {p} prompt and {g} generated tokens fill the context of 32 tokens (context_len) before " \
+            "max_tokens (8): batch rows do not go past it"
+    assert cut_error == words.format(p=CONTEXT - 5, g=5) and none_error == words.format(p=CONTEXT, g=0)
 
 
 # ---- chat messages: their other keys reach the template, as transformers passes them --------------

@@ -100,9 +100,12 @@ def test_context_len_bounds_batch_rows_and_classify(
 ) -> None:
     model, tokenizer = reference
 
+    errors: dict[int, list[Any]] = {}
+
     def rows(worker: RawWorker) -> list[list[int]]:
         reply = worker.request(cmd="batch_generate", id="b", prompts=BATCH, max_tokens=20)
         assert reply["type"] == "result", reply
+        errors[id(worker)] = [r["error"] for r in reply["results"]]
         return [[t["token_id"] for t in r["tokens"]] for r in reply["results"]]
 
     def classified(worker: RawWorker) -> int:
@@ -111,8 +114,14 @@ def test_context_len_bounds_batch_rows_and_classify(
         return int(reply["results"][0]["token_id"])
 
     bounded = rows(bounded_worker)
-    assert bounded == _batch_reference(model, [tokenizer.encode(p) for p in BATCH], 20)
-    assert bounded != rows(loaded_worker)
+    encoded = [tokenizer.encode(p) for p in BATCH]
+    # Each row as mlx-lm's BatchGenerator runs it, up to where its prompt and tokens fill the context:
+    # there it ends (protocol 5; they rotated on before), its error saying so.
+    room = [CONTEXT - len(ids) for ids in encoded]
+    assert bounded == [row[:n] for row, n in zip(_batch_reference(model, encoded, 20), room, strict=True)]
+    cut = [n < 20 for n in room]
+    assert any(cut) and [e is not None and e.startswith("ContextFull: ") for e in errors[id(bounded_worker)]] == cut
+    assert bounded != rows(loaded_worker) and errors[id(loaded_worker)] == [None] * len(BATCH)
     # classify's prefill runs through bounded caches too (a prompt that fits: nothing is evicted).
     assert classified(bounded_worker) == _batch_reference(model, [tokenizer.encode(PROMPT)], 1)[0][0]
 

@@ -147,6 +147,13 @@ def _reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.
        seed=st.integers(0, 2**16))
 def test_the_kernel_is_float64s_attention(batch: int, q_len: int, extra: int, group: tuple[int, int], head_dim: int,
                                           dtype: str, seed: int) -> None:
+    _check_kernel(batch, q_len, extra, group, head_dim, dtype, seed)
+
+
+def _check_kernel(batch: int, q_len: int, extra: int, group: tuple[int, int], head_dim: int, dtype: str,
+                  seed: int) -> None:
+    """The kernel on q a view of joint heads and keys and values views of longer buffers, against
+    float64 on the same values."""
     heads, kv_heads = group
     t = q_len + extra
     if not kernel.applies(q_len, t, heads, kv_heads, head_dim, 2):
@@ -166,6 +173,20 @@ def test_the_kernel_is_float64s_attention(batch: int, q_len: int, extra: int, gr
     # The output's rounding and that of the probabilities (the type's, for the second product).
     unit = 2.0 ** -8 if dtype == "bfloat16" else 2.0 ** -10
     np.testing.assert_array_less(np.abs(got - want), unit * (np.abs(want) + np.abs(vf).max()) + 1e-6)
+
+
+# (batch, queries, keys, query heads, key/value heads, head size, dtype): groups of 3, 5, 6 and 7 (vectors
+# left empty in each block), every head size, chunks over longer caches.
+CASES = [(1, 37, 37, 28, 4, 128, "bfloat16"), (2, 100, 333, 12, 4, 80, "float16"), (1, 64, 64, 12, 2, 96, "bfloat16"),
+         (1, 129, 200, 40, 8, 112, "bfloat16"), (1, 5, 70, 64, 1, 64, "float16"), (1, 128, 128, 32, 8, 64, "bfloat16"),
+         (2, 70, 70, 14, 2, 64, "bfloat16"), (1, 300, 900, 32, 8, 128, "bfloat16")]
+
+
+@cuda_only
+@pytest.mark.parametrize(("batch", "q_len", "kv_len", "heads", "kv_heads", "head_dim", "dtype"), CASES)
+def test_the_kernel_at_named_shapes(batch: int, q_len: int, kv_len: int, heads: int, kv_heads: int, head_dim: int,
+                                    dtype: str) -> None:
+    _check_kernel(batch, q_len, kv_len - q_len, (heads, kv_heads), head_dim, dtype, q_len + kv_len)
 
 
 @cuda_only

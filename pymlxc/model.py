@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import copy
-import math
 import numbers
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from .bridge.protocol import surrogate_problem
-from .options import LoadConfig
+from .options import LoadConfig, json_data_problem, key_problem
 from .types import BatchResult, ClassifyResult, ContextLengthError, GenerateMetrics, Message, ModelInfo, Token
 
 
@@ -72,46 +71,6 @@ def check_context(prompt_tokens: int, context_len: int | None, item: int | None 
         raise ContextLengthError.for_prompt(prompt_tokens, context_len, item)
 
 
-def _key_problem(key: Any, at: str) -> Exception | None:
-    """Why `key` of a mapping at `at` is not a JSON object's key with valid text, or None."""
-    if not isinstance(key, str):
-        return TypeError(f"{at} has a key that is not a str: {key!r}")
-    problem = surrogate_problem(key)
-    return None if problem is None else ValueError(f"{at} has a key that {problem}")
-
-
-def _json_data_problem(value: Any, where: str) -> Exception | None:
-    """Why `value` (at `where`) is not JSON data with valid text, or None. Iterative, and each
-    container visited once: a value may nest deeply, or hold itself."""
-    stack, seen = [(value, where)], set()
-    while stack:
-        v, at = stack.pop()
-        if v is None or isinstance(v, (bool, int)):
-            continue
-        if isinstance(v, float):
-            if not math.isfinite(v):
-                return ValueError(f"{at} is {v!r}, not a finite number")
-        elif isinstance(v, str):
-            problem = surrogate_problem(v)
-            if problem is not None:
-                return ValueError(f"{at} {problem}")
-        elif isinstance(v, (list, tuple, Mapping)):
-            if id(v) in seen:
-                continue
-            seen.add(id(v))
-            if isinstance(v, Mapping):
-                for k in v:
-                    wrong = _key_problem(k, at)
-                    if wrong is not None:
-                        return wrong
-                stack.extend((item, f"{at}[{k!r}]") for k, item in reversed(list(v.items())))
-            else:
-                stack.extend((item, f"{at}[{i}]") for i, item in reversed(list(enumerate(v))))
-        else:
-            return TypeError(f"{at} is {type(v).__name__}, not JSON data (str, number, bool, None, list or dict)")
-    return None
-
-
 def check_messages(messages: Any) -> list[dict[str, Any]]:
     """`messages` (what `chat` takes) as the template receives them, on every backend alike, as
     transformers' apply_chat_template passes them: a non-empty sequence of `Message`s or mappings
@@ -133,7 +92,7 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
             raise TypeError(f"message {n}: role and content must be strings")
         for key, value in fields.items():
             # A template reads a message's fields by name; the worker's JSON has no other keys.
-            wrong = _key_problem(key, f"message {n}") or _json_data_problem(value, f"message {n}'s {key}")
+            wrong = key_problem(key, f"message {n}") or json_data_problem(value, f"message {n}'s {key}")
             if wrong is not None:
                 raise wrong
         out.append({key: value for key, value in fields.items() if value is not None})

@@ -23,6 +23,7 @@ from .bridge.protocol import (
     MAX_TEMPERATURE,
     MIN_REPEAT_PENALTY,
     MIN_TEMPERATURE,
+    surrogate_problem,
     template_name_problem,
     template_value_problem,
 )
@@ -207,10 +208,51 @@ def make_config(cls: type[T], base: T | None = None, **options: Any) -> T:
     return cls(**options)
 
 
+def key_problem(key: Any, at: str) -> Exception | None:
+    """Why `key` of a mapping at `at` is not a JSON object's key with valid text, or None."""
+    if not isinstance(key, str):
+        return TypeError(f"{at} has a key that is not a str: {key!r}")
+    problem = surrogate_problem(key)
+    return None if problem is None else ValueError(f"{at} has a key that {problem}")
+
+
+def json_data_problem(value: Any, where: str) -> Exception | None:
+    """Why `value` (at `where`) is not JSON data with valid text, or None. Iterative, and each
+    container visited once: a value may nest deeply, or hold itself."""
+    stack, seen = [(value, where)], set()
+    while stack:
+        v, at = stack.pop()
+        if v is None or isinstance(v, (bool, int)):
+            continue
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                return ValueError(f"{at} is {v!r}, not a finite number")
+        elif isinstance(v, str):
+            problem = surrogate_problem(v)
+            if problem is not None:
+                return ValueError(f"{at} {problem}")
+        elif isinstance(v, (list, tuple, Mapping)):
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
+            if isinstance(v, Mapping):
+                for k in v:
+                    wrong = key_problem(k, at)
+                    if wrong is not None:
+                        return wrong
+                stack.extend((item, f"{at}[{k!r}]") for k, item in reversed(list(v.items())))
+            else:
+                stack.extend((item, f"{at}[{i}]") for i, item in reversed(list(enumerate(v))))
+        else:
+            return TypeError(f"{at} is {type(v).__name__}, not JSON data (str, number, bool, None, list or dict)")
+    return None
+
+
 def check_template_kwargs(value: Mapping[str, Any] | None) -> dict[str, Any]:
     """`chat_template_kwargs` as a dict: identifier keys not starting with "_" nor named as the
     chat call's own arguments, `tools` and `documents` None or a list of dicts (the rules of the
-    worker's wire check, `bridge/protocol.py`, which applies them to JSON it receives)."""
+    worker's wire check, `bridge/protocol.py`, which applies them to JSON it receives), and values
+    JSON data with valid text (`json_data_problem`), on both backends alike."""
     if value is None:
         return {}
     if not isinstance(value, Mapping):
@@ -222,4 +264,8 @@ def check_template_kwargs(value: Mapping[str, Any] | None) -> dict[str, Any]:
         problem = template_value_problem(key, value[key], lambda v: type(v).__name__)
         if problem is not None:
             raise ValueError(f"chat_template_kwargs.{key} {problem}")
+        # JSON data, as check_messages' other keys: what the mlx_lm backend's worker can receive.
+        wrong = json_data_problem(value[key], f"chat_template_kwargs.{key}")
+        if wrong is not None:
+            raise wrong
     return dict(value)

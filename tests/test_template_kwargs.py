@@ -29,7 +29,7 @@ TEMPLATE = ("{% for t in tools or [] %}tool: {{ t['name'] }}\n{% endfor %}"
             "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
 
-scalars = st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5)
+scalars = st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=5)
 values = st.recursive(
     st.none() | scalars,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
@@ -113,6 +113,28 @@ def test_wrong_tools_or_documents_raise_at_the_call_alike(models: dict[str, Text
     with pytest.raises(ValueError, match=f"^{names}$"):
         m.prompt_length(MESSAGES, chat_template_kwargs=kwargs)
     assert len(list(m.chat(MESSAGES, max_tokens=2))) == 2 and m.err() is None
+
+
+@pytest.mark.parametrize("value, error, names", [
+    (object(), TypeError, r"chat_template_kwargs\.flag is object, not JSON data .*"),
+    (float("nan"), ValueError, r"chat_template_kwargs\.flag is nan, not a finite number"),
+    ("a\ud800", ValueError, r"chat_template_kwargs\.flag .*surrogate.*"),
+    ({"x": [1, {2: "y"}]}, TypeError, r"chat_template_kwargs\.flag\['x'\]\[1\] has a key that is not a str: 2"),
+], ids=["object", "nan", "surrogate", "int key"])
+def test_a_value_that_is_not_json_data_raises_alike(models: dict[str, TextModel], value: Any, error: type,
+                                                     names: str) -> None:
+    """Other variables' values are JSON data on both backends, as a message's other keys: the metal
+    backend passed any Python value to the template, the mlx_lm backend refused it when encoding
+    the line for its worker, in other words."""
+    seen = {}
+    for backend, m in models.items():
+        with pytest.raises(error, match=f"^{names}$") as caught:
+            m.chat(MESSAGES, max_tokens=2, chat_template_kwargs={"flag": value})
+        with pytest.raises(error, match=f"^{names}$"):
+            m.prompt_length(MESSAGES, chat_template_kwargs={"flag": value})
+        seen[backend] = str(caught.value)
+        assert len(list(m.chat(MESSAGES, max_tokens=2))) == 2 and m.err() is None, backend
+    assert seen["metal"] == seen["mlx_lm"]
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -5,8 +5,9 @@ does not compile fails only there. This wraps a source as MLX wraps it (its `cus
 device header, the kernel's own header, then inside `namespace mlx::core::cu` a `__global__`
 function of the inputs (`const T* name`, and `name_shape` / `name_strides` / `name_ndim` where the
 body names them) and the outputs, the template arguments as constants, and the body. The device
-header here declares what pymlxc's kernels use of MLX's (`Shape`, `Strides`, `Limits`), written for
-these tests. NVRTC and the CUDA headers come from NVIDIA's wheels (`nvidia-cuda-nvrtc-cu12`,
+header here declares what pymlxc's kernels use of MLX's (`Shape`, `Strides`, `Limits`), and
+`MLX_HEADERS` stands in for the MLX device headers a kernel's header includes by name (MLX hands
+NVRTC its own), both written for these tests. NVRTC and the CUDA headers come from NVIDIA's wheels (`nvidia-cuda-nvrtc-cu12`,
 `nvidia-cuda-runtime-cu12`, `nvidia-cuda-cccl-cu12`); `available()` says whether they are installed.
 """
 from __future__ import annotations
@@ -39,6 +40,29 @@ template <typename U> struct Limits {
 };
 }  // namespace mlx::core::cu
 """
+
+# MLX's device headers that pymlxc's kernel headers include, by the names MLX gives NVRTC: the
+# operations they use (the matvec kernel's paired form: `Multiply`, `Sigmoid`), with MLX's signatures.
+MLX_HEADERS = {
+    "mlx/backend/cuda/device/unary_ops.cuh": r"""
+#pragma once
+namespace mlx::core::cu {
+struct Sigmoid {
+  template <typename T> __device__ T operator()(T x) {
+    return static_cast<T>(1.f / (1.f + expf(-static_cast<float>(x))));
+  }
+};
+}  // namespace mlx::core::cu
+""",
+    "mlx/backend/cuda/device/binary_ops.cuh": r"""
+#pragma once
+namespace mlx::core::cu {
+struct Multiply {
+  template <typename T> __device__ T operator()(T x, T y) { return x * y; }
+};
+}  // namespace mlx::core::cu
+""",
+}
 
 _CUDA_TYPES = {"bool": "bool", "int8": "int8_t", "int16": "int16_t", "int32": "int32_t", "int64": "int64_t",
                "uint8": "uint8_t", "uint16": "uint16_t", "uint32": "uint32_t", "uint64": "uint64_t",
@@ -106,7 +130,10 @@ def compile_source(unit: str, name: str = "kernel") -> str | None:
     lib_path, includes = found
     nvrtc = ctypes.CDLL(str(lib_path))
     program = ctypes.c_void_p()
-    if nvrtc.nvrtcCreateProgram(ctypes.byref(program), unit.encode(), f"{name}.cu".encode(), 0, None, None) != 0:
+    headers = (ctypes.c_char_p * len(MLX_HEADERS))(*(text.encode() for text in MLX_HEADERS.values()))
+    names = (ctypes.c_char_p * len(MLX_HEADERS))(*(key.encode() for key in MLX_HEADERS))
+    if nvrtc.nvrtcCreateProgram(ctypes.byref(program), unit.encode(), f"{name}.cu".encode(), len(MLX_HEADERS),
+                                headers, names) != 0:
         return "nvrtcCreateProgram failed"
     try:
         options = [f"--gpu-architecture={ARCH}".encode(), b"--std=c++17",

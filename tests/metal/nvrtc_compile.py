@@ -7,8 +7,9 @@ function of the inputs (`const T* name`, and `name_shape` / `name_strides` / `na
 body names them) and the outputs, the template arguments as constants, and the body. The device
 header here declares what pymlxc's kernels use of MLX's (`Shape`, `Strides`, `Limits`), and
 `MLX_HEADERS` stands in for the MLX device headers a kernel's header includes by name (MLX hands
-NVRTC its own), both written for these tests. NVRTC and the CUDA headers come from NVIDIA's wheels (`nvidia-cuda-nvrtc-cu12`,
-`nvidia-cuda-runtime-cu12`, `nvidia-cuda-cccl-cu12`); `available()` says whether they are installed.
+NVRTC its own), both written for these tests. NVRTC and the CUDA headers come from NVIDIA's wheels
+(`nvidia-cuda-nvrtc-cu12`, `nvidia-cuda-runtime-cu12`, `nvidia-cuda-cccl-cu12`); `available()` says
+whether they are installed.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import { createInterface } from "node:readline";
 import { dirname, join } from "node:path";
 import { fileURLToPath } from "node:url";
 
-const PROTOCOLS = [1, 2, 3, 4]; // what this script uses (generate) is the same in all (3 adds done.tail; 4 refuses a prompt past the context)
+const PROTOCOLS = [1, 2, 3, 4, 5]; // what this script uses (generate) is the same in all (3 adds done.tail; 4 refuses a prompt past the context; 5 ends batch rows at the context)
 const [model, prompt = "Hello", maxTokens = "16"] = process.argv.slice(2);
 if (!model) {
   console.error("usage: node generate.mjs MODEL_DIR [PROMPT] [MAX_TOKENS]");

@@ -18,8 +18,9 @@ requests | "${PYTHON:-python3}" "$bridge_dir" | while IFS= read -r line; do
   case "$(jq -r .type <<<"$line")" in
     hello)
       protocol=$(jq .protocol <<<"$line")
-      # generate is the same in versions 1 to 4 (3 adds done.tail; 4 refuses a prompt past the context)
-      case "$protocol" in 1|2|3|4) ;; *) echo "worker speaks protocol $protocol, this script 1 to 4" >&2; exit 1 ;; esac ;;
+      # generate is the same in versions 1 to 5 (3 adds done.tail; 4 refuses a prompt past the context;
+      # 5 ends batch_generate rows at the context)
+      case "$protocol" in 1|2|3|4|5) ;; *) echo "worker speaks protocol $protocol, this script 1 to 5" >&2; exit 1 ;; esac ;;
     error)
       jq -r '"\(.cmd // "request") failed: \(.message) [\(.error)]"' <<<"$line" >&2
       exit 1 ;;

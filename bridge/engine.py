@@ -30,7 +30,7 @@ from mlx_lm.sample_utils import (
 )
 
 from .detokenize import TokenBytes
-from .protocol import REPEAT_PENALTY_CONTEXT, CommandError, check_context
+from .protocol import REPEAT_PENALTY_CONTEXT, CommandError, check_context, context_full_problem
 
 Event = dict[str, Any]
 # The device mlx chose at start: what `device` null or "default" returns to after a load asked for "cpu".
@@ -110,13 +110,6 @@ def _embedding_rows(model: Any) -> int | None:
     found = [(name, m) for name, m in model.named_modules() if isinstance(m, (Embedding, QuantizedEmbedding))]
     found.sort(key=lambda item: (not item[0].endswith("embed_tokens"), len(item[0])))
     return int(found[0][1].weight.shape[0]) if found else None
-
-
-def _context_full(prompt: int, generated: int, context_len: int | None, max_tokens: int) -> str:
-    """A batch row's error where the context, not its max_tokens, ended it: the metal backend's
-    `ContextFull` in its words."""
-    return (f"ContextFull: {prompt} prompt and {generated} generated tokens fill the context of {context_len} "
-            f"tokens (context_len) before max_tokens ({max_tokens}): batch rows do not go past it")
 
 
 def _first_logits_recorder(sink: list[Any], index: int) -> Callable[[Any, Any], Any]:
@@ -613,12 +606,17 @@ class Engine:
             return results, self._no_work()
         # A row ends where its prompt and tokens fill the context (as the metal backend's batch rows;
         # generate's caches rotate on): each row's max_tokens is what the context holds after its prompt.
-        max_tokens = opts["max_tokens"]
-        room = {i: max_tokens if self.context_len is None else min(max_tokens, self.context_len - len(ids))
+        max_tokens, limit = opts["max_tokens"], self.context_len
+        room = {i: max_tokens if limit is None else min(max_tokens, limit - len(ids))
                 for i, ids in zip(runnable, encoded, strict=True)}
+
+        def context_full(i: int, prompt: int, generated: int) -> None:
+            if limit is not None and room[i] < max_tokens:  # the context, not max_tokens, ended the row
+                results[i]["error"] = "ContextFull: " + context_full_problem(prompt, generated, limit, max_tokens)
+
         for i, ids in zip(runnable, encoded, strict=True):
             if room[i] <= 0:  # no room at all: the prompt is the whole context
-                results[i]["error"] = _context_full(len(ids), 0, self.context_len, max_tokens)
+                context_full(i, len(ids), 0)
         rows = [(i, ids) for i, ids in zip(runnable, encoded, strict=True) if room[i] > 0]
         if not rows:
             return results, self._no_work()
@@ -631,8 +629,8 @@ class Engine:
             if reason == "stop":  # the stop token itself is not part of the answer
                 ids = ids[:-1]
             results[i].update(tokens=self._pieces(ids), finish_reason=reason)
-            if reason == "length" and room[i] < max_tokens:
-                results[i]["error"] = _context_full(len(row_ids), len(ids), self.context_len, max_tokens)
+            if reason == "length":
+                context_full(i, len(row_ids), len(ids))
         # The tokens answered, as generate counts them: mlx-lm's count takes in each row's stop token.
         count = sum(len(results[i]["tokens"]) for i in runnable)
         time_spent = metrics["generation_time"]

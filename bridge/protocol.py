@@ -349,6 +349,13 @@ def context_problem(tokens: int, context_len: int | None, what: str = "the promp
     return None
 
 
+def context_full_problem(prompt: int, generated: int, context_len: int, max_tokens: int) -> str:
+    """Why a batch row ended before its `max_tokens`: its prompt and tokens fill the context (both
+    backends' words; the metal backend raises them as `ContextFull`, the worker sends them so named)."""
+    return (f"{prompt} prompt and {generated} generated tokens fill the context of {context_len} tokens "
+            f"(context_len) before max_tokens ({max_tokens}): batch rows do not go past it")
+
+
 def check_context(cmd: str, tokens: int, context_len: int | None, item: int | None = None) -> None:
     """Raise `context_length_exceeded` for a prompt (a batch's `prompts` item `item`) past the
     context, with the counts as the error's fields: a client words the refusal from them."""

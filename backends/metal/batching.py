@@ -46,6 +46,7 @@ from typing import Any, Protocol
 import numpy as np
 
 import pymlxc.core as mx
+from pymlxc.bridge.protocol import context_full_problem
 from pymlxc.model import GenerationCancelled, ModelClosedError
 from pymlxc.options import check_sampling, checked_int, checked_real, checked_token_ids
 
@@ -1260,9 +1261,8 @@ def _context_full(row: _Row, context_len: int | None) -> ContextFull | None:
     """Why a row that ends by length ended early: where the context, not its max_tokens, bound it."""
     if not row.context_bound or context_len is None:
         return None
-    return ContextFull(f"{len(row.request.prompt)} prompt and {len(row.generated)} generated tokens fill the "
-                       f"context of {context_len} tokens (context_len) before max_tokens "
-                       f"({row.request.params.max_tokens}): batch rows do not go past it")
+    return ContextFull(context_full_problem(len(row.request.prompt), len(row.generated), context_len,
+                                            row.request.params.max_tokens))
 
 
 # ---------------------------------------------------------------------- waiting for results

@@ -530,13 +530,26 @@ def prefill_attention_ready(dtype: Any, head_dim: int, heads: int, kv_heads: int
         lambda: _compare_prefill_attention(dtype, head_dim, heads, kv_heads, scale))
 
 
+def causal_attention_reference(q: Any, k: Any, v: Any, scale: float) -> Any:
+    """The kernel's attention in NumPy, in the arrays' precision: q [B, HQ, L, D] over k and v
+    [B, HKV, T, D], query i seeing keys up to T - L + i (the check's and the tests' reference)."""
+    import numpy as np  # noqa: PLC0415 - the check alone needs it
+
+    rep = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+    n, t = q.shape[2], k.shape[2]
+    visible = np.arange(t)[None, :] <= np.arange(n)[:, None] + (t - n)
+    scores = np.where(visible, q @ np.swapaxes(k, -1, -2) * scale, -np.inf)
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return (weights / weights.sum(axis=-1, keepdims=True)) @ v
+
+
 def _compare_prefill_attention(dtype: Any, head_dim: int, heads: int, kv_heads: int, scale: float) -> str | None:
     """None where the kernel's attention agrees with float64 on the same values, for chunks that do not
     fill a block, over keys that are views of a longer buffer, and q a view of joint heads; else why not."""
     import numpy as np  # noqa: PLC0415 - the check alone needs it
 
     rng = np.random.default_rng(0)
-    rep = heads // kv_heads
     for n, t in ((37, 37), (21, 90), (2, 2)):
         joint = mx.array(rng.standard_normal((1, heads + kv_heads, n, head_dim)).astype(np.float32)).astype(dtype)
         buffers = [mx.array(rng.standard_normal((1, kv_heads, t + 13, head_dim)).astype(np.float32)).astype(dtype)
@@ -545,12 +558,7 @@ def _compare_prefill_attention(dtype: Any, head_dim: int, heads: int, kv_heads: 
         k, v = (mx.slice(a, [0, 0, 0, 0], [1, kv_heads, t, head_dim], [1, 1, 1, 1]) for a in buffers)
         got = np.asarray(prefill_attention(q, k, v, scale).astype(mx.float32))
         qf, kf, vf = (np.asarray(a.astype(mx.float32)).astype(np.float64) for a in (q, k, v))
-        kf, vf = np.repeat(kf, rep, axis=1), np.repeat(vf, rep, axis=1)
-        scores = qf @ np.swapaxes(kf, -1, -2) * scale
-        visible = np.arange(t)[None, :] <= np.arange(n)[:, None] + (t - n)
-        scores = np.where(visible, scores, -np.inf)
-        weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        want = (weights / weights.sum(axis=-1, keepdims=True)) @ vf
+        want = causal_attention_reference(qf, kf, vf, scale)
         # The output's rounding and the probabilities' (rounded to the type for the second product).
         tol = 2.0 ** -8 * (np.abs(want) + np.abs(vf).max())
         if not np.all(np.abs(got - want) <= tol):

@@ -831,15 +831,19 @@ def choose_dense_matvec(model: Any, setting: str, dtype: Any) -> bool:
     return True
 
 
+def prefill_attention_modules(model: Any) -> list[Any]:
+    """`model`'s attention modules that may take pymlxc's prefill attention kernel: those of a class
+    that declares `prefill_kernel` (the flag `mark_prefill_attention` sets)."""
+    return [m for _, m in model.named_modules() if isinstance(getattr(type(m), "prefill_kernel", None), bool)]
+
+
 def mark_prefill_attention(model: Any, use: bool, dtype: Any) -> bool:
-    """Mark `model`'s attention modules (those of a class with `prefill_kernel`) to run causal chunks
-    through pymlxc's CUDA kernel (`kernels/prefill_attention.py`) where `use`
+    """Mark `model`'s attention modules (`prefill_attention_modules`) to run causal chunks through
+    pymlxc's CUDA kernel (`kernels/prefill_attention.py`) where `use`
     (`Settings.cuda_prefill_attention`) and the kernel's check for their heads in `dtype` pass; the
     others keep MLX's attention. Returns whether any module was marked."""
     marked = False
-    for _, m in model.named_modules():
-        if not isinstance(getattr(type(m), "prefill_kernel", None), bool):
-            continue
+    for m in prefill_attention_modules(model):
         on = bool(use and dtype is not None and isinstance(m.scale, float)
                   and prefill_attention_ready(dtype, m.head_dim, m.n_heads, m.n_kv_heads, m.scale))
         m.__dict__["prefill_kernel"] = on

@@ -148,8 +148,9 @@ def attention_ab(side: Pymlxc, prompt: list[int], repeats: int, clear_cache: boo
     """`--attention-ab`: the attention modules marked for pymlxc's prefill attention kernel (on, as the
     load's check left them) against MLX's attention (off). Also each side's first run at lengths
     neither has run (`*_new_length_runs_ms`: MLX builds a cuDNN graph for each new shape)."""
-    modules = [m for _, m in side.loaded.model.named_modules()
-               if isinstance(getattr(type(m), "prefill_kernel", None), bool)]
+    from pymlxc.backends.metal import nn
+
+    modules = nn.prefill_attention_modules(side.loaded.model)
     marked = [m.prefill_kernel for m in modules]
     if not any(marked):
         raise SystemExit("--attention-ab: no attention module is marked for the kernel (nn.mark_prefill_attention)")

@@ -63,16 +63,27 @@ def test_what_the_kernel_takes() -> None:
     assert not kernel.applies(20, 20, 30, 8, 64, 2) and not kernel.applies(20, 20, 128, 1, 64, 2)
 
 
+@settings(max_examples=25, deadline=None)
+@given(q_len=st.integers(1, 20), extra=st.integers(0, 20), group=GROUPS, seed=st.integers(0, 2**16))
+def test_the_reference_is_mlx_causal_attention(q_len: int, extra: int, group: tuple[int, int], seed: int) -> None:
+    """The float64 reference the kernel's check and tests measure it by is MLX's own causal attention
+    (bottom-right aligned, grouped heads), here in float32 on the CPU."""
+    heads, kv_heads = group
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal((1, h, n, 16)).astype(np.float32)
+               for h, n in ((heads, q_len), (kv_heads, q_len + extra), (kv_heads, q_len + extra)))
+    want = np.asarray(mx.fast.scaled_dot_product_attention(mx.array(q), mx.array(k), mx.array(v), scale=0.25,
+                                                           mask="causal" if q_len > 1 else None))
+    got = kernel_choice.causal_attention_reference(*(a.astype(np.float64) for a in (q, k, v)), 0.25)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.fixture
 def llama(tmp_path: Any):
     path = write_tiny_model(tmp_path / "llama", "llama", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
                             dtype="float16")
     with load_weights_and_config(path) as loaded:
         yield loaded.model
-
-
-def attention_modules(model: Any) -> list[Any]:
-    return [m for _, m in model.named_modules() if isinstance(getattr(type(m), "prefill_kernel", None), bool)]
 
 
 def test_marked_modules_send_causal_chunks_to_the_kernel(llama: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -87,7 +98,7 @@ def test_marked_modules_send_causal_chunks_to_the_kernel(llama: Any, monkeypatch
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
 
     monkeypatch.setattr(base, "prefill_attention", stand_in)
-    for m in attention_modules(llama):
+    for m in nn.prefill_attention_modules(llama):
         monkeypatch.setitem(m.__dict__, "prefill_kernel", True)
     got = list(loops.generate_ids(llama, prompt, cache=llama.make_cache(None), max_tokens=6, sampler=greedy,
                                   prefill_step=16))
@@ -119,25 +130,25 @@ def test_an_explicit_mask_keeps_mlx_attention(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_marking(llama: Any) -> None:
-    """Switched off, nothing is marked; on where the kernel cannot run (a CPU), its check says why
-    and nothing is marked; unmarking puts every module back."""
+    """Every layer's attention module is found; switched off, marking clears the flags; switched on,
+    the modules are marked where the kernel's check passes (CUDA), and where it cannot run (a CPU)
+    the check says why in a RuntimeWarning and nothing is marked."""
+    modules = nn.prefill_attention_modules(llama)
+    assert len(modules) == len(llama.layers) == 2
+    for m in modules:
+        m.__dict__["prefill_kernel"] = True
     assert not nn.mark_prefill_attention(llama, False, mx.bfloat16)
-    assert not any(m.prefill_kernel for m in attention_modules(llama)) and attention_modules(llama)
-    if not ON_CUDA:
-        with warnings.catch_warnings(record=True):
-            warnings.simplefilter("always")
-            assert not nn.mark_prefill_attention(llama, True, mx.bfloat16)
-        assert not any(m.prefill_kernel for m in attention_modules(llama))
-
-
-def _reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
-    rep = q.shape[1] // k.shape[1]
-    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
-    n, t = q.shape[2], k.shape[2]
-    scores = np.where(np.arange(t)[None, :] <= np.arange(n)[:, None] + (t - n), q @ np.swapaxes(k, -1, -2) * scale,
-                      -np.inf)
-    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    return (weights / weights.sum(axis=-1, keepdims=True)) @ v
+    assert not any(m.prefill_kernel for m in modules)
+    key = ("prefill_attention", str(mx.bfloat16), 64, 4, 2, 64 ** -0.5)  # kernel_choice.prefill_attention_ready's
+    asked_before = key in kernel_choice.prefill_attention_checks.known()  # a verdict is asked once a process
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        marked = nn.mark_prefill_attention(llama, True, mx.bfloat16)
+    assert marked is ON_CUDA and all(m.prefill_kernel is ON_CUDA for m in modules)
+    assert kernel_choice.prefill_attention_checks.known()[key] is ON_CUDA
+    if not ON_CUDA and not asked_before:
+        assert any("prefill attention is not used" in str(w.message) for w in caught)
+    nn.mark_prefill_attention(llama, False, mx.bfloat16)
 
 
 @cuda_only
@@ -168,7 +179,7 @@ def _check_kernel(batch: int, q_len: int, extra: int, group: tuple[int, int], he
     scale = head_dim ** -0.5
     got = np.asarray(kernel_choice.prefill_attention(q, k, v, scale).astype(mx.float32))
     qf, kf, vf = (np.asarray(a.astype(mx.float32)).astype(np.float64) for a in (q, k, v))
-    want = _reference(qf, kf, vf, scale)
+    want = kernel_choice.causal_attention_reference(qf, kf, vf, scale)
     assert got.shape == want.shape == (batch, heads, q_len, head_dim)
     # The output's rounding and that of the probabilities (the type's, for the second product).
     unit = 2.0 ** -8 if dtype == "bfloat16" else 2.0 ** -10
@@ -196,7 +207,7 @@ def test_the_check_passes_and_a_prefill_keeps_mlx_tokens(tmp_path: Any) -> None:
                             dtype="float16")
     with load_weights_and_config(path) as loaded:
         model = loaded.model
-        marked = attention_modules(model)
+        marked = nn.prefill_attention_modules(model)
         assert marked and all(m.prefill_kernel for m in marked)  # auto on CUDA, at load
         prompt = [int(i) for i in np.random.default_rng(1).integers(16, 500, size=90)]
         got = list(loops.generate_ids(model, prompt, cache=model.make_cache(None), max_tokens=8, sampler=greedy))

@@ -12,7 +12,6 @@ a longer buffer; its check passes; a model's prefill through it gives MLX's gree
 """
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any
 
@@ -43,11 +42,19 @@ def test_the_launch_covers_every_position(batch: int, q_len: int, group: tuple[i
     if not kernel.applies(q_len, q_len, heads, kv_heads, head_dim, 2):
         return
     geo = kernel.launch(batch, q_len, heads, kv_heads, head_dim, mx.bfloat16, 0.125)
-    blocks = geo["grid"][0] // kernel.THREADS
-    positions = kernel.VECTORS // (heads // kv_heads)
     assert geo["threadgroup"] == (kernel.THREADS, 1, 1) and geo["grid"][0] % kernel.THREADS == 0
-    assert blocks == batch * kv_heads * math.ceil(q_len / positions) and positions >= 1
-    assert dict(geo["template"])["HQ"] == heads and dict(geo["template"])["D"] == head_dim
+    template = dict(geo["template"])
+    assert (template["HQ"], template["HKV"], template["D"]) == (heads, kv_heads, head_dim)
+    # The blocks as the kernel's source takes them apart (P = BM / REP positions a block, block index
+    # -> position tile, key/value head, batch row): every (row, head, position) once.
+    per_block = kernel.VECTORS // (heads // kv_heads)
+    tiles = -(-q_len // per_block)
+    seen = []
+    for blk in range(geo["grid"][0] // kernel.THREADS):
+        pt, rest = blk % tiles, blk // tiles
+        h, b = rest % kv_heads, rest // kv_heads
+        seen += [(b, h, p) for p in range(pt * per_block, min((pt + 1) * per_block, q_len))]
+    assert sorted(seen) == [(b, h, p) for b in range(batch) for h in range(kv_heads) for p in range(q_len)]
 
 
 def test_what_the_kernel_takes() -> None:

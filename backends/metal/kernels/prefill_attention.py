@@ -10,15 +10,15 @@ compiled once per head size, heads and type (MLX keeps its PTX on disk) and runs
 
 It is a flash-attention loop on tensor cores (`mma.sync` m16n8k16, float32 accumulators): a block of
 4 warps takes one key/value head and 64 query vectors, the head's group of query heads at 64 // group
-consecutive positions (the rest left empty), 16 rows a warp held as mma operands in registers. For each tile of 64 keys,
-staged in shared memory (16-byte loads where the rows allow them, else element by element through
-the strides: q may be a view of joint heads, the keys and values views of the cache's buffers), a
-warp forms its 16 x 64 scores, masks keys past each query (`T - L + i` for query i of L over T keys:
-the causal mask aligned at the bottom right, as MLX's `mask="causal"`), updates each row's running
-maximum and sum (exp2, float32) and adds the probabilities, rounded to the 2-byte type as flash
-attention rounds them for the second product, times the values' tile (`ldmatrix.trans` fragments).
-The output is written as [B, L, HQ, D], the layout the output projection reads, and handed back
-transposed.
+consecutive positions (the rest left empty), 16 rows a warp held as mma operands in registers. For
+each tile of 64 keys, staged in shared memory (16-byte loads where the rows allow them, else element
+by element through the strides: q may be a view of joint heads, the keys and values views of the
+cache's buffers), a warp forms its 16 x 64 scores, masks keys past each query (`T - L + i` for query
+i of L over T keys: the causal mask aligned at the bottom right, as MLX's `mask="causal"`), updates
+each row's running maximum and sum (exp2, float32) and adds the probabilities, rounded to the 2-byte
+type as flash attention rounds them for the second product, times the values' tile (`ldmatrix.trans`
+fragments). The output is written as [B, L, HQ, D], the layout the output projection reads, and
+handed back transposed.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ NAME = "pymlxc_prefill_attention"
 INPUTS = ("q", "keys", "values")
 OUTPUT_NAMES = ("out",)
 THREADS = 128  # 4 warps
+VECTORS = 64  # query vectors a block takes, 16 a warp: whole groups of query heads, up to 64 a group
 HEAD_DIMS = (64, 80, 96, 112, 128)  # multiples of the mma's 16; two 64-key tiles fit the shared memory
 # The largest chunk length times key count the kernel takes (1024 tokens over 1024 keys, 128 over
 # 8192): beyond it the per-shape build is a small share of a chunk's time.
@@ -59,9 +60,9 @@ template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, f
   return *reinterpret_cast<unsigned*>(&h);
 }
 
-// Row `r` (D values) of a [.., rows, D] tensor into shared memory at `dst`, 8 values a call for the
-// eight-value piece `c`: one 16-byte load where the tensor's rows allow it (`wide`), else eight.
-template <typename T, int D>
+// A row of a [.., rows, D] tensor into shared memory at `dst`, 8 values a call: the eight-value
+// piece `c`: one 16-byte load where the tensor's rows allow it (`wide`), else eight.
+template <typename T>
 __device__ __forceinline__ void copy8(T* dst, const T* row, int64_t step, int c, bool valid, bool wide) {
   if (!valid) {
     *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
@@ -81,7 +82,7 @@ __device__ __forceinline__ void copy8(T* dst, const T* row, int64_t step, int c,
 # [B, HKV, T, D] through their strides; out [B, L, HQ, D] row-major.
 SOURCE = r"""
   constexpr int REP = HQ / HKV;
-  constexpr int BM = 64;             // query vectors a block takes: 16 a warp
+  constexpr int BM = VECTORS_;       // query vectors a block takes: 16 a warp (staged in ks: BM <= BN)
   constexpr int P = BM / REP;        // their positions (vectors P * REP .. 63 are left empty)
   constexpr int BN = 64;             // keys a tile
   constexpr int LD = D + 8;          // padded row: ldmatrix without bank conflicts
@@ -116,7 +117,7 @@ SOURCE = r"""
   for (int e = tid; e < BM * D / 8; e += THREADS_) {
     const int r = e / (D / 8), c = e % (D / 8), pos = p0 + r / REP;
     const T* row = qb + (h * REP + r % REP) * q_strides[1] + static_cast<int64_t>(min(pos, L - 1)) * q_strides[2];
-    pymlxc_attn::copy8<T, D>(ks + r * LD + 8 * c, row, q_strides[3], c, pos < L && r < P * REP, qw);
+    pymlxc_attn::copy8<T>(ks + r * LD + 8 * c, row, q_strides[3], c, pos < L && r < P * REP, qw);
   }
   __syncthreads();
   unsigned qa[KS][4];
@@ -143,8 +144,8 @@ SOURCE = r"""
     for (int e = tid; e < BN * D / 8; e += THREADS_) {
       const int j = e / (D / 8), c = e % (D / 8), key = k0 + j;
       const int64_t at = static_cast<int64_t>(min(key, TK - 1));
-      pymlxc_attn::copy8<T, D>(ks + j * LD + 8 * c, kb + at * keys_strides[2], keys_strides[3], c, key < TK, kw);
-      pymlxc_attn::copy8<T, D>(vs + j * LD + 8 * c, vb + at * values_strides[2], values_strides[3], c, key < TK, vw);
+      pymlxc_attn::copy8<T>(ks + j * LD + 8 * c, kb + at * keys_strides[2], keys_strides[3], c, key < TK, kw);
+      pymlxc_attn::copy8<T>(vs + j * LD + 8 * c, vb + at * values_strides[2], values_strides[3], c, key < TK, vw);
     }
     __syncthreads();
     if (k0 > warp_lim) continue;  // every key of the tile past the warp's rows
@@ -236,10 +237,7 @@ SOURCE = r"""
             pymlxc_attn::pack2<T>(o[j][2 * i] * inv, o[j][2 * i + 1] * inv);
     }
   }
-""".replace("THREADS_", str(THREADS))
-
-
-VECTORS = 64  # query vectors a block takes, 16 a warp: whole groups of query heads, up to 64 a group
+""".replace("THREADS_", str(THREADS)).replace("VECTORS_", str(VECTORS))
 
 
 def applies(q_len: int, kv_len: int, heads: int, kv_heads: int, head_dim: int, dtype_size: int) -> bool:

@@ -133,8 +133,8 @@ class Settings:
         "The causal attention of a prompt chunk of up to 2**20 query-key pairs (1024 tokens over 1024 keys, 128 "
         "over 8192) through pymlxc's tensor-core CUDA kernel (`kernels/prefill_attention.py`), compiled once, "
         "instead of MLX's cuDNN attention, which builds a graph for each new shape (42-44 ms each on an H200: a "
-        "new 128-token prompt of Llama-3.2-1B 4-bit took 48-50 ms to its first token against 10 ms with the "
-        "kernel); chosen at load once the kernel agrees with float64. `auto`: on CUDA.")
+        "129-133-token prompt of a length not run before took Llama-3.2-1B 4-bit 48-50 ms to its first token, "
+        "10-11 ms with the kernel); chosen at load once the kernel agrees with float64. `auto`: on CUDA.")
     cuda_q6k_planes: str = _switch(
         "GGUF Q6_K weights (an output head, Q4_K_M's value and down projections, a Q6_K token embedding) "
         "rearranged at load into four planes of the same bytes (`kernels/gguf_blocks.py`'s `to_planes`), which "

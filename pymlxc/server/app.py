@@ -689,18 +689,11 @@ def _logit_bias(given: dict[str, float], vocab: int) -> tuple[tuple[int, float],
     return tuple(bias)
 
 
-def _plain_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """The messages as a slot engine's model takes them (role and content text). A `name` or
-    `tool_call_id` only labels a turn that its role and content already carry, and is left out;
-    an assistant's `tool_calls` are the turn, which these backends cannot render (they have no tools)."""
-    plain = []
-    for n, message in enumerate(messages):
-        if message.tool_calls:
-            raise ApiError(400, f"messages[{n}].tool_calls: tool calls are not supported by this model's backend",
-                           param=f"messages.{n}.tool_calls")
-        turn = message.to_template()
-        plain.append({"role": turn["role"], "content": turn["content"]})
-    return plain
+def _plain_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as a slot engine's model takes them: as the chat template reads them
+    (`ChatMessage.to_template`), `name`, `tool_call_id` and an assistant's `tool_calls` included,
+    which the mlx_lm worker hands its template (protocol 4)."""
+    return [message.to_template() for message in messages]
 
 
 def _one_prompt(prompt: str | list[int] | list[str]) -> str | list[int]:

@@ -500,23 +500,44 @@ def test_mlx_lm_server_top_p_zero_keeps_only_the_top_token(mlx_lm_server: Server
         assert got.choices[0].text == greedy
 
 
-def test_mlx_lm_server_takes_the_documented_message_fields(mlx_lm_server: Server) -> None:
-    client = openai.OpenAI(base_url=f"{mlx_lm_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-    plain = [{"role": "user", "content": "Hello!"}]
-    want = client.chat.completions.create(model="m", messages=plain, max_tokens=4, temperature=0)
-    named = client.chat.completions.create(model="m", messages=[{**plain[0], "name": "bob"}], max_tokens=4,
-                                           temperature=0)
-    assert named.choices[0].message.content == want.choices[0].message.content
-    # A tool-call history needs the tools this backend lacks: refused, not a server error.
-    history = [*plain, {"role": "assistant", "content": None,
-                        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-               {"role": "tool", "content": "5", "tool_call_id": "c1"}]
-    calls = _post(mlx_lm_server, "chat/completions", {"messages": history, "max_tokens": 2})
-    assert calls.status_code == 400 and calls.json()["error"]["param"] == "messages.1.tool_calls", calls.text
-    lone = _post(mlx_lm_server, "chat/completions",
-                 b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}')
-    assert lone.status_code == 400, lone.text
-    assert lone.json()["error"]["param"] == "messages" and "surrogate" in lone.json()["error"]["message"]
+# Renders what the server's default test template leaves out: a message's name, the call it answers
+# and an assistant's calls, so that a field dropped on the way changes the prompt's count.
+LABELS_TEMPLATE = (
+    "{%- for message in messages %}<|im_start|>{{ message['role'] }}"
+    "{%- if message.name %} ({{ message.name }}){%- endif %}"
+    "{%- if message.tool_call_id %} [{{ message.tool_call_id }}]{%- endif %}\n{{ message['content'] }}"
+    "{%- for call in message.tool_calls or [] %}<tool_call>{{ call.function.name }}"
+    " {{ call.function.arguments | tojson }}</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+def test_mlx_lm_server_hands_the_template_every_message_field(tmp_path) -> None:
+    from pymlxc.testing import write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path / "labels", "qwen3", seed=3, chat_template=LABELS_TEMPLATE)
+    calls = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
+    history = [{"role": "user", "content": "Weather?", "name": "bob"},
+               {"role": "assistant", "content": None, "tool_calls": calls},
+               {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+    bare = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": ""},
+            {"role": "tool", "content": "sunny"}]
+    with pymlxc.load_model(str(model_dir), backend="metal") as model:
+        template_calls = [{**c, "function": {**c["function"], "arguments": {"city": "Oslo"}}} for c in calls]
+        want = model.prompt_length([history[0], {**history[1], "content": "", "tool_calls": template_calls},
+                                    history[2]])
+        assert want > model.prompt_length(bare) + 6  # the labels are rendered: a dropped one would show
+    server = start_server(model_dir, "--backend", "mlx_lm", "--max-concurrency", "1", log=tmp_path / "labels.log")
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        got = client.chat.completions.create(model="m", messages=history, max_tokens=2, temperature=0)
+        assert got.usage.prompt_tokens == want
+        lone = _post(server, "chat/completions",
+                     b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}')
+        assert lone.status_code == 400, lone.text
+        assert lone.json()["error"]["param"] == "messages" and "surrogate" in lone.json()["error"]["message"]
+    finally:
+        stop_server(server)
 
 
 @pytest.mark.parametrize(("endpoint", "body", "param"), [

@@ -28,6 +28,7 @@ from _timing import timed_evaluation
 
 import argparse
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 import pymlxc.core as mx
-from pymlxc.backends.metal import kernel_choice
+from pymlxc.backends.metal import gguf_layers, kernel_choice
 from pymlxc.backends.metal.formats.gguf_quants import dequantize_blocks
 from pymlxc.backends.metal.kernels import gguf_blocks
 
@@ -60,9 +61,11 @@ def probe(qtype: Q, k: int, n: int, rows: int, min_bytes: int, repeats: int) -> 
     scale = float(np.abs(want).max()) or 1.0
     out: dict[str, Any] = {"type": qtype.name, "K": k, "N": n, "rows": rows, "copies": copies}
     kind = gguf_blocks.device_kind()
-    sides: dict[str, tuple[Callable[[mx.Array], mx.Array], int]] = {
-        "mlx_ops": (lambda w: mx.matmul(x, mx.swapaxes(dequantize_blocks(w, qtype).astype(x.dtype), -1, -2)), block_bytes)}
-    if kind is not None:
+    sides: dict[str, tuple[Callable[[mx.Array], mx.Array], int]] = {}
+    if rows <= gguf_blocks.MAX_X_ROWS or kind is None:  # (a prompt chunk's block layer dequantizes in chunks: below)
+        sides["mlx_ops"] = (lambda w: mx.matmul(x, mx.swapaxes(dequantize_blocks(w, qtype).astype(x.dtype), -1, -2)),
+                            block_bytes)
+    if kind is not None and rows <= gguf_blocks.MAX_X_ROWS:  # the matvec kernels' rows (a template per count)
         zero = mx.zeros((1,), mx.int32)
         forms: dict[str, dict[str, Any]] = {"kernel": {}}
         if kind == "cuda" and qtype == Q.Q6_K:  # its own kernel: each split of a row, and the generic one
@@ -78,6 +81,12 @@ def probe(qtype: Q, k: int, n: int, rows: int, min_bytes: int, repeats: int) -> 
             sides[name] = (lambda w, form=form: mx.reshape(gguf_blocks.matvec(
                 mx.reshape(x, (1, rows, k)), mx.expand_dims(planes[id(w)] if form.get("planes") else w, 0), zero,
                 qtype, kind, **form), (rows, n)), block_bytes)
+    if rows > gguf_blocks.MAX_X_ROWS:  # a prompt chunk: the block layer's own product (dequantized row chunks)
+        sides["block_matmul"] = (lambda w: gguf_layers.block_matmul(x, w, qtype), block_bytes)
+        if qtype == Q.Q6_K and kind == "cuda" and gguf_blocks.planes_ready(x.dtype):
+            planes = {id(b): gguf_blocks.to_planes(b) for b in blocks}
+            sides["block_matmul_planes"] = (lambda w: gguf_layers.block_matmul(x, planes[id(w)], qtype, True),
+                                            block_bytes)
     dense = mx.array(dense64.astype(np.float16))
     q, s, b = mx.quantize(dense, 64, 4)
     mx.eval(q, s, b)
@@ -99,6 +108,10 @@ def probe(qtype: Q, k: int, n: int, rows: int, min_bytes: int, repeats: int) -> 
     q32s = [q32] + [tuple(a + 0 for a in q32) for _ in range(copies - 1)]
     t = timed_evaluation(lambda: [mx.quantized_matmul(x, *w, True, 32, 4) for w in q32s], repeats) / copies
     out["mlx_4bit_g32"] = {"us": t * 1e6, "GBps": sum(a.nbytes for a in q32) / t / 1e9}
+    if kind == "cuda" and rows > gguf_blocks.MAX_X_ROWS and kernel_choice.qmm_ready(x.dtype, 32):
+        # pymlxc's tensor-core product of a prompt chunk, which the group-32 layers take op by op
+        t = timed_evaluation(lambda: [kernel_choice.qmm_product(x, *w, 32) for w in q32s], repeats) / copies
+        out["pymlxc_qmm_g32"] = {"us": t * 1e6, "GBps": sum(a.nbytes for a in q32) / t / 1e9}
     t = timed_evaluation(lambda: [mx.matmul(x, mx.swapaxes(w, 0, 1)) for w in d16], repeats) / copies
     out["dense_f16"] = {"us": t * 1e6, "GBps": dense.nbytes / t / 1e9}
     return out
@@ -159,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for t in args.types:
         if gguf_blocks.device_kind() is not None:
+            began = time.perf_counter()
             gguf_blocks.ready(Q[t], mx.float16)  # compile and check first, as a model's load does
+            print(f"{t}: kernels compiled and checked in {time.perf_counter() - began:.1f} s", flush=True)
         for shape, rows in ((s, m) for m in args.rows for s in args.shapes):
             k, n = SHAPES[shape]
             r = probe(Q[t], k, n, rows, args.bytes, args.repeats)

@@ -185,8 +185,9 @@ def test_gguf_q6k_matvec(planes: bool, dtype: mx.Dtype, m: int, n: int, blocks: 
     _compiles(shared, dtype, template, w="uint8", idx="int32")
 
 
-def test_gguf_q6k_planes_lookup() -> None:
-    _compiles(gguf_blocks._cuda_lookup_planes, BF16, [("T", BF16)], w="uint8", ids="int32")  # noqa: SLF001
+@pytest.mark.parametrize("dtype", [F16, BF16, F32])  # store8's 2- and 4-byte forms
+def test_gguf_q6k_planes_lookup(dtype: mx.Dtype) -> None:
+    _compiles(gguf_blocks._cuda_lookup_planes, dtype, [("T", dtype)], w="uint8", ids="int32")  # noqa: SLF001
 
 
 def test_a_body_that_does_not_compile_is_caught() -> None:

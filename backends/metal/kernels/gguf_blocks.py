@@ -67,6 +67,36 @@ __device__ __forceinline__ float half_at(const uint8_t* p) {
   return __half2float(__ushort_as_half(static_cast<unsigned short>(p[0] | (p[1] << 8))));
 }
 
+// 8 values into o[0..8) as T: one 16-byte store (two for float32) where o is aligned to it (a row
+// of whole 256-value blocks always is), else one store a value. A warp's stores then fill whole
+// memory sectors, where eight 2-byte stores a thread each touched 16 of them.
+template <typename T>
+__device__ __forceinline__ void store8(T* o, const float* v) {
+  if ((reinterpret_cast<size_t>(o) & 15u) == 0) {
+    uint32_t w[8];  // the 8 values' bits: 4 words of 2-byte values, 8 of float32 ones
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const T x = static_cast<T>(v[i]);
+      if (sizeof(T) == 2) {
+        const uint32_t bits = *reinterpret_cast<const unsigned short*>(&x);
+        w[i >> 1] = (i & 1) ? (w[i >> 1] | (bits << 16)) : bits;
+      } else {
+        w[i] = *reinterpret_cast<const uint32_t*>(&x);
+      }
+    }
+    uint4* d = reinterpret_cast<uint4*>(o);
+#pragma unroll
+    for (int j = 0; j < static_cast<int>(sizeof(T)) / 2; ++j) {
+      d[j] = make_uint4(w[4 * j], w[4 * j + 1], w[4 * j + 2], w[4 * j + 3]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      o[i] = static_cast<T>(v[i]);
+    }
+  }
+}
+
 // The 8 values p0..p0+7 (p0 a multiple of 8) of the block at b, in float32, as gguf's reference.
 template <int Q>
 __device__ __forceinline__ void values8(const uint8_t* b, int p0, float* v) {
@@ -500,11 +530,7 @@ CUDA_DEQUANT_SOURCE = r"""
   }
   float v[8];
   pymlxc_gguf::values8<Q>(w + unit * S, (t & 31) * 8, v);
-  T* o = out + unit * 256 + (t & 31) * 8;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    o[i] = static_cast<T>(v[i]);
-  }
+  pymlxc_gguf::store8<T>(out + unit * 256 + (t & 31) * 8, v);
 """
 
 # Q6_K planes (`to_planes`) read back as values, with the block kernel's float32 operations (`values8`'s
@@ -513,6 +539,8 @@ CUDA_PLANES_HEADER = CUDA_HEADER + r"""
 namespace pymlxc_gguf {
 
 // The 8 values p0..p0+7 of unit u (row NB + block) of planes w holding `units` units, as floats.
+// Their ql and qh bytes lie 8-byte aligned in the planes (`to_planes`): read as one word pair each
+// where the planes start aligned (always, unless handed a view), else byte by byte.
 __device__ __forceinline__ void planes_values8(const uint8_t* w, size_t units, size_t u, int p0, float* v) {
   const int n = p0 >> 7, k = (p0 & 127) >> 5, l = p0 & 31, s = p0 >> 4;
   // ql[64 n + 32 (k & 1) + l + i] lies at 16 (4 n + l / 8) + 8 (k & 1) + i of the unit's 128 (to_planes).
@@ -520,10 +548,23 @@ __device__ __forceinline__ void planes_values8(const uint8_t* w, size_t units, s
   const uint8_t* qh = w + units * 128 + u * 64 + 32 * n + l;
   const float dl = half_at(w + units * 208 + u * 2)
       * static_cast<float>(static_cast<int8_t>(w[units * 192 + u * 16 + s]));
+  uint32_t lo[2], hi[2];
+  if (((reinterpret_cast<size_t>(ql) | reinterpret_cast<size_t>(qh)) & 7u) == 0) {
+    const uint2 a = *reinterpret_cast<const uint2*>(ql);
+    const uint2 b = *reinterpret_cast<const uint2*>(qh);
+    lo[0] = a.x, lo[1] = a.y, hi[0] = b.x, hi[1] = b.y;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      lo[j] = ql[4 * j] | (ql[4 * j + 1] << 8) | (ql[4 * j + 2] << 16) | (static_cast<uint32_t>(ql[4 * j + 3]) << 24);
+      hi[j] = qh[4 * j] | (qh[4 * j + 1] << 8) | (qh[4 * j + 2] << 16) | (static_cast<uint32_t>(qh[4 * j + 3]) << 24);
+    }
+  }
   const int sl = 4 * (k >> 1), sh = 2 * k;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const int q = ((ql[i] >> sl) & 15) | (((qh[i] >> sh) & 3) << 4);
+    const uint32_t lb = lo[i >> 2] >> (8 * (i & 3)), hb = hi[i >> 2] >> (8 * (i & 3));
+    const int q = static_cast<int>(((lb >> sl) & 15u) | (((hb >> sh) & 3u) << 4));
     v[i] = __fmul_rn(dl, static_cast<float>(q) - 32.f);
   }
 }
@@ -548,11 +589,7 @@ CUDA_LOOKUP_PLANES_SOURCE = r"""
   const int row = min(max(ids[unit / NB], 0), N - 1);
   float v[8];
   pymlxc_gguf::planes_values8(w, units, static_cast<size_t>(row) * NB + unit % NB, static_cast<int>(t & 31) * 8, v);
-  T* o = out + unit * 256 + (t & 31) * 8;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    o[i] = static_cast<T>(v[i]);
-  }
+  pymlxc_gguf::store8<T>(out + unit * 256 + (t & 31) * 8, v);
 """
 
 # ---------------------------------------------------------------------------------------- Metal

@@ -1,7 +1,7 @@
 """The GGUF block layers: weights kept as llama.cpp's Q2_K/Q3_K/Q6_K blocks (`formats/gguf_quants.py`
 says which types and why), their products through the GPU kernels of `kernels/gguf_blocks.py` where
 those passed their check, else MLX ops; `use_block_layers` swaps them into a built model. Many-row
-products dequantize chunks of CHUNK_WEIGHTS weights, never the whole matrix.
+products dequantize chunks of rows (`chunk_weights`), not the whole of a large matrix at once.
 """
 from __future__ import annotations
 
@@ -19,7 +19,19 @@ from .formats.gguf_quants import QK_K, QuantError, block_shape, dequantize_block
 from .kernels import gguf_blocks
 from .models.switch_layers import SwitchLinear
 
-CHUNK_WEIGHTS = 1 << 24  # weights dequantized at once for a many-row product: bounded transient memory
+# Weights dequantized at once for a many-row product: a bound on its transient memory. On a GPU each
+# chunk costs MLX's host work for several operations: an H200 took 165 us for a 128-row product of
+# Llama-3.1-8B's Q6_K down projection (58.7M weights) in one chunk, 225 us in four (2**24 weights),
+# 420 us in 14 (2**22) (`probe_gguf_blocks.py --rows 128 --chunk-weights N`,
+# `benchmarks/results/h200-q6k-prefill-chunks.json`); so a GPU dequantizes 2**26 at a time (128 MiB
+# in half precision). The CPU keeps 2**24: its MLX ops make float32 temporaries several times a chunk.
+CHUNK_WEIGHTS = 1 << 24
+GPU_CHUNK_WEIGHTS = 1 << 26
+
+
+def chunk_weights() -> int:
+    """Weights a many-row product dequantizes at a time on the default device."""
+    return CHUNK_WEIGHTS if gguf_blocks.device_kind() is None else GPU_CHUNK_WEIGHTS
 
 
 def dequantize_rows(weight: Array, qtype: QType, dtype: Any) -> Array:
@@ -44,7 +56,7 @@ def planes_rows(planes: Array, start: int, stop: int, dtype: Any) -> Array:
 def block_matmul(x: Array, weight: Array, qtype: QType, planes: bool = False) -> Array:
     """x @ W^T for W the rows of blocks `weight` [out, blocks, bytes] (`planes`: Q6_K blocks in
     `gguf_blocks.to_planes`'s layout). A few rows of x (decode) on a GPU: the matvec kernel reading
-    the blocks. Otherwise chunks of CHUNK_WEIGHTS weights are dequantized, each for its own MLX
+    the blocks. Otherwise chunks of `chunk_weights()` weights are dequantized, each for its own MLX
     matmul, so no dense copy of the whole matrix is made (MLX may still hold several chunks at once:
     its host side allocates ahead of the device)."""
     n, nb = weight.shape[0], weight.shape[1]
@@ -56,7 +68,7 @@ def block_matmul(x: Array, weight: Array, qtype: QType, planes: bool = False) ->
             y = gguf_blocks.matvec(mx.reshape(x, (1, rows, k)), mx.expand_dims(weight, 0),
                                    mx.zeros((1,), mx.int32), qtype, kind, planes=planes)
             return mx.reshape(y, (*x.shape[:-1], n))
-    return nn.product_in_row_chunks(x, n, CHUNK_WEIGHTS, _rows_of(weight, qtype, planes, x.dtype))
+    return nn.product_in_row_chunks(x, n, chunk_weights(), _rows_of(weight, qtype, planes, x.dtype))
 
 
 def _rows_of(weight: Array, qtype: QType, planes: bool, dtype: Any) -> Callable[[int, int], Array]:
@@ -100,7 +112,7 @@ class BlockLinear(nn.Module):
 
     def row_chunks(self) -> list[tuple[int, int]]:
         """The (start, stop) row ranges `block_matmul`'s many-row product dequantizes at a time."""
-        return nn.row_chunks(self.output_dims, self.input_dims, CHUNK_WEIGHTS)
+        return nn.row_chunks(self.output_dims, self.input_dims, chunk_weights())
 
     def dense_chunks(self, dtype: Any) -> list[Array]:
         """The weight's rows dequantized in `dtype`, in `row_chunks`. The compiled prefill makes them
@@ -287,6 +299,7 @@ def file_layout(model: nn.Module) -> int:
     return done
 
 
-__all__ = ["BLOCK_LAYERS", "CHUNK_WEIGHTS", "dequantize_rows", "planes_rows", "block_matmul", "BlockLinear",
+__all__ = ["BLOCK_LAYERS", "CHUNK_WEIGHTS", "GPU_CHUNK_WEIGHTS", "chunk_weights", "dequantize_rows", "planes_rows",
+           "block_matmul", "BlockLinear",
            "BlockEmbedding", "BlockSwitchLinear", "block_form", "file_layout", "holds_untraceable_blocks",
            "use_block_layers", "use_planes"]

@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, nargs="+", default=[1], help="rows of x (decode: 1; prefill: the prompt's)")
     p.add_argument("--bytes", type=int, default=1 << 30, help="weight bytes per evaluation (beyond the L2 cache)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--chunk-weights", type=int, default=None,
+                   help="weights a prompt chunk's block_matmul dequantizes at a time (gguf_layers.chunk_weights)")
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--ncu-summary", type=Path, default=None, help="summarize this Nsight Compute CSV instead")
@@ -169,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cpu:
         mx.set_default_device(mx.cpu)
+    if args.chunk_weights is not None:
+        gguf_layers.CHUNK_WEIGHTS = gguf_layers.GPU_CHUNK_WEIGHTS = args.chunk_weights
     results = []
     for t in args.types:
         if gguf_blocks.device_kind() is not None:

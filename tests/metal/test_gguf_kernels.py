@@ -203,7 +203,7 @@ def test_many_rows_in_chunks_against_float64(qtype: Q, monkeypatch: pytest.Monke
     layer, dense = _layer(qtype, n, nb, 1)
     x = np.random.default_rng(2).standard_normal((rows, nb * 256)).astype(np.float32)
     want = x.astype(np.float64) @ dense.T
-    monkeypatch.setattr(gguf_layers, "CHUNK_WEIGHTS", 128 * nb * 256)
+    monkeypatch.setattr(gguf_layers, "chunk_weights", lambda: 128 * nb * 256)
     got = np.asarray(layer(mx.array(x)))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
 
@@ -212,7 +212,7 @@ def test_one_chunk_and_many_chunks_agree(monkeypatch: pytest.MonkeyPatch) -> Non
     layer, _ = _layer(Q.Q6_K, 96, 2, 3)
     x = mx.array(np.random.default_rng(4).standard_normal((2, 5, 512)).astype(np.float32))
     whole = np.asarray(layer(x))
-    monkeypatch.setattr(gguf_layers, "CHUNK_WEIGHTS", 7 * 512)  # 14 chunks, the last one short
+    monkeypatch.setattr(gguf_layers, "chunk_weights", lambda: 7 * 512)  # 14 chunks, the last one short
     # Equal on the CPU; cuBLAS sums a narrower matrix in another order (H100: 4e-4 on values up to 500).
     np.testing.assert_allclose(np.asarray(layer(x)), whole, rtol=1e-5, atol=1e-5 * float(np.abs(whole).max()))
     assert whole.shape == (2, 5, 96)

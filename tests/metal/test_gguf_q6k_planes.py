@@ -130,7 +130,7 @@ def _pair(n: int, nb: int, seed: int) -> tuple[BlockLinear, BlockLinear]:
 @pytest.mark.parametrize("rows", [1, 3, 40])
 def test_a_layer_computes_the_same_from_either_layout(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode rows and prefill chunks (five chunks of rows, each from its slice of the planes)."""
-    monkeypatch.setattr(gguf_layers, "CHUNK_WEIGHTS", 48 * 512)
+    monkeypatch.setattr(gguf_layers, "chunk_weights", lambda: 48 * 512)
     file_layer, planes_layer = _pair(230, 2, 5)
     x = mx.array(np.random.default_rng(6).standard_normal((1, rows, 512)).astype(np.float32)).astype(mx.float16)
     np.testing.assert_array_equal(np.asarray(planes_layer(x)), np.asarray(file_layer(x)))

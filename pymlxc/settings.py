@@ -134,7 +134,8 @@ class Settings:
         "over 8192) through pymlxc's tensor-core CUDA kernel (`kernels/prefill_attention.py`), compiled once, "
         "instead of MLX's cuDNN attention, which builds a graph for each new shape (42-44 ms each on an H200: a "
         "129-133-token prompt of a length not run before took Llama-3.2-1B 4-bit 48-50 ms to its first token, "
-        "10-11 ms with the kernel); chosen at load once the kernel agrees with float64. `auto`: on CUDA.")
+        "10-11 ms with the kernel); chosen at load once the kernel agrees with float64. Left-padded groups (the "
+        "server's grouped prefill) take its padded form once that form agrees too. `auto`: on CUDA.")
     cuda_q6k_planes: str = _switch(
         "GGUF Q6_K weights (an output head, Q4_K_M's value and down projections, a Q6_K token embedding) "
         "rearranged at load into four planes of the same bytes (`kernels/gguf_blocks.py`'s `to_planes`), which "

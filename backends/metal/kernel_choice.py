@@ -497,23 +497,32 @@ def _compare_qmm(dtype: Any, group_size: int) -> str | None:
 _the_prefill_attention = SharedKernel(attention_kernel.NAME, attention_kernel.INPUTS, attention_kernel.OUTPUT_NAMES,
                                       attention_kernel.SOURCE, header=attention_kernel.HEADER,
                                       ensure_row_contiguous=False)
+_the_padded_prefill_attention = SharedKernel(attention_kernel.PADDED_NAME, attention_kernel.PADDED_INPUTS,
+                                             attention_kernel.OUTPUT_NAMES, attention_kernel.PADDED_SOURCE,
+                                             header=attention_kernel.HEADER, ensure_row_contiguous=False)
 prefill_attention_checks = CheckedOnce("pymlxc's CUDA prefill attention",
                                        source=(attention_kernel.__file__, __file__))
 
 
-def prefill_attention(q: Array, k: Array, v: Array, scale: float) -> Array:
+def prefill_attention(q: Array, k: Array, v: Array, scale: float, starts: Array | None = None) -> Array:
     """Causal attention of q [B, HQ, L, D] over k and v [B, HKV, T, D] (T >= L, the chunk's keys
     last) through pymlxc's kernel (`kernels/prefill_attention.py`; `prefill_attention_takes`):
-    [B, HQ, L, D], a transposed view of the kernel's [B, L, HQ, D]."""
+    [B, HQ, L, D], a transposed view of the kernel's [B, L, HQ, D]. With `starts` (int32 [B]) row b's
+    keys before starts[b] are padding, hidden from every query but their own (the padded form)."""
     b, hq, n, d = q.shape
-    (y,) = _the_prefill_attention()([q, k, v], output_shapes=[(b, n, hq, d)], output_dtypes=[q.dtype],
-                                    **attention_kernel.launch(b, n, hq, k.shape[1], d, q.dtype, scale))
+    kernel, inputs = (_the_prefill_attention, [q, k, v]) if starts is None else (
+        _the_padded_prefill_attention, [q, k, v, starts])
+    (y,) = kernel()(inputs, output_shapes=[(b, n, hq, d)], output_dtypes=[q.dtype],
+                    **attention_kernel.launch(b, n, hq, k.shape[1], d, q.dtype, scale))
     return mx.transpose(y, (0, 2, 1, 3))
 
 
-def prefill_attention_takes(q: Array, k: Array, v: Array) -> bool:
-    """Whether the kernel takes these shapes and types (`kernels/prefill_attention.applies`)."""
+def prefill_attention_takes(q: Array, k: Array, v: Array, starts: Array | None = None) -> bool:
+    """Whether the kernel takes these shapes and types (`kernels/prefill_attention.applies`); with
+    `starts`, its padded form: int32 [B]."""
     if q.ndim != 4 or k.ndim != 4 or tuple(k.shape) != tuple(v.shape) or k.shape[0] != q.shape[0]:
+        return False
+    if starts is not None and (starts.dtype != mx.int32 or tuple(starts.shape) != (q.shape[0],)):
         return False
     if k.shape[3] != q.shape[3] or not (q.dtype == k.dtype == v.dtype):
         return False
@@ -530,18 +539,41 @@ def prefill_attention_ready(dtype: Any, head_dim: int, heads: int, kv_heads: int
         lambda: _compare_prefill_attention(dtype, head_dim, heads, kv_heads, scale))
 
 
-def causal_attention_reference(q: Any, k: Any, v: Any, scale: float) -> Any:
+def causal_attention_reference(q: Any, k: Any, v: Any, scale: float, starts: Any = None) -> Any:
     """The kernel's attention in NumPy, in the arrays' precision: q [B, HQ, L, D] over k and v
-    [B, HKV, T, D], query i seeing keys up to T - L + i (the check's and the tests' reference)."""
+    [B, HKV, T, D], query i seeing keys up to T - L + i (the check's and the tests' reference); with
+    `starts` [B], only those from starts[b] on, and itself (`generate.left_padded_mask`)."""
     import numpy as np  # noqa: PLC0415 - the check alone needs it
 
     rep = q.shape[1] // k.shape[1]
     k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
     n, t = q.shape[2], k.shape[2]
-    visible = np.arange(t)[None, :] <= np.arange(n)[:, None] + (t - n)
+    keys, queries = np.arange(t)[None, :], np.arange(n)[:, None] + (t - n)
+    visible = keys <= queries
+    if starts is not None:
+        real = keys[None] >= np.asarray(starts).reshape(-1, 1, 1)  # [B, 1, T]
+        visible = (visible[None] & (real | (keys == queries)[None]))[:, None]  # [B, 1, L, T]
     scores = np.where(visible, q @ np.swapaxes(k, -1, -2) * scale, -np.inf)
     weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
     return (weights / weights.sum(axis=-1, keepdims=True)) @ v
+
+
+def padded_prefill_attention_ready(dtype: Any, head_dim: int, heads: int, kv_heads: int, scale: float) -> bool:
+    """Whether the kernel's padded form (left-padded rows, `starts`) runs here for these heads and
+    agrees with float64: checked once per machine and key, at load (`nn.mark_prefill_attention`),
+    apart from the causal form's check, so that a failure of one leaves the other."""
+    if not prefill_attention_ready(dtype, head_dim, heads, kv_heads, scale):
+        return False
+    return prefill_attention_checks.verdict(
+        ("prefill_attention_padded", str(dtype), head_dim, heads, kv_heads, float(scale)),
+        lambda: _compare_padded_prefill_attention(dtype, head_dim, heads, kv_heads, scale))
+
+
+def padded_prefill_attention_passed(dtype: Any, head_dim: int, heads: int, kv_heads: int, scale: float) -> bool:
+    """Whether `padded_prefill_attention_ready` passed in this process for these heads (never runs the
+    check: a first check during a generation would run on its evaluation thread)."""
+    key = ("prefill_attention_padded", str(dtype), head_dim, heads, kv_heads, float(scale))
+    return prefill_attention_checks.known().get(key, False)
 
 
 def _compare_prefill_attention(dtype: Any, head_dim: int, heads: int, kv_heads: int, scale: float) -> str | None:
@@ -558,13 +590,40 @@ def _compare_prefill_attention(dtype: Any, head_dim: int, heads: int, kv_heads: 
         k, v = (mx.slice(a, [0, 0, 0, 0], [1, kv_heads, t, head_dim], [1, 1, 1, 1]) for a in buffers)
         got = np.asarray(prefill_attention(q, k, v, scale).astype(mx.float32))
         qf, kf, vf = (np.asarray(a.astype(mx.float32)).astype(np.float64) for a in (q, k, v))
-        want = causal_attention_reference(qf, kf, vf, scale)
-        # The output's rounding and the probabilities' (rounded to the type for the second product).
-        tol = 2.0 ** -8 * (np.abs(want) + np.abs(vf).max())
-        if not np.all(np.abs(got - want) <= tol):
-            bad = np.unravel_index(int(np.argmax(np.abs(got - want) - tol)), want.shape)
-            return (f"its attention of {n} queries over {t} keys differs from float64 at head {bad[1]}, "
-                    f"query {bad[2]}, element {bad[3]} ({got[bad]:.5g} against {want[bad]:.5g})")
+        problem = _attention_problem(got, causal_attention_reference(qf, kf, vf, scale), vf,
+                                     f"{n} queries over {t} keys")
+        if problem is not None:
+            return problem
+    return None
+
+
+def _compare_padded_prefill_attention(dtype: Any, head_dim: int, heads: int, kv_heads: int, scale: float
+                                      ) -> str | None:
+    """None where the padded form agrees with float64 over three left-padded rows of 21 queries over
+    90 keys, padded up to keys 0, 40 and 80 (queries 69-79 of the last row are padding themselves:
+    each sees only itself); else why not."""
+    import numpy as np  # noqa: PLC0415 - the check alone needs it
+
+    rng = np.random.default_rng(1)
+    q, k, v = (mx.array(rng.standard_normal((3, h, n, head_dim)).astype(np.float32)).astype(dtype)
+               for h, n in ((heads, 21), (kv_heads, 90), (kv_heads, 90)))
+    starts = np.array([0, 40, 80], np.int32)
+    got = np.asarray(prefill_attention(q, k, v, scale, mx.array(starts)).astype(mx.float32))
+    qf, kf, vf = (np.asarray(a.astype(mx.float32)).astype(np.float64) for a in (q, k, v))
+    return _attention_problem(got, causal_attention_reference(qf, kf, vf, scale, starts), vf,
+                              "left-padded rows of 21 queries over 90 keys")
+
+
+def _attention_problem(got: Any, want: Any, vf: Any, case: str) -> str | None:
+    """Why the kernel's `got` is not float64's `want` within the 2-byte type's roundings, or None."""
+    import numpy as np  # noqa: PLC0415 - the check alone needs it
+
+    # The output's rounding and the probabilities' (rounded to the type for the second product).
+    tol = 2.0 ** -8 * (np.abs(want) + np.abs(vf).max())
+    if not np.all(np.abs(got - want) <= tol):
+        bad = np.unravel_index(int(np.argmax(np.abs(got - want) - tol)), want.shape)
+        return (f"its attention of {case} differs from float64 at row {bad[0]}, head {bad[1]}, "
+                f"query {bad[2]}, element {bad[3]} ({got[bad]:.5g} against {want[bad]:.5g})")
     return None
 
 

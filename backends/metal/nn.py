@@ -25,6 +25,7 @@ from .kernel_choice import (
     dense_matmul,
     dense_ready,
     kernels_allowed,
+    padded_prefill_attention_ready,
     prefill_attention_ready,
     qmm_product,
     qmm_ready,
@@ -840,12 +841,15 @@ def prefill_attention_modules(model: Any) -> list[Any]:
 def mark_prefill_attention(model: Any, use: bool, dtype: Any) -> bool:
     """Mark `model`'s attention modules (`prefill_attention_modules`) to run causal chunks through
     pymlxc's CUDA kernel (`kernels/prefill_attention.py`) where `use`
-    (`Settings.cuda_prefill_attention`) and the kernel's check for their heads in `dtype` pass; the
-    others keep MLX's attention. Returns whether any module was marked."""
+    (`Settings.cuda_prefill_attention`) and the kernel's check for their heads in `dtype` pass (and
+    left-padded groups through its padded form where that form's own check passes too); the others
+    keep MLX's attention. Returns whether any module was marked."""
     marked = False
     for m in prefill_attention_modules(model):
         on = bool(use and dtype is not None and isinstance(m.scale, float)
                   and prefill_attention_ready(dtype, m.head_dim, m.n_heads, m.n_kv_heads, m.scale))
+        if on:  # its left-padded form too, checked now (`kernel_choice.padded_prefill_attention_passed`)
+            padded_prefill_attention_ready(dtype, m.head_dim, m.n_heads, m.n_kv_heads, m.scale)
         m.__dict__["prefill_kernel"] = on
         marked = marked or on
     return marked

@@ -67,6 +67,8 @@ def _compiles(kernel: SharedKernel, dtype: Any, template: Template, **kinds: Any
 def test_prefill_attention(dtype: mx.Dtype, heads: int, kv_heads: int, head_dim: int) -> None:
     template = prefill_attention.launch(1, 37, heads, kv_heads, head_dim, dtype, head_dim ** -0.5)["template"]
     _compiles(kernel_choice._the_prefill_attention, dtype, template)  # noqa: SLF001
+    # its left-padded form, with the rows' starts
+    _compiles(kernel_choice._the_padded_prefill_attention, dtype, template, starts="int32")  # noqa: SLF001
 
 
 # Every group size.

@@ -4,11 +4,13 @@ Everywhere: the launch covers every query position of every head; the kernel tak
 2-byte floats, head sizes 64-128 in steps of 16, GQA groups of 1-64 heads, up to MAX_PAIRS pairs; a
 marked attention module sends exactly those chunks to it (here a stand-in on MLX's attention
 records them), not decode steps, explicit masks, traces of gradients or larger chunks, and the
-tokens stay those of MLX's attention; marking off CUDA or with the switch off marks nothing.
+tokens stay those of MLX's attention; a left-padded group reaches its padded form with the rows'
+pads; marking off CUDA or with the switch off marks nothing.
 
 On CUDA (MLX's CUDA build): the kernel's output is float64's within the dtype's rounding for chunk
 and cache lengths on both sides of a block and a key tile, q a view of joint heads and keys views of
-a longer buffer; its check passes; a model's prefill through it gives MLX's greedy tokens.
+a longer buffer, and so is its padded form over left-padded rows; its check passes; a model's
+prefill through it gives MLX's greedy tokens.
 """
 from __future__ import annotations
 
@@ -85,6 +87,28 @@ def test_the_reference_is_mlx_causal_attention(q_len: int, extra: int, group: tu
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+@settings(max_examples=25, deadline=None)
+@given(q_len=st.integers(2, 20), extra=st.integers(0, 20), group=GROUPS, data=st.data())
+def test_the_padded_reference_is_mlx_attention_under_the_left_padded_mask(q_len: int, extra: int,
+                                                                         group: tuple[int, int], data: Any) -> None:
+    """With `starts`, the reference is MLX's attention under `generate.left_padded_mask`'s boolean mask
+    (padded queries seeing only themselves), and that mask is noted with its pads for the kernel."""
+    heads, kv_heads = group
+    t = q_len + extra
+    pads = data.draw(st.lists(st.integers(0, t), min_size=1, max_size=3))
+    rng = np.random.default_rng(len(pads) * 1000 + t)
+    q, k, v = (rng.standard_normal((len(pads), h, n, 16)).astype(np.float32)
+               for h, n in ((heads, q_len), (kv_heads, t), (kv_heads, t)))
+    starts = mx.array(np.array(pads, np.int32))
+    mask = loops.left_padded_mask(starts, extra, q_len)
+    assert base.left_padded_starts(mask) is starts
+    assert base.left_padded_starts(loops.left_padded_mask(starts, extra, q_len, window=4)) is None
+    want = np.asarray(mx.fast.scaled_dot_product_attention(mx.array(q), mx.array(k), mx.array(v), scale=0.25,
+                                                           mask=mask))
+    got = kernel_choice.causal_attention_reference(*(a.astype(np.float64) for a in (q, k, v)), 0.25, pads)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.fixture
 def llama(tmp_path: Any):
     path = write_tiny_model(tmp_path / "llama", "llama", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
@@ -120,6 +144,39 @@ def test_marked_modules_send_causal_chunks_to_the_kernel(llama: Any, monkeypatch
     long = mx.array([prompt * 35], dtype=mx.int32)  # 1050 x 1050 pairs: past MAX_PAIRS
     mx.eval(llama(long, cache=llama.make_cache(None)))
     assert calls == []
+
+
+def test_a_left_padded_group_reaches_the_padded_form(llama: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of prompts of several lengths, left-padded (`classify_ids`, as the server's grouped
+    prefill pads them), sends each layer's attention to the kernel's padded form with the rows' pads;
+    the ids and logits stay those of MLX's attention under the boolean mask."""
+    prompts = [[int(i) for i in np.random.default_rng(n).integers(16, 500, size=n)] for n in (30, 9, 21)]
+    want, want_logits = loops.classify_ids(llama, prompts, sampler=greedy, return_logits=True)
+    calls: list[tuple[int, int, list[int]]] = []
+
+    def stand_in(q: Any, k: Any, v: Any, scale: float, starts: Any = None) -> Any:
+        calls.append((q.shape[2], k.shape[2], [] if starts is None else np.asarray(starts).tolist()))
+        offset = k.shape[2] - q.shape[2]
+        mask = "causal" if starts is None else loops.left_padded_mask(starts, offset, q.shape[2])
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+    monkeypatch.setattr(base, "prefill_attention", stand_in)
+    for m in nn.prefill_attention_modules(llama):
+        monkeypatch.setitem(m.__dict__, "prefill_kernel", True)
+    passed: list[tuple[Any, ...]] = []  # the padded form's verdict as the attention asks it
+    monkeypatch.setattr(base, "padded_prefill_attention_passed", lambda *key: passed.append(key) or True)
+    got, got_logits = loops.classify_ids(llama, prompts, sampler=greedy, return_logits=True)
+    assert got == want
+    np.testing.assert_array_equal(np.asarray(got_logits), np.asarray(want_logits))
+    # Layer 0 of the group (the last layer attends for the last position alone: one query), its rows
+    # padded to the longest prompt, in the group's order.
+    assert [(n, t) for n, t, _ in calls] == [(30, 30)] and sorted(calls[0][2]) == [0, 9, 21]
+    attn = nn.prefill_attention_modules(llama)[0]
+    assert passed == [(mx.float16, attn.head_dim, attn.n_heads, attn.n_kv_heads, attn.scale)]
+    # Without that verdict (the form's check failed, or never ran here) the group keeps MLX's attention.
+    calls.clear()
+    monkeypatch.setattr(base, "padded_prefill_attention_passed", lambda *key: False)
+    assert loops.classify_ids(llama, prompts, sampler=greedy) == (want, None) and calls == []
 
 
 def test_an_explicit_mask_keeps_mlx_attention(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -193,6 +250,31 @@ def _check_kernel(batch: int, q_len: int, extra: int, group: tuple[int, int], he
     np.testing.assert_array_less(np.abs(got - want), unit * (np.abs(want) + np.abs(vf).max()) + 1e-6)
 
 
+@cuda_only
+@settings(max_examples=30, deadline=None)
+@given(q_len=st.integers(2, 140), extra=st.integers(0, 200), group=GROUPS, head_dim=st.sampled_from(kernel.HEAD_DIMS),
+       dtype=st.sampled_from(["bfloat16", "float16"]), data=st.data())
+def test_the_padded_form_is_float64s_attention(q_len: int, extra: int, group: tuple[int, int], head_dim: int,
+                                               dtype: str, data: Any) -> None:
+    """Left-padded rows (padding up to any key, past the chunk's first query too) against float64."""
+    heads, kv_heads = group
+    t = q_len + extra
+    if not kernel.applies(q_len, t, heads, kv_heads, head_dim, 2):
+        return
+    pads = data.draw(st.lists(st.integers(0, t), min_size=1, max_size=3))
+    rng = np.random.default_rng(t * 7 + len(pads))
+    dt = getattr(mx, dtype)
+    q, k, v = (mx.array(rng.standard_normal((len(pads), h, n, head_dim)).astype(np.float32)).astype(dt)
+               for h, n in ((heads, q_len), (kv_heads, t), (kv_heads, t)))
+    scale = head_dim ** -0.5
+    got = np.asarray(kernel_choice.prefill_attention(q, k, v, scale, mx.array(np.array(pads, np.int32)))
+                     .astype(mx.float32))
+    qf, kf, vf = (np.asarray(a.astype(mx.float32)).astype(np.float64) for a in (q, k, v))
+    want = kernel_choice.causal_attention_reference(qf, kf, vf, scale, pads)
+    unit = 2.0 ** -8 if dtype == "bfloat16" else 2.0 ** -10
+    np.testing.assert_array_less(np.abs(got - want), unit * (np.abs(want) + np.abs(vf).max()) + 1e-6)
+
+
 # (batch, queries, keys, query heads, key/value heads, head size, dtype): groups of 3, 5, 6 and 7 (vectors
 # left empty in each block), every head size, chunks over longer caches.
 CASES = [(1, 37, 37, 28, 4, 128, "bfloat16"), (2, 100, 333, 12, 4, 80, "float16"), (1, 64, 64, 12, 2, 96, "bfloat16"),
@@ -210,6 +292,8 @@ def test_the_kernel_at_named_shapes(batch: int, q_len: int, kv_len: int, heads: 
 @cuda_only
 def test_the_check_passes_and_a_prefill_keeps_mlx_tokens(tmp_path: Any) -> None:
     assert kernel_choice.prefill_attention_ready(mx.bfloat16, 64, 32, 8, 0.125)
+    assert kernel_choice.padded_prefill_attention_ready(mx.bfloat16, 64, 32, 8, 0.125)
+    assert kernel_choice.padded_prefill_attention_passed(mx.bfloat16, 64, 32, 8, 0.125)
     path = write_tiny_model(tmp_path / "llama", "llama", num_layers=2, hidden_size=512, num_heads=8, num_kv_heads=2,
                             dtype="float16")
     with load_weights_and_config(path) as loaded:

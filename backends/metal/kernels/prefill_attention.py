@@ -19,6 +19,12 @@ each row's running maximum and sum (exp2, float32) and adds the probabilities, r
 type as flash attention rounds them for the second product, times the values' tile (`ldmatrix.trans`
 fragments). The output is written as [B, L, HQ, D], the layout the output projection reads, and
 handed back transposed.
+
+A second form (`PADDED_NAME`) takes left-padded rows, as the server's grouped prefill holds them: an
+int32 `starts` [B], row b's first real key; a query sees the keys the causal mask leaves it from
+`starts[b]` on, and itself (a padded query sees only itself: MLX's boolean mask of
+`generate.left_padded_mask`, which keeps such rows finite). Scores of hidden keys are -inf before the
+running maximum, which starts at the float's finite minimum: a tile with nothing to see adds zeros.
 """
 from __future__ import annotations
 
@@ -30,6 +36,8 @@ from . import qmm
 
 NAME = "pymlxc_prefill_attention"
 INPUTS = ("q", "keys", "values")
+PADDED_NAME = "pymlxc_prefill_attention_padded"
+PADDED_INPUTS = (*INPUTS, "starts")
 OUTPUT_NAMES = ("out",)
 THREADS = 128  # 4 warps
 VECTORS = 64  # query vectors a block takes, 16 a warp: whole groups of query heads, up to 64 a group
@@ -101,6 +109,7 @@ SOURCE = r"""
   const int b = blk / HKV;
   const int p0 = pt * P;
   const int off = TK - L;
+  const int start = PADDED_START;  // row b's first real key (the padded form's `starts`; else 0)
   const float sl = __int_as_float(SCALE_LOG2_BITS);
   auto wide = [](const T* base, int64_t s2, int64_t s3) {
     return s3 == 1 && (s2 % 8) == 0 && (reinterpret_cast<unsigned long long>(base) & 15ull) == 0;
@@ -173,7 +182,8 @@ SOURCE = r"""
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = k0 + 8 * j + 2 * t + (e & 1);
-        const float v = key <= lim[e >> 1] ? s[j][e] * sl : -INFINITY;
+        const bool seen = key <= lim[e >> 1] && (!PADDED_ || key >= start || key == lim[e >> 1]);
+        const float v = seen ? s[j][e] * sl : -INFINITY;
         s[j][e] = v;
         mx_[e >> 1] = fmaxf(mx_[e >> 1], v);
       }
@@ -238,6 +248,9 @@ SOURCE = r"""
     }
   }
 """.replace("THREADS_", str(THREADS)).replace("VECTORS_", str(VECTORS))
+# The padded form: the same source reading `starts`.
+PADDED_SOURCE = SOURCE.replace("PADDED_START", "starts[b]").replace("PADDED_", "true")
+SOURCE = SOURCE.replace("PADDED_START", "0").replace("PADDED_", "false")
 
 
 def applies(q_len: int, kv_len: int, heads: int, kv_heads: int, head_dim: int, dtype_size: int) -> bool:

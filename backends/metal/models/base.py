@@ -15,9 +15,23 @@ import pymlxc.core as mx
 from pymlxc.core import Array
 
 from .. import nn
-from ..cache import CONTEXT_KEEP, Cache, KVCache, Mask, RotatingKVCache, create_causal_mask, make_prompt_mask
+from ..cache import (
+    CONTEXT_KEEP,
+    Cache,
+    KVCache,
+    Mask,
+    RotatingKVCache,
+    create_causal_mask,
+    left_padded_starts,
+    make_prompt_mask,
+)
 from ..config_check import ConfigError, check_args, check_params
-from ..kernel_choice import kernels_allowed, prefill_attention, prefill_attention_takes
+from ..kernel_choice import (
+    kernels_allowed,
+    padded_prefill_attention_passed,
+    prefill_attention,
+    prefill_attention_takes,
+)
 from ..thread_setting import ThreadSetting
 
 _sdpa = mx.fast.scaled_dot_product_attention
@@ -181,12 +195,18 @@ def rope_and_cache(rope: Any, q: Array, k: Array, v: Array, cache: Cache | None)
 def attention(q: Array, k: Array, v: Array, *, scale: float, mask: Mask, kernel: bool = False) -> Array:
     """softmax(q k^T * scale + mask) v over [B, heads, L, head_dim]; kv heads may be fewer (GQA).
     With `kernel` (an attention module marked at load, `nn.mark_prefill_attention`) a causal chunk
-    the CUDA kernel takes runs there (`kernel_choice.prefill_attention`): MLX builds a cuDNN graph
-    for each new shape, 40 ms and more on a GPU."""
+    the CUDA kernel takes runs there (`kernel_choice.prefill_attention`), and so does a group of
+    left-padded rows (a mask of `generate.left_padded_mask`, its padded form): MLX builds a cuDNN
+    graph for each new shape, 40 ms and more on a GPU."""
     if _QUERY_SINKS:
         _record_queries(q)
-    if kernel and isinstance(mask, str) and kernels_allowed() and prefill_attention_takes(q, k, v):
-        return prefill_attention(q, k, v, scale)
+    if kernel and kernels_allowed():
+        if isinstance(mask, str):
+            if prefill_attention_takes(q, k, v):
+                return prefill_attention(q, k, v, scale)
+        elif ((starts := left_padded_starts(mask)) is not None and prefill_attention_takes(q, k, v, starts)
+              and padded_prefill_attention_passed(q.dtype, q.shape[3], q.shape[1], k.shape[1], scale)):
+            return prefill_attention(q, k, v, scale, starts)  # a left-padded group (the server's)
     return _sdpa(q, k, v, scale=scale, mask=mask)
 
 

@@ -22,6 +22,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import pymlxc
 import pymlxc.core as mx
 from pymlxc.backends.metal import generate as loops
 from pymlxc.backends.metal import kernel_choice, nn
@@ -177,6 +178,44 @@ def test_a_left_padded_group_reaches_the_padded_form(llama: Any, monkeypatch: py
     calls.clear()
     monkeypatch.setattr(base, "padded_prefill_attention_passed", lambda *key: False)
     assert loops.classify_ids(llama, prompts, sampler=greedy) == (want, None) and calls == []
+
+
+def test_the_schedulers_grouped_prefill_reaches_the_padded_form(tmp_path: Any,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's grouped prefill (`Scheduler._prefill_group`: prompts that arrive together, one
+    left-padded pass) sends its layers' attention to the padded form with the rows' pads, and each
+    row's tokens stay those of its prompt generated alone."""
+    from pymlxc.backends.metal.batching import Collector, Request, SamplingParams  # noqa: PLC0415
+
+    path = write_tiny_model(tmp_path / "llama", "llama", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                            dtype="float16", seed=5)
+    prompts = [[int(i) for i in np.random.default_rng(n).integers(16, 500, size=n)] for n in (12, 5, 20)]
+    params = SamplingParams(max_tokens=5)
+    calls: list[list[int]] = []
+
+    def stand_in(q: Any, k: Any, v: Any, scale: float, starts: Any = None) -> Any:
+        calls.append([] if starts is None else np.asarray(starts).tolist())
+        offset = k.shape[2] - q.shape[2]
+        mask = "causal" if starts is None else loops.left_padded_mask(starts, offset, q.shape[2])
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+    def run(scheduler: Any, group: list[list[int]]) -> list[list[int]]:
+        collectors = [Collector() for _ in group]
+        scheduler.submit_all([Request(p, params, c) for p, c in zip(group, collectors, strict=True)], bounded=False)
+        assert all(c.wait(120) for c in collectors)
+        return [c.tokens() for c in collectors]
+
+    with pymlxc.load_model(str(path), backend="metal", prompt_cache_entries=0) as model:
+        scheduler = model.scheduler()
+        alone = [run(scheduler, [p])[0] for p in prompts]
+        monkeypatch.setattr(base, "prefill_attention", stand_in)
+        monkeypatch.setattr(base, "padded_prefill_attention_passed", lambda *key: True)
+        for m in nn.prefill_attention_modules(model.model):
+            monkeypatch.setitem(m.__dict__, "prefill_kernel", True)
+        assert run(scheduler, prompts) == alone
+        assert scheduler.grouped == len(prompts)
+    padded = [c for c in calls if c]
+    assert padded and all(sorted(c) == [0, 8, 15] for c in padded)
 
 
 def test_an_explicit_mask_keeps_mlx_attention(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -110,6 +110,31 @@ def test_the_padded_reference_is_mlx_attention_under_the_left_padded_mask(q_len:
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_checks_pass_mlx_attention_and_fail_a_wrong_one(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load-time checks (causal and padded) with MLX's attention standing in for the kernel: it
+    passes both within their bounds, and a form that ignores the padding, or the causal order, fails
+    with the case named."""
+    dt = getattr(mx, dtype)
+
+    def mlx_form(q: Any, k: Any, v: Any, scale: float, starts: Any = None) -> Any:
+        n = q.shape[2]
+        mask = "causal" if starts is None else loops.left_padded_mask(starts, k.shape[2] - n, n)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+    monkeypatch.setattr(kernel_choice, "prefill_attention", mlx_form)
+    assert kernel_choice._compare_prefill_attention(dt, 64, 8, 2, 0.125) is None  # noqa: SLF001
+    assert kernel_choice._compare_padded_prefill_attention(dt, 64, 8, 2, 0.125) is None  # noqa: SLF001
+    monkeypatch.setattr(kernel_choice, "prefill_attention",
+                        lambda q, k, v, scale, starts=None: mlx_form(q, k, v, scale))
+    why = kernel_choice._compare_padded_prefill_attention(dt, 64, 8, 2, 0.125)  # noqa: SLF001
+    assert why is not None and "left-padded rows" in why
+    monkeypatch.setattr(kernel_choice, "prefill_attention", lambda q, k, v, scale, starts=None:
+                        mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=None))
+    why = kernel_choice._compare_prefill_attention(dt, 64, 8, 2, 0.125)  # noqa: SLF001
+    assert why is not None and "queries over" in why
+
+
 @pytest.fixture
 def llama(tmp_path: Any):
     path = write_tiny_model(tmp_path / "llama", "llama", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,

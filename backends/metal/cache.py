@@ -12,7 +12,6 @@ RotatingKVCache, including multi-token chunks that overflow the window, so outpu
 """
 from __future__ import annotations
 
-import weakref
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -51,28 +50,17 @@ class Cache(Protocol):
 
 # ---------------------------------------------------------------------- masks
 
-# Boolean masks of left-padded rows (`generate.left_padded_mask`, no window) by their id, with each
-# row's first real key: the CUDA prefill attention takes such a mask as those starts (its padded
-# form) rather than the mask. An entry goes with its mask.
-_LEFT_PADDED: dict[int, tuple[weakref.ref[Array], Array]] = {}
+class LeftPaddedMask(Array):
+    """The boolean mask [B, 1, L, S] of left-padded rows (`generate.left_padded_mask`, no window): causal,
+    each row's keys from `starts[b]` on (int32 [B]), and each query itself. An Array for every consumer
+    of masks; the CUDA prefill attention takes `starts` instead (its padded form). An operation on it
+    gives a plain Array, which no longer claims that meaning."""
 
+    __slots__ = ("starts",)
 
-def note_left_padded(mask: Array, starts: Array) -> Array:
-    """Record that `mask` [B, 1, L, S] is causal over left-padded rows whose real keys start at
-    `starts` (int32 [B]; each query also sees itself); returns `mask`."""
-    key = id(mask)
-
-    def forget(_ref: weakref.ref[Array]) -> None:
-        _LEFT_PADDED.pop(key, None)
-
-    _LEFT_PADDED[key] = (weakref.ref(mask, forget), starts)
-    return mask
-
-
-def left_padded_starts(mask: object) -> Array | None:
-    """The rows' first real keys of a mask `note_left_padded` recorded, else None."""
-    entry = _LEFT_PADDED.get(id(mask))
-    return entry[1] if entry is not None and entry[0]() is mask else None
+    def __init__(self, mask: Array, starts: Array) -> None:
+        super().__init__(mask)  # a new handle to the same MLX array
+        self.starts = starts
 
 
 def create_causal_mask(n: int, offset: int = 0, window_size: int | None = None) -> Array:

@@ -24,7 +24,7 @@ from pymlxc.model import GenerationCancelled, ModelClosedError
 from pymlxc.types import GenerateMetrics
 
 from . import memory_check
-from .cache import note_left_padded
+from .cache import LeftPaddedMask
 from .models.base import layer_listener
 from .nn import arrays_of
 from .recurrent_cache import set_left_padding
@@ -163,7 +163,7 @@ def left_padded_mask(pads: mx.Array, offset: int, length: int, window: int | Non
     real = keys[None] >= pads[:, None, None]  # [B, 1, S]
     mask = mx.expand_dims(causal[None] & (real | (keys == queries)[None]), 1)  # [B, 1, L, S]
     # Without a window, the prefill attention kernel takes the pads instead (its padded form).
-    return note_left_padded(mask, pads) if window is None else mask
+    return LeftPaddedMask(mask, pads) if window is None else mask
 
 
 # ---------------------------------------------------------------------- prefill and decode

@@ -564,16 +564,20 @@ def padded_prefill_attention_ready(dtype: Any, head_dim: int, heads: int, kv_hea
     apart from the causal form's check, so that a failure of one leaves the other."""
     if not prefill_attention_ready(dtype, head_dim, heads, kv_heads, scale):
         return False
-    return prefill_attention_checks.verdict(
-        ("prefill_attention_padded", str(dtype), head_dim, heads, kv_heads, float(scale)),
-        lambda: _compare_padded_prefill_attention(dtype, head_dim, heads, kv_heads, scale))
+    return prefill_attention_checks.verdict(_padded_key(dtype, head_dim, heads, kv_heads, scale),
+                                            lambda: _compare_padded_prefill_attention(dtype, head_dim, heads,
+                                                                                      kv_heads, scale))
 
 
 def padded_prefill_attention_passed(dtype: Any, head_dim: int, heads: int, kv_heads: int, scale: float) -> bool:
-    """Whether `padded_prefill_attention_ready` passed in this process for these heads (never runs the
-    check: a first check during a generation would run on its evaluation thread)."""
-    key = ("prefill_attention_padded", str(dtype), head_dim, heads, kv_heads, float(scale))
-    return prefill_attention_checks.known().get(key, False)
+    """Whether `padded_prefill_attention_ready` passed in this process for these heads (asked by each
+    attention; never runs the check: a first check during a generation would run on its evaluation
+    thread)."""
+    return prefill_attention_checks.passed(_padded_key(dtype, head_dim, heads, kv_heads, scale))
+
+
+def _padded_key(dtype: Any, head_dim: int, heads: int, kv_heads: int, scale: float) -> tuple[Any, ...]:
+    return ("prefill_attention_padded", str(dtype), head_dim, heads, kv_heads, float(scale))
 
 
 def _compare_prefill_attention(dtype: Any, head_dim: int, heads: int, kv_heads: int, scale: float) -> str | None:

@@ -26,6 +26,7 @@ import pymlxc
 import pymlxc.core as mx
 from pymlxc.backends.metal import generate as loops
 from pymlxc.backends.metal import kernel_choice, nn
+from pymlxc.backends.metal.cache import LeftPaddedMask
 from pymlxc.backends.metal.kernels import prefill_attention as kernel
 from pymlxc.backends.metal.loader import load_weights_and_config
 from pymlxc.backends.metal.models import base
@@ -93,7 +94,7 @@ def test_the_reference_is_mlx_causal_attention(q_len: int, extra: int, group: tu
 def test_the_padded_reference_is_mlx_attention_under_the_left_padded_mask(q_len: int, extra: int,
                                                                          group: tuple[int, int], data: Any) -> None:
     """With `starts`, the reference is MLX's attention under `generate.left_padded_mask`'s boolean mask
-    (padded queries seeing only themselves), and that mask is noted with its pads for the kernel."""
+    (padded queries seeing only themselves), and that mask carries its pads for the kernel."""
     heads, kv_heads = group
     t = q_len + extra
     pads = data.draw(st.lists(st.integers(0, t), min_size=1, max_size=3))
@@ -102,8 +103,9 @@ def test_the_padded_reference_is_mlx_attention_under_the_left_padded_mask(q_len:
                for h, n in ((heads, q_len), (kv_heads, t), (kv_heads, t)))
     starts = mx.array(np.array(pads, np.int32))
     mask = loops.left_padded_mask(starts, extra, q_len)
-    assert base.left_padded_starts(mask) is starts
-    assert base.left_padded_starts(loops.left_padded_mask(starts, extra, q_len, window=4)) is None
+    assert isinstance(mask, LeftPaddedMask) and mask.starts is starts
+    assert not isinstance(loops.left_padded_mask(starts, extra, q_len, window=4), LeftPaddedMask)
+    assert not isinstance(mx.logical_not(mask), LeftPaddedMask)  # derived masks are plain arrays
     want = np.asarray(mx.fast.scaled_dot_product_attention(mx.array(q), mx.array(k), mx.array(v), scale=0.25,
                                                            mask=mask))
     got = kernel_choice.causal_attention_reference(*(a.astype(np.float64) for a in (q, k, v)), 0.25, pads)

@@ -127,6 +127,11 @@ class CheckedOnce:
             known = self._known[key] = why is None
             return known
 
+    def passed(self, key: Hashable) -> bool:
+        """Whether `verdict` for `key` passed in this process; never runs the check (for a caller on
+        a hot path, or on a thread where a first check must not run)."""
+        return self._known.get(key) is True  # one read of a dict: atomic, no lock needed
+
     def known(self) -> dict[Hashable, bool]:
         """The verdicts so far (a copy)."""
         with self._lock:

@@ -19,10 +19,10 @@ from ..cache import (
     CONTEXT_KEEP,
     Cache,
     KVCache,
+    LeftPaddedMask,
     Mask,
     RotatingKVCache,
     create_causal_mask,
-    left_padded_starts,
     make_prompt_mask,
 )
 from ..config_check import ConfigError, check_args, check_params
@@ -204,9 +204,9 @@ def attention(q: Array, k: Array, v: Array, *, scale: float, mask: Mask, kernel:
         if isinstance(mask, str):
             if prefill_attention_takes(q, k, v):
                 return prefill_attention(q, k, v, scale)
-        elif ((starts := left_padded_starts(mask)) is not None and prefill_attention_takes(q, k, v, starts)
+        elif (isinstance(mask, LeftPaddedMask) and prefill_attention_takes(q, k, v, mask.starts)
               and padded_prefill_attention_passed(q.dtype, q.shape[3], q.shape[1], k.shape[1], scale)):
-            return prefill_attention(q, k, v, scale, starts)  # a left-padded group (the server's)
+            return prefill_attention(q, k, v, scale, mask.starts)  # a left-padded group (the server's)
     return _sdpa(q, k, v, scale=scale, mask=mask)
 
 

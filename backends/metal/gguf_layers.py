@@ -24,7 +24,8 @@ from .models.switch_layers import SwitchLinear
 # Llama-3.1-8B's Q6_K down projection (58.7M weights) in one chunk, 225 us in four (2**24 weights),
 # 420 us in 14 (2**22) (`probe_gguf_blocks.py --rows 128 --chunk-weights N`,
 # `benchmarks/results/h200-q6k-prefill-chunks.json`); so a GPU dequantizes 2**26 at a time (128 MiB
-# in half precision). The CPU keeps 2**24: its MLX ops make float32 temporaries several times a chunk.
+# in half precision). The CPU keeps 2**24 (not timed there): its MLX ops dequantize through float32
+# temporaries of a chunk's size, and memory, not host work per operation, is what a chunk costs it.
 CHUNK_WEIGHTS = 1 << 24
 GPU_CHUNK_WEIGHTS = 1 << 26
 

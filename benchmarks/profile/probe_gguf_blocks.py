@@ -62,6 +62,9 @@ def probe(qtype: Q, k: int, n: int, rows: int, min_bytes: int, repeats: int) -> 
     out: dict[str, Any] = {"type": qtype.name, "K": k, "N": n, "rows": rows, "copies": copies}
     kind = gguf_blocks.device_kind()
     sides: dict[str, tuple[Callable[[mx.Array], mx.Array], int]] = {}
+    # The same weights rearranged into Q6_K planes, where their kernels serve x's dtype here.
+    with_planes = kind == "cuda" and qtype == Q.Q6_K and gguf_blocks.planes_ready(x.dtype)
+    planes = {id(b): gguf_blocks.to_planes(b) for b in blocks} if with_planes else {}
     if rows <= gguf_blocks.MAX_X_ROWS or kind is None:  # (a prompt chunk's block layer dequantizes in chunks: below)
         sides["mlx_ops"] = (lambda w: mx.matmul(x, mx.swapaxes(dequantize_blocks(w, qtype).astype(x.dtype), -1, -2)),
                             block_bytes)
@@ -71,20 +74,18 @@ def probe(qtype: Q, k: int, n: int, rows: int, min_bytes: int, repeats: int) -> 
         if kind == "cuda" and qtype == Q.Q6_K:  # its own kernel: each split of a row, and the generic one
             forms.update({f"kernel_w{w}_r{r}": {"warps": w, "rows_per_warp": r}
                           for r in (4, 2, 1) for w in (1, 2, 4)})
-            if gguf_blocks.planes_ready(x.dtype):  # the same kernel on the weights rearranged into planes
+            if with_planes:  # the same kernel on the weights rearranged into planes
                 forms["planes"] = {"planes": True}
                 forms.update({f"planes_w{w}_r{r}": {"warps": w, "rows_per_warp": r, "planes": True}
                               for r in (4, 2, 1) for w in (1, 2, 4)})
             forms["kernel_generic"] = {"generic": True}
-        planes = {id(b): gguf_blocks.to_planes(b) for b in blocks} if "planes" in forms else {}
         for name, form in forms.items():
             sides[name] = (lambda w, form=form: mx.reshape(gguf_blocks.matvec(
                 mx.reshape(x, (1, rows, k)), mx.expand_dims(planes[id(w)] if form.get("planes") else w, 0), zero,
                 qtype, kind, **form), (rows, n)), block_bytes)
     if rows > gguf_blocks.MAX_X_ROWS:  # a prompt chunk: the block layer's own product (dequantized row chunks)
         sides["block_matmul"] = (lambda w: gguf_layers.block_matmul(x, w, qtype), block_bytes)
-        if qtype == Q.Q6_K and kind == "cuda" and gguf_blocks.planes_ready(x.dtype):
-            planes = {id(b): gguf_blocks.to_planes(b) for b in blocks}
+        if with_planes:
             sides["block_matmul_planes"] = (lambda w: gguf_layers.block_matmul(x, planes[id(w)], qtype, True),
                                             block_bytes)
     dense = mx.array(dense64.astype(np.float16))

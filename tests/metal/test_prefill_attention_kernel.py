@@ -112,23 +112,24 @@ def test_the_padded_reference_is_mlx_attention_under_the_left_padded_mask(q_len:
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+def _mlx_form(q: Any, k: Any, v: Any, scale: float, starts: Any = None) -> Any:
+    """What the kernel computes, by MLX's attention: causal, or under the left-padded mask of `starts`."""
+    n = q.shape[2]
+    mask = "causal" if starts is None else loops.left_padded_mask(starts, k.shape[2] - n, n)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_the_checks_pass_mlx_attention_and_fail_a_wrong_one(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The load-time checks (causal and padded) with MLX's attention standing in for the kernel: it
     passes both within their bounds, and a form that ignores the padding, or the causal order, fails
     with the case named."""
     dt = getattr(mx, dtype)
-
-    def mlx_form(q: Any, k: Any, v: Any, scale: float, starts: Any = None) -> Any:
-        n = q.shape[2]
-        mask = "causal" if starts is None else loops.left_padded_mask(starts, k.shape[2] - n, n)
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-
-    monkeypatch.setattr(kernel_choice, "prefill_attention", mlx_form)
+    monkeypatch.setattr(kernel_choice, "prefill_attention", _mlx_form)
     assert kernel_choice._compare_prefill_attention(dt, 64, 8, 2, 0.125) is None  # noqa: SLF001
     assert kernel_choice._compare_padded_prefill_attention(dt, 64, 8, 2, 0.125) is None  # noqa: SLF001
     monkeypatch.setattr(kernel_choice, "prefill_attention",
-                        lambda q, k, v, scale, starts=None: mlx_form(q, k, v, scale))
+                        lambda q, k, v, scale, starts=None: _mlx_form(q, k, v, scale))
     why = kernel_choice._compare_padded_prefill_attention(dt, 64, 8, 2, 0.125)  # noqa: SLF001
     assert why is not None and "left-padded rows" in why
     monkeypatch.setattr(kernel_choice, "prefill_attention", lambda q, k, v, scale, starts=None:
@@ -184,9 +185,7 @@ def test_a_left_padded_group_reaches_the_padded_form(llama: Any, monkeypatch: py
 
     def stand_in(q: Any, k: Any, v: Any, scale: float, starts: Any = None) -> Any:
         calls.append((q.shape[2], k.shape[2], [] if starts is None else np.asarray(starts).tolist()))
-        offset = k.shape[2] - q.shape[2]
-        mask = "causal" if starts is None else loops.left_padded_mask(starts, offset, q.shape[2])
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        return _mlx_form(q, k, v, scale, starts)
 
     monkeypatch.setattr(base, "prefill_attention", stand_in)
     for m in nn.prefill_attention_modules(llama):
@@ -222,9 +221,7 @@ def test_the_schedulers_grouped_prefill_reaches_the_padded_form(tmp_path: Any,
 
     def stand_in(q: Any, k: Any, v: Any, scale: float, starts: Any = None) -> Any:
         calls.append([] if starts is None else np.asarray(starts).tolist())
-        offset = k.shape[2] - q.shape[2]
-        mask = "causal" if starts is None else loops.left_padded_mask(starts, offset, q.shape[2])
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        return _mlx_form(q, k, v, scale, starts)
 
     def run(scheduler: Any, group: list[list[int]]) -> list[list[int]]:
         collectors = [Collector() for _ in group]

@@ -23,7 +23,7 @@ import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import pymlxc.core as mx
@@ -167,6 +167,7 @@ def test_q6k_kernel_staging_and_lanes_are_the_reference(nb: int, align: int, see
 @settings(max_examples=30, deadline=None)
 @given(nb=st.integers(1, 9), align=st.sampled_from([0, 2, 14]), seed=st.integers(0, 2**32 - 1),
        spread=st.sampled_from([0.0, 3.0]))
+@example(nb=4, align=0, seed=239058, spread=3.0)  # outliers that the lane's k, not its h, groups together
 def test_q6k_integer_products_stay_within_their_rounding_bound(nb: int, align: int, seed: int, spread: float) -> None:
     """With 2-byte x the CUDA Q6_K kernel rounds each lane's 32 values of x to int16: its product
     is the reference's within half a rounding step per value times |w| (`q6k_rounding_step`), for

@@ -701,7 +701,7 @@ def q6k_rounding_step(x: np.ndarray) -> np.ndarray:
     128 h + 32 k + 8 j + i (k, i over 0..3, 0..7) of each block for its h and j. The product's
     error from it is at most this times |w|, summed over K."""
     lanes = np.abs(x).reshape(*x.shape[:-1], -1, 2, 4, 4, 8)  # blocks, h, k, j, i
-    amax = lanes.max(axis=(-4, -1), keepdims=True)
+    amax = lanes.max(axis=(-3, -1), keepdims=True)  # over k and i
     return np.broadcast_to(amax / 65534, lanes.shape).reshape(x.shape)
 
 

@@ -80,17 +80,21 @@ def test_what_the_plan_needs(tiny) -> None:
     fusions = segments.fusions_for(blocks, {})
     assert all(f[0].fused.normable() == (mx.float16, 32) for f in fusions)
     assert not segments.use_matvec_fusion(model, blocks, fusions, False, "1")  # not paired
-    assert segments.fused_layers(model, blocks, fusions) == ((True,) * 3, (True,) * 3)
-    blocks[1].mlp.down_proj.use_cuda_matvec(False)
-    assert segments.fused_layers(model, blocks, fusions) == ((True,) * 3, (True, False, True))
+    both, o_only = segments.END_BOTH, segments.END_O
+    assert segments.fused_layers(model, blocks, fusions) == ((True,) * 3, (both,) * 3)
+    blocks[1].mlp.down_proj.use_cuda_matvec(False)  # o_proj's form and the normalized gate/up stay
+    assert segments.fused_layers(model, blocks, fusions) == ((True,) * 3, (both, o_only, both))
     blocks[2].self_attn.v_proj.use_cuda_matvec(False)  # q/k/v then fuse on MLX's kernel
     fusions = segments.fusions_for(blocks, {})
-    assert segments.fused_layers(model, blocks, fusions) == ((True, True, False), (True, False, True))
+    assert segments.fused_layers(model, blocks, fusions) == ((True, True, False), (both, o_only, both))
+    blocks[0].self_attn.o_proj.use_cuda_matvec(False)
+    assert segments.fused_layers(model, blocks, fusions) == ((True, True, False), ("", o_only, both))
     for b in blocks:
         b.mlp.down_proj.use_cuda_matvec(False)
         b.self_attn.v_proj.use_cuda_matvec(False)
+        b.self_attn.o_proj.use_cuda_matvec(False)
     fusions = segments.fusions_for(blocks, {})
-    assert segments.fused_layers(model, blocks, fusions) == ((False,) * 3, (False,) * 3)
+    assert segments.fused_layers(model, blocks, fusions) == ((False,) * 3, ("",) * 3)
     assert not segments.use_matvec_fusion(model, blocks, fusions, True, "1")
     qwen3 = tiny("qwen3", bits=4)  # q and k normalized: only where their norms joined the fusion
     for m in _quantized(qwen3):
@@ -99,7 +103,7 @@ def test_what_the_plan_needs(tiny) -> None:
     fusions = segments.fusions_for(blocks, {})
     assert all(f[0].fused.qk_norm_weight is not None for f in fusions)
     fusions[1][0].fused.qk_norm_weight = None
-    assert segments.fused_layers(qwen3, blocks, fusions) == ((True, False, True), (True,) * 3)
+    assert segments.fused_layers(qwen3, blocks, fusions) == ((True, False, True), (segments.END_BOTH,) * 3)
     assert kernel_choice.fusion_checks.known() == {}
 
 
@@ -229,8 +233,10 @@ def test_the_restructured_step_keeps_the_tokens(tiny, monkeypatch: pytest.Monkey
 def test_layers_that_cannot_take_the_forms_keep_mlx_operations(tiny, monkeypatch: pytest.MonkeyPatch,
                                                                 switches: Any, setting: str, whole: str) -> None:
     """A model whose layers differ (a GGUF Q4_K_M file's Q6_K value and down projections): block 1's
-    down_proj and block 2's q/k/v off pymlxc's kernel. The other layers still take the forms, the
-    two keep MLX's adds and norms, and the tokens are the uncompiled loop's. The middle segments of
+    down_proj and block 2's q/k/v off pymlxc's kernel. The other layers still take the forms; block 1
+    keeps its o_proj's residual form and its normalized gate/up product with "all" (END_O), its down
+    product and the add after it MLX's; block 2's heads keep MLX's norm; the tokens are the uncompiled
+    loop's. The middle segments of
     blocks 0-1 and 1-2 have arrays of the same shapes but different forms: each gets its own trace.
     `whole`: the step as one graph (PYMLXC_CUDA_DECODE_ATTENTION=1, MLX's attention here), whose
     one trace runs every segment's body with its own flags."""
@@ -251,12 +257,16 @@ def test_layers_that_cannot_take_the_forms_keep_mlx_operations(tiny, monkeypatch
     assert greedy_ids(model, decoder) == want
     mode = "all" if setting == "1" else "ends"
     assert plan_flags(decoder, "matvec_fusion") == {mode}
-    assert plan_flags(decoder, "layers") == {((True, True, False), (True, False, True))}
+    assert plan_flags(decoder, "layers") == {((True, True, False), (segments.END_BOTH, segments.END_O,
+                                                                     segments.END_BOTH))}
     assert plan_flags(decoder, "attention") == {"mlx" if whole == "1" else None}
     end = ["residual", "pair", "residual"] if mode == "all" else ["plain pair", "residual"]
     # first: block 0's normalized q/k/v; middle 0-1: block 0's end, block 1's q/k/v; middle 1-2:
-    # block 1's end (the plain pair, MLX's down_proj and adds), block 2's q/k/v (MLX's); last: block 2's end
-    assert stand_ins.calls == ["normed", *end, "normed", "plain pair", *end]
+    # block 1's end (with "all": o_proj's residual form and the normalized pair, then MLX's down_proj
+    # and add; with "ends": the plain pair, MLX's down_proj and adds), block 2's q/k/v (MLX's); last:
+    # block 2's end
+    end_o = ["residual", "pair"] if mode == "all" else ["plain pair"]
+    assert stand_ins.calls == ["normed", *end, "normed", *end_o, *end]
     decoder.close()
 
 

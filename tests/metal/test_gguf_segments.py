@@ -3,7 +3,8 @@ projections another type than their q and k (Q4_K_M: Q6_K in about half the laye
 q and k still run as one product, with v apart, so that every layer keeps the joint q/k heads (and
 CUDA's RoPE + cache-write kernel, which needs them in every layer). On CUDA the layers whose value
 and down projections are 4-bit take the matvec kernel's residual and normalized forms, the others
-keep MLX's adds and norms (`segments.fused_layers`)."""
+keep MLX's norm before their q/k/v products and MLX's add after their Q6_K down product, while their
+o_proj still adds the residual and their gate/up product still normalizes (`segments.fused_layers`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,6 +16,7 @@ from gguf import GGMLQuantizationType as Q
 
 import pymlxc.core as mx
 from pymlxc.backends.metal import generate as loops
+from pymlxc.backends.metal.decode import segments
 from pymlxc.backends.metal.decode.decoder import CompiledDecoder
 from pymlxc.backends.metal.gguf_layers import BlockLinear
 from pymlxc.backends.metal.loader import load_weights_and_config
@@ -69,8 +71,9 @@ def test_a_value_projection_of_another_type_runs_apart_from_the_joint_q_and_k(
 @cuda_only
 def test_layers_of_another_type_keep_mlx_adds_beside_the_fused_forms(tmp_path: Path, switches: Any) -> None:
     """A Q4_K file with block 0's value and down projections in Q6_K (as Q4_K_M's recipe makes about
-    half the layers): blocks 1 and 2 take the products' residual and normalized forms, block 0 keeps
-    its own products and MLX's adds, and greedy tokens are the uncompiled loop's."""
+    half the layers): blocks 1 and 2 take the products' residual and normalized forms, block 0 its
+    o_proj's residual form and the normalized gate/up product (END_O) with its own q/k/v and down
+    products and MLX's norm and add around them, and greedy tokens are the uncompiled loop's."""
     switches(decode="segmented")
     switches.env("PYMLXC_CUDA_MATVEC", "1")
     switches.env("PYMLXC_CUDA_MATVEC_FUSION", "1")
@@ -86,6 +89,7 @@ def test_layers_of_another_type_keep_mlx_adds_beside_the_fused_forms(tmp_path: P
     decoder = CompiledDecoder(model)
     assert _tokens(model, ids, decoder, steps=30) == want
     assert plan_flags(decoder, "matvec_fusion") == {"all"}
-    assert plan_flags(decoder, "layers") == {((False, True, True), (False, True, True))}
+    both = segments.END_BOTH
+    assert plan_flags(decoder, "layers") == {((False, True, True), (segments.END_O, both, both))}
     decoder.close()
     loaded.free()

@@ -164,7 +164,7 @@ def use_pair_silu(fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None,
 
 def use_matvec_fusion(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple[Fusion | None, Fusion | None]] | None,
                       pair_silu: bool, setting: str,
-                      layers: tuple[tuple[bool, ...], tuple[bool, ...]] | None = None) -> str:
+                      layers: Layers | None = None) -> str:
     """Which residual adds and block RMSNorms run inside the 4-bit products (the matvec kernel's
     residual and normalized forms, `kernel_choice.residual_product` / `normed_product`): "all" (the
     adds inside o_proj and down_proj, the norms inside q/k/v and gate/up), "ends" (the q/k/v norm
@@ -193,7 +193,7 @@ def use_matvec_fusion(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple
     if not any(heads) and not any(ends):
         return ""
     groups = ({_weights(m)[3] for b, end in zip(blocks, ends, strict=True) if end
-               for m in (b.self_attn.o_proj, b.mlp.down_proj)}
+               for m in (b.self_attn.o_proj, b.mlp.down_proj)[:2 if end == END_BOTH else 1]}
               | {kind[1] for f, head in zip(fusions, heads, strict=True) if head
                  and f[0] is not None and (kind := f[0].fused.normable()) is not None})
     d = norms[0].weight.shape[0]
@@ -219,13 +219,22 @@ def _weights(m: Any) -> tuple[Array, Array | None, Array | None, int]:
     return m.weight, m.scales, m.biases, m.group_size
 
 
+# A block's end in the products' forms (`fused_layers`): "" none; END_O o_proj's residual form and
+# the normalized gate/up product, down_proj apart (its own product, then MLX's add or the add + norm
+# kernel); END_BOTH down_proj's residual form too.
+END_O = "o"
+END_BOTH = "o+down"
+Layers = tuple[tuple[bool, ...], tuple[str, ...]]
+
+
 def fused_layers(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple[Fusion | None, Fusion | None]]
-                 ) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+                 ) -> Layers:
     """Per block, whether its q/k/v product can take the normalized form (a fusion without a tail,
     4-bit on pymlxc's kernel in the model's type; q and k norms joined to it where the block has
-    them) and whether its end can take the residual forms (o_proj and down_proj 4-bit on the kernel
-    in that type, without a bias; the paired gate/up product). A GGUF Q4_K_M file's layers whose
-    value and down projections are Q6_K blocks keep MLX's adds and norms; the others still fuse."""
+    them) and how much of its end can take the residual forms: END_BOTH where o_proj and down_proj
+    are 4-bit on the kernel in that type, without a bias, and the gate/up product is paired; END_O
+    where only o_proj is (a GGUF Q4_K_M file's layers whose down projections are Q6_K blocks: their
+    o_proj still adds the residual and their gate/up product still normalizes); else ""."""
     dtype = model.compute_dtype
     heads = []
     ends = []
@@ -233,8 +242,9 @@ def fused_layers(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple[Fusi
         kind = qkv.fused.normable() if qkv is not None else None
         heads.append(kind is not None and kind[0] == dtype
                      and not (block.self_attn.qk_norms() and qkv is not None and qkv.fused.qk_norm_weight is None))
-        ends.append(gate_up is not None and gate_up.fused.pairable() is not None
-                    and all(_on_kernel(m, dtype) for m in (block.self_attn.o_proj, block.mlp.down_proj)))
+        paired = gate_up is not None and gate_up.fused.pairable() is not None
+        o_end = paired and _on_kernel(block.self_attn.o_proj, dtype)
+        ends.append("" if not o_end else END_BOTH if _on_kernel(block.mlp.down_proj, dtype) else END_O)
     return tuple(heads), tuple(ends)
 
 
@@ -596,6 +606,27 @@ def _finish_block(group: SegmentGroup, block: Any, attn_out: Array, h: Array, ga
     return both
 
 
+def _end_form(group: SegmentGroup) -> str:
+    """The form the group's block end takes: its `ends_in_products` where the plan's
+    `matvec_fusion` uses it ("ends" has no normalized gate/up product, so END_O gains nothing)."""
+    end = group.ends_in_products
+    return end if group.matvec_fusion == "all" or end == END_BOTH else ""
+
+
+def _finish_block_o_in_product(block: Any, attn_out: Array, h: Array, gate_up: FusedProjection | None
+                               ) -> tuple[Array, Array]:
+    """A block of END_O after its attention: (h + o_proj(attn_out) as the residual form, down of
+    silu(gate) * up of its norm, the gate/up product normalizing inside): as `_finish_block`
+    returns them, for the caller's add (down_proj is not on the matvec kernel)."""
+    attn, mlp = block.self_attn, block.mlp
+    assert gate_up is not None  # fused_layers checked the fusion
+    gate_up.pair_silu = True
+    h = residual_product(llama.one_token_rows(attn_out), *_weights(attn.o_proj), h)
+    product = gate_up.silu_product(h, block.post_attention_layernorm)
+    assert product is not None  # paired (the plan's pair_silu)
+    return h, mlp.down_proj(product)
+
+
 def _finish_block_in_products(group: SegmentGroup, block: Any, attn_out: Array, h: Array,
                               gate_up: FusedProjection | None) -> Array:
     """The block after its attention with the residual adds and the MLP's norm inside the products
@@ -670,10 +701,12 @@ def _mid_body(group: SegmentGroup, mods: list[Any], attn_out: Array, h: Array, p
     the products' residual and normalized forms where the group's flags say so (`fused_layers`)."""
     block, gate_up, norm, attn, qkv = mods
     x = None
-    if group.ends_in_products:
+    end = _end_form(group)
+    if end == END_BOTH:
         h = _finish_block_in_products(group, block, attn_out, h, gate_up)
     else:
-        h, mlp_out = _finish_block(group, block, attn_out, h, gate_up)
+        h, mlp_out = (_finish_block_o_in_product(block, attn_out, h, gate_up) if end == END_O
+                      else _finish_block(group, block, attn_out, h, gate_up))
         if group.heads_in_product:
             h = h + mlp_out
         else:
@@ -687,10 +720,12 @@ def _last_body(group: SegmentGroup, mods: list[Any], attn_out: Array, h: Array) 
     """The last segment: the last layer after its attention, the final norm and the head; the
     sampled ids where greedy is fused, else the logits [B, V]."""
     block, gate_up, norm, embed, head = mods
-    if group.ends_in_products:
+    end = _end_form(group)
+    if end == END_BOTH:
         h = norm(_finish_block_in_products(group, block, attn_out, h, gate_up))
     else:
-        h, mlp_out = _finish_block(group, block, attn_out, h, gate_up)
+        h, mlp_out = (_finish_block_o_in_product(block, attn_out, h, gate_up) if end == END_O
+                      else _finish_block(group, block, attn_out, h, gate_up))
         _, h = _add_norm(h, mlp_out, norm, group.fused_norm)
     logits = embed.as_linear(h) if group.tied else head(h)
     logits = mx.reshape(logits, (logits.shape[0], logits.shape[-1]))
@@ -807,9 +842,10 @@ class SegmentGroup:
     # "all": residual adds inside the o/down products, block norms inside the q/k/v and gate/up
     # products; "ends": inside the q/k/v and down products only (`use_matvec_fusion`); "": neither
     matvec_fusion: str = ""
-    # Which of the segment's layers take those forms (`fused_layers`): the block it ends (its o and
-    # down products, and gate/up with "all") and the block whose heads it computes (its q/k/v product).
-    ends_in_products: bool = False
+    # Which of the segment's layers take those forms (`fused_layers`): the block it ends ("", END_O or
+    # END_BOTH: its o and down products, and gate/up with "all") and the block whose heads it
+    # computes (its q/k/v product).
+    ends_in_products: str = ""
     heads_in_product: bool = False
     rope_in_product: bool = False  # RoPE and the key/value writes inside the normalized q/k/v product
 
@@ -845,7 +881,7 @@ class SegmentFunctions:
         self.first = mx.compile(_trace_first)
         # The middle segment per pair of its group's flags (`ends_in_products`, `heads_in_product`):
         # layers alike in their arrays' shapes but not in their forms must not share a trace.
-        self.mids = {(ends, heads): mx.compile(_trace_mid) for ends in (False, True) for heads in (False, True)}
+        self.mids = {(ends, heads): mx.compile(_trace_mid) for ends in ("", END_O, END_BOTH) for heads in (False, True)}
         self.last = mx.compile(_trace_last)
         # The whole step (a plan with `attention`): one graph per attention kernel, short and long.
         self.whole = {True: mx.compile(_trace_whole), False: mx.compile(_trace_whole)}
@@ -872,7 +908,7 @@ class SegmentPlan:
                  fused_norm: bool = False, cuda_argmax: bool = False,
                  rope: rope_kv_kernel.Rope | None = None, attention: str | None = None,
                  pair_silu: bool = False, matvec_fusion: str = "", rope_in_product: bool = False,
-                 layers: tuple[tuple[bool, ...], tuple[bool, ...]] | None = None) -> None:
+                 layers: Layers | None = None) -> None:
         inner = model.model
         tied = model.lm_head is None
         fusions = fusions or [(None, None)] * len(blocks)
@@ -886,7 +922,7 @@ class SegmentPlan:
         self.rope = rope  # each layer's RoPE and key/value writes as `kernels/rope_kv.py`'s kernel
         self.rope_kv = rope is not None
         # Per block: its q/k/v product and its end in the products' forms (`fused_layers`)
-        heads, ends = layers if matvec_fusion and layers is not None else ((False,) * len(blocks),) * 2
+        heads, ends = layers if matvec_fusion and layers is not None else ((False,) * len(blocks), ("",) * len(blocks))
         self.layers = (heads, ends)
         self.first = segment_group([inner.embed_tokens, blocks[0].input_layernorm, blocks[0].self_attn, qkv[0]], stats,
                             rope=rope, matvec_fusion=matvec_fusion, rope_in_product=rope_in_product,
@@ -1037,7 +1073,8 @@ class SegmentedSession:
                 self._buffers = []
 
 
-__all__ = ["fused_layers", "plan", "rope_of", "use_decode_attention", "use_matvec_fusion", "use_pair_silu",
+__all__ = ["END_BOTH", "END_O", "Layers",
+           "fused_layers", "plan", "rope_of", "use_decode_attention", "use_matvec_fusion", "use_pair_silu",
            "use_rope_in_product", "WholeStep",
            "fuse", "fusions_for", "FusedProjection", "Fusion", "SegmentFunctions", "SegmentGroup",
            "SegmentPlan", "SegmentedSession", "call_segment", "segment_group"]

@@ -99,8 +99,10 @@ class Settings:
         "(`kernels/matvec.py`'s residual and normalized forms; MLX's add and rms_norm reproduced bit for bit): "
         "two kernels fewer per layer. `ends`: the norm inside the q/k/v product and the add inside down_proj's "
         "only (the MLP's norm stays in the add + norm kernel, whose one pass over h the wide gate/up product's "
-        "blocks would each repeat): one kernel fewer. Per layer: a layer whose products are not all 4-bit on "
-        "the kernel (a GGUF file's Q6_K layers) keeps MLX's adds and norms. `auto`: on CUDA, `1` for models of "
+        "blocks would each repeat): one kernel fewer. Per layer: a layer whose q/k/v products are not all "
+        "4-bit on the kernel (a GGUF file's Q6_K value projections) keeps MLX's norm before them, one whose "
+        "down product is not keeps MLX's add after it (its o_proj and gate/up still take the forms). "
+        "`auto`: on CUDA, `1` for models of "
         "at most 80 MB of 4-bit "
         "layers a block (`kernel_choice.FUSION_MAX_BYTES_PER_LAYER`: on an H200 Llama-3.2-1B 4-bit decoded "
         "849 -> 1029 tok/s, Llama-3.1-8B 314 -> 304), `ends` above; `1`: any size.")))

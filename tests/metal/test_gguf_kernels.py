@@ -164,6 +164,22 @@ def test_q6k_kernel_staging_and_lanes_are_the_reference(nb: int, align: int, see
     assert abs(got - want) <= 1e-9 * (1 + float(np.abs(x).sum()))
 
 
+@settings(max_examples=20, deadline=None)
+@given(nb=st.integers(1, 3), data=st.data())
+def test_the_rounding_step_groups_the_values_as_the_kernels_lanes(nb: int, data: st.DataObject) -> None:
+    """One value of x set: `q6k_rounding_step` is half a step of it exactly at the 32 values that
+    the kernel's lane holding it rounds together (`_q6k_row_dot`'s lanes: block, h = bit 7 and
+    j = bits 3-4 of its index in the block; all k and i), and 0 elsewhere."""
+    at = data.draw(st.integers(0, nb * 256 - 1))
+    x = np.zeros(nb * 256)
+    x[at] = 1.0
+    block, h, j = at // 256, (at % 256) // 128, (at % 32) // 8
+    lane = {256 * block + 128 * h + 32 * k + 8 * j + i for k in range(4) for i in range(8)}
+    step = gguf_blocks.q6k_rounding_step(x[None])[0]
+    assert set(np.flatnonzero(step)) == lane
+    assert np.all(step[sorted(lane)] == 1.0 / 65534)
+
+
 @settings(max_examples=30, deadline=None)
 @given(nb=st.integers(1, 9), align=st.sampled_from([0, 2, 14]), seed=st.integers(0, 2**32 - 1),
        spread=st.sampled_from([0.0, 3.0]))

@@ -84,6 +84,9 @@ def test_what_the_plan_needs(tiny) -> None:
     assert segments.fused_layers(model, blocks, fusions) == ((True,) * 3, (both,) * 3)
     blocks[1].mlp.down_proj.use_cuda_matvec(False)  # o_proj's form and the normalized gate/up stay
     assert segments.fused_layers(model, blocks, fusions) == ((True,) * 3, (both, o_only, both))
+    # "ends" has no normalized gate/up product: an END_O block keeps MLX's add + norm there
+    assert segments.ends_in("ends", (both, o_only, "")) == (both, "", "")
+    assert segments.ends_in("all", (both, o_only, "")) == (both, o_only, "")
     blocks[2].self_attn.v_proj.use_cuda_matvec(False)  # q/k/v then fuse on MLX's kernel
     fusions = segments.fusions_for(blocks, {})
     assert segments.fused_layers(model, blocks, fusions) == ((True, True, False), (both, o_only, both))

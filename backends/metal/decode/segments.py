@@ -190,6 +190,7 @@ def use_matvec_fusion(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple
     if any(type(n) is not nn.RMSNorm or n.weight.dtype != dtype for n in norms):
         return ""
     heads, ends = layers if layers is not None else fused_layers(model, blocks, fusions)
+    ends = ends_in(mode, ends)
     if not any(heads) and not any(ends):
         return ""
     groups = ({_weights(m)[3] for b, end in zip(blocks, ends, strict=True) if end
@@ -225,6 +226,12 @@ def _weights(m: Any) -> tuple[Array, Array | None, Array | None, int]:
 END_O = "o"
 END_BOTH = "o+down"
 Layers = tuple[tuple[bool, ...], tuple[str, ...]]
+
+
+def ends_in(mode: str, ends: tuple[str, ...]) -> tuple[str, ...]:
+    """The block ends `fused_layers` allows, as the plan's `matvec_fusion` `mode` takes them: "ends"
+    has no normalized gate/up product, so END_O's blocks keep MLX's add + norm there ("")."""
+    return tuple(e if mode == "all" or e == END_BOTH else "" for e in ends)
 
 
 def fused_layers(model: Any, blocks: Sequence[Any], fusions: Sequence[tuple[Fusion | None, Fusion | None]]
@@ -606,25 +613,24 @@ def _finish_block(group: SegmentGroup, block: Any, attn_out: Array, h: Array, ga
     return both
 
 
-def _end_form(group: SegmentGroup) -> str:
-    """The form the group's block end takes: its `ends_in_products` where the plan's
-    `matvec_fusion` uses it ("ends" has no normalized gate/up product, so END_O gains nothing)."""
-    end = group.ends_in_products
-    return end if group.matvec_fusion == "all" or end == END_BOTH else ""
+def _o_and_normed_pair(block: Any, attn_out: Array, h: Array, gate_up: FusedProjection | None
+                       ) -> tuple[Array, Array]:
+    """(h + o_proj(attn_out) as o_proj's residual form, silu(gate) * up of its norm as the normalized
+    pair): a block end's first two kernels with "all" (END_O and END_BOTH)."""
+    assert gate_up is not None  # fused_layers checked the fusion
+    gate_up.pair_silu = True
+    h = residual_product(llama.one_token_rows(attn_out), *_weights(block.self_attn.o_proj), h)
+    product = gate_up.silu_product(h, block.post_attention_layernorm)
+    assert product is not None  # paired (the plan's pair_silu)
+    return h, product
 
 
 def _finish_block_o_in_product(block: Any, attn_out: Array, h: Array, gate_up: FusedProjection | None
                                ) -> tuple[Array, Array]:
-    """A block of END_O after its attention: (h + o_proj(attn_out) as the residual form, down of
-    silu(gate) * up of its norm, the gate/up product normalizing inside): as `_finish_block`
-    returns them, for the caller's add (down_proj is not on the matvec kernel)."""
-    attn, mlp = block.self_attn, block.mlp
-    assert gate_up is not None  # fused_layers checked the fusion
-    gate_up.pair_silu = True
-    h = residual_product(llama.one_token_rows(attn_out), *_weights(attn.o_proj), h)
-    product = gate_up.silu_product(h, block.post_attention_layernorm)
-    assert product is not None  # paired (the plan's pair_silu)
-    return h, mlp.down_proj(product)
+    """A block of END_O after its attention: (h after o_proj's residual form, down of the normalized
+    pair), as `_finish_block` returns them, for the caller's add (down_proj is not on the kernel)."""
+    h, product = _o_and_normed_pair(block, attn_out, h, gate_up)
+    return h, block.mlp.down_proj(product)
 
 
 def _finish_block_in_products(group: SegmentGroup, block: Any, attn_out: Array, h: Array,
@@ -635,10 +641,9 @@ def _finish_block_in_products(group: SegmentGroup, block: Any, attn_out: Array, 
     plan's `matvec_fusion` "ends" four: o_proj, the add + norm kernel, the plain gate/up pair and
     the residual down_proj."""
     attn, mlp = block.self_attn, block.mlp
-    assert gate_up is not None  # use_matvec_fusion checked the fusions
-    o, down = attn.o_proj, mlp.down_proj
-    gate_up.pair_silu = True
     if group.matvec_fusion == "ends":
+        assert gate_up is not None  # use_matvec_fusion checked the fusions
+        gate_up.pair_silu = True
         h, normed = _add_norm(h, attn.output(attn_out, one_token=True), block.post_attention_layernorm,
                               group.fused_norm)
         product = gate_up.silu_product(normed)
@@ -646,10 +651,8 @@ def _finish_block_in_products(group: SegmentGroup, block: Any, attn_out: Array, 
             out: Array = h + mlp(normed, gate_up)
             return out
     else:
-        h = residual_product(llama.one_token_rows(attn_out), *_weights(o), h)
-        product = gate_up.silu_product(h, block.post_attention_layernorm)
-    assert product is not None  # paired (the plan's pair_silu)
-    return residual_product(product, *_weights(down), h)
+        h, product = _o_and_normed_pair(block, attn_out, h, gate_up)
+    return residual_product(product, *_weights(mlp.down_proj), h)
 
 
 def _heads(group: SegmentGroup, attn: Any, x: Array, positions: Array, qkv: FusedProjection | None,
@@ -701,7 +704,7 @@ def _mid_body(group: SegmentGroup, mods: list[Any], attn_out: Array, h: Array, p
     the products' residual and normalized forms where the group's flags say so (`fused_layers`)."""
     block, gate_up, norm, attn, qkv = mods
     x = None
-    end = _end_form(group)
+    end = group.ends_in_products
     if end == END_BOTH:
         h = _finish_block_in_products(group, block, attn_out, h, gate_up)
     else:
@@ -720,7 +723,7 @@ def _last_body(group: SegmentGroup, mods: list[Any], attn_out: Array, h: Array) 
     """The last segment: the last layer after its attention, the final norm and the head; the
     sampled ids where greedy is fused, else the logits [B, V]."""
     block, gate_up, norm, embed, head = mods
-    end = _end_form(group)
+    end = group.ends_in_products
     if end == END_BOTH:
         h = norm(_finish_block_in_products(group, block, attn_out, h, gate_up))
     else:
@@ -924,6 +927,7 @@ class SegmentPlan:
         # Per block: its q/k/v product and its end in the products' forms (`fused_layers`)
         heads, ends = layers if matvec_fusion and layers is not None else ((False,) * len(blocks), ("",) * len(blocks))
         self.layers = (heads, ends)
+        ends = ends_in(matvec_fusion, ends)
         self.first = segment_group([inner.embed_tokens, blocks[0].input_layernorm, blocks[0].self_attn, qkv[0]], stats,
                             rope=rope, matvec_fusion=matvec_fusion, rope_in_product=rope_in_product,
                             heads_in_product=heads[0])
@@ -1073,7 +1077,7 @@ class SegmentedSession:
                 self._buffers = []
 
 
-__all__ = ["END_BOTH", "END_O", "Layers",
+__all__ = ["END_BOTH", "END_O", "Layers", "ends_in",
            "fused_layers", "plan", "rope_of", "use_decode_attention", "use_matvec_fusion", "use_pair_silu",
            "use_rope_in_product", "WholeStep",
            "fuse", "fusions_for", "FusedProjection", "Fusion", "SegmentFunctions", "SegmentGroup",
